@@ -1,0 +1,44 @@
+"""Typed engine errors. The service maps each class to one gRPC status code."""
+
+from __future__ import annotations
+
+
+class PagedServeError(Exception):
+    """Base of every error pagedserve raises on purpose."""
+
+
+class InvalidRequestError(PagedServeError, ValueError):
+    """A client-supplied value is wrong. `field` names it so callers can point at it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class ConfigError(PagedServeError, ValueError):
+    """An engine/server configuration value is wrong (operator mistake, not client mistake)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ModelLoadError(PagedServeError):
+    """A model folder or checkpoint cannot be loaded; the message names the file, tensor or field."""
+
+
+class UnsupportedError(PagedServeError):
+    """A registry lookup failed; the message lists what is supported."""
+
+
+class CapacityError(PagedServeError):
+    """The request can never fit (for example larger than the whole KV cache)."""
+
+
+class QueueFullError(PagedServeError):
+    """The admission queue is full; the client should retry later."""
+
+
+class EngineDeadError(PagedServeError):
+    """The engine loop stopped; no further requests can be served."""

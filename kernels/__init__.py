@@ -1,0 +1,1 @@
+"""pagedserve.kernels: the PagedAttention entry point and its implementations (torch, Triton)."""

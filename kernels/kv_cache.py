@@ -1,0 +1,133 @@
+"""KV-cache storage: the dtype of its blocks, its geometry, and the per-layer tensors plus scales."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCacheConfigError(ValueError):
+    """A KV-cache setting is invalid; the message names the field."""
+
+
+class KVDtype(enum.Enum):
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _TORCH_DTYPES[self]
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+    @property
+    def is_fp8(self) -> bool:
+        return self in (KVDtype.FP8_E4M3, KVDtype.FP8_E5M2)
+
+    @property
+    def fp8_max(self) -> float:
+        """Largest finite value; stores clamp to it so CPU (saturating) and GPU agree."""
+        if not self.is_fp8:
+            raise KVCacheConfigError("kv_cache_dtype", f"{self.value} is not an fp8 dtype")
+        return float(torch.finfo(self.torch_dtype).max)
+
+    @classmethod
+    def parse(cls, name: str, model_dtype: torch.dtype) -> "KVDtype":
+        """`auto` follows the model's dtype; anything else must be one of the listed names."""
+        if name == "auto":
+            for kv, td in _TORCH_DTYPES.items():
+                if td == model_dtype and not kv.is_fp8:
+                    return kv
+            raise KVCacheConfigError("kv_cache_dtype", f"no KV dtype matches model dtype {model_dtype}")
+        try:
+            return cls(name)
+        except ValueError:
+            supported = ", ".join(["auto"] + [k.value for k in cls])
+            raise KVCacheConfigError("kv_cache_dtype", f"unknown {name!r}; supported: {supported}") from None
+
+
+_TORCH_DTYPES = {
+    KVDtype.FP32: torch.float32,
+    KVDtype.FP16: torch.float16,
+    KVDtype.BF16: torch.bfloat16,
+    KVDtype.FP8_E4M3: torch.float8_e4m3fn,
+    KVDtype.FP8_E5M2: torch.float8_e5m2,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """Geometry of the paged cache; one block holds `block_size` tokens of K and V for every layer."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: KVDtype
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) < 1:
+                raise KVCacheConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def num_blocks_for(self, memory_bytes: int) -> int:
+        return memory_bytes // self.bytes_per_block
+
+
+@dataclass(slots=True)
+class LayerKVCache:
+    """One layer's blocks. k/v: [num_blocks, block_size, num_kv_heads, head_dim].
+
+    k_scale/v_scale: [num_kv_heads] fp32, the dequantization scales (stored = real / scale).
+    A per-tensor scale is the same value repeated; non-fp8 caches keep ones and ignore them.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    dtype: KVDtype
+
+
+class KVCache:
+    """All layers' blocks, allocated once from the spec."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu"):
+        if num_blocks < 1:
+            raise KVCacheConfigError("kv_cache_memory", f"budget yields {num_blocks} blocks; need at least 1")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        ones = lambda: torch.ones(spec.num_kv_heads, dtype=torch.float32, device=device)  # noqa: E731
+        self.layers = [
+            LayerKVCache(
+                k=torch.zeros(shape, dtype=spec.dtype.torch_dtype, device=device),
+                v=torch.zeros(shape, dtype=spec.dtype.torch_dtype, device=device),
+                k_scale=ones(),
+                v_scale=ones(),
+                dtype=spec.dtype,
+            )
+            for _ in range(spec.num_layers)
+        ]
+
+    def set_scales(self, layer: int, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """Install per-tensor (scalar) or per-KV-head ([num_kv_heads]) scales for one layer."""
+        entry = self.layers[layer]
+        for name, src, dst in (("k_scale", k_scale, entry.k_scale), ("v_scale", v_scale, entry.v_scale)):
+            src = src.detach().to(torch.float32).reshape(-1)
+            if src.numel() not in (1, dst.numel()):
+                raise KVCacheConfigError(name, f"layer {layer}: {src.numel()} values, expected 1 or {dst.numel()}")
+            if not bool(torch.isfinite(src).all()) or bool((src <= 0).any()):
+                raise KVCacheConfigError(name, f"layer {layer}: scales must be finite and > 0")
+            dst.copy_(src.expand_as(dst))

@@ -1,0 +1,101 @@
+"""The torch implementation of the PagedAttention entry point: the CPU serving path, and the kernels' reference.
+
+Decode rows (one new token per sequence) are gathered into one padded batch and run as a single SDPA call;
+prefill chunks run per sequence, where the matmuls are large enough that the Python loop costs nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels.kv_cache import KVDtype, LayerKVCache
+from pagedserve.kernels.paged_attention import ATTENTION_IMPLS, AttentionImpl, AttentionMetadata
+
+
+def quantize_for_cache(x: torch.Tensor, scale: torch.Tensor, dtype: KVDtype) -> torch.Tensor:
+    """x [T, Hkv, D] -> cache dtype. FP8 divides by the per-head scale and clamps to the finite range."""
+    if not dtype.is_fp8:
+        return x.to(dtype.torch_dtype)
+    limit = dtype.fp8_max
+    scaled = x.float() / scale.view(1, -1, 1)
+    return scaled.clamp_(-limit, limit).to(dtype.torch_dtype)
+
+
+def dequantize_from_cache(x: torch.Tensor, scale: torch.Tensor, dtype: KVDtype, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [..., Hkv, D] in cache dtype -> out_dtype, multiplying FP8 values by their per-head scale."""
+    if not dtype.is_fp8:
+        return x.to(out_dtype)
+    return (x.float() * scale.view(*([1] * (x.dim() - 2)), -1, 1)).to(out_dtype)
+
+
+def _store(cache_tensor: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    flat = cache_tensor.view(-1, *cache_tensor.shape[2:])  # [num_blocks * block_size, Hkv, D]
+    if values.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        # CPU torch lacks FP8 index_put kernels for some paths; bytes are bytes.
+        flat.view(torch.uint8)[slots] = values.view(torch.uint8)
+    else:
+        flat[slots] = values
+
+
+@ATTENTION_IMPLS.register("torch")
+class TorchAttention(AttentionImpl):
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
+        _store(cache.k, slot_mapping, quantize_for_cache(key, cache.k_scale, cache.dtype))
+        _store(cache.v, slot_mapping, quantize_for_cache(value, cache.v_scale, cache.dtype))
+
+    def attention(self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(query)
+        starts = [0]
+        for q_len in meta.query_lens_host:
+            starts.append(starts[-1] + q_len)
+        decode = [i for i, q_len in enumerate(meta.query_lens_host) if q_len == 1]
+        if decode:
+            self._decode(query, out, cache, meta, scale, decode, starts)
+        for i, q_len in enumerate(meta.query_lens_host):
+            if q_len > 1:
+                self._prefill(query, out, cache, meta, scale, i, starts[i], q_len)
+        return out
+
+    def _gather(self, cache: LayerKVCache, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """block_ids [..., nb] -> K, V [..., nb * block_size, Hkv, D] in `dtype`."""
+        k = cache.k[block_ids].flatten(-4, -3)
+        v = cache.v[block_ids].flatten(-4, -3)
+        return (
+            dequantize_from_cache(k, cache.k_scale, cache.dtype, dtype),
+            dequantize_from_cache(v, cache.v_scale, cache.dtype, dtype),
+        )
+
+    def _decode(self, query, out, cache, meta, scale, seqs: list[int], starts: list[int]) -> None:
+        block_size = cache.k.shape[1]
+        lens = [meta.seq_lens_host[i] for i in seqs]
+        num_blocks = (max(lens) + block_size - 1) // block_size
+        all_decode = len(seqs) == meta.num_seqs
+        seq_index = None if all_decode else torch.tensor(seqs, dtype=torch.long, device=query.device)
+        tables = meta.block_tables[:, :num_blocks] if all_decode else meta.block_tables[seq_index, :num_blocks]
+        k, v = self._gather(cache, tables.long(), query.dtype)  # [B, L, Hkv, D]
+        positions = torch.arange(k.shape[1], device=query.device)
+        lens_t = meta.seq_lens if all_decode else meta.seq_lens[seq_index]
+        mask = (positions[None, :] < lens_t[:, None]).view(len(seqs), 1, 1, -1)  # [B, 1, 1, L]
+        rows = slice(None) if all_decode and len(seqs) == query.shape[0] else [starts[i] for i in seqs]
+        q = query[rows].unsqueeze(2)  # [B, H, 1, D]
+        o = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[rows] = o.squeeze(2)
+
+    def _prefill(self, query, out, cache, meta, scale, seq: int, start: int, q_len: int) -> None:
+        block_size = cache.k.shape[1]
+        ctx = meta.seq_lens_host[seq]
+        num_blocks = (ctx + block_size - 1) // block_size
+        k, v = self._gather(cache, meta.block_tables[seq, :num_blocks].long(), query.dtype)
+        k, v = k[:ctx].transpose(0, 1).unsqueeze(0), v[:ctx].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+        q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        if ctx == q_len:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # Query j sits at absolute position ctx - q_len + j and sees every key up to there.
+            q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
+            mask = torch.arange(ctx, device=query.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start : start + q_len] = o.squeeze(0).transpose(0, 1)

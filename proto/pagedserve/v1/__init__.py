@@ -1,0 +1,1 @@
+"""pagedserve.v1: generated protobuf/gRPC stubs."""

@@ -1,0 +1,1 @@
+"""pagedserve.quant: quantization methods (unquantized, GPTQ, AWQ) behind one linear-layer interface."""

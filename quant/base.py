@@ -1,0 +1,78 @@
+"""The quantization plug-in interface: a config parsed from the checkpoint, and a per-layer linear method.
+
+Model code builds `QuantLinear` modules and only ever calls their forward (which calls `apply`);
+everything format-specific lives behind `LinearMethod`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from pagedserve.kernels.registry import Registry
+
+
+class QuantConfigError(ValueError):
+    """A checkpoint's quantization settings are unsupported or inconsistent; names the field or tensor."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class LinearMethod(ABC):
+    """How one linear layer stores and multiplies its weights."""
+
+    @abstractmethod
+    def create_weights(
+        self, layer: nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype
+    ) -> None:
+        """Register the tensors the checkpoint will fill, under the checkpoint's own names."""
+
+    def load_tensor(self, layer: nn.Module, name: str, tensor: torch.Tensor, prefix: str) -> None:
+        """Copy one checkpoint tensor into the layer. Default: exact shape match, cast to the slot's dtype."""
+        slot = getattr(layer, name, None)
+        if not isinstance(slot, torch.Tensor):
+            raise QuantConfigError(f"{prefix}.{name}", "unexpected tensor for this quantization method")
+        if tuple(slot.shape) != tuple(tensor.shape):
+            raise QuantConfigError(
+                f"{prefix}.{name}", f"shape {tuple(tensor.shape)} does not match expected {tuple(slot.shape)}"
+            )
+        with torch.no_grad():
+            slot.copy_(tensor.to(slot.dtype))
+        layer.loaded_tensors.add(name)
+
+    def required_tensors(self, layer: nn.Module) -> set[str]:
+        """Names that must come from the checkpoint (missing ones fail the load, naming the tensor)."""
+        return {n for n, _ in layer.named_parameters(recurse=False)} | {n for n, _ in layer.named_buffers(recurse=False)}
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Repack into the layout `apply` wants (once, at load)."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features]."""
+
+
+class QuantConfig(ABC):
+    """One quantization method's settings, parsed from config.json's `quantization_config`."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def from_hf(cls, quantization_config: dict[str, Any]) -> "QuantConfig":
+        ...
+
+    @abstractmethod
+    def linear_method(self, prefix: str) -> LinearMethod:
+        """The method for the linear layer called `prefix` (e.g. `model.layers.0.self_attn.q_proj`)."""
+
+    def describe(self) -> str:
+        return self.name
+
+
+QUANT_METHODS: Registry[type[QuantConfig]] = Registry("quantization method")
