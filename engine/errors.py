@@ -32,8 +32,8 @@ class UnsupportedError(PagedServeError):
     """A registry lookup failed; the message lists what is supported."""
 
 
-class CapacityError(PagedServeError):
-    """The request can never fit (for example larger than the whole KV cache)."""
+class CapacityError(InvalidRequestError):
+    """The request can never fit (for example larger than the whole KV cache); `field` names what to shrink."""
 
 
 class QueueFullError(PagedServeError):

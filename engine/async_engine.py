@@ -1,0 +1,196 @@
+"""The engine behind asyncio: one thread runs the step loop; each request streams through its own queue.
+
+Adds and aborts are handed to the loop thread as commands and applied between steps, so a cancelled
+request stops (and frees its KV blocks) within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.errors import EngineDeadError, InvalidRequestError, PagedServeError, QueueFullError
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.outputs import EngineStats, RequestOutput
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.sequence import now
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    sink: "_Sink"
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Sink:
+    """Delivers outputs (or an exception) from the loop thread into the request's asyncio queue."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
+        self.config = config
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._sinks: dict[str, _Sink] = {}
+        self._pending_adds = 0
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stats: EngineStats | None = None
+        self.dead_reason: str | None = None
+
+    async def start(self) -> None:
+        """Loads the model (in a worker thread, keeping the event loop responsive) and starts the step loop."""
+        if self.engine is None:
+            self.engine = await asyncio.to_thread(LLMEngine, self.config)
+        self._stats = self.engine.stats()
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self._sinks)
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields outputs as they are produced; leaving the loop early (or cancellation) aborts the request."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        token_ids = self.engine.validate_request(prompt, params)
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        self._admit(request_id, sink)
+        self._send(_Add(request_id, token_ids, params, now(), sink))
+        finished = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._send(_Abort(request_id))
+
+    def _admit(self, request_id: str, sink: _Sink) -> None:
+        with self._lock:
+            if request_id in self._sinks:
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+            waiting = self._pending_adds + (self._stats.num_waiting if self._stats else 0)
+            if waiting >= self.config.max_queued_requests:
+                raise QueueFullError(f"admission queue is full ({self.config.max_queued_requests} requests waiting)")
+            self._sinks[request_id] = sink
+            self._pending_adds += 1
+
+    async def abort(self, request_id: str) -> None:
+        self._send(_Abort(request_id))
+
+    def _send(self, command: _Add | _Abort) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    # -- the loop thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            self._apply_commands()
+            if not self.engine.has_unfinished_requests():
+                self._stats = self.engine.stats()
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug must not kill the server: fail the batch, keep serving
+                logger.exception("engine step failed; aborting the requests in flight")
+                self._fail_all(exc)
+                continue
+            self._stats = self.engine.stats()
+            self._deliver(outputs)
+        self._fail_all(EngineDeadError("the engine is shutting down"))
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                with self._lock:
+                    self._pending_adds -= 1
+                self._apply_add(command)
+            else:
+                out = self.engine.abort_request(command.request_id)
+                sink = self._pop_sink(command.request_id)
+                if sink is not None and out is not None:
+                    sink.put(out)
+
+    def _apply_add(self, command: _Add) -> None:
+        with self._lock:
+            if command.request_id not in self._sinks:  # aborted before it reached the loop
+                return
+        try:
+            self.engine.add_request(command.request_id, command.token_ids, command.params, command.arrival_time)
+        except PagedServeError as exc:
+            self._pop_sink(command.request_id)
+            command.sink.put(exc)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            with self._lock:
+                sink = self._sinks.get(out.request_id)
+                if out.finished:
+                    self._sinks.pop(out.request_id, None)
+            if sink is not None:
+                sink.put(out)
+
+    def _pop_sink(self, request_id: str) -> _Sink | None:
+        with self._lock:
+            return self._sinks.pop(request_id, None)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+        for request_id, sink in sinks.items():
+            self.engine.abort_request(request_id)
+            sink.put(EngineDeadError(f"request failed inside the engine: {exc}"))
+        self._stats = self.engine.stats()

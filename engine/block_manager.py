@@ -1,0 +1,179 @@
+"""Paged KV block bookkeeping: block tables, ref counts, prefix caching, copy-on-write. Pure Python.
+
+A block is free when no sequence references it. Free blocks that hold a committed full block of tokens stay
+findable by their hash (prefix caching) until they are reused; reuse order is least recently freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pagedserve.engine.sequence import Sequence
+
+
+class BlockAccountingError(RuntimeError):
+    """An internal invariant broke (a double free, a negative ref count). Never a client mistake."""
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    tokens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    block_ids: tuple[int, ...]
+    hashes: tuple[int, ...]
+
+
+def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
+    # Tuples of ints hash deterministically in CPython (no per-process salt), so this is stable and cheap.
+    return hash((prev, tokens))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, int] = {}  # hash -> block id
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix caching -------------------------------------------------------------------------------
+    def lookup_prefix(self, seq: Sequence) -> PrefixHit:
+        """Cached full blocks at the start of `seq`; at least one token is always left to compute."""
+        if not self.enable_prefix_caching:
+            return PrefixHit((), ())
+        ids: list[int] = []
+        hashes: list[int] = []
+        prev = None
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = chain_hash(prev, tokens)
+            block_id = self._cached.get(h)
+            if block_id is None or self.blocks[block_id].tokens != tokens:
+                break
+            ids.append(block_id)
+            hashes.append(h)
+            prev = h
+        return PrefixHit(tuple(ids), tuple(hashes))
+
+    def record_lookup(self, seq: Sequence, hit: PrefixHit) -> None:
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += len(hit.block_ids) * self.block_size
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Make the sequence's computed full blocks findable by later requests."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        prev = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(len(seq.block_hashes), full):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = chain_hash(prev, tokens)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self._cached:
+                block.hash, block.tokens = h, tokens
+                self._cached[h] = block.block_id
+            seq.block_hashes.append(h)
+            prev = h
+
+    # -- allocation -----------------------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        return self._blocks_to_take(seq, num_new_tokens, hit) <= len(self._free)
+
+    def _blocks_to_take(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None) -> int:
+        hit_ids = hit.block_ids if hit else ()
+        held = len(seq.block_table) + len(hit_ids)
+        computed = seq.num_computed_tokens + len(hit_ids) * self.block_size
+        fresh = max(0, self.blocks_needed(computed + num_new_tokens) - held)
+        revived = sum(1 for b in hit_ids if self.blocks[b].ref_count == 0)
+        return fresh + revived + (1 if self._needs_copy_on_write(seq) else 0)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> list[tuple[int, int]]:
+        """Give `seq` blocks for its next `num_new_tokens` tokens; returns (src, dst) block copies to perform."""
+        if not self.can_allocate(seq, num_new_tokens, hit):
+            raise BlockAccountingError("allocate called without room; the scheduler must check can_allocate")
+        if hit and hit.block_ids:
+            for block_id in hit.block_ids:
+                self._take(block_id)
+            seq.block_table.extend(hit.block_ids)
+            seq.block_hashes.extend(hit.hashes)
+            seq.num_computed_tokens += len(hit.block_ids) * self.block_size
+        copies = self._copy_on_write(seq)
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        while len(seq.block_table) < needed:
+            seq.block_table.append(self._take(self._pop_free()))
+        return copies
+
+    def _needs_copy_on_write(self, seq: Sequence) -> bool:
+        offset = seq.num_computed_tokens % self.block_size
+        index = seq.num_computed_tokens // self.block_size
+        return offset != 0 and index < len(seq.block_table) and self.blocks[seq.block_table[index]].ref_count > 1
+
+    def _copy_on_write(self, seq: Sequence) -> list[tuple[int, int]]:
+        """The partially filled last block is about to be written; a shared one must be copied first."""
+        if not self._needs_copy_on_write(seq):
+            return []
+        index = seq.num_computed_tokens // self.block_size
+        src = seq.block_table[index]
+        dst = self._take(self._pop_free())
+        self._release(src)
+        seq.block_table[index] = dst
+        return [(src, dst)]
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        for block_id in parent.block_table:
+            self._take(block_id)
+        child.block_table = list(parent.block_table)
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks first, so the reusable prefix heads are the last to be evicted.
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table = []
+        seq.block_hashes = []
+
+    # -- internals ------------------------------------------------------------------------------------
+    def _pop_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict its prefix-cache entry: its contents are about to change
+            if self._cached.get(block.hash) == block_id:
+                del self._cached[block.hash]
+            block.hash, block.tokens = None, ()
+        self._free[block_id] = None  # _take removes it again; keeps one code path for both callers
+        return block_id
+
+    def _take(self, block_id: int) -> int:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise BlockAccountingError(f"block {block_id} released with ref_count {block.ref_count}")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None

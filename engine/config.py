@@ -1,0 +1,67 @@
+"""Engine configuration: assembled once (CLI or LLM(...)), frozen, validated here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.engine.errors import ConfigError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+_KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
+_ATTENTION = ("auto", "torch", "triton")
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+
+def parse_dtype(name: str) -> torch.dtype | None:
+    """`auto` -> None (follow the checkpoint); otherwise a torch dtype."""
+    name = _DTYPE_ALIASES.get(name, name)
+    if name == "auto":
+        return None
+    if name not in _DTYPES:
+        raise ConfigError("dtype", f"unknown {name!r}; supported: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str | None = None  # None: the embedded default model
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY  # bytes for K and V blocks of all layers
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's own limit
+    enable_prefix_caching: bool = True
+    quantization: str | None = None  # None: whatever the checkpoint says
+    attention_backend: str = "auto"
+    device: str = "cpu"
+    num_threads: int | None = None  # None: leave torch's choice
+    max_queued_requests: int = 1024
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        if self.kv_cache_dtype not in _KV_DTYPES:
+            raise ConfigError("kv_cache_dtype", f"unknown {self.kv_cache_dtype!r}; supported: {', '.join(_KV_DTYPES)}")
+        if self.attention_backend not in _ATTENTION:
+            raise ConfigError("attention_backend", f"unknown {self.attention_backend!r}; supported: {', '.join(_ATTENTION)}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ConfigError("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        for name in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_queued_requests"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(name, f"must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError("device", f"must be cpu, cuda or cuda:N, got {self.device!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return parse_dtype(self.dtype)

@@ -1,0 +1,45 @@
+"""The offline API vLLM users know: LLM(model).generate(prompts, SamplingParams(...))."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceABC
+
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **config_fields):
+        self.engine = LLMEngine(EngineConfig(model=model, **config_fields))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | SequenceABC[str | list[int]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion in one continuously batched engine; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, SequenceABC) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        order = []
+        for prompt, p in zip(prompts, params_list):
+            request_id = f"llm-{next(self._ids)}"
+            self.engine.add_request(request_id, prompt, p)
+            order.append(request_id)
+        finished: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[r] for r in order]

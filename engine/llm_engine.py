@@ -1,0 +1,203 @@
+"""The synchronous engine: add requests, step, read outputs. One step = schedule -> run model -> sample -> emit."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.errors import CapacityError, InvalidRequestError
+from pagedserve.engine.model_loader import load_model
+from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.model_store import resolve_model
+from pagedserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from pagedserve.engine.sampler import Sampler, SampledTokens, generator_for
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.sequence import FinishReason, Sequence, SequenceMetrics, now
+from pagedserve.engine.stopping import apply_token
+from pagedserve.engine.tokenizer import Tokenizer, start_detok
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished and not s.pending_forks for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        self.model_dir = resolve_model(config.model)
+        self.loaded = load_model(self.model_dir, config.torch_dtype, config.quantization, self.device)
+        self.runner = ModelRunner(self.loaded, config, self.device)
+        self.tokenizer = Tokenizer(self.model_dir, self.runner.vocab_size)
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        self.requests: dict[str, RequestState] = {}
+
+    # -- admission ------------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            field_name = "prompt"
+        else:
+            ids = list(prompt)
+            field_name = "prompt_token_ids"
+            self.tokenizer.check_ids(ids, field_name)
+        if not ids:
+            raise InvalidRequestError(field_name, "the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                field_name, f"{len(ids)} tokens; the model's context is {self.max_model_len} (prompt + at least 1 new token)"
+            )
+        return ids
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        total = num_prompt_tokens + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"{params.max_tokens} new tokens + {num_prompt_tokens} prompt tokens exceed the context of "
+                f"{self.max_model_len} tokens",
+            )
+        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+            raise CapacityError(
+                "max_tokens",
+                f"prompt + max_tokens = {total} tokens needs more than the whole KV cache "
+                f"({self.block_manager.num_blocks * self.config.block_size} tokens)",
+            )
+
+    def validate_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Everything about a request that can be checked without touching engine state (thread-safe)."""
+        ids = self.encode_prompt(prompt)
+        params.check_vocab(self.runner.vocab_size)
+        self.check_fits(len(ids), params)
+        return ids
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None = None
+    ) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        ids = self.validate_request(prompt, params)
+        seq = Sequence(request_id, 0, list(ids), len(ids), params, SequenceMetrics(arrival_time or now()))
+        seq.pending_forks = params.n - 1
+        seq.sampler_state = generator_for(params.seed, 0) if params.seed is not None else None
+        seq.detok = start_detok(len(ids))
+        self.requests[request_id] = RequestState(request_id, tuple(ids), params, [seq])
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stops the request now and frees its blocks; returns its final output (None if unknown)."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for seq in state.seqs:
+            seq.pending_forks = 0
+            if not seq.is_finished:
+                seq.finish_reason, seq.metrics.finished_time = FinishReason.ABORT, now()
+                self.scheduler.finish(seq)
+        return self._output(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step loop --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        logits, seqs = self.runner.execute(batch)
+        self.scheduler.commit(batch)
+        touched: dict[str, RequestState] = {}
+        for sampled in self.sampler(logits, seqs):
+            state = self.requests[sampled.seq.request_id]
+            self._accept(state, sampled)
+            touched[state.request_id] = state
+        outputs = [self._output(state) for state in touched.values()]
+        for out in outputs:
+            if out.finished:
+                del self.requests[out.request_id]
+        return outputs
+
+    def _accept(self, state: RequestState, sampled: SampledTokens) -> None:
+        seq = sampled.seq
+        first, *extra = sampled.tokens
+        for index, (token, logprob) in enumerate(extra, start=1):
+            child = seq.fork(index)
+            self.block_manager.fork(seq, child)
+            child.sampler_state = generator_for(seq.params.seed, index) if seq.params.seed is not None else None
+            child.detok = type(seq.detok)(seq.detok.prefix_offset, seq.detok.read_offset)
+            state.seqs.append(child)
+            self.scheduler.add_running(child)
+            self._append(child, token, logprob)
+        seq.pending_forks = 0
+        self._append(seq, *first)
+
+    def _append(self, seq: Sequence, token: int, logprob) -> None:
+        if apply_token(seq, token, logprob, self.tokenizer, self.max_model_len):
+            self.scheduler.finish(seq)
+
+    def _output(self, state: RequestState) -> RequestOutput:
+        completions = tuple(_completion(seq) for seq in sorted(state.seqs, key=lambda s: s.index))
+        first = state.seqs[0].metrics
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=min((s.metrics.first_token_time for s in state.seqs if s.metrics.first_token_time), default=None),
+            finished_time=max((s.metrics.finished_time or 0.0 for s in state.seqs), default=None) if state.finished else None,
+            num_preemptions=sum(s.metrics.num_preemptions for s in state.seqs),
+            num_cached_tokens=first.num_cached_tokens,
+        )
+        return RequestOutput(state.request_id, state.prompt_token_ids, completions, state.finished, metrics)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks=bm.num_blocks,
+            num_free_kv_blocks=bm.num_free_blocks,
+            num_active_kv_blocks=bm.num_used_blocks,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            block_size=self.config.block_size,
+            max_model_len=self.max_model_len,
+        )
+
+
+def _completion(seq: Sequence) -> CompletionOutput:
+    """Releases new text/tokens since the last output; text that may still grow into a stop string waits."""
+    hold = 0 if seq.is_finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
+    release = max(seq.emitted_text_len, len(seq.text) - hold)
+    out_ids = seq.output_token_ids
+    completion = CompletionOutput(
+        index=seq.index,
+        text=seq.text[:release],
+        token_ids=tuple(out_ids),
+        new_text=seq.text[seq.emitted_text_len : release],
+        new_token_ids=tuple(out_ids[seq.emitted_token_len :]),
+        new_logprobs=tuple(seq.logprobs[seq.emitted_token_len :]) if seq.params.logprobs is not None else (),
+        finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+        stop_reason=seq.stop_reason,
+    )
+    seq.emitted_text_len, seq.emitted_token_len = release, len(out_ids)
+    return completion

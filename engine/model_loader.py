@@ -1,0 +1,129 @@
+"""Build a model from a local HF folder: config -> architecture + quant method -> safetensors weights by name."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pagedserve.engine.errors import ModelLoadError
+from pagedserve.engine.models.registry import model_class_for
+from pagedserve.quant.base import QuantConfig, QuantConfigError
+from pagedserve.quant.linear import QuantLinear
+from pagedserve.quant.registry import quant_config_for
+
+logger = logging.getLogger(__name__)
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# KV-cache quantization scales travel beside the weights (compressed-tensors and vLLM-style checkpoints).
+_KV_SCALE_SUFFIXES = ("k_scale", "v_scale", "kv_scale", "q_scale", "prob_scale")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: nn.Module
+    model_dir: Path
+    hf_config: dict[str, Any]
+    dtype: torch.dtype
+    quant: QuantConfig
+    kv_scale_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def read_hf_config(model_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"config.json in {model_dir}: {exc}") from None
+
+
+def resolve_dtype(hf_config: dict[str, Any], requested: torch.dtype | None, device: torch.device) -> torch.dtype:
+    if requested is not None:
+        return requested
+    name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+    if dtype == torch.float16 and device.type == "cpu":
+        logger.warning("checkpoint is float16; computing in float32 on CPU (fp16 matmuls are slow there)")
+        return torch.float32
+    return dtype
+
+
+def load_model(
+    model_dir: Path, dtype: torch.dtype | None, quantization: str | None, device: torch.device
+) -> LoadedModel:
+    hf_config = read_hf_config(model_dir)
+    factory = model_class_for(hf_config)
+    try:
+        quant = quant_config_for(hf_config, quantization, model_dir)
+    except QuantConfigError as exc:
+        raise ModelLoadError(str(exc)) from None
+    compute_dtype = resolve_dtype(hf_config, dtype, device)
+    with torch.device(device):
+        model = factory(hf_config, quant, compute_dtype)
+    kv_scales = _load_weights(model, model_dir)
+    model.eval()
+    logger.info("loaded %s (%s, %s, quantization=%s)", model_dir, type(model).__name__, compute_dtype, quant.describe())
+    return LoadedModel(model, model_dir, hf_config, compute_dtype, quant, kv_scales)
+
+
+def _load_weights(model: nn.Module, model_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors files")
+    modules = dict(model.named_modules())
+    tied = getattr(model, "lm_head", 1) is None
+    expected = {name for name, _ in model.named_parameters()}
+    loaded: set[str] = set()
+    kv_scales: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
+                    continue
+                if key.rsplit(".", 1)[-1] in _KV_SCALE_SUFFIXES:
+                    kv_scales[key] = f.get_tensor(key)
+                    continue
+                _load_one(modules, key, f.get_tensor(key), loaded)
+    _check_complete(model, expected, loaded)
+    for module in modules.values():
+        if isinstance(module, QuantLinear):
+            module.method.process_weights_after_loading(module)
+    return kv_scales
+
+
+def _load_one(modules: dict[str, nn.Module], key: str, tensor: torch.Tensor, loaded: set[str]) -> None:
+    module_name, _, attr = key.rpartition(".")
+    module = modules.get(module_name)
+    if module is None:
+        raise ModelLoadError(f"tensor {key}: no such module in the model (unexpected checkpoint tensor)")
+    if isinstance(module, QuantLinear):
+        try:
+            module.method.load_tensor(module, attr, tensor, module_name)
+        except QuantConfigError as exc:
+            raise ModelLoadError(str(exc)) from None
+        return
+    slot = getattr(module, attr, None)
+    if not isinstance(slot, torch.Tensor):
+        raise ModelLoadError(f"tensor {key}: the model has no such parameter")
+    if tuple(slot.shape) != tuple(tensor.shape):
+        raise ModelLoadError(f"tensor {key}: shape {tuple(tensor.shape)}, expected {tuple(slot.shape)}")
+    with torch.no_grad():
+        slot.copy_(tensor)
+    loaded.add(key)
+
+
+def _check_complete(model: nn.Module, expected: set[str], loaded: set[str]) -> None:
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            missing = module.method.required_tensors(module) - module.loaded_tensors
+            if missing:
+                raise ModelLoadError(f"tensor {name}.{sorted(missing)[0]}: missing from the checkpoint")
+            expected -= {f"{name}.{p}" for p, _ in module.named_parameters(recurse=False)}
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ModelLoadError(f"tensor {missing[0]}: missing from the checkpoint ({len(missing)} missing in all)")

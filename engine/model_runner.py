@@ -1,0 +1,119 @@
+"""Turns a SchedulerOutput into tensors, runs the model over the paged KV cache, returns logits to sample."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.models.layers import ForwardContext
+from pagedserve.engine.scheduler import SchedulerOutput
+from pagedserve.engine.sequence import Sequence
+from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype
+from pagedserve.kernels.paged_attention import AttentionMetadata, select_attention_impl
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInput:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn_meta: AttentionMetadata
+    logits_rows: torch.Tensor  # [S] int64: the last new token of each sequence that samples this step
+    sampling_seqs: tuple[Sequence, ...]  # the S sequences, in logits-row order
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device):
+        self.model = loaded.model
+        self.device = device
+        args = self.model.args
+        self.vocab_size = args.vocab_size
+        self.max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        kv_dtype = KVDtype.parse(config.kv_cache_dtype, loaded.dtype)
+        self.kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size, kv_dtype)
+        num_blocks = self.kv_spec.num_blocks_for(config.kv_cache_memory)
+        self.kv_cache = KVCache(self.kv_spec, num_blocks, device)
+        self.attn_impl = select_attention_impl(config.attention_backend, device)
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%s, %.1f MiB, attention=%s)",
+            num_blocks, config.block_size, num_blocks * config.block_size, kv_dtype.value,
+            num_blocks * self.kv_spec.bytes_per_block / 2**20, type(self.attn_impl).__name__,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    def prepare(self, batch: SchedulerOutput) -> ModelInput:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        rows: list[int] = []
+        sampling: list[Sequence] = []
+        block_size = self.kv_spec.block_size
+        for item in batch.scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            table = seq.block_table
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+            query_lens.append(item.num_new_tokens)
+            seq_lens.append(end)
+            if end == seq.num_tokens:
+                rows.append(len(ids) - 1)
+                sampling.append(seq)
+        width = max(len(item.seq.block_table) for item in batch.scheduled)
+        tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch.scheduled]
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        meta = AttentionMetadata(
+            query_start_loc=self._tensor(qsl, torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            block_tables=self._tensor(tables, torch.int32),
+            slot_mapping=self._tensor(slots, torch.int64),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_host=tuple(query_lens),
+            seq_lens_host=tuple(seq_lens),
+        )
+        return ModelInput(
+            input_ids=self._tensor(ids, torch.int64),
+            positions=self._tensor(positions, torch.int64),
+            attn_meta=meta,
+            logits_rows=self._tensor(rows, torch.int64),
+            sampling_seqs=tuple(sampling),
+        )
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> tuple[torch.Tensor, tuple[Sequence, ...]]:
+        """Runs one step; returns fp32 logits [S, vocab] for the sequences that sample now, and those sequences."""
+        self.copy_blocks(batch.block_copies)
+        model_input = self.prepare(batch)
+        ctx = ForwardContext(model_input.attn_meta, self.kv_cache, self.attn_impl)
+        hidden = self.model(model_input.input_ids, model_input.positions, ctx)
+        if not model_input.sampling_seqs:
+            return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), ()
+        logits = self.model.compute_logits(hidden[model_input.logits_rows])
+        return logits, model_input.sampling_seqs
+
+    def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
+        for layer in self.kv_cache.layers:
+            for cache in (layer.k, layer.v):
+                raw = cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache
+                raw[dst] = raw[src]

@@ -1,0 +1,89 @@
+"""Building blocks shared by the Llama-family models: norms, rotary embeddings, the per-step forward context."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.engine.errors import ModelLoadError
+from pagedserve.kernels.kv_cache import KVCache
+from pagedserve.kernels.paged_attention import AttentionImpl, AttentionMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardContext:
+    """Everything a layer needs beyond its input for one step; passed explicitly, never global."""
+
+    attn_meta: AttentionMetadata
+    kv_cache: KVCache
+    attn_impl: AttentionImpl
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as transformers' LlamaRMSNorm, so fp32 results are bit-identical.
+        input_dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(input_dtype)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = scaling["factor"]
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq [head_dim/2], attention scaling factor applied to cos/sin)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    raise ModelLoadError(f"rope_scaling.rope_type: unsupported {rope_type!r}; supported: default, linear, llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved (rotate-half) RoPE with cos/sin precomputed for every position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
+        super().__init__()
+        inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)  # [P, D]
+        self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; q [T, H, D]; k [T, Hkv, D]."""
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,181 @@
+"""The Llama family (Llama 1/2/3, Mistral, Qwen2): one implementation, differences read from the config.
+
+Module names match HF checkpoints (model.layers.N.self_attn.q_proj, ...), so weights load by name.
+Tokens of all sequences in a step are packed along dim 0: hidden states are [T, hidden].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.engine.errors import ModelLoadError
+from pagedserve.engine.models.layers import ForwardContext, RMSNorm, RotaryEmbedding
+from pagedserve.engine.models.registry import MODEL_ARCHS
+from pagedserve.kernels.paged_attention import paged_attention, write_kv
+from pagedserve.quant.base import QuantConfig
+from pagedserve.quant.linear import QuantLinear
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    mlp_bias: bool
+    o_bias: bool
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], qkv_bias: bool, o_bias: bool) -> "LlamaArgs":
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"hidden_act: {cfg['hidden_act']!r} unsupported; supported: silu")
+        num_heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=qkv_bias,
+            mlp_bias=cfg.get("mlp_bias", False),
+            o_bias=o_bias,
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_index: int, quant: QuantConfig, prefix: str, dtype: torch.dtype):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.scale = args.head_dim**-0.5
+        q_out, kv_out = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+
+        def linear(name: str, n_in: int, n_out: int, bias: bool) -> QuantLinear:
+            return QuantLinear(n_in, n_out, bias, quant.linear_method(f"{prefix}.{name}"), dtype)
+
+        self.q_proj = linear("q_proj", args.hidden_size, q_out, args.qkv_bias)
+        self.k_proj = linear("k_proj", args.hidden_size, kv_out, args.qkv_bias)
+        self.v_proj = linear("v_proj", args.hidden_size, kv_out, args.qkv_bias)
+        self.o_proj = linear("o_proj", q_out, args.hidden_size, args.o_bias)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        cache = ctx.kv_cache.layers[self.layer_index]
+        write_kv(ctx.attn_impl, k, v, cache, ctx.attn_meta.slot_mapping)
+        out = paged_attention(ctx.attn_impl, q, cache, ctx.attn_meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: LlamaArgs, quant: QuantConfig, prefix: str, dtype: torch.dtype):
+        super().__init__()
+        h, i, b = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = QuantLinear(h, i, b, quant.linear_method(f"{prefix}.gate_proj"), dtype)
+        self.up_proj = QuantLinear(h, i, b, quant.linear_method(f"{prefix}.up_proj"), dtype)
+        self.down_proj = QuantLinear(i, h, b, quant.linear_method(f"{prefix}.down_proj"), dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs, index: int, quant: QuantConfig, dtype: torch.dtype):
+        super().__init__()
+        prefix = f"model.layers.{index}"
+        self.self_attn = Attention(args, index, quant, f"{prefix}.self_attn", dtype)
+        self.mlp = MLP(args, quant, f"{prefix}.mlp", dtype)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBody(nn.Module):
+    def __init__(self, args: LlamaArgs, quant: QuantConfig, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, quant, dtype) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    @staticmethod
+    def biases(hf_config: dict[str, Any]) -> tuple[bool, bool]:
+        """(q/k/v bias, o_proj bias)."""
+        bias = bool(hf_config.get("attention_bias", False))
+        return bias, bias
+
+    def __init__(self, hf_config: dict[str, Any], quant: QuantConfig, dtype: torch.dtype):
+        super().__init__()
+        self.args = args = LlamaArgs.from_hf(hf_config, *self.biases(hf_config))
+        self.model = LlamaBody(args, quant, dtype)
+        self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
+        if args.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = QuantLinear(args.hidden_size, args.vocab_size, False, quant.linear_method("lm_head"), dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, self.rotary, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> fp32 logits [S, vocab]."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+
+@MODEL_ARCHS.register("LlamaForCausalLM")
+class Llama(LlamaForCausalLM):
+    pass
+
+
+@MODEL_ARCHS.register("MistralForCausalLM")
+class Mistral(LlamaForCausalLM):
+    pass
+
+
+@MODEL_ARCHS.register("Qwen2ForCausalLM")
+class Qwen2(LlamaForCausalLM):
+    @staticmethod
+    def biases(hf_config: dict[str, Any]) -> tuple[bool, bool]:
+        return True, False  # Qwen2 always has q/k/v biases and never an o_proj bias

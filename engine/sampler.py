@@ -1,0 +1,108 @@
+"""Turns each sampling sequence's logits into its next token(s), honouring its own SamplingParams.
+
+Logprobs are reported from the model's raw distribution (before penalties and temperature), as vLLM does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.engine.sequence import Sequence, TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class SampledTokens:
+    seq: Sequence
+    tokens: tuple[tuple[int, TokenLogprob | None], ...]  # n tokens when a request forks its samples, else 1
+
+
+def generator_for(seed: int, index: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed((seed + 0x9E3779B97F4A7C15 * index) % 2**63)
+    return g
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: frozenset[int]):
+        self.eos_token_ids = eos_token_ids
+
+    def __call__(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> list[SampledTokens]:
+        """logits [S, vocab] fp32, one row per sequence in `seqs`."""
+        assert logits.dim() == 2 and logits.shape[0] == len(seqs) and logits.dtype == torch.float32
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
+        processed = self._process(logits, seqs)
+        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+        choices: dict[int, list[int]] = {}
+        if greedy:
+            picks = processed[greedy].argmax(dim=-1).tolist()
+            choices.update({row: [tok] for row, tok in zip(greedy, picks)})
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if random_rows:
+            choices.update(self._sample_random(processed, seqs, random_rows))
+        return [
+            SampledTokens(seq, tuple((tok, self._logprob(raw_logprobs, row, tok, seq)) for tok in choices[row]))
+            for row, seq in enumerate(seqs)
+        ]
+
+    def _process(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> torch.Tensor:
+        needs = [
+            i for i, s in enumerate(seqs)
+            if s.params.logit_bias or s.params.needs_penalties or s.num_output_tokens < s.params.min_tokens
+        ]
+        if not needs:
+            return logits
+        out = logits.clone()
+        for row in needs:
+            self._process_row(out[row], seqs[row])
+        return out
+
+    def _process_row(self, row: torch.Tensor, seq: Sequence) -> None:
+        p = seq.params
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+            scores = row[seen]
+            row[seen] = torch.where(scores < 0, scores * p.repetition_penalty, scores / p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+            counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.long), minlength=row.shape[0])
+            row -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty * (counts > 0).to(row.dtype)
+        if seq.num_output_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            if banned:
+                row[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
+
+    def _sample_random(self, logits: torch.Tensor, seqs: tuple[Sequence, ...], rows: list[int]) -> dict[int, list[int]]:
+        temps = torch.tensor([seqs[r].params.temperature for r in rows], dtype=torch.float32).unsqueeze(1)
+        scaled = logits[rows] / temps
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        ranks = torch.arange(sorted_logits.shape[1]).unsqueeze(0)
+        top_k = torch.tensor([seqs[r].params.top_k or sorted_logits.shape[1] for r in rows]).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        top_p = torch.tensor([seqs[r].params.top_p for r in rows]).unsqueeze(1)
+        before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens; the best token always survives
+        min_p = torch.tensor([seqs[r].params.min_p for r in rows]).unsqueeze(1)
+        drop = (before > top_p) | (probs < min_p * probs[:, :1])
+        probs = probs.masked_fill(drop, 0.0)
+        out: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            seq = seqs[row]
+            count = 1 + seq.pending_forks if seq.num_output_tokens == 0 else 1
+            picks = torch.multinomial(probs[i], count, replacement=True, generator=seq.sampler_state)
+            out[row] = order[i, picks].tolist()
+        return out
+
+    @staticmethod
+    def _logprob(raw: torch.Tensor | None, row: int, token: int, seq: Sequence) -> TokenLogprob | None:
+        if raw is None or seq.params.logprobs is None:
+            return None
+        values = raw[row]
+        top: tuple[tuple[int, float], ...] = ()
+        if seq.params.logprobs:
+            best = torch.topk(values, seq.params.logprobs)
+            top = tuple(zip(best.indices.tolist(), best.values.tolist()))
+        return TokenLogprob(token, float(values[token]), top)

@@ -1,0 +1,126 @@
+"""Per-request sampling and stopping settings, validated where they are built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pagedserve.engine.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+_MAX_STOP_STRINGS = 16
+_MAX_STOP_STRING_CHARS = 256
+
+
+def _finite(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise InvalidRequestError(name, f"must be a finite number, got {value!r}")
+
+
+def _integer(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequestError(name, f"must be an integer, got {value!r}")
+    if value < minimum:
+        raise InvalidRequestError(name, f"must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top-n alternatives per generated token (the chosen token is always included)
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
+
+    def __post_init__(self) -> None:
+        self._normalise_sequences()
+        self._validate_sampling()
+        self._validate_stopping()
+
+    def _normalise_sequences(self) -> None:
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) for s in stop):
+            raise InvalidRequestError("stop", f"must be a string or a list of strings, got {type(self.stop).__name__}")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, (tuple, list)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise InvalidRequestError("stop_token_ids", "must be a list of integers")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+
+    def _validate_sampling(self) -> None:
+        _integer("n", self.n, 1)
+        if self.n > 64:
+            raise InvalidRequestError("n", f"must be <= 64, got {self.n}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            _finite(name, getattr(self, name))
+        if self.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        _integer("top_k", self.top_k, 0)
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequestError(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if self.seed is not None:
+            _integer("seed", self.seed, 0)
+            if self.seed >= 2**63:
+                raise InvalidRequestError("seed", "must be < 2**63")
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, 0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise InvalidRequestError("logprobs", f"must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.logit_bias is not None:
+            for token, bias in self.logit_bias.items():
+                _integer("logit_bias", token, 0)
+                _finite("logit_bias", bias)
+        if self.n > 1 and self.temperature == 0:
+            raise InvalidRequestError("n", "n > 1 needs temperature > 0 (greedy samples would be identical)")
+
+    def _validate_stopping(self) -> None:
+        _integer("max_tokens", self.max_tokens, 1)
+        _integer("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError("min_tokens", f"{self.min_tokens} exceeds max_tokens {self.max_tokens}")
+        if len(self.stop) > _MAX_STOP_STRINGS:
+            raise InvalidRequestError("stop", f"at most {_MAX_STOP_STRINGS} stop strings")
+        for s in self.stop:
+            if not s:
+                raise InvalidRequestError("stop", "stop strings must be non-empty")
+            if len(s) > _MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError("stop", f"stop strings must be <= {_MAX_STOP_STRING_CHARS} characters")
+        for token in self.stop_token_ids:
+            if token < 0:
+                raise InvalidRequestError("stop_token_ids", f"token ids must be >= 0, got {token}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids the client sent must exist in the model's vocabulary."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", tuple(self.logit_bias or ()))):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise InvalidRequestError(name, f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")

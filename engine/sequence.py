@@ -1,0 +1,107 @@
+"""One sequence: a prompt plus the tokens sampled for it. A request with n > 1 owns n sequences."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.engine.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the client or the server
+
+
+@dataclass(slots=True)
+class SequenceMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    metrics: SequenceMetrics
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SeqStatus = SeqStatus.WAITING
+    # "num_computed_tokens catches up with num_tokens": prefill, chunked prefill, decode and recompute after
+    # preemption are all the same thing, a gap between these two numbers.
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hash chain of this sequence's committed full blocks
+    pending_forks: int = 0  # extra samples (n - 1) still to be forked off after the first sampled token
+    sampler_state: Any = None  # the per-sequence torch.Generator when seeded; opaque here to keep this torch-free
+    detok: Any = None  # the incremental detokenizer's state
+    text: str = ""
+    emitted_text_len: int = 0
+    emitted_token_len: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def fork(self, index: int) -> "Sequence":
+        """A sibling sample sharing everything computed so far; blocks are shared by the block manager."""
+        child = Sequence(
+            request_id=self.request_id,
+            index=index,
+            token_ids=list(self.token_ids),
+            num_prompt_tokens=self.num_prompt_tokens,
+            params=self.params,
+            metrics=SequenceMetrics(
+                arrival_time=self.metrics.arrival_time,
+                first_scheduled_time=self.metrics.first_scheduled_time,
+                num_cached_tokens=self.metrics.num_cached_tokens,
+            ),
+            status=self.status,
+            num_computed_tokens=self.num_computed_tokens,
+            block_hashes=list(self.block_hashes),
+        )
+        return child
+
+
+def now() -> float:
+    return time.monotonic()

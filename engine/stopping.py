@@ -1,0 +1,53 @@
+"""Appending a sampled token to a sequence: detokenize, then decide whether the sequence is done."""
+
+from __future__ import annotations
+
+from pagedserve.engine.sequence import FinishReason, Sequence, TokenLogprob, now
+from pagedserve.engine.tokenizer import Tokenizer, detokenize_step
+
+
+def apply_token(seq: Sequence, token: int, logprob: TokenLogprob | None, tokenizer: Tokenizer, max_model_len: int) -> bool:
+    """Appends `token` to `seq`; returns True when the sequence just finished."""
+    seq.token_ids.append(token)
+    if seq.metrics.first_token_time is None:
+        seq.metrics.first_token_time = now()
+    if logprob is not None:
+        seq.logprobs.append(logprob)
+    previous_len = len(seq.text)
+    seq.text += detokenize_step(tokenizer, seq.token_ids, seq.detok)
+    reason = _stop_reason(seq, token, tokenizer, previous_len, max_model_len)
+    if reason is None:
+        return False
+    seq.finish_reason = reason
+    seq.metrics.finished_time = now()
+    return True
+
+
+def _stop_reason(
+    seq: Sequence, token: int, tokenizer: Tokenizer, previous_len: int, max_model_len: int
+) -> FinishReason | None:
+    p = seq.params
+    if seq.num_output_tokens >= p.min_tokens:
+        if token in p.stop_token_ids:
+            seq.stop_reason = token
+            return FinishReason.STOP
+        if not p.ignore_eos and token in tokenizer.eos_token_ids:
+            return FinishReason.STOP
+        if p.stop and _match_stop_string(seq, previous_len):
+            return FinishReason.STOP
+    if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+def _match_stop_string(seq: Sequence, previous_len: int) -> bool:
+    """Finds a stop string that ends in the new text (it may start in earlier text) and truncates there."""
+    p = seq.params
+    for stop in p.stop:
+        start = max(0, previous_len - len(stop) + 1)
+        index = seq.text.find(stop, start)
+        if index != -1:
+            seq.text = seq.text[: index + len(stop)] if p.include_stop_str_in_output else seq.text[:index]
+            seq.stop_reason = stop
+            return True
+    return False

@@ -1,0 +1,72 @@
+"""The model's tokenizer plus an incremental detokenizer that never emits half a UTF-8 character."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedserve.engine.errors import InvalidRequestError, ModelLoadError
+
+# Decoding restarts a few tokens back so merges that depend on the left context (spaces, byte pairs) come out right.
+_CONTEXT_TOKENS = 5
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path, vocab_size: int):
+        from transformers import AutoTokenizer
+
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+        except Exception as exc:  # transformers raises many types for a broken folder
+            raise ModelLoadError(f"tokenizer in {model_dir}: {exc}") from None
+        self.backend = self.hf.backend_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(self._eos_ids(model_dir))
+
+    def _eos_ids(self, model_dir: Path) -> set[int]:
+        ids = {self.hf.eos_token_id} if self.hf.eos_token_id is not None else set()
+        gen = model_dir / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_with_offsets(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        return enc.ids, [tuple(o) for o in enc.offsets]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        return list(self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    def check_ids(self, ids: list[int], field: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(field, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+
+@dataclass(slots=True)
+class DetokState:
+    prefix_offset: int
+    read_offset: int
+
+
+def start_detok(num_prompt_tokens: int) -> DetokState:
+    return DetokState(max(num_prompt_tokens - _CONTEXT_TOKENS, 0), num_prompt_tokens)
+
+
+def detokenize_step(tokenizer: Tokenizer, token_ids: list[int], state: DetokState) -> str:
+    """Text added by the tokens after `state.read_offset`; empty while a UTF-8 character is incomplete."""
+    prefix = tokenizer.decode(token_ids[state.prefix_offset : state.read_offset])
+    full = tokenizer.decode(token_ids[state.prefix_offset :])
+    if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        state.prefix_offset = state.read_offset
+        state.read_offset = len(token_ids)
+        return full[len(prefix) :]
+    return ""

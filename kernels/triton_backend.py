@@ -1,0 +1,61 @@
+"""Registers the Triton kernels as the "triton" attention implementation, importing triton only on first use.
+
+CPU processes without triton installed never import it; the name is registered only when the package exists.
+Triton decides once, when `triton` is first imported, whether kernels compile for the GPU or run under its
+CPU interpreter (TRITON_INTERPRET=1; tests/conftest.py sets it on machines without CUDA). That is Triton's own
+switch: nothing here reads the environment.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from pagedserve.kernels.kv_cache import LayerKVCache
+from pagedserve.kernels.paged_attention import ATTENTION_IMPLS, AttentionImpl, AttentionMetadata
+
+
+class TritonUnavailableError(RuntimeError):
+    """The Triton implementation cannot run on these tensors (CPU tensors need Triton's interpreter)."""
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def kernels_interpreted() -> bool:
+    """True when the kernels were built by Triton's interpreter (they then run on CPU tensors)."""
+    from pagedserve.kernels.triton_attention import INTERPRETED
+
+    return INTERPRETED
+
+
+class TritonAttention(AttentionImpl):
+    def __init__(self) -> None:
+        # Deferred so that importing pagedserve.kernels never imports triton.
+        from pagedserve.kernels.triton_attention import triton_paged_attention
+        from pagedserve.kernels.triton_kv_write import triton_write_kv
+
+        self._attention = triton_paged_attention
+        self._write_kv = triton_write_kv
+        self._interpreted = kernels_interpreted()
+
+    def _check_device(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cuda" and not self._interpreted:
+            raise TritonUnavailableError(
+                f"triton attention got {tensor.device.type} tensors but its kernels are compiled for the GPU; "
+                "use attention_backend='torch' on CPU (or TRITON_INTERPRET=1 before triton is imported, for tests)"
+            )
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
+        self._check_device(key)
+        self._write_kv(key, value, cache, slot_mapping)
+
+    def attention(self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self._check_device(query)
+        return self._attention(query, cache, meta, scale)
+
+
+if triton_available():
+    ATTENTION_IMPLS.register("triton")(TritonAttention)
