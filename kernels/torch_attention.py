@@ -13,6 +13,10 @@ from pagedserve.kernels.kv_cache import KVDtype, LayerKVCache
 from pagedserve.kernels.paged_attention import ATTENTION_IMPLS, AttentionImpl, AttentionMetadata
 
 
+# Decode sequences per padded attention call; small enough that lengths within a group are close.
+_DECODE_GROUP = 16
+
+
 def quantize_for_cache(x: torch.Tensor, scale: torch.Tensor, dtype: KVDtype) -> torch.Tensor:
     """x [T, Hkv, D] -> cache dtype. FP8 divides by the per-head scale and clamps to the finite range."""
     if not dtype.is_fp8:
@@ -58,38 +62,43 @@ class TorchAttention(AttentionImpl):
         return out
 
     def _gather(self, cache: LayerKVCache, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """block_ids [..., nb] -> K, V [..., nb * block_size, Hkv, D] in `dtype`."""
-        k = cache.k[block_ids].flatten(-4, -3)
-        v = cache.v[block_ids].flatten(-4, -3)
+        """block_ids [N, nb] -> K, V [N, nb * block_size, Hkv, D] in `dtype` (index_select: a plain row copy)."""
+        flat = block_ids.reshape(-1)
+        shape = (block_ids.shape[0], -1, *cache.k.shape[2:])
+        k = cache.k.index_select(0, flat).view(shape)
+        v = cache.v.index_select(0, flat).view(shape)
         return (
             dequantize_from_cache(k, cache.k_scale, cache.dtype, dtype),
             dequantize_from_cache(v, cache.v_scale, cache.dtype, dtype),
         )
 
     def _decode(self, query, out, cache, meta, scale, seqs: list[int], starts: list[int]) -> None:
+        # Sequences of similar length share one padded SDPA call: padding to the batch's longest context
+        # would copy (and attend over) far more cached K/V than exists.
+        by_length = sorted(seqs, key=lambda i: meta.seq_lens_host[i])
+        for first in range(0, len(by_length), _DECODE_GROUP):
+            self._decode_group(query, out, cache, meta, scale, by_length[first : first + _DECODE_GROUP], starts)
+
+    def _decode_group(self, query, out, cache, meta, scale, seqs: list[int], starts: list[int]) -> None:
         block_size = cache.k.shape[1]
-        lens = [meta.seq_lens_host[i] for i in seqs]
-        num_blocks = (max(lens) + block_size - 1) // block_size
-        all_decode = len(seqs) == meta.num_seqs
-        seq_index = None if all_decode else torch.tensor(seqs, dtype=torch.long, device=query.device)
-        tables = meta.block_tables[:, :num_blocks] if all_decode else meta.block_tables[seq_index, :num_blocks]
-        k, v = self._gather(cache, tables.long(), query.dtype)  # [B, L, Hkv, D]
+        num_blocks = -(-max(meta.seq_lens_host[i] for i in seqs) // block_size)
+        seq_index = torch.tensor(seqs, dtype=torch.long, device=query.device)
+        rows = torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=query.device)
+        k, v = self._gather(cache, meta.block_tables[seq_index, :num_blocks].long(), query.dtype)  # [G, L, Hkv, D]
         positions = torch.arange(k.shape[1], device=query.device)
-        lens_t = meta.seq_lens if all_decode else meta.seq_lens[seq_index]
-        mask = (positions[None, :] < lens_t[:, None]).view(len(seqs), 1, 1, -1)  # [B, 1, 1, L]
-        rows = slice(None) if all_decode and len(seqs) == query.shape[0] else [starts[i] for i in seqs]
-        q = query[rows].unsqueeze(2)  # [B, H, 1, D]
+        mask = (positions[None, :] < meta.seq_lens[seq_index][:, None]).view(len(seqs), 1, 1, -1)  # [G, 1, 1, L]
+        q = query.index_select(0, rows).unsqueeze(2)  # [G, H, 1, D]
         o = F.scaled_dot_product_attention(
             q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
         )
-        out[rows] = o.squeeze(2)
+        out.index_copy_(0, rows, o.squeeze(2))
 
     def _prefill(self, query, out, cache, meta, scale, seq: int, start: int, q_len: int) -> None:
         block_size = cache.k.shape[1]
         ctx = meta.seq_lens_host[seq]
         num_blocks = (ctx + block_size - 1) // block_size
-        k, v = self._gather(cache, meta.block_tables[seq, :num_blocks].long(), query.dtype)
-        k, v = k[:ctx].transpose(0, 1).unsqueeze(0), v[:ctx].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+        k, v = self._gather(cache, meta.block_tables[seq : seq + 1, :num_blocks].long(), query.dtype)
+        k, v = k[0, :ctx].transpose(0, 1).unsqueeze(0), v[0, :ctx].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
         q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         if ctx == q_len:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)

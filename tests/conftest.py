@@ -1,0 +1,78 @@
+"""Shared fixtures: the default model, transformers references, tiny random models."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Triton reads TRITON_INTERPRET when triton.language is first imported (transformers' model classes import it), so
+# the switch is made here, before any test module loads. Without CUDA the Triton kernels run under Triton's CPU
+# interpreter; with CUDA they compile and the same kernel tests run on the GPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pagedserve.engine.model_store import ensure_default_model
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def hf_reference(default_model_dir):
+    """transformers' own fp32 model and tokenizer for the default model: the oracle for greedy outputs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32)
+    model.eval()
+    return model, tok
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+            min_new_tokens=max_new_tokens, pad_token_id=model.config.eos_token_id, **kwargs,
+        )
+    return out[0, len(prompt_ids):].tolist()
+
+
+def make_tiny_model(tmp_path: Path, architecture: str = "LlamaForCausalLM", seed: int = 0, **overrides) -> Path:
+    """A small random-weight HF model saved as safetensors, with the default model's tokenizer files."""
+    import transformers
+
+    config_cls = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+    }[architecture]
+    fields = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+    )
+    fields.update(overrides)
+    config = config_cls(**fields)
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).to(torch.float32)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    src = ensure_default_model()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == [architecture]
+    return tmp_path
+
+
+@pytest.fixture(scope="session")
+def llm_fp32(default_model_dir):
+    """One shared fp32 engine on the default model (tests must leave it with no request in flight)."""
+    from pagedserve.engine import LLM
+
+    return LLM(str(default_model_dir), dtype="float32")

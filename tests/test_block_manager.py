@@ -1,0 +1,118 @@
+"""The paged block manager on its own: pure Python, no model."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.engine.block_manager import BlockAccountingError, BlockManager
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.sequence import Sequence, SequenceMetrics
+
+
+def seq(tokens: list[int], request_id: str = "r") -> Sequence:
+    return Sequence(request_id, 0, list(tokens), len(tokens), SamplingParams(), SequenceMetrics(0.0))
+
+
+def compute(bm: BlockManager, s: Sequence, n: int, hit=None):
+    copies = bm.allocate(s, n, hit)
+    s.num_computed_tokens += n
+    bm.commit_full_blocks(s)
+    return copies
+
+
+def refcounts(bm: BlockManager) -> dict[int, int]:
+    return {b.block_id: b.ref_count for b in bm.blocks if b.ref_count}
+
+
+def test_blocks_are_allocated_on_demand_and_freed():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    s = seq(list(range(10)))
+    compute(bm, s, 10)
+    assert len(s.block_table) == 3 and bm.num_free_blocks == 5
+    s.token_ids.append(99)
+    compute(bm, s, 1)
+    assert len(s.block_table) == 3  # token 11 still fits in block 3
+    s.token_ids += [1, 2]
+    compute(bm, s, 2)
+    assert len(s.block_table) == 4
+    bm.free(s)
+    assert bm.num_free_blocks == 8 and not refcounts(bm)
+
+
+def test_prefix_blocks_are_shared_by_hash_chain():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = seq(list(range(13)), "a")
+    compute(bm, a, 13)
+    b = seq(list(range(12)) + [77, 78], "b")
+    hit = bm.lookup_prefix(b)
+    assert hit.block_ids == tuple(a.block_table[:3])
+    compute(bm, b, b.num_tokens - 12, hit)
+    assert b.num_computed_tokens == 14 and b.block_table[:3] == a.block_table[:3]
+    assert all(bm.blocks[i].ref_count == 2 for i in a.block_table[:3])
+    # Same tokens in the second block but a different first block: the chain must not match.
+    c = seq([5, 5, 5, 5] + list(range(4, 12)) + [1], "c")
+    assert bm.lookup_prefix(c).block_ids == ()
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(list(range(8)))
+    compute(bm, a, 8)
+    b = seq(list(range(8)))
+    assert len(bm.lookup_prefix(b).block_ids) == 1  # (8 - 1) // 4 full blocks may be reused
+
+
+def test_freed_cached_blocks_are_reused_then_evicted_lru():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = seq([1, 2, 3, 4, 5])
+    compute(bm, a, 5)
+    bm.free(a)
+    assert bm.num_free_blocks == 4
+    again = seq([1, 2, 3, 4, 9])
+    hit = bm.lookup_prefix(again)
+    assert len(hit.block_ids) == 2  # still cached although free
+    assert bm.can_allocate(again, 1, hit)
+    compute(bm, again, 1, hit)
+    bm.free(again)
+    # Filling the cache with other tokens evicts the old entries only when free blocks run out.
+    other = seq([7] * 8)
+    compute(bm, other, 8)
+    assert bm.lookup_prefix(seq([1, 2, 3, 4, 5])).block_ids == ()
+
+
+def test_fork_shares_blocks_and_copy_on_write_splits_the_last_one():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    parent = seq(list(range(6)))
+    compute(bm, parent, 6)
+    child = parent.fork(1)
+    bm.fork(parent, child)
+    assert all(bm.blocks[i].ref_count == 2 for i in parent.block_table)
+    child.token_ids.append(50)
+    copies = compute(bm, child, 1)
+    assert copies == [(parent.block_table[1], child.block_table[1])]
+    assert child.block_table[0] == parent.block_table[0] and child.block_table[1] != parent.block_table[1]
+    parent.token_ids.append(60)
+    assert compute(bm, parent, 1) == []  # the parent is now the only owner: writes in place
+    bm.free(parent)
+    bm.free(child)
+    assert bm.num_free_blocks == 8 and not refcounts(bm)
+
+
+def test_double_free_is_detected():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    s = seq([1, 2, 3])
+    compute(bm, s, 3)
+    table = list(s.block_table)
+    bm.free(s)
+    s.block_table = table
+    with pytest.raises(BlockAccountingError):
+        bm.free(s)
+
+
+def test_cannot_allocate_beyond_the_pool():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    s = seq(list(range(9)))
+    assert not bm.can_allocate(s, 9)
+    with pytest.raises(BlockAccountingError):
+        bm.allocate(s, 9)
+    assert bm.num_free_blocks == 2

@@ -1,0 +1,153 @@
+"""Sampling parameters each change behaviour the way they claim; a test fails if one is ignored."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hf_greedy
+from pagedserve.engine import SamplingParams
+from pagedserve.engine.errors import InvalidRequestError
+
+PROMPT = "Once upon a time, in a small village,"
+
+
+def texts(outputs):
+    return [c.text for c in outputs.outputs]
+
+
+def test_n_samples_differ_and_share_prompt_blocks(llm_fp32):
+    engine = llm_fp32.engine
+    prompt = PROMPT + " there lived an old clockmaker who repaired every clock in town"  # > one full block
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=7)
+    engine.add_request("fork", prompt, params)
+    shared_full_block = copied_last_block = False
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+        state = engine.requests.get("fork")
+        if state and len(state.seqs) == 4 and not any(s.is_finished for s in state.seqs):
+            tables = [s.block_table for s in state.seqs]
+            first = tables[0][0]
+            shared_full_block |= all(t[0] == first for t in tables) and engine.block_manager.blocks[first].ref_count == 4
+            copied_last_block |= len({t[-1] for t in tables}) == 4  # copy-on-write gave each its own tail
+    assert shared_full_block and copied_last_block
+    assert [c.index for c in final.outputs] == [0, 1, 2, 3]
+    assert len({c.token_ids for c in final.outputs}) > 1
+    assert all(len(c.token_ids) == 12 for c in final.outputs)
+    assert engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
+
+
+def test_seed_reproducible_regardless_of_batch_mates(llm_fp32):
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, seed=1234)
+    alone = llm_fp32.generate([PROMPT], params)[0].outputs[0].token_ids
+    crowd = llm_fp32.generate(
+        ["Hello there", PROMPT, "def f(x):"],
+        [SamplingParams(temperature=1.0, max_tokens=20), params, SamplingParams(temperature=0.5, max_tokens=5, seed=1)],
+    )
+    assert crowd[1].outputs[0].token_ids == alone
+    other = llm_fp32.generate([PROMPT], SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, seed=4321))
+    assert other[0].outputs[0].token_ids != alone
+
+
+def test_stop_string_across_tokens_is_not_emitted(llm_fp32):
+    greedy = llm_fp32.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
+    # A stop string that starts inside one token and ends inside a later one.
+    text = greedy.text
+    stop = text[5:14]
+    assert len(stop.strip()) > 3
+    out = llm_fp32.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, stop=[stop]))[0].outputs[0]
+    assert out.text == text[:5]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    kept = llm_fp32.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=30, stop=[stop], include_stop_str_in_output=True)
+    )[0].outputs[0]
+    assert kept.text == text[:14]
+
+
+def test_stop_token_ids_and_min_tokens(llm_fp32):
+    greedy = llm_fp32.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
+    stop_at = greedy.token_ids[3]
+    out = llm_fp32.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at]))[0]
+    assert out.outputs[0].token_ids == greedy.token_ids[: greedy.token_ids.index(stop_at) + 1]
+    assert out.outputs[0].stop_reason == stop_at
+    eos_prompt = "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\n"
+    natural = llm_fp32.generate([eos_prompt], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert natural.finish_reason == "stop" and natural.token_ids[-1] == 2
+    forced = llm_fp32.generate([eos_prompt], SamplingParams(temperature=0, max_tokens=40, min_tokens=len(natural.token_ids) + 3))
+    assert 2 not in forced[0].outputs[0].token_ids[: len(natural.token_ids) + 3]
+
+
+def test_repetition_penalty_matches_transformers(llm_fp32, hf_reference):
+    model, tok = hf_reference
+    ids = tok.encode("The list of words: apple, apple, apple, apple,")
+    expected = hf_greedy(model, ids, 16, repetition_penalty=1.5)
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16, repetition_penalty=1.5)
+    ours = llm_fp32.generate([ids], params)[0].outputs[0].token_ids
+    plain = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=16, min_tokens=16))[0].outputs[0].token_ids
+    assert list(ours) == expected
+    assert ours != plain
+
+
+def test_frequency_and_presence_penalties_reduce_repeats(llm_fp32):
+    prompt = "apple apple apple apple apple apple apple"
+    plain = llm_fp32.generate([prompt], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].token_ids
+    penal = llm_fp32.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=24, frequency_penalty=2.0, presence_penalty=2.0)
+    )[0].outputs[0].token_ids
+    max_repeat = lambda ids: max(ids.count(t) for t in set(ids))  # noqa: E731
+    assert max_repeat(list(penal)) < max_repeat(list(plain))
+
+
+def test_logit_bias_and_top_k_one(llm_fp32):
+    forced = llm_fp32.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3, logit_bias={1234: 100.0}))
+    assert forced[0].outputs[0].token_ids == (1234, 1234, 1234)
+    greedy = llm_fp32.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids
+    top1 = llm_fp32.generate([PROMPT], SamplingParams(temperature=1.5, top_k=1, max_tokens=8))[0].outputs[0].token_ids
+    assert top1 == greedy
+
+
+def test_logprobs_match_transformers_log_softmax(llm_fp32, hf_reference):
+    model, tok = hf_reference
+    ids = tok.encode(PROMPT)
+    out = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=6, logprobs=5))[0].outputs[0]
+    full = torch.tensor([ids + list(out.token_ids)])
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(full).logits[0].float(), dim=-1)
+    assert len(out.new_logprobs) == 6
+    for step, lp in enumerate(out.new_logprobs):
+        row = ref[len(ids) - 1 + step]
+        assert lp.token_id == out.token_ids[step]
+        assert abs(lp.logprob - row[lp.token_id].item()) < 1e-4
+        best = torch.topk(row, 5)
+        assert [t for t, _ in lp.top] == best.indices.tolist()
+        assert max(abs(v - r) for (_, v), r in zip(lp.top, best.values.tolist())) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop": 5}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["ok", 3]}, "stop"),
+        ({"n": 0}, "n"),
+        ({"n": 2, "temperature": 0}, "n"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"logprobs": 100}, "logprobs"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.field == field and field in str(info.value)

@@ -1,0 +1,73 @@
+"""Iteration-level scheduling: token budget, chunked prefill, mixed batches, preemption. Pure Python."""
+
+from __future__ import annotations
+
+from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.sequence import Sequence, SequenceMetrics, SeqStatus
+
+
+def seq(n: int, request_id: str) -> Sequence:
+    return Sequence(request_id, 0, list(range(1, n + 1)), n, SamplingParams(), SequenceMetrics(0.0))
+
+
+def run_step(sched: Scheduler, sample: bool = True) -> dict[str, int]:
+    out = sched.schedule()
+    sched.commit(out)
+    if sample:
+        for item in out.scheduled:
+            if item.seq.num_computed_tokens == item.seq.num_tokens:
+                item.seq.token_ids.append(7)
+    return {item.seq.request_id: item.num_new_tokens for item in out.scheduled}
+
+
+def test_long_prompt_is_chunked_and_decodes_join_the_same_step():
+    sched = Scheduler(BlockManager(64, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=10)
+    short, long = seq(3, "short"), seq(25, "long")
+    sched.add(short)
+    sched.add(long)
+    assert run_step(sched) == {"short": 3, "long": 7}
+    assert run_step(sched) == {"short": 1, "long": 9}  # decode and a prefill chunk share one step
+    assert run_step(sched) == {"short": 1, "long": 9}
+    assert long.num_computed_tokens == 25 and long.num_output_tokens == 1
+    assert run_step(sched) == {"short": 1, "long": 1}
+
+
+def test_max_num_seqs_limits_the_running_batch():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(3):
+        sched.add(seq(4, f"r{i}"))
+    assert set(run_step(sched)) == {"r0", "r1"}
+    sched.finish(sched.running[0])
+    assert set(run_step(sched)) == {"r1", "r2"}
+
+
+def test_kv_pressure_preempts_the_newest_and_it_resumes():
+    bm = BlockManager(4, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    old, new = seq(7, "old"), seq(7, "new")
+    sched.add(old)
+    sched.add(new)
+    run_step(sched)  # 2 blocks each: the pool is full
+    assert bm.num_free_blocks == 0
+    run_step(sched)  # both write token 8 into their second block
+    steps = run_step(sched)  # token 9 needs a new block: the newest gives way
+    assert steps == {"old": 1}
+    assert new.status is SeqStatus.WAITING and new.num_computed_tokens == 0 and new.block_table == []
+    assert new.metrics.num_preemptions == 1 and new.num_output_tokens == 2  # its outputs are kept
+    sched.finish(old)
+    assert run_step(sched) == {"new": 9}  # recompute prompt + outputs in one go
+    assert new.num_output_tokens == 3
+
+
+def test_preempted_sequence_goes_back_to_the_front_of_the_queue():
+    bm = BlockManager(3, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b, c = seq(4, "a"), seq(4, "b"), seq(4, "c")
+    for s in (a, b, c):
+        sched.add(s)
+    run_step(sched)
+    assert bm.num_free_blocks == 0
+    run_step(sched)  # each needs a second block: c, then b are preempted
+    assert [s.request_id for s in sched.waiting] == ["b", "c"]
