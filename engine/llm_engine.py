@@ -195,7 +195,8 @@ def _completion(seq: Sequence) -> CompletionOutput:
         token_ids=tuple(out_ids),
         new_text=seq.text[seq.emitted_text_len : release],
         new_token_ids=tuple(out_ids[seq.emitted_token_len :]),
-        new_logprobs=tuple(seq.logprobs[seq.emitted_token_len :]) if seq.params.logprobs is not None else (),
+        new_logprobs=tuple(seq.logprobs[seq.emitted_token_len :]),
+        logprobs=tuple(seq.logprobs),
         finish_reason=seq.finish_reason.value if seq.finish_reason else None,
         stop_reason=seq.stop_reason,
     )

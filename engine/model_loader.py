@@ -92,7 +92,10 @@ def _load_weights(model: nn.Module, model_dir: Path) -> dict[str, torch.Tensor]:
     _check_complete(model, expected, loaded)
     for module in modules.values():
         if isinstance(module, QuantLinear):
-            module.method.process_weights_after_loading(module)
+            try:
+                module.method.process_weights_after_loading(module)
+            except QuantConfigError as exc:  # a tensor's values are wrong (e.g. g_idx out of range)
+                raise ModelLoadError(str(exc)) from None
     return kv_scales
 
 

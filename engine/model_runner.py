@@ -13,6 +13,7 @@ from pagedserve.engine.models.layers import ForwardContext
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.engine.sequence import Sequence
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype
+from pagedserve.kernels.kv_scales import setup_kv_scales
 from pagedserve.kernels.paged_attention import AttentionMetadata, select_attention_impl
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,10 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size, kv_dtype)
         num_blocks = self.kv_spec.num_blocks_for(config.kv_cache_memory)
         self.kv_cache = KVCache(self.kv_spec, num_blocks, device)
-        self.attn_impl = select_attention_impl(config.attention_backend, device)
+        # FP8 caches get checkpoint k/v scales, or a wrapper that calibrates them on the first prefill.
+        self.attn_impl = setup_kv_scales(
+            self.kv_cache, loaded.kv_scale_tensors, select_attention_impl(config.attention_backend, device)
+        )
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%s, %.1f MiB, attention=%s)",
             num_blocks, config.block_size, num_blocks * config.block_size, kv_dtype.value,

@@ -33,6 +33,7 @@ class CompletionOutput:
     new_text: str  # released since the previous output of this request
     new_token_ids: tuple[int, ...]
     new_logprobs: tuple[TokenLogprob, ...]
+    logprobs: tuple[TokenLogprob, ...]  # cumulative; empty unless SamplingParams.logprobs is set
     finish_reason: str | None  # None while running; "stop" | "length" | "abort"
     stop_reason: str | int | None  # the matched stop string or stop token id
 

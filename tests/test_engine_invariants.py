@@ -17,7 +17,7 @@ def assert_no_blocks_held(engine):
 def test_aborts_and_finishes_leave_no_block_held(llm_fp32):
     engine = llm_fp32.engine
     for i in range(6):
-        engine.add_request(f"inv-{i}", f"Story number {i}: once upon a time", SamplingParams(temperature=0, max_tokens=20))
+        engine.add_request(f"inv-{i}", f"Story number {i}: once upon a time, in a kingdom by the sea, there lived a princess who", SamplingParams(temperature=0, max_tokens=20))
     engine.add_request("inv-n", "Two friends", SamplingParams(n=3, temperature=1.0, max_tokens=20, seed=3))
     for _ in range(4):
         engine.step()
@@ -32,7 +32,7 @@ def test_aborts_and_finishes_leave_no_block_held(llm_fp32):
     assert_no_blocks_held(engine)
     # Prefix blocks of finished requests stay cached (evictable), so an identical prompt hits them.
     before = engine.stats().prefix_cache_hits
-    llm_fp32.generate(["Story number 1: once upon a time"], SamplingParams(temperature=0, max_tokens=2))
+    llm_fp32.generate(["Story number 1: once upon a time, in a kingdom by the sea, there lived a princess who"], SamplingParams(temperature=0, max_tokens=2))
     assert engine.stats().prefix_cache_hits > before
     assert_no_blocks_held(engine)
 

@@ -115,8 +115,8 @@ def test_logprobs_match_transformers_log_softmax(llm_fp32, hf_reference):
     full = torch.tensor([ids + list(out.token_ids)])
     with torch.inference_mode():
         ref = torch.log_softmax(model(full).logits[0].float(), dim=-1)
-    assert len(out.new_logprobs) == 6
-    for step, lp in enumerate(out.new_logprobs):
+    assert len(out.logprobs) == 6
+    for step, lp in enumerate(out.logprobs):
         row = ref[len(ids) - 1 + step]
         assert lp.token_id == out.token_ids[step]
         assert abs(lp.logprob - row[lp.token_id].item()) < 1e-4
