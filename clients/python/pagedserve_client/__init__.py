@@ -1,1 +1,24 @@
-"""pagedserve package."""
+"""pagedserve.client: a typed Python client for the pagedserve gRPC API (sync and asyncio)."""
+
+from pagedserve.client.async_client import AsyncClient, AsyncGenerationStream
+from pagedserve.client.channels import TlsOptions
+from pagedserve.client.errors import ClientError
+from pagedserve.client.request import GenerateOptions, build_request
+from pagedserve.client.sync_client import Client, GenerationStream
+from pagedserve.client.types import (
+    Completion,
+    Delta,
+    Final,
+    FinishReason,
+    Started,
+    Timing,
+    Tokenization,
+    TokenLogprob,
+    Usage,
+)
+
+__all__ = [
+    "AsyncClient", "AsyncGenerationStream", "Client", "ClientError", "Completion", "Delta", "Final", "FinishReason",
+    "GenerateOptions", "GenerationStream", "Started", "Timing", "TokenLogprob", "Tokenization", "TlsOptions", "Usage",
+    "build_request",
+]

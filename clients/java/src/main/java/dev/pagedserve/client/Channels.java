@@ -1,0 +1,52 @@
+package dev.pagedserve.client;
+
+import io.grpc.ManagedChannel;
+import io.grpc.netty.GrpcSslContexts;
+import io.grpc.netty.NettyChannelBuilder;
+import io.netty.handler.ssl.JdkAlpnShim;
+import io.netty.handler.ssl.SslContext;
+import io.netty.handler.ssl.SslContextBuilder;
+import java.io.UncheckedIOException;
+import java.util.concurrent.TimeUnit;
+import javax.net.ssl.SSLException;
+
+/** ClientOptions -> a Netty channel (plaintext, TLS or mutual TLS). */
+final class Channels {
+  private Channels() {}
+
+  static ManagedChannel open(String target, ClientOptions options) {
+    NettyChannelBuilder builder = NettyChannelBuilder.forTarget(target);
+    if (options.plaintext()) {
+      builder.usePlaintext();
+    } else {
+      builder.sslContext(sslContext(options));
+    }
+    options.authorityOverride().ifPresent(builder::overrideAuthority);
+    options.keepaliveInterval().ifPresent(interval -> builder
+        .keepAliveTime(interval.toNanos(), TimeUnit.NANOSECONDS)
+        .keepAliveTimeout(options.keepaliveTimeout().toNanos(), TimeUnit.NANOSECONDS)
+        .keepAliveWithoutCalls(true));
+    builder.maxInboundMessageSize(options.maxInboundMessageBytes());
+    return builder.build();
+  }
+
+  private static SslContext sslContext(ClientOptions options) {
+    try {
+      try {
+        return GrpcSslContexts.configure(tlsMaterial(options)).build();
+      } catch (UnsupportedOperationException e) {
+        // Debian's netty cannot do ALPN with the JDK provider on its own; see JdkAlpnShim.
+        return JdkAlpnShim.h2Client(tlsMaterial(options));
+      }
+    } catch (SSLException e) {
+      throw new UncheckedIOException("setting up TLS", e);
+    }
+  }
+
+  private static SslContextBuilder tlsMaterial(ClientOptions options) {
+    SslContextBuilder builder = SslContextBuilder.forClient();
+    options.caPem().ifPresent(builder::trustManager);
+    options.clientKeyPair().ifPresent(pair -> builder.keyManager(pair[0], pair[1]));
+    return builder;
+  }
+}

@@ -1,0 +1,129 @@
+package dev.pagedserve.client;
+
+import dev.pagedserve.v1.GenerateRequest;
+import dev.pagedserve.v1.GenerateResponse;
+import dev.pagedserve.v1.GenerationServiceGrpc;
+import dev.pagedserve.v1.ModelInfoRequest;
+import dev.pagedserve.v1.ModelInfoResponse;
+import dev.pagedserve.v1.TokenizeRequest;
+import dev.pagedserve.v1.TokenizeResponse;
+import io.grpc.Channel;
+import io.grpc.ManagedChannel;
+import io.grpc.health.v1.HealthCheckRequest;
+import io.grpc.health.v1.HealthCheckResponse;
+import io.grpc.health.v1.HealthGrpc;
+import io.grpc.stub.AbstractStub;
+import io.grpc.stub.StreamObserver;
+import java.time.Duration;
+import java.util.Objects;
+import java.util.concurrent.TimeUnit;
+import java.util.function.Function;
+import java.util.function.Supplier;
+
+/**
+ * Client for the pagedserve GenerationService; thread-safe, one connection shared by all calls.
+ *
+ * <pre>{@code
+ * try (PagedServeClient client = PagedServeClient.connect("localhost:50051",
+ *     ClientOptions.builder().plaintext().build())) {
+ *   try (GenerationStream stream = client.withTimeout(Duration.ofSeconds(30)).generate(request)) {
+ *     for (GenerateResponse frame : stream) System.out.print(frame.getDelta().getText());
+ *   }
+ * }
+ * }</pre>
+ */
+public final class PagedServeClient implements AutoCloseable {
+  private final Channel channel;
+  private final ManagedChannel owned;
+  private final Duration timeout;
+
+  private PagedServeClient(Channel channel, ManagedChannel owned, Duration timeout) {
+    this.channel = channel;
+    this.owned = owned;
+    this.timeout = timeout;
+  }
+
+  /** Opens a channel to {@code target} ("host:port" or any gRPC target string). */
+  public static PagedServeClient connect(String target, ClientOptions options) {
+    ManagedChannel channel = Channels.open(target, options);
+    return new PagedServeClient(channel, channel, options.defaultTimeout().orElse(null));
+  }
+
+  /** Uses a channel the caller manages (interceptors, custom transport); close() leaves it open. */
+  public static PagedServeClient wrap(Channel channel) {
+    return new PagedServeClient(Objects.requireNonNull(channel, "channel"), null, null);
+  }
+
+  /** A view of this client whose calls each get a deadline of {@code timeout}; it shares the channel. */
+  public PagedServeClient withTimeout(Duration timeout) {
+    if (timeout == null || timeout.isNegative() || timeout.isZero()) {
+      throw new IllegalArgumentException("timeout must be positive, got " + timeout);
+    }
+    return new PagedServeClient(channel, null, timeout);
+  }
+
+  /** Starts Generate and returns a blocking, iterate-once stream of frames. */
+  public GenerationStream generate(GenerateRequest request) {
+    GenerationServiceGrpc.GenerationServiceBlockingStub stub = deadline(GenerationServiceGrpc::newBlockingStub);
+    return GenerationStream.start(() -> stub.generate(request));
+  }
+
+  /** Starts Generate without blocking; frames go to {@code observer} on gRPC's executor threads. */
+  public StreamHandle generateAsync(GenerateRequest request, StreamObserver<GenerateResponse> observer) {
+    GenerationServiceGrpc.GenerationServiceStub stub = deadline(GenerationServiceGrpc::newStub);
+    return StreamHandle.wrap(observer, relay -> stub.generate(request, relay));
+  }
+
+  /** Runs Generate to the end and returns every completion's text, tokens and Final frame. */
+  public Completion complete(GenerateRequest request) {
+    try (GenerationStream stream = generate(request)) {
+      return Completion.collect(stream);
+    }
+  }
+
+  public TokenizeResponse tokenize(TokenizeRequest request) {
+    return unary(() -> deadline(GenerationServiceGrpc::newBlockingStub).tokenize(request));
+  }
+
+  /** The served model, its limits and live KV-cache / scheduler counts. */
+  public ModelInfoResponse modelInfo() {
+    return unary(() -> deadline(GenerationServiceGrpc::newBlockingStub)
+        .modelInfo(ModelInfoRequest.getDefaultInstance()));
+  }
+
+  /** The standard grpc.health.v1 check; {@code ""} asks about the whole server. */
+  public HealthCheckResponse.ServingStatus health(String service) {
+    HealthCheckRequest request = HealthCheckRequest.newBuilder().setService(service).build();
+    return unary(() -> deadline(HealthGrpc::newBlockingStub).check(request)).getStatus();
+  }
+
+  /** Closes the channel this client opened, waiting briefly for calls in flight. */
+  @Override
+  public void close() {
+    if (owned == null) {
+      return;
+    }
+    owned.shutdown();
+    try {
+      if (!owned.awaitTermination(5, TimeUnit.SECONDS)) {
+        owned.shutdownNow();
+      }
+    } catch (InterruptedException e) {
+      owned.shutdownNow();
+      Thread.currentThread().interrupt();
+    }
+  }
+
+  private <S extends AbstractStub<S>> S deadline(Function<Channel, S> newStub) {
+    S stub = newStub.apply(channel);
+    return timeout == null ? stub : stub.withDeadlineAfter(timeout.toNanos(), TimeUnit.NANOSECONDS);
+  }
+
+  private static <T> T unary(Supplier<T> call) {
+    try {
+      return call.get();
+    } catch (RuntimeException e) {
+      throw PagedServeException.from(e);
+    }
+  }
+}

@@ -1,0 +1,115 @@
+"""asyncio client: `async for delta in AsyncClient(target).generate(prompt, ...)`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from pagedserve.client.channels import TlsOptions, aio_channel, channel_options
+from pagedserve.client.errors import ClientError
+from pagedserve.client.frames import FrameReader
+from pagedserve.client.request import GenerateOptions, build_request
+from pagedserve.client.sync_client import DEFAULT_MAX_MESSAGE_BYTES
+from pagedserve.client.types import Completion, Delta, Final, Started, Tokenization
+from pagedserve.v1 import generation_service_pb2_grpc, model_info_pb2, tokenize_pb2
+
+
+class AsyncGenerationStream(AsyncIterator[Delta]):
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        self._call = call
+        self._frames = call.__aiter__()
+        self._reader = FrameReader()
+        self._cancelled = False
+
+    def __aiter__(self) -> AsyncGenerationStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        while True:
+            try:
+                frame = await self._frames.__anext__()
+            except grpc.RpcError as exc:
+                raise ClientError.from_rpc(exc) from None
+            except asyncio.CancelledError:
+                # grpc.aio reports a cancelled call as CancelledError; surface it like the sync client does,
+                # unless it is this task itself that is being cancelled.
+                if self._cancelled and not _task_cancelling():
+                    raise ClientError(grpc.StatusCode.CANCELLED, "cancelled by the client") from None
+                raise
+            delta = self._reader.read(frame)
+            if delta is not None:
+                return delta
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+
+    async def request_id(self) -> str | None:
+        return dict(await self._call.initial_metadata() or ()).get("x-request-id")
+
+    @property
+    def started(self) -> Started | None:
+        return self._reader.started
+
+    @property
+    def finals(self) -> dict[int, Final]:
+        return self._reader.finals
+
+    async def results(self) -> list[Completion]:
+        async for _ in self:
+            pass
+        return self._reader.results()
+
+
+class AsyncClient:
+    def __init__(self, target: str, *, tls: TlsOptions | None = None, timeout: float | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, keepalive_s: float | None = 60.0):
+        self.timeout = timeout
+        self._channel = aio_channel(target, tls, channel_options(tls, max_message_bytes, keepalive_s))
+        self._stub = generation_service_pb2_grpc.GenerationServiceStub(self._channel)
+
+    def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+                 metadata: Sequence[tuple[str, str]] = (), **options: object) -> AsyncGenerationStream:
+        request = build_request(prompt, GenerateOptions.from_kwargs(**options))
+        call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=tuple(metadata))
+        return AsyncGenerationStream(call)
+
+    async def complete(self, prompt: str | Sequence[int], **kwargs: object) -> Completion:
+        results = await self.generate(prompt, **kwargs).results()  # type: ignore[arg-type]
+        if len(results) != 1:
+            raise ValueError(f"complete() is for n=1; got {len(results)} completions, use generate().results()")
+        return results[0]
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool | None = None, offsets: bool = False,
+                       timeout: float | None = None) -> Tokenization:
+        request = tokenize_pb2.TokenizeRequest(text=text, return_offsets=offsets)
+        if add_special_tokens is not None:
+            request.add_special_tokens = add_special_tokens
+        response = await self._unary(self._stub.Tokenize, request, timeout)
+        return Tokenization(tuple(response.token_ids), tuple((o.start, o.end) for o in response.offsets))
+
+    async def model_info(self, *, timeout: float | None = None) -> model_info_pb2.ModelInfoResponse:
+        return await self._unary(self._stub.ModelInfo, model_info_pb2.ModelInfoRequest(), timeout)
+
+    async def _unary(self, method, request, timeout):  # noqa: ANN001, ANN202 - thin wrapper over generated stubs
+        try:
+            return await method(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as exc:
+            raise ClientError.from_rpc(exc) from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _task_cancelling() -> bool:
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+    return bool(cancelling()) if cancelling is not None else False

@@ -1,0 +1,114 @@
+"""Blocking client: `Client(target).generate(prompt, ...)` yields Deltas as they arrive."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from pagedserve.client.channels import TlsOptions, channel_options, sync_channel
+from pagedserve.client.errors import ClientError
+from pagedserve.client.frames import FrameReader
+from pagedserve.client.request import GenerateOptions, build_request
+from pagedserve.client.types import Completion, Delta, Final, Started, Tokenization
+from pagedserve.v1 import generate_pb2, generation_service_pb2_grpc, model_info_pb2, tokenize_pb2
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+
+
+class GenerationStream(Iterator[Delta]):
+    """Iterate for Deltas; `started`, `finals` and `results()` hold the rest. `cancel()` aborts the request."""
+
+    def __init__(self, call: grpc.CallIterator) -> None:
+        self._call = call
+        self._reader = FrameReader()
+
+    def __iter__(self) -> GenerationStream:
+        return self
+
+    def __next__(self) -> Delta:
+        while True:
+            try:
+                frame = next(self._call)
+            except grpc.RpcError as exc:
+                raise ClientError.from_rpc(exc) from None
+            delta = self._reader.read(frame)
+            if delta is not None:
+                return delta
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    @property
+    def request_id(self) -> str | None:
+        """From the response metadata (available before the first frame)."""
+        return dict(self._call.initial_metadata() or ()).get("x-request-id")
+
+    @property
+    def started(self) -> Started | None:
+        return self._reader.started
+
+    @property
+    def finals(self) -> dict[int, Final]:
+        return self._reader.finals
+
+    @property
+    def heartbeats(self) -> int:
+        return self._reader.heartbeats
+
+    def results(self) -> list[Completion]:
+        """Reads the stream to its end; one Completion per index."""
+        for _ in self:
+            pass
+        return self._reader.results()
+
+
+class Client:
+    def __init__(self, target: str, *, tls: TlsOptions | None = None, timeout: float | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, keepalive_s: float | None = 60.0):
+        self.timeout = timeout
+        self._channel = sync_channel(target, tls, channel_options(tls, max_message_bytes, keepalive_s))
+        self._stub = generation_service_pb2_grpc.GenerationServiceStub(self._channel)
+
+    def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+                 metadata: Sequence[tuple[str, str]] = (), **options: object) -> GenerationStream:
+        request = build_request(prompt, GenerateOptions.from_kwargs(**options))
+        return GenerationStream(self.generate_raw(request, timeout=timeout, metadata=metadata))
+
+    def generate_raw(self, request: generate_pb2.GenerateRequest, *, timeout: float | None = None,
+                     metadata: Sequence[tuple[str, str]] = ()) -> grpc.CallIterator:
+        """The underlying call for a hand-built request (frames as protos)."""
+        return self._stub.Generate(request, timeout=timeout or self.timeout, metadata=tuple(metadata))
+
+    def complete(self, prompt: str | Sequence[int], **kwargs: object) -> Completion:
+        """One completion (n must be 1), read to the end."""
+        results = self.generate(prompt, **kwargs).results()  # type: ignore[arg-type]
+        if len(results) != 1:
+            raise ValueError(f"complete() is for n=1; got {len(results)} completions, use generate().results()")
+        return results[0]
+
+    def tokenize(self, text: str, *, add_special_tokens: bool | None = None, offsets: bool = False,
+                 timeout: float | None = None) -> Tokenization:
+        request = tokenize_pb2.TokenizeRequest(text=text, return_offsets=offsets)
+        if add_special_tokens is not None:
+            request.add_special_tokens = add_special_tokens
+        response = self._unary(self._stub.Tokenize, request, timeout)
+        return Tokenization(tuple(response.token_ids), tuple((o.start, o.end) for o in response.offsets))
+
+    def model_info(self, *, timeout: float | None = None) -> model_info_pb2.ModelInfoResponse:
+        return self._unary(self._stub.ModelInfo, model_info_pb2.ModelInfoRequest(), timeout)
+
+    def _unary(self, method, request, timeout):  # noqa: ANN001, ANN202 - thin wrapper over generated stubs
+        try:
+            return method(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as exc:
+            raise ClientError.from_rpc(exc) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

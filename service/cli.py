@@ -1,0 +1,134 @@
+"""`pagedserve serve ...`: the only place the engine and server configurations are assembled."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.errors import ConfigError, ModelLoadError, UnsupportedError
+from pagedserve.service.config import ServerConfig, TlsConfig
+
+# Help for EngineConfig fields; every field becomes a flag (a new field shows up without touching this file).
+_ENGINE_HELP = {
+    "model": "HF model folder (safetensors); default: the bundled SmolLM2-135M-Instruct",
+    "dtype": "compute dtype: auto, float32, bfloat16, float16",
+    "kv_cache_dtype": "KV-cache dtype: auto, fp32, fp16, bf16, fp8_e4m3, fp8_e5m2",
+    "kv_cache_memory": "KV-cache memory budget, bytes or with a unit (512MiB, 2GiB)",
+    "block_size": "tokens per KV block",
+    "max_num_seqs": "sequences decoded together in one step",
+    "max_num_batched_tokens": "tokens processed per engine step (prefill chunks included)",
+    "max_model_len": "context length limit (default: the model's)",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "quantization": "force a quantization method (default: what the checkpoint says)",
+    "attention_backend": "auto, torch or triton",
+    "device": "cpu, cuda or cuda:N",
+    "num_threads": "torch intra-op threads (default: torch's choice)",
+    "max_queued_requests": "admitted requests waiting for a batch slot; beyond it: RESOURCE_EXHAUSTED",
+}
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 1073741824, 512MiB, 2GiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _flag_type(field: dataclasses.Field) -> type | None:
+    annotation = str(field.type)
+    if field.name.endswith("_memory"):
+        return parse_bytes
+    for name, kind in (("bool", None), ("int", int), ("float", float), ("str", str)):
+        if annotation.startswith(name):
+            return kind
+    raise TypeError(f"EngineConfig.{field.name}: no CLI mapping for {annotation}")
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for field in dataclasses.fields(EngineConfig):
+        flag = "--" + field.name.replace("_", "-")
+        help_text = f"{_ENGINE_HELP.get(field.name, field.name)} (default: {field.default})"
+        kind = _flag_type(field)
+        if kind is None:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            group.add_argument(flag, type=kind, default=None, help=help_text)
+
+
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=d.host, help=f"bind address (default {d.host}; 0.0.0.0 for all)")
+    g.add_argument("--port", type=int, default=d.port, help=f"gRPC port, 0 = any free one (default {d.port})")
+    g.add_argument("--tls-cert", type=Path, help="server certificate (PEM); enables TLS")
+    g.add_argument("--tls-key", type=Path, help="server private key (PEM)")
+    g.add_argument("--tls-client-ca", type=Path, help="CA for client certificates; enables mutual TLS")
+    g.add_argument("--max-message-bytes", type=parse_bytes, default=d.max_message_bytes,
+                   help="largest request accepted (larger: INVALID_ARGUMENT)")
+    g.add_argument("--max-send-message-bytes", type=parse_bytes, default=d.max_send_message_bytes)
+    g.add_argument("--keepalive-time", type=float, default=d.keepalive_time_s, help="seconds between pings")
+    g.add_argument("--keepalive-timeout", type=float, default=d.keepalive_timeout_s)
+    g.add_argument("--max-connection-age", type=float, help="seconds before a connection is asked to go away")
+    g.add_argument("--max-connection-age-grace", type=float, default=d.max_connection_age_grace_s)
+    g.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_s,
+                   help="seconds in-flight streams get to finish after SIGTERM")
+    g.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = any free one; default: off)")
+    g.add_argument("--metrics-host", help="bind address for metrics (default: --host)")
+    g.add_argument("--served-model-name", help="name reported by ModelInfo and in metrics (default: the folder name)")
+    g.add_argument("--ready-file", type=Path, help="write {port, metrics_port, pid} as JSON here once serving")
+    g.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="pagedserve: a gRPC LLM server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over gRPC")
+    add_engine_flags(serve)
+    add_server_flags(serve)
+    return parser
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in given.items() if v is not None})
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    tls = None
+    if args.tls_cert or args.tls_key or args.tls_client_ca:
+        if not (args.tls_cert and args.tls_key):
+            raise ConfigError("tls", "--tls-cert and --tls-key are both required for TLS")
+        tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca)
+    return ServerConfig(
+        host=args.host, port=args.port, tls=tls, max_message_bytes=args.max_message_bytes,
+        max_send_message_bytes=args.max_send_message_bytes, keepalive_time_s=args.keepalive_time,
+        keepalive_timeout_s=args.keepalive_timeout, max_connection_age_s=args.max_connection_age,
+        max_connection_age_grace_s=args.max_connection_age_grace, shutdown_grace_s=args.shutdown_grace,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, served_model_name=args.served_model_name,
+        ready_file=args.ready_file)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pagedserve.service.server import serve  # grpc/engine imports only after argument errors are ruled out
+
+    try:
+        return asyncio.run(serve(engine_config(args), server_config(args)))
+    except (ConfigError, ModelLoadError, UnsupportedError) as exc:
+        print(f"pagedserve: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""Server (transport) configuration; the engine's own settings live in pagedserve.engine.EngineConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedserve.engine.errors import ConfigError
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    cert_file: Path
+    key_file: Path
+    client_ca_file: Path | None = None  # set: mutual TLS, clients must present a certificate signed by this CA
+
+    def __post_init__(self) -> None:
+        for name in ("cert_file", "key_file", "client_ca_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"tls.{name}", f"file not found: {path}")
+
+    @property
+    def mutual(self) -> bool:
+        return self.client_ca_file is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: pick a free port (reported in the ready file and the log)
+    tls: TlsConfig | None = None
+    # Requests over this size get INVALID_ARGUMENT naming the limit; the transport cuts at twice this.
+    max_message_bytes: int = 16 * MIB
+    max_send_message_bytes: int = 64 * MIB
+    # Keepalive: pings keep idle long-lived streams alive through proxies, and are allowed without calls.
+    keepalive_time_s: float = 60.0
+    keepalive_timeout_s: float = 20.0
+    # Bound connection lifetime so clients re-resolve and rebalance behind L4 load balancers (None: unbounded).
+    max_connection_age_s: float | None = None
+    max_connection_age_grace_s: float = 30.0
+    # On SIGTERM: NOT_SERVING and UNAVAILABLE at once, in-flight streams get this long to finish.
+    shutdown_grace_s: float = 30.0
+    metrics_port: int | None = None  # None: no Prometheus endpoint; 0: a free port
+    metrics_host: str | None = None  # None: same as host
+    served_model_name: str | None = None  # ModelInfo.model and the metrics' model_name label
+    ready_file: Path | None = None  # written (JSON: ports, pid) once the model is loaded and the server serves
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("port", f"must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError("metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
+        for name in ("max_message_bytes", "max_send_message_bytes"):
+            if getattr(self, name) < 1024:
+                raise ConfigError(name, f"must be >= 1024 bytes, got {getattr(self, name)}")
+        for name in ("keepalive_time_s", "keepalive_timeout_s", "max_connection_age_grace_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
+        if self.max_connection_age_s is not None and self.max_connection_age_s <= 0:
+            raise ConfigError("max_connection_age_s", f"must be > 0, got {self.max_connection_age_s}")
+        if self.shutdown_grace_s < 0:
+            raise ConfigError("shutdown_grace_s", f"must be >= 0, got {self.shutdown_grace_s}")
+
+    @property
+    def transport_receive_limit(self) -> int:
+        return 2 * self.max_message_bytes
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        options = [
+            ("grpc.max_receive_message_length", self.transport_receive_limit),
+            ("grpc.max_send_message_length", self.max_send_message_bytes),
+            ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            # Accept client pings as often as every 10 s (the server default of 5 min would GOAWAY them).
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.so_reuseport", 0),
+        ]
+        if self.max_connection_age_s is not None:
+            options.append(("grpc.max_connection_age_ms", int(self.max_connection_age_s * 1000)))
+            options.append(("grpc.max_connection_age_grace_ms", int(self.max_connection_age_grace_s * 1000)))
+        return options

@@ -1,0 +1,50 @@
+"""The one place the service reaches into the engine for what it serves: load it, describe it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.engine import AsyncEngine, EngineConfig
+from pagedserve.engine.sampling_params import MAX_LOGPROBS
+from pagedserve.service.requests import ModelFacts
+from pagedserve.v1 import model_info_pb2
+
+MAX_N = 64  # SamplingParams rejects n above this
+
+
+@dataclass(frozen=True, slots=True)
+class EngineDescription:
+    facts: ModelFacts
+    info: model_info_pb2.ModelInfoResponse  # static fields only; live counts are filled per call
+
+
+async def load_engine(config: EngineConfig) -> AsyncEngine:
+    """Loads the model off the event loop (health checks keep answering NOT_SERVING meanwhile)."""
+    engine = AsyncEngine(config)
+    await engine.start()
+    return engine
+
+
+def describe(engine: AsyncEngine, model_name: str, max_message_bytes: int) -> EngineDescription:
+    core: Any = engine.engine
+    config: EngineConfig = engine.config
+    tokenizer = core.tokenizer
+    architectures = core.loaded.hf_config.get("architectures") or ["unknown"]
+    facts = ModelFacts(vocab_size=core.runner.vocab_size, max_context_length=core.max_model_len,
+                       encode=tokenizer.encode)
+    info = model_info_pb2.ModelInfoResponse(
+        model=model_name,
+        architecture=architectures[0],
+        quantization=core.loaded.quant.describe(),
+        dtype=str(core.loaded.dtype).removeprefix("torch."),
+        kv_cache_dtype=core.runner.kv_spec.dtype.value,
+        block_size=config.block_size,
+        max_context_length=core.max_model_len,
+        vocab_size=core.runner.vocab_size,
+        eos_token_ids=sorted(tokenizer.eos_token_ids),
+        limits=model_info_pb2.Limits(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_queued_requests=config.max_queued_requests, max_message_bytes=max_message_bytes,
+            max_n=MAX_N, max_logprobs=MAX_LOGPROBS))
+    return EngineDescription(facts, info)

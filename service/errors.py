@@ -1,0 +1,56 @@
+"""Typed errors -> gRPC status codes. The one place that decides which code a failure gets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from pagedserve.engine.errors import (
+    CapacityError,
+    ConfigError,
+    EngineDeadError,
+    InvalidRequestError,
+    ModelLoadError,
+    PagedServeError,
+    QueueFullError,
+    UnsupportedError,
+)
+
+
+class DrainingError(PagedServeError):
+    """The server stopped admitting requests (SIGTERM); clients should retry on another replica."""
+
+
+@dataclass(frozen=True, slots=True)
+class RpcError:
+    code: grpc.StatusCode
+    message: str
+
+
+# Ordered: the first matching class wins, so subclasses come before their bases.
+_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (CapacityError, grpc.StatusCode.INVALID_ARGUMENT),
+    (UnsupportedError, grpc.StatusCode.INVALID_ARGUMENT),
+    (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DrainingError, grpc.StatusCode.UNAVAILABLE),
+    (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
+    (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+
+def to_rpc_error(exc: BaseException) -> RpcError:
+    """INTERNAL only for failures that are our bug, never for a client mistake."""
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return RpcError(code, _describe(exc))
+    return RpcError(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _describe(exc: BaseException) -> str:
+    # Some engine errors carry (field, message) positionally; render them as "field: message" like the rest.
+    if len(exc.args) > 1 and all(isinstance(a, str) for a in exc.args):
+        return ": ".join(exc.args)
+    return str(exc) or type(exc).__name__

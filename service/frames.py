@@ -1,0 +1,140 @@
+"""Engine RequestOutputs -> GenerateResponse frames: Started, then Deltas, then one Final per index."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.v1 import generate_pb2 as pb
+
+
+@dataclass(slots=True)
+class _Completion:
+    finished: bool = False
+    num_tokens: int = 0
+    # Held back in FINAL_ONLY mode:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+
+
+class FrameBuilder:
+    """Stateful per stream: remembers what was sent for each completion index."""
+
+    def __init__(self, request_id: str, prompt_tokens: int, truncated: bool, params: SamplingParams,
+                 stream_mode: int):
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.truncated = truncated
+        self.params = params
+        self.final_only = stream_mode == pb.STREAM_MODE_FINAL_ONLY
+        self.started = False
+        self.cached_tokens = 0
+        self.completions = [_Completion() for _ in range(params.n)]
+
+    @property
+    def all_finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+    def frames(self, output: Any) -> list[pb.GenerateResponse]:
+        frames: list[pb.GenerateResponse] = []
+        self.cached_tokens = output.metrics.num_cached_tokens
+        if not self.started:
+            self.started = True
+            frames.append(self._started())
+        for completion in output.outputs:
+            state = self.completions[completion.index]
+            if state.finished:
+                continue
+            frames.extend(self._completion_frames(completion, state, output.metrics))
+        return frames
+
+    def unfinished_finals(self, reason: int, metrics: Any) -> list[pb.GenerateResponse]:
+        """Finals for completions the engine never finished (time limit): they still end with a Final."""
+        frames = [] if self.started else [self._started()]
+        self.started = True
+        for index, state in enumerate(self.completions):
+            if not state.finished:
+                if self.final_only:
+                    frames.append(self._delta(index, "".join(state.text), state.token_ids, state.logprobs, state))
+                state.finished = True
+                frames.append(self._final(index, reason, None, state, metrics))
+        return frames
+
+    def _started(self) -> pb.GenerateResponse:
+        started = pb.Started(request_id=self.request_id, prompt_tokens=self.prompt_tokens,
+                             cached_tokens=self.cached_tokens, truncated=self.truncated)
+        if self.params.seed is not None:
+            started.seed = self.params.seed
+        return pb.GenerateResponse(index=0, started=started)
+
+    def _completion_frames(self, completion: Any, state: _Completion, metrics: Any) -> list[pb.GenerateResponse]:
+        frames = []
+        new_ids = list(completion.new_token_ids)
+        state.num_tokens += len(new_ids)
+        logprobs = list(completion.new_logprobs)
+        if self.final_only:
+            state.text.append(completion.new_text)
+            state.token_ids.extend(new_ids)
+            state.logprobs.extend(logprobs)
+        elif new_ids or completion.new_text:
+            frames.append(self._delta(completion.index, completion.new_text, new_ids, logprobs, state))
+        if completion.finish_reason is not None:
+            if self.final_only:
+                frames.append(self._delta(completion.index, "".join(state.text), state.token_ids, state.logprobs,
+                                          state))
+            state.finished = True
+            reason = self.finish_reason(completion.finish_reason, completion.stop_reason, state.num_tokens)
+            frames.append(self._final(completion.index, reason, completion.stop_reason, state, metrics))
+        return frames
+
+    def finish_reason(self, reason: str, stop_reason: str | int | None, num_tokens: int) -> int:
+        if reason == "length":
+            at_max = num_tokens >= self.params.max_tokens
+            return pb.FINISH_REASON_MAX_TOKENS if at_max else pb.FINISH_REASON_CONTEXT_LIMIT
+        if reason == "abort":
+            return pb.FINISH_REASON_CANCELLED
+        if isinstance(stop_reason, str):
+            return pb.FINISH_REASON_STOP_SEQUENCE
+        if isinstance(stop_reason, int) and stop_reason in self.params.stop_token_ids:
+            return pb.FINISH_REASON_STOP_TOKEN
+        return pb.FINISH_REASON_EOS_TOKEN
+
+    def _usage(self, state: _Completion) -> pb.Usage:
+        return pb.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=state.num_tokens,
+                        cached_tokens=self.cached_tokens)
+
+    def _delta(self, index: int, text: str, token_ids: list[int], logprobs: list[Any],
+               state: _Completion) -> pb.GenerateResponse:
+        delta = pb.Delta(text=text, token_ids=token_ids, usage=self._usage(state))
+        if self.params.logprobs is not None:
+            delta.logprobs.extend(
+                pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+                for lp in logprobs)
+        return pb.GenerateResponse(index=index, delta=delta)
+
+    def _final(self, index: int, reason: int, stop_reason: str | int | None, state: _Completion,
+               metrics: Any) -> pb.GenerateResponse:
+        final = pb.Final(finish_reason=reason, usage=self._usage(state), timing=timing(metrics))
+        if reason == pb.FINISH_REASON_STOP_SEQUENCE:
+            final.stop_sequence = stop_reason
+        elif reason == pb.FINISH_REASON_STOP_TOKEN:
+            final.stop_token_id = stop_reason
+        return pb.GenerateResponse(index=index, final=final)
+
+
+def timing(metrics: Any) -> pb.Timing:
+    """Engine timestamps are time.monotonic(); unset ones (never scheduled, still running) count up to now."""
+    now = time.monotonic()
+    arrival = metrics.arrival_time
+    scheduled = metrics.first_scheduled_time or now
+    first_token = metrics.first_token_time or now
+    finished = metrics.finished_time or now
+    return pb.Timing(queue_seconds=max(0.0, scheduled - arrival),
+                     time_to_first_token_seconds=max(0.0, first_token - arrival),
+                     decode_seconds=max(0.0, finished - first_token),
+                     total_seconds=max(0.0, finished - arrival),
+                     num_preemptions=metrics.num_preemptions)

@@ -1,0 +1,72 @@
+"""Serving state shared by the servicer and the shutdown path: loading -> serving -> draining."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from grpc_health.v1 import health_pb2
+from grpc_health.v1._async import HealthServicer
+
+from pagedserve.service.errors import DrainingError
+from pagedserve.v1 import generation_service_pb2
+
+# Importing the generated module also registers the service in the descriptor pool that reflection reads.
+SERVICE_NAME = generation_service_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+
+
+class ServingState:
+    def __init__(self, health: HealthServicer):
+        self.health = health
+        self.ready = False
+        self.draining = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def check_ready(self) -> None:
+        if not self.ready:
+            raise DrainingError("model is still loading; retry when health reports SERVING")
+
+    def check_admitting(self) -> None:
+        self.check_ready()
+        if self.draining:
+            raise DrainingError("server is draining for shutdown; retry on another replica")
+
+    @contextmanager
+    def track(self) -> Iterator[None]:
+        """Counts a request as in flight so draining knows when every stream has finished."""
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    async def mark_serving(self) -> None:
+        self.ready = True
+        await self.set_status(health_pb2.HealthCheckResponse.SERVING)
+
+    async def start_draining(self) -> None:
+        self.draining = True
+        await self.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True when every in-flight request finished within `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def set_status(self, status: int) -> None:
+        # "" is the whole server (what grpc_health_probe and Kubernetes check by default).
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)

@@ -1,0 +1,109 @@
+"""Prometheus metrics under vLLM's names (gateways and dashboards already read them) plus gRPC status counts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class EngineStatsCollector(Collector):
+    """Gauges and counters the engine owns, read at scrape time so they are never stale."""
+
+    def __init__(self, model_name: str, stats: Callable[[], Any]):
+        self.model_name = model_name
+        self.stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self.stats()
+        if s is None:  # model still loading
+            return
+        labels = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+                    s.kv_cache_usage)
+        yield gauge("pagedserve:kv_cache_blocks_total", "KV-cache blocks in the pool.", s.num_kv_blocks)
+        yield gauge("pagedserve:kv_cache_blocks_free", "KV-cache blocks free (including evictable cached).",
+                    s.num_free_kv_blocks)
+        yield gauge("pagedserve:kv_cache_blocks_active", "KV-cache blocks held by running or waiting requests.",
+                    s.num_active_kv_blocks)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        yield counter("vllm:num_preemptions", "Sequences preempted (KV blocks reclaimed, recomputed later).",
+                      s.num_preemptions)
+
+
+class ServiceMetrics:
+    def __init__(self, model_name: str, stats: Callable[[], Any]):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(EngineStatsCollector(model_name, stats))
+        r, m = self.registry, ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", m,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", m,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", m,
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finished.", m,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_len = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", m,
+                                    buckets=_TOKEN_BUCKETS, registry=r)
+        self.gen_len = Histogram("vllm:request_generation_tokens", "Generated tokens per request.", m,
+                                 buckets=_TOKEN_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", m, registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               ["model_name", "finished_reason"], registry=r)
+        grpc_labels = ["grpc_type", "grpc_service", "grpc_method"]
+        self.rpc_started = Counter("grpc_server_started", "RPCs started.", grpc_labels, registry=r)
+        self.rpc_handled = Counter("grpc_server_handled", "RPCs completed, by status code.",
+                                   [*grpc_labels, "grpc_code"], registry=r)
+
+    def serve_http(self, host: str, port: int) -> int:
+        """Starts the /metrics endpoint on a daemon thread; returns the bound port (port 0 picks one)."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_address[1]
+
+    def observe_token_times(self, intervals: list[float]) -> None:
+        child = self.itl.labels(self.model_name)
+        for interval in intervals:
+            child.observe(interval)
+
+    def observe_request(self, timing: Any, prompt_tokens: int, generated_tokens: int, reason: str) -> None:
+        """`timing` is a pagedserve.v1.Timing; called once per finished request."""
+        name = self.model_name
+        self.ttft.labels(name).observe(timing.time_to_first_token_seconds)
+        self.queue.labels(name).observe(timing.queue_seconds)
+        self.e2e.labels(name).observe(timing.total_seconds)
+        self.prompt_len.labels(name).observe(prompt_tokens)
+        self.gen_len.labels(name).observe(generated_tokens)
+        self.prompt_tokens.labels(name).inc(prompt_tokens)
+        self.generation_tokens.labels(name).inc(generated_tokens)
+        self.success.labels(name, reason).inc()
+
+    def rpc_start(self, kind: str, service: str, method: str) -> None:
+        self.rpc_started.labels(kind, service, method).inc()
+
+    def rpc_done(self, kind: str, service: str, method: str, code: str) -> None:
+        self.rpc_handled.labels(kind, service, method, code).inc()

@@ -1,0 +1,139 @@
+"""The grpc.aio server: health, reflection, TLS, metrics, and the SIGTERM drain."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha._async import ReflectionServicer
+
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.model_store import DEFAULT_MODEL_NAME
+from pagedserve.service.config import ServerConfig, TlsConfig
+from pagedserve.service.engine_adapter import load_engine
+from pagedserve.service.lifecycle import SERVICE_NAME, ServingState
+from pagedserve.service.metrics import ServiceMetrics
+from pagedserve.service.servicer import GenerationServicer
+
+log = logging.getLogger(__name__)
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+SERVICE_NAMES = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                 reflection.SERVICE_NAME, REFLECTION_V1)
+
+
+async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
+    """Runs until SIGTERM/SIGINT, then drains; returns the process exit code."""
+    stop = _StopSignals()
+    health = HealthServicer()
+    state = ServingState(health)
+    name = config.served_model_name or (Path(engine_config.model).name if engine_config.model else DEFAULT_MODEL_NAME)
+    metrics = ServiceMetrics(name, lambda: servicer.stats())
+    servicer = GenerationServicer(state, metrics, config.max_message_bytes, name)
+    server = grpc.aio.server(options=config.grpc_options())
+    server.add_generic_rpc_handlers((servicer.rpc_handler(),))
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    add_reflection(server)
+    await state.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+    port = _bind(server, config)
+    await server.start()
+    metrics_port = _serve_metrics(metrics, config)
+    log.info("listening on %s:%d (%s), metrics port %s; loading model", config.host, port,
+             "mTLS" if config.tls and config.tls.mutual else "TLS" if config.tls else "plaintext", metrics_port)
+    engine = await stop.race(load_engine(engine_config))
+    if engine is not None:
+        servicer.attach(engine)
+        await state.mark_serving()
+        _write_ready_file(config.ready_file, port, metrics_port)
+        log.info("serving %s", servicer.static_info.model)
+        await stop.first.wait()
+    await drain(server, state, config.shutdown_grace_s, stop)
+    if engine is not None:
+        await engine.shutdown()
+    log.info("stopped")
+    return 0
+
+
+async def drain(server: grpc.aio.Server, state: ServingState, grace_s: float, stop: _StopSignals) -> None:
+    """NOT_SERVING + UNAVAILABLE for new requests at once; in-flight streams get `grace_s` to finish."""
+    log.info("draining: %d request(s) in flight, grace %.1fs", state.in_flight, grace_s)
+    await state.start_draining()
+    idle = asyncio.ensure_future(state.wait_idle(grace_s))
+    forced = asyncio.ensure_future(stop.second.wait())  # a second signal skips the grace period
+    await asyncio.wait({idle, forced}, return_when=asyncio.FIRST_COMPLETED)
+    forced.cancel()
+    if not idle.done() or not idle.result():
+        log.warning("grace period over: cancelling %d request(s)", state.in_flight)
+    idle.cancel()
+    await server.stop(grace=0.5)
+
+
+def add_reflection(server: grpc.aio.Server) -> None:
+    """v1alpha from grpcio-reflection, and v1 (same messages, renamed package) on the same servicer."""
+    servicer = ReflectionServicer(SERVICE_NAMES)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),))
+
+
+def _bind(server: grpc.aio.Server, config: ServerConfig) -> int:
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    address = f"{host}:{config.port}"
+    if config.tls is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, server_credentials(config.tls))
+
+
+def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
+    ca = Path(tls.client_ca_file).read_bytes() if tls.client_ca_file else None
+    pair = (Path(tls.key_file).read_bytes(), Path(tls.cert_file).read_bytes())
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=tls.mutual)
+
+
+def _serve_metrics(metrics: ServiceMetrics, config: ServerConfig) -> int | None:
+    if config.metrics_port is None:
+        return None
+    return metrics.serve_http(config.metrics_host or config.host, config.metrics_port)
+
+
+def _write_ready_file(path: Path | None, port: int, metrics_port: int | None) -> None:
+    """Atomic, so a watcher never reads half a file."""
+    if path is None:
+        return
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps({"port": port, "metrics_port": metrics_port, "pid": os.getpid()}))
+    tmp.replace(path)
+
+
+class _StopSignals:
+    """SIGTERM/SIGINT: the first starts the drain, a second one cuts the grace period short."""
+
+    def __init__(self) -> None:
+        self.first, self.second = asyncio.Event(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal)
+
+    def _on_signal(self) -> None:
+        (self.second if self.first.is_set() else self.first).set()
+
+    async def race(self, coro):  # noqa: ANN001, ANN201 - returns the coroutine's result, or None when stopped first
+        task, stopped = asyncio.ensure_future(coro), asyncio.ensure_future(self.first.wait())
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        return None

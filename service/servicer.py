@@ -1,0 +1,133 @@
+"""GenerationService: proto <-> engine, validation, streaming, abort on cancel/deadline, status codes."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from pagedserve.service import rpc_status
+from pagedserve.service.engine_adapter import describe
+from pagedserve.service.lifecycle import SERVICE_NAME, ServingState
+from pagedserve.service.metrics import ServiceMetrics
+from pagedserve.service.requests import ModelFacts, to_engine_request
+from pagedserve.service.stream import RequestStream
+from pagedserve.service.wire import parse_request
+from pagedserve.v1 import generate_pb2 as pb
+from pagedserve.v1 import model_info_pb2, tokenize_pb2
+
+REQUEST_ID_METADATA = "x-request-id"
+_LONG_TEXT_CHARS = 16_384  # tokenize longer prompts off the event loop
+
+
+class GenerationServicer:
+    def __init__(self, state: ServingState, metrics: ServiceMetrics, max_message_bytes: int, model_name: str):
+        self.model_name = model_name
+        self.state = state
+        self.metrics = metrics
+        self.max_message_bytes = max_message_bytes
+        self.engine: Any = None  # set by attach() once the model is loaded
+        self.facts: ModelFacts | None = None
+        self.static_info = model_info_pb2.ModelInfoResponse()
+        self._active_ids: set[str] = set()
+        self._suffix = itertools.count(1)
+
+    def attach(self, engine: Any) -> None:
+        description = describe(engine, self.model_name, self.max_message_bytes)
+        self.engine, self.facts, self.static_info = engine, description.facts, description.info
+
+    def stats(self) -> Any:
+        """The engine's latest EngineStats, or None while the model loads."""
+        return self.engine.stats() if self.engine is not None else None
+
+    def rpc_handler(self) -> grpc.GenericRpcHandler:
+        """Handlers take raw bytes: wire.parse_request turns malformed input into INVALID_ARGUMENT."""
+        m, name = self.metrics, SERVICE_NAME
+        return grpc.method_handlers_generic_handler(name, {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                rpc_status.streaming(m, name, "Generate", self.generate),
+                response_serializer=pb.GenerateResponse.SerializeToString),
+            "Tokenize": grpc.unary_unary_rpc_method_handler(
+                rpc_status.unary(m, name, "Tokenize", self.tokenize),
+                response_serializer=tokenize_pb2.TokenizeResponse.SerializeToString),
+            "ModelInfo": grpc.unary_unary_rpc_method_handler(
+                rpc_status.unary(m, name, "ModelInfo", self.model_info),
+                response_serializer=model_info_pb2.ModelInfoResponse.SerializeToString),
+        })
+
+    # --- RPCs -------------------------------------------------------------------------------------------------
+
+    async def generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        request = parse_request(raw, pb.GenerateRequest, self.max_message_bytes)
+        self.state.check_admitting()
+        request_id = request.request_id or _metadata(context, REQUEST_ID_METADATA) or uuid.uuid4().hex
+        await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
+        if request.WhichOneof("input") == "text" and len(request.text) > _LONG_TEXT_CHARS:
+            engine_request = await asyncio.to_thread(to_engine_request, request, self.facts)
+        else:
+            engine_request = to_engine_request(request, self.facts)
+        with self.state.track(), self._engine_id(request_id) as engine_id:
+            stream = RequestStream(self.engine, engine_id, request_id, engine_request, self.metrics)
+            async for frame in stream.frames():
+                yield frame
+
+    async def tokenize(self, raw: bytes, context: grpc.aio.ServicerContext) -> tokenize_pb2.TokenizeResponse:
+        request = parse_request(raw, tokenize_pb2.TokenizeRequest, self.max_message_bytes)
+        self.state.check_ready()
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        tokenizer = self.engine.tokenizer
+        if not request.return_offsets:
+            return tokenize_pb2.TokenizeResponse(token_ids=tokenizer.encode(request.text, add_special))
+        ids, offsets = tokenizer.encode_with_offsets(request.text, add_special)
+        return tokenize_pb2.TokenizeResponse(token_ids=ids, offsets=utf8_offsets(request.text, offsets))
+
+    async def model_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> model_info_pb2.ModelInfoResponse:
+        parse_request(raw, model_info_pb2.ModelInfoRequest, self.max_message_bytes)
+        self.state.check_ready()
+        info = model_info_pb2.ModelInfoResponse()
+        info.CopyFrom(self.static_info)
+        s = self.engine.stats()
+        info.kv_cache.CopyFrom(model_info_pb2.KvCacheStats(
+            total_blocks=s.num_kv_blocks, free_blocks=s.num_free_kv_blocks, used_blocks=s.num_active_kv_blocks,
+            usage=s.kv_cache_usage,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits))
+        info.scheduler.CopyFrom(model_info_pb2.SchedulerStats(
+            running_requests=s.num_running, waiting_requests=s.num_waiting, num_preemptions=s.num_preemptions,
+            draining=self.state.draining))
+        return info
+
+    def _engine_id(self, request_id: str) -> _ActiveId:
+        # Retries may reuse x-request-id while the first attempt still runs; the engine needs unique ids.
+        engine_id = request_id if request_id not in self._active_ids else f"{request_id}#{next(self._suffix)}"
+        return _ActiveId(self._active_ids, engine_id)
+
+
+class _ActiveId:
+    def __init__(self, active: set[str], engine_id: str):
+        self.active, self.engine_id = active, engine_id
+
+    def __enter__(self) -> str:
+        self.active.add(self.engine_id)
+        return self.engine_id
+
+    def __exit__(self, *exc: object) -> None:
+        self.active.discard(self.engine_id)
+
+
+def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
+    for k, v in context.invocation_metadata() or ():
+        if k == key:
+            return v
+    return None
+
+
+def utf8_offsets(text: str, char_offsets: list[tuple[int, int]]) -> list[tokenize_pb2.Offset]:
+    """Character offsets -> UTF-8 byte offsets, the unit every client language can slice by."""
+    byte_at = [0]
+    for ch in text:
+        byte_at.append(byte_at[-1] + len(ch.encode("utf-8")))
+    return [tokenize_pb2.Offset(start=byte_at[s], end=byte_at[e]) for s, e in char_offsets]

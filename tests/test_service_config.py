@@ -1,0 +1,63 @@
+"""`pagedserve serve` flags -> EngineConfig / ServerConfig, without starting anything."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.errors import ConfigError
+from pagedserve.service.cli import build_parser, engine_config, parse_bytes, server_config
+
+
+def parse(*flags: str):
+    return build_parser().parse_args(["serve", *flags])
+
+
+def test_every_engine_config_field_has_a_flag():
+    assert {f.name for f in dataclasses.fields(EngineConfig)} <= set(vars(parse()))
+
+
+def test_engine_flags_reach_the_engine_config():
+    config = engine_config(parse("--kv-cache-memory", "512MiB", "--block-size", "32", "--max-num-seqs", "8",
+                                 "--no-enable-prefix-caching", "--kv-cache-dtype", "fp8_e4m3", "--max-model-len",
+                                 "1024"))
+    assert config.kv_cache_memory == 512 << 20 and config.block_size == 32 and config.max_num_seqs == 8
+    assert config.enable_prefix_caching is False and config.kv_cache_dtype == "fp8_e4m3"
+    assert config.max_model_len == 1024
+
+
+def test_unset_engine_flags_keep_engine_defaults():
+    assert engine_config(parse()) == EngineConfig()
+
+
+@pytest.mark.parametrize("text, expected", [("1024", 1024), ("2GiB", 2 << 30), ("1.5MiB", 3 << 19), ("10MB", 10**7)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+def test_invalid_engine_value_names_the_field():
+    with pytest.raises(ConfigError, match="block_size"):
+        engine_config(parse("--block-size", "7"))
+
+
+def test_tls_needs_both_cert_and_key(tmp_path):
+    cert = tmp_path / "c.pem"
+    cert.write_text("x")
+    with pytest.raises(ConfigError, match="tls"):
+        server_config(parse("--tls-cert", str(cert)))
+    with pytest.raises(ConfigError, match="not found"):
+        server_config(parse("--tls-cert", str(cert), "--tls-key", str(tmp_path / "missing.key")))
+
+
+def test_mesh_options_become_grpc_channel_args():
+    config = server_config(parse("--max-connection-age", "300", "--keepalive-time", "30",
+                                 "--max-message-bytes", "8MiB"))
+    options = dict(config.grpc_options())
+    assert options["grpc.max_connection_age_ms"] == 300_000
+    assert options["grpc.keepalive_time_ms"] == 30_000
+    assert options["grpc.keepalive_permit_without_calls"] == 1
+    # the transport cap sits above the servicer's limit so over-limit requests get a message naming the limit
+    assert options["grpc.max_receive_message_length"] > config.max_message_bytes == 8 << 20
+    assert "grpc.max_connection_age_ms" not in dict(server_config(parse()).grpc_options())
