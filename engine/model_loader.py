@@ -66,6 +66,7 @@ def load_model(
     with torch.device(device):
         model = factory(hf_config, quant, compute_dtype)
     kv_scales = _load_weights(model, model_dir)
+    model.fuse_projections()
     model.eval()
     logger.info("loaded %s (%s, %s, quantization=%s)", model_dir, type(model).__name__, compute_dtype, quant.describe())
     return LoadedModel(model, model_dir, hf_config, compute_dtype, quant, kv_scales)

@@ -56,6 +56,13 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features]."""
 
+    def merge(self, layers: list[nn.Module]) -> nn.Module | None:
+        """One layer whose output is the concatenation of `layers`' outputs for the same input, or None.
+
+        Fewer, larger matmuls matter on CPU, where small ones are dominated by per-call overhead.
+        """
+        return None
+
 
 class QuantConfig(ABC):
     """One quantization method's settings, parsed from config.json's `quantization_config`."""

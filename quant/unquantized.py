@@ -19,6 +19,23 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
+    def merge(self, layers: list[nn.Module]) -> nn.Module | None:
+        from pagedserve.quant.linear import QuantLinear
+
+        if not all(isinstance(layer.method, UnquantizedLinearMethod) for layer in layers):
+            return None
+        weight = torch.cat([layer.weight for layer in layers])
+        has_bias = any(layer.bias is not None for layer in layers)
+        merged = QuantLinear(layers[0].in_features, weight.shape[0], has_bias, UnquantizedLinearMethod(), weight.dtype)
+        merged.to(weight.device)
+        with torch.no_grad():
+            merged.weight.copy_(weight)
+            if has_bias:
+                merged.bias.copy_(torch.cat([
+                    layer.bias if layer.bias is not None else weight.new_zeros(layer.out_features) for layer in layers
+                ]))
+        return merged
+
 
 @QUANT_METHODS.register("none")
 class UnquantizedConfig(QuantConfig):

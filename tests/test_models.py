@@ -43,7 +43,7 @@ def test_tiny_model_greedy_matches_transformers(tmp_path, case):
 def test_qwen2_has_qkv_bias_and_no_o_bias(tmp_path):
     path = make_tiny_model(tmp_path, "Qwen2ForCausalLM")
     attn = LLM(str(path), dtype="float32").engine.loaded.model.model.layers[0].self_attn
-    assert attn.q_proj.bias is not None and attn.o_proj.bias is None
+    assert attn.qkv_proj.bias is not None and attn.o_proj.bias is None  # q/k/v fused after loading
 
 
 def test_unsupported_architecture_lists_supported(tmp_path):

@@ -85,12 +85,25 @@ class Attention(nn.Module):
         self.k_proj = linear("k_proj", args.hidden_size, kv_out, args.qkv_bias)
         self.v_proj = linear("v_proj", args.hidden_size, kv_out, args.qkv_bias)
         self.o_proj = linear("o_proj", q_out, args.hidden_size, args.o_bias)
+        self.qkv_proj: nn.Module | None = None
+        self.split_sizes = [q_out, kv_out, kv_out]
+
+    def fuse_projections(self) -> None:
+        """After loading: one q/k/v matmul instead of three, when the quant method can merge them."""
+        merged = self.q_proj.method.merge([self.q_proj, self.k_proj, self.v_proj])
+        if merged is not None:
+            self.qkv_proj = merged
+            del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         cache = ctx.kv_cache.layers[self.layer_index]
         write_kv(ctx.attn_impl, k, v, cache, ctx.attn_meta.slot_mapping)
@@ -105,9 +118,20 @@ class MLP(nn.Module):
         self.gate_proj = QuantLinear(h, i, b, quant.linear_method(f"{prefix}.gate_proj"), dtype)
         self.up_proj = QuantLinear(h, i, b, quant.linear_method(f"{prefix}.up_proj"), dtype)
         self.down_proj = QuantLinear(i, h, b, quant.linear_method(f"{prefix}.down_proj"), dtype)
+        self.gate_up_proj: nn.Module | None = None
+
+    def fuse_projections(self) -> None:
+        merged = self.gate_proj.method.merge([self.gate_proj, self.up_proj])
+        if merged is not None:
+            self.gate_up_proj = merged
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -149,6 +173,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = QuantLinear(args.hidden_size, args.vocab_size, False, quant.linear_method("lm_head"), dtype)
+
+    def fuse_projections(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
