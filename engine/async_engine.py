@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import EngineDeadError, InvalidRequestError, PagedServeError, QueueFullError
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.outputs import EngineStats, RequestOutput
+from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.sequence import now
 
@@ -76,6 +76,9 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    def describe(self) -> ModelDescription:
+        return self.engine.describe()
 
     @property
     def num_unfinished(self) -> int:

@@ -13,7 +13,9 @@ from pagedserve.engine.errors import CapacityError, InvalidRequestError
 from pagedserve.engine.model_loader import load_model
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.model_store import resolve_model
-from pagedserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from pagedserve.engine.outputs import (
+    CompletionOutput, EngineStats, ModelDescription, RequestMetrics, RequestOutput,
+)
 from pagedserve.engine.sampler import Sampler, SampledTokens, generator_for
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler
@@ -167,6 +169,20 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens,
         )
         return RequestOutput(state.request_id, state.prompt_token_ids, completions, state.finished, metrics)
+
+    def describe(self) -> ModelDescription:
+        architectures = self.loaded.hf_config.get("architectures") or [type(self.loaded.model).__name__]
+        return ModelDescription(
+            architecture=architectures[0],
+            quantization=self.loaded.quant.describe(),
+            dtype=str(self.loaded.dtype).removeprefix("torch."),
+            kv_cache_dtype=self.runner.kv_spec.dtype.value,
+            block_size=self.config.block_size,
+            max_model_len=self.max_model_len,
+            vocab_size=self.runner.vocab_size,
+            eos_token_ids=tuple(sorted(self.tokenizer.eos_token_ids)),
+            num_kv_blocks=self.block_manager.num_blocks,
+        )
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

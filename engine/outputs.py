@@ -67,3 +67,18 @@ class EngineStats:
     @property
     def kv_cache_usage(self) -> float:
         return self.num_active_kv_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDescription:
+    """What the engine serves, for ModelInfo-style endpoints."""
+
+    architecture: str
+    quantization: str
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    num_kv_blocks: int

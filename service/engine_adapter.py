@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from pagedserve.engine import AsyncEngine, EngineConfig
 from pagedserve.engine.sampling_params import MAX_LOGPROBS
@@ -27,22 +26,20 @@ async def load_engine(config: EngineConfig) -> AsyncEngine:
 
 
 def describe(engine: AsyncEngine, model_name: str, max_message_bytes: int) -> EngineDescription:
-    core: Any = engine.engine
     config: EngineConfig = engine.config
-    tokenizer = core.tokenizer
-    architectures = core.loaded.hf_config.get("architectures") or ["unknown"]
-    facts = ModelFacts(vocab_size=core.runner.vocab_size, max_context_length=core.max_model_len,
-                       encode=tokenizer.encode)
+    model = engine.describe()
+    facts = ModelFacts(vocab_size=model.vocab_size, max_context_length=model.max_model_len,
+                       encode=engine.tokenizer.encode)
     info = model_info_pb2.ModelInfoResponse(
         model=model_name,
-        architecture=architectures[0],
-        quantization=core.loaded.quant.describe(),
-        dtype=str(core.loaded.dtype).removeprefix("torch."),
-        kv_cache_dtype=core.runner.kv_spec.dtype.value,
-        block_size=config.block_size,
-        max_context_length=core.max_model_len,
-        vocab_size=core.runner.vocab_size,
-        eos_token_ids=sorted(tokenizer.eos_token_ids),
+        architecture=model.architecture,
+        quantization=model.quantization,
+        dtype=model.dtype,
+        kv_cache_dtype=model.kv_cache_dtype,
+        block_size=model.block_size,
+        max_context_length=model.max_model_len,
+        vocab_size=model.vocab_size,
+        eos_token_ids=list(model.eos_token_ids),
         limits=model_info_pb2.Limits(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_queued_requests=config.max_queued_requests, max_message_bytes=max_message_bytes,
