@@ -35,6 +35,11 @@ class ModelRunner:
         args = self.model.args
         self.vocab_size = args.vocab_size
         self.max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        window = loaded.hf_config.get("sliding_window")
+        if window and loaded.hf_config.get("use_sliding_window", True) and window < self.max_model_len:
+            # Attention here is always full; within the window full and sliding attention are identical.
+            logger.warning("sliding_window %d: capping the context at %d tokens", window, window)
+            self.max_model_len = window
         kv_dtype = KVDtype.parse(config.kv_cache_dtype, loaded.dtype)
         self.kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size, kv_dtype)
         num_blocks = self.kv_spec.num_blocks_for(config.kv_cache_memory)

@@ -72,3 +72,11 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path):
     save_file(broken, str(path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="k_proj.weight: shape"):
         LLM(str(path))
+
+
+def test_sliding_window_caps_the_context(tmp_path):
+    path = make_tiny_model(tmp_path, "MistralForCausalLM", sliding_window=48)
+    engine = LLM(str(path), dtype="float32").engine
+    assert engine.max_model_len == 48
+    with pytest.raises(Exception, match="context of 48"):
+        engine.add_request("long", list(range(100, 140)), SamplingParams(max_tokens=20))
