@@ -26,11 +26,26 @@ def quantize_for_cache(x: torch.Tensor, scale: torch.Tensor, dtype: KVDtype) -> 
     return scaled.clamp_(-limit, limit).to(dtype.torch_dtype)
 
 
+def _fp8_to_float(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """FP8 -> fp32 exactly, as (values, factor the values must still be multiplied by).
+
+    torch's CPU e4m3 -> fp32 cast is scalar code; moving the e4m3 bits into fp16's places (exponent and mantissa
+    fields aligned, so the fp16 reads 2^-8 times the value, subnormals included) converts vectorized, ~2x faster.
+    Only NaN differs (it reads as 480): stores clamp, so the cache never holds one.
+    """
+    if x.dtype == torch.float8_e4m3fn and x.device.type == "cpu":
+        bits = x.view(torch.uint8).to(torch.int16)
+        return (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).view(torch.float16).float(), 256.0
+    return x.float(), 1.0
+
+
 def dequantize_from_cache(x: torch.Tensor, scale: torch.Tensor, dtype: KVDtype, out_dtype: torch.dtype) -> torch.Tensor:
     """x [..., Hkv, D] in cache dtype -> out_dtype, multiplying FP8 values by their per-head scale."""
     if not dtype.is_fp8:
         return x.to(out_dtype)
-    return (x.float() * scale.view(*([1] * (x.dim() - 2)), -1, 1)).to(out_dtype)
+    values, factor = _fp8_to_float(x)
+    # scale * 2^8 is exact, so each product is rounded once, exactly like x.float() * scale.
+    return (values * (scale * factor).view(*([1] * (x.dim() - 2)), -1, 1)).to(out_dtype)
 
 
 def _store(cache_tensor: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:

@@ -8,11 +8,12 @@ switch: nothing here reads the environment.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
 
-from pagedserve.kernels.kv_cache import LayerKVCache
+from pagedserve.kernels.kv_cache import KVDtype, LayerKVCache
 from pagedserve.kernels.paged_attention import ATTENTION_IMPLS, AttentionImpl, AttentionMetadata
 
 
@@ -31,6 +32,11 @@ def kernels_interpreted() -> bool:
     return INTERPRETED
 
 
+@functools.cache
+def _capability(device_index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 class TritonAttention(AttentionImpl):
     def __init__(self) -> None:
         # Deferred so that importing pagedserve.kernels never imports triton.
@@ -41,19 +47,25 @@ class TritonAttention(AttentionImpl):
         self._write_kv = triton_write_kv
         self._interpreted = kernels_interpreted()
 
-    def _check_device(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type != "cuda" and not self._interpreted:
+    def _check_device(self, tensor: torch.Tensor, cache: LayerKVCache) -> None:
+        if tensor.device.type != "cuda":
+            if not self._interpreted:
+                raise TritonUnavailableError(
+                    f"triton attention got {tensor.device.type} tensors but its kernels are compiled for the GPU; use "
+                    "attention_backend='torch' on CPU (or TRITON_INTERPRET=1 before triton is imported, for tests)"
+                )
+        elif cache.dtype == KVDtype.FP8_E4M3 and _capability(tensor.device.index) < (8, 9):
             raise TritonUnavailableError(
-                f"triton attention got {tensor.device.type} tensors but its kernels are compiled for the GPU; "
-                "use attention_backend='torch' on CPU (or TRITON_INTERPRET=1 before triton is imported, for tests)"
+                "an fp8_e4m3 KV cache needs compute capability >= 8.9 (Ada, Hopper) for Triton's e4m3 conversions; "
+                "use kv_cache_dtype=fp8_e5m2 on this GPU"
             )
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
-        self._check_device(key)
+        self._check_device(key, cache)
         self._write_kv(key, value, cache, slot_mapping)
 
     def attention(self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        self._check_device(query)
+        self._check_device(query, cache)
         return self._attention(query, cache, meta, scale)
 
 
