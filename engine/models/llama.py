@@ -103,7 +103,7 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim).contiguous()  # a view into the fused qkv output
         q, k = rotary(positions, q, k)
         cache = ctx.kv_cache.layers[self.layer_index]
         write_kv(ctx.attn_impl, k, v, cache, ctx.attn_meta.slot_mapping)
