@@ -53,6 +53,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
+        self.num_aborted_requests = 0
 
     # -- admission ------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -111,6 +112,7 @@ class LLMEngine:
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
+        self.num_aborted_requests += 1
         for seq in state.seqs:
             seq.pending_forks = 0
             if not seq.is_finished:
@@ -195,6 +197,7 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            num_aborted_requests=self.num_aborted_requests,
             block_size=self.config.block_size,
             max_model_len=self.max_model_len,
         )

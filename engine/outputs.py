@@ -61,6 +61,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_aborted_requests: int  # unfinished requests stopped by abort_request (cancel, deadline, shutdown)
     block_size: int
     max_model_len: int
 

@@ -51,6 +51,8 @@ class EngineStatsCollector(Collector):
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Sequences preempted (KV blocks reclaimed, recomputed later).",
                       s.num_preemptions)
+        yield counter("pagedserve:requests_aborted", "Unfinished requests aborted in the engine (cancel, deadline).",
+                      s.num_aborted_requests)
 
 
 class ServiceMetrics:

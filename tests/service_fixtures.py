@@ -180,3 +180,12 @@ def engine_idle(channel: grpc.Channel) -> bool:
     info = model_info(channel)
     return (info.scheduler.running_requests == 0 and info.scheduler.waiting_requests == 0
             and info.kv_cache.used_blocks == 0)
+
+
+def metric_value(server: ServerProcess, name: str) -> float:
+    """Sum of a Prometheus metric's samples (all label sets) scraped from the server's metrics port."""
+    import urllib.request
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
