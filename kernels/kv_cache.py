@@ -91,6 +91,8 @@ class LayerKVCache:
 
     k_scale/v_scale: [num_kv_heads] fp32, the dequantization scales (stored = real / scale).
     A per-tensor scale is the same value repeated; non-fp8 caches keep ones and ignore them.
+    k_rotation: an orthogonal [head_dim, head_dim] matrix R, or None. When set, the entry points store K @ R and
+    attend with Q @ R (Q.K is unchanged), which spreads K's outlier channels before FP8 rounding.
     """
 
     k: torch.Tensor
@@ -98,6 +100,7 @@ class LayerKVCache:
     k_scale: torch.Tensor
     v_scale: torch.Tensor
     dtype: KVDtype
+    k_rotation: torch.Tensor | None = None
 
 
 class KVCache:
@@ -120,6 +123,16 @@ class KVCache:
             )
             for _ in range(spec.num_layers)
         ]
+
+    def set_k_rotation(self, rotation: torch.Tensor | None) -> None:
+        """Install one orthogonal [head_dim, head_dim] K rotation for every layer (None removes it)."""
+        if rotation is not None:
+            d = self.spec.head_dim
+            if rotation.shape != (d, d):
+                raise KVCacheConfigError("k_rotation", f"shape {tuple(rotation.shape)}, expected ({d}, {d})")
+            rotation = rotation.to(device=self.layers[0].k.device, dtype=torch.float32)
+        for entry in self.layers:
+            entry.k_rotation = rotation
 
     def set_scales(self, layer: int, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
         """Install per-tensor (scalar) or per-KV-head ([num_kv_heads]) scales for one layer."""

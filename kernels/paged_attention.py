@@ -82,6 +82,8 @@ def write_kv(
 ) -> None:
     """Store new K/V ([T, Hkv, D] each) into their cache slots, quantizing when the cache is FP8."""
     _check_kv(key, value, cache, slot_mapping)
+    if cache.k_rotation is not None:
+        key = key @ cache.k_rotation.to(key.dtype)
     impl.write_kv(key, value, cache, slot_mapping)
 
 
@@ -94,6 +96,8 @@ def paged_attention(
     assert num_tokens == meta.num_tokens, f"query has {num_tokens} tokens, metadata {meta.num_tokens}"
     assert num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads} KV heads"
     assert cache.k.shape[3] == head_dim, f"cache head_dim {cache.k.shape[3]} != query head_dim {head_dim}"
+    if cache.k_rotation is not None:
+        query = query @ cache.k_rotation.to(query.dtype)  # (Q R).(K R) = Q.K: the cache holds K R
     out = impl.attention(query, cache, meta, scale)
     assert out.shape == query.shape and out.dtype == query.dtype
     return out

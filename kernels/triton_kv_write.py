@@ -22,7 +22,7 @@ from pagedserve.kernels.kv_cache import KVDtype, LayerKVCache
 @triton.jit
 def _kv_write_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
-    stride_in_tok, stride_in_head, stride_c_block, stride_c_pos, stride_c_head,
+    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_c_block, stride_c_pos, stride_c_head,
     fp8_max,
     NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -33,10 +33,14 @@ def _kv_write_kernel(
     src_ptr = key_ptr
     dst_ptr = k_cache_ptr
     scale_ptr = k_scale_ptr
+    stride_tok = stride_k_tok
+    stride_head = stride_k_head
     if tl.program_id(1) == 1:
         src_ptr = value_ptr
         dst_ptr = v_cache_ptr
         scale_ptr = v_scale_ptr
+        stride_tok = stride_v_tok
+        stride_head = stride_v_head
     slot = tl.load(slot_mapping_ptr + tok)
     if slot < 0:
         return
@@ -44,7 +48,7 @@ def _kv_write_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     head_ok = offs_h < NUM_KV_HEADS
     ok = head_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    src_off = tok * stride_in_tok + offs_h.to(tl.int64)[:, None] * stride_in_head + offs_d[None, :]
+    src_off = tok * stride_tok + offs_h.to(tl.int64)[:, None] * stride_head + offs_d[None, :]
     dst_off = (slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_pos
     dst_off = dst_off + offs_h.to(tl.int64)[:, None] * stride_c_head + offs_d[None, :]
     x = tl.load(src_ptr + src_off, mask=ok, other=0.0)
@@ -81,7 +85,7 @@ def triton_write_kv(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    assert key.stride() == value.stride() and key.stride(2) == 1, "key/value must share a layout, last dim contiguous"
+    assert key.stride(2) == 1 and value.stride(2) == 1, "key/value need a contiguous last dim"
     assert key.dtype == value.dtype and cache.k.dtype == cache.v.dtype
     assert cache.k.stride() == cache.v.stride() and cache.k.stride(3) == 1, "K and V caches must share a layout"
     if round_in_fp32 is None:
@@ -89,7 +93,8 @@ def triton_write_kv(
     finfo = torch.finfo(cache.dtype.torch_dtype)
     _kv_write_kernel[(num_tokens, 2)](
         key, value, cache.k, cache.v, cache.k_scale, cache.v_scale, slot_mapping,
-        key.stride(0), key.stride(1), cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
         cache.dtype.fp8_max if cache.dtype.is_fp8 else 0.0,
         NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=cache.k.shape[1],

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's llama-server from the sources vendored in the llama-cpp-python sdist,
+# into the peers cache (never in CI). Niced and -j2 because the 2 cores are shared.
+set -euo pipefail
+CACHE="${PAGEDSERVE_PEERS_CACHE:-/root/.cache/pagedserve-peers}"
+VERSION=0.3.36
+SRC="$CACHE/llama-cpp-python-$VERSION"
+BUILD="$CACHE/llama-build"
+JOBS="${JOBS:-2}"
+mkdir -p "$CACHE"
+if [ -x "$BUILD/bin/llama-server" ]; then echo "llama-server already built: $BUILD/bin/llama-server"; exit 0; fi
+if [ ! -d "$SRC" ]; then
+  python3 -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$CACHE/sdist"
+  tar -xzf "$CACHE/sdist/llama_cpp_python-$VERSION.tar.gz" -C "$CACHE"
+  [ -d "$SRC" ] || mv "$CACHE/llama_cpp_python-$VERSION" "$SRC"
+fi
+nice -n 10 cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
+  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=ON \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF
+nice -n 10 cmake --build "$BUILD" --target llama-server -j "$JOBS"
+ls -la "$BUILD/bin/llama-server"

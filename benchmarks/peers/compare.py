@@ -1,0 +1,150 @@
+"""The whole side-by-side comparison in one command (never in CI):
+
+    benchmarks/peers/setup.sh                       # once: vLLM venv, llama-server, GGUF files
+    python benchmarks/peers/compare.py              # fp32 + bf16, 3 interleaved repeats, Poisson runs
+    python benchmarks/peers/compare.py --quick      # a few minutes, a smoke test of the harness
+
+For each dtype and each mode (in-process, then over the wire) it starts every system,
+warms it up, runs the identical seeded workload through them in a rotating order
+`--repeats` times, then one Poisson-arrival run per system at `--poisson-load` times
+that system's measured saturation rate; medians, ratios and a roofline entry go to
+JSON, and report.py renders docs/benchmarks.md (+ a PNG plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+from metrics import median_result, ratios, summarize, token_agreement  # noqa: E402
+from roofline import ModelShape, measure_peaks, roofline_entry, workload_flops  # noqa: E402
+from workload import WorkloadConfig, add_workload_args, build_workload, workload_config_from_args  # noqa: E402
+
+import drivers  # noqa: E402
+import report  # noqa: E402
+
+REPO = HERE.parent.parent
+QUICK = WorkloadConfig(num_requests=16, prompt_len_min=32, prompt_len_max=128, output_len_min=8,
+                       output_len_max=32)
+# (ours, theirs) pairs whose ratios the issue asks for; like is compared with like.
+PAIRS = [("pagedserve", "vllm"), ("pagedserve", "hf_cb"), ("pagedserve", "hf_static"),
+         ("pagedserve", "llama-server"), ("pagedserve", "vllm-http"),
+         ("pagedserve-grpc", "vllm-http"), ("pagedserve-grpc", "llama-server"),
+         ("pagedserve-grpc", "pagedserve")]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(p)
+    p.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2-135M)")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument("--systems", nargs="+", default=list(drivers.SYSTEMS), choices=list(drivers.SYSTEMS))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--poisson-load", type=float, default=0.9, help="0 disables the Poisson runs")
+    p.add_argument("--vllm-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND for vLLM")
+    p.add_argument("--quick", action="store_true", help="16 small requests, 1 repeat, no Poisson")
+    p.add_argument("--out-json", type=Path, default=REPO / "docs" / "benchmarks.json")
+    p.add_argument("--out-md", type=Path, default=REPO / "docs" / "benchmarks.md")
+    p.add_argument("--log-dir", type=Path, default=drivers.servers.CACHE / "logs")
+    return p.parse_args()
+
+
+def log(msg: str) -> None:
+    print(time.strftime("%H:%M:%S"), msg, file=sys.stderr, flush=True)
+
+
+def run_phase(names: list[str], spec: drivers.DriverSpec, config: WorkloadConfig, repeats: int,
+              poisson_load: float) -> tuple[dict, dict, dict]:
+    """Starts the systems of one mode, interleaves the repeats, then the Poisson runs."""
+    live: dict[str, drivers.Driver] = {}
+    runs: dict[str, list] = {n: [] for n in names}
+    timings: dict[str, list] = {}
+    poisson: dict[str, dict] = {}
+    prompt_tokens = build_workload(config).num_prompt_tokens
+    try:
+        for name in names:
+            log(f"[{spec.dtype}] starting {name}")
+            live[name] = drivers.start(name, spec)
+        for rep in range(repeats):
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                t, peak, extra = live[name].run(config)
+                res = summarize(name, spec.dtype, t, prompt_tokens, peak, extra)
+                runs[name].append(res)
+                timings[name] = t
+                log(f"[{spec.dtype}] rep {rep + 1} {name}: {res.output_tok_s:.1f} out tok/s, "
+                    f"TTFT p50 {res.ttft_p50_s:.2f} s, ITL p50 {res.itl_p50_ms:.0f} ms")
+        for name in names if poisson_load > 0 else []:
+            if name == "hf_static":  # one padded batch has no notion of arrivals
+                continue
+            med = median_result(runs[name])
+            rate = poisson_load * config.num_requests / med["duration_s"]
+            pconfig = dataclasses.replace(config, arrival="poisson", rate=rate)
+            t, peak, extra = live[name].run(pconfig)
+            res = summarize(name, spec.dtype, t, prompt_tokens, peak, extra).to_dict()
+            poisson[name] = {**res, "rate_req_s": rate, "load": poisson_load}
+            log(f"[{spec.dtype}] poisson {rate:.2f} req/s {name}: {res['output_tok_s']:.1f} out tok/s, "
+                f"TTFT p50 {res['ttft_p50_s']:.2f} s")
+    finally:
+        for name, driver in live.items():
+            driver.close()
+    return runs, timings, poisson
+
+
+def run_dtype(args, spec: drivers.DriverSpec, config: WorkloadConfig, repeats: int, flops: float,
+              peaks: dict) -> dict:
+    runs, timings, poisson = {}, {}, {}
+    for mode in ("in-process", "wire"):
+        names = [n for n in args.systems if drivers.SYSTEMS[n][0] == mode]
+        if names:
+            r, t, p = run_phase(names, spec, config, repeats, 0 if args.quick else args.poisson_load)
+            runs.update(r), timings.update(t), poisson.update(p)
+    medians = {n: median_result(rs) for n, rs in runs.items()}
+    section = {"median": medians, "runs": {n: [r.to_dict() for r in rs] for n, rs in runs.items()},
+               "poisson": poisson, "ratios": {}, "token_agreement": {}}
+    for ours, theirs in PAIRS:
+        section["ratios"].update(ratios(medians, ours, [theirs]))
+        if ours in timings and theirs in timings:
+            section["token_agreement"][f"{ours}_vs_{theirs}"] = token_agreement(timings[ours], timings[theirs])
+    if peaks:
+        section["roofline"] = {n: roofline_entry(flops, m["duration_s"], peaks, spec.dtype)
+                               for n, m in medians.items()}
+    return section
+
+
+def main() -> None:
+    args = parse_args()
+    from pagedserve.engine.model_store import resolve_model
+
+    model_dir = str(resolve_model(args.model))
+    config = QUICK if args.quick else workload_config_from_args(args)
+    repeats = 1 if args.quick else args.repeats
+    workload = build_workload(config)
+    flops = workload_flops(ModelShape.from_hf_config(model_dir),
+                           [(len(r.prompt_token_ids), r.max_tokens) for r in workload.requests])
+    log("measuring the matmul peak (1 and 2 threads, fp32 and bf16)")
+    peaks = measure_peaks((1, 2))
+    out = {"meta": {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model_dir,
+                    "workload": workload.summary(), "repeats": repeats, "threads": args.threads,
+                    "vllm_bind": args.vllm_bind, "useful_tflop": flops / 1e12, "matmul_peak_gflops": peaks,
+                    "systems": {n: drivers.SYSTEMS[n][0] for n in args.systems}, "quick": args.quick},
+           "results": {}}
+    for dtype in args.dtypes:
+        spec = drivers.DriverSpec(model_dir, dtype, args.threads, args.log_dir, args.vllm_bind)
+        out["results"][dtype] = run_dtype(args, spec, config, repeats, flops, peaks)
+        args.out_json.write_text(json.dumps(out, indent=2))  # partial results survive a crash
+    out["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    args.out_json.write_text(json.dumps(out, indent=2))
+    report.write_report(out, args.out_md, args.out_json)
+    log(f"wrote {args.out_json} and {args.out_md}")
+
+
+if __name__ == "__main__":
+    main()

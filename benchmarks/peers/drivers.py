@@ -1,0 +1,124 @@
+"""Every compared system behind one interface: start warm, run a workload, close.
+
+In-process systems live in warm worker processes (worker_protocol); servers are driven
+over their own wire protocol (our gRPC, their OpenAI HTTP). `SYSTEMS` names them all.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+from metrics import RequestTiming
+from workload import WorkloadConfig, build_workload
+
+import servers
+from grpc_client import run_grpc
+from http_client import Endpoint, run_http
+
+BENCH_DIR = Path(__file__).resolve().parent.parent
+# Warm-up for servers (workers warm themselves up): compiles/caches every path once.
+WARMUP = WorkloadConfig(num_requests=4, prompt_len_min=16, prompt_len_max=48, output_len_min=4,
+                        output_len_max=8, seed=99)
+
+
+@dataclass(frozen=True, slots=True)
+class DriverSpec:
+    model_dir: str
+    dtype: str
+    threads: int
+    log_dir: Path
+    vllm_bind: str = "auto"
+    vllm_kv_gib: int = 2
+
+
+class Driver(Protocol):
+    name: str
+    mode: str  # "in-process" or "wire"
+
+    def run(self, config: WorkloadConfig) -> tuple[list[RequestTiming], int | None, dict]: ...
+
+    def close(self) -> None: ...
+
+
+class WorkerDriver:
+    mode = "in-process"
+
+    def __init__(self, name: str, argv: list[str], env: dict | None, log: Path) -> None:
+        from worker_protocol import WorkerClient
+
+        self.name = name
+        self.client = WorkerClient(argv, env=env, log_path=str(log))
+
+    def run(self, config):
+        return self.client.run(config)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class ServerDriver:
+    mode = "wire"
+
+    def __init__(self, name: str, server: servers.Server, send: Callable) -> None:
+        self.name, self.server, self._send = name, server, send
+        self._send(build_workload(WARMUP))
+
+    def run(self, config):
+        return self._send(build_workload(config)), None, {}
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+def _our_worker(system: str) -> Callable[[DriverSpec], Driver]:
+    def make(spec: DriverSpec) -> Driver:
+        argv = [sys.executable, str(BENCH_DIR / "worker.py"), system, "--model", spec.model_dir,
+                "--dtype", spec.dtype, "--threads", str(spec.threads)]
+        return WorkerDriver(system, argv, None, spec.log_dir / f"{system}-{spec.dtype}.log")
+    return make
+
+
+def _vllm_offline(spec: DriverSpec) -> Driver:
+    argv = [str(servers.VLLM_PYTHON), str(BENCH_DIR / "peers" / "vllm_worker.py"), "--model", spec.model_dir,
+            "--dtype", spec.dtype]
+    env = servers.vllm_env(spec.vllm_kv_gib, spec.vllm_bind)
+    return WorkerDriver("vllm", argv, env, spec.log_dir / f"vllm-offline-{spec.dtype}.log")
+
+
+def _vllm_http(spec: DriverSpec) -> Driver:
+    server = servers.start_vllm(spec.model_dir, spec.dtype, spec.log_dir, spec.vllm_kv_gib, spec.vllm_bind)
+    endpoint = Endpoint(server.target + "/v1/completions", "model", (("return_token_ids", True),))
+    return ServerDriver("vllm-http", server, lambda w: run_http(endpoint, w))
+
+
+def _llama_server(spec: DriverSpec) -> Driver:
+    server = servers.start_llama_server(spec.model_dir, spec.dtype, spec.log_dir, spec.threads)
+    # cache_prompt off: repeats replay the same prompts (the other systems run without prefix caching too)
+    endpoint = Endpoint(server.target + "/v1/completions", "model",
+                        (("cache_prompt", False), ("return_tokens", True)))
+    return ServerDriver("llama-server", server, lambda w: run_http(endpoint, w))
+
+
+def _pagedserve_grpc(spec: DriverSpec) -> Driver:
+    server = servers.start_pagedserve(spec.model_dir, spec.dtype, spec.log_dir, spec.threads)
+    return ServerDriver("pagedserve-grpc", server, lambda w: run_grpc(server.target, w))
+
+
+SYSTEMS: dict[str, tuple[str, Callable[[DriverSpec], Driver]]] = {
+    "pagedserve": ("in-process", _our_worker("pagedserve")),
+    "vllm": ("in-process", _vllm_offline),
+    "hf_cb": ("in-process", _our_worker("hf_cb")),
+    "hf_static": ("in-process", _our_worker("hf_static")),
+    "pagedserve-grpc": ("wire", _pagedserve_grpc),
+    "vllm-http": ("wire", _vllm_http),
+    "llama-server": ("wire", _llama_server),
+}
+
+
+def start(name: str, spec: DriverSpec) -> Driver:
+    if name not in SYSTEMS:
+        raise ValueError(f"unknown system {name!r}; supported: {', '.join(SYSTEMS)}")
+    return SYSTEMS[name][1](spec)

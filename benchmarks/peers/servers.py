@@ -1,0 +1,130 @@
+"""Start, health-check and stop the servers we compare: vLLM's OpenAI server, llama.cpp's
+llama-server and pagedserve's gRPC server. Each runs in its own process group so that
+stopping it also stops its children (vLLM's engine core, workers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE = Path(os.environ.get("PAGEDSERVE_PEERS_CACHE", "/root/.cache/pagedserve-peers"))
+VLLM_PYTHON = CACHE / "vllm-venv" / "bin" / "python"
+LLAMA_SERVER = CACHE / "llama-build" / "bin" / "llama-server"
+GGUF_DIR = CACHE / "gguf"
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_env(kv_gib: int, bind: str) -> dict:
+    """bind: VLLM_CPU_OMP_THREADS_BIND ('auto' = vLLM's choice: on this 2-core machine
+    it reserves one core for the frontend and computes on the other)."""
+    return dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
+                VLLM_CPU_OMP_THREADS_BIND=bind, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen
+    target: str  # http://host:port or host:port (gRPC)
+    log_path: Path
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)  # the group of the process we started
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _spawn(name: str, argv: list[str], env: dict | None, log_dir: Path) -> tuple[subprocess.Popen, Path]:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    log = open(log_path, "ab")
+    # cwd outside the repo: `python -m` puts cwd on sys.path, and the repo root there
+    # would make engine/, kernels/ importable top-level beside the pagedserve namespace
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=log_dir,
+                            start_new_session=True)
+    return proc, log_path
+
+
+def _wait_http(server: Server, path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{server.name} exited ({server.proc.returncode}); see {server.log_path}")
+        try:
+            with urllib.request.urlopen(server.target + path, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    server.stop()
+    raise TimeoutError(f"{server.name} not healthy after {timeout:.0f} s; see {server.log_path}")
+
+
+def start_vllm(model_dir: str, dtype: str, log_dir: Path, kv_gib: int = 2, bind: str = "auto",
+               timeout: float = 900) -> Server:
+    port = free_port()
+    argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+            "--served-model-name", "model", "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
+            "--max-model-len", "2048", "--no-enable-prefix-caching", "--disable-uvicorn-access-log",
+            "--seed", "0"]
+    proc, log = _spawn(f"vllm-server-{dtype}", argv, vllm_env(kv_gib, bind), log_dir)
+    server = Server("vllm-server", proc, f"http://127.0.0.1:{port}", log)
+    _wait_http(server, "/health", timeout)
+    return server
+
+
+def start_llama_server(model_dir: str, dtype: str, log_dir: Path, threads: int = 2, parallel: int = 64,
+                       ctx_per_slot: int = 512, timeout: float = 300) -> Server:
+    gguf = GGUF_DIR / f"{Path(model_dir).name}-{GGUF_TYPES[dtype]}.gguf"
+    if not gguf.is_file():
+        raise FileNotFoundError(f"{gguf} missing: run benchmarks/peers/convert_gguf.sh {model_dir}")
+    port = free_port()
+    argv = [str(LLAMA_SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-c", str(parallel * ctx_per_slot),
+            "--cont-batching", "--no-webui", "-a", "model"]
+    proc, log = _spawn(f"llama-server-{dtype}", argv, None, log_dir)
+    server = Server("llama-server", proc, f"http://127.0.0.1:{port}", log)
+    _wait_http(server, "/health", timeout)
+    return server
+
+
+def start_pagedserve(model_dir: str, dtype: str, log_dir: Path, threads: int = 2,
+                     timeout: float = 300) -> Server:
+    ready = log_dir / f"pagedserve-{dtype}.ready.json"
+    ready.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "pagedserve.service", "serve", "--model", model_dir, "--dtype", dtype,
+            "--port", "0", "--host", "127.0.0.1", "--num-threads", str(threads),
+            "--no-enable-prefix-caching", "--ready-file", str(ready), "--log-level", "WARNING"]
+    proc, log = _spawn(f"pagedserve-server-{dtype}", argv, None, log_dir)
+    deadline = time.monotonic() + timeout
+    while not ready.is_file():
+        if proc.poll() is not None:
+            raise RuntimeError(f"pagedserve server exited ({proc.returncode}); see {log}")
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise TimeoutError(f"pagedserve server not ready after {timeout:.0f} s; see {log}")
+        time.sleep(0.5)
+    time.sleep(0.2)  # the file may be mid-write on the first poll
+    port = json.loads(ready.read_text())["port"]
+    return Server("pagedserve-grpc", proc, f"127.0.0.1:{port}", log)

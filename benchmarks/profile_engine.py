@@ -1,0 +1,102 @@
+"""Where pagedserve's step time goes, on the benchmark workload (never in CI).
+
+    python benchmarks/profile_engine.py                    # phase breakdown + top torch ops, fp32
+    python benchmarks/profile_engine.py --dtype bfloat16 --num-requests 32
+    py-spy record -o /tmp/ps.svg -- python benchmarks/profile_engine.py --no-torch-profiler
+
+Phases are timed by wrapping the engine's own components (scheduler.schedule,
+runner.prepare, model forward, compute_logits, sampler) on this instance only; "other"
+is the rest of step() (token bookkeeping, detokenization, stop checks, outputs).
+The torch profiler table lists operators by self CPU time, with prefill-heavy and
+decode-only steps kept apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pagedserve_runner import make_engine, run_engine  # noqa: E402
+from systems import WARMUP  # noqa: E402
+from workload import add_workload_args, build_workload, workload_config_from_args  # noqa: E402
+
+
+class PhaseTimer:
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def wrap(self, obj, attr: str, label: str) -> None:
+        inner = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.total[label] += time.perf_counter() - t0
+                self.calls[label] += 1
+
+        setattr(obj, attr, timed)
+
+
+def instrument(engine) -> PhaseTimer:
+    timer = PhaseTimer()
+    timer.wrap(engine, "step", "step (all)")
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(engine.runner, "prepare", "prepare inputs")
+    timer.wrap(engine.runner.model, "forward", "model forward")
+    timer.wrap(engine.runner.model, "compute_logits", "lm head")
+    timer.wrap(engine, "sampler", "sample")
+    return timer
+
+
+def phase_report(timer: PhaseTimer, wall: float) -> dict:
+    step = timer.total["step (all)"]
+    inner = sum(v for k, v in timer.total.items() if k != "step (all)")
+    rows = {k: {"s": round(v, 3), "pct_of_step": round(100 * v / step, 1), "calls": timer.calls[k]}
+            for k, v in timer.total.items()}
+    rows["other (in step)"] = {"s": round(step - inner, 3), "pct_of_step": round(100 * (step - inner) / step, 1)}
+    rows["outside step (driver loop, stats)"] = {"s": round(wall - step, 3)}
+    return rows
+
+
+def torch_profile(engine, workload, top: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+        run_engine(engine, workload)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(parser)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-torch-profiler", action="store_true")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    workload = build_workload(workload_config_from_args(args))
+    engine = make_engine(args.model, args.dtype, args.threads, enable_prefix_caching=False)
+    run_engine(engine, build_workload(WARMUP))
+    timer = instrument(engine)
+    t0 = time.perf_counter()
+    result = run_engine(engine, workload)
+    wall = time.perf_counter() - t0
+    out_tokens = sum(t.num_output_tokens for t in result.timings)
+    print(json.dumps({"wall_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 1),
+                      "steps": result.extra["steps"], "phases": phase_report(timer, wall)}, indent=2))
+    if not args.no_torch_profiler:
+        print(torch_profile(engine, workload, args.top))
+
+
+if __name__ == "__main__":
+    main()

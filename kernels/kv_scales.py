@@ -1,0 +1,210 @@
+"""FP8 KV-cache scales: read from the checkpoint when it has them, otherwise calibrated from the first prefill.
+
+A scale is a dequantization factor: stored = real / scale, real = stored * scale (vLLM's and
+compressed-tensors' convention). Accepted checkpoint names, for layer N (prefix `model.layers.N.self_attn`):
+  .k_scale / .v_scale                  llm-compressor / compressed-tensors `kv_cache_scheme`, vLLM-style
+  .attn.k_scale / .attn.v_scale        vLLM's own module naming
+  .k_proj.k_scale / .v_proj.v_scale    NVIDIA ModelOpt
+  .k_proj.output_scale / .v_proj.output_scale   older llm-compressor (output activation scales)
+  .kv_scale                            deprecated AutoFP8: one scale for both K and V
+Each may be per tensor (1 value), per KV head (num_kv_heads values, any shape) or per output channel
+(num_kv_heads * head_dim values, reduced to the per-head max so no channel clips).
+
+Calibration (when the checkpoint has none): the first write into each layer's cache (the first scheduled batch,
+which always holds prefill tokens) sets, per KV head, scale = headroom * amax(|x|) / fp8_max over all of that
+batch's tokens and channels. Scales never change afterwards, because values already stored depend on them.
+FP8 is floating point: its relative precision is the same at every magnitude, so headroom costs nothing until
+values fall below the smallest normal, while a value past the range clamps. The default headroom of 16 puts the
+calibration maximum four binades below fp8_max (a first prompt can be three tokens long), and for e4m3 still keeps
+every value above amax / 1792 normal. Measured on SmolLM2-135M: headroom 2 and 16 give the same KL divergence
+from fp16; with 2, a 512-token text already reached 87% of the range after a 44-token chat prompt calibrated.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels.kv_cache import KVCache, KVCacheConfigError, KVDtype, LayerKVCache
+from pagedserve.kernels.paged_attention import AttentionImpl, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HEADROOM = 16.0
+_MIN_AMAX = 1e-6  # an all-zero head still needs a positive scale
+_NAME = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.self_attn\."
+    r"(k_scale|v_scale|attn\.k_scale|attn\.v_scale|k_proj\.k_scale|v_proj\.v_scale"
+    r"|k_proj\.output_scale|v_proj\.output_scale|kv_scale)$"
+)
+
+
+class KVScaleError(KVCacheConfigError):
+    """Checkpoint KV scales are incomplete or malformed; the message names the tensor."""
+
+    def __init__(self, message: str):
+        super().__init__(f"kv scales: {message}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVScales:
+    """Per-layer dequantization scales, each [1] (per tensor) or [num_kv_heads], fp32."""
+
+    k: tuple[torch.Tensor, ...]
+    v: tuple[torch.Tensor, ...]
+    source: str  # where they came from, for the log line
+
+    def __post_init__(self) -> None:
+        if len(self.k) != len(self.v):
+            raise KVScaleError(f"{len(self.k)} k scales but {len(self.v)} v scales")
+
+    @property
+    def granularity(self) -> str:
+        return "per-tensor" if all(t.numel() == 1 for t in self.k + self.v) else "per-KV-head"
+
+    def install(self, cache: KVCache) -> None:
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            cache.set_scales(layer, k, v)
+
+
+def _per_head(name: str, tensor: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    flat = tensor.detach().to(torch.float32).reshape(-1)
+    if flat.numel() == num_kv_heads * head_dim and flat.numel() not in (1, num_kv_heads):
+        flat = flat.view(num_kv_heads, head_dim).amax(dim=1)
+    if flat.numel() not in (1, num_kv_heads):
+        raise KVScaleError(f"{name}: {tensor.numel()} values; expected 1, {num_kv_heads} or {num_kv_heads * head_dim}")
+    if not bool(torch.isfinite(flat).all()) or bool((flat <= 0).any()):
+        raise KVScaleError(f"{name}: scales must be finite and > 0")
+    return flat
+
+
+def scales_from_checkpoint(
+    tensors: Mapping[str, torch.Tensor], num_layers: int, num_kv_heads: int, head_dim: int
+) -> KVScales | None:
+    """None when the checkpoint carries no K/V scales; an error when it carries some but not all layers'."""
+    found: dict[tuple[int, str], tuple[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        match = _NAME.search(name)
+        if match is None:
+            continue
+        layer, kind = int(match.group(1)), match.group(2)
+        targets = ("k", "v") if kind == "kv_scale" else (kind.removeprefix("attn.")[0],)
+        for target in targets:
+            found.setdefault((layer, target), (name, tensor))
+    if not found:
+        return None
+    k, v = [], []
+    for layer in range(num_layers):
+        for target, out in (("k", k), ("v", v)):
+            if (layer, target) not in found:
+                raise KVScaleError(f"layer {layer} has no {target}_scale but other layers do")
+            out.append(_per_head(*found[(layer, target)], num_kv_heads, head_dim))
+    extra = sorted({layer for layer, _ in found} - set(range(num_layers)))
+    if extra:
+        raise KVScaleError(f"scales for layer {extra[0]}, but the model has {num_layers} layers")
+    return KVScales(tuple(k), tuple(v), source="checkpoint")
+
+
+def calibrate_scales(x: torch.Tensor, dtype: KVDtype, headroom: float = DEFAULT_HEADROOM) -> torch.Tensor:
+    """x [T, Hkv, D] -> per-head scales [Hkv] = headroom * amax / fp8_max."""
+    amax = x.detach().float().abs().amax(dim=(0, 2)).clamp_min(_MIN_AMAX)
+    return amax * (headroom / dtype.fp8_max)
+
+
+def _describe(scales: list[torch.Tensor]) -> str:
+    values = torch.cat([s.reshape(-1).float().cpu() for s in scales])
+    return f"[{values.min().item():.3g}, {values.max().item():.3g}]"
+
+
+class CalibratingAttention(AttentionImpl):
+    """Wraps an implementation; the first write into each layer's cache fixes that layer's scales from its data."""
+
+    def __init__(self, inner: AttentionImpl, cache: KVCache, headroom: float = DEFAULT_HEADROOM):
+        if not cache.spec.dtype.is_fp8:
+            raise KVScaleError(f"calibration needs an fp8 cache, not {cache.spec.dtype.value}")
+        self.inner = inner
+        self.headroom = headroom
+        self._pending = {id(layer): index for index, layer in enumerate(cache.layers)}
+        self._layers = cache.layers
+        self._tokens = 0
+
+    @property
+    def calibrated(self) -> bool:
+        return not self._pending
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
+        index = self._pending.pop(id(cache), None)
+        if index is not None:
+            cache.k_scale.copy_(calibrate_scales(key, cache.dtype, self.headroom))
+            cache.v_scale.copy_(calibrate_scales(value, cache.dtype, self.headroom))
+            self._tokens = max(self._tokens, key.shape[0])
+            if not self._pending:
+                self._log_done()
+        self.inner.write_kv(key, value, cache, slot_mapping)
+
+    def attention(self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self.inner.attention(query, cache, meta, scale)
+
+    def _log_done(self) -> None:
+        logger.warning(
+            "FP8 KV cache (%s): per-KV-head scales CALIBRATED from the first prefill (%d tokens, "
+            "scale = %.3g x amax / %g): k_scale %s, v_scale %s; fixed from now on",
+            self._layers[0].dtype.value, self._tokens, self.headroom, self._layers[0].dtype.fp8_max,
+            _describe([layer.k_scale for layer in self._layers]), _describe([layer.v_scale for layer in self._layers]),
+        )
+
+
+def hadamard(n: int) -> torch.Tensor | None:
+    """The orthonormal Sylvester-Hadamard matrix [n, n] (symmetric, its own inverse); None unless n is 2^k."""
+    if n < 1 or n & (n - 1):
+        return None
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def setup_kv_scales(
+    cache: KVCache, checkpoint_tensors: Mapping[str, torch.Tensor], impl: AttentionImpl,
+    calibrate: bool = True, headroom: float = DEFAULT_HEADROOM, rotate_k: bool = True,
+) -> AttentionImpl:
+    """Install checkpoint scales, or arrange calibration; returns the implementation the model must call.
+
+    Call once after the KV cache and the attention implementation exist. Logs loudly which scales are in use.
+    With calibrated scales, K is also rotated by a Hadamard matrix before quantization (QuaRot-style): K error
+    dominates FP8 KV loss because a few channels carry most of Q.K, and the rotation spreads them over all
+    channels (SmolLM2-135M, e4m3: KL from the fp16-KV logits 0.0111 -> 0.0054). Checkpoint scales were measured on
+    unrotated K, so they are used without rotation.
+    """
+    spec = cache.spec
+    scales = scales_from_checkpoint(checkpoint_tensors, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+    if not spec.dtype.is_fp8:
+        if scales is not None:
+            logger.info("checkpoint has k/v scales; unused because kv_cache_dtype is %s", spec.dtype.value)
+        return impl
+    if scales is not None:
+        scales.install(cache)
+        logger.warning(
+            "FP8 KV cache (%s): k/v scales LOADED FROM CHECKPOINT (%s, %d layers): k_scale %s, v_scale %s",
+            spec.dtype.value, scales.granularity, spec.num_layers, _describe(list(scales.k)), _describe(list(scales.v)),
+        )
+        return impl
+    if calibrate:
+        rotation = hadamard(spec.head_dim) if rotate_k else None
+        cache.set_k_rotation(rotation)
+        logger.warning(
+            "FP8 KV cache (%s): checkpoint has no k/v scales; CALIBRATING per-KV-head scales from the first prefill"
+            "%s", spec.dtype.value, "; K rotated by a Hadamard transform before quantization" if rotation is not None else "",
+        )
+        return CalibratingAttention(impl, cache, headroom)
+    logger.warning(
+        "FP8 KV cache (%s): NO k/v scales (all 1.0, calibration off): values beyond +-%g clamp and small ones lose "
+        "precision",
+        spec.dtype.value, spec.dtype.fp8_max,
+    )
+    return impl

@@ -1,0 +1,142 @@
+"""Helpers for the GPTQ/AWQ tests: the committed tool fixtures and a full-sequence forward of our model.
+
+The fixtures (tests/fixtures/quant/*, see its README) were made by the real tools; each holds the
+checkpoint, the tool's logits on fixed ids (tool_outputs.tensors) and the sha256 of every
+dequantized linear as the tool computed it (tool_record.json).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.model_loader import LoadedModel, load_model
+from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.models.layers import ForwardContext
+from pagedserve.kernels.paged_attention import AttentionMetadata
+from pagedserve.quant.linear import QuantLinear
+from pagedserve.quant.packed_linear import GroupQuantWeight
+from pagedserve.quant.packing import default_g_idx, pack_cols, pack_rows
+from pagedserve.quant.registry import quant_config_for
+
+FIXTURES = Path(__file__).parent / "fixtures" / "quant"
+FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "tool_record.json").exists())
+
+
+def fixture_dir(name: str) -> Path:
+    return FIXTURES / name
+
+
+def tool_record(name: str) -> dict:
+    return json.loads((FIXTURES / name / "tool_record.json").read_text())
+
+
+def tool_outputs(name: str) -> dict[str, torch.Tensor]:
+    return load_file(str(FIXTURES / name / "tool_outputs.tensors"))
+
+
+def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    return dict(_read_checkpoint(str(model_dir), tuple(f.stat().st_mtime_ns for f in model_dir.glob("*.safetensors"))))
+
+
+@functools.lru_cache(maxsize=2)
+def _read_checkpoint(model_dir: str, _mtimes: tuple) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def hf_config(model_dir: Path) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def fp16_sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().to(torch.float16).contiguous().view(torch.int16).numpy().tobytes()).hexdigest()
+
+
+def build_linear(model_dir: Path, prefix: str, kernel: str = "auto", dtype: torch.dtype = torch.float32) -> QuantLinear:
+    """One QuantLinear loaded the way the model loader does it (create, load each tensor, check, process)."""
+    cfg = quant_config_for(hf_config(model_dir), None, model_dir, kernel=kernel)
+    tensors = {k[len(prefix) + 1:]: v for k, v in checkpoint_tensors(model_dir).items() if k.startswith(prefix + ".")}
+    scales = tensors["scales"]
+    out_f = scales.shape[1]
+    rows = tensors["qweight"].shape[0]  # GPTQ packs along the input dim, AWQ along the output dim
+    in_f = rows * (32 // cfg.spec_for(prefix).bits) if cfg.name == "gptq" else rows
+    layer = QuantLinear(in_f, out_f, False, cfg.linear_method(prefix), dtype)
+    for name, t in tensors.items():
+        layer.method.load_tensor(layer, name, t, prefix)
+    missing = layer.method.required_tensors(layer) - layer.loaded_tensors
+    assert not missing, missing
+    layer.method.process_weights_after_loading(layer)
+    return layer
+
+
+def copy_fixture(name: str, dst: Path) -> Path:
+    shutil.copytree(FIXTURES / name, dst)
+    return dst
+
+
+def rewrite_checkpoint(model_dir: Path, edit) -> None:
+    """edit(dict of tensors) mutates the checkpoint in place (for corruption tests)."""
+    for f in sorted(model_dir.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        edit(tensors)
+        save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+def rewrite_config(model_dir: Path, edit) -> None:
+    cfg = hf_config(model_dir)
+    edit(cfg)
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+
+
+def load(model_dir: Path, dtype: torch.dtype = torch.float32, quantization: str | None = None) -> LoadedModel:
+    return load_model(model_dir, dtype, quantization, torch.device("cpu"))
+
+
+@torch.inference_mode()
+def full_logits(loaded: LoadedModel, ids: torch.Tensor, kv_cache_dtype: str = "auto") -> torch.Tensor:
+    """Logits at every position of each row of ids [B, T] (one prefill step through the paged cache)."""
+    block = 16
+    b, t = ids.shape
+    blocks_per_seq = -(-t // block)
+    args = loaded.model.args
+    token_bytes = 2 * args.num_layers * args.num_kv_heads * args.head_dim * 4  # K and V, at most fp32
+    config = EngineConfig(model=str(loaded.model_dir), kv_cache_dtype=kv_cache_dtype, block_size=block,
+                          kv_cache_memory=(b * blocks_per_seq + 1) * block * token_bytes)
+    runner = ModelRunner(loaded, config, torch.device("cpu"))
+    assert runner.num_blocks >= b * blocks_per_seq
+    tables = torch.arange(b * blocks_per_seq, dtype=torch.int32).view(b, blocks_per_seq)
+    slots = torch.cat([tables[i].repeat_interleave(block)[:t].long() * block + torch.arange(t) % block
+                       for i in range(b)])
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(0, (b + 1) * t, t, dtype=torch.int32),
+        seq_lens=torch.full((b,), t, dtype=torch.int32), block_tables=tables, slot_mapping=slots,
+        max_query_len=t, max_seq_len=t, query_lens_host=(t,) * b, seq_lens_host=(t,) * b)
+    ctx = ForwardContext(meta, runner.kv_cache, runner.attn_impl)
+    hidden = loaded.model(ids.reshape(-1), torch.arange(t).repeat(b), ctx)
+    return loaded.model.compute_logits(hidden).view(b, t, -1)
+
+
+def quant_linears(model: torch.nn.Module) -> dict[str, QuantLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear) and hasattr(m, "qkernel")}
+
+
+def random_weight(k: int, n: int, bits: int, group: int, act_order: bool, seed: int = 0) -> GroupQuantWeight:
+    g = torch.Generator().manual_seed(seed)
+    g_idx = default_g_idx(k, group)
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=g)]
+    groups = int(g_idx.max()) + 1
+    q = torch.randint(0, 1 << bits, (k, n), generator=g, dtype=torch.int32)
+    z = torch.randint(0, 1 << bits, (groups, n), generator=g, dtype=torch.int32)
+    s = (torch.rand(groups, n, generator=g) * 0.02 + 0.002).half()
+    return GroupQuantWeight(pack_rows(q, bits), pack_cols(z, bits), s, g_idx, bits, k, n)

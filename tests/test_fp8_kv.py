@@ -1,0 +1,263 @@
+"""FP8 KV cache: capacity (2x the blocks of fp16), checkpoint scales, calibration, and the loud log line."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedserve.engine import LLMEngine, EngineConfig, SamplingParams
+from pagedserve.engine.errors import CapacityError
+from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype
+from pagedserve.kernels.kv_scales import (
+    CalibratingAttention,
+    KVScaleError,
+    calibrate_scales,
+    hadamard,
+    scales_from_checkpoint,
+    setup_kv_scales,
+)
+from pagedserve.kernels.paged_attention import AttentionMetadata, paged_attention, select_attention_impl, write_kv
+from pagedserve.kernels.torch_attention import TorchAttention, dequantize_from_cache
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from conftest import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def engine(model_dir, **fields) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), **fields))
+
+
+# -- capacity --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fp8", [KVDtype.FP8_E4M3, KVDtype.FP8_E5M2])
+def test_spec_gives_fp8_exactly_twice_the_blocks(fp8: KVDtype) -> None:
+    """SmolLM2-135M geometry; any budget that is a whole number of fp16 blocks."""
+    fp16 = KVCacheSpec(30, 3, 64, 16, KVDtype.FP16)
+    eight = KVCacheSpec(30, 3, 64, 16, fp8)
+    assert 2 * eight.bytes_per_block == fp16.bytes_per_block
+    for blocks in (1, 7, 1000):
+        memory = blocks * fp16.bytes_per_block
+        assert eight.num_blocks_for(memory) == 2 * fp16.num_blocks_for(memory) == 2 * blocks
+
+
+def test_engine_reports_twice_the_blocks_for_the_same_memory(tiny_llama) -> None:
+    memory = 3 << 20
+    fp16 = engine(tiny_llama, kv_cache_dtype="fp16", kv_cache_memory=memory).stats().num_kv_blocks
+    fp8 = engine(tiny_llama, kv_cache_dtype="fp8_e4m3", kv_cache_memory=memory).stats().num_kv_blocks
+    assert fp16 > 0 and fp8 == 2 * fp16
+
+
+def test_context_that_does_not_fit_in_fp16_fits_in_fp8(tiny_llama) -> None:
+    spec = KVCacheSpec(2, 2, 16, 16, KVDtype.FP16)  # the tiny model's geometry
+    memory = 4 * spec.bytes_per_block  # fp16: 4 blocks = 64 tokens; fp8: 128 tokens
+    prompt, params = list(range(200, 270)), SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    small = engine(tiny_llama, kv_cache_dtype="fp16", kv_cache_memory=memory, max_model_len=256)
+    with pytest.raises(CapacityError):
+        small.add_request("r", prompt, params)
+    big = engine(tiny_llama, kv_cache_dtype="fp8_e4m3", kv_cache_memory=memory, max_model_len=256)
+    big.add_request("r", prompt, params)
+    outputs = []
+    while big.has_unfinished_requests():
+        outputs += big.step()
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 10
+
+
+# -- checkpoint scales -------------------------------------------------------------------------------------
+
+PREFIX = "model.layers.{}.self_attn."
+
+
+@pytest.mark.parametrize(
+    "k_name, v_name",
+    [
+        ("k_scale", "v_scale"),  # llm-compressor / compressed-tensors kv_cache_scheme, vLLM-style
+        ("attn.k_scale", "attn.v_scale"),  # vLLM module naming
+        ("k_proj.k_scale", "v_proj.v_scale"),  # NVIDIA ModelOpt
+        ("k_proj.output_scale", "v_proj.output_scale"),  # older llm-compressor
+    ],
+)
+@pytest.mark.parametrize("per_head", [False, True])
+def test_reads_every_checkpoint_naming(k_name: str, v_name: str, per_head: bool) -> None:
+    shape = (2, 1, 1) if per_head else ()  # compressed-tensors keeps per-head scales with trailing unit dims
+    tensors = {"model.layers.0.self_attn.q_proj.weight": torch.zeros(4, 4), "model.layers.0.self_attn.q_scale": torch.ones(())}
+    for layer in range(3):
+        tensors[PREFIX.format(layer) + k_name] = torch.full(shape, 0.1 * (layer + 1), dtype=torch.bfloat16)
+        tensors[PREFIX.format(layer) + v_name] = torch.full(shape, 0.5 + layer, dtype=torch.float16)
+    scales = scales_from_checkpoint(tensors, num_layers=3, num_kv_heads=2, head_dim=4)
+    assert scales is not None and scales.source == "checkpoint"
+    assert scales.granularity == ("per-KV-head" if per_head else "per-tensor")
+    for layer in range(3):
+        assert torch.allclose(scales.k[layer], torch.tensor(0.1 * (layer + 1)), rtol=1e-2)
+        assert torch.equal(scales.v[layer], torch.full((2 if per_head else 1,), 0.5 + layer))
+
+
+def test_deprecated_kv_scale_serves_k_and_v_and_channel_scales_reduce_per_head() -> None:
+    tensors = {PREFIX.format(0) + "kv_scale": torch.tensor(0.25)}
+    scales = scales_from_checkpoint(tensors, num_layers=1, num_kv_heads=2, head_dim=4)
+    assert scales.k[0].item() == scales.v[0].item() == 0.25
+    channels = torch.tensor([0.1, 0.4, 0.2, 0.3, 0.9, 0.5, 0.6, 0.7])
+    tensors = {PREFIX.format(0) + "k_proj.output_scale": channels, PREFIX.format(0) + "v_proj.output_scale": channels}
+    scales = scales_from_checkpoint(tensors, num_layers=1, num_kv_heads=2, head_dim=4)
+    assert scales.k[0].tolist() == pytest.approx([0.4, 0.9])  # no channel of a head may clip
+
+
+def test_no_scales_gives_none_and_broken_scales_raise() -> None:
+    assert scales_from_checkpoint({"model.embed_tokens.weight": torch.zeros(2)}, 1, 2, 4) is None
+    partial = {PREFIX.format(0) + "k_scale": torch.tensor(1.0), PREFIX.format(0) + "v_scale": torch.tensor(1.0)}
+    with pytest.raises(KVScaleError, match="layer 1"):
+        scales_from_checkpoint(partial, 2, 2, 4)
+    wrong = {PREFIX.format(0) + "k_scale": torch.ones(3), PREFIX.format(0) + "v_scale": torch.ones(1)}
+    with pytest.raises(KVScaleError, match="3 values"):
+        scales_from_checkpoint(wrong, 1, 2, 4)
+    zero = {PREFIX.format(0) + "k_scale": torch.tensor(0.0), PREFIX.format(0) + "v_scale": torch.ones(1)}
+    with pytest.raises(KVScaleError, match="> 0"):
+        scales_from_checkpoint(zero, 1, 2, 4)
+
+
+def new_cache(dtype: KVDtype = KVDtype.FP8_E4M3, layers: int = 2) -> KVCache:
+    return KVCache(KVCacheSpec(layers, 2, 8, 16, dtype), 4)
+
+
+def test_setup_installs_checkpoint_scales_and_says_so(caplog) -> None:
+    cache, impl = new_cache(), TorchAttention()
+    tensors = {PREFIX.format(i) + n: torch.tensor([0.5, 2.0]) * (i + 1) for i in range(2) for n in ("k_scale", "v_scale")}
+    with caplog.at_level(logging.WARNING):
+        assert setup_kv_scales(cache, tensors, impl) is impl
+    assert "LOADED FROM CHECKPOINT (per-KV-head, 2 layers)" in caplog.text
+    assert cache.layers[1].k_scale.tolist() == [1.0, 4.0]
+    assert cache.layers[0].k_rotation is None  # checkpoint scales were measured on unrotated K
+
+
+def test_setup_without_scales_calibrates_loudly_or_warns_when_told_not_to(caplog) -> None:
+    with caplog.at_level(logging.WARNING):
+        cache = new_cache()
+        impl = setup_kv_scales(cache, {}, TorchAttention())
+        assert isinstance(impl, CalibratingAttention)
+        assert "CALIBRATING" in caplog.text and "Hadamard" in caplog.text
+        assert torch.equal(cache.layers[1].k_rotation, hadamard(8))
+        plain = TorchAttention()
+        assert setup_kv_scales(new_cache(), {}, plain, calibrate=False) is plain
+        assert "NO k/v scales" in caplog.text
+    fp16_impl = TorchAttention()
+    assert setup_kv_scales(new_cache(KVDtype.FP16), {}, fp16_impl) is fp16_impl
+
+
+# -- calibration -------------------------------------------------------------------------------------------
+
+
+def test_calibration_fixes_per_head_scales_on_the_first_write(caplog) -> None:
+    cache = new_cache(layers=1)
+    impl = CalibratingAttention(select_attention_impl("torch", CPU), cache, headroom=2.0)
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(20, 2, 8, generator=gen) * torch.tensor([1.0, 30.0]).view(1, 2, 1)
+    value = torch.randn(20, 2, 8, generator=gen) * 0.01
+    layer = cache.layers[0]
+    with caplog.at_level(logging.WARNING):
+        write_kv(impl, key, value, layer, torch.arange(20))
+    assert impl.calibrated and "CALIBRATED from the first prefill (20 tokens" in caplog.text
+    expected = key.abs().amax(dim=(0, 2)) * 2.0 / 448.0
+    assert torch.allclose(layer.k_scale, expected) and torch.allclose(layer.v_scale, calibrate_scales(value, layer.dtype, headroom=2.0))
+    # Stored values come back within e4m3's rounding (3 mantissa bits: relative error <= 2^-4).
+    back = dequantize_from_cache(layer.k.view(-1, 2, 8)[:20], layer.k_scale, layer.dtype, torch.float32)
+    assert ((back - key).abs() <= key.abs() * 2**-4 + 1e-6).all()
+    # Later writes never move the scales (stored data depends on them); out-of-range values clamp.
+    write_kv(impl, key * 10, value, layer, torch.arange(20, 40))
+    assert torch.allclose(layer.k_scale, expected)
+    assert dequantize_from_cache(layer.k.view(-1, 2, 8)[20:40], layer.k_scale, layer.dtype, torch.float32).abs().max() <= (
+        448.0 * layer.k_scale.max() + 1e-6
+    )
+
+
+def test_engine_uses_checkpoint_scales(tiny_llama, tmp_path, caplog) -> None:
+    """A checkpoint with compressed-tensors-style k_scale/v_scale tensors beside the weights."""
+    folder = tmp_path / "with-scales"
+    folder.mkdir()
+    for item in tiny_llama.iterdir():
+        (folder / item.name).write_bytes(item.read_bytes())
+    weights = load_file(str(folder / "model.safetensors"))
+    for layer in range(2):
+        weights[PREFIX.format(layer) + "k_scale"] = torch.tensor(0.03 + layer * 0.01)
+        weights[PREFIX.format(layer) + "v_scale"] = torch.tensor(0.002)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING):
+        eng = engine(folder, kv_cache_dtype="fp8_e5m2", kv_cache_memory=1 << 20)
+    assert "LOADED FROM CHECKPOINT (per-tensor, 2 layers)" in caplog.text
+    assert not isinstance(eng.runner.attn_impl, CalibratingAttention)
+    assert eng.runner.kv_cache.layers[1].k_scale.tolist() == pytest.approx([0.04, 0.04])
+    eng.add_request("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+@pytest.mark.parametrize("kv_dtype", [KVDtype.FP8_E4M3, KVDtype.FP8_E5M2])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dequantize_matches_torch_cast_for_every_fp8_byte(kv_dtype: KVDtype, out_dtype: torch.dtype) -> None:
+    """The torch path's CPU fast path for e4m3 (bit rearrangement into fp16) must equal torch's own cast."""
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(kv_dtype.torch_dtype)
+    every = every[torch.isfinite(every.float())]  # stores clamp, so the cache never holds NaN or inf
+    x = every.repeat(6).view(-1, 3, 1).expand(-1, 3, 4).contiguous()  # [T, Hkv=3, D=4]
+    scale = torch.tensor([0.013, 1.7, 3e-3])
+    want = (x.float() * scale.view(1, -1, 1)).to(out_dtype)
+    assert torch.equal(dequantize_from_cache(x, scale, kv_dtype, out_dtype), want)
+
+
+# -- K rotation ---------------------------------------------------------------------------------------------
+
+
+def test_hadamard_is_orthonormal_and_only_for_powers_of_two() -> None:
+    h = hadamard(64)
+    assert torch.allclose(h @ h.T, torch.eye(64), atol=1e-6) and torch.equal(h, h.T)
+    assert hadamard(80) is None
+
+
+def attend(kv_dtype: KVDtype, key, value, query, rotation) -> torch.Tensor:
+    """One 40-token prefill written and attended through the entry points (which apply the rotation)."""
+    cache = KVCache(KVCacheSpec(1, 2, 64, 16, kv_dtype), 3)
+    cache.set_k_rotation(rotation)
+    if kv_dtype.is_fp8:
+        cache.set_scales(0, calibrate_scales(key @ (rotation if rotation is not None else torch.eye(64)), kv_dtype),
+                         calibrate_scales(value, kv_dtype))
+    n = key.shape[0]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.tensor([[2, 0, 1]], dtype=torch.int32), slot_mapping=torch.cat([torch.arange(32, 48), torch.arange(24)]),
+        max_query_len=n, max_seq_len=n, query_lens_host=(n,), seq_lens_host=(n,),
+    )
+    impl = TorchAttention()
+    write_kv(impl, key, value, cache.layers[0], meta.slot_mapping)
+    return paged_attention(impl, query, cache.layers[0], meta, 0.125)
+
+
+def outlier_case():
+    gen = torch.Generator().manual_seed(5)
+    key, value = torch.randn(40, 2, 64, generator=gen), torch.randn(40, 2, 64, generator=gen)
+    query = torch.randn(40, 8, 64, generator=gen)
+    key[:, :, 3] = 30 + torch.randn(40, 2, generator=gen)  # a large, nearly constant channel, as RoPE'd K has
+    query[:, :, 3] *= 3
+    return key, value, query
+
+
+def test_rotation_leaves_attention_unchanged_in_fp32() -> None:
+    key, value, query = outlier_case()
+    plain = attend(KVDtype.FP32, key, value, query, None)
+    assert torch.allclose(attend(KVDtype.FP32, key, value, query, hadamard(64)), plain, atol=1e-5)
+
+
+def test_rotation_reduces_fp8_error_when_keys_have_an_outlier_channel() -> None:
+    key, value, query = outlier_case()
+    exact = attend(KVDtype.FP32, key, value, query, None)
+    errors = {
+        name: (attend(KVDtype.FP8_E4M3, key, value, query, rotation) - exact).abs().mean().item()
+        for name, rotation in (("plain", None), ("rotated", hadamard(64)))
+    }
+    assert errors["rotated"] < 0.7 * errors["plain"], errors

@@ -1,0 +1,88 @@
+"""The fast quantized-linear kernels against the dequantize reference, kernel choice/fallback, and memory."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pagedserve.quant.base import QuantConfigError
+from pagedserve.quant.cpu_int4 import CpuInt4Kernel
+from pagedserve.quant.packed_linear import DequantKernel, select_kernel
+from quant_fixtures import random_weight
+
+
+CASES = [
+    # (K, N, group, act_order)
+    (256, 128, 128, False),
+    (256, 128, 128, True),  # act-order: activations permuted
+    (512, 64, -1, False),  # one group over all inputs
+    (576, 192, 128, False),  # SmolLM2 shape: last group partial -> 64-wide kernel blocks
+    (576, 192, 128, True),
+    (256, 32, 32, True),
+]
+
+
+@pytest.mark.parametrize("k,n,group,act_order", CASES)
+def test_cpu_int4_matches_reference_fp32(k, n, group, act_order):
+    w = random_weight(k, n, 4, group, act_order)
+    assert CpuInt4Kernel.unsupported_reason(w, torch.device("cpu"), torch.float32) is None
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(1))
+    ref = DequantKernel.from_weight(w, torch.float32)(x)
+    y = CpuInt4Kernel.from_weight(w, torch.float32)(x)
+    assert y.shape == (7, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_int4_half_precision(dtype):
+    w = random_weight(576, 192, 4, 128, True)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(2))
+    ref = x @ w.dequantize(torch.float32).t()
+    y = CpuInt4Kernel.from_weight(w, dtype)(x.to(dtype))
+    assert y.dtype == dtype
+    err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 3e-3), err
+
+
+def test_cpu_int4_decode_batch_of_one():
+    w = random_weight(256, 128, 4, 64, False)
+    x = torch.randn(1, 256)
+    torch.testing.assert_close(CpuInt4Kernel.from_weight(w, torch.float32)(x), x @ w.dequantize(torch.float32).t(),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_weights_stay_packed_and_use_under_0p3_of_fp16():
+    # 4-bit group-128 linear: packed nibbles (0.25x) + fp32 scale/zero pairs per group.
+    k, n = 1536, 576
+    for act_order in (False, True):
+        kernel = CpuInt4Kernel.from_weight(random_weight(k, n, 4, 128, act_order), torch.float32)
+        ratio = kernel.weight_nbytes() / (k * n * 2)
+        assert ratio <= 0.3, ratio
+        assert not any(b.is_floating_point() and b.numel() >= k * n for b in kernel.buffers())
+
+
+def test_auto_falls_back_to_dequant_with_a_log(caplog):
+    cpu = torch.device("cpu")
+    w8 = random_weight(128, 64, 8, 64, False)
+    odd_n = random_weight(128, 24, 4, 64, False)  # N % 16 != 0: torch's int4 pack refuses it
+    with caplog.at_level(logging.WARNING, logger="pagedserve.quant"):
+        assert select_kernel("auto", w8, cpu, torch.float32, "layer.a") is DequantKernel
+        assert select_kernel("auto", odd_n, cpu, torch.float32, "layer.b") is DequantKernel
+    text = caplog.text
+    assert "needs 4-bit weights, got 8-bit" in text and "out_features % 16" in text
+    assert select_kernel("auto", random_weight(128, 64, 4, 64, True), cpu, torch.float32, "l") is CpuInt4Kernel
+
+
+def test_forcing_an_unusable_kernel_names_the_layer():
+    with pytest.raises(QuantConfigError, match="layer.x.*cpu_int4.*8-bit"):
+        select_kernel("cpu_int4", random_weight(128, 64, 8, 64, False), torch.device("cpu"), torch.float32, "layer.x")
+    with pytest.raises(QuantConfigError, match="unknown quantized linear kernel 'nope'"):
+        select_kernel("nope", random_weight(128, 64, 4, 64, False), torch.device("cpu"), torch.float32, "layer.x")
+
+
+def test_dequant_kernel_8bit_matches_formula():
+    w = random_weight(192, 64, 8, 64, True)
+    x = torch.randn(3, 192)
+    torch.testing.assert_close(DequantKernel.from_weight(w, torch.float32)(x), x @ w.dequantize(torch.float32).t())
