@@ -123,6 +123,15 @@ def test_prometheus_metrics_use_vllm_names_and_count_grpc_codes(shared_server): 
         list(stub(channel).Generate(request(5), timeout=120))
         with pytest.raises(grpc.RpcError):
             list(stub(channel).Generate(pb.GenerateRequest(text=""), timeout=60))
+    # The server counts an RPC when its handler returns, which can be just after the client saw the status.
+    codes = ('grpc_code="OK"', 'grpc_code="INVALID_ARGUMENT"')
+
+    def both_counted() -> bool:
+        now = scrape(shared_server.metrics_port)
+        return all(metric(now, "grpc_server_handled_total", c, 'grpc_method="Generate"')
+                   > metric(before, "grpc_server_handled_total", c, 'grpc_method="Generate"') for c in codes)
+
+    wait_until(both_counted, 10, "the server to count both RPCs")
     after = scrape(shared_server.metrics_port)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
