@@ -67,7 +67,8 @@ def test_auto_falls_back_to_dequant_with_a_log(caplog):
     cpu = torch.device("cpu")
     w8 = random_weight(128, 64, 8, 64, False)
     odd_n = random_weight(128, 24, 4, 64, False)  # N % 16 != 0: torch's int4 pack refuses it
-    with caplog.at_level(logging.WARNING, logger="pagedserve.quant"):
+    # DEBUG: a reason already warned about by an earlier test (or layer) is logged once, then at debug level.
+    with caplog.at_level(logging.DEBUG, logger="pagedserve.quant"):
         assert select_kernel("auto", w8, cpu, torch.float32, "layer.a") is DequantKernel
         assert select_kernel("auto", odd_n, cpu, torch.float32, "layer.b") is DequantKernel
     text = caplog.text
