@@ -38,7 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="compute threads per system (1: see docs/benchmarks.md on shared cores)")
     parser.add_argument("--prefix-caching", action="store_true",
                         help="keep prefix caches on (repeats then hit the cache of earlier repeats)")
     parser.add_argument("--quick", action="store_true", help="16 small requests, 1 repeat")
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
     peaks = {} if args.no_roofline else measure_peaks(tuple(sorted({1, args.threads})))
     report["matmul_peak_gflops"] = peaks
     for dtype in args.dtype:
-        section = run_dtype(args.systems, SystemSpec(model_dir, dtype, args.threads, args.prefix_caching), workload, repeats)
+        spec = SystemSpec(model_dir, dtype, args.threads, args.prefix_caching)
+        section = run_dtype(args.systems, spec, workload, repeats)
         others = [n for n in args.systems if n != OURS]
         section["ratios"] = ratios(section["median"], OURS, others)
         if peaks:

@@ -51,6 +51,8 @@ class EngineConfig:
             raise ConfigError("attention_backend", f"unknown {self.attention_backend!r}; supported: {', '.join(_ATTENTION)}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ConfigError("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.attention_backend == "triton" and self.block_size < 16:
+            raise ConfigError("block_size", "the Triton attention kernel needs block_size >= 16 (tl.dot's minimum)")
         for name in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_queued_requests"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # KV-cache quantization scales travel beside the weights (compressed-tensors and vLLM-style checkpoints).
 _KV_SCALE_SUFFIXES = ("k_scale", "v_scale", "kv_scale", "q_scale", "prob_scale")
+_KV_OUTPUT_SCALES = ("k_proj.output_scale", "v_proj.output_scale")  # older llm-compressor naming
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +87,7 @@ def _load_weights(model: nn.Module, model_dir: Path) -> dict[str, torch.Tensor]:
             for key in f.keys():
                 if key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
                     continue
-                if key.rsplit(".", 1)[-1] in _KV_SCALE_SUFFIXES:
+                if key.rsplit(".", 1)[-1] in _KV_SCALE_SUFFIXES or key.endswith(_KV_OUTPUT_SCALES):
                     kv_scales[key] = f.get_tensor(key)
                     continue
                 _load_one(modules, key, f.get_tensor(key), loaded)

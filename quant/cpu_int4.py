@@ -15,26 +15,19 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.quant.packed_linear import QLINEAR_KERNELS, GroupQuantWeight, QLinearKernel
+from pagedserve.quant.packed_linear import QLINEAR_KERNELS, GroupQuantWeight, QLinearKernel, sorted_groups
 from pagedserve.quant.packing import unpack_cols, unpack_rows
 
 KERNEL_GROUPS = (256, 128, 64, 32)
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# torch 2.13's CPU int4 matmul only has a fast path for bfloat16 activations; float32 and float16 run a
+# scalar fallback 25-300x slower than a dense fp32 matmul (benchmarks/quant_tools/bench_kernels.py), so
+# those dtypes are left to the dequant kernel rather than silently computed in bfloat16.
+SUPPORTED_DTYPES = (torch.bfloat16,)
 
 
 def _int4_ops_available() -> bool:
     return hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu") and hasattr(
         torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-
-
-def sorted_groups(g_idx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(perm or None, g_idx in kernel order): perm sorts input channels by group when g_idx is not
-    already non-decreasing (act-order)."""
-    g = g_idx.long()
-    if g.numel() < 2 or bool((g[1:] >= g[:-1]).all()):
-        return None, g
-    perm = torch.argsort(g, stable=True)
-    return perm, g.index_select(0, perm)
 
 
 def kernel_group(sorted_g: torch.Tensor) -> int | None:
@@ -67,7 +60,7 @@ class CpuInt4Kernel(QLinearKernel):
         if w.bits != 4:
             return f"needs 4-bit weights, got {w.bits}-bit"
         if dtype not in SUPPORTED_DTYPES:
-            return f"needs an activation dtype in {SUPPORTED_DTYPES}, got {dtype}"
+            return f"torch's CPU int4 kernel is only fast for bfloat16 activations, got {dtype} (use dtype=bfloat16)"
         if w.out_features % 16 != 0:
             return f"needs out_features % 16 == 0, got {w.out_features}"
         if kernel_group(sorted_groups(w.g_idx)[1]) is None:
@@ -75,7 +68,8 @@ class CpuInt4Kernel(QLinearKernel):
         return None
 
     @classmethod
-    def from_weight(cls, w: GroupQuantWeight, dtype: torch.dtype) -> "CpuInt4Kernel":
+    def from_weight(cls, w: GroupQuantWeight, dtype: torch.dtype = torch.bfloat16) -> "CpuInt4Kernel":
+        """`dtype` is the activation dtype; float32/float16 work (used as references in tests) but are slow."""
         perm, sorted_g = sorted_groups(w.g_idx)
         block = kernel_group(sorted_g)
         assert block is not None

@@ -10,17 +10,17 @@ fallback for shapes or bit widths the fast kernels cannot take (chosen with a lo
 from __future__ import annotations
 
 import logging
+import math
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels.registry import Registry
 from pagedserve.quant.base import LinearMethod, QuantConfigError
-from pagedserve.quant.packing import gptq_dequantize, pack_factor
+from pagedserve.quant.packing import gptq_dequantize, pack_factor, pack_rows, unpack_cols, unpack_rows
 
 log = logging.getLogger("pagedserve.quant")
 
@@ -52,6 +52,24 @@ class GroupQuantWeight:
         return gptq_dequantize(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, 0, dtype)
 
 
+def sorted_groups(g_idx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(perm or None, g_idx in kernel order): perm sorts input channels by group when g_idx is not
+    already non-decreasing (act-order)."""
+    g = g_idx.long()
+    if g.numel() < 2 or bool((g[1:] >= g[:-1]).all()):
+        return None, g
+    perm = torch.argsort(g, stable=True)
+    return perm, g.index_select(0, perm)
+
+
+def run_block(sorted_g: torch.Tensor, min_block: int = 8) -> int | None:
+    """Largest block size dividing every run of equal groups (so each block lies in one group), or
+    None when that is below `min_block` (per-block scales would approach a dense tensor)."""
+    _, counts = torch.unique_consecutive(sorted_g, return_counts=True)
+    block = math.gcd(*counts.tolist()) if counts.numel() > 1 else int(counts[0])
+    return block if block >= min_block else None
+
+
 class QLinearKernel(nn.Module):
     """A packed weight in a kernel's own layout; forward: x [M, in] -> [M, out] (no bias)."""
 
@@ -76,15 +94,33 @@ QLINEAR_KERNELS: Registry[type[QLinearKernel]] = Registry("quantized linear kern
 
 @QLINEAR_KERNELS.register("dequant")
 class DequantKernel(QLinearKernel):
-    """Reference: keeps the canonical packed tensors and dequantizes them on every call."""
+    """Keeps the weight packed and dequantizes it on every call, then a dense matmul: the fallback for
+    what the fast kernels cannot take (8-bit, float32 activations on CPU, odd shapes).
+
+    Prepared once: input rows sorted by group (act-order permutes the activations instead), and per
+    block of `block` rows (each inside one group) the fp32 scale and scale*zero, so a call is an unpack,
+    one multiply-subtract and the matmul. Irregular groupings keep the canonical tensors and g_idx."""
 
     name = "dequant"
 
     def __init__(self, w: GroupQuantWeight):
         super().__init__()
         self.bits, self.in_features, self.out_features = w.bits, w.in_features, w.out_features
-        for field in ("qweight", "qzeros", "scales", "g_idx"):
-            self.register_buffer(field, getattr(w, field))
+        perm, sorted_g = sorted_groups(w.g_idx)
+        self.block = run_block(sorted_g)
+        if self.block is None:
+            self.register_buffer("perm", None)
+            for field in ("qweight", "qzeros", "scales", "g_idx"):
+                self.register_buffer(field, getattr(w, field))
+            return
+        q = unpack_rows(w.qweight, w.bits)
+        self.register_buffer("perm", None if perm is None else perm.to(torch.int32))
+        self.register_buffer("qweight", pack_rows(q if perm is None else q.index_select(0, perm), w.bits))
+        block_group = sorted_g[:: self.block]
+        scale = w.scales.index_select(0, block_group).to(torch.float32)
+        zero = unpack_cols(w.qzeros, w.bits).index_select(0, block_group).to(torch.float32)
+        self.register_buffer("scale", scale.contiguous())
+        self.register_buffer("scaled_zero", (zero * scale).contiguous())  # exact: fp16 scale x small int
 
     @classmethod
     def unsupported_reason(cls, w: GroupQuantWeight, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -94,13 +130,20 @@ class DequantKernel(QLinearKernel):
     def from_weight(cls, w: GroupQuantWeight, dtype: torch.dtype) -> "DequantKernel":
         return cls(w)
 
-    def weight(self) -> GroupQuantWeight:
-        return GroupQuantWeight(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits,
-                                self.in_features, self.out_features)
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """W.T [in (sorted by group), out]; transient, never stored."""
+        if self.block is None:
+            return GroupQuantWeight(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits,
+                                    self.in_features, self.out_features).dequantize(dtype).t()
+        q = unpack_rows(self.qweight, self.bits).view(-1, self.block, self.out_features)
+        w = torch.addcmul(-self.scaled_zero.unsqueeze(1), q.to(torch.float32), self.scale.unsqueeze(1))
+        return w.view(self.in_features, self.out_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert x.dim() == 2 and x.shape[1] == self.in_features, (x.shape, self.in_features)
-        return F.linear(x, self.weight().dequantize(x.dtype))
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
+        return torch.mm(x, self.dense_weight(x.dtype))
 
 
 def auto_kernel_order(device: torch.device) -> tuple[str, ...]:

@@ -12,8 +12,7 @@ import importlib.util
 
 import torch
 
-from pagedserve.quant.cpu_int4 import sorted_groups
-from pagedserve.quant.packed_linear import QLINEAR_KERNELS, GroupQuantWeight, QLinearKernel
+from pagedserve.quant.packed_linear import QLINEAR_KERNELS, GroupQuantWeight, QLinearKernel, sorted_groups
 from pagedserve.quant.packing import pack_awq, unpack_cols, unpack_rows
 
 

@@ -62,12 +62,12 @@ def fp16_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().to(torch.float16).contiguous().view(torch.int16).numpy().tobytes()).hexdigest()
 
 
-def build_linear(model_dir: Path, prefix: str, kernel: str = "auto", dtype: torch.dtype = torch.float32) -> QuantLinear:
+def build_linear(model_dir: Path, prefix: str, kernel: str = "auto", dtype: torch.dtype = torch.float32,
+                 process: bool = True) -> QuantLinear:
     """One QuantLinear loaded the way the model loader does it (create, load each tensor, check, process)."""
     cfg = quant_config_for(hf_config(model_dir), None, model_dir, kernel=kernel)
     tensors = {k[len(prefix) + 1:]: v for k, v in checkpoint_tensors(model_dir).items() if k.startswith(prefix + ".")}
-    scales = tensors["scales"]
-    out_f = scales.shape[1]
+    out_f = tensors["scales"].shape[1]
     rows = tensors["qweight"].shape[0]  # GPTQ packs along the input dim, AWQ along the output dim
     in_f = rows * (32 // cfg.spec_for(prefix).bits) if cfg.name == "gptq" else rows
     layer = QuantLinear(in_f, out_f, False, cfg.linear_method(prefix), dtype)
@@ -75,8 +75,15 @@ def build_linear(model_dir: Path, prefix: str, kernel: str = "auto", dtype: torc
         layer.method.load_tensor(layer, name, t, prefix)
     missing = layer.method.required_tensors(layer) - layer.loaded_tensors
     assert not missing, missing
-    layer.method.process_weights_after_loading(layer)
+    if process:
+        layer.method.process_weights_after_loading(layer)
     return layer
+
+
+def reference_weight(model_dir: Path, prefix: str) -> GroupQuantWeight:
+    """The checkpoint's layer in the canonical layout, before any kernel repacks it."""
+    layer = build_linear(model_dir, prefix, process=False)
+    return layer.method.to_group_quant(layer)
 
 
 def copy_fixture(name: str, dst: Path) -> Path:

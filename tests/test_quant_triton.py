@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quant_fixtures import build_linear, fixture_dir, random_weight
+from quant_fixtures import fixture_dir, random_weight, reference_weight
 
 triton_gemm = pytest.importorskip("pagedserve.quant.triton_gemm", reason="triton is not installed")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -42,10 +42,9 @@ def test_triton_gemm_matches_reference(bits, k, n, group, act_order, dtype):
     ("awq_4bit_g64", "model.layers.0.self_attn.q_proj"),
 ])
 def test_triton_gemm_on_tool_checkpoints(name, prefix):
-    layer = build_linear(fixture_dir(name), prefix, kernel="dequant")
-    w = layer.qkernel.weight()
+    w = reference_weight(fixture_dir(name), prefix)
     x = torch.randn(4, w.in_features, generator=torch.Generator().manual_seed(6))
-    ref = layer(x)
+    ref = x @ w.dequantize(torch.float32).t()
     y = triton_gemm.dequant_gemm(x.to(DEVICE), _on(w, DEVICE)).cpu()
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 

@@ -47,7 +47,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--systems", nargs="+", default=list(drivers.SYSTEMS), choices=list(drivers.SYSTEMS))
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1,
+                   help="compute threads for pagedserve, transformers and llama-server (vLLM: --vllm-bind). "
+                        "1 by default: on a shared 2-core machine a 2-thread OpenMP pool collapses whenever "
+                        "another process takes a core (see docs/benchmarks.md)")
     p.add_argument("--poisson-load", type=float, default=0.9, help="0 disables the Poisson runs")
     p.add_argument("--vllm-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND for vLLM")
     p.add_argument("--quick", action="store_true", help="16 small requests, 1 repeat, no Poisson")
@@ -55,6 +58,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out-md", type=Path, default=REPO / "docs" / "benchmarks.md")
     p.add_argument("--log-dir", type=Path, default=drivers.servers.CACHE / "logs")
     return p.parse_args()
+
+
+def source_version() -> str:
+    """The commit measured (read-only git query), with '+dirty' when the tree has edits."""
+    import subprocess
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain") else "")
 
 
 def log(msg: str) -> None:
@@ -132,6 +145,7 @@ def main() -> None:
     log("measuring the matmul peak (1 and 2 threads, fp32 and bf16)")
     peaks = measure_peaks((1, 2))
     out = {"meta": {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model_dir,
+                    "pagedserve_version": source_version(),
                     "workload": workload.summary(), "repeats": repeats, "threads": args.threads,
                     "vllm_bind": args.vllm_bind, "useful_tflop": flops / 1e12, "matmul_peak_gflops": peaks,
                     "systems": {n: drivers.SYSTEMS[n][0] for n in args.systems}, "quick": args.quick},

@@ -97,8 +97,7 @@ def _vllm_http(spec: DriverSpec) -> Driver:
 def _llama_server(spec: DriverSpec) -> Driver:
     server = servers.start_llama_server(spec.model_dir, spec.dtype, spec.log_dir, spec.threads)
     # cache_prompt off: repeats replay the same prompts (the other systems run without prefix caching too)
-    endpoint = Endpoint(server.target + "/v1/completions", "model",
-                        (("cache_prompt", False), ("return_tokens", True)))
+    endpoint = Endpoint(server.target + "/completion", "model", (("cache_prompt", False),), style="llama")
     return ServerDriver("llama-server", server, lambda w: run_http(endpoint, w))
 
 

@@ -4,8 +4,8 @@ client costs the same for every server and needs no extra packages.
 
 Token counting: each SSE chunk carries one or more generated tokens. We read the
 count from `usage.completion_tokens` when the server streams it (vLLM with
-continuous_usage_stats), else from token ids in the chunk, else 1 per chunk
-(llama-server streams one chunk per token); a final usage block corrects the total.
+continuous_usage_stats), else from the token ids in the chunk (vLLM return_token_ids,
+llama-server's native `tokens`), else 1 per non-final chunk.
 """
 
 from __future__ import annotations
@@ -25,6 +25,21 @@ class Endpoint:
     url: str  # e.g. http://127.0.0.1:8001/v1/completions
     model: str
     extra_body: tuple[tuple[str, object], ...] = ()
+    # "openai": /v1/completions; "llama": llama-server's native /completion, the only one
+    # of its endpoints that streams the generated token ids (used for the fidelity check)
+    style: str = "openai"
+
+    def body(self, req: BenchRequest) -> dict:
+        ids = list(req.prompt_token_ids)
+        if self.style == "llama":
+            body = {"prompt": ids, "n_predict": req.max_tokens, "temperature": 0.0, "stream": True,
+                    "ignore_eos": True, "return_tokens": True}
+        else:
+            body = {"model": self.model, "prompt": ids, "max_tokens": req.max_tokens, "temperature": 0.0,
+                    "stream": True, "ignore_eos": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        body.update(dict(self.extra_body))
+        return body
 
 
 async def _post_stream(endpoint: Endpoint, body: dict):
@@ -76,38 +91,34 @@ async def _lines(reader: asyncio.StreamReader, chunked: bool):
 async def _one(endpoint: Endpoint, req: BenchRequest, t0: float) -> RequestTiming:
     await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
     arrival = time.perf_counter()
-    body = {"model": endpoint.model, "prompt": list(req.prompt_token_ids), "max_tokens": req.max_tokens,
-            "temperature": 0.0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    body.update(dict(endpoint.extra_body))
     times: list[float] = []
     ids: list[int] = []
-    async for chunk in _post_stream(endpoint, body):
+    async for chunk in _post_stream(endpoint, endpoint.body(req)):
         now = time.perf_counter()
-        usage = chunk.get("usage") or {}
-        choices = chunk.get("choices") or []
-        if not choices:  # the trailing usage-only chunk
-            _pad_to(times, usage.get("completion_tokens"), now)
-            continue
-        new_ids = _token_ids(choices[0])
+        new_ids, count, is_token = _parse(chunk)
         ids.extend(new_ids)
-        if usage.get("completion_tokens") is not None:
-            _pad_to(times, usage["completion_tokens"], now)
+        if count is not None:
+            _pad_to(times, count, now)
         elif new_ids:
             times.extend([now] * len(new_ids))
-        elif choices[0].get("text") is not None or choices[0].get("finish_reason") is None:
+        elif is_token:
             times.append(now)
     if len(times) > req.max_tokens:  # a final empty chunk counted as a token
         times = times[: req.max_tokens]
     return RequestTiming(req.request_id, arrival, tuple(times), tuple(ids))
 
 
-def _token_ids(choice: dict) -> list[int]:
-    ids = choice.get("token_ids")
-    if ids:
-        return list(ids)
-    tokens = choice.get("tokens")  # llama-server with return_tokens
-    return list(tokens) if isinstance(tokens, list) and tokens and isinstance(tokens[0], int) else []
+def _parse(chunk: dict) -> tuple[list[int], int | None, bool]:
+    """(new token ids, running completion-token count if streamed, whether it is a token chunk)."""
+    if "choices" not in chunk:  # llama-server native: {"content", "tokens", "stop"}
+        return list(chunk.get("tokens") or []), None, not chunk.get("stop", False)
+    usage = chunk.get("usage") or {}
+    count = usage.get("completion_tokens")
+    choices = chunk["choices"]
+    if not choices:  # OpenAI's trailing usage-only chunk
+        return [], count, False
+    choice = choices[0]
+    return list(choice.get("token_ids") or []), count, choice.get("finish_reason") is None
 
 
 def _pad_to(times: list[float], count: int | None, now: float) -> None:

@@ -75,13 +75,15 @@ def render(out: dict, json_name: str, png_name: str | None) -> str:
     meta = out["meta"]
     w = meta["workload"]
     peaks = ", ".join(f"{k} {v:.0f}" for k, v in meta["matmul_peak_gflops"].items())
-    lines = [f"Run {meta['started']} - {meta.get('finished', 'unfinished')}; raw data: `{json_name}`.",
+    lines = [f"Run {meta['started']} - {meta.get('finished', 'unfinished')} on pagedserve "
+             f"{meta.get('pagedserve_version', '?')}, {meta['threads']} compute thread(s) per system "
+             f"(vLLM: VLLM_CPU_OMP_THREADS_BIND={meta.get('vllm_bind', 'auto')}); raw data: `{json_name}`.",
              f"Workload: {w['num_requests']} requests ({w['arrival']}), prompts {w['prompt_len_min']}-"
              f"{w['prompt_len_max']} random token ids, outputs {w['output_len_min']}-{w['output_len_max']} "
              f"({w['prompt_tokens']} prompt + {w['output_tokens']} output tokens), seed {w['seed']}, greedy, EOS "
              f"ignored, prefix caching off everywhere; medians of {meta['repeats']} interleaved repetitions; "
              f"{meta['useful_tflop']:.2f} TFLOP of useful work.",
-             f"Measured matmul peak (GFLOP/s, 2048^3, dtype@threads): {peaks}.", ""]
+             f"Measured matmul peak (GFLOP/s, 2048^3, best of torch.mm and oneDNN packed, dtype@threads): {peaks}.", ""]
     for dtype, section in out["results"].items():
         lines += [f"### {dtype}", ""] + system_table(section) + [""] + ratio_table(section) + [""]
         if section.get("poisson"):
