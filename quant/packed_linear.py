@@ -97,9 +97,9 @@ class DequantKernel(QLinearKernel):
     """Keeps the weight packed and dequantizes it on every call, then a dense matmul: the fallback for
     what the fast kernels cannot take (8-bit, float32 activations on CPU, odd shapes).
 
-    Prepared once: input rows sorted by group (act-order permutes the activations instead), and per
-    block of `block` rows (each inside one group) the fp32 scale and scale*zero, so a call is an unpack,
-    one multiply-subtract and the matmul. Irregular groupings keep the canonical tensors and g_idx."""
+    Prepared once: input rows sorted by group (act-order permutes the activations instead) and cut into
+    blocks of `block` rows, each inside one group, so a call is an unpack, one fused multiply-subtract
+    with per-block scale and scale*zero, and the matmul. Irregular groupings use g_idx per row."""
 
     name = "dequant"
 
@@ -116,11 +116,10 @@ class DequantKernel(QLinearKernel):
         q = unpack_rows(w.qweight, w.bits)
         self.register_buffer("perm", None if perm is None else perm.to(torch.int32))
         self.register_buffer("qweight", pack_rows(q if perm is None else q.index_select(0, perm), w.bits))
-        block_group = sorted_g[:: self.block]
-        scale = w.scales.index_select(0, block_group).to(torch.float32)
-        zero = unpack_cols(w.qzeros, w.bits).index_select(0, block_group).to(torch.float32)
-        self.register_buffer("scale", scale.contiguous())
-        self.register_buffer("scaled_zero", (zero * scale).contiguous())  # exact: fp16 scale x small int
+        # Per group, not per block: a partial last group would otherwise double the scale bytes.
+        self.register_buffer("block_group", sorted_g[:: self.block].to(torch.int32))
+        self.register_buffer("scales", w.scales)
+        self.register_buffer("qzeros", w.qzeros)
 
     @classmethod
     def unsupported_reason(cls, w: GroupQuantWeight, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -135,8 +134,11 @@ class DequantKernel(QLinearKernel):
         if self.block is None:
             return GroupQuantWeight(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits,
                                     self.in_features, self.out_features).dequantize(dtype).t()
+        scale = self.scales.index_select(0, self.block_group).to(torch.float32)  # [K / block, N]
+        zero = unpack_cols(self.qzeros, self.bits).index_select(0, self.block_group)
+        scaled_zero = zero.to(torch.float32) * scale  # exact: fp16 scale x small integer
         q = unpack_rows(self.qweight, self.bits).view(-1, self.block, self.out_features)
-        w = torch.addcmul(-self.scaled_zero.unsqueeze(1), q.to(torch.float32), self.scale.unsqueeze(1))
+        w = torch.addcmul(-scaled_zero.unsqueeze(1), q.to(torch.float32), scale.unsqueeze(1))
         return w.view(self.in_features, self.out_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
