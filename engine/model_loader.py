@@ -68,6 +68,7 @@ def load_model(
         model = factory(hf_config, quant, compute_dtype)
     kv_scales = _load_weights(model, model_dir)
     model.fuse_projections()
+    _process_linear_layers(model)
     model.eval()
     logger.info("loaded %s (%s, %s, quantization=%s)", model_dir, type(model).__name__, compute_dtype, quant.describe())
     return LoadedModel(model, model_dir, hf_config, compute_dtype, quant, kv_scales)
@@ -92,13 +93,17 @@ def _load_weights(model: nn.Module, model_dir: Path) -> dict[str, torch.Tensor]:
                     continue
                 _load_one(modules, key, f.get_tensor(key), loaded)
     _check_complete(model, expected, loaded)
-    for module in modules.values():
+    return kv_scales
+
+
+def _process_linear_layers(model: nn.Module) -> None:
+    """Repack every linear layer for its kernel: after fusing, so fused layers are packed once, whole."""
+    for module in model.modules():
         if isinstance(module, QuantLinear):
             try:
                 module.method.process_weights_after_loading(module)
             except QuantConfigError as exc:  # a tensor's values are wrong (e.g. g_idx out of range)
                 raise ModelLoadError(str(exc)) from None
-    return kv_scales
 
 
 def _load_one(modules: dict[str, nn.Module], key: str, tensor: torch.Tensor, loaded: set[str]) -> None:

@@ -1,7 +1,8 @@
 """The torch implementation of the PagedAttention entry point: the CPU serving path, and the kernels' reference.
 
-Decode rows (one new token per sequence) are gathered into one padded batch and run as a single SDPA call;
-prefill chunks run per sequence, where the matmuls are large enough that the Python loop costs nothing.
+Decode rows (one new token per sequence) run in padded batches of sequences of similar length, as two batched
+matmuls in fp32; prefill chunks run per sequence through SDPA, where the matmuls are large enough that the
+Python loop costs nothing.
 """
 
 from __future__ import annotations
@@ -95,18 +96,32 @@ class TorchAttention(AttentionImpl):
             self._decode_group(query, out, cache, meta, scale, by_length[first : first + _DECODE_GROUP], starts)
 
     def _decode_group(self, query, out, cache, meta, scale, seqs: list[int], starts: list[int]) -> None:
+        # Two batched matmuls with fp32 scores and softmax rather than SDPA: torch's CPU flash kernel has no
+        # fast path for one query row; in bf16 it took 2.9 ms where this takes 0.6 ms (16 sequences x 256
+        # tokens, GQA 9/3, one core), and in the engine it was 64% of all bf16 step time.
         block_size = cache.k.shape[1]
         num_blocks = -(-max(meta.seq_lens_host[i] for i in seqs) // block_size)
         seq_index = torch.tensor(seqs, dtype=torch.long, device=query.device)
         rows = torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=query.device)
-        k, v = self._gather(cache, meta.block_tables[seq_index, :num_blocks].long(), query.dtype)  # [G, L, Hkv, D]
-        positions = torch.arange(k.shape[1], device=query.device)
-        mask = (positions[None, :] < meta.seq_lens[seq_index][:, None]).view(len(seqs), 1, 1, -1)  # [G, 1, 1, L]
-        q = query.index_select(0, rows).unsqueeze(2)  # [G, H, 1, D]
-        o = F.scaled_dot_product_attention(
-            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
-        )
-        out.index_copy_(0, rows, o.squeeze(2))
+        k, v = self._gather_by_head(cache, meta.block_tables[seq_index, :num_blocks].long())  # [G, Hkv, L, D] fp32
+        groups, num_kv_heads, length, head_dim = k.shape
+        q = query.index_select(0, rows).view(groups, num_kv_heads, -1, head_dim).float()  # [G, Hkv, H/Hkv, D]
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [G, Hkv, H/Hkv, L]
+        padding = torch.arange(length, device=query.device)[None, :] >= meta.seq_lens[seq_index][:, None]
+        scores.masked_fill_(padding.view(groups, 1, 1, length), float("-inf"))
+        o = torch.matmul(scores.softmax(-1), v)  # [G, Hkv, H/Hkv, D]
+        out.index_copy_(0, rows, o.view(groups, -1, head_dim).to(out.dtype))
+
+    def _gather_by_head(self, cache: LayerKVCache, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """block_ids [N, nb] -> K, V [N, Hkv, nb * block_size, D] fp32, contiguous: what batched matmuls want."""
+        k, v = self._gather(cache, block_ids, torch.float32 if cache.dtype.is_fp8 else cache.k.dtype)
+        n, length, num_kv_heads, head_dim = k.shape
+        by_head = []
+        for x in (k, v):
+            dst = torch.empty((n, num_kv_heads, length, head_dim), dtype=torch.float32, device=x.device)
+            dst.copy_(x.transpose(1, 2))  # one pass: transpose and upcast together
+            by_head.append(dst)
+        return by_head[0], by_head[1]
 
     def _prefill(self, query, out, cache, meta, scale, seq: int, start: int, q_len: int) -> None:
         block_size = cache.k.shape[1]

@@ -50,7 +50,7 @@ class LinearMethod(ABC):
         return {n for n, _ in layer.named_parameters(recurse=False)} | {n for n, _ in layer.named_buffers(recurse=False)}
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Repack into the layout `apply` wants (once, at load)."""
+        """Repack into the layout `apply` wants (once, at load, after `merge` has fused layers)."""
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

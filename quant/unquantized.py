@@ -1,4 +1,4 @@
-"""Plain FP32/FP16/BF16 weights."""
+"""Plain FP32/FP16/BF16 weights; on CPU packed once for oneDNN (see onednn_dense.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.quant.base import QUANT_METHODS, LinearMethod, QuantConfig
+from pagedserve.quant.onednn_dense import can_pack, pack_weight, packed_linear
 
 
 class UnquantizedLinearMethod(LinearMethod):
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         layer.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        layer.packed_weight = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if can_pack(layer.weight):
+            layer.packed_weight = pack_weight(layer.weight)
+            layer.weight = None  # the packed copy replaces it: one copy of the weights in memory
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if layer.packed_weight is not None:
+            return packed_linear(x, layer.packed_weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
     def merge(self, layers: list[nn.Module]) -> nn.Module | None:

@@ -65,6 +65,20 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     raise ModelLoadError(f"rope_scaling.rope_type: unsupported {rope_type!r}; supported: default, linear, llama3")
 
 
+@dataclass(frozen=True, slots=True)
+class RopeAngles:
+    """cos and sign-folded sin for one step's positions, [T, 1, D] in the compute dtype; built once per forward."""
+
+    cos: torch.Tensor
+    signed_sin: torch.Tensor  # sin with its first half negated: rotate_half's minus sign, folded in once
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, N, D] -> RoPE(x), same op order as transformers' (x * cos) + (rotate_half(x) * sin)."""
+        tokens, heads, dim = x.shape
+        swapped = x.reshape(tokens, heads, 2, dim // 2).flip(2).view(tokens, heads, dim)  # [x2, x1]
+        return x * self.cos + swapped * self.signed_sin
+
+
 class RotaryEmbedding(nn.Module):
     """Non-interleaved (rotate-half) RoPE with cos/sin precomputed for every position."""
 
@@ -74,16 +88,13 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin() * attention_factor
+        half = head_dim // 2
         self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)  # [P, D]
-        self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
+        self.register_buffer("signed_sin", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, H, D]; k [T, Hkv, D]."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAngles:
+        """positions [T] -> the step's RopeAngles, cast to `dtype` as transformers casts cos/sin."""
+        return RopeAngles(
+            self.cos[positions].to(dtype).unsqueeze(1), self.signed_sin[positions].to(dtype).unsqueeze(1)
+        )

@@ -14,11 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.engine.errors import ModelLoadError
-from pagedserve.engine.models.layers import ForwardContext, RMSNorm, RotaryEmbedding
+from pagedserve.engine.models.layers import ForwardContext, RMSNorm, RopeAngles, RotaryEmbedding
 from pagedserve.engine.models.registry import MODEL_ARCHS
 from pagedserve.kernels.paged_attention import paged_attention, write_kv
 from pagedserve.quant.base import QuantConfig
 from pagedserve.quant.linear import QuantLinear
+from pagedserve.quant.unquantized import UnquantizedLinearMethod
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,16 +96,17 @@ class Attention(nn.Module):
             self.qkv_proj = merged
             del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeAngles, ctx: ForwardContext) -> torch.Tensor:
         tokens = x.shape[0]
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+            qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+            q_and_k = qkv[:, : self.split_sizes[0] + self.split_sizes[1]].view(tokens, -1, self.head_dim)
+            q, k = rope.rotate(q_and_k).split([self.num_heads, self.num_kv_heads], dim=1)  # one RoPE for both
+            v = qkv[:, -self.split_sizes[2] :].reshape(tokens, self.num_kv_heads, self.head_dim)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim).contiguous()  # a view into the fused qkv output
-        q, k = rotary(positions, q, k)
+            q = rope.rotate(self.q_proj(x).view(tokens, self.num_heads, self.head_dim))
+            k = rope.rotate(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
+            v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         cache = ctx.kv_cache.layers[self.layer_index]
         write_kv(ctx.attn_impl, k, v, cache, ctx.attn_meta.slot_mapping)
         out = paged_attention(ctx.attn_impl, q, cache, ctx.attn_meta, self.scale)  # [T, H, D]
@@ -143,8 +145,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, ctx)
+    def forward(self, x: torch.Tensor, rope: RopeAngles, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -169,28 +171,38 @@ class LlamaForCausalLM(nn.Module):
         self.args = args = LlamaArgs.from_hf(hf_config, *self.biases(hf_config))
         self.model = LlamaBody(args, quant, dtype)
         self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
+        self.tied_lm_head: QuantLinear | None = None  # built by fuse_projections when embeddings are tied
         if args.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = QuantLinear(args.hidden_size, args.vocab_size, False, quant.linear_method("lm_head"), dtype)
 
     def fuse_projections(self) -> None:
+        """After loading, before linear layers are repacked for their kernels."""
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
+        if self.lm_head is None:
+            # Tied: the LM head becomes a linear layer over the embedding, so it gets the packed matmul path
+            # (on CPU a packed copy; elsewhere the same tensor, shared).
+            embed = self.model.embed_tokens.weight
+            with torch.device("meta"):  # no throwaway allocation: the weight is replaced at once
+                head = QuantLinear(self.args.hidden_size, self.args.vocab_size, False, UnquantizedLinearMethod(), embed.dtype)
+            head.weight = embed
+            self.tied_lm_head = head
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
+        rope = self.rotary.angles(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, positions, self.rotary, ctx)
+            x = layer(x, rope, ctx)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> fp32 logits [S, vocab]."""
-        if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+        head = self.lm_head if self.lm_head is not None else self.tied_lm_head
+        return head(hidden).float()
 
 
 @MODEL_ARCHS.register("LlamaForCausalLM")
