@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -38,8 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="compute threads per system (1: see docs/benchmarks.md on shared cores)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="compute threads per system (default: every core; 1 on shared cores, see docs/benchmarks.md)")
     parser.add_argument("--prefix-caching", action="store_true",
                         help="keep prefix caches on (repeats then hit the cache of earlier repeats)")
     parser.add_argument("--quick", action="store_true", help="16 small requests, 1 repeat")

@@ -1,7 +1,7 @@
 """The torch implementation of the PagedAttention entry point: the CPU serving path, and the kernels' reference.
 
 Decode rows (one new token per sequence) run in padded batches of sequences of similar length, as two batched
-matmuls in fp32; prefill chunks run per sequence through SDPA, where the matmuls are large enough that the
+matmuls (fp32 scores); prefill chunks run per sequence through SDPA, where the matmuls are large enough that the
 Python loop costs nothing.
 """
 
@@ -103,25 +103,18 @@ class TorchAttention(AttentionImpl):
         num_blocks = -(-max(meta.seq_lens_host[i] for i in seqs) // block_size)
         seq_index = torch.tensor(seqs, dtype=torch.long, device=query.device)
         rows = torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=query.device)
-        k, v = self._gather_by_head(cache, meta.block_tables[seq_index, :num_blocks].long())  # [G, Hkv, L, D] fp32
-        groups, num_kv_heads, length, head_dim = k.shape
+        k, v = self._gather(cache, meta.block_tables[seq_index, :num_blocks].long(), query.dtype)  # [G, L, Hkv, D]
+        groups, length, num_kv_heads, head_dim = k.shape
+        keys = torch.empty((groups, num_kv_heads, length, head_dim), dtype=torch.float32, device=k.device)
+        keys.copy_(k.transpose(1, 2))  # one pass: transpose and upcast together
         q = query.index_select(0, rows).view(groups, num_kv_heads, -1, head_dim).float()  # [G, Hkv, H/Hkv, D]
-        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [G, Hkv, H/Hkv, L]
+        scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)  # [G, Hkv, H/Hkv, L]
         padding = torch.arange(length, device=query.device)[None, :] >= meta.seq_lens[seq_index][:, None]
         scores.masked_fill_(padding.view(groups, 1, 1, length), float("-inf"))
-        o = torch.matmul(scores.softmax(-1), v)  # [G, Hkv, H/Hkv, D]
-        out.index_copy_(0, rows, o.view(groups, -1, head_dim).to(out.dtype))
-
-    def _gather_by_head(self, cache: LayerKVCache, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """block_ids [N, nb] -> K, V [N, Hkv, nb * block_size, D] fp32, contiguous: what batched matmuls want."""
-        k, v = self._gather(cache, block_ids, torch.float32 if cache.dtype.is_fp8 else cache.k.dtype)
-        n, length, num_kv_heads, head_dim = k.shape
-        by_head = []
-        for x in (k, v):
-            dst = torch.empty((n, num_kv_heads, length, head_dim), dtype=torch.float32, device=x.device)
-            dst.copy_(x.transpose(1, 2))  # one pass: transpose and upcast together
-            by_head.append(dst)
-        return by_head[0], by_head[1]
+        # Probabilities meet V in the compute dtype, as in FlashAttention; the output is rounded to it anyway.
+        probs = scores.softmax(-1).to(query.dtype)
+        o = torch.matmul(probs, v.transpose(1, 2))  # [G, Hkv, H/Hkv, D]
+        out.index_copy_(0, rows, o.view(groups, -1, head_dim))
 
     def _prefill(self, query, out, cache, meta, scale, seq: int, start: int, q_len: int) -> None:
         block_size = cache.k.shape[1]

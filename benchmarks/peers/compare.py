@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,10 +48,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--systems", nargs="+", default=list(drivers.SYSTEMS), choices=list(drivers.SYSTEMS))
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1,
-                   help="compute threads for pagedserve, transformers and llama-server (vLLM: --vllm-bind). "
-                        "1 by default: on a shared 2-core machine a 2-thread OpenMP pool collapses whenever "
-                        "another process takes a core (see docs/benchmarks.md)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="compute threads for pagedserve, transformers and llama-server (vLLM: --vllm-bind); "
+                        "default: every core. Use 1 when other jobs share the machine: a 2-thread OpenMP pool "
+                        "collapses whenever another process takes a core (see docs/benchmarks.md)")
     p.add_argument("--poisson-load", type=float, default=0.9, help="0 disables the Poisson runs")
     p.add_argument("--vllm-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND for vLLM")
     p.add_argument("--quick", action="store_true", help="16 small requests, 1 repeat, no Poisson")

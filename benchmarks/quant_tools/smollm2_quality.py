@@ -1,13 +1,18 @@
 """SmolLM2-135M quantized by the real tools, served by pagedserve: perplexity, weight memory, decode speed.
 
-    python benchmarks/quant_tools/smollm2_quality.py [--skip-quantize] [--out results.json]
+    python benchmarks/quant_tools/smollm2_quality.py [--recipes NAME ...] [--dtypes bfloat16 ...]
+        [--skip-throughput] [--out results.json] [--threads N]
+
+--recipes picks recipes by name ("unquantized" is the base model); rows already in --out for other
+recipes are kept. --skip-throughput measures only perplexity and bytes (decode fields left out).
 
 Run by hand (not in CI): quantizing takes minutes per tool on 2 cores. Steps:
 1. Text: Python's own reference documentation (pydoc_data.topics, shipped with CPython: real English,
    no download). Topics alternate between calibration and evaluation, so the two never overlap.
-2. Quantize the default model with GPTQModel 7.3.6 (GPTQ 4-bit g128, act-order) and AWQ 4-bit g64
-   (GPTQModel's AWQ, GEMM layout; g128 is refused by the AWQ tools for in_features 576) using the
-   tool venvs of make_fixtures.py.
+2. Quantize the default model with GPTQModel 7.3.6 per RECIPES (GPTQ 4-bit g128/g32, sym/asym, with
+   or without act-order; AWQ 4-bit g64: GPTQModel's AWQ, GEMM layout; g128 is refused by the AWQ tools
+   for in_features 576) using the tool venvs of make_fixtures.py. A recipe whose folder under WORK
+   already holds a checkpoint is not quantized again.
 3. Load each checkpoint with pagedserve's own loader and compute perplexity over fixed 512-token
    windows, the bytes of the linear weights as stored, and greedy decode throughput via pagedserve.LLM.
 """
@@ -19,6 +24,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,15 +34,33 @@ sys.path.insert(0, str(HERE))
 from make_fixtures import ensure_venv  # noqa: E402
 
 WORK = Path("/root/.cache/pagedserve-tools/smollm2")
-CALIB_SAMPLES, CALIB_LEN = 32, 256
 EVAL_WINDOW, EVAL_WINDOWS = 512, 16
-# name -> (worker, args, calibration samples of CALIB_LEN tokens). GPTQModel's AWQ scale search is
-# ~6x slower than its GPTQ on 2 cores, so AWQ gets fewer samples (AWQ is known to need little data).
+BASE = "unquantized"
+BASE_ROW_NAME = "SmolLM2-135M (unquantized)"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    worker: str
+    args: tuple[str, ...]
+    samples: int  # calibration windows of `length` tokens, from the even topics
+    length: int = 256
+
+
+# GPTQModel's AWQ scale search is ~6x slower than its GPTQ on 2 cores, so AWQ gets fewer samples (AWQ
+# is known to need little data). Both AWQ tools require in_features % group_size == 0 ("Expected
+# in_features (576) to be divisible by group_size (128)"): SmolLM2's hidden size 576 = 4.5 x 128, so
+# AWQ uses group 64 here. The even topics hold 120 windows of 512 tokens; on one core GPTQModel needs
+# ~40 s per layer for 64 x 512 tokens (~20 min for 30 layers), so the new recipes stop at 64 x 512.
+# GPTQ args: method bits group desc_act sym format.
 RECIPES = {
-    "gptq_4bit_g128": ("tool_gptqmodel.py", ("gptq", "4", "128", "1", "1", "gptq"), 32),
-    # Both AWQ tools require in_features % group_size == 0 ("Expected in_features (576) to be divisible
-    # by group_size (128)"): SmolLM2's hidden size 576 = 4.5 x 128, so AWQ uses group 64 here.
-    "awq_4bit_g64": ("tool_gptqmodel.py", ("awq", "4", "64", "0"), 8),
+    "gptq_4bit_g128": Recipe("tool_gptqmodel.py", ("gptq", "4", "128", "1", "1", "gptq"), 32),
+    "awq_4bit_g64": Recipe("tool_gptqmodel.py", ("awq", "4", "64", "0"), 8),
+    "gptq_4bit_g128_asym_c64x512": Recipe("tool_gptqmodel.py", ("gptq", "4", "128", "1", "0", "gptq"), 64, 512),
+    # The base was Q4_1 once (GGUF: blocks of 32 input weights, scale + min): without act-order, g32 asym
+    # groups are those blocks. Measured: act-order still does better (docs/quantization.md).
+    "gptq_4bit_g32_asym_noact": Recipe("tool_gptqmodel.py", ("gptq", "4", "32", "0", "0", "gptq"), 32),
+    "gptq_4bit_g32_asym": Recipe("tool_gptqmodel.py", ("gptq", "4", "32", "1", "0", "gptq"), 32),
 }
 
 
@@ -55,17 +79,18 @@ def token_windows(tokenizer, text: str, length: int, count: int) -> list[list[in
     return windows[:count]
 
 
-def quantize(base: Path, calib: list[list[int]]) -> dict[str, Path]:
+def quantize(base: Path, calib_text: str, tokenizer, names: list[str]) -> dict[str, Path]:
+    """Quantize each named recipe whose checkpoint folder is still empty; {name: checkpoint dir}."""
     py = ensure_venv("gptqm")
     out = {}
-    for name, (worker, args, samples) in RECIPES.items():
-        dst = WORK / name
-        calib_file = WORK / f"calib_{samples}.json"
-        calib_file.write_text(json.dumps(calib[:samples]))
+    for name in names:
+        r, dst = RECIPES[name], WORK / name
         if not list(dst.glob("*.safetensors")):
+            calib_file = WORK / f"calib_{r.samples}x{r.length}.json"
+            calib_file.write_text(json.dumps(token_windows(tokenizer, calib_text, r.length, r.samples)))
             print(f"[{name}] quantizing ...", flush=True)
             t0 = time.time()
-            subprocess.run([str(py), str(HERE / worker), str(base), str(dst), *args, "--calib", str(calib_file),
+            subprocess.run([str(py), str(HERE / r.worker), str(base), str(dst), *r.args, "--calib", str(calib_file),
                             "--no-record"], check=True)
             print(f"[{name}] done in {time.time() - t0:.0f}s", flush=True)
         out[name] = dst
@@ -86,18 +111,20 @@ def perplexity(loaded, windows: list[list[int]]) -> float:
     return float(torch.exp(torch.tensor(nll / count)))
 
 
-def linear_bytes(model) -> tuple[int, int]:
-    """(bytes the linear weights occupy as loaded, bytes they would take in fp16)."""
+def linear_bytes(model, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes the linear weights occupy as loaded, bytes they would take in fp16). Unquantized layers
+    count in_features x out_features in the model dtype (their weight may be repacked for oneDNN). The
+    lm_head (tied to the embedding in SmolLM2, never quantized) is left out, as in the first rows."""
     from pagedserve.quant.linear import QuantLinear
 
     stored = fp16 = 0
-    for m in model.modules():
-        if isinstance(m, QuantLinear):
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear) and not name.endswith("lm_head"):
             fp16 += m.in_features * m.out_features * 2
             if hasattr(m, "qkernel"):
                 stored += m.qkernel.weight_nbytes()
             else:
-                stored += m.weight.numel() * m.weight.element_size()
+                stored += m.in_features * m.out_features * dtype.itemsize
     return stored, fp16
 
 
@@ -113,26 +140,59 @@ def decode_tokens_per_s(model_dir: Path, dtype: str, prompts: list[list[int]], n
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
 
-def evaluate(name: str, model_dir: Path, dtype: str, windows, prompts) -> dict:
+def evaluate(name: str, model_dir: Path, dtype: str, windows, throughput: bool) -> dict:
     from pagedserve.engine.config import parse_dtype
     from pagedserve.engine.model_loader import load_model
 
     loaded = load_model(model_dir, parse_dtype(dtype), None, torch.device("cpu"))
-    stored, fp16 = linear_bytes(loaded.model)
+    stored, fp16 = linear_bytes(loaded.model, parse_dtype(dtype))
     row = {"model": name, "dtype": dtype, "quant": loaded.quant.describe(), "ppl": perplexity(loaded, windows),
            "linear_MiB": stored / 2**20, "linear_vs_fp16": stored / fp16}
     del loaded
-    row["decode_tok_s_bs1"] = decode_tokens_per_s(model_dir, dtype, prompts[:1], 32)
-    row["decode_tok_s_bs8"] = decode_tokens_per_s(model_dir, dtype, prompts[:8], 16)
+    if throughput:
+        prompts = [w[:32] for w in windows]
+        row["decode_tok_s_bs1"] = decode_tokens_per_s(model_dir, dtype, prompts[:1], 32)
+        row["decode_tok_s_bs8"] = decode_tokens_per_s(model_dir, dtype, prompts[:8], 16)
     print(json.dumps(row), flush=True)
     return row
 
 
-def main() -> None:
+def add_deltas(rows: list[dict]) -> None:
+    """ppl_delta: relative to the unquantized row of the same dtype."""
+    base = {r["dtype"]: r["ppl"] for r in rows if r["model"] == BASE_ROW_NAME}
+    for r in rows:
+        if r["dtype"] in base:
+            r["ppl_delta"] = r["ppl"] / base[r["dtype"]] - 1
+
+
+def merge(path: Path, rows: list[dict], names: list[str], threads: int) -> dict:
+    """Replace the rows of the recipes just measured, keep the others."""
+    old = json.loads(path.read_text()) if path.exists() else {}
+    fresh = {(r["model"], r["dtype"]) for r in rows}
+    kept = [r for r in old.get("rows", []) if (r["model"], r["dtype"]) not in fresh]
+    calibration = old.get("calibration", {})
+    calibration.update({n: f"{RECIPES[n].samples} x {RECIPES[n].length} tokens (even topics)"
+                        for n in names if n in RECIPES})
+    out = {**old, "eval": f"{EVAL_WINDOWS} x {EVAL_WINDOW} tokens of pydoc_data.topics (odd topics)",
+           "calibration": calibration, "torch": torch.__version__, "rows": kept + rows}
+    out.setdefault("threads", threads)
+    add_deltas(out["rows"])
+    return out
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=HERE / "smollm2_results.json")
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    ap.add_argument("--recipes", nargs="+", choices=[BASE, *RECIPES], default=[BASE, *RECIPES])
+    # bfloat16: 4-bit layers run torch's int4 CPU kernel; float32: the exact dequantize-per-call kernel.
+    ap.add_argument("--dtypes", nargs="+", choices=["bfloat16", "float32"], default=["bfloat16", "float32"])
+    ap.add_argument("--skip-throughput", action="store_true", help="perplexity and bytes only")
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
@@ -142,19 +202,14 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(str(base))
     calib_text, eval_text = texts()
     WORK.mkdir(parents=True, exist_ok=True)
-    calib = token_windows(tok, calib_text, CALIB_LEN, CALIB_SAMPLES)
     windows = token_windows(tok, eval_text, EVAL_WINDOW, EVAL_WINDOWS)
-    prompts = [w[:32] for w in windows]
-    checkpoints = quantize(base, calib)
-    # bfloat16: 4-bit layers run torch's int4 CPU kernel; float32: the exact dequantize-per-call kernel.
-    rows = []
-    for dtype in ("bfloat16", "float32"):
-        rows.append(evaluate("SmolLM2-135M (unquantized)", base, dtype, windows, prompts))
-        for name, d in checkpoints.items():
-            rows.append(evaluate(name, d, dtype, windows, prompts))
-    args.out.write_text(json.dumps({"eval": f"{EVAL_WINDOWS} x {EVAL_WINDOW} tokens of pydoc_data.topics (odd topics)",
-                                    "calibration": {n: f"{r[2]} x {CALIB_LEN} tokens (even topics)" for n, r in RECIPES.items()},
-                                    "threads": args.threads, "torch": torch.__version__, "rows": rows}, indent=1))
+    checkpoints = quantize(base, calib_text, tok, [n for n in args.recipes if n != BASE])
+    if BASE in args.recipes:
+        checkpoints = {BASE_ROW_NAME: base, **checkpoints}
+    rows = [evaluate(name, d, dtype, windows, not args.skip_throughput)
+            for dtype in args.dtypes for name, d in checkpoints.items()]
+    result = merge(args.out, rows, args.recipes, args.threads)
+    args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
 
 

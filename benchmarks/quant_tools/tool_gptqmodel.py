@@ -3,7 +3,8 @@
 usage: python tool_gptqmodel.py BASE_DIR OUT_DIR gptq BITS GROUP_SIZE DESC_ACT(0|1) SYM(0|1) FORMAT(gptq|gptq_v2) [opts]
        python tool_gptqmodel.py BASE_DIR OUT_DIR awq BITS GROUP_SIZE SYM(0|1) [opts]
 opts: --reuse (keep an existing checkpoint, redo only the CPU reload and records), --calib FILE.json,
-      --no-record (skip the per-layer identity dequantization, for big models)
+      --no-record (skip the per-layer identity dequantization, for big models),
+      --set=FIELD=VALUE (any other QuantizeConfig field, e.g. --set=damp_percent=0.01; value parsed as JSON)
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ def stub_torchvision() -> None:
     mods["torchvision.transforms.functional"].InterpolationMode = enum.Enum("InterpolationMode", "BICUBIC")
 
 
+def extra_fields(argv: list[str]) -> dict:
+    """`--set=FIELD=VALUE` options: VALUE as JSON when it parses (numbers, true/false), else a string."""
+    out = {}
+    for a in argv:
+        if a.startswith("--set="):
+            key, _, value = a[len("--set="):].partition("=")
+            try:
+                out[key] = json.loads(value)
+            except json.JSONDecodeError:
+                out[key] = value
+    return out
+
+
 def build_config(argv: list[str]):
     from gptqmodel import QuantizeConfig
     from gptqmodel.quantization.config import AWQConfig, GPTQConfig  # noqa: F401
@@ -53,11 +67,11 @@ def build_config(argv: list[str]):
     if method == "gptq":
         bits, group_size, desc_act, sym = (int(a) for a in argv[1:5])
         fields = {"bits": bits, "group_size": group_size, "desc_act": bool(desc_act), "sym": bool(sym),
-                  "format": argv[5]}
+                  "format": argv[5], **extra_fields(sys.argv)}
         return GPTQConfig(**fields), fields
     if method == "awq":
         bits, group_size, sym = (int(a) for a in argv[1:4])
-        fields = {"bits": bits, "group_size": group_size, "sym": bool(sym), "format": "gemm"}
+        fields = {"bits": bits, "group_size": group_size, "sym": bool(sym), "format": "gemm", **extra_fields(sys.argv)}
         return AWQConfig(**fields), fields
     raise SystemExit(f"unknown method {method!r}")
 
