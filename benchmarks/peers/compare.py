@@ -35,7 +35,7 @@ REPO = HERE.parent.parent
 QUICK = WorkloadConfig(num_requests=16, prompt_len_min=32, prompt_len_max=128, output_len_min=8,
                        output_len_max=32)
 # (ours, theirs) pairs whose ratios the issue asks for; like is compared with like.
-PAIRS = [("pagedserve", "vllm"), ("pagedserve", "hf_cb"), ("pagedserve", "hf_static"),
+PAIRS = [("pagedserve", "vllm"), ("pagedserve", "vllm-allcores"), ("pagedserve", "hf_cb"), ("pagedserve", "hf_static"),
          ("pagedserve", "llama-server"), ("pagedserve", "vllm-http"),
          ("pagedserve-grpc", "vllm-http"), ("pagedserve-grpc", "llama-server"),
          ("pagedserve-grpc", "pagedserve")]

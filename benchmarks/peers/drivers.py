@@ -88,6 +88,15 @@ def _vllm_offline(spec: DriverSpec) -> Driver:
     return WorkerDriver("vllm", argv, env, spec.log_dir / f"vllm-offline-{spec.dtype}.log")
 
 
+def _vllm_offline_all_cores(spec: DriverSpec) -> Driver:
+    """vLLM with its OpenMP threads bound to as many cores as the others get: its default (`auto`)
+    keeps one core of this 2-core machine for the frontend, and a fair table shows both choices."""
+    argv = [str(servers.VLLM_PYTHON), str(BENCH_DIR / "peers" / "vllm_worker.py"), "--model", spec.model_dir,
+            "--dtype", spec.dtype]
+    env = servers.vllm_env(spec.vllm_kv_gib, f"0-{spec.threads - 1}")
+    return WorkerDriver("vllm-allcores", argv, env, spec.log_dir / f"vllm-allcores-offline-{spec.dtype}.log")
+
+
 def _vllm_http(spec: DriverSpec) -> Driver:
     server = servers.start_vllm(spec.model_dir, spec.dtype, spec.log_dir, spec.vllm_kv_gib, spec.vllm_bind)
     endpoint = Endpoint(server.target + "/v1/completions", "model", (("return_token_ids", True),))
@@ -109,6 +118,7 @@ def _pagedserve_grpc(spec: DriverSpec) -> Driver:
 SYSTEMS: dict[str, tuple[str, Callable[[DriverSpec], Driver]]] = {
     "pagedserve": ("in-process", _our_worker("pagedserve")),
     "vllm": ("in-process", _vllm_offline),
+    "vllm-allcores": ("in-process", _vllm_offline_all_cores),
     "hf_cb": ("in-process", _our_worker("hf_cb")),
     "hf_static": ("in-process", _our_worker("hf_static")),
     "pagedserve-grpc": ("wire", _pagedserve_grpc),
