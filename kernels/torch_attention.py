@@ -109,9 +109,10 @@ def _plan_step(meta: AttentionMetadata, block_size: int, device: torch.device) -
     for i, q_len in enumerate(meta.query_lens_host):
         if q_len > 1:
             ctx = meta.seq_lens_host[i]
-            # Query j sits at absolute position ctx - q_len + j and sees every key up to there.
-            q_pos = torch.arange(ctx - q_len, ctx, device=device)
-            mask = None if ctx == q_len else torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
+            mask = None
+            if ctx > q_len:  # query j sits at absolute position ctx - q_len + j and sees every key up to there
+                q_pos = torch.arange(ctx - q_len, ctx, device=device)
+                mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
             block_ids = meta.block_tables[i, : -(-ctx // block_size)].long()
             chunks.append(_PrefillChunk(starts[i], q_len, ctx, block_ids, mask))
     return _StepPlan(tuple(groups), tuple(chunks))

@@ -36,8 +36,6 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] -> [..., out] with a weight from `pack_weight`."""
     assert x.dtype == packed.dtype, f"activation {x.dtype} vs packed weight {packed.dtype}"
-    flat = x.reshape(-1, x.shape[-1])
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], out.shape[-1])

@@ -71,6 +71,6 @@ def test_fused_projections_and_tied_head_are_packed(tmp_path) -> None:
     assert layer.mlp.gate_up_proj.packed_weight is not None
     hidden = torch.randn(3, model.args.hidden_size)
     # The tied head is a packed copy; the embedding keeps its own plain table for lookups.
-    assert model.tied_lm_head.packed_weight is not None and model.model.embed_tokens.weight is not None
+    assert model.lm_head.packed_weight is not None and model.model.embed_tokens.weight is not None
     torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, model.model.embed_tokens.weight),
                                rtol=1e-5, atol=1e-4)

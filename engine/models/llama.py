@@ -171,9 +171,8 @@ class LlamaForCausalLM(nn.Module):
         self.args = args = LlamaArgs.from_hf(hf_config, *self.biases(hf_config))
         self.model = LlamaBody(args, quant, dtype)
         self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
-        self.tied_lm_head: QuantLinear | None = None  # built by fuse_projections when embeddings are tied
         if args.tie_word_embeddings:
-            self.lm_head = None
+            self.lm_head = None  # until fuse_projections: the loader must not expect an lm_head.weight
         else:
             self.lm_head = QuantLinear(args.hidden_size, args.vocab_size, False, quant.linear_method("lm_head"), dtype)
 
@@ -189,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
             with torch.device("meta"):  # no throwaway allocation: the weight is replaced at once
                 head = QuantLinear(self.args.hidden_size, self.args.vocab_size, False, UnquantizedLinearMethod(), embed.dtype)
             head.weight = embed
-            self.tied_lm_head = head
+            self.lm_head = head
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
@@ -201,8 +200,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> fp32 logits [S, vocab]."""
-        head = self.lm_head if self.lm_head is not None else self.tied_lm_head
-        return head(hidden).float()
+        return self.lm_head(hidden).float()
 
 
 @MODEL_ARCHS.register("LlamaForCausalLM")
