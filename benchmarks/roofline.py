@@ -48,6 +48,12 @@ class ModelShape:
         return 4 * self.num_layers * self.num_heads * self.head_dim * context
 
 
+def useful_flops(model_dir: str, workload) -> float:
+    """The useful work of a `workload.Workload` on the model in `model_dir`."""
+    requests = [(len(r.prompt_token_ids), r.max_tokens) for r in workload.requests]
+    return workload_flops(ModelShape.from_hf_config(model_dir), requests)
+
+
 def workload_flops(shape: ModelShape, requests: list[tuple[int, int]]) -> float:
     """requests: (prompt_len, output_len) pairs."""
     per_token = 2 * shape.num_layers * shape.layer_matmul_params

@@ -23,13 +23,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from metrics import median_result, ratios, summarize, token_agreement  # noqa: E402
-from roofline import ModelShape, measure_peaks, roofline_entry, workload_flops  # noqa: E402
+from roofline import measure_peaks, roofline_entry, useful_flops  # noqa: E402
 from systems import SYSTEMS, SystemSpec, create_system  # noqa: E402
-from workload import Workload, WorkloadConfig, add_workload_args, build_workload, workload_config_from_args  # noqa: E402
+from workload import QUICK, Workload, add_workload_args, build_workload, workload_config_from_args  # noqa: E402
 
 OURS = "pagedserve"
-QUICK = WorkloadConfig(num_requests=16, prompt_len_min=32, prompt_len_max=128, output_len_min=8,
-                       output_len_max=32)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,8 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = QUICK if args.quick else workload_config_from_args(args)
     repeats = 1 if args.quick else args.repeats
     workload = build_workload(config)
-    flops = workload_flops(ModelShape.from_hf_config(model_dir),
-                           [(len(r.prompt_token_ids), r.max_tokens) for r in workload.requests])
+    flops = useful_flops(model_dir, workload)
     report = {"workload": workload.summary(), "model": model_dir, "threads": args.threads,
               "useful_tflop": flops / 1e12, "results": {}}
     peaks = {} if args.no_roofline else measure_peaks(tuple(sorted({1, args.threads})))

@@ -49,6 +49,10 @@ class WorkloadConfig:
             raise WorkloadError(f"poisson arrival needs rate > 0, got {self.rate}")
 
 
+
+# The --quick smoke test of throughput.py and peers/compare.py: 16 small requests.
+QUICK = WorkloadConfig(num_requests=16, prompt_len_min=32, prompt_len_max=128, output_len_min=8, output_len_max=32)
+
 @dataclass(frozen=True, slots=True)
 class BenchRequest:
     request_id: str

@@ -25,15 +25,13 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from metrics import median_result, ratios, summarize, token_agreement  # noqa: E402
-from roofline import ModelShape, measure_peaks, roofline_entry, workload_flops  # noqa: E402
-from workload import WorkloadConfig, add_workload_args, build_workload, workload_config_from_args  # noqa: E402
+from roofline import measure_peaks, roofline_entry, useful_flops  # noqa: E402
+from workload import QUICK, WorkloadConfig, add_workload_args, build_workload, workload_config_from_args  # noqa: E402
 
 import drivers  # noqa: E402
 import report  # noqa: E402
 
 REPO = HERE.parent.parent
-QUICK = WorkloadConfig(num_requests=16, prompt_len_min=32, prompt_len_max=128, output_len_min=8,
-                       output_len_max=32)
 # (ours, theirs) pairs whose ratios the issue asks for; like is compared with like.
 PAIRS = [("pagedserve", "vllm"), ("pagedserve", "vllm-allcores"), ("pagedserve", "hf_cb"), ("pagedserve", "hf_static"),
          ("pagedserve", "llama-server"), ("pagedserve", "vllm-http"),
@@ -141,8 +139,7 @@ def main() -> None:
     config = QUICK if args.quick else workload_config_from_args(args)
     repeats = 1 if args.quick else args.repeats
     workload = build_workload(config)
-    flops = workload_flops(ModelShape.from_hf_config(model_dir),
-                           [(len(r.prompt_token_ids), r.max_tokens) for r in workload.requests])
+    flops = useful_flops(model_dir, workload)
     log("measuring the matmul peak (1 and 2 threads, fp32 and bf16)")
     peaks = measure_peaks((1, 2))
     out = {"meta": {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model_dir,
