@@ -16,11 +16,15 @@ from dataclasses import dataclass
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import EngineDeadError, InvalidRequestError, PagedServeError, QueueFullError
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.main_thread import MainThreadHost
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.sequence import now
 
 logger = logging.getLogger(__name__)
+
+# An idle step loop wakes this often, so a step loop on the main thread lets Python run signal handlers.
+_IDLE_POLL_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +58,14 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
+    """host: run the model load and step loop on the main thread through it (see main_thread.py); without one
+    they run on a worker thread of their own."""
+
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None, host: MainThreadHost | None = None):
         self.config = config
         self.engine = engine
+        self._host = host
+        self._host_loop: asyncio.Future | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._sinks: dict[str, _Sink] = {}
@@ -70,8 +79,12 @@ class AsyncEngine:
     async def start(self) -> None:
         """Loads the model (in a worker thread, keeping the event loop responsive) and starts the step loop."""
         if self.engine is None:
-            self.engine = await asyncio.to_thread(LLMEngine, self.config)
+            loading = self._host.call(LLMEngine, self.config) if self._host else asyncio.to_thread(LLMEngine, self.config)
+            self.engine = await loading
         self._stats = self.engine.stats()
+        if self._host is not None:
+            self._host_loop = asyncio.ensure_future(self._host.call(self._run))
+            return
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
         self._thread.start()
 
@@ -137,13 +150,15 @@ class AsyncEngine:
         self._wakeup.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        if self._host_loop is not None:
+            await self._host_loop
 
     # -- the loop thread ------------------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stopping:
+        while not self._stopping and not (self._host is not None and self._host.closed):
             self._apply_commands()
             if not self.engine.has_unfinished_requests():
-                self._wakeup.wait()
+                self._wakeup.wait(_IDLE_POLL_S)
                 self._wakeup.clear()
                 continue
             try:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.engine.allocator import keep_freed_memory
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import CapacityError, InvalidRequestError
@@ -43,6 +44,8 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if torch.device(config.device).type == "cpu":
+            keep_freed_memory()
         self.device = torch.device(config.device)
         self.model_dir = resolve_model(config.model)
         self.loaded = load_model(self.model_dir, config.torch_dtype, config.quantization, self.device)

@@ -87,7 +87,11 @@ class KVCacheSpec:
 
 @dataclass(slots=True)
 class LayerKVCache:
-    """One layer's blocks. k/v: [num_blocks, block_size, num_kv_heads, head_dim].
+    """One layer's blocks. k/v: [num_blocks, block_size, num_kv_heads, head_dim] (logical shape).
+
+    KVCache stores them head-major, [num_kv_heads, num_blocks, block_size, head_dim], and hands out the permuted
+    view: kernels that address by strides see the logical shape, while `by_head` gives the torch path contiguous
+    per-head tiles, so one index_select yields a sequence's K as [Hkv, L, D], ready for a matmul.
 
     k_scale/v_scale: [num_kv_heads] fp32, the dequantization scales (stored = real / scale).
     A per-tensor scale is the same value repeated; non-fp8 caches keep ones and ignore them.
@@ -102,6 +106,13 @@ class LayerKVCache:
     dtype: KVDtype
     k_rotation: torch.Tensor | None = None
 
+    @staticmethod
+    def by_head(cache_tensor: torch.Tensor) -> torch.Tensor:
+        """k or v -> the head-major storage [num_kv_heads, num_blocks, block_size, head_dim] (no copy)."""
+        storage = cache_tensor.permute(2, 0, 1, 3)
+        assert storage.is_contiguous(), "KV cache tensors must come from KVCache (head-major storage)"
+        return storage
+
 
 class KVCache:
     """All layers' blocks, allocated once from the spec."""
@@ -111,12 +122,13 @@ class KVCache:
             raise KVCacheConfigError("kv_cache_memory", f"budget yields {num_blocks} blocks; need at least 1")
         self.spec = spec
         self.num_blocks = num_blocks
-        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        storage = (spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
+        blocks = lambda: torch.zeros(storage, dtype=spec.dtype.torch_dtype, device=device).permute(1, 2, 0, 3)  # noqa: E731
         ones = lambda: torch.ones(spec.num_kv_heads, dtype=torch.float32, device=device)  # noqa: E731
         self.layers = [
             LayerKVCache(
-                k=torch.zeros(shape, dtype=spec.dtype.torch_dtype, device=device),
-                v=torch.zeros(shape, dtype=spec.dtype.torch_dtype, device=device),
+                k=blocks(),
+                v=blocks(),
                 k_scale=ones(),
                 v_scale=ones(),
                 dtype=spec.dtype,

@@ -42,22 +42,33 @@ def _fp8_to_float(x: torch.Tensor) -> tuple[torch.Tensor, float]:
     return x.float(), 1.0
 
 
-def dequantize_from_cache(x: torch.Tensor, scale: torch.Tensor, dtype: KVDtype, out_dtype: torch.dtype) -> torch.Tensor:
-    """x [..., Hkv, D] in cache dtype -> out_dtype, multiplying FP8 values by their per-head scale."""
+def dequantize_from_cache(
+    x: torch.Tensor, scale: torch.Tensor, dtype: KVDtype, out_dtype: torch.dtype, head_axis: int = -2
+) -> torch.Tensor:
+    """x in cache dtype, KV heads along `head_axis` ([..., Hkv, D] by default) -> out_dtype, FP8 times its head's scale."""
     if not dtype.is_fp8:
         return x.to(out_dtype)
     values, factor = _fp8_to_float(x)
+    shape = [1] * x.dim()
+    shape[head_axis] = -1
     # scale * 2^8 is exact, so each product is rounded once, exactly like x.float() * scale.
-    return (values * (scale * factor).view(*([1] * (x.dim() - 2)), -1, 1)).to(out_dtype)
+    return (values * (scale * factor).view(shape)).to(out_dtype)
 
 
 def _store(cache_tensor: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    flat = cache_tensor.view(-1, *cache_tensor.shape[2:])  # [num_blocks * block_size, Hkv, D]
+    """values [T, Hkv, D] -> their slots of every head's tiles in the head-major storage."""
+    storage = LayerKVCache.by_head(cache_tensor)
+    flat = storage.view(storage.shape[0], -1, storage.shape[3])  # [Hkv, num_blocks * block_size, D]
     if values.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         # CPU torch lacks FP8 index_put kernels for some paths; bytes are bytes.
-        flat.view(torch.uint8)[slots] = values.view(torch.uint8)
-    else:
-        flat[slots] = values
+        flat, values = flat.view(torch.uint8), values.view(torch.uint8)
+    flat[:, slots] = values.transpose(0, 1)
+
+
+def _head_tiles(block_ids: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """block_ids [N] -> rows [Hkv * N] of the storage viewed as [Hkv * num_blocks, block_size, D], head-major."""
+    heads = torch.arange(num_kv_heads, device=block_ids.device, dtype=torch.long)
+    return (heads[:, None] * num_blocks + block_ids[None, :]).reshape(-1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +76,8 @@ class _DecodeGroup:
     """Decode sequences of similar length that share one padded batch."""
 
     rows: torch.Tensor  # [G] int64: their query rows
-    block_ids: torch.Tensor  # [G * nb] int64: their first nb blocks, nb covering the longest of them
-    padding: torch.Tensor  # [G, 1, 1, nb * block_size] bool: True past each sequence's length
+    tiles: torch.Tensor  # [Hkv * G * nb] int64: storage tiles of their first nb blocks (nb covers the longest)
+    padding: torch.Tensor  # [1, G, 1, nb * block_size] bool: True past each sequence's length
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +85,7 @@ class _PrefillChunk:
     start: int  # first query row
     q_len: int
     ctx: int  # cached context + new tokens
-    block_ids: torch.Tensor  # [nb] int64
+    tiles: torch.Tensor  # [Hkv * nb] int64: storage tiles of its blocks
     mask: torch.Tensor | None  # [q_len, ctx] bool, None when the chunk is the whole prompt (plain causal)
 
 
@@ -86,7 +97,9 @@ class _StepPlan:
     prefill: tuple[_PrefillChunk, ...]
 
 
-def _plan_step(meta: AttentionMetadata, block_size: int, device: torch.device) -> _StepPlan:
+def _plan_step(meta: AttentionMetadata, cache: LayerKVCache) -> _StepPlan:
+    num_blocks, block_size, num_kv_heads, _ = cache.k.shape
+    device = cache.k.device
     starts = [0]
     for q_len in meta.query_lens_host:
         starts.append(starts[-1] + q_len)
@@ -96,14 +109,14 @@ def _plan_step(meta: AttentionMetadata, block_size: int, device: torch.device) -
     groups = []
     for first in range(0, len(decode), _DECODE_GROUP):
         seqs = decode[first : first + _DECODE_GROUP]
-        num_blocks = -(-max(meta.seq_lens_host[i] for i in seqs) // block_size)
+        blocks = -(-max(meta.seq_lens_host[i] for i in seqs) // block_size)
         seq_index = torch.tensor(seqs, dtype=torch.long, device=device)
-        positions = torch.arange(num_blocks * block_size, device=device)
+        positions = torch.arange(blocks * block_size, device=device)
         padding = positions[None, :] >= meta.seq_lens[seq_index][:, None]
         groups.append(_DecodeGroup(
             rows=torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device),
-            block_ids=meta.block_tables[seq_index, :num_blocks].reshape(-1).long(),
-            padding=padding.view(len(seqs), 1, 1, -1),
+            tiles=_head_tiles(meta.block_tables[seq_index, :blocks].reshape(-1).long(), num_kv_heads, num_blocks),
+            padding=padding.view(1, len(seqs), 1, -1),
         ))
     chunks = []
     for i, q_len in enumerate(meta.query_lens_host):
@@ -113,8 +126,8 @@ def _plan_step(meta: AttentionMetadata, block_size: int, device: torch.device) -
             if ctx > q_len:  # query j sits at absolute position ctx - q_len + j and sees every key up to there
                 q_pos = torch.arange(ctx - q_len, ctx, device=device)
                 mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
-            block_ids = meta.block_tables[i, : -(-ctx // block_size)].long()
-            chunks.append(_PrefillChunk(starts[i], q_len, ctx, block_ids, mask))
+            tiles = _head_tiles(meta.block_tables[i, : -(-ctx // block_size)].long(), num_kv_heads, num_blocks)
+            chunks.append(_PrefillChunk(starts[i], q_len, ctx, tiles, mask))
     return _StepPlan(tuple(groups), tuple(chunks))
 
 
@@ -129,7 +142,7 @@ class TorchAttention(AttentionImpl):
 
     def attention(self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if self._plan is None or self._plan[0] is not meta:
-            self._plan = (meta, _plan_step(meta, cache.k.shape[1], query.device))
+            self._plan = (meta, _plan_step(meta, cache))
         plan = self._plan[1]
         out = torch.empty_like(query)
         for group in plan.decode:
@@ -138,37 +151,35 @@ class TorchAttention(AttentionImpl):
             self._prefill(query, out, cache, scale, chunk)
         return out
 
-    def _gather(self, cache: LayerKVCache, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """block_ids [N * nb] -> K, V [N * nb, block_size, Hkv, D] in `dtype` (index_select: a plain row copy)."""
-        k = cache.k.index_select(0, block_ids)
-        v = cache.v.index_select(0, block_ids)
-        return (
-            dequantize_from_cache(k, cache.k_scale, cache.dtype, dtype),
-            dequantize_from_cache(v, cache.v_scale, cache.dtype, dtype),
-        )
+    def _gather(self, cache: LayerKVCache, tiles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """tiles [Hkv * N] -> K, V [Hkv, N * block_size, D] in `dtype` (index_select of whole tiles: a row copy)."""
+        out = []
+        for tensor, scale in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
+            storage = LayerKVCache.by_head(tensor)
+            num_kv_heads, _, block_size, head_dim = storage.shape
+            picked = storage.view(-1, block_size, head_dim).index_select(0, tiles).view(num_kv_heads, -1, head_dim)
+            out.append(dequantize_from_cache(picked, scale, cache.dtype, dtype, head_axis=0))
+        return out[0], out[1]
 
     def _decode_group(self, query, out, cache, scale: float, group: _DecodeGroup) -> None:
         # Two batched matmuls with fp32 scores and softmax rather than SDPA: torch's CPU flash kernel has no
         # fast path for one query row; in bf16 it took 2.9 ms where this takes 0.6 ms (16 sequences x 256
         # tokens, GQA 9/3, one core), and in the engine it was 64% of all bf16 step time.
-        groups, length = group.padding.shape[0], group.padding.shape[-1]
-        k, v = self._gather(cache, group.block_ids, query.dtype)
-        k, v = k.view(groups, length, *k.shape[2:]), v.view(groups, length, *v.shape[2:])  # [G, L, Hkv, D]
-        num_kv_heads, head_dim = k.shape[2], k.shape[3]
-        keys = torch.empty((groups, num_kv_heads, length, head_dim), dtype=torch.float32, device=k.device)
-        keys.copy_(k.transpose(1, 2))  # one pass: transpose and upcast together
-        q = query.index_select(0, group.rows).view(groups, num_kv_heads, -1, head_dim).float()  # [G, Hkv, H/Hkv, D]
-        scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)  # [G, Hkv, H/Hkv, L]
+        groups, length = group.padding.shape[1], group.padding.shape[-1]
+        k, v = self._gather(cache, group.tiles, query.dtype)
+        num_kv_heads, head_dim = k.shape[0], k.shape[2]
+        k, v = k.view(num_kv_heads, groups, length, head_dim), v.view(num_kv_heads, groups, length, head_dim)
+        q = query.index_select(0, group.rows).view(groups, num_kv_heads, -1, head_dim).transpose(0, 1)  # [Hkv, G, H/Hkv, D]
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)  # [Hkv, G, H/Hkv, L]
         scores.masked_fill_(group.padding, float("-inf"))
         # Probabilities meet V in the compute dtype, as in FlashAttention; the output is rounded to it anyway.
         probs = scores.softmax(-1).to(query.dtype)
-        o = torch.matmul(probs, v.transpose(1, 2))  # [G, Hkv, H/Hkv, D]
-        out.index_copy_(0, group.rows, o.view(groups, -1, head_dim))
+        o = torch.matmul(probs, v).transpose(0, 1)  # [G, Hkv, H/Hkv, D]
+        out.index_copy_(0, group.rows, o.reshape(groups, -1, head_dim))
 
     def _prefill(self, query, out, cache, scale: float, chunk: _PrefillChunk) -> None:
-        k, v = self._gather(cache, chunk.block_ids, query.dtype)
-        k = k.flatten(0, 1)[: chunk.ctx].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
-        v = v.flatten(0, 1)[: chunk.ctx].transpose(0, 1).unsqueeze(0)
+        k, v = self._gather(cache, chunk.tiles, query.dtype)
+        k, v = k[:, : chunk.ctx].unsqueeze(0), v[:, : chunk.ctx].unsqueeze(0)  # [1, Hkv, ctx, D]
         q = query[chunk.start : chunk.start + chunk.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         if chunk.mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)

@@ -7,7 +7,9 @@ import asyncio
 import dataclasses
 import logging
 import re
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -118,13 +120,39 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         ready_file=args.ready_file)
 
 
+def _serve_on_two_threads(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
+    """gRPC and asyncio on a side thread; the engine's load and step loop on this (main) thread, where its
+    OpenMP parallel regions run at full speed (pagedserve/engine/main_thread.py says why)."""
+    from pagedserve.engine.main_thread import MainThreadHost
+    from pagedserve.service.server import serve  # grpc/engine imports only after argument errors are ruled out
+
+    host = MainThreadHost()
+    outcome: dict[str, object] = {}
+
+    def serve_in_thread() -> None:
+        try:
+            outcome["code"] = asyncio.run(serve(engine_cfg, server_cfg, host))
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
+            outcome["error"] = exc
+        finally:
+            host.close()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, host.signal)
+    server_thread = threading.Thread(target=serve_in_thread, name="pagedserve-grpc")
+    server_thread.start()
+    host.run()
+    server_thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return int(outcome["code"])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from pagedserve.service.server import serve  # grpc/engine imports only after argument errors are ruled out
-
     try:
-        return asyncio.run(serve(engine_config(args), server_config(args)))
+        return _serve_on_two_threads(engine_config(args), server_config(args))
     except (ConfigError, ModelLoadError, UnsupportedError) as exc:
         print(f"pagedserve: {exc}", file=sys.stderr)
         return 2

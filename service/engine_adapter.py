@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.engine import AsyncEngine, EngineConfig
+from pagedserve.engine.main_thread import MainThreadHost
 from pagedserve.engine.sampling_params import MAX_LOGPROBS
 from pagedserve.service.requests import ModelFacts
 from pagedserve.v1 import model_info_pb2
@@ -18,9 +19,10 @@ class EngineDescription:
     info: model_info_pb2.ModelInfoResponse  # static fields only; live counts are filled per call
 
 
-async def load_engine(config: EngineConfig) -> AsyncEngine:
-    """Loads the model off the event loop (health checks keep answering NOT_SERVING meanwhile)."""
-    engine = AsyncEngine(config)
+async def load_engine(config: EngineConfig, host: MainThreadHost | None = None) -> AsyncEngine:
+    """Loads the model off the event loop (health checks keep answering NOT_SERVING meanwhile), on the host's
+    main thread when there is one."""
+    engine = AsyncEngine(config, host=host)
     await engine.start()
     return engine
 

@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from grpc_reflection.v1alpha._async import ReflectionServicer
 
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.main_thread import MainThreadHost
 from pagedserve.engine.model_store import DEFAULT_MODEL_NAME
 from pagedserve.service.config import ServerConfig, TlsConfig
 from pagedserve.service.engine_adapter import load_engine
@@ -30,9 +31,13 @@ SERVICE_NAMES = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].
                  reflection.SERVICE_NAME, REFLECTION_V1)
 
 
-async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
-    """Runs until SIGTERM/SIGINT, then drains; returns the process exit code."""
-    stop = _StopSignals()
+async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThreadHost | None = None) -> int:
+    """Runs until SIGTERM/SIGINT, then drains; returns the process exit code.
+
+    host: the main thread's MainThreadHost when this event loop runs on a side thread (the CLI's layout); the
+    engine then computes on the main thread and signals arrive through the host.
+    """
+    stop = _StopSignals(host)
     health = HealthServicer()
     state = ServingState(health)
     name = config.served_model_name or (Path(engine_config.model).name if engine_config.model else DEFAULT_MODEL_NAME)
@@ -48,7 +53,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     metrics_port = _serve_metrics(metrics, config)
     log.info("listening on %s:%d (%s), metrics port %s; loading model", config.host, port,
              "mTLS" if config.tls and config.tls.mutual else "TLS" if config.tls else "plaintext", metrics_port)
-    engine = await stop.race(load_engine(engine_config))
+    engine = await stop.race(load_engine(engine_config, host))
     if engine is not None:
         servicer.attach(engine)
         await state.mark_serving()
@@ -120,11 +125,20 @@ def _write_ready_file(path: Path | None, port: int, metrics_port: int | None) ->
 class _StopSignals:
     """SIGTERM/SIGINT: the first starts the drain, a second one cuts the grace period short."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: MainThreadHost | None) -> None:
         self.first, self.second = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
+        if host is not None:  # the main thread owns signal handlers and relays them here
+            host.relay_signals_to(lambda _signum: self._from_main_thread(loop))
+            return
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal)
+
+    def _from_main_thread(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            loop.call_soon_threadsafe(self._on_signal)
+        except RuntimeError:
+            pass  # the loop already closed: the server has stopped
 
     def _on_signal(self) -> None:
         (self.second if self.first.is_set() else self.first).set()

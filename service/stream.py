@@ -57,6 +57,12 @@ class RequestStream:
             await self._release()
 
     async def _next_event(self) -> Any:
+        if self._pending is None and self._wait_time() is None:
+            # No heartbeat or time limit to watch: await the engine directly (no task and wait() per token).
+            try:
+                return await anext(self._outputs)
+            except StopAsyncIteration:
+                return _Event.END
         self._pending = self._pending or asyncio.ensure_future(anext(self._outputs))
         done, _ = await asyncio.wait({self._pending}, timeout=self._wait_time())
         if not done:

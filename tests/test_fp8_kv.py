@@ -168,12 +168,12 @@ def test_calibration_fixes_per_head_scales_on_the_first_write(caplog) -> None:
     expected = key.abs().amax(dim=(0, 2)) * 2.0 / 448.0
     assert torch.allclose(layer.k_scale, expected) and torch.allclose(layer.v_scale, calibrate_scales(value, layer.dtype, headroom=2.0))
     # Stored values come back within e4m3's rounding (3 mantissa bits: relative error <= 2^-4).
-    back = dequantize_from_cache(layer.k.view(-1, 2, 8)[:20], layer.k_scale, layer.dtype, torch.float32)
+    back = dequantize_from_cache(layer.k.reshape(-1, 2, 8)[:20], layer.k_scale, layer.dtype, torch.float32)
     assert ((back - key).abs() <= key.abs() * 2**-4 + 1e-6).all()
     # Later writes never move the scales (stored data depends on them); out-of-range values clamp.
     write_kv(impl, key * 10, value, layer, torch.arange(20, 40))
     assert torch.allclose(layer.k_scale, expected)
-    assert dequantize_from_cache(layer.k.view(-1, 2, 8)[20:40], layer.k_scale, layer.dtype, torch.float32).abs().max() <= (
+    assert dequantize_from_cache(layer.k.reshape(-1, 2, 8)[20:40], layer.k_scale, layer.dtype, torch.float32).abs().max() <= (
         448.0 * layer.k_scale.max() + 1e-6
     )
 

@@ -165,13 +165,14 @@ def test_never_reads_past_seq_len() -> None:
     seq_lens, query_lens = BATCHES["mixed"]
     query, layer, meta = make_case(seq_lens, query_lens, 16, 4, KVDtype.FP16, seed=3)
     reference, _ = run_both(query, layer, meta)
-    flat_k, flat_v = layer.k.view(-1, *layer.k.shape[2:]), layer.v.view(-1, *layer.v.shape[2:])
-    written = torch.zeros(flat_k.shape[0], dtype=torch.bool, device=DEVICE)
+    num_blocks, block_size = layer.k.shape[:2]
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
     for i, seq_len in enumerate(meta.seq_lens_host):
         pos = torch.arange(seq_len, device=DEVICE)
         written[meta.block_tables[i, pos // 16].long() * 16 + pos % 16] = True
-    flat_k[~written] = float("nan")
-    flat_v[~written] = float("nan")
+    stale = ~written.view(num_blocks, block_size)
+    layer.k[stale] = float("nan")  # boolean indexing writes through the cache's strided view
+    layer.v[stale] = float("nan")
     result = paged_attention(ATTENTION_IMPLS.get("triton")(), query, layer, meta, SCALE)
     assert torch.isfinite(result).all()
     assert (result.float() - reference.float()).abs().max().item() <= TOLERANCE[torch.float16]

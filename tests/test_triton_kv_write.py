@@ -87,15 +87,15 @@ def test_fp8_hardware_cast_path_within_one_exponent_step(kv_dtype: KVDtype) -> N
         assert torch.equal(ref.k.view(torch.uint8), out.k.view(torch.uint8))
         return
     for name, scale, x in (("k", FP8_SCALES[0], key), ("v", FP8_SCALES[1], value)):
-        want = getattr(ref, name).view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].float().cpu()
-        got = getattr(out, name).view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].float().cpu()
+        want = getattr(ref, name).reshape(-1, NUM_KV_HEADS, HEAD_DIM)[slots].float().cpu()
+        got = getattr(out, name).reshape(-1, NUM_KV_HEADS, HEAD_DIM)[slots].float().cpu()
         scaled = x.float() / scale.view(1, -1, 1)  # what both paths round to fp8
         assert ((got - want).abs() <= exponent_step(scaled, kv_dtype)).all(), name
         # Real quantization errors, a wrong scale or a wrong slot would make most elements differ, not a few.
         assert (got == want).float().mean() > 0.8, name
     untouched = torch.ones(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
     untouched[slots] = False
-    assert (out.k.view(-1, NUM_KV_HEADS, HEAD_DIM)[untouched].float() == 0).all()
+    assert (out.k.reshape(-1, NUM_KV_HEADS, HEAD_DIM)[untouched].float() == 0).all()
 
 
 @pytest.mark.parametrize("kv_dtype", [KVDtype.FP8_E4M3, KVDtype.FP8_E5M2])
@@ -107,8 +107,8 @@ def test_out_of_range_values_clamp_to_the_largest_finite_fp8(kv_dtype: KVDtype) 
     ref, out = write_both(kv_dtype, key, value, slots)
     limit = kv_dtype.fp8_max
     for layer in (ref, out):
-        k = layer.k.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].float().cpu()
-        v = layer.v.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].float().cpu()
+        k = layer.k.reshape(-1, NUM_KV_HEADS, HEAD_DIM)[slots].float().cpu()
+        v = layer.v.reshape(-1, NUM_KV_HEADS, HEAD_DIM)[slots].float().cpu()
         assert k[0, 0, :4].tolist() == [limit, -limit, limit, -limit]
         assert v[1, 2, :2].tolist() == [-limit, limit]
         assert torch.isfinite(k).all() and torch.isfinite(v).all()
@@ -119,7 +119,7 @@ def test_negative_slots_are_padding_and_not_written() -> None:
     slots[2] = -1
     layer = make_cache(KVDtype.FP32)
     write_kv(ATTENTION_IMPLS.get("triton")(), key.to(DEVICE), value.to(DEVICE), layer, slots.to(DEVICE))
-    flat = layer.k.view(-1, NUM_KV_HEADS, HEAD_DIM).cpu()
+    flat = layer.k.reshape(-1, NUM_KV_HEADS, HEAD_DIM).cpu()
     keep = torch.arange(6) != 2
     assert torch.equal(flat[slots[keep]], key[keep])
     assert int((flat != 0).any(-1).any(-1).sum()) == 5

@@ -9,6 +9,8 @@ OUT="${2:-$CACHE/gguf}"
 LLAMA="$CACHE/llama-cpp-python-0.3.36/vendor/llama.cpp"
 [ -f "$LLAMA/convert_hf_to_gguf.py" ] || { echo "run build_llama_server.sh first (no $LLAMA)"; exit 1; }
 mkdir -p "$OUT"
+# The converter imports sentencepiece even for BPE vocabularies (it probes for a tokenizer.model first).
+python3 -c "import sentencepiece" 2>/dev/null || pip install -q sentencepiece
 NAME=$(basename "$MODEL")
 for TYPE in f32 bf16; do
   DEST="$OUT/$NAME-$TYPE.gguf"
