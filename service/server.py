@@ -53,7 +53,11 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     metrics_port = _serve_metrics(metrics, config)
     log.info("listening on %s:%d (%s), metrics port %s; loading model", config.host, port,
              "mTLS" if config.tls and config.tls.mutual else "TLS" if config.tls else "plaintext", metrics_port)
-    engine = await stop.race(load_engine(engine_config, host))
+    try:
+        engine = await stop.race(load_engine(engine_config, host))
+    except BaseException:
+        await server.stop(grace=None)  # a failed load must not leave the listener to the garbage collector
+        raise
     if engine is not None:
         servicer.attach(engine)
         await state.mark_serving()
