@@ -45,6 +45,11 @@ class Recipe:
     args: tuple[str, ...]
     samples: int  # calibration windows of `length` tokens, from the even topics
     length: int = 256
+    skip: int = 0  # calibration windows skipped first (another sample of the same text)
+
+    def calibration(self) -> str:
+        where = f", windows {self.skip}+" if self.skip else ""
+        return f"{self.samples} x {self.length} tokens (even topics{where})"
 
 
 # GPTQModel's AWQ scale search is ~6x slower than its GPTQ on 2 cores, so AWQ gets fewer samples (AWQ
@@ -61,6 +66,30 @@ RECIPES = {
     # groups are those blocks. Measured: act-order still does better (docs/quantization.md).
     "gptq_4bit_g32_asym_noact": Recipe("tool_gptqmodel.py", ("gptq", "4", "32", "0", "0", "gptq"), 32),
     "gptq_4bit_g32_asym": Recipe("tool_gptqmodel.py", ("gptq", "4", "32", "1", "0", "gptq"), 32),
+    # g128 act-order asym with GPTQModel's quality options, all on the same 32 x 256 calibration as the
+    # first g128 row (the _c64x512 row differs in data too). `--set=FIELD=VALUE` args go to GPTQConfig.
+    # GPTQModel 7.3.6 defaults: damp_percent 0.05 (the GPTQ paper used 0.01), mse 0 (plain min/max
+    # range; mse=P searches 80 shrunken ranges per group for the least sum |err|^P), gptaq None.
+    "gptq_4bit_g128_asym": Recipe("tool_gptqmodel.py", ("gptq", "4", "128", "1", "0", "gptq"), 32),
+    "gptq_4bit_g128_asym_gptaq": Recipe(
+        "tool_gptqmodel.py",
+        ("gptq", "4", "128", "1", "0", "gptq", '--set=gptaq={"alpha": 0.25, "device": "cpu"}'), 32),
+    "gptq_4bit_g128_asym_mse": Recipe(
+        "tool_gptqmodel.py", ("gptq", "4", "128", "1", "0", "gptq", "--set=mse=2.4"), 32),
+    "gptq_4bit_g128_asym_damp001": Recipe(
+        "tool_gptqmodel.py", ("gptq", "4", "128", "1", "0", "gptq", "--set=damp_percent=0.01"), 32),
+    # Same recipe as gptq_4bit_g128_asym on the next 32 windows: how much the number moves with the sample.
+    "gptq_4bit_g128_asym_calib2": Recipe("tool_gptqmodel.py", ("gptq", "4", "128", "1", "0", "gptq"), 32, skip=32),
+    # FOEM (alpha 0.25 = with GPTAQ's term, beta 0.2): GPTQModel's documented "default best settings".
+    "gptq_4bit_g128_asym_foem": Recipe(
+        "tool_gptqmodel.py",
+        ("gptq", "4", "128", "1", "0", "gptq", '--set=foem={"alpha": 0.25, "beta": 0.2, "device": "cpu"}'), 32),
+    "gptq_4bit_g128_asym_gptaq_calib2": Recipe(
+        "tool_gptqmodel.py", ("gptq", "4", "128", "1", "0", "gptq", '--set=gptaq={"alpha": 0.25, "device": "cpu"}'),
+        32, skip=32),
+    "gptq_4bit_g128_asym_gptaq_damp001": Recipe(
+        "tool_gptqmodel.py", ("gptq", "4", "128", "1", "0", "gptq", '--set=gptaq={"alpha": 0.25, "device": "cpu"}',
+                              "--set=damp_percent=0.01"), 32),
 }
 
 
@@ -86,8 +115,9 @@ def quantize(base: Path, calib_text: str, tokenizer, names: list[str]) -> dict[s
     for name in names:
         r, dst = RECIPES[name], WORK / name
         if not list(dst.glob("*.safetensors")):
-            calib_file = WORK / f"calib_{r.samples}x{r.length}.json"
-            calib_file.write_text(json.dumps(token_windows(tokenizer, calib_text, r.length, r.samples)))
+            calib_file = WORK / f"calib_{r.samples}x{r.length}_skip{r.skip}.json"
+            windows = token_windows(tokenizer, calib_text, r.length, r.skip + r.samples)[r.skip:]
+            calib_file.write_text(json.dumps(windows))
             print(f"[{name}] quantizing ...", flush=True)
             t0 = time.time()
             subprocess.run([str(py), str(HERE / r.worker), str(base), str(dst), *r.args, "--calib", str(calib_file),
@@ -171,8 +201,7 @@ def merge(path: Path, rows: list[dict], names: list[str], threads: int) -> dict:
     fresh = {(r["model"], r["dtype"]) for r in rows}
     kept = [r for r in old.get("rows", []) if (r["model"], r["dtype"]) not in fresh]
     calibration = old.get("calibration", {})
-    calibration.update({n: f"{RECIPES[n].samples} x {RECIPES[n].length} tokens (even topics)"
-                        for n in names if n in RECIPES})
+    calibration.update({n: RECIPES[n].calibration() for n in names if n in RECIPES})
     out = {**old, "eval": f"{EVAL_WINDOWS} x {EVAL_WINDOW} tokens of pydoc_data.topics (odd topics)",
            "calibration": calibration, "torch": torch.__version__, "rows": kept + rows}
     out.setdefault("threads", threads)
