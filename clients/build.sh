@@ -21,7 +21,7 @@ JAVA_PACKAGES=(default-jdk-headless maven protobuf-compiler protobuf-compiler-gr
   libprotobuf-java libnetty-java libgoogle-gson-java libperfmark-java libanimal-sniffer-java
   libgoogle-common-protos-java libgeronimo-annotation-1.3-spec-java grpc-proto libguava-java libjsr305-java
   liberror-prone-java libmaven-compiler-plugin-java libmaven-resources-plugin-java libmaven-jar-plugin-java
-  libexec-maven-plugin-java libbuild-helper-maven-plugin-java)
+  libexec-maven-plugin-java libbuild-helper-maven-plugin-java junit5)
 # tests/test_clients_go_java.py makes throwaway certificates for its mutual-TLS test with the openssl CLI.
 TEST_PACKAGES=(openssl)
 
