@@ -16,15 +16,12 @@ from dataclasses import dataclass
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import EngineDeadError, InvalidRequestError, PagedServeError, QueueFullError
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.main_thread import MainThreadHost
+from pagedserve.engine.main_thread import SIGNAL_POLL_S, MainThreadHost
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.sequence import now
 
 logger = logging.getLogger(__name__)
-
-# An idle step loop wakes this often, so a step loop on the main thread lets Python run signal handlers.
-_IDLE_POLL_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +74,8 @@ class AsyncEngine:
         self.dead_reason: str | None = None
 
     async def start(self) -> None:
-        """Loads the model (in a worker thread, keeping the event loop responsive) and starts the step loop."""
+        """Loads the model off the event loop (on the host's main thread, or a worker thread) and starts the step
+        loop there (host) or on a thread of its own."""
         if self.engine is None:
             loading = self._host.call(LLMEngine, self.config) if self._host else asyncio.to_thread(LLMEngine, self.config)
             self.engine = await loading
@@ -158,7 +156,7 @@ class AsyncEngine:
         while not self._stopping and not (self._host is not None and self._host.closed):
             self._apply_commands()
             if not self.engine.has_unfinished_requests():
-                self._wakeup.wait(_IDLE_POLL_S)
+                self._wakeup.wait(SIGNAL_POLL_S)
                 self._wakeup.clear()
                 continue
             try:

@@ -44,9 +44,9 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        if torch.device(config.device).type == "cpu":
-            keep_freed_memory()
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.model_dir = resolve_model(config.model)
         self.loaded = load_model(self.model_dir, config.torch_dtype, config.quantization, self.device)
         self.runner = ModelRunner(self.loaded, config, self.device)

@@ -15,8 +15,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-# How often a blocked host wakes to let Python run pending signal handlers.
-_POLL_S = 0.5
+# How often a blocked main thread (the host, or the idle step loop it runs) wakes to let Python run pending
+# signal handlers.
+SIGNAL_POLL_S = 0.5
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
@@ -59,7 +60,7 @@ class MainThreadHost:
         assert threading.current_thread() is threading.main_thread(), "run() belongs on the main thread"
         while True:
             try:
-                job = self._jobs.get(timeout=_POLL_S)
+                job = self._jobs.get(timeout=SIGNAL_POLL_S)
             except queue.Empty:
                 continue
             if job is None:
