@@ -11,7 +11,7 @@ from pagedserve.engine.errors import ConfigError
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 _KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
-_ATTENTION = ("auto", "torch", "triton")
+_ATTENTION = ("auto", "native", "torch", "triton")
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 

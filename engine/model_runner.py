@@ -14,6 +14,7 @@ from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.engine.sequence import Sequence
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype
 from pagedserve.kernels.kv_scales import setup_kv_scales
+from pagedserve.engine.models.layer_ops import select_layer_ops
 from pagedserve.kernels.paged_attention import AttentionMetadata, select_attention_impl
 
 logger = logging.getLogger(__name__)
@@ -48,10 +49,14 @@ class ModelRunner:
         self.attn_impl = setup_kv_scales(
             self.kv_cache, loaded.kv_scale_tensors, select_attention_impl(config.attention_backend, device)
         )
+        # attention_backend="torch" asks for the pure-torch reference path: its layer math stays torch too.
+        ops_name = "torch" if config.attention_backend == "torch" else "auto"
+        self.layer_ops = select_layer_ops(ops_name, device, loaded.dtype)
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%s, %.1f MiB, attention=%s)",
+            "KV cache: %d blocks x %d tokens = %d tokens (%s, %.1f MiB, attention=%s, layer ops=%s)",
             num_blocks, config.block_size, num_blocks * config.block_size, kv_dtype.value,
             num_blocks * self.kv_spec.bytes_per_block / 2**20, type(self.attn_impl).__name__,
+            type(self.layer_ops).__name__,
         )
 
     @property
@@ -110,7 +115,7 @@ class ModelRunner:
         """Runs one step; returns fp32 logits [S, vocab] for the sequences that sample now, and those sequences."""
         self.copy_blocks(batch.block_copies)
         model_input = self.prepare(batch)
-        ctx = ForwardContext(model_input.attn_meta, self.kv_cache, self.attn_impl)
+        ctx = ForwardContext(model_input.attn_meta, self.kv_cache, self.attn_impl, self.layer_ops)
         hidden = self.model(model_input.input_ids, model_input.positions, ctx)
         if not model_input.sampling_seqs:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), ()

@@ -1,6 +1,6 @@
 """The single PagedAttention entry point: write_kv() and paged_attention(), dispatched by a typed registry.
 
-Every implementation (torch on CPU, Triton on CUDA) shares these signatures and semantics:
+Every implementation (torch, native C on CPU, Triton on CUDA) shares these signatures and semantics:
 queries of all sequences are packed along dim 0 and located by `query_start_loc`; each sequence's new
 tokens attend causally to each other and fully to its cached context.
 """
@@ -64,9 +64,13 @@ ATTENTION_IMPLS: Registry[type[AttentionImpl]] = Registry("attention implementat
 
 
 def select_attention_impl(name: str, device: torch.device) -> AttentionImpl:
-    """`auto` picks Triton on CUDA (when importable) and torch elsewhere; other names are explicit."""
+    """`auto` picks Triton on CUDA (when importable), the native CPU kernels on CPU (when they build here) and
+    torch otherwise; other names are explicit."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" and "triton" in ATTENTION_IMPLS else "torch"
+        if device.type == "cuda":
+            name = "triton" if "triton" in ATTENTION_IMPLS else "torch"
+        else:
+            name = "native" if device.type == "cpu" and cpu_native.available() else "torch"
     return ATTENTION_IMPLS.get(name)()
 
 
@@ -104,5 +108,7 @@ def paged_attention(
 
 
 # Importing the implementations registers them.
+from pagedserve.kernels import cpu_native  # noqa: E402
 from pagedserve.kernels import torch_attention  # noqa: E402,F401
+from pagedserve.kernels import native_attention  # noqa: E402,F401
 from pagedserve.kernels import triton_backend  # noqa: E402,F401  (registers "triton" only if installed)

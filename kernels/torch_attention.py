@@ -97,12 +97,17 @@ class _StepPlan:
     prefill: tuple[_PrefillChunk, ...]
 
 
-def _plan_step(meta: AttentionMetadata, cache: LayerKVCache) -> _StepPlan:
-    num_blocks, block_size, num_kv_heads, _ = cache.k.shape
-    device = cache.k.device
+def query_starts(meta: AttentionMetadata) -> list[int]:
+    """Each sequence's first query row (host copy of query_start_loc, without a device sync)."""
     starts = [0]
     for q_len in meta.query_lens_host:
         starts.append(starts[-1] + q_len)
+    return starts
+
+
+def _decode_groups(meta: AttentionMetadata, cache: LayerKVCache, starts: list[int]) -> tuple[_DecodeGroup, ...]:
+    num_blocks, block_size, num_kv_heads, _ = cache.k.shape
+    device = cache.k.device
     # Sequences of similar length share one padded batch: padding to the batch's longest context would copy
     # (and attend over) far more cached K/V than exists.
     decode = sorted((i for i, q_len in enumerate(meta.query_lens_host) if q_len == 1), key=lambda i: meta.seq_lens_host[i])
@@ -118,6 +123,13 @@ def _plan_step(meta: AttentionMetadata, cache: LayerKVCache) -> _StepPlan:
             tiles=_head_tiles(meta.block_tables[seq_index, :blocks].reshape(-1).long(), num_kv_heads, num_blocks),
             padding=padding.view(1, len(seqs), 1, -1),
         ))
+    return tuple(groups)
+
+
+def prefill_chunks(meta: AttentionMetadata, cache: LayerKVCache, starts: list[int]) -> tuple[_PrefillChunk, ...]:
+    """One chunk per sequence with more than one new token."""
+    num_blocks, block_size, num_kv_heads, _ = cache.k.shape
+    device = cache.k.device
     chunks = []
     for i, q_len in enumerate(meta.query_lens_host):
         if q_len > 1:
@@ -128,7 +140,12 @@ def _plan_step(meta: AttentionMetadata, cache: LayerKVCache) -> _StepPlan:
                 mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
             tiles = _head_tiles(meta.block_tables[i, : -(-ctx // block_size)].long(), num_kv_heads, num_blocks)
             chunks.append(_PrefillChunk(starts[i], q_len, ctx, tiles, mask))
-    return _StepPlan(tuple(groups), tuple(chunks))
+    return tuple(chunks)
+
+
+def _plan_step(meta: AttentionMetadata, cache: LayerKVCache) -> _StepPlan:
+    starts = query_starts(meta)
+    return _StepPlan(_decode_groups(meta, cache, starts), prefill_chunks(meta, cache, starts))
 
 
 @ATTENTION_IMPLS.register("torch")
@@ -148,7 +165,7 @@ class TorchAttention(AttentionImpl):
         for group in plan.decode:
             self._decode_group(query, out, cache, scale, group)
         for chunk in plan.prefill:
-            self._prefill(query, out, cache, scale, chunk)
+            self.prefill(query, out, cache, scale, chunk)
         return out
 
     def _gather(self, cache: LayerKVCache, tiles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +194,7 @@ class TorchAttention(AttentionImpl):
         o = torch.matmul(probs, v).transpose(0, 1)  # [G, Hkv, H/Hkv, D]
         out.index_copy_(0, group.rows, o.reshape(groups, -1, head_dim))
 
-    def _prefill(self, query, out, cache, scale: float, chunk: _PrefillChunk) -> None:
+    def prefill(self, query, out, cache, scale: float, chunk: _PrefillChunk) -> None:
         k, v = self._gather(cache, chunk.tiles, query.dtype)
         k, v = k[:, : chunk.ctx].unsqueeze(0), v[:, : chunk.ctx].unsqueeze(0)  # [1, Hkv, ctx, D]
         q = query[chunk.start : chunk.start + chunk.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]

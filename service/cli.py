@@ -29,7 +29,7 @@ _ENGINE_HELP = {
     "max_model_len": "context length limit (default: the model's)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "quantization": "force a quantization method (default: what the checkpoint says)",
-    "attention_backend": "auto, torch or triton",
+    "attention_backend": "auto, native (CPU), torch or triton",
     "device": "cpu, cuda or cuda:N",
     "num_threads": "torch intra-op threads (default: torch's choice)",
     "max_queued_requests": "admitted requests waiting for a batch slot; beyond it: RESOURCE_EXHAUSTED",

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pagedserve.engine.errors import ModelLoadError
+from pagedserve.engine.models.layer_ops import TorchLayerOps
 from pagedserve.kernels.kv_cache import KVCache
 from pagedserve.kernels.paged_attention import AttentionImpl, AttentionMetadata
 
@@ -21,6 +22,7 @@ class ForwardContext:
     attn_meta: AttentionMetadata
     kv_cache: KVCache
     attn_impl: AttentionImpl
+    layer_ops: TorchLayerOps = TorchLayerOps()
 
 
 class RMSNorm(nn.Module):
@@ -29,12 +31,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as transformers' LlamaRMSNorm, so fp32 results are bit-identical.
-        input_dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(input_dtype)
+    def forward(self, x: torch.Tensor, ops: TorchLayerOps) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor, ops: TorchLayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (residual + delta, this norm of it); may update `residual` in place."""
+        return ops.add_rms_norm(residual, delta, self.weight, self.eps)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -71,12 +73,11 @@ class RopeAngles:
 
     cos: torch.Tensor
     signed_sin: torch.Tensor  # sin with its first half negated: rotate_half's minus sign, folded in once
+    ops: TorchLayerOps
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, N, D] -> RoPE(x), same op order as transformers' (x * cos) + (rotate_half(x) * sin)."""
-        tokens, heads, dim = x.shape
-        swapped = x.reshape(tokens, heads, 2, dim // 2).flip(2).view(tokens, heads, dim)  # [x2, x1]
-        return x * self.cos + swapped * self.signed_sin
+        return self.ops.rope(x, self.cos, self.signed_sin)
 
 
 class RotaryEmbedding(nn.Module):
@@ -93,8 +94,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)  # [P, D]
         self.register_buffer("signed_sin", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False)
 
-    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAngles:
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype, ops: TorchLayerOps) -> RopeAngles:
         """positions [T] -> the step's RopeAngles, cast to `dtype` as transformers casts cos/sin."""
         return RopeAngles(
-            self.cos[positions].to(dtype).unsqueeze(1), self.signed_sin[positions].to(dtype).unsqueeze(1)
+            self.cos[positions].to(dtype).unsqueeze(1), self.signed_sin[positions].to(dtype).unsqueeze(1), ops
         )

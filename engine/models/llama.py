@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.engine.errors import ModelLoadError
+from pagedserve.engine.models.layer_ops import TorchLayerOps
 from pagedserve.engine.models.layers import ForwardContext, RMSNorm, RopeAngles, RotaryEmbedding
 from pagedserve.engine.models.registry import MODEL_ARCHS
 from pagedserve.kernels.paged_attention import paged_attention, write_kv
@@ -128,12 +129,10 @@ class MLP(nn.Module):
             self.gate_up_proj = merged
             del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: TorchLayerOps) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -146,8 +145,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
     def forward(self, x: torch.Tensor, rope: RopeAngles, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        ops = ctx.layer_ops
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x, ops), rope, ctx), ops)
+        return x + self.mlp(h, ops)
 
 
 class LlamaBody(nn.Module):
@@ -193,10 +193,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
-        rope = self.rotary.angles(positions, x.dtype)
+        rope = self.rotary.angles(positions, x.dtype, ctx.layer_ops)
         for layer in self.model.layers:
             x = layer(x, rope, ctx)
-        return self.model.norm(x)
+        return self.model.norm(x, ctx.layer_ops)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> fp32 logits [S, vocab]."""

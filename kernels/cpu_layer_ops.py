@@ -1,0 +1,62 @@
+"""ctypes wrappers of cpu_layer_ops.c: fused RMSNorm (+ residual add), SiLU-and-mul and RoPE on CPU tensors.
+
+Each wrapper checks what the C code assumes (CPU, one dtype among fp32/bf16/fp16, dense rows) and allocates the
+output; callers choose these over torch ops in engine/models/layer_ops.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.kernels.cpu_native import dtype_code, load_library
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check(x: torch.Tensor, *others: torch.Tensor) -> None:
+    assert x.device.type == "cpu" and x.dtype in SUPPORTED_DTYPES, f"{x.dtype} on {x.device}"
+    for t in others:
+        assert t.dtype == x.dtype and t.device.type == "cpu", f"{t.dtype} vs {x.dtype}"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, hidden] contiguous -> RMSNorm(x). With delta: x <- x + delta in place first (the residual stream),
+    and the norm is of that sum."""
+    _check(x, weight, *(() if delta is None else (delta,)))
+    rows, dim = x.shape
+    assert x.is_contiguous() and weight.shape == (dim,) and weight.is_contiguous()
+    if delta is not None:
+        assert delta.shape == x.shape and delta.is_contiguous()
+    out = torch.empty_like(x)
+    load_library().pagedserve_rms_norm(
+        x.data_ptr(), None if delta is None else delta.data_ptr(), out.data_ptr(), weight.data_ptr(),
+        rows, dim, eps, dtype_code(x.dtype), torch.get_num_threads(),
+    )
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] contiguous ([gate | up]) -> silu(gate) * up [T, I]."""
+    _check(gate_up)
+    rows, width = gate_up.shape
+    assert gate_up.is_contiguous() and width % 2 == 0
+    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+    load_library().pagedserve_silu_and_mul(
+        gate_up.data_ptr(), out.data_ptr(), rows, width // 2, dtype_code(gate_up.dtype), torch.get_num_threads()
+    )
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, N, D] (heads dense, rows may be strided) -> x * cos + rotate_half(x) * sin, [T, N, D] contiguous.
+    cos, signed_sin: [T, 1, D] contiguous, sin's first half negated (see RopeAngles)."""
+    _check(x, cos, signed_sin)
+    tokens, heads, dim = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == dim and dim % 2 == 0
+    assert cos.shape == signed_sin.shape == (tokens, 1, dim) and cos.is_contiguous() and signed_sin.is_contiguous()
+    out = torch.empty(tokens, heads, dim, dtype=x.dtype)
+    load_library().pagedserve_rope(
+        x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), out.data_ptr(),
+        tokens, heads, dim, dtype_code(x.dtype), torch.get_num_threads(),
+    )
+    return out

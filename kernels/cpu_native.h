@@ -1,0 +1,147 @@
+/* Shared by pagedserve's native CPU kernels (cpu_decode_attention.c, cpu_layer_ops.c): dtype codes, exact
+ * conversions between fp32 and the 16-bit / FP8 storage types, and 16-lane GCC vectors. Everything here is inline:
+ * each .c file specializes it for the dtypes it is called with. */
+#ifndef PAGEDSERVE_CPU_NATIVE_H
+#define PAGEDSERVE_CPU_NATIVE_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_E4M3 = 3, DT_E5M2 = 4 };
+
+/* memcpy, not unions: gcc vectorizes loops over these. */
+static inline float bf16_to_f32(uint16_t x) {
+    const uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch's .to(bfloat16); NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet_nan = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+static inline float f16_bits_to_f32(uint16_t bits) {
+    _Float16 h;
+    memcpy(&h, &bits, sizeof h);
+    return (float)h;
+}
+
+/* Row `index` of a [rows, dim] tensor of dtype `dt`, as fp32: a pointer into the tensor when it is already fp32,
+ * otherwise converted into `buf`. FP8 rows are exact (e5m2 is fp16's top byte; e4m3 moved into fp16's fields
+ * reads 2^-8 times its value). */
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE const float *row_f32(const void *base, int64_t index, int64_t dim, int dt, float *buf) {
+    switch (dt) {
+    case DT_F32:
+        return (const float *)base + index * dim;
+    case DT_BF16: {
+        const uint16_t *p = (const uint16_t *)base + index * dim;
+        for (int64_t d = 0; d < dim; d++) buf[d] = bf16_to_f32(p[d]);
+        return buf;
+    }
+    case DT_F16: {
+        const _Float16 *p = (const _Float16 *)base + index * dim;
+        for (int64_t d = 0; d < dim; d++) buf[d] = (float)p[d];
+        return buf;
+    }
+    case DT_E4M3: {
+        const uint8_t *p = (const uint8_t *)base + index * dim;
+        for (int64_t d = 0; d < dim; d++) {
+            uint16_t b = p[d];
+            buf[d] = f16_bits_to_f32((uint16_t)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7))) * 256.0f;
+        }
+        return buf;
+    }
+    default: {  /* DT_E5M2 */
+        const uint8_t *p = (const uint8_t *)base + index * dim;
+        for (int64_t d = 0; d < dim; d++) buf[d] = f16_bits_to_f32((uint16_t)(p[d] << 8));
+        return buf;
+    }
+    }
+}
+
+static inline int64_t elem_size(int dt) { return dt == DT_F32 ? 4 : dt == DT_E4M3 || dt == DT_E5M2 ? 1 : 2; }
+
+INLINE void store_row(void *base, int64_t index, int64_t dim, int dt, const float *src, float factor) {
+    switch (dt) {
+    case DT_F32: {
+        float *p = (float *)base + index * dim;
+        for (int64_t d = 0; d < dim; d++) p[d] = src[d] * factor;
+        break;
+    }
+    case DT_BF16: {
+        uint16_t *p = (uint16_t *)base + index * dim;
+        for (int64_t d = 0; d < dim; d++) p[d] = f32_to_bf16(src[d] * factor);
+        break;
+    }
+    default: {  /* DT_F16 */
+        _Float16 *p = (_Float16 *)base + index * dim;
+        for (int64_t d = 0; d < dim; d++) p[d] = (_Float16)(src[d] * factor);
+        break;
+    }
+    }
+}
+
+/* 16 fp32 lanes as a GCC vector: one AVX-512 register here, two or four narrower ones elsewhere; no intrinsics, so
+ * the file builds for any target gcc knows. */
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef _Float16 f16x16 __attribute__((vector_size(32)));
+
+/* Lanes [16c, 16c + 16) of a row of dtype dt, as fp32 (FP8 as in row_f32). */
+INLINE f32x16 load16(const void *row, int64_t c, int dt) {
+    f32x16 out;
+    if (dt == DT_F32) {
+        memcpy(&out, (const float *)row + 16 * c, sizeof out);
+    } else if (dt == DT_BF16) {
+        u16x16 bits;
+        memcpy(&bits, (const uint16_t *)row + 16 * c, sizeof bits);
+        u32x16 wide = __builtin_convertvector(bits, u32x16) << 16;
+        memcpy(&out, &wide, sizeof out);
+    } else if (dt == DT_F16) {
+        f16x16 half;
+        memcpy(&half, (const _Float16 *)row + 16 * c, sizeof half);
+        out = __builtin_convertvector(half, f32x16);
+    } else {
+        u8x16 byte;
+        memcpy(&byte, (const uint8_t *)row + 16 * c, sizeof byte);
+        u16x16 b = __builtin_convertvector(byte, u16x16), bits;
+        bits = dt == DT_E4M3 ? (u16x16)(((b & 0x80) << 8) | ((b & 0x7f) << 7)) : (u16x16)(b << 8);
+        f16x16 half;
+        memcpy(&half, &bits, sizeof half);
+        out = __builtin_convertvector(half, f32x16) * (dt == DT_E4M3 ? 256.0f : 1.0f);
+    }
+    return out;
+}
+
+/* e^x for x <= 0 (softmax numerators, SiLU): Cephes' expf polynomial on x = n ln2 + r, |r| <= ln2 / 2, within
+ * 2 ulp of expf; branch-free, so loops over it vectorize. Inputs below -87 flush to 0. */
+INLINE float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x <= -87.0f ? 0.0f : p * scale;
+}
+
+#endif

@@ -1,0 +1,187 @@
+"""Builds the native CPU kernels (cpu_*.c) once per machine and calls them through ctypes; the decode attention.
+
+Why ctypes and gcc rather than a torch C++ extension: the C files include no torch headers, so they compile in
+a few seconds, and the build needs only a C compiler. It links the OpenMP runtime torch already loaded
+(same soname), so its parallel regions share torch's thread pool instead of starting a second one.
+Built objects are cached by a hash of the source, the flags, the compiler and the CPU, so a changed file or a
+different machine never runs a stale object.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_HERE = Path(__file__).parent
+SOURCES = (_HERE / "cpu_decode_attention.c", _HERE / "cpu_layer_ops.c")
+HEADER = _HERE / "cpu_native.h"
+_FLAGS = (
+    "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math",
+)
+_DTYPE_CODES = {
+    torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4,
+}
+_OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class NativeBuildError(RuntimeError):
+    """The native kernels could not be compiled or loaded here (no C compiler, an unsupported CPU, ...)."""
+
+
+class _DecodeArgs(ctypes.Structure):
+    # Field order and types mirror DecodeArgs in cpu_native.c.
+    _fields_ = [
+        ("query", ctypes.c_void_p), ("q_token_stride", ctypes.c_int64), ("out", ctypes.c_void_p), ("q_dtype", ctypes.c_int),
+        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("kv_dtype", ctypes.c_int),
+        ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p), ("block_table_stride", ctypes.c_int64),
+        ("seq_lens", ctypes.c_void_p), ("rows", ctypes.c_void_p),
+        ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
+        ("num_blocks", ctypes.c_int64), ("block_size", ctypes.c_int64),
+        ("scale", ctypes.c_float),
+    ]
+
+
+def _cpu_fingerprint() -> str:
+    """-march=native code must not run on another CPU model: the object's name includes this."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compile(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        staging = Path(tmp) / target.name
+        result = subprocess.run(
+            [compiler, *_FLAGS, *map(str, SOURCES), "-o", str(staging), "-lm"], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            raise NativeBuildError(f"{compiler} failed on the native kernels: {result.stderr.strip()[-2000:]}")
+        os.replace(staging, target)  # atomic: concurrent builders never load a half-written object
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL:
+    """The compiled kernels (built on first use, then cached on disk). Raises NativeBuildError."""
+    if platform.system() != "Linux":
+        raise NativeBuildError(f"native CPU kernels are built for Linux only, not {platform.system()}")
+    compiler = shutil.which(os.environ.get("CC") or "gcc") or shutil.which("cc")
+    if compiler is None:
+        raise NativeBuildError("no C compiler found (set CC or install gcc)")
+    from pagedserve.engine.model_store import cache_root  # at call time: the engine package imports kernels
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        "\0".join((*(f.read_text() for f in (*SOURCES, HEADER)), " ".join(_FLAGS), version, _cpu_fingerprint())).encode()
+    ).hexdigest()[:16]
+    target = cache_root() / "native" / f"cpu_native-{key}.so"
+    if not target.exists():
+        _compile(compiler, target)
+        logger.info("built native CPU kernels: %s", target)
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:
+        raise NativeBuildError(f"cannot load {target}: {exc}") from exc
+    lib.pagedserve_decode_attention.argtypes = [
+        ctypes.POINTER(_DecodeArgs), ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+    ]
+    _declare_layer_ops(lib)
+    return lib
+
+
+def _declare_layer_ops(lib: ctypes.CDLL) -> None:
+    ptr, i64, f32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.pagedserve_decode_attention.restype = c_int
+    lib.pagedserve_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, c_int, c_int]
+    lib.pagedserve_silu_and_mul.argtypes = [ptr, ptr, i64, i64, c_int, c_int]
+    lib.pagedserve_rope.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, c_int, c_int]
+    for fn in (lib.pagedserve_rms_norm, lib.pagedserve_silu_and_mul, lib.pagedserve_rope):
+        fn.restype = c_int
+
+
+def available() -> bool:
+    """True when the kernels build and load here; logs why once when they don't."""
+    try:
+        load_library()
+    except NativeBuildError as exc:
+        _warn_once(str(exc))
+        return False
+    return True
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning("native CPU kernels unavailable, using torch code: %s", message)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """The decode rows of one step, as the native kernel reads them. Built once per step, shared by all layers."""
+
+    rows: torch.Tensor  # [S] int64: each decode sequence's query row
+    seq_lens: torch.Tensor  # [S] int32: context length including the new token
+    block_tables: torch.Tensor  # [S, B] int32, contiguous
+    max_seq_len: int
+
+    def __post_init__(self) -> None:
+        n = self.rows.shape[0]
+        assert self.rows.dtype == torch.int64 and self.seq_lens.dtype == torch.int32
+        assert self.seq_lens.shape == (n,) and self.block_tables.shape[0] == n and self.block_tables.dim() == 2
+        assert self.block_tables.dtype == torch.int32 and self.block_tables.is_contiguous()
+
+
+def decode_attention(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    k_storage: torch.Tensor,
+    v_storage: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    batch: DecodeBatch,
+    scale: float,
+) -> None:
+    """out[rows] = attention(query[rows]) over the paged cache. query, out [T, H, D] CPU tensors of one dtype (query's
+    heads contiguous, out dense); k/v_storage head-major [Hkv, num_blocks, block_size, D]; scales [Hkv] fp32."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, num_blocks, block_size, _ = k_storage.shape
+    assert query.stride(2) == 1 and query.stride(1) == head_dim and out.is_contiguous() and out.shape == query.shape and out.dtype == query.dtype
+    assert query.dtype in _OUTPUT_DTYPES, f"query dtype {query.dtype} unsupported"
+    assert k_storage.is_contiguous() and v_storage.is_contiguous() and v_storage.shape == k_storage.shape
+    assert k_storage.shape[3] == head_dim and num_heads % num_kv_heads == 0
+    assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.shape == v_scale.shape == (num_kv_heads,)
+    args = _DecodeArgs(
+        query.data_ptr(), query.stride(0), out.data_ptr(), _DTYPE_CODES[query.dtype],
+        k_storage.data_ptr(), v_storage.data_ptr(), _DTYPE_CODES[k_storage.dtype],
+        k_scale.data_ptr(), v_scale.data_ptr(),
+        batch.block_tables.data_ptr(), batch.block_tables.stride(0),
+        batch.seq_lens.data_ptr(), batch.rows.data_ptr(),
+        num_heads, num_kv_heads, head_dim, num_blocks, block_size, scale,
+    )
+    status = load_library().pagedserve_decode_attention(
+        ctypes.byref(args), batch.rows.shape[0], batch.max_seq_len, torch.get_num_threads()
+    )
+    if status != 0:
+        raise MemoryError("native decode attention could not allocate its per-thread scratch")
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The C files' DT_* code for a torch dtype."""
+    return _DTYPE_CODES[dtype]

@@ -1,0 +1,101 @@
+"""Paged attention test cases shared by the kernel tests: scattered caches filled through the torch path, and a
+float64 reference that shares no code with any implementation."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype, LayerKVCache
+from pagedserve.kernels.kv_scales import hadamard
+from pagedserve.kernels.paged_attention import AttentionMetadata, select_attention_impl, write_kv
+from pagedserve.kernels.torch_attention import dequantize_from_cache
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+NUM_KV_HEADS = 2
+SCALE = 0.125
+
+# (seq_lens, query_lens): lengths 1 and exact multiples of both block sizes (32), partial blocks, and for the
+# chunked-prefill rows new tokens that start mid-block after cached context.
+BATCHES = {
+    "decode": ((1, 32, 17, 45), (1, 1, 1, 1)),
+    "prefill": ((1, 32, 7, 19), (1, 32, 7, 19)),
+    "mixed": ((33, 32, 40, 1, 64), (1, 32, 8, 1, 21)),
+}
+# fp8 caches are read with fp16 queries: the reference dequantizes the very same fp8 bytes.
+QUERY_DTYPES = {
+    KVDtype.FP16: torch.float16,
+    KVDtype.BF16: torch.bfloat16,
+    KVDtype.FP8_E4M3: torch.float16,
+    KVDtype.FP8_E5M2: torch.float16,
+    KVDtype.FP32: torch.float32,
+}
+# One output rounding step apart at |out| < 4: fp16's spacing there is 2^-9 ~ 1.95e-3, bf16's is 8x coarser.
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}
+
+
+def make_case(
+    seq_lens: tuple[int, ...], query_lens: tuple[int, ...], block_size: int, queries_per_kv: int,
+    kv_dtype: KVDtype, head_dim: int = 64, seed: int = 0, rotate: bool = False,
+) -> tuple[torch.Tensor, LayerKVCache, AttentionMetadata]:
+    """A cache whose blocks are scattered in random order, filled with every token's K/V by the torch path."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = order[used : used + n]
+        used += n
+    cache = KVCache(KVCacheSpec(1, NUM_KV_HEADS, head_dim, block_size, kv_dtype), num_blocks, DEVICE)
+    cache.set_k_rotation(hadamard(head_dim) if rotate else None)
+    if kv_dtype.is_fp8:
+        k_scale, v_scale = (torch.rand(NUM_KV_HEADS, generator=gen) * 0.02 + 0.005 for _ in range(2))
+        cache.set_scales(0, k_scale, v_scale)
+    all_slots, new_slots = [], []
+    for i, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
+        pos = torch.arange(seq_len)
+        slots = tables[i, pos // block_size].long() * block_size + pos % block_size
+        all_slots.append(slots)
+        new_slots.append(slots[seq_len - q_len :])
+    qdtype = QUERY_DTYPES[kv_dtype]
+    total = sum(seq_lens)
+    k, v = (torch.randn(total, NUM_KV_HEADS, head_dim, generator=gen).to(qdtype) for _ in range(2))
+    layer = cache.layers[0]
+    torch_impl = select_attention_impl("torch", torch.device("cpu"))
+    write_kv(torch_impl, k.to(DEVICE), v.to(DEVICE), layer, torch.cat(all_slots).to(DEVICE))
+    query = torch.randn(sum(query_lens), NUM_KV_HEADS * queries_per_kv, head_dim, generator=gen).to(qdtype)
+    qsl = [0]
+    for q_len in query_lens:
+        qsl.append(qsl[-1] + q_len)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=tables.to(DEVICE),
+        slot_mapping=torch.cat(new_slots).to(DEVICE),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_host=tuple(query_lens),
+        seq_lens_host=tuple(seq_lens),
+    )
+    return query.to(DEVICE), layer, meta
+
+
+def float64_reference(query: torch.Tensor, layer: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
+    """Plain per-sequence attention in float64 over the dequantized cache contents."""
+    out = torch.empty(query.shape, dtype=torch.float64)
+    block_size, queries_per_kv = layer.k.shape[1], query.shape[1] // layer.k.shape[2]
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        blocks = meta.block_tables[i, : -(-seq_len // block_size)].long()
+        k, v = (
+            dequantize_from_cache(c[blocks].flatten(0, 1)[:seq_len], s, layer.dtype, query.dtype)
+            .double().cpu().repeat_interleave(queries_per_kv, 1)
+            for c, s in ((layer.k, layer.k_scale), (layer.v, layer.v_scale))
+        )
+        q = query[start : start + q_len].double().cpu()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
+        hidden = torch.arange(seq_len)[None, :] > torch.arange(seq_len - q_len, seq_len)[:, None]
+        out[start : start + q_len] = torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, -torch.inf).softmax(-1), v)
+        start += q_len
+    return out

@@ -1,0 +1,107 @@
+"""The native CPU decode attention (kernels/cpu_native.c) against the torch implementation and float64 math.
+
+The C file is compiled here, on first use, exactly as the engine compiles it; a machine without a C compiler
+fails these tests rather than skipping them, because `auto` would silently serve the slower torch path there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_cases import BATCHES, SCALE, TOLERANCE, float64_reference, make_case
+from pagedserve.kernels import cpu_native
+from pagedserve.kernels.kv_cache import KVDtype
+from pagedserve.kernels.native_attention import NativeCpuAttention
+from pagedserve.kernels.paged_attention import paged_attention, select_attention_impl
+from pagedserve.kernels.torch_attention import TorchAttention
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="cases are built on the GPU when one is present")
+
+
+def run_both(query, layer, meta) -> tuple[torch.Tensor, torch.Tensor]:
+    reference = paged_attention(select_attention_impl("torch", CPU), query, layer, meta, SCALE)
+    return reference, paged_attention(NativeCpuAttention(), query, layer, meta, SCALE)
+
+
+def test_auto_picks_native_on_cpu() -> None:
+    assert cpu_native.available()
+    assert isinstance(select_attention_impl("auto", CPU), NativeCpuAttention)
+
+
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("queries_per_kv", [1, 3, 4])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize(
+    "kv_dtype", [KVDtype.FP32, KVDtype.FP16, KVDtype.BF16, KVDtype.FP8_E4M3, KVDtype.FP8_E5M2]
+)
+def test_matches_torch_path(batch: str, queries_per_kv: int, block_size: int, kv_dtype: KVDtype) -> None:
+    seq_lens, query_lens = BATCHES[batch]
+    query, layer, meta = make_case(seq_lens, query_lens, block_size, queries_per_kv, kv_dtype)
+    reference, result = run_both(query, layer, meta)
+    assert result.dtype == query.dtype and result.shape == query.shape
+    err = (result.float() - reference.float()).abs().max().item()
+    assert err <= TOLERANCE[query.dtype], f"max abs err {err}"
+
+
+@pytest.mark.parametrize("kv_dtype", [KVDtype.FP32, KVDtype.BF16, KVDtype.FP8_E4M3])
+def test_agrees_with_float64_math(kv_dtype: KVDtype) -> None:
+    """Guards against the two paths sharing one mistake; head_dim 128 and long contexts included."""
+    seq_lens = (1, 300, 77, 129)
+    query, layer, meta = make_case(seq_lens, (1,) * 4, 16, 3, kv_dtype, head_dim=128, seed=5)
+    exact = float64_reference(query, layer, meta)
+    tolerance = 1e-5 if kv_dtype is KVDtype.FP32 else TOLERANCE[query.dtype]
+    result = paged_attention(NativeCpuAttention(), query, layer, meta, SCALE)
+    assert (result.double() - exact).abs().max().item() <= tolerance
+
+
+def test_with_hadamard_rotated_keys() -> None:
+    seq_lens, query_lens = BATCHES["mixed"]
+    query, layer, meta = make_case(seq_lens, query_lens, 16, 3, KVDtype.FP8_E4M3, seed=4, rotate=True)
+    reference, result = run_both(query, layer, meta)
+    assert (result.float() - reference.float()).abs().max().item() <= TOLERANCE[query.dtype]
+
+
+def test_strided_query_rows() -> None:
+    """The model hands attention q as a slice of the fused q/k projection: rows are strided, heads dense."""
+    seq_lens, query_lens = BATCHES["decode"]
+    query, layer, meta = make_case(seq_lens, query_lens, 16, 3, KVDtype.BF16, seed=6)
+    padded = torch.cat([query, torch.full_like(query[:, :2], float("nan"))], dim=1)[:, : query.shape[1]]
+    assert not padded.is_contiguous()
+    reference = paged_attention(select_attention_impl("torch", CPU), query, layer, meta, SCALE)
+    result = paged_attention(NativeCpuAttention(), padded, layer, meta, SCALE)
+    assert torch.equal(result, paged_attention(NativeCpuAttention(), query, layer, meta, SCALE))
+    assert (result.float() - reference.float()).abs().max().item() <= TOLERANCE[torch.bfloat16]
+
+
+def test_never_reads_past_seq_len() -> None:
+    """Stale slots of partly filled blocks (even NaNs) must not reach the output."""
+    seq_lens, query_lens = BATCHES["decode"]
+    query, layer, meta = make_case(seq_lens, query_lens, 16, 4, KVDtype.FP16, seed=3)
+    reference, _ = run_both(query, layer, meta)
+    num_blocks, block_size = layer.k.shape[:2]
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for i, seq_len in enumerate(meta.seq_lens_host):
+        pos = torch.arange(seq_len)
+        written[meta.block_tables[i, pos // 16].long() * 16 + pos % 16] = True
+    stale = ~written.view(num_blocks, block_size)
+    layer.k[stale] = float("nan")
+    layer.v[stale] = float("nan")
+    result = paged_attention(NativeCpuAttention(), query, layer, meta, SCALE)
+    assert torch.isfinite(result).all()
+    assert (result.float() - reference.float()).abs().max().item() <= TOLERANCE[torch.float16]
+
+
+def test_missing_compiler_falls_back_to_torch(monkeypatch, tmp_path) -> None:
+    """`auto` serves the torch path (and says why) when the C file cannot be built; `native` refuses."""
+    cpu_native.load_library.cache_clear()
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    try:
+        assert not cpu_native.available()
+        assert type(select_attention_impl("auto", CPU)) is TorchAttention
+        with pytest.raises(cpu_native.NativeBuildError, match="no C compiler"):
+            NativeCpuAttention()
+    finally:
+        cpu_native.load_library.cache_clear()
