@@ -7,7 +7,13 @@ import torch
 
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype, LayerKVCache
 from pagedserve.kernels.kv_scales import hadamard
-from pagedserve.kernels.paged_attention import AttentionMetadata, select_attention_impl, write_kv
+from pagedserve.kernels.paged_attention import (
+    AttentionImpl,
+    AttentionMetadata,
+    paged_attention,
+    select_attention_impl,
+    write_kv,
+)
 from pagedserve.kernels.torch_attention import dequantize_from_cache
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -99,3 +105,24 @@ def float64_reference(query: torch.Tensor, layer: LayerKVCache, meta: AttentionM
         out[start : start + q_len] = torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, -torch.inf).softmax(-1), v)
         start += q_len
     return out
+
+
+def assert_matches_torch(impl: AttentionImpl, query: torch.Tensor, layer: LayerKVCache, meta: AttentionMetadata) -> None:
+    """impl's output equals the torch implementation's within one output rounding step."""
+    reference = paged_attention(select_attention_impl("torch", torch.device("cpu")), query, layer, meta, SCALE)
+    result = paged_attention(impl, query, layer, meta, SCALE)
+    assert result.dtype == query.dtype and result.shape == query.shape
+    err = (result.float() - reference.float()).abs().max().item()
+    assert err <= TOLERANCE[query.dtype], f"max abs err {err}"
+
+
+def poison_stale_slots(layer: LayerKVCache, meta: AttentionMetadata) -> None:
+    """NaN in every cache slot past each sequence's length (stale data of freed or partly filled blocks)."""
+    num_blocks, block_size = layer.k.shape[:2]
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=layer.k.device)
+    for i, seq_len in enumerate(meta.seq_lens_host):
+        pos = torch.arange(seq_len, device=layer.k.device)
+        written[meta.block_tables[i, pos // block_size].long() * block_size + pos % block_size] = True
+    stale = ~written.view(num_blocks, block_size)
+    layer.k[stale] = float("nan")  # boolean indexing writes through the cache's strided view
+    layer.v[stale] = float("nan")

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.model_loader import LoadedModel, load_model
 from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.models.layer_ops import TorchLayerOps
 from pagedserve.engine.models.layers import ForwardContext
 from pagedserve.kernels.paged_attention import AttentionMetadata
 from pagedserve.quant.linear import QuantLinear
@@ -110,8 +111,11 @@ def load(model_dir: Path, dtype: torch.dtype = torch.float32, quantization: str 
 
 
 @torch.inference_mode()
-def full_logits(loaded: LoadedModel, ids: torch.Tensor, kv_cache_dtype: str = "auto") -> torch.Tensor:
-    """Logits at every position of each row of ids [B, T] (one prefill step through the paged cache)."""
+def full_logits(
+    loaded: LoadedModel, ids: torch.Tensor, kv_cache_dtype: str = "auto", layer_ops: TorchLayerOps | None = None
+) -> torch.Tensor:
+    """Logits at every position of each row of ids [B, T] (one prefill step through the paged cache), with the
+    runner's own layer ops unless others are given."""
     block = 16
     b, t = ids.shape
     blocks_per_seq = -(-t // block)
@@ -128,7 +132,7 @@ def full_logits(loaded: LoadedModel, ids: torch.Tensor, kv_cache_dtype: str = "a
         query_start_loc=torch.arange(0, (b + 1) * t, t, dtype=torch.int32),
         seq_lens=torch.full((b,), t, dtype=torch.int32), block_tables=tables, slot_mapping=slots,
         max_query_len=t, max_seq_len=t, query_lens_host=(t,) * b, seq_lens_host=(t,) * b)
-    ctx = ForwardContext(meta, runner.kv_cache, runner.attn_impl)
+    ctx = ForwardContext(meta, runner.kv_cache, runner.attn_impl, layer_ops or runner.layer_ops)
     hidden = loaded.model(ids.reshape(-1), torch.arange(t).repeat(b), ctx)
     return loaded.model.compute_logits(hidden).view(b, t, -1)
 

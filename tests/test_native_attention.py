@@ -9,7 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_cases import BATCHES, SCALE, TOLERANCE, float64_reference, make_case
+from attention_cases import (
+    BATCHES,
+    SCALE,
+    TOLERANCE,
+    assert_matches_torch,
+    float64_reference,
+    make_case,
+    poison_stale_slots,
+)
 from pagedserve.kernels import cpu_native
 from pagedserve.kernels.kv_cache import KVDtype
 from pagedserve.kernels.native_attention import NativeCpuAttention
@@ -39,10 +47,7 @@ def test_auto_picks_native_on_cpu() -> None:
 def test_matches_torch_path(batch: str, queries_per_kv: int, block_size: int, kv_dtype: KVDtype) -> None:
     seq_lens, query_lens = BATCHES[batch]
     query, layer, meta = make_case(seq_lens, query_lens, block_size, queries_per_kv, kv_dtype)
-    reference, result = run_both(query, layer, meta)
-    assert result.dtype == query.dtype and result.shape == query.shape
-    err = (result.float() - reference.float()).abs().max().item()
-    assert err <= TOLERANCE[query.dtype], f"max abs err {err}"
+    assert_matches_torch(NativeCpuAttention(), query, layer, meta)
 
 
 @pytest.mark.parametrize("kv_dtype", [KVDtype.FP32, KVDtype.BF16, KVDtype.FP8_E4M3])
@@ -80,14 +85,7 @@ def test_never_reads_past_seq_len() -> None:
     seq_lens, query_lens = BATCHES["decode"]
     query, layer, meta = make_case(seq_lens, query_lens, 16, 4, KVDtype.FP16, seed=3)
     reference, _ = run_both(query, layer, meta)
-    num_blocks, block_size = layer.k.shape[:2]
-    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
-    for i, seq_len in enumerate(meta.seq_lens_host):
-        pos = torch.arange(seq_len)
-        written[meta.block_tables[i, pos // 16].long() * 16 + pos % 16] = True
-    stale = ~written.view(num_blocks, block_size)
-    layer.k[stale] = float("nan")
-    layer.v[stale] = float("nan")
+    poison_stale_slots(layer, meta)
     result = paged_attention(NativeCpuAttention(), query, layer, meta, SCALE)
     assert torch.isfinite(result).all()
     assert (result.float() - reference.float()).abs().max().item() <= TOLERANCE[torch.float16]

@@ -12,7 +12,16 @@ import torch
 
 pytest.importorskip("triton")
 
-from attention_cases import BATCHES, DEVICE, SCALE, TOLERANCE, float64_reference, make_case  # noqa: E402
+from attention_cases import (  # noqa: E402
+    BATCHES,
+    DEVICE,
+    SCALE,
+    TOLERANCE,
+    assert_matches_torch,
+    float64_reference,
+    make_case,
+    poison_stale_slots,
+)
 from pagedserve.kernels.kv_cache import KVDtype  # noqa: E402
 from pagedserve.kernels.paged_attention import ATTENTION_IMPLS, paged_attention, select_attention_impl  # noqa: E402
 from pagedserve.kernels.triton_backend import TritonAttention  # noqa: E402
@@ -30,10 +39,7 @@ def run_both(query, layer, meta) -> tuple[torch.Tensor, torch.Tensor]:
 def test_matches_torch_path(batch: str, queries_per_kv: int, block_size: int, kv_dtype: KVDtype) -> None:
     seq_lens, query_lens = BATCHES[batch]
     query, layer, meta = make_case(seq_lens, query_lens, block_size, queries_per_kv, kv_dtype)
-    reference, result = run_both(query, layer, meta)
-    assert result.dtype == query.dtype and result.shape == query.shape
-    err = (result.float() - reference.float()).abs().max().item()
-    assert err <= TOLERANCE[query.dtype], f"max abs err {err}"
+    assert_matches_torch(ATTENTION_IMPLS.get("triton")(), query, layer, meta)
 
 
 @pytest.mark.parametrize("kv_dtype", [KVDtype.FP16, KVDtype.FP8_E4M3, KVDtype.FP32])
@@ -67,14 +73,7 @@ def test_never_reads_past_seq_len() -> None:
     seq_lens, query_lens = BATCHES["mixed"]
     query, layer, meta = make_case(seq_lens, query_lens, 16, 4, KVDtype.FP16, seed=3)
     reference, _ = run_both(query, layer, meta)
-    num_blocks, block_size = layer.k.shape[:2]
-    written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
-    for i, seq_len in enumerate(meta.seq_lens_host):
-        pos = torch.arange(seq_len, device=DEVICE)
-        written[meta.block_tables[i, pos // 16].long() * 16 + pos % 16] = True
-    stale = ~written.view(num_blocks, block_size)
-    layer.k[stale] = float("nan")  # boolean indexing writes through the cache's strided view
-    layer.v[stale] = float("nan")
+    poison_stale_slots(layer, meta)
     result = paged_attention(ATTENTION_IMPLS.get("triton")(), query, layer, meta, SCALE)
     assert torch.isfinite(result).all()
     assert (result.float() - reference.float()).abs().max().item() <= TOLERANCE[torch.float16]

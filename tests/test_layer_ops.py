@@ -1,0 +1,98 @@
+"""The fused C layer ops (kernels/cpu_layer_ops.c) against transformers' op order in torch (TorchLayerOps).
+
+In 16-bit dtypes every rounding step is reproduced, so RoPE and SiLU-and-mul match torch exactly or within one
+unit in the last place, and RMSNorm within one unit (its fp32 sum runs in another order). The model-level test runs
+the default model in bf16 with each set of ops and compares the logits at every position.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.engine.models.layer_ops import NativeLayerOps, TorchLayerOps, select_layer_ops
+from pagedserve.kernels import cpu_layer_ops
+
+CPU = torch.device("cpu")
+TORCH, NATIVE = TorchLayerOps(), NativeLayerOps()
+# One unit in the last place at |x| < 8 (bf16 keeps 8 significant bits, fp16 11); fp32: a few ulps, relative.
+ULP_AT_8 = {torch.bfloat16: 2.0**-5, torch.float16: 2.0**-8}
+
+
+def _inputs(rows: int, width: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    assert a.dtype == b.dtype == dtype and a.shape == b.shape
+    err = (a.float() - b.float()).abs()
+    if dtype == torch.float32:
+        assert (err <= 1e-6 * (b.abs() + 1)).all(), f"max abs err {err.max().item()}"
+        return
+    assert err.max().item() <= ULP_AT_8[dtype], f"max abs err {err.max().item()}"
+    assert (err > 0).float().mean().item() < 0.02  # off-by-one-ulp results are rare, not the rule
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_rms_norm(dtype: torch.dtype, rows: int) -> None:
+    x, weight = _inputs(rows, 576, dtype), _inputs(1, 576, dtype, seed=1)[0]
+    _close(cpu_layer_ops.rms_norm(x, weight, 1e-5), TORCH.rms_norm(x, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_add_rms_norm_updates_the_residual_in_place(dtype: torch.dtype) -> None:
+    residual, delta, weight = _inputs(64, 576, dtype), _inputs(64, 576, dtype, 1), _inputs(1, 576, dtype, 2)[0]
+    want_sum, want_norm = TORCH.add_rms_norm(residual, delta, weight, 1e-6)
+    stream = residual.clone()
+    got_sum, got_norm = NATIVE.add_rms_norm(stream, delta, weight, 1e-6)
+    assert got_sum is stream and torch.equal(stream, want_sum)  # the add is rounded exactly as torch rounds it
+    _close(got_norm, want_norm, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    gate_up = _inputs(64, 2 * 1536, dtype) * 4  # gates far into both tails of the sigmoid
+    _close(cpu_layer_ops.silu_and_mul(gate_up), TORCH.silu_and_mul(gate_up), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rope_on_a_strided_slice_is_exact(dtype: torch.dtype) -> None:
+    """The model rotates q and k as one slice of the fused q/k/v output: rows strided, heads dense."""
+    from pagedserve.engine.models.layers import RotaryEmbedding
+
+    tokens, heads, dim = 37, 12, 64
+    qkv = _inputs(tokens, (heads + 3) * dim, dtype).view(tokens, heads + 3, dim)
+    q_and_k = qkv[:, :heads]
+    angles = RotaryEmbedding(dim, 512, 10000.0, None).angles(torch.arange(100, 100 + tokens), dtype, TORCH)
+    want = TORCH.rope(q_and_k, angles.cos, angles.signed_sin)
+    got = cpu_layer_ops.rope(q_and_k, angles.cos, angles.signed_sin)
+    assert torch.equal(got, want) if dtype != torch.float32 else (got - want).abs().max().item() < 1e-6
+
+
+def test_auto_selection() -> None:
+    assert type(select_layer_ops("auto", CPU, torch.bfloat16)) is NativeLayerOps
+    assert type(select_layer_ops("auto", CPU, torch.float16)) is NativeLayerOps
+    # fp32 keeps transformers' exact op order: the engine's greedy output must equal transformers'.
+    assert type(select_layer_ops("auto", CPU, torch.float32)) is TorchLayerOps
+    assert type(select_layer_ops("torch", CPU, torch.bfloat16)) is TorchLayerOps
+
+
+def test_unsupported_inputs_take_the_torch_ops() -> None:
+    x = _inputs(8, 64, torch.bfloat16).t()  # not contiguous
+    weight = _inputs(1, 8, torch.bfloat16)[0]
+    assert torch.equal(NATIVE.rms_norm(x, weight, 1e-5), TORCH.rms_norm(x, weight, 1e-5))
+
+
+def test_default_model_bf16_logits_match_the_torch_ops(default_model_dir) -> None:
+    """Every position of two prompts, through all 30 layers: the fused ops change no prediction that isn't a tie."""
+    from quant_fixtures import full_logits, load
+
+    loaded = load(default_model_dir, torch.bfloat16)
+    ids = torch.randint(100, 49000, (2, 48), generator=torch.Generator().manual_seed(0))
+    torch_logits = full_logits(loaded, ids, layer_ops=TORCH)
+    native_logits = full_logits(loaded, ids, layer_ops=NATIVE)
+    relative = (native_logits - torch_logits).norm() / torch_logits.norm()
+    assert relative.item() < 2e-2
+    agree = (native_logits.argmax(-1) == torch_logits.argmax(-1)).float().mean().item()
+    assert agree >= 0.95
