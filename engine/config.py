@@ -63,6 +63,8 @@ class EngineConfig:
             raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError("device", f"must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.attention_backend == "native" and self.device != "cpu":
+            raise ConfigError("attention_backend", f"native runs on CPU tensors only; device is {self.device!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
