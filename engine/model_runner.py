@@ -9,12 +9,12 @@ import torch
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.models.layer_ops import select_layer_ops
 from pagedserve.engine.models.layers import ForwardContext
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.engine.sequence import Sequence
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype
 from pagedserve.kernels.kv_scales import setup_kv_scales
-from pagedserve.engine.models.layer_ops import select_layer_ops
 from pagedserve.kernels.paged_attention import AttentionMetadata, select_attention_impl
 
 logger = logging.getLogger(__name__)

@@ -75,8 +75,8 @@ INLINE void decode_task(const DecodeArgs *a, int64_t s, int64_t h, Scratch *w, c
         }
     }
     for (int64_t g = 0; g < group; g++) {
-        const float *p = w->scores + g * len;
-        const float factor = a->v_scale[h] / softmax_numerators(w->scores + g * len, len);
+        float *p = w->scores + g * len;
+        const float factor = a->v_scale[h] / softmax_numerators(p, len);
         f32x16 acc[chunks];
         for (int64_t c = 0; c < chunks; c++) acc[c] = (f32x16){0};
         for (int64_t t0 = 0; t0 < len; t0 += bs) {

@@ -17,18 +17,6 @@ INLINE float round_to(float x, int dt) {
     return x;
 }
 
-INLINE float load_at(const void *base, int64_t i, int dt) {
-    if (dt == DT_BF16) return bf16_to_f32(((const uint16_t *)base)[i]);
-    if (dt == DT_F16) return (float)((const _Float16 *)base)[i];
-    return ((const float *)base)[i];
-}
-
-INLINE void store_at(void *base, int64_t i, int dt, float x) {
-    if (dt == DT_BF16) ((uint16_t *)base)[i] = f32_to_bf16(x);
-    else if (dt == DT_F16) ((_Float16 *)base)[i] = (_Float16)x;
-    else ((float *)base)[i] = x;
-}
-
 /* Small inputs stay on the calling thread: waking the pool costs more than the work. */
 #define PARALLEL_MIN_ELEMENTS 16384
 

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.cpu_native import dtype_code, load_library
-
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from pagedserve.kernels.cpu_native import COMPUTE_DTYPES, dtype_code, load_library
 
 
 def _check(x: torch.Tensor, *others: torch.Tensor) -> None:
-    assert x.device.type == "cpu" and x.dtype in SUPPORTED_DTYPES, f"{x.dtype} on {x.device}"
+    assert x.device.type == "cpu" and x.dtype in COMPUTE_DTYPES, f"{x.dtype} on {x.device}"
     for t in others:
         assert t.dtype == x.dtype and t.device.type == "cpu", f"{t.dtype} vs {x.dtype}"
 

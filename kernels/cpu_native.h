@@ -32,61 +32,38 @@ static inline float f16_bits_to_f32(uint16_t bits) {
     return (float)h;
 }
 
-/* Row `index` of a [rows, dim] tensor of dtype `dt`, as fp32: a pointer into the tensor when it is already fp32,
- * otherwise converted into `buf`. FP8 rows are exact (e5m2 is fp16's top byte; e4m3 moved into fp16's fields
- * reads 2^-8 times its value). */
 #define INLINE static inline __attribute__((always_inline))
-
-INLINE const float *row_f32(const void *base, int64_t index, int64_t dim, int dt, float *buf) {
-    switch (dt) {
-    case DT_F32:
-        return (const float *)base + index * dim;
-    case DT_BF16: {
-        const uint16_t *p = (const uint16_t *)base + index * dim;
-        for (int64_t d = 0; d < dim; d++) buf[d] = bf16_to_f32(p[d]);
-        return buf;
-    }
-    case DT_F16: {
-        const _Float16 *p = (const _Float16 *)base + index * dim;
-        for (int64_t d = 0; d < dim; d++) buf[d] = (float)p[d];
-        return buf;
-    }
-    case DT_E4M3: {
-        const uint8_t *p = (const uint8_t *)base + index * dim;
-        for (int64_t d = 0; d < dim; d++) {
-            uint16_t b = p[d];
-            buf[d] = f16_bits_to_f32((uint16_t)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7))) * 256.0f;
-        }
-        return buf;
-    }
-    default: {  /* DT_E5M2 */
-        const uint8_t *p = (const uint8_t *)base + index * dim;
-        for (int64_t d = 0; d < dim; d++) buf[d] = f16_bits_to_f32((uint16_t)(p[d] << 8));
-        return buf;
-    }
-    }
-}
 
 static inline int64_t elem_size(int dt) { return dt == DT_F32 ? 4 : dt == DT_E4M3 || dt == DT_E5M2 ? 1 : 2; }
 
+/* Element i of a tensor of dtype dt, as fp32. FP8 is exact: e5m2 is fp16's top byte, and e4m3 moved into fp16's
+ * fields reads 2^-8 times its value. */
+INLINE float load_at(const void *base, int64_t i, int dt) {
+    if (dt == DT_F32) return ((const float *)base)[i];
+    if (dt == DT_BF16) return bf16_to_f32(((const uint16_t *)base)[i]);
+    if (dt == DT_F16) return (float)((const _Float16 *)base)[i];
+    const uint16_t b = ((const uint8_t *)base)[i];
+    if (dt == DT_E4M3) return f16_bits_to_f32((uint16_t)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7))) * 256.0f;
+    return f16_bits_to_f32((uint16_t)(b << 8));  /* DT_E5M2 */
+}
+
+/* Stores fp32 x as element i of a tensor of a compute dtype (fp32, bf16, fp16), rounding to nearest even. */
+INLINE void store_at(void *base, int64_t i, int dt, float x) {
+    if (dt == DT_BF16) ((uint16_t *)base)[i] = f32_to_bf16(x);
+    else if (dt == DT_F16) ((_Float16 *)base)[i] = (_Float16)x;
+    else ((float *)base)[i] = x;
+}
+
+/* Row `index` of a [rows, dim] tensor of dtype `dt`, as fp32: a pointer into the tensor when it is already fp32,
+ * otherwise converted into `buf`. */
+INLINE const float *row_f32(const void *base, int64_t index, int64_t dim, int dt, float *buf) {
+    if (dt == DT_F32) return (const float *)base + index * dim;
+    for (int64_t d = 0; d < dim; d++) buf[d] = load_at(base, index * dim + d, dt);
+    return buf;
+}
+
 INLINE void store_row(void *base, int64_t index, int64_t dim, int dt, const float *src, float factor) {
-    switch (dt) {
-    case DT_F32: {
-        float *p = (float *)base + index * dim;
-        for (int64_t d = 0; d < dim; d++) p[d] = src[d] * factor;
-        break;
-    }
-    case DT_BF16: {
-        uint16_t *p = (uint16_t *)base + index * dim;
-        for (int64_t d = 0; d < dim; d++) p[d] = f32_to_bf16(src[d] * factor);
-        break;
-    }
-    default: {  /* DT_F16 */
-        _Float16 *p = (_Float16 *)base + index * dim;
-        for (int64_t d = 0; d < dim; d++) p[d] = (_Float16)(src[d] * factor);
-        break;
-    }
-    }
+    for (int64_t d = 0; d < dim; d++) store_at(base, index * dim + d, dt, src[d] * factor);
 }
 
 /* 16 fp32 lanes as a GCC vector: one AVX-512 register here, two or four narrower ones elsewhere; no intrinsics, so
@@ -99,7 +76,7 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef _Float16 f16x16 __attribute__((vector_size(32)));
 
-/* Lanes [16c, 16c + 16) of a row of dtype dt, as fp32 (FP8 as in row_f32). */
+/* Lanes [16c, 16c + 16) of a row of dtype dt, as fp32 (FP8 as in load_at). */
 INLINE f32x16 load16(const void *row, int64_t c, int dt) {
     f32x16 out;
     if (dt == DT_F32) {

@@ -29,12 +29,20 @@ _HERE = Path(__file__).parent
 SOURCES = (_HERE / "cpu_decode_attention.c", _HERE / "cpu_layer_ops.c")
 HEADER = _HERE / "cpu_native.h"
 _FLAGS = (
-    "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math",
+    "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
+    "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math",
 )
+# The DT_* codes of cpu_native.h.
 _DTYPE_CODES = {
     torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4,
 }
-_OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Query, output and activation dtypes the C code computes in (the FP8 codes are KV-cache storage only).
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The C files' DT_* code for a torch dtype."""
+    return _DTYPE_CODES[dtype]
 
 
 class NativeBuildError(RuntimeError):
@@ -42,7 +50,7 @@ class NativeBuildError(RuntimeError):
 
 
 class _DecodeArgs(ctypes.Structure):
-    # Field order and types mirror DecodeArgs in cpu_native.c.
+    # Field order and types mirror DecodeArgs in cpu_decode_attention.c.
     _fields_ = [
         ("query", ctypes.c_void_p), ("q_token_stride", ctypes.c_int64), ("out", ctypes.c_void_p), ("q_dtype", ctypes.c_int),
         ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("kv_dtype", ctypes.c_int),
@@ -100,20 +108,17 @@ def load_library() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(target))
     except OSError as exc:
         raise NativeBuildError(f"cannot load {target}: {exc}") from exc
-    lib.pagedserve_decode_attention.argtypes = [
-        ctypes.POINTER(_DecodeArgs), ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-    ]
-    _declare_layer_ops(lib)
+    _declare_signatures(lib)
     return lib
 
 
-def _declare_layer_ops(lib: ctypes.CDLL) -> None:
+def _declare_signatures(lib: ctypes.CDLL) -> None:
     ptr, i64, f32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-    lib.pagedserve_decode_attention.restype = c_int
+    lib.pagedserve_decode_attention.argtypes = [ctypes.POINTER(_DecodeArgs), i64, i64, c_int]
     lib.pagedserve_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, c_int, c_int]
     lib.pagedserve_silu_and_mul.argtypes = [ptr, ptr, i64, i64, c_int, c_int]
     lib.pagedserve_rope.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, c_int, c_int]
-    for fn in (lib.pagedserve_rms_norm, lib.pagedserve_silu_and_mul, lib.pagedserve_rope):
+    for fn in (lib.pagedserve_decode_attention, lib.pagedserve_rms_norm, lib.pagedserve_silu_and_mul, lib.pagedserve_rope):
         fn.restype = c_int
 
 
@@ -163,13 +168,13 @@ def decode_attention(
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, num_blocks, block_size, _ = k_storage.shape
     assert query.stride(2) == 1 and query.stride(1) == head_dim and out.is_contiguous() and out.shape == query.shape and out.dtype == query.dtype
-    assert query.dtype in _OUTPUT_DTYPES, f"query dtype {query.dtype} unsupported"
+    assert query.dtype in COMPUTE_DTYPES, f"query dtype {query.dtype} unsupported"
     assert k_storage.is_contiguous() and v_storage.is_contiguous() and v_storage.shape == k_storage.shape
     assert k_storage.shape[3] == head_dim and num_heads % num_kv_heads == 0
     assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.shape == v_scale.shape == (num_kv_heads,)
     args = _DecodeArgs(
-        query.data_ptr(), query.stride(0), out.data_ptr(), _DTYPE_CODES[query.dtype],
-        k_storage.data_ptr(), v_storage.data_ptr(), _DTYPE_CODES[k_storage.dtype],
+        query.data_ptr(), query.stride(0), out.data_ptr(), dtype_code(query.dtype),
+        k_storage.data_ptr(), v_storage.data_ptr(), dtype_code(k_storage.dtype),
         k_scale.data_ptr(), v_scale.data_ptr(),
         batch.block_tables.data_ptr(), batch.block_tables.stride(0),
         batch.seq_lens.data_ptr(), batch.rows.data_ptr(),
@@ -181,7 +186,3 @@ def decode_attention(
     if status != 0:
         raise MemoryError("native decode attention could not allocate its per-thread scratch")
 
-
-def dtype_code(dtype: torch.dtype) -> int:
-    """The C files' DT_* code for a torch dtype."""
-    return _DTYPE_CODES[dtype]

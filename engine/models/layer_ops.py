@@ -13,6 +13,9 @@ import torch.nn.functional as F
 from pagedserve.kernels import cpu_layer_ops, cpu_native
 from pagedserve.kernels.registry import Registry
 
+# fp32 stays on torch: its results must stay bit-identical to transformers'.
+NATIVE_DTYPES = (torch.bfloat16, torch.float16)
+
 
 class TorchLayerOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,20 +50,25 @@ class NativeLayerOps(TorchLayerOps):
 
     @staticmethod
     def _native(x: torch.Tensor) -> bool:
-        return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+        return x.device.type == "cpu" and x.dtype in NATIVE_DTYPES
+
+    @classmethod
+    def _native_rows(cls, x: torch.Tensor) -> bool:
+        """A dense [tokens, width] tensor the row kernels can take as is."""
+        return cls._native(x) and x.dim() == 2 and x.is_contiguous()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if self._native(x) and x.dim() == 2 and x.is_contiguous():
+        if self._native_rows(x):
             return cpu_layer_ops.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps)
 
     def add_rms_norm(self, residual, delta, weight, eps):
-        if self._native(residual) and residual.dim() == 2 and residual.is_contiguous() and delta.is_contiguous():
+        if self._native_rows(residual) and delta.is_contiguous():
             return residual, cpu_layer_ops.rms_norm(residual, weight, eps, delta=delta)
         return super().add_rms_norm(residual, delta, weight, eps)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self._native(gate_up) and gate_up.dim() == 2 and gate_up.is_contiguous():
+        if self._native_rows(gate_up):
             return cpu_layer_ops.silu_and_mul(gate_up)
         return super().silu_and_mul(gate_up)
 
@@ -78,6 +86,6 @@ LAYER_OPS.register("native")(NativeLayerOps)
 def select_layer_ops(name: str, device: torch.device, dtype: torch.dtype) -> TorchLayerOps:
     """`auto`: native for 16-bit models on CPU when the C kernels build here, torch otherwise."""
     if name == "auto":
-        wanted = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+        wanted = device.type == "cpu" and dtype in NATIVE_DTYPES
         name = "native" if wanted and cpu_native.available() else "torch"
     return LAYER_OPS.get(name)()
