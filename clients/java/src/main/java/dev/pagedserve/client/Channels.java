@@ -3,7 +3,6 @@ package dev.pagedserve.client;
 import io.grpc.ManagedChannel;
 import io.grpc.netty.GrpcSslContexts;
 import io.grpc.netty.NettyChannelBuilder;
-import io.netty.handler.ssl.JdkAlpnShim;
 import io.netty.handler.ssl.SslContext;
 import io.netty.handler.ssl.SslContextBuilder;
 import java.io.UncheckedIOException;
@@ -35,8 +34,8 @@ final class Channels {
       try {
         return GrpcSslContexts.configure(tlsMaterial(options)).build();
       } catch (UnsupportedOperationException e) {
-        // Debian's netty cannot do ALPN with the JDK provider on its own; see JdkAlpnShim.
-        return JdkAlpnShim.h2Client(tlsMaterial(options));
+        // Debian's netty cannot do ALPN with the JDK provider on its own; see JdkAlpn.
+        return JdkAlpn.h2Client(tlsMaterial(options));
       }
     } catch (SSLException e) {
       throw new UncheckedIOException("setting up TLS", e);
