@@ -13,8 +13,16 @@ import javax.net.ssl.SSLException;
 final class Channels {
   private Channels() {}
 
+  @SuppressWarnings("deprecation") // nameResolverFactory: the per-channel way to serve an address list in 1.41
   static ManagedChannel open(String target, ClientOptions options) {
-    NettyChannelBuilder builder = NettyChannelBuilder.forTarget(target);
+    AddressList addresses = AddressList.parse(target);
+    NettyChannelBuilder builder = NettyChannelBuilder.forTarget(
+        addresses == null ? target : addresses.channelTarget());
+    if (addresses != null) {
+      builder.nameResolverFactory(addresses);
+    }
+    // Standard service config: spread calls over every resolved address (dns:/// names, address lists).
+    builder.defaultLoadBalancingPolicy(options.loadBalancingPolicy());
     if (options.plaintext()) {
       builder.usePlaintext();
     } else {
