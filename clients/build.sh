@@ -76,11 +76,12 @@ build_java() {
   # mode only uses when told file: is local) into ~/.m2/debian-repository.
   local mvn=(mvn -o -q -B -s "$ROOT/clients/java/debian-settings.xml" -Daether.offline.protocols=file)
   cd "$ROOT/clients/java"
-  log "java: mvn -o install (stubs generated from proto/ at build time)"
-  "${mvn[@]}" install
+  # clean first: stale generated stubs (a proto file renamed or removed) must not end up in the jar.
+  log "java: mvn -o clean install (stubs generated from proto/ at build time)"
+  "${mvn[@]}" clean install
   cd examples
   log "java: examples against the installed library"
-  "${mvn[@]}" package
+  "${mvn[@]}" clean package
 }
 
 main() {

@@ -29,7 +29,8 @@ type fakeService struct {
 
 func (f *fakeService) Generate(req *pb.GenerateRequest, out pb.GenerationService_GenerateServer) error {
 	send := func(frame *pb.GenerateResponse) error { return out.Send(frame) }
-	if err := send(&pb.GenerateResponse{Frame: &pb.GenerateResponse_Started{Started: &pb.Started{RequestId: "fake-1"}}}); err != nil {
+	started := &pb.Started{RequestId: "fake-1"}
+	if err := send(&pb.GenerateResponse{Frame: &pb.GenerateResponse_Started{Started: started}}); err != nil {
 		return err
 	}
 	n := f.deltas
@@ -37,8 +38,8 @@ func (f *fakeService) Generate(req *pb.GenerateRequest, out pb.GenerationService
 		n = 1
 	}
 	for i := 0; i < n; i++ {
-		delta := &pb.GenerateResponse{Frame: &pb.GenerateResponse_Delta{Delta: &pb.Delta{Text: "x", TokenIds: []uint32{uint32(i)}}}}
-		if err := send(delta); err != nil {
+		delta := &pb.Delta{Text: "x", TokenIds: []uint32{uint32(i)}}
+		if err := send(&pb.GenerateResponse{Frame: &pb.GenerateResponse_Delta{Delta: delta}}); err != nil {
 			return err
 		}
 	}
@@ -47,7 +48,8 @@ func (f *fakeService) Generate(req *pb.GenerateRequest, out pb.GenerationService
 		f.cancelOnce.Do(func() { close(f.cancelled) })
 		return status.Error(codes.Canceled, "client went away")
 	}
-	return send(&pb.GenerateResponse{Frame: &pb.GenerateResponse_Final{Final: &pb.Final{FinishReason: pb.FinishReason_FINISH_REASON_MAX_TOKENS}}})
+	final := &pb.Final{FinishReason: pb.FinishReason_FINISH_REASON_MAX_TOKENS}
+	return send(&pb.GenerateResponse{Frame: &pb.GenerateResponse_Final{Final: final}})
 }
 
 func fakeClient(t *testing.T, deltas int) (*Client, *fakeService) {
