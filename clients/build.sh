@@ -16,7 +16,8 @@ GOCODE=/usr/share/gocode/src
 
 # golang-github-golang-protobuf-1-5-dev must be named: apt otherwise picks the 1-3 variant, which compiles
 # but panics at run time. protoc-gen-go(-grpc) are Debian's so generated code matches Debian's runtimes.
-GO_PACKAGES=(golang-go protobuf-compiler protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev
+# gcc and libc6-dev: `go test -race` needs cgo.
+GO_PACKAGES=(golang-go gcc libc6-dev protobuf-compiler protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev
   golang-google-protobuf-dev golang-github-golang-protobuf-1-5-dev golang-google-genproto-dev)
 JAVA_PACKAGES=(default-jdk-headless maven protobuf-compiler protobuf-compiler-grpc-java-plugin libgrpc-java
   libprotobuf-java libnetty-java libgoogle-gson-java libperfmark-java libanimal-sniffer-java

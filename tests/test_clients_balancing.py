@@ -13,9 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from service_fixtures import ServerProcess, metric_value, shared_server, start_server  # noqa: F401
-from test_clients_go_java import _missing, built_clients, request_json, Driver  # noqa: F401 - fixture by name
+from test_clients_go_java import Driver, _missing, built_clients, request_json  # noqa: F401 - fixture by name
 
 from pagedserve.client import Client
+from pagedserve.client.channels import resolve_target
 
 STREAMS = 32
 OPTIONS = dict(temperature=0.0, max_new_tokens=4, ignore_eos=True)
@@ -69,3 +70,15 @@ def test_go_and_java_clients_spread_streams_over_an_ipv4_target(lang, built_clie
     assert [r["error"] for r in got] == [None] * STREAMS
     assert len({r["text"] for r in got}) == 1
     assert_spread(before, replicas)
+
+
+def test_python_address_lists_become_grpc_targets_and_names_are_refused():
+    assert resolve_target(["10.0.0.1:50051", "10.0.0.2:50051"]) == "ipv4:10.0.0.1:50051,10.0.0.2:50051"
+    assert resolve_target(["[::1]:50051", "[fd00::2]:50051"]) == "ipv6:[::1]:50051,[fd00::2]:50051"
+    assert resolve_target("dns:///pagedserve-headless:50051") == "dns:///pagedserve-headless:50051"
+    for bad, message in ((["pagedserve-0:50051"], "dns:///"), (["10.0.0.1:50051", "[::1]:1"], "mixed"),
+                         ([], "empty"), (["10.0.0.1"], "not ip:port")):
+        with pytest.raises(ValueError, match=message):
+            resolve_target(bad)
+    with pytest.raises(ValueError, match="load_balancing"):
+        Client("localhost:1", load_balancing="random")
