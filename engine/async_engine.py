@@ -10,11 +10,12 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import EngineDeadError, InvalidRequestError, PagedServeError, QueueFullError
+from pagedserve.engine.kv_events import KvEvent
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.main_thread import SIGNAL_POLL_S, MainThreadHost
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
@@ -72,6 +73,13 @@ class AsyncEngine:
         self._stopping = False
         self._stats: EngineStats | None = None
         self.dead_reason: str | None = None
+        self._kv_sink: Callable[[list[KvEvent]], None] | None = None
+
+    def publish_kv_events(self, sink: Callable[[list[KvEvent]], None]) -> None:
+        """Hands each step's prefix-cache events to `sink`, on the engine thread, in order (one sink per engine).
+        The sink must not block: it runs between engine steps."""
+        self.engine.block_manager.record_events()
+        self._kv_sink = sink
 
     async def start(self) -> None:
         """Loads the model off the event loop (on the host's main thread, or a worker thread) and starts the step
@@ -166,6 +174,7 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             self._stats = self.engine.stats()
+            self._flush_kv_events()
             self._deliver(outputs)
         self._fail_all(EngineDeadError("the engine is shutting down"))
 
@@ -188,6 +197,16 @@ class AsyncEngine:
         self._stats = self.engine.stats()
         with self._lock:
             self._pending_adds -= applied_adds
+
+    def _flush_kv_events(self) -> None:
+        if self._kv_sink is None:
+            return
+        events = self.engine.block_manager.take_events()
+        if events:
+            try:
+                self._kv_sink(events)
+            except Exception:  # a broken listener must not stop the engine
+                logger.exception("KV event listener failed")
 
     def _apply_add(self, command: _Add) -> None:
         with self._lock:

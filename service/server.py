@@ -23,6 +23,7 @@ from pagedserve.service.engine_adapter import load_engine
 from pagedserve.service.lifecycle import SERVICE_NAME, ServingState
 from pagedserve.service.metrics import ServiceMetrics
 from pagedserve.service.servicer import GenerationServicer
+from pagedserve.service.vllm_servicer import SERVICE_NAME as VLLM_SERVICE_NAME, VllmEngineServicer
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,11 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     servicer = GenerationServicer(state, metrics, config.max_message_bytes, name)
     server = grpc.aio.server(options=config.grpc_options())
     server.add_generic_rpc_handlers((servicer.rpc_handler(),))
+    vllm = VllmEngineServicer(state, metrics, config.max_message_bytes, name) if config.vllm_engine_service else None
+    if vllm is not None:
+        server.add_generic_rpc_handlers((vllm.rpc_handler(),))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    add_reflection(server)
+    add_reflection(server, SERVICE_NAMES + ((VLLM_SERVICE_NAME,) if vllm is not None else ()))
     await state.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
     port = _bind(server, config)
     await server.start()
@@ -60,6 +64,8 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
         raise
     if engine is not None:
         servicer.attach(engine)
+        if vllm is not None:
+            vllm.attach(engine, servicer.facts)
         await state.mark_serving()
         _write_ready_file(config.ready_file, port, metrics_port)
         log.info("serving %s", servicer.static_info.model)
@@ -85,9 +91,9 @@ async def drain(server: grpc.aio.Server, state: ServingState, grace_s: float, st
     await server.stop(grace=0.5)
 
 
-def add_reflection(server: grpc.aio.Server) -> None:
+def add_reflection(server: grpc.aio.Server, names: tuple[str, ...] = SERVICE_NAMES) -> None:
     """v1alpha from grpcio-reflection, and v1 (same messages, renamed package) on the same servicer."""
-    servicer = ReflectionServicer(SERVICE_NAMES)
+    servicer = ReflectionServicer(names)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
     handler = grpc.stream_stream_rpc_method_handler(
         servicer.ServerReflectionInfo,
