@@ -45,11 +45,12 @@ def to_engine_request(request: vpb.GenerateRequest, facts: ModelFacts) -> Engine
 
 
 def _refuse_unsupported(request: vpb.GenerateRequest) -> None:
-    for message, prefix in ((request, ""), (request.sampling_params, f"{SP}.")):
-        if unknown_fields.UnknownFieldSet(message):
-            numbers = sorted({f.field_number for f in unknown_fields.UnknownFieldSet(message)})
-            raise InvalidRequestError(f"{prefix or 'request'}", f"unknown field number(s) {numbers}: this server "
-                                      f"speaks vllm.grpc.engine from smg-grpc-proto {_proto_version()}")
+    for message, name in ((request, "request"), (request.sampling_params, SP)):
+        unknown = unknown_fields.UnknownFieldSet(message)
+        if len(unknown):
+            numbers = sorted({f.field_number for f in unknown})
+            raise InvalidRequestError(name, f"unknown field number(s) {numbers}: this server speaks "
+                                      f"vllm.grpc.engine from smg-grpc-proto {_proto_version()}")
     for name in _UNSUPPORTED_REQUEST:
         if _is_set(request, name):
             raise InvalidRequestError(name, "not supported by pagedserve (no KV transfer or multimodal inputs)")

@@ -19,6 +19,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as vpb
 
 from pagedserve.engine.model_store import resolve_model
 from pagedserve.service import rpc_status
+from pagedserve.service.frames import timing
 from pagedserve.service.kv_events import KvEventHub
 from pagedserve.service.lifecycle import ServingState
 from pagedserve.service.metrics import ServiceMetrics
@@ -90,16 +91,27 @@ class VllmEngineServicer:
         ids = self._engine_ids.setdefault(request_id, set())
         ids.add(engine_id)
         outputs = aiter(self.engine.generate(engine_id, req.prompt_token_ids, req.params))
+        last = None
         try:
             with self.state.track():
-                async for out in outputs:
-                    for reply in _replies(out, request.stream):
+                async for last in outputs:
+                    for reply in _replies(last, request.stream):
                         yield reply
         finally:
             ids.discard(engine_id)
             if not ids:
                 self._engine_ids.pop(request_id, None)
             await outputs.aclose()  # unfinished: aborts in the engine and frees its KV blocks at once
+            self._observe(last)
+
+    def _observe(self, out: Any) -> None:
+        """The same request histograms and counters as pagedserve.v1 requests feed."""
+        if out is None:
+            return
+        reasons = [c.finish_reason for c in out.outputs if c.finish_reason]
+        generated = sum(len(c.token_ids) for c in out.outputs)
+        self.metrics.observe_request(timing(out.metrics), len(out.prompt_token_ids), generated,
+                                     reasons[0] if out.finished and reasons else "abort")
 
     async def abort(self, raw: bytes, context: grpc.aio.ServicerContext) -> vpb.AbortResponse:
         """Aborts by router request id whichever connection started it; the stream ends with finish 'abort'."""
