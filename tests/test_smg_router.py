@@ -12,6 +12,7 @@ import http.client
 import json
 import shutil
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -41,7 +42,8 @@ def replicas(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smg(replicas, default_model_dir, tmp_path_factory):
-    binary = shutil.which("smg")
+    beside = Path(sys.executable).parent / "smg"  # the test extra's console script, also when not on PATH
+    binary = str(beside) if beside.exists() else shutil.which("smg")
     assert binary, "the smg binary is missing: tests/run.sh installs it with the test extra (smg==1.13.0)"
     port, log_path = free_port(), tmp_path_factory.mktemp("smg") / "smg.log"
     cmd = [binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
