@@ -289,3 +289,43 @@ def test_kv_events_stream_stored_blocks_with_their_chain(engine_stub):
     assert not head.HasField("parent_block_hash") and head.blocks[0].block_size == 16
     assert second.parent_block_hash == head.blocks[0].block_hash
     events.cancel()
+
+
+def test_reflection_lists_the_service_and_the_flag_turns_it_off(replicas, tmp_path):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from conftest import make_tiny_model
+    from service_fixtures import model_info
+
+    def services(target: str) -> set[str]:
+        with grpc.insecure_channel(target) as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            reply = next(stub.ServerReflectionInfo(iter([request]), timeout=30))
+            return {s.name for s in reply.list_services_response.service}
+
+    assert "vllm.grpc.engine.VllmEngine" in services(replicas[0].target)
+    server = start_server(tmp_path / "off", "--model", str(make_tiny_model(tmp_path / "tiny")),
+                          "--no-vllm-engine-service")
+    try:
+        assert "vllm.grpc.engine.VllmEngine" not in services(server.target)
+        with grpc.insecure_channel(server.target) as channel:
+            assert model_info(channel).vocab_size == 49152  # pagedserve.v1 still serves
+            with pytest.raises(grpc.RpcError) as err:
+                vgrpc.VllmEngineStub(channel).HealthCheck(vpb.HealthCheckRequest(), timeout=10)
+            assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        server.stop()
+
+
+def test_abort_from_another_connection_ends_the_stream(replicas):
+    request = vpb.GenerateRequest(request_id="abort-me", tokenized=vpb.TokenizedInput(input_ids=[1, 2, 3]),
+                                  stream=True, sampling_params=vpb.SamplingParams(max_tokens=300, ignore_eos=True))
+    with grpc.insecure_channel(replicas[1].target) as streaming, grpc.insecure_channel(replicas[1].target) as other:
+        replies = vgrpc.VllmEngineStub(streaming).Generate(request, timeout=300)
+        assert next(replies).chunk.token_ids  # running
+        vgrpc.VllmEngineStub(other).Abort(vpb.AbortRequest(request_ids=["abort-me"]), timeout=30)
+        rest = list(replies)
+    assert rest[-1].complete.finish_reason == "abort"
+    assert rest[-1].complete.completion_tokens < 300
+    wait_until(lambda: _idle(replicas[1]), 30, "the aborted request's blocks freed")
