@@ -198,3 +198,46 @@ def test_penalties_and_biases_are_bounded_in_the_offline_api(kwargs, field):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(temperature=0.5, **kwargs)
     assert info.value.field == field and "must be in" in info.value.message
+
+
+def test_async_engine_fails_only_the_poisoned_stream(llm_fp32, monkeypatch):
+    """Through AsyncEngine (what every server front end uses): the victim's stream raises RequestFailedError,
+    the bystander's stream yields its solo tokens."""
+    import asyncio
+
+    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.engine.errors import RequestFailedError
+
+    engine = llm_fp32.engine
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    alone = llm_fp32.generate([PROMPT], greedy)[0].outputs[0].token_ids
+    execute = engine.runner.execute
+
+    def poisoned(batch):
+        logits, seqs = execute(batch)
+        victims = [i for i, s in enumerate(seqs) if s.request_id.startswith("victim")]
+        if victims:
+            logits = logits.clone()
+            logits[victims, :] = float("inf")
+        return logits, seqs
+
+    monkeypatch.setattr(engine.runner, "execute", poisoned)
+
+    async def tokens(front: AsyncEngine, request_id: str) -> tuple[int, ...]:
+        last = None
+        async for out in front.generate(request_id, PROMPT, greedy):
+            last = out
+        return last.outputs[0].token_ids
+
+    async def scenario():
+        front = AsyncEngine(engine.config, engine=engine)
+        await front.start()
+        try:
+            return await asyncio.gather(tokens(front, "bystander"), tokens(front, "victim"), return_exceptions=True)
+        finally:
+            await front.shutdown()
+
+    bystander, victim = asyncio.run(scenario())
+    assert bystander == alone
+    assert isinstance(victim, RequestFailedError) and "not finite" in str(victim)
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
