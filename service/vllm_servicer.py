@@ -18,6 +18,7 @@ import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as vpb
 
 from pagedserve.engine.model_store import resolve_model
+from pagedserve.engine.request_id import check_request_id
 from pagedserve.service import rpc_status
 from pagedserve.service.frames import timing
 from pagedserve.service.kv_events import KvEventHub
@@ -45,7 +46,6 @@ class VllmEngineServicer:
         self.kv_events = KvEventHub(max_pending_kv_batches)
         self.engine: Any = None
         self.facts: Any = None
-        self._engine_ids: dict[str, set[str]] = {}  # router request id -> engine ids running under it
         self._started = time.time()
         self._last_receive = 0.0
 
@@ -85,12 +85,11 @@ class VllmEngineServicer:
         request = parse_request(raw, vpb.GenerateRequest, self.max_message_bytes)
         self.state.check_admitting()
         self._last_receive = time.time()
+        request_id = check_request_id(request.request_id, "request_id") if request.request_id else uuid.uuid4().hex
         req = to_engine_request(request, self.facts)
-        request_id = request.request_id or uuid.uuid4().hex
-        engine_id = f"{request_id}#{uuid.uuid4().hex[:8]}"  # a retried id must not collide with its first attempt
-        ids = self._engine_ids.setdefault(request_id, set())
-        ids.add(engine_id)
-        outputs = aiter(self.engine.generate(engine_id, req.prompt_token_ids, req.params))
+        # The engine keys the request by the router's id, so Abort finds it from any connection; a second
+        # request under an id still in flight is refused (INVALID_ARGUMENT), as vLLM refuses it.
+        outputs = aiter(self.engine.generate(request_id, req.prompt_token_ids, req.params))
         last = None
         try:
             with self.state.track():
@@ -98,9 +97,6 @@ class VllmEngineServicer:
                     for reply in _replies(last, request.stream):
                         yield reply
         finally:
-            ids.discard(engine_id)
-            if not ids:
-                self._engine_ids.pop(request_id, None)
             await outputs.aclose()  # unfinished: aborts in the engine and frees its KV blocks at once
             self._observe(last)
 
@@ -118,8 +114,7 @@ class VllmEngineServicer:
         request = parse_request(raw, vpb.AbortRequest, self.max_message_bytes)
         self.state.check_ready()
         for request_id in request.request_ids:
-            for engine_id in tuple(self._engine_ids.get(request_id, ())):
-                await self.engine.abort(engine_id)
+            await self.engine.abort(request_id)  # an id not in flight (already finished) is a no-op
         return vpb.AbortResponse()
 
     async def subscribe_kv_events(self, raw: bytes, context: grpc.aio.ServicerContext
