@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -40,22 +41,33 @@ def replicas(tmp_path_factory):
         server.stop()
 
 
+@dataclass(frozen=True, slots=True)
+class Smg:
+    base: str  # http://127.0.0.1:PORT
+    metrics_port: int
+
+    def metric(self, name: str, label: str = "") -> float:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                   if line.startswith(name + "{") and label in line)
+
+
 @pytest.fixture(scope="module")
 def smg(replicas, default_model_dir, tmp_path_factory):
     beside = Path(sys.executable).parent / "smg"  # the test extra's console script, also when not on PATH
     binary = str(beside) if beside.exists() else shutil.which("smg")
     assert binary, "the smg binary is missing: tests/run.sh installs it with the test extra (smg==1.13.0)"
-    port, log_path = free_port(), tmp_path_factory.mktemp("smg") / "smg.log"
+    port, metrics_port, log_path = free_port(), free_port(), tmp_path_factory.mktemp("smg") / "smg.log"
     cmd = [binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
            "--worker-urls", *[f"grpc://127.0.0.1:{s.port}" for s in replicas],
            "--model-path", str(default_model_dir), "--prometheus-host", "127.0.0.1",
-           "--prometheus-port", str(free_port()), "--log-level", "info"]
+           "--prometheus-port", str(metrics_port), "--log-level", "info"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_for_workers(base, proc, log_path, len(replicas))
-        yield base
+        yield Smg(base, metrics_port)
     finally:
         proc.terminate()
         try:
@@ -116,19 +128,19 @@ def test_chat_and_completions_through_smg_match_the_offline_engine(smg, llm_fp32
     expected = _offline(llm_fp32, chat_ids, 12)
     body = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
-    plain = _post(f"{smg}/v1/chat/completions", body)
+    plain = _post(f"{smg.base}/v1/chat/completions", body)
     assert plain["usage"]["prompt_tokens"] == len(chat_ids)  # SMG sent the token ids the offline engine got
     assert plain["usage"]["completion_tokens"] == len(expected)
     assert plain["choices"][0]["message"]["content"] == tok.decode(expected)
 
-    chunks = _sse(smg, body)
+    chunks = _sse(smg.base, body)
     streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
     assert streamed == tok.decode(expected)
     assert [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")][-1] == "length"
 
     prompt = "The three primary colours are"
     ids = tok.encode(prompt)
-    completion = _post(f"{smg}/v1/completions",
+    completion = _post(f"{smg.base}/v1/completions",
                        {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True})
     assert completion["usage"]["prompt_tokens"] == len(ids)
     assert completion["choices"][0]["text"] == tok.decode(_offline(llm_fp32, ids, 10))
@@ -139,8 +151,9 @@ def test_cache_aware_routing_keeps_a_shared_prefix_on_one_replica(smg, replicas)
         f"Rule {i}: answer politely and mention the daily bread number {i}." for i in range(18))
     before = [metric_value(s, "vllm:request_success_total") for s in replicas]
     hits_before = [metric_value(s, "vllm:prefix_cache_hits_total") for s in replicas]
+    event_hits_before = smg.metric("smg_cache_aware_policy_branch_total", 'branch="event_hit"')
     for user in range(6):
-        _post(f"{smg}/v1/chat/completions", {
+        _post(f"{smg.base}/v1/chat/completions", {
             "model": MODEL, "max_tokens": 2, "temperature": 0,
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Question {user}?"}]})
     served = [metric_value(s, "vllm:request_success_total") - b for s, b in zip(replicas, before)]
@@ -148,11 +161,13 @@ def test_cache_aware_routing_keeps_a_shared_prefix_on_one_replica(smg, replicas)
     assert sorted(served) == [0, 6], f"requests per replica: {served}"
     busy = served.index(6)
     assert hits[busy] >= 5 * 160, f"prefix-cache hit tokens per replica: {hits}"  # >= 10 blocks per follow-up
+    # SMG chose the replica from the KV events it indexed (not from its own guess of what each replica holds).
+    assert smg.metric("smg_cache_aware_policy_branch_total", 'branch="event_hit"') - event_hits_before >= 5
 
 
 def test_client_disconnect_reaches_the_engine_as_smg_abort(smg, replicas):
     aborts_before = sum(_abort_calls(s) for s in replicas)
-    host, port = smg.removeprefix("http://").split(":")
+    host, port = smg.base.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=300)
     conn.request("POST", "/v1/chat/completions", json.dumps({
         "model": MODEL, "stream": True, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
