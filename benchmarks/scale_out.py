@@ -67,7 +67,8 @@ def start_replica(workdir: Path, server_args: list[str]) -> tuple[subprocess.Pop
 def start_smg(policy: str, ports: list[int], workdir: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     beside = Path(sys.executable).parent / "smg"
-    cmd = [str(beside) if beside.exists() else shutil.which("smg") or "smg", "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+    binary = str(beside) if beside.exists() else shutil.which("smg") or "smg"
+    cmd = [binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
            "--worker-urls", *[f"grpc://127.0.0.1:{p}" for p in ports], "--model-path", str(ensure_default_model()),
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"]
     proc = subprocess.Popen(cmd, stdout=open(workdir / "smg.log", "wb"), stderr=subprocess.STDOUT)

@@ -55,7 +55,8 @@ def _refuse_unsupported(request: vpb.GenerateRequest) -> None:
         if _is_set(request, name):
             raise InvalidRequestError(name, "not supported by pagedserve (no KV transfer or multimodal inputs)")
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
-        raise InvalidRequestError("data_parallel_rank", f"this server has one rank (0), got {request.data_parallel_rank}")
+        raise InvalidRequestError("data_parallel_rank",
+                                  f"this server has one rank (0), got {request.data_parallel_rank}")
     s = request.sampling_params
     constraint = s.WhichOneof("constraint")
     if constraint is not None:

@@ -6,6 +6,7 @@ status codes in errors.py, replies are built from the engine's RequestOutputs he
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import json
 import time
@@ -24,6 +25,8 @@ from pagedserve.service.frames import timing
 from pagedserve.service.kv_events import KvEventHub
 from pagedserve.service.lifecycle import ServingState
 from pagedserve.service.metrics import ServiceMetrics
+from pagedserve.service.requests import ModelFacts
+from pagedserve.service.tokenizer_bundle import TokenizerBundle, bundle
 from pagedserve.service.vllm_replies import chunk, complete, kv_batch
 from pagedserve.service.vllm_requests import to_engine_request
 from pagedserve.service.wire import parse_request
@@ -35,21 +38,22 @@ _UNIMPLEMENTED = {
     "FlushCache": "flushing the prefix cache is not supported",
     "StartProfile": "profiling is not supported",
     "StopProfile": "profiling is not supported",
-    "GetTokenizer": "start the router with --model-path or --tokenizer-path pointing at the model folder",
 }
 
 
 class VllmEngineServicer:
     def __init__(self, state: ServingState, metrics: ServiceMetrics, max_message_bytes: int, model_name: str,
                  max_pending_kv_batches: int = 1024):
-        self.state, self.metrics, self.max_message_bytes, self.model_name = state, metrics, max_message_bytes, model_name
+        self.state, self.metrics, self.model_name = state, metrics, model_name
+        self.max_message_bytes = max_message_bytes
         self.kv_events = KvEventHub(max_pending_kv_batches)
         self.engine: Any = None
-        self.facts: Any = None
+        self.facts: ModelFacts | None = None
         self._started = time.time()
         self._last_receive = 0.0
+        self._tokenizer: TokenizerBundle | None = None  # built on the first GetTokenizer
 
-    def attach(self, engine: Any, facts: Any) -> None:
+    def attach(self, engine: Any, facts: ModelFacts) -> None:
         self.engine, self.facts = engine, facts
         engine.publish_kv_events(self.kv_events.publish)
 
@@ -72,11 +76,13 @@ class VllmEngineServicer:
             "GetModelInfo": unary("GetModelInfo", self.get_model_info, vpb.GetModelInfoResponse),
             "GetServerInfo": unary("GetServerInfo", self.get_server_info, vpb.GetServerInfoResponse),
             "GetLoads": unary("GetLoads", self.get_loads, vpb.GetLoadsResponse),
+            "GetTokenizer": stream("GetTokenizer", self.get_tokenizer, common_pb2.GetTokenizerChunk),
         }
         for method, why in _UNIMPLEMENTED.items():
             handlers[method] = _unimplemented(method, why)
         missing = set(vpb.DESCRIPTOR.services_by_name["VllmEngine"].methods_by_name) - set(handlers)
-        assert not missing, f"VllmEngine RPCs without a handler: {missing}"
+        if missing:  # a newer smg-grpc-proto than the pinned one: answer every RPC, never fall through
+            raise RuntimeError(f"VllmEngine RPCs without a handler: {sorted(missing)}")
         return grpc.method_handlers_generic_handler(name, handlers)
 
     # --- RPCs -------------------------------------------------------------------------------------------------
@@ -128,6 +134,19 @@ class VllmEngineServicer:
                 yield kv_batch(await subscription.next())
         finally:
             subscription.close()
+
+    async def get_tokenizer(self, raw: bytes, context: grpc.aio.ServicerContext
+                            ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        """The model folder's tokenizer files as a zip; the fingerprint rides on the last chunk."""
+        parse_request(raw, common_pb2.GetTokenizerRequest, self.max_message_bytes)
+        self.state.check_ready()
+        if self._tokenizer is None:
+            folder = resolve_model(self.engine.config.model)
+            self._tokenizer = await asyncio.to_thread(bundle, folder)
+        chunks = self._tokenizer.chunks()
+        for i, data in enumerate(chunks):
+            last = i == len(chunks) - 1
+            yield common_pb2.GetTokenizerChunk(data=data, sha256=self._tokenizer.sha256 if last else "")
 
     async def health_check(self, raw: bytes, context: grpc.aio.ServicerContext) -> vpb.HealthCheckResponse:
         parse_request(raw, vpb.HealthCheckRequest, self.max_message_bytes)
@@ -197,8 +216,7 @@ def _unimplemented(method: str, why: str) -> grpc.RpcMethodHandler:
     async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{SERVICE_NAME}/{method}: {why}")
 
-    streaming = method == "GetTokenizer"
-    return (grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler)(handler)
+    return grpc.unary_unary_rpc_method_handler(handler)
 
 
 def _model_type(folder: str) -> str:

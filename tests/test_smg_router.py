@@ -289,6 +289,20 @@ def test_info_loads_and_unimplemented(engine_stub, replicas):
     assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED and "generation models only" in err.value.details()
 
 
+def test_get_tokenizer_streams_the_model_folders_tokenizer_files(engine_stub, default_model_dir):
+    import hashlib
+    import io
+    import zipfile
+
+    chunks = list(engine_stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=60))
+    data = b"".join(c.data for c in chunks)
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest() and not any(c.sha256 for c in chunks[:-1])
+    archive = zipfile.ZipFile(io.BytesIO(data))
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(archive.namelist())
+    assert archive.read("tokenizer.json") == (default_model_dir / "tokenizer.json").read_bytes()
+    assert not any(name.endswith(".safetensors") for name in archive.namelist())
+
+
 def test_kv_events_stream_stored_blocks_with_their_chain(engine_stub):
     events = engine_stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=120)
     first = next(events)
