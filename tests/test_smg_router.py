@@ -146,6 +146,18 @@ def test_chat_and_completions_through_smg_match_the_offline_engine(smg, llm_fp32
     assert completion["choices"][0]["text"] == tok.decode(_offline(llm_fp32, ids, 10))
 
 
+def test_stop_strings_and_sampled_requests_through_smg(smg, llm_fp32):
+    prompt = "List some fruits: apple, banana, cherry"
+    expected = off_main_thread(llm_fp32.generate, llm_fp32.tokenizer.encode(prompt),
+                               SamplingParams(temperature=0, max_tokens=24, stop=("e",)))[0].outputs[0]
+    got = _post(f"{smg.base}/v1/completions",
+                {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "stop": ["e"]})["choices"][0]
+    assert (got["text"], got["finish_reason"]) == (expected.text, "stop")
+    sampled = _post(f"{smg.base}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 8, "n": 2,
+                                                  "temperature": 0.9, "top_p": 0.9, "seed": 3})
+    assert sorted(c["index"] for c in sampled["choices"]) == [0, 1] and sampled["usage"]["completion_tokens"] > 0
+
+
 def test_cache_aware_routing_keeps_a_shared_prefix_on_one_replica(smg, replicas):
     system = "You are a meticulous assistant for a bakery. " + " ".join(
         f"Rule {i}: answer politely and mention the daily bread number {i}." for i in range(18))
