@@ -45,6 +45,11 @@ class _Abort:
 
 
 @dataclass(frozen=True, slots=True)
+class _ResetPrefixCache:
+    done: asyncio.Future  # the number of cached blocks dropped, set on the caller's loop
+
+
+@dataclass(frozen=True, slots=True)
 class _Sink:
     """Delivers outputs (or an exception) from the loop thread into the request's asyncio queue.
 
@@ -168,7 +173,13 @@ class AsyncEngine:
         if sink is not None:
             self._send(_Abort(sink, released=False))
 
-    def _send(self, command: _Add | _Abort) -> None:
+    async def reset_prefix_cache(self) -> int:
+        """Drops the prefix cache between two steps without touching running requests; returns the blocks dropped."""
+        done = asyncio.get_running_loop().create_future()
+        self._send(_ResetPrefixCache(done))
+        return await done
+
+    def _send(self, command: _Add | _Abort | _ResetPrefixCache) -> None:
         self._commands.put(command)
         self._wakeup.set()
 
@@ -185,6 +196,7 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopping and not (self._host is not None and self._host.closed):
             self._apply_commands()
+            self._flush_kv_events()  # a cache reset changes the cache without a step
             if not self.engine.has_unfinished_requests():
                 self._wakeup.wait(SIGNAL_POLL_S)
                 self._wakeup.clear()
@@ -210,6 +222,9 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 applied_adds += 1
                 self._apply_add(command)
+            elif isinstance(command, _ResetPrefixCache):
+                dropped = self.engine.block_manager.reset_prefix_cache()
+                command.done.get_loop().call_soon_threadsafe(command.done.set_result, dropped)
             else:
                 out = self.engine.abort_request(command.sink.engine_id)
                 if self._forget(command.sink) and not command.released and out is not None:

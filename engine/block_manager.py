@@ -113,6 +113,16 @@ class BlockManager:
             seq.block_hashes.append(h)
             prev = h
 
+    def reset_prefix_cache(self) -> int:
+        """Makes every cached block unfindable (blocks in use stay with their sequences); returns how many."""
+        for block_hash, block_id in self._cached.items():
+            block = self.blocks[block_id]
+            block.hash, block.tokens = None, ()
+            if self._events is not None:
+                self._events.append(BlockRemoved(block_hash))
+        count, self._cached = len(self._cached), {}
+        return count
+
     # -- allocation -----------------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
         return self._blocks_to_take(seq, num_new_tokens, hit) <= len(self._free)

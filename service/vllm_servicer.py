@@ -35,7 +35,6 @@ SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
 _VERSION = f"pagedserve {importlib.metadata.version('pagedserve')}"
 _UNIMPLEMENTED = {
     "Embed": "pagedserve serves generation models only",
-    "FlushCache": "flushing the prefix cache is not supported",
     "StartProfile": "profiling is not supported",
     "StopProfile": "profiling is not supported",
 }
@@ -76,6 +75,7 @@ class VllmEngineServicer:
             "GetModelInfo": unary("GetModelInfo", self.get_model_info, vpb.GetModelInfoResponse),
             "GetServerInfo": unary("GetServerInfo", self.get_server_info, vpb.GetServerInfoResponse),
             "GetLoads": unary("GetLoads", self.get_loads, vpb.GetLoadsResponse),
+            "FlushCache": unary("FlushCache", self.flush_cache, common_pb2.FlushCacheResponse),
             "GetTokenizer": stream("GetTokenizer", self.get_tokenizer, common_pb2.GetTokenizerChunk),
         }
         for method, why in _UNIMPLEMENTED.items():
@@ -147,6 +147,13 @@ class VllmEngineServicer:
         for i, data in enumerate(chunks):
             last = i == len(chunks) - 1
             yield common_pb2.GetTokenizerChunk(data=data, sha256=self._tokenizer.sha256 if last else "")
+
+    async def flush_cache(self, raw: bytes, context: grpc.aio.ServicerContext) -> common_pb2.FlushCacheResponse:
+        """Invalidates the prefix cache between engine steps; running requests keep their blocks."""
+        parse_request(raw, common_pb2.FlushCacheRequest, self.max_message_bytes)
+        self.state.check_ready()
+        dropped = await self.engine.reset_prefix_cache()
+        return common_pb2.FlushCacheResponse(success=True, message=f"{dropped} cached blocks invalidated")
 
     async def health_check(self, raw: bytes, context: grpc.aio.ServicerContext) -> vpb.HealthCheckResponse:
         parse_request(raw, vpb.HealthCheckRequest, self.max_message_bytes)

@@ -66,6 +66,8 @@ async def _run(config: EngineConfig, llm: LLMEngine, hub: KvEventHub) -> tuple[d
     jobs = _workload(0)
     for wave in range(0, len(jobs), 6):
         await asyncio.gather(*(request(wave + i, ids, abort) for i, (ids, abort) in enumerate(jobs[wave:wave + 6])))
+        if wave == 6:
+            assert await engine.reset_prefix_cache() > 0  # FlushCache: every cached block leaves at once
     await asyncio.sleep(0.2)  # the last step's batch is on its way to this loop
     await engine.shutdown()
     await asyncio.sleep(0.05)

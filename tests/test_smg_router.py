@@ -329,7 +329,16 @@ def test_kv_events_stream_stored_blocks_with_their_chain(engine_stub):
     head, second = by_tokens[tuple(ids[:16])], by_tokens[tuple(ids[16:32])]
     assert not head.HasField("parent_block_hash") and head.blocks[0].block_size == 16
     assert second.parent_block_hash == head.blocks[0].block_hash
+    # FlushCache: the subscriber is told every block left; a new subscriber's snapshot is empty.
+    assert engine_stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=30).success
+    removed: set[int] = set()
+    while not {head.blocks[0].block_hash, second.blocks[0].block_hash} <= removed:
+        removed.update(h for e in next(events).events if e.WhichOneof("data") == "removed"
+                       for h in e.removed.block_hashes)
     events.cancel()
+    fresh = engine_stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=60)
+    assert next(fresh).snapshot.blocks == 0
+    fresh.cancel()
 
 
 def test_reflection_lists_the_service_and_the_flag_turns_it_off(replicas, tmp_path):
