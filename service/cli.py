@@ -33,6 +33,7 @@ _ENGINE_HELP = {
     "device": "cpu, cuda or cuda:N",
     "num_threads": "torch intra-op threads (default: torch's choice)",
     "max_queued_requests": "admitted requests waiting for a batch slot; beyond it: RESOURCE_EXHAUSTED",
+    "chat_template": "jinja chat template file used instead of the model's own (for chat messages)",
 }
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}

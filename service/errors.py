@@ -11,6 +11,7 @@ from pagedserve.engine.errors import (
     ConfigError,
     EngineDeadError,
     InvalidRequestError,
+    MissingChatTemplateError,
     ModelLoadError,
     PagedServeError,
     QueueFullError,
@@ -38,6 +39,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
     (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
+    (MissingChatTemplateError, grpc.StatusCode.FAILED_PRECONDITION),
 )
 
 
