@@ -66,7 +66,7 @@ class GenerationServicer:
         self.state.check_admitting()
         request_id = request.request_id or _metadata(context, REQUEST_ID_METADATA) or uuid.uuid4().hex
         await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
-        if request.WhichOneof("input") == "text" and len(request.text) > _LONG_TEXT_CHARS:
+        if _input_chars(request) > _LONG_TEXT_CHARS:
             engine_request = await asyncio.to_thread(to_engine_request, request, self.facts)
         else:
             engine_request = to_engine_request(request, self.facts)
@@ -116,6 +116,15 @@ class _ActiveId:
 
     def __exit__(self, *exc: object) -> None:
         self.active.discard(self.engine_id)
+
+
+def _input_chars(request: pb.GenerateRequest) -> int:
+    which = request.WhichOneof("input")
+    if which == "text":
+        return len(request.text)
+    if which == "chat":
+        return sum(len(m.content) for m in request.chat.messages) + len(request.chat.chat_template)
+    return 0
 
 
 def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
