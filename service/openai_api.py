@@ -152,7 +152,7 @@ class _Generate:
 
     def _observe(self, builder: ResponseBuilder, last: Any) -> None:
         reasons = [c.finish_reason for c in builder.choices if c.finish_reason]
-        generated = sum(c.num_tokens for c in builder.choices)
+        generated = sum(len(c.token_ids) for c in builder.choices)
         self.api.servicer.metrics.observe_request(timing(last.metrics), builder.prompt_tokens, generated,
                                                   reasons[0] if reasons else "abort")
 

@@ -23,6 +23,7 @@ _COMMON = frozenset({
     "presence_penalty", "frequency_penalty", "logit_bias", "user",
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens",
+    "return_token_ids",
 })
 COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT_PARAMS = _COMMON | {
@@ -47,6 +48,8 @@ class OpenAIRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # vLLM's stream_options.continuous_usage_stats: running usage on every chunk
+    return_token_ids: bool  # vLLM's return_token_ids: each choice (or chunk) carries its token ids
     echo: bool
     names: dict[str, str]  # engine field -> the OpenAI parameter the client set
 
@@ -74,9 +77,11 @@ def parse(body: Any, chat: bool, facts: ModelFacts) -> OpenAIRequest:
     options = body.get("stream_options", {})
     if "stream_options" in body and (not stream or not isinstance(options, dict)):
         raise InvalidRequestError("stream_options", "is only allowed with stream: true, as an object")
-    return OpenAIRequest(chat=chat, model=_model(body), prompt_token_ids=tuple(ids), prompt_text=text, params=params,
-                         stream=stream, include_usage=_bool(options, "include_usage", False), echo=_bool(body, "echo", False),
-                         names=names)
+    return OpenAIRequest(
+        chat=chat, model=_model(body), prompt_token_ids=tuple(ids), prompt_text=text, params=params, stream=stream,
+        include_usage=_bool(options, "include_usage", False),
+        continuous_usage=_bool(options, "continuous_usage_stats", False),
+        return_token_ids=_bool(body, "return_token_ids", False), echo=_bool(body, "echo", False), names=names)
 
 
 def _check_known(body: dict[str, Any], known: frozenset[str]) -> None:

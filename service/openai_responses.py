@@ -15,7 +15,7 @@ Decode = Callable[[int], str]  # one token id -> its text
 @dataclass(slots=True)
 class _Choice:
     text: list[str] = field(default_factory=list)
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -60,10 +60,12 @@ class ResponseBuilder:
             out["message"] = {"role": "assistant", "content": text}
         else:
             out["text"] = (self.request.prompt_text if self.request.echo else "") + text
+        if self.request.return_token_ids:
+            out["token_ids"] = list(choice.token_ids)
         return out
 
     def usage(self) -> dict[str, Any]:
-        completion = sum(c.num_tokens for c in self.choices)
+        completion = sum(len(c.token_ids) for c in self.choices)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
@@ -88,7 +90,7 @@ class ResponseBuilder:
             if text or completion.new_token_ids or choice.finish_reason is not None:
                 logprobs = self._logprobs(choice, new_logprobs) if self.request.params.logprobs is not None else None
                 body = {"content": text} if self.request.chat else text
-                chunks.append(self._chunk(completion.index, body, logprobs, choice))
+                chunks.append(self._chunk(completion.index, body, logprobs, choice, completion.new_token_ids))
         return chunks
 
     def usage_chunk(self) -> dict[str, Any]:
@@ -99,7 +101,8 @@ class ResponseBuilder:
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.request.chat else "text_completion"
 
-    def _chunk(self, index: int, body: Any, logprobs: Any, choice: _Choice | None) -> dict[str, Any]:
+    def _chunk(self, index: int, body: Any, logprobs: Any, choice: _Choice | None,
+               token_ids: tuple[int, ...] = ()) -> dict[str, Any]:
         finish = choice.finish_reason if choice else None
         item: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
@@ -108,16 +111,20 @@ class ResponseBuilder:
             item["delta"] = body
         else:
             item["text"] = body
+        if self.request.return_token_ids:
+            item["token_ids"] = list(token_ids)
         chunk = {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.model,
                  "choices": [item]}
-        if self.request.include_usage:
+        if self.request.continuous_usage:
+            chunk["usage"] = self.usage()
+        elif self.request.include_usage:
             chunk["usage"] = None
         return chunk
 
     # -- shared ------------------------------------------------------------------------------------------
     def _record(self, choice: _Choice, completion: Any) -> list[Any]:
         choice.text.append(completion.new_text)
-        choice.num_tokens += len(completion.new_token_ids)
+        choice.token_ids.extend(completion.new_token_ids)
         new = list(completion.new_logprobs)
         choice.logprobs.extend(new)
         if completion.finish_reason is not None:
