@@ -68,8 +68,9 @@ def parse(body: Any, chat: bool, facts: ModelFacts) -> OpenAIRequest:
         ids, text = _chat_prompt(body, facts), ""
     else:
         ids, text = _completion_prompt(body, facts)
+    logprobs = _chat_logprobs(body) if chat else body.get("logprobs")  # its own errors already name OpenAI's fields
     try:
-        params = _fit_context(_sampling_params(body, chat), body, chat, len(ids), facts.max_context_length)
+        params = _fit_context(_sampling_params(body, chat, logprobs), body, chat, len(ids), facts.max_context_length)
         params.check_vocab(facts.vocab_size)
     except InvalidRequestError as exc:
         raise InvalidRequestError(names.get(exc.field, exc.field), exc.message) from None
@@ -136,7 +137,7 @@ def _model(body: dict[str, Any]) -> str | None:
     return model
 
 
-def _sampling_params(body: dict[str, Any], chat: bool) -> SamplingParams:
+def _sampling_params(body: dict[str, Any], chat: bool, logprobs: int | None) -> SamplingParams:
     kwargs: dict[str, Any] = {name: body[name] for name in _DIRECT if name in body}
     if "top_k" in body:
         kwargs["top_k"] = 0 if body["top_k"] == -1 else body["top_k"]  # vLLM's -1 means "off", like our 0
@@ -145,8 +146,7 @@ def _sampling_params(body: dict[str, Any], chat: bool) -> SamplingParams:
         kwargs["max_tokens"] = max_tokens
     if "logit_bias" in body:
         kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
-    kwargs["logprobs"] = _chat_logprobs(body) if chat else body.get("logprobs")
-    return SamplingParams(**kwargs)
+    return SamplingParams(**kwargs, logprobs=logprobs)
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:

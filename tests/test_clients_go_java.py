@@ -131,10 +131,11 @@ def test_greedy_stream_matches_python_client(driver, py_client):
 
 def test_chat_messages_match_python_client(driver, py_client):
     """GenerateRequest.chat through each language's generated types: the same answer as the Python client's."""
-    messages = [Message("system", "Answer briefly."), Message("user", "What is the capital of France?")]
+    messages = [Message("user", "Hello!"), Message("assistant", "Hi! How can I help?"),
+                Message("user", "What is the capital of France?")]
     expected = py_client.complete(messages, temperature=0.0, max_new_tokens=16)
     request = request_json(messages, temperature=0.0, max_new_tokens=16)
-    assert request["chat"]["messages"][1]["role"] == "user"
+    assert request["chat"]["messages"][2]["role"] == "user"
     got = driver.call("generate", request=request)
     assert got["error"] is None
     assert got["text"] == expected.text and "Paris" in expected.text

@@ -11,12 +11,14 @@ import time
 import grpc
 import openai
 import pytest
+from chat_templates import QWEN2
 from service_fixtures import (  # noqa: F401 - fixtures by name
+    ServerProcess,
     engine_idle,
     metric_value,
     model_info,
-    server_factory,
     shared_server,
+    start_server,
     wait_until,
 )
 
@@ -65,6 +67,7 @@ BAD_INPUTS = [  # (id, path, body, status, param)
     ("image-part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, "messages[0].content[0]"),
     ("template-syntax", CHAT, {"messages": USER, "chat_template": "{% if %}"}, 400, "chat_template"),
+    ("logprobs-string", CHAT, {"messages": USER, "logprobs": "yes", "top_logprobs": 2}, 400, "logprobs"),
     ("top-logprobs-without-logprobs", CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
     ("top-logprobs-too-many", CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
     ("misspelt-parameter", COMPLETIONS, {"prompt": "x", "temprature": 0.5}, 400, "temprature"),
@@ -148,9 +151,26 @@ def test_non_streaming_client_timeout_aborts_the_request(shared_server):  # noqa
     assert metric_value(shared_server, "pagedserve:requests_aborted_total") == aborted + 1
 
 
-def test_full_queue_is_429_and_draining_is_503(server_factory):  # noqa: F811
-    server = server_factory("--http-port", "0", "--max-num-seqs", "1", "--max-queued-requests", "1",
-                            name="queue")
+@pytest.fixture(scope="module")
+def small_queue_server(tmp_path_factory) -> ServerProcess:
+    """One running and one waiting request at most; the chat template comes from --chat-template."""
+    template = tmp_path_factory.mktemp("template") / "qwen2.jinja"
+    template.write_text(QWEN2)
+    server = start_server(tmp_path_factory.mktemp("queue-server"), "--http-port", "0", "--max-num-seqs", "1",
+                          "--max-queued-requests", "1", "--chat-template", str(template))
+    yield server
+    server.stop()
+
+
+def test_chat_template_flag_replaces_the_models(small_queue_server, hf_reference):
+    expected = hf_reference[1].apply_chat_template(USER, chat_template=QWEN2, add_generation_prompt=True,
+                                                   return_dict=False)
+    status, reply = post(small_queue_server.http_port, CHAT, {"messages": USER, "max_tokens": 2})
+    assert status == 200 and reply["usage"]["prompt_tokens"] == len(expected), reply
+
+
+def test_full_queue_is_429_and_draining_is_503(small_queue_server):
+    server = small_queue_server
     running = _open_stream(server.http_port, {"prompt": "Once upon a time", **LONG})
     _read_events(running.getresponse(), 1)
     waiting = _open_stream(server.http_port, {"prompt": "In a small village", **LONG})  # headers come with output
