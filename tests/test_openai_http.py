@@ -152,3 +152,11 @@ def test_unknown_model_is_404(oai):
     with pytest.raises(openai.NotFoundError) as info:
         oai.chat.completions.create(model="gpt-4o", messages=chat("hi"), max_tokens=4)
     assert info.value.body["param"] == "model" and info.value.body["code"] == "model_not_found"
+
+
+def test_echo_and_token_id_prompts(oai, offline):
+    ids = list(offline[1](PROMPTS[0]).input_ids)
+    by_ids = oai.completions.create(model=MODEL, prompt=ids, **GREEDY)
+    echoed = oai.completions.create(model=MODEL, prompt=PROMPTS[0], echo=True, **GREEDY)
+    assert echoed.choices[0].text == PROMPTS[0] + by_ids.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
