@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from pagedserve.service.frames import timing
 from pagedserve.service.http_exchange import ClientGone, Exchange
+from pagedserve.service.merged_streams import MergedStreams
 from pagedserve.service.openai_errors import HttpError, error_reply
 from pagedserve.service.openai_params import OpenAIRequest, parse
 from pagedserve.service.openai_responses import ResponseBuilder
@@ -119,24 +120,27 @@ class _Generate:
         engine = self.api.servicer.engine
         response_id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         builder = ResponseBuilder(request, response_id, self.api.model_name, self.api.decode_token)
-        outputs = engine.generate(response_id, list(request.prompt_token_ids), request.params)
+        many = len(request.prompts) > 1
+        outputs = MergedStreams([
+            engine.generate(f"{response_id}-{i}" if many else response_id, list(p.token_ids), p.params)
+            for i, p in enumerate(request.prompts)])
         last = None
         try:
             while not builder.all_finished:
-                try:
-                    last = await exchange.until_disconnect(anext(outputs))
-                except StopAsyncIteration:
-                    break  # the engine ended the stream early (shutdown)
+                event = await exchange.until_disconnect(outputs.next())
+                if event is None:
+                    break  # the engine ended the streams early (shutdown)
+                prompt, last = event
                 if not request.stream:
-                    builder.add(last)
+                    builder.add(prompt, last)
                     continue
                 if not exchange.started:  # after the first output, so admission errors still get their status
                     await exchange.start_sse()
-                for chunk in builder.chunks(last):
+                for chunk in builder.chunks(prompt, last):
                     await exchange.sse(chunk)
             await self._finish(exchange, request, builder)
         finally:
-            await outputs.aclose()
+            await outputs.close()
             if last is not None:
                 self._observe(builder, last)
 
@@ -162,7 +166,9 @@ def _size(body: Any) -> int:
     if not isinstance(body, dict):
         return 0
     prompt = body.get("prompt")
-    size = len(prompt) if isinstance(prompt, (str, list)) else 0
+    size = len(prompt) if isinstance(prompt, str) else 0
+    if isinstance(prompt, list):
+        size += sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt)
     messages = body.get("messages")
     if isinstance(messages, list):
         size += sum(len(m.get("content") or "") if isinstance(m, dict) and isinstance(m.get("content"), str)

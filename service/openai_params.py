@@ -39,19 +39,32 @@ _DIRECT = ("n", "temperature", "top_p", "min_p", "repetition_penalty", "presence
            "stop", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output")
 
 
+MAX_BATCH = 64  # prompts in one /v1/completions request
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    token_ids: tuple[int, ...]
+    text: str  # for `echo`; empty for token-id prompts
+    params: SamplingParams  # max_tokens fitted to the room this prompt leaves in the context
+
+
 @dataclass(frozen=True, slots=True)
 class OpenAIRequest:
     chat: bool
     model: str | None
-    prompt_token_ids: tuple[int, ...]
-    prompt_text: str  # for `echo`; empty for token-id prompts
-    params: SamplingParams
+    prompts: tuple[PromptInput, ...]  # one for chat; completions take a batch (choice index = prompt * n + i)
     stream: bool
     include_usage: bool
     continuous_usage: bool  # vLLM's stream_options.continuous_usage_stats: running usage on every chunk
     return_token_ids: bool  # vLLM's return_token_ids: each choice (or chunk) carries its token ids
     echo: bool
     names: dict[str, str]  # engine field -> the OpenAI parameter the client set
+
+    @property
+    def params(self) -> SamplingParams:
+        """What every prompt shares (n, logprobs, stops); only max_tokens may differ between prompts."""
+        return self.prompts[0].params
 
     def param(self, engine_field: str) -> str:
         return self.names.get(engine_field, engine_field)
@@ -64,14 +77,13 @@ def parse(body: Any, chat: bool, facts: ModelFacts) -> OpenAIRequest:
     _check_known(body, CHAT_PARAMS if chat else COMPLETION_PARAMS)
     _refuse_unsupported(body, chat)
     names = _names(body, chat)
-    if chat:
-        ids, text = _chat_prompt(body, facts), ""
-    else:
-        ids, text = _completion_prompt(body, facts)
+    texts = [(_chat_prompt(body, facts), "")] if chat else _completion_prompts(body, facts)
     logprobs = _chat_logprobs(body) if chat else body.get("logprobs")  # its own errors already name OpenAI's fields
     try:
-        params = _fit_context(_sampling_params(body, chat, logprobs), body, chat, len(ids), facts.max_context_length)
-        params.check_vocab(facts.vocab_size)
+        base = _sampling_params(body, chat, logprobs)
+        base.check_vocab(facts.vocab_size)
+        prompts = tuple(PromptInput(tuple(ids), text, _fit_context(base, body, chat, len(ids), facts.max_context_length))
+                        for ids, text in texts)
     except InvalidRequestError as exc:
         raise InvalidRequestError(names.get(exc.field, exc.field), exc.message) from None
     stream = _bool(body, "stream", False)
@@ -79,7 +91,7 @@ def parse(body: Any, chat: bool, facts: ModelFacts) -> OpenAIRequest:
     if "stream_options" in body and (not stream or not isinstance(options, dict)):
         raise InvalidRequestError("stream_options", "is only allowed with stream: true, as an object")
     return OpenAIRequest(
-        chat=chat, model=_model(body), prompt_token_ids=tuple(ids), prompt_text=text, params=params, stream=stream,
+        chat=chat, model=_model(body), prompts=prompts, stream=stream,
         include_usage=_bool(options, "include_usage", False),
         continuous_usage=_bool(options, "continuous_usage_stats", False),
         return_token_ids=_bool(body, "return_token_ids", False), echo=_bool(body, "echo", False), names=names)
@@ -192,22 +204,35 @@ def _prompt_fits(ids: list[int], field: str, context: int) -> list[int]:
     return ids
 
 
-def _completion_prompt(body: dict[str, Any], facts: ModelFacts) -> tuple[list[int], str]:
+def _completion_prompts(body: dict[str, Any], facts: ModelFacts) -> list[tuple[list[int], str]]:
+    """A string or token ids, or a batch of either; (token ids, text for echo) per prompt."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one, as some clients send every prompt
-    add_special = _bool(body, "add_special_tokens", True)
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        batch, fields = [prompt], ["prompt"]
+    elif isinstance(prompt, list) and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        if len(prompt) > MAX_BATCH:
+            raise InvalidRequestError("prompt", f"at most {MAX_BATCH} prompts per request, got {len(prompt)}")
+        batch = prompt
+        fields = ["prompt"] if len(prompt) == 1 else [f"prompt[{i}]" for i in range(len(prompt))]
+    else:
+        raise InvalidRequestError("prompt", "must be a string, a list of token ids, or a list of either")
+    return [_completion_prompt(p, field, body, facts) for p, field in zip(batch, fields)]
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _completion_prompt(prompt: str | list[int], field: str, body: dict[str, Any],
+                       facts: ModelFacts) -> tuple[list[int], str]:
     if isinstance(prompt, str):
-        return _prompt_fits(facts.encode(prompt, add_special), "prompt", facts.max_context_length), prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        for i, token in enumerate(prompt):
-            if not 0 <= token < facts.vocab_size:
-                raise InvalidRequestError(f"prompt[{i}]", f"token id {token} is outside the vocabulary "
-                                          f"(size {facts.vocab_size})")
-        return _prompt_fits(list(prompt), "prompt", facts.max_context_length), ""
-    if isinstance(prompt, list) and prompt:
-        raise InvalidRequestError("prompt", "one prompt per request is supported (send a batch as separate requests)")
-    raise InvalidRequestError("prompt", "must be a string or a list of token ids")
+        ids = facts.encode(prompt, _bool(body, "add_special_tokens", True))
+        return _prompt_fits(ids, field, facts.max_context_length), prompt
+    for i, token in enumerate(prompt):
+        if not 0 <= token < facts.vocab_size:
+            raise InvalidRequestError(f"{field}[{i}]", f"token id {token} is outside the vocabulary "
+                                      f"(size {facts.vocab_size})")
+    return _prompt_fits(list(prompt), field, facts.max_context_length), ""
 
 
 def _chat_prompt(body: dict[str, Any], facts: ModelFacts) -> list[int]:

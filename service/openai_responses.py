@@ -30,8 +30,9 @@ class ResponseBuilder:
         self.request, self.id, self.model, self.decode = request, response_id, model, decode
         self.created = int(time.time())
         self.object = "chat.completion" if request.chat else "text_completion"
-        self.choices = [_Choice() for _ in range(request.params.n)]
-        self.prompt_tokens = len(request.prompt_token_ids)
+        self.n = request.params.n
+        self.choices = [_Choice() for _ in range(self.n * len(request.prompts))]
+        self.prompt_tokens = sum(len(p.token_ids) for p in request.prompts)
         self.cached_tokens = 0
 
     @property
@@ -39,10 +40,11 @@ class ResponseBuilder:
         return all(c.finish_reason is not None for c in self.choices)
 
     # -- whole responses --------------------------------------------------------------------------------
-    def add(self, output: Any) -> None:
+    def add(self, prompt: int, output: Any) -> None:
+        """prompt: which prompt of the request this engine output answers (choice index = prompt * n + i)."""
         self.cached_tokens = output.metrics.num_cached_tokens
         for completion in output.outputs:
-            choice = self.choices[completion.index]
+            choice = self.choices[prompt * self.n + completion.index]
             if choice.finish_reason is None:
                 self._record(choice, completion)
 
@@ -59,7 +61,7 @@ class ResponseBuilder:
         if self.request.chat:
             out["message"] = {"role": "assistant", "content": text}
         else:
-            out["text"] = (self.request.prompt_text if self.request.echo else "") + text
+            out["text"] = (self._echo(index // self.n)) + text
         if self.request.return_token_ids:
             out["token_ids"] = list(choice.token_ids)
         return out
@@ -71,27 +73,31 @@ class ResponseBuilder:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     # -- streams -----------------------------------------------------------------------------------------
-    def chunks(self, output: Any) -> list[dict[str, Any]]:
+    def chunks(self, prompt: int, output: Any) -> list[dict[str, Any]]:
         """The chunks for one engine output: per choice, a role chunk first (chat), then its new text."""
         self.cached_tokens = output.metrics.num_cached_tokens
         chunks = []
         for completion in output.outputs:
-            choice = self.choices[completion.index]
+            index = prompt * self.n + completion.index
+            choice = self.choices[index]
             if choice.finish_reason is not None:
                 continue
             if self.request.chat and not choice.started:
-                chunks.append(self._chunk(completion.index, {"role": "assistant", "content": ""}, None, None))
+                chunks.append(self._chunk(index, {"role": "assistant", "content": ""}, None, None))
             first = not choice.started
             choice.started = True
             new_logprobs = self._record(choice, completion)
             text = completion.new_text
-            if first and self.request.echo:
-                text = self.request.prompt_text + text
+            if first:
+                text = self._echo(prompt) + text
             if text or completion.new_token_ids or choice.finish_reason is not None:
                 logprobs = self._logprobs(choice, new_logprobs) if self.request.params.logprobs is not None else None
                 body = {"content": text} if self.request.chat else text
-                chunks.append(self._chunk(completion.index, body, logprobs, choice, completion.new_token_ids))
+                chunks.append(self._chunk(index, body, logprobs, choice, completion.new_token_ids))
         return chunks
+
+    def _echo(self, prompt: int) -> str:
+        return self.request.prompts[prompt].text if self.request.echo else ""
 
     def usage_chunk(self) -> dict[str, Any]:
         return {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.model,

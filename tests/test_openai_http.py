@@ -160,3 +160,16 @@ def test_echo_and_token_id_prompts(oai, offline):
     echoed = oai.completions.create(model=MODEL, prompt=PROMPTS[0], echo=True, **GREEDY)
     assert echoed.choices[0].text == PROMPTS[0] + by_ids.choices[0].text
     assert by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_a_batch_of_prompts_answers_each_in_order(oai, offline):
+    expected = [offline_greedy(offline, p, ignore_eos=True).text for p in PROMPTS]
+    whole = oai.completions.create(model=MODEL, prompt=PROMPTS, **GREEDY, extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(whole.choices, key=lambda c: c.index)] == expected
+    assert whole.usage.completion_tokens == 24 * len(PROMPTS)
+    streamed = [""] * len(PROMPTS)
+    for chunk in oai.completions.create(model=MODEL, prompt=PROMPTS, stream=True, **GREEDY,
+                                        extra_body={"ignore_eos": True}):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == expected

@@ -61,6 +61,8 @@ BAD_INPUTS = [  # (id, path, body, status, param)
     ("max-completion-tokens-over-context", CHAT, {"messages": USER, "max_completion_tokens": 100_000}, 400,
      "max_completion_tokens"),
     ("prompt-over-context", COMPLETIONS, {"prompt": "word " * 600}, 400, "prompt"),
+    ("batch-prompt-over-context", COMPLETIONS, {"prompt": ["x", "word " * 600]}, 400, "prompt[1]"),
+    ("batch-of-mixed-types", COMPLETIONS, {"prompt": ["x", 5]}, 400, "prompt"),
     ("token-id-outside-vocab", COMPLETIONS, {"prompt": [1, 2, 99_999_999]}, 400, "prompt[2]"),
     ("unknown-role", CHAT, {"messages": [*USER, {"role": "wizard", "content": "x"}]}, 400, "messages[1].role"),
     ("empty-messages", CHAT, {"messages": []}, 400, "messages"),
