@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 from typing import Any
 
 import uvicorn
 
+from pagedserve.service.config import TlsConfig
 from pagedserve.service.openai_api import OpenAIApi
 
 log = logging.getLogger(__name__)
@@ -16,11 +18,14 @@ _SHUTDOWN_S = 2  # after the drain: idle keep-alive connections get this long be
 
 
 class HttpServer:
-    def __init__(self, servicer: Any, host: str, port: int, max_body_bytes: int):
+    """tls: the gRPC port's certificates serve HTTPS too (a client CA makes it mutual TLS, as for gRPC)."""
+
+    def __init__(self, servicer: Any, host: str, port: int, max_body_bytes: int, tls: TlsConfig | None = None):
         self.socket = _bind(host, port)
         self.port = self.socket.getsockname()[1]
         config = uvicorn.Config(OpenAIApi(servicer, max_body_bytes).app(), lifespan="off", log_config=None,
-                                access_log=False, timeout_graceful_shutdown=_SHUTDOWN_S, server_header=False)
+                                access_log=False, timeout_graceful_shutdown=_SHUTDOWN_S, server_header=False,
+                                **_tls_options(tls))
         self._server = uvicorn.Server(config)
         self._task: asyncio.Task | None = None
 
@@ -43,6 +48,15 @@ class HttpServer:
             log.exception("HTTP server did not stop cleanly")
         finally:
             self.socket.close()
+
+
+def _tls_options(tls: TlsConfig | None) -> dict[str, Any]:
+    if tls is None:
+        return {}
+    options: dict[str, Any] = {"ssl_certfile": str(tls.cert_file), "ssl_keyfile": str(tls.key_file)}
+    if tls.client_ca_file is not None:
+        options |= {"ssl_ca_certs": str(tls.client_ca_file), "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return options
 
 
 def _bind(host: str, port: int) -> socket.socket:

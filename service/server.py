@@ -128,7 +128,7 @@ async def _serve_http(servicer: GenerationServicer, config: ServerConfig) -> Htt
     """The OpenAI API on this event loop, up before the model loads so /health can answer 503 meanwhile."""
     if config.http_port is None:
         return None
-    http = HttpServer(servicer, config.host, config.http_port, config.max_message_bytes)
+    http = HttpServer(servicer, config.host, config.http_port, config.max_message_bytes, config.tls)
     await http.start()
     return http
 
