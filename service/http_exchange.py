@@ -30,6 +30,8 @@ class Exchange:
         self.scope, self._receive, self._send = scope, receive, send
         self.started = False
         self._disconnected: asyncio.Future | None = None
+        # Echoed on every reply, as the gRPC API echoes x-request-id metadata, so callers can correlate logs.
+        self._echo = [(k, v) for k, v in scope.get("headers", ()) if k == b"x-request-id"][:1]
 
     async def json_body(self, limit: int) -> Any:
         body = await self._read_body(limit)
@@ -101,4 +103,4 @@ class Exchange:
 
     async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        await self._send({"type": "http.response.start", "status": status, "headers": [*headers, *self._echo]})

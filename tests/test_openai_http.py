@@ -3,6 +3,8 @@ results as pagedserve.v1 and the offline engine, streaming and not, n > 1, stop 
 
 from __future__ import annotations
 
+import http.client
+import json
 import urllib.request
 
 import openai
@@ -173,3 +175,14 @@ def test_a_batch_of_prompts_answers_each_in_order(oai, offline):
         for choice in chunk.choices:
             streamed[choice.index] += choice.text
     assert streamed == expected
+
+
+def test_x_request_id_is_echoed(shared_server):  # noqa: F811
+    conn = http.client.HTTPConnection("127.0.0.1", shared_server.http_port, timeout=120)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}).encode(),
+                     {"content-type": "application/json", "x-request-id": "trace-42"})
+        response = conn.getresponse()
+        assert response.status == 200 and response.getheader("x-request-id") == "trace-42"
+    finally:
+        conn.close()
