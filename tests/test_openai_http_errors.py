@@ -12,6 +12,7 @@ import grpc
 import openai
 import pytest
 from chat_templates import QWEN2
+from transformers import AutoTokenizer
 from service_fixtures import (  # noqa: F401 - fixtures by name
     ServerProcess,
     engine_idle,
@@ -164,9 +165,9 @@ def small_queue_server(tmp_path_factory) -> ServerProcess:
     server.stop()
 
 
-def test_chat_template_flag_replaces_the_models(small_queue_server, hf_reference):
-    expected = hf_reference[1].apply_chat_template(USER, chat_template=QWEN2, add_generation_prompt=True,
-                                                   return_dict=False)
+def test_chat_template_flag_replaces_the_models(small_queue_server, default_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
+    expected = tokenizer.apply_chat_template(USER, chat_template=QWEN2, add_generation_prompt=True, return_dict=False)
     status, reply = post(small_queue_server.http_port, CHAT, {"messages": USER, "max_tokens": 2})
     assert status == 200 and reply["usage"]["prompt_tokens"] == len(expected), reply
 
