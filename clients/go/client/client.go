@@ -27,8 +27,11 @@ type Client struct {
 	defaultTimeout time.Duration
 }
 
-// Dial connects to target ("host:port" or any gRPC target string). One transport option is required.
-// The connection is established lazily; the first call waits for it within its own deadline.
+// Dial connects to target: "host:port", "dns:///name:port" (every address the name resolves to, e.g. a
+// Kubernetes headless Service), an address list "ipv4:10.0.0.1:50051,10.0.0.2:50051" (or "ipv6:..."), or any
+// gRPC target string. Calls are spread round-robin over the resolved addresses unless WithLoadBalancingPolicy
+// says otherwise. One transport option is required. The connection is established lazily; the first call
+// waits for it within its own deadline.
 func Dial(ctx context.Context, target string, opts ...Option) (*Client, error) {
 	var o options
 	for _, opt := range opts {
@@ -40,7 +43,11 @@ func Dial(ctx context.Context, target string, opts ...Option) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	conn, err := grpc.DialContext(ctx, target, dial...)
+	target, resolve, err := resolveTarget(target)
+	if err != nil {
+		return nil, err
+	}
+	conn, err := grpc.DialContext(ctx, target, append(dial, resolve...)...)
 	if err != nil {
 		return nil, wrapError(err)
 	}

@@ -22,6 +22,7 @@ type options struct {
 	maxRecvBytes   int
 	keepalive      *keepalive.ClientParameters
 	dialOptions    []grpc.DialOption
+	lbPolicy       string
 }
 
 // WithInsecure selects a plaintext connection (local development, or a mesh sidecar that terminates TLS).
@@ -109,7 +110,7 @@ func (o *options) grpcDialOptions() ([]grpc.DialOption, error) {
 		// Like grpc-go itself: never fall back to plaintext silently.
 		return nil, errors.New("pagedserve: choose a transport: WithInsecure, WithTLS, WithMTLS or WithTLSConfig")
 	}
-	dial := []grpc.DialOption{o.transport}
+	dial := []grpc.DialOption{o.transport, serviceConfig(o.lbPolicy)}
 	if o.maxRecvBytes > 0 {
 		dial = append(dial, grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(o.maxRecvBytes)))
 	}

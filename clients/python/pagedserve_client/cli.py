@@ -36,7 +36,8 @@ _GENERATE_FLAGS = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve-client", description=__doc__)
-    parser.add_argument("--target", default="localhost:50051", help="host:port of the server")
+    parser.add_argument("--target", default="localhost:50051",
+                        help="host:port, dns:///name:port or ipv4:ip:port,ip:port (calls go round-robin)")
     parser.add_argument("--timeout", type=float, help="deadline in seconds")
     parser.add_argument("--tls-ca", help="CA bundle to verify the server (enables TLS)")
     parser.add_argument("--tls-cert", help="client certificate (mTLS)")

@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from pagedserve.client.channels import TlsOptions, channel_options, sync_channel
+from pagedserve.client.channels import TlsOptions, channel_options, resolve_target, sync_channel
 from pagedserve.client.errors import ClientError
 from pagedserve.client.frames import FrameReader
 from pagedserve.client.request import GenerateOptions, Prompt, build_request
@@ -64,10 +64,14 @@ class GenerationStream(Iterator[Delta]):
 
 
 class Client:
-    def __init__(self, target: str, *, tls: TlsOptions | None = None, timeout: float | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, keepalive_s: float | None = 60.0):
+    def __init__(self, target: str | Sequence[str], *, tls: TlsOptions | None = None, timeout: float | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, keepalive_s: float | None = 60.0,
+                 load_balancing: str = "round_robin"):
+        """target: "host:port", "dns:///name:port" (all of the name's addresses), or a list of "ip:port";
+        calls are spread round-robin over the resolved addresses unless load_balancing="pick_first"."""
         self.timeout = timeout
-        self._channel = sync_channel(target, tls, channel_options(tls, max_message_bytes, keepalive_s))
+        options = channel_options(tls, max_message_bytes, keepalive_s, load_balancing)
+        self._channel = sync_channel(resolve_target(target), tls, options)
         self._stub = generation_service_pb2_grpc.GenerationServiceStub(self._channel)
 
     def generate(self, prompt: Prompt, *, timeout: float | None = None,

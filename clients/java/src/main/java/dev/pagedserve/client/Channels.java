@@ -3,7 +3,6 @@ package dev.pagedserve.client;
 import io.grpc.ManagedChannel;
 import io.grpc.netty.GrpcSslContexts;
 import io.grpc.netty.NettyChannelBuilder;
-import io.netty.handler.ssl.JdkAlpnShim;
 import io.netty.handler.ssl.SslContext;
 import io.netty.handler.ssl.SslContextBuilder;
 import java.io.UncheckedIOException;
@@ -14,8 +13,16 @@ import javax.net.ssl.SSLException;
 final class Channels {
   private Channels() {}
 
+  @SuppressWarnings("deprecation") // nameResolverFactory: the per-channel way to serve an address list in 1.41
   static ManagedChannel open(String target, ClientOptions options) {
-    NettyChannelBuilder builder = NettyChannelBuilder.forTarget(target);
+    AddressList addresses = AddressList.parse(target);
+    NettyChannelBuilder builder = NettyChannelBuilder.forTarget(
+        addresses == null ? target : addresses.channelTarget());
+    if (addresses != null) {
+      builder.nameResolverFactory(addresses);
+    }
+    // Standard service config: spread calls over every resolved address (dns:/// names, address lists).
+    builder.defaultLoadBalancingPolicy(options.loadBalancingPolicy());
     if (options.plaintext()) {
       builder.usePlaintext();
     } else {
@@ -35,8 +42,8 @@ final class Channels {
       try {
         return GrpcSslContexts.configure(tlsMaterial(options)).build();
       } catch (UnsupportedOperationException e) {
-        // Debian's netty cannot do ALPN with the JDK provider on its own; see JdkAlpnShim.
-        return JdkAlpnShim.h2Client(tlsMaterial(options));
+        // Debian's netty cannot do ALPN with the JDK provider on its own; see JdkAlpn.
+        return JdkAlpn.h2Client(tlsMaterial(options));
       }
     } catch (SSLException e) {
       throw new UncheckedIOException("setting up TLS", e);

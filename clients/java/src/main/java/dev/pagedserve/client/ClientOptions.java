@@ -22,6 +22,7 @@ public final class ClientOptions {
   private final Duration keepaliveInterval;
   private final Duration keepaliveTimeout;
   private final int maxInboundMessageBytes;
+  private final String loadBalancingPolicy;
 
   private ClientOptions(Builder b) {
     if (!b.transportChosen) {
@@ -37,6 +38,7 @@ public final class ClientOptions {
     this.keepaliveInterval = b.keepaliveInterval;
     this.keepaliveTimeout = b.keepaliveTimeout;
     this.maxInboundMessageBytes = b.maxInboundMessageBytes;
+    this.loadBalancingPolicy = b.loadBalancingPolicy;
   }
 
   public static Builder builder() {
@@ -77,6 +79,10 @@ public final class ClientOptions {
     return maxInboundMessageBytes;
   }
 
+  String loadBalancingPolicy() {
+    return loadBalancingPolicy;
+  }
+
   /** Mutable builder; every setter validates its argument. */
   public static final class Builder {
     private boolean transportChosen;
@@ -89,6 +95,7 @@ public final class ClientOptions {
     private Duration keepaliveInterval;
     private Duration keepaliveTimeout = Duration.ofSeconds(20);
     private int maxInboundMessageBytes = 4 << 20;
+    private String loadBalancingPolicy = "round_robin";
 
     private Builder() {}
 
@@ -148,6 +155,18 @@ public final class ClientOptions {
         throw new IllegalArgumentException("maxInboundMessageBytes must be positive, got " + bytes);
       }
       this.maxInboundMessageBytes = bytes;
+      return this;
+    }
+
+    /**
+     * "round_robin" (the default: calls spread over every address a dns:/// name or an ipv4:/ipv6: address list
+     * resolves to) or "pick_first".
+     */
+    public Builder loadBalancingPolicy(String policy) {
+      if (!"round_robin".equals(policy) && !"pick_first".equals(policy)) {
+        throw new IllegalArgumentException("loadBalancingPolicy must be round_robin or pick_first, got " + policy);
+      }
+      this.loadBalancingPolicy = policy;
       return this;
     }
 

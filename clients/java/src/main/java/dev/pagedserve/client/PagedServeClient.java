@@ -9,9 +9,9 @@ import dev.pagedserve.v1.TokenizeRequest;
 import dev.pagedserve.v1.TokenizeResponse;
 import io.grpc.Channel;
 import io.grpc.ManagedChannel;
-import io.grpc.health.v1.HealthCheckRequest;
-import io.grpc.health.v1.HealthCheckResponse;
-import io.grpc.health.v1.HealthGrpc;
+import dev.pagedserve.client.health.v1.HealthCheckRequest;
+import dev.pagedserve.client.health.v1.HealthCheckResponse;
+import dev.pagedserve.client.health.v1.HealthGrpc;
 import io.grpc.stub.AbstractStub;
 import io.grpc.stub.StreamObserver;
 import java.time.Duration;
@@ -43,7 +43,11 @@ public final class PagedServeClient implements AutoCloseable {
     this.timeout = timeout;
   }
 
-  /** Opens a channel to {@code target} ("host:port" or any gRPC target string). */
+  /**
+   * Opens a channel to {@code target}: "host:port", "dns:///name:port" (every address the name resolves to, e.g. a
+   * Kubernetes headless Service), an address list "ipv4:10.0.0.1:50051,10.0.0.2:50051" (or "ipv6:..."), or any
+   * gRPC target string. Calls are spread round-robin over the resolved addresses by default.
+   */
   public static PagedServeClient connect(String target, ClientOptions options) {
     ManagedChannel channel = Channels.open(target, options);
     return new PagedServeClient(channel, channel, options.defaultTimeout().orElse(null));

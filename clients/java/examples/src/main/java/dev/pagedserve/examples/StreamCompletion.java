@@ -1,4 +1,4 @@
-package dev.pagedserve.client.examples;
+package dev.pagedserve.examples;
 
 import dev.pagedserve.client.ClientOptions;
 import dev.pagedserve.client.GenerationStream;
@@ -18,7 +18,7 @@ import java.util.Map;
  * Streams one completion to stdout.
  *
  * <pre>
- * java -jar target/pagedserve-client.jar --addr localhost:50051 --plaintext --prompt "Hello" --max-new-tokens 32
+ * java -jar target/pagedserve-client-examples.jar --addr localhost:50051 --plaintext --prompt "Hello" --max-new-tokens 32
  * </pre>
  *
  * Flags: --addr, --prompt, --max-new-tokens, --temperature (0 = greedy), --timeout-ms, --plaintext, or TLS with

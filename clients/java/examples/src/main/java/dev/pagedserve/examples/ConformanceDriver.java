@@ -1,4 +1,4 @@
-package dev.pagedserve.client.conformance;
+package dev.pagedserve.examples;
 
 import com.google.gson.Gson;
 import com.google.gson.GsonBuilder;

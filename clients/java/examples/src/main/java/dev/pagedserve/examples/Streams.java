@@ -1,4 +1,4 @@
-package dev.pagedserve.client.conformance;
+package dev.pagedserve.examples;
 
 import dev.pagedserve.client.GenerationStream;
 import dev.pagedserve.client.PagedServeClient;
