@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from grpc_reflection.v1alpha._async import ReflectionServicer
 
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.main_thread import MainThreadHost
 from pagedserve.engine.model_store import DEFAULT_MODEL_NAME
 from pagedserve.service.config import ServerConfig, TlsConfig
@@ -49,10 +50,12 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     add_reflection(server)
     await state.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+    http = _http_server(servicer, config)  # binds first: a taken port stops the start before anything runs
     port = _bind(server, config)
     await server.start()
     metrics_port = _serve_metrics(metrics, config)
-    http = await _serve_http(servicer, config)
+    if http is not None:
+        await http.start()  # up before the model loads, so /health answers 503 meanwhile
     log.info("listening on %s:%d (%s), metrics port %s, HTTP port %s; loading model", config.host, port,
              "mTLS" if config.tls and config.tls.mutual else "TLS" if config.tls else "plaintext", metrics_port,
              http.port if http else None)
@@ -124,13 +127,14 @@ def _serve_metrics(metrics: ServiceMetrics, config: ServerConfig) -> int | None:
     return metrics.serve_http(config.metrics_host or config.host, config.metrics_port)
 
 
-async def _serve_http(servicer: GenerationServicer, config: ServerConfig) -> HttpServer | None:
-    """The OpenAI API on this event loop, up before the model loads so /health can answer 503 meanwhile."""
+def _http_server(servicer: GenerationServicer, config: ServerConfig) -> HttpServer | None:
+    """The OpenAI API on this event loop (--http-port), sharing the servicer's engine, state and metrics."""
     if config.http_port is None:
         return None
-    http = HttpServer(servicer, config.host, config.http_port, config.max_message_bytes, config.tls)
-    await http.start()
-    return http
+    try:
+        return HttpServer(servicer, config.host, config.http_port, config.max_message_bytes, config.tls)
+    except OSError as exc:
+        raise ConfigError("http_port", f"cannot listen on {config.host}:{config.http_port}: {exc}") from None
 
 
 def _write_ready_file(path: Path | None, port: int, metrics_port: int | None, http_port: int | None) -> None:

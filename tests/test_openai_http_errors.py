@@ -6,6 +6,9 @@ from __future__ import annotations
 import http.client
 import json
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import grpc
@@ -197,3 +200,14 @@ def _health(port: int) -> int:
         return conn.getresponse().status
     finally:
         conn.close()
+
+
+def test_a_taken_http_port_stops_the_start_with_a_clear_error(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "pagedserve.service", "serve", "--port", "0", "--http-port",
+                               str(port)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"http_port: cannot listen on 127.0.0.1:{port}" in done.stderr
