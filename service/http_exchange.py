@@ -29,6 +29,7 @@ class Exchange:
     def __init__(self, scope: dict[str, Any], receive: Any, send: Any):
         self.scope, self._receive, self._send = scope, receive, send
         self.started = False
+        self.status = 499  # until a reply starts: nginx's "client closed request"
         self._disconnected: asyncio.Future | None = None
         # Echoed on every reply, as the gRPC API echoes x-request-id metadata, so callers can correlate logs.
         self._echo = [(k, v) for k, v in scope.get("headers", ()) if k == b"x-request-id"][:1]
@@ -102,5 +103,5 @@ class Exchange:
         await self._send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
     async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self.started = True
+        self.started, self.status = True, status
         await self._send({"type": "http.response.start", "status": status, "headers": [*headers, *self._echo]})

@@ -109,6 +109,7 @@ class _Generate:
                 pass
         finally:
             exchange.close()
+            self.api.servicer.metrics.http_done(scope["path"], exchange.status)
 
     async def _parse(self, body: Any) -> OpenAIRequest:
         facts = self.api.servicer.facts
@@ -124,13 +125,14 @@ class _Generate:
         outputs = MergedStreams([
             engine.generate(f"{response_id}-{i}" if many else response_id, list(p.token_ids), p.params)
             for i, p in enumerate(request.prompts)])
-        last = None
+        last, gaps = None, _TokenGaps()
         try:
             while not builder.all_finished:
                 event = await exchange.until_disconnect(outputs.next())
                 if event is None:
                     break  # the engine ended the streams early (shutdown)
                 prompt, last = event
+                self.api.servicer.metrics.observe_token_times(gaps.intervals(prompt, last))
                 if not request.stream:
                     builder.add(prompt, last)
                     continue
@@ -159,6 +161,24 @@ class _Generate:
         generated = sum(len(c.token_ids) for c in builder.choices)
         self.api.servicer.metrics.observe_request(timing(last.metrics), builder.prompt_tokens, generated,
                                                   reasons[0] if reasons else "abort")
+
+
+class _TokenGaps:
+    """Inter-token latency per choice: the gap since its previous output, spread over the tokens it carries."""
+
+    def __init__(self) -> None:
+        self.last: dict[tuple[int, int], float] = {}
+
+    def intervals(self, prompt: int, output: Any) -> list[float]:
+        now, out = time.monotonic(), []
+        for completion in output.outputs:
+            k, key = len(completion.new_token_ids), (prompt, completion.index)
+            if not k:
+                continue
+            if key in self.last:
+                out.extend([(now - self.last[key]) / k] * k)
+            self.last[key] = now
+        return out
 
 
 def _size(body: Any) -> int:

@@ -9,7 +9,7 @@ import urllib.request
 
 import openai
 import pytest
-from service_fixtures import off_main_thread, shared_server  # noqa: F401 - fixtures by name
+from service_fixtures import metric_value, off_main_thread, shared_server  # noqa: F401 - fixtures by name
 
 from pagedserve.client import Client, Message
 from pagedserve.engine import LLM, SamplingParams
@@ -186,3 +186,16 @@ def test_x_request_id_is_echoed(shared_server):  # noqa: F811
         assert response.status == 200 and response.getheader("x-request-id") == "trace-42"
     finally:
         conn.close()
+
+
+def test_http_requests_are_counted_with_vllm_metric_names(oai, shared_server):  # noqa: F811
+    handled = metric_value(shared_server, "http_server_handled_total")
+    gaps = metric_value(shared_server, "vllm:inter_token_latency_seconds_count")
+    finished = metric_value(shared_server, "vllm:request_success_total")
+    list(oai.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, stream=True,
+                                extra_body={"ignore_eos": True}))
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=MODEL, prompt=PROMPTS[0], temperature=-1)
+    assert metric_value(shared_server, "http_server_handled_total") == handled + 2
+    assert metric_value(shared_server, "vllm:inter_token_latency_seconds_count") >= gaps + 5
+    assert metric_value(shared_server, "vllm:request_success_total") == finished + 1
