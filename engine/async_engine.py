@@ -7,6 +7,7 @@ request stops (and frees its KV blocks) within one engine step.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -14,7 +15,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.errors import EngineDeadError, InvalidRequestError, PagedServeError, QueueFullError
+from pagedserve.engine.errors import (
+    EngineDeadError, InvalidRequestError, PagedServeError, QueueFullError, RequestFailedError,
+)
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.main_thread import SIGNAL_POLL_S, MainThreadHost
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
@@ -26,7 +29,6 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class _Add:
-    request_id: str
     token_ids: list[int]
     params: SamplingParams
     arrival_time: float
@@ -35,21 +37,29 @@ class _Add:
 
 @dataclass(frozen=True, slots=True)
 class _Abort:
-    request_id: str
+    sink: "_Sink"
+    # True when the request's own stream gave up (it already released the id and reads nothing more); False
+    # for an abort on the server's behalf, whose stream still wants its final output.
+    released: bool
 
 
 @dataclass(frozen=True, slots=True)
 class _Sink:
-    """Delivers outputs (or an exception) from the loop thread into the request's asyncio queue."""
+    """Delivers outputs (or an exception) from the loop thread into the request's asyncio queue.
+
+    engine_id is unique per submission, so a client id reused right after a cancel can never receive the
+    old request's outputs or abort the new one."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    request_id: str
+    engine_id: str
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
     for queue_, item in items:
         queue_.put_nowait(item)
 
@@ -65,7 +75,9 @@ class AsyncEngine:
         self._host_loop: asyncio.Future | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._sinks: dict[str, _Sink] = {}
+        self._sinks: dict[str, _Sink] = {}  # client request id -> its stream, while the client waits on it
+        self._by_engine_id: dict[str, _Sink] = {}  # engine id -> stream, until the engine is done with it
+        self._submissions = itertools.count()
         self._pending_adds = 0
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -108,9 +120,9 @@ class AsyncEngine:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         token_ids = self.engine.validate_request(prompt, params)
-        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
-        self._admit(request_id, sink)
-        self._send(_Add(request_id, token_ids, params, now(), sink))
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), request_id, f"{request_id}#{next(self._submissions)}")
+        self._admit(sink)
+        self._send(_Add(token_ids, params, now(), sink))
         finished = False
         try:
             while True:
@@ -123,9 +135,14 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._send(_Abort(request_id))
+                # Release the id now, not when the loop thread gets to the abort: a client that saw its stream
+                # end may retry with the same id at once. Commands run in order, so the engine drops this
+                # request before it adds the retry.
+                self._release(sink)
+                self._send(_Abort(sink, released=True))
 
-    def _admit(self, request_id: str, sink: _Sink) -> None:
+    def _admit(self, sink: _Sink) -> None:
+        request_id = sink.request_id
         with self._lock:
             if request_id in self._sinks:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
@@ -133,10 +150,15 @@ class AsyncEngine:
             if waiting >= self.config.max_queued_requests:
                 raise QueueFullError(f"admission queue is full ({self.config.max_queued_requests} requests waiting)")
             self._sinks[request_id] = sink
+            self._by_engine_id[sink.engine_id] = sink
             self._pending_adds += 1
 
     async def abort(self, request_id: str) -> None:
-        self._send(_Abort(request_id))
+        """Aborts the request now in flight under this client id (if any); its stream gets the final output."""
+        with self._lock:
+            sink = self._sinks.get(request_id)
+        if sink is not None:
+            self._send(_Abort(sink, released=False))
 
     def _send(self, command: _Add | _Abort) -> None:
         self._commands.put(command)
@@ -180,45 +202,61 @@ class AsyncEngine:
                 applied_adds += 1
                 self._apply_add(command)
             else:
-                out = self.engine.abort_request(command.request_id)
-                sink = self._pop_sink(command.request_id)
-                if sink is not None and out is not None:
-                    sink.put(out)
+                out = self.engine.abort_request(command.sink.engine_id)
+                if self._forget(command.sink) and not command.released and out is not None:
+                    command.sink.put(out)
         # Refresh the waiting count before un-counting the adds, so admission never sees a request twice-missed.
         self._stats = self.engine.stats()
         with self._lock:
             self._pending_adds -= applied_adds
 
     def _apply_add(self, command: _Add) -> None:
+        sink = command.sink
         with self._lock:
-            if command.request_id not in self._sinks:  # aborted before it reached the loop
+            if self._by_engine_id.get(sink.engine_id) is not sink:  # aborted before it reached the loop
                 return
         try:
-            self.engine.add_request(command.request_id, command.token_ids, command.params, command.arrival_time)
+            self.engine.add_request(sink.engine_id, command.token_ids, command.params, command.arrival_time)
         except PagedServeError as exc:
-            self._pop_sink(command.request_id)
-            command.sink.put(exc)
+            self._forget(sink)
+            sink.put(exc)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         # One wake-up of each event loop per step, not one per request: with 64 streams, 64 cross-thread
         # wake-ups per step cost the compute threads a core's worth of interruptions.
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
         with self._lock:
             for out in outputs:
-                sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
-                if sink is not None:
-                    batches.setdefault(sink.loop, []).append((sink.queue, out))
+                sink = self._by_engine_id.get(out.request_id)
+                if sink is None:
+                    continue
+                if out.finished:
+                    self._forget_locked(sink)
+                item = RequestFailedError(out.error) if out.error is not None else out
+                batches.setdefault(sink.loop, []).append((sink.queue, item))
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_put_all, items)
 
-    def _pop_sink(self, request_id: str) -> _Sink | None:
+    def _release(self, sink: _Sink) -> None:
+        """The client stopped waiting: its id is free at once; the engine side goes when the abort is applied."""
         with self._lock:
-            return self._sinks.pop(request_id, None)
+            if self._sinks.get(sink.request_id) is sink:
+                del self._sinks[sink.request_id]
+
+    def _forget(self, sink: _Sink) -> bool:
+        with self._lock:
+            return self._forget_locked(sink)
+
+    def _forget_locked(self, sink: _Sink) -> bool:
+        """Drops the stream from both maps; False if it was already gone (finished or failed meanwhile)."""
+        if self._sinks.get(sink.request_id) is sink:
+            del self._sinks[sink.request_id]
+        return self._by_engine_id.pop(sink.engine_id, None) is sink
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
-            sinks, self._sinks = self._sinks, {}
-        for request_id, sink in sinks.items():
-            self.engine.abort_request(request_id)
+            sinks, self._by_engine_id, self._sinks = list(self._by_engine_id.values()), {}, {}
+        for sink in sinks:
+            self.engine.abort_request(sink.engine_id)
             sink.put(EngineDeadError(f"request failed inside the engine: {exc}"))
         self._stats = self.engine.stats()

@@ -44,5 +44,9 @@ class QueueFullError(PagedServeError):
     """The admission queue is full; the client should retry later."""
 
 
+class RequestFailedError(PagedServeError):
+    """One request failed inside the engine (its logits went non-finite); the engine and its batch mates go on."""
+
+
 class EngineDeadError(PagedServeError):
     """The engine loop stopped; no further requests can be served."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -125,6 +126,16 @@ class LLMEngine:
                 self.scheduler.finish(seq)
         return self._output(state)
 
+    def _fail(self, state: RequestState, error: str) -> RequestOutput:
+        """Finishes every sequence of one request with ERROR and frees its blocks; the rest of the batch goes on."""
+        logger.warning("request %s failed: %s", state.request_id, error)
+        for seq in state.seqs:
+            seq.pending_forks = 0
+            if not seq.is_finished:
+                seq.finish_reason, seq.metrics.finished_time = FinishReason.ERROR, now()
+                self.scheduler.finish(seq)
+        return dataclasses.replace(self._output(state), error=error)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -136,11 +147,15 @@ class LLMEngine:
         logits, seqs = self.runner.execute(batch)
         self.scheduler.commit(batch)
         touched: dict[str, RequestState] = {}
+        failed: dict[str, str] = {}
         for sampled in self.sampler(logits, seqs):
             state = self.requests[sampled.seq.request_id]
-            self._accept(state, sampled)
             touched[state.request_id] = state
-        outputs = [self._output(state) for state in touched.values()]
+            if sampled.error is not None:
+                failed[state.request_id] = sampled.error
+            elif state.request_id not in failed:
+                self._accept(state, sampled)
+        outputs = [self._fail(state, failed[rid]) if rid in failed else self._output(state) for rid, state in touched.items()]
         for out in outputs:
             if out.finished:
                 del self.requests[out.request_id]

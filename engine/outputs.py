@@ -34,7 +34,7 @@ class CompletionOutput:
     new_token_ids: tuple[int, ...]
     new_logprobs: tuple[TokenLogprob, ...]
     logprobs: tuple[TokenLogprob, ...]  # cumulative; empty unless SamplingParams.logprobs is set
-    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None  # the matched stop string or stop token id
 
     @property
@@ -49,6 +49,7 @@ class RequestOutput:
     outputs: tuple[CompletionOutput, ...]
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None  # set (with finished) when the request failed on its own, see FinishReason.ERROR
 
 
 @dataclass(frozen=True, slots=True)

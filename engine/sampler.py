@@ -1,6 +1,8 @@
 """Turns each sampling sequence's logits into its next token(s), honouring its own SamplingParams.
 
 Logprobs are reported from the model's raw distribution (before penalties and temperature), as vLLM does.
+Every row is sampled on its own: temperatures divide logits after the row maximum is subtracted (so no
+temperature overflows a row to inf/NaN), and a row that is still not finite fails only its own request.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ from pagedserve.engine.sequence import Sequence, TokenLogprob
 class SampledTokens:
     seq: Sequence
     tokens: tuple[tuple[int, TokenLogprob | None], ...]  # n tokens when a request forks its samples, else 1
+    error: str | None = None  # the row could not be sampled; `tokens` is empty
 
 
 def generator_for(seed: int, index: int) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed((seed + 0x9E3779B97F4A7C15 * index) % 2**63)
     return g
+
+
+_NON_FINITE = "the model's logits for this request are not finite (NaN or inf); no token can be sampled"
 
 
 class Sampler:
@@ -33,15 +39,19 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(seqs) and logits.dtype == torch.float32
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         processed = self._process(logits, seqs)
-        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+        # amax propagates NaN: a NaN or +inf anywhere, or no finite logit at all, makes the row's maximum non-finite.
+        row_max = processed.amax(dim=-1)
+        bad = set(torch.nonzero(~torch.isfinite(row_max)).flatten().tolist())
+        greedy = [i for i, s in enumerate(seqs) if s.params.greedy and i not in bad]
         choices: dict[int, list[int]] = {}
         if greedy:
             picks = processed[greedy].argmax(dim=-1).tolist()
             choices.update({row: [tok] for row, tok in zip(greedy, picks)})
-        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in bad]
         if random_rows:
-            choices.update(self._sample_random(processed, seqs, random_rows))
+            choices.update(self._sample_random(processed, row_max, seqs, random_rows))
         return [
+            SampledTokens(seq, (), error=_NON_FINITE) if row in bad else
             SampledTokens(seq, tuple((tok, self._logprob(raw_logprobs, row, tok, seq)) for tok in choices[row]))
             for row, seq in enumerate(seqs)
         ]
@@ -75,9 +85,13 @@ class Sampler:
             if banned:
                 row[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
 
-    def _sample_random(self, logits: torch.Tensor, seqs: tuple[Sequence, ...], rows: list[int]) -> dict[int, list[int]]:
+    def _sample_random(
+        self, logits: torch.Tensor, row_max: torch.Tensor, seqs: tuple[Sequence, ...], rows: list[int]
+    ) -> dict[int, list[int]]:
         temps = torch.tensor([seqs[r].params.temperature for r in rows], dtype=torch.float32).unsqueeze(1)
-        scaled = logits[rows] / temps
+        # Shifted rows are <= 0 with the best logit exactly 0, so dividing by any temperature (a denormal one
+        # included) gives 0 or a negative number, never inf or 0/0; the softmax is unchanged by the shift.
+        scaled = (logits[rows] - row_max[rows].unsqueeze(1)) / temps.clamp(min=torch.finfo(torch.float32).tiny)
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         ranks = torch.arange(sorted_logits.shape[1]).unsqueeze(0)
         top_k = torch.tensor([seqs[r].params.top_k or sorted_logits.shape[1] for r in rows]).unsqueeze(1)

@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 from pagedserve.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+MAX_N = 64
+# Bounds that keep every processed logit finite in fp32: penalties divide or multiply logits (|logit| < 1e4 in
+# practice), biases add to them; OpenAI accepts the same bias range.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+PRESENCE_FREQUENCY_RANGE = (-2.0, 2.0)
 _MAX_STOP_STRINGS = 16
 _MAX_STOP_STRING_CHARS = 256
 
@@ -15,6 +21,13 @@ _MAX_STOP_STRING_CHARS = 256
 def _finite(name: str, value: float) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise InvalidRequestError(name, f"must be a finite number, got {value!r}")
+
+
+def _within(name: str, value: float, bounds: tuple[float, float]) -> None:
+    # A bound's nearest float32 (what a proto float field carries, e.g. 0.01 -> 0.0099999998) counts as the bound.
+    lo, hi = (b - abs(b) * 2**-23 if i == 0 else b + abs(b) * 2**-23 for i, b in enumerate(bounds))
+    if not lo <= value <= hi:
+        raise InvalidRequestError(name, f"must be in [{bounds[0]:g}, {bounds[1]:g}], got {value!r}")
 
 
 def _integer(name: str, value: object, minimum: int) -> None:
@@ -63,8 +76,8 @@ class SamplingParams:
 
     def _validate_sampling(self) -> None:
         _integer("n", self.n, 1)
-        if self.n > 64:
-            raise InvalidRequestError("n", f"must be <= 64, got {self.n}")
+        if self.n > MAX_N:
+            raise InvalidRequestError("n", f"must be <= {MAX_N}, got {self.n}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             _finite(name, getattr(self, name))
         if self.temperature < 0:
@@ -74,11 +87,9 @@ class SamplingParams:
         _integer("top_k", self.top_k, 0)
         if not 0 <= self.min_p <= 1:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise InvalidRequestError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        _within("repetition_penalty", self.repetition_penalty, REPETITION_PENALTY_RANGE)
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise InvalidRequestError(name, f"must be in [-2, 2], got {getattr(self, name)}")
+            _within(name, getattr(self, name), PRESENCE_FREQUENCY_RANGE)
         if self.seed is not None:
             _integer("seed", self.seed, 0)
             if self.seed >= 2**63:
@@ -91,6 +102,7 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 _integer("logit_bias", token, 0)
                 _finite("logit_bias", bias)
+                _within("logit_bias", bias, LOGIT_BIAS_RANGE)
         if self.n > 1 and self.temperature == 0:
             raise InvalidRequestError("n", "n > 1 needs temperature > 0 (greedy samples would be identical)")
 

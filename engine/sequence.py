@@ -23,6 +23,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # cancelled by the client or the server
+    ERROR = "error"  # this request's logits went non-finite; its batch mates are unaffected
 
 
 @dataclass(slots=True)

@@ -82,6 +82,9 @@ class ServerConfig:
             # Accept client pings as often as every 10 s (the server default of 5 min would GOAWAY them).
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.so_reuseport", 0),
+            # Above the 8 KiB default, so that an over-long x-request-id reaches the servicer and gets an
+            # INVALID_ARGUMENT naming it instead of a transport-level RESOURCE_EXHAUSTED.
+            ("grpc.max_metadata_size", 64 * 1024),
         ]
         if self.max_connection_age_s is not None:
             options.append(("grpc.max_connection_age_ms", int(self.max_connection_age_s * 1000)))

@@ -15,6 +15,7 @@ from pagedserve.engine.errors import (
     ModelLoadError,
     PagedServeError,
     QueueFullError,
+    RequestFailedError,
     UnsupportedError,
 )
 
@@ -40,6 +41,9 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
     (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
     (MissingChatTemplateError, grpc.StatusCode.FAILED_PRECONDITION),
+    # Only non-finite model logits get here (parameters are bounded at the edge): a server-side failure of this
+    # one request, which its batch mates do not share.
+    (RequestFailedError, grpc.StatusCode.INTERNAL),
 )
 
 

@@ -10,10 +10,8 @@ import signal
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
-from grpc_reflection.v1alpha._async import ReflectionServicer
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import ConfigError
@@ -22,15 +20,16 @@ from pagedserve.engine.model_store import DEFAULT_MODEL_NAME
 from pagedserve.service.config import ServerConfig, TlsConfig
 from pagedserve.service.engine_adapter import load_engine
 from pagedserve.service.http_server import HttpServer
+from pagedserve.service.standard_services import (
+    HEALTH_SERVICE, REFLECTION_SERVICES, health_rpc_handler, reflection_rpc_handlers,
+)
 from pagedserve.service.lifecycle import SERVICE_NAME, ServingState
 from pagedserve.service.metrics import ServiceMetrics
 from pagedserve.service.servicer import GenerationServicer
 
 log = logging.getLogger(__name__)
 
-REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
-SERVICE_NAMES = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                 reflection.SERVICE_NAME, REFLECTION_V1)
+SERVICE_NAMES = (SERVICE_NAME, HEALTH_SERVICE, *REFLECTION_SERVICES)
 
 
 async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThreadHost | None = None) -> int:
@@ -47,8 +46,8 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     servicer = GenerationServicer(state, metrics, config.max_message_bytes, name)
     server = grpc.aio.server(options=config.grpc_options())
     server.add_generic_rpc_handlers((servicer.rpc_handler(),))
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    add_reflection(server)
+    server.add_generic_rpc_handlers((health_rpc_handler(health, config.max_message_bytes),))
+    server.add_generic_rpc_handlers(reflection_rpc_handlers(SERVICE_NAMES))
     await state.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
     http = _http_server(servicer, config)  # binds first: a taken port stops the start before anything runs
     port = _bind(server, config)
@@ -93,18 +92,6 @@ async def drain(server: grpc.aio.Server, state: ServingState, grace_s: float, st
         log.warning("grace period over: cancelling %d request(s)", state.in_flight)
     idle.cancel()
     await server.stop(grace=0.5)
-
-
-def add_reflection(server: grpc.aio.Server) -> None:
-    """v1alpha from grpcio-reflection, and v1 (same messages, renamed package) on the same servicer."""
-    servicer = ReflectionServicer(SERVICE_NAMES)
-    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
-    handler = grpc.stream_stream_rpc_method_handler(
-        servicer.ServerReflectionInfo,
-        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),))
 
 
 def _bind(server: grpc.aio.Server, config: ServerConfig) -> int:

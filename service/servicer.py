@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from pagedserve.engine.request_id import check_request_id
 from pagedserve.service import rpc_status
 from pagedserve.service.engine_adapter import describe
 from pagedserve.service.lifecycle import SERVICE_NAME, ServingState
@@ -64,7 +65,7 @@ class GenerationServicer:
     async def generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         request = parse_request(raw, pb.GenerateRequest, self.max_message_bytes)
         self.state.check_admitting()
-        request_id = request.request_id or _metadata(context, REQUEST_ID_METADATA) or uuid.uuid4().hex
+        request_id = _request_id(request, context)
         await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
         if _input_chars(request) > _LONG_TEXT_CHARS:
             engine_request = await asyncio.to_thread(to_engine_request, request, self.facts)
@@ -125,6 +126,16 @@ def _input_chars(request: pb.GenerateRequest) -> int:
     if which == "chat":
         return sum(len(m.content) for m in request.chat.messages) + len(request.chat.chat_template)
     return 0
+
+
+def _request_id(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
+    """The client's id (field first, then metadata), checked before it is echoed; else a fresh one."""
+    if request.request_id:
+        return check_request_id(request.request_id, "request_id")
+    from_metadata = _metadata(context, REQUEST_ID_METADATA)
+    if from_metadata is not None:
+        return check_request_id(from_metadata, REQUEST_ID_METADATA)
+    return uuid.uuid4().hex
 
 
 def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:

@@ -151,3 +151,93 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**kwargs)
     assert info.value.field == field and field in str(info.value)
+
+
+def test_a_row_with_non_finite_logits_fails_only_its_own_request(llm_fp32, monkeypatch):
+    """NaN/inf logits for one request (a model overflow) end that request with "error"; its batch mates are
+    sampled from their own rows and finish exactly as they would alone, and every block comes back."""
+    engine = llm_fp32.engine
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm_fp32.generate([PROMPT, "The sea is"], [greedy, sampled])]
+    execute, steps = engine.runner.execute, []
+
+    def poisoned(batch):
+        logits, seqs = execute(batch)
+        steps.append(1)
+        if len(steps) == 3:  # mid-generation, with both batch mates decoding beside the victim
+            row = next(i for i, s in enumerate(seqs) if s.params.n == 2)
+            logits = logits.clone()
+            logits[row, 7] = float("nan")
+        return logits, seqs
+
+    monkeypatch.setattr(engine.runner, "execute", poisoned)
+    victim = SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=12)
+    outs = llm_fp32.generate([PROMPT, "The sea is", "Hello"], [greedy, sampled, victim])
+    assert [o.outputs[0].token_ids for o in outs[:2]] == alone
+    assert outs[0].error is None and outs[1].error is None
+    assert outs[2].error is not None and "not finite" in outs[2].error
+    assert {c.finish_reason for c in outs[2].outputs} == {"error"}
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-40, 1e-20])
+def test_vanishing_temperatures_sample_the_greedy_token(llm_fp32, temperature):
+    greedy = llm_fp32.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids
+    tiny = llm_fp32.generate([PROMPT], SamplingParams(temperature=temperature, seed=2, max_tokens=8))[0]
+    assert tiny.outputs[0].token_ids == greedy and tiny.error is None
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"repetition_penalty": 1e-45}, "repetition_penalty"),
+    ({"repetition_penalty": 101.0}, "repetition_penalty"),
+    ({"logit_bias": {5: 3e38}}, "logit_bias"),
+    ({"logit_bias": {5: -100.5}}, "logit_bias"),
+])
+def test_penalties_and_biases_are_bounded_in_the_offline_api(kwargs, field):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(temperature=0.5, **kwargs)
+    assert info.value.field == field and "must be in" in info.value.message
+
+
+def test_async_engine_fails_only_the_poisoned_stream(llm_fp32, monkeypatch):
+    """Through AsyncEngine (what every server front end uses): the victim's stream raises RequestFailedError,
+    the bystander's stream yields its solo tokens."""
+    import asyncio
+
+    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.engine.errors import RequestFailedError
+
+    engine = llm_fp32.engine
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    alone = llm_fp32.generate([PROMPT], greedy)[0].outputs[0].token_ids
+    execute = engine.runner.execute
+
+    def poisoned(batch):
+        logits, seqs = execute(batch)
+        victims = [i for i, s in enumerate(seqs) if s.request_id.startswith("victim")]
+        if victims:
+            logits = logits.clone()
+            logits[victims, :] = float("inf")
+        return logits, seqs
+
+    monkeypatch.setattr(engine.runner, "execute", poisoned)
+
+    async def tokens(front: AsyncEngine, request_id: str) -> tuple[int, ...]:
+        last = None
+        async for out in front.generate(request_id, PROMPT, greedy):
+            last = out
+        return last.outputs[0].token_ids
+
+    async def scenario():
+        front = AsyncEngine(engine.config, engine=engine)
+        await front.start()
+        try:
+            return await asyncio.gather(tokens(front, "bystander"), tokens(front, "victim"), return_exceptions=True)
+        finally:
+            await front.shutdown()
+
+    bystander, victim = asyncio.run(scenario())
+    assert bystander == alone
+    assert isinstance(victim, RequestFailedError) and "not finite" in str(victim)
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()

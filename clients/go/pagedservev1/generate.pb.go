@@ -142,7 +142,9 @@ type GenerateRequest struct {
 	unknownFields protoimpl.UnknownFields
 
 	// Client-chosen id, echoed in Started and in the `x-request-id` response metadata. When empty the server
-	// takes the `x-request-id` request metadata, else it generates one. Must be unique among in-flight requests.
+	// takes the `x-request-id` request metadata, else it generates one. Must be unique among in-flight requests;
+	// free for reuse as soon as the client sees its stream end. At most 256 visible ASCII characters (0x21-0x7E);
+	// anything else is INVALID_ARGUMENT naming `request_id` (or the `x-request-id` metadata key).
 	RequestId string `protobuf:"bytes,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	// The prompt: text (tokenized by the server), token ids (used as-is), or chat messages (rendered with the
 	// model's chat template, then tokenized).
@@ -158,7 +160,7 @@ type GenerateRequest struct {
 	AddSpecialTokens *bool `protobuf:"varint,4,opt,name=add_special_tokens,json=addSpecialTokens,proto3,oneof" json:"add_special_tokens,omitempty"`
 	// Keep only the last N prompt tokens; Started.truncated says whether it cut anything.
 	TruncateInputTokens *uint32 `protobuf:"varint,5,opt,name=truncate_input_tokens,json=truncateInputTokens,proto3,oneof" json:"truncate_input_tokens,omitempty"`
-	// Number of completions sampled from the same prompt (default 1). Frames carry `index` in [0, n).
+	// Number of completions sampled from the same prompt: [1, 64], default 1. Frames carry `index` in [0, n).
 	N        *uint32          `protobuf:"varint,6,opt,name=n,proto3,oneof" json:"n,omitempty"`
 	Sampling *SamplingOptions `protobuf:"bytes,7,opt,name=sampling,proto3" json:"sampling,omitempty"`
 	Stopping *StoppingOptions `protobuf:"bytes,8,opt,name=stopping,proto3" json:"stopping,omitempty"`
@@ -465,23 +467,31 @@ func (x *ChatMessage) GetContent() string {
 	return ""
 }
 
-// Unset fields take the engine defaults; temperature 0 means greedy decoding.
+// Unset fields take the engine defaults. Every value outside its range below is INVALID_ARGUMENT naming the
+// field (e.g. "sampling.top_p: must be in (0, 1], got 1.5"); NaN and infinities are never accepted.
 type SamplingOptions struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
+	// >= 0, default 1; 0 means greedy decoding. Any positive value is safe: temperatures far below 1 (even
+	// denormal ones) sample like greedy.
 	Temperature *float32 `protobuf:"fixed32,1,opt,name=temperature,proto3,oneof" json:"temperature,omitempty"`
-	TopP        *float32 `protobuf:"fixed32,2,opt,name=top_p,json=topP,proto3,oneof" json:"top_p,omitempty"`
-	// 0 disables top-k. Signed so that a negative value is rejected instead of wrapping around.
-	TopK              *int32   `protobuf:"varint,3,opt,name=top_k,json=topK,proto3,oneof" json:"top_k,omitempty"`
-	MinP              *float32 `protobuf:"fixed32,4,opt,name=min_p,json=minP,proto3,oneof" json:"min_p,omitempty"`
+	// (0, 1], default 1.
+	TopP *float32 `protobuf:"fixed32,2,opt,name=top_p,json=topP,proto3,oneof" json:"top_p,omitempty"`
+	// >= 0, default 0 (disabled). Signed so that a negative value is rejected instead of wrapping around.
+	TopK *int32 `protobuf:"varint,3,opt,name=top_k,json=topK,proto3,oneof" json:"top_k,omitempty"`
+	// [0, 1], default 0.
+	MinP *float32 `protobuf:"fixed32,4,opt,name=min_p,json=minP,proto3,oneof" json:"min_p,omitempty"`
+	// [0.01, 100], default 1 (off).
 	RepetitionPenalty *float32 `protobuf:"fixed32,5,opt,name=repetition_penalty,json=repetitionPenalty,proto3,oneof" json:"repetition_penalty,omitempty"`
-	PresencePenalty   *float32 `protobuf:"fixed32,6,opt,name=presence_penalty,json=presencePenalty,proto3,oneof" json:"presence_penalty,omitempty"`
-	FrequencyPenalty  *float32 `protobuf:"fixed32,7,opt,name=frequency_penalty,json=frequencyPenalty,proto3,oneof" json:"frequency_penalty,omitempty"`
-	// With n > 1 completion i uses seed + i. Started.seed reports the seed actually used.
+	// [-2, 2], default 0.
+	PresencePenalty *float32 `protobuf:"fixed32,6,opt,name=presence_penalty,json=presencePenalty,proto3,oneof" json:"presence_penalty,omitempty"`
+	// [-2, 2], default 0.
+	FrequencyPenalty *float32 `protobuf:"fixed32,7,opt,name=frequency_penalty,json=frequencyPenalty,proto3,oneof" json:"frequency_penalty,omitempty"`
+	// < 2^63. With n > 1 completion i uses seed + i. Started.seed reports the seed actually used.
 	Seed *uint64 `protobuf:"varint,8,opt,name=seed,proto3,oneof" json:"seed,omitempty"`
-	// Token id -> additive bias applied to the logits before sampling.
+	// Token id (inside the vocabulary) -> additive bias in [-100, 100] applied to the logits before sampling.
 	LogitBias map[uint32]float32 `protobuf:"bytes,9,rep,name=logit_bias,json=logitBias,proto3" json:"logit_bias,omitempty" protobuf_key:"varint,1,opt,name=key,proto3" protobuf_val:"fixed32,2,opt,name=value,proto3"`
 }
 
@@ -585,12 +595,15 @@ type StoppingOptions struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Default 16; must leave room in the context after the prompt.
-	MaxNewTokens  *uint32  `protobuf:"varint,1,opt,name=max_new_tokens,json=maxNewTokens,proto3,oneof" json:"max_new_tokens,omitempty"`
-	MinNewTokens  *uint32  `protobuf:"varint,2,opt,name=min_new_tokens,json=minNewTokens,proto3,oneof" json:"min_new_tokens,omitempty"`
+	// >= 1, default 16; must leave room in the context after the prompt.
+	MaxNewTokens *uint32 `protobuf:"varint,1,opt,name=max_new_tokens,json=maxNewTokens,proto3,oneof" json:"max_new_tokens,omitempty"`
+	// <= max_new_tokens, default 0.
+	MinNewTokens *uint32 `protobuf:"varint,2,opt,name=min_new_tokens,json=minNewTokens,proto3,oneof" json:"min_new_tokens,omitempty"`
+	// At most 16, each non-empty and at most 256 characters.
 	StopSequences []string `protobuf:"bytes,3,rep,name=stop_sequences,json=stopSequences,proto3" json:"stop_sequences,omitempty"`
-	StopTokenIds  []uint32 `protobuf:"varint,4,rep,packed,name=stop_token_ids,json=stopTokenIds,proto3" json:"stop_token_ids,omitempty"`
-	IgnoreEos     *bool    `protobuf:"varint,5,opt,name=ignore_eos,json=ignoreEos,proto3,oneof" json:"ignore_eos,omitempty"`
+	// Token ids inside the vocabulary.
+	StopTokenIds []uint32 `protobuf:"varint,4,rep,packed,name=stop_token_ids,json=stopTokenIds,proto3" json:"stop_token_ids,omitempty"`
+	IgnoreEos    *bool    `protobuf:"varint,5,opt,name=ignore_eos,json=ignoreEos,proto3,oneof" json:"ignore_eos,omitempty"`
 	// Keep the matched stop sequence at the end of the output text (default false).
 	IncludeStopSequence *bool `protobuf:"varint,6,opt,name=include_stop_sequence,json=includeStopSequence,proto3,oneof" json:"include_stop_sequence,omitempty"`
 	// Wall-clock budget for this request (>= 1), measured from arrival; when spent it finishes with TIME_LIMIT.
@@ -683,7 +696,8 @@ type ResponseOptions struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Return the chosen token's logprob plus this many top alternatives per generated token (0 = chosen only).
+	// Return the chosen token's logprob plus this many top alternatives per generated token: [0, 20]
+	// (0 = chosen only).
 	Logprobs   *uint32    `protobuf:"varint,1,opt,name=logprobs,proto3,oneof" json:"logprobs,omitempty"`
 	StreamMode StreamMode `protobuf:"varint,2,opt,name=stream_mode,json=streamMode,proto3,enum=pagedserve.v1.StreamMode" json:"stream_mode,omitempty"`
 	// Send a Heartbeat frame this often while the request waits for its first token (service-mesh idle timeouts);

@@ -1,0 +1,46 @@
+"""Shared pieces of the fuzz suites: hypothesis settings with a CI budget, and the verdict on one response.
+
+Budget: PAGEDSERVE_FUZZ_EXAMPLES (default 25 per property) is read when a suite asks for its settings, never at
+import. `PAGEDSERVE_FUZZ_EXAMPLES=2000 bash tests/run.sh -k fuzz` runs a long campaign; the default keeps the
+whole fuzz suite near a minute on two cores. Runs are derandomized (hypothesis seeds from the test's name), so
+the same budget replays the same inputs in CI and on a laptop.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import grpc
+from hypothesis import HealthCheck, settings
+
+# Codes a request may end with; anything else (UNKNOWN, INTERNAL, ...) is a bug the fuzzer reports.
+DOCUMENTED_CODES = {
+    grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+# "field.path: message" or "field.path[3].sub: message"; INVALID_ARGUMENT must name the field this way.
+_FIELD_PREFIX = re.compile(r"^(?P<field>[a-z_][a-z0-9_\-]*(\[\d+\])?(\.[a-z_][a-z0-9_]*(\[\d+\])?)*): ")
+
+
+def fuzz_settings() -> settings:
+    examples = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "25"))
+    return settings(
+        max_examples=examples, derandomize=True, database=None, deadline=None, print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+    )
+
+
+def named_field(details: str) -> str | None:
+    match = _FIELD_PREFIX.match(details or "")
+    return match.group("field") if match else None
+
+
+def check_outcome(code: grpc.StatusCode, details: str, known_top_level: set[str]) -> None:
+    """One request's status must be documented, and INVALID_ARGUMENT must name a real request field."""
+    assert code in DOCUMENTED_CODES, f"undocumented status {code.name}: {details}"
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        field = named_field(details)
+        assert field is not None, f"INVALID_ARGUMENT without a field: {details!r}"
+        top = re.split(r"[.\[]", field, maxsplit=1)[0]
+        assert top in known_top_level, f"INVALID_ARGUMENT names {field!r}, not a request field: {details!r}"
