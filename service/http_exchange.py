@@ -13,6 +13,7 @@ import json
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
+from pagedserve.engine.request_id import check_request_id
 from pagedserve.service.openai_errors import ErrorReply, HttpError
 
 T = TypeVar("T")
@@ -31,8 +32,16 @@ class Exchange:
         self.started = False
         self.status = 499  # until a reply starts: nginx's "client closed request"
         self._disconnected: asyncio.Future | None = None
-        # Echoed on every reply, as the gRPC API echoes x-request-id metadata, so callers can correlate logs.
-        self._echo = [(k, v) for k, v in scope.get("headers", ()) if k == b"x-request-id"][:1]
+        self._echo: list[tuple[bytes, bytes]] = []  # x-request-id, once checked (check_request_id_header)
+
+    def check_request_id_header(self) -> None:
+        """A client's x-request-id is echoed on every reply (as gRPC echoes its metadata), once it passes the one
+        request-id rule; a bad one is refused naming the header."""
+        for key, value in self.scope.get("headers", ()):
+            if key == b"x-request-id":
+                check_request_id(value.decode("latin-1"), "x-request-id")
+                self._echo = [(key, value)]
+                return
 
     async def json_body(self, limit: int) -> Any:
         body = await self._read_body(limit)

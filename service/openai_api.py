@@ -92,6 +92,7 @@ class _Generate:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         exchange, request = Exchange(scope, receive, send), None
         try:
+            exchange.check_request_id_header()
             body = await exchange.json_body(self.api.max_body_bytes)
             self.api.check_model(body)
             self.api.servicer.state.check_admitting()

@@ -184,6 +184,13 @@ def test_x_request_id_is_echoed(shared_server):  # noqa: F811
                      {"content-type": "application/json", "x-request-id": "trace-42"})
         response = conn.getresponse()
         assert response.status == 200 and response.getheader("x-request-id") == "trace-42"
+        response.read()
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}).encode(),
+                     {"content-type": "application/json", "x-request-id": "has space"})
+        response = conn.getresponse()
+        error = json.loads(response.read())["error"]
+        assert response.status == 400 and error["param"] == "x-request-id", error
+        assert response.getheader("x-request-id") is None, "an invalid id is never echoed"
     finally:
         conn.close()
 
