@@ -136,6 +136,8 @@ def _prompt_ids(request: pb.GenerateRequest, facts: ModelFacts) -> tuple[list[in
     if which == "chat":
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else False
         ids = facts.encode(chat_prompt(request.chat, facts.render_chat), add_special)
+        if not ids:
+            raise InvalidRequestError("chat", "the chat template rendered an empty prompt")
     elif which == "text":
         if not request.text:
             raise InvalidRequestError("text", "prompt is empty")

@@ -47,6 +47,7 @@ def test_prompt_is_the_chat_template_rendering(client, hf_reference, options):
     ([Message("user", "hi"), Message("wizard", "x")], {}, "chat.messages[1].role"),
     ([Message("user", "hi")], {"chat_template": "{% for %}"}, "chat.chat_template"),
     ([Message("assistant", "hi")], {"chat_template": "{{ raise_exception('user first') }}"}, "chat.messages"),
+    ([Message("user", "hi")], {"chat_template": "{% if false %}x{% endif %}"}, "chat"),
 ])
 def test_bad_chat_input_is_invalid_argument_naming_the_field(client, messages, options, field):
     request = build_request(messages or [Message("user", "placeholder")], GenerateOptions(max_new_tokens=2, **options))
