@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -42,6 +43,7 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None  # None: leave torch's choice
     max_queued_requests: int = 1024
+    chat_template: str | None = None  # a jinja file replacing the model's chat template
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -63,6 +65,8 @@ class EngineConfig:
             raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError("device", f"must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ConfigError("chat_template", f"file not found: {self.chat_template}")
         if self.attention_backend == "native" and self.device != "cpu":
             raise ConfigError("attention_backend", f"native runs on CPU tensors only; device is {self.device!r}")
 

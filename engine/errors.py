@@ -36,6 +36,10 @@ class CapacityError(InvalidRequestError):
     """The request can never fit (for example larger than the whole KV cache); `field` names what to shrink."""
 
 
+class MissingChatTemplateError(PagedServeError):
+    """Chat messages were sent to a model that has no chat template (and no override was given)."""
+
+
 class QueueFullError(PagedServeError):
     """The admission queue is full; the client should retry later."""
 

@@ -10,6 +10,7 @@ import torch
 
 from pagedserve.engine.allocator import keep_freed_memory
 from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.chat_template import read_template_file
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import CapacityError, InvalidRequestError
 from pagedserve.engine.model_loader import load_model
@@ -49,9 +50,10 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.model_dir = resolve_model(config.model)
+        override = read_template_file(config.chat_template) if config.chat_template else None  # fail before loading
         self.loaded = load_model(self.model_dir, config.torch_dtype, config.quantization, self.device)
         self.runner = ModelRunner(self.loaded, config, self.device)
-        self.tokenizer = Tokenizer(self.model_dir, self.runner.vocab_size)
+        self.tokenizer = Tokenizer(self.model_dir, self.runner.vocab_size, override)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)

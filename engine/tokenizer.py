@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve.engine.chat_template import ChatMessage, ChatOptions, ChatTemplate
 from pagedserve.engine.errors import InvalidRequestError, ModelLoadError
 
 # Decoding restarts a few tokens back so merges that depend on the left context (spaces, byte pairs) come out right.
@@ -13,7 +14,8 @@ _CONTEXT_TOKENS = 5
 
 
 class Tokenizer:
-    def __init__(self, model_dir: Path, vocab_size: int):
+    def __init__(self, model_dir: Path, vocab_size: int, chat_template: str | None = None):
+        """chat_template: replaces the model's own template (the text of `--chat-template FILE`)."""
         from transformers import AutoTokenizer
 
         try:
@@ -23,6 +25,7 @@ class Tokenizer:
         self.backend = self.hf.backend_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(self._eos_ids(model_dir))
+        self.chat = ChatTemplate(self.hf, model_dir.name, chat_template)
 
     def _eos_ids(self, model_dir: Path) -> set[int]:
         ids = {self.hf.eos_token_id} if self.hf.eos_token_id is not None else set()
@@ -42,8 +45,12 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    def apply_chat_template(self, messages: list[dict[str, str]] | tuple[ChatMessage, ...],
+                            options: ChatOptions = ChatOptions()) -> list[int]:
+        """Rendered with the chat template, then tokenized without added special tokens (the template has them),
+        as transformers' apply_chat_template(tokenize=True) does."""
+        chat = tuple(m if isinstance(m, ChatMessage) else ChatMessage(m["role"], m["content"]) for m in messages)
+        return self.encode(self.chat.render(chat, options), add_special_tokens=False)
 
     def check_ids(self, ids: list[int], field: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)

@@ -33,6 +33,7 @@ _ENGINE_HELP = {
     "device": "cpu, cuda or cuda:N",
     "num_threads": "torch intra-op threads (default: torch's choice)",
     "max_queued_requests": "admitted requests waiting for a batch slot; beyond it: RESOURCE_EXHAUSTED",
+    "chat_template": "jinja chat template file used instead of the model's own (for chat messages)",
 }
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -85,6 +86,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_s,
                    help="seconds in-flight streams get to finish after SIGTERM")
     g.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = any free one; default: off)")
+    g.add_argument("--http-port", type=int,
+                   help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on --host (0 = any free "
+                        "port; default: off)")
     g.add_argument("--metrics-host", help="bind address for metrics (default: --host)")
     g.add_argument("--served-model-name", help="name reported by ModelInfo and in metrics (default: the folder name)")
     g.add_argument("--vllm-engine-service", action=argparse.BooleanOptionalAction, default=d.vllm_engine_service,
@@ -94,7 +98,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve", description="pagedserve: a gRPC LLM server")
+    parser = argparse.ArgumentParser(prog="pagedserve", description="pagedserve: a gRPC (and OpenAI HTTP) LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over gRPC")
     add_engine_flags(serve)
@@ -119,7 +123,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         keepalive_timeout_s=args.keepalive_timeout, max_connection_age_s=args.max_connection_age,
         max_connection_age_grace_s=args.max_connection_age_grace, shutdown_grace_s=args.shutdown_grace,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, served_model_name=args.served_model_name,
-        vllm_engine_service=args.vllm_engine_service, ready_file=args.ready_file)
+        vllm_engine_service=args.vllm_engine_service, ready_file=args.ready_file, http_port=args.http_port)
 
 
 def _serve_on_two_threads(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:

@@ -49,12 +49,15 @@ class ServerConfig:
     # Also serve vllm.grpc.engine.VllmEngine (SMG, vllm-router, llm-d) on the same port and engine.
     vllm_engine_service: bool = True
     ready_file: Path | None = None  # written (JSON: ports, pid) once the model is loaded and the server serves
+    http_port: int | None = None  # the OpenAI-compatible HTTP API on `host`; None: off, 0: a free port
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError("port", f"must be in [0, 65535], got {self.port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ConfigError("metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
+        for name in ("metrics_port", "http_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ConfigError(name, f"must be in [0, 65535], got {value}")
         for name in ("max_message_bytes", "max_send_message_bytes"):
             if getattr(self, name) < 1024:
                 raise ConfigError(name, f"must be >= 1024 bytes, got {getattr(self, name)}")

@@ -31,7 +31,7 @@ def describe(engine: AsyncEngine, model_name: str, max_message_bytes: int) -> En
     config: EngineConfig = engine.config
     model = engine.describe()
     facts = ModelFacts(vocab_size=model.vocab_size, max_context_length=model.max_model_len,
-                       encode=engine.tokenizer.encode)
+                       encode=engine.tokenizer.encode, render_chat=engine.tokenizer.chat.render)
     info = model_info_pb2.ModelInfoResponse(
         model=model_name,
         architecture=model.architecture,
@@ -42,6 +42,7 @@ def describe(engine: AsyncEngine, model_name: str, max_message_bytes: int) -> En
         max_context_length=model.max_model_len,
         vocab_size=model.vocab_size,
         eos_token_ids=list(model.eos_token_ids),
+        has_chat_template=engine.tokenizer.chat.available,
         limits=model_info_pb2.Limits(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_queued_requests=config.max_queued_requests, max_message_bytes=max_message_bytes,

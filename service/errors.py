@@ -11,6 +11,7 @@ from pagedserve.engine.errors import (
     ConfigError,
     EngineDeadError,
     InvalidRequestError,
+    MissingChatTemplateError,
     ModelLoadError,
     PagedServeError,
     QueueFullError,
@@ -39,6 +40,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
     (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
+    (MissingChatTemplateError, grpc.StatusCode.FAILED_PRECONDITION),
     # Only non-finite model logits get here (parameters are bounded at the edge): a server-side failure of this
     # one request, which its batch mates do not share.
     (RequestFailedError, grpc.StatusCode.INTERNAL),

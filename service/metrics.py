@@ -86,6 +86,8 @@ class ServiceMetrics:
         self.rpc_started = Counter("grpc_server_started", "RPCs started.", grpc_labels, registry=r)
         self.rpc_handled = Counter("grpc_server_handled", "RPCs completed, by status code.",
                                    [*grpc_labels, "grpc_code"], registry=r)
+        self.http_handled = Counter("http_server_handled", "OpenAI HTTP API generation requests completed, by "
+                                    "status (499: the client went away first).", ["handler", "status"], registry=r)
 
     def serve_http(self, host: str, port: int) -> int:
         """Starts the /metrics endpoint on a daemon thread; returns the bound port (port 0 picks one)."""
@@ -108,6 +110,9 @@ class ServiceMetrics:
         self.prompt_tokens.labels(name).inc(prompt_tokens)
         self.generation_tokens.labels(name).inc(generated_tokens)
         self.success.labels(name, reason).inc()
+
+    def http_done(self, handler: str, status: int) -> None:
+        self.http_handled.labels(handler, str(status)).inc()
 
     def rpc_start(self, kind: str, service: str, method: str) -> None:
         self.rpc_started.labels(kind, service, method).inc()

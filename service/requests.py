@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from pagedserve.engine.chat_template import ChatMessage, ChatOptions, check_messages
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.v1 import generate_pb2 as pb
@@ -44,6 +45,7 @@ class ModelFacts:
     vocab_size: int
     max_context_length: int
     encode: Callable[[str, bool], list[int]]  # (text, add_special_tokens) -> token ids
+    render_chat: Callable[[tuple[ChatMessage, ...], ChatOptions], str]  # the chat template
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +132,13 @@ def _copy_optional(kwargs: dict[str, object], message: object, names: tuple[str,
 def _prompt_ids(request: pb.GenerateRequest, facts: ModelFacts) -> tuple[list[int], bool]:
     which = request.WhichOneof("input")
     if which is None:
-        raise InvalidRequestError("input", "set either text or token_ids")
-    if which == "text":
+        raise InvalidRequestError("input", "set one of text, token_ids or chat")
+    if which == "chat":
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else False
+        ids = facts.encode(chat_prompt(request.chat, facts.render_chat), add_special)
+        if not ids:
+            raise InvalidRequestError("chat", "the chat template rendered an empty prompt")
+    elif which == "text":
         if not request.text:
             raise InvalidRequestError("text", "prompt is empty")
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
@@ -153,7 +160,25 @@ def _prompt_ids(request: pb.GenerateRequest, facts: ModelFacts) -> tuple[list[in
         ids = ids[-keep:]
     if len(ids) >= facts.max_context_length:
         raise InvalidRequestError(
-            which if which == "text" else "token_ids.ids",
+            "token_ids.ids" if which == "token_ids" else which,
             f"prompt is {len(ids)} tokens; the model's context is {facts.max_context_length} tokens and at least "
             f"one must be left to generate (set truncate_input_tokens to keep only the last tokens)")
     return ids, truncated
+
+
+def chat_prompt(chat: pb.Chat, render: Callable[[tuple[ChatMessage, ...], ChatOptions], str]) -> str:
+    """The conversation rendered with the chat template; errors name `chat.*` fields."""
+    messages = check_messages([ChatMessage(m.role, m.content) for m in chat.messages], "chat.messages")
+    options = ChatOptions(
+        template=chat.chat_template if chat.HasField("chat_template") else None,
+        add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True)
+    with _renamed({"chat_template": "chat.chat_template", "messages": "chat.messages"}):
+        return render(messages, options)
+
+
+@contextmanager
+def _renamed(names: dict[str, str]) -> Iterator[None]:
+    try:
+        yield
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(names.get(exc.field, exc.field), exc.message) from None

@@ -14,10 +14,12 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.main_thread import MainThreadHost
 from pagedserve.engine.model_store import DEFAULT_MODEL_NAME
 from pagedserve.service.config import ServerConfig, TlsConfig
 from pagedserve.service.engine_adapter import load_engine
+from pagedserve.service.http_server import HttpServer
 from pagedserve.service.standard_services import (
     HEALTH_SERVICE, REFLECTION_SERVICES, health_rpc_handler, reflection_rpc_handlers,
 )
@@ -51,25 +53,33 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     server.add_generic_rpc_handlers((health_rpc_handler(health, config.max_message_bytes),))
     server.add_generic_rpc_handlers(reflection_rpc_handlers(SERVICE_NAMES + ((VLLM_SERVICE_NAME,) if vllm else ())))
     await state.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+    http = _http_server(servicer, config)  # binds first: a taken port stops the start before anything runs
     port = _bind(server, config)
     await server.start()
     metrics_port = _serve_metrics(metrics, config)
-    log.info("listening on %s:%d (%s), metrics port %s; loading model", config.host, port,
-             "mTLS" if config.tls and config.tls.mutual else "TLS" if config.tls else "plaintext", metrics_port)
+    if http is not None:
+        await http.start()  # up before the model loads, so /health answers 503 meanwhile
+    log.info("listening on %s:%d (%s), metrics port %s, HTTP port %s; loading model", config.host, port,
+             "mTLS" if config.tls and config.tls.mutual else "TLS" if config.tls else "plaintext", metrics_port,
+             http.port if http else None)
     try:
         engine = await stop.race(load_engine(engine_config, host))
     except BaseException:
         await server.stop(grace=None)  # a failed load must not leave the listener to the garbage collector
+        if http is not None:
+            await http.stop()
         raise
     if engine is not None:
         servicer.attach(engine)
         if vllm is not None:
             vllm.attach(engine, servicer.facts)
         await state.mark_serving()
-        _write_ready_file(config.ready_file, port, metrics_port)
+        _write_ready_file(config.ready_file, port, metrics_port, http.port if http else None)
         log.info("serving %s", servicer.static_info.model)
         await stop.first.wait()
     await drain(server, state, config.shutdown_grace_s, stop)
+    if http is not None:
+        await http.stop()
     if engine is not None:
         await engine.shutdown()
     log.info("stopped")
@@ -110,12 +120,23 @@ def _serve_metrics(metrics: ServiceMetrics, config: ServerConfig) -> int | None:
     return metrics.serve_http(config.metrics_host or config.host, config.metrics_port)
 
 
-def _write_ready_file(path: Path | None, port: int, metrics_port: int | None) -> None:
+def _http_server(servicer: GenerationServicer, config: ServerConfig) -> HttpServer | None:
+    """The OpenAI API on this event loop (--http-port), sharing the servicer's engine, state and metrics."""
+    if config.http_port is None:
+        return None
+    try:
+        return HttpServer(servicer, config.host, config.http_port, config.max_message_bytes, config.tls)
+    except OSError as exc:
+        raise ConfigError("http_port", f"cannot listen on {config.host}:{config.http_port}: {exc}") from None
+
+
+def _write_ready_file(path: Path | None, port: int, metrics_port: int | None, http_port: int | None) -> None:
     """Atomic, so a watcher never reads half a file."""
     if path is None:
         return
     tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps({"port": port, "metrics_port": metrics_port, "pid": os.getpid()}))
+    tmp.write_text(json.dumps({"port": port, "metrics_port": metrics_port, "http_port": http_port,
+                               "pid": os.getpid()}))
     tmp.replace(path)
 
 

@@ -67,7 +67,7 @@ class GenerationServicer:
         self.state.check_admitting()
         request_id = _request_id(request, context)
         await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
-        if request.WhichOneof("input") == "text" and len(request.text) > _LONG_TEXT_CHARS:
+        if _input_chars(request) > _LONG_TEXT_CHARS:
             engine_request = await asyncio.to_thread(to_engine_request, request, self.facts)
         else:
             engine_request = to_engine_request(request, self.facts)
@@ -117,6 +117,15 @@ class _ActiveId:
 
     def __exit__(self, *exc: object) -> None:
         self.active.discard(self.engine_id)
+
+
+def _input_chars(request: pb.GenerateRequest) -> int:
+    which = request.WhichOneof("input")
+    if which == "text":
+        return len(request.text)
+    if which == "chat":
+        return sum(len(m.content) for m in request.chat.messages) + len(request.chat.chat_template)
+    return 0
 
 
 def _request_id(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:

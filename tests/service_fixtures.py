@@ -40,12 +40,17 @@ class ServerProcess:
     port: int
     metrics_port: int | None
     log_path: Path
+    http_port: int | None = None  # the OpenAI HTTP API, when started with --http-port
     host: str = "localhost"
     _stopped: bool = field(default=False, repr=False)
 
     @property
     def target(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -105,7 +110,7 @@ def wait_ready(proc: subprocess.Popen, ready: Path, log_path: Path, timeout: flo
 def start_server(workdir: Path, *args: str, port: int = 0) -> ServerProcess:
     proc, ready, log_path = spawn_server(workdir, *args, port=port)
     info = wait_ready(proc, ready, log_path)
-    return ServerProcess(proc, workdir, info["port"], info["metrics_port"], log_path)
+    return ServerProcess(proc, workdir, info["port"], info["metrics_port"], log_path, info.get("http_port"))
 
 
 _SHARED: dict[str, ServerProcess] = {}
@@ -113,9 +118,10 @@ _SHARED: dict[str, ServerProcess] = {}
 
 @pytest.fixture(scope="session")
 def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """One default-config server for every test that does not need its own settings."""
+    """One default-config server for every test that does not need its own settings (gRPC and OpenAI HTTP)."""
     if "default" not in _SHARED:
-        _SHARED["default"] = start_server(tmp_path_factory.mktemp("shared-server"), "--max-message-bytes", "1MiB")
+        _SHARED["default"] = start_server(tmp_path_factory.mktemp("shared-server"), "--max-message-bytes", "1MiB",
+                                          "--http-port", "0")
     yield _SHARED["default"]
     _SHARED["default"].stop()
 

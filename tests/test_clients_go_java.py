@@ -28,7 +28,7 @@ from service_fixtures import (  # noqa: F401 - shared_server is a fixture used b
     wait_until,
 )
 
-from pagedserve.client import Client, ClientError, GenerateOptions, TlsOptions, build_request
+from pagedserve.client import Client, ClientError, GenerateOptions, Message, TlsOptions, build_request
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENTS = ROOT / "clients"
@@ -116,7 +116,7 @@ def channel(shared_server) -> Iterator[grpc.Channel]:  # noqa: F811
         yield ch
 
 
-def request_json(prompt: str, **options: object) -> dict:
+def request_json(prompt: str | list[Message], **options: object) -> dict:
     """The exact GenerateRequest the Python client sends for these options, as protobuf JSON."""
     return json_format.MessageToDict(build_request(prompt, GenerateOptions(**options)))
 
@@ -128,6 +128,19 @@ def test_greedy_stream_matches_python_client(driver, py_client):
     assert got["text"] == expected.text and len(expected.text) > 0
     assert got["token_ids"] == expected.token_ids
     assert got["finish_reason"] == "FINISH_REASON_MAX_TOKENS"
+
+
+def test_chat_messages_match_python_client(driver, py_client):
+    """GenerateRequest.chat through each language's generated types: the same answer as the Python client's."""
+    messages = [Message("user", "Hello!"), Message("assistant", "Hi! How can I help?"),
+                Message("user", "What is the capital of France?")]
+    expected = py_client.complete(messages, temperature=0.0, max_new_tokens=16)
+    request = request_json(messages, temperature=0.0, max_new_tokens=16)
+    assert request["chat"]["messages"][2]["role"] == "user"
+    got = driver.call("generate", request=request)
+    assert got["error"] is None
+    assert got["text"] == expected.text and "Paris" in expected.text
+    assert got["token_ids"] == expected.token_ids
 
 
 def test_cancel_after_k_tokens_frees_the_request(driver, channel, shared_server):  # noqa: F811

@@ -20,7 +20,7 @@ import pytest
 from service_fixtures import shared_server  # noqa: F401 - fixture used by name
 from test_clients_go_java import JAVA_LIB, _missing, built_clients  # noqa: F401 - fixture used by name
 
-from pagedserve.client import Client
+from pagedserve.client import Client, Message
 
 ROOT = Path(__file__).resolve().parents[1]
 READMES = (ROOT / "README.md", ROOT / "clients" / "go" / "README.md", ROOT / "clients" / "java" / "README.md")
@@ -81,7 +81,7 @@ SNIPPETS = snippets()
 
 
 def test_every_snippet_is_tagged_and_used():
-    used = {"python-client", "python-offline", "go-fragment", "go-main", "go-recipe", "java-fragment", "java-pom",
+    used = {"python-client", "python-offline", "python-openai", "go-fragment", "go-main", "go-recipe", "java-fragment", "java-pom",
             "java-main", "java-recipe"}
     assert set(SNIPPETS) == used
 
@@ -109,6 +109,18 @@ def run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: f
 def test_python_client_snippet(shared_server, expected, tmp_path):  # noqa: F811
     out = run([sys.executable, "-c", at(shared_server.target, SNIPPETS["python-client"])], tmp_path)
     assert out == expected["readme"] and out
+
+
+def test_python_openai_sdk_snippet(shared_server, tmp_path):  # noqa: F811
+    """README's OpenAI SDK call, against the shared server's HTTP port: the same answer as the gRPC chat."""
+    code = SNIPPETS["python-openai"]
+    assert "localhost:8000" in code
+    out = run([sys.executable, "-c", code.replace("localhost:8000", f"127.0.0.1:{shared_server.http_port}")], tmp_path)
+    with Client(shared_server.target, timeout=300) as client:
+        answer = client.complete([Message("user", "What is the capital of France?")], temperature=0,
+                                 max_new_tokens=64)
+    assert answer.final.finish_reason.value == "eos_token", "the answer ends before either length limit"
+    assert out == answer.text + "\n" and "Paris" in out
 
 
 def test_python_offline_api_snippet(tmp_path):

@@ -30,6 +30,11 @@ TEXT = st.text(max_size=80)
 REQUEST_ID = st.one_of(st.just(""), st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=40),
                        st.text(max_size=20), st.text(alphabet="ab", min_size=250, max_size=300))
 TOKEN_IDS = st.lists(st.one_of(st.integers(0, 49151), st.integers(0, 2**32 - 1)), max_size=600)
+ROLE = st.one_of(st.sampled_from(["system", "user", "assistant", "tool", "developer", "wizard", ""]), st.text(max_size=8))
+# Templates that render, refuse, fail to parse, or read what is not there; plus arbitrary text.
+CHAT_TEMPLATE = st.one_of(st.sampled_from([
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}", "{{ raise_exception('no') }}", "{% for %}",
+    "{{ messages[99].content }}", "{{ messages.__class__ }}", ""]), st.text(max_size=60))
 SMALL_MAX_TOKENS = st.one_of(st.none(), st.integers(0, 6), st.integers(0, 2**32 - 1))
 
 
@@ -40,11 +45,15 @@ def _optional(strategy):
 @st.composite
 def generate_requests(draw) -> pb.GenerateRequest:
     request = pb.GenerateRequest(request_id=draw(REQUEST_ID))
-    which = draw(st.sampled_from(["text", "token_ids", "none"]))
+    which = draw(st.sampled_from(["text", "token_ids", "chat", "none"]))
     if which == "text":
         request.text = draw(TEXT)
     elif which == "token_ids":
         request.token_ids.ids.extend(draw(TOKEN_IDS))
+    elif which == "chat":
+        for role, content in draw(st.lists(st.tuples(ROLE, TEXT), max_size=6)):
+            request.chat.messages.add(role=role, content=content)
+        _set_optionals(request.chat, draw, {"chat_template": CHAT_TEMPLATE, "add_generation_prompt": st.booleans()})
     _set_optionals(request, draw, {
         "add_special_tokens": st.booleans(), "truncate_input_tokens": UINT32, "n": st.integers(0, 70)})
     _set_optionals(request.sampling, draw, {

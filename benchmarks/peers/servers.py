@@ -1,5 +1,5 @@
 """Start, health-check and stop the servers we compare: vLLM's OpenAI server, llama.cpp's
-llama-server and pagedserve's gRPC server. Each runs in its own process group so that
+llama-server and pagedserve's server (gRPC, or its OpenAI HTTP API). Each runs in its own process group so that
 stopping it also stops its children (vLLM's engine core, workers)."""
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class Server:
     proc: subprocess.Popen
     target: str  # http://host:port or host:port (gRPC)
     log_path: Path
+    grpc_target: str | None = None  # pagedserve with --http-port: its gRPC port too (same process, same engine)
 
     def stop(self, timeout: float = 30) -> None:
         if self.proc.poll() is not None:
@@ -110,13 +111,16 @@ def start_llama_server(model_dir: str, dtype: str, log_dir: Path, threads: int =
 
 
 def start_pagedserve(model_dir: str, dtype: str, log_dir: Path, threads: int = 2,
-                     timeout: float = 300) -> Server:
-    ready = log_dir / f"pagedserve-{dtype}.ready.json"
+                     timeout: float = 300, http: bool = False) -> Server:
+    """http: also serve the OpenAI HTTP API and return its http:// target instead of the gRPC one."""
+    name = f"pagedserve-{'http' if http else 'grpc'}-{dtype}"
+    ready = log_dir / f"{name}.ready.json"
     ready.unlink(missing_ok=True)
     argv = [sys.executable, "-m", "pagedserve.service", "serve", "--model", model_dir, "--dtype", dtype,
             "--port", "0", "--host", "127.0.0.1", "--num-threads", str(threads),
-            "--no-enable-prefix-caching", "--ready-file", str(ready), "--log-level", "WARNING"]
-    proc, log = _spawn(f"pagedserve-server-{dtype}", argv, None, log_dir)
+            "--no-enable-prefix-caching", "--ready-file", str(ready), "--log-level", "WARNING",
+            *(("--http-port", "0", "--served-model-name", "model") if http else ())]
+    proc, log = _spawn(name, argv, None, log_dir)
     deadline = time.monotonic() + timeout
     while not ready.is_file():
         if proc.poll() is not None:
@@ -126,5 +130,8 @@ def start_pagedserve(model_dir: str, dtype: str, log_dir: Path, threads: int = 2
             raise TimeoutError(f"pagedserve server not ready after {timeout:.0f} s; see {log}")
         time.sleep(0.5)
     time.sleep(0.2)  # the file may be mid-write on the first poll
-    port = json.loads(ready.read_text())["port"]
-    return Server("pagedserve-grpc", proc, f"127.0.0.1:{port}", log)
+    ports = json.loads(ready.read_text())
+    if http:
+        return Server("pagedserve-http", proc, f"http://127.0.0.1:{ports['http_port']}", log,
+                      f"127.0.0.1:{ports['port']}")
+    return Server("pagedserve-grpc", proc, f"127.0.0.1:{ports['port']}", log)

@@ -3,7 +3,7 @@
 from pagedserve.client.async_client import AsyncClient, AsyncGenerationStream
 from pagedserve.client.channels import TlsOptions
 from pagedserve.client.errors import ClientError
-from pagedserve.client.request import GenerateOptions, build_request
+from pagedserve.client.request import GenerateOptions, Message, build_request
 from pagedserve.client.sync_client import Client, GenerationStream
 from pagedserve.client.types import (
     Completion,
@@ -19,6 +19,6 @@ from pagedserve.client.types import (
 
 __all__ = [
     "AsyncClient", "AsyncGenerationStream", "Client", "ClientError", "Completion", "Delta", "Final", "FinishReason",
-    "GenerateOptions", "GenerationStream", "Started", "Timing", "TokenLogprob", "Tokenization", "TlsOptions", "Usage",
+    "GenerateOptions", "GenerationStream", "Message", "Started", "Timing", "TokenLogprob", "Tokenization", "TlsOptions", "Usage",
     "build_request",
 ]

@@ -10,7 +10,7 @@ import grpc
 from pagedserve.client.channels import TlsOptions, aio_channel, channel_options, resolve_target
 from pagedserve.client.errors import ClientError
 from pagedserve.client.frames import FrameReader
-from pagedserve.client.request import GenerateOptions, build_request
+from pagedserve.client.request import GenerateOptions, Prompt, build_request
 from pagedserve.client.sync_client import DEFAULT_MAX_MESSAGE_BYTES
 from pagedserve.client.types import Completion, Delta, Final, Started, Tokenization
 from pagedserve.v1 import generation_service_pb2_grpc, model_info_pb2, tokenize_pb2
@@ -74,13 +74,13 @@ class AsyncClient:
         self._channel = aio_channel(resolve_target(target), tls, options)
         self._stub = generation_service_pb2_grpc.GenerationServiceStub(self._channel)
 
-    def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+    def generate(self, prompt: Prompt, *, timeout: float | None = None,
                  metadata: Sequence[tuple[str, str]] = (), **options: object) -> AsyncGenerationStream:
         request = build_request(prompt, GenerateOptions.from_kwargs(**options))
         call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=tuple(metadata))
         return AsyncGenerationStream(call)
 
-    async def complete(self, prompt: str | Sequence[int], **kwargs: object) -> Completion:
+    async def complete(self, prompt: Prompt, **kwargs: object) -> Completion:
         results = await self.generate(prompt, **kwargs).results()  # type: ignore[arg-type]
         if len(results) != 1:
             raise ValueError(f"complete() is for n=1; got {len(results)} completions, use generate().results()")

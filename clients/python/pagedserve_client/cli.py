@@ -1,4 +1,5 @@
-"""`pagedserve-client generate "prompt"`: stream a completion to the terminal (also: tokenize, model-info)."""
+"""`pagedserve-client generate "prompt"` / `chat "message"`: stream a completion or an answer to the terminal
+(also: tokenize, model-info)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from google.protobuf import json_format
 
 from pagedserve.client.channels import TlsOptions
 from pagedserve.client.errors import ClientError
+from pagedserve.client.request import Message
 from pagedserve.client.sync_client import Client
 
 # Generate options exposed as flags: (flag name, type, help).
@@ -44,17 +46,38 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream a completion")
     gen.add_argument("prompt")
-    for flag, kind, help_text in _GENERATE_FLAGS:
-        gen.add_argument(f"--{flag}", type=kind, help=help_text)
-    gen.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true", default=None)
-    gen.add_argument("--request-id", default="")
-    gen.add_argument("--json", action="store_true", help="print one JSON object per completion instead of text")
+    _add_generate_flags(gen)
+    chat = sub.add_parser("chat", help="stream the model's answer to a user message (the model's chat template)")
+    chat.add_argument("prompt", help="the user message")
+    chat.add_argument("--system", help="a system message before it")
+    chat.add_argument("--chat-template", help="a jinja template file to use instead of the model's")
+    _add_generate_flags(chat)
     tok = sub.add_parser("tokenize", help="print token ids")
     tok.add_argument("text")
     tok.add_argument("--offsets", action="store_true")
     sub.add_parser("model-info", help="print the model, limits and live KV-cache counts as JSON")
     return parser
+
+
+def _add_generate_flags(parser: argparse.ArgumentParser) -> None:
+    for flag, kind, help_text in _GENERATE_FLAGS:
+        parser.add_argument(f"--{flag}", type=kind, help=help_text)
+    parser.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", default=None)
+    parser.add_argument("--request-id", default="")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per completion instead of text")
+
+
+def _prompt(args: argparse.Namespace) -> tuple[object, dict[str, object]]:
+    """generate: the text as is; chat: [system,] user messages, plus the template file's text if given."""
+    if args.command == "generate":
+        return args.prompt, {}
+    messages = [Message("system", args.system)] if args.system else []
+    messages.append(Message("user", args.prompt))
+    if not args.chat_template:
+        return messages, {}
+    with open(args.chat_template, encoding="utf-8") as f:
+        return messages, {"chat_template": f.read()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -64,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tls = TlsOptions(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
     try:
         with Client(args.target, tls=tls, timeout=args.timeout) as client:
-            if args.command == "generate":
+            if args.command in ("generate", "chat"):
                 return _generate(client, args)
             if args.command == "tokenize":
                 t = client.tokenize(args.text, offsets=args.offsets)
@@ -82,7 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _generate(client: Client, args: argparse.Namespace) -> int:
     options = {flag.replace("-", "_"): getattr(args, flag.replace("-", "_")) for flag, _, _ in _GENERATE_FLAGS}
     options = {k: v for k, v in options.items() if v is not None}
-    stream = client.generate(args.prompt, stop=args.stop, ignore_eos=args.ignore_eos, request_id=args.request_id,
+    prompt, chat_options = _prompt(args)
+    stream = client.generate(prompt, **chat_options, stop=args.stop, ignore_eos=args.ignore_eos, request_id=args.request_id,
                              **options)
     try:
         for delta in stream:

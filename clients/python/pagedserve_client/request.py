@@ -9,6 +9,17 @@ from pagedserve.v1 import generate_pb2 as pb
 
 
 @dataclass(frozen=True, slots=True)
+class Message:
+    """One chat message; a list of them is a prompt rendered with the model's chat template."""
+
+    role: str  # system, developer, user, assistant or tool
+    content: str
+
+
+Prompt = str | Sequence[int] | Sequence[Message]
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateOptions:
     """Every field maps to one GenerateRequest field; None means "server default"."""
 
@@ -34,6 +45,8 @@ class GenerateOptions:
     heartbeat_ms: int | None = None
     add_special_tokens: bool | None = None
     truncate_input_tokens: int | None = None
+    chat_template: str | None = None  # chat prompts only: a jinja template instead of the model's
+    add_generation_prompt: bool | None = None  # chat prompts only (server default true)
     request_id: str = ""
 
     @classmethod
@@ -50,10 +63,14 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "pr
 _STOPPING = ("max_new_tokens", "min_new_tokens", "ignore_eos", "include_stop_sequence", "time_limit_ms")
 
 
-def build_request(prompt: str | Sequence[int], options: GenerateOptions) -> pb.GenerateRequest:
+def build_request(prompt: Prompt, options: GenerateOptions) -> pb.GenerateRequest:
     request = pb.GenerateRequest(request_id=options.request_id)
     if isinstance(prompt, str):
         request.text = prompt
+    elif prompt and isinstance(prompt[0], Message):
+        request.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in prompt)
+        _set(request.chat, "chat_template", options.chat_template)
+        _set(request.chat, "add_generation_prompt", options.add_generation_prompt)
     else:
         request.token_ids.ids.extend(prompt)
     for name in ("n", "add_special_tokens", "truncate_input_tokens"):

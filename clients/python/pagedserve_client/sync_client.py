@@ -9,7 +9,7 @@ import grpc
 from pagedserve.client.channels import TlsOptions, channel_options, resolve_target, sync_channel
 from pagedserve.client.errors import ClientError
 from pagedserve.client.frames import FrameReader
-from pagedserve.client.request import GenerateOptions, build_request
+from pagedserve.client.request import GenerateOptions, Prompt, build_request
 from pagedserve.client.types import Completion, Delta, Final, Started, Tokenization
 from pagedserve.v1 import generate_pb2, generation_service_pb2_grpc, model_info_pb2, tokenize_pb2
 
@@ -74,7 +74,7 @@ class Client:
         self._channel = sync_channel(resolve_target(target), tls, options)
         self._stub = generation_service_pb2_grpc.GenerationServiceStub(self._channel)
 
-    def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+    def generate(self, prompt: Prompt, *, timeout: float | None = None,
                  metadata: Sequence[tuple[str, str]] = (), **options: object) -> GenerationStream:
         request = build_request(prompt, GenerateOptions.from_kwargs(**options))
         return GenerationStream(self.generate_raw(request, timeout=timeout, metadata=metadata))
@@ -84,7 +84,7 @@ class Client:
         """The underlying call for a hand-built request (frames as protos)."""
         return self._stub.Generate(request, timeout=timeout or self.timeout, metadata=tuple(metadata))
 
-    def complete(self, prompt: str | Sequence[int], **kwargs: object) -> Completion:
+    def complete(self, prompt: Prompt, **kwargs: object) -> Completion:
         """One completion (n must be 1), read to the end."""
         results = self.generate(prompt, **kwargs).results()  # type: ignore[arg-type]
         if len(results) != 1:

@@ -11,7 +11,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "quantization", "dtype", "kv_cache_dtype", "block_size", "max_context_length", "vocab_size", "eos_token_ids", "limits", "kv_cache", "scheduler")
+    __slots__ = ("model", "architecture", "quantization", "dtype", "kv_cache_dtype", "block_size", "max_context_length", "vocab_size", "eos_token_ids", "limits", "kv_cache", "scheduler", "has_chat_template")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class ModelInfoResponse(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     quantization: str
@@ -36,7 +37,8 @@ class ModelInfoResponse(_message.Message):
     limits: Limits
     kv_cache: KvCacheStats
     scheduler: SchedulerStats
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheStats, _Mapping]] = ..., scheduler: _Optional[_Union[SchedulerStats, _Mapping]] = ...) -> None: ...
+    has_chat_template: bool
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheStats, _Mapping]] = ..., scheduler: _Optional[_Union[SchedulerStats, _Mapping]] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_num_seqs", "max_num_batched_tokens", "max_queued_requests", "max_message_bytes", "max_n", "max_logprobs")

@@ -1,0 +1,114 @@
+"""Chat messages -> the prompt text the checkpoint was trained on, rendered by its own chat template.
+
+Rendering goes through transformers' own `render_jinja_template` (its sandboxed jinja environment with
+trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now`, its `tojson`, and the tokenizer's special tokens as
+template variables), so the prompt is byte for byte what `tokenizer.apply_chat_template` renders.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
+
+from pagedserve.engine.errors import ConfigError, InvalidRequestError, MissingChatTemplateError
+
+# OpenAI's message roles that carry plain content; templates decide what each one looks like.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_MESSAGES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    template: str | None = None  # a jinja template for this request only; None: the model's (or --chat-template)
+    add_generation_prompt: bool = True  # end with the assistant header, so the model answers
+
+
+def check_messages(messages: Any, field: str = "messages") -> tuple[ChatMessage, ...]:
+    """A non-empty sequence of ChatMessage with known roles and string content; errors name the message."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidRequestError(field, "at least one message is required")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequestError(field, f"at most {MAX_MESSAGES} messages, got {len(messages)}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, ChatMessage):
+            raise InvalidRequestError(f"{field}[{i}]", f"must be a ChatMessage, got {type(message).__name__}")
+        if message.role not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"{field}[{i}].role", f"unknown role {message.role!r}; supported: {', '.join(CHAT_ROLES)}")
+        if not isinstance(message.content, str):
+            raise InvalidRequestError(f"{field}[{i}].content", "must be a string")
+    return tuple(messages)
+
+
+def read_template_file(path: str | Path) -> str:
+    """`--chat-template FILE`: read and compiled once at startup, so a broken file stops the server there."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("chat_template", f"cannot read {path}: {exc}") from None
+    _compile(text, lambda msg: ConfigError("chat_template", f"{path}: {msg}"))
+    return text
+
+
+def _compile(template: str, error: Any) -> None:
+    try:
+        _compile_jinja_template(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise error(f"template syntax error on line {exc.lineno}: {exc.message}") from None
+
+
+class ChatTemplate:
+    """The model's default template (or the operator's override) plus the special tokens templates read."""
+
+    def __init__(self, hf_tokenizer: Any, model_name: str, override: str | None = None):
+        self.model_name = model_name
+        self.default = override if override is not None else _model_template(hf_tokenizer)
+        self.special_tokens = dict(hf_tokenizer.special_tokens_map)
+
+    @property
+    def available(self) -> bool:
+        return self.default is not None
+
+    def render(self, messages: tuple[ChatMessage, ...], options: ChatOptions = ChatOptions()) -> str:
+        template = self._template(options)
+        chat = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            rendered, _ = render_jinja_template(
+                conversations=[chat], chat_template=template,
+                add_generation_prompt=options.add_generation_prompt, **self.special_tokens)
+        except jinja2.TemplateError as exc:  # raise_exception() in the template: the conversation is refused
+            raise InvalidRequestError("messages", f"the chat template refused the conversation: {exc}") from None
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise InvalidRequestError("messages", f"the chat template failed on these messages: {exc}") from None
+        return rendered[0]
+
+    def _template(self, options: ChatOptions) -> str:
+        if options.template is not None:
+            if not isinstance(options.template, str) or not options.template:
+                raise InvalidRequestError("chat_template", "must be a non-empty string")
+            _compile(options.template, lambda msg: InvalidRequestError("chat_template", msg))
+            return options.template
+        if self.default is None:
+            raise MissingChatTemplateError(
+                f"model {self.model_name!r} has no chat template (no chat_template.jinja and no chat_template in "
+                "tokenizer_config.json); start the server with --chat-template FILE or send one with the request")
+        return self.default
+
+
+def _model_template(hf_tokenizer: Any) -> str | None:
+    """chat_template.jinja or tokenizer_config's chat_template (transformers loads either); a dict of named
+    templates means its "default" entry, as apply_chat_template picks without tools."""
+    template = getattr(hf_tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default")
+    return template or None

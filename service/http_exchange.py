@@ -1,0 +1,116 @@
+"""One HTTP exchange at the ASGI level: a size-limited JSON body, JSON or SSE replies, and client disconnects.
+
+Generation endpoints are plain ASGI callables (not Starlette request handlers) because they must notice a client
+that goes away while they wait on the engine, with or without a stream open: the wait is raced against the
+`http.disconnect` message, and losing the race cancels the engine stream, which aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+from pagedserve.engine.request_id import check_request_id
+from pagedserve.service.openai_errors import ErrorReply, HttpError
+
+T = TypeVar("T")
+_DRAIN_FACTOR = 16  # an over-limit body is read and dropped up to this many limits, so the client sees the 413
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
+
+class ClientGone(Exception):
+    """The client disconnected; nothing more can be sent."""
+
+
+class Exchange:
+    def __init__(self, scope: dict[str, Any], receive: Any, send: Any):
+        self.scope, self._receive, self._send = scope, receive, send
+        self.started = False
+        self.status = 499  # until a reply starts: nginx's "client closed request"
+        self._disconnected: asyncio.Future | None = None
+        self._echo: list[tuple[bytes, bytes]] = []  # x-request-id, once checked (check_request_id_header)
+
+    def check_request_id_header(self) -> None:
+        """A client's x-request-id is echoed on every reply (as gRPC echoes its metadata), once it passes the one
+        request-id rule; a bad one is refused naming the header."""
+        for key, value in self.scope.get("headers", ()):
+            if key == b"x-request-id":
+                check_request_id(value.decode("latin-1"), "x-request-id")
+                self._echo = [(key, value)]
+                return
+
+    async def json_body(self, limit: int) -> Any:
+        body = await self._read_body(limit)
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise HttpError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+    async def _read_body(self, limit: int) -> bytes:
+        chunks, size = [], 0
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            size += len(message.get("body", b""))
+            if size <= limit:
+                chunks.append(message.get("body", b""))
+            if not message.get("more_body", False) or size > limit * _DRAIN_FACTOR:
+                break
+        if size > limit:
+            raise HttpError(413, f"the request body is {size} bytes or more, over the server limit of {limit} bytes "
+                            "(--max-message-bytes)", code="request_too_large")
+        return b"".join(chunks)
+
+    async def until_disconnect(self, awaitable: Awaitable[T]) -> T:
+        """The awaitable's result, unless the client disconnects first: then it is cancelled and ClientGone raised."""
+        task = asyncio.ensure_future(awaitable)
+        if self._disconnected is None:
+            self._disconnected = asyncio.ensure_future(self._wait_disconnect())
+        await asyncio.wait({task, self._disconnected}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise ClientGone()
+
+    async def _wait_disconnect(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+
+    def close(self) -> None:
+        if self._disconnected is not None:
+            self._disconnected.cancel()
+
+    async def send_json(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        extra = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+        await self._start(status, [(b"content-type", b"application/json"),
+                                   (b"content-length", str(len(data)).encode()), *extra])
+        await self._send({"type": "http.response.body", "body": data, "more_body": False})
+
+    async def send_error(self, reply: ErrorReply) -> None:
+        if self.started:  # mid-stream: OpenAI's SDKs read an error event, then the stream ends
+            await self.sse(reply.body)
+            await self.end_sse()
+        else:
+            await self.send_json(reply.status, reply.body, reply.headers)
+
+    async def start_sse(self) -> None:
+        await self._start(200, SSE_HEADERS)
+
+    async def sse(self, payload: Any) -> None:
+        data = b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end_sse(self) -> None:
+        await self._send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started, self.status = True, status
+        await self._send({"type": "http.response.start", "status": status, "headers": [*headers, *self._echo]})

@@ -1,0 +1,69 @@
+"""uvicorn serving the OpenAI API on the gRPC server's own event loop (so both share one engine and one drain)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+from typing import Any
+
+import uvicorn
+
+from pagedserve.service.config import TlsConfig
+from pagedserve.service.openai_api import OpenAIApi
+
+log = logging.getLogger(__name__)
+_SHUTDOWN_S = 2  # after the drain: idle keep-alive connections get this long before they are closed
+
+
+class HttpServer:
+    """tls: the gRPC port's certificates serve HTTPS too (a client CA makes it mutual TLS, as for gRPC)."""
+
+    def __init__(self, servicer: Any, host: str, port: int, max_body_bytes: int, tls: TlsConfig | None = None):
+        self.socket = _bind(host, port)
+        self.port = self.socket.getsockname()[1]
+        config = uvicorn.Config(OpenAIApi(servicer, max_body_bytes).app(), lifespan="off", log_config=None,
+                                access_log=False, timeout_graceful_shutdown=_SHUTDOWN_S, server_header=False,
+                                **_tls_options(tls))
+        self._server = uvicorn.Server(config)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Returns once uvicorn accepts connections on the bound socket (or raises why it could not)."""
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[self.socket]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await self._task
+        except Exception:  # noqa: BLE001 - shutting down regardless; say why it was not clean
+            log.exception("HTTP server did not stop cleanly")
+        finally:
+            self.socket.close()
+
+
+def _tls_options(tls: TlsConfig | None) -> dict[str, Any]:
+    if tls is None:
+        return {}
+    options: dict[str, Any] = {"ssl_certfile": str(tls.cert_file), "ssl_keyfile": str(tls.key_file)}
+    if tls.client_ca_file is not None:
+        options |= {"ssl_ca_certs": str(tls.client_ca_file), "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return options
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock

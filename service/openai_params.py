@@ -1,0 +1,276 @@
+"""OpenAI request JSON -> the engine's request (token-id prompts + SamplingParams), naming OpenAI's parameters.
+
+Value checks are not repeated here: raw JSON values go straight into SamplingParams and the chat template, whose
+typed errors name the engine field; `OpenAIRequest.param` translates that name back to the parameter the client set.
+This module only knows which OpenAI parameters exist, which are ignored (as OpenAI ignores them), which are refused
+as unsupported, and how their shapes map onto the engine's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.engine.chat_template import ChatMessage, ChatOptions, check_messages
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.service.requests import ModelFacts
+
+# OpenAI's own parameters, plus vLLM's extensions that the same clients send.
+_COMMON = frozenset({
+    "model", "stream", "stream_options", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "logprobs",
+    "presence_penalty", "frequency_penalty", "logit_bias", "user",
+    "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
+    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens",
+    "return_token_ids",
+})
+COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+CHAT_PARAMS = _COMMON | {
+    "messages", "max_completion_tokens", "top_logprobs", "metadata", "store", "service_tier", "parallel_tool_calls",
+    "tools", "tool_choice", "response_format", "chat_template", "add_generation_prompt", "reasoning_effort",
+    "prompt_cache_key", "safety_identifier", "modalities", "audio", "prediction", "functions", "function_call",
+    "web_search_options", "verbosity",
+}
+_TEXT_PART = "text"
+
+# OpenAI parameter -> SamplingParams field, where the value passes unchanged.
+_DIRECT = ("n", "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
+           "stop", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output")
+
+
+MAX_BATCH = 64  # prompts in one /v1/completions request
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    token_ids: tuple[int, ...]
+    text: str  # for `echo`; empty for token-id prompts
+    params: SamplingParams  # max_tokens fitted to the room this prompt leaves in the context
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIRequest:
+    chat: bool
+    model: str | None
+    prompts: tuple[PromptInput, ...]  # one for chat; completions take a batch (choice index = prompt * n + i)
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool  # vLLM's stream_options.continuous_usage_stats: running usage on every chunk
+    return_token_ids: bool  # vLLM's return_token_ids: each choice (or chunk) carries its token ids
+    echo: bool
+    names: dict[str, str]  # engine field -> the OpenAI parameter the client set
+
+    @property
+    def params(self) -> SamplingParams:
+        """What every prompt shares (n, logprobs, stops); only max_tokens may differ between prompts."""
+        return self.prompts[0].params
+
+    def param(self, engine_field: str) -> str:
+        return self.names.get(engine_field, engine_field)
+
+
+def parse(body: Any, chat: bool, facts: ModelFacts) -> OpenAIRequest:
+    if not isinstance(body, dict):
+        raise InvalidRequestError("body", f"must be a JSON object, got {type(body).__name__}")
+    body = {k: v for k, v in body.items() if v is not None}  # the SDKs send null for "not given"
+    _check_known(body, CHAT_PARAMS if chat else COMPLETION_PARAMS)
+    _refuse_unsupported(body, chat)
+    names = _names(body, chat)
+    texts = [(_chat_prompt(body, facts), "")] if chat else _completion_prompts(body, facts)
+    logprobs = _chat_logprobs(body) if chat else body.get("logprobs")  # its own errors already name OpenAI's fields
+    try:
+        base = _sampling_params(body, chat, logprobs)
+        base.check_vocab(facts.vocab_size)
+        prompts = tuple(PromptInput(tuple(ids), text, _fit_context(base, body, chat, len(ids), facts.max_context_length))
+                        for ids, text in texts)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(names.get(exc.field, exc.field), exc.message) from None
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options", {})
+    if "stream_options" in body and (not stream or not isinstance(options, dict)):
+        raise InvalidRequestError("stream_options", "is only allowed with stream: true, as an object")
+    return OpenAIRequest(
+        chat=chat, model=_model(body), prompts=prompts, stream=stream,
+        include_usage=_bool(options, "include_usage", False),
+        continuous_usage=_bool(options, "continuous_usage_stats", False),
+        return_token_ids=_bool(body, "return_token_ids", False), echo=_bool(body, "echo", False), names=names)
+
+
+def _check_known(body: dict[str, Any], known: frozenset[str]) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:  # OpenAI answers the same for a misspelt parameter, instead of silently ignoring it
+        raise InvalidRequestError(unknown[0], f"Unrecognized request argument supplied: {unknown[0]}")
+
+
+def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise InvalidRequestError(name, "tool and function calling are not supported by this server")
+    for name in ("tool_choice", "function_call"):
+        if body.get(name, "none") not in ("none", "auto"):
+            raise InvalidRequestError(name, "tool and function calling are not supported by this server")
+    fmt = body.get("response_format", {"type": "text"})
+    if not isinstance(fmt, dict) or fmt.get("type") != "text":
+        raise InvalidRequestError("response_format", "only {\"type\": \"text\"} is supported")
+    for name in ("audio", "prediction", "web_search_options", "suffix"):
+        if name in body:
+            raise InvalidRequestError(name, "is not supported by this server")
+    if body.get("modalities", ["text"]) != ["text"]:
+        raise InvalidRequestError("modalities", "only [\"text\"] is supported")
+    if "best_of" in body and body["best_of"] != body.get("n", 1):
+        raise InvalidRequestError("best_of", "must equal n (ranking extra samples is not supported)")
+    if _bool(body, "echo", False) and "logprobs" in body:
+        raise InvalidRequestError("echo", "echo with logprobs needs prompt logprobs, which are not supported")
+    if not _bool(body, "skip_special_tokens", True):
+        raise InvalidRequestError("skip_special_tokens", "only true is supported")
+
+
+def _names(body: dict[str, Any], chat: bool) -> dict[str, str]:
+    names = {"prompt_token_ids": "messages" if chat else "prompt", "prompt": "prompt"}
+    if chat and "max_completion_tokens" in body:
+        names["max_tokens"] = "max_completion_tokens"
+    if chat and "top_logprobs" in body:
+        names["logprobs"] = "top_logprobs"
+    return names
+
+
+def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise InvalidRequestError(name, f"must be a boolean, got {value!r}")
+    return value
+
+
+def _model(body: dict[str, Any]) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequestError("model", f"must be a string, got {model!r}")
+    return model
+
+
+def _sampling_params(body: dict[str, Any], chat: bool, logprobs: int | None) -> SamplingParams:
+    kwargs: dict[str, Any] = {name: body[name] for name in _DIRECT if name in body}
+    if "top_k" in body:
+        kwargs["top_k"] = 0 if body["top_k"] == -1 else body["top_k"]  # vLLM's -1 means "off", like our 0
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens")
+    if max_tokens is not None:
+        kwargs["max_tokens"] = max_tokens
+    if "logit_bias" in body:
+        kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
+    return SamplingParams(**kwargs, logprobs=logprobs)
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    top = body.get("top_logprobs")
+    if not _bool(body, "logprobs", False):
+        if top is not None:
+            raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+        return None
+    return 0 if top is None else top
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:
+    if not isinstance(bias, dict):
+        raise InvalidRequestError("logit_bias", "must be an object mapping token ids to biases")
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise InvalidRequestError("logit_bias", "keys must be token ids (integers as strings)") from None
+
+
+def _fit_context(params: SamplingParams, body: dict[str, Any], chat: bool, prompt_len: int,
+                 context: int) -> SamplingParams:
+    """No max_tokens: the room left in the context (chat) or 16 within it (completions); a set one must fit."""
+    room = context - prompt_len
+    given = "max_completion_tokens" in body or "max_tokens" in body
+    if not given:
+        max_tokens = room if chat else min(params.max_tokens, room)
+        return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
+    if params.max_tokens > room:
+        raise InvalidRequestError(
+            "max_tokens", f"{params.max_tokens} new tokens after a {prompt_len}-token prompt exceed the model's "
+            f"context of {context} tokens (at most {room})")
+    return params
+
+
+def _prompt_fits(ids: list[int], field: str, context: int) -> list[int]:
+    if not ids:
+        raise InvalidRequestError(field, "the prompt is empty")
+    if len(ids) >= context:
+        raise InvalidRequestError(
+            field, f"the prompt is {len(ids)} tokens; the model's context is {context} tokens and at least one "
+            "must be left to generate")
+    return ids
+
+
+def _completion_prompts(body: dict[str, Any], facts: ModelFacts) -> list[tuple[list[int], str]]:
+    """A string or token ids, or a batch of either; (token ids, text for echo) per prompt."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        batch, fields = [prompt], ["prompt"]
+    elif isinstance(prompt, list) and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        if len(prompt) > MAX_BATCH:
+            raise InvalidRequestError("prompt", f"at most {MAX_BATCH} prompts per request, got {len(prompt)}")
+        batch = prompt
+        fields = ["prompt"] if len(prompt) == 1 else [f"prompt[{i}]" for i in range(len(prompt))]
+    else:
+        raise InvalidRequestError("prompt", "must be a string, a list of token ids, or a list of either")
+    return [_completion_prompt(p, field, body, facts) for p, field in zip(batch, fields)]
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _completion_prompt(prompt: str | list[int], field: str, body: dict[str, Any],
+                       facts: ModelFacts) -> tuple[list[int], str]:
+    if isinstance(prompt, str):
+        ids = facts.encode(prompt, _bool(body, "add_special_tokens", True))
+        return _prompt_fits(ids, field, facts.max_context_length), prompt
+    for i, token in enumerate(prompt):
+        if not 0 <= token < facts.vocab_size:
+            raise InvalidRequestError(f"{field}[{i}]", f"token id {token} is outside the vocabulary "
+                                      f"(size {facts.vocab_size})")
+    return _prompt_fits(list(prompt), field, facts.max_context_length), ""
+
+
+def _chat_prompt(body: dict[str, Any], facts: ModelFacts) -> list[int]:
+    messages = check_messages(_messages(body.get("messages")))
+    template = body.get("chat_template")
+    options = ChatOptions(template=template, add_generation_prompt=_bool(body, "add_generation_prompt", True))
+    text = facts.render_chat(messages, options)
+    ids = facts.encode(text, _bool(body, "add_special_tokens", False))
+    return _prompt_fits(ids, "messages", facts.max_context_length)
+
+
+def _messages(raw: Any) -> list[ChatMessage]:
+    if not isinstance(raw, list) or not raw:
+        raise InvalidRequestError("messages", "must be a non-empty list of messages")
+    out = []
+    for i, message in enumerate(raw):
+        if not isinstance(message, dict):
+            raise InvalidRequestError(f"messages[{i}]", "must be an object with role and content")
+        if message.get("tool_calls"):
+            raise InvalidRequestError(f"messages[{i}].tool_calls", "tool calls are not supported by this server")
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise InvalidRequestError(f"messages[{i}].role", f"must be a string, got {role!r}")
+        out.append(ChatMessage(role, _content(message.get("content"), f"messages[{i}].content")))
+    return out
+
+
+def _content(content: Any, field: str) -> str:
+    """A string, or text content parts joined by newlines (as vLLM joins them); null content is empty."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise InvalidRequestError(field, "must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != _TEXT_PART or not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{field}[{j}]", "only text parts ({\"type\": \"text\", \"text\": ...}) "
+                                      "are supported")
+        texts.append(part["text"])
+    return "\n".join(texts)
+

@@ -1,0 +1,164 @@
+"""Engine RequestOutputs -> OpenAI JSON: whole responses, SSE chunks, logprobs and usage in OpenAI's shapes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.service.openai_params import OpenAIRequest
+
+Decode = Callable[[int], str]  # one token id -> its text
+
+
+@dataclass(slots=True)
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    text_offset: int = 0  # completions' logprobs.text_offset: characters before the next token
+    started: bool = False  # chat streams: the role chunk was sent
+
+
+class ResponseBuilder:
+    """Per request: accumulates what the engine produced for each choice and renders it the OpenAI way."""
+
+    def __init__(self, request: OpenAIRequest, response_id: str, model: str, decode: Decode):
+        self.request, self.id, self.model, self.decode = request, response_id, model, decode
+        self.created = int(time.time())
+        self.object = "chat.completion" if request.chat else "text_completion"
+        self.n = request.params.n
+        self.choices = [_Choice() for _ in range(self.n * len(request.prompts))]
+        self.prompt_tokens = sum(len(p.token_ids) for p in request.prompts)
+        self.cached_tokens = 0
+
+    @property
+    def all_finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    # -- whole responses --------------------------------------------------------------------------------
+    def add(self, prompt: int, output: Any) -> None:
+        """prompt: which prompt of the request this engine output answers (choice index = prompt * n + i)."""
+        self.cached_tokens = output.metrics.num_cached_tokens
+        for completion in output.outputs:
+            choice = self.choices[prompt * self.n + completion.index]
+            if choice.finish_reason is None:
+                self._record(choice, completion)
+
+    def response(self) -> dict[str, Any]:
+        choices = [self._whole_choice(i, c) for i, c in enumerate(self.choices)]
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}
+
+    def _whole_choice(self, index: int, choice: _Choice) -> dict[str, Any]:
+        text = "".join(choice.text)
+        logprobs = self._logprobs(choice, choice.logprobs) if self.request.params.logprobs is not None else None
+        out: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": choice.finish_reason,
+                               "stop_reason": choice.stop_reason}
+        if self.request.chat:
+            out["message"] = {"role": "assistant", "content": text}
+        else:
+            out["text"] = (self._echo(index // self.n)) + text
+        if self.request.return_token_ids:
+            out["token_ids"] = list(choice.token_ids)
+        return out
+
+    def usage(self) -> dict[str, Any]:
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    # -- streams -----------------------------------------------------------------------------------------
+    def chunks(self, prompt: int, output: Any) -> list[dict[str, Any]]:
+        """The chunks for one engine output: per choice, a role chunk first (chat), then its new text."""
+        self.cached_tokens = output.metrics.num_cached_tokens
+        chunks = []
+        for completion in output.outputs:
+            index = prompt * self.n + completion.index
+            choice = self.choices[index]
+            if choice.finish_reason is not None:
+                continue
+            if self.request.chat and not choice.started:
+                chunks.append(self._chunk(index, {"role": "assistant", "content": ""}, None, None))
+            first = not choice.started
+            choice.started = True
+            new_logprobs = self._record(choice, completion)
+            text = completion.new_text
+            if first:
+                text = self._echo(prompt) + text
+            if text or completion.new_token_ids or choice.finish_reason is not None:
+                logprobs = self._logprobs(choice, new_logprobs) if self.request.params.logprobs is not None else None
+                body = {"content": text} if self.request.chat else text
+                chunks.append(self._chunk(index, body, logprobs, choice, completion.new_token_ids))
+        return chunks
+
+    def _echo(self, prompt: int) -> str:
+        return self.request.prompts[prompt].text if self.request.echo else ""
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.model,
+                "choices": [], "usage": self.usage()}
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.request.chat else "text_completion"
+
+    def _chunk(self, index: int, body: Any, logprobs: Any, choice: _Choice | None,
+               token_ids: tuple[int, ...] = ()) -> dict[str, Any]:
+        finish = choice.finish_reason if choice else None
+        item: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
+        if finish is not None:
+            item["stop_reason"] = choice.stop_reason
+        if self.request.chat:
+            item["delta"] = body
+        else:
+            item["text"] = body
+        if self.request.return_token_ids:
+            item["token_ids"] = list(token_ids)
+        chunk = {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.model,
+                 "choices": [item]}
+        if self.request.continuous_usage:
+            chunk["usage"] = self.usage()
+        elif self.request.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    # -- shared ------------------------------------------------------------------------------------------
+    def _record(self, choice: _Choice, completion: Any) -> list[Any]:
+        choice.text.append(completion.new_text)
+        choice.token_ids.extend(completion.new_token_ids)
+        new = list(completion.new_logprobs)
+        choice.logprobs.extend(new)
+        if completion.finish_reason is not None:
+            choice.finish_reason = {"stop": "stop", "length": "length"}.get(completion.finish_reason, "abort")
+            choice.stop_reason = self._stop_reason(completion.stop_reason)
+        return new
+
+    def _stop_reason(self, reason: str | int | None) -> str | int | None:
+        if isinstance(reason, str) or (isinstance(reason, int) and reason in self.request.params.stop_token_ids):
+            return reason
+        return None  # end of sequence, or a length limit
+
+    def _logprobs(self, choice: _Choice, entries: list[Any]) -> dict[str, Any]:
+        if self.request.chat:
+            return {"content": [self._chat_logprob(lp) for lp in entries]}
+        tokens = [self.decode(lp.token_id) for lp in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in entries],
+                "top_logprobs": [{self.decode(t): v for t, v in lp.top} for lp in entries], "text_offset": offsets}
+
+    def _chat_logprob(self, lp: Any) -> dict[str, Any]:
+        token = self.decode(lp.token_id)
+        top = [self._token_logprob(t, v) for t, v in lp.top]
+        return {**self._token_logprob(lp.token_id, lp.logprob, token), "top_logprobs": top}
+
+    def _token_logprob(self, token_id: int, logprob: float, token: str | None = None) -> dict[str, Any]:
+        token = self.decode(token_id) if token is None else token
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}

@@ -1,0 +1,112 @@
+"""Chat templates render exactly what transformers' apply_chat_template renders, and refuse bad input by name."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from chat_templates import ALTERNATING, LLAMA3, QWEN2, conversation, tokenizer_dir
+from pagedserve.engine.chat_template import ChatMessage, ChatOptions, check_messages, read_template_file
+from pagedserve.engine.errors import ConfigError, InvalidRequestError, MissingChatTemplateError
+from pagedserve.engine.tokenizer import Tokenizer
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, default_model_dir):
+    root = tmp_path_factory.mktemp("chat-templates")
+    return {
+        "smollm2": default_model_dir,
+        "llama3": tokenizer_dir(root / "llama3", LLAMA3, as_jinja_file=False, bos="<|begin_of_text|>"),
+        "qwen2": tokenizer_dir(root / "qwen2", QWEN2, as_jinja_file=True),
+        "none": tokenizer_dir(root / "none", None, as_jinja_file=False),
+    }
+
+
+def _messages(chat: list[dict[str, str]]) -> tuple[ChatMessage, ...]:
+    return tuple(ChatMessage(m["role"], m["content"]) for m in chat)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "llama3", "qwen2"])
+@pytest.mark.parametrize("turns", [1, 2, 5])
+@pytest.mark.parametrize("system", [False, True], ids=["no-system", "system"])
+def test_rendered_prompt_equals_transformers(folders, name, turns, system):
+    hf = AutoTokenizer.from_pretrained(str(folders[name]))
+    ours = Tokenizer(folders[name], VOCAB)
+    chat = conversation(turns, system)
+    for add_generation_prompt in (True, False):
+        expected = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
+        got = ours.chat.render(_messages(chat), ChatOptions(add_generation_prompt=add_generation_prompt))
+        assert got.encode() == expected.encode()
+    expected_ids = hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ours.apply_chat_template(_messages(chat)) == list(expected_ids)
+
+
+def test_templates_differ_so_the_comparison_means_something(folders):
+    chat = _messages(conversation(2, False))  # with a system message, SmolLM2's and Qwen2's formats coincide
+    rendered = {name: Tokenizer(folders[name], VOCAB).chat.render(chat) for name in ("smollm2", "llama3", "qwen2")}
+    assert len(set(rendered.values())) == 3
+    assert rendered["llama3"].startswith("<|begin_of_text|><|start_header_id|>system")
+    assert "Today Date: " in rendered["llama3"]
+
+
+def test_request_template_overrides_the_models(folders):
+    ours = Tokenizer(folders["smollm2"], VOCAB)
+    hf = AutoTokenizer.from_pretrained(str(folders["smollm2"]))
+    chat = conversation(2, False)
+    expected = hf.apply_chat_template(chat, chat_template=QWEN2, tokenize=False, add_generation_prompt=True)
+    assert ours.chat.render(_messages(chat), ChatOptions(template=QWEN2)) == expected
+
+
+def test_server_template_file_overrides_the_models(folders, tmp_path):
+    path = tmp_path / "qwen.jinja"
+    path.write_text(QWEN2)
+    ours = Tokenizer(folders["smollm2"], VOCAB, read_template_file(path))
+    assert ours.chat.render(_messages(conversation(1, False))).startswith("<|im_start|>system\nYou are Qwen")
+
+
+def test_a_broken_template_file_is_a_config_error(tmp_path):
+    path = tmp_path / "broken.jinja"
+    path.write_text("{% for m in messages %}{{ m.content }")
+    with pytest.raises(ConfigError, match="chat_template") as info:
+        read_template_file(path)
+    assert info.value.field == "chat_template"
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_template_file(tmp_path / "missing.jinja")
+
+
+def test_model_without_template_names_the_model(folders):
+    ours = Tokenizer(folders["none"], VOCAB)
+    assert not ours.chat.available
+    with pytest.raises(MissingChatTemplateError, match="'none' has no chat template"):
+        ours.apply_chat_template(_messages(conversation(1, False)))
+    # a request's own template still works there
+    assert ours.chat.render(_messages(conversation(1, False)), ChatOptions(template=QWEN2))
+
+
+def test_template_refusal_is_an_invalid_request(folders):
+    ours = Tokenizer(folders["smollm2"], VOCAB)
+    bad = _messages([{"role": "assistant", "content": "hi"}])
+    with pytest.raises(InvalidRequestError, match="roles must alternate") as info:
+        ours.chat.render(bad, ChatOptions(template=ALTERNATING))
+    assert info.value.field == "messages"
+
+
+def test_request_template_syntax_error_names_the_field(folders):
+    ours = Tokenizer(folders["smollm2"], VOCAB)
+    with pytest.raises(InvalidRequestError) as info:
+        ours.chat.render(_messages(conversation(1, False)), ChatOptions(template="{% if %}"))
+    assert info.value.field == "chat_template"
+
+
+@pytest.mark.parametrize(("messages", "field"), [
+    ([], "messages"),
+    ((ChatMessage("user", "hi"), ChatMessage("wizard", "x")), "messages[1].role"),
+    ((ChatMessage("user", 3),), "messages[0].content"),
+    (({"role": "user", "content": "hi"},), "messages[0]"),
+])
+def test_check_messages_names_the_bad_message(messages, field):
+    with pytest.raises(InvalidRequestError) as info:
+        check_messages(messages)
+    assert info.value.field == field
