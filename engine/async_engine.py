@@ -11,13 +11,14 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import (
     EngineDeadError, InvalidRequestError, PagedServeError, QueueFullError, RequestFailedError,
 )
+from pagedserve.engine.kv_events import KvEvent
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.main_thread import SIGNAL_POLL_S, MainThreadHost
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
@@ -41,6 +42,11 @@ class _Abort:
     # True when the request's own stream gave up (it already released the id and reads nothing more); False
     # for an abort on the server's behalf, whose stream still wants its final output.
     released: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _ResetPrefixCache:
+    done: asyncio.Future  # the number of cached blocks dropped, set on the caller's loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +90,13 @@ class AsyncEngine:
         self._stopping = False
         self._stats: EngineStats | None = None
         self.dead_reason: str | None = None
+        self._kv_sink: Callable[[list[KvEvent]], None] | None = None
+
+    def publish_kv_events(self, sink: Callable[[list[KvEvent]], None]) -> None:
+        """Hands each step's prefix-cache events to `sink`, on the engine thread, in order (one sink per engine).
+        The sink must not block: it runs between engine steps."""
+        self.engine.block_manager.record_events()
+        self._kv_sink = sink
 
     async def start(self) -> None:
         """Loads the model off the event loop (on the host's main thread, or a worker thread) and starts the step
@@ -160,7 +173,13 @@ class AsyncEngine:
         if sink is not None:
             self._send(_Abort(sink, released=False))
 
-    def _send(self, command: _Add | _Abort) -> None:
+    async def reset_prefix_cache(self) -> int:
+        """Drops the prefix cache between two steps without touching running requests; returns the blocks dropped."""
+        done = asyncio.get_running_loop().create_future()
+        self._send(_ResetPrefixCache(done))
+        return await done
+
+    def _send(self, command: _Add | _Abort | _ResetPrefixCache) -> None:
         self._commands.put(command)
         self._wakeup.set()
 
@@ -177,6 +196,7 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopping and not (self._host is not None and self._host.closed):
             self._apply_commands()
+            self._flush_kv_events()  # a cache reset changes the cache without a step
             if not self.engine.has_unfinished_requests():
                 self._wakeup.wait(SIGNAL_POLL_S)
                 self._wakeup.clear()
@@ -188,6 +208,7 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             self._stats = self.engine.stats()
+            self._flush_kv_events()
             self._deliver(outputs)
         self._fail_all(EngineDeadError("the engine is shutting down"))
 
@@ -201,6 +222,9 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 applied_adds += 1
                 self._apply_add(command)
+            elif isinstance(command, _ResetPrefixCache):
+                dropped = self.engine.block_manager.reset_prefix_cache()
+                command.done.get_loop().call_soon_threadsafe(command.done.set_result, dropped)
             else:
                 out = self.engine.abort_request(command.sink.engine_id)
                 if self._forget(command.sink) and not command.released and out is not None:
@@ -209,6 +233,16 @@ class AsyncEngine:
         self._stats = self.engine.stats()
         with self._lock:
             self._pending_adds -= applied_adds
+
+    def _flush_kv_events(self) -> None:
+        if self._kv_sink is None:
+            return
+        events = self.engine.block_manager.take_events()
+        if events:
+            try:
+                self._kv_sink(events)
+            except Exception:  # a broken listener must not stop the engine
+                logger.exception("KV event listener failed")
 
     def _apply_add(self, command: _Add) -> None:
         sink = command.sink

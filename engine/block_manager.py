@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pagedserve.engine.kv_events import BlockRemoved, BlockStored, KvEvent
 from pagedserve.engine.sequence import Sequence
 
 
@@ -45,6 +46,20 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # hash -> block id
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
+        self._events: list[KvEvent] | None = None  # None: nobody listens, record nothing
+
+    def record_events(self) -> None:
+        """Start recording prefix-cache events; a listener must then drain them with take_events()."""
+        if self._events is None:
+            self._events = []
+
+    def take_events(self) -> list[KvEvent]:
+        events, self._events = self._events or [], [] if self._events is not None else None
+        return events
+
+    @property
+    def cached_hashes(self) -> frozenset[int]:
+        return frozenset(self._cached)
 
     @property
     def num_free_blocks(self) -> int:
@@ -93,8 +108,20 @@ class BlockManager:
             if block.hash is None and h not in self._cached:
                 block.hash, block.tokens = h, tokens
                 self._cached[h] = block.block_id
+                if self._events is not None:
+                    self._events.append(BlockStored(h, prev, tokens, self.block_size))
             seq.block_hashes.append(h)
             prev = h
+
+    def reset_prefix_cache(self) -> int:
+        """Makes every cached block unfindable (blocks in use stay with their sequences); returns how many."""
+        for block_hash, block_id in self._cached.items():
+            block = self.blocks[block_id]
+            block.hash, block.tokens = None, ()
+            if self._events is not None:
+                self._events.append(BlockRemoved(block_hash))
+        count, self._cached = len(self._cached), {}
+        return count
 
     # -- allocation -----------------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
@@ -159,6 +186,8 @@ class BlockManager:
         if block.hash is not None:  # evict its prefix-cache entry: its contents are about to change
             if self._cached.get(block.hash) == block_id:
                 del self._cached[block.hash]
+                if self._events is not None:
+                    self._events.append(BlockRemoved(block.hash))
             block.hash, block.tokens = None, ()
         self._free[block_id] = None  # _take removes it again; keeps one code path for both callers
         return block_id

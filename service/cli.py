@@ -91,6 +91,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                         "port; default: off)")
     g.add_argument("--metrics-host", help="bind address for metrics (default: --host)")
     g.add_argument("--served-model-name", help="name reported by ModelInfo and in metrics (default: the folder name)")
+    g.add_argument("--vllm-engine-service", action=argparse.BooleanOptionalAction, default=d.vllm_engine_service,
+                   help="also serve vllm.grpc.engine.VllmEngine, the worker protocol of SMG, vllm-router and llm-d")
     g.add_argument("--ready-file", type=Path, help="write {port, metrics_port, pid} as JSON here once serving")
     g.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -121,7 +123,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         keepalive_timeout_s=args.keepalive_timeout, max_connection_age_s=args.max_connection_age,
         max_connection_age_grace_s=args.max_connection_age_grace, shutdown_grace_s=args.shutdown_grace,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, served_model_name=args.served_model_name,
-        ready_file=args.ready_file, http_port=args.http_port)
+        vllm_engine_service=args.vllm_engine_service, ready_file=args.ready_file, http_port=args.http_port)
 
 
 def _serve_on_two_threads(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:

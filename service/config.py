@@ -46,6 +46,8 @@ class ServerConfig:
     metrics_port: int | None = None  # None: no Prometheus endpoint; 0: a free port
     metrics_host: str | None = None  # None: same as host
     served_model_name: str | None = None  # ModelInfo.model and the metrics' model_name label
+    # Also serve vllm.grpc.engine.VllmEngine (SMG, vllm-router, llm-d) on the same port and engine.
+    vllm_engine_service: bool = True
     ready_file: Path | None = None  # written (JSON: ports, pid) once the model is loaded and the server serves
     http_port: int | None = None  # the OpenAI-compatible HTTP API on `host`; None: off, 0: a free port
 

@@ -26,6 +26,7 @@ from pagedserve.service.standard_services import (
 from pagedserve.service.lifecycle import SERVICE_NAME, ServingState
 from pagedserve.service.metrics import ServiceMetrics
 from pagedserve.service.servicer import GenerationServicer
+from pagedserve.service.vllm_servicer import SERVICE_NAME as VLLM_SERVICE_NAME, VllmEngineServicer
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,11 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     servicer = GenerationServicer(state, metrics, config.max_message_bytes, name)
     server = grpc.aio.server(options=config.grpc_options())
     server.add_generic_rpc_handlers((servicer.rpc_handler(),))
+    vllm = VllmEngineServicer(state, metrics, config.max_message_bytes, name) if config.vllm_engine_service else None
+    if vllm is not None:
+        server.add_generic_rpc_handlers((vllm.rpc_handler(),))
     server.add_generic_rpc_handlers((health_rpc_handler(health, config.max_message_bytes),))
-    server.add_generic_rpc_handlers(reflection_rpc_handlers(SERVICE_NAMES))
+    server.add_generic_rpc_handlers(reflection_rpc_handlers(SERVICE_NAMES + ((VLLM_SERVICE_NAME,) if vllm else ())))
     await state.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
     http = _http_server(servicer, config)  # binds first: a taken port stops the start before anything runs
     port = _bind(server, config)
@@ -67,6 +71,8 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
         raise
     if engine is not None:
         servicer.attach(engine)
+        if vllm is not None:
+            vllm.attach(engine, servicer.facts)
         await state.mark_serving()
         _write_ready_file(config.ready_file, port, metrics_port, http.port if http else None)
         log.info("serving %s", servicer.static_info.model)

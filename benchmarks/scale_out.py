@@ -1,0 +1,187 @@
+"""Shared-prefix workload through SMG: cache-aware over 2 replicas vs round-robin over 2 vs 1 replica.
+
+Every configuration gets fresh `pagedserve serve` replicas (cold prefix caches) and a fresh `smg launch` in front;
+clients stream /v1/chat/completions: `--prompts` long system prompts x `--users` users each, `--concurrency` at a
+time, shuffled. Prints one JSON line per configuration (throughput, TTFT p50/p99, prefix-cache hit tokens and
+requests per replica from the replicas' own metrics), then a summary line.
+
+    python benchmarks/scale_out.py --prompts 8 --users 16 --system-words 700 --max-tokens 64 --concurrency 16
+    python benchmarks/scale_out.py --prompts 2 --users 2 --system-words 40 --max-tokens 4   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import http.client
+import json
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pagedserve.engine.model_store import ensure_default_model
+
+MODEL = "SmolLM2-135M-Instruct"
+CONFIGS = (("cache_aware", 2), ("round_robin", 2), ("cache_aware", 1))
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    policy: str
+    replicas: int
+    requests: int
+    wall_s: float
+    output_tok_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    prefix_hit_tokens: float
+    requests_per_replica: list[float]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_replica(workdir: Path, server_args: list[str]) -> tuple[subprocess.Popen, dict]:
+    ready = workdir / "ready.json"
+    cmd = [sys.executable, "-m", "pagedserve.service", "serve", "--port", "0", "--metrics-port", "0",
+           "--ready-file", str(ready), "--log-level", "WARNING", *server_args]
+    proc = subprocess.Popen(cmd, cwd=workdir, stdout=open(workdir / "server.log", "wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 900
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"replica failed; see {workdir / 'server.log'}")
+        time.sleep(0.2)
+    return proc, json.loads(ready.read_text())
+
+
+def start_smg(policy: str, ports: list[int], workdir: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    beside = Path(sys.executable).parent / "smg"
+    binary = str(beside) if beside.exists() else shutil.which("smg") or "smg"
+    cmd = [binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+           "--worker-urls", *[f"grpc://127.0.0.1:{p}" for p in ports], "--model-path", str(ensure_default_model()),
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"]
+    proc = subprocess.Popen(cmd, stdout=open(workdir / "smg.log", "wb"), stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    warm = json.dumps({"model": MODEL, "prompt": "warm", "max_tokens": 1}).encode()
+    for _ in range(600):
+        try:
+            workers = json.loads(urllib.request.urlopen(f"{base}/workers", timeout=5).read())["workers"]
+            request = urllib.request.Request(f"{base}/v1/completions", warm, {"content-type": "application/json"})
+            if len(workers) == len(ports) and json.loads(urllib.request.urlopen(request, timeout=60).read())["choices"]:
+                return proc, base
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"smg did not register its workers; see {workdir / 'smg.log'}")
+
+
+def metric(metrics_port: int, name: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(name + "{"))
+
+
+def one_request(base: str, messages: list[dict], max_tokens: int) -> tuple[float, int]:
+    """Streams one chat completion; returns (TTFT seconds, content chunks received)."""
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    start = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "stream": True}), {"content-type": "application/json"})
+    ttft, tokens = None, 0
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:500]!r}")
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data: {"):
+            continue
+        choice = (json.loads(line[6:]).get("choices") or [{}])[0]
+        if choice.get("delta", {}).get("content"):
+            ttft = ttft if ttft is not None else time.perf_counter() - start
+            tokens += 1
+    conn.close()
+    return (ttft if ttft is not None else time.perf_counter() - start), tokens
+
+
+def workload(args: argparse.Namespace) -> list[list[dict]]:
+    rng = random.Random(args.seed)
+    words = "bread flour oven yeast crust dough butter sugar salt water knead proof bake cool slice".split()
+    systems = [f"You are assistant {p}. " + " ".join(rng.choice(words) for _ in range(args.system_words))
+               for p in range(args.prompts)]
+    requests = [[{"role": "system", "content": s}, {"role": "user", "content": f"User {u}: what should I bake?"}]
+                for s in systems for u in range(args.users)]
+    rng.shuffle(requests)
+    return requests
+
+
+def run_config(policy: str, n: int, args: argparse.Namespace, requests: list[list[dict]]) -> Result:
+    with tempfile.TemporaryDirectory(prefix="scale-out-") as tmp:
+        procs, infos = [], []
+        try:
+            for i in range(n):
+                workdir = Path(tmp, f"replica{i}")
+                workdir.mkdir()
+                proc, info = start_replica(workdir, args.server_args)
+                procs.append(proc)
+                infos.append(info)
+            smg, base = start_smg(policy, [i["port"] for i in infos], Path(tmp))
+            procs.append(smg)
+            hits0 = sum(metric(i["metrics_port"], "vllm:prefix_cache_hits_total") for i in infos)
+            served0 = [metric(i["metrics_port"], "vllm:request_success_total") for i in infos]
+            start = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
+                results = list(pool.map(lambda m: one_request(base, m, args.max_tokens), requests))
+            wall = time.perf_counter() - start
+            ttfts = sorted(r[0] for r in results)
+            return Result(
+                policy=policy, replicas=n, requests=len(results), wall_s=wall,
+                output_tok_s=sum(r[1] for r in results) / wall, ttft_p50_s=_pct(ttfts, 50), ttft_p99_s=_pct(ttfts, 99),
+                prefix_hit_tokens=sum(metric(i["metrics_port"], "vllm:prefix_cache_hits_total") for i in infos) - hits0,
+                requests_per_replica=[metric(i["metrics_port"], "vllm:request_success_total") - s0
+                                      for i, s0 in zip(infos, served0)])
+        finally:
+            for proc in reversed(procs):
+                proc.terminate()
+                proc.wait(60)
+
+
+def _pct(sorted_values: list[float], pct: float) -> float:
+    index = min(len(sorted_values) - 1, max(0, round(pct / 100 * len(sorted_values) + 0.5) - 1))
+    return sorted_values[index]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=8, help="distinct long system prompts")
+    parser.add_argument("--users", type=int, default=16, help="users per system prompt")
+    parser.add_argument("--system-words", type=int, default=700, help="words per system prompt (~1.3 tokens each)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=["--kv-cache-memory", "1GiB"],
+                        help="passed to every `pagedserve serve` (last on the line)")
+    args = parser.parse_args()
+    requests = workload(args)
+    results = [run_config(policy, n, args, requests) for policy, n in CONFIGS]
+    for result in results:
+        print(json.dumps({"benchmark": "scale_out", **asdict(result)}), flush=True)
+    base = results[-1]
+    print(json.dumps({"benchmark": "scale_out_summary", "requests": len(requests),
+                      **{f"{r.policy}_x{r.replicas}_throughput_vs_1": r.output_tok_s / base.output_tok_s
+                         for r in results}}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Engine outputs and KV events -> vllm.grpc.engine / smg.grpc.common reply messages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as vpb
+
+from pagedserve.engine.kv_events import BlockRemoved, BlockStored
+from pagedserve.service.kv_events import EventBatch
+
+
+def chunk(out: Any, completion: Any) -> vpb.GenerateStreamChunk:
+    return vpb.GenerateStreamChunk(
+        token_ids=completion.new_token_ids, prompt_tokens=len(out.prompt_token_ids),
+        completion_tokens=len(completion.token_ids), cached_tokens=out.metrics.num_cached_tokens,
+        output_logprobs=_logprobs(completion.new_logprobs), index=completion.index)
+
+
+def complete(out: Any, completion: Any, with_tokens: bool) -> vpb.GenerateComplete:
+    """with_tokens=False for a stream's closing message: its chunks already carried every token."""
+    reply = vpb.GenerateComplete(
+        output_ids=completion.token_ids if with_tokens else (), finish_reason=completion.finish_reason,
+        prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(completion.token_ids),
+        cached_tokens=out.metrics.num_cached_tokens,
+        output_logprobs=_logprobs(completion.logprobs if with_tokens else ()), index=completion.index)
+    stop = completion.stop_reason
+    if isinstance(stop, str):
+        reply.matched_stop_str = stop
+    elif isinstance(stop, int):
+        reply.matched_token_id = stop
+    return reply
+
+
+def _logprobs(entries: tuple[Any, ...]) -> vpb.OutputLogProbs | None:
+    if not entries:
+        return None
+    return vpb.OutputLogProbs(
+        token_logprobs=[e.logprob for e in entries], token_ids=[e.token_id for e in entries],
+        top_logprobs=[vpb.TopLogProbs(values=[lp for _, lp in e.top], token_ids=[t for t, _ in e.top])
+                      for e in entries])
+
+
+def kv_batch(batch: EventBatch) -> common_pb2.KvEventBatch:
+    """Hashes are the engine's 64-bit chain keys, signed as the proto's int64 fields are. A snapshot goes out as
+    vLLM relays send one: a single chunk that starts with a cleared event and re-stores every live block."""
+    first = 0 if batch.snapshot else batch.first_event_id  # snapshot events are synthesized: id 0
+    events = [_event(e, first + i if first else 0) for i, e in enumerate(batch.events)]
+    reply = common_pb2.KvEventBatch(sequence_number=batch.sequence_number, timestamp=batch.timestamp, dp_rank=0)
+    if batch.snapshot:
+        reply.events.append(common_pb2.KvCacheEvent(cleared=common_pb2.KvCacheCleared()))
+        reply.snapshot.CopyFrom(common_pb2.KvSnapshotChunk(index=0, count=1, blocks=len(events)))
+    reply.events.extend(events)
+    return reply
+
+
+def _event(event: Any, event_id: int) -> common_pb2.KvCacheEvent:
+    if isinstance(event, BlockRemoved):
+        return common_pb2.KvCacheEvent(event_id=event_id, removed=common_pb2.KvBlocksRemoved(
+            block_hashes=[event.block_hash], tier=common_pb2.KV_CACHE_TIER_DEVICE))
+    assert isinstance(event, BlockStored)
+    stored = common_pb2.KvBlocksStored(
+        blocks=[common_pb2.KvBlock(block_hash=event.block_hash, token_ids=event.token_ids,
+                                   block_size=event.block_size)],
+        tier=common_pb2.KV_CACHE_TIER_DEVICE)
+    if event.parent_hash is not None:
+        stored.parent_block_hash = event.parent_hash
+    return common_pb2.KvCacheEvent(event_id=event_id, stored=stored)

@@ -1,0 +1,239 @@
+"""vllm.grpc.engine.VllmEngine (smg-grpc-proto): the worker protocol SMG, vllm-router and llm-d route to.
+
+A thin adapter beside pagedserve.v1 on the same server and engine: request mapping lives in vllm_requests.py,
+status codes in errors.py, replies are built from the engine's RequestOutputs here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from typing import Any
+
+import grpc
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as vpb
+
+from pagedserve.engine.model_store import resolve_model
+from pagedserve.engine.request_id import check_request_id
+from pagedserve.service import rpc_status
+from pagedserve.service.frames import timing
+from pagedserve.service.kv_events import KvEventHub
+from pagedserve.service.lifecycle import ServingState
+from pagedserve.service.metrics import ServiceMetrics
+from pagedserve.service.requests import ModelFacts
+from pagedserve.service.tokenizer_bundle import TokenizerBundle, bundle
+from pagedserve.service.vllm_replies import chunk, complete, kv_batch
+from pagedserve.service.vllm_requests import to_engine_request
+from pagedserve.service.wire import parse_request
+
+SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
+_VERSION = f"pagedserve {importlib.metadata.version('pagedserve')}"
+_UNIMPLEMENTED = {
+    "Embed": "pagedserve serves generation models only",
+    "StartProfile": "profiling is not supported",
+    "StopProfile": "profiling is not supported",
+}
+
+
+class VllmEngineServicer:
+    def __init__(self, state: ServingState, metrics: ServiceMetrics, max_message_bytes: int, model_name: str,
+                 max_pending_kv_batches: int = 1024):
+        self.state, self.metrics, self.model_name = state, metrics, model_name
+        self.max_message_bytes = max_message_bytes
+        self.kv_events = KvEventHub(max_pending_kv_batches)
+        self.engine: Any = None
+        self.facts: ModelFacts | None = None
+        self._started = time.time()
+        self._last_receive = 0.0
+        self._tokenizer: TokenizerBundle | None = None  # built on the first GetTokenizer
+
+    def attach(self, engine: Any, facts: ModelFacts) -> None:
+        self.engine, self.facts = engine, facts
+        engine.publish_kv_events(self.kv_events.publish)
+
+    def rpc_handler(self) -> grpc.GenericRpcHandler:
+        m, name = self.metrics, SERVICE_NAME
+
+        def unary(method: str, impl: Any, reply: Any) -> grpc.RpcMethodHandler:
+            return grpc.unary_unary_rpc_method_handler(
+                rpc_status.unary(m, name, method, impl), response_serializer=reply.SerializeToString)
+
+        def stream(method: str, impl: Any, reply: Any) -> grpc.RpcMethodHandler:
+            return grpc.unary_stream_rpc_method_handler(
+                rpc_status.streaming(m, name, method, impl), response_serializer=reply.SerializeToString)
+
+        handlers = {
+            "Generate": stream("Generate", self.generate, vpb.GenerateResponse),
+            "SubscribeKvEvents": stream("SubscribeKvEvents", self.subscribe_kv_events, common_pb2.KvEventBatch),
+            "Abort": unary("Abort", self.abort, vpb.AbortResponse),
+            "HealthCheck": unary("HealthCheck", self.health_check, vpb.HealthCheckResponse),
+            "GetModelInfo": unary("GetModelInfo", self.get_model_info, vpb.GetModelInfoResponse),
+            "GetServerInfo": unary("GetServerInfo", self.get_server_info, vpb.GetServerInfoResponse),
+            "GetLoads": unary("GetLoads", self.get_loads, vpb.GetLoadsResponse),
+            "FlushCache": unary("FlushCache", self.flush_cache, common_pb2.FlushCacheResponse),
+            "GetTokenizer": stream("GetTokenizer", self.get_tokenizer, common_pb2.GetTokenizerChunk),
+        }
+        for method, why in _UNIMPLEMENTED.items():
+            handlers[method] = _unimplemented(method, why)
+        missing = set(vpb.DESCRIPTOR.services_by_name["VllmEngine"].methods_by_name) - set(handlers)
+        if missing:  # a newer smg-grpc-proto than the pinned one: answer every RPC, never fall through
+            raise RuntimeError(f"VllmEngine RPCs without a handler: {sorted(missing)}")
+        return grpc.method_handlers_generic_handler(name, handlers)
+
+    # --- RPCs -------------------------------------------------------------------------------------------------
+
+    async def generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[vpb.GenerateResponse]:
+        request = parse_request(raw, vpb.GenerateRequest, self.max_message_bytes)
+        self.state.check_admitting()
+        self._last_receive = time.time()
+        request_id = check_request_id(request.request_id, "request_id") if request.request_id else uuid.uuid4().hex
+        req = to_engine_request(request, self.facts)
+        # The engine keys the request by the router's id, so Abort finds it from any connection; a second
+        # request under an id still in flight is refused (INVALID_ARGUMENT), as vLLM refuses it.
+        outputs = aiter(self.engine.generate(request_id, req.prompt_token_ids, req.params))
+        last = None
+        try:
+            with self.state.track():
+                async for last in outputs:
+                    for reply in _replies(last, request.stream):
+                        yield reply
+        finally:
+            await outputs.aclose()  # unfinished: aborts in the engine and frees its KV blocks at once
+            self._observe(last)
+
+    def _observe(self, out: Any) -> None:
+        """The same request histograms and counters as pagedserve.v1 requests feed."""
+        if out is None:
+            return
+        reasons = [c.finish_reason for c in out.outputs if c.finish_reason]
+        generated = sum(len(c.token_ids) for c in out.outputs)
+        self.metrics.observe_request(timing(out.metrics), len(out.prompt_token_ids), generated,
+                                     reasons[0] if out.finished and reasons else "abort")
+
+    async def abort(self, raw: bytes, context: grpc.aio.ServicerContext) -> vpb.AbortResponse:
+        """Aborts by router request id whichever connection started it; the stream ends with finish 'abort'."""
+        request = parse_request(raw, vpb.AbortRequest, self.max_message_bytes)
+        self.state.check_ready()
+        for request_id in request.request_ids:
+            await self.engine.abort(request_id)  # an id not in flight (already finished) is a no-op
+        return vpb.AbortResponse()
+
+    async def subscribe_kv_events(self, raw: bytes, context: grpc.aio.ServicerContext
+                                  ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        parse_request(raw, common_pb2.SubscribeKvEventsRequest, self.max_message_bytes)
+        self.state.check_ready()
+        # No history is kept: every subscription (a resume included) starts with a snapshot of the live blocks.
+        subscription = self.kv_events.subscribe()
+        try:
+            while True:
+                yield kv_batch(await subscription.next())
+        finally:
+            subscription.close()
+
+    async def get_tokenizer(self, raw: bytes, context: grpc.aio.ServicerContext
+                            ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        """The model folder's tokenizer files as a zip; the fingerprint rides on the last chunk."""
+        parse_request(raw, common_pb2.GetTokenizerRequest, self.max_message_bytes)
+        self.state.check_ready()
+        if self._tokenizer is None:
+            folder = resolve_model(self.engine.config.model)
+            self._tokenizer = await asyncio.to_thread(bundle, folder)
+        chunks = self._tokenizer.chunks()
+        for i, data in enumerate(chunks):
+            last = i == len(chunks) - 1
+            yield common_pb2.GetTokenizerChunk(data=data, sha256=self._tokenizer.sha256 if last else "")
+
+    async def flush_cache(self, raw: bytes, context: grpc.aio.ServicerContext) -> common_pb2.FlushCacheResponse:
+        """Invalidates the prefix cache between engine steps; running requests keep their blocks."""
+        parse_request(raw, common_pb2.FlushCacheRequest, self.max_message_bytes)
+        self.state.check_ready()
+        dropped = await self.engine.reset_prefix_cache()
+        return common_pb2.FlushCacheResponse(success=True, message=f"{dropped} cached blocks invalidated")
+
+    async def health_check(self, raw: bytes, context: grpc.aio.ServicerContext) -> vpb.HealthCheckResponse:
+        parse_request(raw, vpb.HealthCheckRequest, self.max_message_bytes)
+        if not self.state.ready:
+            return vpb.HealthCheckResponse(healthy=False, message="model is loading")
+        if self.state.draining:
+            return vpb.HealthCheckResponse(healthy=False, message="draining for shutdown")
+        if self.engine.dead_reason is not None:
+            return vpb.HealthCheckResponse(healthy=False, message=self.engine.dead_reason)
+        return vpb.HealthCheckResponse(healthy=True, message="serving")
+
+    async def get_model_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> vpb.GetModelInfoResponse:
+        parse_request(raw, vpb.GetModelInfoRequest, self.max_message_bytes)
+        self.state.check_ready()
+        model = self.engine.describe()
+        folder = str(resolve_model(self.engine.config.model))
+        hf = self.engine.tokenizer.hf
+        return vpb.GetModelInfoResponse(
+            model_path=folder, is_generation=True, max_context_length=model.max_model_len,
+            vocab_size=model.vocab_size, supports_vision=False, served_model_name=self.model_name,
+            tokenizer_path=folder, model_type=_model_type(folder), architectures=[model.architecture],
+            eos_token_ids=sorted(model.eos_token_ids), pad_token_id=_token_id(hf.pad_token_id),
+            bos_token_id=_token_id(hf.bos_token_id), max_req_input_len=model.max_model_len - 1,
+            default_sampling_params_json="{}")
+
+    async def get_server_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> vpb.GetServerInfoResponse:
+        parse_request(raw, vpb.GetServerInfoRequest, self.max_message_bytes)
+        self.state.check_ready()
+        model, config = self.engine.describe(), self.engine.config
+        # server_type names the protocol the router speaks to this worker, not the engine behind it.
+        return vpb.GetServerInfoResponse(
+            active_requests=self.engine.num_unfinished, is_paused=self.state.draining,
+            last_receive_timestamp=self._last_receive, uptime_seconds=time.time() - self._started,
+            server_type="vllm-grpc", data_parallel_size=1, kv_cache_dtype=model.kv_cache_dtype,
+            block_size=model.block_size, attention_backend=config.attention_backend, model_dtype=model.dtype,
+            max_num_seqs=config.max_num_seqs)
+
+    async def get_loads(self, raw: bytes, context: grpc.aio.ServicerContext) -> vpb.GetLoadsResponse:
+        """The numbers behind the Prometheus gauges (vllm:num_requests_*, vllm:kv_cache_usage_perc)."""
+        request = parse_request(raw, vpb.GetLoadsRequest, self.max_message_bytes)
+        self.state.check_ready()
+        s = self.engine.stats()
+        load = vpb.SchedulerLoad(
+            dp_rank=0, num_running_reqs=s.num_running, num_waiting_reqs=s.num_waiting,
+            num_total_reqs=s.num_running + s.num_waiting, num_used_tokens=s.num_active_kv_blocks * s.block_size,
+            max_total_num_tokens=s.num_kv_blocks * s.block_size, token_usage=s.kv_cache_usage,
+            cache_hit_rate=s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
+            max_running_requests=self.engine.config.max_num_seqs)
+        loads = [] if request.HasField("dp_rank") and request.dp_rank != 0 else [load]
+        return vpb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(), version=_VERSION,
+                                    dp_rank_count=1, loads=loads)
+
+
+def _replies(out: Any, stream: bool) -> list[vpb.GenerateResponse]:
+    """Streaming: a chunk per new-token delta, then a Complete (no tokens) per finished index.
+    Non-streaming: one Complete per index with all its tokens."""
+    replies = []
+    for completion in out.outputs:
+        if stream and completion.new_token_ids:
+            replies.append(vpb.GenerateResponse(chunk=chunk(out, completion)))
+        if completion.finished:
+            replies.append(vpb.GenerateResponse(complete=complete(out, completion, with_tokens=not stream)))
+    return replies
+
+
+def _unimplemented(method: str, why: str) -> grpc.RpcMethodHandler:
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{SERVICE_NAME}/{method}: {why}")
+
+    return grpc.unary_unary_rpc_method_handler(handler)
+
+
+def _model_type(folder: str) -> str:
+    try:
+        with open(f"{folder}/config.json") as f:
+            return str(json.load(f).get("model_type", ""))
+    except (OSError, ValueError):
+        return ""
+
+
+def _token_id(value: int | None) -> int:
+    return -1 if value is None else int(value)
+
