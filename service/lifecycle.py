@@ -1,4 +1,8 @@
-"""Serving state shared by the servicer and the shutdown path: loading -> serving -> draining."""
+"""Serving state shared by the servicer and the shutdown path.
+
+loading -> serving -> unready (SIGTERM: health NOT_SERVING, still admitting for --drain-delay, so requests
+routed during endpoint propagation still succeed) -> draining (UNAVAILABLE for new requests, in-flight finish).
+"""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ class ServingState:
     def __init__(self, health: HealthServicer):
         self.health = health
         self.ready = False
+        self.unready = False  # shutting down: readiness fails, admission continues until draining
         self.draining = False
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -54,9 +59,18 @@ class ServingState:
         self.ready = True
         await self.set_status(health_pb2.HealthCheckResponse.SERVING)
 
+    @property
+    def accepting_traffic(self) -> bool:
+        """What readiness reports: loaded and not shutting down."""
+        return self.ready and not self.unready
+
+    async def mark_unready(self) -> None:
+        self.unready = True
+        await self.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def start_draining(self) -> None:
         self.draining = True
-        await self.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.mark_unready()
 
     async def wait_idle(self, timeout: float) -> bool:
         """True when every in-flight request finished within `timeout` seconds."""

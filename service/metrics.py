@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -81,11 +81,6 @@ class ServiceMetrics:
         self.rpc_started = Counter("grpc_server_started", "RPCs started.", grpc_labels, registry=r)
         self.rpc_handled = Counter("grpc_server_handled", "RPCs completed, by status code.",
                                    [*grpc_labels, "grpc_code"], registry=r)
-
-    def serve_http(self, host: str, port: int) -> int:
-        """Starts the /metrics endpoint on a daemon thread; returns the bound port (port 0 picks one)."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return server.server_address[1]
 
     def observe_token_times(self, intervals: list[float]) -> None:
         child = self.itl.labels(self.model_name)

@@ -7,7 +7,9 @@ import json
 import logging
 import os
 import signal
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -20,11 +22,13 @@ from pagedserve.engine.main_thread import MainThreadHost
 from pagedserve.engine.model_store import DEFAULT_MODEL_NAME
 from pagedserve.service.config import ServerConfig, TlsConfig
 from pagedserve.service.engine_adapter import load_engine
+from pagedserve.service.http_endpoints import serve_http
 from pagedserve.service.lifecycle import SERVICE_NAME, ServingState
 from pagedserve.service.metrics import ServiceMetrics
 from pagedserve.service.servicer import GenerationServicer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 SERVICE_NAMES = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -50,7 +54,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     await state.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
     port = _bind(server, config)
     await server.start()
-    metrics_port = _serve_metrics(metrics, config)
+    metrics_port = _serve_metrics(metrics, state, config)
     log.info("listening on %s:%d (%s), metrics port %s; loading model", config.host, port,
              "mTLS" if config.tls and config.tls.mutual else "TLS" if config.tls else "plaintext", metrics_port)
     try:
@@ -64,25 +68,38 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
         _write_ready_file(config.ready_file, port, metrics_port)
         log.info("serving %s", servicer.static_info.model)
         await stop.first.wait()
-    await drain(server, state, config.shutdown_grace_s, stop)
+    await drain(server, state, config, stop)
     if engine is not None:
         await engine.shutdown()
     log.info("stopped")
     return 0
 
 
-async def drain(server: grpc.aio.Server, state: ServingState, grace_s: float, stop: _StopSignals) -> None:
-    """NOT_SERVING + UNAVAILABLE for new requests at once; in-flight streams get `grace_s` to finish."""
-    log.info("draining: %d request(s) in flight, grace %.1fs", state.in_flight, grace_s)
+async def drain(server: grpc.aio.Server, state: ServingState, config: ServerConfig, stop: _StopSignals) -> None:
+    """Readiness fails at once; requests are still admitted for `drain_delay_s` (load balancers and endpoint
+    lists take a few seconds to stop routing here); then UNAVAILABLE for new requests while in-flight streams
+    get `shutdown_grace_s` to finish. The engine keeps stepping at full speed throughout: nothing here polls."""
+    await state.mark_unready()
+    if config.drain_delay_s > 0 and state.ready:
+        log.info("shutting down: NOT_SERVING, still admitting for %.1fs", config.drain_delay_s)
+        await _until(asyncio.sleep(config.drain_delay_s), stop.second.wait())
+    log.info("draining: %d request(s) in flight, grace %.1fs", state.in_flight, config.shutdown_grace_s)
     await state.start_draining()
-    idle = asyncio.ensure_future(state.wait_idle(grace_s))
-    forced = asyncio.ensure_future(stop.second.wait())  # a second signal skips the grace period
-    await asyncio.wait({idle, forced}, return_when=asyncio.FIRST_COMPLETED)
-    forced.cancel()
-    if not idle.done() or not idle.result():
+    finished = await _until(state.wait_idle(config.shutdown_grace_s), stop.second.wait())
+    if not finished:  # grace over, or a second signal skipped it
         log.warning("grace period over: cancelling %d request(s)", state.in_flight)
-    idle.cancel()
     await server.stop(grace=0.5)
+
+
+async def _until(work: Coroutine[Any, Any, T], cut: Coroutine[Any, Any, Any]) -> T | None:
+    """work's result, or None when `cut` finishes first (a second SIGTERM cuts every wait short)."""
+    task, cutter = asyncio.ensure_future(work), asyncio.ensure_future(cut)
+    await asyncio.wait({task, cutter}, return_when=asyncio.FIRST_COMPLETED)
+    cutter.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    return None
 
 
 def add_reflection(server: grpc.aio.Server) -> None:
@@ -111,10 +128,11 @@ def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=tls.mutual)
 
 
-def _serve_metrics(metrics: ServiceMetrics, config: ServerConfig) -> int | None:
+def _serve_metrics(metrics: ServiceMetrics, state: ServingState, config: ServerConfig) -> int | None:
     if config.metrics_port is None:
         return None
-    return metrics.serve_http(config.metrics_host or config.host, config.metrics_port)
+    ready = lambda: state.accepting_traffic  # noqa: E731 - read on the HTTP thread; a bool read is atomic
+    return serve_http(metrics.registry, ready, config.metrics_host or config.host, config.metrics_port)
 
 
 def _write_ready_file(path: Path | None, port: int, metrics_port: int | None) -> None:
