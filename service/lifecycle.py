@@ -18,6 +18,9 @@ from pagedserve.v1 import generation_service_pb2
 
 # Importing the generated module also registers the service in the descriptor pool that reflection reads.
 SERVICE_NAME = generation_service_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+# A health service name that stays SERVING from load to exit, draining included: liveness probes check it, so
+# a drain is never mistaken for a hung process (readiness checks "" and goes NOT_SERVING on SIGTERM).
+LIVENESS_SERVICE = "liveness"
 
 
 class ServingState:
@@ -58,6 +61,7 @@ class ServingState:
     async def mark_serving(self) -> None:
         self.ready = True
         await self.set_status(health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
 
     @property
     def accepting_traffic(self) -> bool:
