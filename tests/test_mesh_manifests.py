@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+import tomllib
 import urllib.request
 from pathlib import Path
 
@@ -130,3 +131,19 @@ def test_rendered_envoy_config_is_accepted_by_envoy(tmp_path, dns):
     result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(config), "--disable-hot-restart"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+REPO = K8S.parent.parent
+
+
+def test_containerfile_installs_what_the_readme_installs_and_copies_every_package():
+    readme = (REPO / "README.md").read_text()
+    first = next(line for line in readme.splitlines() if line.startswith("pip install torch"))
+    install = first.removesuffix(" && pagedserve serve")
+    containerfile = (REPO / "deploy" / "Containerfile").read_text()
+    assert f"RUN {install}\n" in containerfile
+    package_dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    copied = [line.split()[1] for line in containerfile.splitlines() if line.startswith("COPY ")]
+    missing = [src for src in package_dirs.values() if not any(src == c or src.startswith(c + "/") for c in copied)]
+    assert not missing, f"Containerfile does not COPY {missing}"
+    assert "USER 10001" in containerfile and "VOLUME /cache" in containerfile
