@@ -28,7 +28,7 @@ REPLICA_ARGS = ("--max-model-len", "2048", "--kv-cache-memory", "64MiB", "--drai
                 "--shutdown-grace", str(GRACE_S))
 PROMPTS = ("The capital of France is", "Tell me about the sea.", "Count: one, two,", "A haiku about rain:")
 MAX_TOKENS = 1400  # the prompt plus this fits the 1456-token KV cache
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +186,7 @@ def test_sigterm_under_load_through_envoy_loses_nothing_and_in_flight_streams_fi
         b.signal(signal.SIGTERM)
         wait_until(lambda: health(b_channel) == NOT_SERVING, 30, "B's health NOT_SERVING")
         assert ready_status(b) == 503
+        assert health(b_channel, "liveness") == SERVING, "liveness must not fail a draining replica"
         # Within --drain-delay B still admits: requests routed during endpoint propagation succeed.
         assert len(generate(b.target, PROMPTS[0], 2)) == 2
         assert time.monotonic() - sigterm_at < DRAIN_DELAY_S, "precondition: still inside the drain delay"
