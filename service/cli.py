@@ -81,11 +81,19 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-send-message-bytes", type=parse_bytes, default=d.max_send_message_bytes)
     g.add_argument("--keepalive-time", type=float, default=d.keepalive_time_s, help="seconds between pings")
     g.add_argument("--keepalive-timeout", type=float, default=d.keepalive_timeout_s)
-    g.add_argument("--max-connection-age", type=float, help="seconds before a connection is asked to go away")
-    g.add_argument("--max-connection-age-grace", type=float, default=d.max_connection_age_grace_s)
+    g.add_argument("--max-connection-age", type=float,
+                   help="seconds before a connection gets GOAWAY, so client-side balancers re-resolve (default: off)")
+    g.add_argument("--max-connection-age-grace", type=float, default=d.max_connection_age_grace_s,
+                   help=f"seconds a GOAWAY'd connection's streams get to finish (default {d.max_connection_age_grace_s})")
+    g.add_argument("--drain-delay", type=float, default=d.drain_delay_s,
+                   help="seconds after SIGTERM during which health and /ready say NOT_SERVING but new requests are "
+                        f"still admitted, while load balancers stop routing here (default {d.drain_delay_s})")
     g.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_s,
-                   help="seconds in-flight streams get to finish after SIGTERM")
-    g.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = any free one; default: off)")
+                   help="seconds in-flight streams get to finish once admission stops (after --drain-delay; "
+                        f"default {d.shutdown_grace_s})")
+    g.add_argument("--metrics-port", type=int,
+                   help="HTTP port for Prometheus /metrics, /ready (503 until loaded and once shutting down) and "
+                        "/live (0 = any free one; default: off)")
     g.add_argument("--http-port", type=int,
                    help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on --host (0 = any free "
                         "port; default: off)")
@@ -121,7 +129,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         host=args.host, port=args.port, tls=tls, max_message_bytes=args.max_message_bytes,
         max_send_message_bytes=args.max_send_message_bytes, keepalive_time_s=args.keepalive_time,
         keepalive_timeout_s=args.keepalive_timeout, max_connection_age_s=args.max_connection_age,
-        max_connection_age_grace_s=args.max_connection_age_grace, shutdown_grace_s=args.shutdown_grace,
+        max_connection_age_grace_s=args.max_connection_age_grace, drain_delay_s=args.drain_delay,
+        shutdown_grace_s=args.shutdown_grace,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, served_model_name=args.served_model_name,
         vllm_engine_service=args.vllm_engine_service, ready_file=args.ready_file, http_port=args.http_port)
 

@@ -41,7 +41,9 @@ class ServerConfig:
     # Bound connection lifetime so clients re-resolve and rebalance behind L4 load balancers (None: unbounded).
     max_connection_age_s: float | None = None
     max_connection_age_grace_s: float = 30.0
-    # On SIGTERM: NOT_SERVING and UNAVAILABLE at once, in-flight streams get this long to finish.
+    # On SIGTERM: health NOT_SERVING at once, new requests still admitted for drain_delay_s (endpoint
+    # propagation), then UNAVAILABLE for new requests and in-flight streams get shutdown_grace_s to finish.
+    drain_delay_s: float = 0.0
     shutdown_grace_s: float = 30.0
     metrics_port: int | None = None  # None: no Prometheus endpoint; 0: a free port
     metrics_host: str | None = None  # None: same as host
@@ -66,8 +68,9 @@ class ServerConfig:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
         if self.max_connection_age_s is not None and self.max_connection_age_s <= 0:
             raise ConfigError("max_connection_age_s", f"must be > 0, got {self.max_connection_age_s}")
-        if self.shutdown_grace_s < 0:
-            raise ConfigError("shutdown_grace_s", f"must be >= 0, got {self.shutdown_grace_s}")
+        for name in ("drain_delay_s", "shutdown_grace_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
 
     @property
     def transport_receive_limit(self) -> int:

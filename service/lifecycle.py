@@ -1,4 +1,8 @@
-"""Serving state shared by the servicer and the shutdown path: loading -> serving -> draining."""
+"""Serving state shared by the servicer and the shutdown path.
+
+loading -> serving -> unready (SIGTERM: health NOT_SERVING, still admitting for --drain-delay, so requests
+routed during endpoint propagation still succeed) -> draining (UNAVAILABLE for new requests, in-flight finish).
+"""
 
 from __future__ import annotations
 
@@ -14,12 +18,16 @@ from pagedserve.v1 import generation_service_pb2
 
 # Importing the generated module also registers the service in the descriptor pool that reflection reads.
 SERVICE_NAME = generation_service_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+# A health service name that stays SERVING from load to exit, draining included: liveness probes check it, so
+# a drain is never mistaken for a hung process (readiness checks "" and goes NOT_SERVING on SIGTERM).
+LIVENESS_SERVICE = "liveness"
 
 
 class ServingState:
     def __init__(self, health: HealthServicer):
         self.health = health
         self.ready = False
+        self.unready = False  # shutting down: readiness fails, admission continues until draining
         self.draining = False
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -53,10 +61,20 @@ class ServingState:
     async def mark_serving(self) -> None:
         self.ready = True
         await self.set_status(health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+
+    @property
+    def accepting_traffic(self) -> bool:
+        """What readiness reports: loaded and not shutting down."""
+        return self.ready and not self.unready
+
+    async def mark_unready(self) -> None:
+        self.unready = True
+        await self.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def start_draining(self) -> None:
         self.draining = True
-        await self.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.mark_unready()
 
     async def wait_idle(self, timeout: float) -> bool:
         """True when every in-flight request finished within `timeout` seconds."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -88,11 +88,6 @@ class ServiceMetrics:
                                    [*grpc_labels, "grpc_code"], registry=r)
         self.http_handled = Counter("http_server_handled", "OpenAI HTTP API generation requests completed, by "
                                     "status (499: the client went away first).", ["handler", "status"], registry=r)
-
-    def serve_http(self, host: str, port: int) -> int:
-        """Starts the /metrics endpoint on a daemon thread; returns the bound port (port 0 picks one)."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return server.server_address[1]
 
     def observe_token_times(self, intervals: list[float]) -> None:
         child = self.itl.labels(self.model_name)

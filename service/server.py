@@ -7,7 +7,9 @@ import json
 import logging
 import os
 import signal
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -19,6 +21,7 @@ from pagedserve.engine.main_thread import MainThreadHost
 from pagedserve.engine.model_store import DEFAULT_MODEL_NAME
 from pagedserve.service.config import ServerConfig, TlsConfig
 from pagedserve.service.engine_adapter import load_engine
+from pagedserve.service.http_endpoints import serve_http
 from pagedserve.service.http_server import HttpServer
 from pagedserve.service.standard_services import (
     HEALTH_SERVICE, REFLECTION_SERVICES, health_rpc_handler, reflection_rpc_handlers,
@@ -29,6 +32,7 @@ from pagedserve.service.servicer import GenerationServicer
 from pagedserve.service.vllm_servicer import SERVICE_NAME as VLLM_SERVICE_NAME, VllmEngineServicer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SERVICE_NAMES = (SERVICE_NAME, HEALTH_SERVICE, *REFLECTION_SERVICES)
 
@@ -56,7 +60,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     http = _http_server(servicer, config)  # binds first: a taken port stops the start before anything runs
     port = _bind(server, config)
     await server.start()
-    metrics_port = _serve_metrics(metrics, config)
+    metrics_port = _serve_metrics(metrics, state, config)
     if http is not None:
         await http.start()  # up before the model loads, so /health answers 503 meanwhile
     log.info("listening on %s:%d (%s), metrics port %s, HTTP port %s; loading model", config.host, port,
@@ -77,7 +81,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
         _write_ready_file(config.ready_file, port, metrics_port, http.port if http else None)
         log.info("serving %s", servicer.static_info.model)
         await stop.first.wait()
-    await drain(server, state, config.shutdown_grace_s, stop)
+    await drain(server, state, config, stop)
     if http is not None:
         await http.stop()
     if engine is not None:
@@ -86,18 +90,31 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     return 0
 
 
-async def drain(server: grpc.aio.Server, state: ServingState, grace_s: float, stop: _StopSignals) -> None:
-    """NOT_SERVING + UNAVAILABLE for new requests at once; in-flight streams get `grace_s` to finish."""
-    log.info("draining: %d request(s) in flight, grace %.1fs", state.in_flight, grace_s)
+async def drain(server: grpc.aio.Server, state: ServingState, config: ServerConfig, stop: _StopSignals) -> None:
+    """Readiness fails at once; requests are still admitted for `drain_delay_s` (load balancers and endpoint
+    lists take a few seconds to stop routing here); then UNAVAILABLE for new requests while in-flight streams
+    get `shutdown_grace_s` to finish. The engine keeps stepping at full speed throughout: nothing here polls."""
+    await state.mark_unready()
+    if config.drain_delay_s > 0 and state.ready:
+        log.info("shutting down: NOT_SERVING, still admitting for %.1fs", config.drain_delay_s)
+        await _until(asyncio.sleep(config.drain_delay_s), stop.second.wait())
+    log.info("draining: %d request(s) in flight, grace %.1fs", state.in_flight, config.shutdown_grace_s)
     await state.start_draining()
-    idle = asyncio.ensure_future(state.wait_idle(grace_s))
-    forced = asyncio.ensure_future(stop.second.wait())  # a second signal skips the grace period
-    await asyncio.wait({idle, forced}, return_when=asyncio.FIRST_COMPLETED)
-    forced.cancel()
-    if not idle.done() or not idle.result():
+    finished = await _until(state.wait_idle(config.shutdown_grace_s), stop.second.wait())
+    if not finished:  # grace over, or a second signal skipped it
         log.warning("grace period over: cancelling %d request(s)", state.in_flight)
-    idle.cancel()
     await server.stop(grace=0.5)
+
+
+async def _until(work: Coroutine[Any, Any, T], cut: Coroutine[Any, Any, Any]) -> T | None:
+    """work's result, or None when `cut` finishes first (a second SIGTERM cuts every wait short)."""
+    task, cutter = asyncio.ensure_future(work), asyncio.ensure_future(cut)
+    await asyncio.wait({task, cutter}, return_when=asyncio.FIRST_COMPLETED)
+    cutter.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    return None
 
 
 def _bind(server: grpc.aio.Server, config: ServerConfig) -> int:
@@ -114,10 +131,11 @@ def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=tls.mutual)
 
 
-def _serve_metrics(metrics: ServiceMetrics, config: ServerConfig) -> int | None:
+def _serve_metrics(metrics: ServiceMetrics, state: ServingState, config: ServerConfig) -> int | None:
     if config.metrics_port is None:
         return None
-    return metrics.serve_http(config.metrics_host or config.host, config.metrics_port)
+    ready = lambda: state.accepting_traffic  # noqa: E731 - read on the HTTP thread; a bool read is atomic
+    return serve_http(metrics.registry, ready, config.metrics_host or config.host, config.metrics_port)
 
 
 def _http_server(servicer: GenerationServicer, config: ServerConfig) -> HttpServer | None:

@@ -1,0 +1,210 @@
+"""Envoy (deploy/envoy, the real binary) in front of two real replicas: streaming, deadlines, cancel, drain.
+
+One pair of replicas and one Envoy serve the whole module; the SIGTERM test drains replica B, so it runs last.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from mesh_fixtures import Envoy, start_envoy
+from service_fixtures import ServerProcess, health, metric_value, spawn_server, stub, wait_ready, wait_until
+
+from pagedserve.v1 import generate_pb2 as pb
+
+GRACE_S, DRAIN_DELAY_S = 20.0, 5.0
+# Room for a stream longer than 15 s even on a fast host: 2048-token context, 90 KV blocks.
+REPLICA_ARGS = ("--max-model-len", "2048", "--kv-cache-memory", "64MiB", "--drain-delay", str(DRAIN_DELAY_S),
+                "--shutdown-grace", str(GRACE_S))
+PROMPTS = ("The capital of France is", "Tell me about the sea.", "Count: one, two,", "A haiku about rain:")
+MAX_TOKENS = 1400  # the prompt plus this fits the 1456-token KV cache
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Envoy, ServerProcess, ServerProcess]]:
+    root = tmp_path_factory.mktemp("mesh")
+    spawned = [spawn_server(root / name, *REPLICA_ARGS) for name in ("a", "b")]  # both load at once
+    replicas = []
+    for (proc, ready, log), name in zip(spawned, "ab"):
+        info = wait_ready(proc, ready, log)
+        replicas.append(ServerProcess(proc, root / name, info["port"], info["metrics_port"], log))
+    envoy = start_envoy(root / "envoy", replicas)
+    yield envoy, replicas[0], replicas[1]
+    envoy.stop()
+    for replica in replicas:
+        replica.stop()
+
+
+def request(prompt: str, tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=prompt, sampling=pb.SamplingOptions(temperature=0),
+                              stopping=pb.StoppingOptions(max_new_tokens=tokens, ignore_eos=True))
+
+
+def token_ids(frames: list[pb.GenerateResponse]) -> list[int]:
+    return [t for f in frames if f.WhichOneof("frame") == "delta" for t in f.delta.token_ids]
+
+
+def generate(target: str, prompt: str, tokens: int, timeout: float = 300) -> list[int]:
+    with grpc.insecure_channel(target) as channel:
+        frames = list(stub(channel).Generate(request(prompt, tokens), timeout=timeout))
+    assert frames[-1].final.finish_reason == pb.FINISH_REASON_MAX_TOKENS
+    return token_ids(frames)
+
+
+def served(replica: ServerProcess) -> float:
+    return metric_value(replica, "vllm:request_success_total")
+
+
+def idle(replica: ServerProcess) -> bool:
+    return (metric_value(replica, "pagedserve:kv_cache_blocks_active") == 0
+            and metric_value(replica, "vllm:num_requests_running") == 0)
+
+
+def test_64_concurrent_streams_through_envoy_are_correct_and_spread(mesh):
+    envoy, a, b = mesh
+    expected = {p: generate(a.target, p, 8) for p in PROMPTS}
+    before = served(a), served(b)
+    with grpc.insecure_channel(envoy.target) as channel:
+        def one(i: int) -> tuple[str, list[int]]:
+            prompt = PROMPTS[i % len(PROMPTS)]
+            return prompt, token_ids(list(stub(channel).Generate(request(prompt, 8), timeout=600)))
+
+        with concurrent.futures.ThreadPoolExecutor(64) as pool:
+            results = list(pool.map(one, range(64)))
+    assert all(ids == expected[prompt] for prompt, ids in results)
+    shares = served(a) - before[0], served(b) - before[1]
+    assert sum(shares) == 64
+    assert min(shares) >= 8, f"least_request left a replica nearly idle: {shares}"
+
+
+def test_stream_longer_than_envoys_default_15s_route_timeout_completes(mesh):
+    envoy, _, _ = mesh
+    started = time.monotonic()
+    generate(envoy.target, PROMPTS[1], 32)
+    rate = 32 / (time.monotonic() - started)
+    tokens = min(MAX_TOKENS, max(64, math.ceil(rate * 24)))  # ~24 s at the measured speed
+    started = time.monotonic()
+    assert len(generate(envoy.target, PROMPTS[1], tokens, timeout=600)) == tokens
+    elapsed = time.monotonic() - started
+    assert elapsed > 15, f"precondition: {tokens} tokens took only {elapsed:.1f}s, not past Envoy's default 15 s"
+
+
+def aborted(*replicas: ServerProcess) -> float:
+    return sum(metric_value(r, "pagedserve:requests_aborted_total") for r in replicas)
+
+
+def test_client_deadline_through_envoy_is_deadline_exceeded_and_aborts_in_engine(mesh):
+    envoy, a, b = mesh
+    before = aborted(a, b)
+    codes = []
+    with grpc.insecure_channel(envoy.target) as channel:
+        for prompt in PROMPTS:  # several: a proxy timer racing the client's deadline loses only sometimes
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub(channel).Generate(request(prompt, 1000), timeout=1.5))
+            codes.append((info.value.code(), info.value.details()))
+    assert all(code == grpc.StatusCode.DEADLINE_EXCEEDED for code, _ in codes), codes
+    wait_until(lambda: aborted(a, b) == before + len(PROMPTS), 60, "the engine to abort the expired requests")
+    wait_until(lambda: idle(a) and idle(b), 60, "the expired requests' blocks to be freed")
+
+
+def test_cancel_through_envoy_aborts_and_frees_blocks(mesh):
+    envoy, a, b = mesh
+    wait_until(lambda: idle(a) and idle(b), 60, "idle replicas")
+    before = aborted(a, b)
+    with grpc.insecure_channel(envoy.target) as channel:
+        call = stub(channel).Generate(request(PROMPTS[2], 1000), timeout=600)
+        deltas = (f for f in call if f.WhichOneof("frame") == "delta")
+        for _ in range(3):
+            next(deltas)
+        assert metric_value(a, "pagedserve:kv_cache_blocks_active") + metric_value(b, "pagedserve:kv_cache_blocks_active") > 0
+        call.cancel()
+        wait_until(lambda: aborted(a, b) == before + 1, 60, "Envoy to pass the cancel on and the engine to abort")
+        wait_until(lambda: idle(a) and idle(b), 10, "the cancelled request's blocks back in the pool")
+
+
+class _Load:
+    """Short requests through Envoy in a loop from a few threads, recording every failure."""
+
+    def __init__(self, target: str, threads: int = 4):
+        self.channel = grpc.insecure_channel(target)
+        self.stop, self.ok, self.failures = threading.Event(), 0, []
+        self.threads = [threading.Thread(target=self._loop, args=(i,)) for i in range(threads)]
+        for t in self.threads:
+            t.start()
+
+    def _loop(self, i: int) -> None:
+        while not self.stop.is_set():
+            try:
+                list(stub(self.channel).Generate(request(PROMPTS[i % len(PROMPTS)], 4), timeout=300))
+                self.ok += 1
+            except grpc.RpcError as exc:
+                self.failures.append(f"{exc.code()}: {exc.details()}")
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(600)
+        self.channel.close()
+
+
+def ready_status(replica: ServerProcess) -> int:
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{replica.metrics_port}/ready", timeout=10).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_sigterm_under_load_through_envoy_loses_nothing_and_in_flight_streams_finish(mesh):
+    envoy, a, b = mesh
+    # #13: streams that need about half the grace period all complete. Sized from B's measured speed with the
+    # same concurrency; capped so all four fit the KV cache together (preemption would slow them for reasons
+    # that have nothing to do with the drain).
+    # Measured under the same load (both replicas share this host's cores).
+    assert ready_status(b) == 200
+    load = _Load(envoy.target)
+    try:
+        started = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            list(pool.map(lambda p: generate(b.target, p, 32), PROMPTS))
+        per_token = (time.monotonic() - started) / 32
+        tokens = max(16, min(MAX_TOKENS // len(PROMPTS) - 32, int(GRACE_S / 2 / per_token)))
+        b_channel = grpc.insecure_channel(b.target)
+        long_calls = [stub(b_channel).Generate(request(p, tokens), timeout=600) for p in PROMPTS]
+        firsts = [next(f for f in c if f.WhichOneof("frame") == "delta") for c in long_calls]
+        sigterm_at = time.monotonic()
+        b.signal(signal.SIGTERM)
+        wait_until(lambda: health(b_channel) == NOT_SERVING, 30, "B's health NOT_SERVING")
+        assert ready_status(b) == 503
+        assert health(b_channel, "liveness") == SERVING, "liveness must not fail a draining replica"
+        # Within --drain-delay B still admits: requests routed during endpoint propagation succeed.
+        assert len(generate(b.target, PROMPTS[0], 2)) == 2
+        assert time.monotonic() - sigterm_at < DRAIN_DELAY_S, "precondition: still inside the drain delay"
+        wait_until(lambda: not envoy.healthy(b), 30, "Envoy's health check to fail B")
+        routed_to_b = envoy.host_stat(b, "rq_total")
+        for first, call in zip(firsts, long_calls):
+            rest = list(call)
+            assert rest[-1].final.finish_reason == pb.FINISH_REASON_MAX_TOKENS
+            assert len(first.delta.token_ids) + len(token_ids(rest)) == tokens
+        drained_s = time.monotonic() - sigterm_at
+        assert envoy.host_stat(b, "rq_total") == routed_to_b, "Envoy kept routing to the draining replica"
+        assert b.wait(GRACE_S + 60) == 0, b.log()[-3000:]
+        b_channel.close()
+        after_exit = served(a)
+        wait_until(lambda: served(a) > after_exit + 4, 120, "A to keep serving the load alone")
+    finally:
+        load.finish()
+    assert load.failures == [], load.failures[:5]
+    assert load.ok > 0
+    print(f"drain: {tokens} tokens x {len(PROMPTS)} streams, calibrated {tokens * per_token:.1f}s, finished "
+          f"{drained_s:.1f}s after SIGTERM (grace {GRACE_S}s after a {DRAIN_DELAY_S}s delay)")
