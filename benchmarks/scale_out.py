@@ -5,6 +5,12 @@ clients stream /v1/chat/completions: `--prompts` long system prompts x `--users`
 time, shuffled. Prints one JSON line per configuration (throughput, TTFT p50/p99, prefix-cache hit tokens and
 requests per replica from the replicas' own metrics), then a summary line.
 
+Each replica gets its own `--cores-per-replica` cores (pinned, that many compute threads, passive OpenMP waits), as
+pods with CPU requests would: replicas sharing cores measure only their contention. The 1-replica row uses the same
+per-replica cores, so "x2 vs 1" is what a second pod buys. The default KV budget (224 MiB, about 5k tokens of the
+default model in fp32) holds about half of the 8 system prompts: one replica, or round-robin over two, must evict;
+cache-aware routing lets each replica keep its half.
+
     python benchmarks/scale_out.py --prompts 8 --users 16 --system-words 700 --max-tokens 64 --concurrency 16
     python benchmarks/scale_out.py --prompts 2 --users 2 --system-words 40 --max-tokens 4   # smoke run
 """
@@ -15,6 +21,7 @@ import argparse
 import concurrent.futures
 import http.client
 import json
+import os
 import random
 import shutil
 import socket
@@ -51,11 +58,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_replica(workdir: Path, server_args: list[str]) -> tuple[subprocess.Popen, dict]:
+def start_replica(workdir: Path, server_args: list[str], cores: list[int]) -> tuple[subprocess.Popen, dict]:
     ready = workdir / "ready.json"
     cmd = [sys.executable, "-m", "pagedserve.service", "serve", "--port", "0", "--metrics-port", "0",
-           "--ready-file", str(ready), "--log-level", "WARNING", *server_args]
-    proc = subprocess.Popen(cmd, cwd=workdir, stdout=open(workdir / "server.log", "wb"), stderr=subprocess.STDOUT)
+           "--ready-file", str(ready), "--log-level", "WARNING", "--num-threads", str(len(cores)), *server_args]
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.Popen(cmd, cwd=workdir, stdout=open(workdir / "server.log", "wb"), stderr=subprocess.STDOUT,
+                            env=env, preexec_fn=lambda: os.sched_setaffinity(0, cores))
     deadline = time.monotonic() + 900
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -133,7 +142,8 @@ def run_config(policy: str, n: int, args: argparse.Namespace, requests: list[lis
             for i in range(n):
                 workdir = Path(tmp, f"replica{i}")
                 workdir.mkdir()
-                proc, info = start_replica(workdir, args.server_args)
+                cores = args.cores[i * args.cores_per_replica:(i + 1) * args.cores_per_replica]
+                proc, info = start_replica(workdir, args.server_args, cores)
                 procs.append(proc)
                 infos.append(info)
             smg, base = start_smg(policy, [i["port"] for i in infos], Path(tmp))
@@ -157,6 +167,13 @@ def run_config(policy: str, n: int, args: argparse.Namespace, requests: list[lis
                 proc.wait(60)
 
 
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
 def _pct(sorted_values: list[float], pct: float) -> float:
     index = min(len(sorted_values) - 1, max(0, round(pct / 100 * len(sorted_values) + 0.5) - 1))
     return sorted_values[index]
@@ -170,15 +187,24 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=["--kv-cache-memory", "1GiB"],
+    parser.add_argument("--cores-per-replica", type=int, default=1)
+    parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=["--kv-cache-memory", "224MiB"],
                         help="passed to every `pagedserve serve` (last on the line)")
     args = parser.parse_args()
+    args.cores = sorted(os.sched_getaffinity(0))
+    if len(args.cores) < 2 * args.cores_per_replica:
+        parser.error(f"2 replicas x {args.cores_per_replica} cores need {2 * args.cores_per_replica} usable cores; "
+                     f"this process may use {len(args.cores)}")
+    print(json.dumps({"benchmark": "scale_out_setup", "cpu": cpu_model(), "usable_cores": len(args.cores),
+                      "cores_per_replica": args.cores_per_replica, "server_args": args.server_args,
+                      "load_avg_before": os.getloadavg()[0]}), flush=True)
     requests = workload(args)
     results = [run_config(policy, n, args, requests) for policy, n in CONFIGS]
     for result in results:
         print(json.dumps({"benchmark": "scale_out", **asdict(result)}), flush=True)
     base = results[-1]
     print(json.dumps({"benchmark": "scale_out_summary", "requests": len(requests),
+                      "load_avg_after": os.getloadavg()[0],
                       **{f"{r.policy}_x{r.replicas}_throughput_vs_1": r.output_tok_s / base.output_tok_s
                          for r in results}}))
 
