@@ -101,8 +101,11 @@ def _lenient_class(full_name: str, file: FileDescriptor) -> type[Message]:
 
 
 def _strings_to_bytes(msg: descriptor_pb2.DescriptorProto) -> None:
+    # A map key may not be bytes (the pool refuses it), so string keys keep their UTF-8 check: a bad key makes the
+    # lenient parse fail too, and the caller reports the message as unparsable instead of naming the field.
+    keeps_key = msg.options.map_entry
     for field in msg.field:
-        if field.type == descriptor_pb2.FieldDescriptorProto.TYPE_STRING:
+        if field.type == descriptor_pb2.FieldDescriptorProto.TYPE_STRING and not (keeps_key and field.number == 1):
             field.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
     for nested in msg.nested_type:
         _strings_to_bytes(nested)

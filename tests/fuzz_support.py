@@ -1,4 +1,5 @@
-"""Shared pieces of the fuzz suites: hypothesis settings with a CI budget, and the verdict on one response.
+"""Shared pieces of the fuzz suites (test_fuzz_grpc.py: pagedserve.v1 + raw bytes on every RPC; test_fuzz_http.py:
+OpenAI HTTP; test_fuzz_vllm.py: the router protocol): hypothesis settings with a CI budget, and the verdict on one response.
 
 Budget: PAGEDSERVE_FUZZ_EXAMPLES (default 25 per property) is read when a suite asks for its settings, never at
 import. `PAGEDSERVE_FUZZ_EXAMPLES=2000 bash tests/run.sh -k fuzz` runs a long campaign; the default keeps the

@@ -16,9 +16,12 @@ from fuzz_support import check_outcome, fuzz_settings
 from grpc_health.v1 import health_pb2
 from hypothesis import given
 from hypothesis import strategies as st
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from service_fixtures import engine_idle, health, model_info, shared_server, stub, wait_until  # noqa: F401
 
 from pagedserve.v1 import generate_pb2 as pb
+
+VLLM_ENGINE = vpb.DESCRIPTOR.services_by_name["VllmEngine"]
 
 F32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
 # Mostly near the interesting ranges, sometimes anything a float32 can hold.
@@ -155,6 +158,8 @@ RPCS = [
     ("/grpc.health.v1.Health/Watch", "unary_stream"),
     ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "stream_stream"),
     ("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", "stream_stream"),
+    *[(f"/vllm.grpc.engine.VllmEngine/{m.name}", "unary_stream" if m.server_streaming else "unary_unary")
+      for m in VLLM_ENGINE.methods],
 ]
 
 
@@ -183,8 +188,10 @@ def test_raw_garbage_on_every_rpc(channel, method, kind):
         code = _call_raw(channel, method, kind, payload)
         # Every service parses raw bytes itself (service/standard_services.py for health and reflection). Garbage
         # that happens to parse is a real request: Watch then streams until the deadline, Check may say NOT_FOUND.
+        # The router protocol's unimplemented RPCs (Embed, FlushCache, profiling) say UNIMPLEMENTED to anything.
         assert code in {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
-                        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND}, code
+                        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
+                        grpc.StatusCode.UNIMPLEMENTED}, code
 
     run()
     wait_until(lambda: engine_idle(channel), 60, "garbage requests to leave the engine")

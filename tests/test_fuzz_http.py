@@ -1,0 +1,184 @@
+"""Property-based fuzzing of the OpenAI HTTP front end over a real socket: completions and chat bodies whose
+parameters are legal, out of range or of the wrong JSON type, sent beside a well-formed gRPC bystander in the same
+batch; and raw garbage bodies on every POST route.
+
+Each example checks: the status is one OpenAI documents for these routes (200, 400, 404, 413, 429; never 5xx);
+a 400 for a JSON object names the parameter (`error.param`, whose top level is a key of the body); a 200 carries
+n choices (streams end with `data: [DONE]`); the bystander's tokens equal its solo run; afterwards no request runs,
+no KV block is held and both protocols still serve. Budget and replay: see fuzz_support.py.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import re
+
+import grpc
+import pytest
+from fuzz_support import fuzz_settings
+from grpc_health.v1 import health_pb2
+from hypothesis import given
+from hypothesis import strategies as st
+from service_fixtures import engine_idle, health, model_info, shared_server, stub, wait_until  # noqa: F401
+
+from pagedserve.v1 import generate_pb2 as pb
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+MODEL = "SmolLM2-135M-Instruct"
+ANY_JSON = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=20)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+    max_leaves=6)
+
+
+def _plausible(*values):
+    return st.one_of(st.sampled_from(values), ANY_JSON)
+
+
+NUMBER = st.one_of(st.floats(-3, 3), st.floats(allow_nan=False, allow_infinity=False))
+SHARED_PARAMS = {
+    "temperature": st.one_of(_plausible(0, 0.0, 0.7, 1e-45, -1, 3), NUMBER),
+    "top_p": st.one_of(_plausible(0.0, 0.5, 1, 1.5), NUMBER),
+    "top_k": _plausible(-1, 0, 1, 40, 2**40),
+    "min_p": _plausible(0.0, 0.1, 1.0, -0.1),
+    "max_tokens": _plausible(None, 0, 1, 3, 10**9),
+    "max_completion_tokens": _plausible(None, 1, 3, -1),
+    "stop": _plausible(None, "\n", ["a", "b"], [], ["x"] * 5, "y" * 300),
+    "seed": _plausible(None, 0, 42, -1, 2**64),
+    "n": _plausible(1, 2, 0, 129),
+    "presence_penalty": _plausible(0.0, 1.5, -2.0, 3.0),
+    "frequency_penalty": _plausible(0.0, 1.5, -2.5),
+    "repetition_penalty": _plausible(1.0, 1e-45, 0.5, 101),
+    "logit_bias": _plausible({}, {"42": 5}, {"42": 101}, {"-1": 1}, {"99999999": 1}, {"x": 1}),
+    "ignore_eos": _plausible(True, False),
+    "stream": _plausible(True, False),
+    "stream_options": _plausible(None, {"include_usage": True}, {"include_usage": "yes"}),
+    "user": _plausible("u1"),
+    "model": st.sampled_from([MODEL, MODEL, MODEL, "no-such-model", 7]),
+    "unknown_field_x": ANY_JSON,
+}
+COMPLETION_PARAMS = {
+    **SHARED_PARAMS,
+    "prompt": _plausible("Hello", "", ["a", "b"], [1, 2, 3], [[1, 2], [3]], [], [-1], "word " * 9000),
+    "logprobs": _plausible(None, 0, 2, 5, 6, -1),
+    "echo": _plausible(False, True),
+    "suffix": _plausible(None, "x"),
+    "best_of": _plausible(None, 1, 2),
+}
+MESSAGE = st.fixed_dictionaries(
+    {"role": _plausible("user", "system", "assistant", "wizard"),
+     "content": _plausible("Hi", "", None, [{"type": "text", "text": "Hi"}], [{"type": "image_url"}])})
+CHAT_PARAMS = {
+    **SHARED_PARAMS,
+    "messages": st.one_of(st.lists(MESSAGE, max_size=4), ANY_JSON),
+    "logprobs": _plausible(None, False, True),
+    "top_logprobs": _plausible(None, 0, 3, 21),
+    "tools": _plausible(None, [], [{"type": "function"}]),
+    "response_format": _plausible(None, {"type": "text"}, {"type": "json_object"}),
+}
+
+
+@st.composite
+def bodies(draw) -> tuple[str, dict]:
+    path = draw(st.sampled_from([COMPLETIONS, CHAT]))
+    params = COMPLETION_PARAMS if path == COMPLETIONS else CHAT_PARAMS
+    body = {"model": MODEL, "max_tokens": 3}  # cheap unless a draw overrides it
+    for name in draw(st.lists(st.sampled_from(sorted(params)), max_size=6, unique=True)):
+        body[name] = draw(params[name])
+    if path == COMPLETIONS:
+        body.setdefault("prompt", "Hello")
+    else:
+        body.setdefault("messages", [{"role": "user", "content": "Hi"}])
+    return path, body
+
+
+BYSTANDER = pb.GenerateRequest(text="Name three colours:", sampling=pb.SamplingOptions(temperature=0),
+                               stopping=pb.StoppingOptions(max_new_tokens=10, ignore_eos=True))
+ALLOWED = {200, 400, 404, 413, 429}
+
+
+def post(port: int, path: str, data: bytes) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.request("POST", path, data, {"content-type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def check_reply(body: dict, status: int, payload: bytes) -> None:
+    assert status in ALLOWED, f"HTTP {status} for {body!r}: {payload[:300]!r}"
+    if status != 200:
+        error = json.loads(payload)["error"]
+        assert error["message"], payload
+        if status == 400:
+            param = error["param"]
+            assert isinstance(param, str) and param, f"400 without a parameter for {body!r}: {payload[:300]!r}"
+            assert re.split(r"[.\[]", param, maxsplit=1)[0] in body, f"400 names {param!r}, not in the body"
+        return
+    if body.get("stream") is True:
+        text = payload.decode()
+        assert text.rstrip().endswith("data: [DONE]"), text[-300:]
+        events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        indexes = {c["index"] for e in events for c in e.get("choices", [])}
+        assert indexes == set(range(_expected_choices(body))), (indexes, body)
+    else:
+        reply = json.loads(payload)
+        assert len(reply["choices"]) == _expected_choices(body), (reply, body)
+
+
+def _expected_choices(body: dict) -> int:
+    n = body.get("n", 1)
+    n = 1 if n is None else n
+    prompt = body.get("prompt")
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    return n * prompts
+
+
+@pytest.fixture(scope="module")
+def channel(shared_server) -> grpc.Channel:  # noqa: F811
+    with grpc.insecure_channel(shared_server.target) as ch:
+        yield ch
+
+
+def _tokens(channel: grpc.Channel) -> list[int]:
+    return [t for frame in stub(channel).Generate(BYSTANDER, timeout=300) for t in frame.delta.token_ids]
+
+
+def test_fuzzed_openai_bodies_never_harm_a_bystander(shared_server, channel):  # noqa: F811
+    alone = _tokens(channel)
+    pool = concurrent.futures.ThreadPoolExecutor(4)
+
+    @fuzz_settings()
+    @given(st.lists(bodies(), min_size=1, max_size=3))
+    def run(requests: list[tuple[str, dict]]) -> None:
+        bystander = pool.submit(_tokens, channel)
+        replies = list(pool.map(lambda r: post(shared_server.http_port, r[0], json.dumps(r[1]).encode()), requests))
+        for (_, body), (status, payload) in zip(requests, replies):
+            check_reply(body, status, payload)
+        assert bystander.result() == alone
+        wait_until(lambda: engine_idle(channel), 60, "every fuzzed request to leave the engine")
+
+    try:
+        run()
+    finally:
+        pool.shutdown()
+    info = model_info(channel)
+    assert info.kv_cache.used_blocks == 0 and info.kv_cache.free_blocks == info.kv_cache.total_blocks
+    assert health(channel) == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT, "/v1/models", "/health", "/v1/nothing"])
+def test_raw_garbage_bodies(shared_server, channel, path):  # noqa: F811
+    @fuzz_settings()
+    @given(st.binary(max_size=512))
+    def run(payload: bytes) -> None:
+        status, reply = post(shared_server.http_port, path, payload)
+        assert status < 500, f"HTTP {status} for {payload!r}: {reply[:300]!r}"
+
+    run()
+    wait_until(lambda: engine_idle(channel), 60, "garbage requests to leave the engine")
+    assert post(shared_server.http_port, COMPLETIONS, json.dumps({"prompt": "Hi", "max_tokens": 2}).encode())[0] == 200
