@@ -20,7 +20,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype
-from pagedserve.kernels.paged_attention import ATTENTION_IMPLS, AttentionMetadata, paged_attention, write_kv
+from pagedserve.kernels.attention import AttentionMetadata
+from pagedserve.kernels.backends import ATTENTION_IMPLS
+from pagedserve.kernels.paged_attention import paged_attention, write_kv
 
 
 @dataclass(frozen=True, slots=True)

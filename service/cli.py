@@ -30,6 +30,8 @@ _ENGINE_HELP = {
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "quantization": "force a quantization method (default: what the checkpoint says)",
     "attention_backend": "auto, native (CPU), torch or triton",
+    "layer_ops": "norm/SiLU/RoPE math: auto (native C for 16-bit CPU models; torch with --attention-backend torch), "
+                 "native or torch",
     "device": "cpu, cuda or cuda:N",
     "num_threads": "torch intra-op threads (default: torch's choice)",
     "max_queued_requests": "admitted requests waiting for a batch slot; beyond it: RESOURCE_EXHAUSTED",
