@@ -21,8 +21,8 @@ from pagedserve.kernels.kv_scales import (
 )
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.backends import select_attention_impl
-from pagedserve.kernels.paged_attention import paged_attention, write_kv
 from pagedserve.kernels.kv_quant import dequantize_from_cache
+from pagedserve.kernels.paged_attention import paged_attention, write_kv
 from pagedserve.kernels.torch_attention import TorchAttention
 
 CPU = torch.device("cpu")
