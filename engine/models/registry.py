@@ -26,16 +26,21 @@ class ModelFactory(Protocol):
     def __call__(self, hf_config: dict[str, Any], quant: QuantConfig, dtype: torch.dtype) -> nn.Module: ...
 
 
-@functools.cache
-def model_archs() -> Registry[ModelFactory]:
-    """Every architecture of every module in this package (imported once, on first use)."""
+def discover_architectures(package_name: str) -> Registry[ModelFactory]:
+    """Every `ARCHITECTURES` entry of every module directly in `package_name` (a name claimed twice is an error)."""
     archs: Registry[ModelFactory] = Registry("model architecture")
-    package = importlib.import_module(_PACKAGE)
+    package = importlib.import_module(package_name)
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"{_PACKAGE}.{info.name}")
+        module = importlib.import_module(f"{package_name}.{info.name}")
         for name, factory in getattr(module, "ARCHITECTURES", {}).items():
             archs.register(name)(factory)
     return archs
+
+
+@functools.cache
+def model_archs() -> Registry[ModelFactory]:
+    """The architectures of this package, imported once, on first use."""
+    return discover_architectures(_PACKAGE)
 
 
 def model_class_for(hf_config: dict[str, Any]) -> ModelFactory:
