@@ -71,10 +71,10 @@ class AttentionImpl(ABC, Generic[PlanT]):
 
     @abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
-        ...
+        """key, value [T, Hkv, D] -> cache slots `slot_mapping` [T], quantized to the cache's dtype."""
 
     @abstractmethod
     def attention(
         self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, plan: PlanT, scale: float
     ) -> torch.Tensor:
-        ...
+        """query [T, H, D] -> [T, H, D] in query's dtype; `plan` is this step's `plan(meta, ...)`."""

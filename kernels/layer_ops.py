@@ -18,7 +18,7 @@ class LayerOps(ABC):
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        ...
+        """x [..., hidden] -> weight * x / rms(x), computed in fp32 and rounded to x's dtype before the weight."""
 
     @abstractmethod
     def add_rms_norm(
