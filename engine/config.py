@@ -18,9 +18,14 @@ _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "hal
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
 
-def _check_name(field: str, value: str, supported: tuple[str, ...]) -> None:
-    if value not in supported:
-        raise ConfigError(field, f"unknown {value!r}; supported: {', '.join(supported)}")
+def field_choices() -> dict[str, tuple[str, ...]]:
+    """The names each named field accepts, read from the registries themselves (the CLI's help lists them too)."""
+    return {
+        "kv_cache_dtype": ("auto", *(kv.value for kv in KVDtype)),
+        "attention_backend": attention_backend_names(),
+        "layer_ops": layer_ops_names(),
+        "quantization": tuple(QUANT_METHODS.names()),
+    }
 
 
 def parse_dtype(name: str) -> torch.dtype | None:
@@ -56,11 +61,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
-        _check_name("kv_cache_dtype", self.kv_cache_dtype, ("auto", *(kv.value for kv in KVDtype)))
-        _check_name("attention_backend", self.attention_backend, attention_backend_names())
-        _check_name("layer_ops", self.layer_ops, layer_ops_names())
-        if self.quantization is not None:
-            _check_name("quantization", self.quantization, tuple(QUANT_METHODS.names()))
+        for name, supported in field_choices().items():
+            value = getattr(self, name)
+            if value is not None and value not in supported:
+                raise ConfigError(name, f"unknown {value!r}; supported: {', '.join(supported)}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ConfigError("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.attention_backend == "triton" and self.block_size < 16:
