@@ -20,7 +20,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype
-from pagedserve.kernels.paged_attention import ATTENTION_IMPLS, AttentionMetadata, paged_attention, write_kv
+from pagedserve.kernels.attention import AttentionMetadata
+from pagedserve.kernels.backends import ATTENTION_IMPLS
+from pagedserve.kernels.paged_attention import paged_attention, write_kv
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +86,8 @@ def time_case(case: Case, iters: int, query_dtype: torch.dtype) -> Result:
     query, layer, meta = build(case, query_dtype)
     impl = ATTENTION_IMPLS.get(case.impl)()
     scale = case.head_dim**-0.5
-    run = lambda: paged_attention(impl, query, layer, meta, scale)  # noqa: E731
+    plan = impl.plan(meta, layer)  # once per step in the engine, shared by every layer: not part of a layer's time
+    run = lambda: paged_attention(impl, query, layer, meta, scale, plan)  # noqa: E731
     for _ in range(3):
         run()
     samples = []

@@ -28,7 +28,7 @@ import torch
 from pagedserve.engine import LLM, LLMEngine, EngineConfig, SamplingParams
 from pagedserve.engine.models.layers import ForwardContext
 from pagedserve.kernels.kv_scales import CalibratingAttention
-from pagedserve.kernels.paged_attention import AttentionMetadata
+from pagedserve.kernels.attention import AttentionMetadata
 
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis to a child.",

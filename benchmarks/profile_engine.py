@@ -51,6 +51,7 @@ def instrument(engine) -> PhaseTimer:
     timer.wrap(engine, "step", "step (all)")
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner, "prepare", "prepare inputs")
+    timer.wrap(engine.runner.attn_impl, "plan", "attention plan")
     timer.wrap(engine.runner.model, "forward", "model forward")
     timer.wrap(engine.runner.model, "compute_logits", "lm head")
     timer.wrap(engine, "sampler", "sample")

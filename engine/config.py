@@ -8,13 +8,24 @@ from pathlib import Path
 import torch
 
 from pagedserve.engine.errors import ConfigError
+from pagedserve.kernels.backends import attention_backend_names, layer_ops_names
+from pagedserve.kernels.kv_cache import KVDtype
+from pagedserve.quant.registry import QUANT_METHODS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
-_KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
-_ATTENTION = ("auto", "native", "torch", "triton")
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+
+def field_choices() -> dict[str, tuple[str, ...]]:
+    """The names each named field accepts, read from the registries themselves (the CLI's help lists them too)."""
+    return {
+        "kv_cache_dtype": ("auto", *(kv.value for kv in KVDtype)),
+        "attention_backend": attention_backend_names(),
+        "layer_ops": layer_ops_names(),
+        "quantization": tuple(QUANT_METHODS.names()),
+    }
 
 
 def parse_dtype(name: str) -> torch.dtype | None:
@@ -40,6 +51,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     quantization: str | None = None  # None: whatever the checkpoint says
     attention_backend: str = "auto"
+    # auto: native fused C for 16-bit models on CPU, torch otherwise; and torch whenever attention_backend is
+    # "torch", which asks for the pure-torch reference path (see layer_ops_choice).
+    layer_ops: str = "auto"
     device: str = "cpu"
     num_threads: int | None = None  # None: leave torch's choice
     max_queued_requests: int = 1024
@@ -47,10 +61,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
-        if self.kv_cache_dtype not in _KV_DTYPES:
-            raise ConfigError("kv_cache_dtype", f"unknown {self.kv_cache_dtype!r}; supported: {', '.join(_KV_DTYPES)}")
-        if self.attention_backend not in _ATTENTION:
-            raise ConfigError("attention_backend", f"unknown {self.attention_backend!r}; supported: {', '.join(_ATTENTION)}")
+        for name, supported in field_choices().items():
+            value = getattr(self, name)
+            if value is not None and value not in supported:
+                raise ConfigError(name, f"unknown {value!r}; supported: {', '.join(supported)}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ConfigError("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.attention_backend == "triton" and self.block_size < 16:
@@ -67,8 +81,17 @@ class EngineConfig:
             raise ConfigError("device", f"must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ConfigError("chat_template", f"file not found: {self.chat_template}")
-        if self.attention_backend == "native" and self.device != "cpu":
-            raise ConfigError("attention_backend", f"native runs on CPU tensors only; device is {self.device!r}")
+        for name in ("attention_backend", "layer_ops"):
+            if getattr(self, name) == "native" and self.device != "cpu":
+                raise ConfigError(name, f"native runs on CPU tensors only; device is {self.device!r}")
+
+    @property
+    def layer_ops_choice(self) -> str:
+        """The layer ops to select: `layer_ops`, except that auto follows attention_backend="torch" (the pure-torch
+        reference path keeps its layer math in torch too)."""
+        if self.layer_ops == "auto" and self.attention_backend == "torch":
+            return "torch"
+        return self.layer_ops
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

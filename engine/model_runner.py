@@ -9,13 +9,13 @@ import torch
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.model_loader import LoadedModel
-from pagedserve.engine.models.layer_ops import select_layer_ops
 from pagedserve.engine.models.layers import ForwardContext
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.engine.sequence import Sequence
+from pagedserve.kernels.attention import AttentionMetadata
+from pagedserve.kernels.backends import select_attention_impl, select_layer_ops
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype
 from pagedserve.kernels.kv_scales import setup_kv_scales
-from pagedserve.kernels.paged_attention import AttentionMetadata, select_attention_impl
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +49,7 @@ class ModelRunner:
         self.attn_impl = setup_kv_scales(
             self.kv_cache, loaded.kv_scale_tensors, select_attention_impl(config.attention_backend, device)
         )
-        # attention_backend="torch" asks for the pure-torch reference path: its layer math stays torch too.
-        ops_name = "torch" if config.attention_backend == "torch" else "auto"
-        self.layer_ops = select_layer_ops(ops_name, device, loaded.dtype)
+        self.layer_ops = select_layer_ops(config.layer_ops_choice, device, loaded.dtype)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%s, %.1f MiB, attention=%s, layer ops=%s)",
             num_blocks, config.block_size, num_blocks * config.block_size, kv_dtype.value,
@@ -115,7 +113,9 @@ class ModelRunner:
         """Runs one step; returns fp32 logits [S, vocab] for the sequences that sample now, and those sequences."""
         self.copy_blocks(batch.block_copies)
         model_input = self.prepare(batch)
-        ctx = ForwardContext(model_input.attn_meta, self.kv_cache, self.attn_impl, self.layer_ops)
+        meta = model_input.attn_meta
+        plan = self.attn_impl.plan(meta, self.kv_cache.layers[0])  # once per step, shared by every layer
+        ctx = ForwardContext(meta, self.kv_cache, self.attn_impl, self.layer_ops, plan)
         hidden = self.model(model_input.input_ids, model_input.positions, ctx)
         if not model_input.sampling_seqs:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), ()

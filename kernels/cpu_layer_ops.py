@@ -1,7 +1,8 @@
-"""ctypes wrappers of cpu_layer_ops.c: fused RMSNorm (+ residual add), SiLU-and-mul and RoPE on CPU tensors.
+"""ctypes wrappers of cpu_layer_ops.c (fused RMSNorm (+ residual add), SiLU-and-mul and RoPE on CPU tensors), and
+`NativeLayerOps`, the "native" layer ops built on them.
 
 Each wrapper checks what the C code assumes (CPU, one dtype among fp32/bf16/fp16, dense rows) and allocates the
-output; callers choose these over torch ops in engine/models/layer_ops.py.
+output.
 """
 
 from __future__ import annotations
@@ -9,6 +10,10 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kernels.cpu_native import COMPUTE_DTYPES, dtype_code, load_library
+from pagedserve.kernels.layer_ops import LayerOps, TorchLayerOps
+
+# fp32 stays on torch: its results must stay bit-identical to transformers'.
+NATIVE_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _check(x: torch.Tensor, *others: torch.Tensor) -> None:
@@ -58,3 +63,42 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
         tokens, heads, dim, dtype_code(x.dtype), torch.get_num_threads(),
     )
     return out
+
+
+class NativeLayerOps(LayerOps):
+    """The C kernels for dense 16-bit CPU tensors; anything else (fp32, odd strides) takes the torch ops."""
+
+    def __init__(self) -> None:
+        load_library()  # asked for by name, a missing compiler is an error, not a silent fallback
+        self._torch = TorchLayerOps()
+
+    @staticmethod
+    def _native(x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.dtype in NATIVE_DTYPES
+
+    @classmethod
+    def _native_rows(cls, x: torch.Tensor) -> bool:
+        """A dense [tokens, width] tensor the row kernels can take as is."""
+        return cls._native(x) and x.dim() == 2 and x.is_contiguous()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self._native_rows(x):
+            return rms_norm(x, weight, eps)
+        return self._torch.rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._native_rows(residual) and delta.is_contiguous():
+            return residual, rms_norm(residual, weight, eps, delta=delta)
+        return self._torch.add_rms_norm(residual, delta, weight, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self._native_rows(gate_up):
+            return silu_and_mul(gate_up)
+        return self._torch.silu_and_mul(gate_up)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        if self._native(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+            return rope(x, cos, signed_sin)
+        return self._torch.rope(x, cos, signed_sin)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.kernels.cache_dir import cache_root
+
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
@@ -94,8 +96,6 @@ def load_library() -> ctypes.CDLL:
     compiler = shutil.which(os.environ.get("CC") or "gcc") or shutil.which("cc")
     if compiler is None:
         raise NativeBuildError("no C compiler found (set CC or install gcc)")
-    from pagedserve.engine.model_store import cache_root  # at call time: the engine package imports kernels
-
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
         "\0".join((*(f.read_text() for f in (*SOURCES, HEADER)), " ".join(_FLAGS), version, _cpu_fingerprint())).encode()

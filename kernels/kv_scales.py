@@ -27,11 +27,12 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pagedserve.kernels.kv_cache import KVCache, KVCacheConfigError, KVDtype, LayerKVCache
-from pagedserve.kernels.paged_attention import AttentionImpl, AttentionMetadata
+from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +148,13 @@ class CalibratingAttention(AttentionImpl):
                 self._log_done()
         self.inner.write_kv(key, value, cache, slot_mapping)
 
-    def attention(self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return self.inner.attention(query, cache, meta, scale)
+    def plan(self, meta: AttentionMetadata, cache: LayerKVCache) -> Any:
+        return self.inner.plan(meta, cache)
+
+    def attention(
+        self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, plan: Any, scale: float
+    ) -> torch.Tensor:
+        return self.inner.attention(query, cache, meta, plan, scale)
 
     def _log_done(self) -> None:
         logger.warning(

@@ -1,19 +1,28 @@
 """The CPU serving path of the PagedAttention entry point: torch code, with decode rows in one native call.
 
-Prefill chunks keep the torch implementation's SDPA (large matmuls, where torch is already fast); every decode
-row of a step goes through cpu_native.c, which reads K/V blocks in place instead of gathering and upcasting
-them. `auto` picks this on CPU whenever the C file builds here, and falls back to pure torch (logging why)
-when it cannot.
+Prefill chunks take the shared SDPA path (prefill_attention.py: large matmuls, where torch is already fast); every
+decode row of a step goes through cpu_decode_attention.c, which reads K/V blocks in place instead of gathering and
+upcasting them. `auto` picks this on CPU whenever the C file builds here, and falls back to pure torch (logging
+why) when it cannot.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata
 from pagedserve.kernels.cpu_native import DecodeBatch, decode_attention, load_library
 from pagedserve.kernels.kv_cache import LayerKVCache
-from pagedserve.kernels.paged_attention import ATTENTION_IMPLS, AttentionMetadata
-from pagedserve.kernels.torch_attention import TorchAttention, _PrefillChunk, prefill_chunks, query_starts
+from pagedserve.kernels.kv_quant import store_kv
+from pagedserve.kernels.prefill_attention import PrefillChunk, prefill_attention, prefill_chunks
+
+
+@dataclass(frozen=True, slots=True)
+class NativePlan:
+    decode: DecodeBatch | None  # None when no sequence decodes this step
+    prefill: tuple[PrefillChunk, ...]
 
 
 def _decode_batch(meta: AttentionMetadata, starts: list[int]) -> DecodeBatch | None:
@@ -33,27 +42,29 @@ def _decode_batch(meta: AttentionMetadata, starts: list[int]) -> DecodeBatch | N
     )
 
 
-@ATTENTION_IMPLS.register("native")
-class NativeCpuAttention(TorchAttention):
+class NativeCpuAttention(AttentionImpl[NativePlan]):
     def __init__(self) -> None:
-        super().__init__()
         load_library()  # asked for by name, a missing compiler is an error here, not a silent fallback
-        self._step: tuple[AttentionMetadata, DecodeBatch | None, tuple[_PrefillChunk, ...]] | None = None
 
-    def attention(self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def plan(self, meta: AttentionMetadata, cache: LayerKVCache) -> NativePlan:
+        starts = meta.query_starts()
+        return NativePlan(_decode_batch(meta, starts), prefill_chunks(meta, cache, starts))
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
+        store_kv(key, value, cache, slot_mapping)
+
+    def attention(
+        self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, plan: NativePlan, scale: float
+    ) -> torch.Tensor:
         assert query.device.type == "cpu", "the native attention runs on CPU tensors only"
-        if self._step is None or self._step[0] is not meta:
-            starts = query_starts(meta)
-            self._step = (meta, _decode_batch(meta, starts), prefill_chunks(meta, cache, starts))
-        _, decode, prefill = self._step
         if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
             query = query.contiguous()
         out = torch.empty(query.shape, dtype=query.dtype)
-        if decode is not None:
+        if plan.decode is not None:
             decode_attention(
                 query, out, LayerKVCache.by_head(cache.k), LayerKVCache.by_head(cache.v),
-                cache.k_scale, cache.v_scale, decode, scale,
+                cache.k_scale, cache.v_scale, plan.decode, scale,
             )
-        for chunk in prefill:
-            self.prefill(query, out, cache, scale, chunk)
+        for chunk in plan.prefill:
+            prefill_attention(query, out, cache, scale, chunk)
         return out

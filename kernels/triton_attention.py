@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.kv_cache import LayerKVCache
-from pagedserve.kernels.paged_attention import AttentionMetadata
+from pagedserve.kernels.attention import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}

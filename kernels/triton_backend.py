@@ -1,6 +1,7 @@
-"""Registers the Triton kernels as the "triton" attention implementation, importing triton only on first use.
+"""The Triton kernels as an `AttentionImpl`, importing triton only on first use.
 
-CPU processes without triton installed never import it; the name is registered only when the package exists.
+CPU processes without triton installed never import it; kernels/backends.py registers the name "triton" only when
+the package exists.
 Triton decides once, when `triton` is first imported, whether kernels compile for the GPU or run under its
 CPU interpreter (TRITON_INTERPRET=1; tests/conftest.py sets it on machines without CUDA). That is Triton's own
 switch: nothing here reads the environment.
@@ -14,7 +15,7 @@ import importlib.util
 import torch
 
 from pagedserve.kernels.kv_cache import KVDtype, LayerKVCache
-from pagedserve.kernels.paged_attention import ATTENTION_IMPLS, AttentionImpl, AttentionMetadata
+from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata
 
 
 class TritonUnavailableError(RuntimeError):
@@ -37,7 +38,7 @@ def _capability(device_index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-class TritonAttention(AttentionImpl):
+class TritonAttention(AttentionImpl[None]):
     def __init__(self) -> None:
         # Deferred so that importing pagedserve.kernels never imports triton.
         from pagedserve.kernels.triton_attention import triton_paged_attention
@@ -60,14 +61,15 @@ class TritonAttention(AttentionImpl):
                 "use kv_cache_dtype=fp8_e5m2 on this GPU"
             )
 
+    def plan(self, meta: AttentionMetadata, cache: LayerKVCache) -> None:
+        return None  # the kernel's grid reads query_start_loc on the device: nothing to prepare on the host
+
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
         self._check_device(key, cache)
         self._write_kv(key, value, cache, slot_mapping)
 
-    def attention(self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(
+        self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, plan: None, scale: float
+    ) -> torch.Tensor:
         self._check_device(query, cache)
         return self._attention(query, cache, meta, scale)
-
-
-if triton_available():
-    ATTENTION_IMPLS.register("triton")(TritonAttention)

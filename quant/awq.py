@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.quant.base import QUANT_METHODS, LinearMethod, QuantConfig, QuantConfigError
+from pagedserve.quant.base import LinearMethod, QuantConfig, QuantConfigError
 from pagedserve.quant.config_fields import get_bool, get_choice, get_int
-from pagedserve.quant.packed_linear import GroupQuantWeight, PackedLinearMethod
+from pagedserve.quant.group_quant import GroupQuantWeight
+from pagedserve.quant.packed_linear import PackedLinearMethod
 from pagedserve.quant.packing import default_g_idx, pack_cols, pack_rows, unpack_awq
 from pagedserve.quant.unquantized import UnquantizedLinearMethod
 
@@ -115,5 +116,3 @@ class AWQLinearMethod(PackedLinearMethod):
                                 g_idx=default_g_idx(layer.in_features, self.config.group_size, q.device),
                                 bits=4, in_features=layer.in_features, out_features=layer.out_features)
 
-
-QUANT_METHODS.register("awq")(AWQConfig)

@@ -12,7 +12,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pagedserve.kernels.registry import Registry
 
 
 class QuantConfigError(ValueError):
@@ -81,5 +80,3 @@ class QuantConfig(ABC):
     def describe(self) -> str:
         return self.name
 
-
-QUANT_METHODS: Registry[type[QuantConfig]] = Registry("quantization method")

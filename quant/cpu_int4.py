@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.quant.packed_linear import QLINEAR_KERNELS, GroupQuantWeight, QLinearKernel, sorted_groups
+from pagedserve.quant.group_quant import GroupQuantWeight, QLinearKernel, sorted_groups
 from pagedserve.quant.packing import unpack_cols, unpack_rows
 
 KERNEL_GROUPS = (256, 128, 64, 32)
@@ -39,7 +39,6 @@ def kernel_group(sorted_g: torch.Tensor) -> int | None:
     return None
 
 
-@QLINEAR_KERNELS.register("cpu_int4")
 class CpuInt4Kernel(QLinearKernel):
     name = "cpu_int4"
 

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.quant.base import QUANT_METHODS, LinearMethod, QuantConfig, QuantConfigError
+from pagedserve.quant.base import LinearMethod, QuantConfig, QuantConfigError
 from pagedserve.quant.config_fields import get_bool, get_choice, get_int
-from pagedserve.quant.packed_linear import GroupQuantWeight, PackedLinearMethod
+from pagedserve.quant.group_quant import GroupQuantWeight
+from pagedserve.quant.packed_linear import PackedLinearMethod
 from pagedserve.quant.packing import default_g_idx, pack_cols, pack_factor, unpack_cols
 from pagedserve.quant.unquantized import UnquantizedLinearMethod
 
@@ -180,5 +181,3 @@ class GPTQLinearMethod(PackedLinearMethod):
                                 g_idx=g_idx.to(torch.int32), bits=bits, in_features=layer.in_features,
                                 out_features=layer.out_features)
 
-
-QUANT_METHODS.register("gptq")(GPTQConfig)

@@ -1,4 +1,4 @@
-"""Pick the quantization method for a checkpoint from its config (or an explicit override)."""
+"""Quantization methods by name, and the method for a checkpoint from its config (or an explicit override)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pagedserve.quant import awq, gptq, unquantized  # noqa: F401  (register "awq", "gptq", "none")
-from pagedserve.quant.base import QUANT_METHODS, QuantConfig, QuantConfigError
+from pagedserve.kernels.registry import Registry
+from pagedserve.quant.awq import AWQConfig
+from pagedserve.quant.base import QuantConfig, QuantConfigError
+from pagedserve.quant.gptq import GPTQConfig
+from pagedserve.quant.unquantized import UnquantizedConfig
+
+# The one place methods are registered (method modules import only base.py, never this module).
+QUANT_METHODS: Registry[type[QuantConfig]] = Registry("quantization method")
+for _method in (UnquantizedConfig, GPTQConfig, AWQConfig):
+    QUANT_METHODS.register(_method.name)(_method)
 
 # Older checkpoints keep the settings beside config.json instead of inside it.
 SIDE_FILES = ("quantize_config.json", "quant_config.json")

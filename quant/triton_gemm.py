@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.quant.packed_linear import QLINEAR_KERNELS, GroupQuantWeight, QLinearKernel
+from pagedserve.quant.group_quant import GroupQuantWeight, QLinearKernel
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -77,7 +77,6 @@ def dequant_gemm(x: torch.Tensor, w: GroupQuantWeight, block_m: int = 16, block_
     return y
 
 
-@QLINEAR_KERNELS.register("triton")
 class TritonGemmKernel(QLinearKernel):
     name = "triton"
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.quant.base import QUANT_METHODS, LinearMethod, QuantConfig
+from pagedserve.quant.base import LinearMethod, QuantConfig
 from pagedserve.quant.onednn_dense import can_pack, pack_weight, packed_linear
 
 
@@ -46,7 +46,6 @@ class UnquantizedLinearMethod(LinearMethod):
         return merged
 
 
-@QUANT_METHODS.register("none")
 class UnquantizedConfig(QuantConfig):
     name = "none"
 

@@ -12,7 +12,7 @@ import importlib.util
 
 import torch
 
-from pagedserve.quant.packed_linear import QLINEAR_KERNELS, GroupQuantWeight, QLinearKernel, sorted_groups
+from pagedserve.quant.group_quant import GroupQuantWeight, QLinearKernel, sorted_groups
 from pagedserve.quant.packing import pack_awq, unpack_cols, unpack_rows
 
 
@@ -30,7 +30,6 @@ def uniform_group_size(sorted_g: torch.Tensor, groups: int) -> int | None:
     return gs if bool((sorted_g == expect).all()) else None
 
 
-@QLINEAR_KERNELS.register("vendor")
 class AwqExtKernel(QLinearKernel):
     name = "vendor"
     SPLIT_K_ITERS = 8

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.config import EngineConfig, field_choices
 from pagedserve.engine.errors import ConfigError, ModelLoadError, UnsupportedError
 from pagedserve.service.config import ServerConfig, TlsConfig
 
@@ -21,7 +21,7 @@ from pagedserve.service.config import ServerConfig, TlsConfig
 _ENGINE_HELP = {
     "model": "HF model folder (safetensors); default: the bundled SmolLM2-135M-Instruct",
     "dtype": "compute dtype: auto, float32, bfloat16, float16",
-    "kv_cache_dtype": "KV-cache dtype: auto, fp32, fp16, bf16, fp8_e4m3, fp8_e5m2",
+    "kv_cache_dtype": "KV-cache dtype (auto: the model's)",
     "kv_cache_memory": "KV-cache memory budget, bytes or with a unit (512MiB, 2GiB)",
     "block_size": "tokens per KV block",
     "max_num_seqs": "sequences decoded together in one step",
@@ -29,7 +29,8 @@ _ENGINE_HELP = {
     "max_model_len": "context length limit (default: the model's)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "quantization": "force a quantization method (default: what the checkpoint says)",
-    "attention_backend": "auto, native (CPU), torch or triton",
+    "attention_backend": "attention implementation (native: CPU only)",
+    "layer_ops": "norm/SiLU/RoPE math (auto: native C for 16-bit CPU models; torch with --attention-backend torch)",
     "device": "cpu, cuda or cuda:N",
     "num_threads": "torch intra-op threads (default: torch's choice)",
     "max_queued_requests": "admitted requests waiting for a batch slot; beyond it: RESOURCE_EXHAUSTED",
@@ -58,9 +59,11 @@ def _flag_type(field: dataclasses.Field) -> type | None:
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
+    choices = field_choices()
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
-        help_text = f"{_ENGINE_HELP.get(field.name, field.name)} (default: {field.default})"
+        names = f"; one of {', '.join(choices[field.name])}" if field.name in choices else ""
+        help_text = f"{_ENGINE_HELP.get(field.name, field.name)}{names} (default: {field.default})"
         kind = _flag_type(field)
         if kind is None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata
+from pagedserve.kernels.backends import select_attention_impl
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype, LayerKVCache
+from pagedserve.kernels.kv_quant import dequantize_from_cache
 from pagedserve.kernels.kv_scales import hadamard
-from pagedserve.kernels.paged_attention import (
-    AttentionImpl,
-    AttentionMetadata,
-    paged_attention,
-    select_attention_impl,
-    write_kv,
-)
-from pagedserve.kernels.torch_attention import dequantize_from_cache
+from pagedserve.kernels.paged_attention import paged_attention, write_kv
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NUM_KV_HEADS = 2

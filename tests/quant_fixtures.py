@@ -19,11 +19,11 @@ from safetensors.torch import load_file, save_file
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.model_loader import LoadedModel, load_model
 from pagedserve.engine.model_runner import ModelRunner
-from pagedserve.engine.models.layer_ops import TorchLayerOps
+from pagedserve.kernels.layer_ops import TorchLayerOps
 from pagedserve.engine.models.layers import ForwardContext
-from pagedserve.kernels.paged_attention import AttentionMetadata
+from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.quant.linear import QuantLinear
-from pagedserve.quant.packed_linear import GroupQuantWeight
+from pagedserve.quant.group_quant import GroupQuantWeight
 from pagedserve.quant.packing import default_g_idx, pack_cols, pack_rows
 from pagedserve.quant.registry import quant_config_for
 

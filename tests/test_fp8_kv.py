@@ -19,8 +19,11 @@ from pagedserve.kernels.kv_scales import (
     scales_from_checkpoint,
     setup_kv_scales,
 )
-from pagedserve.kernels.paged_attention import AttentionMetadata, paged_attention, select_attention_impl, write_kv
-from pagedserve.kernels.torch_attention import TorchAttention, dequantize_from_cache
+from pagedserve.kernels.attention import AttentionMetadata
+from pagedserve.kernels.backends import select_attention_impl
+from pagedserve.kernels.kv_quant import dequantize_from_cache
+from pagedserve.kernels.paged_attention import paged_attention, write_kv
+from pagedserve.kernels.torch_attention import TorchAttention
 
 CPU = torch.device("cpu")
 

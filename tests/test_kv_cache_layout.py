@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype, LayerKVCache
-from pagedserve.kernels.paged_attention import select_attention_impl, write_kv
+from pagedserve.kernels.backends import select_attention_impl
+from pagedserve.kernels.paged_attention import write_kv
 
 
 @pytest.mark.parametrize("kv_dtype", [KVDtype.FP32, KVDtype.BF16, KVDtype.FP8_E4M3])

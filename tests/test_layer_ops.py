@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.engine.models.layer_ops import NativeLayerOps, TorchLayerOps, select_layer_ops
+from pagedserve.kernels.backends import select_layer_ops
+from pagedserve.kernels.cpu_layer_ops import NativeLayerOps
+from pagedserve.kernels.layer_ops import TorchLayerOps
 from pagedserve.kernels import cpu_layer_ops
 
 CPU = torch.device("cpu")

@@ -21,7 +21,8 @@ from attention_cases import (
 from pagedserve.kernels import cpu_native
 from pagedserve.kernels.kv_cache import KVDtype
 from pagedserve.kernels.native_attention import NativeCpuAttention
-from pagedserve.kernels.paged_attention import paged_attention, select_attention_impl
+from pagedserve.kernels.backends import select_attention_impl
+from pagedserve.kernels.paged_attention import paged_attention
 from pagedserve.kernels.torch_attention import TorchAttention
 
 CPU = torch.device("cpu")

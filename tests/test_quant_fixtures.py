@@ -22,7 +22,7 @@ from quant_fixtures import (
     tool_record,
 )
 from pagedserve.quant.cpu_int4 import CpuInt4Kernel
-from pagedserve.quant.packed_linear import DequantKernel
+from pagedserve.quant.group_quant import DequantKernel
 from pagedserve.quant.packing import pack_cols, unpack_cols
 
 REQUIRED = {

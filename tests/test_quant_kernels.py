@@ -9,7 +9,8 @@ import torch
 
 from pagedserve.quant.base import QuantConfigError
 from pagedserve.quant.cpu_int4 import CpuInt4Kernel
-from pagedserve.quant.packed_linear import DequantKernel, select_kernel
+from pagedserve.quant.group_quant import DequantKernel
+from pagedserve.quant.qlinear_kernels import select_kernel
 from quant_fixtures import random_weight
 
 

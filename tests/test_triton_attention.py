@@ -23,7 +23,8 @@ from attention_cases import (  # noqa: E402
     poison_stale_slots,
 )
 from pagedserve.kernels.kv_cache import KVDtype  # noqa: E402
-from pagedserve.kernels.paged_attention import ATTENTION_IMPLS, paged_attention, select_attention_impl  # noqa: E402
+from pagedserve.kernels.backends import ATTENTION_IMPLS, select_attention_impl  # noqa: E402
+from pagedserve.kernels.paged_attention import paged_attention  # noqa: E402
 from pagedserve.kernels.triton_backend import TritonAttention  # noqa: E402
 
 def run_both(query, layer, meta) -> tuple[torch.Tensor, torch.Tensor]:

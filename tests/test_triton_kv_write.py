@@ -14,7 +14,8 @@ import torch
 pytest.importorskip("triton")
 
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype, LayerKVCache  # noqa: E402
-from pagedserve.kernels.paged_attention import ATTENTION_IMPLS, select_attention_impl, write_kv  # noqa: E402
+from pagedserve.kernels.backends import ATTENTION_IMPLS, select_attention_impl  # noqa: E402
+from pagedserve.kernels.paged_attention import write_kv  # noqa: E402
 from pagedserve.kernels.triton_kv_write import triton_write_kv  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

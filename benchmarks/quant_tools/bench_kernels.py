@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.quant.cpu_int4 import CpuInt4Kernel
-from pagedserve.quant.packed_linear import DequantKernel, GroupQuantWeight
+from pagedserve.quant.group_quant import DequantKernel, GroupQuantWeight
 from pagedserve.quant.packing import default_g_idx, pack_cols, pack_rows
 
 SHAPES = {"gate/up 576->1536": (576, 1536), "down 1536->576": (1536, 576), "q/o 576->576": (576, 576)}

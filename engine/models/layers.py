@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from pagedserve.engine.errors import ModelLoadError
-from pagedserve.engine.models.layer_ops import TorchLayerOps
+from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata
 from pagedserve.kernels.kv_cache import KVCache
-from pagedserve.kernels.paged_attention import AttentionImpl, AttentionMetadata
+from pagedserve.kernels.layer_ops import LayerOps, TorchLayerOps
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +22,9 @@ class ForwardContext:
     attn_meta: AttentionMetadata
     kv_cache: KVCache
     attn_impl: AttentionImpl
-    layer_ops: TorchLayerOps = TorchLayerOps()
+    layer_ops: LayerOps = TorchLayerOps()
+    # attn_impl.plan(attn_meta, ...) of this step, made once by the model runner; None: each layer plans for itself.
+    attn_plan: Any = None
 
 
 class RMSNorm(nn.Module):
@@ -31,10 +33,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, ops: TorchLayerOps) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor, ops: TorchLayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (residual + delta, this norm of it); may update `residual` in place."""
         return ops.add_rms_norm(residual, delta, self.weight, self.eps)
 
@@ -73,7 +75,7 @@ class RopeAngles:
 
     cos: torch.Tensor
     signed_sin: torch.Tensor  # sin with its first half negated: rotate_half's minus sign, folded in once
-    ops: TorchLayerOps
+    ops: LayerOps
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, N, D] -> RoPE(x), same op order as transformers' (x * cos) + (rotate_half(x) * sin)."""
@@ -94,7 +96,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)  # [P, D]
         self.register_buffer("signed_sin", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False)
 
-    def angles(self, positions: torch.Tensor, dtype: torch.dtype, ops: TorchLayerOps) -> RopeAngles:
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype, ops: LayerOps) -> RopeAngles:
         """positions [T] -> the step's RopeAngles, cast to `dtype` as transformers casts cos/sin."""
         return RopeAngles(
             self.cos[positions].to(dtype).unsqueeze(1), self.signed_sin[positions].to(dtype).unsqueeze(1), ops

@@ -14,9 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.engine.errors import ModelLoadError
-from pagedserve.engine.models.layer_ops import TorchLayerOps
 from pagedserve.engine.models.layers import ForwardContext, RMSNorm, RopeAngles, RotaryEmbedding
-from pagedserve.engine.models.registry import MODEL_ARCHS
+from pagedserve.kernels.layer_ops import LayerOps
 from pagedserve.kernels.paged_attention import paged_attention, write_kv
 from pagedserve.quant.base import QuantConfig
 from pagedserve.quant.linear import QuantLinear
@@ -110,7 +109,7 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         cache = ctx.kv_cache.layers[self.layer_index]
         write_kv(ctx.attn_impl, k, v, cache, ctx.attn_meta.slot_mapping)
-        out = paged_attention(ctx.attn_impl, q, cache, ctx.attn_meta, self.scale)  # [T, H, D]
+        out = paged_attention(ctx.attn_impl, q, cache, ctx.attn_meta, self.scale, ctx.attn_plan)  # [T, H, D]
         return self.o_proj(out.reshape(tokens, -1))
 
 
@@ -129,7 +128,7 @@ class MLP(nn.Module):
             self.gate_up_proj = merged
             del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor, ops: TorchLayerOps) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         if self.gate_up_proj is not None:
             return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -203,18 +202,19 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
-@MODEL_ARCHS.register("LlamaForCausalLM")
 class Llama(LlamaForCausalLM):
     pass
 
 
-@MODEL_ARCHS.register("MistralForCausalLM")
 class Mistral(LlamaForCausalLM):
     pass
 
 
-@MODEL_ARCHS.register("Qwen2ForCausalLM")
 class Qwen2(LlamaForCausalLM):
     @staticmethod
     def biases(hf_config: dict[str, Any]) -> tuple[bool, bool]:
         return True, False  # Qwen2 always has q/k/v biases and never an o_proj bias
+
+
+# Read by engine/models/registry.py, which registers every module of this package that defines ARCHITECTURES.
+ARCHITECTURES = {"LlamaForCausalLM": Llama, "MistralForCausalLM": Mistral, "Qwen2ForCausalLM": Qwen2}

@@ -16,14 +16,10 @@ pytestmark = [
 
 triton = pytest.importorskip("triton")
 
+from pagedserve.kernels.attention import AttentionMetadata  # noqa: E402
+from pagedserve.kernels.backends import ATTENTION_IMPLS, select_attention_impl  # noqa: E402
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype  # noqa: E402
-from pagedserve.kernels.paged_attention import (  # noqa: E402
-    ATTENTION_IMPLS,
-    AttentionMetadata,
-    paged_attention,
-    select_attention_impl,
-    write_kv,
-)
+from pagedserve.kernels.paged_attention import paged_attention, write_kv  # noqa: E402
 
 CUDA = torch.device("cuda")
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}

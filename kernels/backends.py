@@ -1,0 +1,59 @@
+"""The kernels' registries: attention implementations and layer ops by name, and the `auto` choice for each.
+
+This module is the one place implementations are registered (and the one line to add for a new one): they import
+only the interfaces (attention.py, layer_ops.py), never this module, so no import cycle exists. engine/config.py
+validates its names against these registries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.kernels import cpu_native
+from pagedserve.kernels.attention import AttentionImpl
+from pagedserve.kernels.cpu_layer_ops import NATIVE_DTYPES, NativeLayerOps
+from pagedserve.kernels.layer_ops import LayerOps, TorchLayerOps
+from pagedserve.kernels.native_attention import NativeCpuAttention
+from pagedserve.kernels.registry import Registry
+from pagedserve.kernels.torch_attention import TorchAttention
+from pagedserve.kernels.triton_backend import TritonAttention, triton_available
+
+ATTENTION_IMPLS: Registry[type[AttentionImpl]] = Registry("attention implementation")
+ATTENTION_IMPLS.register("torch")(TorchAttention)
+ATTENTION_IMPLS.register("native")(NativeCpuAttention)
+if triton_available():  # CPU installs without triton never see the name
+    ATTENTION_IMPLS.register("triton")(TritonAttention)
+
+LAYER_OPS: Registry[type[LayerOps]] = Registry("layer ops")
+LAYER_OPS.register("torch")(TorchLayerOps)
+LAYER_OPS.register("native")(NativeLayerOps)
+
+AUTO = "auto"
+
+
+def attention_backend_names() -> tuple[str, ...]:
+    return (AUTO, *ATTENTION_IMPLS.names())
+
+
+def layer_ops_names() -> tuple[str, ...]:
+    return (AUTO, *LAYER_OPS.names())
+
+
+def select_attention_impl(name: str, device: torch.device) -> AttentionImpl:
+    """`auto` picks Triton on CUDA (when importable), the native CPU kernels on CPU (when they build here) and
+    torch otherwise; other names are explicit."""
+    if name == AUTO:
+        if device.type == "cuda":
+            name = "triton" if "triton" in ATTENTION_IMPLS else "torch"
+        else:
+            name = "native" if device.type == "cpu" and cpu_native.available() else "torch"
+    return ATTENTION_IMPLS.get(name)()
+
+
+def select_layer_ops(name: str, device: torch.device, dtype: torch.dtype) -> LayerOps:
+    """`auto`: native for 16-bit models on CPU when the C kernels build here, torch otherwise (fp32 stays on torch:
+    its results must stay bit-identical to transformers')."""
+    if name == AUTO:
+        wanted = device.type == "cpu" and dtype in NATIVE_DTYPES
+        name = "native" if wanted and cpu_native.available() else "torch"
+    return LAYER_OPS.get(name)()
