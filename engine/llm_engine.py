@@ -12,6 +12,7 @@ from pagedserve.engine.allocator import keep_freed_memory
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.chat_template import read_template_file
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.cpu_threads import configure_cpu_threads
 from pagedserve.engine.errors import CapacityError, InvalidRequestError
 from pagedserve.engine.model_loader import load_model
 from pagedserve.engine.model_runner import ModelRunner
@@ -44,11 +45,12 @@ class RequestState:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
+            configure_cpu_threads(config.num_threads)
             keep_freed_memory()
+        elif config.num_threads:
+            torch.set_num_threads(config.num_threads)
         self.model_dir = resolve_model(config.model)
         override = read_template_file(config.chat_template) if config.chat_template else None  # fail before loading
         self.loaded = load_model(self.model_dir, config.torch_dtype, config.quantization, self.device)

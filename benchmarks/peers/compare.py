@@ -52,9 +52,10 @@ def parse_args() -> argparse.Namespace:
                         "collapses whenever another process takes a core (see docs/benchmarks.md)")
     p.add_argument("--poisson-load", type=float, default=0.9, help="0 disables the Poisson runs")
     p.add_argument("--vllm-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND for vLLM")
-    p.add_argument("--quick", action="store_true", help="16 small requests, 1 repeat, no Poisson")
-    p.add_argument("--out-json", type=Path, default=REPO / "docs" / "benchmarks.json")
-    p.add_argument("--out-md", type=Path, default=REPO / "docs" / "benchmarks.md")
+    p.add_argument("--quick", action="store_true",
+                   help="16 small requests, 1 repeat, no Poisson; writes under the log dir unless --out-* are given")
+    p.add_argument("--out-json", type=Path, default=None, help="default: docs/benchmarks.json")
+    p.add_argument("--out-md", type=Path, default=None, help="default: docs/benchmarks.md")
     p.add_argument("--log-dir", type=Path, default=drivers.servers.CACHE / "logs")
     return p.parse_args()
 
@@ -73,6 +74,34 @@ def log(msg: str) -> None:
     print(time.strftime("%H:%M:%S"), msg, file=sys.stderr, flush=True)
 
 
+_ISA = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
+
+
+def host_info() -> dict:
+    """CPU model, the ISA flags that decide kernel paths, usable cores and the load average: ratios are only
+    comparable within one run on one host, so every result file says which host that was."""
+    info = {"cpu_model": "unknown", "isa": [], "usable_cores": len(os.sched_getaffinity(0)),
+            "load_avg_1m_start": os.getloadavg()[0]}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            info["cpu_model"] = line.split(":", 1)[1].strip()
+        elif line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            info["isa"] = [f for f in _ISA if f in flags]
+            break
+    return info
+
+
+def check_token_counts(name: str, timings: list, workload) -> None:
+    """Every system must generate exactly the workload's tokens (ignore_eos): a server that truncates (llama-server's
+    fixed slot context answers HTTP 200 with fewer tokens) would otherwise be scored on less work."""
+    expected = sum(r.max_tokens for r in workload.requests)
+    got = sum(t.num_output_tokens for t in timings)
+    if len(timings) != len(workload.requests) or got != expected:
+        raise SystemExit(f"{name}: {len(timings)} requests / {got} output tokens, the workload has "
+                         f"{len(workload.requests)} / {expected}; its results would not be comparable")
+
+
 def run_phase(names: list[str], spec: drivers.DriverSpec, config: WorkloadConfig, repeats: int,
               poisson_load: float) -> tuple[dict, dict, dict]:
     """Starts the systems of one mode, interleaves the repeats, then the Poisson runs."""
@@ -80,7 +109,8 @@ def run_phase(names: list[str], spec: drivers.DriverSpec, config: WorkloadConfig
     runs: dict[str, list] = {n: [] for n in names}
     timings: dict[str, list] = {}
     poisson: dict[str, dict] = {}
-    prompt_tokens = build_workload(config).num_prompt_tokens
+    workload = build_workload(config)
+    prompt_tokens = workload.num_prompt_tokens
     try:
         for name in names:
             log(f"[{spec.dtype}] starting {name}")
@@ -88,6 +118,7 @@ def run_phase(names: list[str], spec: drivers.DriverSpec, config: WorkloadConfig
         for rep in range(repeats):
             for name in names[rep % len(names):] + names[:rep % len(names)]:
                 t, peak, extra = live[name].run(config)
+                check_token_counts(name, t, workload)
                 res = summarize(name, spec.dtype, t, prompt_tokens, peak, extra)
                 runs[name].append(res)
                 timings[name] = t
@@ -100,6 +131,7 @@ def run_phase(names: list[str], spec: drivers.DriverSpec, config: WorkloadConfig
             rate = poisson_load * config.num_requests / med["duration_s"]
             pconfig = dataclasses.replace(config, arrival="poisson", rate=rate)
             t, peak, extra = live[name].run(pconfig)
+            check_token_counts(name, t, workload)
             res = summarize(name, spec.dtype, t, prompt_tokens, peak, extra).to_dict()
             poisson[name] = {**res, "rate_req_s": rate, "load": poisson_load}
             log(f"[{spec.dtype}] poisson {rate:.2f} req/s {name}: {res['output_tok_s']:.1f} out tok/s, "
@@ -133,6 +165,11 @@ def run_dtype(args, spec: drivers.DriverSpec, config: WorkloadConfig, repeats: i
 
 def main() -> None:
     args = parse_args()
+    # A smoke run must never overwrite the published figures.
+    out_dir = args.log_dir if args.quick else REPO / "docs"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    args.out_json = args.out_json or out_dir / ("benchmarks-quick.json" if args.quick else "benchmarks.json")
+    args.out_md = args.out_md or out_dir / ("benchmarks-quick.md" if args.quick else "benchmarks.md")
     from pagedserve.engine.model_store import resolve_model
 
     model_dir = str(resolve_model(args.model))
@@ -142,7 +179,7 @@ def main() -> None:
     flops = useful_flops(model_dir, workload)
     log("measuring the matmul peak (1 and 2 threads, fp32 and bf16)")
     peaks = measure_peaks((1, 2))
-    out = {"meta": {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model_dir,
+    out = {"meta": {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model_dir, "host": host_info(),
                     "pagedserve_version": source_version(),
                     "workload": workload.summary(), "repeats": repeats, "threads": args.threads,
                     "vllm_bind": args.vllm_bind, "useful_tflop": flops / 1e12, "matmul_peak_gflops": peaks,
@@ -153,6 +190,7 @@ def main() -> None:
         out["results"][dtype] = run_dtype(args, spec, config, repeats, flops, peaks)
         args.out_json.write_text(json.dumps(out, indent=2))  # partial results survive a crash
     out["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    out["meta"]["host"]["load_avg_1m_end"] = os.getloadavg()[0]
     args.out_json.write_text(json.dumps(out, indent=2))
     report.write_report(out, args.out_md, args.out_json)
     log(f"wrote {args.out_json} and {args.out_md}")

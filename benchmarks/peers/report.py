@@ -85,7 +85,13 @@ def render(out: dict, json_name: str, png_name: str | None) -> str:
              f"({w['prompt_tokens']} prompt + {w['output_tokens']} output tokens), seed {w['seed']}, greedy, EOS "
              f"ignored, prefix caching off everywhere; medians of {meta['repeats']} interleaved repetitions; "
              f"{meta['useful_tflop']:.2f} TFLOP of useful work.",
-             f"Measured matmul peak (GFLOP/s, 2048^3, best of torch.mm and oneDNN packed, dtype@threads): {peaks}.", ""]
+             f"Measured matmul peak (GFLOP/s, 2048^3, best of torch.mm and oneDNN packed, dtype@threads): {peaks}."]
+    host = meta.get("host")
+    if host:
+        lines.append(f"Host: {host['cpu_model']} ({', '.join(host['isa']) or 'no listed ISA flags'}), "
+                     f"{host['usable_cores']} usable cores, load average {host['load_avg_1m_start']:.2f} at the start"
+                     f" and {host.get('load_avg_1m_end', float('nan')):.2f} at the end.")
+    lines.append("")
     for dtype, section in out["results"].items():
         lines += [f"### {dtype}", ""] + system_table(section) + [""] + ratio_table(section) + [""]
         if section.get("poisson"):

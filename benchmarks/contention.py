@@ -1,0 +1,83 @@
+"""pagedserve's in-process throughput when a core is taken away: the measurement behind the thread/wait policy.
+
+For each compute-thread count and OpenMP wait policy it runs benchmarks/throughput.py (pagedserve only, one seeded
+workload) on a quiet machine and again beside one CPU-bound process pinned to the last usable core, and prints one
+JSON line per run plus a summary with each setting's contended/quiet ratio (a fair share on 2 cores is 0.5x).
+Run it on an otherwise idle machine; the load average before and after is in the output.
+
+    python benchmarks/contention.py                       # threads 2 and 1, ACTIVE and PASSIVE waits
+    python benchmarks/contention.py --threads 2 --waits PASSIVE --num-requests 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BUSY_LOOP = "while True: pass"
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def run_once(args: argparse.Namespace, threads: int, wait: str, contended: bool) -> dict:
+    cores = sorted(os.sched_getaffinity(0))
+    busy = None
+    if contended:  # the competitor owns the last core; the engine may still schedule threads there
+        busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP], preexec_fn=lambda: os.sched_setaffinity(0, cores[-1:]))
+    try:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            cmd = [sys.executable, str(HERE / "throughput.py"), "--systems", "pagedserve", "--threads", str(threads),
+                   "--repeats", str(args.repeats), "--no-roofline", "--num-requests", str(args.num_requests),
+                   "--prompt-len", *map(str, args.prompt_len), "--output-len", *map(str, args.output_len),
+                   "--dtype", args.dtype, "--out", out.name]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_WAIT_POLICY": wait})
+            median = json.loads(Path(out.name).read_text())["results"][args.dtype]["median"]["pagedserve"]
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+    return {"benchmark": "contention", "threads": threads, "omp_wait_policy": wait, "contended": contended,
+            "output_tok_s": median["output_tok_s"], "ttft_p50_s": median["ttft_p50_s"],
+            "itl_p50_ms": median["itl_p50_ms"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, nargs="+", default=[2, 1])
+    parser.add_argument("--waits", nargs="+", default=["ACTIVE", "PASSIVE"], choices=["ACTIVE", "PASSIVE"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(64, 256))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 64))
+    args = parser.parse_args()
+    print(json.dumps({"benchmark": "contention_setup", "cpu": cpu_model(),
+                      "usable_cores": len(os.sched_getaffinity(0)), "load_avg_before": os.getloadavg()[0],
+                      "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
+                                   "output_len": args.output_len, "dtype": args.dtype}}), flush=True)
+    summary = {}
+    for threads in args.threads:
+        for wait in args.waits:
+            quiet = run_once(args, threads, wait, contended=False)
+            busy = run_once(args, threads, wait, contended=True)
+            print(json.dumps(quiet), flush=True)
+            print(json.dumps(busy), flush=True)
+            summary[f"threads{threads}_{wait.lower()}"] = {
+                "quiet_tok_s": quiet["output_tok_s"], "contended_tok_s": busy["output_tok_s"],
+                "contended_vs_quiet": busy["output_tok_s"] / quiet["output_tok_s"]}
+    print(json.dumps({"benchmark": "contention_summary", "load_avg_after": os.getloadavg()[0], **summary}))
+
+
+if __name__ == "__main__":
+    main()

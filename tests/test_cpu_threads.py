@@ -1,0 +1,62 @@
+"""engine/cpu_threads.py: the compute-thread count follows the affinity mask and the cgroup CPU quota."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pagedserve.engine.cpu_threads import CpuBudget, apply_thread_budget, cpu_budget
+
+
+def _tree(tmp_path: Path, files: dict[str, str], proc: str) -> tuple[Path, Path]:
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    root.mkdir(exist_ok=True)
+    (tmp_path / "proc_cgroup").write_text(proc)
+    return root, tmp_path / "proc_cgroup"
+
+
+def test_v2_quota_of_a_pod_nested_below_the_root(tmp_path):
+    root, proc = _tree(tmp_path, {"kubepods/pod1/ctr/cpu.max": "150000 100000\n", "kubepods/cpu.max": "max 100000\n",
+                                  "cpu.max": "max 100000\n"}, "0::/kubepods/pod1/ctr\n")
+    budget = cpu_budget(root, proc)
+    assert budget.quota == 1.5 and budget.usable == 1  # rounded down: half a CPU more would only be throttled
+
+
+def test_the_tightest_quota_on_the_path_wins(tmp_path):
+    root, proc = _tree(tmp_path, {"a/b/cpu.max": "400000 100000\n", "a/cpu.max": "200000 100000\n"}, "0::/a/b\n")
+    assert cpu_budget(root, proc).quota == 2.0
+
+
+def test_v1_cfs_quota_and_unlimited(tmp_path):
+    root, proc = _tree(tmp_path, {"cpu/docker/x/cpu.cfs_quota_us": "300000\n", "cpu/docker/x/cpu.cfs_period_us": "100000\n"},
+                       "4:cpu,cpuacct:/docker/x\n3:memory:/docker/x\n")
+    assert cpu_budget(root, proc).quota == 3.0
+    root, proc = _tree(tmp_path / "u", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"},
+                       "4:cpu,cpuacct:/\n")
+    assert cpu_budget(root, proc).quota is None
+
+
+def test_a_namespaced_container_sees_its_quota_at_the_root(tmp_path):
+    root, proc = _tree(tmp_path, {"cpu.max": "50000 100000\n"}, "0::/\n")
+    budget = cpu_budget(root, proc)
+    assert budget.quota == 0.5 and budget.usable == 1  # never fewer than one thread
+
+
+def test_no_cgroup_files_means_the_affinity_mask(tmp_path):
+    budget = cpu_budget(tmp_path / "none", tmp_path / "missing")
+    assert budget == CpuBudget(affinity=len(os.sched_getaffinity(0)), quota=None)
+
+
+@pytest.mark.parametrize("requested, budget, current, expected", [
+    (None, CpuBudget(affinity=64, quota=2.0), 64, 2),   # container limit on a big node
+    (None, CpuBudget(affinity=4, quota=None), 4, 4),    # unlimited: torch's own choice
+    (None, CpuBudget(affinity=8, quota=16.0), 8, 8),    # quota above the mask: the mask
+    (6, CpuBudget(affinity=8, quota=2.0), 8, 6),        # --num-threads always wins
+])
+def test_thread_count(requested, budget, current, expected):
+    assert apply_thread_budget(requested, budget, current) == expected
