@@ -79,8 +79,8 @@ class CountingAttention(AttentionImpl):
         self.plans: list[object] = []
         self.attention_plans: list[object] = []
 
-    def plan(self, meta, cache):
-        plan = self.inner.plan(meta, cache)
+    def plan(self, meta, cache, window=None):
+        plan = self.inner.plan(meta, cache, window)
         self.plans.append(plan)
         return plan
 
