@@ -57,7 +57,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded, config, self.device)
         self.tokenizer = Tokenizer(self.model_dir, self.runner.vocab_size, override)
         self.max_model_len = self.runner.max_model_len
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching, self.runner.kv_window
+        )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
