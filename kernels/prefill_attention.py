@@ -48,14 +48,14 @@ def prefill_chunks(
         if q_len > 1:
             ctx = meta.seq_lens_host[i]
             past = ctx - q_len
-            # Blocks wholly before the chunk's first query's window are neither read nor (maybe) still allocated.
+            # Blocks wholly before the first query's window hold no visible key (and may be freed): not read.
             first_block = first_visible_key(past, window) // block_size
             first_key = first_block * block_size
             mask = None
             if past or (window is not None and window < ctx):
                 mask = _visible(past, ctx, first_key, window, device)
-            blocks = meta.block_tables[i, first_block : -(-ctx // block_size)].long()
-            chunks.append(PrefillChunk(starts[i], q_len, ctx - first_key, head_tiles(blocks, num_kv_heads, num_blocks), mask))
+            tiles = head_tiles(meta.block_tables[i, first_block : -(-ctx // block_size)].long(), num_kv_heads, num_blocks)
+            chunks.append(PrefillChunk(starts[i], q_len, ctx - first_key, tiles, mask))
     return tuple(chunks)
 
 

@@ -78,7 +78,8 @@ def _decode_groups(
 class TorchAttention(AttentionImpl[TorchPlan]):
     def plan(self, meta: AttentionMetadata, cache: LayerKVCache, window: int | None = None) -> TorchPlan:
         starts = meta.query_starts()
-        return TorchPlan(window, _decode_groups(meta, cache, starts, window), prefill_chunks(meta, cache, starts, window))
+        decode = _decode_groups(meta, cache, starts, window)
+        return TorchPlan(window, decode, prefill_chunks(meta, cache, starts, window))
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
         store_kv(key, value, cache, slot_mapping)

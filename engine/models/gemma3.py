@@ -232,7 +232,8 @@ class Gemma3ForCausalLM(nn.Module):
         if self.lm_head is None:  # tied: a linear layer over the (unscaled) embedding, as in llama.py
             embed = self.model.embed_tokens.weight
             with torch.device("meta"):
-                head = QuantLinear(self.args.hidden_size, self.args.vocab_size, False, UnquantizedLinearMethod(), embed.dtype)
+                args = self.args
+                head = QuantLinear(args.hidden_size, args.vocab_size, False, UnquantizedLinearMethod(), embed.dtype)
             head.weight = embed
             self.lm_head = head
 
