@@ -43,6 +43,8 @@ def layer_types(cfg: dict[str, Any], num_layers: int, pattern: int | None = None
     """
     types = cfg.get("layer_types")
     if types is None:
+        if pattern is not None and (not isinstance(pattern, int) or pattern < 1):
+            raise ModelLoadError(f"sliding_window_pattern: must be a positive integer, got {pattern!r}")
         if pattern is not None:
             types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
         else:

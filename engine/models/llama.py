@@ -73,15 +73,16 @@ class LlamaArgs:
             qkv_bias=qkv_bias,
             mlp_bias=cfg.get("mlp_bias", False),
             o_bias=o_bias,
-            layer_windows=layer_windows(layer_types(cfg, cfg["num_hidden_layers"]), _sliding_window(cfg, sliding)),
+            layer_windows=_layer_windows(cfg, sliding),
         )
 
 
-def _sliding_window(cfg: dict[str, Any], sliding: bool) -> int | None:
-    """Mistral's and Qwen2's window (Qwen2 only with use_sliding_window); Llama ignores the key, as transformers does."""
-    if not sliding or cfg.get("use_sliding_window", True) is False:
-        return None
-    return cfg.get("sliding_window")
+def _layer_windows(cfg: dict[str, Any], sliding: bool) -> tuple[int | None, ...]:
+    """Mistral's and Qwen2's per-layer windows (Qwen2 only with use_sliding_window); Llama ignores sliding_window,
+    as transformers does."""
+    num_layers = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window") if sliding and cfg.get("use_sliding_window", True) is not False else None
+    return layer_windows(layer_types(cfg, num_layers), window) if window else (None,) * num_layers
 
 
 class Attention(nn.Module):
