@@ -209,6 +209,6 @@ def test_all_sliding_model_holds_only_the_window_blocks(tmp_path, monkeypatch, w
     new_tokens = 5 * window - len(prompt)
     engine_probe.generate(engine, {"long": prompt}, new_tokens, run)
     held = run.held_blocks["long"]
-    assert len(held) >= new_tokens - 1 and max(held) <= -(-window // BLOCK) + 1
+    assert len(held) >= new_tokens - 2 and max(held) <= -(-window // BLOCK) + 1  # every decode step but the last
     engine_probe.assert_matches(run, hf)
     assert run.tokens["long"][len(prompt):] == engine_probe.hf_greedy_tokens(hf, prompt, new_tokens)
