@@ -114,7 +114,7 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q_ptr.dtype.element_ty).to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    acc = acc / l_i[:, None]
+    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # padding rows (never stored) may see no key in a window
     o_off = tok[:, None] * stride_o_tok + head.to(tl.int64)[:, None] * stride_o_head + offs_d[None, :]
     tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
