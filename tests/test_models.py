@@ -212,3 +212,25 @@ def test_all_sliding_model_holds_only_the_window_blocks(tmp_path, monkeypatch, w
     assert len(held) >= new_tokens - 2 and max(held) <= -(-window // BLOCK) + 1  # every decode step but the last
     engine_probe.assert_matches(run, hf)
     assert run.tokens["long"][len(prompt):] == engine_probe.hf_greedy_tokens(hf, prompt, new_tokens)
+
+
+def test_gemma3_bf16_native_path_tracks_transformers(tmp_path, monkeypatch):
+    """bf16 on CPU (native attention and layer ops, the default there): every position's logits stay as close to
+    transformers' fp32 ones as transformers' own bf16 forward does, and the greedy tokens match its bf16 generate."""
+    import transformers
+
+    path = make_tiny_gemma(tmp_path, "gemma3")
+    engine = LLM(str(path), dtype="bfloat16", block_size=BLOCK, max_num_batched_tokens=11).engine
+    assert type(engine.runner.layer_ops).__name__ == "NativeLayerOps"
+    run = engine_probe.ProbeRun()
+    engine_probe.attach(engine, run, monkeypatch)
+    prompt = list(range(300, 340))
+    engine_probe.generate(engine, {"a": prompt}, 10, run)
+    tokens = torch.tensor([run.tokens["a"]])
+    hf = {dtype: transformers.Gemma3ForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+          for dtype in (torch.float32, torch.bfloat16)}
+    with torch.inference_mode():
+        exact, theirs = (hf[dtype](tokens).logits[0].float() for dtype in (torch.float32, torch.bfloat16))
+    ours = max((logits - exact[p]).abs().max().item() for p, logits in run.logits["a"])
+    assert ours <= 1.25 * (theirs - exact).abs().max().item()
+    assert run.tokens["a"][len(prompt):] == engine_probe.hf_greedy_tokens(hf[torch.bfloat16], prompt, 10)
