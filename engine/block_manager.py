@@ -86,6 +86,17 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def peak_blocks(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks one sequence of `num_tokens` ever holds at once, computing <= max_step_tokens per step.
+
+        With a window, a step over tokens n..n+k-1 needs only positions n - window + 1 .. n + k - 1 (the rest is
+        released after each commit), so a sequence longer than the whole cache still fits.
+        """
+        if self.window is None:
+            return self.blocks_needed(num_tokens)
+        span = self.window - 1 + max_step_tokens
+        return min(self.blocks_needed(num_tokens), -(-span // self.block_size) + 1)
+
     # -- prefix caching -------------------------------------------------------------------------------
     def lookup_prefix(self, seq: Sequence) -> PrefixHit:
         """Cached full blocks at the start of `seq`; at least one token is always left to compute.

@@ -90,7 +90,7 @@ class LLMEngine:
                 f"{params.max_tokens} new tokens + {num_prompt_tokens} prompt tokens exceed the context of "
                 f"{self.max_model_len} tokens",
             )
-        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+        if self.block_manager.peak_blocks(total, self.config.max_num_batched_tokens) > self.block_manager.num_blocks:
             raise CapacityError(
                 "max_tokens",
                 f"prompt + max_tokens = {total} tokens needs more than the whole KV cache "

@@ -207,3 +207,23 @@ def test_fork_of_a_windowed_sequence_shares_only_live_blocks():
     bm.free(parent)
     bm.free(child)
     assert bm.num_free_blocks == 16 and not refcounts(bm)
+
+
+def test_peak_blocks_of_a_windowed_sequence_are_bounded_by_the_window_and_the_step():
+    assert BlockManager(16, 4).peak_blocks(100, 5) == 25
+    windowed = BlockManager(16, 4, window=6)
+    assert windowed.peak_blocks(100, 5) == 4  # positions n - 5 .. n + 4: 10 of them, over at most 4 blocks
+    assert windowed.peak_blocks(7, 5) == 2  # a short sequence never needs more than its own blocks
+    # The bound holds in practice: a 100-token sequence in 5-token steps never holds more.
+    s = seq(list(range(9)))
+    peak = 0
+    while s.num_tokens < 100:
+        if s.num_computed_tokens == s.num_tokens:
+            s.token_ids.append(1)  # the prompt is done: one sampled token per step
+        n = min(5, s.num_tokens - s.num_computed_tokens)
+        windowed.allocate(s, n)
+        peak = max(peak, sum(1 for b in s.block_table if b != FREED))
+        s.num_computed_tokens += n
+        windowed.commit_full_blocks(s)
+        windowed.release_out_of_window(s)
+    assert peak <= 4

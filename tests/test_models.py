@@ -234,3 +234,30 @@ def test_gemma3_bf16_native_path_tracks_transformers(tmp_path, monkeypatch):
     ours = max((logits - exact[p]).abs().max().item() for p, logits in run.logits["a"])
     assert ours <= 1.25 * (theirs - exact).abs().max().item()
     assert run.tokens["a"][len(prompt):] == engine_probe.hf_greedy_tokens(hf[torch.bfloat16], prompt, 10)
+
+
+def test_all_sliding_model_serves_a_sequence_longer_than_the_kv_cache(tmp_path, monkeypatch):
+    """6 blocks of 8 tokens hold 48 tokens; a 90-token sequence still runs (a step needs at most
+    ceil((window - 1 + 11) / 8) + 1 = 5 blocks), with transformers' output. Without the window it is refused."""
+    import transformers
+
+    from pagedserve.engine.errors import CapacityError
+
+    window = 2 * BLOCK
+    path = make_tiny_model(tmp_path, "MistralForCausalLM", sliding_window=window, initializer_range=0.1)
+    block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, fp32
+    engine = LLM(str(path), dtype="float32", block_size=BLOCK, max_num_batched_tokens=11,
+                 kv_cache_memory=6 * block_bytes).engine
+    assert engine.block_manager.num_blocks == 6
+    run = engine_probe.ProbeRun()
+    engine_probe.attach(engine, run, monkeypatch)
+    prompt = list(range(500, 530))
+    engine_probe.generate(engine, {"long": prompt}, 60, run)
+    hf = transformers.MistralForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    engine_probe.assert_matches(run, hf)
+    assert run.tokens["long"][len(prompt):] == engine_probe.hf_greedy_tokens(hf, prompt, 60)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "sliding_window": None}))
+    full = LLM(str(path), dtype="float32", block_size=BLOCK, max_num_batched_tokens=11, kv_cache_memory=6 * block_bytes)
+    with pytest.raises(CapacityError, match="whole KV cache"):
+        full.engine.add_request("long", prompt, SamplingParams(max_tokens=60))
