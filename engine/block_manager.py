@@ -2,6 +2,13 @@
 
 A block is free when no sequence references it. Free blocks that hold a committed full block of tokens stay
 findable by their hash (prefix caching) until they are reused; reuse order is least recently freed first.
+
+Sliding windows: when every layer of the model attends over at most `window` positions, a block wholly before the
+window of a sequence's next token can never be read again. `release_out_of_window` frees it and leaves `FREED` in
+its block-table slot (positions still map to slots by index). It is freed only after `commit_full_blocks` hashed
+it, so the prefix cache keeps it findable like any freed block, with contents still valid until reuse evicts it;
+and a prefix hit needs only the blocks its first uncached token can see, so one whose head was evicted still hits.
+Forks, frees and preemption skip FREED entries.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ from dataclasses import dataclass
 
 from pagedserve.engine.kv_events import BlockRemoved, BlockStored, KvEvent
 from pagedserve.engine.sequence import Sequence
+
+FREED = -1  # a block-table entry whose block fell out of every window and went back to the pool
 
 
 class BlockAccountingError(RuntimeError):
@@ -37,10 +46,15 @@ def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int | None = None
+    ):
+        if window is not None and window < 1:
+            raise ValueError(f"window must be None or >= 1, got {window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window  # the widest sliding window when every layer has one; None: blocks live to the end
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}  # hash -> block id
@@ -72,24 +86,42 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def peak_blocks(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks one sequence of `num_tokens` ever holds at once, computing <= max_step_tokens per step.
+
+        With a window, a step over tokens n..n+k-1 needs only positions n - window + 1 .. n + k - 1 (the rest is
+        released after each commit), so a sequence longer than the whole cache still fits.
+        """
+        if self.window is None:
+            return self.blocks_needed(num_tokens)
+        span = self.window - 1 + max_step_tokens
+        return min(self.blocks_needed(num_tokens), -(-span // self.block_size) + 1)
+
     # -- prefix caching -------------------------------------------------------------------------------
     def lookup_prefix(self, seq: Sequence) -> PrefixHit:
-        """Cached full blocks at the start of `seq`; at least one token is always left to compute."""
+        """Cached full blocks at the start of `seq`; at least one token is always left to compute.
+
+        With a window, only the blocks the first uncached token can see must still be cached: the hit is the longest
+        prefix whose last blocks (from its window's start on) are all present; blocks before that may be gone (FREED).
+        """
         if not self.enable_prefix_caching:
             return PrefixHit((), ())
         ids: list[int] = []
         hashes: list[int] = []
-        prev = None
+        prev, run, best = None, 0, 0  # run: consecutive cached blocks ending at block i
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            h = chain_hash(prev, tokens)
-            block_id = self._cached.get(h)
-            if block_id is None or self.blocks[block_id].tokens != tokens:
+            prev = chain_hash(prev, tokens)
+            block_id = self._cached.get(prev)
+            cached = block_id is not None and self.blocks[block_id].tokens == tokens
+            if not cached and self.window is None:
                 break
-            ids.append(block_id)
-            hashes.append(h)
-            prev = h
-        return PrefixHit(tuple(ids), tuple(hashes))
+            ids.append(block_id if cached else FREED)
+            hashes.append(prev)
+            run = run + 1 if cached else 0
+            if cached and run >= i + 1 - self._dead_blocks((i + 1) * self.block_size):
+                best = i + 1
+        return PrefixHit(tuple(ids[:best]), tuple(hashes[:best]))
 
     def record_lookup(self, seq: Sequence, hit: PrefixHit) -> None:
         self.prefix_queries += seq.num_tokens
@@ -132,7 +164,8 @@ class BlockManager:
         held = len(seq.block_table) + len(hit_ids)
         computed = seq.num_computed_tokens + len(hit_ids) * self.block_size
         fresh = max(0, self.blocks_needed(computed + num_new_tokens) - held)
-        revived = sum(1 for b in hit_ids if self.blocks[b].ref_count == 0)
+        dead = self._dead_blocks(computed)  # hit blocks already out of the window are not taken at all
+        revived = sum(1 for b in hit_ids[dead:] if self.blocks[b].ref_count == 0)
         return fresh + revived + (1 if self._needs_copy_on_write(seq) else 0)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> list[tuple[int, int]]:
@@ -140,11 +173,11 @@ class BlockManager:
         if not self.can_allocate(seq, num_new_tokens, hit):
             raise BlockAccountingError("allocate called without room; the scheduler must check can_allocate")
         if hit and hit.block_ids:
-            for block_id in hit.block_ids:
-                self._take(block_id)
-            seq.block_table.extend(hit.block_ids)
-            seq.block_hashes.extend(hit.hashes)
+            assert not seq.block_table, "prefix hits are looked up for sequences that hold no blocks yet"
             seq.num_computed_tokens += len(hit.block_ids) * self.block_size
+            dead = self._dead_blocks(seq.num_computed_tokens)
+            seq.block_table.extend(FREED if i < dead else self._take(b) for i, b in enumerate(hit.block_ids))
+            seq.block_hashes.extend(hit.hashes)
         copies = self._copy_on_write(seq)
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
         while len(seq.block_table) < needed:
@@ -169,17 +202,37 @@ class BlockManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         for block_id in parent.block_table:
-            self._take(block_id)
+            if block_id != FREED:
+                self._take(block_id)
         child.block_table = list(parent.block_table)
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so the reusable prefix heads are the last to be evicted.
         for block_id in reversed(seq.block_table):
-            self._release(block_id)
+            if block_id != FREED:
+                self._release(block_id)
         seq.block_table = []
         seq.block_hashes = []
 
+    def release_out_of_window(self, seq: Sequence) -> int:
+        """Free the blocks no later token of `seq` can see (call after commit_full_blocks); returns how many."""
+        dead = min(self._dead_blocks(seq.num_computed_tokens), len(seq.block_table))
+        released = 0
+        for index in range(dead - 1, -1, -1):  # newest first: the older ones went in earlier calls
+            if seq.block_table[index] == FREED:
+                break
+            self._release(seq.block_table[index])
+            seq.block_table[index] = FREED
+            released += 1
+        return released
+
     # -- internals ------------------------------------------------------------------------------------
+    def _dead_blocks(self, num_computed: int) -> int:
+        """Leading blocks no token at or after position `num_computed` can see (0 without a window)."""
+        if self.window is None:
+            return 0
+        return max(0, num_computed - self.window + 1) // self.block_size
+
     def _pop_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]

@@ -57,7 +57,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded, config, self.device)
         self.tokenizer = Tokenizer(self.model_dir, self.runner.vocab_size, override)
         self.max_model_len = self.runner.max_model_len
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching, self.runner.kv_window
+        )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
@@ -88,7 +90,7 @@ class LLMEngine:
                 f"{params.max_tokens} new tokens + {num_prompt_tokens} prompt tokens exceed the context of "
                 f"{self.max_model_len} tokens",
             )
-        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+        if self.block_manager.peak_blocks(total, self.config.max_num_batched_tokens) > self.block_manager.num_blocks:
             raise CapacityError(
                 "max_tokens",
                 f"prompt + max_tokens = {total} tokens needs more than the whole KV cache "

@@ -36,11 +36,8 @@ class ModelRunner:
         args = self.model.args
         self.vocab_size = args.vocab_size
         self.max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
-        window = loaded.hf_config.get("sliding_window")
-        if window and loaded.hf_config.get("use_sliding_window", True) and window < self.max_model_len:
-            # Attention here is always full; within the window full and sliding attention are identical.
-            logger.warning("sliding_window %d: capping the context at %d tokens", window, window)
-            self.max_model_len = window
+        # One attention plan per step for each distinct sliding window (None: full attention).
+        self.windows = tuple(dict.fromkeys(args.layer_windows))
         kv_dtype = KVDtype.parse(config.kv_cache_dtype, loaded.dtype)
         self.kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size, kv_dtype)
         num_blocks = self.kv_spec.num_blocks_for(config.kv_cache_memory)
@@ -60,6 +57,11 @@ class ModelRunner:
     @property
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+    @property
+    def kv_window(self) -> int | None:
+        """The widest sliding window when every layer has one (a block no window reaches is then dead), else None."""
+        return None if None in self.windows else max(self.windows)
 
     def prepare(self, batch: SchedulerOutput) -> ModelInput:
         ids: list[int] = []
@@ -114,8 +116,9 @@ class ModelRunner:
         self.copy_blocks(batch.block_copies)
         model_input = self.prepare(batch)
         meta = model_input.attn_meta
-        plan = self.attn_impl.plan(meta, self.kv_cache.layers[0])  # once per step, shared by every layer
-        ctx = ForwardContext(meta, self.kv_cache, self.attn_impl, self.layer_ops, plan)
+        # Once per step and window, shared by every layer with that window.
+        plans = {window: self.attn_impl.plan(meta, self.kv_cache.layers[0], window) for window in self.windows}
+        ctx = ForwardContext(meta, self.kv_cache, self.attn_impl, self.layer_ops, plans)
         hidden = self.model(model_input.input_ids, model_input.positions, ctx)
         if not model_input.sampling_seqs:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), ()

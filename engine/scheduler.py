@@ -113,10 +113,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def commit(self, output: SchedulerOutput) -> None:
-        """The forward for `output` ran: its tokens are now computed and full blocks become shareable."""
+        """The forward for `output` ran: its tokens are now computed, full blocks become shareable, and blocks that
+        fell out of every sliding window go back to the pool (after being published: their contents stay valid)."""
         for item in output.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit_full_blocks(item.seq)
+            self.block_manager.release_out_of_window(item.seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A forked sibling joins the batch right after its parent."""

@@ -2,8 +2,12 @@
 
 Every implementation (torch, native C on CPU, Triton on CUDA) shares these semantics: queries of all sequences are
 packed along dim 0 and located by `query_start_loc`; each sequence's new tokens attend causally to each other and
-fully to its cached context. Implementations import only this module (and kv_cache); the registry that names them
-is `kernels/backends.py`, the shape-checking entry points are `kernels/paged_attention.py`.
+to its cached context. A layer with a sliding window W (Mistral, Gemma's local layers) shows the query at absolute
+position p only the keys at positions p - W < k <= p (transformers' `sliding_window_overlay`: kv > q - W); the
+window is a property of the step's plan, made once per distinct window. Block-table entries of blocks that hold no
+key any query can see may be -1 (the block manager freed them), so implementations read only blocks that hold
+visible keys. Implementations import only this module (and kv_cache); the registry that names them is
+`kernels/backends.py`, the shape-checking entry points are `kernels/paged_attention.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +20,17 @@ import torch
 
 from pagedserve.kernels.kv_cache import LayerKVCache
 
-PlanT = TypeVar("PlanT")
+PlanT = TypeVar("PlanT", bound="AttentionPlan")
+
+
+def first_visible_key(position: int, window: int | None) -> int:
+    """The earliest key position a query at `position` (or any later one) can see through `window`."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
+def check_window(window: int | None) -> None:
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding window must be None or a positive int, got {window!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +39,7 @@ class AttentionMetadata:
 
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32: seq i's new tokens are rows [qsl[i], qsl[i+1])
     seq_lens: torch.Tensor  # [num_seqs] int32: cached context + new tokens
-    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, unused entries 0
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, unused entries 0, freed ones -1
     slot_mapping: torch.Tensor  # [num_tokens] int64: block * block_size + offset for each new token
     max_query_len: int
     max_seq_len: int
@@ -57,17 +71,26 @@ class AttentionMetadata:
         return starts
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """What every implementation's per-step plan carries: the sliding window it was made for (None: full)."""
+
+    window: int | None
+
+
 class AttentionImpl(ABC, Generic[PlanT]):
     """One implementation of the entry point. Shapes are checked by kernels/paged_attention.py.
 
     `plan` is called once per step (by the model runner, before the first layer) and its result is handed to every
     layer's `attention` call of that step: index tensors built there are built once, not once per layer. A plan
-    depends only on the metadata and the cache geometry (blocks, block size, KV heads), which all layers share.
+    depends only on the metadata, the cache geometry (blocks, block size, KV heads), which all layers share, and
+    the sliding window, which layers share in groups (one plan per distinct window).
     """
 
     @abstractmethod
-    def plan(self, meta: AttentionMetadata, cache: LayerKVCache) -> PlanT:
-        """The step's plan; `cache` is any layer's cache (only its geometry and device are read)."""
+    def plan(self, meta: AttentionMetadata, cache: LayerKVCache, window: int | None = None) -> PlanT:
+        """The step's plan for layers with this sliding `window` (None: full attention); `cache` is any layer's
+        cache (only its geometry and device are read)."""
 
     @abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
@@ -77,4 +100,4 @@ class AttentionImpl(ABC, Generic[PlanT]):
     def attention(
         self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, plan: PlanT, scale: float
     ) -> torch.Tensor:
-        """query [T, H, D] -> [T, H, D] in query's dtype; `plan` is this step's `plan(meta, ...)`."""
+        """query [T, H, D] -> [T, H, D] in query's dtype; `plan` is this step's `plan(meta, ..., window)`."""

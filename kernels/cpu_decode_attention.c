@@ -8,6 +8,8 @@
  *
  * Semantics are those of the torch implementation (kernels/torch_attention.py), which the tests compare against:
  * fp32 scores and softmax, FP8 K/V times their per-head scale, output rounded once to the query dtype.
+ * A sliding window W starts each row's key loop at max(0, len - W): earlier blocks are never read (the block
+ * manager may have freed them; their block-table entries are then -1).
  * Storage layout: the head-major [Hkv, num_blocks, block_size, D] tensors behind LayerKVCache's logical view.
  */
 #include "cpu_native.h"
@@ -20,6 +22,7 @@ typedef struct {
     const int32_t *seq_lens; const int64_t *rows;       /* per decode sequence */
     int64_t num_heads, num_kv_heads, head_dim, num_blocks, block_size;
     float scale;
+    int64_t window;                                     /* sliding window; 0: none */
 } DecodeArgs;
 
 typedef struct { float *scores, *q, *acc, *row; } Scratch;  /* one per thread */
@@ -39,13 +42,19 @@ static float softmax_numerators(float *scores, int64_t len) {
     return sum;
 }
 
-/* One sequence's query heads that share KV head `h`: scores over its whole context, softmax, probs x V.
+/* The first key a decode row of context length `len` sees. */
+INLINE int64_t first_key(const DecodeArgs *a, int64_t len) {
+    return a->window > 0 && len > a->window ? len - a->window : 0;
+}
+
+/* One sequence's query heads that share KV head `h`: scores over its visible context, softmax, probs x V.
  * Always inlined into callers that pass a constant number of 16-lane chunks (head_dim / 16) and constant dtypes:
  * every row loop then has a constant trip count and no branches, and the V accumulators stay in registers. */
 INLINE void decode_task(const DecodeArgs *a, int64_t s, int64_t h, Scratch *w, const int64_t chunks, const int kv_dt,
                         const int q_dt) {
     const int64_t group = a->num_heads / a->num_kv_heads, bs = a->block_size, dim = 16 * chunks;
     const int64_t len = a->seq_lens[s], first_head = a->rows[s] * a->num_heads + h * group;
+    const int64_t first = first_key(a, len), keys = len - first, first_tile = first - first % bs;
     const char *query = (const char *)a->query + (a->rows[s] * a->q_token_stride + h * group * dim) * elem_size(q_dt);
     const int32_t *table = a->block_tables + s * a->block_table_stride;
     const size_t kv_row = (size_t)dim * elem_size(kv_dt);
@@ -53,10 +62,11 @@ INLINE void decode_task(const DecodeArgs *a, int64_t s, int64_t h, Scratch *w, c
     f32x16 *q = (f32x16 *)w->q;
     for (int64_t i = 0; i < group * chunks; i++) q[i] = load16(query, i, q_dt) * q_factor;
     const size_t tile_bytes = (size_t)bs * kv_row;
-    for (int64_t t0 = 0; t0 < len; t0 += bs) {
+    /* Scores are stored from the first visible key on: scores[g * keys + t - first]. */
+    for (int64_t t0 = first_tile; t0 < len; t0 += bs) {
         const size_t offset = (size_t)(h * a->num_blocks + table[t0 / bs]) * tile_bytes;
         const char *tile = (const char *)a->k_cache + offset;
-        const int64_t n = len - t0 < bs ? len - t0 : bs;
+        const int64_t n = len - t0 < bs ? len - t0 : bs, lo = t0 < first ? first - t0 : 0;
         /* Blocks are scattered, so the hardware prefetcher stops at every tile boundary: ask for the next K tile
          * now, and for this V tile, which the probs x V loop below then finds in cache. */
         const char *next_k = t0 + bs < len ? (const char *)a->k_cache + (size_t)(h * a->num_blocks + table[t0 / bs + 1]) * tile_bytes : tile;
@@ -64,26 +74,26 @@ INLINE void decode_task(const DecodeArgs *a, int64_t s, int64_t h, Scratch *w, c
             __builtin_prefetch(next_k + line);
             __builtin_prefetch((const char *)a->v_cache + offset + line);
         }
-        for (int64_t i = 0; i < n; i++) {
+        for (int64_t i = lo; i < n; i++) {
             f32x16 k[chunks];
             for (int64_t c = 0; c < chunks; c++) k[c] = load16(tile + i * kv_row, c, kv_dt);
             for (int64_t g = 0; g < group; g++) {
                 f32x16 dot = q[g * chunks] * k[0];
                 for (int64_t c = 1; c < chunks; c++) dot += q[g * chunks + c] * k[c];
-                w->scores[g * len + t0 + i] = hsum16(dot);
+                w->scores[g * keys + t0 + i - first] = hsum16(dot);
             }
         }
     }
     for (int64_t g = 0; g < group; g++) {
-        float *p = w->scores + g * len;
-        const float factor = a->v_scale[h] / softmax_numerators(p, len);
+        float *p = w->scores + g * keys;  /* p[t - first]: the score of key t */
+        const float factor = a->v_scale[h] / softmax_numerators(p, keys);
         f32x16 acc[chunks];
         for (int64_t c = 0; c < chunks; c++) acc[c] = (f32x16){0};
-        for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        for (int64_t t0 = first_tile; t0 < len; t0 += bs) {
             const char *tile = (const char *)a->v_cache + (h * a->num_blocks + table[t0 / bs]) * bs * kv_row;
-            const int64_t n = len - t0 < bs ? len - t0 : bs;
-            for (int64_t i = 0; i < n; i++)
-                for (int64_t c = 0; c < chunks; c++) acc[c] += p[t0 + i] * load16(tile + i * kv_row, c, kv_dt);
+            const int64_t n = len - t0 < bs ? len - t0 : bs, lo = t0 < first ? first - t0 : 0;
+            for (int64_t i = lo; i < n; i++)
+                for (int64_t c = 0; c < chunks; c++) acc[c] += p[t0 + i - first] * load16(tile + i * kv_row, c, kv_dt);
         }
         store_row(a->out, first_head + g, dim, q_dt, (const float *)acc, factor);
     }
@@ -93,6 +103,7 @@ INLINE void decode_task(const DecodeArgs *a, int64_t s, int64_t h, Scratch *w, c
 static void decode_task_scalar(const DecodeArgs *a, int64_t s, int64_t h, Scratch *w) {
     const int64_t group = a->num_heads / a->num_kv_heads, bs = a->block_size, dim = a->head_dim;
     const int64_t len = a->seq_lens[s], first_head = a->rows[s] * a->num_heads + h * group;
+    const int64_t first = first_key(a, len), keys = len - first;
     const void *query = (const char *)a->query + a->rows[s] * a->q_token_stride * elem_size(a->q_dtype);
     const int32_t *table = a->block_tables + s * a->block_table_stride;
     const float q_factor = a->scale * a->k_scale[h];
@@ -100,21 +111,21 @@ static void decode_task_scalar(const DecodeArgs *a, int64_t s, int64_t h, Scratc
         const float *q = row_f32(query, h * group + g, dim, a->q_dtype, w->row);
         for (int64_t d = 0; d < dim; d++) w->q[g * dim + d] = q[d] * q_factor;
     }
-    for (int64_t t = 0; t < len; t++) {
+    for (int64_t t = first; t < len; t++) {
         const float *k = row_f32(a->k_cache, (h * a->num_blocks + table[t / bs]) * bs + t % bs, dim, a->kv_dtype, w->row);
         for (int64_t g = 0; g < group; g++) {
             float dot = 0.0f;
             for (int64_t d = 0; d < dim; d++) dot += w->q[g * dim + d] * k[d];
-            w->scores[g * len + t] = dot;
+            w->scores[g * keys + t - first] = dot;
         }
     }
     for (int64_t g = 0; g < group; g++) {
-        const float factor = a->v_scale[h] / softmax_numerators(w->scores + g * len, len);
+        const float factor = a->v_scale[h] / softmax_numerators(w->scores + g * keys, keys);
         float *acc = w->acc;
         memset(acc, 0, sizeof(float) * dim);
-        for (int64_t t = 0; t < len; t++) {
+        for (int64_t t = first; t < len; t++) {
             const float *v = row_f32(a->v_cache, (h * a->num_blocks + table[t / bs]) * bs + t % bs, dim, a->kv_dtype, w->row);
-            for (int64_t d = 0; d < dim; d++) acc[d] += w->scores[g * len + t] * v[d];
+            for (int64_t d = 0; d < dim; d++) acc[d] += w->scores[g * keys + t - first] * v[d];
         }
         store_row(a->out, first_head + g, dim, a->q_dtype, acc, factor);
     }

@@ -61,7 +61,7 @@ class _DecodeArgs(ctypes.Structure):
         ("seq_lens", ctypes.c_void_p), ("rows", ctypes.c_void_p),
         ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
         ("num_blocks", ctypes.c_int64), ("block_size", ctypes.c_int64),
-        ("scale", ctypes.c_float),
+        ("scale", ctypes.c_float), ("window", ctypes.c_int64),
     ]
 
 
@@ -143,14 +143,16 @@ class DecodeBatch:
 
     rows: torch.Tensor  # [S] int64: each decode sequence's query row
     seq_lens: torch.Tensor  # [S] int32: context length including the new token
-    block_tables: torch.Tensor  # [S, B] int32, contiguous
+    block_tables: torch.Tensor  # [S, B] int32, contiguous; entries before the window may be -1 (freed)
     max_seq_len: int
+    window: int | None = None  # sliding window: the row at position p sees keys p - window < k <= p
 
     def __post_init__(self) -> None:
         n = self.rows.shape[0]
         assert self.rows.dtype == torch.int64 and self.seq_lens.dtype == torch.int32
         assert self.seq_lens.shape == (n,) and self.block_tables.shape[0] == n and self.block_tables.dim() == 2
         assert self.block_tables.dtype == torch.int32 and self.block_tables.is_contiguous()
+        assert self.window is None or self.window >= 1
 
 
 def decode_attention(
@@ -178,7 +180,7 @@ def decode_attention(
         k_scale.data_ptr(), v_scale.data_ptr(),
         batch.block_tables.data_ptr(), batch.block_tables.stride(0),
         batch.seq_lens.data_ptr(), batch.rows.data_ptr(),
-        num_heads, num_kv_heads, head_dim, num_blocks, block_size, scale,
+        num_heads, num_kv_heads, head_dim, num_blocks, block_size, scale, batch.window or 0,
     )
     status = load_library().pagedserve_decode_attention(
         ctypes.byref(args), batch.rows.shape[0], batch.max_seq_len, torch.get_num_threads()

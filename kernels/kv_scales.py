@@ -148,8 +148,8 @@ class CalibratingAttention(AttentionImpl):
                 self._log_done()
         self.inner.write_kv(key, value, cache, slot_mapping)
 
-    def plan(self, meta: AttentionMetadata, cache: LayerKVCache) -> Any:
-        return self.inner.plan(meta, cache)
+    def plan(self, meta: AttentionMetadata, cache: LayerKVCache, window: int | None = None) -> Any:
+        return self.inner.plan(meta, cache, window)
 
     def attention(
         self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, plan: Any, scale: float

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata
+from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, AttentionPlan
 from pagedserve.kernels.cpu_native import DecodeBatch, decode_attention, load_library
 from pagedserve.kernels.kv_cache import LayerKVCache
 from pagedserve.kernels.kv_quant import store_kv
@@ -20,12 +20,12 @@ from pagedserve.kernels.prefill_attention import PrefillChunk, prefill_attention
 
 
 @dataclass(frozen=True, slots=True)
-class NativePlan:
+class NativePlan(AttentionPlan):
     decode: DecodeBatch | None  # None when no sequence decodes this step
     prefill: tuple[PrefillChunk, ...]
 
 
-def _decode_batch(meta: AttentionMetadata, starts: list[int]) -> DecodeBatch | None:
+def _decode_batch(meta: AttentionMetadata, starts: list[int], window: int | None) -> DecodeBatch | None:
     decode = [i for i, q_len in enumerate(meta.query_lens_host) if q_len == 1]
     if not decode:
         return None
@@ -39,6 +39,7 @@ def _decode_batch(meta: AttentionMetadata, starts: list[int]) -> DecodeBatch | N
         seq_lens=seq_lens.contiguous(),
         block_tables=tables.contiguous(),
         max_seq_len=max(meta.seq_lens_host[i] for i in decode),
+        window=window,
     )
 
 
@@ -46,9 +47,9 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
     def __init__(self) -> None:
         load_library()  # asked for by name, a missing compiler is an error here, not a silent fallback
 
-    def plan(self, meta: AttentionMetadata, cache: LayerKVCache) -> NativePlan:
+    def plan(self, meta: AttentionMetadata, cache: LayerKVCache, window: int | None = None) -> NativePlan:
         starts = meta.query_starts()
-        return NativePlan(_decode_batch(meta, starts), prefill_chunks(meta, cache, starts))
+        return NativePlan(window, _decode_batch(meta, starts, window), prefill_chunks(meta, cache, starts, window))
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
         store_kv(key, value, cache, slot_mapping)

@@ -6,11 +6,9 @@ implementations see plain queries and keys. Implementations and their names live
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata
+from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, AttentionPlan, check_window
 from pagedserve.kernels.kv_cache import LayerKVCache
 
 
@@ -37,12 +35,14 @@ def paged_attention(
     cache: LayerKVCache,
     meta: AttentionMetadata,
     scale: float,
-    plan: Any = None,
+    plan: AttentionPlan | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """query [T, H, D] -> output [T, H, D], same dtype as query.
 
-    `plan`: `impl.plan(meta, cache)` of this step (the model runner makes it once per step); None plans for this
-    call only, for one-off calls such as tests and benchmarks.
+    `window`: the layer's sliding window (None: full causal attention); see kernels/attention.py.
+    `plan`: `impl.plan(meta, cache, window)` of this step (the model runner makes one per distinct window and
+    step); None plans for this call only, for one-off calls such as tests and benchmarks.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = cache.k.shape[2]
@@ -51,8 +51,10 @@ def paged_attention(
     assert cache.k.shape[3] == head_dim, f"cache head_dim {cache.k.shape[3]} != query head_dim {head_dim}"
     if cache.k_rotation is not None:
         query = query @ cache.k_rotation.to(query.dtype)  # (Q R).(K R) = Q.K: the cache holds K R
+    check_window(window)
     if plan is None:
-        plan = impl.plan(meta, cache)
+        plan = impl.plan(meta, cache, window)
+    assert plan.window == window, f"plan made for window {plan.window}, layer has window {window}"
     out = impl.attention(query, cache, meta, plan, scale)
     assert out.shape == query.shape and out.dtype == query.dtype
     return out

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.attention import AttentionMetadata
+from pagedserve.kernels.attention import AttentionMetadata, first_visible_key
 from pagedserve.kernels.kv_cache import LayerKVCache
 from pagedserve.kernels.kv_quant import gather_kv, head_tiles
 
@@ -22,12 +22,24 @@ class PrefillChunk:
 
     start: int  # first query row
     q_len: int
-    ctx: int  # cached context + new tokens
-    tiles: torch.Tensor  # [Hkv * nb] int64: storage tiles of its blocks
-    mask: torch.Tensor | None  # [q_len, ctx] bool, None when the chunk is the whole prompt (plain causal)
+    keys: int  # keys gathered: from the first block holding a visible key to the end of the context
+    tiles: torch.Tensor  # [Hkv * nb] int64: storage tiles of those blocks
+    mask: torch.Tensor | None  # [q_len, keys] bool (True: visible), None when plain causal over the whole prompt
 
 
-def prefill_chunks(meta: AttentionMetadata, cache: LayerKVCache, starts: list[int]) -> tuple[PrefillChunk, ...]:
+def _visible(past: int, ctx: int, first_key: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[ctx - past, ctx - first_key] bool: query j (at absolute position past + j) sees key i (at first_key + i)."""
+    q_pos = torch.arange(past, ctx, device=device)[:, None]
+    k_pos = torch.arange(first_key, ctx, device=device)[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    return visible
+
+
+def prefill_chunks(
+    meta: AttentionMetadata, cache: LayerKVCache, starts: list[int], window: int | None = None
+) -> tuple[PrefillChunk, ...]:
     """One chunk per sequence with more than one new token; `starts` from `meta.query_starts()`."""
     num_blocks, block_size, num_kv_heads, _ = cache.k.shape
     device = cache.k.device
@@ -35,21 +47,24 @@ def prefill_chunks(meta: AttentionMetadata, cache: LayerKVCache, starts: list[in
     for i, q_len in enumerate(meta.query_lens_host):
         if q_len > 1:
             ctx = meta.seq_lens_host[i]
+            past = ctx - q_len
+            # Blocks wholly before the first query's window hold no visible key (and may be freed): not read.
+            first_block = first_visible_key(past, window) // block_size
+            first_key = first_block * block_size
             mask = None
-            if ctx > q_len:  # query j sits at absolute position ctx - q_len + j and sees every key up to there
-                q_pos = torch.arange(ctx - q_len, ctx, device=device)
-                mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
-            tiles = head_tiles(meta.block_tables[i, : -(-ctx // block_size)].long(), num_kv_heads, num_blocks)
-            chunks.append(PrefillChunk(starts[i], q_len, ctx, tiles, mask))
+            if past or (window is not None and window < ctx):
+                mask = _visible(past, ctx, first_key, window, device)
+            tiles = head_tiles(meta.block_tables[i, first_block : -(-ctx // block_size)].long(), num_kv_heads, num_blocks)
+            chunks.append(PrefillChunk(starts[i], q_len, ctx - first_key, tiles, mask))
     return tuple(chunks)
 
 
 def prefill_attention(
     query: torch.Tensor, out: torch.Tensor, cache: LayerKVCache, scale: float, chunk: PrefillChunk
 ) -> None:
-    """out[chunk rows] = attention of the chunk's queries over its cached context and itself (causal)."""
+    """out[chunk rows] = attention of the chunk's queries over its visible cached context and itself."""
     k, v = gather_kv(cache, chunk.tiles, query.dtype)
-    k, v = k[:, : chunk.ctx].unsqueeze(0), v[:, : chunk.ctx].unsqueeze(0)  # [1, Hkv, ctx, D]
+    k, v = k[:, : chunk.keys].unsqueeze(0), v[:, : chunk.keys].unsqueeze(0)  # [1, Hkv, keys, D]
     q = query[chunk.start : chunk.start + chunk.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
     if chunk.mask is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)

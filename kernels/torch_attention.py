@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata
+from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, AttentionPlan, first_visible_key
 from pagedserve.kernels.kv_cache import LayerKVCache
 from pagedserve.kernels.kv_quant import gather_kv, head_tiles, store_kv
 from pagedserve.kernels.prefill_attention import PrefillChunk, prefill_attention, prefill_chunks
@@ -25,43 +25,61 @@ class _DecodeGroup:
     """Decode sequences of similar length that share one padded batch."""
 
     rows: torch.Tensor  # [G] int64: their query rows
-    tiles: torch.Tensor  # [Hkv * G * nb] int64: storage tiles of their first nb blocks (nb covers the longest)
-    padding: torch.Tensor  # [1, G, 1, nb * block_size] bool: True past each sequence's length
+    tiles: torch.Tensor  # [Hkv * G * nb] int64: storage tiles of the nb blocks from each one's first visible block
+    padding: torch.Tensor  # [1, G, 1, nb * block_size] bool: True for keys past its length or before its window
 
 
 @dataclass(frozen=True, slots=True)
-class TorchPlan:
-    """Index tensors every layer of a step needs: built once per step, not once per layer."""
+class TorchPlan(AttentionPlan):
+    """Index tensors every layer of a step (with this plan's window) needs: built once per step, not per layer."""
 
     decode: tuple[_DecodeGroup, ...]
     prefill: tuple[PrefillChunk, ...]
 
 
-def _decode_groups(meta: AttentionMetadata, cache: LayerKVCache, starts: list[int]) -> tuple[_DecodeGroup, ...]:
+def _decode_group_plan(
+    meta: AttentionMetadata, cache: LayerKVCache, starts: list[int], seqs: list[int], window: int | None
+) -> _DecodeGroup:
     num_blocks, block_size, num_kv_heads, _ = cache.k.shape
     device = cache.k.device
+    lens = torch.tensor([meta.seq_lens_host[i] for i in seqs], device=device)
+    skip = [first_visible_key(meta.seq_lens_host[i] - 1, window) // block_size for i in seqs]
+    ends = [-(-meta.seq_lens_host[i] // block_size) for i in seqs]
+    blocks = max(end - first for end, first in zip(ends, skip))
+    first = torch.tensor(skip, device=device)[:, None]
+    # Past a shorter sequence's last block, re-read that block: always one of its own (never a freed -1 entry),
+    # and masked out below.
+    columns = (first + torch.arange(blocks, device=device)).minimum(torch.tensor(ends, device=device)[:, None] - 1)
+    seq_index = torch.tensor(seqs, dtype=torch.long, device=device)
+    block_ids = meta.block_tables[seq_index[:, None], columns]
+    positions = first * block_size + torch.arange(blocks * block_size, device=device)  # absolute key positions
+    padding = positions >= lens[:, None]
+    if window is not None:
+        padding |= positions <= lens[:, None] - 1 - window
+    return _DecodeGroup(
+        rows=torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device),
+        tiles=head_tiles(block_ids.reshape(-1).long(), num_kv_heads, num_blocks),
+        padding=padding.view(1, len(seqs), 1, -1),
+    )
+
+
+def _decode_groups(
+    meta: AttentionMetadata, cache: LayerKVCache, starts: list[int], window: int | None
+) -> tuple[_DecodeGroup, ...]:
     # Sequences of similar length share one padded batch: padding to the batch's longest context would copy
     # (and attend over) far more cached K/V than exists.
     decode = sorted((i for i, q_len in enumerate(meta.query_lens_host) if q_len == 1), key=lambda i: meta.seq_lens_host[i])
-    groups = []
-    for first in range(0, len(decode), _DECODE_GROUP):
-        seqs = decode[first : first + _DECODE_GROUP]
-        blocks = -(-max(meta.seq_lens_host[i] for i in seqs) // block_size)
-        seq_index = torch.tensor(seqs, dtype=torch.long, device=device)
-        positions = torch.arange(blocks * block_size, device=device)
-        padding = positions[None, :] >= meta.seq_lens[seq_index][:, None]
-        groups.append(_DecodeGroup(
-            rows=torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device),
-            tiles=head_tiles(meta.block_tables[seq_index, :blocks].reshape(-1).long(), num_kv_heads, num_blocks),
-            padding=padding.view(1, len(seqs), 1, -1),
-        ))
-    return tuple(groups)
+    return tuple(
+        _decode_group_plan(meta, cache, starts, decode[first : first + _DECODE_GROUP], window)
+        for first in range(0, len(decode), _DECODE_GROUP)
+    )
 
 
 class TorchAttention(AttentionImpl[TorchPlan]):
-    def plan(self, meta: AttentionMetadata, cache: LayerKVCache) -> TorchPlan:
+    def plan(self, meta: AttentionMetadata, cache: LayerKVCache, window: int | None = None) -> TorchPlan:
         starts = meta.query_starts()
-        return TorchPlan(_decode_groups(meta, cache, starts), prefill_chunks(meta, cache, starts))
+        decode = _decode_groups(meta, cache, starts, window)
+        return TorchPlan(window, decode, prefill_chunks(meta, cache, starts, window))
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
         store_kv(key, value, cache, slot_mapping)

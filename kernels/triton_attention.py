@@ -4,8 +4,10 @@ Grid: (query blocks over all sequences, KV heads). A program owns BLOCK_Q consec
 sequence together with the NUM_QUERIES_PER_KV query heads that share its KV head (BLOCK_M rows = token x head),
 so each K/V tile is read once per GQA group. It walks the sequence's block table one cache block per iteration
 with an online softmax (exp2 domain); FP8 blocks are dequantized by their per-KV-head scale right after the load,
-so tl.dot only ever sees 16-bit (or fp32) operands. New tokens attend causally to each other and fully to the
-cached context before them. Offsets that are multiplied by strides are int64: a 40 GB cache overflows int32.
+so tl.dot only ever sees 16-bit (or fp32) operands. New tokens attend causally to each other and to the cached
+context before them; with a sliding window W a row at position p sees only keys p - W < k <= p, and the walk starts
+at the block of the program's first row's first visible key (earlier blocks may be freed: their table entries are
+-1). Offsets that are multiplied by strides are int64: a 40 GB cache overflows int32.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pagedserve.kernels.kv_cache import LayerKVCache
 from pagedserve.kernels.attention import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
+_NO_WINDOW = 1 << 30  # beyond any context: every earlier key visible, q_abs - window stays in int32
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -27,6 +30,7 @@ def _paged_attention_kernel(
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     qk_scale_log2,  # softmax scale * log2(e)
     num_seqs,
+    window,  # sliding window; larger than any context when the layer has none
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_block, stride_c_pos, stride_c_head, stride_bt_seq,
     NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -80,9 +84,10 @@ def _paged_attention_kernel(
     q_abs = context_len + q_pos  # absolute position of each row's token: it sees keys <= q_abs
     last_key = context_len + tl.minimum((q_block_local + 1) * BLOCK_Q, q_len)
     num_tiles = tl.cdiv(last_key, BLOCK_SIZE)
+    first_tile = tl.maximum(context_len + q_block_local * BLOCK_Q - window + 1, 0) // BLOCK_SIZE
     head_off = kv_head.to(tl.int64) * stride_c_head
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    for tile in range(0, num_tiles):
+    for tile in range(first_tile, num_tiles):
         block = tl.load(bt_row + tile).to(tl.int64)
         key_pos = tile * BLOCK_SIZE + offs_n
         key_ok = key_pos < seq_len
@@ -98,16 +103,18 @@ def _paged_attention_kernel(
         k = k.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
         v = v.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale_log2
-        visible = (key_pos[None, :] <= q_abs[:, None]) & key_ok[None, :]
+        visible = (key_pos[None, :] <= q_abs[:, None]) & (key_pos[None, :] > q_abs[:, None] - window) & key_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
-        # Key 0 is visible to every row, so m_new is finite from the first tile on: no NaN from -inf - -inf.
+        # With a window, a later row may see no key of the first tiles yet: m_new = -inf. Subtracting 0 instead
+        # keeps its p and alpha 0 rather than NaN (-inf - -inf).
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q_ptr.dtype.element_ty).to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    acc = acc / l_i[:, None]
+    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # padding rows (never stored) may see no key in a window
     o_off = tok[:, None] * stride_o_tok + head.to(tl.int64)[:, None] * stride_o_head + offs_d[None, :]
     tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -138,7 +145,7 @@ def check_supported(query: torch.Tensor, cache: LayerKVCache) -> None:
 
 
 def triton_paged_attention(
-    query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float
+    query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float, window: int | None = None
 ) -> torch.Tensor:
     """query [T, H, D] -> output [T, H, D]; same contract as paged_attention.paged_attention."""
     check_supported(query, cache)
@@ -155,7 +162,7 @@ def triton_paged_attention(
     _paged_attention_kernel[grid](
         out, query, cache.k, cache.v, cache.k_scale, cache.v_scale,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        scale * _LOG2E, meta.num_seqs,
+        scale * _LOG2E, meta.num_seqs, _NO_WINDOW if window is None else min(window, _NO_WINDOW),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         cache.k.stride(0), cache.k.stride(1), cache.k.stride(2), meta.block_tables.stride(0),
         NUM_QUERIES_PER_KV=queries_per_kv, BLOCK_M=block_m, BLOCK_Q=block_q,

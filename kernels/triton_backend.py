@@ -15,7 +15,7 @@ import importlib.util
 import torch
 
 from pagedserve.kernels.kv_cache import KVDtype, LayerKVCache
-from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata
+from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, AttentionPlan
 
 
 class TritonUnavailableError(RuntimeError):
@@ -38,7 +38,7 @@ def _capability(device_index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-class TritonAttention(AttentionImpl[None]):
+class TritonAttention(AttentionImpl[AttentionPlan]):
     def __init__(self) -> None:
         # Deferred so that importing pagedserve.kernels never imports triton.
         from pagedserve.kernels.triton_attention import triton_paged_attention
@@ -61,15 +61,16 @@ class TritonAttention(AttentionImpl[None]):
                 "use kv_cache_dtype=fp8_e5m2 on this GPU"
             )
 
-    def plan(self, meta: AttentionMetadata, cache: LayerKVCache) -> None:
-        return None  # the kernel's grid reads query_start_loc on the device: nothing to prepare on the host
+    def plan(self, meta: AttentionMetadata, cache: LayerKVCache, window: int | None = None) -> AttentionPlan:
+        # The kernel's grid reads query_start_loc on the device: nothing to prepare on the host but the window.
+        return AttentionPlan(window)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
         self._check_device(key, cache)
         self._write_kv(key, value, cache, slot_mapping)
 
     def attention(
-        self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, plan: None, scale: float
+        self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, plan: AttentionPlan, scale: float
     ) -> torch.Tensor:
         self._check_device(query, cache)
-        return self._attention(query, cache, meta, scale)
+        return self._attention(query, cache, meta, scale, plan.window)

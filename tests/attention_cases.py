@@ -3,6 +3,8 @@ float64 reference that shares no code with any implementation."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata
@@ -83,8 +85,11 @@ def make_case(
     return query.to(DEVICE), layer, meta
 
 
-def float64_reference(query: torch.Tensor, layer: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
-    """Plain per-sequence attention in float64 over the dequantized cache contents."""
+def float64_reference(
+    query: torch.Tensor, layer: LayerKVCache, meta: AttentionMetadata, window: int | None = None
+) -> torch.Tensor:
+    """Plain per-sequence attention in float64 over the dequantized cache contents: a dense causal mask, banded to
+    the last `window` positions when one is given."""
     out = torch.empty(query.shape, dtype=torch.float64)
     block_size, queries_per_kv = layer.k.shape[1], query.shape[1] // layer.k.shape[2]
     start = 0
@@ -97,7 +102,10 @@ def float64_reference(query: torch.Tensor, layer: LayerKVCache, meta: AttentionM
         )
         q = query[start : start + q_len].double().cpu()
         scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
-        hidden = torch.arange(seq_len)[None, :] > torch.arange(seq_len - q_len, seq_len)[:, None]
+        keys, queries = torch.arange(seq_len)[None, :], torch.arange(seq_len - q_len, seq_len)[:, None]
+        hidden = keys > queries
+        if window is not None:
+            hidden |= keys <= queries - window
         out[start : start + q_len] = torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, -torch.inf).softmax(-1), v)
         start += q_len
     return out
@@ -122,3 +130,17 @@ def poison_stale_slots(layer: LayerKVCache, meta: AttentionMetadata) -> None:
     stale = ~written.view(num_blocks, block_size)
     layer.k[stale] = float("nan")  # boolean indexing writes through the cache's strided view
     layer.v[stale] = float("nan")
+
+
+def free_out_of_window(layer: LayerKVCache, meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """The block manager's freeing, made observable: table entries of blocks wholly before the first key any new
+    token of their sequence sees point at a spare block full of NaN. An implementation that reads one fails."""
+    block_size = layer.k.shape[1]
+    tables = meta.block_tables.clone()
+    spare = sorted(set(range(layer.k.shape[0])) - set(tables.flatten().tolist()))[0]
+    layer.k[spare] = float("nan")
+    layer.v[spare] = float("nan")
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        dead = max(0, seq_len - q_len - window + 1) // block_size
+        tables[i, :dead] = spare
+    return dataclasses.replace(meta, block_tables=tables)

@@ -53,6 +53,7 @@ def make_tiny_model(tmp_path: Path, architecture: str = "LlamaForCausalLM", seed
         "LlamaForCausalLM": transformers.LlamaConfig,
         "MistralForCausalLM": transformers.MistralConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
     }[architecture]
     fields = dict(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -79,8 +79,8 @@ class CountingAttention(AttentionImpl):
         self.plans: list[object] = []
         self.attention_plans: list[object] = []
 
-    def plan(self, meta, cache):
-        plan = self.inner.plan(meta, cache)
+    def plan(self, meta, cache, window=None):
+        plan = self.inner.plan(meta, cache, window)
         self.plans.append(plan)
         return plan
 
@@ -110,3 +110,24 @@ def test_the_runner_plans_once_per_step_and_every_layer_uses_that_plan(tmp_path,
     assert len(spy.attention_plans) == len(steps) * layers
     for step, plan in enumerate(spy.plans):
         assert all(p is plan for p in spy.attention_plans[step * layers : (step + 1) * layers])
+
+
+def test_the_runner_plans_once_per_window_and_each_layer_gets_its_windows_plan(tmp_path, monkeypatch):
+    """Gemma 3: sliding and global layers interleave; each step plans once for each window, not once per layer."""
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    path = make_tiny_model(tmp_path, "Gemma3ForCausalLM", num_hidden_layers=3, head_dim=16, tie_word_embeddings=True,
+                           sliding_window=4, layer_types=types)
+    llm = LLM(str(path), dtype="float32", attention_backend="torch")
+    runner = llm.engine.runner
+    spy = CountingAttention(runner.attn_impl)
+    monkeypatch.setattr(runner, "attn_impl", spy)
+    steps = []
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda batch: steps.append(batch) or execute(batch))
+    llm.generate(["a b c d e f g", "d e"], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(spy.plans) == 2 * len(steps)
+    assert [p.window for p in spy.attention_plans[:3]] == [4, None, 4]
+    for step in range(len(steps)):
+        sliding, full = spy.plans[2 * step : 2 * step + 2]
+        got = spy.attention_plans[3 * step : 3 * step + 3]
+        assert all(plan is expected for plan, expected in zip(got, (sliding, full, sliding), strict=True))

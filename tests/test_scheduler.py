@@ -71,3 +71,16 @@ def test_preempted_sequence_goes_back_to_the_front_of_the_queue():
     assert bm.num_free_blocks == 0
     run_step(sched)  # each needs a second block: c, then b are preempted
     assert [s.request_id for s in sched.waiting] == ["b", "c"]
+
+
+def test_a_windowed_sequence_outgrows_the_pool_without_preemption():
+    """Every layer sliding (window 4): blocks behind the window go back to the pool at each commit, so a sequence
+    ten times longer than 4 blocks of 4 tokens runs through without ever waiting."""
+    bm = BlockManager(4, 4, window=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=5)
+    s = seq(9, "long")
+    sched.add(s)
+    while s.num_tokens < 160:
+        run_step(sched)
+        assert bm.num_used_blocks == sum(1 for b in s.block_table if b >= 0) <= 2
+    assert sched.num_preemptions == 0 and s.num_computed_tokens == 159

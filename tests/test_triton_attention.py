@@ -112,3 +112,25 @@ def test_engine_generates_through_triton_like_the_torch_path(tiny_llama: str, kv
         tokens[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
     assert tokens["triton"] == tokens["torch"]
     assert all(len(t) == 5 for t in tokens["torch"])
+
+
+def test_engine_with_sliding_windows_through_triton_like_the_torch_path(tmp_path) -> None:
+    """Gemma 3 (a 5-token window on two of three layers, the third global) generates the same greedy tokens through
+    Triton as through the torch path, with 16-token chunks crossing the window edges."""
+    from conftest import make_tiny_model
+    from pagedserve.engine import LLM, SamplingParams
+
+    path = make_tiny_model(
+        tmp_path, "Gemma3ForCausalLM", num_hidden_layers=3, head_dim=16, tie_word_embeddings=True,
+        sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        initializer_range=0.1,
+    )
+    prompts = [list(range(100, 140)), [400, 401, 402], list(range(700, 721))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(path), attention_backend=backend, max_num_batched_tokens=16, kv_cache_memory=1 << 22,
+                  device=DEVICE.type)
+        assert llm.engine.runner.windows == (5, None)
+        tokens[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    assert tokens["triton"] == tokens["torch"]

@@ -1,16 +1,17 @@
-"""Building blocks shared by the Llama-family models: norms, rotary embeddings, the per-step forward context."""
+"""Building blocks shared by the models: norms, rotary embeddings, sliding windows, the per-step forward context."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from pagedserve.engine.errors import ModelLoadError
-from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata
+from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, AttentionPlan
 from pagedserve.kernels.kv_cache import KVCache
 from pagedserve.kernels.layer_ops import LayerOps, TorchLayerOps
 
@@ -23,8 +24,42 @@ class ForwardContext:
     kv_cache: KVCache
     attn_impl: AttentionImpl
     layer_ops: LayerOps = TorchLayerOps()
-    # attn_impl.plan(attn_meta, ...) of this step, made once by the model runner; None: each layer plans for itself.
-    attn_plan: Any = None
+    # attn_impl.plan(attn_meta, ..., window) of this step for each distinct sliding window (None: full attention),
+    # made once by the model runner; a window missing here: each layer with it plans for itself.
+    attn_plans: Mapping[int | None, AttentionPlan] = field(default_factory=dict)
+
+    def plan_for(self, window: int | None) -> AttentionPlan | None:
+        return self.attn_plans.get(window)
+
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def layer_types(cfg: dict[str, Any], num_layers: int, pattern: int | None = None) -> tuple[str, ...]:
+    """Each layer's attention type from an HF config, as transformers 5 reads it.
+
+    `layer_types` names each layer; without it every layer is sliding (Mistral), or the layers from
+    `max_window_layers` on (Qwen2), or, given `pattern` (Gemma's sliding_window_pattern), all but every pattern-th.
+    """
+    types = cfg.get("layer_types")
+    if types is None:
+        if pattern is not None and (not isinstance(pattern, int) or pattern < 1):
+            raise ModelLoadError(f"sliding_window_pattern: must be a positive integer, got {pattern!r}")
+        if pattern is not None:
+            types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+        else:
+            first = cfg.get("max_window_layers", 0)
+            types = [SLIDING if i >= first else FULL for i in range(num_layers)]
+    if len(types) != num_layers or not set(types) <= {SLIDING, FULL}:
+        raise ModelLoadError(f"layer_types: {types!r}; expected {num_layers} of {SLIDING!r} / {FULL!r}")
+    return tuple(types)
+
+
+def layer_windows(types: tuple[str, ...], window: int | None) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention): `window` for sliding layers, when there is one."""
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ModelLoadError(f"sliding_window: must be a positive integer or null, got {window!r}")
+    return tuple(window if window and t == SLIDING else None for t in types)
 
 
 class RMSNorm(nn.Module):

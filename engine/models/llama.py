@@ -1,5 +1,7 @@
 """The Llama family (Llama 1/2/3, Mistral, Qwen2): one implementation, differences read from the config.
 
+Mistral's and Qwen2's `sliding_window` is honoured per layer (layers.layer_windows); Llama has none.
+
 Module names match HF checkpoints (model.layers.N.self_attn.q_proj, ...), so weights load by name.
 Tokens of all sequences in a step are packed along dim 0: hidden states are [T, hidden].
 """
@@ -14,7 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.engine.errors import ModelLoadError
-from pagedserve.engine.models.layers import ForwardContext, RMSNorm, RopeAngles, RotaryEmbedding
+from pagedserve.engine.models.layers import (
+    ForwardContext, RMSNorm, RopeAngles, RotaryEmbedding, layer_types, layer_windows,
+)
 from pagedserve.kernels.layer_ops import LayerOps
 from pagedserve.kernels.paged_attention import paged_attention, write_kv
 from pagedserve.quant.base import QuantConfig
@@ -39,13 +43,14 @@ class LlamaArgs:
     qkv_bias: bool
     mlp_bias: bool
     o_bias: bool
+    layer_windows: tuple[int | None, ...]  # each layer's sliding window, None: full attention
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads")
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], qkv_bias: bool, o_bias: bool) -> "LlamaArgs":
+    def from_hf(cls, cfg: dict[str, Any], qkv_bias: bool, o_bias: bool, sliding: bool) -> "LlamaArgs":
         if cfg.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"hidden_act: {cfg['hidden_act']!r} unsupported; supported: silu")
         num_heads = cfg["num_attention_heads"]
@@ -68,13 +73,23 @@ class LlamaArgs:
             qkv_bias=qkv_bias,
             mlp_bias=cfg.get("mlp_bias", False),
             o_bias=o_bias,
+            layer_windows=_layer_windows(cfg, sliding),
         )
+
+
+def _layer_windows(cfg: dict[str, Any], sliding: bool) -> tuple[int | None, ...]:
+    """Mistral's and Qwen2's per-layer windows (Qwen2 only with use_sliding_window); Llama ignores sliding_window,
+    as transformers does."""
+    num_layers = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window") if sliding and cfg.get("use_sliding_window", True) is not False else None
+    return layer_windows(layer_types(cfg, num_layers), window) if window else (None,) * num_layers
 
 
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs, layer_index: int, quant: QuantConfig, prefix: str, dtype: torch.dtype):
         super().__init__()
         self.layer_index = layer_index
+        self.window = args.layer_windows[layer_index]
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.scale = args.head_dim**-0.5
         q_out, kv_out = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
@@ -109,7 +124,9 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         cache = ctx.kv_cache.layers[self.layer_index]
         write_kv(ctx.attn_impl, k, v, cache, ctx.attn_meta.slot_mapping)
-        out = paged_attention(ctx.attn_impl, q, cache, ctx.attn_meta, self.scale, ctx.attn_plan)  # [T, H, D]
+        out = paged_attention(
+            ctx.attn_impl, q, cache, ctx.attn_meta, self.scale, ctx.plan_for(self.window), self.window
+        )  # [T, H, D]
         return self.o_proj(out.reshape(tokens, -1))
 
 
@@ -159,6 +176,8 @@ class LlamaBody(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    sliding = False  # whether config.json's sliding_window applies (transformers' Llama ignores it)
+
     @staticmethod
     def biases(hf_config: dict[str, Any]) -> tuple[bool, bool]:
         """(q/k/v bias, o_proj bias)."""
@@ -167,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, hf_config: dict[str, Any], quant: QuantConfig, dtype: torch.dtype):
         super().__init__()
-        self.args = args = LlamaArgs.from_hf(hf_config, *self.biases(hf_config))
+        self.args = args = LlamaArgs.from_hf(hf_config, *self.biases(hf_config), self.sliding)
         self.model = LlamaBody(args, quant, dtype)
         self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
         if args.tie_word_embeddings:
@@ -207,10 +226,12 @@ class Llama(LlamaForCausalLM):
 
 
 class Mistral(LlamaForCausalLM):
-    pass
+    sliding = True
 
 
 class Qwen2(LlamaForCausalLM):
+    sliding = True
+
     @staticmethod
     def biases(hf_config: dict[str, Any]) -> tuple[bool, bool]:
         return True, False  # Qwen2 always has q/k/v biases and never an o_proj bias
