@@ -58,7 +58,8 @@ def test_dequantized_weights_equal_the_tools(name):
 
 @pytest.fixture(scope="module")
 def loaded_models():
-    """float32 compute (the loader's CPU default for fp16 checkpoints): exact, served by the dequant kernel."""
+    """float32 compute (what dtype=auto gives fp16 checkpoints on CPUs without native bf16): exact, served by the
+    dequant kernel."""
     return {name: load(fixture_dir(name)) for name in FIXTURE_NAMES}
 
 
