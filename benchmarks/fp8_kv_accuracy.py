@@ -122,7 +122,7 @@ def agreement_rows(args) -> list[dict]:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     outputs, engines = {}, {}
     for kv_dtype in KV_DTYPES:
-        llm = LLM(kv_cache_dtype=kv_dtype, attention_backend="torch", kv_cache_memory=64 << 20)
+        llm = LLM(kv_cache_dtype=kv_dtype, attention_backend="torch", kv_cache_memory=64 << 20, dtype="float32")
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
         outputs[kv_dtype] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         engines[kv_dtype] = llm.engine

@@ -188,9 +188,14 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cores-per-replica", type=int, default=1)
-    parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=["--kv-cache-memory", "224MiB"],
+    # Explicit, not in --server-args: extra server flags must not silently drop the budget the workload is sized for.
+    parser.add_argument("--kv-cache-memory", default="224MiB", help="per replica")
+    parser.add_argument("--dtype", default="float32",
+                        help="fixed, so the KV budget holds the same tokens on every host (auto is bf16 on some)")
+    parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                         help="passed to every `pagedserve serve` (last on the line)")
     args = parser.parse_args()
+    args.server_args = ["--kv-cache-memory", args.kv_cache_memory, "--dtype", args.dtype, *args.server_args]
     args.cores = sorted(os.sched_getaffinity(0))
     if len(args.cores) < 2 * args.cores_per_replica:
         parser.error(f"2 replicas x {args.cores_per_replica} cores need {2 * args.cores_per_replica} usable cores; "

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagedserve.engine.cpu_features import native_bf16_flags
 from pagedserve.engine.errors import ModelLoadError
 from pagedserve.engine.models.registry import model_class_for
 from pagedserve.quant.base import QuantConfig, QuantConfigError
@@ -43,12 +44,22 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
         raise ModelLoadError(f"config.json in {model_dir}: {exc}") from None
 
 
-def resolve_dtype(hf_config: dict[str, Any], requested: torch.dtype | None, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    hf_config: dict[str, Any], requested: torch.dtype | None, device: torch.device, cpu_bf16: tuple[str, ...] = ()
+) -> torch.dtype:
+    """`requested`, or for `dtype=auto`: bfloat16 on a CPU with native bf16 (`cpu_bf16` names its features; vLLM's
+    CPU backend makes the same choice), else the checkpoint's dtype, with fp16 computed in fp32 on CPU."""
     if requested is not None:
         return requested
     name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
-    if dtype == torch.float16 and device.type == "cpu":
+    if device.type != "cpu":
+        return dtype
+    if cpu_bf16:
+        logger.info("dtype=auto: computing in bfloat16 (this CPU has native bf16: %s; the checkpoint is %s); "
+                       "--dtype float32 gives transformers' fp32 results token for token", ", ".join(cpu_bf16), name)
+        return torch.bfloat16
+    if dtype == torch.float16:
         logger.warning("checkpoint is float16; computing in float32 on CPU (fp16 matmuls are slow there)")
         return torch.float32
     return dtype
@@ -63,7 +74,8 @@ def load_model(
         quant = quant_config_for(hf_config, quantization, model_dir)
     except QuantConfigError as exc:
         raise ModelLoadError(str(exc)) from None
-    compute_dtype = resolve_dtype(hf_config, dtype, device)
+    cpu_bf16 = native_bf16_flags() if device.type == "cpu" and dtype is None else ()
+    compute_dtype = resolve_dtype(hf_config, dtype, device, cpu_bf16)
     with torch.device(device):
         model = factory(hf_config, quant, compute_dtype)
     kv_scales = _load_weights(model, model_dir)

@@ -20,7 +20,7 @@ from pagedserve.service.config import ServerConfig, TlsConfig
 # Help for EngineConfig fields; every field becomes a flag (a new field shows up without touching this file).
 _ENGINE_HELP = {
     "model": "HF model folder (safetensors); default: the bundled SmolLM2-135M-Instruct",
-    "dtype": "compute dtype: auto, float32, bfloat16, float16",
+    "dtype": "compute dtype: auto (bfloat16 on CPUs with native bf16, else the checkpoint's), float32, bfloat16, float16",
     "kv_cache_dtype": "KV-cache dtype (auto: the model's)",
     "kv_cache_memory": "KV-cache memory budget, bytes or with a unit (512MiB, 2GiB)",
     "block_size": "tokens per KV block",

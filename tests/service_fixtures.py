@@ -29,7 +29,9 @@ T = TypeVar("T")
 
 START_TIMEOUT_S = 600  # model load on a busy 2-core CI box
 # Small and fast: a 512-token context keeps "too long" prompts cheap; 32 MiB of fp32 KV holds 45 blocks.
-BASE_ARGS = ("--max-model-len", "512", "--kv-cache-memory", "32MiB", "--log-level", "INFO")
+# fp32: the servers' greedy tokens are compared with transformers' fp32 model and the fp32 offline engine, and
+# dtype=auto would compute in bf16 on CPUs with native bf16 (a test may still pass its own --dtype).
+BASE_ARGS = ("--max-model-len", "512", "--kv-cache-memory", "32MiB", "--dtype", "float32", "--log-level", "INFO")
 GENERATE_METHOD = "/pagedserve.v1.GenerationService/Generate"
 
 

@@ -168,7 +168,7 @@ def test_calibration_fixes_per_head_scales_on_the_first_write(caplog) -> None:
     with caplog.at_level(logging.WARNING):
         write_kv(impl, key, value, layer, torch.arange(20))
     assert impl.calibrated and "CALIBRATED from the first prefill (20 tokens" in caplog.text
-    expected = key.abs().amax(dim=(0, 2)) * 2.0 / 448.0
+    expected = torch.exp2(torch.ceil(torch.log2(key.abs().amax(dim=(0, 2)) * 2.0 / 448.0)))  # up to a power of two
     assert torch.allclose(layer.k_scale, expected) and torch.allclose(layer.v_scale, calibrate_scales(value, layer.dtype, headroom=2.0))
     # Stored values come back within e4m3's rounding (3 mantissa bits: relative error <= 2^-4).
     back = dequantize_from_cache(layer.k.reshape(-1, 2, 8)[:20], layer.k_scale, layer.dtype, torch.float32)
@@ -179,6 +179,33 @@ def test_calibration_fixes_per_head_scales_on_the_first_write(caplog) -> None:
     assert dequantize_from_cache(layer.k.reshape(-1, 2, 8)[20:40], layer.k_scale, layer.dtype, torch.float32).abs().max() <= (
         448.0 * layer.k_scale.max() + 1e-6
     )
+
+
+def _stored_back(values: torch.Tensor, scale: torch.Tensor, dtype: KVDtype) -> torch.Tensor:
+    layer = KVCache(KVCacheSpec(1, 2, 8, 16, dtype), 4).layers[0]
+    layer.k_scale.copy_(scale)
+    write_kv(TorchAttention(), values, values, layer, torch.arange(values.shape[0]))
+    return dequantize_from_cache(layer.k.reshape(-1, 2, 8)[: values.shape[0]], layer.k_scale, dtype, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [KVDtype.FP8_E4M3, KVDtype.FP8_E5M2])
+def test_calibrated_scales_are_powers_of_two_so_the_first_batch_never_moves_the_rounding(dtype) -> None:
+    """First batches with different maxima give scales under which every later value in FP8's normal range comes
+    back bit-identical: the batch chose the range, not the rounding. The exact-amax rule moved the rounding."""
+    gen = torch.Generator().manual_seed(1)
+    first = torch.randn(32, 2, 8, generator=gen)
+    later = torch.randn(64, 2, 8, generator=gen) * 0.7
+    factors = (1.0, 1.37, 2.9)
+    scales = [calibrate_scales(first * f, dtype) for f in factors]
+    assert all(torch.equal(s, torch.exp2(torch.round(torch.log2(s)))) for s in scales)
+    largest = torch.stack(scales).amax(dim=0).view(1, 2, 1)
+    normal = later.abs() / largest >= torch.finfo(dtype.torch_dtype).smallest_normal  # below: subnormal spacing
+    assert normal.float().mean() > 0.9
+    pow2 = [_stored_back(later, s, dtype)[normal] for s in scales]
+    assert torch.equal(pow2[0], pow2[1]) and torch.equal(pow2[0], pow2[2])
+    amax = first.abs().amax(dim=(0, 2))
+    exact = [_stored_back(later, amax * f * 16 / dtype.fp8_max, dtype)[normal] for f in factors]
+    assert not torch.equal(exact[0], exact[1])
 
 
 def test_engine_uses_checkpoint_scales(tiny_llama, tmp_path, caplog) -> None:

@@ -36,7 +36,7 @@ def grpc_client(shared_server) -> Client:  # noqa: F811
 @pytest.fixture(scope="module")
 def offline(hf_reference):
     """The offline engine (the server's context limit) and transformers' tokenizer, the chat template's oracle."""
-    return LLM(max_model_len=512, kv_cache_memory=32 << 20), hf_reference[1]
+    return LLM(max_model_len=512, kv_cache_memory=32 << 20, dtype="float32"), hf_reference[1]
 
 
 def chat(question: str, system: bool = False) -> list[dict[str, str]]:

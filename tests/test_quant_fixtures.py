@@ -58,7 +58,8 @@ def test_dequantized_weights_equal_the_tools(name):
 
 @pytest.fixture(scope="module")
 def loaded_models():
-    """float32 compute (the loader's CPU default for fp16 checkpoints): exact, served by the dequant kernel."""
+    """float32 compute (what dtype=auto gives fp16 checkpoints on CPUs without native bf16): exact, served by the
+    dequant kernel."""
     return {name: load(fixture_dir(name)) for name in FIXTURE_NAMES}
 
 
@@ -186,7 +187,7 @@ def test_engine_serves_quantized_checkpoints_through_the_paged_path(kv_cache_dty
     name = "gptq_4bit_g128_actorder_sym"
     ids = tool_outputs(name)["input_ids"]
     logits = tool_outputs(name)["logits"]
-    llm = LLM(model=str(fixture_dir(name)), kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 22)
+    llm = LLM(model=str(fixture_dir(name)), kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 22, dtype="float32")
     outs = llm.generate([row.tolist() for row in ids], SamplingParams(temperature=0, max_tokens=4))
     for row, out in enumerate(outs):
         assert len(out.outputs[0].token_ids) == 4

@@ -19,7 +19,7 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def expected() -> dict[str, tuple[str, tuple[int, ...]]]:
-    llm = LLM(max_model_len=512, kv_cache_memory=32 << 20)
+    llm = LLM(max_model_len=512, kv_cache_memory=32 << 20, dtype="float32")
     outputs = off_main_thread(llm.generate, PROMPTS,
                               SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     return {p: (o.outputs[0].text, o.outputs[0].token_ids) for p, o in zip(PROMPTS, outputs)}

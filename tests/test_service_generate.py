@@ -22,7 +22,7 @@ def channel(shared_server) -> grpc.Channel:  # noqa: F811
 @pytest.fixture(scope="module")
 def offline() -> dict[str, RequestOutput]:
     """Greedy outputs of the offline API (same context limit as the server), 24 tokens per prompt."""
-    llm = LLM(max_model_len=512, kv_cache_memory=32 << 20)
+    llm = LLM(max_model_len=512, kv_cache_memory=32 << 20, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = off_main_thread(llm.generate, PROMPTS, params)
     return dict(zip(PROMPTS, outputs))

@@ -104,7 +104,7 @@ def test_engine_generates_through_triton_like_the_torch_path(tiny_llama: str, kv
     tokens = {}
     for backend in ("torch", "triton"):
         llm = LLM(
-            tiny_llama, attention_backend=backend, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 22,
+            tiny_llama, attention_backend=backend, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 22, dtype="float32",
             max_num_batched_tokens=16, device=DEVICE.type,
         )
         impl = llm.engine.runner.attn_impl

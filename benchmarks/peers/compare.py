@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -163,7 +164,14 @@ def run_dtype(args, spec: drivers.DriverSpec, config: WorkloadConfig, repeats: i
     return section
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    # SystemExit unwinds through run_phase's `finally`, which stops every server this run started;
+    # the default SIGTERM action would orphan them (they keep the cores busy for the next run).
+    sys.exit(128 + signum)
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args = parse_args()
     # A smoke run must never overwrite the published figures.
     out_dir = args.log_dir if args.quick else REPO / "docs"
