@@ -130,7 +130,7 @@ def test_engine_with_sliding_windows_through_triton_like_the_torch_path(tmp_path
     tokens = {}
     for backend in ("torch", "triton"):
         llm = LLM(str(path), attention_backend=backend, max_num_batched_tokens=16, kv_cache_memory=1 << 22,
-                  device=DEVICE.type)
+                  dtype="float32", device=DEVICE.type)
         assert llm.engine.runner.windows == (5, None)
         tokens[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
     assert tokens["triton"] == tokens["torch"]
