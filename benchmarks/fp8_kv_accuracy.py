@@ -27,7 +27,7 @@ import torch
 
 from pagedserve.engine import LLM, LLMEngine, EngineConfig, SamplingParams
 from pagedserve.engine.models.layers import ForwardContext
-from pagedserve.kernels.kv_scales import CalibratingAttention
+from pagedserve.kernels import kv_scales
 from pagedserve.kernels.attention import AttentionMetadata
 
 PROMPTS = [
@@ -76,7 +76,9 @@ def perplexity(engine: LLMEngine, windows: list[list[int]], calibration: list[in
 
 
 def make_engine(kv_dtype: str, memory: int) -> LLMEngine:
-    return LLMEngine(EngineConfig(kv_cache_dtype=kv_dtype, kv_cache_memory=memory, attention_backend="torch"))
+    # float32 compute on every host (dtype=auto is bf16 on CPUs with native bf16): only the KV dtype varies.
+    return LLMEngine(EngineConfig(kv_cache_dtype=kv_dtype, kv_cache_memory=memory, attention_backend="torch",
+                                  dtype="float32"))
 
 
 def perplexity_rows(args) -> list[dict]:
@@ -104,6 +106,37 @@ def perplexity_rows(args) -> list[dict]:
     base = next(r["perplexity"] for r in rows if r["kv_cache_dtype"] == "fp16")
     for row in rows:
         row["vs_fp16_pct"] = 100.0 * (row["perplexity"] / base - 1.0)
+    return rows
+
+
+def _exact_amax_scales(x: torch.Tensor, dtype, headroom: float = 16.0) -> torch.Tensor:
+    """The calibration rule before power-of-two rounding (headroom 16 whatever the caller passes), kept here only
+    to measure what it cost."""
+    return x.detach().float().abs().amax(dim=(0, 2)).clamp_min(1e-6) * (16.0 / dtype.fp8_max)
+
+
+def calibration_spread_rows(args) -> list[dict]:
+    """e4m3 perplexity after different first batches (what the engine calibrates on), under the old and the
+    current scale rule: how much the result depended on what the first batch held."""
+    probe = make_engine("fp32", 64 << 20)
+    ids = probe.tokenizer.encode(english_text(), add_special_tokens=False)
+    windows = [ids[i * args.window : (i + 1) * args.window] for i in range(args.windows)]
+    other = ids[-4096:]  # text the windows do not contain
+    chat = probe.tokenizer.apply_chat_template([{"role": "user", "content": CALIBRATION_CHAT}])
+    batches = {f"chat prompt ({len(chat)} tokens)": chat, "first window (512 tokens)": windows[0],
+               **{f"other text, {n} tokens": other[:n] for n in (16, 64, 256, 1024, 2048)}}
+    base = perplexity(make_engine("fp16", 64 << 20), windows, None)
+    rules = {"exact amax (before)": _exact_amax_scales, "power of two (now)": kv_scales.calibrate_scales}
+    rows = []
+    for rule, fn in rules.items():
+        saved, kv_scales.calibrate_scales = kv_scales.calibrate_scales, fn
+        try:
+            for name, batch in batches.items():
+                ppl = perplexity(make_engine("fp8_e4m3", 64 << 20), windows, batch)
+                rows.append({"rule": rule, "first_batch": name, "perplexity": ppl, "vs_fp16_pct": 100.0 * (ppl / base - 1.0)})
+                print(f"spread {rule:20} {name:28} {ppl:.4f} {rows[-1]['vs_fp16_pct']:+.2f}%", flush=True)
+        finally:
+            kv_scales.calibrate_scales = saved
     return rows
 
 
@@ -157,7 +190,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--capacity-memory", type=int, default=1 << 30)
-    parser.add_argument("--skip", nargs="*", default=(), choices=["perplexity", "agreement", "capacity"])
+    parser.add_argument("--skip", nargs="*", default=(), choices=["perplexity", "agreement", "capacity", "spread"])
     parser.add_argument("--json")
     args = parser.parse_args()
     result = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads()}
@@ -166,6 +199,8 @@ def main() -> None:
         print(json.dumps(result["capacity"], indent=1), flush=True)
     if "perplexity" not in args.skip:
         result["perplexity"] = perplexity_rows(args)
+    if "spread" not in args.skip:
+        result["calibration_spread"] = calibration_spread_rows(args)
     if "agreement" not in args.skip:
         result["agreement"] = agreement_rows(args)
         print(json.dumps(result["agreement"], indent=1))
