@@ -27,7 +27,7 @@ from pagedserve.service.servicer import GenerationServicer
 from pagedserve.service.stream import Ended, RequestStream
 
 log = logging.getLogger(__name__)
-_OFF_LOOP_BYTES = 16_384  # render and tokenize larger bodies in a worker thread, off the event loop
+_OFF_LOOP_BYTES = 16_384  # admit (render, tokenize) larger bodies in a worker thread, off the event loop
 
 
 class OpenAIApi:
@@ -161,7 +161,7 @@ class _Generate:
 
 
 def _size(body: Any) -> int:
-    """A cheap upper bound of the text a body carries (prompt, messages), to decide where to parse it."""
+    """A cheap upper bound of the text a body carries (prompt, messages), to decide where to admit it (tokenize, render)."""
     if not isinstance(body, dict):
         return 0
     prompt = body.get("prompt")

@@ -1,4 +1,5 @@
-"""GenerationService: proto <-> engine, validation, streaming, abort on cancel/deadline, status codes."""
+"""pagedserve.v1 GenerationService: Generate (admitted by requests.py, streamed by stream.py, framed by frames.py),
+Tokenize and ModelInfo."""
 
 from __future__ import annotations
 
