@@ -134,9 +134,12 @@ class AsyncEngine:
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """The offline API's request (a text or token-id prompt, see LLMEngine.add_request) as a stream."""
-        request = self.engine.admit_prompt(prompt, params)
-        async for output in self.stream(request_id, request):
-            yield output
+        stream = self.stream(request_id, self.engine.admit_prompt(prompt, params))
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()  # leaving early aborts now, not when the stream is garbage-collected
 
     async def stream(self, request_id: str, request: AdmittedRequest) -> AsyncIterator[RequestOutput]:
         """Yields outputs as they are produced; leaving the loop early (or cancellation) aborts the request."""
