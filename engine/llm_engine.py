@@ -207,17 +207,18 @@ def _completion(seq: Sequence) -> CompletionOutput:
     """What the sequence produced since its previous output; text that may still grow into a stop string waits.
     Only the new tokens are copied: the history stays in the sequence's append-only lists (OutputHistory)."""
     hold = 0 if seq.is_finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
-    release = max(seq.emitted_text_len, len(seq.text) - hold)
+    release = max(seq.emitted_text_len, seq.text.length - hold)
     emitted = seq.emitted_token_len
     completion = CompletionOutput(
         index=seq.index,
-        new_text=seq.text[seq.emitted_text_len : release],
+        new_text=seq.text.tail(seq.emitted_text_len)[: release - seq.emitted_text_len],
         new_token_ids=tuple(seq.token_ids[seq.num_prompt_tokens + emitted :]),
         new_logprobs=tuple(seq.logprobs[emitted:]),
         num_tokens=seq.num_output_tokens,
         finish_reason=seq.finish_reason.value if seq.finish_reason else None,
         stop_reason=seq.stop_reason,
-        history=OutputHistory(seq.token_ids, seq.num_prompt_tokens, seq.logprobs, len(seq.logprobs), seq.text, release),
+        history=OutputHistory(seq.token_ids, seq.num_prompt_tokens, seq.logprobs, len(seq.logprobs), seq.text.pieces,
+                              release),
     )
     seq.emitted_text_len, seq.emitted_token_len = release, seq.num_output_tokens
     return completion

@@ -20,14 +20,14 @@ class RequestMetrics:
 
 @dataclass(frozen=True, slots=True)
 class OutputHistory:
-    """A sequence's output so far, as references to its append-only token and logprob lists (and its text, an
-    immutable str) plus the lengths that were released: O(1) to make each step, copied only when read."""
+    """A sequence's output so far, as references to its append-only token, logprob and text-piece lists plus the
+    lengths that were released: O(1) to make each step, copied only when read."""
 
     tokens: list[int]  # prompt + output, appended to by the engine thread
     prompt_len: int
     logprobs: list[TokenLogprob]
     num_logprobs: int
-    text: str
+    text_pieces: list[str]
     text_len: int
 
 
@@ -57,7 +57,7 @@ class CompletionOutput:
     @property
     def text(self) -> str:
         """Everything released so far (text that might still become a stop string is held back)."""
-        return self.history.text[: self.history.text_len]
+        return "".join(self.history.text_pieces)[: self.history.text_len]
 
     @property
     def logprobs(self) -> tuple[TokenLogprob, ...]:
