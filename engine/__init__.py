@@ -9,6 +9,6 @@ from pagedserve.engine.outputs import CompletionOutput, EngineStats, RequestMetr
 from pagedserve.engine.sampling_params import SamplingParams
 
 __all__ = [
-    "AdmittedRequest", "ChatPrompt", "GenerationRequest", "TextPrompt", "TokensPrompt", "AsyncEngine", "EngineConfig", "LLM", "LLMEngine", "CompletionOutput", "EngineStats", "RequestMetrics", "RequestOutput",
-    "SamplingParams",
+    "AdmittedRequest", "ChatPrompt", "GenerationRequest", "TextPrompt", "TokensPrompt", "AsyncEngine", "EngineConfig",
+    "LLM", "LLMEngine", "CompletionOutput", "EngineStats", "RequestMetrics", "RequestOutput", "SamplingParams",
 ]

@@ -81,7 +81,8 @@ class FrameBuilder:
             started.seed = self.params.seed
         return pb.GenerateResponse(index=0, started=started)
 
-    def _completion_frames(self, completion: CompletionOutput, state: _Completion, metrics: RequestMetrics) -> list[pb.GenerateResponse]:
+    def _completion_frames(self, completion: CompletionOutput, state: _Completion,
+                           metrics: RequestMetrics) -> list[pb.GenerateResponse]:
         frames = []
         new_ids = list(completion.new_token_ids)
         state.num_tokens += len(new_ids)

@@ -21,7 +21,8 @@ _SHUTDOWN_S = 2  # after the drain: idle keep-alive connections get this long be
 class HttpServer:
     """tls: the gRPC port's certificates serve HTTPS too (a client CA makes it mutual TLS, as for gRPC)."""
 
-    def __init__(self, servicer: GenerationServicer, host: str, port: int, max_body_bytes: int, tls: TlsConfig | None = None):
+    def __init__(self, servicer: GenerationServicer, host: str, port: int, max_body_bytes: int,
+                 tls: TlsConfig | None = None):
         self.socket = _bind(host, port)
         self.port = self.socket.getsockname()[1]
         config = uvicorn.Config(OpenAIApi(servicer, max_body_bytes).app(), lifespan="off", log_config=None,

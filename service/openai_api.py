@@ -161,7 +161,7 @@ class _Generate:
 
 
 def _size(body: Any) -> int:
-    """A cheap upper bound of the text a body carries (prompt, messages), to decide where to admit it (tokenize, render)."""
+    """A cheap upper bound of the text a body carries (prompt, messages): where to admit it (tokenize, render)."""
     if not isinstance(body, dict):
         return 0
     prompt = body.get("prompt")

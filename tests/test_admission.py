@@ -167,7 +167,8 @@ def _admit(engine: LLMEngine, prompt, **kw) -> object:
 def test_defaults_fit_the_context_and_a_clients_max_tokens_must(tiny_engine):
     prompt = TokensPrompt(tuple(range(10, 10 + CONTEXT - 5)))  # leaves room for 5 new tokens
     assert _admit(tiny_engine, prompt, params=SamplingParams(max_tokens=None)).params.max_tokens == 5
-    default = _admit(tiny_engine, prompt, params=SamplingParams(max_tokens=16, min_tokens=8), max_tokens_is_default=True)
+    default = _admit(tiny_engine, prompt, params=SamplingParams(max_tokens=16, min_tokens=8),
+                     max_tokens_is_default=True)
     assert (default.params.max_tokens, default.params.min_tokens) == (5, 5)
     with pytest.raises(InvalidRequestError) as info:
         _admit(tiny_engine, prompt, params=SamplingParams(max_tokens=16))
