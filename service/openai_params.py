@@ -204,9 +204,8 @@ def _completion_prompts(body: dict[str, Any]) -> list[tuple[Prompt, str, str]]:
         fields = ["prompt"] if len(prompt) == 1 else [f"prompt[{i}]" for i in range(len(prompt))]
     else:
         raise InvalidRequestError("prompt", "must be a string, a list of token ids, or a list of either")
-    special = _bool(body, "add_special_tokens", True)
-    return [(TextPrompt(p, special), p, field) if isinstance(p, str) else (TokensPrompt(tuple(p)), "", field)
-            for p, field in zip(batch, fields)]
+    return [(TextPrompt(p, _bool(body, "add_special_tokens", True)), p, field) if isinstance(p, str)
+            else (TokensPrompt(tuple(p)), "", field) for p, field in zip(batch, fields)]
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -214,9 +213,10 @@ def _is_token_ids(value: Any) -> bool:
 
 
 def _chat_prompt(body: dict[str, Any]) -> ChatPrompt:
+    messages = tuple(_messages(body.get("messages")))
     options = ChatOptions(template=body.get("chat_template"),
                           add_generation_prompt=_bool(body, "add_generation_prompt", True))
-    return ChatPrompt(tuple(_messages(body.get("messages"))), options, _bool(body, "add_special_tokens", False))
+    return ChatPrompt(messages, options, _bool(body, "add_special_tokens", False))
 
 
 def _messages(raw: Any) -> list[ChatMessage]:
