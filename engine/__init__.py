@@ -1,5 +1,6 @@
 """pagedserve.engine: continuous batching over a paged KV cache."""
 
+from pagedserve.engine.admission import AdmittedRequest, ChatPrompt, GenerationRequest, TextPrompt, TokensPrompt
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.llm import LLM
@@ -8,6 +9,6 @@ from pagedserve.engine.outputs import CompletionOutput, EngineStats, RequestMetr
 from pagedserve.engine.sampling_params import SamplingParams
 
 __all__ = [
-    "AsyncEngine", "EngineConfig", "LLM", "LLMEngine", "CompletionOutput", "EngineStats", "RequestMetrics", "RequestOutput",
-    "SamplingParams",
+    "AdmittedRequest", "ChatPrompt", "GenerationRequest", "TextPrompt", "TokensPrompt", "AsyncEngine", "EngineConfig",
+    "LLM", "LLMEngine", "CompletionOutput", "EngineStats", "RequestMetrics", "RequestOutput", "SamplingParams",
 ]

@@ -14,6 +14,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from pagedserve.engine.admission import AdmittedRequest, GenerationRequest
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import (
     EngineDeadError, InvalidRequestError, PagedServeError, QueueFullError, RequestFailedError,
@@ -30,8 +31,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class _Add:
-    token_ids: list[int]
-    params: SamplingParams
+    request: AdmittedRequest
     arrival_time: float
     sink: "_Sink"
 
@@ -126,16 +126,28 @@ class AsyncEngine:
         with self._lock:
             return len(self._sinks)
 
+    def admit(self, request: GenerationRequest) -> AdmittedRequest:
+        """Checks a request once, in the caller's thread (front ends send long prompts to a worker thread)."""
+        return self.engine.admission.admit(request)
+
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
+        """The offline API's request (a text or token-id prompt, see LLMEngine.add_request) as a stream."""
+        stream = self.stream(request_id, self.engine.admit_prompt(prompt, params))
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()  # leaving early aborts now, not when the stream is garbage-collected
+
+    async def stream(self, request_id: str, request: AdmittedRequest) -> AsyncIterator[RequestOutput]:
         """Yields outputs as they are produced; leaving the loop early (or cancellation) aborts the request."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        token_ids = self.engine.validate_request(prompt, params)
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), request_id, f"{request_id}#{next(self._submissions)}")
-        self._admit(sink)
-        self._send(_Add(token_ids, params, now(), sink))
+        self._register(sink)
+        self._send(_Add(request, now(), sink))
         finished = False
         try:
             while True:
@@ -154,7 +166,7 @@ class AsyncEngine:
                 self._release(sink)
                 self._send(_Abort(sink, released=True))
 
-    def _admit(self, sink: _Sink) -> None:
+    def _register(self, sink: _Sink) -> None:
         request_id = sink.request_id
         with self._lock:
             if request_id in self._sinks:
@@ -250,7 +262,7 @@ class AsyncEngine:
             if self._by_engine_id.get(sink.engine_id) is not sink:  # aborted before it reached the loop
                 return
         try:
-            self.engine.add_request(sink.engine_id, command.token_ids, command.params, command.arrival_time)
+            self.engine.submit(sink.engine_id, command.request, command.arrival_time)
         except PagedServeError as exc:
             self._forget(sink)
             sink.put(exc)

@@ -8,17 +8,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.engine.admission import (
+    TOKENS_FIELD, AdmittedRequest, Admission, GenerationRequest, ModelLimits, TextPrompt, TokensPrompt, renamed,
+)
 from pagedserve.engine.allocator import keep_freed_memory
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.chat_template import read_template_file
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.cpu_threads import configure_cpu_threads
-from pagedserve.engine.errors import CapacityError, InvalidRequestError
+from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.model_loader import load_model
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.model_store import resolve_model
 from pagedserve.engine.outputs import (
-    CompletionOutput, EngineStats, ModelDescription, RequestMetrics, RequestOutput,
+    CompletionOutput, EngineStats, ModelDescription, OutputHistory, RequestMetrics, RequestOutput,
 )
 from pagedserve.engine.sampler import Sampler, SampledTokens, generator_for
 from pagedserve.engine.sampling_params import SamplingParams
@@ -62,59 +65,37 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        kv_tokens = self.block_manager.num_blocks * config.block_size
+        if self.block_manager.peak_blocks(self.max_model_len, config.max_num_batched_tokens) <= self.block_manager.num_blocks:
+            # Every layer slides: a sequence holds only its window's blocks, so any context fits.
+            kv_tokens = max(kv_tokens, self.max_model_len)
+        self.admission = Admission(ModelLimits(self.runner.vocab_size, self.max_model_len, kv_tokens), self.tokenizer)
         self.requests: dict[str, RequestState] = {}
         self.num_aborted_requests = 0
 
     # -- admission ------------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-            field_name = "prompt"
-        else:
-            ids = list(prompt)
-            field_name = "prompt_token_ids"
-            self.tokenizer.check_ids(ids, field_name)
-        if not ids:
-            raise InvalidRequestError(field_name, "the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                field_name, f"{len(ids)} tokens; the model's context is {self.max_model_len} (prompt + at least 1 new token)"
-            )
-        return ids
-
-    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        total = num_prompt_tokens + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"{params.max_tokens} new tokens + {num_prompt_tokens} prompt tokens exceed the context of "
-                f"{self.max_model_len} tokens",
-            )
-        if self.block_manager.peak_blocks(total, self.config.max_num_batched_tokens) > self.block_manager.num_blocks:
-            raise CapacityError(
-                "max_tokens",
-                f"prompt + max_tokens = {total} tokens needs more than the whole KV cache "
-                f"({self.block_manager.num_blocks * self.config.block_size} tokens)",
-            )
-
-    def validate_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """Everything about a request that can be checked without touching engine state (thread-safe)."""
-        ids = self.encode_prompt(prompt)
-        params.check_vocab(self.runner.vocab_size)
-        self.check_fits(len(ids), params)
-        return ids
-
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None = None
     ) -> None:
+        """The offline front end's request: admitted here, then queued."""
+        self.submit(request_id, self.admit_prompt(prompt, params), arrival_time)
+
+    def admit_prompt(self, prompt: str | list[int], params: SamplingParams) -> AdmittedRequest:
+        """A text or token-id prompt with SamplingParams, checked once; errors name SamplingParams' fields."""
+        as_prompt = TextPrompt(prompt) if isinstance(prompt, str) else TokensPrompt(tuple(prompt))
+        with renamed(_offline_field):
+            return self.admission.admit(GenerationRequest(as_prompt, params))
+
+    def submit(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
+        """Queues an admitted request as it is (no check is repeated)."""
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
-        ids = self.validate_request(prompt, params)
+        ids, params = request.prompt_token_ids, request.params
         seq = Sequence(request_id, 0, list(ids), len(ids), params, SequenceMetrics(arrival_time or now()))
         seq.pending_forks = params.n - 1
         seq.sampler_state = generator_for(params.seed, 0) if params.seed is not None else None
         seq.detok = start_detok(len(ids))
-        self.requests[request_id] = RequestState(request_id, tuple(ids), params, [seq])
+        self.requests[request_id] = RequestState(request_id, ids, params, [seq])
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -228,20 +209,26 @@ class LLMEngine:
 
 
 def _completion(seq: Sequence) -> CompletionOutput:
-    """Releases new text/tokens since the last output; text that may still grow into a stop string waits."""
+    """What the sequence produced since its previous output; text that may still grow into a stop string waits.
+    Only the new tokens are copied: the history stays in the sequence's append-only lists (OutputHistory)."""
     hold = 0 if seq.is_finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
-    release = max(seq.emitted_text_len, len(seq.text) - hold)
-    out_ids = seq.output_token_ids
+    release = max(seq.emitted_text_len, seq.text.length - hold)
+    emitted = seq.emitted_token_len
     completion = CompletionOutput(
         index=seq.index,
-        text=seq.text[:release],
-        token_ids=tuple(out_ids),
-        new_text=seq.text[seq.emitted_text_len : release],
-        new_token_ids=tuple(out_ids[seq.emitted_token_len :]),
-        new_logprobs=tuple(seq.logprobs[seq.emitted_token_len :]),
-        logprobs=tuple(seq.logprobs),
+        new_text=seq.text.tail(seq.emitted_text_len)[: release - seq.emitted_text_len],
+        new_token_ids=tuple(seq.token_ids[seq.num_prompt_tokens + emitted :]),
+        new_logprobs=tuple(seq.logprobs[emitted:]),
+        num_tokens=seq.num_output_tokens,
         finish_reason=seq.finish_reason.value if seq.finish_reason else None,
         stop_reason=seq.stop_reason,
+        history=OutputHistory(seq.token_ids, seq.num_prompt_tokens, seq.logprobs, len(seq.logprobs), seq.text.pieces,
+                              release),
     )
-    seq.emitted_text_len, seq.emitted_token_len = release, len(out_ids)
+    seq.emitted_text_len, seq.emitted_token_len = release, seq.num_output_tokens
     return completion
+
+
+def _offline_field(field: str) -> str:
+    """The offline API names the prompt list, not the position in it (`prompt_token_ids`, never `[3]`)."""
+    return TOKENS_FIELD if field.startswith(TOKENS_FIELD + "[") else field

@@ -1,8 +1,9 @@
-"""What the engine hands back: per-request outputs (cumulative and delta) and engine-wide stats."""
+"""What the engine hands back: per-request outputs (deltas, with the history readable on demand) and engine-wide
+stats."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.engine.sequence import TokenLogprob
 
@@ -16,30 +17,51 @@ class RequestMetrics:
     num_preemptions: int
     num_cached_tokens: int
 
-    @property
-    def queue_time(self) -> float | None:
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+@dataclass(frozen=True, slots=True)
+class OutputHistory:
+    """A sequence's output so far, as references to its append-only token, logprob and text-piece lists plus the
+    lengths that were released: O(1) to make each step, copied only when read."""
+
+    tokens: list[int]  # prompt + output, appended to by the engine thread
+    prompt_len: int
+    logprobs: list[TokenLogprob]
+    num_logprobs: int
+    text_pieces: list[str]
+    text_len: int
 
 
 @dataclass(frozen=True, slots=True)
 class CompletionOutput:
+    """One sample's progress since the request's previous output (the `new_*` deltas front ends stream) and how it
+    finished. `token_ids`, `text` and `logprobs` give the whole history up to this output, built when read."""
+
     index: int
-    text: str  # everything released so far (text that might still become a stop string is held back)
-    token_ids: tuple[int, ...]
-    new_text: str  # released since the previous output of this request
+    new_text: str
     new_token_ids: tuple[int, ...]
-    new_logprobs: tuple[TokenLogprob, ...]
-    logprobs: tuple[TokenLogprob, ...]  # cumulative; empty unless SamplingParams.logprobs is set
+    new_logprobs: tuple[TokenLogprob, ...]  # empty unless SamplingParams.logprobs is set
+    num_tokens: int  # generated so far, the new ones included
     finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None  # the matched stop string or stop token id
+    history: OutputHistory = field(repr=False, compare=False)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        start = self.history.prompt_len
+        return tuple(self.history.tokens[start : start + self.num_tokens])
+
+    @property
+    def text(self) -> str:
+        """Everything released so far (text that might still become a stop string is held back)."""
+        return "".join(self.history.text_pieces)[: self.history.text_len]
+
+    @property
+    def logprobs(self) -> tuple[TokenLogprob, ...]:
+        return tuple(self.history.logprobs[: self.history.num_logprobs])
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -48,7 +49,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until the context is full (the admission sets the number)
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -107,9 +108,10 @@ class SamplingParams:
             raise InvalidRequestError("n", "n > 1 needs temperature > 0 (greedy samples would be identical)")
 
     def _validate_stopping(self) -> None:
-        _integer("max_tokens", self.max_tokens, 1)
+        if self.max_tokens is not None:
+            _integer("max_tokens", self.max_tokens, 1)
         _integer("min_tokens", self.min_tokens, 0)
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError("min_tokens", f"{self.min_tokens} exceeds max_tokens {self.max_tokens}")
         if len(self.stop) > _MAX_STOP_STRINGS:
             raise InvalidRequestError("stop", f"at most {_MAX_STOP_STRINGS} stop strings")
@@ -129,6 +131,14 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def with_max_tokens(self, max_tokens: int) -> SamplingParams:
+        """A copy limited to `max_tokens` (>= 1) new tokens, min_tokens capped to it; the other fields were
+        checked when this one was built, so they are not checked again."""
+        fitted = copy.copy(self)
+        object.__setattr__(fitted, "max_tokens", max_tokens)
+        object.__setattr__(fitted, "min_tokens", min(self.min_tokens, max_tokens))
+        return fitted
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids the client sent must exist in the model's vocabulary."""

@@ -8,7 +8,7 @@ Under KV pressure the newest running sequence is preempted and later recomputed 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.sequence import Sequence, SeqStatus, now
@@ -19,17 +19,11 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
 
-    @property
-    def completes_prompt(self) -> bool:
-        """After this step the sequence has computed every token it has, so it samples its next one."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     scheduled: tuple[ScheduledSeq, ...]
     block_copies: tuple[tuple[int, int], ...]  # (src, dst) copy-on-write pairs, applied before the forward
-    preempted: tuple[Sequence, ...] = field(default=())
 
     @property
     def num_tokens(self) -> int:
@@ -51,9 +45,6 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -78,7 +69,7 @@ class Scheduler:
             index += 1
         if not preempted:
             budget = self._admit_waiting(budget, scheduled, copies)
-        return SchedulerOutput(tuple(scheduled), tuple(copies), tuple(preempted))
+        return SchedulerOutput(tuple(scheduled), tuple(copies))
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

@@ -43,6 +43,40 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
 
 
+class OutputText:
+    """A sequence's detokenized text, kept as the pieces appended: appending, the length and text near the end cost
+    what the piece costs, never the whole text (a str grown by += is copied on every append)."""
+
+    __slots__ = ("pieces", "length")
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []  # append-only; truncate() replaces the list, so earlier readers keep theirs
+        self.length = 0
+
+    def append(self, piece: str) -> None:
+        if piece:
+            self.pieces.append(piece)
+            self.length += len(piece)
+
+    def tail(self, start: int) -> str:
+        """text[start:], for a start near the end."""
+        parts, covered = [], self.length
+        for piece in reversed(self.pieces):
+            if covered <= start:
+                break
+            parts.append(piece)
+            covered -= len(piece)
+        return "".join(reversed(parts))[max(0, start - covered):]
+
+    def truncate(self, length: int) -> None:
+        """Cut at a stop string: once per sequence, so joining the whole text here is fine."""
+        text = self.value()[:length]
+        self.pieces, self.length = [text] if text else [], len(text)
+
+    def value(self) -> str:
+        return "".join(self.pieces)
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     request_id: str
@@ -61,7 +95,7 @@ class Sequence:
     pending_forks: int = 0  # extra samples (n - 1) still to be forked off after the first sampled token
     sampler_state: Any = None  # the per-sequence torch.Generator when seeded; opaque here to keep this torch-free
     detok: Any = None  # the incremental detokenizer's state
-    text: str = ""
+    text: OutputText = field(default_factory=OutputText)
     emitted_text_len: int = 0
     emitted_token_len: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -13,8 +13,8 @@ def apply_token(seq: Sequence, token: int, logprob: TokenLogprob | None, tokeniz
         seq.metrics.first_token_time = now()
     if logprob is not None:
         seq.logprobs.append(logprob)
-    previous_len = len(seq.text)
-    seq.text += detokenize_step(tokenizer, seq.token_ids, seq.detok)
+    previous_len = seq.text.length
+    seq.text.append(detokenize_step(tokenizer, seq.token_ids, seq.detok))
     reason = _stop_reason(seq, token, tokenizer, previous_len, max_model_len)
     if reason is None:
         return False
@@ -45,9 +45,9 @@ def _match_stop_string(seq: Sequence, previous_len: int) -> bool:
     p = seq.params
     for stop in p.stop:
         start = max(0, previous_len - len(stop) + 1)
-        index = seq.text.find(stop, start)
+        index = seq.text.tail(start).find(stop)
         if index != -1:
-            seq.text = seq.text[: index + len(stop)] if p.include_stop_str_in_output else seq.text[:index]
+            seq.text.truncate(start + index + (len(stop) if p.include_stop_str_in_output else 0))
             seq.stop_reason = stop
             return True
     return False

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedserve.engine.chat_template import ChatMessage, ChatOptions, ChatTemplate
-from pagedserve.engine.errors import InvalidRequestError, ModelLoadError
+from pagedserve.engine.errors import ModelLoadError
 
 # Decoding restarts a few tokens back so merges that depend on the left context (spaces, byte pairs) come out right.
 _CONTEXT_TOKENS = 5
@@ -45,17 +45,15 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def render_chat(self, messages: tuple[ChatMessage, ...], options: ChatOptions = ChatOptions()) -> str:
+        return self.chat.render(messages, options)
+
     def apply_chat_template(self, messages: list[dict[str, str]] | tuple[ChatMessage, ...],
                             options: ChatOptions = ChatOptions()) -> list[int]:
         """Rendered with the chat template, then tokenized without added special tokens (the template has them),
         as transformers' apply_chat_template(tokenize=True) does."""
         chat = tuple(m if isinstance(m, ChatMessage) else ChatMessage(m["role"], m["content"]) for m in messages)
         return self.encode(self.chat.render(chat, options), add_special_tokens=False)
-
-    def check_ids(self, ids: list[int], field: str) -> None:
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(field, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
 
 @dataclass(slots=True)

@@ -1,25 +1,49 @@
-"""The one place the service reaches into the engine for what it serves: load it, describe it."""
+"""The one place the service reaches into the engine: what a front end may call on it (`EngineHandle`, which
+`AsyncEngine` fills), loading it, and describing what it serves."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 from pagedserve.engine import AsyncEngine, EngineConfig
+from pagedserve.engine.admission import AdmittedRequest, GenerationRequest
+from pagedserve.engine.kv_events import KvEvent
 from pagedserve.engine.main_thread import MainThreadHost
-from pagedserve.engine.sampling_params import MAX_LOGPROBS
-from pagedserve.service.requests import ModelFacts
+from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
+from pagedserve.engine.sampling_params import MAX_LOGPROBS, MAX_N
+from pagedserve.engine.tokenizer import Tokenizer
 from pagedserve.v1 import model_info_pb2
 
-MAX_N = 64  # SamplingParams rejects n above this
+
+class EngineHandle(Protocol):
+    """The engine as every front end sees it: admit a request once, stream it, abort it, read stats."""
+
+    config: EngineConfig
+    dead_reason: str | None  # set once the engine stopped serving
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def num_unfinished(self) -> int: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def describe(self) -> ModelDescription: ...
+
+    def admit(self, request: GenerationRequest) -> AdmittedRequest: ...
+
+    def stream(self, request_id: str, request: AdmittedRequest) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def reset_prefix_cache(self) -> int: ...
+
+    def publish_kv_events(self, sink: Callable[[list[KvEvent]], None]) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class EngineDescription:
-    facts: ModelFacts
-    info: model_info_pb2.ModelInfoResponse  # static fields only; live counts are filled per call
-
-
-async def load_engine(config: EngineConfig, host: MainThreadHost | None = None) -> AsyncEngine:
+async def load_engine(config: EngineConfig, host: MainThreadHost | None = None) -> EngineHandle:
     """Loads the model off the event loop (health checks keep answering NOT_SERVING meanwhile), on the host's
     main thread when there is one."""
     engine = AsyncEngine(config, host=host)
@@ -27,12 +51,10 @@ async def load_engine(config: EngineConfig, host: MainThreadHost | None = None) 
     return engine
 
 
-def describe(engine: AsyncEngine, model_name: str, max_message_bytes: int) -> EngineDescription:
-    config: EngineConfig = engine.config
-    model = engine.describe()
-    facts = ModelFacts(vocab_size=model.vocab_size, max_context_length=model.max_model_len,
-                       encode=engine.tokenizer.encode, render_chat=engine.tokenizer.chat.render)
-    info = model_info_pb2.ModelInfoResponse(
+def model_info(engine: EngineHandle, model_name: str, max_message_bytes: int) -> model_info_pb2.ModelInfoResponse:
+    """ModelInfo's static fields; live counts are filled per call."""
+    config, model = engine.config, engine.describe()
+    return model_info_pb2.ModelInfoResponse(
         model=model_name,
         architecture=model.architecture,
         quantization=model.quantization,
@@ -47,4 +69,3 @@ def describe(engine: AsyncEngine, model_name: str, max_message_bytes: int) -> En
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_queued_requests=config.max_queued_requests, max_message_bytes=max_message_bytes,
             max_n=MAX_N, max_logprobs=MAX_LOGPROBS))
-    return EngineDescription(facts, info)

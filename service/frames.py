@@ -1,12 +1,15 @@
-"""Engine RequestOutputs -> GenerateResponse frames: Started, then Deltas, then one Final per index."""
+"""Stream events (stream.py) -> pagedserve.v1 GenerateResponse frames: Heartbeats while queued, Started, then
+Deltas, then one Final per index."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Any
 
+from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.sequence import TokenLogprob
+from pagedserve.service.metrics import durations
+from pagedserve.service.stream import Ended, Heartbeat, StreamEvent
 from pagedserve.v1 import generate_pb2 as pb
 
 
@@ -17,7 +20,7 @@ class _Completion:
     # Held back in FINAL_ONLY mode:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Any] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class FrameBuilder:
@@ -38,7 +41,15 @@ class FrameBuilder:
     def all_finished(self) -> bool:
         return all(c.finished for c in self.completions)
 
-    def frames(self, output: Any) -> list[pb.GenerateResponse]:
+    def frames(self, event: StreamEvent) -> list[pb.GenerateResponse]:
+        if isinstance(event, Heartbeat):
+            return [pb.GenerateResponse(heartbeat=pb.Heartbeat(num_waiting=event.num_waiting))]
+        if isinstance(event, Ended):
+            reason = pb.FINISH_REASON_TIME_LIMIT if event.timed_out else pb.FINISH_REASON_CANCELLED
+            return self.unfinished_finals(reason, event.metrics)
+        return self._output_frames(event)
+
+    def _output_frames(self, output: RequestOutput) -> list[pb.GenerateResponse]:
         frames: list[pb.GenerateResponse] = []
         self.cached_tokens = output.metrics.num_cached_tokens
         if not self.started:
@@ -51,8 +62,8 @@ class FrameBuilder:
             frames.extend(self._completion_frames(completion, state, output.metrics))
         return frames
 
-    def unfinished_finals(self, reason: int, metrics: Any) -> list[pb.GenerateResponse]:
-        """Finals for completions the engine never finished (time limit): they still end with a Final."""
+    def unfinished_finals(self, reason: int, metrics: RequestMetrics) -> list[pb.GenerateResponse]:
+        """Finals for completions the engine never finished (time limit, shutdown): each still ends with a Final."""
         frames = [] if self.started else [self._started()]
         self.started = True
         for index, state in enumerate(self.completions):
@@ -70,7 +81,8 @@ class FrameBuilder:
             started.seed = self.params.seed
         return pb.GenerateResponse(index=0, started=started)
 
-    def _completion_frames(self, completion: Any, state: _Completion, metrics: Any) -> list[pb.GenerateResponse]:
+    def _completion_frames(self, completion: CompletionOutput, state: _Completion,
+                           metrics: RequestMetrics) -> list[pb.GenerateResponse]:
         frames = []
         new_ids = list(completion.new_token_ids)
         state.num_tokens += len(new_ids)
@@ -106,7 +118,7 @@ class FrameBuilder:
         return pb.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=state.num_tokens,
                         cached_tokens=self.cached_tokens)
 
-    def _delta(self, index: int, text: str, token_ids: list[int], logprobs: list[Any],
+    def _delta(self, index: int, text: str, token_ids: list[int], logprobs: list[TokenLogprob],
                state: _Completion) -> pb.GenerateResponse:
         delta = pb.Delta(text=text, token_ids=token_ids, usage=self._usage(state))
         if self.params.logprobs is not None:
@@ -117,7 +129,7 @@ class FrameBuilder:
         return pb.GenerateResponse(index=index, delta=delta)
 
     def _final(self, index: int, reason: int, stop_reason: str | int | None, state: _Completion,
-               metrics: Any) -> pb.GenerateResponse:
+               metrics: RequestMetrics) -> pb.GenerateResponse:
         final = pb.Final(finish_reason=reason, usage=self._usage(state), timing=timing(metrics))
         if reason == pb.FINISH_REASON_STOP_SEQUENCE:
             final.stop_sequence = stop_reason
@@ -126,15 +138,7 @@ class FrameBuilder:
         return pb.GenerateResponse(index=index, final=final)
 
 
-def timing(metrics: Any) -> pb.Timing:
-    """Engine timestamps are time.monotonic(); unset ones (never scheduled, still running) count up to now."""
-    now = time.monotonic()
-    arrival = metrics.arrival_time
-    scheduled = metrics.first_scheduled_time or now
-    first_token = metrics.first_token_time or now
-    finished = metrics.finished_time or now
-    return pb.Timing(queue_seconds=max(0.0, scheduled - arrival),
-                     time_to_first_token_seconds=max(0.0, first_token - arrival),
-                     decode_seconds=max(0.0, finished - first_token),
-                     total_seconds=max(0.0, finished - arrival),
-                     num_preemptions=metrics.num_preemptions)
+def timing(metrics: RequestMetrics) -> pb.Timing:
+    d = durations(metrics)
+    return pb.Timing(queue_seconds=d.queue_s, time_to_first_token_seconds=d.time_to_first_token_s,
+                     decode_seconds=d.decode_s, total_seconds=d.total_s, num_preemptions=d.num_preemptions)

@@ -12,6 +12,7 @@ import uvicorn
 
 from pagedserve.service.config import TlsConfig
 from pagedserve.service.openai_api import OpenAIApi
+from pagedserve.service.servicer import GenerationServicer
 
 log = logging.getLogger(__name__)
 _SHUTDOWN_S = 2  # after the drain: idle keep-alive connections get this long before they are closed
@@ -20,7 +21,8 @@ _SHUTDOWN_S = 2  # after the drain: idle keep-alive connections get this long be
 class HttpServer:
     """tls: the gRPC port's certificates serve HTTPS too (a client CA makes it mutual TLS, as for gRPC)."""
 
-    def __init__(self, servicer: Any, host: str, port: int, max_body_bytes: int, tls: TlsConfig | None = None):
+    def __init__(self, servicer: GenerationServicer, host: str, port: int, max_body_bytes: int,
+                 tls: TlsConfig | None = None):
         self.socket = _bind(host, port)
         self.port = self.socket.getsockname()[1]
         config = uvicorn.Config(OpenAIApi(servicer, max_body_bytes).app(), lifespan="off", log_config=None,

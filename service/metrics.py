@@ -2,16 +2,41 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pagedserve.engine.outputs import RequestMetrics
+
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+@dataclass(frozen=True, slots=True)
+class Durations:
+    queue_s: float
+    time_to_first_token_s: float
+    decode_s: float
+    total_s: float
+    num_preemptions: int
+
+
+def durations(metrics: RequestMetrics) -> Durations:
+    """Engine timestamps are time.monotonic(); unset ones (never scheduled, still running) count up to now."""
+    now = time.monotonic()
+    arrival = metrics.arrival_time
+    scheduled = metrics.first_scheduled_time or now
+    first_token = metrics.first_token_time or now
+    finished = metrics.finished_time or now
+    return Durations(queue_s=max(0.0, scheduled - arrival), time_to_first_token_s=max(0.0, first_token - arrival),
+                     decode_s=max(0.0, finished - first_token), total_s=max(0.0, finished - arrival),
+                     num_preemptions=metrics.num_preemptions)
 
 
 class EngineStatsCollector(Collector):
@@ -94,12 +119,12 @@ class ServiceMetrics:
         for interval in intervals:
             child.observe(interval)
 
-    def observe_request(self, timing: Any, prompt_tokens: int, generated_tokens: int, reason: str) -> None:
-        """`timing` is a pagedserve.v1.Timing; called once per finished request."""
-        name = self.model_name
-        self.ttft.labels(name).observe(timing.time_to_first_token_seconds)
-        self.queue.labels(name).observe(timing.queue_seconds)
-        self.e2e.labels(name).observe(timing.total_seconds)
+    def observe_request(self, metrics: RequestMetrics, prompt_tokens: int, generated_tokens: int, reason: str) -> None:
+        """Called once per engine request, whichever front end sent it (service/stream.py)."""
+        name, d = self.model_name, durations(metrics)
+        self.ttft.labels(name).observe(d.time_to_first_token_s)
+        self.queue.labels(name).observe(d.queue_s)
+        self.e2e.labels(name).observe(d.total_s)
         self.prompt_len.labels(name).observe(prompt_tokens)
         self.gen_len.labels(name).observe(generated_tokens)
         self.prompt_tokens.labels(name).inc(prompt_tokens)

@@ -17,21 +17,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pagedserve.service.frames import timing
+from pagedserve.engine.admission import AdmittedRequest
 from pagedserve.service.http_exchange import ClientGone, Exchange
 from pagedserve.service.merged_streams import MergedStreams
 from pagedserve.service.openai_errors import HttpError, error_reply
 from pagedserve.service.openai_params import OpenAIRequest, parse
 from pagedserve.service.openai_responses import ResponseBuilder
+from pagedserve.service.servicer import GenerationServicer
+from pagedserve.service.stream import Ended, RequestStream
 
 log = logging.getLogger(__name__)
-_OFF_LOOP_BYTES = 16_384  # render and tokenize larger bodies in a worker thread, off the event loop
+_OFF_LOOP_BYTES = 16_384  # admit (render, tokenize) larger bodies in a worker thread, off the event loop
 
 
 class OpenAIApi:
-    """servicer: the GenerationServicer whose engine, facts, state, metrics and model name this API shares."""
+    """servicer: the GenerationServicer whose engine, state, metrics and model name this API shares."""
 
-    def __init__(self, servicer: Any, max_body_bytes: int):
+    def __init__(self, servicer: GenerationServicer, max_body_bytes: int):
         self.servicer, self.max_body_bytes = servicer, max_body_bytes
         self.created = int(time.time())
 
@@ -61,8 +63,8 @@ class OpenAIApi:
     def _card(self) -> dict[str, Any]:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve",
                 "root": self.model_name, "parent": None}
-        if self.servicer.facts is not None:
-            card["max_model_len"] = self.servicer.facts.max_context_length
+        if self.servicer.max_model_len is not None:
+            card["max_model_len"] = self.servicer.max_model_len
         return card
 
     async def models(self, request: Request) -> Response:
@@ -96,9 +98,10 @@ class _Generate:
             body = await exchange.json_body(self.api.max_body_bytes)
             self.api.check_model(body)
             self.api.servicer.state.check_admitting()
-            request = await self._parse(body)
+            request = parse(body, self.chat)
+            admitted = await self._admit(body, request)
             with self.api.servicer.state.track():
-                await self._generate(exchange, request)
+                await self._generate(exchange, request, admitted)
         except ClientGone:
             pass  # the engine stream was cancelled, which aborted the request and freed its blocks
         except Exception as exc:  # every failure becomes OpenAI's error JSON, never a dropped connection
@@ -112,28 +115,29 @@ class _Generate:
             exchange.close()
             self.api.servicer.metrics.http_done(scope["path"], exchange.status)
 
-    async def _parse(self, body: Any) -> OpenAIRequest:
-        facts = self.api.servicer.facts
+    async def _admit(self, body: Any, request: OpenAIRequest) -> tuple[AdmittedRequest, ...]:
+        admit = self.api.servicer.engine.admit
         if _size(body) > _OFF_LOOP_BYTES:
-            return await asyncio.to_thread(parse, body, self.chat, facts)
-        return parse(body, self.chat, facts)
+            return await asyncio.to_thread(request.admit, admit)
+        return request.admit(admit)
 
-    async def _generate(self, exchange: Exchange, request: OpenAIRequest) -> None:
-        engine = self.api.servicer.engine
+    async def _generate(self, exchange: Exchange, request: OpenAIRequest,
+                        admitted: tuple[AdmittedRequest, ...]) -> None:
+        servicer = self.api.servicer
         response_id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        builder = ResponseBuilder(request, response_id, self.api.model_name, self.api.decode_token)
-        many = len(request.prompts) > 1
+        builder = ResponseBuilder(request, admitted, response_id, self.api.model_name, self.api.decode_token)
+        many = len(admitted) > 1
         outputs = MergedStreams([
-            engine.generate(f"{response_id}-{i}" if many else response_id, list(p.token_ids), p.params)
-            for i, p in enumerate(request.prompts)])
-        last, gaps = None, _TokenGaps()
+            RequestStream(servicer.engine, f"{response_id}-{i}" if many else response_id, a, servicer.metrics).events()
+            for i, a in enumerate(admitted)])
         try:
             while not builder.all_finished:
                 event = await exchange.until_disconnect(outputs.next())
                 if event is None:
                     break  # the engine ended the streams early (shutdown)
                 prompt, last = event
-                self.api.servicer.metrics.observe_token_times(gaps.intervals(prompt, last))
+                if isinstance(last, Ended):
+                    continue
                 if not request.stream:
                     builder.add(prompt, last)
                     continue
@@ -144,8 +148,6 @@ class _Generate:
             await self._finish(exchange, request, builder)
         finally:
             await outputs.close()
-            if last is not None:
-                self._observe(builder, last)
 
     async def _finish(self, exchange: Exchange, request: OpenAIRequest, builder: ResponseBuilder) -> None:
         if not request.stream:
@@ -157,33 +159,9 @@ class _Generate:
             await exchange.sse(builder.usage_chunk())
         await exchange.end_sse()
 
-    def _observe(self, builder: ResponseBuilder, last: Any) -> None:
-        reasons = [c.finish_reason for c in builder.choices if c.finish_reason]
-        generated = sum(len(c.token_ids) for c in builder.choices)
-        self.api.servicer.metrics.observe_request(timing(last.metrics), builder.prompt_tokens, generated,
-                                                  reasons[0] if reasons else "abort")
-
-
-class _TokenGaps:
-    """Inter-token latency per choice: the gap since its previous output, spread over the tokens it carries."""
-
-    def __init__(self) -> None:
-        self.last: dict[tuple[int, int], float] = {}
-
-    def intervals(self, prompt: int, output: Any) -> list[float]:
-        now, out = time.monotonic(), []
-        for completion in output.outputs:
-            k, key = len(completion.new_token_ids), (prompt, completion.index)
-            if not k:
-                continue
-            if key in self.last:
-                out.extend([(now - self.last[key]) / k] * k)
-            self.last[key] = now
-        return out
-
 
 def _size(body: Any) -> int:
-    """A cheap upper bound of the text a body carries (prompt, messages), to decide where to parse it."""
+    """A cheap upper bound of the text a body carries (prompt, messages): where to admit it (tokenize, render)."""
     if not isinstance(body, dict):
         return 0
     prompt = body.get("prompt")

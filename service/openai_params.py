@@ -1,21 +1,24 @@
-"""OpenAI request JSON -> the engine's request (token-id prompts + SamplingParams), naming OpenAI's parameters.
+"""OpenAI request JSON -> the engine's GenerationRequests (one per prompt), admitted once, naming OpenAI's parameters.
 
-Value checks are not repeated here: raw JSON values go straight into SamplingParams and the chat template, whose
-typed errors name the engine field; `OpenAIRequest.param` translates that name back to the parameter the client set.
-This module only knows which OpenAI parameters exist, which are ignored (as OpenAI ignores them), which are refused
-as unsupported, and how their shapes map onto the engine's.
+Value checks are not repeated here: raw JSON values go straight into SamplingParams and the admission (prompt,
+chat template, context), whose typed errors name the engine field; `OpenAIRequest.param` translates that name back
+to the parameter the client set. This module only knows which OpenAI parameters exist, which are ignored (as OpenAI
+ignores them), which are refused as unsupported, and how their shapes map onto the engine's.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.engine.chat_template import ChatMessage, ChatOptions, check_messages
+from pagedserve.engine.admission import (
+    CHAT_FIELD, TEXT_FIELD, TOKENS_FIELD, AdmittedRequest, ChatPrompt, GenerationRequest, Prompt, TextPrompt,
+    TokensPrompt, field_map, renamed,
+)
+from pagedserve.engine.chat_template import ChatMessage, ChatOptions
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.service.requests import ModelFacts
 
 # OpenAI's own parameters, plus vLLM's extensions that the same clients send.
 _COMMON = frozenset({
@@ -44,9 +47,9 @@ MAX_BATCH = 64  # prompts in one /v1/completions request
 
 @dataclass(frozen=True, slots=True)
 class PromptInput:
-    token_ids: tuple[int, ...]
+    request: GenerationRequest
     text: str  # for `echo`; empty for token-id prompts
-    params: SamplingParams  # max_tokens fitted to the room this prompt leaves in the context
+    field: str  # the parameter that carries this prompt: "prompt", "prompt[3]" or "messages"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,29 +66,37 @@ class OpenAIRequest:
 
     @property
     def params(self) -> SamplingParams:
-        """What every prompt shares (n, logprobs, stops); only max_tokens may differ between prompts."""
-        return self.prompts[0].params
+        """What every prompt shares (n, logprobs, stops); admission may lower max_tokens per prompt."""
+        return self.prompts[0].request.params
 
     def param(self, engine_field: str) -> str:
         return self.names.get(engine_field, engine_field)
 
+    def admit(self, engine_admit: Callable[[GenerationRequest], AdmittedRequest]) -> tuple[AdmittedRequest, ...]:
+        """Each prompt admitted once; errors name the parameter, and the prompt of a batch, the client sent."""
+        admitted = []
+        for prompt in self.prompts:
+            names = {**self.names, TEXT_FIELD: prompt.field, TOKENS_FIELD: prompt.field, CHAT_FIELD: prompt.field}
+            with renamed(field_map(names)):
+                admitted.append(engine_admit(prompt.request))
+        return tuple(admitted)
 
-def parse(body: Any, chat: bool, facts: ModelFacts) -> OpenAIRequest:
+
+def parse(body: Any, chat: bool) -> OpenAIRequest:
     if not isinstance(body, dict):
         raise InvalidRequestError("body", f"must be a JSON object, got {type(body).__name__}")
     body = {k: v for k, v in body.items() if v is not None}  # the SDKs send null for "not given"
     _check_known(body, CHAT_PARAMS if chat else COMPLETION_PARAMS)
     _refuse_unsupported(body, chat)
     names = _names(body, chat)
-    texts = [(_chat_prompt(body, facts), "")] if chat else _completion_prompts(body, facts)
+    shapes = [(_chat_prompt(body), "", "messages")] if chat else _completion_prompts(body)
     logprobs = _chat_logprobs(body) if chat else body.get("logprobs")  # its own errors already name OpenAI's fields
-    try:
-        base = _sampling_params(body, chat, logprobs)
-        base.check_vocab(facts.vocab_size)
-        prompts = tuple(PromptInput(tuple(ids), text, _fit_context(base, body, chat, len(ids), facts.max_context_length))
-                        for ids, text in texts)
-    except InvalidRequestError as exc:
-        raise InvalidRequestError(names.get(exc.field, exc.field), exc.message) from None
+    with renamed(field_map(names)):
+        params = _sampling_params(body, chat, logprobs)
+    # No max_tokens: the room left in the context (chat) or 16 within it (completions); a set one must fit.
+    default = "max_completion_tokens" not in body and "max_tokens" not in body
+    prompts = tuple(PromptInput(GenerationRequest(prompt, params, max_tokens_is_default=default), text, field)
+                    for prompt, text, field in shapes)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options", {})
     if "stream_options" in body and (not stream or not isinstance(options, dict)):
@@ -127,7 +138,7 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
 
 
 def _names(body: dict[str, Any], chat: bool) -> dict[str, str]:
-    names = {"prompt_token_ids": "messages" if chat else "prompt", "prompt": "prompt"}
+    names = {}
     if chat and "max_completion_tokens" in body:
         names["max_tokens"] = "max_completion_tokens"
     if chat and "top_logprobs" in body:
@@ -156,6 +167,8 @@ def _sampling_params(body: dict[str, Any], chat: bool, logprobs: int | None) -> 
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens")
     if max_tokens is not None:
         kwargs["max_tokens"] = max_tokens
+    elif chat:
+        kwargs["max_tokens"] = None  # until the context is full
     if "logit_bias" in body:
         kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
     return SamplingParams(**kwargs, logprobs=logprobs)
@@ -179,33 +192,8 @@ def _logit_bias(bias: Any) -> dict[int, float]:
         raise InvalidRequestError("logit_bias", "keys must be token ids (integers as strings)") from None
 
 
-def _fit_context(params: SamplingParams, body: dict[str, Any], chat: bool, prompt_len: int,
-                 context: int) -> SamplingParams:
-    """No max_tokens: the room left in the context (chat) or 16 within it (completions); a set one must fit."""
-    room = context - prompt_len
-    given = "max_completion_tokens" in body or "max_tokens" in body
-    if not given:
-        max_tokens = room if chat else min(params.max_tokens, room)
-        return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
-    if params.max_tokens > room:
-        raise InvalidRequestError(
-            "max_tokens", f"{params.max_tokens} new tokens after a {prompt_len}-token prompt exceed the model's "
-            f"context of {context} tokens (at most {room})")
-    return params
-
-
-def _prompt_fits(ids: list[int], field: str, context: int) -> list[int]:
-    if not ids:
-        raise InvalidRequestError(field, "the prompt is empty")
-    if len(ids) >= context:
-        raise InvalidRequestError(
-            field, f"the prompt is {len(ids)} tokens; the model's context is {context} tokens and at least one "
-            "must be left to generate")
-    return ids
-
-
-def _completion_prompts(body: dict[str, Any], facts: ModelFacts) -> list[tuple[list[int], str]]:
-    """A string or token ids, or a batch of either; (token ids, text for echo) per prompt."""
+def _completion_prompts(body: dict[str, Any]) -> list[tuple[Prompt, str, str]]:
+    """A string or token ids, or a batch of either; (prompt, text for echo, its parameter) per prompt."""
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _is_token_ids(prompt):
         batch, fields = [prompt], ["prompt"]
@@ -216,32 +204,19 @@ def _completion_prompts(body: dict[str, Any], facts: ModelFacts) -> list[tuple[l
         fields = ["prompt"] if len(prompt) == 1 else [f"prompt[{i}]" for i in range(len(prompt))]
     else:
         raise InvalidRequestError("prompt", "must be a string, a list of token ids, or a list of either")
-    return [_completion_prompt(p, field, body, facts) for p, field in zip(batch, fields)]
+    return [(TextPrompt(p, _bool(body, "add_special_tokens", True)), p, field) if isinstance(p, str)
+            else (TokensPrompt(tuple(p)), "", field) for p, field in zip(batch, fields)]
 
 
 def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def _completion_prompt(prompt: str | list[int], field: str, body: dict[str, Any],
-                       facts: ModelFacts) -> tuple[list[int], str]:
-    if isinstance(prompt, str):
-        ids = facts.encode(prompt, _bool(body, "add_special_tokens", True))
-        return _prompt_fits(ids, field, facts.max_context_length), prompt
-    for i, token in enumerate(prompt):
-        if not 0 <= token < facts.vocab_size:
-            raise InvalidRequestError(f"{field}[{i}]", f"token id {token} is outside the vocabulary "
-                                      f"(size {facts.vocab_size})")
-    return _prompt_fits(list(prompt), field, facts.max_context_length), ""
-
-
-def _chat_prompt(body: dict[str, Any], facts: ModelFacts) -> list[int]:
-    messages = check_messages(_messages(body.get("messages")))
-    template = body.get("chat_template")
-    options = ChatOptions(template=template, add_generation_prompt=_bool(body, "add_generation_prompt", True))
-    text = facts.render_chat(messages, options)
-    ids = facts.encode(text, _bool(body, "add_special_tokens", False))
-    return _prompt_fits(ids, "messages", facts.max_context_length)
+def _chat_prompt(body: dict[str, Any]) -> ChatPrompt:
+    messages = tuple(_messages(body.get("messages")))
+    options = ChatOptions(template=body.get("chat_template"),
+                          add_generation_prompt=_bool(body, "add_generation_prompt", True))
+    return ChatPrompt(messages, options, _bool(body, "add_special_tokens", False))
 
 
 def _messages(raw: Any) -> list[ChatMessage]:

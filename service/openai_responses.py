@@ -1,4 +1,5 @@
-"""Engine RequestOutputs -> OpenAI JSON: whole responses, SSE chunks, logprobs and usage in OpenAI's shapes."""
+"""Engine outputs (deltas, from stream.py) -> OpenAI JSON: whole responses, SSE chunks, logprobs and usage in
+OpenAI's shapes."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.engine.admission import AdmittedRequest
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.engine.sequence import TokenLogprob
 from pagedserve.service.openai_params import OpenAIRequest
 
 Decode = Callable[[int], str]  # one token id -> its text
@@ -16,7 +20,7 @@ Decode = Callable[[int], str]  # one token id -> its text
 class _Choice:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Any] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text_offset: int = 0  # completions' logprobs.text_offset: characters before the next token
@@ -26,13 +30,14 @@ class _Choice:
 class ResponseBuilder:
     """Per request: accumulates what the engine produced for each choice and renders it the OpenAI way."""
 
-    def __init__(self, request: OpenAIRequest, response_id: str, model: str, decode: Decode):
+    def __init__(self, request: OpenAIRequest, admitted: tuple[AdmittedRequest, ...], response_id: str, model: str,
+                 decode: Decode):
         self.request, self.id, self.model, self.decode = request, response_id, model, decode
         self.created = int(time.time())
         self.object = "chat.completion" if request.chat else "text_completion"
         self.n = request.params.n
         self.choices = [_Choice() for _ in range(self.n * len(request.prompts))]
-        self.prompt_tokens = sum(len(p.token_ids) for p in request.prompts)
+        self.prompt_tokens = sum(len(a.prompt_token_ids) for a in admitted)
         self.cached_tokens = 0
 
     @property
@@ -40,7 +45,7 @@ class ResponseBuilder:
         return all(c.finish_reason is not None for c in self.choices)
 
     # -- whole responses --------------------------------------------------------------------------------
-    def add(self, prompt: int, output: Any) -> None:
+    def add(self, prompt: int, output: RequestOutput) -> None:
         """prompt: which prompt of the request this engine output answers (choice index = prompt * n + i)."""
         self.cached_tokens = output.metrics.num_cached_tokens
         for completion in output.outputs:
@@ -73,7 +78,7 @@ class ResponseBuilder:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     # -- streams -----------------------------------------------------------------------------------------
-    def chunks(self, prompt: int, output: Any) -> list[dict[str, Any]]:
+    def chunks(self, prompt: int, output: RequestOutput) -> list[dict[str, Any]]:
         """The chunks for one engine output: per choice, a role chunk first (chat), then its new text."""
         self.cached_tokens = output.metrics.num_cached_tokens
         chunks = []
@@ -128,7 +133,7 @@ class ResponseBuilder:
         return chunk
 
     # -- shared ------------------------------------------------------------------------------------------
-    def _record(self, choice: _Choice, completion: Any) -> list[Any]:
+    def _record(self, choice: _Choice, completion: CompletionOutput) -> list[TokenLogprob]:
         choice.text.append(completion.new_text)
         choice.token_ids.extend(completion.new_token_ids)
         new = list(completion.new_logprobs)

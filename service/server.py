@@ -76,7 +76,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     if engine is not None:
         servicer.attach(engine)
         if vllm is not None:
-            vllm.attach(engine, servicer.facts)
+            vllm.attach(engine)
         await state.mark_serving()
         _write_ready_file(config.ready_file, port, metrics_port, http.port if http else None)
         log.info("serving %s", servicer.static_info.model)

@@ -1,4 +1,5 @@
-"""GenerationService: proto <-> engine, validation, streaming, abort on cancel/deadline, status codes."""
+"""pagedserve.v1 GenerationService: Generate (admitted by requests.py, streamed by stream.py, framed by frames.py),
+Tokenize and ModelInfo."""
 
 from __future__ import annotations
 
@@ -6,16 +7,17 @@ import asyncio
 import itertools
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 
 from pagedserve.engine.request_id import check_request_id
 from pagedserve.service import rpc_status
-from pagedserve.service.engine_adapter import describe
+from pagedserve.engine.outputs import EngineStats
+from pagedserve.service.engine_adapter import EngineHandle, model_info
+from pagedserve.service.frames import FrameBuilder
 from pagedserve.service.lifecycle import SERVICE_NAME, ServingState
 from pagedserve.service.metrics import ServiceMetrics
-from pagedserve.service.requests import ModelFacts, to_engine_request
+from pagedserve.service.requests import admit, input_chars
 from pagedserve.service.stream import RequestStream
 from pagedserve.service.wire import parse_request
 from pagedserve.v1 import generate_pb2 as pb
@@ -31,17 +33,19 @@ class GenerationServicer:
         self.state = state
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
-        self.engine: Any = None  # set by attach() once the model is loaded
-        self.facts: ModelFacts | None = None
+        self.engine: EngineHandle | None = None  # set by attach() once the model is loaded
         self.static_info = model_info_pb2.ModelInfoResponse()
         self._active_ids: set[str] = set()
         self._suffix = itertools.count(1)
 
-    def attach(self, engine: Any) -> None:
-        description = describe(engine, self.model_name, self.max_message_bytes)
-        self.engine, self.facts, self.static_info = engine, description.facts, description.info
+    def attach(self, engine: EngineHandle) -> None:
+        self.engine, self.static_info = engine, model_info(engine, self.model_name, self.max_message_bytes)
 
-    def stats(self) -> Any:
+    @property
+    def max_model_len(self) -> int | None:
+        return self.static_info.max_context_length if self.engine is not None else None
+
+    def stats(self) -> EngineStats | None:
         """The engine's latest EngineStats, or None while the model loads."""
         return self.engine.stats() if self.engine is not None else None
 
@@ -67,14 +71,17 @@ class GenerationServicer:
         self.state.check_admitting()
         request_id = _request_id(request, context)
         await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
-        if _input_chars(request) > _LONG_TEXT_CHARS:
-            engine_request = await asyncio.to_thread(to_engine_request, request, self.facts)
+        if input_chars(request) > _LONG_TEXT_CHARS:
+            v1 = await asyncio.to_thread(admit, request, self.engine.admit)
         else:
-            engine_request = to_engine_request(request, self.facts)
+            v1 = admit(request, self.engine.admit)
+        prompt = v1.admitted
+        builder = FrameBuilder(request_id, len(prompt.prompt_token_ids), prompt.truncated, prompt.params,
+                               v1.stream_mode)
         with self.state.track(), self._engine_id(request_id) as engine_id:
-            stream = RequestStream(self.engine, engine_id, request_id, engine_request, self.metrics)
-            async for frame in stream.frames():
-                yield frame
+            async for event in RequestStream(self.engine, engine_id, prompt, self.metrics, v1.options).events():
+                for frame in builder.frames(event):
+                    yield frame
 
     async def tokenize(self, raw: bytes, context: grpc.aio.ServicerContext) -> tokenize_pb2.TokenizeResponse:
         request = parse_request(raw, tokenize_pb2.TokenizeRequest, self.max_message_bytes)
@@ -117,15 +124,6 @@ class _ActiveId:
 
     def __exit__(self, *exc: object) -> None:
         self.active.discard(self.engine_id)
-
-
-def _input_chars(request: pb.GenerateRequest) -> int:
-    which = request.WhichOneof("input")
-    if which == "text":
-        return len(request.text)
-    if which == "chat":
-        return sum(len(m.content) for m in request.chat.messages) + len(request.chat.chat_template)
-    return 0
 
 
 def _request_id(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:

@@ -1,4 +1,4 @@
-"""Engine outputs and KV events -> vllm.grpc.engine / smg.grpc.common reply messages."""
+"""Engine outputs (deltas, from stream.py) and KV events -> vllm.grpc.engine / smg.grpc.common reply messages."""
 
 from __future__ import annotations
 
@@ -7,21 +7,24 @@ from typing import Any
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as vpb
 
 from pagedserve.engine.kv_events import BlockRemoved, BlockStored
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.engine.sequence import TokenLogprob
 from pagedserve.service.kv_events import EventBatch
 
 
-def chunk(out: Any, completion: Any) -> vpb.GenerateStreamChunk:
+def chunk(out: RequestOutput, completion: CompletionOutput) -> vpb.GenerateStreamChunk:
     return vpb.GenerateStreamChunk(
         token_ids=completion.new_token_ids, prompt_tokens=len(out.prompt_token_ids),
-        completion_tokens=len(completion.token_ids), cached_tokens=out.metrics.num_cached_tokens,
+        completion_tokens=completion.num_tokens, cached_tokens=out.metrics.num_cached_tokens,
         output_logprobs=_logprobs(completion.new_logprobs), index=completion.index)
 
 
-def complete(out: Any, completion: Any, with_tokens: bool) -> vpb.GenerateComplete:
-    """with_tokens=False for a stream's closing message: its chunks already carried every token."""
+def complete(out: RequestOutput, completion: CompletionOutput, with_tokens: bool) -> vpb.GenerateComplete:
+    """with_tokens=False for a stream's closing message: its chunks already carried every token. A unary reply
+    reads the sample's whole history, once, from the finished output."""
     reply = vpb.GenerateComplete(
         output_ids=completion.token_ids if with_tokens else (), finish_reason=completion.finish_reason,
-        prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(completion.token_ids),
+        prompt_tokens=len(out.prompt_token_ids), completion_tokens=completion.num_tokens,
         cached_tokens=out.metrics.num_cached_tokens,
         output_logprobs=_logprobs(completion.logprobs if with_tokens else ()), index=completion.index)
     stop = completion.stop_reason
@@ -32,7 +35,7 @@ def complete(out: Any, completion: Any, with_tokens: bool) -> vpb.GenerateComple
     return reply
 
 
-def _logprobs(entries: tuple[Any, ...]) -> vpb.OutputLogProbs | None:
+def _logprobs(entries: tuple[TokenLogprob, ...]) -> vpb.OutputLogProbs | None:
     if not entries:
         return None
     return vpb.OutputLogProbs(

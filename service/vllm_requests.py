@@ -1,29 +1,32 @@
-"""vllm.grpc.engine GenerateRequest -> the engine's request (token ids + SamplingParams).
+"""vllm.grpc.engine GenerateRequest -> the engine's GenerationRequest, admitted once (engine/admission.py).
 
-Field mapping only: value checks stay in SamplingParams and prompt/context checks in the shared rules of
-service/requests.py; their errors are renamed to the vLLM proto path the router set. Every field the engine
-cannot honour is refused by name when it is set, never silently dropped.
+Field mapping only: value checks stay in SamplingParams and prompt/context checks in the admission; their errors
+are renamed to the vLLM proto path the router set. Every field the engine cannot honour is refused by name when it
+is set, never silently dropped.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 from google.protobuf import unknown_fields
 from google.protobuf.message import Message
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
+from pagedserve.engine.admission import (
+    AdmittedRequest, GenerationRequest, Prompt, TextPrompt, TokensPrompt, field_map, renamed,
+)
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.service.requests import EngineRequest, ModelFacts
 
 SP = "sampling_params"
-# SamplingParams field -> the vLLM proto field path.
-_ENGINE_TO_PROTO = {name: f"{SP}.{name}" for name in (
-    "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-    "seed", "logit_bias", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs")}
+# Admission and SamplingParams field -> the vLLM proto field path.
+_PROTO_FIELDS = field_map({
+    **{name: f"{SP}.{name}" for name in (
+        "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+        "seed", "logit_bias", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs",
+        "truncate_prompt_tokens")},
+    "prompt": "text", "prompt_token_ids": "tokenized.input_ids"})
 # proto3 scalars without presence: 0 means "not set" (what vLLM's own servicer assumes too).
 _ZERO_IS_UNSET = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "n",
                   "min_tokens")
@@ -33,15 +36,23 @@ _UNSUPPORTED_REQUEST = ("kv_transfer_params", "mm_inputs", "extra_mm_inputs", "k
                         "media_refs")
 
 
-def to_engine_request(request: vpb.GenerateRequest, facts: ModelFacts) -> EngineRequest:
+def admit(request: vpb.GenerateRequest, engine_admit: Callable[[GenerationRequest], AdmittedRequest]
+          ) -> AdmittedRequest:
     _refuse_unsupported(request)
-    prompt = _prompt_ids(request, facts)
-    params = _sampling_params(request.sampling_params)
-    params = _fit_context(params, request.sampling_params, len(prompt), facts.max_context_length)
-    with _proto_names():
-        params.check_vocab(facts.vocab_size)
-    return EngineRequest(prompt_token_ids=prompt, params=params, truncated=False, stream_mode=0,
-                         heartbeat_s=None, time_limit_s=None)
+    s = request.sampling_params
+    with renamed(_PROTO_FIELDS):
+        truncate = s.truncate_prompt_tokens if s.HasField("truncate_prompt_tokens") else None
+        # An unset max_tokens means "until the context is full", as in vLLM.
+        return engine_admit(GenerationRequest(_prompt(request), _sampling_params(s), truncate_prompt_tokens=truncate))
+
+
+def _prompt(request: vpb.GenerateRequest) -> Prompt:
+    which = request.WhichOneof("input")
+    if which is None:
+        raise InvalidRequestError("input", "set either tokenized or text")
+    if which == "tokenized":
+        return TokensPrompt(tuple(request.tokenized.input_ids))
+    return TextPrompt(request.text)
 
 
 def _refuse_unsupported(request: vpb.GenerateRequest) -> None:
@@ -89,57 +100,8 @@ def _sampling_params(s: vpb.SamplingParams) -> SamplingParams:
         kwargs["stop_token_ids"] = tuple(s.stop_token_ids)
     if s.logit_bias:
         kwargs["logit_bias"] = dict(s.logit_bias)
-    kwargs.setdefault("max_tokens", 1 << 30)  # unset: whatever room the context leaves (_fit_context)
-    with _proto_names():
-        return SamplingParams(**kwargs)
-
-
-def _fit_context(params: SamplingParams, s: vpb.SamplingParams, prompt_len: int, context: int) -> SamplingParams:
-    room = context - prompt_len
-    if params.max_tokens <= room:
-        return params
-    if not s.HasField("max_tokens"):
-        return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
-    raise InvalidRequestError(f"{SP}.max_tokens", f"{params.max_tokens} new tokens after a {prompt_len}-token "
-                              f"prompt exceed the model's context of {context} tokens (at most {room})")
-
-
-def _prompt_ids(request: vpb.GenerateRequest, facts: ModelFacts) -> list[int]:
-    which = request.WhichOneof("input")
-    if which is None:
-        raise InvalidRequestError("input", "set either tokenized or text")
-    field = "tokenized.input_ids" if which == "tokenized" else "text"
-    ids = list(request.tokenized.input_ids) if which == "tokenized" else facts.encode(request.text, True)
-    if not ids:
-        raise InvalidRequestError(field, "prompt is empty")
-    for i, token in enumerate(ids):
-        if token >= facts.vocab_size:
-            raise InvalidRequestError(
-                f"{field}[{i}]", f"token id {token} is outside the vocabulary (size {facts.vocab_size})")
-    s = request.sampling_params
-    if s.HasField("truncate_prompt_tokens"):
-        ids = _truncate(ids, s.truncate_prompt_tokens, facts.max_context_length)
-    if len(ids) >= facts.max_context_length:
-        raise InvalidRequestError(field, f"prompt is {len(ids)} tokens; the model's context is "
-                                  f"{facts.max_context_length} tokens and at least one must be left to generate")
-    return ids
-
-
-def _truncate(ids: list[int], keep: int, context: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens: keep the last `keep` tokens; -1 keeps as many as the context allows."""
-    if keep == -1:
-        keep = context - 1
-    if keep < 1:
-        raise InvalidRequestError(f"{SP}.truncate_prompt_tokens", f"must be >= 1 or -1, got {keep}")
-    return ids[-keep:]
-
-
-@contextmanager
-def _proto_names() -> Iterator[None]:
-    try:
-        yield
-    except InvalidRequestError as exc:
-        raise InvalidRequestError(_ENGINE_TO_PROTO.get(exc.field, exc.field), exc.message) from None
+    kwargs.setdefault("max_tokens", None)  # unset: whatever room the context leaves
+    return SamplingParams(**kwargs)
 
 
 def _proto_version() -> str:

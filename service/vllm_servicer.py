@@ -1,7 +1,7 @@
 """vllm.grpc.engine.VllmEngine (smg-grpc-proto): the worker protocol SMG, vllm-router and llm-d route to.
 
 A thin adapter beside pagedserve.v1 on the same server and engine: request mapping lives in vllm_requests.py,
-status codes in errors.py, replies are built from the engine's RequestOutputs here.
+status codes in errors.py, replies are built from the stream's events (stream.py) here.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
-from typing import Any
 
 import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as vpb
@@ -21,14 +20,15 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as vpb
 from pagedserve.engine.model_store import resolve_model
 from pagedserve.engine.request_id import check_request_id
 from pagedserve.service import rpc_status
-from pagedserve.service.frames import timing
+from pagedserve.engine.outputs import RequestOutput
+from pagedserve.service.engine_adapter import EngineHandle
 from pagedserve.service.kv_events import KvEventHub
 from pagedserve.service.lifecycle import ServingState
 from pagedserve.service.metrics import ServiceMetrics
-from pagedserve.service.requests import ModelFacts
+from pagedserve.service.stream import Ended, RequestStream
 from pagedserve.service.tokenizer_bundle import TokenizerBundle, bundle
 from pagedserve.service.vllm_replies import chunk, complete, kv_batch
-from pagedserve.service.vllm_requests import to_engine_request
+from pagedserve.service.vllm_requests import admit
 from pagedserve.service.wire import parse_request
 
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
@@ -46,14 +46,13 @@ class VllmEngineServicer:
         self.state, self.metrics, self.model_name = state, metrics, model_name
         self.max_message_bytes = max_message_bytes
         self.kv_events = KvEventHub(max_pending_kv_batches)
-        self.engine: Any = None
-        self.facts: ModelFacts | None = None
+        self.engine: EngineHandle | None = None
         self._started = time.time()
         self._last_receive = 0.0
         self._tokenizer: TokenizerBundle | None = None  # built on the first GetTokenizer
 
-    def attach(self, engine: Any, facts: ModelFacts) -> None:
-        self.engine, self.facts = engine, facts
+    def attach(self, engine: EngineHandle) -> None:
+        self.engine = engine
         engine.publish_kv_events(self.kv_events.publish)
 
     def rpc_handler(self) -> grpc.GenericRpcHandler:
@@ -92,28 +91,14 @@ class VllmEngineServicer:
         self.state.check_admitting()
         self._last_receive = time.time()
         request_id = check_request_id(request.request_id, "request_id") if request.request_id else uuid.uuid4().hex
-        req = to_engine_request(request, self.facts)
+        admitted = admit(request, self.engine.admit)
         # The engine keys the request by the router's id, so Abort finds it from any connection; a second
         # request under an id still in flight is refused (INVALID_ARGUMENT), as vLLM refuses it.
-        outputs = aiter(self.engine.generate(request_id, req.prompt_token_ids, req.params))
-        last = None
-        try:
-            with self.state.track():
-                async for last in outputs:
-                    for reply in _replies(last, request.stream):
+        with self.state.track():
+            async for event in RequestStream(self.engine, request_id, admitted, self.metrics).events():
+                if not isinstance(event, Ended):
+                    for reply in _replies(event, request.stream):
                         yield reply
-        finally:
-            await outputs.aclose()  # unfinished: aborts in the engine and frees its KV blocks at once
-            self._observe(last)
-
-    def _observe(self, out: Any) -> None:
-        """The same request histograms and counters as pagedserve.v1 requests feed."""
-        if out is None:
-            return
-        reasons = [c.finish_reason for c in out.outputs if c.finish_reason]
-        generated = sum(len(c.token_ids) for c in out.outputs)
-        self.metrics.observe_request(timing(out.metrics), len(out.prompt_token_ids), generated,
-                                     reasons[0] if out.finished and reasons else "abort")
 
     async def abort(self, raw: bytes, context: grpc.aio.ServicerContext) -> vpb.AbortResponse:
         """Aborts by router request id whichever connection started it; the stream ends with finish 'abort'."""
@@ -207,7 +192,7 @@ class VllmEngineServicer:
                                     dp_rank_count=1, loads=loads)
 
 
-def _replies(out: Any, stream: bool) -> list[vpb.GenerateResponse]:
+def _replies(out: RequestOutput, stream: bool) -> list[vpb.GenerateResponse]:
     """Streaming: a chunk per new-token delta, then a Complete (no tokens) per finished index.
     Non-streaming: one Complete per index with all its tokens."""
     replies = []

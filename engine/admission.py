@@ -1,0 +1,176 @@
+"""One request, checked once: a prompt (text, token ids or chat messages), SamplingParams and limits become an
+`AdmittedRequest` that the engine runs as it is.
+
+Every front end (the offline `LLM`, pagedserve.v1, OpenAI HTTP, the router's vllm.grpc.engine) maps its own fields
+onto a `GenerationRequest` and renames the fields of the errors back to its own (`renamed`); nothing downstream
+checks again. Checks run in one order for all of them: the request's own values (SamplingParams, built by the
+front end), then the prompt against the model (tokenize or render, vocabulary, truncation, context), then the
+output budget (max_tokens against the context and the whole KV cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+from pagedserve.engine.chat_template import ChatMessage, ChatOptions, check_messages
+from pagedserve.engine.errors import CapacityError, InvalidRequestError
+from pagedserve.engine.sampling_params import SamplingParams
+
+# Field names in this module's errors; front ends rename them (`renamed`) to the paths their clients set.
+TEXT_FIELD, TOKENS_FIELD, CHAT_FIELD = "prompt", "prompt_token_ids", "chat"
+TRUNCATE_TO_CONTEXT = -1  # truncate_prompt_tokens: keep as many of the last tokens as the context allows
+
+
+@dataclass(frozen=True, slots=True)
+class TextPrompt:
+    text: str
+    add_special_tokens: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class TokensPrompt:
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    messages: tuple[ChatMessage, ...]
+    options: ChatOptions = ChatOptions()
+    add_special_tokens: bool = False  # the template writes the special tokens itself
+
+
+Prompt = TextPrompt | TokensPrompt | ChatPrompt
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """What a client asks for, in no transport's terms. `params.max_tokens` None means "until the context is full";
+    `max_tokens_is_default` says it is the front end's default, not the client's, so it shrinks to the room the
+    prompt leaves instead of being refused."""
+
+    prompt: Prompt
+    params: SamplingParams
+    max_tokens_is_default: bool = False
+    truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens (TRUNCATE_TO_CONTEXT: fit)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmittedRequest:
+    """A request that passed every check; only `Admission.admit` makes one. `params.max_tokens` is set and fits."""
+
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    truncated: bool  # truncate_prompt_tokens cut the prompt
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    vocab_size: int
+    max_model_len: int
+    kv_cache_tokens: int  # the whole KV cache: one request's prompt + output must fit in it
+
+
+class PromptEncoder(Protocol):
+    """What admission needs of the tokenizer; `engine.tokenizer.Tokenizer` is one."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def render_chat(self, messages: tuple[ChatMessage, ...], options: ChatOptions) -> str: ...
+
+
+class Admission:
+    """Thread-safe: it reads the tokenizer and fixed limits only, so front ends admit on their own threads."""
+
+    def __init__(self, limits: ModelLimits, encoder: PromptEncoder):
+        self.limits, self.encoder = limits, encoder
+
+    def admit(self, request: GenerationRequest) -> AdmittedRequest:
+        ids, field = self._prompt_ids(request.prompt)
+        ids, truncated = self._truncate(ids, request.truncate_prompt_tokens)
+        context = self.limits.max_model_len
+        if len(ids) >= context:
+            raise InvalidRequestError(field, f"the prompt is {len(ids)} tokens; the model's context is {context} "
+                                      "tokens and at least one must be left to generate")
+        params = self._fit(request, len(ids))
+        params.check_vocab(self.limits.vocab_size)
+        return AdmittedRequest(tuple(ids), params, truncated)
+
+    def _prompt_ids(self, prompt: Prompt) -> tuple[list[int], str]:
+        if isinstance(prompt, TextPrompt):
+            if not isinstance(prompt.text, str):
+                raise InvalidRequestError(TEXT_FIELD, f"must be a string, got {type(prompt.text).__name__}")
+            ids = self.encoder.encode(prompt.text, prompt.add_special_tokens) if prompt.text else []
+            field = TEXT_FIELD
+        elif isinstance(prompt, ChatPrompt):
+            messages = check_messages(prompt.messages, "messages")
+            text = self.encoder.render_chat(messages, prompt.options)
+            ids, field = self.encoder.encode(text, prompt.add_special_tokens), CHAT_FIELD
+        else:
+            ids, field = list(prompt.token_ids), TOKENS_FIELD
+            self._check_ids(ids)
+        if not ids:
+            raise InvalidRequestError(field, "the prompt is empty")
+        return ids, field
+
+    def _check_ids(self, ids: list[int]) -> None:
+        vocab = self.limits.vocab_size
+        for i, token in enumerate(ids):
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+                raise InvalidRequestError(f"{TOKENS_FIELD}[{i}]",
+                                          f"token id {token} is outside the vocabulary (size {vocab})")
+
+    def _truncate(self, ids: list[int], keep: int | None) -> tuple[list[int], bool]:
+        if keep is None:
+            return ids, False
+        if keep == TRUNCATE_TO_CONTEXT:
+            keep = self.limits.max_model_len - 1
+        if keep < 1:
+            raise InvalidRequestError("truncate_prompt_tokens",
+                                      f"must be >= 1 (or {TRUNCATE_TO_CONTEXT}: as many as fit), got {keep}")
+        return ids[-keep:], len(ids) > keep
+
+    def _fit(self, request: GenerationRequest, prompt_len: int) -> SamplingParams:
+        """An unset or default max_tokens shrinks to the room the prompt leaves; a client's must fit."""
+        params, context = request.params, self.limits.max_model_len
+        room = context - prompt_len
+        wanted = params.max_tokens
+        if wanted is None or (request.max_tokens_is_default and wanted > room):
+            params = params.with_max_tokens(room)
+        elif wanted > room:
+            raise InvalidRequestError("max_tokens", f"{wanted} new tokens after a {prompt_len}-token prompt exceed "
+                                      f"the model's context of {context} tokens (at most {room})")
+        total = prompt_len + params.max_tokens
+        if total > self.limits.kv_cache_tokens:
+            raise CapacityError("max_tokens", f"prompt + max_tokens = {total} tokens needs more than the whole KV "
+                                f"cache ({self.limits.kv_cache_tokens} tokens)")
+        return params
+
+
+@contextmanager
+def renamed(rename: Callable[[str], str]) -> Iterator[None]:
+    """Re-raises a request error under the name the front end's client knows (the class, and so the status, stays)."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        field = rename(exc.field)
+        if field == exc.field:
+            raise
+        raise type(exc)(field, exc.message) from None
+
+
+def field_map(names: dict[str, str]) -> Callable[[str], str]:
+    """A renamer from {admission or SamplingParams field: front-end path}; `name[3].x` follows `name`."""
+
+    def rename(field: str) -> str:
+        head, rest = _split(field)
+        return names[head] + rest if head in names else field
+
+    return rename
+
+
+def _split(field: str) -> tuple[str, str]:
+    cut = min((i for i in (field.find("["), field.find(".")) if i >= 0), default=len(field))
+    return field[:cut], field[cut:]

@@ -1,0 +1,207 @@
+"""One request, checked once: every front end (offline, pagedserve.v1, OpenAI HTTP, vllm.grpc.engine) admits a
+request through engine/admission.py exactly once, tokenizes its prompt once, and nothing downstream checks it again.
+
+The servers here are the real ones (grpc.aio with both servicers, uvicorn with the OpenAI app) on 127.0.0.1 in this
+process, over a tiny random Llama, so the checks can be counted by wrapping the real functions."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+from collections.abc import Awaitable, Callable
+
+import grpc
+import pytest
+from chat_templates import QWEN2
+from conftest import make_tiny_model
+from grpc_health.v1._async import HealthServicer
+from service_fixtures import off_main_thread
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vgrpc
+
+from pagedserve.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+from pagedserve.engine.admission import (
+    TRUNCATE_TO_CONTEXT, Admission, ChatPrompt, GenerationRequest, ModelLimits, TextPrompt, TokensPrompt,
+)
+from pagedserve.engine.chat_template import ChatMessage
+from pagedserve.engine.errors import CapacityError, InvalidRequestError
+from pagedserve.engine.tokenizer import Tokenizer
+from pagedserve.service.http_server import HttpServer
+from pagedserve.service.lifecycle import ServingState
+from pagedserve.service.metrics import ServiceMetrics
+from pagedserve.service.servicer import GenerationServicer
+from pagedserve.service.vllm_servicer import VllmEngineServicer
+from pagedserve.v1 import generate_pb2 as pb
+from pagedserve.v1 import generation_service_pb2_grpc
+
+CONTEXT = 128
+NEW_TOKENS = 4
+MAX_BYTES = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory) -> LLMEngine:
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny-admission"))
+    config = EngineConfig(model=str(path), dtype="float32", max_model_len=CONTEXT, kv_cache_memory=4 << 20)
+    return off_main_thread(LLMEngine, config)
+
+
+@pytest.fixture
+def checks(monkeypatch) -> dict[str, int]:
+    """Counts the real admission, vocabulary check and prompt tokenization, wherever they are called from."""
+    counts = {"admit": 0, "check_vocab": 0, "encode": 0}
+    for owner, name in ((Admission, "admit"), (SamplingParams, "check_vocab"), (Tokenizer, "encode")):
+        monkeypatch.setattr(owner, name, _counting(getattr(owner, name), counts, name))
+    return counts
+
+
+def _counting(fn: Callable, counts: dict[str, int], key: str) -> Callable:
+    def counted(*args, **kwargs):
+        counts[key] += 1
+        return fn(*args, **kwargs)
+
+    return counted
+
+
+async def _serve(engine: LLMEngine, call: Callable[[int, int], Awaitable[int]]) -> int:
+    """Both gRPC services and the OpenAI app on one AsyncEngine, as `pagedserve serve` wires them; returns what
+    `call(grpc_port, http_port)` returns (the number of tokens it got back)."""
+    front = AsyncEngine(engine.config, engine=engine)
+    await front.start()
+    state = ServingState(HealthServicer())
+    metrics = ServiceMetrics("tiny", front.stats)
+    servicer = GenerationServicer(state, metrics, MAX_BYTES, "tiny")
+    servicer.attach(front)
+    router = VllmEngineServicer(state, metrics, MAX_BYTES, "tiny")
+    router.attach(front)
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((servicer.rpc_handler(), router.rpc_handler()))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    http = HttpServer(servicer, "127.0.0.1", 0, MAX_BYTES)
+    await http.start()
+    await state.mark_serving()
+    try:
+        return await call(port, http.port)
+    finally:
+        await http.stop()
+        await server.stop(None)
+        await front.shutdown()
+
+
+async def _v1(port: int, _: int, request: pb.GenerateRequest) -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        frames = [f async for f in generation_service_pb2_grpc.GenerationServiceStub(channel).Generate(request)]
+    return frames[-1].final.usage.completion_tokens
+
+
+async def _router(port: int, _: int, request: vpb.GenerateRequest) -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        replies = [r async for r in vgrpc.VllmEngineStub(channel).Generate(request)]
+    return replies[-1].complete.completion_tokens
+
+
+async def _openai(_: int, http_port: int, path: str, body: dict) -> int:
+    def post() -> tuple[int, dict]:
+        conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=120)
+        try:
+            conn.request("POST", path, json.dumps(body).encode(), {"content-type": "application/json"})
+            response = conn.getresponse()
+            return response.status, json.loads(response.read())
+        finally:
+            conn.close()
+
+    status, reply = await asyncio.to_thread(post)
+    assert status == 200, reply
+    return reply["usage"]["completion_tokens"]
+
+
+STOPPING = pb.StoppingOptions(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+GREEDY = pb.SamplingOptions(temperature=0)
+ROUTER_SAMPLING = vpb.SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+USER = [{"role": "user", "content": "Hello there"}]
+FRONT_ENDS = {
+    "v1-text": lambda p, h: _v1(p, h, pb.GenerateRequest(text="Hello there", sampling=GREEDY, stopping=STOPPING)),
+    "v1-chat": lambda p, h: _v1(p, h, pb.GenerateRequest(
+        chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="Hello there")], chat_template=QWEN2),
+        sampling=GREEDY, stopping=STOPPING)),
+    "openai-completions": lambda p, h: _openai(p, h, "/v1/completions", {
+        "prompt": "Hello there", "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}),
+    "openai-chat": lambda p, h: _openai(p, h, "/v1/chat/completions", {
+        "messages": USER, "chat_template": QWEN2, "max_tokens": NEW_TOKENS, "temperature": 0,
+        "ignore_eos": True}),
+    "vllm-router": lambda p, h: _router(p, h, vpb.GenerateRequest(
+        request_id="once", text="Hello there", sampling_params=ROUTER_SAMPLING)),
+}
+
+
+@pytest.mark.parametrize("front_end", list(FRONT_ENDS))
+def test_each_front_end_admits_a_request_once(tiny_engine, checks, front_end):
+    tokens = asyncio.run(_serve(tiny_engine, FRONT_ENDS[front_end]))
+    assert tokens == NEW_TOKENS
+    assert checks == {"admit": 1, "check_vocab": 1, "encode": 1}, checks
+    assert not tiny_engine.has_unfinished_requests() and tiny_engine.block_manager.num_used_blocks == 0
+
+
+def test_the_offline_api_admits_once_and_the_engine_never_again(tiny_engine, checks):
+    tiny_engine.add_request("offline", "Hello there", SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                                                      ignore_eos=True))
+    assert checks == {"admit": 1, "check_vocab": 1, "encode": 1}
+    outputs = []
+    while tiny_engine.has_unfinished_requests():
+        outputs += tiny_engine.step()
+    assert checks == {"admit": 1, "check_vocab": 1, "encode": 1}
+    assert sum(len(c.new_token_ids) for o in outputs for c in o.outputs) == NEW_TOKENS
+    assert outputs[-1].outputs[0].token_ids == tuple(t for o in outputs for t in o.outputs[0].new_token_ids)
+
+
+# --- the rules themselves ---------------------------------------------------------------------------------------
+
+
+def _admit(engine: LLMEngine, prompt, **kw) -> object:
+    params = kw.pop("params", SamplingParams(temperature=0))
+    return engine.admission.admit(GenerationRequest(prompt, params, **kw))
+
+
+def test_defaults_fit_the_context_and_a_clients_max_tokens_must(tiny_engine):
+    prompt = TokensPrompt(tuple(range(10, 10 + CONTEXT - 5)))  # leaves room for 5 new tokens
+    assert _admit(tiny_engine, prompt, params=SamplingParams(max_tokens=None)).params.max_tokens == 5
+    default = _admit(tiny_engine, prompt, params=SamplingParams(max_tokens=16, min_tokens=8),
+                     max_tokens_is_default=True)
+    assert (default.params.max_tokens, default.params.min_tokens) == (5, 5)
+    with pytest.raises(InvalidRequestError) as info:
+        _admit(tiny_engine, prompt, params=SamplingParams(max_tokens=16))
+    assert info.value.field == "max_tokens" and "at most 5" in info.value.message
+
+
+def test_truncation_keeps_the_tail(tiny_engine):
+    ids = tuple(range(10, 10 + 2 * CONTEXT))
+    kept = _admit(tiny_engine, TokensPrompt(ids), truncate_prompt_tokens=7)
+    assert kept.prompt_token_ids == ids[-7:] and kept.truncated
+    fitted = _admit(tiny_engine, TokensPrompt(ids), truncate_prompt_tokens=TRUNCATE_TO_CONTEXT,
+                    params=SamplingParams(max_tokens=None))
+    assert len(fitted.prompt_token_ids) == CONTEXT - 1 and fitted.params.max_tokens == 1
+    with pytest.raises(InvalidRequestError) as info:
+        _admit(tiny_engine, TokensPrompt(ids), truncate_prompt_tokens=0)
+    assert info.value.field == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize(("prompt", "field", "fragment"), [
+    (TextPrompt(""), "prompt", "empty"),
+    (TokensPrompt(()), "prompt_token_ids", "empty"),
+    (TokensPrompt((1, 49152)), "prompt_token_ids[1]", "vocabulary"),
+    (TokensPrompt((5,) * CONTEXT), "prompt_token_ids", f"context is {CONTEXT}"),
+    (ChatPrompt((ChatMessage("wizard", "x"),)), "messages[0].role", "unknown role"),
+])
+def test_prompt_errors_name_the_field(tiny_engine, prompt, field, fragment):
+    with pytest.raises(InvalidRequestError) as info:
+        _admit(tiny_engine, prompt)
+    assert info.value.field == field and fragment in info.value.message
+
+
+def test_a_request_larger_than_the_kv_cache_is_a_capacity_error(tiny_engine):
+    small = Admission(ModelLimits(tiny_engine.runner.vocab_size, CONTEXT, 32), tiny_engine.tokenizer)
+    with pytest.raises(CapacityError) as info:
+        small.admit(GenerationRequest(TokensPrompt((5,) * 30), SamplingParams(max_tokens=10)))
+    assert info.value.field == "max_tokens" and "KV cache" in info.value.message
