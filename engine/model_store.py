@@ -26,8 +26,14 @@ TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 @dataclass(frozen=True, slots=True)
 class ModelSource:
     weights: Path  # an HF folder or a .gguf file
-    tokenizer_dir: Path  # HF tokenizer files: the folder itself, --tokenizer, or the GGUF's exported vocabulary
     name: str  # for messages and the default served name
+    tokenizer: Path | None  # HF tokenizer files (the HF folder itself or --tokenizer); None: the GGUF's vocabulary
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        """The folder of HF tokenizer files; a GGUF's is exported on first use (after its weights were checked,
+        so a file of an unsupported architecture or type fails with that, not with a tokenizer error)."""
+        return self.tokenizer if self.tokenizer is not None else gguf_tokenizer_dir(self.weights)
 
 
 def _smollm2_gguf() -> Path:
@@ -100,15 +106,15 @@ def _source(weights: Path, name: str, tokenizer: str | None) -> ModelSource:
         folder = Path(tokenizer).expanduser()
         if not _has_tokenizer(folder):
             raise ModelLoadError(f"tokenizer: {folder} has none of {', '.join(TOKENIZER_SOURCES)}")
-        return ModelSource(weights, folder, name)
+        return ModelSource(weights, name, folder)
     if weights.is_file():
-        return ModelSource(weights, gguf_tokenizer_dir(weights), name)
+        return ModelSource(weights, name, None)
     if not _has_tokenizer(weights):
         # Quantization tools (AutoGPTQ, AutoAWQ) often save the weights alone; transformers' own error for such a
         # folder blames a missing sentencepiece/tiktoken install.
         raise ModelLoadError(f"model: {weights} has no tokenizer (none of {', '.join(TOKENIZER_SOURCES)}); "
                              "pass --tokenizer DIR with the base model's tokenizer files")
-    return ModelSource(weights, weights, name)
+    return ModelSource(weights, name, weights)
 
 
 def _has_tokenizer(folder: Path) -> bool:
