@@ -19,7 +19,7 @@ from pagedserve.engine.model_store import gemma3_270m_gguf, resolve_model
 from pagedserve.engine.tokenizer import Tokenizer
 
 # Fields that name where a config came from rather than what the model is.
-_PROVENANCE = {"_name_or_path", "architectures", "dtype", "transformers_version"}
+_PROVENANCE = {"_name_or_path", "_model_name_or_path", "architectures", "dtype", "transformers_version"}
 
 
 def _hf_config(path) -> dict:
