@@ -100,7 +100,10 @@ def _rope_scaling(arch_name: str, metadata: Mapping[str, Any]) -> dict[str, Any]
         return None
     if kind != "linear":
         raise ModelLoadError(f"{arch_name}.rope.scaling.type: {kind!r} unsupported in GGUF files; supported: linear")
-    return {"rope_type": "linear", "factor": float(metadata[f"{arch_name}.rope.scaling.factor"])}
+    factor = metadata.get(f"{arch_name}.rope.scaling.factor")
+    if factor is None:
+        raise ModelLoadError(f"{arch_name}.rope.scaling.factor: missing for rope.scaling.type linear")
+    return {"rope_type": "linear", "factor": float(factor)}
 
 
 def hf_tensor(arch: GgufArch, name: str, values: torch.Tensor, config: Mapping[str, Any]) -> tuple[str, torch.Tensor]:

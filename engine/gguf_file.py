@@ -65,8 +65,10 @@ class GgufFile:
                 values = dequantize(tensor.data, tensor.tensor_type)
             except Exception as exc:  # a short file or a broken block surfaces here
                 raise ModelLoadError(f"{self.path}: tensor {tensor.name}: cannot dequantize ({exc})") from None
-            # F32 comes back as a read-only view of the memory map: copy it so torch owns writable memory.
-            yield tensor.name, torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
+            values = np.asarray(values, dtype=np.float32)
+            if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map
+                values = values.copy()
+            yield tensor.name, torch.from_numpy(values)
 
 
 def _value(key: str, field: Any) -> Any:

@@ -7,7 +7,6 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoConfig
 
 from conftest import hf_from_gguf
 from gguf_fixtures import write_tiny_llama
@@ -18,12 +17,15 @@ from pagedserve.engine.gguf_file import GgufFile
 from pagedserve.engine.model_store import gemma3_270m_gguf, resolve_model
 from pagedserve.engine.tokenizer import Tokenizer
 
-# Fields that name where a config came from rather than what the model is.
-_PROVENANCE = {"_name_or_path", "_model_name_or_path", "architectures", "dtype", "transformers_version"}
+# Fields that name where a config came from (or how transformers loaded it) rather than what the model is.
+_PROVENANCE = {"_name_or_path", "_model_name_or_path", "architectures", "dtype", "transformers_version",
+               "quantization_config"}
 
 
-def _hf_config(path) -> dict:
-    return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+def _assert_config_equal(ours: dict, hf_model) -> None:
+    theirs = hf_model.config.to_dict()
+    assert {k: v for k, v in ours.items() if k not in _PROVENANCE} == \
+        {k: v for k, v in theirs.items() if k not in _PROVENANCE}
 
 
 def _assert_state_dict_equal(checkpoint: GgufCheckpoint, hf_model) -> None:
@@ -86,11 +88,9 @@ def test_default_model_is_its_gguf_served_directly(default_model):
     assert default_model.weights.suffix == ".gguf" and default_model.name == "SmolLM2-135M-Instruct"
 
 
-def test_default_model_config_equals_transformers(default_model):
+def test_default_model_config_equals_transformers(default_model, hf_reference):
     ours = GgufCheckpoint(default_model.weights).hf_config
-    theirs = _hf_config(default_model.weights)
-    assert {k: v for k, v in ours.items() if k not in _PROVENANCE} == \
-        {k: v for k, v in theirs.items() if k not in _PROVENANCE}
+    _assert_config_equal(ours, hf_reference[0])
     assert ours["architectures"] == ["LlamaForCausalLM"] and ours["dtype"] == "float32"
 
 
@@ -123,27 +123,26 @@ def test_default_model_tokenizer_and_chat_template_come_from_the_gguf(default_mo
 @pytest.fixture(scope="module")
 def gemma3():
     path = gemma3_270m_gguf()
-    return path, GgufCheckpoint(path)
+    return path, GgufCheckpoint(path), hf_from_gguf(path)
 
 
 def test_gemma3_is_assembled_once_into_the_cache(gemma3):
-    path, _ = gemma3
+    path, _, _ = gemma3
     mtime = path.stat().st_mtime_ns
     assert gemma3_270m_gguf() == path and path.stat().st_mtime_ns == mtime
     assert resolve_model("gemma-3-270m").weights == path
 
 
 def test_gemma3_config_equals_transformers(gemma3):
-    path, checkpoint = gemma3
-    ours, theirs = checkpoint.hf_config, _hf_config(path)
-    assert {k: v for k, v in ours.items() if k not in _PROVENANCE} == \
-        {k: v for k, v in theirs.items() if k not in _PROVENANCE}
+    _, checkpoint, hf_model = gemma3
+    ours = checkpoint.hf_config
+    _assert_config_equal(ours, hf_model)
     assert ours["architectures"] == ["Gemma3ForCausalLM"] and ours["model_type"] == "gemma3_text"
     assert ours["sliding_window"] == 512 and ours["head_dim"] == 256 and ours["tie_word_embeddings"]
 
 
 def test_gemma3_tensors_equal_transformers(gemma3):
     """Norms come back as HF's w (llama.cpp stores 1 + w); Q4_K, Q5_0, Q6_K and Q8_0 all dequantized by gguf."""
-    path, checkpoint = gemma3
+    _, checkpoint, hf_model = gemma3
     assert {"Q4_K", "Q5_0", "Q6_K", "Q8_0"} <= set(checkpoint.file.type_counts())
-    _assert_state_dict_equal(checkpoint, hf_from_gguf(path))
+    _assert_state_dict_equal(checkpoint, hf_model)
