@@ -4,9 +4,8 @@
    so it is available offline) with the KV cache in fp32 / fp16 / fp8_e4m3 / fp8_e5m2. Each window of
    --window tokens is one prefill whose attention reads K/V back from the (quantized) cache, exactly as decode
    steps do, so every position's logits see fp8 K/V. FP8 scales are calibrated the way the engine does it:
-   over the first 512 tokens it writes (here a 44-token chat prompt, then the first window), with K rotated by a
+   on the first prefill it serves (here a 44-token chat prompt, the realistic worst case), with K rotated by a
    Hadamard matrix (the engine's default); for e4m3 also without the rotation, and with neither (scales 1.0).
-   `spread`: the same e4m3 perplexity after six different first prefills (the scales must not depend on them).
 2. Greedy agreement with the fp16-KV run over a prompt set (chat template, --max-tokens new tokens each):
    teacher-forced (does this cache dtype pick the same next token as fp16 did, given fp16's history: the
    per-token agreement), and free-running (position-wise share of identical tokens; one early flip makes the
@@ -108,40 +107,6 @@ def perplexity_rows(args) -> list[dict]:
     return rows
 
 
-# First prefills of different lengths and kinds: the scales must not depend on which one the server sees first.
-FIRST_BATCHES = {
-    "chat, 3 words": ("chat", "Hi there!"),
-    "chat, 44 tokens": ("chat", CALIBRATION_CHAT),
-    "chat, code question": ("chat", "Fix this: def add(a, b): return a - b"),
-    "plain text, 6 tokens": ("text", "The quick brown fox jumps over"),
-    "plain text, 512 tokens": ("manual", ""),
-    "digits 0-31": ("text", " ".join(str(i) for i in range(32))),
-}
-
-
-def spread_rows(args) -> list[dict]:
-    """e4m3 (default setup) calibrated on each first prefill of FIRST_BATCHES, then the same perplexity windows."""
-    probe = make_engine("fp32", 64 << 20)
-    text = probe.tokenizer.encode(english_text(), add_special_tokens=False)
-    windows = [text[(i + 1) * args.window : (i + 2) * args.window] for i in range(args.windows)]
-    reference = perplexity(make_engine("fp16", 64 << 20), windows, None)
-    rows = [{"first_batch": "- (fp16 KV cache: the reference)", "first_tokens": 0, "perplexity": reference}]
-    for name, (kind, content) in FIRST_BATCHES.items():
-        if kind == "chat":
-            first = probe.tokenizer.apply_chat_template([{"role": "user", "content": content}])
-        else:
-            first = text[: args.window] if kind == "manual" else probe.tokenizer.encode(content)
-        engine = make_engine("fp8_e4m3", 64 << 20)
-        ppl = perplexity(engine, windows, first)
-        k = torch.cat([layer.k_scale for layer in engine.runner.kv_cache.layers])
-        v = torch.cat([layer.v_scale for layer in engine.runner.kv_cache.layers])
-        rows.append({"first_batch": name, "first_tokens": len(first), "perplexity": ppl,
-                     "vs_fp16_pct": 100.0 * (ppl / reference - 1.0),
-                     "k_scale_log2_mean": k.log2().mean().item(), "v_scale_log2_mean": v.log2().mean().item()})
-        print(f"spread {name:24} {len(first):4} tokens  ppl {ppl:.4f}", flush=True)
-    return rows
-
-
 def forced_agreement(engine: LLMEngine, prompts: list[list[int]], references: list[tuple[int, ...]]) -> float:
     """Share of positions where this engine's argmax equals the reference's greedy token, given the reference's
     own history (teacher forcing): one flip does not drag every later position along."""
@@ -192,7 +157,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--capacity-memory", type=int, default=1 << 30)
-    parser.add_argument("--skip", nargs="*", default=(), choices=["perplexity", "agreement", "capacity", "spread"])
+    parser.add_argument("--skip", nargs="*", default=(), choices=["perplexity", "agreement", "capacity"])
     parser.add_argument("--json")
     args = parser.parse_args()
     result = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads()}
@@ -201,8 +166,6 @@ def main() -> None:
         print(json.dumps(result["capacity"], indent=1), flush=True)
     if "perplexity" not in args.skip:
         result["perplexity"] = perplexity_rows(args)
-    if "spread" not in args.skip:
-        result["spread"] = spread_rows(args)
     if "agreement" not in args.skip:
         result["agreement"] = agreement_rows(args)
         print(json.dumps(result["agreement"], indent=1))
