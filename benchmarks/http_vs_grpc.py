@@ -42,9 +42,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    from pagedserve.engine.model_store import resolve_model
+    from hf_folder import hf_folder
 
-    model_dir = str(resolve_model(args.model))
+    model_dir = str(hf_folder(args.model))
     config = QUICK if args.quick else workload_config_from_args(args)
     workload = build_workload(config)
     server = servers.start_pagedserve(model_dir, args.dtype, args.log_dir, args.threads, http=True)

@@ -33,7 +33,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagedserve.engine.model_store import ensure_default_model
+from pagedserve.engine.model_store import resolve_model
 
 MODEL = "SmolLM2-135M-Instruct"
 CONFIGS = (("cache_aware", 2), ("round_robin", 2), ("cache_aware", 1))
@@ -78,7 +78,7 @@ def start_smg(policy: str, ports: list[int], workdir: Path) -> tuple[subprocess.
     beside = Path(sys.executable).parent / "smg"
     binary = str(beside) if beside.exists() else shutil.which("smg") or "smg"
     cmd = [binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-           "--worker-urls", *[f"grpc://127.0.0.1:{p}" for p in ports], "--model-path", str(ensure_default_model()),
+           "--worker-urls", *[f"grpc://127.0.0.1:{p}" for p in ports], "--model-path", str(resolve_model(None).tokenizer_dir),
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"]
     proc = subprocess.Popen(cmd, stdout=open(workdir / "smg.log", "wb"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"

@@ -85,9 +85,9 @@ def add_roofline(section: dict, flops: float, peaks: dict[str, float], dtype: st
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    from pagedserve.engine.model_store import resolve_model
+    from hf_folder import hf_folder
 
-    model_dir = str(resolve_model(args.model))
+    model_dir = str(hf_folder(args.model))  # the transformers baselines read HF folders only
     config = QUICK if args.quick else workload_config_from_args(args)
     repeats = 1 if args.quick else args.repeats
     workload = build_workload(config)

@@ -41,6 +41,7 @@ def parse_dtype(name: str) -> torch.dtype | None:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # None: the embedded default model
+    tokenizer: str | None = None  # a folder of HF tokenizer files, for checkpoints saved without one
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY  # bytes for K and V blocks of all layers
@@ -79,6 +80,8 @@ class EngineConfig:
             raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError("device", f"must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.tokenizer is not None and not Path(self.tokenizer).expanduser().is_dir():
+            raise ConfigError("tokenizer", f"not a folder: {self.tokenizer}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ConfigError("chat_template", f"file not found: {self.chat_template}")
         for name in ("attention_backend", "layer_ops"):

@@ -54,11 +54,11 @@ class LLMEngine:
             keep_freed_memory()
         elif config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.model_dir = resolve_model(config.model)
+        self.source = resolve_model(config.model, config.tokenizer)
         override = read_template_file(config.chat_template) if config.chat_template else None  # fail before loading
-        self.loaded = load_model(self.model_dir, config.torch_dtype, config.quantization, self.device)
+        self.loaded = load_model(self.source.weights, config.torch_dtype, config.quantization, self.device)
         self.runner = ModelRunner(self.loaded, config, self.device)
-        self.tokenizer = Tokenizer(self.model_dir, self.runner.vocab_size, override)
+        self.tokenizer = Tokenizer(self.source.tokenizer_dir, self.runner.vocab_size, override, self.source.name)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching, self.runner.kv_window
@@ -189,6 +189,9 @@ class LLMEngine:
             vocab_size=self.runner.vocab_size,
             eos_token_ids=tuple(sorted(self.tokenizer.eos_token_ids)),
             num_kv_blocks=self.block_manager.num_blocks,
+            model_path=str(self.source.weights),
+            tokenizer_path=str(self.source.tokenizer_dir),
+            model_type=str(self.loaded.hf_config.get("model_type", "")),
         )
 
     def stats(self) -> EngineStats:

@@ -1,19 +1,21 @@
-"""Build a model from a local HF folder: config -> architecture + quant method -> safetensors weights by name."""
+"""Build a model from a local HF folder or a GGUF file: config -> architecture + quant method -> weights by name."""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from pagedserve.engine.cpu_features import native_bf16_flags
 from pagedserve.engine.errors import ModelLoadError
+from pagedserve.engine.gguf_checkpoint import GgufCheckpoint
 from pagedserve.engine.models.registry import model_class_for
 from pagedserve.quant.base import QuantConfig, QuantConfigError
 from pagedserve.quant.linear import QuantLinear
@@ -30,7 +32,7 @@ _KV_OUTPUT_SCALES = ("k_proj.output_scale", "v_proj.output_scale")  # older llm-
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     model: nn.Module
-    model_dir: Path
+    path: Path  # the HF folder or the .gguf file
     hf_config: dict[str, Any]
     dtype: torch.dtype
     quant: QuantConfig
@@ -65,45 +67,59 @@ def resolve_dtype(
     return dtype
 
 
-def load_model(
-    model_dir: Path, dtype: torch.dtype | None, quantization: str | None, device: torch.device
-) -> LoadedModel:
-    hf_config = read_hf_config(model_dir)
+def is_gguf(path: Path) -> bool:
+    return path.suffix.lower() == ".gguf" and path.is_file()
+
+
+def load_model(path: Path, dtype: torch.dtype | None, quantization: str | None, device: torch.device) -> LoadedModel:
+    """`path`: an HF folder (config.json + *.safetensors) or a .gguf file (dequantized once at load)."""
+    gguf = GgufCheckpoint(path) if is_gguf(path) else None
+    hf_config = gguf.hf_config if gguf else read_hf_config(path)
     factory = model_class_for(hf_config)
     try:
-        quant = quant_config_for(hf_config, quantization, model_dir)
+        # A GGUF's weights arrive dequantized (no method to name), and side files beside it are not its own.
+        quant = quant_config_for(hf_config, quantization, None if gguf else path)
     except QuantConfigError as exc:
         raise ModelLoadError(str(exc)) from None
     cpu_bf16 = native_bf16_flags() if device.type == "cpu" and dtype is None else ()
     compute_dtype = resolve_dtype(hf_config, dtype, device, cpu_bf16)
     with torch.device(device):
         model = factory(hf_config, quant, compute_dtype)
-    kv_scales = _load_weights(model, model_dir)
+    kv_scales = _load_weights(model, gguf.tensors(compute_dtype) if gguf else _safetensors(path))
     model.fuse_projections()
     _process_linear_layers(model)
     model.eval()
-    logger.info("loaded %s (%s, %s, quantization=%s)", model_dir, type(model).__name__, compute_dtype, quant.describe())
-    return LoadedModel(model, model_dir, hf_config, compute_dtype, quant, kv_scales)
+    logger.info("loaded %s (%s, %s, quantization=%s)", path, type(model).__name__, compute_dtype, quant.describe())
+    return LoadedModel(model, path, hf_config, compute_dtype, quant, kv_scales)
 
 
-def _load_weights(model: nn.Module, model_dir: Path) -> dict[str, torch.Tensor]:
+def _safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{model_dir}: no *.safetensors files")
+    for path in files:
+        # A truncated or corrupt file fails at open or at the first tensor past its end: either way, name it.
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"{path}: unreadable safetensors file ({exc})") from None
+
+
+def _load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     modules = dict(model.named_modules())
     tied = getattr(model, "lm_head", 1) is None
     expected = {name for name, _ in model.named_parameters()}
     loaded: set[str] = set()
     kv_scales: dict[str, torch.Tensor] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                if key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
-                    continue
-                if key.rsplit(".", 1)[-1] in _KV_SCALE_SUFFIXES or key.endswith(_KV_OUTPUT_SCALES):
-                    kv_scales[key] = f.get_tensor(key)
-                    continue
-                _load_one(modules, key, f.get_tensor(key), loaded)
+    for key, tensor in tensors:
+        if key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
+            continue
+        if key.rsplit(".", 1)[-1] in _KV_SCALE_SUFFIXES or key.endswith(_KV_OUTPUT_SCALES):
+            kv_scales[key] = tensor
+            continue
+        _load_one(modules, key, tensor, loaded)
     _check_complete(model, expected, loaded)
     return kv_scales
 

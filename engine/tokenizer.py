@@ -14,22 +14,23 @@ _CONTEXT_TOKENS = 5
 
 
 class Tokenizer:
-    def __init__(self, model_dir: Path, vocab_size: int, chat_template: str | None = None):
-        """chat_template: replaces the model's own template (the text of `--chat-template FILE`)."""
+    def __init__(self, folder: Path, vocab_size: int, chat_template: str | None = None, name: str | None = None):
+        """folder: HF tokenizer files (a model folder, --tokenizer, or a GGUF's exported vocabulary);
+        chat_template: replaces the model's own template (the text of `--chat-template FILE`)."""
         from transformers import AutoTokenizer
 
         try:
-            self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+            self.hf = AutoTokenizer.from_pretrained(str(folder))
         except Exception as exc:  # transformers raises many types for a broken folder
-            raise ModelLoadError(f"tokenizer in {model_dir}: {exc}") from None
+            raise ModelLoadError(f"tokenizer in {folder}: {exc}") from None
         self.backend = self.hf.backend_tokenizer
         self.vocab_size = vocab_size
-        self.eos_token_ids = frozenset(self._eos_ids(model_dir))
-        self.chat = ChatTemplate(self.hf, model_dir.name, chat_template)
+        self.eos_token_ids = frozenset(self._eos_ids(folder))
+        self.chat = ChatTemplate(self.hf, name or folder.name, chat_template)
 
-    def _eos_ids(self, model_dir: Path) -> set[int]:
+    def _eos_ids(self, folder: Path) -> set[int]:
         ids = {self.hf.eos_token_id} if self.hf.eos_token_id is not None else set()
-        gen = model_dir / "generation_config.json"
+        gen = folder / "generation_config.json"
         if gen.is_file():
             eos = json.loads(gen.read_text()).get("eos_token_id")
             ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])

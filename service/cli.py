@@ -19,7 +19,10 @@ from pagedserve.service.config import ServerConfig, TlsConfig
 
 # Help for EngineConfig fields; every field becomes a flag (a new field shows up without touching this file).
 _ENGINE_HELP = {
-    "model": "HF model folder (safetensors); default: the bundled SmolLM2-135M-Instruct",
+    "model": "HF folder (safetensors), .gguf file (or a folder holding one), or an embedded model "
+             "(SmolLM2-135M-Instruct, gemma-3-270m); default: the bundled SmolLM2-135M-Instruct GGUF",
+    "tokenizer": "folder with the HF tokenizer files to use instead of the model's (for checkpoints saved "
+                 "without one, as AutoGPTQ/AutoAWQ write them)",
     "dtype": "compute dtype: auto (bfloat16 on CPUs with native bf16, else the checkpoint's), float32, bfloat16, float16",
     "kv_cache_dtype": "KV-cache dtype (auto: the model's)",
     "kv_cache_memory": "KV-cache memory budget, bytes or with a unit (512MiB, 2GiB)",

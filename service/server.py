@@ -46,7 +46,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     stop = _StopSignals(host)
     health = HealthServicer()
     state = ServingState(health)
-    name = config.served_model_name or (Path(engine_config.model).name if engine_config.model else DEFAULT_MODEL_NAME)
+    name = config.served_model_name or (Path(engine_config.model).name.removesuffix(".gguf") if engine_config.model else DEFAULT_MODEL_NAME)
     metrics = ServiceMetrics(name, lambda: servicer.stats())
     servicer = GenerationServicer(state, metrics, config.max_message_bytes, name)
     server = grpc.aio.server(options=config.grpc_options())

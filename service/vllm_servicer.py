@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
 
 import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as vpb
 
-from pagedserve.engine.model_store import resolve_model
 from pagedserve.engine.request_id import check_request_id
 from pagedserve.service import rpc_status
 from pagedserve.engine.outputs import RequestOutput
@@ -126,7 +126,7 @@ class VllmEngineServicer:
         parse_request(raw, common_pb2.GetTokenizerRequest, self.max_message_bytes)
         self.state.check_ready()
         if self._tokenizer is None:
-            folder = resolve_model(self.engine.config.model)
+            folder = Path(self.engine.describe().tokenizer_path)
             self._tokenizer = await asyncio.to_thread(bundle, folder)
         chunks = self._tokenizer.chunks()
         for i, data in enumerate(chunks):
@@ -154,12 +154,11 @@ class VllmEngineServicer:
         parse_request(raw, vpb.GetModelInfoRequest, self.max_message_bytes)
         self.state.check_ready()
         model = self.engine.describe()
-        folder = str(resolve_model(self.engine.config.model))
         hf = self.engine.tokenizer.hf
         return vpb.GetModelInfoResponse(
-            model_path=folder, is_generation=True, max_context_length=model.max_model_len,
+            model_path=model.model_path, is_generation=True, max_context_length=model.max_model_len,
             vocab_size=model.vocab_size, supports_vision=False, served_model_name=self.model_name,
-            tokenizer_path=folder, model_type=_model_type(folder), architectures=[model.architecture],
+            tokenizer_path=model.tokenizer_path, model_type=model.model_type, architectures=[model.architecture],
             eos_token_ids=sorted(model.eos_token_ids), pad_token_id=_token_id(hf.pad_token_id),
             bos_token_id=_token_id(hf.bos_token_id), max_req_input_len=model.max_model_len - 1,
             default_sampling_params_json="{}")
@@ -209,14 +208,6 @@ def _unimplemented(method: str, why: str) -> grpc.RpcMethodHandler:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{SERVICE_NAME}/{method}: {why}")
 
     return grpc.unary_unary_rpc_method_handler(handler)
-
-
-def _model_type(folder: str) -> str:
-    try:
-        with open(f"{folder}/config.json") as f:
-            return str(json.load(f).get("model_type", ""))
-    except (OSError, ValueError):
-        return ""
 
 
 def _token_id(value: int | None) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pagedserve.engine.model_store import ensure_default_model
+from pagedserve.engine.model_store import resolve_model
 
 # Llama 3.1 style: system message pulled out, a date from strftime_now, bos_token from the special tokens, trim.
 LLAMA3 = """{{- bos_token }}
@@ -73,7 +73,7 @@ ALTERNATING = """{%- for message in messages %}
 def tokenizer_dir(path: Path, template: str | None, *, as_jinja_file: bool, bos: str | None = None) -> Path:
     """The default model's tokenizer with `template` in chat_template.jinja or in tokenizer_config.json."""
     path.mkdir(parents=True, exist_ok=True)
-    src = ensure_default_model()
+    src = resolve_model(None).tokenizer_dir
     (path / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
     config = json.loads((src / "tokenizer_config.json").read_text())
     if bos is not None:

@@ -15,24 +15,30 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pagedserve.engine.model_store import ensure_default_model
+from pagedserve.engine.model_store import ModelSource, resolve_model
 from service_fixtures import server_factory, shared_server  # noqa: F401  (real server processes)
 
 
 @pytest.fixture(scope="session")
-def default_model_dir() -> Path:
-    return ensure_default_model()
+def default_model() -> ModelSource:
+    """The embedded default: SmolLM2-135M-Instruct's Q4_1 GGUF, served as it is, and its exported tokenizer."""
+    return resolve_model(None)
+
+
+def hf_from_gguf(path: Path):
+    """transformers' own GGUF loader (dequantized, fp32): the oracle for every GGUF test."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
-def hf_reference(default_model_dir):
+def hf_reference(default_model):
     """transformers' own fp32 model and tokenizer for the default model: the oracle for greedy outputs."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32)
-    model.eval()
-    return model, tok
+    tok = AutoTokenizer.from_pretrained(str(default_model.weights.parent), gguf_file=default_model.weights.name)
+    return hf_from_gguf(default_model.weights), tok
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
@@ -64,7 +70,7 @@ def make_tiny_model(tmp_path: Path, architecture: str = "LlamaForCausalLM", seed
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).to(torch.float32)
     model.save_pretrained(tmp_path, safe_serialization=True)
-    src = ensure_default_model()
+    src = resolve_model(None).tokenizer_dir
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((src / name).read_bytes())
     cfg = json.loads((tmp_path / "config.json").read_text())
@@ -73,8 +79,8 @@ def make_tiny_model(tmp_path: Path, architecture: str = "LlamaForCausalLM", seed
 
 
 @pytest.fixture(scope="session")
-def llm_fp32(default_model_dir):
+def llm_fp32(default_model):
     """One shared fp32 engine on the default model (tests must leave it with no request in flight)."""
     from pagedserve.engine import LLM
 
-    return LLM(str(default_model_dir), dtype="float32")
+    return LLM(str(default_model.weights), dtype="float32")

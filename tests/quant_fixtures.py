@@ -121,7 +121,7 @@ def full_logits(
     blocks_per_seq = -(-t // block)
     args = loaded.model.args
     token_bytes = 2 * args.num_layers * args.num_kv_heads * args.head_dim * 4  # K and V, at most fp32
-    config = EngineConfig(model=str(loaded.model_dir), kv_cache_dtype=kv_cache_dtype, block_size=block,
+    config = EngineConfig(model=str(loaded.path), kv_cache_dtype=kv_cache_dtype, block_size=block,
                           kv_cache_memory=(b * blocks_per_seq + 1) * block * token_bytes)
     runner = ModelRunner(loaded, config, torch.device("cpu"))
     assert runner.num_blocks >= b * blocks_per_seq

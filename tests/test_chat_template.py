@@ -14,10 +14,10 @@ VOCAB = 49152
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory, default_model_dir):
+def folders(tmp_path_factory, default_model):
     root = tmp_path_factory.mktemp("chat-templates")
     return {
-        "smollm2": default_model_dir,
+        "smollm2": default_model.tokenizer_dir,
         "llama3": tokenizer_dir(root / "llama3", LLAMA3, as_jinja_file=False, bos="<|begin_of_text|>"),
         "qwen2": tokenizer_dir(root / "qwen2", QWEN2, as_jinja_file=True),
         "none": tokenizer_dir(root / "none", None, as_jinja_file=False),

@@ -37,9 +37,9 @@ def test_aborts_and_finishes_leave_no_block_held(llm_fp32):
     assert_no_blocks_held(engine)
 
 
-def test_request_larger_than_the_kv_cache_is_refused(default_model_dir):
+def test_request_larger_than_the_kv_cache_is_refused(default_model):
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4
-    llm = LLM(str(default_model_dir), dtype="float32", kv_cache_memory=4 * block_bytes)
+    llm = LLM(str(default_model.weights), dtype="float32", kv_cache_memory=4 * block_bytes)
     with pytest.raises(CapacityError) as info:
         llm.generate(["word " * 40], SamplingParams(max_tokens=40))
     assert info.value.field == "max_tokens" and "KV cache" in str(info.value)
@@ -67,8 +67,8 @@ def test_invalid_requests_name_the_field(llm_fp32, prompt, params, field):
     assert not llm_fp32.engine.has_unfinished_requests()
 
 
-def test_over_long_prompt_is_rejected(default_model_dir):
-    llm = LLM(str(default_model_dir), dtype="float32", max_model_len=32)
+def test_over_long_prompt_is_rejected(default_model):
+    llm = LLM(str(default_model.weights), dtype="float32", max_model_len=32)
     with pytest.raises(InvalidRequestError) as info:
         llm.generate([list(range(100, 140))], SamplingParams(max_tokens=1))
     assert info.value.field == "prompt_token_ids" and "32" in str(info.value)

@@ -62,33 +62,33 @@ def _assert_same(ours, theirs):
     assert not mismatched, f"prompts {mismatched} differ from transformers: {[(ours[i], theirs[i]) for i in mismatched]}"
 
 
-def test_all_at_once_matches_transformers(references, default_model_dir):
+def test_all_at_once_matches_transformers(references, default_model):
     ids, expected = references
-    llm = LLM(str(default_model_dir), dtype="float32")
+    llm = LLM(str(default_model.weights), dtype="float32")
     _assert_same(_run(llm, ids), expected)
     stats = llm.engine.stats()
     assert stats.num_free_kv_blocks == stats.num_kv_blocks  # nothing leaked
 
 
-def test_preemption_keeps_outputs(references, default_model_dir):
+def test_preemption_keeps_outputs(references, default_model):
     ids, expected = references
     # 24 blocks of 16 tokens: far less than 22 concurrent sequences need, so the newest get preempted.
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4
-    llm = LLM(str(default_model_dir), dtype="float32", kv_cache_memory=24 * block_bytes)
+    llm = LLM(str(default_model.weights), dtype="float32", kv_cache_memory=24 * block_bytes)
     _assert_same(_run(llm, ids), expected)
     assert llm.engine.stats().num_preemptions > 0
 
 
-def test_chunked_prefill_keeps_outputs(references, default_model_dir):
+def test_chunked_prefill_keeps_outputs(references, default_model):
     ids, expected = references
-    llm = LLM(str(default_model_dir), dtype="float32", max_num_batched_tokens=7, enable_prefix_caching=False)
+    llm = LLM(str(default_model.weights), dtype="float32", max_num_batched_tokens=7, enable_prefix_caching=False)
     assert max(len(p) for p in ids) > 7  # every long prompt is split across steps
     _assert_same(_run(llm, ids), expected)
 
 
-def test_shared_prefix_hits_cache_and_keeps_outputs(prefix_references, default_model_dir):
+def test_shared_prefix_hits_cache_and_keeps_outputs(prefix_references, default_model):
     ids, expected = prefix_references
-    llm = LLM(str(default_model_dir), dtype="float32")
+    llm = LLM(str(default_model.weights), dtype="float32")
     first = _run(llm, ids[:1])  # warms the cache with the shared prefix
     rest = _run(llm, ids[1:])
     _assert_same(first + rest, expected)

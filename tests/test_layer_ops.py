@@ -94,11 +94,11 @@ def test_unsupported_inputs_take_the_torch_ops() -> None:
     assert torch.equal(NATIVE.rms_norm(x, weight, 1e-5), TORCH.rms_norm(x, weight, 1e-5))
 
 
-def test_default_model_bf16_logits_match_the_torch_ops(default_model_dir) -> None:
+def test_default_model_bf16_logits_match_the_torch_ops(default_model) -> None:
     """Every position of two prompts, through all 30 layers: the fused ops change no prediction that isn't a tie."""
     from quant_fixtures import full_logits, load
 
-    loaded = load(default_model_dir, torch.bfloat16)
+    loaded = load(default_model.weights, torch.bfloat16)
     ids = torch.randint(100, 49000, (2, 48), generator=torch.Generator().manual_seed(0))
     torch_logits = full_logits(loaded, ids, layer_ops=TORCH)
     native_logits = full_logits(loaded, ids, layer_ops=NATIVE)

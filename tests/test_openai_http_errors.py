@@ -168,8 +168,8 @@ def small_queue_server(tmp_path_factory) -> ServerProcess:
     server.stop()
 
 
-def test_chat_template_flag_replaces_the_models(small_queue_server, default_model_dir):
-    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
+def test_chat_template_flag_replaces_the_models(small_queue_server, default_model):
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model.tokenizer_dir))
     expected = tokenizer.apply_chat_template(USER, chat_template=QWEN2, add_generation_prompt=True, return_dict=False)
     status, reply = post(small_queue_server.http_port, CHAT, {"messages": USER, "max_tokens": 2})
     assert status == 200 and reply["usage"]["prompt_tokens"] == len(expected), reply

@@ -53,14 +53,14 @@ class Smg:
 
 
 @pytest.fixture(scope="module")
-def smg(replicas, default_model_dir, tmp_path_factory):
+def smg(replicas, default_model, tmp_path_factory):
     beside = Path(sys.executable).parent / "smg"  # the test extra's console script, also when not on PATH
     binary = str(beside) if beside.exists() else shutil.which("smg")
     assert binary, "the smg binary is missing: tests/run.sh installs it with the test extra (smg==1.13.0)"
     port, metrics_port, log_path = free_port(), free_port(), tmp_path_factory.mktemp("smg") / "smg.log"
     cmd = [binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
            "--worker-urls", *[f"grpc://127.0.0.1:{s.port}" for s in replicas],
-           "--model-path", str(default_model_dir), "--prometheus-host", "127.0.0.1",
+           "--model-path", str(default_model.tokenizer_dir), "--prometheus-host", "127.0.0.1",
            "--prometheus-port", str(metrics_port), "--log-level", "info"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -301,7 +301,7 @@ def test_info_loads_and_unimplemented(engine_stub, replicas):
     assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED and "generation models only" in err.value.details()
 
 
-def test_get_tokenizer_streams_the_model_folders_tokenizer_files(engine_stub, default_model_dir):
+def test_get_tokenizer_streams_the_model_folders_tokenizer_files(engine_stub, default_model):
     import hashlib
     import io
     import zipfile
@@ -311,7 +311,7 @@ def test_get_tokenizer_streams_the_model_folders_tokenizer_files(engine_stub, de
     assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest() and not any(c.sha256 for c in chunks[:-1])
     archive = zipfile.ZipFile(io.BytesIO(data))
     assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(archive.namelist())
-    assert archive.read("tokenizer.json") == (default_model_dir / "tokenizer.json").read_bytes()
+    assert archive.read("tokenizer.json") == (default_model.tokenizer_dir / "tokenizer.json").read_bytes()
     assert not any(name.endswith(".safetensors") for name in archive.namelist())
 
 

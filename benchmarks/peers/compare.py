@@ -178,9 +178,9 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     args.out_json = args.out_json or out_dir / ("benchmarks-quick.json" if args.quick else "benchmarks.json")
     args.out_md = args.out_md or out_dir / ("benchmarks-quick.md" if args.quick else "benchmarks.md")
-    from pagedserve.engine.model_store import resolve_model
+    from hf_folder import hf_folder
 
-    model_dir = str(resolve_model(args.model))
+    model_dir = str(hf_folder(args.model))  # vLLM and the transformers baselines read HF folders only
     config = QUICK if args.quick else workload_config_from_args(args)
     repeats = 1 if args.quick else args.repeats
     workload = build_workload(config)

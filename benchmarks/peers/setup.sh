@@ -6,7 +6,7 @@
 # Usage: setup.sh [MODEL_DIR]   (default: the embedded SmolLM2 folder)
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
-MODEL="${1:-$(cd /tmp && python3 -c 'from pagedserve.engine.model_store import resolve_model; print(resolve_model(None))')}"
+MODEL="${1:-$(cd /tmp && python3 "$HERE/../hf_folder.py")}"
 TOOLS=/root/.cache/pagedserve-tools/tools-venv
 "$HERE/install_vllm.sh"
 "$HERE/build_llama_server.sh"

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]
 from make_fixtures import ensure_venv  # noqa: E402
 
 WORK = Path("/root/.cache/pagedserve-tools/smollm2")
@@ -225,9 +225,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from pagedserve.engine.model_store import ensure_default_model
+    from hf_folder import hf_folder
 
-    base = ensure_default_model()
+    base = hf_folder()  # the GPTQ/AWQ tools quantize an HF folder
     tok = AutoTokenizer.from_pretrained(str(base))
     calib_text, eval_text = texts()
     WORK.mkdir(parents=True, exist_ok=True)

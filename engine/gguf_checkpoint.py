@@ -1,0 +1,86 @@
+"""A GGUF file as a checkpoint: its HF config, its tensors under HF names in the model dtype, its tokenizer folder."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedserve.engine.errors import ModelLoadError
+from pagedserve.engine.gguf_archs import gguf_arch, hf_config, hf_tensor
+from pagedserve.engine.gguf_file import GgufFile
+from pagedserve.kernels.cache_dir import cache_root
+
+logger = logging.getLogger(__name__)
+
+# Bump when the exported folder's contents change, so stale exports are rebuilt rather than trusted.
+_TOKENIZER_EXPORT_VERSION = "1"
+
+
+class GgufCheckpoint:
+    def __init__(self, path: Path):
+        self.path = path
+        self.file = GgufFile(path)
+        self.arch = gguf_arch(self.file.architecture)
+        self.file.check_types()
+        self.hf_config: dict[str, Any] = hf_config(self.file.architecture, self.file.metadata, self.file.tensor_names)
+
+    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor under its HF name, dequantized once (fp32, where the layout fixes happen), then cast."""
+        types = ", ".join(f"{name} x{count}" for name, count in self.file.type_counts().most_common())
+        logger.info("%s: GGUF %s with tensor types %s, dequantized once into %s",
+                    self.path.name, self.file.architecture, types, dtype)
+        for name, values in self.file.tensors():
+            hf_name, values = hf_tensor(self.arch, name, values, self.hf_config)
+            yield hf_name, values.to(dtype)
+
+
+def tokenizer_dir(gguf_path: Path) -> Path:
+    """A folder with the file's tokenizer as transformers builds it from the GGUF vocabulary (tokenizer.json,
+    tokenizer_config.json, chat_template.jinja when the file has tokenizer.chat_template) plus a
+    generation_config.json with its token ids: made once per file and transformers version, in the cache. The
+    engine's tokenizer and GetTokenizer's bundle read it like any HF folder."""
+    import transformers
+
+    stat = gguf_path.stat()
+    key = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{_TOKENIZER_EXPORT_VERSION}"
+    target = cache_root() / "tokenizers" / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (target / "tokenizer.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Written into a temporary sibling and renamed, so a crash never leaves a half-written folder behind.
+    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=target.parent))
+    try:
+        _export_tokenizer(gguf_path, tmp)
+        if target.exists():  # a folder without tokenizer.json is not ours to trust
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process exported the same file first
+            if not (target / "tokenizer.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("tokenizer of %s exported to %s", gguf_path, target)
+    return target
+
+
+def _export_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoTokenizer, GenerationConfig
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as exc:  # transformers raises many types for a vocabulary it cannot convert
+        raise ModelLoadError(f"{gguf_path}: cannot build a tokenizer from its vocabulary ({exc})") from None
+    tokenizer.save_pretrained(str(out_dir))
+    metadata = GgufFile(gguf_path).metadata
+    ids = {hf: metadata.get(f"tokenizer.ggml.{key}")
+           for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                           ("padding_token_id", "pad_token_id"))}
+    GenerationConfig(**{k: v for k, v in ids.items() if v is not None}).save_pretrained(str(out_dir))

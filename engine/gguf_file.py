@@ -1,0 +1,77 @@
+"""One GGUF file read with the gguf package: its metadata, and its tensors dequantized by gguf's own code."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedserve.engine.errors import ModelLoadError
+
+# The tensor types the loader accepts: each has a test comparing our values with gguf.quants.dequantize's
+# (tests/test_gguf_types.py). gguf can dequantize more (IQ*, TQ*, MXFP4); those are refused by name rather than
+# served untested.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# Vocabulary arrays are long (262,144 strings for Gemma 3): the metadata keeps their length, and the tokenizer
+# is built from the file by transformers (engine/gguf_tokenizer.py).
+_LONG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.merges")
+
+
+class GgufFile:
+    """Metadata as plain Python values (`tokenizer.ggml.tokens` as its length) and the tensors by GGUF name."""
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
+
+        self.path = path
+        try:
+            self.reader = GGUFReader(path)
+            self.metadata = {key: _value(key, field) for key, field in self.reader.fields.items()}
+        except Exception as exc:  # gguf raises ValueError, IndexError, struct errors... for a damaged file
+            raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+        self.tensor_names = tuple(t.name for t in self.reader.tensors)
+
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ModelLoadError(f"{self.path}: general.architecture is missing")
+        return arch
+
+    def type_counts(self) -> Counter[str]:
+        return Counter(t.tensor_type.name for t in self.reader.tensors)
+
+    def check_types(self) -> None:
+        """Refuses the whole file before any work if one tensor's type is not supported."""
+        for tensor in self.reader.tensors:
+            if tensor.tensor_type.name not in SUPPORTED_TYPES:
+                raise ModelLoadError(
+                    f"{self.path}: tensor {tensor.name} has GGUF type {tensor.tensor_type.name}, unsupported; "
+                    f"supported: {', '.join(SUPPORTED_TYPES)}")
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(GGUF name, float32 values in HF layout [out, in]) one tensor at a time, so only one is ever
+        dequantized at once."""
+        from gguf.quants import dequantize
+
+        for tensor in self.reader.tensors:
+            try:
+                values = dequantize(tensor.data, tensor.tensor_type)
+            except Exception as exc:  # a short file or a broken block surfaces here
+                raise ModelLoadError(f"{self.path}: tensor {tensor.name}: cannot dequantize ({exc})") from None
+            values = np.asarray(values, dtype=np.float32)
+            if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map
+                values = values.copy()
+            yield tensor.name, torch.from_numpy(values)
+
+
+def _value(key: str, field: Any) -> Any:
+    if key in _LONG_ARRAYS:
+        return len(field.data)
+    return field.contents()
