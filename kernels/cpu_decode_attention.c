@@ -27,13 +27,6 @@ typedef struct {
 
 typedef struct { float *scores, *q, *acc, *row; } Scratch;  /* one per thread */
 
-INLINE float hsum16(f32x16 x) {  /* a tree, not a 16-long dependency chain */
-    f32x8 h = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-              __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    f32x4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-    return (q[0] + q[2]) + (q[1] + q[3]);
-}
-
 /* Softmax numerators in place (fp32, max subtracted); returns their sum. */
 static float softmax_numerators(float *scores, int64_t len) {
     float peak = -INFINITY, sum = 0.0f;
@@ -145,10 +138,6 @@ static void decode_dispatch(const DecodeArgs *a, int64_t s, int64_t h, Scratch *
     SPECIALIZE_DIMS(DT_E5M2, DT_BF16);
     if (a->head_dim % 16 == 0) return decode_task(a, s, h, w, a->head_dim / 16, a->kv_dtype, a->q_dtype);
     decode_task_scalar(a, s, h, w);
-}
-
-static float *scratch(int64_t floats) {  /* 64-byte aligned: the vector code reads it as f32x16 */
-    return aligned_alloc(64, (size_t)((floats + 15) / 16) * 64);
 }
 
 /* Every decode row of a step (one new token per sequence) in one call; tasks are (sequence, KV head) pairs. */

@@ -72,9 +72,22 @@ typedef float f32x16 __attribute__((vector_size(64)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef _Float16 f16x16 __attribute__((vector_size(32)));
+
+INLINE float hsum16(f32x16 x) {  /* a tree, not a 16-long dependency chain */
+    f32x8 h = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    f32x4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+/* Per-thread scratch, 64-byte aligned: the vector code reads it as f32x16. */
+static inline float *scratch(int64_t floats) {
+    return aligned_alloc(64, (size_t)((floats + 15) / 16) * 64);
+}
 
 /* Lanes [16c, 16c + 16) of a row of dtype dt, as fp32 (FP8 as in load_at). */
 INLINE f32x16 load16(const void *row, int64_t c, int dt) {
@@ -119,6 +132,37 @@ INLINE float exp_nonpositive(float x) {
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return x <= -87.0f ? 0.0f : p * scale;
+}
+
+/* Lanes of `yes` where `mask` (a vector comparison's result) is set, else lanes of `no`. */
+INLINE f32x16 select16(i32x16 mask, f32x16 yes, f32x16 no) {
+    return (f32x16)((mask & (i32x16)yes) | (~mask & (i32x16)no));
+}
+
+INLINE float hmax16(f32x16 x) {
+    f32x8 h = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7), g = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    h = (f32x8)(((h > g) & (__typeof__(h > g))h) | (~(h > g) & (__typeof__(h > g))g));
+    float m = h[0];
+    for (int i = 1; i < 8; i++) m = h[i] > m ? h[i] : m;
+    return m;
+}
+
+/* exp_nonpositive on 16 lanes at once: the same polynomial; n rounds to nearest (ties to even instead of up, which
+ * keeps |r| <= ln2 / 2 all the same). */
+INLINE f32x16 exp16_nonpositive(f32x16 x) {
+    const f32x16 floor_x = (f32x16){0} - 87.0f, magic = (f32x16){0} + 12582912.0f;  /* 1.5 * 2^23 */
+    const i32x16 underflow = x <= floor_x;
+    x = select16(underflow, floor_x, x);
+    const f32x16 n = (x * 1.44269504088896341f + magic) - magic;
+    const f32x16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    f32x16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+    return select16(underflow, (f32x16){0}, p * (f32x16)bits);
 }
 
 #endif

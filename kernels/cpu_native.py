@@ -28,7 +28,7 @@ from pagedserve.kernels.cache_dir import cache_root
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "cpu_decode_attention.c", _HERE / "cpu_layer_ops.c")
+SOURCES = (_HERE / "cpu_decode_attention.c", _HERE / "cpu_prefill_attention.c", _HERE / "cpu_layer_ops.c")
 HEADER = _HERE / "cpu_native.h"
 _FLAGS = (
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
@@ -115,10 +115,12 @@ def load_library() -> ctypes.CDLL:
 def _declare_signatures(lib: ctypes.CDLL) -> None:
     ptr, i64, f32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.pagedserve_decode_attention.argtypes = [ctypes.POINTER(_DecodeArgs), i64, i64, c_int]
+    lib.pagedserve_prefill_attention.argtypes = [ctypes.c_void_p, i64, c_int]  # a PrefillArgs (cpu_prefill.py)
     lib.pagedserve_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, c_int, c_int]
     lib.pagedserve_silu_and_mul.argtypes = [ptr, ptr, i64, i64, c_int, c_int]
     lib.pagedserve_rope.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, c_int, c_int]
-    for fn in (lib.pagedserve_decode_attention, lib.pagedserve_rms_norm, lib.pagedserve_silu_and_mul, lib.pagedserve_rope):
+    for fn in (lib.pagedserve_decode_attention, lib.pagedserve_prefill_attention, lib.pagedserve_rms_norm,
+               lib.pagedserve_silu_and_mul, lib.pagedserve_rope):
         fn.restype = c_int
 
 

@@ -1,8 +1,8 @@
-"""The CPU serving path of the PagedAttention entry point: torch code, with decode rows in one native call.
+"""The CPU serving path of the PagedAttention entry point: two native calls per layer and step.
 
-Prefill chunks take the shared SDPA path (prefill_attention.py: large matmuls, where torch is already fast); every
-decode row of a step goes through cpu_decode_attention.c, which reads K/V blocks in place instead of gathering and
-upcasting them. `auto` picks this on CPU whenever the C file builds here, and falls back to pure torch (logging
+Every decode row of a step goes through cpu_decode_attention.c and every prefill chunk through
+cpu_prefill_attention.c; both read K/V blocks in place instead of gathering and upcasting them. Head dims that are
+not a multiple of 16 send prefill chunks to the shared SDPA path (prefill_attention.py). `auto` picks this on CPU whenever the C file builds here, and falls back to pure torch (logging
 why) when it cannot.
 """
 
@@ -14,6 +14,7 @@ import torch
 
 from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, AttentionPlan
 from pagedserve.kernels.cpu_native import DecodeBatch, decode_attention, load_library
+from pagedserve.kernels.cpu_prefill import PrefillBatch, prefill_attention_native
 from pagedserve.kernels.kv_cache import LayerKVCache
 from pagedserve.kernels.kv_quant import store_kv
 from pagedserve.kernels.prefill_attention import PrefillChunk, prefill_attention, prefill_chunks
@@ -22,7 +23,8 @@ from pagedserve.kernels.prefill_attention import PrefillChunk, prefill_attention
 @dataclass(frozen=True, slots=True)
 class NativePlan(AttentionPlan):
     decode: DecodeBatch | None  # None when no sequence decodes this step
-    prefill: tuple[PrefillChunk, ...]
+    prefill: PrefillBatch | None  # None when no sequence prefills, or head_dim is not a multiple of 16
+    prefill_sdpa: tuple[PrefillChunk, ...]  # the chunks of such head dims
 
 
 def _decode_batch(meta: AttentionMetadata, starts: list[int], window: int | None) -> DecodeBatch | None:
@@ -49,7 +51,10 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
 
     def plan(self, meta: AttentionMetadata, cache: LayerKVCache, window: int | None = None) -> NativePlan:
         starts = meta.query_starts()
-        return NativePlan(window, _decode_batch(meta, starts, window), prefill_chunks(meta, cache, starts, window))
+        decode = _decode_batch(meta, starts, window)
+        if cache.k.shape[3] % 16 == 0:
+            return NativePlan(window, decode, PrefillBatch.of(meta, starts, window), ())
+        return NativePlan(window, decode, None, prefill_chunks(meta, cache, starts, window))
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
         store_kv(key, value, cache, slot_mapping)
@@ -61,11 +66,11 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
             query = query.contiguous()
         out = torch.empty(query.shape, dtype=query.dtype)
+        k_storage, v_storage = LayerKVCache.by_head(cache.k), LayerKVCache.by_head(cache.v)
         if plan.decode is not None:
-            decode_attention(
-                query, out, LayerKVCache.by_head(cache.k), LayerKVCache.by_head(cache.v),
-                cache.k_scale, cache.v_scale, plan.decode, scale,
-            )
-        for chunk in plan.prefill:
+            decode_attention(query, out, k_storage, v_storage, cache.k_scale, cache.v_scale, plan.decode, scale)
+        if plan.prefill is not None:
+            prefill_attention_native(query, out, k_storage, v_storage, cache.k_scale, cache.v_scale, plan.prefill, scale)
+        for chunk in plan.prefill_sdpa:
             prefill_attention(query, out, cache, scale, chunk)
         return out

@@ -1,4 +1,4 @@
-"""The native CPU decode attention (kernels/cpu_native.c) against the torch implementation and float64 math.
+"""The native CPU decode and prefill attention (kernels/cpu_*_attention.c) against the torch implementation and float64 math.
 
 The C file is compiled here, on first use, exactly as the engine compiles it; a machine without a C compiler
 fails these tests rather than skipping them, because `auto` would silently serve the slower torch path there.
@@ -60,6 +60,31 @@ def test_agrees_with_float64_math(kv_dtype: KVDtype) -> None:
     tolerance = 1e-5 if kv_dtype is KVDtype.FP32 else TOLERANCE[query.dtype]
     result = paged_attention(NativeCpuAttention(), query, layer, meta, SCALE)
     assert (result.double() - exact).abs().max().item() <= tolerance
+
+
+@pytest.mark.parametrize("kv_dtype", [KVDtype.FP32, KVDtype.BF16, KVDtype.FP8_E5M2])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_agrees_with_float64_math(kv_dtype: KVDtype, head_dim: int) -> None:
+    """The native prefill kernel: chunks longer than its 16-position tiles, starting mid-block after cached context
+    (chunked prefill), and a 2-token chunk; bf16 queries take the AVX512-BF16 dot-product path where the CPU has it."""
+    seq_lens, query_lens = (300, 77, 129, 40), (300, 50, 2, 37)
+    query, layer, meta = make_case(seq_lens, query_lens, 16, 3, kv_dtype, head_dim=head_dim, seed=8)
+    exact = float64_reference(query, layer, meta)
+    tolerance = 1e-5 if kv_dtype is KVDtype.FP32 else TOLERANCE[query.dtype]
+    impl = NativeCpuAttention()
+    assert impl.plan(meta, layer).prefill is not None  # the native kernel, not the SDPA fallback
+    result = paged_attention(impl, query, layer, meta, SCALE)
+    assert (result.double() - exact).abs().max().item() <= tolerance
+
+
+def test_prefill_bf16_queries_over_fp8_keys() -> None:
+    """A bf16 model with an FP8 cache: keys widen to bf16 exactly for the dot-product path."""
+    seq_lens, query_lens = (200, 45), (200, 30)
+    query, layer, meta = make_case(seq_lens, query_lens, 16, 3, KVDtype.FP8_E4M3, seed=9)
+    query = query.to(torch.bfloat16)
+    exact = float64_reference(query, layer, meta)
+    result = paged_attention(NativeCpuAttention(), query, layer, meta, SCALE)
+    assert (result.double() - exact).abs().max().item() <= TOLERANCE[torch.bfloat16]
 
 
 def test_with_hadamard_rotated_keys() -> None:
