@@ -63,11 +63,13 @@ INLINE void decode_task(const DecodeArgs *a, int64_t s, int64_t h, Scratch *w, c
         /* Blocks are scattered, so the hardware prefetcher stops at every tile boundary: ask for the next K tile
          * now, and for this V tile, which the probs x V loop below then finds in cache. */
         const char *next_k = t0 + bs < len ? (const char *)a->k_cache + (size_t)(h * a->num_blocks + table[t0 / bs + 1]) * tile_bytes : tile;
-        for (size_t line = 0; line < (size_t)n * kv_row; line += 64) {
-            __builtin_prefetch(next_k + line);
-            __builtin_prefetch((const char *)a->v_cache + offset + line);
-        }
         for (int64_t i = lo; i < n; i++) {
+            /* Spread over the key loop: a burst of 2 * tile_bytes / 64 prefetches would fill the miss buffers and
+             * stall on them. */
+            for (size_t line = 0; line < kv_row; line += 64) {
+                __builtin_prefetch(next_k + i * kv_row + line);
+                __builtin_prefetch((const char *)a->v_cache + offset + i * kv_row + line);
+            }
             f32x16 k[chunks];
             for (int64_t c = 0; c < chunks; c++) k[c] = load16(tile + i * kv_row, c, kv_dt);
             for (int64_t g = 0; g < group; g++) {
