@@ -28,7 +28,7 @@ from pagedserve.kernels.cache_dir import cache_root
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "cpu_decode_attention.c", _HERE / "cpu_prefill_attention.c", _HERE / "cpu_layer_ops.c")
+SOURCES = tuple(_HERE / f"cpu_{name}.c" for name in ("decode_attention", "prefill_attention", "layer_ops", "kv_write"))
 HEADER = _HERE / "cpu_native.h"
 _FLAGS = (
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
@@ -116,11 +116,12 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     ptr, i64, f32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.pagedserve_decode_attention.argtypes = [ctypes.POINTER(_DecodeArgs), i64, i64, c_int]
     lib.pagedserve_prefill_attention.argtypes = [ctypes.c_void_p, i64, c_int]  # a PrefillArgs (cpu_prefill.py)
+    lib.pagedserve_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.pagedserve_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, c_int, c_int]
     lib.pagedserve_silu_and_mul.argtypes = [ptr, ptr, i64, i64, c_int, c_int]
     lib.pagedserve_rope.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, c_int, c_int]
-    for fn in (lib.pagedserve_decode_attention, lib.pagedserve_prefill_attention, lib.pagedserve_rms_norm,
-               lib.pagedserve_silu_and_mul, lib.pagedserve_rope):
+    for fn in (lib.pagedserve_decode_attention, lib.pagedserve_prefill_attention, lib.pagedserve_write_kv,
+               lib.pagedserve_rms_norm, lib.pagedserve_silu_and_mul, lib.pagedserve_rope):
         fn.restype = c_int
 
 
@@ -190,3 +191,21 @@ def decode_attention(
     if status != 0:
         raise MemoryError("native decode attention could not allocate its per-thread scratch")
 
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_storage: torch.Tensor, v_storage: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """key, value [T, Hkv, D] (token rows may be strided, heads dense) -> their slots of the head-major storage
+    [Hkv, num_blocks, block_size, D] of the same dtype. Raises IndexError for a slot outside the storage."""
+    num_kv_heads, num_blocks, block_size, head_dim = k_storage.shape
+    for x in (key, value):
+        assert x.dtype == k_storage.dtype and x.shape[1:] == (num_kv_heads, head_dim)
+        assert x.stride(2) == 1 and x.stride(1) == head_dim
+    assert k_storage.is_contiguous() and v_storage.is_contiguous() and v_storage.shape == k_storage.shape
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == key.shape[:1]
+    status = load_library().pagedserve_write_kv(
+        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_storage.data_ptr(), v_storage.data_ptr(),
+        slot_mapping.data_ptr(), key.shape[0], num_kv_heads, num_blocks * block_size, head_dim, key.element_size(),
+    )
+    if status != 0:
+        raise IndexError(f"a KV slot is outside the cache's {num_blocks * block_size} slots")

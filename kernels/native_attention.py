@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, AttentionPlan
-from pagedserve.kernels.cpu_native import DecodeBatch, decode_attention, load_library
+from pagedserve.kernels.cpu_native import DecodeBatch, decode_attention, load_library, write_kv
 from pagedserve.kernels.cpu_prefill import PrefillBatch, prefill_attention_native
 from pagedserve.kernels.kv_cache import LayerKVCache
 from pagedserve.kernels.kv_quant import store_kv
@@ -45,6 +45,10 @@ def _decode_batch(meta: AttentionMetadata, starts: list[int], window: int | None
     )
 
 
+def _heads_dense(*rows: torch.Tensor) -> bool:
+    return all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in rows)
+
+
 class NativeCpuAttention(AttentionImpl[NativePlan]):
     def __init__(self) -> None:
         load_library()  # asked for by name, a missing compiler is an error here, not a silent fallback
@@ -57,7 +61,11 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         return NativePlan(window, decode, None, prefill_chunks(meta, cache, starts, window))
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
-        store_kv(key, value, cache, slot_mapping)
+        k_storage = LayerKVCache.by_head(cache.k)
+        if cache.dtype.is_fp8 or key.dtype != k_storage.dtype or not _heads_dense(key, value):
+            store_kv(key, value, cache, slot_mapping)  # quantizes or converts
+        else:
+            write_kv(key, value, k_storage, LayerKVCache.by_head(cache.v), slot_mapping)
 
     def attention(
         self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, plan: NativePlan, scale: float

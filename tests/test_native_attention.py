@@ -138,3 +138,38 @@ def test_native_backend_is_refused_off_cpu() -> None:
     with pytest.raises(ConfigError, match="native runs on CPU") as info:
         EngineConfig(attention_backend="native", device="cuda")
     assert info.value.field == "attention_backend"
+
+
+@pytest.mark.parametrize("kv_dtype", [KVDtype.FP32, KVDtype.BF16, KVDtype.FP16, KVDtype.FP8_E4M3])
+def test_write_kv_equals_torch_store(kv_dtype: KVDtype) -> None:
+    """The native KV write (compute-dtype caches) leaves the same bytes as the torch path; key rows come strided, as
+    slices of the fused projection, and FP8 caches go through the torch path's quantization."""
+    from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec
+
+    dtype = QUERY_DTYPES_FOR_WRITE[kv_dtype]
+    gen = torch.Generator().manual_seed(11)
+    fused = torch.randn(37, 2 + 2 + 4, 64, generator=gen).to(dtype)  # [T, k heads | v heads | other, D]
+    key, value = fused[:, 0:2], fused[:, 2:4]
+    assert not key.is_contiguous()
+    slots = torch.randperm(5 * 16, generator=gen)[:37].to(torch.int64)
+    caches = []
+    for impl in (select_attention_impl("torch", CPU), NativeCpuAttention()):
+        cache = KVCache(KVCacheSpec(1, 2, 64, 16, kv_dtype), 5, CPU).layers[0]
+        impl.write_kv(key, value, cache, slots)
+        caches.append(cache)
+    assert torch.equal(caches[0].k.view(torch.uint8), caches[1].k.view(torch.uint8))
+    assert torch.equal(caches[0].v.view(torch.uint8), caches[1].v.view(torch.uint8))
+
+
+def test_write_kv_refuses_a_slot_outside_the_cache() -> None:
+    from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec
+
+    cache = KVCache(KVCacheSpec(1, 2, 64, 16, KVDtype.BF16), 2, CPU).layers[0]
+    rows = torch.zeros(2, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(IndexError, match="outside the cache's 32 slots"):
+        NativeCpuAttention().write_kv(rows, rows, cache, torch.tensor([3, 32]))
+    assert not cache.k.any()  # checked before anything is written
+
+
+QUERY_DTYPES_FOR_WRITE = {KVDtype.FP32: torch.float32, KVDtype.BF16: torch.bfloat16, KVDtype.FP16: torch.float16,
+                          KVDtype.FP8_E4M3: torch.bfloat16}
