@@ -216,7 +216,9 @@ def test_all_sliding_model_holds_only_the_window_blocks(tmp_path, monkeypatch, w
 
 def test_gemma3_bf16_native_path_tracks_transformers(tmp_path, monkeypatch):
     """bf16 on CPU (native attention and layer ops, the default there): every position's logits stay as close to
-    transformers' fp32 ones as transformers' own bf16 forward does, and the greedy tokens match its bf16 generate."""
+    transformers' fp32 ones as transformers' own bf16 forward does, and every greedy token is the fp32 argmax up to
+    that same bf16 error. (Not "equal to transformers' bf16 generate": on this random model its bf16 logits tie at
+    the first generated token, 1.9062 twice, where the fp32 ones differ by 0.01; its pick is as arbitrary as ours.)"""
     import transformers
 
     path = make_tiny_gemma(tmp_path, "gemma3")
@@ -232,8 +234,11 @@ def test_gemma3_bf16_native_path_tracks_transformers(tmp_path, monkeypatch):
     with torch.inference_mode():
         exact, theirs = (hf[dtype](tokens).logits[0].float() for dtype in (torch.float32, torch.bfloat16))
     ours = max((logits - exact[p]).abs().max().item() for p, logits in run.logits["a"])
-    assert ours <= 1.25 * (theirs - exact).abs().max().item()
-    assert run.tokens["a"][len(prompt):] == engine_probe.hf_greedy_tokens(hf[torch.bfloat16], prompt, 10)
+    bf16_error = (theirs - exact).abs().max().item()
+    assert ours <= 1.25 * bf16_error
+    for p in range(len(prompt) - 1, len(run.tokens["a"]) - 1):
+        picked = run.tokens["a"][p + 1]
+        assert exact[p, picked] >= exact[p].max() - bf16_error, f"position {p}: token {picked} is not a greedy pick"
 
 
 def test_all_sliding_model_serves_a_sequence_longer_than_the_kv_cache(tmp_path, monkeypatch):
