@@ -1,8 +1,5 @@
-"""Prefill chunks (sequences with more than one new token) through SDPA: shared by the torch and native paths.
-
-The matmuls of a prefill chunk are large enough that torch's SDPA is already fast and the per-sequence Python loop
-costs nothing; only decode rows differ between the two CPU implementations.
-"""
+"""Prefill chunks (sequences with more than one new token) through SDPA: the torch path's prefill, and the native
+path's for head dims that are not a multiple of 16 (cpu_prefill_attention.c takes every other case)."""
 
 from __future__ import annotations
 
