@@ -30,6 +30,7 @@ from roofline import measure_peaks, roofline_entry, useful_flops  # noqa: E402
 from workload import QUICK, WorkloadConfig, add_workload_args, build_workload, workload_config_from_args  # noqa: E402
 
 import drivers  # noqa: E402
+import paths  # noqa: E402
 import report  # noqa: E402
 
 REPO = HERE.parent.parent
@@ -57,7 +58,8 @@ def parse_args() -> argparse.Namespace:
                    help="16 small requests, 1 repeat, no Poisson; writes under the log dir unless --out-* are given")
     p.add_argument("--out-json", type=Path, default=None, help="default: docs/benchmarks.json")
     p.add_argument("--out-md", type=Path, default=None, help="default: docs/benchmarks.md")
-    p.add_argument("--log-dir", type=Path, default=drivers.servers.CACHE / "logs")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="default: <peers cache>/logs (see paths.py)")
     return p.parse_args()
 
 
@@ -173,6 +175,7 @@ def _exit_on_sigterm(signum, frame) -> None:
 def main() -> None:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args = parse_args()
+    args.log_dir = args.log_dir or paths.peers_cache() / "logs"
     # A smoke run must never overwrite the published figures.
     out_dir = args.log_dir if args.quick else REPO / "docs"
     out_dir.mkdir(parents=True, exist_ok=True)

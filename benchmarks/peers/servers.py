@@ -15,10 +15,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-CACHE = Path(os.environ.get("PAGEDSERVE_PEERS_CACHE", "/root/.cache/pagedserve-peers"))
-VLLM_PYTHON = CACHE / "vllm-venv" / "bin" / "python"
-LLAMA_SERVER = CACHE / "llama-build" / "bin" / "llama-server"
-GGUF_DIR = CACHE / "gguf"
+import paths
+
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
 
 
@@ -85,7 +83,7 @@ def _wait_http(server: Server, path: str, timeout: float) -> None:
 def start_vllm(model_dir: str, dtype: str, log_dir: Path, kv_gib: int = 2, bind: str = "auto",
                timeout: float = 900) -> Server:
     port = free_port()
-    argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+    argv = [str(paths.vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", "model", "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
             "--max-model-len", "2048", "--no-enable-prefix-caching", "--disable-uvicorn-access-log",
             "--seed", "0"]
@@ -97,11 +95,11 @@ def start_vllm(model_dir: str, dtype: str, log_dir: Path, kv_gib: int = 2, bind:
 
 def start_llama_server(model_dir: str, dtype: str, log_dir: Path, threads: int = 2, parallel: int = 64,
                        ctx_per_slot: int = 512, timeout: float = 300) -> Server:
-    gguf = GGUF_DIR / f"{Path(model_dir).name}-{GGUF_TYPES[dtype]}.gguf"
+    gguf = paths.gguf_dir() / f"{Path(model_dir).name}-{GGUF_TYPES[dtype]}.gguf"
     if not gguf.is_file():
         raise FileNotFoundError(f"{gguf} missing: run benchmarks/peers/convert_gguf.sh {model_dir}")
     port = free_port()
-    argv = [str(LLAMA_SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+    argv = [str(paths.llama_server()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-c", str(parallel * ctx_per_slot),
             "--cont-batching", "--no-webui", "-a", "model"]
     proc, log = _spawn(f"llama-server-{dtype}", argv, None, log_dir)
