@@ -26,12 +26,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def vllm_env(kv_gib: int, bind: str) -> dict:
+def vllm_env(kv_gib: int, bind: str, preload: bool = False) -> dict:
     """bind: VLLM_CPU_OMP_THREADS_BIND ('auto' = vLLM's choice: on this 2-core machine
-    it reserves one core for the frontend and computes on the other)."""
-    return dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
-                VLLM_CPU_OMP_THREADS_BIND=bind, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    it reserves one core for the frontend and computes on the other). preload: LD_PRELOAD tcmalloc and
+    Intel OpenMP, as vLLM's CPU install docs recommend (its worker warns when they are missing)."""
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
+               VLLM_CPU_OMP_THREADS_BIND=bind, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    if preload:
+        env["LD_PRELOAD"] = ":".join(str(lib) for lib in vllm_preload_libs())
+    return env
+
+
+# Debian's libtcmalloc-minimal4 / libgoogle-perftools4 (install_vllm.sh installs the first when missing).
+_TCMALLOC_GLOBS = ("libtcmalloc_minimal.so.4*", "libtcmalloc.so.4*")
+
+
+def vllm_preload_libs() -> list[Path]:
+    """[tcmalloc, libiomp5]: tcmalloc from the system, libiomp5 from the intel-openmp wheel in vLLM's venv."""
+    lib_dirs = [Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib64"), Path("/usr/lib")]
+    tcmalloc = next((m for d in lib_dirs for g in _TCMALLOC_GLOBS for m in sorted(d.glob(g))), None)
+    iomp = paths.vllm_python().parent.parent / "lib" / "libiomp5.so"
+    if tcmalloc is None:
+        raise FileNotFoundError("no libtcmalloc for the vLLM *-preload systems: apt-get install libtcmalloc-minimal4 "
+                                "(benchmarks/peers/install_vllm.sh does it when run as root)")
+    if not iomp.is_file():
+        raise FileNotFoundError(f"no {iomp} for the vLLM *-preload systems: rerun benchmarks/peers/install_vllm.sh "
+                                "(it installs the pinned intel-openmp wheel)")
+    return [tcmalloc, iomp]
 
 
 @dataclass
@@ -81,13 +103,14 @@ def _wait_http(server: Server, path: str, timeout: float) -> None:
 
 
 def start_vllm(model_dir: str, dtype: str, log_dir: Path, kv_gib: int = 2, bind: str = "auto",
-               timeout: float = 900) -> Server:
+               timeout: float = 900, preload: bool = False) -> Server:
     port = free_port()
     argv = [str(paths.vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", "model", "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
             "--max-model-len", "2048", "--no-enable-prefix-caching", "--disable-uvicorn-access-log",
             "--seed", "0"]
-    proc, log = _spawn(f"vllm-server-{dtype}", argv, vllm_env(kv_gib, bind), log_dir)
+    tag = "-preload" if preload else ""
+    proc, log = _spawn(f"vllm-server{tag}-{dtype}", argv, vllm_env(kv_gib, bind, preload), log_dir)
     server = Server("vllm-server", proc, f"http://127.0.0.1:{port}", log)
     _wait_http(server, "/health", timeout)
     return server
