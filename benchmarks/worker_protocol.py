@@ -3,7 +3,8 @@
 The comparison driver keeps one worker per in-process system alive, so each system
 loads and warms up once and the driver can interleave repetitions across systems.
 Protocol (JSON lines): worker prints {"ready": ...} once warm; then for each request
-line {"workload": <WorkloadConfig fields>} it answers {"timings": [...],
+line {"workload": <WorkloadConfig fields>, "requests": [<workload_file lines>]}
+(the requests themselves travel, so a workload file runs exactly as written) it answers {"timings": [...],
 "peak_kv_blocks": ..., "extra": {...}} or {"error": "..."}; an empty line or EOF ends it.
 Stdlib only: the vLLM worker runs this under vLLM's own venv.
 """
@@ -19,7 +20,8 @@ from dataclasses import asdict
 from typing import Callable
 
 from metrics import RequestTiming
-from workload import Workload, WorkloadConfig, build_workload
+from workload import BenchRequest, Workload, WorkloadConfig
+from workload_file import request_to_dict
 
 RunFn = Callable[[Workload], tuple[list[RequestTiming], int | None, dict]]
 
@@ -41,12 +43,23 @@ def serve(setup: Callable[[], RunFn], info: dict | None = None) -> None:
         if not line.strip():
             break
         try:
-            workload = build_workload(WorkloadConfig(**json.loads(line)["workload"]))
+            workload = _decode(json.loads(line))
             timings, peak, extra = run(workload)
             reply = {"timings": [asdict(t) for t in timings], "peak_kv_blocks": peak, "extra": extra}
         except Exception as exc:  # report, keep serving: the driver decides what to do
             reply = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         proto.write(json.dumps(reply) + "\n")
+
+
+def _encode(workload: Workload) -> str:
+    return json.dumps({"workload": asdict(workload.config), "source": workload.source,
+                       "requests": [request_to_dict(r) for r in workload.requests]})
+
+
+def _decode(msg: dict) -> Workload:
+    requests = tuple(BenchRequest(r["request_id"], tuple(r["prompt_token_ids"]), r["max_tokens"], r["arrival_s"])
+                     for r in msg["requests"])
+    return Workload(WorkloadConfig(**msg["workload"]), requests, msg.get("source", "seeded"))
 
 
 class WorkerClient:
@@ -67,8 +80,8 @@ class WorkerClient:
             raise RuntimeError(f"worker {self.argv} exited with {self.proc.wait()}")
         return json.loads(line)
 
-    def run(self, config: WorkloadConfig) -> tuple[list[RequestTiming], int | None, dict]:
-        self.proc.stdin.write(json.dumps({"workload": asdict(config)}) + "\n")
+    def run(self, workload: Workload) -> tuple[list[RequestTiming], int | None, dict]:
+        self.proc.stdin.write(_encode(workload) + "\n")
         reply = self._read()
         if "error" in reply:
             raise RuntimeError(f"worker {self.argv[-1]}: {reply['error']}\n{reply.get('traceback', '')}")
