@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import traceback
@@ -68,8 +69,10 @@ class WorkerClient:
         if log_path:
             os.makedirs(os.path.dirname(log_path), exist_ok=True)
         self._log = open(log_path, "ab") if log_path else None
+        # Own process group: close() can then stop the worker's children too (vLLM's engine core process).
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log or None, env=env, text=True, bufsize=1)
+                                     stderr=self._log or None, env=env, text=True, bufsize=1,
+                                     start_new_session=True)
         self.info = self._read()
         if not self.info.get("ready"):
             raise RuntimeError(f"worker {argv} did not start: {self.info}")
@@ -94,8 +97,23 @@ class WorkerClient:
             try:
                 self.proc.stdin.write("\n")
                 self.proc.stdin.flush()
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):  # mid-run or stuck: stop the whole group
+                self._kill_group()
+        try:  # a child the worker left behind (it shares the group) must not keep a core busy
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         if self._log:
             self._log.close()
+
+    def _kill_group(self) -> None:
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout=wait)
+                return
+            except ProcessLookupError:
+                return
+            except subprocess.TimeoutExpired:
+                continue

@@ -17,6 +17,9 @@ from workload import Workload, with_poisson_arrivals
 import drivers
 
 NO_ARRIVALS = ("hf_static",)  # one padded batch has no notion of arrivals
+# Every system of a dtype is resident at once; below this much free memory, starting one more would
+# swap or get killed mid-run, which is worse than a clear error naming the systems to drop.
+MIN_FREE_GIB = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,12 +123,28 @@ def _poisson_runs(live: dict, workload: Workload, runs: dict, plan: PhasePlan, d
     return poisson, {"rate_req_s": rate, "rule": rule, "results": common}
 
 
+def mem_available_gib() -> float:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return float("inf")
+
+
+def start_all(names: list[str], spec: drivers.DriverSpec, live: dict) -> None:
+    """Fills `live` as systems come up, so the caller's `finally` also stops a partial start."""
+    for name in names:
+        free = mem_available_gib()
+        if free < MIN_FREE_GIB:
+            raise SystemExit(f"only {free:.1f} GiB free with {', '.join(live)} running: cannot also start {name}; "
+                             f"pass fewer --systems")
+        log(f"[{spec.dtype}] starting {name} ({free:.1f} GiB free)")
+        live[name] = drivers.start(name, spec)
+
+
 def run_systems(names: list[str], spec: drivers.DriverSpec, workload: Workload, plan: PhasePlan) -> PhaseResults:
     live: dict[str, drivers.Driver] = {}
     try:
-        for name in names:
-            log(f"[{spec.dtype}] starting {name}")
-            live[name] = drivers.start(name, spec)
+        start_all(names, spec, live)
         runs, timings = run_repeats(live, workload, plan.repeats, spec.dtype)
         poisson, common = _poisson_runs(live, workload, runs, plan, spec.dtype)
         contended = {}
