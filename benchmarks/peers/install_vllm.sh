@@ -27,7 +27,7 @@ fi
 # The vllm-*-preload systems: LD_PRELOAD tcmalloc + Intel OpenMP, as vLLM's CPU docs recommend
 # (servers.vllm_preload_libs finds them). libiomp5.so lands in $VENV/lib from the pinned wheel.
 [ -f "$VENV/lib/libiomp5.so" ] || "$VENV/bin/pip" install -q intel-openmp==2024.2.1
-if ! ls /usr/lib/x86_64-linux-gnu/libtcmalloc*.so.4 /usr/lib64/libtcmalloc*.so.4 >/dev/null 2>&1; then
+if ! compgen -G "/usr/lib/x86_64-linux-gnu/libtcmalloc*.so.4" >/dev/null && ! compgen -G "/usr/lib64/libtcmalloc*.so.4" >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get install -y -q libtcmalloc-minimal4 || { apt-get update -q && apt-get install -y -q libtcmalloc-minimal4; }
   else
