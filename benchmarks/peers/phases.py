@@ -17,9 +17,11 @@ from workload import Workload, with_poisson_arrivals
 import drivers
 
 NO_ARRIVALS = ("hf_static",)  # one padded batch has no notion of arrivals
-# Every system of a dtype is resident at once; below this much free memory, starting one more would
-# swap or get killed mid-run, which is worse than a clear error naming the systems to drop.
-MIN_FREE_GIB = 3.0
+# Resident size of one started system (GiB, measured on SmolLM2-135M fp32 at 2 GiB vLLM KV space: a vLLM
+# instance is three processes plus its KV space). Systems of a dtype start together while they fit with
+# MARGIN_GIB to spare; the rest run in a later wave, so a large --systems list never swaps or OOMs.
+FOOTPRINT_GIB = {"vllm": 4.5, "pagedserve": 2.0, "hf": 2.0, "llama-server": 1.0}
+MARGIN_GIB = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,18 +111,17 @@ def run_poisson(live: dict, workload: Workload, rates: dict[str, float], dtype: 
     return out
 
 
-def _poisson_runs(live: dict, workload: Workload, runs: dict, plan: PhasePlan, dtype: str) -> tuple[dict, dict]:
-    medians = {n: median_result(rs) for n, rs in runs.items()}
+def _own_rate_runs(live: dict, workload: Workload, runs: dict, plan: PhasePlan, dtype: str) -> dict:
+    if plan.poisson_load <= 0:
+        return {}
     n = len(workload.requests)
-    own = {name: plan.poisson_load * saturation_rate(m, n) for name, m in medians.items()
-           if name not in NO_ARRIVALS} if plan.poisson_load > 0 else {}
-    poisson = run_poisson(live, workload, own, dtype, plan.poisson_load)
-    rate = choose_common_rate(medians, n, plan.poisson_load, plan.common_rate)
-    if rate is None:
-        return poisson, {}
-    rule = "given" if plan.common_rate else f"{plan.poisson_load:.0%} of the slowest system's saturation rate"
-    common = run_poisson(live, workload, {m: rate for m in medians if m not in NO_ARRIVALS}, dtype, None)
-    return poisson, {"rate_req_s": rate, "rule": rule, "results": common}
+    rates = {name: plan.poisson_load * saturation_rate(median_result(runs[name]), n) for name in live
+             if name not in NO_ARRIVALS}
+    return run_poisson(live, workload, rates, dtype, plan.poisson_load)
+
+
+def _common_rate_runs(live: dict, workload: Workload, rate: float, dtype: str) -> dict:
+    return run_poisson(live, workload, {m: rate for m in live if m not in NO_ARRIVALS}, dtype, None)
 
 
 def mem_available_gib() -> float:
@@ -130,29 +131,78 @@ def mem_available_gib() -> float:
     return float("inf")
 
 
-def start_all(names: list[str], spec: drivers.DriverSpec, live: dict) -> None:
-    """Fills `live` as systems come up, so the caller's `finally` also stops a partial start."""
-    for name in names:
+def footprint_gib(name: str) -> float:
+    return next((v for k, v in FOOTPRINT_GIB.items() if name.startswith(k)), 2.0)
+
+
+def start_wave(names: list[str], spec: drivers.DriverSpec, live: dict) -> list[str]:
+    """Starts systems in order while the next one fits (at least one), filling `live` as they come up so the
+    caller's `finally` also stops a partial start; returns the systems left for a later wave."""
+    for i, name in enumerate(names):
         free = mem_available_gib()
-        if free < MIN_FREE_GIB:
-            raise SystemExit(f"only {free:.1f} GiB free with {', '.join(live)} running: cannot also start {name}; "
-                             f"pass fewer --systems")
+        if live and free - footprint_gib(name) < MARGIN_GIB:
+            log(f"[{spec.dtype}] {free:.1f} GiB free: {', '.join(names[i:])} run in a later wave")
+            return names[i:]
         log(f"[{spec.dtype}] starting {name} ({free:.1f} GiB free)")
         live[name] = drivers.start(name, spec)
+    return []
+
+
+def _close(live: dict) -> None:
+    for driver in live.values():
+        driver.close()
+
+
+def _measure_wave(live: dict, workload: Workload, plan: PhasePlan, dtype: str, res: PhaseResults) -> None:
+    runs, timings = run_repeats(live, workload, plan.repeats, dtype)
+    res.runs.update(runs), res.timings.update(timings)
+    res.poisson.update(_own_rate_runs(live, workload, runs, plan, dtype))
+    if plan.contention:
+        with busy_core() as core:
+            log(f"[{dtype}] contention: one busy process pinned to core {core}")
+            res.contended.update(run_repeats(live, workload, plan.repeats, dtype, " contended")[0])
+
+
+def _waves(names: list[str], spec: drivers.DriverSpec, workload: Workload, plan: PhasePlan, res: PhaseResults,
+           live: dict) -> list[list[str]]:
+    """Measures wave after wave; the last wave stays running in `live` (the common-rate run may reuse it)."""
+    pending, waves = list(names), []
+    while pending:
+        _close(live)
+        live.clear()
+        pending = start_wave(pending, spec, live)
+        waves.append(list(live))
+        _measure_wave(live, workload, plan, spec.dtype, res)
+    return waves
+
+
+def _common(waves: list[list[str]], spec: drivers.DriverSpec, workload: Workload, plan: PhasePlan,
+            res: PhaseResults, live: dict) -> None:
+    medians = {n: median_result(rs) for n, rs in res.runs.items()}
+    rate = choose_common_rate(medians, len(workload.requests), plan.poisson_load, plan.common_rate)
+    if rate is None:
+        return
+    rule = "given" if plan.common_rate else f"{plan.poisson_load:.0%} of the slowest system's saturation rate"
+    res.poisson_common = {"rate_req_s": rate, "rule": rule, "results": {}}
+    for wave in waves if len(waves) > 1 else [waves[0]]:
+        if len(waves) > 1:
+            _close(live)
+            live.clear()
+            left = start_wave(wave, spec, live)
+            if left:
+                log(f"[{spec.dtype}] no common-rate run for {', '.join(left)}: memory is shorter than before")
+        res.poisson_common["results"].update(_common_rate_runs(live, workload, rate, spec.dtype))
 
 
 def run_systems(names: list[str], spec: drivers.DriverSpec, workload: Workload, plan: PhasePlan) -> PhaseResults:
+    """All systems of the dtype in one wave when memory allows (the common-rate Poisson run then reuses it);
+    otherwise wave by wave, and the common rate, known only once every system was measured, restarts them.
+    Whatever is running is stopped on the way out, also on an exception or SIGTERM (SystemExit)."""
+    res = PhaseResults({}, {}, {}, {}, {})
     live: dict[str, drivers.Driver] = {}
     try:
-        start_all(names, spec, live)
-        runs, timings = run_repeats(live, workload, plan.repeats, spec.dtype)
-        poisson, common = _poisson_runs(live, workload, runs, plan, spec.dtype)
-        contended = {}
-        if plan.contention:
-            with busy_core() as core:
-                log(f"[{spec.dtype}] contention: one busy process pinned to core {core}")
-                contended, _ = run_repeats(live, workload, plan.repeats, spec.dtype, " contended")
-        return PhaseResults(runs, timings, poisson, common, contended)
+        waves = _waves(names, spec, workload, plan, res, live)
+        _common(waves, spec, workload, plan, res, live)
     finally:
-        for driver in live.values():
-            driver.close()
+        _close(live)
+    return res
