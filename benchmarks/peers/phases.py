@@ -1,6 +1,7 @@
 """One dtype of the comparison: every selected system (in-process workers and servers alike) is started
 together and warmed up, then the repeats rotate over all of them (so load drift on a shared machine spreads
 over every system), then the Poisson runs, then, with --contention, the repeats again beside a busy core.
+When they do not all fit in memory they run in waves of systems that do (start_wave).
 Every driver started here is closed in a `finally`, also on SIGTERM (compare.py turns it into SystemExit).
 """
 
