@@ -73,9 +73,13 @@ class WorkerClient:
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log or None, env=env, text=True, bufsize=1,
                                      start_new_session=True)
-        self.info = self._read()
-        if not self.info.get("ready"):
-            raise RuntimeError(f"worker {argv} did not start: {self.info}")
+        try:  # until ready nobody else holds the worker: any way out (SIGTERM's SystemExit too) stops it
+            self.info = self._read()
+            if not self.info.get("ready"):
+                raise RuntimeError(f"worker {argv} did not start: {self.info}")
+        except BaseException:
+            self._kill_group()
+            raise
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()

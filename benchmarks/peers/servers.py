@@ -87,6 +87,16 @@ def _spawn(name: str, argv: list[str], env: dict | None, log_dir: Path) -> tuple
 
 
 def _wait_http(server: Server, path: str, timeout: float) -> None:
+    """Until the server answers `path`; any way out but success (timeout, exit, SIGTERM's SystemExit, ^C)
+    stops it, since nobody else holds it yet."""
+    try:
+        _poll_http(server, path, timeout)
+    except BaseException:
+        server.stop(timeout=10)
+        raise
+
+
+def _poll_http(server: Server, path: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
@@ -98,7 +108,6 @@ def _wait_http(server: Server, path: str, timeout: float) -> None:
         except OSError:
             pass
         time.sleep(1)
-    server.stop()
     raise TimeoutError(f"{server.name} not healthy after {timeout:.0f} s; see {server.log_path}")
 
 
@@ -131,6 +140,18 @@ def start_llama_server(model_dir: str, dtype: str, log_dir: Path, threads: int =
     return server
 
 
+def _wait_ready(proc: subprocess.Popen, ready: Path, log: Path, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while not ready.is_file():
+        if proc.poll() is not None:
+            raise RuntimeError(f"pagedserve server exited ({proc.returncode}); see {log}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pagedserve server not ready after {timeout:.0f} s; see {log}")
+        time.sleep(0.5)
+    time.sleep(0.2)  # the file may be mid-write on the first poll
+    return json.loads(ready.read_text())
+
+
 def start_pagedserve(model_dir: str, dtype: str, log_dir: Path, threads: int = 2,
                      timeout: float = 300, http: bool = False) -> Server:
     """http: also serve the OpenAI HTTP API and return its http:// target instead of the gRPC one."""
@@ -142,16 +163,11 @@ def start_pagedserve(model_dir: str, dtype: str, log_dir: Path, threads: int = 2
             "--no-enable-prefix-caching", "--ready-file", str(ready), "--log-level", "WARNING",
             *(("--http-port", "0", "--served-model-name", "model") if http else ())]
     proc, log = _spawn(name, argv, None, log_dir)
-    deadline = time.monotonic() + timeout
-    while not ready.is_file():
-        if proc.poll() is not None:
-            raise RuntimeError(f"pagedserve server exited ({proc.returncode}); see {log}")
-        if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise TimeoutError(f"pagedserve server not ready after {timeout:.0f} s; see {log}")
-        time.sleep(0.5)
-    time.sleep(0.2)  # the file may be mid-write on the first poll
-    ports = json.loads(ready.read_text())
+    try:
+        ports = _wait_ready(proc, ready, log, timeout)
+    except BaseException:  # also SIGTERM's SystemExit: nobody else holds this server yet
+        Server(name, proc, "", log).stop(timeout=10)
+        raise
     if http:
         return Server("pagedserve-http", proc, f"http://127.0.0.1:{ports['http_port']}", log,
                       f"127.0.0.1:{ports['port']}")
