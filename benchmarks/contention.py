@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -30,12 +31,30 @@ def cpu_model() -> str:
     return "unknown"
 
 
-def run_once(args: argparse.Namespace, threads: int, wait: str, contended: bool) -> dict:
-    cores = sorted(os.sched_getaffinity(0))
-    busy = None
-    if contended:  # the competitor owns the last core; the engine may still schedule threads there
-        busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP], preexec_fn=lambda: os.sched_setaffinity(0, cores[-1:]))
+@contextmanager
+def busy_core():
+    """One CPU-bound process pinned to the last usable core for the duration of the block (yields that core);
+    the system measured may still schedule threads there. Killed on exit, also when the block raises."""
+    core = sorted(os.sched_getaffinity(0))[-1]
+    busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP], preexec_fn=lambda: os.sched_setaffinity(0, {core}))
     try:
+        yield core
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+@contextmanager
+def _maybe_busy(contended: bool):
+    if contended:
+        with busy_core():
+            yield
+    else:
+        yield
+
+
+def run_once(args: argparse.Namespace, threads: int, wait: str, contended: bool) -> dict:
+    with _maybe_busy(contended):
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             cmd = [sys.executable, str(HERE / "throughput.py"), "--systems", "pagedserve", "--threads", str(threads),
                    "--repeats", str(args.repeats), "--no-roofline", "--num-requests", str(args.num_requests),
@@ -43,10 +62,6 @@ def run_once(args: argparse.Namespace, threads: int, wait: str, contended: bool)
                    "--dtype", args.dtype, "--out", out.name]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_WAIT_POLICY": wait})
             median = json.loads(Path(out.name).read_text())["results"][args.dtype]["median"]["pagedserve"]
-    finally:
-        if busy is not None:
-            busy.kill()
-            busy.wait()
     return {"benchmark": "contention", "threads": threads, "omp_wait_policy": wait, "contended": contended,
             "output_tok_s": median["output_tok_s"], "ttft_p50_s": median["ttft_p50_s"],
             "itl_p50_ms": median["itl_p50_ms"]}

@@ -23,6 +23,7 @@ sys.path[:0] = [str(HERE), str(HERE / "peers")]
 from metrics import median_result, summarize, token_agreement  # noqa: E402
 from workload import QUICK, add_workload_args, build_workload, workload_config_from_args  # noqa: E402
 
+import paths  # noqa: E402
 import servers  # noqa: E402
 from grpc_client import run_grpc  # noqa: E402
 from http_client import Endpoint, run_http  # noqa: E402
@@ -36,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="16 small requests, 1 repeat")
-    p.add_argument("--log-dir", type=Path, default=servers.CACHE / "logs")
+    p.add_argument("--log-dir", type=Path, default=paths.peers_cache() / "logs")
     return p.parse_args()
 
 

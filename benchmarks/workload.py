@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 ARRIVAL_MODES = ("all", "poisson")
+# "file": arrival times read from a workload file (workload_file.py); build_workload cannot redraw them.
+CONFIG_ARRIVALS = (*ARRIVAL_MODES, "file")
 
 
 class WorkloadError(ValueError):
@@ -43,8 +45,8 @@ class WorkloadConfig:
                                 f"{self.output_len_min}..{self.output_len_max}")
         if not 0 <= self.token_id_low < self.token_id_high:
             raise WorkloadError(f"bad token id range [{self.token_id_low}, {self.token_id_high})")
-        if self.arrival not in ARRIVAL_MODES:
-            raise WorkloadError(f"arrival must be one of {ARRIVAL_MODES}, got {self.arrival!r}")
+        if self.arrival not in CONFIG_ARRIVALS:
+            raise WorkloadError(f"arrival must be one of {CONFIG_ARRIVALS}, got {self.arrival!r}")
         if self.arrival == "poisson" and self.rate <= 0:
             raise WorkloadError(f"poisson arrival needs rate > 0, got {self.rate}")
 
@@ -65,6 +67,7 @@ class BenchRequest:
 class Workload:
     config: WorkloadConfig
     requests: tuple[BenchRequest, ...]
+    source: str = "seeded"  # or the workload file's path
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,7 +79,7 @@ class Workload:
 
     def summary(self) -> dict:
         return {**asdict(self.config), "prompt_tokens": self.num_prompt_tokens,
-                "output_tokens": self.num_output_tokens}
+                "output_tokens": self.num_output_tokens, "source": self.source}
 
 
 def build_workload(config: WorkloadConfig) -> Workload:
@@ -96,7 +99,18 @@ def build_workload(config: WorkloadConfig) -> Workload:
     return Workload(config, tuple(requests))
 
 
+def with_poisson_arrivals(workload: Workload, rate: float) -> Workload:
+    """The same requests (prompts, output lengths) with Poisson arrivals at `rate` req/s; for a seeded
+    workload this equals build_workload(config with arrival="poisson"), and it works for file workloads too."""
+    config = replace(workload.config, arrival="poisson", rate=rate)
+    offsets = _arrival_offsets(config)
+    requests = tuple(replace(r, arrival_s=t) for r, t in zip(workload.requests, offsets))
+    return Workload(config, requests, workload.source)
+
+
 def _arrival_offsets(config: WorkloadConfig) -> list[float]:
+    if config.arrival == "file":
+        raise WorkloadError("arrival='file' times come from the workload file, not from the config")
     if config.arrival == "all":
         return [0.0] * config.num_requests
     rng = random.Random(config.seed + 7919)

@@ -2,7 +2,7 @@
 # Builds llama.cpp's llama-server from the sources vendored in the llama-cpp-python sdist,
 # into the peers cache (never in CI). Niced and -j2 because the 2 cores are shared.
 set -euo pipefail
-CACHE="${PAGEDSERVE_PEERS_CACHE:-/root/.cache/pagedserve-peers}"
+. "$(dirname "$0")/paths.sh"
 VERSION=0.3.36
 SRC="$CACHE/llama-cpp-python-$VERSION"
 BUILD="$CACHE/llama-build"
@@ -10,7 +10,7 @@ JOBS="${JOBS:-2}"
 mkdir -p "$CACHE"
 if [ -x "$BUILD/bin/llama-server" ]; then echo "llama-server already built: $BUILD/bin/llama-server"; exit 0; fi
 if [ ! -d "$SRC" ]; then
-  python3 -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$CACHE/sdist"
+  "${PYTHON:-python3}" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$CACHE/sdist"
   tar -xzf "$CACHE/sdist/llama_cpp_python-$VERSION.tar.gz" -C "$CACHE"
   [ -d "$SRC" ] || mv "$CACHE/llama_cpp_python-$VERSION" "$SRC"
 fi

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from metrics import RequestTiming
-from workload import WorkloadConfig, build_workload
+from workload import Workload, WorkloadConfig, build_workload
 
+import paths
 import servers
 from grpc_client import run_grpc
 from http_client import Endpoint, run_http
@@ -38,7 +39,7 @@ class Driver(Protocol):
     name: str
     mode: str  # "in-process" or "wire"
 
-    def run(self, config: WorkloadConfig) -> tuple[list[RequestTiming], int | None, dict]: ...
+    def run(self, workload: Workload) -> tuple[list[RequestTiming], int | None, dict]: ...
 
     def close(self) -> None: ...
 
@@ -52,8 +53,8 @@ class WorkerDriver:
         self.name = name
         self.client = WorkerClient(argv, env=env, log_path=str(log))
 
-    def run(self, config):
-        return self.client.run(config)
+    def run(self, workload):
+        return self.client.run(workload)
 
     def close(self) -> None:
         self.client.close()
@@ -64,10 +65,14 @@ class ServerDriver:
 
     def __init__(self, name: str, server: servers.Server, send: Callable) -> None:
         self.name, self.server, self._send = name, server, send
-        self._send(build_workload(WARMUP))
+        try:
+            self._send(build_workload(WARMUP))
+        except BaseException:  # nobody else holds the server yet: stop it, or it outlives the run
+            server.stop()
+            raise
 
-    def run(self, config):
-        return self._send(build_workload(config)), None, {}
+    def run(self, workload):
+        return self._send(workload), None, {}
 
     def close(self) -> None:
         self.server.stop()
@@ -81,26 +86,26 @@ def _our_worker(system: str) -> Callable[[DriverSpec], Driver]:
     return make
 
 
-def _vllm_offline(spec: DriverSpec) -> Driver:
-    argv = [str(servers.VLLM_PYTHON), str(BENCH_DIR / "peers" / "vllm_worker.py"), "--model", spec.model_dir,
-            "--dtype", spec.dtype]
-    env = servers.vllm_env(spec.vllm_kv_gib, spec.vllm_bind)
-    return WorkerDriver("vllm", argv, env, spec.log_dir / f"vllm-offline-{spec.dtype}.log")
+def _vllm_offline(name: str, all_cores: bool, preload: bool) -> Callable[[DriverSpec], Driver]:
+    """all_cores: OpenMP bound to as many cores as the others get (vLLM's default `auto` keeps one core
+    of this 2-core machine for the frontend; a fair table shows both). preload: tcmalloc + Intel OpenMP
+    in LD_PRELOAD, the setup vLLM's CPU docs recommend."""
+    def make(spec: DriverSpec) -> Driver:
+        argv = [str(paths.vllm_python()), str(BENCH_DIR / "peers" / "vllm_worker.py"), "--model", spec.model_dir,
+                "--dtype", spec.dtype]
+        bind = f"0-{spec.threads - 1}" if all_cores else spec.vllm_bind
+        env = servers.vllm_env(spec.vllm_kv_gib, bind, preload)
+        return WorkerDriver(name, argv, env, spec.log_dir / f"{name}-offline-{spec.dtype}.log")
+    return make
 
 
-def _vllm_offline_all_cores(spec: DriverSpec) -> Driver:
-    """vLLM with its OpenMP threads bound to as many cores as the others get: its default (`auto`)
-    keeps one core of this 2-core machine for the frontend, and a fair table shows both choices."""
-    argv = [str(servers.VLLM_PYTHON), str(BENCH_DIR / "peers" / "vllm_worker.py"), "--model", spec.model_dir,
-            "--dtype", spec.dtype]
-    env = servers.vllm_env(spec.vllm_kv_gib, f"0-{spec.threads - 1}")
-    return WorkerDriver("vllm-allcores", argv, env, spec.log_dir / f"vllm-allcores-offline-{spec.dtype}.log")
-
-
-def _vllm_http(spec: DriverSpec) -> Driver:
-    server = servers.start_vllm(spec.model_dir, spec.dtype, spec.log_dir, spec.vllm_kv_gib, spec.vllm_bind)
-    endpoint = Endpoint(server.target + "/v1/completions", "model", (("return_token_ids", True),))
-    return ServerDriver("vllm-http", server, lambda w: run_http(endpoint, w))
+def _vllm_http(name: str, preload: bool) -> Callable[[DriverSpec], Driver]:
+    def make(spec: DriverSpec) -> Driver:
+        server = servers.start_vllm(spec.model_dir, spec.dtype, spec.log_dir, spec.vllm_kv_gib, spec.vllm_bind,
+                                    preload=preload)
+        endpoint = Endpoint(server.target + "/v1/completions", "model", (("return_token_ids", True),))
+        return ServerDriver(name, server, lambda w: run_http(endpoint, w))
+    return make
 
 
 def _llama_server(spec: DriverSpec) -> Driver:
@@ -124,13 +129,16 @@ def _pagedserve_http(spec: DriverSpec) -> Driver:
 
 SYSTEMS: dict[str, tuple[str, Callable[[DriverSpec], Driver]]] = {
     "pagedserve": ("in-process", _our_worker("pagedserve")),
-    "vllm": ("in-process", _vllm_offline),
-    "vllm-allcores": ("in-process", _vllm_offline_all_cores),
+    "vllm": ("in-process", _vllm_offline("vllm", all_cores=False, preload=False)),
+    "vllm-allcores": ("in-process", _vllm_offline("vllm-allcores", all_cores=True, preload=False)),
+    "vllm-preload": ("in-process", _vllm_offline("vllm-preload", all_cores=False, preload=True)),
+    "vllm-allcores-preload": ("in-process", _vllm_offline("vllm-allcores-preload", all_cores=True, preload=True)),
     "hf_cb": ("in-process", _our_worker("hf_cb")),
     "hf_static": ("in-process", _our_worker("hf_static")),
     "pagedserve-grpc": ("wire", _pagedserve_grpc),
     "pagedserve-http": ("wire", _pagedserve_http),
-    "vllm-http": ("wire", _vllm_http),
+    "vllm-http": ("wire", _vllm_http("vllm-http", preload=False)),
+    "vllm-http-preload": ("wire", _vllm_http("vllm-http-preload", preload=True)),
     "llama-server": ("wire", _llama_server),
 }
 

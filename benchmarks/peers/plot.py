@@ -1,7 +1,7 @@
 """Bar chart of compare.py's medians: output tok/s and TTFT p50 per system and dtype.
 Runs under the tools venv (matplotlib is not a project dependency):
 
-    /root/.cache/pagedserve-tools/tools-venv/bin/python benchmarks/peers/plot.py IN.json OUT.png
+    ~/.cache/pagedserve-tools/tools-venv/bin/python benchmarks/peers/plot.py IN.json OUT.png   (see paths.py)
 """
 
 from __future__ import annotations

