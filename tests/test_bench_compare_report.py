@@ -114,3 +114,20 @@ def test_cache_paths_follow_xdg_and_override_in_python_and_shell(monkeypatch, tm
     assert paths.vllm_python() == tmp_path / "peers" / "vllm-venv" / "bin" / "python"
     got = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, env=dict(os.environ), check=True)
     assert got.stdout.split()[0] == str(tmp_path / "peers")
+
+
+def test_llama_server_count_comes_from_tokens_predicted():
+    """llama-server holds back a token that ends mid UTF-8 character and then streams only the newer id: of 85
+    tokens generated for one benchmark request, 43 ids arrived. The final chunk's tokens_predicted is the count."""
+    import http_client
+
+    times: list[float] = []
+    for now, chunk in enumerate([{"content": "s", "tokens": [82], "stop": False},
+                                 {"content": "\u05e7", "tokens": [1203], "stop": False},  # 2 byte tokens, 1 id
+                                 {"content": "", "tokens": [], "stop": True, "tokens_predicted": 3}]):
+        ids, count, is_token = http_client._parse(chunk)
+        if count is not None:
+            http_client._pad_to(times, count, float(now))
+        elif ids:
+            times.extend([float(now)] * len(ids))
+    assert times == [0.0, 1.0, 2.0]

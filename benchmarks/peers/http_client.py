@@ -111,7 +111,11 @@ async def _one(endpoint: Endpoint, req: BenchRequest, t0: float) -> RequestTimin
 def _parse(chunk: dict) -> tuple[list[int], int | None, bool]:
     """(new token ids, running completion-token count if streamed, whether it is a token chunk)."""
     if "choices" not in chunk:  # llama-server native: {"content", "tokens", "stop"}
-        return list(chunk.get("tokens") or []), None, not chunk.get("stop", False)
+        # A token that ends mid UTF-8 character is held back and sent with the next one, and that chunk's "tokens"
+        # lists only the newer id (a byte-level vocabulary makes that common on random prompts): the final chunk's
+        # tokens_predicted is the count of tokens generated.
+        count = chunk.get("tokens_predicted") if chunk.get("stop", False) else None
+        return list(chunk.get("tokens") or []), count, not chunk.get("stop", False)
     usage = chunk.get("usage") or {}
     count = usage.get("completion_tokens")
     choices = chunk["choices"]
