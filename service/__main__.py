@@ -1,5 +1,5 @@
 """`python -m pagedserve.service serve ...` (same as the `pagedserve` console script)."""
 
-from pagedserve.service.cli import main
+from pagedserve.service.entry import main
 
 raise SystemExit(main())

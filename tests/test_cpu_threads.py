@@ -60,3 +60,35 @@ def test_no_cgroup_files_means_the_affinity_mask(tmp_path):
 ])
 def test_thread_count(requested, budget, current, expected):
     assert apply_thread_budget(requested, budget, current) == expected
+
+
+def _entry_probe(env_policy: str | None) -> str:
+    """Runs the console script's entry in a fresh interpreter (with --help, so it exits after parsing) and reports
+    the wait policy the process ended with and whether torch was loaded before the entry module set it."""
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import atexit, os, sys\n"
+        "import pagedserve.service.entry as entry\n"
+        "torch_first = 'torch' in sys.modules\n"
+        "atexit.register(lambda: print('POLICY', os.environ.get('OMP_WAIT_POLICY'),\n"
+        "                              'torch-loaded-first' if torch_first else 'policy-first'))\n"
+        "sys.argv = ['pagedserve', '--help']\n"
+        "entry.main()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if env_policy is not None:
+        env["OMP_WAIT_POLICY"] = env_policy
+    out = subprocess.run([sys.executable, "-P", "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    return [line for line in out.stdout.splitlines() if line.startswith("POLICY")][0]
+
+
+def test_console_script_defaults_to_passive_before_torch_loads():
+    """libgomp reads the policy when torch loads: the default must be in place before any torch import."""
+    assert _entry_probe(None) == "POLICY PASSIVE policy-first"
+
+
+def test_console_script_keeps_a_policy_the_user_set():
+    assert _entry_probe("ACTIVE") == "POLICY ACTIVE policy-first"
