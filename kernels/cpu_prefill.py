@@ -14,21 +14,18 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels.attention import AttentionMetadata
-from pagedserve.kernels.cpu_native import COMPUTE_DTYPES, dtype_code, load_library
+from pagedserve.kernels.cpu_native import COMPUTE_DTYPES, _DecodeArgs, dtype_code, load_library
+
+
+def _prefill_fields() -> list[tuple[str, type]]:
+    """PrefillArgs in cpu_prefill_attention.c is DecodeArgs with each chunk's query_lens after rows."""
+    fields = list(_DecodeArgs._fields_)
+    fields.insert([name for name, _ in fields].index("rows") + 1, ("query_lens", ctypes.c_void_p))
+    return fields
 
 
 class _PrefillArgs(ctypes.Structure):
-    # Field order and types mirror PrefillArgs in cpu_prefill_attention.c.
-    _fields_ = [
-        ("query", ctypes.c_void_p), ("q_token_stride", ctypes.c_int64), ("out", ctypes.c_void_p), ("q_dtype", ctypes.c_int),
-        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("kv_dtype", ctypes.c_int),
-        ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
-        ("block_tables", ctypes.c_void_p), ("block_table_stride", ctypes.c_int64),
-        ("seq_lens", ctypes.c_void_p), ("rows", ctypes.c_void_p), ("query_lens", ctypes.c_void_p),
-        ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
-        ("num_blocks", ctypes.c_int64), ("block_size", ctypes.c_int64),
-        ("scale", ctypes.c_float), ("window", ctypes.c_int64),
-    ]
+    _fields_ = _prefill_fields()
 
 
 @dataclass(frozen=True, slots=True)
