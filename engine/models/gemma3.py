@@ -20,7 +20,6 @@ from pagedserve.engine.errors import ModelLoadError
 from pagedserve.engine.models.layers import (
     FULL, SLIDING, ForwardContext, RopeAngles, RotaryEmbedding, layer_types, layer_windows,
 )
-from pagedserve.kernels.paged_attention import paged_attention, write_kv
 from pagedserve.quant.base import QuantConfig
 from pagedserve.quant.linear import QuantLinear
 from pagedserve.quant.unquantized import UnquantizedLinearMethod
@@ -149,11 +148,7 @@ class Gemma3Attention(nn.Module):
         q = rope.rotate(self.q_norm(q.reshape(tokens, self.num_heads, self.head_dim)))
         k = rope.rotate(self.k_norm(k.reshape(tokens, self.num_kv_heads, self.head_dim)))
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        cache = ctx.kv_cache.layers[self.layer_index]
-        write_kv(ctx.attn_impl, k, v, cache, ctx.attn_meta.slot_mapping)
-        out = paged_attention(
-            ctx.attn_impl, q, cache, ctx.attn_meta, self.scale, ctx.plan_for(self.window), self.window
-        )  # [T, H, D]
+        out = ctx.attend(self.layer_index, q, k, v, self.scale, self.window)  # [T, H, D]
         return self.o_proj(out.reshape(tokens, -1))
 
 

@@ -14,6 +14,7 @@ from pagedserve.engine.errors import ModelLoadError
 from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, AttentionPlan
 from pagedserve.kernels.kv_cache import KVCache
 from pagedserve.kernels.layer_ops import LayerOps, TorchLayerOps
+from pagedserve.kernels.paged_attention import paged_attention, write_kv
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,14 @@ class ForwardContext:
 
     def plan_for(self, window: int | None) -> AttentionPlan | None:
         return self.attn_plans.get(window)
+
+    def attend(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: int | None) -> torch.Tensor:
+        """One layer's attention step: its new K/V ([T, Hkv, D]) into its cache, then q [T, H, D] over the cache
+        with this step's plan for `window` -> [T, H, D]."""
+        cache = self.kv_cache.layers[layer_index]
+        write_kv(self.attn_impl, k, v, cache, self.attn_meta.slot_mapping)
+        return paged_attention(self.attn_impl, q, cache, self.attn_meta, scale, self.plan_for(window), window)
 
 
 SLIDING, FULL = "sliding_attention", "full_attention"

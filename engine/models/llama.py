@@ -20,7 +20,6 @@ from pagedserve.engine.models.layers import (
     ForwardContext, RMSNorm, RopeAngles, RotaryEmbedding, layer_types, layer_windows,
 )
 from pagedserve.kernels.layer_ops import LayerOps
-from pagedserve.kernels.paged_attention import paged_attention, write_kv
 from pagedserve.quant.base import QuantConfig
 from pagedserve.quant.linear import QuantLinear
 from pagedserve.quant.unquantized import UnquantizedLinearMethod
@@ -122,11 +121,7 @@ class Attention(nn.Module):
             q = rope.rotate(self.q_proj(x).view(tokens, self.num_heads, self.head_dim))
             k = rope.rotate(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
             v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        cache = ctx.kv_cache.layers[self.layer_index]
-        write_kv(ctx.attn_impl, k, v, cache, ctx.attn_meta.slot_mapping)
-        out = paged_attention(
-            ctx.attn_impl, q, cache, ctx.attn_meta, self.scale, ctx.plan_for(self.window), self.window
-        )  # [T, H, D]
+        out = ctx.attend(self.layer_index, q, k, v, self.scale, self.window)  # [T, H, D]
         return self.o_proj(out.reshape(tokens, -1))
 
 
