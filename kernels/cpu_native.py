@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -51,7 +52,7 @@ class NativeBuildError(RuntimeError):
     """The native kernels could not be compiled or loaded here (no C compiler, an unsupported CPU, ...)."""
 
 
-class _DecodeArgs(ctypes.Structure):
+class DecodeArgs(ctypes.Structure):
     # Field order and types mirror DecodeArgs in cpu_decode_attention.c.
     _fields_ = [
         ("query", ctypes.c_void_p), ("q_token_stride", ctypes.c_int64), ("out", ctypes.c_void_p), ("q_dtype", ctypes.c_int),
@@ -114,7 +115,7 @@ def load_library() -> ctypes.CDLL:
 
 def _declare_signatures(lib: ctypes.CDLL) -> None:
     ptr, i64, f32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-    lib.pagedserve_decode_attention.argtypes = [ctypes.POINTER(_DecodeArgs), i64, i64, c_int]
+    lib.pagedserve_decode_attention.argtypes = [ctypes.POINTER(DecodeArgs), i64, i64, c_int]
     lib.pagedserve_prefill_attention.argtypes = [ctypes.c_void_p, i64, c_int]  # a PrefillArgs (cpu_prefill.py)
     lib.pagedserve_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.pagedserve_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, c_int, c_int]
@@ -158,6 +159,46 @@ class DecodeBatch:
         assert self.window is None or self.window >= 1
 
 
+class PagedRows(Protocol):
+    """What both kernels read of a DecodeBatch or a PrefillBatch (cpu_prefill.py)."""
+
+    rows: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    window: int | None
+
+
+def attention_fields(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    k_storage: torch.Tensor,
+    v_storage: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    batch: PagedRows,
+    scale: float,
+) -> dict[str, Any]:
+    """The DecodeArgs fields both native attention kernels read (PrefillArgs adds query_lens), checked once:
+    query, out [T, H, D] CPU tensors of one dtype (query's heads contiguous, out dense); k/v_storage head-major
+    [Hkv, num_blocks, block_size, D]; scales [Hkv] fp32."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, num_blocks, block_size, _ = k_storage.shape
+    assert query.stride(2) == 1 and query.stride(1) == head_dim and out.is_contiguous() and out.shape == query.shape
+    assert query.dtype in COMPUTE_DTYPES and out.dtype == query.dtype, f"query dtype {query.dtype} unsupported"
+    assert k_storage.is_contiguous() and v_storage.is_contiguous() and v_storage.shape == k_storage.shape
+    assert k_storage.shape[3] == head_dim and num_heads % num_kv_heads == 0
+    assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.shape == v_scale.shape == (num_kv_heads,)
+    return dict(
+        query=query.data_ptr(), q_token_stride=query.stride(0), out=out.data_ptr(), q_dtype=dtype_code(query.dtype),
+        k_cache=k_storage.data_ptr(), v_cache=v_storage.data_ptr(), kv_dtype=dtype_code(k_storage.dtype),
+        k_scale=k_scale.data_ptr(), v_scale=v_scale.data_ptr(),
+        block_tables=batch.block_tables.data_ptr(), block_table_stride=batch.block_tables.stride(0),
+        seq_lens=batch.seq_lens.data_ptr(), rows=batch.rows.data_ptr(),
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, num_blocks=num_blocks,
+        block_size=block_size, scale=scale, window=batch.window or 0,
+    )
+
+
 def decode_attention(
     query: torch.Tensor,
     out: torch.Tensor,
@@ -168,29 +209,13 @@ def decode_attention(
     batch: DecodeBatch,
     scale: float,
 ) -> None:
-    """out[rows] = attention(query[rows]) over the paged cache. query, out [T, H, D] CPU tensors of one dtype (query's
-    heads contiguous, out dense); k/v_storage head-major [Hkv, num_blocks, block_size, D]; scales [Hkv] fp32."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads, num_blocks, block_size, _ = k_storage.shape
-    assert query.stride(2) == 1 and query.stride(1) == head_dim and out.is_contiguous() and out.shape == query.shape and out.dtype == query.dtype
-    assert query.dtype in COMPUTE_DTYPES, f"query dtype {query.dtype} unsupported"
-    assert k_storage.is_contiguous() and v_storage.is_contiguous() and v_storage.shape == k_storage.shape
-    assert k_storage.shape[3] == head_dim and num_heads % num_kv_heads == 0
-    assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.shape == v_scale.shape == (num_kv_heads,)
-    args = _DecodeArgs(
-        query.data_ptr(), query.stride(0), out.data_ptr(), dtype_code(query.dtype),
-        k_storage.data_ptr(), v_storage.data_ptr(), dtype_code(k_storage.dtype),
-        k_scale.data_ptr(), v_scale.data_ptr(),
-        batch.block_tables.data_ptr(), batch.block_tables.stride(0),
-        batch.seq_lens.data_ptr(), batch.rows.data_ptr(),
-        num_heads, num_kv_heads, head_dim, num_blocks, block_size, scale, batch.window or 0,
-    )
+    """out[rows] = attention(query[rows]) over the paged cache; tensors as `attention_fields` takes them."""
+    args = DecodeArgs(**attention_fields(query, out, k_storage, v_storage, k_scale, v_scale, batch, scale))
     status = load_library().pagedserve_decode_attention(
         ctypes.byref(args), batch.rows.shape[0], batch.max_seq_len, torch.get_num_threads()
     )
     if status != 0:
         raise MemoryError("native decode attention could not allocate its per-thread scratch")
-
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_storage: torch.Tensor, v_storage: torch.Tensor,

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels.attention import AttentionMetadata
-from pagedserve.kernels.cpu_native import COMPUTE_DTYPES, _DecodeArgs, dtype_code, load_library
+from pagedserve.kernels.cpu_native import DecodeArgs, attention_fields, load_library
 
 
 def _prefill_fields() -> list[tuple[str, type]]:
     """PrefillArgs in cpu_prefill_attention.c is DecodeArgs with each chunk's query_lens after rows."""
-    fields = list(_DecodeArgs._fields_)
+    fields = list(DecodeArgs._fields_)
     fields.insert([name for name, _ in fields].index("rows") + 1, ("query_lens", ctypes.c_void_p))
     return fields
 
@@ -71,23 +71,11 @@ def prefill_attention_native(
     batch: PrefillBatch,
     scale: float,
 ) -> None:
-    """out[chunk rows] = causal attention of each chunk's queries over its cached context and itself. Same tensor
-    contract as cpu_native.decode_attention; head_dim must be a multiple of 16."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads, num_blocks, block_size, _ = k_storage.shape
-    assert head_dim % 16 == 0, f"head_dim {head_dim} is not a multiple of 16"
-    assert query.stride(2) == 1 and query.stride(1) == head_dim and out.is_contiguous() and out.shape == query.shape
-    assert query.dtype in COMPUTE_DTYPES and out.dtype == query.dtype, f"query dtype {query.dtype} unsupported"
-    assert k_storage.is_contiguous() and v_storage.is_contiguous() and v_storage.shape == k_storage.shape
-    assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.shape == v_scale.shape == (num_kv_heads,)
-    args = _PrefillArgs(
-        query.data_ptr(), query.stride(0), out.data_ptr(), dtype_code(query.dtype),
-        k_storage.data_ptr(), v_storage.data_ptr(), dtype_code(k_storage.dtype),
-        k_scale.data_ptr(), v_scale.data_ptr(),
-        batch.block_tables.data_ptr(), batch.block_tables.stride(0),
-        batch.seq_lens.data_ptr(), batch.rows.data_ptr(), batch.query_lens.data_ptr(),
-        num_heads, num_kv_heads, head_dim, num_blocks, block_size, scale, batch.window or 0,
-    )
+    """out[chunk rows] = causal attention of each chunk's queries over its cached context and itself; tensors as
+    cpu_native.attention_fields takes them, head_dim a multiple of 16."""
+    assert query.shape[2] % 16 == 0, f"head_dim {query.shape[2]} is not a multiple of 16"
+    fields = attention_fields(query, out, k_storage, v_storage, k_scale, v_scale, batch, scale)
+    args = _PrefillArgs(**fields, query_lens=batch.query_lens.data_ptr())
     status = load_library().pagedserve_prefill_attention(
         ctypes.addressof(args), batch.rows.shape[0], torch.get_num_threads()
     )
