@@ -139,11 +139,14 @@ INLINE f32x16 select16(i32x16 mask, f32x16 yes, f32x16 no) {
     return (f32x16)((mask & (i32x16)yes) | (~mask & (i32x16)no));
 }
 
-INLINE float hmax16(f32x16 x) {
-    f32x8 h = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7), g = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    h = (f32x8)(((h > g) & (__typeof__(h > g))h) | (~(h > g) & (__typeof__(h > g))g));
-    float m = h[0];
-    for (int i = 1; i < 8; i++) m = h[i] > m ? h[i] : m;
+INLINE float hmax16(f32x16 x) {  /* the two halves lane by lane, then the 8 maxima */
+    const f32x8 lo = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7),
+                hi = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    float m = lo[0] > hi[0] ? lo[0] : hi[0];
+    for (int i = 1; i < 8; i++) {
+        const float pair = lo[i] > hi[i] ? lo[i] : hi[i];
+        m = pair > m ? pair : m;
+    }
     return m;
 }
 

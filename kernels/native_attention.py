@@ -2,8 +2,8 @@
 
 Every decode row of a step goes through cpu_decode_attention.c and every prefill chunk through
 cpu_prefill_attention.c; both read K/V blocks in place instead of gathering and upcasting them. Head dims that are
-not a multiple of 16 send prefill chunks to the shared SDPA path (prefill_attention.py). `auto` picks this on CPU whenever the C file builds here, and falls back to pure torch (logging
-why) when it cannot.
+not a multiple of 16 send prefill chunks to the shared SDPA path (prefill_attention.py). `auto` picks this on CPU
+whenever the C files build here, and falls back to pure torch (logging why) when they cannot.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, plan: NativePlan, scale: float
     ) -> torch.Tensor:
         assert query.device.type == "cpu", "the native attention runs on CPU tensors only"
-        if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
+        if not _heads_dense(query):
             query = query.contiguous()
         out = torch.empty(query.shape, dtype=query.dtype)
         k_storage, v_storage = LayerKVCache.by_head(cache.k), LayerKVCache.by_head(cache.v)
