@@ -92,17 +92,23 @@ class CountingAttention(AttentionImpl):
         return self.inner.attention(query, cache, meta, plan, scale)
 
 
+def spy_on_steps(runner, monkeypatch) -> tuple[CountingAttention, list]:
+    """The runner's attention wrapped in a CountingAttention, and the list every executed step is appended to."""
+    spy = CountingAttention(runner.attn_impl)
+    monkeypatch.setattr(runner, "attn_impl", spy)
+    steps = []
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda batch: steps.append(batch) or execute(batch))
+    return spy, steps
+
+
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_the_runner_plans_once_per_step_and_every_layer_uses_that_plan(tmp_path, monkeypatch, backend):
     llm = LLM(str(make_tiny_model(tmp_path)), dtype="float32", attention_backend=backend)
     params = SamplingParams(max_tokens=4, temperature=0.0)
     expected = llm.generate(["a b c", "d e"], params)
     runner = llm.engine.runner
-    spy = CountingAttention(runner.attn_impl)
-    monkeypatch.setattr(runner, "attn_impl", spy)
-    steps = []
-    execute = runner.execute
-    monkeypatch.setattr(runner, "execute", lambda batch: steps.append(batch) or execute(batch))
+    spy, steps = spy_on_steps(runner, monkeypatch)
     got = llm.generate(["a b c", "d e"], params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     layers = runner.model.args.num_layers
@@ -119,11 +125,7 @@ def test_the_runner_plans_once_per_window_and_each_layer_gets_its_windows_plan(t
                            sliding_window=4, layer_types=types)
     llm = LLM(str(path), dtype="float32", attention_backend="torch")
     runner = llm.engine.runner
-    spy = CountingAttention(runner.attn_impl)
-    monkeypatch.setattr(runner, "attn_impl", spy)
-    steps = []
-    execute = runner.execute
-    monkeypatch.setattr(runner, "execute", lambda batch: steps.append(batch) or execute(batch))
+    spy, steps = spy_on_steps(runner, monkeypatch)
     llm.generate(["a b c d e f g", "d e"], SamplingParams(max_tokens=3, temperature=0.0))
     assert len(spy.plans) == 2 * len(steps)
     assert [p.window for p in spy.attention_plans[:3]] == [4, None, 4]
