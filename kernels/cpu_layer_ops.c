@@ -17,8 +17,8 @@ INLINE float round_to(float x, int dt) {
     return x;
 }
 
-/* Small inputs stay on the calling thread: waking the pool costs more than the work. */
-#define PARALLEL_MIN_ELEMENTS 16384
+/* Whether a call is worth splitting across threads is the caller's choice (num_threads 1: no parallel region),
+ * since it depends on how the pool waits; see SplitThresholds in cpu_layer_ops.py. */
 
 /* Row functions take the dtype as a constant and are instantiated per dtype below (ROW_FUNCTIONS): OpenMP outlines
  * a parallel loop's body before inlining, so a dtype passed into the loop would stay a variable there, and its
@@ -26,45 +26,82 @@ INLINE float round_to(float x, int dt) {
 
 /* out = weight * dtype(x * rsqrt(mean(x^2) + eps)) for one row of x [rows, dim] (transformers' LlamaRMSNorm).
  * With `delta`, x is first replaced by dtype(x + delta), written back into x: the residual stream of the next
- * sublayer. */
+ * sublayer. The 16-lane path keeps the row in registers' worth of stack; odd widths take the scalar loop. */
 INLINE void rms_norm_row(void *x, const void *delta, void *out, const void *weight, int64_t dim, float eps,
                          const int dt) {
+    if (dim % 16 == 0) {
+        const int64_t chunks = dim / 16;
+        f32x16 row[chunks], even = {0}, odd = {0};  /* two sums: half the dependency chain */
+        for (int64_t c = 0; c < chunks; c++) {
+            f32x16 v = load16(x, c, dt);
+            if (delta) {
+                v = round16(v + load16(delta, c, dt), dt);
+                store16(x, c, dt, v);
+            }
+            row[c] = v;
+            if (c & 1) odd += v * v;
+            else even += v * v;
+        }
+        const float inv = 1.0f / sqrtf(hsum16(even + odd) / (float)dim + eps);
+        for (int64_t c = 0; c < chunks; c++) store16(out, c, dt, round16(row[c] * inv, dt) * load16(weight, c, dt));
+        return;
+    }
     float row[dim], squares = 0.0f;
-    if (delta) {
-        for (int64_t d = 0; d < dim; d++) {
-            row[d] = round_to(load_at(x, d, dt) + load_at(delta, d, dt), dt);
+    for (int64_t d = 0; d < dim; d++) {
+        row[d] = load_at(x, d, dt);
+        if (delta) {
+            row[d] = round_to(row[d] + load_at(delta, d, dt), dt);
             store_at(x, d, dt, row[d]);
         }
-    } else {
-        for (int64_t d = 0; d < dim; d++) row[d] = load_at(x, d, dt);
+        squares += row[d] * row[d];
     }
-#pragma omp simd reduction(+ : squares)
-    for (int64_t d = 0; d < dim; d++) squares += row[d] * row[d];
     const float inv = 1.0f / sqrtf(squares / (float)dim + eps);
     for (int64_t d = 0; d < dim; d++) store_at(out, d, dt, round_to(row[d] * inv, dt) * load_at(weight, d, dt));
 }
 
-/* out [n] = dtype(silu(gate)) * up for one row of gate_up [2n] = [gate | up] (the merged projection's output). */
-INLINE void silu_and_mul_row(const void *gate_up, void *out, int64_t n, const int dt) {
-    for (int64_t i = 0; i < n; i++) {
-        const float g = load_at(gate_up, i, dt), u = load_at(gate_up, n + i, dt);
-        const float e = exp_nonpositive(-fabsf(g));  /* e^-|g|: never overflows */
-        const float sigmoid = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
-        store_at(out, i, dt, round_to(g * sigmoid, dt) * u);
-    }
+INLINE float silu(float g) {
+    const float e = exp_nonpositive(-fabsf(g));  /* e^-|g|: never overflows */
+    return g * (g >= 0.0f ? 1.0f : e) / (1.0f + e);
 }
 
-/* One token's heads: out = x * cos + [x2, x1] * signed_sin, each product and the sum rounded as torch rounds. */
+INLINE f32x16 silu16(f32x16 g) {
+    const f32x16 e = exp16_nonpositive((f32x16)((i32x16)g | (i32x16){0} + INT32_MIN)), one = (f32x16){0} + 1.0f;
+    return g * select16(g >= 0.0f, one, e) / (one + e);
+}
+
+/* out [n] = dtype(silu(gate)) * up for one row of gate_up [2n] = [gate | up] (the merged projection's output). */
+INLINE void silu_and_mul_row(const void *gate_up, void *out, int64_t n, const int dt) {
+    const void *up = (const char *)gate_up + n * elem_size(dt);
+    const int64_t chunks = n / 16;
+    for (int64_t c = 0; c < chunks; c++)
+        store16(out, c, dt, round16(silu16(load16(gate_up, c, dt)), dt) * load16(up, c, dt));
+    for (int64_t i = 16 * chunks; i < n; i++)
+        store_at(out, i, dt, round_to(silu(load_at(gate_up, i, dt)), dt) * load_at(up, i, dt));
+}
+
+/* One token's heads: out = x * cos + [x2, x1] * signed_sin, each product and the sum rounded as torch rounds.
+ * rotate_half pairs lane d with lane d + dim/2 (then d - dim/2): whole 16-lane chunks when dim/2 is a multiple of
+ * 16, lane by lane otherwise. */
 INLINE void rope_row(const void *x, const void *cos, const void *signed_sin, void *out, int64_t heads, int64_t dim,
                      const int dt) {
     const int64_t half = dim / 2;
     for (int64_t h = 0; h < heads; h++) {
-        const int64_t base = h * dim;
-        for (int64_t d = 0; d < dim; d++) {  /* rotate_half: lane d pairs with lane d + dim/2, then d - dim/2 */
+        const void *xh = (const char *)x + h * dim * elem_size(dt);
+        void *oh = (char *)out + h * dim * elem_size(dt);
+        if (half % 16 == 0) {
+            for (int64_t c = 0; c < dim / 16; c++) {
+                const int64_t pair = c < half / 16 ? c + half / 16 : c - half / 16;
+                const f32x16 a = round16(load16(xh, c, dt) * load16(cos, c, dt), dt);
+                const f32x16 b = round16(load16(xh, pair, dt) * load16(signed_sin, c, dt), dt);
+                store16(oh, c, dt, a + b);
+            }
+            continue;
+        }
+        for (int64_t d = 0; d < dim; d++) {
             const int64_t pair = d < half ? d + half : d - half;
-            const float a = round_to(load_at(x, base + d, dt) * load_at(cos, d, dt), dt);
-            const float b = round_to(load_at(x, base + pair, dt) * load_at(signed_sin, d, dt), dt);
-            store_at(out, base + d, dt, a + b);
+            const float a = round_to(load_at(xh, d, dt) * load_at(cos, d, dt), dt);
+            const float b = round_to(load_at(xh, pair, dt) * load_at(signed_sin, d, dt), dt);
+            store_at(oh, d, dt, a + b);
         }
     }
 }
@@ -90,7 +127,7 @@ int pagedserve_rms_norm(void *x, const void *delta, void *out, const void *weigh
                         float eps, int dt, int num_threads) {
     void (*row)(void *, const void *, void *, const void *, int64_t, float) =
         dt == DT_BF16 ? rms_norm_bf16 : dt == DT_F16 ? rms_norm_f16 : rms_norm_f32;
-#pragma omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_ELEMENTS) schedule(static)
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1) schedule(static)
     for (int64_t r = 0; r < rows; r++)
         row(AT(x, dt, r * dim), delta ? AT(delta, dt, r * dim) : NULL, AT(out, dt, r * dim), weight, dim, eps);
     return 0;
@@ -99,7 +136,7 @@ int pagedserve_rms_norm(void *x, const void *delta, void *out, const void *weigh
 int pagedserve_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int dt, int num_threads) {
     void (*row)(const void *, void *, int64_t) =
         dt == DT_BF16 ? silu_and_mul_bf16 : dt == DT_F16 ? silu_and_mul_f16 : silu_and_mul_f32;
-#pragma omp parallel for num_threads(num_threads) if (rows * n >= PARALLEL_MIN_ELEMENTS) schedule(static)
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1) schedule(static)
     for (int64_t r = 0; r < rows; r++) row(AT(gate_up, dt, r * 2 * n), AT(out, dt, r * n), n);
     return 0;
 }
@@ -110,7 +147,7 @@ int pagedserve_rope(const void *x, int64_t x_token_stride, const void *cos, cons
                     int64_t tokens, int64_t heads, int64_t dim, int dt, int num_threads) {
     void (*row)(const void *, const void *, const void *, void *, int64_t, int64_t) =
         dt == DT_BF16 ? rope_bf16 : dt == DT_F16 ? rope_f16 : rope_f32;
-#pragma omp parallel for num_threads(num_threads) if (tokens * heads * dim >= PARALLEL_MIN_ELEMENTS) schedule(static)
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1) schedule(static)
     for (int64_t t = 0; t < tokens; t++)
         row(AT(x, dt, t * x_token_stride), AT(cos, dt, t * dim), AT(signed_sin, dt, t * dim),
             AT(out, dt, t * heads * dim), heads, dim);

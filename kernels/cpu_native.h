@@ -115,6 +115,56 @@ INLINE f32x16 load16(const void *row, int64_t c, int dt) {
     return out;
 }
 
+/* 16 fp32 lanes rounded to bf16 bits as f32_to_bf16 rounds each (nearest even, NaN stays NaN). */
+INLINE u16x16 bf16x16_portable(f32x16 x) {
+    u32x16 u;
+    memcpy(&u, &x, sizeof u);
+    const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet_nan = (u >> 16) | 0x40u;
+    const u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
+    return __builtin_convertvector((nan & quiet_nan) | (~nan & rounded), u16x16);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+/* vcvtneps2bf16 rounds the same way in one instruction but flushes denormal inputs to zero, so a vector holding
+ * one (never seen in activations, but exactness is promised) takes the portable path. */
+INLINE u16x16 bf16x16_bits(f32x16 x) {
+    __m512 v;
+    memcpy(&v, &x, sizeof v);
+    if (__builtin_expect(_mm512_fpclass_ps_mask(v, 0x20), 0)) return bf16x16_portable(x);  /* 0x20: denormal */
+    const __m256bh bits = _mm512_cvtneps_pbh(v);
+    u16x16 out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+#else
+INLINE u16x16 bf16x16_bits(f32x16 x) { return bf16x16_portable(x); }
+#endif
+
+/* Each lane rounded to what dtype `dt` stores, as fp32 (round_to on 16 lanes; fp32 unchanged). */
+INLINE f32x16 round16(f32x16 x, int dt) {
+    if (dt == DT_BF16) {
+        const u32x16 wide = __builtin_convertvector(bf16x16_bits(x), u32x16) << 16;
+        memcpy(&x, &wide, sizeof x);
+    } else if (dt == DT_F16) {
+        x = __builtin_convertvector(__builtin_convertvector(x, f16x16), f32x16);
+    }
+    return x;
+}
+
+/* Stores 16 fp32 lanes as lanes [16c, 16c + 16) of a row of a compute dtype, rounding as store_at does. */
+INLINE void store16(void *row, int64_t c, int dt, f32x16 x) {
+    if (dt == DT_BF16) {
+        const u16x16 bits = bf16x16_bits(x);
+        memcpy((uint16_t *)row + 16 * c, &bits, sizeof bits);
+    } else if (dt == DT_F16) {
+        const f16x16 half = __builtin_convertvector(x, f16x16);
+        memcpy((_Float16 *)row + 16 * c, &half, sizeof half);
+    } else {
+        memcpy((float *)row + 16 * c, &x, sizeof x);
+    }
+}
+
 /* e^x for x <= 0 (softmax numerators, SiLU): Cephes' expf polynomial on x = n ln2 + r, |r| <= ln2 / 2, within
  * 2 ulp of expf; branch-free, so loops over it vectorize. Inputs below -87 flush to 0. */
 INLINE float exp_nonpositive(float x) {

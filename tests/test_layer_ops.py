@@ -80,6 +80,21 @@ def test_rope_on_a_strided_slice(dtype: torch.dtype) -> None:
         assert (got - want).abs().max().item() < 1e-6
 
 
+def test_bf16_rounding_keeps_denormal_results() -> None:
+    """Products below fp32's normal range round to bf16 denormals as torch rounds them; the hardware conversion
+    (vcvtneps2bf16) would flush them to zero, so vectors holding one take the portable rounding."""
+    from pagedserve.engine.models.layers import RotaryEmbedding
+
+    tokens, heads, dim = 8, 4, 64
+    x = (_inputs(tokens, heads * dim, torch.float32) * 1e-38).to(torch.bfloat16).view(tokens, heads, dim)
+    angles = RotaryEmbedding(dim, 512, 10000.0, None).angles(torch.arange(tokens), torch.bfloat16, TORCH)
+    want = TORCH.rope(x, angles.cos, angles.signed_sin)
+    got = cpu_layer_ops.rope(x, angles.cos, angles.signed_sin)
+    tiny = want.float().abs()
+    assert ((tiny > 0) & (tiny < torch.finfo(torch.float32).tiny)).any()  # the case is really exercised
+    assert torch.equal(got, want)
+
+
 def test_auto_selection() -> None:
     assert type(select_layer_ops("auto", CPU, torch.bfloat16)) is NativeLayerOps
     assert type(select_layer_ops("auto", CPU, torch.float16)) is NativeLayerOps
