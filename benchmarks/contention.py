@@ -7,6 +7,10 @@ Run it on an otherwise idle machine; the load average before and after is in the
 
     python benchmarks/contention.py                       # threads 2 and 1, ACTIVE and PASSIVE waits
     python benchmarks/contention.py --threads 2 --waits PASSIVE --num-requests 16
+    python benchmarks/contention.py --threads 0 --waits GOVERNED PASSIVE  # as `pagedserve serve` runs
+
+GOVERNED: OMP_WAIT_POLICY unset (libgomp spins a while, then sleeps) with the engine's thread governor, which needs
+the engine to choose its own thread count: pair it with `--threads 0`.
 """
 
 from __future__ import annotations
@@ -60,7 +64,10 @@ def run_once(args: argparse.Namespace, threads: int, wait: str, contended: bool)
                    "--repeats", str(args.repeats), "--no-roofline", "--num-requests", str(args.num_requests),
                    "--prompt-len", *map(str, args.prompt_len), "--output-len", *map(str, args.output_len),
                    "--dtype", args.dtype, "--out", out.name]
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_WAIT_POLICY": wait})
+            env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+            if wait != "GOVERNED":
+                env["OMP_WAIT_POLICY"] = wait
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
             median = json.loads(Path(out.name).read_text())["results"][args.dtype]["median"]["pagedserve"]
     return {"benchmark": "contention", "threads": threads, "omp_wait_policy": wait, "contended": contended,
             "output_tok_s": median["output_tok_s"], "ttft_p50_s": median["ttft_p50_s"],
@@ -70,7 +77,7 @@ def run_once(args: argparse.Namespace, threads: int, wait: str, contended: bool)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, nargs="+", default=[2, 1])
-    parser.add_argument("--waits", nargs="+", default=["ACTIVE", "PASSIVE"], choices=["ACTIVE", "PASSIVE"])
+    parser.add_argument("--waits", nargs="+", default=["ACTIVE", "PASSIVE"], choices=["ACTIVE", "PASSIVE", "GOVERNED"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--num-requests", type=int, default=32)

@@ -17,9 +17,10 @@ class EngineRun:
 
 
 def make_engine(model_dir: str | None, dtype: str, threads: int, **overrides):
+    """threads 0: the engine's own choice (its CPU budget, with the thread governor on a spinning pool)."""
     from pagedserve.engine import EngineConfig, LLMEngine
 
-    config = EngineConfig(model=model_dir, dtype=dtype, num_threads=threads, **overrides)
+    config = EngineConfig(model=model_dir, dtype=dtype, num_threads=threads or None, **overrides)
     return LLMEngine(config)
 
 

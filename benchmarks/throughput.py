@@ -38,7 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="compute threads per system (default: every core; 1 on shared cores, see docs/benchmarks.md)")
+                        help="compute threads per system (default: every core; 1 on shared cores, see docs/benchmarks.md; "
+                             "0: pagedserve picks its own, with its thread governor)")
     parser.add_argument("--prefix-caching", action="store_true",
                         help="keep prefix caches on (repeats then hit the cache of earlier repeats)")
     parser.add_argument("--quick", action="store_true", help="16 small requests, 1 repeat")

@@ -1,14 +1,41 @@
-"""pagedserve.engine: continuous batching over a paged KV cache."""
+"""pagedserve.engine: continuous batching over a paged KV cache.
 
-from pagedserve.engine.admission import AdmittedRequest, ChatPrompt, GenerationRequest, TextPrompt, TokensPrompt
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.llm import LLM
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from pagedserve.engine.sampling_params import SamplingParams
+The public names load on first use (PEP 562), so a torch-free module of this package (cpu_threads) can be imported
+before torch: the server's entry reads the CPU budget there to choose the OpenMP wait policy, which libgomp reads
+only once, when torch loads it.
+"""
 
-__all__ = [
-    "AdmittedRequest", "ChatPrompt", "GenerationRequest", "TextPrompt", "TokensPrompt", "AsyncEngine", "EngineConfig",
-    "LLM", "LLMEngine", "CompletionOutput", "EngineStats", "RequestMetrics", "RequestOutput", "SamplingParams",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_HOMES = {
+    "AdmittedRequest": "admission", "ChatPrompt": "admission", "GenerationRequest": "admission",
+    "TextPrompt": "admission", "TokensPrompt": "admission", "AsyncEngine": "async_engine",
+    "EngineConfig": "config", "LLM": "llm", "LLMEngine": "llm_engine", "CompletionOutput": "outputs",
+    "EngineStats": "outputs", "RequestMetrics": "outputs", "RequestOutput": "outputs",
+    "SamplingParams": "sampling_params",
+}
+__all__ = list(_HOMES)
+
+if TYPE_CHECKING:
+    from pagedserve.engine.admission import AdmittedRequest, ChatPrompt, GenerationRequest, TextPrompt, TokensPrompt
+    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.engine.config import EngineConfig
+    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+    from pagedserve.engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'pagedserve.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"pagedserve.engine.{_HOMES[name]}"), name)
+    globals()[name] = value  # once: later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

@@ -57,6 +57,8 @@ class EngineConfig:
     layer_ops: str = "auto"
     device: str = "cpu"
     num_threads: int | None = None  # None: leave torch's choice
+    # CPU, threads from the budget, spinning pool: fewer threads while other processes hold some of the cores
+    adapt_threads: bool = True
     max_queued_requests: int = 1024
     chat_template: str | None = None  # a jinja file replacing the model's chat template
 

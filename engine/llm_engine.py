@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,7 @@ from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.sequence import FinishReason, Sequence, SequenceMetrics, now
 from pagedserve.engine.stopping import apply_token
+from pagedserve.engine.thread_governor import GovernorConfig, ThreadGovernor, pool_spins
 from pagedserve.engine.tokenizer import Tokenizer, start_detok
 
 logger = logging.getLogger(__name__)
@@ -49,9 +51,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
+        self.thread_governor: ThreadGovernor | None = None
         if self.device.type == "cpu":
-            configure_cpu_threads(config.num_threads)
+            threads = configure_cpu_threads(config.num_threads)
             keep_freed_memory()
+            if config.adapt_threads and config.num_threads is None and threads > 1 and pool_spins(
+                os.environ.get("OMP_WAIT_POLICY")
+            ):
+                self.thread_governor = ThreadGovernor(GovernorConfig(max_threads=threads), torch.set_num_threads)
         elif config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.source = resolve_model(config.model, config.tokenizer)
@@ -126,6 +133,8 @@ class LLMEngine:
 
     # -- the step loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.thread_governor is not None:
+            self.thread_governor.tick()  # here: torch's thread count is per calling thread, and this one computes
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []

@@ -36,6 +36,8 @@ _ENGINE_HELP = {
     "layer_ops": "norm/SiLU/RoPE math (auto: native C for 16-bit CPU models; torch with --attention-backend torch)",
     "device": "cpu, cuda or cuda:N",
     "num_threads": "torch intra-op threads (default: torch's choice)",
+    "adapt_threads": "CPU: run fewer compute threads while other processes take some of this process's cores, all "
+                     "again when they leave (only without --num-threads and with a spinning OpenMP pool)",
     "max_queued_requests": "admitted requests waiting for a batch slot; beyond it: RESOURCE_EXHAUSTED",
     "chat_template": "jinja chat template file used instead of the model's own (for chat messages)",
 }

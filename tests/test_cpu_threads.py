@@ -85,9 +85,19 @@ def _entry_probe(env_policy: str | None) -> str:
     return [line for line in out.stdout.splitlines() if line.startswith("POLICY")][0]
 
 
-def test_console_script_defaults_to_passive_before_torch_loads():
+def test_console_script_sets_the_default_policy_before_torch_loads():
     """libgomp reads the policy when torch loads: the default must be in place before any torch import."""
-    assert _entry_probe(None) == "POLICY PASSIVE policy-first"
+    from pagedserve.engine.cpu_threads import cpu_budget
+    from pagedserve.service.entry import default_wait_policy
+
+    assert _entry_probe(None) == f"POLICY {default_wait_policy(cpu_budget())} policy-first"
+
+
+def test_default_policy_is_passive_only_under_a_cpu_quota():
+    from pagedserve.service.entry import default_wait_policy
+
+    assert default_wait_policy(CpuBudget(affinity=8, quota=2.0)) == "PASSIVE"
+    assert default_wait_policy(CpuBudget(affinity=8, quota=None)) is None
 
 
 def test_console_script_keeps_a_policy_the_user_set():

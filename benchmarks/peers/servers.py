@@ -154,12 +154,15 @@ def _wait_ready(proc: subprocess.Popen, ready: Path, log: Path, timeout: float) 
 
 def start_pagedserve(model_dir: str, dtype: str, log_dir: Path, threads: int = 2,
                      timeout: float = 300, http: bool = False) -> Server:
-    """http: also serve the OpenAI HTTP API and return its http:// target instead of the gRPC one."""
+    """http: also serve the OpenAI HTTP API and return its http:// target instead of the gRPC one. With as many
+    threads as this process may use, the server picks its own (the same number), so it runs as shipped: its thread
+    governor is on only when no --num-threads is given."""
     name = f"pagedserve-{'http' if http else 'grpc'}-{dtype}"
+    thread_flags = () if threads == len(os.sched_getaffinity(0)) else ("--num-threads", str(threads))
     ready = log_dir / f"{name}.ready.json"
     ready.unlink(missing_ok=True)
     argv = [sys.executable, "-m", "pagedserve.service", "serve", "--model", model_dir, "--dtype", dtype,
-            "--port", "0", "--host", "127.0.0.1", "--num-threads", str(threads),
+            "--port", "0", "--host", "127.0.0.1", *thread_flags,
             "--no-enable-prefix-caching", "--ready-file", str(ready), "--log-level", "WARNING",
             *(("--http-port", "0", "--served-model-name", "model") if http else ())]
     proc, log = _spawn(name, argv, None, log_dir)

@@ -1,0 +1,116 @@
+"""engine/thread_governor.py: fewer compute threads while other processes take some of the engine's CPUs.
+
+The arithmetic and the hysteresis run on scripted samples; then the real thing: a CPU-bound process pinned to one of
+this process's CPUs, read from /proc/stat, must make a real engine (default model, spinning OpenMP pool, in a fresh
+interpreter so the wait policy is libgomp's default) step down to one thread.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedserve.engine.errors import ConfigError
+from pagedserve.engine.thread_governor import (
+    CpuSample, GovernorConfig, ThreadGovernor, others_cpus, pool_spins, read_sample, threads_for,
+)
+
+
+def test_others_cpus_is_busy_time_minus_our_own_per_second():
+    before, after = CpuSample(10.0, 100.0, 5.0), CpuSample(12.0, 103.0, 6.0)
+    assert others_cpus(before, after) == pytest.approx(1.0)  # 3 busy CPU-s, 1 of them ours, over 2 s
+    assert others_cpus(before, CpuSample(12.0, 100.5, 6.0)) == 0.0  # tick rounding can't make it negative
+
+
+@pytest.mark.parametrize("max_threads, taken, expected", [
+    (2, 0.0, 2), (2, 0.25, 2), (2, 0.5, 1), (2, 1.0, 1), (2, 1.9, 1), (8, 2.6, 5), (1, 1.0, 1),
+])
+def test_threads_for(max_threads, taken, expected):
+    assert threads_for(max_threads, taken, taken_at=0.3) == expected
+
+
+def test_config_is_validated():
+    with pytest.raises(ConfigError, match="adapt_threads"):
+        GovernorConfig(max_threads=0)
+    with pytest.raises(ConfigError):
+        GovernorConfig(max_threads=2, taken_at=1.5)
+
+
+class Script:
+    """Samples in which other processes take `taken` CPUs during each 1 s window."""
+
+    def __init__(self):
+        self.wall, self.busy, self.own, self.taken = 0.0, 0.0, 0.0, 0.0
+
+    def advance(self, taken: float) -> None:
+        self.wall, self.busy, self.own = self.wall + 1.0, self.busy + 1.0 + taken, self.own + 1.0
+
+    def sample(self) -> CpuSample:
+        return CpuSample(self.wall, self.busy, self.own)
+
+
+def test_steps_down_at_once_and_back_after_calm_windows():
+    script, applied = Script(), []
+    governor = ThreadGovernor(GovernorConfig(max_threads=2, window_s=1.0, calm_windows=2), applied.append,
+                              sample=script.sample, clock=lambda: script.wall)
+    assert governor.tick() == 2 and applied == []  # within the first window: no sample yet
+    script.advance(taken=0.9)
+    assert governor.tick() == 1 and applied == [1]
+    script.advance(taken=0.0)
+    assert governor.tick() == 1  # one calm window is not enough
+    script.advance(taken=0.8)
+    assert governor.tick() == 1  # contention again: the calm count starts over
+    script.advance(taken=0.0)
+    assert governor.tick() == 1
+    script.advance(taken=0.0)
+    assert governor.tick() == 2 and applied == [1, 2]
+
+
+def test_read_sample_sums_the_watched_cpus(tmp_path: Path):
+    stat = tmp_path / "stat"
+    stat.write_text(
+        "cpu  900 0 900 9000 0 0 0 0 0 0\n"
+        "cpu0 100 10 50 1000 7 2 3 5 0 0\n"
+        "cpu1 200 0 100 1000 0 0 0 0 0 0\n"
+        "intr 12345\n"
+    )
+    ticks = os.sysconf("SC_CLK_TCK")
+    assert read_sample(frozenset({0}), stat).busy_s == pytest.approx((100 + 10 + 50 + 2 + 3 + 5) / ticks)
+    assert read_sample(frozenset({0, 1}), stat).busy_s == pytest.approx((170 + 300) / ticks)
+
+
+def test_only_a_spinning_pool_is_governed():
+    assert pool_spins(None) and pool_spins("ACTIVE")
+    assert not pool_spins("passive") and not pool_spins("PASSIVE")
+
+
+ENGINE_PROBE = """
+import os, subprocess, sys
+from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
+engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=64 << 20))
+assert engine.thread_governor is not None, "no governor with a spinning pool"
+core = sorted(os.sched_getaffinity(0))[-1]
+busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+try:
+    for i in range(400):  # bounded: a few seconds of decoding at most
+        if engine.thread_governor.threads == 1:
+            break
+        if not engine.has_unfinished_requests():
+            engine.add_request(f"r{i}", [1, 2, 3, 4], SamplingParams(max_tokens=64, ignore_eos=True))
+        engine.step()
+finally:
+    busy.kill()
+print("THREADS", engine.thread_governor.threads)
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable CPUs to take one away")
+def test_an_engine_steps_down_beside_a_busy_core():
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-P", "-c", ENGINE_PROBE], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert "THREADS 1" in out.stdout, out.stderr[-2000:]
