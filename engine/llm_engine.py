@@ -133,8 +133,15 @@ class LLMEngine:
 
     # -- the step loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.thread_governor is not None:
-            self.thread_governor.tick()  # here: torch's thread count is per calling thread, and this one computes
+        if self.thread_governor is None:
+            return self._step()
+        self.thread_governor.tick()  # here: torch's thread count is per calling thread, and this one computes
+        try:
+            return self._step()
+        finally:
+            self.thread_governor.step_done()
+
+    def _step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []

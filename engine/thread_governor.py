@@ -6,7 +6,8 @@ runs on one of the engine's cores, the thread there gets a share of that core an
 thread alone keeps ~0.6x (docs/cpu-threads.md). Sleeping threads (OMP_WAIT_POLICY=PASSIVE) degrade gracefully too,
 but pay a wake-up per region on a quiet machine; the governor lets the pool spin and still step aside.
 
-How: every `window_s` of wall time the engine's step loop compares the busy time of the CPUs in its affinity mask
+How: every `window_s` of wall time spent stepping (a window restarts when the engine comes back from idle: a neighbour
+busy while it had nothing to do took nothing from it) the engine's step loop compares the busy time of the CPUs in its affinity mask
 (/proc/stat, all processes) with its own CPU time; the difference is what others took, in CPUs. Threads drop as soon
 as others take more than `taken_at` of a CPU, and come back only after `calm_windows` quiet windows, so a competitor
 that comes and goes cannot make the count flap every window.
@@ -90,11 +91,20 @@ class ThreadGovernor:
         self._sample = sample or (lambda: read_sample(cpus))
         self._clock = clock
         self._last = self._sample()
+        self._idle_since = clock()
         self.threads = config.max_threads
         self._calm = 0
 
+    def step_done(self) -> None:
+        """Called when an engine step ends: from here until the next tick the engine is idle."""
+        self._idle_since = self._clock()
+
     def tick(self) -> int:
-        """Called once per engine step; samples at most once per window. Returns the thread count to use."""
+        """Called when an engine step starts; samples at most once per window. Returns the thread count to use."""
+        if self._clock() - self._idle_since > self.config.window_s:
+            # The engine sat idle: what others did meanwhile took nothing from it, so a new window starts here.
+            self._last = self._sample()
+            return self.threads
         now = self._sample() if self._due() else None
         if now is None:
             return self.threads
@@ -114,8 +124,10 @@ class ThreadGovernor:
         return self._clock() - self._last.wall_s >= self.config.window_s
 
     def _change(self, threads: int, taken: float) -> None:
-        logger.info("compute threads %d -> %d (other processes took %.2f of this process's CPUs)",
-                    self.threads, threads, taken)
+        # Fewer threads is worth an operator's attention (a neighbour is taking cores); more is recovery.
+        level = logging.WARNING if threads < self.threads else logging.INFO
+        logger.log(level, "compute threads %d -> %d (other processes took %.2f of this process's CPUs)",
+                   self.threads, threads, taken)
         self.threads, self._calm = threads, 0
         self._set_threads(threads)
 

@@ -53,21 +53,52 @@ class Script:
         return CpuSample(self.wall, self.busy, self.own)
 
 
+def _governor(script: Script, applied: list[int]) -> ThreadGovernor:
+    return ThreadGovernor(GovernorConfig(max_threads=2, window_s=1.0, calm_windows=2), applied.append,
+                          sample=script.sample, clock=lambda: script.wall)
+
+
+def _step(governor: ThreadGovernor, script: Script, taken: float) -> int:
+    """One engine step lasting one window, others taking `taken` CPUs meanwhile; the count the step ran with."""
+    threads = governor.tick()
+    script.advance(taken)
+    governor.step_done()
+    return threads
+
+
 def test_steps_down_at_once_and_back_after_calm_windows():
     script, applied = Script(), []
-    governor = ThreadGovernor(GovernorConfig(max_threads=2, window_s=1.0, calm_windows=2), applied.append,
-                              sample=script.sample, clock=lambda: script.wall)
-    assert governor.tick() == 2 and applied == []  # within the first window: no sample yet
-    script.advance(taken=0.9)
+    governor = _governor(script, applied)
+    assert _step(governor, script, taken=0.9) == 2 and applied == []  # within the first window: no sample yet
+    assert _step(governor, script, taken=0.0) == 1 and applied == [1]  # the window with 0.9 taken: down at once
+    assert _step(governor, script, taken=0.8) == 1  # one calm window is not enough
+    assert _step(governor, script, taken=0.0) == 1  # contention again: the calm count starts over
+    assert _step(governor, script, taken=0.0) == 1
+    assert _step(governor, script, taken=0.0) == 2 and applied == [1, 2]
+
+
+def test_a_neighbour_busy_while_the_engine_idled_costs_no_thread():
+    """A benchmark's other system, or a batch job, ran while this engine had nothing to do: not contention."""
+    script, applied = Script(), []
+    governor = _governor(script, applied)
+    governor.step_done()
+    for _ in range(5):
+        script.advance(taken=1.9)  # no step: the engine idles
+    assert governor.tick() == 2  # back from idle: a new window starts here
+    script.advance(taken=0.0)  # one long step, nobody else busy
+    assert governor.tick() == 2 and applied == []
+
+
+def test_long_steps_are_still_watched():
+    """A step longer than a window (a big prefill on a slow CPU) is work, not idleness."""
+    script, applied = Script(), []
+    governor = _governor(script, applied)
+    for _ in range(2):
+        governor.tick()
+        script.advance(taken=0.3)
+        script.advance(taken=1.5)  # this step lasts two windows
+        governor.step_done()
     assert governor.tick() == 1 and applied == [1]
-    script.advance(taken=0.0)
-    assert governor.tick() == 1  # one calm window is not enough
-    script.advance(taken=0.8)
-    assert governor.tick() == 1  # contention again: the calm count starts over
-    script.advance(taken=0.0)
-    assert governor.tick() == 1
-    script.advance(taken=0.0)
-    assert governor.tick() == 2 and applied == [1, 2]
 
 
 def test_read_sample_sums_the_watched_cpus(tmp_path: Path):
