@@ -51,8 +51,7 @@ def select_attention_impl(name: str, device: torch.device) -> AttentionImpl:
 
 
 def select_layer_ops(name: str, device: torch.device, dtype: torch.dtype) -> LayerOps:
-    """`auto`: native for 16-bit models on CPU when the C kernels build here, torch otherwise (fp32 stays on torch:
-    its results must stay bit-identical to transformers')."""
+    """`auto`: native for CPU models (fp32, bf16, fp16) when the C kernels build here, torch otherwise."""
     if name == AUTO:
         wanted = device.type == "cpu" and dtype in NATIVE_DTYPES
         name = "native" if wanted and cpu_native.available() else "torch"

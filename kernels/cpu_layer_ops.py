@@ -15,8 +15,9 @@ import torch
 from pagedserve.kernels.cpu_native import COMPUTE_DTYPES, dtype_code, load_library
 from pagedserve.kernels.layer_ops import LayerOps, TorchLayerOps
 
-# fp32 stays on torch: its results must stay bit-identical to transformers'.
-NATIVE_DTYPES = (torch.bfloat16, torch.float16)
+# fp32 too: its matmuls (oneDNN) already sum in another order than transformers' (MKL), so bit-identity was never
+# the guarantee; greedy tokens equal to transformers' are (tests/test_engine_vs_transformers.py), and held with these.
+NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 In 16-bit dtypes every rounding step is reproduced, so RoPE and SiLU-and-mul match torch exactly or within one
 unit in the last place, and RMSNorm within one unit (its fp32 sum runs in another order). The model-level test runs
-the default model in bf16 with each set of ops and compares the logits at every position.
+the default model in bf16 and fp32 with each set of ops and compares the logits at every position.
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ def test_bf16_rounding_keeps_denormal_results() -> None:
 def test_auto_selection() -> None:
     assert type(select_layer_ops("auto", CPU, torch.bfloat16)) is NativeLayerOps
     assert type(select_layer_ops("auto", CPU, torch.float16)) is NativeLayerOps
-    # fp32 keeps transformers' exact op order: the engine's greedy output must equal transformers'.
-    assert type(select_layer_ops("auto", CPU, torch.float32)) is TorchLayerOps
+    # fp32 too: greedy tokens still equal transformers' (test_engine_vs_transformers runs fp32 with these ops).
+    assert type(select_layer_ops("auto", CPU, torch.float32)) is NativeLayerOps
     assert type(select_layer_ops("torch", CPU, torch.bfloat16)) is TorchLayerOps
 
 
@@ -109,15 +109,19 @@ def test_unsupported_inputs_take_the_torch_ops() -> None:
     assert torch.equal(NATIVE.rms_norm(x, weight, 1e-5), TORCH.rms_norm(x, weight, 1e-5))
 
 
-def test_default_model_bf16_logits_match_the_torch_ops(default_model) -> None:
+@pytest.mark.parametrize("dtype, max_relative, min_agree", [
+    (torch.bfloat16, 2e-2, 0.95),  # bf16 rounding of every activation: near-ties may flip
+    (torch.float32, 1e-5, 1.0),  # fp32: the same predictions at every position
+])
+def test_default_model_logits_match_the_torch_ops(default_model, dtype, max_relative, min_agree) -> None:
     """Every position of two prompts, through all 30 layers: the fused ops change no prediction that isn't a tie."""
     from quant_fixtures import full_logits, load
 
-    loaded = load(default_model.weights, torch.bfloat16)
+    loaded = load(default_model.weights, dtype)
     ids = torch.randint(100, 49000, (2, 48), generator=torch.Generator().manual_seed(0))
     torch_logits = full_logits(loaded, ids, layer_ops=TORCH)
     native_logits = full_logits(loaded, ids, layer_ops=NATIVE)
     relative = (native_logits - torch_logits).norm() / torch_logits.norm()
-    assert relative.item() < 2e-2
+    assert relative.item() < max_relative
     agree = (native_logits.argmax(-1) == torch_logits.argmax(-1)).float().mean().item()
-    assert agree >= 0.95
+    assert agree >= min_agree
