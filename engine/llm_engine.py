@@ -29,7 +29,7 @@ from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.sequence import FinishReason, Sequence, SequenceMetrics, now
 from pagedserve.engine.stopping import apply_token
-from pagedserve.engine.thread_governor import GovernorConfig, ThreadGovernor, pool_spins
+from pagedserve.engine.thread_governor import GovernorConfig, ThreadGovernor, pool_spins, start_governor
 from pagedserve.engine.tokenizer import Tokenizer, start_detok
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class LLMEngine:
             if config.adapt_threads and config.num_threads is None and threads > 1 and pool_spins(
                 os.environ.get("OMP_WAIT_POLICY")
             ):
-                self.thread_governor = ThreadGovernor(GovernorConfig(max_threads=threads), torch.set_num_threads)
+                self.thread_governor = start_governor(GovernorConfig(max_threads=threads), torch.set_num_threads)
         elif config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.source = resolve_model(config.model, config.tokenizer)

@@ -6,11 +6,12 @@ runs on one of the engine's cores, the thread there gets a share of that core an
 thread alone keeps ~0.6x (docs/cpu-threads.md). Sleeping threads (OMP_WAIT_POLICY=PASSIVE) degrade gracefully too,
 but pay a wake-up per region on a quiet machine; the governor lets the pool spin and still step aside.
 
-How: every `window_s` of wall time spent stepping (a window restarts when the engine comes back from idle: a neighbour
-busy while it had nothing to do took nothing from it) the engine's step loop compares the busy time of the CPUs in its affinity mask
-(/proc/stat, all processes) with its own CPU time; the difference is what others took, in CPUs. Threads drop as soon
-as others take more than `taken_at` of a CPU, and come back only after `calm_windows` quiet windows, so a competitor
-that comes and goes cannot make the count flap every window.
+How: every `window_s` of wall time spent stepping, the engine's step loop compares the busy time of the CPUs in its
+affinity mask (/proc/stat, all processes) with its own CPU time; the difference is what others took, in CPUs. A
+window restarts when the engine comes back from idle: a neighbour busy while it had nothing to do took nothing from
+it. Threads drop as soon as others take more than `taken_at` of a CPU, and come back only after `calm_windows` quiet
+windows, so a competitor that comes and goes cannot make the count flap every window. Where /proc/stat cannot be
+read (not Linux), there is no governor.
 """
 
 from __future__ import annotations
@@ -130,6 +131,15 @@ class ThreadGovernor:
                    self.threads, threads, taken)
         self.threads, self._calm = threads, 0
         self._set_threads(threads)
+
+
+def start_governor(config: GovernorConfig, set_threads: Callable[[int], None]) -> ThreadGovernor | None:
+    """A governor reading /proc/stat, or None (logged) where it cannot be read."""
+    try:
+        return ThreadGovernor(config, set_threads)
+    except OSError as error:
+        logger.info("no thread governor: %s", error)
+        return None
 
 
 def pool_spins(wait_policy: str | None) -> bool:

@@ -26,7 +26,7 @@ INLINE float round_to(float x, int dt) {
 
 /* out = weight * dtype(x * rsqrt(mean(x^2) + eps)) for one row of x [rows, dim] (transformers' LlamaRMSNorm).
  * With `delta`, x is first replaced by dtype(x + delta), written back into x: the residual stream of the next
- * sublayer. The 16-lane path keeps the row in registers' worth of stack; odd widths take the scalar loop. */
+ * sublayer. Widths that are a multiple of 16 hold the row as fp32 vectors on the stack; others take the scalar loop. */
 INLINE void rms_norm_row(void *x, const void *delta, void *out, const void *weight, int64_t dim, float eps,
                          const int dt) {
     if (dim % 16 == 0) {

@@ -80,6 +80,21 @@ def test_rope_on_a_strided_slice(dtype: torch.dtype) -> None:
         assert (got - want).abs().max().item() < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_widths_off_the_16_lane_grid_take_the_scalar_loops(dtype: torch.dtype) -> None:
+    """RMSNorm over 100 lanes, SiLU-and-mul over 50 (3 vectors + 2 lanes), RoPE at head_dim 40 (half of 20)."""
+    from pagedserve.engine.models.layers import RotaryEmbedding
+
+    x, weight = _inputs(7, 100, dtype), _inputs(1, 100, dtype, seed=1)[0]
+    _close(cpu_layer_ops.rms_norm(x, weight, 1e-5), TORCH.rms_norm(x, weight, 1e-5), dtype)
+    gate_up = _inputs(7, 100, dtype, seed=2) * 4
+    _close(cpu_layer_ops.silu_and_mul(gate_up), TORCH.silu_and_mul(gate_up), dtype)
+    q = _inputs(7, 3 * 40, dtype, seed=3).view(7, 3, 40)
+    angles = RotaryEmbedding(40, 512, 10000.0, None).angles(torch.arange(7), dtype, TORCH)
+    want, got = TORCH.rope(q, angles.cos, angles.signed_sin), cpu_layer_ops.rope(q, angles.cos, angles.signed_sin)
+    assert (got.float() - want.float()).abs().max().item() <= (ULP_AT_8[dtype] if dtype in ULP_AT_8 else 1e-6)
+
+
 def test_bf16_rounding_keeps_denormal_results() -> None:
     """Products below fp32's normal range round to bf16 denormals as torch rounds them; the hardware conversion
     (vcvtneps2bf16) would flush them to zero, so vectors holding one take the portable rounding."""

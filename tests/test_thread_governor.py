@@ -17,7 +17,7 @@ import pytest
 from pagedserve.engine.cpu_threads import cpu_budget
 from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.thread_governor import (
-    CpuSample, GovernorConfig, ThreadGovernor, others_cpus, pool_spins, read_sample, threads_for,
+    CpuSample, GovernorConfig, ThreadGovernor, others_cpus, pool_spins, read_sample, start_governor, threads_for,
 )
 
 
@@ -113,6 +113,17 @@ def test_read_sample_sums_the_watched_cpus(tmp_path: Path):
     ticks = os.sysconf("SC_CLK_TCK")
     assert read_sample(frozenset({0}), stat).busy_s == pytest.approx((100 + 10 + 50 + 2 + 3 + 5) / ticks)
     assert read_sample(frozenset({0, 1}), stat).busy_s == pytest.approx((170 + 300) / ticks)
+
+
+def test_no_governor_where_proc_stat_cannot_be_read(monkeypatch):
+    import pagedserve.engine.thread_governor as module
+
+    def unreadable(cpus, stat=Path("/proc/stat")):
+        raise FileNotFoundError(stat)
+
+    monkeypatch.setattr(module, "read_sample", unreadable)
+    applied = []
+    assert start_governor(GovernorConfig(max_threads=2), applied.append) is None and applied == []
 
 
 def test_only_a_spinning_pool_is_governed():
