@@ -29,8 +29,9 @@ from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.sequence import FinishReason, Sequence, SequenceMetrics, now
 from pagedserve.engine.stopping import apply_token
-from pagedserve.engine.thread_governor import GovernorConfig, ThreadGovernor, pool_spins, start_governor
+from pagedserve.engine.thread_governor import GovernorConfig, ThreadGovernor, start_governor
 from pagedserve.engine.tokenizer import Tokenizer, start_detok
+from pagedserve.kernels.cpu_native import pool_sleeps
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ class LLMEngine:
         if self.device.type == "cpu":
             threads = configure_cpu_threads(config.num_threads)
             keep_freed_memory()
-            if config.adapt_threads and config.num_threads is None and threads > 1 and pool_spins(
+            # Only a spinning pool needs the governor: sleeping threads already leave a taken core to its process.
+            if config.adapt_threads and config.num_threads is None and threads > 1 and not pool_sleeps(
                 os.environ.get("OMP_WAIT_POLICY")
             ):
                 self.thread_governor = start_governor(GovernorConfig(max_threads=threads), torch.set_num_threads)

@@ -140,9 +140,3 @@ def start_governor(config: GovernorConfig, set_threads: Callable[[int], None]) -
     except OSError as error:
         logger.info("no thread governor: %s", error)
         return None
-
-
-def pool_spins(wait_policy: str | None) -> bool:
-    """Whether libgomp's threads spin between regions (ACTIVE, or unset: spin a while, then sleep). Only a spinning
-    pool needs the governor: sleeping threads (PASSIVE) already leave a taken core to its other process."""
-    return (wait_policy or "").strip().upper() != "PASSIVE"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels.cpu_native import COMPUTE_DTYPES, dtype_code, load_library
+from pagedserve.kernels.cpu_native import COMPUTE_DTYPES, dtype_code, load_library, pool_sleeps
 from pagedserve.kernels.layer_ops import LayerOps, TorchLayerOps
 
 # fp32 too: its matmuls (oneDNN) already sum in another order than transformers' (MKL), so bit-identity was never
@@ -25,9 +25,10 @@ class SplitThresholds:
     """Elements from which a call is split across torch's threads; below, it runs on the calling thread.
 
     A parallel region wakes the pool. Measured on a 2-vCPU Zen 4 VM: ~50 us per region when the threads sleep
-    between regions (OMP_WAIT_POLICY=PASSIVE, the server's default), a few us when they spin. So with sleeping
-    threads only work above ~80 us on one thread is split (bf16 there: RMSNorm ~0.3 ns per element, SiLU-and-mul
-    ~0.9 per output, RoPE ~0.5), which keeps decode batches on one thread; with spinning threads, from 16k."""
+    between regions (OMP_WAIT_POLICY=PASSIVE, which the server sets under a CPU quota), a few us when they spin.
+    So with sleeping threads only work above ~80 us on one thread is split (bf16 there: RMSNorm ~0.3 ns per
+    element, SiLU-and-mul ~0.9 per output, RoPE ~0.5), which keeps decode batches on one thread; with spinning
+    threads, from 16k."""
 
     rms_norm: int
     silu_and_mul: int
@@ -40,7 +41,7 @@ class SplitThresholds:
     @staticmethod
     def for_wait_policy(policy: str | None) -> "SplitThresholds":
         """policy: OMP_WAIT_POLICY as libgomp read it (None: unset, threads spin a while before sleeping)."""
-        if (policy or "").strip().upper() == "PASSIVE":
+        if pool_sleeps(policy):
             return SplitThresholds(rms_norm=262144, silu_and_mul=131072, rope=163840)
         return SplitThresholds(rms_norm=16384, silu_and_mul=16384, rope=16384)
 
@@ -108,7 +109,8 @@ def rope(
 
 
 class NativeLayerOps(LayerOps):
-    """The C kernels for dense 16-bit CPU tensors; anything else (fp32, odd strides) takes the torch ops."""
+    """The C kernels for dense CPU tensors in a compute dtype (fp32, bf16, fp16); anything else (odd strides, other
+    devices) takes the torch ops."""
 
     def __init__(self, split: SplitThresholds | None = None) -> None:
         load_library()  # asked for by name, a missing compiler is an error, not a silent fallback

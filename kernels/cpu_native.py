@@ -43,6 +43,13 @@ _DTYPE_CODES = {
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def pool_sleeps(wait_policy: str | None) -> bool:
+    """Whether libgomp's threads sleep between parallel regions, given OMP_WAIT_POLICY as it read it when torch
+    loaded (PASSIVE); ACTIVE and unset (spin a while, then sleep) count as spinning. Sleeping threads pay a wake-up
+    per region (SplitThresholds) but leave a taken core to its other process (the engine's thread governor)."""
+    return (wait_policy or "").strip().upper() == "PASSIVE"
+
+
 def dtype_code(dtype: torch.dtype) -> int:
     """The C files' DT_* code for a torch dtype."""
     return _DTYPE_CODES[dtype]

@@ -17,8 +17,9 @@ import pytest
 from pagedserve.engine.cpu_threads import cpu_budget
 from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.thread_governor import (
-    CpuSample, GovernorConfig, ThreadGovernor, others_cpus, pool_spins, read_sample, start_governor, threads_for,
+    CpuSample, GovernorConfig, ThreadGovernor, others_cpus, read_sample, start_governor, threads_for,
 )
+from pagedserve.kernels.cpu_native import pool_sleeps
 
 
 def test_others_cpus_is_busy_time_minus_our_own_per_second():
@@ -127,8 +128,8 @@ def test_no_governor_where_proc_stat_cannot_be_read(monkeypatch):
 
 
 def test_only_a_spinning_pool_is_governed():
-    assert pool_spins(None) and pool_spins("ACTIVE")
-    assert not pool_spins("passive") and not pool_spins("PASSIVE")
+    assert not pool_sleeps(None) and not pool_sleeps("ACTIVE")
+    assert pool_sleeps("passive") and pool_sleeps("PASSIVE")
 
 
 ENGINE_PROBE = """
