@@ -2,7 +2,8 @@
 
     python benchmarks/quant_tools/make_fixtures.py [--only NAME ...] [--setup-only]
 
-1. Creates one throwaway venv per tool under /root/.cache/pagedserve-tools/ (their transformers pins
+1. Creates one throwaway venv per tool under the tools cache (benchmarks/peers/paths.py:
+   $PAGEDSERVE_TOOLS_CACHE, else ~/.cache/pagedserve-tools) (their transformers pins
    conflict with each other and with pagedserve's): GPTQModel 7.3.6, AutoGPTQ 0.7.1, AutoAWQ 0.2.9.
 2. Writes a small random fp16 Llama (base_model.py) and quantizes it with each recipe below.
 3. Each worker reloads its checkpoint with the tool's own CPU loader and records the tool's logits on
@@ -22,7 +23,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-TOOLS = Path("/root/.cache/pagedserve-tools")
+sys.path.insert(0, str(HERE.parent / "peers"))
+from paths import tools_cache  # noqa: E402  (the harness's cache, under the user's home)
+
 FIXTURES = REPO / "tests" / "fixtures" / "quant"
 
 # venv name -> pip install steps (each a list of args after `pip install`)
@@ -60,14 +63,15 @@ DROP_NAMES = ("generation_config.json",)
 
 
 def ensure_venv(name: str) -> Path:
-    py = TOOLS / name / "bin" / "python"
+    tools = tools_cache()
+    py = tools / name / "bin" / "python"
     if py.exists():
         return py
-    TOOLS.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "venv", str(TOOLS / name)], check=True)
+    tools.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "venv", str(tools / name)], check=True)
     env = {"BUILD_CUDA_EXT": "0", "PATH": "/usr/bin:/bin"}
     for step in VENVS[name]:
-        subprocess.run([str(TOOLS / name / "bin" / "pip"), "install", "-q", *step], check=True,
+        subprocess.run([str(tools / name / "bin" / "pip"), "install", "-q", *step], check=True,
                        env={**__import__("os").environ, **env})
     return py
 

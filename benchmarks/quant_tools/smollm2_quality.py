@@ -11,7 +11,7 @@ Run by hand (not in CI): quantizing takes minutes per tool on 2 cores. Steps:
    no download). Topics alternate between calibration and evaluation, so the two never overlap.
 2. Quantize the default model with GPTQModel 7.3.6 per RECIPES (GPTQ 4-bit g128/g32, sym/asym, with
    or without act-order; AWQ 4-bit g64: GPTQModel's AWQ, GEMM layout; g128 is refused by the AWQ tools
-   for in_features 576) using the tool venvs of make_fixtures.py. A recipe whose folder under WORK
+   for in_features 576) using the tool venvs of make_fixtures.py. A recipe whose folder under work_dir()
    already holds a checkpoint is not quantized again.
 3. Load each checkpoint with pagedserve's own loader and compute perplexity over fixed 512-token
    windows, the bytes of the linear weights as stored, and greedy decode throughput via pagedserve.LLM.
@@ -32,11 +32,15 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 from make_fixtures import ensure_venv  # noqa: E402
+from paths import tools_cache  # noqa: E402
 
-WORK = Path("/root/.cache/pagedserve-tools/smollm2")
 EVAL_WINDOW, EVAL_WINDOWS = 512, 16
 BASE = "unquantized"
 BASE_ROW_NAME = "SmolLM2-135M (unquantized)"
+
+
+def work_dir() -> Path:
+    return tools_cache() / "smollm2"
 
 
 @dataclass(frozen=True)
@@ -113,9 +117,9 @@ def quantize(base: Path, calib_text: str, tokenizer, names: list[str]) -> dict[s
     py = ensure_venv("gptqm")
     out = {}
     for name in names:
-        r, dst = RECIPES[name], WORK / name
+        r, dst = RECIPES[name], work_dir() / name
         if not list(dst.glob("*.safetensors")):
-            calib_file = WORK / f"calib_{r.samples}x{r.length}_skip{r.skip}.json"
+            calib_file = work_dir() / f"calib_{r.samples}x{r.length}_skip{r.skip}.json"
             windows = token_windows(tokenizer, calib_text, r.length, r.skip + r.samples)[r.skip:]
             calib_file.write_text(json.dumps(windows))
             print(f"[{name}] quantizing ...", flush=True)
@@ -230,7 +234,7 @@ def main() -> None:
     base = hf_folder()  # the GPTQ/AWQ tools quantize an HF folder
     tok = AutoTokenizer.from_pretrained(str(base))
     calib_text, eval_text = texts()
-    WORK.mkdir(parents=True, exist_ok=True)
+    work_dir().mkdir(parents=True, exist_ok=True)
     windows = token_windows(tok, eval_text, EVAL_WINDOW, EVAL_WINDOWS)
     checkpoints = quantize(base, calib_text, tok, [n for n in args.recipes if n != BASE])
     if BASE in args.recipes:
