@@ -8,6 +8,11 @@ Run it on an otherwise idle machine; the load average before and after is in the
     python benchmarks/contention.py                       # threads 2 and 1, ACTIVE and PASSIVE waits
     python benchmarks/contention.py --threads 2 --waits PASSIVE --num-requests 16
     python benchmarks/contention.py --threads 0 --waits GOVERNED PASSIVE  # as `pagedserve serve` runs
+    python benchmarks/contention.py --cpu-quota 1.5 --threads 2 1 0 --waits ACTIVE PASSIVE  # a container limit (root)
+
+--cpu-quota CPUS replaces the busy process with a CFS quota: the measured process runs in a fresh cgroup (v2 cpu.max,
+else v1 cpu.cfs_quota_us) allowed CPUS per 100 ms period, as a container CPU limit does; its throttling counters are
+in the output. `--threads 0` then takes the engine's own count, which follows the quota (engine/cpu_threads.py).
 
 GOVERNED: OMP_WAIT_POLICY unset (libgomp spins a while, then sleeps) with the engine's thread governor, which needs
 the engine to choose its own thread count: pair it with `--threads 0`.
@@ -48,17 +53,59 @@ def busy_core():
         busy.wait()
 
 
+PERIOD_US = 100_000
+CGROUP = Path("/sys/fs/cgroup")
+
+
+class QuotaCgroup:
+    """A fresh cgroup with a CFS CPU quota; `enter` (a preexec_fn) moves the calling process into it."""
+
+    def __init__(self, cpus: float) -> None:
+        v2 = "cpu" in (CGROUP / "cgroup.controllers").read_text().split() if (CGROUP / "cgroup.controllers").exists() else False
+        self.path = (CGROUP if v2 else CGROUP / "cpu") / f"pagedserve-contention-{os.getpid()}"
+        quota = str(round(cpus * PERIOD_US))
+        try:
+            self.path.mkdir()
+            if v2:
+                (self.path / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+            else:
+                (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+                (self.path / "cpu.cfs_quota_us").write_text(quota)
+        except OSError as exc:
+            raise SystemExit(f"--cpu-quota needs a writable cgroup cpu controller (root): {exc}") from exc
+
+    def enter(self) -> None:
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def throttling(self) -> dict:
+        stat = dict(line.split() for line in (self.path / "cpu.stat").read_text().splitlines())
+        throttled_s = int(stat["throttled_usec"]) / 1e6 if "throttled_usec" in stat else int(stat["throttled_time"]) / 1e9
+        return {"periods": int(stat["nr_periods"]), "throttled_periods": int(stat["nr_throttled"]),
+                "throttled_s": throttled_s}
+
+    def remove(self) -> None:
+        self.path.rmdir()
+
+
 @contextmanager
-def _maybe_busy(contended: bool):
-    if contended:
+def _pressure(args: argparse.Namespace, contended: bool):
+    """Yields (preexec_fn, cgroup or None) for the measured process: none, a busy core beside it, or a quota."""
+    if not contended:
+        yield None, None
+    elif args.cpu_quota is None:
         with busy_core():
-            yield
+            yield None, None
     else:
-        yield
+        group = QuotaCgroup(args.cpu_quota)
+        try:
+            yield group.enter, group
+        finally:
+            group.remove()
 
 
 def run_once(args: argparse.Namespace, threads: int, wait: str, contended: bool) -> dict:
-    with _maybe_busy(contended):
+    throttling = None
+    with _pressure(args, contended) as (preexec, group):
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             cmd = [sys.executable, str(HERE / "throughput.py"), "--systems", "pagedserve", "--threads", str(threads),
                    "--repeats", str(args.repeats), "--no-roofline", "--num-requests", str(args.num_requests),
@@ -67,9 +114,12 @@ def run_once(args: argparse.Namespace, threads: int, wait: str, contended: bool)
             env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
             if wait != "GOVERNED":
                 env["OMP_WAIT_POLICY"] = wait
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env, preexec_fn=preexec)
             median = json.loads(Path(out.name).read_text())["results"][args.dtype]["median"]["pagedserve"]
+            throttling = group.throttling() if group else None
+    pressure = ("cpu_quota" if args.cpu_quota is not None else "busy_core") if contended else None
     return {"benchmark": "contention", "threads": threads, "omp_wait_policy": wait, "contended": contended,
+            "pressure": pressure, "cpu_quota": args.cpu_quota if contended else None, "throttling": throttling,
             "output_tok_s": median["output_tok_s"], "ttft_p50_s": median["ttft_p50_s"],
             "itl_p50_ms": median["itl_p50_ms"]}
 
@@ -83,11 +133,16 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(64, 256))
     parser.add_argument("--output-len", type=int, nargs=2, default=(32, 64))
+    parser.add_argument("--cpu-quota", type=float, default=None,
+                        help="CPUs per period for the contended runs, instead of a busy core (needs root)")
     args = parser.parse_args()
+    if args.cpu_quota is not None and args.cpu_quota <= 0:
+        parser.error("--cpu-quota must be > 0")
     print(json.dumps({"benchmark": "contention_setup", "cpu": cpu_model(),
                       "usable_cores": len(os.sched_getaffinity(0)), "load_avg_before": os.getloadavg()[0],
                       "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
-                                   "output_len": args.output_len, "dtype": args.dtype}}), flush=True)
+                                   "output_len": args.output_len, "dtype": args.dtype},
+                      "pressure": "busy_core" if args.cpu_quota is None else f"cpu_quota {args.cpu_quota:g}"}), flush=True)
     summary = {}
     for threads in args.threads:
         for wait in args.waits:

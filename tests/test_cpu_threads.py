@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.engine.cpu_threads import CpuBudget, apply_thread_budget, cpu_budget
+from pagedserve.engine.cpu_threads import CpuBudget, apply_thread_budget, cpu_budget, threads_for_quota
 
 
 def _tree(tmp_path: Path, files: dict[str, str], proc: str) -> tuple[Path, Path]:
@@ -24,7 +24,7 @@ def test_v2_quota_of_a_pod_nested_below_the_root(tmp_path):
     root, proc = _tree(tmp_path, {"kubepods/pod1/ctr/cpu.max": "150000 100000\n", "kubepods/cpu.max": "max 100000\n",
                                   "cpu.max": "max 100000\n"}, "0::/kubepods/pod1/ctr\n")
     budget = cpu_budget(root, proc)
-    assert budget.quota == 1.5 and budget.usable == 1  # rounded down: half a CPU more would only be throttled
+    assert budget.quota == 1.5 and budget.usable == 2  # a throttled second thread still adds (measured)
 
 
 def test_the_tightest_quota_on_the_path_wins(tmp_path):
@@ -45,6 +45,17 @@ def test_a_namespaced_container_sees_its_quota_at_the_root(tmp_path):
     root, proc = _tree(tmp_path, {"cpu.max": "50000 100000\n"}, "0::/\n")
     budget = cpu_budget(root, proc)
     assert budget.quota == 0.5 and budget.usable == 1  # never fewer than one thread
+
+
+@pytest.mark.parametrize("quota, threads", [
+    (0.3, 1), (1.0, 1), (1.05, 1), (1.1, 1), (1.11, 2), (1.25, 2), (1.5, 2), (2.0, 2),
+    (2.2, 2), (2.25, 3), (4.3, 4), (4.5, 5), (64.0, 64),
+])
+def test_a_fractional_quota_rounds_up_once_the_fraction_pays(quota, threads):
+    """Rounded up only when the fraction exceeds 10% of the whole CPUs (session 10's measurement: a throttled extra
+    thread costs ~8%), and capped by the affinity mask."""
+    assert threads_for_quota(quota) == threads
+    assert CpuBudget(affinity=2, quota=quota).usable == min(2, threads)
 
 
 def test_no_cgroup_files_means_the_affinity_mask(tmp_path):
