@@ -6,6 +6,7 @@ over their own wire protocol (our gRPC, their OpenAI HTTP). `SYSTEMS` names them
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,10 +79,13 @@ class ServerDriver:
         self.server.stop()
 
 
-def _our_worker(system: str) -> Callable[[DriverSpec], Driver]:
+def _our_worker(system: str, own_threads: bool = False) -> Callable[[DriverSpec], Driver]:
+    """own_threads: with as many threads as this process may use, let the engine pick its own (`--threads 0`), so
+    it runs as the server does, thread governor included (under --contention a fixed spinning pool collapses)."""
     def make(spec: DriverSpec) -> Driver:
+        threads = 0 if own_threads and spec.threads == len(os.sched_getaffinity(0)) else spec.threads
         argv = [sys.executable, str(BENCH_DIR / "worker.py"), system, "--model", spec.model_dir,
-                "--dtype", spec.dtype, "--threads", str(spec.threads)]
+                "--dtype", spec.dtype, "--threads", str(threads)]
         return WorkerDriver(system, argv, None, spec.log_dir / f"{system}-{spec.dtype}.log")
     return make
 
@@ -128,7 +132,7 @@ def _pagedserve_http(spec: DriverSpec) -> Driver:
 
 
 SYSTEMS: dict[str, tuple[str, Callable[[DriverSpec], Driver]]] = {
-    "pagedserve": ("in-process", _our_worker("pagedserve")),
+    "pagedserve": ("in-process", _our_worker("pagedserve", own_threads=True)),
     "vllm": ("in-process", _vllm_offline("vllm", all_cores=False, preload=False)),
     "vllm-allcores": ("in-process", _vllm_offline("vllm-allcores", all_cores=True, preload=False)),
     "vllm-preload": ("in-process", _vllm_offline("vllm-preload", all_cores=False, preload=True)),
