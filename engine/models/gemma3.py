@@ -18,11 +18,10 @@ from torch import nn
 
 from pagedserve.engine.errors import ModelLoadError
 from pagedserve.engine.models.layers import (
-    FULL, SLIDING, ForwardContext, RopeAngles, RotaryEmbedding, layer_types, layer_windows,
+    FULL, SLIDING, ForwardContext, RopeAngles, RotaryEmbedding, layer_types, layer_windows, merge_linears, tied_lm_head,
 )
 from pagedserve.quant.base import QuantConfig
 from pagedserve.quant.linear import QuantLinear
-from pagedserve.quant.unquantized import UnquantizedLinearMethod
 
 # Gemma3TextConfig's defaults, for config.json files that leave a key out.
 _DEFAULT_WINDOW, _DEFAULT_PATTERN = 4096, 6
@@ -134,10 +133,7 @@ class Gemma3Attention(nn.Module):
         self.split_sizes = [q_out, kv_out, kv_out]
 
     def fuse_projections(self) -> None:
-        merged = self.q_proj.method.merge([self.q_proj, self.k_proj, self.v_proj])
-        if merged is not None:
-            self.qkv_proj = merged
-            del self.q_proj, self.k_proj, self.v_proj
+        merge_linears(self, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
 
     def forward(self, x: torch.Tensor, rope: RopeAngles, ctx: ForwardContext) -> torch.Tensor:
         tokens = x.shape[0]
@@ -164,10 +160,7 @@ class Gemma3MLP(nn.Module):
         self.gate_up_proj: nn.Module | None = None
 
     def fuse_projections(self) -> None:
-        merged = self.gate_proj.method.merge([self.gate_proj, self.up_proj])
-        if merged is not None:
-            self.gate_up_proj = merged
-            del self.gate_proj, self.up_proj
+        merge_linears(self, ("gate_proj", "up_proj"), "gate_up_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
@@ -224,13 +217,8 @@ class Gemma3ForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
-        if self.lm_head is None:  # tied: a linear layer over the (unscaled) embedding, as in llama.py
-            embed = self.model.embed_tokens.weight
-            with torch.device("meta"):
-                args = self.args
-                head = QuantLinear(args.hidden_size, args.vocab_size, False, UnquantizedLinearMethod(), embed.dtype)
-            head.weight = embed
-            self.lm_head = head
+        if self.lm_head is None:  # tied: over the embedding as stored (unscaled)
+            self.lm_head = tied_lm_head(self.model.embed_tokens.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""

@@ -15,6 +15,8 @@ from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, Atten
 from pagedserve.kernels.kv_cache import KVCache
 from pagedserve.kernels.layer_ops import LayerOps, TorchLayerOps
 from pagedserve.kernels.paged_attention import paged_attention, write_kv
+from pagedserve.quant.linear import QuantLinear
+from pagedserve.quant.unquantized import UnquantizedLinearMethod
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,3 +147,25 @@ class RotaryEmbedding(nn.Module):
         return RopeAngles(
             self.cos[positions].to(dtype).unsqueeze(1), self.signed_sin[positions].to(dtype).unsqueeze(1), ops
         )
+
+
+def merge_linears(owner: nn.Module, parts: tuple[str, ...], merged: str) -> None:
+    """After loading: `owner`'s linears named `parts` (one input each: q/k/v, gate/up) become the one linear
+    `merged` (outputs concatenated in that order) when their quant method can merge them, and the parts are dropped;
+    otherwise all stay as they are and `merged` stays None."""
+    linears = [getattr(owner, name) for name in parts]
+    fused = linears[0].method.merge(linears)
+    if fused is not None:
+        setattr(owner, merged, fused)
+        for name in parts:
+            delattr(owner, name)
+
+
+def tied_lm_head(embedding: torch.Tensor) -> QuantLinear:
+    """The LM head of a model with tied embeddings: a linear layer over the embedding [vocab, hidden], so it takes
+    the packed matmul path (on CPU a packed copy; elsewhere the same tensor, shared)."""
+    vocab, hidden = embedding.shape
+    with torch.device("meta"):  # no throwaway allocation: the weight is replaced at once
+        head = QuantLinear(hidden, vocab, False, UnquantizedLinearMethod(), embedding.dtype)
+    head.weight = embedding
+    return head

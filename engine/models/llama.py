@@ -17,12 +17,11 @@ from torch import nn
 
 from pagedserve.engine.errors import ModelLoadError
 from pagedserve.engine.models.layers import (
-    ForwardContext, RMSNorm, RopeAngles, RotaryEmbedding, layer_types, layer_windows,
+    ForwardContext, RMSNorm, RopeAngles, RotaryEmbedding, layer_types, layer_windows, merge_linears, tied_lm_head,
 )
 from pagedserve.kernels.layer_ops import LayerOps
 from pagedserve.quant.base import QuantConfig
 from pagedserve.quant.linear import QuantLinear
-from pagedserve.quant.unquantized import UnquantizedLinearMethod
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +103,7 @@ class Attention(nn.Module):
         self.split_sizes = [q_out, kv_out, kv_out]
 
     def fuse_projections(self) -> None:
-        """After loading: one q/k/v matmul instead of three, when the quant method can merge them."""
-        merged = self.q_proj.method.merge([self.q_proj, self.k_proj, self.v_proj])
-        if merged is not None:
-            self.qkv_proj = merged
-            del self.q_proj, self.k_proj, self.v_proj
+        merge_linears(self, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
 
     def forward(self, x: torch.Tensor, rope: RopeAngles, ctx: ForwardContext) -> torch.Tensor:
         tokens = x.shape[0]
@@ -135,10 +130,7 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Module | None = None
 
     def fuse_projections(self) -> None:
-        merged = self.gate_proj.method.merge([self.gate_proj, self.up_proj])
-        if merged is not None:
-            self.gate_up_proj = merged
-            del self.gate_proj, self.up_proj
+        merge_linears(self, ("gate_proj", "up_proj"), "gate_up_proj")
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         if self.gate_up_proj is not None:
@@ -204,13 +196,7 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
         if self.lm_head is None:
-            # Tied: the LM head becomes a linear layer over the embedding, so it gets the packed matmul path
-            # (on CPU a packed copy; elsewhere the same tensor, shared).
-            embed = self.model.embed_tokens.weight
-            with torch.device("meta"):  # no throwaway allocation: the weight is replaced at once
-                head = QuantLinear(self.args.hidden_size, self.args.vocab_size, False, UnquantizedLinearMethod(), embed.dtype)
-            head.weight = embed
-            self.lm_head = head
+            self.lm_head = tied_lm_head(self.model.embed_tokens.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
