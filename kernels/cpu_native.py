@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from pagedserve.kernels.cache_dir import cache_root
+from pagedserve.kernels.kv_cache import LayerKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -176,18 +177,13 @@ class PagedRows(Protocol):
 
 
 def attention_fields(
-    query: torch.Tensor,
-    out: torch.Tensor,
-    k_storage: torch.Tensor,
-    v_storage: torch.Tensor,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    batch: PagedRows,
-    scale: float,
+    query: torch.Tensor, out: torch.Tensor, cache: LayerKVCache, batch: PagedRows, scale: float
 ) -> dict[str, Any]:
     """The DecodeArgs fields both native attention kernels read (PrefillArgs adds query_lens), checked once:
-    query, out [T, H, D] CPU tensors of one dtype (query's heads contiguous, out dense); k/v_storage head-major
-    [Hkv, num_blocks, block_size, D]; scales [Hkv] fp32."""
+    query, out [T, H, D] CPU tensors of one dtype (query's heads contiguous, out dense); the cache's head-major
+    storage [Hkv, num_blocks, block_size, D] and its [Hkv] fp32 scales."""
+    k_storage, v_storage = LayerKVCache.by_head(cache.k), LayerKVCache.by_head(cache.v)
+    k_scale, v_scale = cache.k_scale, cache.v_scale
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, num_blocks, block_size, _ = k_storage.shape
     assert query.stride(2) == 1 and query.stride(1) == head_dim and out.is_contiguous() and out.shape == query.shape
@@ -207,17 +203,10 @@ def attention_fields(
 
 
 def decode_attention(
-    query: torch.Tensor,
-    out: torch.Tensor,
-    k_storage: torch.Tensor,
-    v_storage: torch.Tensor,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    batch: DecodeBatch,
-    scale: float,
+    query: torch.Tensor, out: torch.Tensor, cache: LayerKVCache, batch: DecodeBatch, scale: float
 ) -> None:
     """out[rows] = attention(query[rows]) over the paged cache; tensors as `attention_fields` takes them."""
-    args = DecodeArgs(**attention_fields(query, out, k_storage, v_storage, k_scale, v_scale, batch, scale))
+    args = DecodeArgs(**attention_fields(query, out, cache, batch, scale))
     status = load_library().pagedserve_decode_attention(
         ctypes.byref(args), batch.rows.shape[0], batch.max_seq_len, torch.get_num_threads()
     )

@@ -15,6 +15,7 @@ import torch
 
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.cpu_native import DecodeArgs, attention_fields, load_library
+from pagedserve.kernels.kv_cache import LayerKVCache
 
 
 def _prefill_fields() -> list[tuple[str, type]]:
@@ -62,19 +63,12 @@ class PrefillBatch:
 
 
 def prefill_attention_native(
-    query: torch.Tensor,
-    out: torch.Tensor,
-    k_storage: torch.Tensor,
-    v_storage: torch.Tensor,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    batch: PrefillBatch,
-    scale: float,
+    query: torch.Tensor, out: torch.Tensor, cache: LayerKVCache, batch: PrefillBatch, scale: float
 ) -> None:
     """out[chunk rows] = causal attention of each chunk's queries over its cached context and itself; tensors as
     cpu_native.attention_fields takes them, head_dim a multiple of 16."""
     assert query.shape[2] % 16 == 0, f"head_dim {query.shape[2]} is not a multiple of 16"
-    fields = attention_fields(query, out, k_storage, v_storage, k_scale, v_scale, batch, scale)
+    fields = attention_fields(query, out, cache, batch, scale)
     args = _PrefillArgs(**fields, query_lens=batch.query_lens.data_ptr())
     status = load_library().pagedserve_prefill_attention(
         ctypes.addressof(args), batch.rows.shape[0], torch.get_num_threads()

@@ -74,11 +74,10 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         if not _heads_dense(query):
             query = query.contiguous()
         out = torch.empty(query.shape, dtype=query.dtype)
-        k_storage, v_storage = LayerKVCache.by_head(cache.k), LayerKVCache.by_head(cache.v)
         if plan.decode is not None:
-            decode_attention(query, out, k_storage, v_storage, cache.k_scale, cache.v_scale, plan.decode, scale)
+            decode_attention(query, out, cache, plan.decode, scale)
         if plan.prefill is not None:
-            prefill_attention_native(query, out, k_storage, v_storage, cache.k_scale, cache.v_scale, plan.prefill, scale)
+            prefill_attention_native(query, out, cache, plan.prefill, scale)
         for chunk in plan.prefill_sdpa:
             prefill_attention(query, out, cache, scale, chunk)
         return out
