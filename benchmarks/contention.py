@@ -29,6 +29,8 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from pagedserve.engine.cpu_threads import CGROUP_ROOT
+
 HERE = Path(__file__).resolve().parent
 BUSY_LOOP = "while True: pass"
 
@@ -54,15 +56,15 @@ def busy_core():
 
 
 PERIOD_US = 100_000
-CGROUP = Path("/sys/fs/cgroup")
 
 
 class QuotaCgroup:
     """A fresh cgroup with a CFS CPU quota; `enter` (a preexec_fn) moves the calling process into it."""
 
     def __init__(self, cpus: float) -> None:
-        v2 = "cpu" in (CGROUP / "cgroup.controllers").read_text().split() if (CGROUP / "cgroup.controllers").exists() else False
-        self.path = (CGROUP if v2 else CGROUP / "cpu") / f"pagedserve-contention-{os.getpid()}"
+        controllers = CGROUP_ROOT / "cgroup.controllers"
+        v2 = controllers.exists() and "cpu" in controllers.read_text().split()
+        self.path = (CGROUP_ROOT if v2 else CGROUP_ROOT / "cpu") / f"pagedserve-contention-{os.getpid()}"
         quota = str(round(cpus * PERIOD_US))
         try:
             self.path.mkdir()

@@ -43,9 +43,10 @@ ROUND_UP_ABOVE = 0.10
 
 
 def threads_for_quota(quota: float) -> int:
-    """Compute threads for a CFS quota of `quota` CPUs: its whole CPUs, plus one for a fraction above 10% of them."""
+    """Compute threads for a CFS quota of `quota` CPUs (> 0): its whole CPUs, plus one for a fraction above 10% of
+    them (so below one CPU, one)."""
     whole = math.floor(quota)
-    return whole + 1 if quota > whole * (1 + ROUND_UP_ABOVE) else max(whole, 1)
+    return whole + 1 if quota > whole * (1 + ROUND_UP_ABOVE) else whole
 
 
 def cpu_budget(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = Path("/proc/self/cgroup")) -> CpuBudget:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "peers")]
 from make_fixtures import ensure_venv  # noqa: E402
 from paths import tools_cache  # noqa: E402
 
