@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from pagedserve.quant.native_linear import NativeLinear
 
 
 class QuantConfigError(ValueError):
@@ -54,6 +55,11 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features]."""
+
+    def native_linear(self, layer: nn.Module) -> NativeLinear | None:
+        """The layer as a C function for the native small-batch step (kernels/cpu_linear.h), or None where this
+        method has no native kernel here; the step then keeps the layer on the torch path."""
+        return None
 
     def merge(self, layers: list[nn.Module]) -> nn.Module | None:
         """One layer whose output is the concatenation of `layers`' outputs for the same input, or None.

@@ -1,0 +1,37 @@
+"""The Python side of kernels/cpu_linear.h: one linear layer as a C function pointer plus the state it reads.
+
+Why a function pointer: the native small-batch step runs a whole layer stack in C, and each weight format (dense,
+GGUF blocks, GPTQ/AWQ groups) multiplies in its own kernel. A `LinearMethod` that can run natively hands out a
+`NativeLinear`; the step builds the C `ps_linear` structs from them and never dispatches on the format itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+
+class PsLinear(ctypes.Structure):
+    # Field order and types mirror ps_linear in kernels/cpu_linear.h.
+    _fields_ = [("fn", ctypes.c_void_p), ("state", ctypes.c_void_p),
+                ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64)]
+
+
+@dataclass(frozen=True, slots=True)
+class NativeLinear:
+    """fn: address of a `ps_linear_fn`; state: address of what it reads (valid while `keepalive` lives)."""
+
+    fn: int
+    state: int
+    in_features: int
+    out_features: int
+    keepalive: tuple[object, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.fn:
+            raise ValueError("NativeLinear.fn: a null function pointer")
+        if self.in_features <= 0 or self.out_features <= 0:
+            raise ValueError(f"NativeLinear features must be positive, got {self.in_features}x{self.out_features}")
+
+    def as_struct(self) -> PsLinear:
+        return PsLinear(self.fn, self.state, self.in_features, self.out_features)
