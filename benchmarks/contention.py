@@ -12,7 +12,7 @@ Run it on an otherwise idle machine; the load average before and after is in the
 
 --cpu-quota CPUS replaces the busy process with a CFS quota: the measured process runs in a fresh cgroup (v2 cpu.max,
 else v1 cpu.cfs_quota_us) allowed CPUS per 100 ms period, as a container CPU limit does; its throttling counters are
-in the output. `--threads 0` then takes the engine's own count, which follows the quota (engine/cpu_threads.py).
+in the output. `--threads 0` then takes the engine's own count, which follows the quota (engine/host/cpu_threads.py).
 
 GOVERNED: OMP_WAIT_POLICY unset (libgomp spins a while, then sleeps) with the engine's thread governor, which needs
 the engine to choose its own thread count: pair it with `--threads 0`.
@@ -29,7 +29,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from pagedserve.engine.cpu_threads import CGROUP_ROOT
+from pagedserve.engine.host.cpu_threads import CGROUP_ROOT
 
 HERE = Path(__file__).resolve().parent
 BUSY_LOOP = "while True: pass"

@@ -19,7 +19,7 @@ _CONVERSION_VERSION = "2"
 def hf_folder(model: str | None = None) -> Path:
     """`model` as an HF folder: a folder is returned as it is; None, an embedded name or a .gguf file is converted
     once into a cached folder."""
-    from pagedserve.engine.model_store import resolve_model
+    from pagedserve.engine.loading.model_store import resolve_model
 
     source = resolve_model(model)
     if source.weights.is_dir():

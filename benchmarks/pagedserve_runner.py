@@ -19,9 +19,10 @@ class EngineRun:
 def make_engine(model_dir: str | None, dtype: str, threads: int, **overrides):
     """threads 0: the engine's own choice (its CPU budget, with the thread governor on a spinning pool)."""
     from pagedserve.engine import EngineConfig, LLMEngine
+    from pagedserve.engine.host.tuning import tune_host
 
     config = EngineConfig(model=model_dir, dtype=dtype, num_threads=threads or None, **overrides)
-    return LLMEngine(config)
+    return LLMEngine(config, governor=tune_host(config))  # the host tuned as `pagedserve serve` tunes it
 
 
 def run_engine(engine, workload: Workload) -> EngineRun:

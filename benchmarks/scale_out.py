@@ -33,7 +33,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagedserve.engine.model_store import resolve_model
+from pagedserve.engine.loading.model_store import resolve_model
 
 MODEL = "SmolLM2-135M-Instruct"
 CONFIGS = (("cache_aware", 2), ("round_robin", 2), ("cache_aware", 1))

@@ -37,7 +37,7 @@ def cpu_model() -> str:
 def tiny_llama(folder: Path, max_positions: int) -> Path:
     import transformers
 
-    from pagedserve.engine.model_store import ensure_default_model
+    from pagedserve.engine.loading.model_store import ensure_default_model
 
     config = transformers.LlamaConfig(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -83,14 +83,16 @@ class StepClock:
 
 def run(args: argparse.Namespace, folder: Path) -> list[dict[str, float]]:
     from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
+    from pagedserve.engine.host.tuning import tune_host
 
     length = args.late + args.window
     context = args.prompt_tokens + length + 8
     per_token = 2 * 2 * 16 * 2 * 4  # layers x KV heads x head dim x (K, V) x fp32 bytes
-    engine = LLMEngine(EngineConfig(
+    config = EngineConfig(
         model=str(folder), dtype="float32", max_model_len=context, max_num_seqs=args.batch,
         max_num_batched_tokens=max(2048, args.batch * args.prompt_tokens), enable_prefix_caching=False,
-        kv_cache_memory=2 * args.batch * context * per_token, num_threads=args.threads))
+        kv_cache_memory=2 * args.batch * context * per_token, num_threads=args.threads)
+    engine = LLMEngine(config, governor=tune_host(config))
     params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True, logprobs=args.logprobs)
     for i in range(args.batch):
         engine.add_request(f"r{i}", [100 + (7 * i + j) % 30000 for j in range(args.prompt_tokens)], params)

@@ -15,8 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
-from pagedserve.engine.chat_template import ChatMessage, ChatOptions, check_messages
 from pagedserve.engine.errors import CapacityError, InvalidRequestError
+from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions, check_messages
 from pagedserve.engine.sampling_params import SamplingParams
 
 # Field names in this module's errors; front ends rename them (`renamed`) to the paths their clients set.

@@ -7,12 +7,14 @@ request stops (and frees its KV blocks) within one engine step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from pagedserve.engine.admission import AdmittedRequest, GenerationRequest
 from pagedserve.engine.config import EngineConfig
@@ -21,7 +23,6 @@ from pagedserve.engine.errors import (
 )
 from pagedserve.engine.kv_events import KvEvent
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.main_thread import SIGNAL_POLL_S, MainThreadHost
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.sequence import now
@@ -70,13 +71,32 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -
         queue_.put_nowait(item)
 
 
-class AsyncEngine:
-    """host: run the model load and step loop on the main thread through it (see main_thread.py); without one
-    they run on a worker thread of their own."""
+# How often the idle step loop wakes: on a main-thread host that lets Python run pending signal handlers.
+IDLE_WAKE_S = 0.5
 
-    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None, host: MainThreadHost | None = None):
+
+class LoopHost(Protocol):
+    """A thread that runs the model load and the step loop for the event loop (`engine/host/main_thread.py`'s
+    `MainThreadHost`)."""
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+
+class AsyncEngine:
+    """host: run the model load and step loop on the main thread through it; without one they run on a worker
+    thread of their own. build: makes the LLMEngine on that thread (the entry's host tuning goes there, since
+    torch's thread count belongs to the thread that computes); default `LLMEngine(config)`."""
+
+    def __init__(
+        self, config: EngineConfig, engine: LLMEngine | None = None, host: LoopHost | None = None,
+        build: Callable[[], LLMEngine] | None = None,
+    ):
         self.config = config
         self.engine = engine
+        self._build = build or functools.partial(LLMEngine, config)
         self._host = host
         self._host_loop: asyncio.Future | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -102,7 +122,7 @@ class AsyncEngine:
         """Loads the model off the event loop (on the host's main thread, or a worker thread) and starts the step
         loop there (host) or on a thread of its own."""
         if self.engine is None:
-            loading = self._host.call(LLMEngine, self.config) if self._host else asyncio.to_thread(LLMEngine, self.config)
+            loading = self._host.call(self._build) if self._host else asyncio.to_thread(self._build)
             self.engine = await loading
         self._stats = self.engine.stats()
         if self._host is not None:
@@ -210,7 +230,7 @@ class AsyncEngine:
             self._apply_commands()
             self._flush_kv_events()  # a cache reset changes the cache without a step
             if not self.engine.has_unfinished_requests():
-                self._wakeup.wait(SIGNAL_POLL_S)
+                self._wakeup.wait(IDLE_WAKE_S)
                 self._wakeup.clear()
                 continue
             try:

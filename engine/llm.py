@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence as SequenceABC
 
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.host.tuning import tune_host
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
@@ -13,7 +14,9 @@ from pagedserve.engine.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, **config_fields):
-        self.engine = LLMEngine(EngineConfig(model=model, **config_fields))
+        config = EngineConfig(model=model, **config_fields)
+        # The offline entry: it tunes the host itself, before the engine is built (the engine core never does).
+        self.engine = LLMEngine(config, governor=tune_host(config))
         self._ids = itertools.count()
 
     @property

@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from pagedserve.engine.admission import (
     TOKENS_FIELD, AdmittedRequest, Admission, GenerationRequest, ModelLimits, TextPrompt, TokensPrompt, renamed,
 )
-from pagedserve.engine.allocator import keep_freed_memory
 from pagedserve.engine.block_manager import BlockManager
-from pagedserve.engine.chat_template import read_template_file
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.cpu_threads import configure_cpu_threads
 from pagedserve.engine.errors import InvalidRequestError
-from pagedserve.engine.model_loader import load_model
+from pagedserve.engine.loading.chat_template import read_template_file
+from pagedserve.engine.loading.model_loader import load_model
+from pagedserve.engine.loading.model_store import resolve_model
+from pagedserve.engine.loading.tokenizer import Tokenizer, start_detok
 from pagedserve.engine.model_runner import ModelRunner
-from pagedserve.engine.model_store import resolve_model
 from pagedserve.engine.outputs import (
     CompletionOutput, EngineStats, ModelDescription, OutputHistory, RequestMetrics, RequestOutput,
 )
@@ -29,9 +28,6 @@ from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.sequence import FinishReason, Sequence, SequenceMetrics, now
 from pagedserve.engine.stopping import apply_token
-from pagedserve.engine.thread_governor import GovernorConfig, ThreadGovernor, start_governor
-from pagedserve.engine.tokenizer import Tokenizer, start_detok
-from pagedserve.kernels.cpu_native import pool_sleeps
 
 logger = logging.getLogger(__name__)
 
@@ -48,21 +44,22 @@ class RequestState:
         return all(s.is_finished and not s.pending_forks for s in self.seqs)
 
 
+class StepGovernor(Protocol):
+    """Runs around every step on the computing thread (`engine/host/thread_governor.py`'s `ThreadGovernor`)."""
+
+    def tick(self) -> None: ...
+
+    def step_done(self) -> None: ...
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    """governor: what the entry's host tuning returned (`engine/host/tuning.py: tune_host`), ticked every step; the
+    engine itself sets up nothing on the host."""
+
+    def __init__(self, config: EngineConfig, governor: StepGovernor | None = None):
         self.config = config
         self.device = torch.device(config.device)
-        self.thread_governor: ThreadGovernor | None = None
-        if self.device.type == "cpu":
-            threads = configure_cpu_threads(config.num_threads)
-            keep_freed_memory()
-            # Only a spinning pool needs the governor: sleeping threads already leave a taken core to its process.
-            if config.adapt_threads and config.num_threads is None and threads > 1 and not pool_sleeps(
-                os.environ.get("OMP_WAIT_POLICY")
-            ):
-                self.thread_governor = start_governor(GovernorConfig(max_threads=threads), torch.set_num_threads)
-        elif config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        self.thread_governor = governor
         self.source = resolve_model(config.model, config.tokenizer)
         override = read_template_file(config.chat_template) if config.chat_template else None  # fail before loading
         self.loaded = load_model(self.source.weights, config.torch_dtype, config.quantization, self.device)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.loading.model_loader import LoadedModel
 from pagedserve.engine.models.layers import ForwardContext
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.engine.sequence import Sequence

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from pagedserve.engine.loading.tokenizer import Tokenizer, detokenize_step
 from pagedserve.engine.sequence import FinishReason, Sequence, TokenLogprob, now
-from pagedserve.engine.tokenizer import Tokenizer, detokenize_step
 
 
 def apply_token(seq: Sequence, token: int, logprob: TokenLogprob | None, tokenizer: Tokenizer, max_model_len: int) -> bool:

@@ -145,8 +145,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 def _serve_on_two_threads(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     """gRPC and asyncio on a side thread; the engine's load and step loop on this (main) thread, where its
-    OpenMP parallel regions run at full speed (pagedserve/engine/main_thread.py says why)."""
-    from pagedserve.engine.main_thread import MainThreadHost
+    OpenMP parallel regions run at full speed (engine/host/main_thread.py says why)."""
+    from pagedserve.engine.host.main_thread import MainThreadHost
     from pagedserve.service.server import serve  # grpc/engine imports only after argument errors are ruled out
 
     host = MainThreadHost()

@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from pagedserve.engine import AsyncEngine, EngineConfig
+from pagedserve.engine import AsyncEngine, EngineConfig, LLMEngine
 from pagedserve.engine.admission import AdmittedRequest, GenerationRequest
+from pagedserve.engine.async_engine import LoopHost
 from pagedserve.engine.kv_events import KvEvent
-from pagedserve.engine.main_thread import MainThreadHost
+from pagedserve.engine.loading.tokenizer import Tokenizer
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
 from pagedserve.engine.sampling_params import MAX_LOGPROBS, MAX_N
-from pagedserve.engine.tokenizer import Tokenizer
 from pagedserve.v1 import model_info_pb2
 
 
@@ -43,10 +43,12 @@ class EngineHandle(Protocol):
     def publish_kv_events(self, sink: Callable[[list[KvEvent]], None]) -> None: ...
 
 
-async def load_engine(config: EngineConfig, host: MainThreadHost | None = None) -> EngineHandle:
+async def load_engine(
+    config: EngineConfig, build: Callable[[], LLMEngine], host: LoopHost | None = None
+) -> EngineHandle:
     """Loads the model off the event loop (health checks keep answering NOT_SERVING meanwhile), on the host's
-    main thread when there is one."""
-    engine = AsyncEngine(config, host=host)
+    main thread when there is one; `build` makes the engine there (the server's host tuning included)."""
+    engine = AsyncEngine(config, host=host, build=build)
     await engine.start()
     return engine
 

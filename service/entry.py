@@ -5,7 +5,7 @@ cli.py imports torch (through the engine config), hence this module. A value the
 - under a cgroup CPU quota (a container CPU limit): PASSIVE. Spinning threads would spend the quota waiting, and
   the CFS throttles the whole process for the rest of its period once it is spent;
 - without one: libgomp's own default (spin a while, then sleep), ~10% faster than PASSIVE on a quiet machine. When
-  other processes take some of the cores, the engine's thread governor (engine/thread_governor.py) runs fewer
+  other processes take some of the cores, the engine's thread governor (engine/host/thread_governor.py) runs fewer
   threads, which kept 0.55x of the quiet throughput beside one busy core where the spinning pool alone fell to
   0.34x (docs/cpu-threads.md).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from pagedserve.engine.cpu_threads import CpuBudget, cpu_budget  # torch-free; the engine package loads lazily
+from pagedserve.engine.host.cpu_threads import CpuBudget, cpu_budget  # torch-free; the engine package loads lazily
 
 QUOTA_WAIT_POLICY = "PASSIVE"
 

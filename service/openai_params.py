@@ -16,8 +16,8 @@ from pagedserve.engine.admission import (
     CHAT_FIELD, TEXT_FIELD, TOKENS_FIELD, AdmittedRequest, ChatPrompt, GenerationRequest, Prompt, TextPrompt,
     TokensPrompt, field_map, renamed,
 )
-from pagedserve.engine.chat_template import ChatMessage, ChatOptions
 from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions
 from pagedserve.engine.sampling_params import SamplingParams
 
 # OpenAI's own parameters, plus vLLM's extensions that the same clients send.

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pagedserve.engine.admission import (
     AdmittedRequest, ChatPrompt, GenerationRequest, Prompt, TextPrompt, TokensPrompt, field_map, renamed,
 )
-from pagedserve.engine.chat_template import ChatMessage, ChatOptions
 from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.service.stream import StreamOptions
 from pagedserve.v1 import generate_pb2 as pb

@@ -17,18 +17,20 @@ from grpc_health.v1._async import HealthServicer
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import ConfigError
-from pagedserve.engine.main_thread import MainThreadHost
-from pagedserve.engine.model_store import DEFAULT_MODEL_NAME
+from pagedserve.engine.host.main_thread import MainThreadHost
+from pagedserve.engine.host.tuning import tune_host
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.loading.model_store import DEFAULT_MODEL_NAME
 from pagedserve.service.config import ServerConfig, TlsConfig
 from pagedserve.service.engine_adapter import load_engine
 from pagedserve.service.http_endpoints import serve_http
 from pagedserve.service.http_server import HttpServer
-from pagedserve.service.standard_services import (
-    HEALTH_SERVICE, REFLECTION_SERVICES, health_rpc_handler, reflection_rpc_handlers,
-)
 from pagedserve.service.lifecycle import SERVICE_NAME, ServingState
 from pagedserve.service.metrics import ServiceMetrics
 from pagedserve.service.servicer import GenerationServicer
+from pagedserve.service.standard_services import (
+    HEALTH_SERVICE, REFLECTION_SERVICES, health_rpc_handler, reflection_rpc_handlers,
+)
 from pagedserve.service.vllm_servicer import SERVICE_NAME as VLLM_SERVICE_NAME, VllmEngineServicer
 
 log = logging.getLogger(__name__)
@@ -67,7 +69,9 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
              "mTLS" if config.tls and config.tls.mutual else "TLS" if config.tls else "plaintext", metrics_port,
              http.port if http else None)
     try:
-        engine = await stop.race(load_engine(engine_config, host))
+        # The host tuning runs where the engine is built and will compute (the main thread, through the host).
+        build = lambda: LLMEngine(engine_config, governor=tune_host(engine_config))  # noqa: E731
+        engine = await stop.race(load_engine(engine_config, build, host))
     except BaseException:
         await server.stop(grace=None)  # a failed load must not leave the listener to the garbage collector
         if http is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pagedserve.engine.model_store import resolve_model
+from pagedserve.engine.loading.model_store import resolve_model
 
 # Llama 3.1 style: system message pulled out, a date from strftime_now, bos_token from the special tokens, trim.
 LLAMA3 = """{{- bos_token }}

@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pagedserve.engine.model_store import ModelSource, resolve_model
+from pagedserve.engine.loading.model_store import ModelSource, resolve_model
 from service_fixtures import server_factory, shared_server  # noqa: F401  (real server processes)
 
 

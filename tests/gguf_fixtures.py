@@ -10,7 +10,7 @@ from gguf import GGUFReader, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
-from pagedserve.engine.model_store import resolve_model
+from pagedserve.engine.loading.model_store import resolve_model
 
 # gguf can dequantize the K types but not quantize them: their test blocks are random bytes with small, finite fp16
 # scales at these byte offsets of each block (the layouts of gguf/quants.py's dequantize_blocks).

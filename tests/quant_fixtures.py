@@ -17,13 +17,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.model_loader import LoadedModel, load_model
+from pagedserve.engine.loading.model_loader import LoadedModel, load_model
 from pagedserve.engine.model_runner import ModelRunner
-from pagedserve.kernels.layer_ops import TorchLayerOps
 from pagedserve.engine.models.layers import ForwardContext
 from pagedserve.kernels.attention import AttentionMetadata
-from pagedserve.quant.linear import QuantLinear
+from pagedserve.kernels.layer_ops import TorchLayerOps
 from pagedserve.quant.group_quant import GroupQuantWeight
+from pagedserve.quant.linear import QuantLinear
 from pagedserve.quant.packing import default_g_idx, pack_cols, pack_rows
 from pagedserve.quant.registry import quant_config_for
 

@@ -24,9 +24,9 @@ from pagedserve.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingPara
 from pagedserve.engine.admission import (
     TRUNCATE_TO_CONTEXT, Admission, ChatPrompt, GenerationRequest, ModelLimits, TextPrompt, TokensPrompt,
 )
-from pagedserve.engine.chat_template import ChatMessage
 from pagedserve.engine.errors import CapacityError, InvalidRequestError
-from pagedserve.engine.tokenizer import Tokenizer
+from pagedserve.engine.loading.chat_template import ChatMessage
+from pagedserve.engine.loading.tokenizer import Tokenizer
 from pagedserve.service.http_server import HttpServer
 from pagedserve.service.lifecycle import ServingState
 from pagedserve.service.metrics import ServiceMetrics

@@ -6,9 +6,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from chat_templates import ALTERNATING, LLAMA3, QWEN2, conversation, tokenizer_dir
-from pagedserve.engine.chat_template import ChatMessage, ChatOptions, check_messages, read_template_file
 from pagedserve.engine.errors import ConfigError, InvalidRequestError, MissingChatTemplateError
-from pagedserve.engine.tokenizer import Tokenizer
+from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions, check_messages, read_template_file
+from pagedserve.engine.loading.tokenizer import Tokenizer
 
 VOCAB = 49152
 

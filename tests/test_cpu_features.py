@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.engine.cpu_features import cpu_flags, native_bf16_flags
-from pagedserve.engine.model_loader import resolve_dtype
+from pagedserve.engine.host.cpu_features import cpu_flags, native_bf16_flags
+from pagedserve.engine.loading.model_loader import resolve_dtype
 
 SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_tile\n\nprocessor\t: 1\n"
 ZEN3 = "processor\t: 0\nflags\t\t: fpu sse avx avx2 fma f16c\n"
@@ -54,7 +54,7 @@ def test_the_engine_applies_the_rule_on_this_host(tmp_path, caplog):
 
     path = make_tiny_model(tmp_path)  # an fp32 checkpoint
     native = native_bf16_flags()
-    with caplog.at_level("INFO", logger="pagedserve.engine.model_loader"):
+    with caplog.at_level("INFO", logger="pagedserve.engine.loading.model_loader"):
         auto = LLM(str(path), kv_cache_memory=1 << 22)
     assert auto.engine.loaded.dtype == (torch.bfloat16 if native else torch.float32)
     assert ("dtype=auto: computing in bfloat16" in caplog.text) == bool(native)

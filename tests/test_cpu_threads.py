@@ -1,4 +1,4 @@
-"""engine/cpu_threads.py: the compute-thread count follows the affinity mask and the cgroup CPU quota."""
+"""engine/host/cpu_threads.py: the compute-thread count follows the affinity mask and the cgroup CPU quota."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.engine.cpu_threads import CpuBudget, apply_thread_budget, cpu_budget, threads_for_quota
+from pagedserve.engine.host.cpu_threads import CpuBudget, apply_thread_budget, cpu_budget, threads_for_quota
 
 
 def _tree(tmp_path: Path, files: dict[str, str], proc: str) -> tuple[Path, Path]:
@@ -98,7 +98,7 @@ def _entry_probe(env_policy: str | None) -> str:
 
 def test_console_script_sets_the_default_policy_before_torch_loads():
     """libgomp reads the policy when torch loads: the default must be in place before any torch import."""
-    from pagedserve.engine.cpu_threads import cpu_budget
+    from pagedserve.engine.host.cpu_threads import cpu_budget
     from pagedserve.service.entry import default_wait_policy
 
     assert _entry_probe(None) == f"POLICY {default_wait_policy(cpu_budget())} policy-first"

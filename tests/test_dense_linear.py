@@ -67,7 +67,7 @@ def test_activation_dtype_must_match_packed_weight() -> None:
 
 
 def test_fused_projections_and_tied_head_are_packed(tmp_path) -> None:
-    from pagedserve.engine.model_loader import load_model
+    from pagedserve.engine.loading.model_loader import load_model
 
     loaded = load_model(make_tiny_model(tmp_path, tie_word_embeddings=True), torch.float32, None, torch.device("cpu"))
     model = loaded.model

@@ -9,7 +9,7 @@ import pytest
 from conftest import hf_from_gguf, hf_greedy
 from test_engine_vs_transformers import PROMPTS
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.model_store import gemma3_270m_gguf
+from pagedserve.engine.loading.model_store import gemma3_270m_gguf
 
 MAX_NEW = 16
 

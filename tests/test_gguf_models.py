@@ -12,10 +12,10 @@ from conftest import hf_from_gguf
 from gguf_fixtures import write_tiny_llama
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.errors import ModelLoadError
-from pagedserve.engine.gguf_checkpoint import GgufCheckpoint
-from pagedserve.engine.gguf_file import GgufFile
-from pagedserve.engine.model_store import gemma3_270m_gguf, resolve_model
-from pagedserve.engine.tokenizer import Tokenizer
+from pagedserve.engine.loading.gguf_checkpoint import GgufCheckpoint
+from pagedserve.engine.loading.gguf_file import GgufFile
+from pagedserve.engine.loading.model_store import gemma3_270m_gguf, resolve_model
+from pagedserve.engine.loading.tokenizer import Tokenizer
 
 # Fields that name where a config came from (or how transformers loaded it) rather than what the model is.
 _PROVENANCE = {"_name_or_path", "_model_name_or_path", "architectures", "dtype", "transformers_version",
@@ -50,7 +50,7 @@ def tiny_llama(tmp_path_factory):
 def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, caplog):
     hf = hf_from_gguf(tiny_llama)
     prompts = [[5, 17, 300, 42, 9000, 11], list(range(1000, 1100))]
-    with caplog.at_level(logging.INFO, logger="pagedserve.engine.gguf_checkpoint"):
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine.loading.gguf_checkpoint"):
         llm = LLM(str(tiny_llama), dtype="float32", block_size=16, max_num_batched_tokens=40)
     assert "Q4_K x1" in caplog.text and "Q6_K x1" in caplog.text and "BF16 x2" in caplog.text  # types are logged
     ours = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))

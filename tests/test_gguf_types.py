@@ -12,7 +12,7 @@ from gguf import GGUFWriter
 from gguf_fixtures import add_tensor, finish, quantized, reference_values, write_tiny_llama
 from pagedserve.engine import LLM
 from pagedserve.engine.errors import ModelLoadError
-from pagedserve.engine.gguf_file import SUPPORTED_TYPES, GgufFile
+from pagedserve.engine.loading.gguf_file import SUPPORTED_TYPES, GgufFile
 
 
 def _write_one(path, name: str, stored: np.ndarray, qtype: T, arch: str = "llama"):

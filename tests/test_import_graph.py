@@ -99,6 +99,6 @@ def test_the_checks_catch_what_they_look_for():
     # The detectors themselves, on graphs with a known defect: a test that cannot fail proves nothing.
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
-    code = "def f():\n    from pagedserve.engine.model_store import cache_root\nfrom . import kv_cache\nimport os\n"
-    known = {"pagedserve.engine.model_store", "pagedserve.kernels.kv_cache"}
+    code = "def f():\n    from pagedserve.engine.loading.model_store import cache_root\nfrom . import kv_cache\nimport os\n"
+    known = {"pagedserve.engine.loading.model_store", "pagedserve.kernels.kv_cache"}
     assert imports_of("pagedserve.kernels.cpu_native", False, code, known) == known

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from pagedserve.engine.main_thread import MainThreadHost
+from pagedserve.engine.host.main_thread import MainThreadHost
 
 
 def _serve_side(host: MainThreadHost, coro_fn, outcome: dict) -> threading.Thread:

@@ -10,7 +10,7 @@ from quant_fixtures import copy_fixture, fixture_dir
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import ConfigError, ModelLoadError
-from pagedserve.engine.model_store import TOKENIZER_SOURCES, resolve_model
+from pagedserve.engine.loading.model_store import TOKENIZER_SOURCES, resolve_model
 from pagedserve.service.cli import build_parser, engine_config
 
 AWQ = "awq_4bit_g64"

@@ -1,4 +1,4 @@
-"""engine/thread_governor.py: fewer compute threads while other processes take some of the engine's CPUs.
+"""engine/host/thread_governor.py: fewer compute threads while other processes take some of the engine's CPUs.
 
 The arithmetic and the hysteresis run on scripted samples; then the real thing: a CPU-bound process pinned to one of
 this process's CPUs, read from /proc/stat, must make a real engine (default model, spinning OpenMP pool, in a fresh
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.engine.cpu_threads import cpu_budget
 from pagedserve.engine.errors import ConfigError
-from pagedserve.engine.thread_governor import (
+from pagedserve.engine.host.cpu_threads import cpu_budget
+from pagedserve.engine.host.thread_governor import (
     CpuSample, GovernorConfig, ThreadGovernor, others_cpus, read_sample, start_governor, threads_for,
 )
 from pagedserve.kernels.cpu_native import pool_sleeps
@@ -117,7 +117,7 @@ def test_read_sample_sums_the_watched_cpus(tmp_path: Path):
 
 
 def test_no_governor_where_proc_stat_cannot_be_read(monkeypatch):
-    import pagedserve.engine.thread_governor as module
+    import pagedserve.engine.host.thread_governor as module
 
     def unreadable(cpus, stat=Path("/proc/stat")):
         raise FileNotFoundError(stat)
@@ -135,7 +135,9 @@ def test_only_a_spinning_pool_is_governed():
 ENGINE_PROBE = """
 import os, subprocess, sys
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
-engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=64 << 20))
+from pagedserve.engine.host.tuning import tune_host
+config = EngineConfig(dtype="float32", kv_cache_memory=64 << 20)
+engine = LLMEngine(config, governor=tune_host(config))
 governor = engine.thread_governor
 assert governor is not None, "no governor with a spinning pool"
 core = sorted(os.sched_getaffinity(0))[-1]

@@ -176,7 +176,7 @@ def decode_tokens_per_s(model_dir: Path, dtype: str, prompts: list[list[int]], n
 
 def evaluate(name: str, model_dir: Path, dtype: str, windows, throughput: bool) -> dict:
     from pagedserve.engine.config import parse_dtype
-    from pagedserve.engine.model_loader import load_model
+    from pagedserve.engine.loading.model_loader import load_model
 
     loaded = load_model(model_dir, parse_dtype(dtype), None, torch.device("cpu"))
     stored, fp16 = linear_bytes(loaded.model, parse_dtype(dtype))

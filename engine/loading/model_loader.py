@@ -13,9 +13,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from pagedserve.engine.cpu_features import native_bf16_flags
 from pagedserve.engine.errors import ModelLoadError
-from pagedserve.engine.gguf_checkpoint import GgufCheckpoint
+from pagedserve.engine.host.cpu_features import native_bf16_flags
+from pagedserve.engine.loading.gguf_checkpoint import GgufCheckpoint
 from pagedserve.engine.models.registry import model_class_for
 from pagedserve.quant.base import QuantConfig, QuantConfigError
 from pagedserve.quant.linear import QuantLinear

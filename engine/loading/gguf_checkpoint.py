@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from pagedserve.engine.errors import ModelLoadError
-from pagedserve.engine.gguf_archs import gguf_arch, hf_config, hf_tensor
-from pagedserve.engine.gguf_file import GgufFile
+from pagedserve.engine.loading.gguf_archs import gguf_arch, hf_config, hf_tensor
+from pagedserve.engine.loading.gguf_file import GgufFile
 from pagedserve.kernels.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)

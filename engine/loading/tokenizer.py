@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedserve.engine.chat_template import ChatMessage, ChatOptions, ChatTemplate
 from pagedserve.engine.errors import ModelLoadError
+from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions, ChatTemplate
 
 # Decoding restarts a few tokens back so merges that depend on the left context (spaces, byte pairs) come out right.
 _CONTEXT_TOKENS = 5

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedserve.engine.errors import ModelLoadError
-from pagedserve.engine.gguf_checkpoint import tokenizer_dir as gguf_tokenizer_dir
+from pagedserve.engine.loading.gguf_checkpoint import tokenizer_dir as gguf_tokenizer_dir
 from pagedserve.kernels.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
