@@ -83,8 +83,12 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None = None
     ) -> None:
-        """The offline front end's request: admitted here, then queued."""
-        self.submit(request_id, self.admit_prompt(prompt, params), arrival_time)
+        """The offline front end's request: admitted here, then queued. Its id must not be running (the served
+        front ends' ids are checked once, by AsyncEngine, which submits each under a key of its own)."""
+        admitted = self.admit_prompt(prompt, params)
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        self.submit(request_id, admitted, arrival_time)
 
     def admit_prompt(self, prompt: str | list[int], params: SamplingParams) -> AdmittedRequest:
         """A text or token-id prompt with SamplingParams, checked once; errors name SamplingParams' fields."""
@@ -93,9 +97,7 @@ class LLMEngine:
             return self.admission.admit(GenerationRequest(as_prompt, params))
 
     def submit(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
-        """Queues an admitted request as it is (no check is repeated)."""
-        if request_id in self.requests:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        """Queues an admitted request as it is (no check is repeated: its id is new, see add_request)."""
         ids, params = request.prompt_token_ids, request.params
         seq = Sequence(request_id, 0, list(ids), len(ids), params, SequenceMetrics(arrival_time or now()))
         seq.pending_forks = params.n - 1

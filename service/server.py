@@ -22,16 +22,17 @@ from pagedserve.engine.host.tuning import tune_host
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.loading.model_store import DEFAULT_MODEL_NAME
 from pagedserve.service.config import ServerConfig, TlsConfig
-from pagedserve.service.engine_adapter import load_engine
-from pagedserve.service.http_endpoints import serve_http
-from pagedserve.service.http_server import HttpServer
-from pagedserve.service.lifecycle import SERVICE_NAME, ServingState
-from pagedserve.service.metrics import ServiceMetrics
-from pagedserve.service.servicer import GenerationServicer
-from pagedserve.service.standard_services import (
+from pagedserve.service.core.context import ServingContext
+from pagedserve.service.core.engine_handle import load_engine
+from pagedserve.service.core.http_endpoints import serve_http
+from pagedserve.service.core.lifecycle import ServingState
+from pagedserve.service.core.metrics import ServiceMetrics
+from pagedserve.service.core.standard_services import (
     HEALTH_SERVICE, REFLECTION_SERVICES, health_rpc_handler, reflection_rpc_handlers,
 )
-from pagedserve.service.vllm_servicer import SERVICE_NAME as VLLM_SERVICE_NAME, VllmEngineServicer
+from pagedserve.service.openai.http_server import HttpServer
+from pagedserve.service.router.vllm_servicer import SERVICE_NAME as VLLM_SERVICE_NAME, VllmEngineServicer
+from pagedserve.service.v1.servicer import SERVICE_NAME, GenerationServicer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,19 +48,20 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     """
     stop = _StopSignals(host)
     health = HealthServicer()
-    state = ServingState(health)
+    state = ServingState(health, services=(SERVICE_NAME,))
     name = config.served_model_name or (Path(engine_config.model).name.removesuffix(".gguf") if engine_config.model else DEFAULT_MODEL_NAME)
-    metrics = ServiceMetrics(name, lambda: servicer.stats())
-    servicer = GenerationServicer(state, metrics, config.max_message_bytes, name)
+    metrics = ServiceMetrics(name, lambda: serving.stats())
+    serving = ServingContext(state, metrics, name)
+    servicer = GenerationServicer(serving, config.max_message_bytes)
     server = grpc.aio.server(options=config.grpc_options())
     server.add_generic_rpc_handlers((servicer.rpc_handler(),))
-    vllm = VllmEngineServicer(state, metrics, config.max_message_bytes, name) if config.vllm_engine_service else None
+    vllm = VllmEngineServicer(serving, config.max_message_bytes) if config.vllm_engine_service else None
     if vllm is not None:
         server.add_generic_rpc_handlers((vllm.rpc_handler(),))
     server.add_generic_rpc_handlers((health_rpc_handler(health, config.max_message_bytes),))
     server.add_generic_rpc_handlers(reflection_rpc_handlers(SERVICE_NAMES + ((VLLM_SERVICE_NAME,) if vllm else ())))
     await state.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
-    http = _http_server(servicer, config)  # binds first: a taken port stops the start before anything runs
+    http = _http_server(serving, config)  # binds first: a taken port stops the start before anything runs
     port = _bind(server, config)
     await server.start()
     metrics_port = _serve_metrics(metrics, state, config)
@@ -78,12 +80,12 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
             await http.stop()
         raise
     if engine is not None:
-        servicer.attach(engine)
+        serving.attach(engine)
         if vllm is not None:
-            vllm.attach(engine)
+            vllm.listen(engine)
         await state.mark_serving()
         _write_ready_file(config.ready_file, port, metrics_port, http.port if http else None)
-        log.info("serving %s", servicer.static_info.model)
+        log.info("serving %s", serving.model_name)
         await stop.first.wait()
     await drain(server, state, config, stop)
     if http is not None:
@@ -142,12 +144,12 @@ def _serve_metrics(metrics: ServiceMetrics, state: ServingState, config: ServerC
     return serve_http(metrics.registry, ready, config.metrics_host or config.host, config.metrics_port)
 
 
-def _http_server(servicer: GenerationServicer, config: ServerConfig) -> HttpServer | None:
-    """The OpenAI API on this event loop (--http-port), sharing the servicer's engine, state and metrics."""
+def _http_server(serving: ServingContext, config: ServerConfig) -> HttpServer | None:
+    """The OpenAI API on this event loop (--http-port), sharing the serving context's engine, state and metrics."""
     if config.http_port is None:
         return None
     try:
-        return HttpServer(servicer, config.host, config.http_port, config.max_message_bytes, config.tls)
+        return HttpServer(serving, config.host, config.http_port, config.max_message_bytes, config.tls)
     except OSError as exc:
         raise ConfigError("http_port", f"cannot listen on {config.host}:{config.http_port}: {exc}") from None
 

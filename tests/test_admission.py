@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import threading
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -27,11 +28,12 @@ from pagedserve.engine.admission import (
 from pagedserve.engine.errors import CapacityError, InvalidRequestError
 from pagedserve.engine.loading.chat_template import ChatMessage
 from pagedserve.engine.loading.tokenizer import Tokenizer
-from pagedserve.service.http_server import HttpServer
-from pagedserve.service.lifecycle import ServingState
-from pagedserve.service.metrics import ServiceMetrics
-from pagedserve.service.servicer import GenerationServicer
-from pagedserve.service.vllm_servicer import VllmEngineServicer
+from pagedserve.service.core.context import ServingContext
+from pagedserve.service.core.lifecycle import ServingState
+from pagedserve.service.core.metrics import ServiceMetrics
+from pagedserve.service.openai.http_server import HttpServer
+from pagedserve.service.router.vllm_servicer import VllmEngineServicer
+from pagedserve.service.v1.servicer import GenerationServicer
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generation_service_pb2_grpc
 
@@ -71,15 +73,16 @@ async def _serve(engine: LLMEngine, call: Callable[[int, int], Awaitable[int]]) 
     await front.start()
     state = ServingState(HealthServicer())
     metrics = ServiceMetrics("tiny", front.stats)
-    servicer = GenerationServicer(state, metrics, MAX_BYTES, "tiny")
-    servicer.attach(front)
-    router = VllmEngineServicer(state, metrics, MAX_BYTES, "tiny")
-    router.attach(front)
+    serving = ServingContext(state, metrics, "tiny")
+    serving.attach(front)
+    servicer = GenerationServicer(serving, MAX_BYTES)
+    router = VllmEngineServicer(serving, MAX_BYTES)
+    router.listen(front)
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((servicer.rpc_handler(), router.rpc_handler()))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    http = HttpServer(servicer, "127.0.0.1", 0, MAX_BYTES)
+    http = HttpServer(serving, "127.0.0.1", 0, MAX_BYTES)
     await http.start()
     await state.mark_serving()
     try:
@@ -205,3 +208,84 @@ def test_a_request_larger_than_the_kv_cache_is_a_capacity_error(tiny_engine):
     with pytest.raises(CapacityError) as info:
         small.admit(GenerationRequest(TokensPrompt((5,) * 30), SamplingParams(max_tokens=10)))
     assert info.value.field == "max_tokens" and "KV cache" in info.value.message
+
+
+LONG_TEXT = "hello there " * 1500  # 18,000 characters: over service/core/admit.py's 16 KiB, admitted off the loop
+
+
+async def _openai_status(_: int, http_port: int, body: dict) -> int:
+    def post() -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=120)
+        try:
+            conn.request("POST", "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"})
+            response = conn.getresponse()
+            response.read()
+            return response.status
+        finally:
+            conn.close()
+
+    return await asyncio.to_thread(post)
+
+
+LONG_REQUESTS = {
+    "v1": lambda p, h: _v1(p, h, pb.GenerateRequest(
+        text=LONG_TEXT, truncate_input_tokens=16, sampling=GREEDY, stopping=STOPPING)),
+    "vllm-router": lambda p, h: _router(p, h, vpb.GenerateRequest(request_id="long", text=LONG_TEXT,
+        sampling_params=vpb.SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
+                                           truncate_prompt_tokens=16))),
+    # No truncation in the OpenAI API: the prompt is over the context, so the reply is a 400; where it was admitted
+    # is what counts here.
+    "openai": lambda p, h: _openai_status(p, h, {"prompt": LONG_TEXT, "max_tokens": NEW_TOKENS}),
+}
+
+
+@pytest.mark.parametrize("front_end", list(LONG_REQUESTS))
+def test_every_front_end_admits_a_long_prompt_off_the_event_loop(tiny_engine, monkeypatch, front_end):
+    threads = []
+    admit = Admission.admit
+
+    def recording(self, request):
+        threads.append(threading.current_thread())
+        return admit(self, request)
+
+    monkeypatch.setattr(Admission, "admit", recording)
+    result = asyncio.run(_serve(tiny_engine, LONG_REQUESTS[front_end]))  # the event loop runs on this thread
+    assert result == (400 if front_end == "openai" else NEW_TOKENS)
+    assert len(threads) == 1 and threads[0] is not threading.current_thread(), threads
+
+
+async def _two_at_once(port: int, http_port: int, first: Callable, second: Callable) -> list:
+    return await asyncio.gather(first(port, http_port), second(port, http_port), return_exceptions=True)
+
+
+def test_a_v1_request_id_may_be_reused_while_it_runs(tiny_engine):
+    slow = pb.StoppingOptions(max_new_tokens=24, ignore_eos=True)
+    v1 = lambda p, h: _v1(p, h, pb.GenerateRequest(  # noqa: E731
+        request_id="retry-7", text="Hello there", sampling=GREEDY, stopping=slow))
+    assert asyncio.run(_serve(tiny_engine, lambda p, h: _two_at_once(p, h, v1, v1))) == [24, 24]
+    assert not tiny_engine.has_unfinished_requests() and tiny_engine.block_manager.num_used_blocks == 0
+
+
+def test_the_engine_refuses_an_id_in_flight_once_for_every_front_end(tiny_engine):
+    """The one uniqueness check (AsyncEngine): the step loop is not started, so the first request stays in flight."""
+    async def run() -> None:
+        front = AsyncEngine(tiny_engine.config, engine=tiny_engine)
+        admitted = front.admit(GenerationRequest(TextPrompt("Hello there"), SamplingParams(max_tokens=NEW_TOKENS)))
+        first = front.stream("twice", admitted)
+        pending = asyncio.ensure_future(anext(first))
+        await asyncio.sleep(0)  # the first registers its id
+        with pytest.raises(InvalidRequestError, match="already in flight") as err:
+            await anext(front.stream("twice", admitted))
+        assert err.value.field == "request_id"
+        pending.cancel()
+        await asyncio.gather(pending, return_exceptions=True)
+        await first.aclose()
+        again = front.stream("twice", admitted)  # released: the same id is accepted again at once
+        pending = asyncio.ensure_future(anext(again))
+        await asyncio.sleep(0)
+        pending.cancel()
+        await asyncio.gather(pending, return_exceptions=True)
+        await again.aclose()
+        assert front.num_unfinished == 0
+
+    asyncio.run(run())

@@ -186,7 +186,7 @@ def test_raw_garbage_on_every_rpc(channel, method, kind):
     @given(st.binary(max_size=512))
     def run(payload: bytes) -> None:
         code = _call_raw(channel, method, kind, payload)
-        # Every service parses raw bytes itself (service/standard_services.py for health and reflection). Garbage
+        # Every service parses raw bytes itself (service/core/standard_services.py for health and reflection). Garbage
         # that happens to parse is a real request: Watch then streams until the deadline, Check may say NOT_FOUND.
         # The router protocol's unimplemented RPCs (Embed, FlushCache, profiling) say UNIMPLEMENTED to anything.
         assert code in {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,

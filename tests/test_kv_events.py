@@ -17,7 +17,7 @@ from pagedserve.engine import AsyncEngine, EngineConfig
 from pagedserve.engine.kv_events import BlockRemoved, BlockStored
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.service.kv_events import KvEventHub, SubscriberDroppedError, apply
+from pagedserve.service.router.kv_events import KvEventHub, SubscriberDroppedError, apply
 from service_fixtures import off_main_thread
 
 BLOCK = 16

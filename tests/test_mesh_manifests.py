@@ -17,7 +17,7 @@ from mesh_fixtures import RENDER, envoy_binary
 from service_fixtures import shared_server  # noqa: F401 - fixture used by name
 
 from pagedserve.service.cli import build_parser, server_config
-from pagedserve.service.lifecycle import LIVENESS_SERVICE
+from pagedserve.service.core.lifecycle import LIVENESS_SERVICE
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 K8S_VERSION = "1.37.0"  # the newest schema set kubernetes-validate 1.37.0 ships (offline)

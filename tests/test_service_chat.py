@@ -12,8 +12,8 @@ from service_fixtures import shared_server  # noqa: F401 - fixtures by name
 
 from pagedserve.client import Client, ClientError, GenerateOptions, Message, build_request
 from pagedserve.engine.errors import MissingChatTemplateError
-from pagedserve.service.errors import to_rpc_error
-from pagedserve.service.openai_errors import error_reply
+from pagedserve.service.core.errors import to_rpc_error
+from pagedserve.service.openai.openai_errors import error_reply
 
 CONVERSATION = [Message("system", "Answer in one word."), Message("user", "Capital of France?"),
                 Message("assistant", "Paris."), Message("user", "And of Italy?")]

@@ -1,4 +1,4 @@
-"""service/wire.py: raw request bytes -> message, with every failure an InvalidRequestError naming a field."""
+"""service/core/wire.py: raw request bytes -> message, with every failure an InvalidRequestError naming a field."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from pagedserve.engine.errors import InvalidRequestError
-from pagedserve.service.wire import find_invalid_utf8, parse_request
+from pagedserve.service.core.wire import find_invalid_utf8, parse_request
 from pagedserve.v1 import generate_pb2 as pb
 
 

@@ -2,8 +2,9 @@
 
 Events are the engine's outputs (per sample: new token ids, new text, new logprobs, finish), a `Heartbeat` while
 the request waits for its first output, and `Ended` when the stream stops before every sample finished (the time
-limit passed, or the engine stopped). Each front end turns them into its own frames (frames.py, openai_responses.py,
-vllm_replies.py). The request is aborted on any early exit, and its latencies and token counts are observed once.
+limit passed, or the engine stopped). Each front end turns them into its own frames (service/v1/frames.py,
+service/openai/openai_responses.py, service/router/vllm_replies.py). The request is aborted on any early exit,
+and its latencies and token counts are observed once.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from dataclasses import dataclass
 
 from pagedserve.engine.admission import AdmittedRequest
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
-from pagedserve.service.engine_adapter import EngineHandle
-from pagedserve.service.metrics import ServiceMetrics
+from pagedserve.service.core.engine_handle import EngineHandle
+from pagedserve.service.core.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 

@@ -46,6 +46,11 @@ def admit(request: vpb.GenerateRequest, engine_admit: Callable[[GenerationReques
         return engine_admit(GenerationRequest(_prompt(request), _sampling_params(s), truncate_prompt_tokens=truncate))
 
 
+def input_chars(request: vpb.GenerateRequest) -> int:
+    """How much text admission will tokenize (long prompts are admitted off the event loop)."""
+    return len(request.text) if request.WhichOneof("input") == "text" else 0
+
+
 def _prompt(request: vpb.GenerateRequest) -> Prompt:
     which = request.WhichOneof("input")
     if which is None:

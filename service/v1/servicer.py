@@ -1,9 +1,8 @@
-"""pagedserve.v1 GenerationService: Generate (admitted by requests.py, streamed by stream.py, framed by frames.py),
-Tokenize and ModelInfo."""
+"""pagedserve.v1 GenerationService: Generate (admitted by requests.py, streamed by service/core/stream.py, framed by
+frames.py), Tokenize and ModelInfo."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import uuid
 from collections.abc import AsyncIterator
@@ -11,43 +10,36 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pagedserve.engine.request_id import check_request_id
-from pagedserve.service import rpc_status
-from pagedserve.engine.outputs import EngineStats
-from pagedserve.service.engine_adapter import EngineHandle, model_info
-from pagedserve.service.frames import FrameBuilder
-from pagedserve.service.lifecycle import SERVICE_NAME, ServingState
-from pagedserve.service.metrics import ServiceMetrics
-from pagedserve.service.requests import admit, input_chars
-from pagedserve.service.stream import RequestStream
-from pagedserve.service.wire import parse_request
+from pagedserve.service.core import rpc_status
+from pagedserve.service.core.admit import admit_off_loop
+from pagedserve.service.core.context import ServingContext
+from pagedserve.service.core.engine_handle import EngineHandle
+from pagedserve.service.core.stream import RequestStream
+from pagedserve.service.core.wire import parse_request
+from pagedserve.service.v1.frames import FrameBuilder
+from pagedserve.service.v1.model_info import model_info
+from pagedserve.service.v1.requests import admit, input_chars
 from pagedserve.v1 import generate_pb2 as pb
-from pagedserve.v1 import model_info_pb2, tokenize_pb2
+from pagedserve.v1 import generation_service_pb2, model_info_pb2, tokenize_pb2
 
+# Importing the generated module also registers the service in the descriptor pool that reflection reads.
+SERVICE_NAME = generation_service_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 REQUEST_ID_METADATA = "x-request-id"
-_LONG_TEXT_CHARS = 16_384  # tokenize longer prompts off the event loop
 
 
 class GenerationServicer:
-    def __init__(self, state: ServingState, metrics: ServiceMetrics, max_message_bytes: int, model_name: str):
-        self.model_name = model_name
-        self.state = state
-        self.metrics = metrics
-        self.max_message_bytes = max_message_bytes
-        self.engine: EngineHandle | None = None  # set by attach() once the model is loaded
-        self.static_info = model_info_pb2.ModelInfoResponse()
-        self._active_ids: set[str] = set()
-        self._suffix = itertools.count(1)
+    """serving: the engine, serving state, metrics and model name every front end shares."""
 
-    def attach(self, engine: EngineHandle) -> None:
-        self.engine, self.static_info = engine, model_info(engine, self.model_name, self.max_message_bytes)
+    def __init__(self, serving: ServingContext, max_message_bytes: int):
+        self.serving = serving
+        self.state, self.metrics = serving.state, serving.metrics
+        self.max_message_bytes = max_message_bytes
+        self._static_info: model_info_pb2.ModelInfoResponse | None = None  # built on the first ModelInfo
+        self._submissions = itertools.count(1)
 
     @property
-    def max_model_len(self) -> int | None:
-        return self.static_info.max_context_length if self.engine is not None else None
-
-    def stats(self) -> EngineStats | None:
-        """The engine's latest EngineStats, or None while the model loads."""
-        return self.engine.stats() if self.engine is not None else None
+    def engine(self) -> EngineHandle | None:
+        return self.serving.engine
 
     def rpc_handler(self) -> grpc.GenericRpcHandler:
         """Handlers take raw bytes: wire.parse_request turns malformed input into INVALID_ARGUMENT."""
@@ -71,15 +63,15 @@ class GenerationServicer:
         self.state.check_admitting()
         request_id = _request_id(request, context)
         await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
-        if input_chars(request) > _LONG_TEXT_CHARS:
-            v1 = await asyncio.to_thread(admit, request, self.engine.admit)
-        else:
-            v1 = admit(request, self.engine.admit)
+        v1 = await admit_off_loop(lambda: admit(request, self.engine.admit), input_chars(request))
         prompt = v1.admitted
         builder = FrameBuilder(request_id, len(prompt.prompt_token_ids), prompt.truncated, prompt.params,
                                v1.stream_mode)
-        with self.state.track(), self._engine_id(request_id) as engine_id:
-            async for event in RequestStream(self.engine, engine_id, prompt, self.metrics, v1.options).events():
+        # Retries may reuse x-request-id while the first attempt still runs: each submission gets its own engine key,
+        # so the engine's one uniqueness check (AsyncEngine) never refuses a v1 request.
+        engine_key = f"{request_id}#{next(self._submissions)}"
+        with self.state.track():
+            async for event in RequestStream(self.engine, engine_key, prompt, self.metrics, v1.options).events():
                 for frame in builder.frames(event):
                     yield frame
 
@@ -96,8 +88,10 @@ class GenerationServicer:
     async def model_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> model_info_pb2.ModelInfoResponse:
         parse_request(raw, model_info_pb2.ModelInfoRequest, self.max_message_bytes)
         self.state.check_ready()
+        if self._static_info is None:
+            self._static_info = model_info(self.engine, self.serving.model_name, self.max_message_bytes)
         info = model_info_pb2.ModelInfoResponse()
-        info.CopyFrom(self.static_info)
+        info.CopyFrom(self._static_info)
         s = self.engine.stats()
         info.kv_cache.CopyFrom(model_info_pb2.KvCacheStats(
             total_blocks=s.num_kv_blocks, free_blocks=s.num_free_kv_blocks, used_blocks=s.num_active_kv_blocks,
@@ -108,22 +102,6 @@ class GenerationServicer:
             draining=self.state.draining))
         return info
 
-    def _engine_id(self, request_id: str) -> _ActiveId:
-        # Retries may reuse x-request-id while the first attempt still runs; the engine needs unique ids.
-        engine_id = request_id if request_id not in self._active_ids else f"{request_id}#{next(self._suffix)}"
-        return _ActiveId(self._active_ids, engine_id)
-
-
-class _ActiveId:
-    def __init__(self, active: set[str], engine_id: str):
-        self.active, self.engine_id = active, engine_id
-
-    def __enter__(self) -> str:
-        self.active.add(self.engine_id)
-        return self.engine_id
-
-    def __exit__(self, *exc: object) -> None:
-        self.active.discard(self.engine_id)
 
 
 def _request_id(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:

@@ -1,4 +1,5 @@
-"""Typed errors -> OpenAI's error JSON and HTTP status, through the same classification gRPC uses (errors.py)."""
+"""Typed errors -> OpenAI's error JSON and HTTP status, through the same classification gRPC
+uses (service/core/errors.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 import grpc
 
 from pagedserve.engine.errors import InvalidRequestError, MissingChatTemplateError
-from pagedserve.service.errors import to_rpc_error
+from pagedserve.service.core.errors import to_rpc_error
 
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),

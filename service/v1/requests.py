@@ -15,7 +15,7 @@ from pagedserve.engine.admission import (
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.service.stream import StreamOptions
+from pagedserve.service.core.stream import StreamOptions
 from pagedserve.v1 import generate_pb2 as pb
 
 # Admission and SamplingParams field -> the GenerateRequest field path a client sets.

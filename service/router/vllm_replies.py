@@ -1,4 +1,5 @@
-"""Engine outputs (deltas, from stream.py) and KV events -> vllm.grpc.engine / smg.grpc.common reply messages."""
+"""Engine outputs (deltas, from service/core/stream.py) and KV events -> vllm.grpc.engine / smg.grpc.common reply
+messages."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as vpb
 from pagedserve.engine.kv_events import BlockRemoved, BlockStored
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.sequence import TokenLogprob
-from pagedserve.service.kv_events import EventBatch
+from pagedserve.service.router.kv_events import EventBatch
 
 
 def chunk(out: RequestOutput, completion: CompletionOutput) -> vpb.GenerateStreamChunk:

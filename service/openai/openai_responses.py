@@ -1,30 +1,44 @@
-"""Engine outputs (deltas, from stream.py) -> OpenAI JSON: whole responses, SSE chunks, logprobs and usage in
-OpenAI's shapes."""
+"""Engine outputs (deltas, from service/core/stream.py) -> OpenAI JSON: whole responses, SSE chunks, logprobs and
+usage in OpenAI's shapes."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine.admission import AdmittedRequest
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.sequence import TokenLogprob
-from pagedserve.service.openai_params import OpenAIRequest
+from pagedserve.service.openai.openai_params import OpenAIRequest
 
 Decode = Callable[[int], str]  # one token id -> its text
 
 
 @dataclass(slots=True)
 class _Choice:
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    last: CompletionOutput | None = None  # the latest output: its history is the choice's text, ids and logprobs
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text_offset: int = 0  # completions' logprobs.text_offset: characters before the next token
     started: bool = False  # chat streams: the role chunk was sent
+
+    @property
+    def text(self) -> str:
+        return self.last.text if self.last is not None else ""
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.last.token_ids if self.last is not None else ()
+
+    @property
+    def logprobs(self) -> tuple[TokenLogprob, ...]:
+        return self.last.logprobs if self.last is not None else ()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.last.num_tokens if self.last is not None else 0
 
 
 class ResponseBuilder:
@@ -59,7 +73,7 @@ class ResponseBuilder:
                 "choices": choices, "usage": self.usage()}
 
     def _whole_choice(self, index: int, choice: _Choice) -> dict[str, Any]:
-        text = "".join(choice.text)
+        text = choice.text
         logprobs = self._logprobs(choice, choice.logprobs) if self.request.params.logprobs is not None else None
         out: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": choice.finish_reason,
                                "stop_reason": choice.stop_reason}
@@ -72,7 +86,7 @@ class ResponseBuilder:
         return out
 
     def usage(self) -> dict[str, Any]:
-        completion = sum(len(c.token_ids) for c in self.choices)
+        completion = sum(c.num_tokens for c in self.choices)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
@@ -134,10 +148,8 @@ class ResponseBuilder:
 
     # -- shared ------------------------------------------------------------------------------------------
     def _record(self, choice: _Choice, completion: CompletionOutput) -> list[TokenLogprob]:
-        choice.text.append(completion.new_text)
-        choice.token_ids.extend(completion.new_token_ids)
+        choice.last = completion
         new = list(completion.new_logprobs)
-        choice.logprobs.extend(new)
         if completion.finish_reason is not None:
             choice.finish_reason = {"stop": "stop", "length": "length"}.get(completion.finish_reason, "abort")
             choice.stop_reason = self._stop_reason(completion.stop_reason)

@@ -1,4 +1,4 @@
-"""Serving state shared by the servicer and the shutdown path.
+"""Serving state shared by the front ends and the shutdown path.
 
 loading -> serving -> unready (SIGTERM: health NOT_SERVING, still admitting for --drain-delay, so requests
 routed during endpoint propagation still succeed) -> draining (UNAVAILABLE for new requests, in-flight finish).
@@ -13,19 +13,18 @@ from contextlib import contextmanager
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
-from pagedserve.service.errors import DrainingError
-from pagedserve.v1 import generation_service_pb2
+from pagedserve.service.core.errors import DrainingError
 
-# Importing the generated module also registers the service in the descriptor pool that reflection reads.
-SERVICE_NAME = generation_service_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 # A health service name that stays SERVING from load to exit, draining included: liveness probes check it, so
 # a drain is never mistaken for a hung process (readiness checks "" and goes NOT_SERVING on SIGTERM).
 LIVENESS_SERVICE = "liveness"
 
 
 class ServingState:
-    def __init__(self, health: HealthServicer):
-        self.health = health
+    """services: the gRPC services whose health mirrors the server's readiness (besides "")."""
+
+    def __init__(self, health: HealthServicer, services: tuple[str, ...] = ()):
+        self.health, self.services = health, services
         self.ready = False
         self.unready = False  # shutting down: readiness fails, admission continues until draining
         self.draining = False
@@ -86,5 +85,5 @@ class ServingState:
 
     async def set_status(self, status: int) -> None:
         # "" is the whole server (what grpc_health_probe and Kubernetes check by default).
-        for name in ("", SERVICE_NAME):
+        for name in ("", *self.services):
             await self.health.set(name, status)

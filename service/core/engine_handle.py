@@ -1,5 +1,6 @@
-"""The one place the service reaches into the engine: what a front end may call on it (`EngineHandle`, which
-`AsyncEngine` fills), loading it, and describing what it serves."""
+"""What a front end may call on the engine (`EngineHandle`, which `AsyncEngine` fills) and loading it. Front ends
+take the engine as an EngineHandle; the types they read (outputs, stats, the admission's requests) are the engine's
+own dataclasses."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ from pagedserve.engine.async_engine import LoopHost
 from pagedserve.engine.kv_events import KvEvent
 from pagedserve.engine.loading.tokenizer import Tokenizer
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
-from pagedserve.engine.sampling_params import MAX_LOGPROBS, MAX_N
-from pagedserve.v1 import model_info_pb2
 
 
 class EngineHandle(Protocol):
@@ -52,22 +51,3 @@ async def load_engine(
     await engine.start()
     return engine
 
-
-def model_info(engine: EngineHandle, model_name: str, max_message_bytes: int) -> model_info_pb2.ModelInfoResponse:
-    """ModelInfo's static fields; live counts are filled per call."""
-    config, model = engine.config, engine.describe()
-    return model_info_pb2.ModelInfoResponse(
-        model=model_name,
-        architecture=model.architecture,
-        quantization=model.quantization,
-        dtype=model.dtype,
-        kv_cache_dtype=model.kv_cache_dtype,
-        block_size=model.block_size,
-        max_context_length=model.max_model_len,
-        vocab_size=model.vocab_size,
-        eos_token_ids=list(model.eos_token_ids),
-        has_chat_template=engine.tokenizer.chat.available,
-        limits=model_info_pb2.Limits(
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_queued_requests=config.max_queued_requests, max_message_bytes=max_message_bytes,
-            max_n=MAX_N, max_logprobs=MAX_LOGPROBS))

@@ -9,8 +9,8 @@ from typing import Any
 
 import grpc
 
-from pagedserve.service.errors import RpcError, to_rpc_error
-from pagedserve.service.metrics import ServiceMetrics
+from pagedserve.service.core.errors import RpcError, to_rpc_error
+from pagedserve.service.core.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 

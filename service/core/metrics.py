@@ -120,7 +120,7 @@ class ServiceMetrics:
             child.observe(interval)
 
     def observe_request(self, metrics: RequestMetrics, prompt_tokens: int, generated_tokens: int, reason: str) -> None:
-        """Called once per engine request, whichever front end sent it (service/stream.py)."""
+        """Called once per engine request, whichever front end sent it (service/core/stream.py)."""
         name, d = self.model_name, durations(metrics)
         self.ttft.labels(name).observe(d.time_to_first_token_s)
         self.queue.labels(name).observe(d.queue_s)

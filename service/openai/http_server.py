@@ -11,8 +11,8 @@ from typing import Any
 import uvicorn
 
 from pagedserve.service.config import TlsConfig
-from pagedserve.service.openai_api import OpenAIApi
-from pagedserve.service.servicer import GenerationServicer
+from pagedserve.service.core.context import ServingContext
+from pagedserve.service.openai.openai_api import OpenAIApi
 
 log = logging.getLogger(__name__)
 _SHUTDOWN_S = 2  # after the drain: idle keep-alive connections get this long before they are closed
@@ -21,11 +21,11 @@ _SHUTDOWN_S = 2  # after the drain: idle keep-alive connections get this long be
 class HttpServer:
     """tls: the gRPC port's certificates serve HTTPS too (a client CA makes it mutual TLS, as for gRPC)."""
 
-    def __init__(self, servicer: GenerationServicer, host: str, port: int, max_body_bytes: int,
+    def __init__(self, serving: ServingContext, host: str, port: int, max_body_bytes: int,
                  tls: TlsConfig | None = None):
         self.socket = _bind(host, port)
         self.port = self.socket.getsockname()[1]
-        config = uvicorn.Config(OpenAIApi(servicer, max_body_bytes).app(), lifespan="off", log_config=None,
+        config = uvicorn.Config(OpenAIApi(serving, max_body_bytes).app(), lifespan="off", log_config=None,
                                 access_log=False, timeout_graceful_shutdown=_SHUTDOWN_S, server_header=False,
                                 **_tls_options(tls))
         self._server = uvicorn.Server(config)

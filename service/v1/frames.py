@@ -1,15 +1,15 @@
-"""Stream events (stream.py) -> pagedserve.v1 GenerateResponse frames: Heartbeats while queued, Started, then
-Deltas, then one Final per index."""
+"""Stream events (service/core/stream.py) -> pagedserve.v1 GenerateResponse frames: Heartbeats while queued,
+Started, then Deltas, then one Final per index."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.sequence import TokenLogprob
-from pagedserve.service.metrics import durations
-from pagedserve.service.stream import Ended, Heartbeat, StreamEvent
+from pagedserve.service.core.metrics import durations
+from pagedserve.service.core.stream import Ended, Heartbeat, StreamEvent
 from pagedserve.v1 import generate_pb2 as pb
 
 
@@ -17,10 +17,7 @@ from pagedserve.v1 import generate_pb2 as pb
 class _Completion:
     finished: bool = False
     num_tokens: int = 0
-    # Held back in FINAL_ONLY mode:
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    last: CompletionOutput | None = None  # FINAL_ONLY mode sends its history (text, token ids, logprobs) at the end
 
 
 class FrameBuilder:
@@ -69,7 +66,7 @@ class FrameBuilder:
         for index, state in enumerate(self.completions):
             if not state.finished:
                 if self.final_only:
-                    frames.append(self._delta(index, "".join(state.text), state.token_ids, state.logprobs, state))
+                    frames.append(self._history_delta(index, state))
                 state.finished = True
                 frames.append(self._final(index, reason, None, state, metrics))
         return frames
@@ -88,15 +85,12 @@ class FrameBuilder:
         state.num_tokens += len(new_ids)
         logprobs = list(completion.new_logprobs)
         if self.final_only:
-            state.text.append(completion.new_text)
-            state.token_ids.extend(new_ids)
-            state.logprobs.extend(logprobs)
+            state.last = completion
         elif new_ids or completion.new_text:
             frames.append(self._delta(completion.index, completion.new_text, new_ids, logprobs, state))
         if completion.finish_reason is not None:
             if self.final_only:
-                frames.append(self._delta(completion.index, "".join(state.text), state.token_ids, state.logprobs,
-                                          state))
+                frames.append(self._history_delta(completion.index, state))
             state.finished = True
             reason = self.finish_reason(completion.finish_reason, completion.stop_reason, state.num_tokens)
             frames.append(self._final(completion.index, reason, completion.stop_reason, state, metrics))
@@ -117,6 +111,13 @@ class FrameBuilder:
     def _usage(self, state: _Completion) -> pb.Usage:
         return pb.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=state.num_tokens,
                         cached_tokens=self.cached_tokens)
+
+    def _history_delta(self, index: int, state: _Completion) -> pb.GenerateResponse:
+        """FINAL_ONLY's one Delta: the completion's whole history, read from its last output."""
+        last = state.last
+        if last is None:
+            return self._delta(index, "", [], [], state)
+        return self._delta(index, last.text, list(last.token_ids), list(last.logprobs), state)
 
     def _delta(self, index: int, text: str, token_ids: list[int], logprobs: list[TokenLogprob],
                state: _Completion) -> pb.GenerateResponse:

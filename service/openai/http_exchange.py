@@ -14,7 +14,7 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from pagedserve.engine.request_id import check_request_id
-from pagedserve.service.openai_errors import ErrorReply, HttpError
+from pagedserve.service.openai.openai_errors import ErrorReply, HttpError
 
 T = TypeVar("T")
 _DRAIN_FACTOR = 16  # an over-limit body is read and dropped up to this many limits, so the client sees the 413

@@ -1,11 +1,11 @@
 """The OpenAI-compatible HTTP API (Starlette app): /v1/completions, /v1/chat/completions, /v1/models, /health.
 
-It serves the gRPC servicer's engine, admission state and metrics: the same requests, limits, drain and counts.
+It serves the serving context's engine, state and metrics (service/core/context.py), shared with the other front
+ends: the same requests, limits, drain and counts.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -18,23 +18,23 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pagedserve.engine.admission import AdmittedRequest
-from pagedserve.service.http_exchange import ClientGone, Exchange
-from pagedserve.service.merged_streams import MergedStreams
-from pagedserve.service.openai_errors import HttpError, error_reply
-from pagedserve.service.openai_params import OpenAIRequest, parse
-from pagedserve.service.openai_responses import ResponseBuilder
-from pagedserve.service.servicer import GenerationServicer
-from pagedserve.service.stream import Ended, RequestStream
+from pagedserve.service.core.admit import admit_off_loop
+from pagedserve.service.core.context import ServingContext
+from pagedserve.service.core.stream import Ended, RequestStream
+from pagedserve.service.openai.http_exchange import ClientGone, Exchange
+from pagedserve.service.openai.merged_streams import MergedStreams
+from pagedserve.service.openai.openai_errors import HttpError, error_reply
+from pagedserve.service.openai.openai_params import OpenAIRequest, parse
+from pagedserve.service.openai.openai_responses import ResponseBuilder
 
 log = logging.getLogger(__name__)
-_OFF_LOOP_BYTES = 16_384  # admit (render, tokenize) larger bodies in a worker thread, off the event loop
 
 
 class OpenAIApi:
-    """servicer: the GenerationServicer whose engine, state, metrics and model name this API shares."""
+    """serving: the engine, state, metrics and model name this API shares with the other front ends."""
 
-    def __init__(self, servicer: GenerationServicer, max_body_bytes: int):
-        self.servicer, self.max_body_bytes = servicer, max_body_bytes
+    def __init__(self, serving: ServingContext, max_body_bytes: int):
+        self.serving, self.max_body_bytes = serving, max_body_bytes
         self.created = int(time.time())
 
     def app(self) -> Starlette:
@@ -49,7 +49,7 @@ class OpenAIApi:
 
     @property
     def model_name(self) -> str:
-        return self.servicer.model_name
+        return self.serving.model_name
 
     def check_model(self, body: Any) -> None:
         model = body.get("model") if isinstance(body, dict) else None
@@ -58,13 +58,13 @@ class OpenAIApi:
                             param="model", code="model_not_found")
 
     def decode_token(self, token_id: int) -> str:
-        return self.servicer.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.serving.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _card(self) -> dict[str, Any]:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve",
                 "root": self.model_name, "parent": None}
-        if self.servicer.max_model_len is not None:
-            card["max_model_len"] = self.servicer.max_model_len
+        if self.serving.max_model_len is not None:
+            card["max_model_len"] = self.serving.max_model_len
         return card
 
     async def models(self, request: Request) -> Response:
@@ -80,9 +80,7 @@ class OpenAIApi:
 
     async def health(self, request: Request) -> Response:
         """200 while serving; 503 while the model loads or the server drains (load balancers stop sending)."""
-        state = self.servicer.state
-        serving = state.ready and not state.draining and self.servicer.engine.dead_reason is None
-        return Response(status_code=200 if serving else 503)
+        return Response(status_code=200 if self.serving.serving else 503)
 
 
 class _Generate:
@@ -97,10 +95,10 @@ class _Generate:
             exchange.check_request_id_header()
             body = await exchange.json_body(self.api.max_body_bytes)
             self.api.check_model(body)
-            self.api.servicer.state.check_admitting()
+            self.api.serving.state.check_admitting()
             request = parse(body, self.chat)
             admitted = await self._admit(body, request)
-            with self.api.servicer.state.track():
+            with self.api.serving.state.track():
                 await self._generate(exchange, request, admitted)
         except ClientGone:
             pass  # the engine stream was cancelled, which aborted the request and freed its blocks
@@ -113,22 +111,20 @@ class _Generate:
                 pass
         finally:
             exchange.close()
-            self.api.servicer.metrics.http_done(scope["path"], exchange.status)
+            self.api.serving.metrics.http_done(scope["path"], exchange.status)
 
     async def _admit(self, body: Any, request: OpenAIRequest) -> tuple[AdmittedRequest, ...]:
-        admit = self.api.servicer.engine.admit
-        if _size(body) > _OFF_LOOP_BYTES:
-            return await asyncio.to_thread(request.admit, admit)
-        return request.admit(admit)
+        admit = self.api.serving.engine.admit
+        return await admit_off_loop(lambda: request.admit(admit), _size(body))
 
     async def _generate(self, exchange: Exchange, request: OpenAIRequest,
                         admitted: tuple[AdmittedRequest, ...]) -> None:
-        servicer = self.api.servicer
+        serving = self.api.serving
         response_id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         builder = ResponseBuilder(request, admitted, response_id, self.api.model_name, self.api.decode_token)
         many = len(admitted) > 1
         outputs = MergedStreams([
-            RequestStream(servicer.engine, f"{response_id}-{i}" if many else response_id, a, servicer.metrics).events()
+            RequestStream(serving.engine, f"{response_id}-{i}" if many else response_id, a, serving.metrics).events()
             for i, a in enumerate(admitted)])
         try:
             while not builder.all_finished:

@@ -1,7 +1,7 @@
 """vllm.grpc.engine.VllmEngine (smg-grpc-proto): the worker protocol SMG, vllm-router and llm-d route to.
 
 A thin adapter beside pagedserve.v1 on the same server and engine: request mapping lives in vllm_requests.py,
-status codes in errors.py, replies are built from the stream's events (stream.py) here.
+status codes in service/core/errors.py, replies are built from the stream's events (service/core/stream.py) here.
 """
 
 from __future__ import annotations
@@ -18,18 +18,18 @@ from typing import Any
 import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as vpb
 
-from pagedserve.engine.request_id import check_request_id
-from pagedserve.service import rpc_status
 from pagedserve.engine.outputs import RequestOutput
-from pagedserve.service.engine_adapter import EngineHandle
-from pagedserve.service.kv_events import KvEventHub
-from pagedserve.service.lifecycle import ServingState
-from pagedserve.service.metrics import ServiceMetrics
-from pagedserve.service.stream import Ended, RequestStream
-from pagedserve.service.tokenizer_bundle import TokenizerBundle, bundle
-from pagedserve.service.vllm_replies import chunk, complete, kv_batch
-from pagedserve.service.vllm_requests import admit
-from pagedserve.service.wire import parse_request
+from pagedserve.engine.request_id import check_request_id
+from pagedserve.service.core import rpc_status
+from pagedserve.service.core.admit import admit_off_loop
+from pagedserve.service.core.context import ServingContext
+from pagedserve.service.core.engine_handle import EngineHandle
+from pagedserve.service.core.stream import Ended, RequestStream
+from pagedserve.service.core.wire import parse_request
+from pagedserve.service.router.kv_events import KvEventHub
+from pagedserve.service.router.tokenizer_bundle import TokenizerBundle, bundle
+from pagedserve.service.router.vllm_replies import chunk, complete, kv_batch
+from pagedserve.service.router.vllm_requests import admit, input_chars
 
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
 _VERSION = f"pagedserve {importlib.metadata.version('pagedserve')}"
@@ -41,18 +41,23 @@ _UNIMPLEMENTED = {
 
 
 class VllmEngineServicer:
-    def __init__(self, state: ServingState, metrics: ServiceMetrics, max_message_bytes: int, model_name: str,
-                 max_pending_kv_batches: int = 1024):
-        self.state, self.metrics, self.model_name = state, metrics, model_name
+    """serving: the engine, serving state, metrics and model name every front end shares."""
+
+    def __init__(self, serving: ServingContext, max_message_bytes: int, max_pending_kv_batches: int = 1024):
+        self.serving = serving
+        self.state, self.metrics, self.model_name = serving.state, serving.metrics, serving.model_name
         self.max_message_bytes = max_message_bytes
         self.kv_events = KvEventHub(max_pending_kv_batches)
-        self.engine: EngineHandle | None = None
         self._started = time.time()
         self._last_receive = 0.0
         self._tokenizer: TokenizerBundle | None = None  # built on the first GetTokenizer
 
-    def attach(self, engine: EngineHandle) -> None:
-        self.engine = engine
+    @property
+    def engine(self) -> EngineHandle | None:
+        return self.serving.engine
+
+    def listen(self, engine: EngineHandle) -> None:
+        """Once the model is loaded: the engine's prefix-cache events feed SubscribeKvEvents."""
         engine.publish_kv_events(self.kv_events.publish)
 
     def rpc_handler(self) -> grpc.GenericRpcHandler:
@@ -91,7 +96,7 @@ class VllmEngineServicer:
         self.state.check_admitting()
         self._last_receive = time.time()
         request_id = check_request_id(request.request_id, "request_id") if request.request_id else uuid.uuid4().hex
-        admitted = admit(request, self.engine.admit)
+        admitted = await admit_off_loop(lambda: admit(request, self.engine.admit), input_chars(request))
         # The engine keys the request by the router's id, so Abort finds it from any connection; a second
         # request under an id still in flight is refused (INVALID_ARGUMENT), as vLLM refuses it.
         with self.state.track():

@@ -1,0 +1,1 @@
+"""pagedserve.service.openai: the OpenAI-compatible HTTP front end (uvicorn + Starlette on the gRPC server's loop)."""
