@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 
 from pagedserve.engine.errors import ConfigError
-from pagedserve.kernels.backends import attention_backend_names, layer_ops_names
+from pagedserve.kernels.backends import (
+    attention_backend_names, attention_requirements, layer_ops_names, layer_ops_requirements,
+)
 from pagedserve.kernels.kv_cache import KVDtype
 from pagedserve.quant.registry import QUANT_METHODS
 
@@ -70,8 +72,6 @@ class EngineConfig:
                 raise ConfigError(name, f"unknown {value!r}; supported: {', '.join(supported)}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ConfigError("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        if self.attention_backend == "triton" and self.block_size < 16:
-            raise ConfigError("block_size", "the Triton attention kernel needs block_size >= 16 (tl.dot's minimum)")
         for name in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_queued_requests"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -86,9 +86,16 @@ class EngineConfig:
             raise ConfigError("tokenizer", f"not a folder: {self.tokenizer}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ConfigError("chat_template", f"file not found: {self.chat_template}")
-        for name in ("attention_backend", "layer_ops"):
-            if getattr(self, name) == "native" and self.device != "cpu":
-                raise ConfigError(name, f"native runs on CPU tensors only; device is {self.device!r}")
+        self._check_backend_requirements()
+
+    def _check_backend_requirements(self) -> None:
+        """Each chosen implementation's own rules (kernels/requirements.py), declared on its class."""
+        for name, needs in (("attention_backend", attention_requirements(self.attention_backend)),
+                            ("layer_ops", layer_ops_requirements(self.layer_ops))):
+            if needs.cpu_only and self.device != "cpu":
+                raise ConfigError(name, f"{getattr(self, name)} runs on CPU tensors only; device is {self.device!r}")
+            if self.block_size < needs.min_block_size:
+                raise ConfigError("block_size", needs.block_size_reason)
 
     @property
     def layer_ops_choice(self) -> str:

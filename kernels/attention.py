@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 import torch
 
 from pagedserve.kernels.kv_cache import LayerKVCache
+from pagedserve.kernels.requirements import Requirements
 
 PlanT = TypeVar("PlanT", bound="AttentionPlan")
 
@@ -86,6 +87,8 @@ class AttentionImpl(ABC, Generic[PlanT]):
     depends only on the metadata, the cache geometry (blocks, block size, KV heads), which all layers share, and
     the sliding window, which layers share in groups (one plan per distinct window).
     """
+
+    requirements: ClassVar[Requirements] = Requirements()  # checked against the engine config at startup
 
     @abstractmethod
     def plan(self, meta: AttentionMetadata, cache: LayerKVCache, window: int | None = None) -> PlanT:

@@ -2,7 +2,7 @@
 
 This module is the one place implementations are registered (and the one line to add for a new one): they import
 only the interfaces (attention.py, layer_ops.py), never this module, so no import cycle exists. engine/config.py
-validates its names against these registries.
+validates its names against these registries, and each implementation's `requirements` (requirements.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pagedserve.kernels.cpu_layer_ops import NATIVE_DTYPES, NativeLayerOps
 from pagedserve.kernels.layer_ops import LayerOps, TorchLayerOps
 from pagedserve.kernels.native_attention import NativeCpuAttention
 from pagedserve.kernels.registry import Registry
+from pagedserve.kernels.requirements import Requirements
 from pagedserve.kernels.torch_attention import TorchAttention
 from pagedserve.kernels.triton_backend import TritonAttention, triton_available
 
@@ -37,6 +38,15 @@ def attention_backend_names() -> tuple[str, ...]:
 
 def layer_ops_names() -> tuple[str, ...]:
     return (AUTO, *LAYER_OPS.names())
+
+
+def attention_requirements(name: str) -> Requirements:
+    """What the named implementation needs of the config (`auto` picks one that fits, so nothing)."""
+    return Requirements() if name == AUTO else ATTENTION_IMPLS.get(name).requirements
+
+
+def layer_ops_requirements(name: str) -> Requirements:
+    return Requirements() if name == AUTO else LAYER_OPS.get(name).requirements
 
 
 def select_attention_impl(name: str, device: torch.device) -> AttentionImpl:

@@ -14,6 +14,7 @@ import torch
 
 from pagedserve.kernels.cpu_native import COMPUTE_DTYPES, dtype_code, load_library, pool_sleeps
 from pagedserve.kernels.layer_ops import LayerOps, TorchLayerOps
+from pagedserve.kernels.requirements import Requirements
 
 # fp32 too: its matmuls (oneDNN) already sum in another order than transformers' (MKL), so bit-identity was never
 # the guarantee; greedy tokens equal to transformers' are (tests/test_engine_vs_transformers.py), and held with these.
@@ -111,6 +112,8 @@ def rope(
 class NativeLayerOps(LayerOps):
     """The C kernels for dense CPU tensors in a compute dtype (fp32, bf16, fp16); anything else (odd strides, other
     devices) takes the torch ops."""
+
+    requirements = Requirements(cpu_only=True)
 
     def __init__(self, split: SplitThresholds | None = None) -> None:
         load_library()  # asked for by name, a missing compiler is an error, not a silent fallback

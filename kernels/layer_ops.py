@@ -8,13 +8,18 @@ ops cost ~15% of a decode step. Names and selection: kernels/backends.py.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels.requirements import Requirements
+
 
 class LayerOps(ABC):
     """What a model layer calls for its elementwise math; one instance serves every layer of a model."""
+
+    requirements: ClassVar[Requirements] = Requirements()  # checked against the engine config at startup
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

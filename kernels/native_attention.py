@@ -18,6 +18,7 @@ from pagedserve.kernels.cpu_prefill import PrefillBatch, prefill_attention_nativ
 from pagedserve.kernels.kv_cache import LayerKVCache
 from pagedserve.kernels.kv_quant import store_kv
 from pagedserve.kernels.prefill_attention import PrefillChunk, prefill_attention, prefill_chunks
+from pagedserve.kernels.requirements import Requirements
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,8 @@ def _heads_dense(*rows: torch.Tensor) -> bool:
 
 
 class NativeCpuAttention(AttentionImpl[NativePlan]):
+    requirements = Requirements(cpu_only=True)
+
     def __init__(self) -> None:
         load_library()  # asked for by name, a missing compiler is an error here, not a silent fallback
 

@@ -16,6 +16,7 @@ import torch
 
 from pagedserve.kernels.kv_cache import KVDtype, LayerKVCache
 from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, AttentionPlan
+from pagedserve.kernels.requirements import Requirements
 
 
 class TritonUnavailableError(RuntimeError):
@@ -39,6 +40,9 @@ def _capability(device_index: int | None) -> tuple[int, int]:
 
 
 class TritonAttention(AttentionImpl[AttentionPlan]):
+    requirements = Requirements(
+        min_block_size=16, block_size_reason="the Triton attention kernel needs block_size >= 16 (tl.dot's minimum)")
+
     def __init__(self) -> None:
         # Deferred so that importing pagedserve.kernels never imports triton.
         from pagedserve.kernels.triton_attention import triton_paged_attention
