@@ -6,7 +6,7 @@ ids, garbage bytes). Every SAMPLE_S the server's RSS (from /proc), used KV block
 ModelInfo) are recorded beside per-window latency percentiles and error counts. Only the injected failures may
 fail: anything else counts as an unexpected error.
 
-    python3 benchmarks/soak.py --minutes 30 --out docs/soak      # writes docs/soak.json (+ docs/soak.png)
+    python3 benchmarks/soak.py --minutes 30    # writes benchmarks/results/<date>-soak.json (+ .png); --out names them
 
 The verdict fields compare the first and last fifth of the run after a warm-up: RSS growth in MiB and the
 used-block drift at idle points. The plot needs matplotlib (not a project dependency; see peers/plot.py).
@@ -29,6 +29,7 @@ import grpc
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generation_service_pb2_grpc, model_info_pb2
 
+RESULTS = Path(__file__).resolve().parent / "results"  # dated raw results (docs/soak.md reads the latest)
 PROMPTS = ["Write a haiku about the sea.", "List three prime numbers:", "Explain gravity to a child.",
            "The capital of France is", "Once upon a time"]
 EXPECTED = {"cancelled": grpc.StatusCode.CANCELLED, "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -160,7 +161,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--sample-s", type=float, default=10.0)
     parser.add_argument("--warmup-s", type=float, default=120.0)
-    parser.add_argument("--out", type=Path, default=Path("docs/soak"), help="writes OUT.json and OUT.png")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="writes OUT.json and OUT.png (default: benchmarks/results/<UTC date>-soak)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/pagedserve-soak"))
     args, server_args = parser.parse_known_args()
     proc, target = start_server(args.workdir, server_args)
@@ -190,9 +192,10 @@ def main() -> None:
     result = {"minutes": args.minutes, "clients": args.clients, "cpu": _cpu_model(),
               "samples": samples, "final": idle, "unexpected_examples": tallies["unexpected_examples"][:20],
               "idle_used_blocks_after_run": idle["used_blocks"], **verdict(samples, args.warmup_s)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    plot(result, args.out.with_suffix(".png"))
+    out = args.out or RESULTS / f"{time.strftime('%Y-%m-%d', time.gmtime())}-soak"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in result.items() if k != "samples"}))
 
 
