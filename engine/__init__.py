@@ -1,6 +1,6 @@
 """pagedserve.engine: continuous batching over a paged KV cache.
 
-The public names load on first use (PEP 562), so a torch-free module of this package (cpu_threads) can be imported
+The public names load on first use (PEP 562), so a torch-free module of this package (host/cpu_threads) can be imported
 before torch: the server's entry reads the CPU budget there to choose the OpenMP wait policy, which libgomp reads
 only once, when torch loads it.
 """
