@@ -5,7 +5,8 @@
 tests/gpu/install_check.sh points a clean venv at DEST through a .pth file, so the venv sees torch, triton,
 transformers, pip, setuptools ... (at this host's versions) but not gguf, starlette, uvicorn, smg-grpc-proto,
 grpcio-health-checking/reflection or pagedserve: exactly what the GPU machine lacks. Prints what it linked and
-which image packages this host does not have.
+which image packages this host does not have. This host's versions may need packages the image list lacks
+(huggingface_hub 2.x needs httpx2); those are linked too, and listed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib.metadata
 import sys
 from pathlib import Path
 
+from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 LIST = Path(__file__).with_name("image_packages.txt")
@@ -35,29 +37,53 @@ def top_level_entries(dist: importlib.metadata.Distribution) -> set[Path]:
     return {e for e in entries if e.exists()}
 
 
-def build(dest: Path) -> tuple[list[str], list[str]]:
-    dest.mkdir(parents=True, exist_ok=True)
-    wanted = image_packages()
-    linked, seen = [], set()
+def installed() -> dict[str, importlib.metadata.Distribution]:
+    dists: dict[str, importlib.metadata.Distribution] = {}
     for dist in importlib.metadata.distributions():
-        name = canonicalize_name(dist.metadata["Name"] or "")
-        if name not in wanted or name in seen:
+        dists.setdefault(canonicalize_name(dist.metadata["Name"] or ""), dist)
+    return dists
+
+
+def dependencies(dist: importlib.metadata.Distribution) -> set[str]:
+    """What this host's version of the package requires (no extras): the image's own version may need less."""
+    names = set()
+    for line in dist.requires or ():
+        req = Requirement(line)
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            names.add(canonicalize_name(req.name))
+    return names
+
+
+def build(dest: Path) -> tuple[list[str], list[str], list[str]]:
+    """Links the image's packages present here, and the dependencies of these versions that the image list lacks."""
+    dest.mkdir(parents=True, exist_ok=True)
+    wanted, dists = image_packages(), installed()
+    todo, seen, added = sorted(wanted & set(dists)), set(), []
+    while todo:
+        name = todo.pop()
+        if name in seen:
             continue
         seen.add(name)
-        for entry in top_level_entries(dist):
+        for entry in top_level_entries(dists[name]):
             link = dest / entry.name
             if not link.exists():
                 link.symlink_to(entry)
-        linked.append(f"{name}=={dist.version}")
-    return sorted(linked), sorted(wanted - seen)
+        for dep in dependencies(dists[name]) - seen:
+            if dep in dists:
+                todo.append(dep)
+                if dep not in wanted:
+                    added.append(dep)
+    linked = sorted(f"{n}=={dists[n].version}" for n in seen)
+    return linked, sorted(set(added)), sorted(wanted - set(dists))
 
 
 def main() -> int:
     if len(sys.argv) != 2:
         print(__doc__, file=sys.stderr)
         return 2
-    linked, absent = build(Path(sys.argv[1]))
+    linked, added, absent = build(Path(sys.argv[1]))
     print(f"image site: {len(linked)} packages linked: {' '.join(linked)}")
+    print(f"image site: {len(added)} of them not in the image list, required by this host's versions: {' '.join(added)}")
     print(f"image site: {len(absent)} image packages not on this host: {' '.join(absent)}")
     return 0
 

@@ -162,7 +162,8 @@ def main(argv: list[str]) -> int:
         return 2
     report = assemble(Path(argv[1]), Path(argv[2]), dry_run=argv[3:] == ["--dry-run"])
     print(summary(report))
-    return 0 if all(s["status"] == "passed" for s in report["stages"].values()) else 1
+    # not_run alone is no failure: DEVICE_CHECK_STAGES left the stage out (when install fails, install is failed)
+    return 1 if any(s["status"] in ("failed", "timeout") for s in report["stages"].values()) else 0
 
 
 if __name__ == "__main__":
