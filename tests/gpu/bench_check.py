@@ -110,7 +110,8 @@ def dequant_gemm(scale: Scale) -> list[dict]:
             x = torch.randn(m, k, device=scale.device, dtype=torch.float16)
             ours = median_ms(lambda: triton_gemm(x, w), scale)
             dense_ms = median_ms(lambda: torch.nn.functional.linear(x, dense), scale)
-            rows.append({"m": m, "k": k, "n": n, "bits": 4, "triton_ms": round(ours, 4), "torch_fp16_ms": round(dense_ms, 4),
+            rows.append({"m": m, "k": k, "n": n, "bits": 4, "triton_ms": round(ours, 4),
+                         "torch_fp16_ms": round(dense_ms, 4),
                          "speedup_vs_fp16": round(dense_ms / ours, 3),
                          "triton_weight_gb_s": round(packed_bytes / (ours * 1e-3) / 1e9, 1),
                          "triton_tflops": round(2 * m * k * n / (ours * 1e-3) / 1e12, 2)})

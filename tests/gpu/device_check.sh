@@ -61,7 +61,7 @@ main() {
   if stage install 60 bash tests/gpu/install.sh "${install_args[@]}"; then
     export PYTHONPATH="$site"
     xdist=()
-    if [ "$dry" = 0 ] && "$py" -c "import xdist" 2>/dev/null; then xdist=(-n 4); fi
+    if [ "$dry" = 0 ] && "$py" -c "import xdist" 2>/dev/null; then xdist=(-n 8); fi
     wanted kernels && stage kernels 180 "$py" -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rfE \
       --junitxml "$work/kernels.xml" "${xdist[@]}"
     wanted e2e && stage e2e 90 "$py" tests/gpu/e2e_check.py --out "$work/e2e.json" "${flag[@]}"

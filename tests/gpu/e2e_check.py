@@ -103,7 +103,8 @@ def llama(scale: Scale, tmp: Path) -> Path:
 
 def case_llama_fp32(scale: Scale, tmp: Path) -> dict:
     model = llama(scale, tmp)
-    return compare_greedy(model, scale, prompts(scale), tiny_models.load_hf(model, torch.float32, torch.device(scale.device)))
+    reference = tiny_models.load_hf(model, torch.float32, torch.device(scale.device))
+    return compare_greedy(model, scale, prompts(scale), reference)
 
 
 def case_gemma3_fp32(scale: Scale, tmp: Path) -> dict:
@@ -151,7 +152,8 @@ def case_fp8_kv(scale: Scale, tmp: Path) -> dict:
     complete = all(len(t) == scale.max_tokens for t in tokens[fp8])
     attention = attention_impl(engines[fp8])
     ok = blocks[fp8] == 2 * blocks["auto"] and complete and attention == "TritonAttention"
-    return {"status": "passed" if ok else "failed", "kv_dtype": fp8, "attention": attention, "blocks_bf16": blocks["auto"],
+    return {"status": "passed" if ok else "failed", "kv_dtype": fp8, "attention": attention,
+            "blocks_bf16": blocks["auto"],
             "blocks_fp8": blocks[fp8], "tokens_equal_to_bf16_cache": f"{same}/{len(batch) * scale.max_tokens}"}
 
 
@@ -195,7 +197,8 @@ def run_case(fn: Callable[[Scale, Path], dict], scale: Scale, tmp: Path) -> dict
     try:
         result = fn(scale, tmp)
     except Exception as exc:  # one broken case must not hide the others' results
-        result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+        result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()[-2000:]}
     return {**result, "duration_s": round(time.perf_counter() - start, 1)}
 
 

@@ -83,7 +83,8 @@ def main() -> int:
         return 2
     linked, added, absent = build(Path(sys.argv[1]))
     print(f"image site: {len(linked)} packages linked: {' '.join(linked)}")
-    print(f"image site: {len(added)} of them not in the image list, required by this host's versions: {' '.join(added)}")
+    print(f"image site: {len(added)} of them not in the image list, required by this host's versions: "
+          f"{' '.join(added)}")
     print(f"image site: {len(absent)} image packages not on this host: {' '.join(absent)}")
     return 0
 

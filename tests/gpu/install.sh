@@ -24,7 +24,10 @@ if [ -d "$wheels" ]; then
     echo "install: ${#files[@]} wheels into $site"
   fi
 else
-  [ "$skip_wheels" = "--skip-wheels" ] || { echo "install: $wheels is missing: run tests/gpu/fetch_wheels.sh" >&2; exit 1; }
+  if [ "$skip_wheels" != "--skip-wheels" ]; then
+    echo "install: $wheels is missing: run tests/gpu/fetch_wheels.sh" >&2
+    exit 1
+  fi
   "$py" "$root/tests/gpu/wheels.py" check
   echo "install: wheel list checked against pyproject.toml; no wheel folder at $wheels"
 fi
@@ -36,13 +39,13 @@ trap 'rm -rf "$src"' EXIT
 find "$src" -name __pycache__ -prune -exec rm -rf {} +
 "${pip[@]}" --no-build-isolation --upgrade --target "$site" "$src"
 echo "install: pagedserve into $site"
-PYTHONPATH="$site" PATH="$site/bin:$PATH" "$py" - "$site" <<'PY'
+PYTHONPATH="$site" "$py" - "$site" <<'PY'
 import importlib, pathlib, sys
 site = pathlib.Path(sys.argv[1]).resolve()
-modules = ["pagedserve.engine.llm", "pagedserve.service.entry", "pagedserve.service.server", "pagedserve.v1.generate_pb2_grpc",
-           "pagedserve.kernels.backends", "pagedserve.quant.registry", "grpc_health.v1.health_pb2_grpc",
-           "grpc_reflection.v1alpha.reflection", "starlette", "uvicorn", "gguf", "prometheus_client", "smg_grpc_proto.generated.vllm_engine_pb2",
-           "pagedserve.service.vllm_servicer"]
+modules = ["pagedserve.engine.llm", "pagedserve.kernels.backends", "pagedserve.quant.registry",
+           "pagedserve.service.entry", "pagedserve.service.server", "pagedserve.service.vllm_servicer",
+           "pagedserve.v1.generate_pb2_grpc", "grpc_health.v1.health_pb2_grpc", "grpc_reflection.v1alpha.reflection",
+           "smg_grpc_proto.generated.vllm_engine_pb2", "starlette", "uvicorn", "gguf", "prometheus_client"]
 for name in modules:
     importlib.import_module(name)
 import pagedserve.engine

@@ -20,7 +20,11 @@ main() {
   tmp="$(mktemp -d)"
   trap 'rm -rf "$tmp"' EXIT
   # the first candidate that runs (a pyenv shim exists for versions it does not activate)
-  pick() { for c in "$@"; do "$c" -c "" 2>/dev/null && { echo "$c"; return; }; done; echo "no Python among: $*" >&2; exit 1; }
+  pick() {
+    for c in "$@"; do "$c" -c "" 2>/dev/null && { echo "$c"; return; }; done
+    echo "no Python among: $*" >&2
+    exit 1
+  }
   pyenv_root="$(pyenv root 2>/dev/null || echo /nonexistent)"
   py312="$(pick ${PYTHON312:-} python3.12 "$pyenv_root"/versions/3.12*/bin/python3.12)"
   py311="$(pick ${PYTHON311:-} python3.11 "$pyenv_root"/versions/3.11*/bin/python3.11)"
@@ -31,9 +35,11 @@ main() {
   # The two image packages this step needs (grpc imports typing_extensions; the build needs setuptools), from PyPI at
   # this host's versions.
   "$tmp/v312/bin/python" -m pip install -q --disable-pip-version-check \
-    $(python3 -c 'import importlib.metadata as m; print(*(f"{n}=={m.version(n)}" for n in ("setuptools", "typing_extensions")))')
+    $(python3 -c 'import importlib.metadata as m; print(*(f"{n}=={m.version(n)}" for n in ("setuptools",
+      "typing_extensions")))')
   mapfile -t files < <(python3 "$root/tests/gpu/wheels.py" check "$root/.whl")
-  "$tmp/v312/bin/python" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$tmp/site312" "${files[@]}"
+  "$tmp/v312/bin/python" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$tmp/site312" \
+    "${files[@]}"
   src="$tmp/src"; mkdir -p "$src"
   (cd "$root" && cp -r --parents pyproject.toml README.md engine kernels quant service proto/pagedserve \
      clients/python/pagedserve_client "$src/")

@@ -151,7 +151,8 @@ def summary(report: dict) -> str:
     for name, stage in report["stages"].items():
         lines.append(f"  {name:8} {stage['status']:8} {stage['duration_s']} s (budget {stage['budget_s']} s)")
     bench = report["benchmarks"]
-    lines.append(f"  copy {bench['copy_gb_s']} GB/s; decode attention best {bench['decode_attention_best_fraction']} of "
+    lines.append(f"  copy {bench['copy_gb_s']} GB/s; decode attention best "
+                 f"{bench['decode_attention_best_fraction']} of "
                  f"copy (target {bench['decode_attention_target']}); e2e {bench['e2e_tokens_per_s']} tokens/s")
     return "\n".join(lines)
 

@@ -18,7 +18,10 @@ pytestmark = [
 
 pytest.importorskip("triton")
 
-from test_quant_triton import test_triton_gemm_matches_reference, test_triton_gemm_on_tool_checkpoints  # noqa: E402,F401
+from test_quant_triton import (  # noqa: E402,F401
+    test_triton_gemm_matches_reference,
+    test_triton_gemm_on_tool_checkpoints,
+)
 from test_triton_attention import (  # noqa: E402,F401
     test_both_paths_agree_with_float64_math,
     test_head_dim_128_and_fp32,

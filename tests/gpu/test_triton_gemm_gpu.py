@@ -26,9 +26,9 @@ TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
 
 @functools.lru_cache(maxsize=8)
 def weight(bits: int, k: int, n: int, group: int, act_order: bool):
-    """Packed on the CPU once per shape (the m and dtype cases share it), with its dense fp32 dequantization."""
+    """Packed once per shape (the m and dtype cases share it), with its dense fp32 dequantization, on the GPU."""
     w = random_weight(k, n, bits, group, act_order, seed=k + n + bits)
-    return on_cuda(w), w.dequantize(torch.float32)
+    return on_cuda(w), w.dequantize(torch.float32).cuda()
 
 
 def on_cuda(w):
@@ -50,10 +50,9 @@ def test_dequant_gemm_matches_dense_reference(bits, k, n, group, act_order, m, d
     w, dense = weight(bits, k, n, group, act_order)
     if dtype == torch.float16:
         dense = dense.half().float()
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-    want = x.float() @ dense.t()
-    got = triton_gemm.dequant_gemm(x.cuda(), w)
-    torch.cuda.synchronize()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).cuda()
+    want = x.float() @ dense.t()  # fp32 on the GPU: torch leaves TF32 off for matmuls unless asked
+    got = triton_gemm.dequant_gemm(x, w)
     assert got.dtype == dtype and got.shape == (m, n)
-    err = (got.float().cpu() - want).abs().max().item()
+    err = (got.float() - want).abs().max().item()
     assert err <= TOLERANCE[dtype] * want.abs().max().item(), f"max abs err {err}"

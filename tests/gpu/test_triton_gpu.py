@@ -147,7 +147,8 @@ def test_kv_write_with_scales_odd_shapes(num_tokens, num_kv_heads, head_dim, kv_
         pytest.skip("fp8_e4m3 needs compute capability 8.9+")
     gen = torch.Generator(device="cpu").manual_seed(num_tokens)
     blocks = -(-num_tokens // 16) + 3
-    key, value = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).mul(5).half().to(CUDA) for _ in range(2))
+    key, value = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).mul(5).half().to(CUDA)
+                  for _ in range(2))
     slots = torch.randperm(blocks * 16, generator=gen)[:num_tokens].to(CUDA)
     k_scale, v_scale = (torch.rand(num_kv_heads, generator=gen) * 0.05 + 0.01 for _ in range(2))
     caches = []

@@ -46,7 +46,8 @@ def read_pins(path: Path = WHEELS_TXT) -> list[Pin]:
         pins.append(Pin(canonicalize_name(match[1]), match[2]))
     names = [p.name for p in pins]
     if len(set(names)) != len(names):
-        raise WheelListError(f"{path.name}: a package is named twice ({sorted(n for n in names if names.count(n) > 1)})")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise WheelListError(f"{path.name}: a package is named twice ({twice})")
     return pins
 
 
@@ -84,7 +85,8 @@ def wheel_files(pins: list[Pin], folder: Path) -> list[Path]:
                                  f"{[m.name for m in matches] or 'none'} (run tests/gpu/fetch_wheels.sh)")
         chosen.append(matches[0])
     if found:
-        raise WheelListError(f"{folder}: wheels not in wheels.txt: {sorted(f.name for v in found.values() for _, f in v)}")
+        extra = sorted(f.name for versions in found.values() for _, f in versions)
+        raise WheelListError(f"{folder}: wheels not in wheels.txt: {extra}")
     return chosen
 
 
