@@ -20,6 +20,7 @@ from pagedserve.kernels.attention import AttentionMetadata  # noqa: E402
 from pagedserve.kernels.backends import ATTENTION_IMPLS, select_attention_impl  # noqa: E402
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype  # noqa: E402
 from pagedserve.kernels.paged_attention import paged_attention, write_kv  # noqa: E402
+from tiny_models import VOCAB, make_tiny  # noqa: E402
 
 CUDA = torch.device("cuda")
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -124,13 +125,50 @@ def test_cache_beyond_2_pow_31_elements_uses_64_bit_offsets() -> None:
     check(*build((700, 1, 1500), (1, 1, 60), 16, 8, 4, 128, dtype, torch.float16, extra_blocks=extra))
 
 
-def test_engine_greedy_tokens_match_torch_backend_on_gpu(tmp_path) -> None:
-    from conftest import make_tiny_model
+@pytest.mark.parametrize("head_dim,queries_per_kv,block_size", [(80, 5, 16), (96, 2, 64), (256, 1, 128), (64, 7, 32)])
+def test_odd_head_dims_gqa_ratios_and_block_sizes(head_dim, queries_per_kv, block_size) -> None:
+    """Head dims padded to a power of two, GQA ratios that are not powers of two, the largest block sizes."""
+    seq_lens, query_lens = (3, 129, 1000, 77), (3, 1, 17, 77)
+    check(*build(seq_lens, query_lens, block_size, 3, queries_per_kv, head_dim, KVDtype.FP16, torch.float16))
 
+
+@pytest.mark.parametrize("kv_dtype", [KVDtype.FP16, KVDtype.FP8_E5M2])
+def test_long_context_decode(kv_dtype) -> None:
+    """32k- and 20k-token contexts decoded in one batch with a chunk after 12k cached tokens."""
+    seq_lens, query_lens = (32768, 20000, 12300), (1, 1, 300)
+    check(*build(seq_lens, query_lens, 16, 8, 4, 128, kv_dtype, torch.float16))
+
+
+@pytest.mark.parametrize("num_tokens,num_kv_heads,head_dim", [(1, 3, 80), (37, 1, 64), (4099, 8, 128)])
+@pytest.mark.parametrize("kv_dtype", [KVDtype.BF16, KVDtype.FP8_E4M3, KVDtype.FP8_E5M2])
+def test_kv_write_with_scales_odd_shapes(num_tokens, num_kv_heads, head_dim, kv_dtype) -> None:
+    """fp16 inputs written by Triton and by torch are the same bytes: one token, a single KV head, odd head dims."""
+    if kv_dtype.is_fp8 and kv_dtype not in fp8_dtypes():
+        pytest.skip("fp8_e4m3 needs compute capability 8.9+")
+    gen = torch.Generator(device="cpu").manual_seed(num_tokens)
+    blocks = -(-num_tokens // 16) + 3
+    key, value = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).mul(5).half().to(CUDA)
+                  for _ in range(2))
+    slots = torch.randperm(blocks * 16, generator=gen)[:num_tokens].to(CUDA)
+    k_scale, v_scale = (torch.rand(num_kv_heads, generator=gen) * 0.05 + 0.01 for _ in range(2))
+    caches = []
+    for impl in (select_attention_impl("torch", CUDA), ATTENTION_IMPLS.get("triton")()):
+        cache = KVCache(KVCacheSpec(1, num_kv_heads, head_dim, 16, kv_dtype), blocks, CUDA)
+        if kv_dtype.is_fp8:
+            cache.set_scales(0, k_scale, v_scale)
+        write_kv(impl, key, value, cache.layers[0], slots)
+        caches.append(cache.layers[0])
+    for name in ("k", "v"):
+        a, b = getattr(caches[0], name), getattr(caches[1], name)
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
+
+def test_engine_greedy_tokens_match_torch_backend_on_gpu(tmp_path) -> None:
     from pagedserve.engine import LLM, SamplingParams
 
-    model = str(make_tiny_model(tmp_path, hidden_size=256, num_attention_heads=4, num_key_value_heads=2))
-    prompts = [list(range(100, 300)), [400, 401, 402], list(range(1000, 1050))]
+    model = str(make_tiny(tmp_path, hidden_size=256, num_attention_heads=4, num_key_value_heads=2))
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (200, 3, 50)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     tokens = {}
     for backend in ("torch", "triton"):

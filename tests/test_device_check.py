@@ -1,0 +1,115 @@
+"""The GPU device check (tests/gpu/device_check.sh) in its dry mode, so it cannot rot between GPU runs: every stage
+runs on CPU under Triton's interpreter and writes the same report a GPU run writes; and the wheel list it carries to
+the GPU machine stays pinned to versions pyproject.toml accepts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+
+import report  # noqa: E402
+import wheels  # noqa: E402
+
+E2E_CASES = {"llama_fp32", "gemma3_fp32", "llama_bf16", "fp8_kv", "gptq", "awq", "smollm2"}
+SERVER_CHECKS = {"health", "protocols_agree", "concurrent_streams", "cancel_frees_blocks"}
+
+
+@pytest.fixture(scope="module")
+def dry_report(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("device-check")
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("PYTHONPATH", None)  # the check installs the tree into its own folder and imports it from there
+    proc = subprocess.run(["bash", str(ROOT / "tests/gpu/device_check.sh"), "--dry-run", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=1200)
+    assert (out / "report.json").exists(), proc.stdout + proc.stderr
+    result = json.loads((out / "report.json").read_text())
+    result["_stdout"], result["_exit"], result["_out"] = proc.stdout + proc.stderr, proc.returncode, out
+    return result
+
+
+@pytest.mark.slow
+def test_dry_run_passes_every_stage(dry_report):
+    assert dry_report["_exit"] == 0, dry_report["_stdout"]
+    assert dry_report["dry_run"] is True
+    for name in report.STAGES:
+        stage = dry_report["stages"][name]
+        assert set(report.STAGE_FIELDS) <= set(stage), name
+        assert stage["status"] == "passed", (name, stage["details"])
+        assert (dry_report["_out"] / stage["log"]).exists(), name
+
+
+@pytest.mark.slow
+def test_dry_run_report_has_every_field(dry_report):
+    assert set(report.REPORT_FIELDS) <= set(dry_report)
+    assert set(report.DEVICE_FIELDS) <= set(dry_report["device"])
+    assert set(report.VERSION_FIELDS) <= set(dry_report["versions"])
+    assert set(report.BENCH_FIELDS) == set(dry_report["benchmarks"])
+    assert all(dry_report["benchmarks"][f] is not None for f in report.BENCH_FIELDS)
+    # the stages imported pagedserve from the check's own install, not from wherever the host has it
+    installed = dry_report["versions"]["pagedserve_from"]
+    assert "device-check." in installed and installed.endswith("/pagedserve"), installed
+
+
+@pytest.mark.slow
+def test_dry_run_stage_details(dry_report):
+    stages = dry_report["stages"]
+    kernels = stages["kernels"]["details"]
+    assert kernels["tests"] >= 200 and kernels["failed"] == kernels["errors"] == 0  # collected; skipped without CUDA
+    cases = stages["e2e"]["details"]["cases"]
+    assert set(cases) == E2E_CASES
+    assert {n for n, c in cases.items() if c["status"] == "passed"} == E2E_CASES - {"smollm2"}
+    assert "64 MiB" in cases["smollm2"]["reason"]
+    assert cases["fp8_kv"]["blocks_fp8"] == 2 * cases["fp8_kv"]["blocks_bf16"]
+    checks = stages["server"]["details"]["checks"]
+    assert set(checks) == SERVER_CHECKS and all(c["status"] == "passed" for c in checks.values())
+    assert stages["server"]["details"]["exit_code_after_sigterm"] == 0
+    assert any(step.startswith("install: pagedserve into") for step in stages["install"]["details"]["steps"])
+
+
+def test_wheel_list_is_pinned_and_agrees_with_pyproject():
+    pins = wheels.read_pins()
+    assert pins and all(p.version[0].isdigit() for p in pins)
+    requirements = wheels.project_requirements()
+    wheels.check_against_pyproject(pins, requirements)
+    for pin in pins:
+        if pin.name in requirements:
+            assert requirements[pin.name].specifier.contains(pin.version)
+
+
+def test_wheel_list_checker_refuses_what_would_break_the_gpu_install(tmp_path):
+    requirements = wheels.project_requirements()
+    good = wheels.read_pins()
+    wrong = [wheels.Pin(p.name, "0.0.1") if p.name == "grpcio" else p for p in good]
+    with pytest.raises(wheels.WheelListError, match="grpcio==0.0.1 does not satisfy"):
+        wheels.check_against_pyproject(wrong, requirements)
+    with pytest.raises(wheels.WheelListError, match="neither carried"):
+        wheels.check_against_pyproject([p for p in good if p.name != "gguf"], requirements)
+    with pytest.raises(wheels.WheelListError, match="replaces the GPU image's own"):
+        wheels.check_against_pyproject(good + [wheels.Pin("torch", "2.13.0")], {**requirements,
+                                                                                  "torch": Requirement("torch")})
+    unpinned = tmp_path / "wheels.txt"
+    unpinned.write_text("gguf>=0.19\n")
+    with pytest.raises(wheels.WheelListError, match="wheels.txt:1: 'gguf>=0.19' is not a pinned name==version"):
+        wheels.read_pins(unpinned)
+
+
+def test_wheel_folder_must_hold_exactly_the_listed_wheels(tmp_path):
+    pins = [wheels.Pin("gguf", "0.19.0"), wheels.Pin("starlette", "1.10.0")]
+    (tmp_path / "gguf-0.19.0-py3-none-any.whl").touch()
+    with pytest.raises(wheels.WheelListError, match="one wheel of starlette==1.10.0"):
+        wheels.wheel_files(pins, tmp_path)
+    (tmp_path / "starlette-1.10.0-py3-none-any.whl").touch()
+    assert [f.name for f in wheels.wheel_files(pins, tmp_path)] == ["gguf-0.19.0-py3-none-any.whl",
+                                                                   "starlette-1.10.0-py3-none-any.whl"]
+    (tmp_path / "uvicorn-0.54.0-py3-none-any.whl").touch()
+    with pytest.raises(wheels.WheelListError, match="not in wheels.txt"):
+        wheels.wheel_files(pins, tmp_path)
