@@ -43,7 +43,7 @@ PYTHONPATH="$site" "$py" - "$site" <<'PY'
 import importlib, pathlib, sys
 site = pathlib.Path(sys.argv[1]).resolve()
 modules = ["pagedserve.engine.llm", "pagedserve.kernels.backends", "pagedserve.quant.registry",
-           "pagedserve.service.entry", "pagedserve.service.server", "pagedserve.service.vllm_servicer",
+           "pagedserve.service.entry", "pagedserve.service.server", "pagedserve.service.router.vllm_servicer",
            "pagedserve.v1.generate_pb2_grpc", "grpc_health.v1.health_pb2_grpc", "grpc_reflection.v1alpha.reflection",
            "smg_grpc_proto.generated.vllm_engine_pb2", "starlette", "uvicorn", "gguf", "prometheus_client"]
 for name in modules:
