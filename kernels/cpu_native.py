@@ -30,8 +30,11 @@ from pagedserve.kernels.kv_cache import LayerKVCache
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = tuple(_HERE / f"cpu_{name}.c" for name in ("decode_attention", "prefill_attention", "layer_ops", "kv_write", "dense_linear"))
-HEADERS = (_HERE / "cpu_native.h", _HERE / "cpu_linear.h")
+SOURCES = tuple(
+    _HERE / f"cpu_{name}.c"
+    for name in ("decode_attention", "prefill_attention", "layer_ops", "kv_write", "dense_linear", "decode_step")
+)
+HEADERS = tuple(_HERE / f"cpu_{name}.h" for name in ("native", "linear", "decode_attention"))
 _FLAGS = (
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
     "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math",
@@ -129,6 +132,8 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.pagedserve_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, c_int, c_int]
     lib.pagedserve_silu_and_mul.argtypes = [ptr, ptr, i64, i64, c_int, c_int]
     lib.pagedserve_rope.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, c_int, c_int]
+    lib.pagedserve_decode_step.argtypes = [ptr, ptr, i64, c_int]  # StepModel, StepBatch (engine/native_step.py)
+    lib.pagedserve_decode_step.restype = c_int
     for name in ("pagedserve_dense_linear", "pagedserve_dense_linear_portable"):  # ps_linear_fn (cpu_linear.h)
         getattr(lib, name).argtypes = [ptr, ptr, i64, ptr]
         getattr(lib, name).restype = c_int
