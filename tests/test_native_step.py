@@ -90,11 +90,12 @@ def _lockstep(engine, prompts: dict[str, list[int]], steps: int) -> list[float]:
 
 # Relative bounds on max|logit difference| / max|logit|. fp32: the two paths differ only in summation order.
 # bf16: the torch path rounds the hidden state, norms, RoPE, q/k/v and attention output to bf16 in every layer,
-# the native step keeps them fp32, so they differ by a few bf16 roundings (2^-8 each) compounded over 30 layers.
+# the native step keeps them fp32, so they differ by a few bf16 roundings (2^-8 each) compounded over 30 layers
+# (measured: 1.3% median, 1.7% max on Sapphire Rapids).
 # FP8 KV in fp32: the FP8 rounding itself is torch's, bit for bit, but a new K/V element within fp32 rounding of
 # an FP8 rounding boundary lands on the neighbouring FP8 value in one path (an element off by 2^-3 / 2^-2 of
 # itself; 1-7 of the ~17k new K/V elements of a 3-row step, seen): up to ~2e-3 on such steps, ~1e-6 on others.
-BOUNDS = {("float32", "auto"): 1e-4, ("bfloat16", "auto"): 0.1, ("float32", "fp8_e4m3"): 1e-2,
+BOUNDS = {("float32", "auto"): 1e-4, ("bfloat16", "auto"): 0.05, ("float32", "fp8_e4m3"): 1e-2,
           ("float32", "fp8_e5m2"): 1e-2, ("bfloat16", "fp8_e4m3"): 0.1}
 
 
