@@ -62,6 +62,10 @@ class EngineConfig:
     # CPU, threads from the budget, spinning pool: fewer threads while other processes hold some of the cores
     adapt_threads: bool = True
     max_queued_requests: int = 1024
+    # CPU decode-only steps of at most this many rows run the whole layer stack in one native call when every
+    # linear of the model has a native kernel (engine/native_step.py); 0 turns it off. 2: the crossover measured
+    # on Sapphire Rapids, where oneDNN's AMX matmuls win from 4 rows (benchmarks/native_step_crossover.py)
+    native_step_max_batch: int = 2
     chat_template: str | None = None  # a jinja file replacing the model's chat template
 
     def __post_init__(self) -> None:
@@ -72,6 +76,8 @@ class EngineConfig:
                 raise ConfigError(name, f"unknown {value!r}; supported: {', '.join(supported)}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ConfigError("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if not isinstance(self.native_step_max_batch, int) or self.native_step_max_batch < 0:
+            raise ConfigError("native_step_max_batch", f"must be an integer >= 0, got {self.native_step_max_batch!r}")
         for name in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_queued_requests"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -10,6 +10,7 @@ import torch
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.loading.model_loader import LoadedModel
 from pagedserve.engine.models.layers import ForwardContext
+from pagedserve.engine.native_step import build_native_step
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.engine.sequence import Sequence
 from pagedserve.kernels.attention import AttentionMetadata
@@ -47,6 +48,9 @@ class ModelRunner:
             self.kv_cache, loaded.kv_scale_tensors, select_attention_impl(config.attention_backend, device)
         )
         self.layer_ops = select_layer_ops(config.layer_ops_choice, device, loaded.dtype)
+        self.native_step = build_native_step(
+            self.model, self.kv_cache, self.attn_impl, config.native_step_max_batch, device
+        )
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%s, %.1f MiB, attention=%s, layer ops=%s)",
             num_blocks, config.block_size, num_blocks * config.block_size, kv_dtype.value,
@@ -114,6 +118,8 @@ class ModelRunner:
     def execute(self, batch: SchedulerOutput) -> tuple[torch.Tensor, tuple[Sequence, ...]]:
         """Runs one step; returns fp32 logits [S, vocab] for the sequences that sample now, and those sequences."""
         self.copy_blocks(batch.block_copies)
+        if self.native_step is not None and self.native_step.accepts(batch):
+            return self.native_step.run(batch, self.kv_spec.block_size)
         model_input = self.prepare(batch)
         meta = model_input.attn_meta
         # Once per step and window, shared by every layer with that window.

@@ -12,18 +12,8 @@
  * manager may have freed them; their block-table entries are then -1).
  * Storage layout: the head-major [Hkv, num_blocks, block_size, D] tensors behind LayerKVCache's logical view.
  */
-#include "cpu_native.h"
+#include "cpu_decode_attention.h"
 
-typedef struct {
-    const void *query; int64_t q_token_stride; void *out; int q_dtype;  /* [T, H, D]; heads contiguous, out dense */
-    const void *k_cache; const void *v_cache; int kv_dtype;  /* [Hkv, num_blocks, block_size, D] */
-    const float *k_scale; const float *v_scale;         /* [Hkv] */
-    const int32_t *block_tables; int64_t block_table_stride;
-    const int32_t *seq_lens; const int64_t *rows;       /* per decode sequence */
-    int64_t num_heads, num_kv_heads, head_dim, num_blocks, block_size;
-    float scale;
-    int64_t window;                                     /* sliding window; 0: none */
-} DecodeArgs;
 
 typedef struct { float *scores, *q, *acc, *row; } Scratch;  /* one per thread */
 
@@ -138,6 +128,11 @@ static void decode_dispatch(const DecodeArgs *a, int64_t s, int64_t h, Scratch *
     SPECIALIZE_DIMS(DT_F16, DT_F16);
     SPECIALIZE_DIMS(DT_E4M3, DT_BF16);
     SPECIALIZE_DIMS(DT_E5M2, DT_BF16);
+    /* fp32 queries over 16-bit and FP8 caches: the native decode step (cpu_decode_step.c) keeps its state fp32 */
+    SPECIALIZE_DIMS(DT_BF16, DT_F32);
+    SPECIALIZE_DIMS(DT_F16, DT_F32);
+    SPECIALIZE_DIMS(DT_E4M3, DT_F32);
+    SPECIALIZE_DIMS(DT_E5M2, DT_F32);
     if (a->head_dim % 16 == 0) return decode_task(a, s, h, w, a->head_dim / 16, a->kv_dtype, a->q_dtype);
     decode_task_scalar(a, s, h, w);
 }

@@ -30,8 +30,11 @@ from pagedserve.kernels.kv_cache import LayerKVCache
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = tuple(_HERE / f"cpu_{name}.c" for name in ("decode_attention", "prefill_attention", "layer_ops", "kv_write"))
-HEADER = _HERE / "cpu_native.h"
+SOURCES = tuple(
+    _HERE / f"cpu_{name}.c"
+    for name in ("decode_attention", "prefill_attention", "layer_ops", "kv_write", "dense_linear", "decode_step")
+)
+HEADERS = tuple(_HERE / f"cpu_{name}.h" for name in ("native", "linear", "decode_attention"))
 _FLAGS = (
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
     "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math",
@@ -107,7 +110,7 @@ def load_library() -> ctypes.CDLL:
         raise NativeBuildError("no C compiler found (set CC or install gcc)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
-        "\0".join((*(f.read_text() for f in (*SOURCES, HEADER)), " ".join(_FLAGS), version, _cpu_fingerprint())).encode()
+        "\0".join((*(f.read_text() for f in (*SOURCES, *HEADERS)), " ".join(_FLAGS), version, _cpu_fingerprint())).encode()
     ).hexdigest()[:16]
     target = cache_root() / "native" / f"cpu_native-{key}.so"
     if not target.exists():
@@ -129,6 +132,11 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.pagedserve_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, c_int, c_int]
     lib.pagedserve_silu_and_mul.argtypes = [ptr, ptr, i64, i64, c_int, c_int]
     lib.pagedserve_rope.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, c_int, c_int]
+    lib.pagedserve_decode_step.argtypes = [ptr, ptr, i64, c_int]  # StepModel, StepBatch (engine/native_step.py)
+    lib.pagedserve_decode_step.restype = c_int
+    for name in ("pagedserve_dense_linear", "pagedserve_dense_linear_portable"):  # ps_linear_fn (cpu_linear.h)
+        getattr(lib, name).argtypes = [ptr, ptr, i64, ptr]
+        getattr(lib, name).restype = c_int
     for fn in (lib.pagedserve_decode_attention, lib.pagedserve_prefill_attention, lib.pagedserve_write_kv,
                lib.pagedserve_rms_norm, lib.pagedserve_silu_and_mul, lib.pagedserve_rope):
         fn.restype = c_int

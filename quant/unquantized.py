@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.quant.base import LinearMethod, QuantConfig
+from pagedserve.quant.native_linear import NativeLinear
 from pagedserve.quant.onednn_dense import can_pack, pack_weight, packed_linear
 
 
@@ -27,6 +28,17 @@ class UnquantizedLinearMethod(LinearMethod):
         if layer.packed_weight is not None:
             return packed_linear(x, layer.packed_weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
+
+    def native_linear(self, layer: nn.Module) -> NativeLinear | None:
+        """The bf16/fp16/fp32 GEMV of cpu_dense_linear.c over a plain copy of the weight (see dense_native.py);
+        None off CPU or where the native kernels do not build."""
+        from pagedserve.kernels.cpu_native import available
+        from pagedserve.quant.dense_native import dense_native_linear, plain_weight
+
+        weight = layer.packed_weight if layer.packed_weight is not None else layer.weight
+        if weight is None or weight.device.type != "cpu" or not available():
+            return None
+        return dense_native_linear(plain_weight(weight), layer.bias)
 
     def merge(self, layers: list[nn.Module]) -> nn.Module | None:
         from pagedserve.quant.linear import QuantLinear

@@ -38,6 +38,9 @@ _ENGINE_HELP = {
     "num_threads": "torch intra-op threads (default: torch's choice)",
     "adapt_threads": "CPU: run fewer compute threads while other processes take some of this process's cores, all "
                      "again when they leave (only without --num-threads and with a spinning OpenMP pool)",
+    "native_step_max_batch": "CPU: decode-only steps of up to this many sequences run the whole layer stack in one "
+                             "native call (Llama-family models, native attention, every linear with a native "
+                             "kernel); 0: always the per-op torch path",
     "max_queued_requests": "admitted requests waiting for a batch slot; beyond it: RESOURCE_EXHAUSTED",
     "chat_template": "jinja chat template file used instead of the model's own (for chat messages)",
 }

@@ -3,7 +3,8 @@ computes, for comparison with transformers' full forward over the same tokens.
 
 The runner computes logits only for the rows that sample; the probe applies the model's own LM head to every row
 of the very hidden states that step produced, so prefill chunks, recomputation after preemption and tokens after a
-prefix-cache hit are all checked, not only the sampled positions.
+prefix-cache hit are all checked, not only the sampled positions. A step the native decode step ran
+(engine/native_step.py) never calls the model: every row of it samples, so its own logits are recorded.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class ProbeRun:
     cached: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens found in the prefix cache
     logits: dict[str, list[tuple[int, torch.Tensor]]] = field(default_factory=lambda: defaultdict(list))
     held_blocks: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # after each decode step
+    native_steps: int = 0  # steps the native decode step ran
 
 
 def attach(engine: LLMEngine, run: ProbeRun, monkeypatch) -> None:
@@ -48,9 +50,11 @@ def attach(engine: LLMEngine, run: ProbeRun, monkeypatch) -> None:
 
     def recording_execute(batch):
         layout = [(item.seq.request_id, item.seq.num_computed_tokens, item.num_new_tokens) for item in batch.scheduled]
+        native = runner.native_step is not None and runner.native_step.accepts(batch)
+        run.native_steps += native
         result = execute(batch)
         with torch.inference_mode():
-            logits = recorder.model.compute_logits(recorder.hidden)
+            logits = result[0] if native else recorder.model.compute_logits(recorder.hidden)
         row = 0
         for request_id, start, count in layout:
             run.logits[request_id] += [(start + j, logits[row + j]) for j in range(count)]

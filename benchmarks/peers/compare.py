@@ -33,7 +33,9 @@ from workload_file import dump_workload, load_workload  # noqa: E402
 import drivers  # noqa: E402
 import paths  # noqa: E402
 import phases  # noqa: E402
+import low_concurrency  # noqa: E402
 import report  # noqa: E402
+import servers  # noqa: E402
 
 REPO = HERE.parent.parent
 # (ours, theirs) pairs whose ratios the issue asks for; like is compared with like.
@@ -74,6 +76,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vllm-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND for vLLM")
     p.add_argument("--quick", action="store_true",
                    help="16 small requests, 1 repeat, no Poisson; writes under the log dir unless --out-* are given")
+    p.add_argument("--no-low-concurrency", action="store_true",
+                   help="skip the low-concurrency section (1-8 streams on a GGUF file; low_concurrency.py)")
+    p.add_argument("--low-concurrency-only", action="store_true", help="run only the low-concurrency section")
+    low_concurrency.add_args(p, prefix="lc-")
     p.add_argument("--out-json", type=Path, default=None, help="default: docs/benchmarks.json")
     p.add_argument("--out-md", type=Path, default=None, help="default: docs/benchmarks.md")
     p.add_argument("--log-dir", type=Path, default=None,
@@ -129,7 +135,8 @@ def run_dtype(args, spec: drivers.DriverSpec, workload: Workload, plan: phases.P
     res = phases.run_systems(list(args.systems), spec, workload, plan)
     medians = {n: median_result(rs) for n, rs in res.runs.items()}
     section = {"median": medians, "runs": {n: [r.to_dict() for r in rs] for n, rs in res.runs.items()},
-               "poisson": res.poisson, "poisson_common": res.poisson_common, "ratios": {}, "token_agreement": {}}
+               "poisson": res.poisson, "poisson_common": res.poisson_common, "ratios": {}, "token_agreement": {},
+               "failures": res.failures}
     if res.contended:
         section["contention"] = contention_summary(res.runs, res.contended)
         section["contended_runs"] = {n: [r.to_dict() for r in rs] for n, rs in res.contended.items()}
@@ -183,6 +190,7 @@ def main() -> None:
 
     model_dir = str(hf_folder(args.model))  # vLLM and the transformers baselines read HF folders only
     plan = make_plan(args)
+    warmup = build_workload(drivers.WARMUP)
     flops = useful_flops(model_dir, workload)
     log("measuring the matmul peak (1 and 2 threads, fp32 and bf16)")
     peaks = measure_peaks((1, 2))
@@ -193,10 +201,20 @@ def main() -> None:
                     "systems": {n: drivers.SYSTEMS[n][0] for n in args.systems}, "quick": args.quick,
                     "contention": args.contention},
            "results": {}}
-    for dtype in args.dtypes:
-        spec = drivers.DriverSpec(model_dir, dtype, args.threads, args.log_dir, args.vllm_bind)
+    for dtype in [] if args.low_concurrency_only else args.dtypes:
+        spec = drivers.DriverSpec(model_dir, dtype, args.threads, args.log_dir, args.vllm_bind,
+                                  slot_tokens=servers.slot_context(workload.requests + warmup.requests),
+                                  parallel=max(64, len(workload.requests)))
         out["results"][dtype] = run_dtype(args, spec, workload, plan, flops, peaks)
         args.out_json.write_text(json.dumps(out, indent=2))  # partial results survive a crash
+    if not args.no_low_concurrency:
+        lc_systems = [n for n in low_concurrency.SYSTEMS if n in args.systems or args.low_concurrency_only]
+        out["low_concurrency"] = low_concurrency.run_section(
+            model_dir, args.gguf or low_concurrency.default_gguf(), lc_systems,
+            (1, 2) if args.quick else tuple(args.lc_streams), args.lc_prompt_len,
+            32 if args.quick else args.lc_output_len, 1 if args.quick else args.lc_repeats, args.threads,
+            args.log_dir, args.vllm_bind)
+        args.out_json.write_text(json.dumps(out, indent=2))
     out["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     out["meta"]["host"]["load_avg_1m_end"] = os.getloadavg()[0]
     args.out_json.write_text(json.dumps(out, indent=2))

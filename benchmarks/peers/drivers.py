@@ -34,6 +34,9 @@ class DriverSpec:
     log_dir: Path
     vllm_bind: str = "auto"
     vllm_kv_gib: int = 2
+    slot_tokens: int = 512  # llama-server's context per slot (servers.slot_context of the workload)
+    parallel: int = 64  # llama-server's slots: the most concurrent requests
+    gguf: str | None = None  # a GGUF file pagedserve and llama-server serve instead of model_dir's (low concurrency)
 
 
 class Driver(Protocol):
@@ -84,7 +87,7 @@ def _our_worker(system: str, own_threads: bool = False) -> Callable[[DriverSpec]
     it runs as the server does, thread governor included (under --contention a fixed spinning pool collapses)."""
     def make(spec: DriverSpec) -> Driver:
         threads = 0 if own_threads and spec.threads == len(os.sched_getaffinity(0)) else spec.threads
-        argv = [sys.executable, str(BENCH_DIR / "worker.py"), system, "--model", spec.model_dir,
+        argv = [sys.executable, str(BENCH_DIR / "worker.py"), system, "--model", spec.gguf or spec.model_dir,
                 "--dtype", spec.dtype, "--threads", str(threads)]
         return WorkerDriver(system, argv, None, spec.log_dir / f"{system}-{spec.dtype}.log")
     return make
@@ -113,20 +116,21 @@ def _vllm_http(name: str, preload: bool) -> Callable[[DriverSpec], Driver]:
 
 
 def _llama_server(spec: DriverSpec) -> Driver:
-    server = servers.start_llama_server(spec.model_dir, spec.dtype, spec.log_dir, spec.threads)
+    server = servers.start_llama_server(spec.model_dir, spec.dtype, spec.log_dir, spec.threads, spec.parallel,
+                                        spec.slot_tokens, gguf=Path(spec.gguf) if spec.gguf else None)
     # cache_prompt off: repeats replay the same prompts (the other systems run without prefix caching too)
     endpoint = Endpoint(server.target + "/completion", "model", (("cache_prompt", False),), style="llama")
     return ServerDriver("llama-server", server, lambda w: run_http(endpoint, w))
 
 
 def _pagedserve_grpc(spec: DriverSpec) -> Driver:
-    server = servers.start_pagedserve(spec.model_dir, spec.dtype, spec.log_dir, spec.threads)
+    server = servers.start_pagedserve(spec.gguf or spec.model_dir, spec.dtype, spec.log_dir, spec.threads)
     return ServerDriver("pagedserve-grpc", server, lambda w: run_grpc(server.target, w))
 
 
 def _pagedserve_http(spec: DriverSpec) -> Driver:
     """Our OpenAI HTTP API driven by the very client and request body vLLM's server gets."""
-    server = servers.start_pagedserve(spec.model_dir, spec.dtype, spec.log_dir, spec.threads, http=True)
+    server = servers.start_pagedserve(spec.gguf or spec.model_dir, spec.dtype, spec.log_dir, spec.threads, http=True)
     endpoint = Endpoint(server.target + "/v1/completions", "model", (("return_token_ids", True),))
     return ServerDriver("pagedserve-http", server, lambda w: run_http(endpoint, w))
 

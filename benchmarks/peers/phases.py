@@ -3,13 +3,15 @@ together and warmed up, then the repeats rotate over all of them (so load drift 
 over every system), then the Poisson runs, then, with --contention, the repeats again beside a busy core.
 When they do not all fit in memory they run in waves of systems that do (start_wave).
 Every driver started here is closed in a `finally`, also on SIGTERM (compare.py turns it into SystemExit).
+A system that fails to start or to run (a crash, a server error, truncated output) is closed and its rows end
+there, with a note in `PhaseResults.failures`; the other systems go on.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from contention import busy_core
 from metrics import RunResult, median_result, summarize
@@ -39,6 +41,10 @@ class PhasePlan:
             raise ValueError("poisson_load and common_rate must be >= 0")
 
 
+class PeerFailure(RuntimeError):
+    """One system's run cannot be scored (truncated output, a server error): that system stops, the run goes on."""
+
+
 @dataclass
 class PhaseResults:
     runs: dict[str, list[RunResult]]
@@ -46,6 +52,7 @@ class PhaseResults:
     poisson: dict[str, dict]
     poisson_common: dict
     contended: dict[str, list[RunResult]]
+    failures: dict[str, str] = field(default_factory=dict)  # system -> why its rows end where they do
 
 
 def log(msg: str) -> None:
@@ -70,6 +77,8 @@ def choose_common_rate(medians: dict[str, dict], num_requests: int, load: float,
 
 
 def rotation(names: list[str], rep: int) -> list[str]:
+    if not names:
+        return []
     k = rep % len(names)
     return names[k:] + names[:k]
 
@@ -80,7 +89,7 @@ def check_token_counts(name: str, timings: list, workload: Workload) -> None:
     expected = sum(r.max_tokens for r in workload.requests)
     got = sum(t.num_output_tokens for t in timings)
     if len(timings) != len(workload.requests) or got != expected:
-        raise SystemExit(f"{name}: {len(timings)} requests / {got} output tokens, the workload has "
+        raise PeerFailure(f"{name}: {len(timings)} requests / {got} output tokens, the workload has "
                          f"{len(workload.requests)} / {expected}; its results would not be comparable")
 
 
@@ -90,39 +99,70 @@ def run_one(driver, name: str, dtype: str, workload: Workload) -> tuple[RunResul
     return summarize(name, dtype, timings, workload.num_prompt_tokens, peak, extra), timings
 
 
-def run_repeats(live: dict, workload: Workload, repeats: int, dtype: str, tag: str = "") -> tuple[dict, dict]:
+def guarded(live: dict, failures: dict[str, str], name: str, action, *args):
+    """action(*args), or None after closing `name`, dropping it from `live` and noting why (an Exception; ^C and
+    SIGTERM's SystemExit still end the whole run)."""
+    try:
+        return action(*args)
+    except Exception as exc:  # noqa: BLE001  (any failure of one peer is that peer's, not the run's)
+        failures[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        log(f"{name} failed, its remaining rows are skipped: {failures[name]}")
+        driver = live.pop(name, None)
+        if driver is not None:
+            try:
+                driver.close()
+            except Exception:  # noqa: BLE001
+                pass
+        return None
+
+
+def run_repeats(live: dict, workload: Workload, repeats: int, dtype: str, tag: str = "",
+                failures: dict[str, str] | None = None) -> tuple[dict, dict]:
+    failures = {} if failures is None else failures
     runs: dict[str, list[RunResult]] = {n: [] for n in live}
     timings: dict[str, list] = {}
     for rep in range(repeats):
         for name in rotation(list(live), rep):
-            res, timings[name] = run_one(live[name], name, dtype, workload)
+            if name not in live:
+                continue
+            done = guarded(live, failures, name, run_one, live[name], name, dtype, workload)
+            if done is None:
+                continue
+            res, timings[name] = done
             runs[name].append(res)
             log(f"[{dtype}]{tag} rep {rep + 1} {name}: {res.output_tok_s:.1f} out tok/s, "
                 f"TTFT p50 {res.ttft_p50_s:.2f} s, ITL p50 {res.itl_p50_ms:.0f} ms")
     return runs, timings
 
 
-def run_poisson(live: dict, workload: Workload, rates: dict[str, float], dtype: str, load: float | None) -> dict:
+def run_poisson(live: dict, workload: Workload, rates: dict[str, float], dtype: str, load: float | None,
+                failures: dict[str, str] | None = None) -> dict:
+    failures = {} if failures is None else failures
     out = {}
     for name, rate in rates.items():
-        res, _ = run_one(live[name], name, dtype, with_poisson_arrivals(workload, rate))
+        done = name in live and guarded(live, failures, name, run_one, live[name], name, dtype,
+                                        with_poisson_arrivals(workload, rate))
+        if not done:
+            continue
+        res = done[0]
         out[name] = {**res.to_dict(), "rate_req_s": rate, "load": load}
         log(f"[{dtype}] poisson {rate:.2f} req/s {name}: {res.output_tok_s:.1f} out tok/s, "
             f"TTFT p50 {res.ttft_p50_s:.2f} s")
     return out
 
 
-def _own_rate_runs(live: dict, workload: Workload, runs: dict, plan: PhasePlan, dtype: str) -> dict:
+def _own_rate_runs(live: dict, workload: Workload, runs: dict, plan: PhasePlan, dtype: str,
+                   failures: dict[str, str]) -> dict:
     if plan.poisson_load <= 0:
         return {}
     n = len(workload.requests)
     rates = {name: plan.poisson_load * saturation_rate(median_result(runs[name]), n) for name in live
-             if name not in NO_ARRIVALS}
-    return run_poisson(live, workload, rates, dtype, plan.poisson_load)
+             if name not in NO_ARRIVALS and runs.get(name)}
+    return run_poisson(live, workload, rates, dtype, plan.poisson_load, failures)
 
 
-def _common_rate_runs(live: dict, workload: Workload, rate: float, dtype: str) -> dict:
-    return run_poisson(live, workload, {m: rate for m in live if m not in NO_ARRIVALS}, dtype, None)
+def _common_rate_runs(live: dict, workload: Workload, rate: float, dtype: str, failures: dict[str, str]) -> dict:
+    return run_poisson(live, workload, {m: rate for m in live if m not in NO_ARRIVALS}, dtype, None, failures)
 
 
 def mem_available_gib() -> float:
@@ -136,16 +176,21 @@ def footprint_gib(name: str) -> float:
     return next((v for k, v in FOOTPRINT_GIB.items() if name.startswith(k)), 2.0)
 
 
-def start_wave(names: list[str], spec: drivers.DriverSpec, live: dict) -> list[str]:
+def start_wave(names: list[str], spec: drivers.DriverSpec, live: dict,
+               failures: dict[str, str] | None = None) -> list[str]:
     """Starts systems in order while the next one fits (at least one), filling `live` as they come up so the
-    caller's `finally` also stops a partial start; returns the systems left for a later wave."""
+    caller's `finally` also stops a partial start; returns the systems left for a later wave. A system that fails
+    to start is noted in `failures` and skipped."""
+    failures = {} if failures is None else failures
     for i, name in enumerate(names):
         free = mem_available_gib()
         if live and free - footprint_gib(name) < MARGIN_GIB:
             log(f"[{spec.dtype}] {free:.1f} GiB free: {', '.join(names[i:])} run in a later wave")
             return names[i:]
         log(f"[{spec.dtype}] starting {name} ({free:.1f} GiB free)")
-        live[name] = drivers.start(name, spec)
+        driver = guarded(live, failures, name, drivers.start, name, spec)
+        if driver is not None:
+            live[name] = driver
     return []
 
 
@@ -155,13 +200,14 @@ def _close(live: dict) -> None:
 
 
 def _measure_wave(live: dict, workload: Workload, plan: PhasePlan, dtype: str, res: PhaseResults) -> None:
-    runs, timings = run_repeats(live, workload, plan.repeats, dtype)
-    res.runs.update(runs), res.timings.update(timings)
-    res.poisson.update(_own_rate_runs(live, workload, runs, plan, dtype))
+    runs, timings = run_repeats(live, workload, plan.repeats, dtype, failures=res.failures)
+    res.runs.update({n: rs for n, rs in runs.items() if rs}), res.timings.update(timings)
+    res.poisson.update(_own_rate_runs(live, workload, runs, plan, dtype, res.failures))
     if plan.contention:
         with busy_core() as core:
             log(f"[{dtype}] contention: one busy process pinned to core {core}")
-            res.contended.update(run_repeats(live, workload, plan.repeats, dtype, " contended")[0])
+            contended = run_repeats(live, workload, plan.repeats, dtype, " contended", res.failures)[0]
+            res.contended.update({n: rs for n, rs in contended.items() if rs and n in res.runs})
 
 
 def _waves(names: list[str], spec: drivers.DriverSpec, workload: Workload, plan: PhasePlan, res: PhaseResults,
@@ -171,7 +217,7 @@ def _waves(names: list[str], spec: drivers.DriverSpec, workload: Workload, plan:
     while pending:
         _close(live)
         live.clear()
-        pending = start_wave(pending, spec, live)
+        pending = start_wave(pending, spec, live, res.failures)
         waves.append(list(live))
         _measure_wave(live, workload, plan, spec.dtype, res)
     return waves
@@ -189,10 +235,10 @@ def _common(waves: list[list[str]], spec: drivers.DriverSpec, workload: Workload
         if len(waves) > 1:
             _close(live)
             live.clear()
-            left = start_wave(wave, spec, live)
+            left = start_wave(wave, spec, live, res.failures)
             if left:
                 log(f"[{spec.dtype}] no common-rate run for {', '.join(left)}: memory is shorter than before")
-        res.poisson_common["results"].update(_common_rate_runs(live, workload, rate, spec.dtype))
+        res.poisson_common["results"].update(_common_rate_runs(live, workload, rate, spec.dtype, res.failures))
 
 
 def run_systems(names: list[str], spec: drivers.DriverSpec, workload: Workload, plan: PhasePlan) -> PhaseResults:

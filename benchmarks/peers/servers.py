@@ -125,16 +125,28 @@ def start_vllm(model_dir: str, dtype: str, log_dir: Path, kv_gib: int = 2, bind:
     return server
 
 
+SLOT_ROUNDING = 256  # llama-server's slot context is rounded up to this many tokens
+
+
+def slot_context(requests) -> int:
+    """The context one llama-server slot needs for these requests (BenchRequests): the longest prompt + output,
+    rounded up. A slot shorter than a request makes llama-server truncate it (HTTP 200, fewer tokens)."""
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+    return -(-(longest + 1) // SLOT_ROUNDING) * SLOT_ROUNDING
+
+
 def start_llama_server(model_dir: str, dtype: str, log_dir: Path, threads: int = 2, parallel: int = 64,
-                       ctx_per_slot: int = 512, timeout: float = 300) -> Server:
-    gguf = paths.gguf_dir() / f"{Path(model_dir).name}-{GGUF_TYPES[dtype]}.gguf"
+                       ctx_per_slot: int = 512, timeout: float = 300, gguf: Path | None = None) -> Server:
+    """gguf: serve this file; default: the model folder's f32/bf16 GGUF made by convert_gguf.sh.
+    ctx_per_slot: see slot_context; -c is shared by the -np slots."""
+    gguf = gguf or paths.gguf_dir() / f"{Path(model_dir).name}-{GGUF_TYPES[dtype]}.gguf"
     if not gguf.is_file():
         raise FileNotFoundError(f"{gguf} missing: run benchmarks/peers/convert_gguf.sh {model_dir}")
     port = free_port()
     argv = [str(paths.llama_server()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-c", str(parallel * ctx_per_slot),
             "--cont-batching", "--no-webui", "-a", "model"]
-    proc, log = _spawn(f"llama-server-{dtype}", argv, None, log_dir)
+    proc, log = _spawn(f"llama-server-{gguf.stem}", argv, None, log_dir)
     server = Server("llama-server", proc, f"http://127.0.0.1:{port}", log)
     _wait_http(server, "/health", timeout)
     return server

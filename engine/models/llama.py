@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.engine.errors import ModelLoadError
+from pagedserve.engine.models.decoder_stack import DecoderStack, StackLayer
 from pagedserve.engine.models.layers import (
     ForwardContext, RMSNorm, RopeAngles, RotaryEmbedding, layer_types, layer_windows, merge_linears, tied_lm_head,
 )
@@ -212,6 +213,27 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> fp32 logits [S, vocab]."""
         return self.lm_head(hidden).float()
+
+    def decoder_stack(self) -> DecoderStack:
+        """The layer stack for the native decode step (after fuse_projections)."""
+        layers = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(StackLayer(
+                qkv=(attn.qkv_proj,) if attn.qkv_proj is not None else (attn.q_proj, attn.k_proj, attn.v_proj),
+                o=attn.o_proj,
+                gate_up=(mlp.gate_up_proj,) if mlp.gate_up_proj is not None else (mlp.gate_proj, mlp.up_proj),
+                down=mlp.down_proj,
+                input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+                window=attn.window,
+            ))
+        args = self.args
+        return DecoderStack(
+            embed=self.model.embed_tokens.weight, layers=tuple(layers), final_norm=self.model.norm.weight,
+            lm_head=self.lm_head, cos=self.rotary.cos, signed_sin=self.rotary.signed_sin, eps=args.rms_norm_eps,
+            num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+            intermediate_size=args.intermediate_size,
+        )
 
 
 class Llama(LlamaForCausalLM):

@@ -1,0 +1,58 @@
+"""What a model hands the native decode step (engine/native_step.py): its layer stack as tensors and linears.
+
+A model family whose decode step is the Llama layer (RMSNorm, q/k/v, rotate-half RoPE, paged attention, o
+projection, RMSNorm, SiLU-gated MLP, residual adds) defines `decoder_stack()` returning this; families with other
+layer math (Gemma 3: (1 + w) norms, q/k norms, GeGLU, softcapping) define none and keep the torch path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.quant.linear import QuantLinear
+
+
+@dataclass(frozen=True, slots=True)
+class StackLayer:
+    qkv: tuple[QuantLinear, ...]  # one merged q/k/v linear, or q, k, v (outputs concatenated in that order)
+    o: QuantLinear
+    gate_up: tuple[QuantLinear, ...]  # one merged [gate | up] linear, or gate, up
+    down: QuantLinear
+    input_norm: torch.Tensor  # [hidden] RMSNorm weights
+    post_norm: torch.Tensor
+    window: int | None  # sliding window; None: full attention
+
+    def __post_init__(self) -> None:
+        if len(self.qkv) not in (1, 3) or len(self.gate_up) not in (1, 2):
+            raise ValueError(f"StackLayer: qkv has {len(self.qkv)} parts (1 or 3), "
+                             f"gate_up {len(self.gate_up)} (1 or 2)")
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderStack:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: tuple[StackLayer, ...]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: QuantLinear
+    cos: torch.Tensor  # [max_positions, head_dim] fp32 (attention factor applied)
+    signed_sin: torch.Tensor  # same, sin's first half negated
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+
+    def __post_init__(self) -> None:
+        if self.cos.dtype != torch.float32 or self.cos.shape != self.signed_sin.shape:
+            raise ValueError("DecoderStack: cos and signed_sin must be fp32 tables of one shape")
+        if self.cos.shape[1] != self.head_dim or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"DecoderStack: head_dim {self.head_dim} / heads {self.num_heads}x{self.num_kv_heads}")
+
+    @property
+    def linears(self) -> tuple[QuantLinear, ...]:
+        every = [self.lm_head]
+        for layer in self.layers:
+            every += [*layer.qkv, layer.o, *layer.gate_up, layer.down]
+        return tuple(every)

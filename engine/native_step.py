@@ -1,0 +1,160 @@
+"""The native small-batch decode step: a decode-only step of at most `max_batch` rows runs the model's whole layer
+stack and LM head in one C call (kernels/cpu_decode_step.c) instead of ~15 torch ops per layer.
+
+Taken at step time from the SchedulerOutput: every scheduled sequence computes exactly its one newest token, the
+batch is at most `EngineConfig.native_step_max_batch` rows, and FP8 scales are calibrated. Anything else (a prefill
+or chunk in the step, a larger batch) runs the torch path, which shares the same KV cache. Built only when the
+model describes its stack (`decoder_stack()`: the Llama family), attention is the native CPU implementation, and
+every linear, the LM head included, has a native kernel (`LinearMethod.native_linear`); otherwise the engine logs
+why and keeps the torch path for every step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from pagedserve.engine.models.decoder_stack import DecoderStack
+from pagedserve.engine.scheduler import SchedulerOutput
+from pagedserve.engine.sequence import Sequence
+from pagedserve.kernels.attention import AttentionImpl
+from pagedserve.kernels.cpu_native import dtype_code, load_library
+from pagedserve.kernels.kv_cache import KVCache, LayerKVCache
+from pagedserve.kernels.kv_scales import CalibratingAttention
+from pagedserve.kernels.native_attention import NativeCpuAttention
+from pagedserve.quant.native_linear import NativeLinear, PsLinear
+
+logger = logging.getLogger(__name__)
+
+_p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+class StepLayer(ctypes.Structure):
+    # Field order and types mirror StepLayer in cpu_decode_step.c.
+    _fields_ = [("qkv", PsLinear * 3), ("n_qkv", _i64), ("o", PsLinear), ("gate_up", PsLinear * 2),
+                ("n_gate_up", _i64), ("down", PsLinear), ("input_norm", _p), ("post_norm", _p), ("k_cache", _p),
+                ("v_cache", _p), ("k_scale", _p), ("v_scale", _p), ("k_rotation", _p), ("window", _i64)]
+
+
+class StepModel(ctypes.Structure):
+    _fields_ = [(name, _i64) for name in ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads",
+                                          "head_dim", "num_blocks", "block_size", "vocab", "max_positions")] + [
+        ("eps", _f32), ("attn_scale", _f32), ("fp8_max", _f32), ("norm_dtype", _int), ("embed_dtype", _int),
+        ("kv_dtype", _int), ("embed", _p), ("cos", _p), ("signed_sin", _p), ("final_norm", _p), ("layers", _p),
+        ("lm_head", PsLinear)]
+
+
+class StepBatch(ctypes.Structure):
+    _fields_ = [("token_ids", _p), ("positions", _p), ("slots", _p), ("rows", _p), ("seq_lens", _p),
+                ("block_tables", _p), ("block_table_stride", _i64), ("max_seq_len", _i64), ("logits", _p)]
+
+
+class NativeStepUnavailable(Exception):
+    """Why this model or engine keeps the torch path for every step (logged, never raised to the user)."""
+
+
+def _linears(parts: tuple) -> tuple[NativeLinear, ...]:
+    natives = tuple(part.method.native_linear(part) for part in parts)
+    if any(n is None for n in natives):
+        raise NativeStepUnavailable(f"{type(parts[0].method).__name__} has no native linear kernel")
+    return natives
+
+
+def _struct_array(natives: tuple[NativeLinear, ...], size: int):
+    return (PsLinear * size)(*(n.as_struct() for n in natives))
+
+
+class NativeDecodeStep:
+    def __init__(self, stack: DecoderStack, cache: KVCache, attn: AttentionImpl, max_batch: int):
+        self.max_batch = max_batch
+        self._attn = attn
+        self._keep: list[object] = []  # NativeLinears and tensors whose addresses the C structs hold
+        rotation = cache.layers[0].k_rotation  # one matrix for every layer (KVCache.set_k_rotation)
+        self._rotation = None if rotation is None else rotation.to(torch.float32).contiguous()
+        self._layers = (StepLayer * len(stack.layers))(*(
+            self._layer(layer, entry) for layer, entry in zip(stack.layers, cache.layers, strict=True)
+        ))
+        head = _linears((stack.lm_head,))[0]
+        self._keep.append(head)
+        spec = cache.spec
+        self.vocab = stack.embed.shape[0]
+        self._model = StepModel(
+            len(stack.layers), stack.embed.shape[1], stack.intermediate_size, stack.num_heads, stack.num_kv_heads,
+            stack.head_dim, cache.num_blocks, spec.block_size, self.vocab, stack.cos.shape[0],
+            stack.eps, stack.head_dim**-0.5, spec.dtype.fp8_max if spec.dtype.is_fp8 else 0.0,
+            dtype_code(stack.final_norm.dtype), dtype_code(stack.embed.dtype), dtype_code(spec.dtype.torch_dtype),
+            stack.embed.data_ptr(), stack.cos.data_ptr(), stack.signed_sin.data_ptr(), stack.final_norm.data_ptr(),
+            ctypes.addressof(self._layers), head.as_struct(),
+        )
+        self._keep += [stack]
+        self._lib = load_library()
+
+    def _layer(self, layer, entry: LayerKVCache) -> StepLayer:
+        qkv, gate_up = _linears(layer.qkv), _linears(layer.gate_up)
+        (o, down) = _linears((layer.o, layer.down))
+        self._keep += [*qkv, *gate_up, o, down]
+        k, v = LayerKVCache.by_head(entry.k), LayerKVCache.by_head(entry.v)
+        norms = (layer.input_norm, layer.post_norm)
+        if any(not t.is_contiguous() for t in norms):
+            raise NativeStepUnavailable("RMSNorm weights are not contiguous")
+        return StepLayer(
+            _struct_array(qkv, 3), len(qkv), o.as_struct(), _struct_array(gate_up, 2), len(gate_up), down.as_struct(),
+            layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), k.data_ptr(), v.data_ptr(),
+            entry.k_scale.data_ptr(), entry.v_scale.data_ptr(),
+            None if self._rotation is None else self._rotation.data_ptr(), layer.window or 0,
+        )
+
+    def accepts(self, batch: SchedulerOutput) -> bool:
+        """Whether this step runs natively: decode rows only, at most max_batch, FP8 scales settled."""
+        items = batch.scheduled
+        if not items or len(items) > self.max_batch:
+            return False
+        if isinstance(self._attn, CalibratingAttention) and not self._attn.calibrated:
+            return False
+        return all(i.num_new_tokens == 1 and i.seq.num_computed_tokens + 1 == i.seq.num_tokens for i in items)
+
+    def run(self, batch: SchedulerOutput, block_size: int) -> tuple[torch.Tensor, tuple[Sequence, ...]]:
+        """fp32 logits [n, vocab] of the step's sequences (every one samples), in schedule order."""
+        seqs = tuple(item.seq for item in batch.scheduled)
+        n = len(seqs)
+        positions = [seq.num_computed_tokens for seq in seqs]
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs],
+                              dtype=torch.int32)
+        longs = torch.tensor([
+            [seq.token_ids[-1] for seq in seqs], positions,
+            [seq.block_table[p // block_size] * block_size + p % block_size for seq, p in zip(seqs, positions)],
+            list(range(n)),
+        ], dtype=torch.int64)
+        seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
+        logits = torch.empty(n, self.vocab, dtype=torch.float32)
+        args = StepBatch(longs[0].data_ptr(), longs[1].data_ptr(), longs[2].data_ptr(), longs[3].data_ptr(),
+                         seq_lens.data_ptr(), tables.data_ptr(), width, max(positions) + 1, logits.data_ptr())
+        status = self._lib.pagedserve_decode_step(ctypes.byref(self._model), ctypes.byref(args), n,
+                                                  torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"native decode step failed (status {status}: -2 out of memory, -10 token id, "
+                               f"-11 position, -12 KV slot out of range; other: a linear's own error)")
+        return logits, seqs
+
+
+def build_native_step(model: torch.nn.Module, cache: KVCache, attn: AttentionImpl, max_batch: int,
+                      device: torch.device) -> NativeDecodeStep | None:
+    """The native step for this engine, or None (logging why) where the torch path must serve every step."""
+    if max_batch < 1 or device.type != "cpu":
+        return None
+    try:
+        inner = attn.inner if isinstance(attn, CalibratingAttention) else attn
+        if not isinstance(inner, NativeCpuAttention):
+            raise NativeStepUnavailable(f"attention is {type(inner).__name__}, not the native CPU implementation")
+        describe = getattr(model, "decoder_stack", None)
+        if describe is None:
+            raise NativeStepUnavailable(f"{type(model).__name__} has no native layer stack (its layer math differs)")
+        step = NativeDecodeStep(describe(), cache, attn, max_batch)
+    except NativeStepUnavailable as why:
+        logger.info("native decode step off, every step on the torch path: %s", why)
+        return None
+    logger.info("native decode step on for decode-only steps of up to %d rows", max_batch)
+    return step

@@ -1,0 +1,62 @@
+"""Dense bf16/fp16/fp32 weights as a native linear (kernels/cpu_dense_linear.c) for the native small-batch step.
+
+The kernel reads W [out, in] row-major; the torch path's oneDNN copy is blocked and opaque, so the step gets a
+plain copy (`plain_weight`): for unquantized layers the native step holds the weights twice (the oneDNN copy for
+prefill and large batches, this one for decode batches up to the crossover).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pagedserve.kernels.cpu_native import COMPUTE_DTYPES, dtype_code, load_library
+from pagedserve.quant.native_linear import NativeLinear
+
+
+class DenseLinearState(ctypes.Structure):
+    # Field order and types mirror DenseLinear in cpu_dense_linear.c.
+    _fields_ = [("weight", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("w_dtype", ctypes.c_int),
+                ("bias_dtype", ctypes.c_int), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64)]
+
+
+def plain_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A dense row-major copy of a weight (oneDNN's packed tensors included)."""
+    return (weight.to_dense() if weight.layout == torch._mkldnn else weight).contiguous()
+
+
+def dense_native_linear(weight: torch.Tensor, bias: torch.Tensor | None, portable: bool = False) -> NativeLinear:
+    """weight [out, in] (bf16, fp16 or fp32, CPU, contiguous), bias [out] or None -> the kernel and its state.
+    portable: the code a host without AVX512-BF16 runs, whatever this one has (for tests)."""
+    if weight.device.type != "cpu" or weight.dtype not in COMPUTE_DTYPES or weight.dim() != 2:
+        raise ValueError(f"dense native linear: weight must be a 2-D CPU tensor in {COMPUTE_DTYPES}, got "
+                         f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
+    weight = weight.contiguous()
+    if bias is not None:
+        if bias.shape != (weight.shape[0],) or bias.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dense native linear: bias must be [{weight.shape[0]}] in {COMPUTE_DTYPES}")
+        bias = bias.contiguous()
+    out_features, in_features = weight.shape
+    state = DenseLinearState(
+        weight.data_ptr(), None if bias is None else bias.data_ptr(), dtype_code(weight.dtype),
+        dtype_code(bias.dtype) if bias is not None else 0, in_features, out_features,
+    )
+    lib = load_library()
+    fn = lib.pagedserve_dense_linear_portable if portable else lib.pagedserve_dense_linear
+    return NativeLinear(
+        fn=ctypes.cast(fn, ctypes.c_void_p).value, state=ctypes.addressof(state),
+        in_features=in_features, out_features=out_features, keepalive=(state, weight, bias),
+    )
+
+
+def call_native_linear(linear: NativeLinear, x: torch.Tensor) -> torch.Tensor:
+    """Runs a NativeLinear from Python: x [rows, in] fp32 -> y [rows, out] fp32 (tests and measurements)."""
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == linear.in_features
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], linear.out_features, dtype=torch.float32)
+    fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)(linear.fn)
+    status = fn(linear.state, x.data_ptr(), x.shape[0], y.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"native linear failed with status {status}")
+    return y
