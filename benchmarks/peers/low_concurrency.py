@@ -43,7 +43,7 @@ def streams_workload(streams: int, prompt_len: int, output_len: int, seed: int =
 
 
 def default_gguf() -> str:
-    from pagedserve.engine.model_store import resolve_model
+    from pagedserve.engine.loading.model_store import resolve_model
 
     return str(resolve_model(None).weights)
 
