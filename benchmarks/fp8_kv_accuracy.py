@@ -38,6 +38,7 @@ from pagedserve.kernels.kv_scales import CalibratingAttention, ScaleRule
 # name -> (rule, rotate K): the engine's default first, then the alternatives measured against it.
 SCHEMES = {
     "default": (kv_scales.DEFAULT_RULE, True),
+    "margin-1": (ScaleRule(), True),
     "old-headroom8": (ScaleRule(margin=8.0, power_of_two=True), True),
     "amax-pow2": (ScaleRule(margin=1.0, power_of_two=True), True),
     "margin-1.25": (ScaleRule(margin=1.25), True),

@@ -11,15 +11,15 @@ Each may be per tensor (1 value), per KV head (num_kv_heads values, any shape) o
 (num_kv_heads * head_dim values, reduced to the per-head max so no channel clips).
 
 Calibration (when the checkpoint has none): the first write into each layer's cache (the first scheduled batch,
-which always holds prefill tokens) sets, per KV head, scale = headroom * amax(|x|) / fp8_max over all of that
-batch's tokens and channels, rounded up to a power of two (so the batch picks the range, not the rounding grid).
-Scales never change afterwards, because values already stored depend on them.
-FP8 is floating point: its relative precision is the same at every magnitude, so headroom costs nothing until
-values fall below the smallest normal, while a value past the range clamps. The default headroom of 8 (8-16x once
-rounded up) puts the calibration maximum three to four binades below fp8_max (a first prompt can be three tokens
-long; on SmolLM2-135M a 512-token text reached 1.7x the amax of a 44-token chat prompt), and for e4m3 keeps every
-value above amax / 1792 normal. Over seven different first batches on SmolLM2-135M, headroom 8 gave e4m3 perplexity
-+0.41% to +0.63% over fp16; 4 gave +0.49% to +0.71%, 16 gave +0.51% to +0.76% (docs/fp8-kv.md).
+which always holds prefill tokens) fixes that layer's K offset and scales, by DEFAULT_RULE: K is centred (the batch's
+per-channel mean, after the Hadamard rotation, is subtracted from every K stored; softmax ignores the constant Q.m
+this takes from each query's scores), then per KV head scale = margin * amax(|x|) / fp8_max with margin 4, not
+rounded. Neither ever changes afterwards, because values already stored depend on them; later values past the range
+saturate. FP8 is floating point: its relative precision is the same at every magnitude, so the scale only places the
+range. The margin keeps a 3-token first prompt from clipping a later text (on SmolLM2-135M, 512-token texts reached
+1.7x the amax of a 44-token chat prompt) while e4m3 still keeps everything above amax / 7,000 normal. Over the
+selection texts of benchmarks/fp8_texts.json this cut the KL divergence from the 16-bit-KV logits by about a fifth
+against margin 1 without centring; docs/fp8-kv.md has the table of alternatives.
 """
 
 from __future__ import annotations
@@ -138,10 +138,11 @@ class ScaleRule:
 
     def describe(self, dtype: KVDtype) -> str:
         rounding = ", rounded up to a power of two" if self.power_of_two else ""
-        return f"scale = {self.margin:g} x amax / {dtype.fp8_max:g}{rounding}"
+        centred = "; K centred on the batch's per-channel mean" if self.center_k else ""
+        return f"scale = {self.margin:g} x amax / {dtype.fp8_max:g}{rounding}{centred}"
 
 
-DEFAULT_RULE = ScaleRule()
+DEFAULT_RULE = ScaleRule(margin=4.0, center_k=True)
 
 
 def head_amax(x: torch.Tensor) -> torch.Tensor:
