@@ -10,6 +10,7 @@ text given, so one short first prompt cannot decide it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import shutil
@@ -83,7 +84,9 @@ class AmaxObserver(AttentionImpl):
     def plan(self, meta: AttentionMetadata, cache: LayerKVCache, window: int | None = None) -> Any:
         return self.inner.plan(meta, cache, window)
 
-    def attention(self, query, cache, meta, plan, scale):
+    def attention(
+        self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, plan: Any, scale: float
+    ) -> torch.Tensor:
         return self.inner.attention(query, cache, meta, plan, scale)
 
 
@@ -152,7 +155,7 @@ def calibrate_checkpoint(config: KVCalibrationConfig) -> dict[str, torch.Tensor]
     return tensors
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `calibrate-kv` subcommand's flags (registered by service/cli.py)."""
     parser.add_argument("--model", type=Path, required=True, help="HF folder (config.json + *.safetensors)")
     parser.add_argument("--output", type=Path, required=True, help="new folder: the model plus k/v scales")
@@ -166,7 +169,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     config = KVCalibrationConfig(model=args.model, output=args.output, texts=tuple(args.texts),
                                  kv_cache_dtype=args.kv_cache_dtype, margin=args.margin, per_tensor=args.per_tensor,
                                  max_tokens=args.max_tokens, dtype=args.dtype)
