@@ -111,3 +111,15 @@ def test_bad_inputs_name_the_field(tiny_llama, texts, tmp_path) -> None:
         KVCalibrationConfig(model=tiny_llama, output=tmp_path / "o", texts=(tmp_path / "missing.txt",))
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         KVCalibrationConfig(model=tiny_llama, output=tmp_path / "o", texts=tuple(texts), kv_cache_dtype="fp16")
+
+
+def test_a_kv_only_compressed_tensors_config_loads_unquantized_weights() -> None:
+    from pagedserve.quant.base import QuantConfigError
+    from pagedserve.quant.registry import quant_config_for
+    from pagedserve.quant.unquantized import UnquantizedConfig
+
+    kv_only = {"quant_method": "compressed-tensors", "config_groups": {}, "kv_cache_scheme": {"num_bits": 8}}
+    assert isinstance(quant_config_for({"quantization_config": kv_only}), UnquantizedConfig)
+    weights = {**kv_only, "config_groups": {"group_0": {"targets": ["Linear"]}}}
+    with pytest.raises(QuantConfigError, match="quant_method"):
+        quant_config_for({"quantization_config": weights})
