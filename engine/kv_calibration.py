@@ -39,7 +39,7 @@ class KVCalibrationConfig:
     output: Path  # a new folder: the model's files plus the scales
     texts: tuple[Path, ...]  # UTF-8 text files; each is one prefill of up to max_tokens tokens
     kv_cache_dtype: str = "fp8_e4m3"
-    margin: float = 1.0
+    margin: float = 4.0  # as first-prefill calibration: texts never cover all traffic, and FP8 range is cheap
     per_tensor: bool = False
     max_tokens: int = 2048
     dtype: str = "float32"
@@ -162,7 +162,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", type=Path, action="append", required=True, dest="texts",
                         help="calibration text file (UTF-8), one prefill each; repeat for more")
     parser.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=["fp8_e4m3", "fp8_e5m2"])
-    parser.add_argument("--margin", type=float, default=1.0, help="scale = margin x amax / fp8 max")
+    parser.add_argument("--margin", type=float, default=4.0, help="scale = margin x amax / fp8 max")
     parser.add_argument("--per-tensor", action="store_true", help="one scale per layer instead of per KV head")
     parser.add_argument("--max-tokens", type=int, default=2048, help="tokens read from each text")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

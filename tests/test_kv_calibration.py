@@ -88,7 +88,7 @@ def test_the_engine_uses_the_calibrated_scales(tiny_llama, texts, tmp_path, capl
     scales = load_file(str(out / SCALES_FILE))
     assert scales["model.layers.1.self_attn.v_scale"].shape == (1,)
     k_amax, _ = transformers_amax(tiny_llama, texts)
-    assert np.allclose(scales["model.layers.1.self_attn.k_scale"].numpy(), k_amax[1].max() / 57344.0, rtol=1e-4)
+    assert np.allclose(scales["model.layers.1.self_attn.k_scale"].numpy(), 4.0 * k_amax[1].max() / 57344.0, rtol=1e-4)
     assert json.loads((out / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]["strategy"] == "tensor"
     with caplog.at_level(logging.WARNING):
         eng = LLMEngine(EngineConfig(model=str(out), kv_cache_dtype="fp8_e5m2", kv_cache_memory=1 << 20))
