@@ -1,212 +1,222 @@
-"""FP8 KV-cache accuracy on the default model (SmolLM2-135M-Instruct): perplexity, greedy agreement, capacity.
+"""FP8 KV-cache accuracy on the default model (SmolLM2-135M-Instruct), text by text, with the worst text reported.
 
-1. Perplexity on real English text (the Python reference manual that ships with CPython as pydoc_data.topics,
-   so it is available offline) with the KV cache in fp32 / fp16 / fp8_e4m3 / fp8_e5m2. Each window of
-   --window tokens is one prefill whose attention reads K/V back from the (quantized) cache, exactly as decode
-   steps do, so every position's logits see fp8 K/V. FP8 scales are calibrated the way the engine does it:
-   on the first prefill it serves (here a 44-token chat prompt, the realistic worst case), with K rotated by a
-   Hadamard matrix (the engine's default); for e4m3 also without the rotation, and with neither (scales 1.0).
-2. Greedy agreement with the fp16-KV run over a prompt set (chat template, --max-tokens new tokens each):
-   teacher-forced (does this cache dtype pick the same next token as fp16 did, given fp16's history: the
-   per-token agreement), and free-running (position-wise share of identical tokens; one early flip makes the
-   rest of a sequence differ, so this compounds the per-token rate over the sequence length).
-3. The most concurrent 2k-token sequences a fixed KV budget holds, from the engine's own block count.
+Each text of benchmarks/fp8_texts.json (prose, code, structured data, a chat transcript, a non-English text) runs
+as ONE sequence through the paged cache in --chunk-token prefill chunks, so every position's logits read all
+earlier K/V back from the cache, as decode does. Per text, compute dtype (fp32, bf16), FP8 dtype, scale scheme and
+calibration case: perplexity change vs the same run with a 16-bit KV cache (fp16 KV for fp32 compute, bf16 KV for
+bf16 compute) and teacher-forced top-1 agreement (the share of positions whose argmax equals the 16-bit run's).
+Calibration cases (the engine calibrates on the first batch it serves, whatever that is): the text's own first
+chunk; a 44-token chat prompt; 16 and 512 tokens of another text of the set. The worst case over them is what a
+user can get. 16-bit results are cached on disk per text and dtype (--cache-dir), so they are computed once.
 
-    python benchmarks/fp8_kv_accuracy.py --json fp8.json     # ~10 min on 2 busy cores
+    python benchmarks/fp8_kv_accuracy.py --role evaluation --json fp8.json         # the held-out texts
+    python benchmarks/fp8_kv_accuracy.py --role selection --kv fp8_e4m3 --compute float32 \
+        --schemes default old-headroom8 per-tensor --json select.json             # compare schemes
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
-import math
 import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from pagedserve.engine import LLM, LLMEngine, EngineConfig, SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # fp8_texts beside this script, even under python -P
+import fp8_texts  # noqa: E402
+from pagedserve.engine import EngineConfig, LLMEngine  # noqa: E402
 from pagedserve.engine.models.layers import ForwardContext
 from pagedserve.kernels import kv_scales
 from pagedserve.kernels.attention import AttentionMetadata
+from pagedserve.kernels.cache_dir import cache_root
+from pagedserve.kernels.kv_scales import CalibratingAttention, ScaleRule
 
-PROMPTS = [
-    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis to a child.",
-    "Give me three tips for learning a new language.", "What is 17 times 23?", "Describe a cat in one sentence.",
-    "Why is the sky blue?", "Write a short story opening about a lighthouse keeper.", "What does a CPU do?",
-    "List the planets of the solar system.", "How do I boil an egg?", "Translate 'good morning' into Spanish.",
-    "What is the difference between weather and climate?", "Suggest a name for a bakery.",
-    "Summarize the plot of Romeo and Juliet.", "What are prime numbers?", "How does a bicycle stay upright?",
-    "Write a polite email declining a meeting.", "What is machine learning?", "Give an example of a metaphor.",
-]
-CALIBRATION_CHAT = "Hi! Can you help me write a short note to my neighbour?"
-KV_DTYPES = ("fp32", "fp16", "fp8_e4m3", "fp8_e5m2")
+# name -> (rule, rotate K): the engine's default first, then the alternatives measured against it.
+SCHEMES = {
+    "default": (kv_scales.DEFAULT_RULE, True),
+    "margin-1": (ScaleRule(), True),
+    "old-headroom8": (ScaleRule(margin=8.0, power_of_two=True), True),
+    "amax-pow2": (ScaleRule(margin=1.0, power_of_two=True), True),
+    "margin-1.25": (ScaleRule(margin=1.25), True),
+    "margin-2": (ScaleRule(margin=2.0), True),
+    "margin-4": (ScaleRule(margin=4.0), True),
+    "per-tensor": (ScaleRule(per_tensor=True), True),
+    "no-rotation": (kv_scales.DEFAULT_RULE, False),
+    "center-k": (ScaleRule(center_k=True), True),
+    "center-k-margin-1.5": (ScaleRule(margin=1.5, center_k=True), True),
+    "center-k-margin-4": (ScaleRule(margin=4.0, center_k=True), True),
+    "center-k-no-rotation": (ScaleRule(center_k=True), False),
+}
+CALIBRATIONS = ("own first chunk", "chat prompt", "other text 16", "other text 512")
+CHAT = "Hi! Can you help me write a short note to my neighbour?"
+REFERENCE_KV = {"float32": "fp16", "bfloat16": "bf16"}
+TARGETS = {"fp8_e4m3": 0.5, "fp8_e5m2": 1.5}  # max perplexity change, percent
+TOP1_TARGET = 97.0
+TOP_K = 32  # reference log-probabilities kept per position for the KL divergence
 
 
-def english_text() -> str:
-    import pydoc_data.topics
-
-    return "\n\n".join(pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics))
+def make_engine(compute: str, kv: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(kv_cache_dtype=kv, kv_cache_memory=64 << 20, attention_backend="torch", dtype=compute))
 
 
-def forward_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
-    """One sequence prefilled from position 0 into blocks 0.. of the engine's cache -> logits [T, vocab]."""
+def run_chunk(engine: LLMEngine, ids: list[int], start: int, end: int) -> torch.Tensor:
+    """Tokens [start, end) of one sequence whose earlier tokens are already in blocks 0.. -> logits [end-start, V]."""
     runner = engine.runner
-    n, block_size = len(ids), runner.kv_spec.block_size
-    blocks = torch.arange(-(-n // block_size), dtype=torch.int32).view(1, -1)
+    blocks = torch.arange(-(-end // runner.kv_spec.block_size), dtype=torch.int32).view(1, -1)
     meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=blocks, slot_mapping=torch.arange(n), max_query_len=n, max_seq_len=n,
-        query_lens_host=(n,), seq_lens_host=(n,),
+        query_start_loc=torch.tensor([0, end - start], dtype=torch.int32), seq_lens=torch.tensor([end], dtype=torch.int32),
+        block_tables=blocks, slot_mapping=torch.arange(start, end), max_query_len=end - start, max_seq_len=end,
+        query_lens_host=(end - start,), seq_lens_host=(end,),
     )
+    ctx = ForwardContext(meta, runner.kv_cache, runner.attn_impl)
     with torch.inference_mode():
-        hidden = runner.model(torch.tensor(ids), torch.arange(n), ForwardContext(meta, runner.kv_cache, runner.attn_impl))
-        return runner.model.compute_logits(hidden)
+        hidden = runner.model(torch.tensor(ids[start:end]), torch.arange(start, end), ctx)
+        return runner.model.compute_logits(hidden).float()
 
 
-def perplexity(engine: LLMEngine, windows: list[list[int]], calibration: list[int] | None) -> float:
-    if calibration is not None:
-        forward_logits(engine, calibration)
-    nll, count = 0.0, 0
-    for ids in windows:
-        logits = forward_logits(engine, ids)
-        nll += torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="sum").item()
-        count += len(ids) - 1
-    return math.exp(nll / count)
+def score(engine: LLMEngine, ids: list[int], chunk: int, ref_top: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The whole sequence in chunks -> per position: nll of the next token, argmax, and the top-K log-probabilities
+    (of this run's top K, or of `ref_top`'s token ids when given, for the KL divergence from that run)."""
+    out: dict[str, list[torch.Tensor]] = {"nll": [], "argmax": [], "top_ids": [], "top_logp": []}
+    for start in range(0, len(ids), chunk):
+        end = min(start + chunk, len(ids))
+        logp = torch.log_softmax(run_chunk(engine, ids, start, end)[: len(ids) - 1 - start], dim=-1)
+        targets = torch.tensor(ids[start + 1 : start + 1 + logp.shape[0]])
+        out["nll"].append(-logp.gather(1, targets[:, None])[:, 0])
+        out["argmax"].append(logp.argmax(-1))
+        top_ids = logp.topk(TOP_K, dim=-1).indices if ref_top is None else ref_top[start : start + logp.shape[0]]
+        out["top_ids"].append(top_ids)
+        out["top_logp"].append(logp.gather(1, top_ids))
+    return {name: torch.cat(parts) for name, parts in out.items()}
 
 
-def make_engine(kv_dtype: str, memory: int) -> LLMEngine:
-    # float32 compute on every host (dtype=auto is bf16 on CPUs with native bf16): only the KV dtype varies.
-    return LLMEngine(EngineConfig(kv_cache_dtype=kv_dtype, kv_cache_memory=memory, attention_backend="torch",
-                                  dtype="float32"))
+def kl_divergence(ref_logp: torch.Tensor, logq: torch.Tensor) -> float:
+    """Mean KL(reference || this run) over positions, from the reference's top-K tokens plus one bucket for the
+    rest of the vocabulary (a lower bound of the full KL; the top 32 hold nearly all the mass)."""
+    p, q = ref_logp.exp(), logq.exp()
+    rest_p, rest_q = (1 - p.sum(-1)).clamp_min(1e-12), (1 - q.sum(-1)).clamp_min(1e-12)
+    kl = (p * (ref_logp - logq)).sum(-1) + rest_p * (rest_p.log() - rest_q.log())
+    return kl.mean().item()
 
 
-def perplexity_rows(args) -> list[dict]:
-    probe = make_engine("fp32", 64 << 20)
-    ids = probe.tokenizer.encode(english_text(), add_special_tokens=False)
-    windows = [ids[i * args.window : (i + 1) * args.window] for i in range(args.windows)]
-    chat = probe.tokenizer.apply_chat_template([{"role": "user", "content": CALIBRATION_CHAT}])
-    variants = [
-        ("fp32", "-"), ("fp16", "-"),
-        ("fp8_e4m3", "calibrated + K rotation (default)"), ("fp8_e5m2", "calibrated + K rotation (default)"),
-        ("fp8_e4m3", "calibrated, no rotation"), ("fp8_e4m3", "scales 1.0, no rotation"),
-    ]
+def reference(engine: LLMEngine, ids: list[int], chunk: int, tag: str, cache_dir: Path) -> dict[str, torch.Tensor]:
+    """The 16-bit run's per-token results, from disk when this exact run was scored before."""
+    key = hashlib.sha256(json.dumps([tag, chunk, TOP_K, ids]).encode()).hexdigest()[:24]
+    path = cache_dir / f"{key}.pt"
+    if path.is_file():
+        return torch.load(path)
+    result = score(engine, ids, chunk)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(result, path)
+    return result
+
+
+def calibrate(engine: LLMEngine, inner, scheme: str, batch: list[int] | None) -> None:
+    """Fresh calibration under `scheme`; `batch` (if any) is the first prefill it sees, else the text itself is."""
+    rule, rotate = SCHEMES[scheme]
+    runner = engine.runner
+    runner.attn_impl = kv_scales.setup_kv_scales(runner.kv_cache, {}, inner, rule=rule, rotate_k=rotate)
+    if batch is not None:
+        run_chunk(engine, batch, 0, len(batch))  # the sequence scored next overwrites these slots first
+
+
+def calibration_batch(case: str, ids_other: list[int], chat: list[int]) -> list[int] | None:
+    return {"own first chunk": None, "chat prompt": chat, "other text 16": ids_other[:16],
+            "other text 512": ids_other[:512]}[case]
+
+
+def measure(args, texts, all_ids: dict[str, list[int]], chat: list[int]) -> list[dict]:
     rows = []
-    for kv_dtype, setup in variants:
-        engine = make_engine(kv_dtype, 64 << 20)
-        if "no rotation" in setup:
-            engine.runner.kv_cache.set_k_rotation(None)
-        if setup.startswith("scales 1.0"):
-            engine.runner.attn_impl = engine.runner.attn_impl.inner  # skip calibration: scales stay 1.0
-        t0 = time.perf_counter()
-        ppl = perplexity(engine, windows, chat if setup.startswith("calibrated") else None)
-        rows.append({"kv_cache_dtype": kv_dtype, "setup": setup, "perplexity": ppl,
-                     "tokens": sum(len(w) - 1 for w in windows), "seconds": time.perf_counter() - t0})
-        print(f"ppl {kv_dtype:9} {setup:34} {ppl:.4f}", flush=True)
-    base = next(r["perplexity"] for r in rows if r["kv_cache_dtype"] == "fp16")
-    for row in rows:
-        row["vs_fp16_pct"] = 100.0 * (row["perplexity"] / base - 1.0)
+    cache_dir = Path(args.cache_dir)
+    names = [t.name for t in texts]
+    for compute in args.compute:
+        ref_engine = make_engine(compute, REFERENCE_KV[compute])
+        refs = {t.name: reference(ref_engine, all_ids[t.name], args.chunk, f"{compute}/{REFERENCE_KV[compute]}/{t.name}",
+                                  cache_dir) for t in texts}
+        del ref_engine
+        for kv in args.kv:
+            engine = make_engine(compute, kv)
+            inner = engine.runner.attn_impl
+            inner = inner.inner if isinstance(inner, CalibratingAttention) else inner
+            for scheme in args.schemes:
+                for i, text in enumerate(texts):
+                    other = all_ids[names[(i + 1) % len(names)]]
+                    for case in args.calibrations:
+                        t0 = time.perf_counter()
+                        calibrate(engine, inner, scheme, calibration_batch(case, other, chat))
+                        ref = refs[text.name]
+                        run = score(engine, all_ids[text.name], args.chunk, ref["top_ids"])
+                        nll, ref_nll = run["nll"], ref["nll"]
+                        delta = 100.0 * (torch.exp(nll.mean() - ref_nll.mean()).item() - 1.0)
+                        row = {"text": text.name, "kind": text.kind, "role": text.role, "compute": compute,
+                               "kv_cache_dtype": kv, "reference_kv": REFERENCE_KV[compute], "scheme": scheme,
+                               "calibration": case, "tokens": len(all_ids[text.name]),
+                               "ppl": torch.exp(nll.mean()).item(), "ref_ppl": torch.exp(ref_nll.mean()).item(),
+                               "ppl_delta_pct": delta, "kl": kl_divergence(ref["top_logp"], run["top_logp"]),
+                               "top1_pct": 100.0 * (run["argmax"] == ref["argmax"]).float().mean().item(),
+                               "seconds": time.perf_counter() - t0}
+                        rows.append(row)
+                        print(f"{compute:8} {kv:8} {scheme:13} {text.name:22} {case:15} ppl {row['ppl']:8.4f} "
+                              f"{delta:+.3f}% KL {row['kl']:.5f} top1 {row['top1_pct']:.2f}%", flush=True)
     return rows
 
 
-def _exact_amax_scales(x: torch.Tensor, dtype, headroom: float = 16.0) -> torch.Tensor:
-    """The calibration rule before power-of-two rounding (headroom 16 whatever the caller passes), kept here only
-    to measure what it cost."""
-    return x.detach().float().abs().amax(dim=(0, 2)).clamp_min(1e-6) * (16.0 / dtype.fp8_max)
-
-
-def calibration_spread_rows(args) -> list[dict]:
-    """e4m3 perplexity after different first batches (what the engine calibrates on), under the old and the
-    current scale rule: how much the result depended on what the first batch held."""
-    probe = make_engine("fp32", 64 << 20)
-    ids = probe.tokenizer.encode(english_text(), add_special_tokens=False)
-    windows = [ids[i * args.window : (i + 1) * args.window] for i in range(args.windows)]
-    other = ids[-4096:]  # text the windows do not contain
-    chat = probe.tokenizer.apply_chat_template([{"role": "user", "content": CALIBRATION_CHAT}])
-    batches = {f"chat prompt ({len(chat)} tokens)": chat, "first window (512 tokens)": windows[0],
-               **{f"other text, {n} tokens": other[:n] for n in (16, 64, 256, 1024, 2048)}}
-    base = perplexity(make_engine("fp16", 64 << 20), windows, None)
-    rules = {"exact amax (before)": _exact_amax_scales, "power of two (now)": kv_scales.calibrate_scales}
-    rows = []
-    for rule, fn in rules.items():
-        saved, kv_scales.calibrate_scales = kv_scales.calibrate_scales, fn
-        try:
-            for name, batch in batches.items():
-                ppl = perplexity(make_engine("fp8_e4m3", 64 << 20), windows, batch)
-                rows.append({"rule": rule, "first_batch": name, "perplexity": ppl, "vs_fp16_pct": 100.0 * (ppl / base - 1.0)})
-                print(f"spread {rule:20} {name:28} {ppl:.4f} {rows[-1]['vs_fp16_pct']:+.2f}%", flush=True)
-        finally:
-            kv_scales.calibrate_scales = saved
-    return rows
-
-
-def forced_agreement(engine: LLMEngine, prompts: list[list[int]], references: list[tuple[int, ...]]) -> float:
-    """Share of positions where this engine's argmax equals the reference's greedy token, given the reference's
-    own history (teacher forcing): one flip does not drag every later position along."""
-    same = total = 0
-    for prompt, ref in zip(prompts, references):
-        logits = forward_logits(engine, prompt + list(ref[:-1]))
-        same += int((logits[len(prompt) - 1 :].argmax(-1) == torch.tensor(ref)).sum())
-        total += len(ref)
-    return 100.0 * same / total
-
-
-def agreement_rows(args) -> list[dict]:
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    outputs, engines = {}, {}
-    for kv_dtype in KV_DTYPES:
-        llm = LLM(kv_cache_dtype=kv_dtype, attention_backend="torch", kv_cache_memory=64 << 20, dtype="float32")
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
-        outputs[kv_dtype] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        engines[kv_dtype] = llm.engine
-        print(f"generated with {kv_dtype}", flush=True)
-    rows = []
-    reference = outputs["fp16"]
-    total = sum(len(ref) for ref in reference)
-    for kv_dtype, outs in outputs.items():
-        same = sum(a == b for ref, out in zip(reference, outs) for a, b in zip(ref, out))
-        prefix = sum(next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), len(ref)) for ref, out in zip(reference, outs))
-        rows.append({"kv_cache_dtype": kv_dtype, "teacher_forced_pct": forced_agreement(engines[kv_dtype], prompts, reference),
-                     "free_running_positionwise_pct": 100.0 * same / total,
-                     "free_running_before_first_divergence_pct": 100.0 * prefix / total,
-                     "identical_sequences": sum(r == o for r, o in zip(reference, outs)), "sequences": len(reference)})
-    return rows
-
-
-def capacity_rows(memory: int, seq_len: int = 2048) -> list[dict]:
-    rows = []
-    for kv_dtype in ("fp32", "fp16", "fp8_e4m3"):
-        engine = make_engine(kv_dtype, memory)
-        stats = engine.stats()
-        per_seq = -(-seq_len // stats.block_size)
-        rows.append({"kv_cache_dtype": kv_dtype, "kv_cache_memory": memory, "blocks": stats.num_kv_blocks,
-                     "tokens": stats.num_kv_blocks * stats.block_size, "concurrent_2k_sequences": stats.num_kv_blocks // per_seq})
-    return rows
+def worst(rows: list[dict]) -> list[dict]:
+    """Per compute dtype, FP8 dtype and scheme: the worst text (largest perplexity change, lowest agreement)."""
+    out = []
+    groups = sorted({(r["compute"], r["kv_cache_dtype"], r["scheme"]) for r in rows})
+    for compute, kv, scheme in groups:
+        group = [r for r in rows if (r["compute"], r["kv_cache_dtype"], r["scheme"]) == (compute, kv, scheme)]
+        bad_ppl = max(group, key=lambda r: r["ppl_delta_pct"])
+        bad_top = min(group, key=lambda r: r["top1_pct"])
+        means = [sum(r["ppl_delta_pct"] for r in group if r["text"] == t) / sum(r["text"] == t for r in group)
+                 for t in dict.fromkeys(r["text"] for r in group)]
+        out.append({"compute": compute, "kv_cache_dtype": kv, "scheme": scheme,
+                    "worst_ppl_delta_pct": bad_ppl["ppl_delta_pct"], "worst_ppl_text": bad_ppl["text"],
+                    "worst_ppl_calibration": bad_ppl["calibration"], "mean_ppl_delta_pct": sum(means) / len(means),
+                    "mean_kl": sum(r["kl"] for r in group) / len(group), "worst_kl": max(r["kl"] for r in group),
+                    "worst_top1_pct": bad_top["top1_pct"], "worst_top1_text": bad_top["text"],
+                    "meets_targets": kv in TARGETS and bad_ppl["ppl_delta_pct"] <= TARGETS[kv] and bad_top["top1_pct"] >= TOP1_TARGET})
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--windows", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--capacity-memory", type=int, default=1 << 30)
-    parser.add_argument("--skip", nargs="*", default=(), choices=["perplexity", "agreement", "capacity", "spread"])
+    parser.add_argument("--role", choices=["selection", "evaluation", "all"], default="evaluation")
+    parser.add_argument("--compute", nargs="+", default=["float32", "bfloat16"], choices=list(REFERENCE_KV))
+    parser.add_argument("--kv", nargs="+", default=list(TARGETS), choices=[*TARGETS, "bf16", "fp16"],
+                        help="bf16/fp16: a 16-bit cache of the other kind, for scale (no targets)")
+    parser.add_argument("--schemes", nargs="+", default=["default"], choices=list(SCHEMES))
+    parser.add_argument("--calibrations", nargs="+", default=list(CALIBRATIONS), choices=CALIBRATIONS)
+    parser.add_argument("--texts", nargs="*", default=None, help="only these text names")
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=None, help="cut every text shorter than the manifest's cap")
+    parser.add_argument("--cache-dir", default=str(cache_root() / "fp8_kv_reference"))
     parser.add_argument("--json")
     args = parser.parse_args()
-    result = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads()}
-    if "capacity" not in args.skip:
-        result["capacity"] = capacity_rows(args.capacity_memory)
-        print(json.dumps(result["capacity"], indent=1), flush=True)
-    if "perplexity" not in args.skip:
-        result["perplexity"] = perplexity_rows(args)
-    if "spread" not in args.skip:
-        result["calibration_spread"] = calibration_spread_rows(args)
-    if "agreement" not in args.skip:
-        result["agreement"] = agreement_rows(args)
-        print(json.dumps(result["agreement"], indent=1))
+    text_set = fp8_texts.load_manifest()
+    texts = [t for t in text_set.texts if args.role in ("all", t.role) and (args.texts is None or t.name in args.texts)]
+    missing = [p for p in (t.problem() for t in texts) if p is not None]
+    for problem in missing:
+        print(f"MISSING TEXT (not measured): {problem}", flush=True)
+    texts = [t for t in texts if t.problem() is None]
+    tok = make_engine("float32", "fp32").tokenizer
+    encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    all_ids = {t.name: fp8_texts.token_ids(t, encode, tok.apply_chat_template,
+                                             args.max_tokens or text_set.max_tokens) for t in texts}
+    chat = tok.apply_chat_template([{"role": "user", "content": CHAT}])
+    rows = measure(args, texts, all_ids, chat)
+    result = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "cpu": platform.processor() or platform.machine(), "missing_texts": missing,
+              "texts": [{"name": t.name, "kind": t.kind, "role": t.role, "path": str(t.file), "tokens": len(all_ids[t.name])}
+                        for t in texts], "runs": rows, "worst": worst(rows)}
+    print(json.dumps(result["worst"], indent=1))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

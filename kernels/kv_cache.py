@@ -97,6 +97,9 @@ class LayerKVCache:
     A per-tensor scale is the same value repeated; non-fp8 caches keep ones and ignore them.
     k_rotation: an orthogonal [head_dim, head_dim] matrix R, or None. When set, the entry points store K @ R and
     attend with Q @ R (Q.K is unchanged), which spreads K's outlier channels before FP8 rounding.
+    k_offset: [num_kv_heads, head_dim] fp32 subtracted from K (after the rotation) before it is stored, or None.
+    Attention reads K - m as it is: Q.(K - m) = Q.K - Q.m shifts every score of a query by the same amount, which
+    softmax ignores, so only FP8's rounding sees the smaller values.
     """
 
     k: torch.Tensor
@@ -105,6 +108,7 @@ class LayerKVCache:
     v_scale: torch.Tensor
     dtype: KVDtype
     k_rotation: torch.Tensor | None = None
+    k_offset: torch.Tensor | None = None
 
     @staticmethod
     def by_head(cache_tensor: torch.Tensor) -> torch.Tensor:

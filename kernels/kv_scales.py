@@ -11,15 +11,15 @@ Each may be per tensor (1 value), per KV head (num_kv_heads values, any shape) o
 (num_kv_heads * head_dim values, reduced to the per-head max so no channel clips).
 
 Calibration (when the checkpoint has none): the first write into each layer's cache (the first scheduled batch,
-which always holds prefill tokens) sets, per KV head, scale = headroom * amax(|x|) / fp8_max over all of that
-batch's tokens and channels, rounded up to a power of two (so the batch picks the range, not the rounding grid).
-Scales never change afterwards, because values already stored depend on them.
-FP8 is floating point: its relative precision is the same at every magnitude, so headroom costs nothing until
-values fall below the smallest normal, while a value past the range clamps. The default headroom of 8 (8-16x once
-rounded up) puts the calibration maximum three to four binades below fp8_max (a first prompt can be three tokens
-long; on SmolLM2-135M a 512-token text reached 1.7x the amax of a 44-token chat prompt), and for e4m3 keeps every
-value above amax / 1792 normal. Over seven different first batches on SmolLM2-135M, headroom 8 gave e4m3 perplexity
-+0.41% to +0.63% over fp16; 4 gave +0.49% to +0.71%, 16 gave +0.51% to +0.76% (docs/fp8-kv.md).
+which always holds prefill tokens) fixes that layer's K offset and scales, by DEFAULT_RULE: K is centred (the batch's
+per-channel mean, after the Hadamard rotation, is subtracted from every K stored; softmax ignores the constant Q.m
+this takes from each query's scores), then per KV head scale = margin * amax(|x|) / fp8_max with margin 4, not
+rounded. Neither ever changes afterwards, because values already stored depend on them; later values past the range
+saturate. FP8 is floating point: its relative precision is the same at every magnitude, so the scale only places the
+range. The margin keeps a 3-token first prompt from clipping a later text (on SmolLM2-135M, 512-token texts reached
+1.7x the amax of a 44-token chat prompt) while e4m3 still keeps everything above amax / 7,000 normal. Over the
+selection texts of benchmarks/fp8_texts.json this cut the KL divergence from the 16-bit-KV logits by about a fifth
+against margin 1 without centring; docs/fp8-kv.md has the table of alternatives.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_HEADROOM = 8.0
 _MIN_AMAX = 1e-6  # an all-zero head still needs a positive scale
 _NAME = re.compile(
     r"(?:^|\.)layers\.(\d+)\.self_attn\."
@@ -113,15 +112,47 @@ def scales_from_checkpoint(
     return KVScales(tuple(k), tuple(v), source="checkpoint")
 
 
-def calibrate_scales(x: torch.Tensor, dtype: KVDtype, headroom: float = DEFAULT_HEADROOM) -> torch.Tensor:
-    """x [T, Hkv, D] -> per-head scales [Hkv]: headroom * amax / fp8_max, rounded up to a power of two.
+@dataclass(frozen=True, slots=True)
+class ScaleRule:
+    """How calibration turns observed K/V into dequantization scales.
 
-    A power-of-two scale only shifts exponents, so every value in FP8's normal range rounds exactly as it would
-    with any other power-of-two scale: what the first batch held moves the range (in whole binades), never the
-    rounding grid. With the exact amax, each first batch put the grid somewhere else, and the perplexity change
-    depended on that luck (SmolLM2, e4m3: +0.19% to +0.70% over seven first batches; see docs/fp8-kv.md)."""
-    amax = x.detach().float().abs().amax(dim=(0, 2)).clamp_min(_MIN_AMAX)
-    return torch.exp2(torch.ceil(torch.log2(amax * (headroom / dtype.fp8_max))))
+    scale = margin * amax / fp8_max, per KV head (or one per tensor: the largest head's), optionally rounded up to
+    a power of two. Values past the calibrated range saturate at +-fp8_max (the stores clamp)."""
+
+    margin: float = 1.0
+    power_of_two: bool = False
+    per_tensor: bool = False
+    center_k: bool = False  # subtract the calibration batch's per-channel K mean before quantizing (exact)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.margin) and self.margin > 0):
+            raise KVScaleError(f"margin must be finite and > 0, got {self.margin}")
+
+    def scales(self, amax: torch.Tensor, dtype: KVDtype) -> torch.Tensor:
+        """amax [Hkv] (absolute maxima seen) -> scales [Hkv]."""
+        amax = amax.float().clamp_min(_MIN_AMAX)
+        if self.per_tensor:
+            amax = amax.amax().expand_as(amax)
+        scale = amax * (self.margin / dtype.fp8_max)
+        return torch.exp2(torch.ceil(torch.log2(scale))) if self.power_of_two else scale
+
+    def describe(self, dtype: KVDtype) -> str:
+        rounding = ", rounded up to a power of two" if self.power_of_two else ""
+        centred = "; K centred on the batch's per-channel mean" if self.center_k else ""
+        return f"scale = {self.margin:g} x amax / {dtype.fp8_max:g}{rounding}{centred}"
+
+
+DEFAULT_RULE = ScaleRule(margin=4.0, center_k=True)
+
+
+def head_amax(x: torch.Tensor) -> torch.Tensor:
+    """x [T, Hkv, D] -> |x| max per KV head [Hkv], fp32."""
+    return x.detach().float().abs().amax(dim=(0, 2))
+
+
+def calibrate_scales(x: torch.Tensor, dtype: KVDtype, rule: ScaleRule = DEFAULT_RULE) -> torch.Tensor:
+    """x [T, Hkv, D] -> per-head scales [Hkv] under `rule`."""
+    return rule.scales(head_amax(x), dtype)
 
 
 def _describe(scales: list[torch.Tensor]) -> str:
@@ -132,11 +163,11 @@ def _describe(scales: list[torch.Tensor]) -> str:
 class CalibratingAttention(AttentionImpl):
     """Wraps an implementation; the first write into each layer's cache fixes that layer's scales from its data."""
 
-    def __init__(self, inner: AttentionImpl, cache: KVCache, headroom: float = DEFAULT_HEADROOM):
+    def __init__(self, inner: AttentionImpl, cache: KVCache, rule: ScaleRule = DEFAULT_RULE):
         if not cache.spec.dtype.is_fp8:
             raise KVScaleError(f"calibration needs an fp8 cache, not {cache.spec.dtype.value}")
         self.inner = inner
-        self.headroom = headroom
+        self.rule = rule
         self._pending = {id(layer): index for index, layer in enumerate(cache.layers)}
         self._layers = cache.layers
         self._tokens = 0
@@ -148,8 +179,11 @@ class CalibratingAttention(AttentionImpl):
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
         index = self._pending.pop(id(cache), None)
         if index is not None:
-            cache.k_scale.copy_(calibrate_scales(key, cache.dtype, self.headroom))
-            cache.v_scale.copy_(calibrate_scales(value, cache.dtype, self.headroom))
+            if self.rule.center_k:
+                cache.k_offset = key.detach().float().mean(dim=0)
+                key = key - cache.k_offset.to(key.dtype)  # later writes are centred by the entry point
+            cache.k_scale.copy_(calibrate_scales(key, cache.dtype, self.rule))
+            cache.v_scale.copy_(calibrate_scales(value, cache.dtype, self.rule))
             self._tokens = max(self._tokens, key.shape[0])
             if not self._pending:
                 self._log_done()
@@ -165,9 +199,10 @@ class CalibratingAttention(AttentionImpl):
 
     def _log_done(self) -> None:
         logger.warning(
-            "FP8 KV cache (%s): per-KV-head scales CALIBRATED from the first prefill (%d tokens, "
-            "scale = %.3g x amax / %g, rounded up to a power of two): k_scale %s, v_scale %s; fixed from now on",
-            self._layers[0].dtype.value, self._tokens, self.headroom, self._layers[0].dtype.fp8_max,
+            "FP8 KV cache (%s): %s scales CALIBRATED from the first prefill (%d tokens, %s): k_scale %s, "
+            "v_scale %s; fixed from now on",
+            self._layers[0].dtype.value, "per-tensor" if self.rule.per_tensor else "per-KV-head", self._tokens,
+            self.rule.describe(self._layers[0].dtype),
             _describe([layer.k_scale for layer in self._layers]), _describe([layer.v_scale for layer in self._layers]),
         )
 
@@ -184,7 +219,7 @@ def hadamard(n: int) -> torch.Tensor | None:
 
 def setup_kv_scales(
     cache: KVCache, checkpoint_tensors: Mapping[str, torch.Tensor], impl: AttentionImpl,
-    calibrate: bool = True, headroom: float = DEFAULT_HEADROOM, rotate_k: bool = True,
+    calibrate: bool = True, rule: ScaleRule = DEFAULT_RULE, rotate_k: bool = True,
 ) -> AttentionImpl:
     """Install checkpoint scales, or arrange calibration; returns the implementation the model must call.
 
@@ -207,6 +242,8 @@ def setup_kv_scales(
             spec.dtype.value, scales.granularity, spec.num_layers, _describe(list(scales.k)), _describe(list(scales.v)),
         )
         return impl
+    for layer in cache.layers:
+        layer.k_offset = None  # offsets belong to calibrated scales, set with them
     if calibrate:
         rotation = hadamard(spec.head_dim) if rotate_k else None
         cache.set_k_rotation(rotation)
@@ -214,7 +251,7 @@ def setup_kv_scales(
             "FP8 KV cache (%s): checkpoint has no k/v scales; CALIBRATING per-KV-head scales from the first prefill"
             "%s", spec.dtype.value, "; K rotated by a Hadamard transform before quantization" if rotation is not None else "",
         )
-        return CalibratingAttention(impl, cache, headroom)
+        return CalibratingAttention(impl, cache, rule)
     logger.warning(
         "FP8 KV cache (%s): NO k/v scales (all 1.0, calibration off): values beyond +-%g clamp and small ones lose "
         "precision",

@@ -1,6 +1,6 @@
 """The single PagedAttention entry point: write_kv() and paged_attention() over any `AttentionImpl`.
 
-Shapes are checked here once for every implementation, and the FP8 K rotation (kv_scales.py) is applied here, so
+Shapes are checked here once for every implementation, and the FP8 K rotation (kv_scales.py) is applied here (with the K offset), so
 implementations see plain queries and keys. Implementations and their names live in kernels/backends.py.
 """
 
@@ -26,6 +26,8 @@ def write_kv(
     _check_kv(key, value, cache, slot_mapping)
     if cache.k_rotation is not None:
         key = key @ cache.k_rotation.to(key.dtype)
+    if cache.k_offset is not None:
+        key = key - cache.k_offset.to(key.dtype)  # softmax ignores the per-query shift Q.m (kv_cache.py)
     impl.write_kv(key, value, cache, slot_mapping)
 
 

@@ -37,6 +37,8 @@ def quant_config_for(
     method = qcfg.get("quant_method") or (_infer_method(qcfg, source) if qcfg else None)
     if isinstance(method, str):
         method = method.lower()
+    if method == "compressed-tensors" and not qcfg.get("config_groups"):
+        method = None  # only a kv_cache_scheme (FP8 KV scales, read by kernels/kv_scales.py): weights unquantized
     if override is not None and method is not None and override != method:
         raise QuantConfigError("quantization", f"--quantization {override!r} but the checkpoint says {method!r}")
     name = override or method or "none"

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from pagedserve.engine import kv_calibration
 from pagedserve.engine.config import EngineConfig, field_choices
 from pagedserve.engine.errors import ConfigError, ModelLoadError, UnsupportedError
 from pagedserve.service.config import ServerConfig, TlsConfig
@@ -122,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over gRPC")
     add_engine_flags(serve)
     add_server_flags(serve)
+    kv_calibration.add_arguments(sub.add_parser(
+        "calibrate-kv", help="measure K/V ranges on text files and write FP8 k/v scales into a copy of a checkpoint"))
     return parser
 
 
@@ -178,6 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "calibrate-kv":
+            return kv_calibration.run(args)
         return _serve_on_two_threads(engine_config(args), server_config(args))
     except (ConfigError, ModelLoadError, UnsupportedError) as exc:
         print(f"pagedserve: {exc}", file=sys.stderr)

@@ -53,6 +53,8 @@ def make_case(
         used += n
     cache = KVCache(KVCacheSpec(1, NUM_KV_HEADS, head_dim, block_size, kv_dtype), num_blocks, DEVICE)
     cache.set_k_rotation(hadamard(head_dim) if rotate else None)
+    if rotate:  # the calibrated layout: K rotated and centred (an offset the entry point subtracts on write)
+        cache.layers[0].k_offset = (torch.randn(NUM_KV_HEADS, head_dim, generator=gen) * 0.5).to(DEVICE)
     if kv_dtype.is_fp8:
         k_scale, v_scale = (torch.rand(NUM_KV_HEADS, generator=gen) * 0.02 + 0.005 for _ in range(2))
         cache.set_scales(0, k_scale, v_scale)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -14,6 +15,7 @@ from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype
 from pagedserve.kernels.kv_scales import (
     CalibratingAttention,
     KVScaleError,
+    ScaleRule,
     calibrate_scales,
     hadamard,
     scales_from_checkpoint,
@@ -160,25 +162,64 @@ def test_setup_without_scales_calibrates_loudly_or_warns_when_told_not_to(caplog
 
 def test_calibration_fixes_per_head_scales_on_the_first_write(caplog) -> None:
     cache = new_cache(layers=1)
-    impl = CalibratingAttention(select_attention_impl("torch", CPU), cache, headroom=2.0)
+    impl = CalibratingAttention(select_attention_impl("torch", CPU), cache, ScaleRule(margin=2.0))
     gen = torch.Generator().manual_seed(0)
     key = torch.randn(20, 2, 8, generator=gen) * torch.tensor([1.0, 30.0]).view(1, 2, 1)
     value = torch.randn(20, 2, 8, generator=gen) * 0.01
     layer = cache.layers[0]
     with caplog.at_level(logging.WARNING):
         write_kv(impl, key, value, layer, torch.arange(20))
-    assert impl.calibrated and "CALIBRATED from the first prefill (20 tokens" in caplog.text
-    expected = torch.exp2(torch.ceil(torch.log2(key.abs().amax(dim=(0, 2)) * 2.0 / 448.0)))  # up to a power of two
-    assert torch.allclose(layer.k_scale, expected) and torch.allclose(layer.v_scale, calibrate_scales(value, layer.dtype, headroom=2.0))
+    assert impl.calibrated and "CALIBRATED from the first prefill (20 tokens, scale = 2 x amax / 448)" in caplog.text
+    expected = np.abs(key.numpy()).max(axis=(0, 2)) * 2.0 / 448.0
+    assert np.allclose(layer.k_scale.numpy(), expected, rtol=1e-6)
+    assert np.allclose(layer.v_scale.numpy(), np.abs(value.numpy()).max(axis=(0, 2)) * 2.0 / 448.0, rtol=1e-6)
     # Stored values come back within e4m3's rounding (3 mantissa bits: relative error <= 2^-4).
     back = dequantize_from_cache(layer.k.reshape(-1, 2, 8)[:20], layer.k_scale, layer.dtype, torch.float32)
     assert ((back - key).abs() <= key.abs() * 2**-4 + 1e-6).all()
-    # Later writes never move the scales (stored data depends on them); out-of-range values clamp.
+    # Later writes never move the scales (stored data depends on them); out-of-range values saturate.
     write_kv(impl, key * 10, value, layer, torch.arange(20, 40))
-    assert torch.allclose(layer.k_scale, expected)
+    assert np.allclose(layer.k_scale.numpy(), expected, rtol=1e-6)
     assert dequantize_from_cache(layer.k.reshape(-1, 2, 8)[20:40], layer.k_scale, layer.dtype, torch.float32).abs().max() <= (
         448.0 * layer.k_scale.max() + 1e-6
     )
+
+
+_FP8_MAX = {KVDtype.FP8_E4M3: 448.0, KVDtype.FP8_E5M2: 57344.0}
+
+
+@pytest.mark.parametrize("dtype", [KVDtype.FP8_E4M3, KVDtype.FP8_E5M2])
+@pytest.mark.parametrize("rule", [ScaleRule(), ScaleRule(margin=1.25), ScaleRule(margin=8.0, power_of_two=True),
+                                  ScaleRule(per_tensor=True), ScaleRule(margin=1.5, power_of_two=True, per_tensor=True)])
+def test_scale_rule_matches_a_numpy_reference(dtype: KVDtype, rule: ScaleRule) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 3, 16, generator=gen) * torch.tensor([0.02, 5.0, 300.0]).view(1, 3, 1)
+    amax = np.abs(x.numpy().astype(np.float64)).max(axis=(0, 2))
+    if rule.per_tensor:
+        amax = np.full_like(amax, amax.max())
+    expected = rule.margin * amax / _FP8_MAX[dtype]
+    if rule.power_of_two:
+        expected = np.exp2(np.ceil(np.log2(expected)))
+    assert np.allclose(calibrate_scales(x, dtype, rule).numpy(), expected, rtol=1e-6)
+
+
+def test_margin_one_keeps_the_calibration_batch_unclipped_and_saturates_beyond_it() -> None:
+    """With scale = amax / fp8_max the largest calibrated value maps to fp8_max exactly; a later value twice as large
+    saturates to it instead of becoming inf or NaN (both cache dtypes, the CPU cast would give inf for e5m2)."""
+    gen = torch.Generator().manual_seed(4)
+    first = torch.randn(64, 2, 8, generator=gen)
+    for dtype in (KVDtype.FP8_E4M3, KVDtype.FP8_E5M2):
+        scale = calibrate_scales(first, dtype, ScaleRule(margin=1.0))
+        back = _stored_back(first, scale, dtype)
+        amax = first.abs().amax(dim=(0, 2))
+        assert torch.allclose(back.abs().amax(dim=(0, 2)), amax, rtol=1e-6)
+        beyond = _stored_back(first * 2, scale, dtype)
+        assert torch.isfinite(beyond).all() and torch.allclose(beyond.abs().amax(dim=(0, 2)), amax, rtol=1e-6)
+
+
+def test_scale_rule_rejects_a_bad_margin() -> None:
+    for margin in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(KVScaleError, match="margin"):
+            ScaleRule(margin=margin)
 
 
 def _stored_back(values: torch.Tensor, scale: torch.Tensor, dtype: KVDtype) -> torch.Tensor:
@@ -189,14 +230,14 @@ def _stored_back(values: torch.Tensor, scale: torch.Tensor, dtype: KVDtype) -> t
 
 
 @pytest.mark.parametrize("dtype", [KVDtype.FP8_E4M3, KVDtype.FP8_E5M2])
-def test_calibrated_scales_are_powers_of_two_so_the_first_batch_never_moves_the_rounding(dtype) -> None:
+def test_power_of_two_scales_keep_the_rounding_grid_whatever_the_first_batch(dtype) -> None:
     """First batches with different maxima give scales under which every later value in FP8's normal range comes
     back bit-identical: the batch chose the range, not the rounding. The exact-amax rule moved the rounding."""
     gen = torch.Generator().manual_seed(1)
     first = torch.randn(32, 2, 8, generator=gen)
     later = torch.randn(64, 2, 8, generator=gen) * 0.7
     factors = (1.0, 1.37, 2.9)
-    scales = [calibrate_scales(first * f, dtype) for f in factors]
+    scales = [calibrate_scales(first * f, dtype, ScaleRule(margin=8.0, power_of_two=True)) for f in factors]
     assert all(torch.equal(s, torch.exp2(torch.round(torch.log2(s)))) for s in scales)
     largest = torch.stack(scales).amax(dim=0).view(1, 2, 1)
     normal = later.abs() / largest >= torch.finfo(dtype.torch_dtype).smallest_normal  # below: subnormal spacing
@@ -250,13 +291,14 @@ def test_hadamard_is_orthonormal_and_only_for_powers_of_two() -> None:
     assert hadamard(80) is None
 
 
-def attend(kv_dtype: KVDtype, key, value, query, rotation) -> torch.Tensor:
-    """One 40-token prefill written and attended through the entry points (which apply the rotation)."""
+def attend(kv_dtype: KVDtype, key, value, query, rotation, offset=None) -> torch.Tensor:
+    """One 40-token prefill written and attended through the entry points (which apply the rotation and offset)."""
     cache = KVCache(KVCacheSpec(1, 2, 64, 16, kv_dtype), 3)
     cache.set_k_rotation(rotation)
+    cache.layers[0].k_offset = offset
     if kv_dtype.is_fp8:
-        cache.set_scales(0, calibrate_scales(key @ (rotation if rotation is not None else torch.eye(64)), kv_dtype),
-                         calibrate_scales(value, kv_dtype))
+        stored = key @ (rotation if rotation is not None else torch.eye(64)) - (0 if offset is None else offset)
+        cache.set_scales(0, calibrate_scales(stored, kv_dtype), calibrate_scales(value, kv_dtype))
     n = key.shape[0]
     meta = AttentionMetadata(
         query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
@@ -291,3 +333,34 @@ def test_rotation_reduces_fp8_error_when_keys_have_an_outlier_channel() -> None:
         for name, rotation in (("plain", None), ("rotated", hadamard(64)))
     }
     assert errors["rotated"] < 0.7 * errors["plain"], errors
+
+
+def test_k_offset_leaves_attention_unchanged_and_cuts_the_fp8_error_of_offset_keys() -> None:
+    """Q.(K - m) shifts all of a query's scores by Q.m, which softmax ignores; FP8 then rounds the smaller K - m."""
+    key, value, query = outlier_case()
+    offset = key.mean(dim=0)
+    exact = attend(KVDtype.FP32, key, value, query, None)
+    assert torch.allclose(attend(KVDtype.FP32, key, value, query, None, offset), exact, atol=1e-5)
+    assert torch.allclose(attend(KVDtype.FP32, key, value, query, hadamard(64), offset @ hadamard(64)), exact, atol=1e-5)
+    plain = (attend(KVDtype.FP8_E4M3, key, value, query, None) - exact).abs().mean().item()
+    centred = (attend(KVDtype.FP8_E4M3, key, value, query, None, offset) - exact).abs().mean().item()
+    assert centred < 0.7 * plain, (centred, plain)
+
+
+def test_calibration_with_center_k_stores_the_first_batch_centred() -> None:
+    cache = new_cache(layers=1)
+    impl = CalibratingAttention(select_attention_impl("torch", CPU), cache, ScaleRule(margin=2.0, center_k=True))
+    gen = torch.Generator().manual_seed(6)
+    key = torch.randn(20, 2, 8, generator=gen) + torch.tensor([5.0, -3.0]).view(1, 2, 1)
+    layer = cache.layers[0]
+    write_kv(impl, key, key.clone(), layer, torch.arange(20))
+    mean = key.numpy().mean(axis=0)
+    assert np.allclose(layer.k_offset.numpy(), mean, atol=1e-6)
+    assert np.allclose(layer.k_scale.numpy(), np.abs(key.numpy() - mean).max(axis=(0, 2)) * 2.0 / 448.0, rtol=1e-5)
+    back = dequantize_from_cache(layer.k.reshape(-1, 2, 8)[:20], layer.k_scale, layer.dtype, torch.float32)
+    centred = key - layer.k_offset
+    assert ((back - centred).abs() <= centred.abs() * 2**-4 + 1e-6).all()
+    write_kv(impl, key, key, layer, torch.arange(20, 40))  # later writes are centred by the entry point
+    assert torch.equal(layer.k.reshape(-1, 2, 8)[20:40].view(torch.uint8), layer.k.reshape(-1, 2, 8)[:20].view(torch.uint8))
+    setup_kv_scales(cache, {}, TorchAttention())
+    assert layer.k_offset is None  # a fresh calibration starts without the old offset

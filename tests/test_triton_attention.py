@@ -53,7 +53,7 @@ def test_head_dim_128_and_fp32(kv_dtype: KVDtype) -> None:
 
 @pytest.mark.parametrize("kv_dtype", [KVDtype.FP8_E4M3, KVDtype.FP8_E5M2])
 def test_with_hadamard_rotated_keys(kv_dtype: KVDtype) -> None:
-    """The entry points rotate K on write and Q on attention; both implementations see the same rotated data."""
+    """The entry points rotate and centre K on write and rotate Q on attention; both implementations see the same data."""
     seq_lens, query_lens = BATCHES["mixed"]
     query, layer, meta = make_case(seq_lens, query_lens, 16, 3, kv_dtype, seed=4, rotate=True)
     reference, result = run_both(query, layer, meta)
