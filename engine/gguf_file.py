@@ -55,12 +55,19 @@ class GgufFile:
                     f"{self.path}: tensor {tensor.name} has GGUF type {tensor.tensor_type.name}, unsupported; "
                     f"supported: {', '.join(SUPPORTED_TYPES)}")
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensor_types(self) -> dict[str, str]:
+        """GGUF name -> type name of every matrix (tensors of two dimensions)."""
+        return {t.name: t.tensor_type.name for t in self.reader.tensors if len(t.shape) == 2}
+
+    def tensors(self, packed: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """(GGUF name, float32 values in HF layout [out, in]) one tensor at a time, so only one is ever
-        dequantized at once."""
+        dequantized at once; tensors named in `packed` come as their blocks instead, uint8 [rows, row_bytes]."""
         from gguf.quants import dequantize
 
         for tensor in self.reader.tensors:
+            if tensor.name in packed:
+                yield tensor.name, torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+                continue
             try:
                 values = dequantize(tensor.data, tensor.tensor_type)
             except Exception as exc:  # a short file or a broken block surfaces here
