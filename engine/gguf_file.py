@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,7 +67,7 @@ class GgufFile:
 
         for tensor in self.reader.tensors:
             if tensor.name in packed:
-                yield tensor.name, torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+                yield tensor.name, _read_only_view(tensor.data)
                 continue
             try:
                 values = dequantize(tensor.data, tensor.tensor_type)
@@ -76,6 +77,14 @@ class GgufFile:
             if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map
                 values = values.copy()
             yield tensor.name, torch.from_numpy(values)
+
+
+def _read_only_view(blocks: np.ndarray) -> torch.Tensor:
+    """The blocks as a tensor over the memory map, no copy: the loader copies them once, into the layer (a
+    transient copy here would fragment the heap, which keeps freed memory, by a whole embedding's size)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns that the map is read-only; nothing writes to it
+        return torch.from_numpy(blocks)
 
 
 def _value(key: str, field: Any) -> Any:
