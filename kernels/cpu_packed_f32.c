@@ -6,20 +6,20 @@
 #include "cpu_packed_blocks.h"
 
 #define PK_INLINE static inline __attribute__((always_inline))
-#define PK_TILE 4
+#define PK_F32_TILE 8  /* activation rows per unpacked run: 16 zmm accumulators + 2 weight registers */
 
 /* out[r] = dot(weight row w, x row r) for r < R; x rows are `in` apart. */
 PK_INLINE void pk_f32_row_dot(int fmt, const uint8_t *w, int64_t nblocks, const float *x, int64_t in, int R,
                               float *out) {
     const int64_t bb = PK_BLOCK_BYTES[fmt];
 #if defined(__AVX512F__)
-    __m512 lo[PK_TILE], hi[PK_TILE];
+    __m512 lo[PK_F32_TILE], hi[PK_F32_TILE];
     for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_ps();
 #elif defined(__AVX2__)
-    __m256 acc[PK_TILE][4];
+    __m256 acc[PK_F32_TILE][4];
     for (int r = 0; r < R; r++) for (int g = 0; g < 4; g++) acc[r][g] = _mm256_setzero_ps();
 #else
-    float acc[PK_TILE] = {0};
+    float acc[PK_F32_TILE] = {0};
 #endif
     int64_t col = 0;
     for (int64_t blk = 0; blk < nblocks; blk++) {
@@ -75,7 +75,11 @@ PK_INLINE void pk_f32_row_dot(int fmt, const uint8_t *w, int64_t nblocks, const 
     case 1: pk_f32_row_dot(F, w, nblocks, x, in, 1, out); return;                \
     case 2: pk_f32_row_dot(F, w, nblocks, x, in, 2, out); return;                \
     case 3: pk_f32_row_dot(F, w, nblocks, x, in, 3, out); return;                \
-    default: pk_f32_row_dot(F, w, nblocks, x, in, PK_TILE, out); return;         \
+    case 4: pk_f32_row_dot(F, w, nblocks, x, in, 4, out); return;                \
+    case 5: pk_f32_row_dot(F, w, nblocks, x, in, 5, out); return;                \
+    case 6: pk_f32_row_dot(F, w, nblocks, x, in, 6, out); return;                \
+    case 7: pk_f32_row_dot(F, w, nblocks, x, in, 7, out); return;                \
+    default: pk_f32_row_dot(F, w, nblocks, x, in, PK_F32_TILE, out); return;     \
     }
 
 void pk_f32_row_dot_any(int fmt, const uint8_t *w, int64_t nblocks, const float *x, int64_t in, int R, float *out) {

@@ -16,7 +16,8 @@
 
 #define PK_EXPORT __attribute__((visibility("default")))
 #define PK_INLINE static inline __attribute__((always_inline))
-#define PK_TILE 4      /* activation rows sharing one unpacked weight run */
+#define PK_TILE 4      /* activation rows sharing one unpacked weight run (int8 variant) */
+#define PK_F32_TILE 8  /* the same for the fp32 variant (cpu_packed_f32.c) */
 #define PK_CHUNK 16    /* output rows per unit of parallel work */
 
 typedef struct {
@@ -219,15 +220,16 @@ static void pk_product(const ps_packed_state *st, const float *x, int64_t rows, 
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t o_end = (c + 1) * PK_CHUNK < out ? (c + 1) * PK_CHUNK : out;
-        for (int64_t r0 = 0; r0 < rows; r0 += PK_TILE) {
-            const int R = rows - r0 < PK_TILE ? (int)(rows - r0) : PK_TILE;
+        const int tile = q != NULL ? PK_TILE : PK_F32_TILE;
+        for (int64_t r0 = 0; r0 < rows; r0 += tile) {
+            const int R = rows - r0 < tile ? (int)(rows - r0) : tile;
             pk_act act[PK_TILE];
             for (int r = 0; q != NULL && r < R; r++) {
                 const int64_t o = (r0 + r) * nruns;
                 act[r] = (pk_act){q + (r0 + r) * in, a + o, slo + o, shi + o, sall + o};
             }
             for (int64_t o = c * PK_CHUNK; o < o_end; o++) {
-                float dots[PK_TILE];
+                float dots[PK_F32_TILE];
                 const uint8_t *w = st->data + o * st->row_bytes;
                 if (q != NULL) pk_row_dot_any(st->format, w, nblocks, act, R, dots);
                 else pk_f32_row_dot_any(st->format, w, nblocks, x + r0 * in, in, R, dots);
