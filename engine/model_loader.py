@@ -76,10 +76,11 @@ def is_gguf(path: Path) -> bool:
 def packed_gguf_types(gguf_weights: str, quantization: str | None, device: torch.device,
                       compute_dtype: torch.dtype) -> frozenset[str]:
     """The GGUF types served from their blocks (`gguf_weights`: auto, packed or dequantized): every type the packed
-    CPU kernels read, or none. `auto` packs for 16-bit compute on CPU where the kernels build; float32 compute keeps
-    the dequantized weights, whose results equal transformers' token for token (the packed kernels round
-    activations to int8 blocks)."""
-    wanted = gguf_weights == "packed" or (gguf_weights == "auto" and compute_dtype != torch.float32)
+    CPU kernels read, or none. `auto` packs for 16-bit compute (or `--quantization gguf`) on CPU where the kernels
+    build; float32 compute stays the reference path (weights expanded at load, the matmuls transformers' greedy
+    tokens are checked against), `--gguf-weights packed` takes the packed kernels there too."""
+    wanted = gguf_weights == "packed" or (gguf_weights == "auto" and (compute_dtype != torch.float32
+                                                                      or quantization == "gguf"))
     if not wanted or device.type != "cpu" or quantization not in (None, "gguf"):
         if gguf_weights == "packed":
             raise ModelLoadError(f"gguf_weights: packed needs the CPU and the gguf method "

@@ -19,7 +19,10 @@ import torch
 
 from pagedserve.engine import SamplingParams
 from pagedserve.engine.llm import LLM
-from pagedserve.engine.model_loader import load_model
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.errors import ConfigError, ModelLoadError
+from pagedserve.engine.model_loader import load_model, packed_gguf_types
+from pagedserve.kernels import cpu_packed
 from pagedserve.quant import gguf as gguf_method
 from quant_fixtures import full_logits
 
@@ -93,3 +96,20 @@ def test_greedy_continuations_mostly_identical(engines):
     same = sum(list(a) == list(b) for a, b in zip(outs["packed"], outs["dequantized"]))
     print(f"greedy continuations identical: {same}/{len(PROMPTS)}")
     assert same >= len(PROMPTS) // 2 + 1
+
+
+def test_which_gguf_files_stay_packed():
+    cpu = torch.device("cpu")
+    assert packed_gguf_types("auto", None, cpu, torch.bfloat16) == frozenset(cpu_packed.FORMATS)
+    assert packed_gguf_types("auto", None, cpu, torch.float32) == frozenset()  # fp32: the reference path
+    assert packed_gguf_types("auto", "gguf", cpu, torch.float32) == frozenset(cpu_packed.FORMATS)
+    assert packed_gguf_types("packed", None, cpu, torch.float32) == frozenset(cpu_packed.FORMATS)
+    assert packed_gguf_types("dequantized", None, cpu, torch.bfloat16) == frozenset()
+    assert packed_gguf_types("auto", "none", cpu, torch.bfloat16) == frozenset()
+    assert packed_gguf_types("auto", None, torch.device("cuda"), torch.bfloat16) == frozenset()
+    with pytest.raises(ModelLoadError, match="gguf_weights: packed needs the CPU"):
+        packed_gguf_types("packed", "none", cpu, torch.bfloat16)
+    with pytest.raises(ConfigError, match="gguf_weights.*unknown 'int4'"):
+        EngineConfig(gguf_weights="int4")
+    with pytest.raises(ConfigError, match="gguf_weights.*CPU only"):
+        EngineConfig(gguf_weights="packed", device="cuda")
