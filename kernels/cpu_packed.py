@@ -24,7 +24,7 @@ from pagedserve.kernels.cache_dir import cache_root
 from pagedserve.kernels.cpu_native import NativeBuildError, cpu_fingerprint, native_flags
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "cpu_packed_linear.c", _HERE / "cpu_packed_f32.c")
+SOURCES = tuple(_HERE / f"cpu_packed_{name}.c" for name in ("linear", "f32", "dequantize"))
 HEADERS = (_HERE / "cpu_packed_blocks.h", _HERE / "cpu_linear.h")
 # GGUF type name -> (PK_* code of cpu_packed_blocks.h, values per block, bytes per block).
 FORMATS: dict[str, tuple[int, int, int]] = {
@@ -34,7 +34,7 @@ FORMATS: dict[str, tuple[int, int, int]] = {
 
 
 class PackedState(ctypes.Structure):
-    # Field order and types mirror ps_packed_state in cpu_packed_linear.c.
+    # Field order and types mirror ps_packed_state in cpu_packed_blocks.h.
     _fields_ = [("format", ctypes.c_int32), ("num_threads", ctypes.c_int32),
                 ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64),
                 ("data", ctypes.c_void_p), ("row_bytes", ctypes.c_int64), ("bias", ctypes.c_void_p),
@@ -77,7 +77,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.pagedserve_packed_isa.restype = ctypes.c_char_p
     lib.pagedserve_packed_state_size.restype = i64
     if lib.pagedserve_packed_state_size() != ctypes.sizeof(PackedState):
-        raise NativeBuildError("cpu_packed_linear.c's ps_packed_state does not match PackedState")
+        raise NativeBuildError("cpu_packed_blocks.h's ps_packed_state does not match PackedState")
     return lib
 
 

@@ -139,6 +139,25 @@ static inline void pk_codes_scalar(int fmt, const uint8_t *b, int j, uint8_t *u)
     }
 }
 
+/* One packed matrix as the kernels read it (cpu_packed_linear.c, cpu_packed_dequantize.c). */
+typedef struct {
+    int32_t format;       /* PK_* of cpu_packed_blocks.h */
+    int32_t num_threads;  /* for calls through ps_linear_fn; 0: the calling thread's omp_get_max_threads() */
+    int64_t in_features, out_features;
+    const uint8_t *data;  /* [out_features, row_bytes]: each row's storage blocks, in order */
+    int64_t row_bytes;
+    const float *bias;    /* [out_features] or NULL */
+    int32_t int8_max_rows;  /* calls with up to this many rows round x to int8 blocks; more: fp32 (cpu_packed_f32.c) */
+} ps_packed_state;
+
+/* Nonzero when the state does not describe whole blocks. */
+static inline int pk_check(const ps_packed_state *st) {
+    if (st == NULL || st->format < 0 || st->format >= PK_NUM_FORMATS) return 1;
+    int64_t per = PK_BLOCK_VALUES[st->format];
+    if (st->in_features <= 0 || st->in_features % per || st->out_features <= 0) return 1;
+    return st->row_bytes != st->in_features / per * PK_BLOCK_BYTES[st->format];
+}
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 

@@ -1,4 +1,4 @@
-/* The fp32-activation variant of the packed product (cpu_packed_linear.c picks it by ps_packed_state.activations):
+/* The fp32-activation variant of the packed product (cpu_packed_linear.c takes it above int8_max_rows rows):
  * each run of 32 weights is dequantized in registers to fp32 (w = d u + m, the values gguf's dequantizer gives) and
  * multiplied with the fp32 activations by FMA. No activation rounding: the result is x @ W^T up to fp32 summation
  * order, where the int8 variant adds its per-32 rounding of x. 16 lanes per FMA where the compiler targets

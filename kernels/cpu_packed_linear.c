@@ -20,15 +20,6 @@
 #define PK_F32_TILE 8  /* the same for the fp32 variant (cpu_packed_f32.c) */
 #define PK_CHUNK 16    /* output rows per unit of parallel work */
 
-typedef struct {
-    int32_t format;       /* PK_* of cpu_packed_blocks.h */
-    int32_t num_threads;  /* for calls through ps_linear_fn; 0: the calling thread's omp_get_max_threads() */
-    int64_t in_features, out_features;
-    const uint8_t *data;  /* [out_features, row_bytes]: each row's storage blocks, in order */
-    int64_t row_bytes;
-    const float *bias;    /* [out_features] or NULL */
-    int32_t int8_max_rows;  /* calls with up to this many rows round x to int8 blocks; more: fp32 (cpu_packed_f32.c) */
-} ps_packed_state;
 
 void pk_f32_row_dot_any(int fmt, const uint8_t *w, int64_t nblocks, const float *x, int64_t in, int R, float *out);
 
@@ -205,12 +196,6 @@ static void pk_quantize_row(const float *x, int64_t n, int8_t *q, float *a, floa
     }
 }
 
-static int pk_check(const ps_packed_state *st) {
-    if (st == NULL || st->format < 0 || st->format >= PK_NUM_FORMATS) return 1;
-    int64_t per = PK_BLOCK_VALUES[st->format];
-    if (st->in_features <= 0 || st->in_features % per || st->out_features <= 0) return 1;
-    return st->row_bytes != st->in_features / per * PK_BLOCK_BYTES[st->format];
-}
 
 /* Output rows in chunks over the threads; each weight row is unpacked once per tile of PK_TILE activation rows. */
 static void pk_product(const ps_packed_state *st, const float *x, int64_t rows, float *y, const int8_t *q,
@@ -276,66 +261,6 @@ PK_EXPORT int pagedserve_packed_linear(const void *state, const float *x, int64_
     const ps_packed_state *st = state;
     if (st == NULL) return 1;
     return pagedserve_packed_linear_threads(st, x, rows, y, st->num_threads > 0 ? st->num_threads : omp_get_max_threads());
-}
-
-static inline uint16_t pk_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  /* quiet NaN */
-    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);  /* round to nearest even */
-}
-
-/* The 32 values of run j of block b into dst (fp32 or bf16) from element `at` on. */
-static inline void pk_dequantize_run(int fmt, const uint8_t *b, int j, const pk_scales *s, void *dst, int64_t at,
-                                     int to_bf16) {
-#if defined(__AVX2__)
-    uint8_t u[32];
-    _mm256_storeu_si256((__m256i *)u, pk_codes_avx2(fmt, b, j));
-    for (int g = 0; g < 4; g++) {
-        __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + 8 * g))));
-        v = _mm256_fmadd_ps(v, _mm256_set1_ps(s->d[j][g >> 1]), _mm256_set1_ps(s->m[j][g >> 1]));
-        if (!to_bf16) {
-            _mm256_storeu_ps((float *)dst + at + 8 * g, v);
-            continue;
-        }
-        __m256i bits = _mm256_castps_si256(v);  /* round to nearest even; weights are finite */
-        bits = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
-                                                       _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1))));
-        bits = _mm256_srli_epi32(bits, 16);
-        __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
-        _mm_storeu_si128((__m128i *)((uint16_t *)dst + at + 8 * g), packed);
-    }
-#else
-    uint8_t u[32];
-    pk_codes_scalar(fmt, b, j, u);
-    for (int l = 0; l < 32; l++) {
-        float v = fmaf(s->d[j][l >> 4], (float)u[l], s->m[j][l >> 4]);
-        if (to_bf16) ((uint16_t *)dst)[at + l] = pk_bf16(v);
-        else ((float *)dst)[at + l] = v;
-    }
-#endif
-}
-
-/* Rows `ids` (NULL: 0..n-1) of W as fp32 or bf16 values [n, in]: the embedding lookup and the prefill tile. */
-PK_EXPORT int pagedserve_packed_dequantize(const ps_packed_state *st, const int64_t *ids, int64_t n, void *dst,
-                                           int to_bf16, int threads) {
-    if (pk_check(st) || n < 0) return 1;
-    for (int64_t i = 0; ids != NULL && i < n; i++)
-        if (ids[i] < 0 || ids[i] >= st->out_features) return 3;
-    const int fmt = st->format;
-    const int64_t in = st->in_features, nblocks = in / PK_BLOCK_VALUES[fmt];
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *w = st->data + (ids ? ids[i] : i) * st->row_bytes;
-        int64_t col = 0;
-        for (int64_t blk = 0; blk < nblocks; blk++) {
-            pk_scales s;
-            const uint8_t *b = w + blk * PK_BLOCK_BYTES[fmt];
-            int runs = pk_block_scales(fmt, b, &s);
-            for (int j = 0; j < runs; j++, col += 32) pk_dequantize_run(fmt, b, j, &s, dst, i * in + col, to_bf16);
-        }
-    }
-    return 0;
 }
 
 PK_EXPORT const char *pagedserve_packed_isa(void) { return PK_ISA; }
