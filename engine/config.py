@@ -18,6 +18,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
+GGUF_WEIGHTS = ("auto", "packed", "dequantized")  # engine/model_loader.py's packed_gguf_types reads them
 
 
 def field_choices() -> dict[str, tuple[str, ...]]:
@@ -27,6 +28,7 @@ def field_choices() -> dict[str, tuple[str, ...]]:
         "attention_backend": attention_backend_names(),
         "layer_ops": layer_ops_names(),
         "quantization": tuple(QUANT_METHODS.names()),
+        "gguf_weights": GGUF_WEIGHTS,
     }
 
 
@@ -53,6 +55,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own limit
     enable_prefix_caching: bool = True
     quantization: str | None = None  # None: whatever the checkpoint says
+    # GGUF files: "packed" keeps the file's 4/5/6/8-bit blocks and multiplies from them (CPU); "dequantized" expands
+    # every weight into the compute dtype at load; "auto": packed on CPU where the packed kernels build
+    gguf_weights: str = "auto"
     attention_backend: str = "auto"
     # auto: native fused C for 16-bit models on CPU, torch otherwise; and torch whenever attention_backend is
     # "torch", which asks for the pure-torch reference path (see layer_ops_choice).
@@ -92,6 +97,8 @@ class EngineConfig:
             raise ConfigError("tokenizer", f"not a folder: {self.tokenizer}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ConfigError("chat_template", f"file not found: {self.chat_template}")
+        if self.gguf_weights == "packed" and self.device != "cpu":
+            raise ConfigError("gguf_weights", f"packed GGUF weights are computed on CPU only; device is {self.device!r}")
         self._check_backend_requirements()
 
     def _check_backend_requirements(self) -> None:

@@ -88,6 +88,16 @@ def _cpu_fingerprint() -> str:
     return platform.processor() or platform.machine()
 
 
+def native_flags() -> tuple[str, ...]:
+    """The compiler flags of every native CPU object (kernels/cpu_packed.py builds its own with them)."""
+    return _FLAGS
+
+
+def cpu_fingerprint() -> str:
+    """What a cached -march=native object's name must include."""
+    return _cpu_fingerprint()
+
+
 def _compile(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:

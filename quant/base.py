@@ -83,6 +83,13 @@ class QuantConfig(ABC):
     def linear_method(self, prefix: str) -> LinearMethod:
         """The method for the linear layer called `prefix` (e.g. `model.layers.0.self_attn.q_proj`)."""
 
+    def embedding(self, prefix: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> nn.Module:
+        """The token embedding called `prefix` (its forward maps ids to rows in `dtype`): a plain one unless the
+        method keeps the checkpoint's own blocks (quant/gguf.py)."""
+        embedding = nn.Embedding(num_embeddings, embedding_dim, dtype=dtype)
+        embedding.weight.requires_grad_(False)
+        return embedding
+
     def describe(self) -> str:
         return self.name
 

@@ -10,12 +10,13 @@ from typing import Any
 from pagedserve.kernels.registry import Registry
 from pagedserve.quant.awq import AWQConfig
 from pagedserve.quant.base import QuantConfig, QuantConfigError
+from pagedserve.quant.gguf import GgufConfig
 from pagedserve.quant.gptq import GPTQConfig
 from pagedserve.quant.unquantized import UnquantizedConfig
 
 # The one place methods are registered (method modules import only base.py, never this module).
 QUANT_METHODS: Registry[type[QuantConfig]] = Registry("quantization method")
-for _method in (UnquantizedConfig, GPTQConfig, AWQConfig):
+for _method in (UnquantizedConfig, GPTQConfig, AWQConfig, GgufConfig):
     QUANT_METHODS.register(_method.name)(_method)
 
 # Older checkpoints keep the settings beside config.json instead of inside it.

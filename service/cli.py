@@ -33,6 +33,8 @@ _ENGINE_HELP = {
     "max_model_len": "context length limit (default: the model's)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "quantization": "force a quantization method (default: what the checkpoint says)",
+    "gguf_weights": "GGUF files: packed keeps the file's quantized blocks and computes from them (CPU), dequantized "
+                    "expands them into the compute dtype at load (auto: packed on CPU)",
     "attention_backend": "attention implementation (native: CPU only)",
     "layer_ops": "norm/SiLU/RoPE math (auto: native C for 16-bit CPU models; torch with --attention-backend torch)",
     "device": "cpu, cuda or cuda:N",

@@ -87,7 +87,7 @@ def test_gemv_layout_under_a_gemm_label(tmp_path):
     (GPTQ, lambda q: q.update(bits=3), r"quantization_config\.bits: 3 is not supported; supported: \[4, 8\]"),
     (AWQ, lambda q: q.update(bits=8), r"quantization_config\.bits: 8 is not supported for AWQ"),
     (GPTQ, lambda q: q.update(quant_method="bitsandbytes"),
-     r"quantization_config\.quant_method: unknown quantization method 'bitsandbytes'; supported: awq, gptq, none"),
+     r"quantization_config\.quant_method: unknown quantization method 'bitsandbytes'; supported: awq, gguf, gptq, none"),
     (AWQ, lambda q: q.update(version="gemv"), r"quantization_config\.version: AWQ 'gemv' checkpoints"),
     (AWQ, lambda q: q.update(version="mystery"), r"quantization_config\.version: 'mystery' is not supported"),
     (GPTQ, lambda q: q.update(checkpoint_format="marlin", format="marlin"),

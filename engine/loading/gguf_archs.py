@@ -106,18 +106,25 @@ def _rope_scaling(arch_name: str, metadata: Mapping[str, Any]) -> dict[str, Any]
     return {"rope_type": "linear", "factor": float(factor)}
 
 
-def hf_tensor(arch: GgufArch, name: str, values: torch.Tensor, config: Mapping[str, Any]) -> tuple[str, torch.Tensor]:
-    """(HF name, HF values) of one GGUF tensor; a tensor the architecture does not know is refused by name (a
-    silently skipped `rope_freqs` would change every output)."""
+def hf_tensor_name(arch: GgufArch, name: str) -> str:
+    """The HF name of GGUF tensor `name`; a tensor the architecture does not know is refused by name."""
     stem, _, suffix = name.rpartition(".")
     parts = stem.split(".")
     if len(parts) == 1 and stem in _GLOBAL_TENSORS:
-        hf_name = f"{_GLOBAL_TENSORS[stem]}.{suffix}"
-    elif len(parts) == 3 and parts[0] == "blk" and parts[2] in arch.layer_tensors:
-        hf_name = f"model.layers.{parts[1]}.{arch.layer_tensors[parts[2]]}.{suffix}"
-    else:
-        known = sorted([*_GLOBAL_TENSORS, *(f"blk.N.{k}" for k in arch.layer_tensors)])
-        raise ModelLoadError(f"tensor {name}: not part of a {arch.hf_architecture} GGUF; known: {', '.join(known)}")
+        return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in arch.layer_tensors:
+        return f"model.layers.{parts[1]}.{arch.layer_tensors[parts[2]]}.{suffix}"
+    known = sorted([*_GLOBAL_TENSORS, *(f"blk.N.{k}" for k in arch.layer_tensors)])
+    raise ModelLoadError(f"tensor {name}: not part of a {arch.hf_architecture} GGUF; known: {', '.join(known)}")
+
+
+def hf_tensor(arch: GgufArch, name: str, values: torch.Tensor, config: Mapping[str, Any]) -> tuple[str, torch.Tensor]:
+    """(HF name, HF values) of one GGUF tensor; a tensor the architecture does not know is refused by name (a
+    silently skipped `rope_freqs` would change every output). `values` may be a matrix's packed block rows
+    [rows, row_bytes]: the Q/K row permutation moves whole rows, so it is exact on blocks too."""
+    hf_name = hf_tensor_name(arch, name)
+    stem = name.rpartition(".")[0]
+    parts = stem.split(".")
     if arch.permute_qk and parts[-1] in ("attn_q", "attn_k"):
         heads = config["num_attention_heads"] if parts[-1] == "attn_q" else config["num_key_value_heads"]
         values = _unpermute_rows(values, heads)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from pagedserve.engine.errors import ModelLoadError
-from pagedserve.engine.loading.gguf_archs import gguf_arch, hf_config, hf_tensor
+from pagedserve.engine.loading.gguf_archs import gguf_arch, hf_config, hf_tensor, hf_tensor_name
 from pagedserve.engine.loading.gguf_file import GgufFile
 from pagedserve.kernels.cache_dir import cache_root
 
@@ -23,6 +23,10 @@ logger = logging.getLogger(__name__)
 _TOKENIZER_EXPORT_VERSION = "1"
 
 
+# HF names of the matrices a packed-weight method can serve: linear layers and the token embedding.
+_PACKABLE_SUFFIXES = ("_proj.weight", "lm_head.weight", "model.embed_tokens.weight")
+
+
 class GgufCheckpoint:
     def __init__(self, path: Path):
         self.path = path
@@ -30,15 +34,30 @@ class GgufCheckpoint:
         self.arch = gguf_arch(self.file.architecture)
         self.file.check_types()
         self.hf_config: dict[str, Any] = hf_config(self.file.architecture, self.file.metadata, self.file.tensor_names)
+        self.packed: dict[str, str] = {}  # GGUF name -> HF name of the matrices handed over as blocks
+
+    def keep_packed(self, packed_types: frozenset[str]) -> None:
+        """Matrices of `packed_types` stay in their blocks: the config then names the `gguf` method and lists them
+        in `quantization_config.tensor_types`; every other tensor is still dequantized once at load."""
+        types = {}
+        for name, qtype in self.file.tensor_types().items():
+            hf_name = hf_tensor_name(self.arch, name)
+            if qtype in packed_types and hf_name.endswith(_PACKABLE_SUFFIXES):
+                self.packed[name] = hf_name
+                types[hf_name] = qtype
+        if types:
+            self.hf_config["quantization_config"] = {"quant_method": "gguf", "tensor_types": types}
 
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor under its HF name, dequantized once (fp32, where the layout fixes happen), then cast."""
+        """Every tensor under its HF name: packed matrices as their blocks, the rest dequantized once (fp32, where
+        the layout fixes happen), then cast."""
         types = ", ".join(f"{name} x{count}" for name, count in self.file.type_counts().most_common())
-        logger.info("%s: GGUF %s with tensor types %s, dequantized once into %s",
-                    self.path.name, self.file.architecture, types, dtype)
-        for name, values in self.file.tensors():
+        kept = f"{len(self.packed)} matrices kept in their blocks, the rest" if self.packed else "all"
+        logger.info("%s: GGUF %s with tensor types %s; %s dequantized once into %s",
+                    self.path.name, self.file.architecture, types, kept, dtype)
+        for name, values in self.file.tensors(frozenset(self.packed)):
             hf_name, values = hf_tensor(self.arch, name, values, self.hf_config)
-            yield hf_name, values.to(dtype)
+            yield hf_name, values if name in self.packed else values.to(dtype)
 
 
 def tokenizer_dir(gguf_path: Path) -> Path:

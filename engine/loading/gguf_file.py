@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,12 +56,19 @@ class GgufFile:
                     f"{self.path}: tensor {tensor.name} has GGUF type {tensor.tensor_type.name}, unsupported; "
                     f"supported: {', '.join(SUPPORTED_TYPES)}")
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensor_types(self) -> dict[str, str]:
+        """GGUF name -> type name of every matrix (tensors of two dimensions)."""
+        return {t.name: t.tensor_type.name for t in self.reader.tensors if len(t.shape) == 2}
+
+    def tensors(self, packed: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """(GGUF name, float32 values in HF layout [out, in]) one tensor at a time, so only one is ever
-        dequantized at once."""
+        dequantized at once; tensors named in `packed` come as their blocks instead, uint8 [rows, row_bytes]."""
         from gguf.quants import dequantize
 
         for tensor in self.reader.tensors:
+            if tensor.name in packed:
+                yield tensor.name, _read_only_view(tensor.data)
+                continue
             try:
                 values = dequantize(tensor.data, tensor.tensor_type)
             except Exception as exc:  # a short file or a broken block surfaces here
@@ -69,6 +77,14 @@ class GgufFile:
             if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map
                 values = values.copy()
             yield tensor.name, torch.from_numpy(values)
+
+
+def _read_only_view(blocks: np.ndarray) -> torch.Tensor:
+    """The blocks as a tensor over the memory map, no copy: the loader copies them once, into the layer (a
+    transient copy here would fragment the heap, which keeps freed memory, by a whole embedding's size)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns that the map is read-only; nothing writes to it
+        return torch.from_numpy(blocks)
 
 
 def _value(key: str, field: Any) -> Any:

@@ -17,6 +17,8 @@ from pagedserve.engine.errors import ModelLoadError
 from pagedserve.engine.host.cpu_features import native_bf16_flags
 from pagedserve.engine.loading.gguf_checkpoint import GgufCheckpoint
 from pagedserve.engine.models.registry import model_class_for
+from pagedserve.kernels import cpu_packed
+from pagedserve.kernels.cpu_native import NativeBuildError
 from pagedserve.quant.base import QuantConfig, QuantConfigError
 from pagedserve.quant.linear import QuantLinear
 from pagedserve.quant.registry import quant_config_for
@@ -71,18 +73,46 @@ def is_gguf(path: Path) -> bool:
     return path.suffix.lower() == ".gguf" and path.is_file()
 
 
-def load_model(path: Path, dtype: torch.dtype | None, quantization: str | None, device: torch.device) -> LoadedModel:
-    """`path`: an HF folder (config.json + *.safetensors) or a .gguf file (dequantized once at load)."""
+def packed_gguf_types(gguf_weights: str, quantization: str | None, device: torch.device,
+                      compute_dtype: torch.dtype) -> frozenset[str]:
+    """The GGUF types served from their blocks (`gguf_weights`: auto, packed or dequantized): every type the packed
+    CPU kernels read, or none. `auto` packs for 16-bit compute (or `--quantization gguf`) on CPU where the kernels
+    build; float32 compute stays the reference path (weights expanded at load, the matmuls transformers' greedy
+    tokens are checked against), `--gguf-weights packed` takes the packed kernels there too."""
+    wanted = gguf_weights == "packed" or (gguf_weights == "auto" and (compute_dtype != torch.float32
+                                                                      or quantization == "gguf"))
+    if not wanted or device.type != "cpu" or quantization not in (None, "gguf"):
+        if gguf_weights == "packed":
+            raise ModelLoadError(f"gguf_weights: packed needs the CPU and the gguf method "
+                                 f"(device {device.type}, quantization {quantization})")
+        return frozenset()
+    try:
+        cpu_packed.build()
+    except NativeBuildError as exc:
+        if gguf_weights == "packed":
+            raise ModelLoadError(f"gguf_weights: packed, but the packed kernels do not build here ({exc})") from None
+        logger.warning("packed GGUF kernels unavailable, dequantizing the weights at load: %s", exc)
+        return frozenset()
+    return frozenset(cpu_packed.FORMATS)
+
+
+def load_model(path: Path, dtype: torch.dtype | None, quantization: str | None, device: torch.device,
+               gguf_weights: str = "dequantized") -> LoadedModel:
+    """`path`: an HF folder (config.json + *.safetensors) or a .gguf file: matrices of the types the packed kernels
+    read kept in their blocks as `packed_gguf_types` decides (EngineConfig's default is auto; this function's is
+    every tensor dequantized once at load)."""
     gguf = GgufCheckpoint(path) if is_gguf(path) else None
     hf_config = gguf.hf_config if gguf else read_hf_config(path)
+    cpu_bf16 = native_bf16_flags() if device.type == "cpu" and dtype is None else ()
+    compute_dtype = resolve_dtype(hf_config, dtype, device, cpu_bf16)
+    if gguf is not None:
+        gguf.keep_packed(packed_gguf_types(gguf_weights, quantization, device, compute_dtype))
     factory = model_class_for(hf_config)
     try:
-        # A GGUF's weights arrive dequantized (no method to name), and side files beside it are not its own.
+        # A GGUF names the gguf method when it keeps blocks; side files beside it are not its own.
         quant = quant_config_for(hf_config, quantization, None if gguf else path)
     except QuantConfigError as exc:
         raise ModelLoadError(str(exc)) from None
-    cpu_bf16 = native_bf16_flags() if device.type == "cpu" and dtype is None else ()
-    compute_dtype = resolve_dtype(hf_config, dtype, device, cpu_bf16)
     with torch.device(device):
         model = factory(hf_config, quant, compute_dtype)
     kv_scales = _load_weights(model, gguf.tensors(compute_dtype) if gguf else _safetensors(path))

@@ -190,8 +190,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Body(nn.Module):
     def __init__(self, args: Gemma3Args, quant: QuantConfig, dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = quant.embedding("model.embed_tokens", args.vocab_size, args.hidden_size, dtype)
         # sqrt(hidden) rounded to the model dtype, as transformers multiplies it (55.4256 becomes 55.5 in bf16).
         self.register_buffer("embed_scale", torch.tensor(args.hidden_size**0.5).to(dtype), persistent=False)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(args, i, quant, dtype) for i in range(args.num_layers))
@@ -218,7 +217,7 @@ class Gemma3ForCausalLM(nn.Module):
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
         if self.lm_head is None:  # tied: over the embedding as stored (unscaled)
-            self.lm_head = tied_lm_head(self.model.embed_tokens.weight)
+            self.lm_head = tied_lm_head(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""

@@ -15,6 +15,7 @@ from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, Atten
 from pagedserve.kernels.kv_cache import KVCache
 from pagedserve.kernels.layer_ops import LayerOps, TorchLayerOps
 from pagedserve.kernels.paged_attention import paged_attention, write_kv
+from pagedserve.quant.gguf import PackedEmbedding
 from pagedserve.quant.linear import QuantLinear
 from pagedserve.quant.unquantized import UnquantizedLinearMethod
 
@@ -161,11 +162,14 @@ def merge_linears(owner: nn.Module, parts: tuple[str, ...], merged: str) -> None
             delattr(owner, name)
 
 
-def tied_lm_head(embedding: torch.Tensor) -> QuantLinear:
-    """The LM head of a model with tied embeddings: a linear layer over the embedding [vocab, hidden], so it takes
-    the packed matmul path (on CPU a packed copy; elsewhere the same tensor, shared)."""
-    vocab, hidden = embedding.shape
+def tied_lm_head(embedding: nn.Module) -> nn.Module:
+    """The LM head of a model with tied embeddings: a linear layer over the embedding's weight [vocab, hidden], so
+    it takes the packed matmul path (on CPU a packed copy; elsewhere the same tensor, shared). An embedding kept in
+    a checkpoint's own blocks (`as_linear`) serves the head from those blocks."""
+    if isinstance(embedding, PackedEmbedding):
+        return embedding.as_linear()
+    vocab, hidden = embedding.weight.shape
     with torch.device("meta"):  # no throwaway allocation: the weight is replaced at once
-        head = QuantLinear(hidden, vocab, False, UnquantizedLinearMethod(), embedding.dtype)
-    head.weight = embedding
+        head = QuantLinear(hidden, vocab, False, UnquantizedLinearMethod(), embedding.weight.dtype)
+    head.weight = embedding.weight
     return head

@@ -166,8 +166,7 @@ class DecoderLayer(nn.Module):
 class LlamaBody(nn.Module):
     def __init__(self, args: LlamaArgs, quant: QuantConfig, dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = quant.embedding("model.embed_tokens", args.vocab_size, args.hidden_size, dtype)
         self.layers = nn.ModuleList(DecoderLayer(args, i, quant, dtype) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
@@ -197,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
         if self.lm_head is None:
-            self.lm_head = tied_lm_head(self.model.embed_tokens.weight)
+            self.lm_head = tied_lm_head(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""

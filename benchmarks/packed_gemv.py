@@ -1,0 +1,123 @@
+"""The packed GGUF kernels at SmolLM2-135M's own shapes and tensors, and one stream end to end: JSON lines.
+
+Kernels: each matrix of the default Q4_1 file's first layer (q/k/v and gate/up merged as the engine merges them)
+and its Q8_0 LM head (the tied embedding), at 1, 4, 8 and 32 rows, through
+  packed_fp32  the packed kernel, fp32 activations (the engine's choice up to quant/gguf.py's PACKED_MAX_ROWS rows),
+  packed_int8  the same kernel with activations rounded to int8 per 32 values (integer dot products),
+  dequant_bf16 dequantizing the matrix to bf16 per call, then torch's matmul (the engine's choice above it),
+  dense_bf16   torch's bf16 matmul on weights expanded at load (the dequantized path, oneDNN-packed as it serves),
+with microseconds per call (best of --repeats) and GB/s of the weight bytes each one reads.
+End to end (--e2e): `LLM.generate` of one request, 256 tokens, EOS ignored, packed vs dequantized, interleaved,
+best of --e2e-repeats, output tokens per second.
+
+    python benchmarks/packed_gemv.py                  # kernels, all usable threads
+    python benchmarks/packed_gemv.py --e2e            # and the end-to-end single stream
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from contention import cpu_model  # noqa: E402
+
+from pagedserve.engine.model_store import resolve_model  # noqa: E402
+from pagedserve.kernels import cpu_packed  # noqa: E402
+from pagedserve.quant.onednn_dense import can_pack, pack_weight, packed_linear  # noqa: E402
+
+# (name, GGUF tensors concatenated by rows, as the engine merges them)
+MATRICES = (("qkv", ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight")),
+            ("o", ("blk.0.attn_output.weight",)), ("gate_up", ("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight")),
+            ("down", ("blk.0.ffn_down.weight",)), ("lm_head", ("token_embd.weight",)))
+
+
+def best_us(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e6
+
+
+def matrices(path: Path) -> list[tuple[str, str, torch.Tensor, int]]:
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    out = []
+    for name, parts in MATRICES:
+        qtype = tensors[parts[0]].tensor_type.name
+        blocks = torch.from_numpy(np.concatenate([np.array(tensors[p].data) for p in parts]))
+        out.append((name, qtype, blocks, int(tensors[parts[0]].shape[0])))
+    return out
+
+
+def kernel_rows(path: Path, rows_list: list[int], repeats: int) -> None:
+    for name, qtype, blocks, in_features in matrices(path):
+        fp32 = cpu_packed.PackedMatrix(qtype, blocks, in_features)
+        int8 = cpu_packed.PackedMatrix(qtype, blocks, in_features, int8_max_rows=1 << 30)
+        dense = fp32.dequantize(dtype=torch.bfloat16)
+        packed_dense = pack_weight(dense) if can_pack(dense) else None
+        for rows in rows_list:
+            x = torch.randn(rows, in_features)
+            xb = x.bfloat16()
+            calls = {
+                "packed_fp32": (lambda: fp32.matmul(x), blocks.numel()),
+                "packed_int8": (lambda: int8.matmul(x), blocks.numel()),
+                "dequant_bf16": (lambda: torch.nn.functional.linear(xb, fp32.dequantize(dtype=torch.bfloat16)),
+                                 blocks.numel()),
+                "dense_bf16": ((lambda: packed_linear(xb, packed_dense, None)) if packed_dense is not None
+                               else (lambda: torch.nn.functional.linear(xb, dense)), dense.numel() * 2),
+            }
+            for kernel, (fn, nbytes) in calls.items():
+                us = best_us(fn, repeats)
+                print(json.dumps({"kind": "kernel", "matrix": name, "type": qtype, "in": in_features,
+                                  "out": blocks.shape[0], "rows": rows, "kernel": kernel, "us": round(us, 1),
+                                  "gb_s": round(nbytes / us / 1e3, 2), "threads": torch.get_num_threads(),
+                                  "cpu": cpu_model()}), flush=True)
+
+
+def end_to_end(repeats: int, tokens: int) -> None:
+    from pagedserve.engine import SamplingParams
+    from pagedserve.engine.llm import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    engines = {mode: LLM(gguf_weights=mode) for mode in ("packed", "dequantized")}
+    best = {mode: 0.0 for mode in engines}
+    for _ in range(repeats):
+        for mode, llm in engines.items():
+            start = time.perf_counter()
+            out = llm.generate(["The history of the printing press"], params)
+            elapsed = time.perf_counter() - start
+            best[mode] = max(best[mode], len(out[0].outputs[0].token_ids) / elapsed)
+    print(json.dumps({"kind": "e2e", "requests": 1, "output_tokens": tokens, "repeats": repeats,
+                      **{f"{mode}_tok_s": round(v, 2) for mode, v in best.items()},
+                      "speedup": round(best["packed"] / best["dequantized"], 3),
+                      "threads": torch.get_num_threads(), "cpu": cpu_model()}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 32])
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--e2e", action="store_true", help="also the end-to-end single stream")
+    parser.add_argument("--e2e-only", action="store_true")
+    parser.add_argument("--e2e-repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=256)
+    args = parser.parse_args()
+    if not args.e2e_only:
+        kernel_rows(resolve_model(None).weights, args.rows, args.repeats)
+    if args.e2e or args.e2e_only:
+        end_to_end(args.e2e_repeats, args.tokens)
+
+
+if __name__ == "__main__":
+    main()

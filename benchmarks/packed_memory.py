@@ -1,0 +1,86 @@
+"""Resident memory of a GGUF model's weights, packed (the file's blocks) vs dequantized at load: one JSON line.
+
+Each mode loads the model in a fresh process and reads its resident set (VmRSS) before and after `load_model`
+(after the imports, the kernel build and one throwaway read of the file's metadata, which imports transformers:
+only the weights and the load's leftovers count). The bf16 bytes are
+the file's value count times two (a tied head is not in the file). `*_trimmed` is the same after malloc_trim, which
+hands the heap's free pages back (what the load freed but the heap kept); `*_tensor_bytes` is what the model's
+parameters and buffers (RoPE tables included) hold.
+
+    python benchmarks/packed_memory.py                 # the default SmolLM2-135M Q4_1 file
+    python benchmarks/packed_memory.py --model gemma-3-270m
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import gc
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def child(model: str | None, mode: str) -> dict:
+    import torch
+
+    from pagedserve.engine.gguf_checkpoint import GgufCheckpoint
+    from pagedserve.engine.model_loader import load_model
+    from pagedserve.engine.model_store import resolve_model
+    from pagedserve.kernels import cpu_packed
+
+    cpu_packed.build()
+    path = resolve_model(model).weights
+    GgufCheckpoint(path)  # imports transformers and the gguf reader once: the baseline holds what they keep
+    gc.collect()
+    before = _rss_bytes()
+    loaded = load_model(path, torch.bfloat16, None, torch.device("cpu"), mode)
+    gc.collect()
+    after = _rss_bytes()
+    ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)  # the heap's free pages back to the system
+    trimmed = _rss_bytes()
+    from gguf import GGUFReader
+
+    values = sum(int(t.n_elements) for t in GGUFReader(path).tensors)
+    tensors = [*loaded.model.parameters(), *loaded.model.buffers()]
+    return {"mode": mode, "quantization": loaded.quant.describe(), "weights_rss_bytes": after - before,
+            "weights_rss_bytes_trimmed": trimmed - before, "bf16_bytes": 2 * values,
+            "tensor_bytes": sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model as --model takes it (default: the embedded SmolLM2)")
+    parser.add_argument("--child", choices=("packed", "dequantized"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.model, args.child)))
+        return
+    rows = {}
+    for mode in ("packed", "dequantized"):
+        command = [sys.executable, __file__, "--child", mode] + (["--model", args.model] if args.model else [])
+        rows[mode] = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    bf16 = rows["packed"]["bf16_bytes"]
+    print(json.dumps({
+        "model": args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF)", "bf16_bytes": bf16,
+        **{f"{mode}_weights_rss_bytes": row["weights_rss_bytes"] for mode, row in rows.items()},
+        **{f"{mode}_weights_rss_bytes_trimmed": row["weights_rss_bytes_trimmed"] for mode, row in rows.items()},
+        **{f"{mode}_tensor_bytes": row["tensor_bytes"] for mode, row in rows.items()},
+        **{f"{mode}_fraction_of_bf16": round(row["weights_rss_bytes"] / bf16, 4) for mode, row in rows.items()},
+        **{f"{mode}_trimmed_fraction_of_bf16": round(row["weights_rss_bytes_trimmed"] / bf16, 4)
+           for mode, row in rows.items()},
+        "packed_quantization": rows["packed"]["quantization"],
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""The packed-weight CPU kernels (cpu_packed_linear.c): GGUF blocks multiplied in place, built like cpu_native.py's.
+
+Built as their own object so a test can also build them with CPU features switched off (`build(extra_flags)`):
+the integer dot each variant compiles to (AVX512-VNNI, AVX-VNNI, AVX2, portable C) is then checked on any host.
+`PackedMatrix` holds one weight matrix's blocks and the C state that points at them; its `state_address` and
+`linear_fn` are what kernels/cpu_linear.h's `ps_linear` takes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedserve.kernels.cache_dir import cache_root
+from pagedserve.kernels.cpu_native import NativeBuildError, cpu_fingerprint, native_flags
+
+_HERE = Path(__file__).parent
+SOURCES = tuple(_HERE / f"cpu_packed_{name}.c" for name in ("linear", "f32", "dequantize"))
+HEADERS = (_HERE / "cpu_packed_blocks.h", _HERE / "cpu_linear.h")
+# GGUF type name -> (PK_* code of cpu_packed_blocks.h, values per block, bytes per block).
+FORMATS: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q5_0": (2, 32, 22), "Q8_0": (3, 32, 34),
+    "Q4_K": (4, 256, 144), "Q5_K": (5, 256, 176), "Q6_K": (6, 256, 210),
+}
+
+
+class PackedState(ctypes.Structure):
+    # Field order and types mirror ps_packed_state in cpu_packed_blocks.h.
+    _fields_ = [("format", ctypes.c_int32), ("num_threads", ctypes.c_int32),
+                ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64),
+                ("data", ctypes.c_void_p), ("row_bytes", ctypes.c_int64), ("bias", ctypes.c_void_p),
+                ("int8_max_rows", ctypes.c_int32)]
+
+
+def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        staging = Path(tmp) / target.name
+        result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(staging), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise NativeBuildError(f"{compiler} failed on the packed kernels: {result.stderr.strip()[-2000:]}")
+        os.replace(staging, target)
+
+
+@functools.cache
+def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The packed kernels compiled with -march=native plus `extra_flags` (e.g. ("-mno-avx512f",)), cached on disk
+    by source, flags, compiler and CPU. Raises NativeBuildError."""
+    compiler = shutil.which(os.environ.get("CC") or "gcc") or shutil.which("cc")
+    if compiler is None:
+        raise NativeBuildError("no C compiler found (set CC or install gcc)")
+    flags = (*native_flags(), *extra_flags)
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    text = "\0".join((*(f.read_text() for f in (*SOURCES, *HEADERS)), " ".join(flags), version, cpu_fingerprint()))
+    target = cache_root() / "native" / f"cpu_packed-{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
+    if not target.exists():
+        _compile(compiler, flags, target)
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:
+        raise NativeBuildError(f"cannot load {target}: {exc}") from exc
+    state, ptr, i64, c_int = ctypes.POINTER(PackedState), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.pagedserve_packed_linear_threads.argtypes = [state, ptr, i64, ptr, c_int]
+    lib.pagedserve_packed_dequantize.argtypes = [state, ptr, i64, ptr, c_int, c_int]
+    for fn in (lib.pagedserve_packed_linear_threads, lib.pagedserve_packed_dequantize):
+        fn.restype = c_int
+    lib.pagedserve_packed_isa.restype = ctypes.c_char_p
+    lib.pagedserve_packed_state_size.restype = i64
+    if lib.pagedserve_packed_state_size() != ctypes.sizeof(PackedState):
+        raise NativeBuildError("cpu_packed_blocks.h's ps_packed_state does not match PackedState")
+    return lib
+
+
+def isa(lib: ctypes.CDLL) -> str:
+    """Which integer dot product `lib` was compiled to: avx512vnni, avxvnni, avx2 or portable."""
+    return lib.pagedserve_packed_isa().decode()
+
+
+@dataclass(frozen=True, eq=False)
+class PackedMatrix:
+    """One weight matrix [out_features, in_features] as GGUF blocks `blocks` (uint8 [out_features, row_bytes])."""
+
+    qtype: str
+    blocks: torch.Tensor
+    in_features: int
+    bias: torch.Tensor | None = None  # fp32 [out_features]
+    lib: ctypes.CDLL | None = None  # None: build()
+    int8_max_rows: int = 0  # calls with up to this many rows round x to int8 per 32 values; more: exact fp32 x
+
+    def __post_init__(self) -> None:
+        if self.qtype not in FORMATS:
+            raise ValueError(f"qtype: {self.qtype!r} has no packed kernel; supported: {', '.join(FORMATS)}")
+        code, per, size = FORMATS[self.qtype]
+        if self.in_features % per:
+            raise ValueError(f"in_features: {self.in_features} is not a multiple of {self.qtype}'s {per}-value blocks")
+        blocks = self.blocks
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != self.in_features // per * size:
+            raise ValueError(f"blocks: expected uint8 [out, {self.in_features // per * size}], "
+                             f"got {blocks.dtype} {tuple(blocks.shape)}")
+        if not blocks.is_contiguous():
+            raise ValueError("blocks: must be contiguous")
+        if self.bias is not None and (self.bias.dtype != torch.float32 or self.bias.shape != blocks.shape[:1]):
+            raise ValueError(f"bias: expected float32 [{blocks.shape[0]}]")
+        object.__setattr__(self, "lib", self.lib or build())
+        state = PackedState(code, 0, self.in_features, blocks.shape[0], blocks.data_ptr(), blocks.shape[1],
+                            self.bias.data_ptr() if self.bias is not None else None, self.int8_max_rows)
+        object.__setattr__(self, "state", state)
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def state_address(self) -> int:
+        return ctypes.addressof(self.state)
+
+    @property
+    def linear_fn(self) -> int:
+        """Address of `pagedserve_packed_linear`, a `ps_linear_fn`."""
+        return ctypes.cast(self.lib.pagedserve_packed_linear, ctypes.c_void_p).value
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] fp32 contiguous -> fp32 [rows, out] = x @ W^T (+ bias)."""
+        assert x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2 and x.shape[1] == self.in_features
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        status = self.lib.pagedserve_packed_linear_threads(
+            ctypes.byref(self.state), x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise MemoryError(f"packed linear failed (status {status})")
+        return y
+
+    def dequantize(self, ids: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` (int64; None: all) of W as `dtype` (float32 or bfloat16; others are cast from fp32)."""
+        if ids is not None:
+            ids = ids.to(torch.int64).contiguous()
+        n = self.out_features if ids is None else ids.numel()
+        native = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+        out = torch.empty(n, self.in_features, dtype=native)
+        status = self.lib.pagedserve_packed_dequantize(
+            ctypes.byref(self.state), None if ids is None else ids.data_ptr(), n, out.data_ptr(),
+            int(native == torch.bfloat16), torch.get_num_threads())
+        if status == 3:
+            raise IndexError(f"row id out of range [0, {self.out_features})")
+        if status != 0:
+            raise ValueError(f"packed dequantize failed (status {status})")
+        return out.to(dtype)

@@ -1,0 +1,157 @@
+"""GGUF weights kept in the file's own blocks: linear layers and embeddings computed from them on CPU.
+
+The GGUF loader names this method in the config it builds (`quantization_config.tensor_types`: HF tensor name ->
+GGUF type) and hands each packed tensor over as its uint8 blocks [rows, row_bytes]; nothing is dequantized at load.
+A layer whose type has no packed kernel (F16, BF16, Q5_1, Q2_K, Q3_K, ...) arrives dequantized and stays dense.
+
+Per call the kernel is chosen by the number of rows (measured: docs/quantization.md): up to `PACKED_MAX_ROWS` rows
+(decode) the packed kernel reads the blocks in place, dequantizing each run of 32 weights in registers and
+multiplying it with the fp32 activations (exact up to summation order); more rows (prefill) dequantize the matrix
+to the compute dtype once per call and take torch's dense matmul, whose GEMM outruns the per-row kernel there.
+The kernel's int8-activation variant (llama.cpp's scheme) measured ~12% faster at one row only, and its rounding
+of activations cost top-1 agreement (95.7% vs 97.5% for bf16 against fp32 on the held-out text), so it is off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.kernels.cpu_packed import FORMATS, PackedMatrix
+from pagedserve.quant.base import LinearMethod, QuantConfig, QuantConfigError
+from pagedserve.quant.native_linear import NativeLinear
+from pagedserve.quant.unquantized import UnquantizedLinearMethod
+
+PACKED_MAX_ROWS = 8
+
+
+def row_bytes(qtype: str, in_features: int) -> int:
+    _, per, size = FORMATS[qtype]
+    if in_features % per:
+        raise QuantConfigError("tensor_types", f"{qtype} rows of {in_features} values are not whole {per}-value blocks")
+    return in_features // per * size
+
+
+class GgufLinearMethod(LinearMethod):
+    """One linear layer whose weight is `qtype` blocks, uint8 [out_features, row_bytes] as the file stores it."""
+
+    def __init__(self, qtype: str):
+        self.qtype = qtype
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        blocks = torch.empty(out_features, row_bytes(self.qtype, in_features), dtype=torch.uint8)
+        layer.weight = nn.Parameter(blocks, requires_grad=False)
+        layer.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        layer.packed = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        bias = layer.bias.detach().float().contiguous() if layer.bias is not None else None
+        layer.packed = PackedMatrix(self.qtype, layer.weight.data, layer.in_features, bias)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        packed: PackedMatrix = layer.packed
+        flat = x.reshape(-1, layer.in_features)
+        if flat.shape[0] <= PACKED_MAX_ROWS:
+            y = packed.matmul(flat.float().contiguous())
+        else:
+            dtype = x.dtype if x.dtype == torch.bfloat16 else torch.float32
+            y = F.linear(flat.to(dtype), packed.dequantize(dtype=dtype), None if packed.bias is None else packed.bias.to(dtype))
+        return y.to(x.dtype).reshape(*x.shape[:-1], layer.out_features)
+
+    def native_linear(self, layer: nn.Module) -> NativeLinear:
+        packed: PackedMatrix = layer.packed
+        return NativeLinear(packed.linear_fn, packed.state_address, packed.in_features, packed.out_features, (packed,))
+
+    def merge(self, layers: list[nn.Module]) -> nn.Module | None:
+        """q/k/v or gate/up as one matrix: rows are independent, so concatenating the block rows is exact."""
+        from pagedserve.quant.linear import QuantLinear
+
+        methods = [layer.method for layer in layers]
+        if not all(isinstance(m, GgufLinearMethod) and m.qtype == self.qtype for m in methods):
+            return None
+        blocks = torch.cat([layer.weight.data for layer in layers])
+        has_bias = any(layer.bias is not None for layer in layers)
+        dtype = next((layer.bias.dtype for layer in layers if layer.bias is not None), torch.float32)
+        with torch.device("meta"):
+            merged = QuantLinear(layers[0].in_features, blocks.shape[0], has_bias, GgufLinearMethod(self.qtype), dtype)
+        merged.weight = nn.Parameter(blocks, requires_grad=False)
+        if has_bias:
+            merged.bias = nn.Parameter(torch.cat([
+                layer.bias if layer.bias is not None else torch.zeros(layer.out_features, dtype=dtype)
+                for layer in layers]), requires_grad=False)
+        merged.loaded_tensors = {"weight", "bias"} if has_bias else {"weight"}
+        return merged
+
+
+class PackedEmbedding(nn.Module):
+    """A token embedding kept in `qtype` blocks; a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, qtype: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.qtype, self.dtype = qtype, dtype
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        blocks = torch.empty(num_embeddings, row_bytes(qtype, embedding_dim), dtype=torch.uint8)
+        self.weight = nn.Parameter(blocks, requires_grad=False)
+        self._packed: PackedMatrix | None = None
+
+    def packed(self) -> PackedMatrix:
+        if self._packed is None or self._packed.blocks.data_ptr() != self.weight.data_ptr():
+            self._packed = PackedMatrix(self.qtype, self.weight.data, self.embedding_dim)
+        return self._packed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.packed().dequantize(ids.reshape(-1), self.dtype)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def as_linear(self) -> nn.Module:
+        """The tied LM head: a linear layer over the same blocks (shared, not copied)."""
+        from pagedserve.quant.linear import QuantLinear
+
+        method = GgufLinearMethod(self.qtype)
+        with torch.device("meta"):
+            head = QuantLinear(self.embedding_dim, self.num_embeddings, False, method, self.dtype)
+        head.weight = self.weight
+        method.process_weights_after_loading(head)
+        return head
+
+
+@dataclass(frozen=True, slots=True)
+class GgufConfig(QuantConfig):
+    """`tensor_types`: HF tensor name (`model.layers.0.self_attn.q_proj.weight`) -> GGUF type, for the tensors the
+    loader hands over packed."""
+
+    tensor_types: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    name = "gguf"
+
+    def __post_init__(self) -> None:
+        for tensor, qtype in self.tensor_types.items():
+            if qtype not in FORMATS:
+                raise QuantConfigError(f"tensor_types.{tensor}", f"{qtype!r} has no packed kernel; "
+                                       f"supported: {', '.join(FORMATS)}")
+
+    @classmethod
+    def from_hf(cls, quantization_config: dict[str, Any]) -> "GgufConfig":
+        types = quantization_config.get("tensor_types", {})
+        if not isinstance(types, dict):
+            raise QuantConfigError("tensor_types", f"expected an object, got {type(types).__name__}")
+        return cls(MappingProxyType(dict(types)))
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        qtype = self.tensor_types.get(f"{prefix}.weight")
+        return GgufLinearMethod(qtype) if qtype is not None else UnquantizedLinearMethod()
+
+    def embedding(self, prefix: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> nn.Module:
+        qtype = self.tensor_types.get(f"{prefix}.weight")
+        if qtype is None:
+            return super().embedding(prefix, num_embeddings, embedding_dim, dtype)
+        return PackedEmbedding(qtype, num_embeddings, embedding_dim, dtype)
+
+    def describe(self) -> str:
+        kinds = sorted(set(self.tensor_types.values()))
+        return f"gguf (packed {', '.join(kinds)})" if kinds else "gguf"

@@ -1,0 +1,162 @@
+"""The packed GGUF kernels (kernels/cpu_packed_linear.c) against gguf's own dequantizers, in every compiled variant.
+
+Bounds: dequantized rows equal `gguf.quants.dequantize` exactly (fp32) and its bf16 rounding (bf16). The fp32
+product (the default) is x @ W^T within fp32 summation error: 1e-5 of |x| @ |W|^T, computed in float64. The int8
+variant rounds activations per 32 values (x ~ a q, |x - a q| <= a / 2), so it is checked twice: against the same
+rounding emulated in numpy, x_q @ W^T, within fp32 summation error (1e-4 of |x_q| @ |W|^T); and against the exact
+x @ W^T within the rounding's own bound, sum_i |W_i| a_i / 2 (+ that summation error).
+The variants: -march=native, and the same with AVX-512 off (AVX-VNNI where the CPU has it, else AVX2), with
+AVX-512 and AVX-VNNI off (AVX2), and plain x86-64 (portable C): an ISA this host lacks is covered by its fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
+from gguf.quants import dequantize, quantize
+
+from gguf_fixtures import random_k_blocks
+from pagedserve.engine.model_store import gemma3_270m_gguf, resolve_model
+from pagedserve.kernels import cpu_packed
+from pagedserve.quant import gguf as gguf_method
+from pagedserve.quant.gguf import GgufLinearMethod
+
+VARIANTS = {"native": (), "no-avx512": ("-mno-avx512f",), "avx2": ("-mno-avx512f", "-mno-avxvnni"),
+            "portable": ("-march=x86-64", "-mtune=generic")}
+FORMATS = tuple(cpu_packed.FORMATS)
+ROWS = (1, 2, 3, 7, 16, 33)
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def lib(request):
+    built = cpu_packed.build(VARIANTS[request.param])
+    if request.param == "avx2":
+        assert cpu_packed.isa(built) == "avx2"
+    if request.param == "portable":
+        assert cpu_packed.isa(built) == "portable"
+    return built
+
+
+def blocks_for(qtype: str, out: int, inn: int, rng: np.random.Generator) -> np.ndarray:
+    """Random weights in `qtype`: gguf's quantizer where it has one, random K blocks (finite scales) otherwise."""
+    if qtype.endswith("_K"):
+        return random_k_blocks((out, inn), T[qtype], rng, scale=2e-3)
+    return quantize(rng.standard_normal((out, inn)).astype(np.float32), T[qtype])
+
+
+def quantized_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's int8 rounding of x [rows, in] emulated in float32: (a q as float64, a per value)."""
+    runs = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    amax = np.abs(runs).max(axis=-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(runs * inv)
+    scale = (amax / np.float32(127)).astype(np.float32)
+    return (q * scale).astype(np.float64).reshape(x.shape), np.broadcast_to(scale, runs.shape).reshape(x.shape)
+
+
+def check_product(matrix: cpu_packed.PackedMatrix, weights: np.ndarray, x: torch.Tensor) -> None:
+    """Both variants of matrix's product: fp32 activations (x @ W^T within fp32 summation error) and int8 ones."""
+    w = weights.astype(np.float64)
+    xn = x.numpy()
+    exact = np.abs(xn).astype(np.float64) @ np.abs(w).T
+    y = matrix.matmul(x).numpy().astype(np.float64)
+    np.testing.assert_array_less(np.abs(y - xn.astype(np.float64) @ w.T), 1e-5 * exact + 1e-5)
+    rounded = cpu_packed.PackedMatrix(matrix.qtype, matrix.blocks, matrix.in_features, lib=matrix.lib,
+                                      int8_max_rows=1 << 30)
+    y = rounded.matmul(x).numpy().astype(np.float64)
+    xq, scale = quantized_activations(xn)
+    summation = 1e-4 * (np.abs(xq) @ np.abs(w).T) + 1e-5
+    np.testing.assert_array_less(np.abs(y - xq @ w.T), summation)
+    rounding = (scale / 2) @ np.abs(w).T
+    np.testing.assert_array_less(np.abs(y - xn.astype(np.float64) @ w.T), rounding * 1.001 + summation)
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_dequantized_rows_equal_gguf(lib, qtype):
+    rng = np.random.default_rng(1)
+    inn = 512 if qtype.endswith("_K") else 96
+    stored = blocks_for(qtype, 37, inn, rng)
+    reference = dequantize(stored, T[qtype]).astype(np.float32)
+    matrix = cpu_packed.PackedMatrix(qtype, torch.from_numpy(stored.copy()), inn, lib=lib)
+    assert np.array_equal(matrix.dequantize().numpy(), reference)
+    ids = torch.tensor([36, 0, 5, 5])
+    bf16 = matrix.dequantize(ids, torch.bfloat16)
+    assert torch.equal(bf16, torch.from_numpy(reference)[ids].to(torch.bfloat16))
+    with pytest.raises(IndexError, match="row id"):
+        matrix.dequantize(torch.tensor([37]))
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_product_on_odd_shapes(lib, qtype):
+    """Odd output counts, every tile remainder of the row loop, and rows longer than one 64-run segment."""
+    rng = np.random.default_rng(2)
+    for inn in ((256, 2304) if qtype.endswith("_K") else (96, 2336)):
+        stored = blocks_for(qtype, 37, inn, rng)
+        weights = dequantize(stored, T[qtype]).astype(np.float32)
+        bias = torch.randn(37)
+        matrix = cpu_packed.PackedMatrix(qtype, torch.from_numpy(stored.copy()), inn, bias, lib=lib)
+        for rows in ROWS:
+            x = torch.randn(rows, inn) * torch.rand(rows, 1) * 3
+            x[0, :32] = 0.0  # an all-zero run (scale 0)
+            y_no_bias = matrix.matmul(x) - bias
+            unbiased = cpu_packed.PackedMatrix(qtype, matrix.blocks, inn, lib=lib)
+            torch.testing.assert_close(y_no_bias, unbiased.matmul(x), atol=1e-4, rtol=1e-5)
+            check_product(unbiased, weights, x)
+
+
+def _real_tensors(path, names):
+    reader = GGUFReader(path)
+    return [(t.name, t.tensor_type.name, np.array(t.data)) for t in reader.tensors if t.name in names]
+
+
+REAL = {
+    "smollm2": (lambda: resolve_model(None).weights,
+                ("blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.29.ffn_gate.weight", "token_embd.weight")),
+    "gemma3": (gemma3_270m_gguf, ("blk.0.attn_q.weight", "blk.0.attn_output.weight", "blk.0.ffn_down.weight",
+                                  "blk.0.attn_v.weight", "blk.1.ffn_down.weight", "token_embd.weight")),
+}
+
+
+@pytest.mark.parametrize("model", list(REAL))
+def test_real_tensors(model):
+    """Every packed type the two shipped files use (SmolLM2: Q4_1, Q8_0; Gemma 3: Q5_0, Q4_K, Q6_K, Q8_0)."""
+    path_of, names = REAL[model]
+    seen = set()
+    for name, qtype, stored in _real_tensors(path_of(), names):
+        stored = stored[:3000]  # the embeddings' first rows are plenty
+        weights = dequantize(stored, T[qtype]).astype(np.float32)
+        inn = weights.shape[1]
+        matrix = cpu_packed.PackedMatrix(qtype, torch.from_numpy(np.ascontiguousarray(stored)), inn)
+        assert np.array_equal(matrix.dequantize().numpy(), weights), name
+        check_product(matrix, weights, torch.randn(3, inn))
+        seen.add(qtype)
+    assert seen == ({"Q4_1", "Q8_0"} if model == "smollm2" else {"Q5_0", "Q4_K", "Q6_K", "Q8_0"})
+
+
+def test_the_ps_linear_fn_pointer_computes_the_same_product():
+    """What the native layer loop calls: kernels/cpu_linear.h's ps_linear_fn through the NativeLinear address."""
+    rng = np.random.default_rng(3)
+    stored = blocks_for("Q4_1", 45, 128, rng)
+    layer = torch.nn.Module()
+    layer.in_features, layer.out_features = 128, 45
+    method = GgufLinearMethod("Q4_1")
+    method.create_weights(layer, 128, 45, True, torch.float32)
+    layer.weight.data.copy_(torch.from_numpy(stored))
+    layer.bias.data.copy_(torch.randn(45))
+    method.process_weights_after_loading(layer)
+    native = method.native_linear(layer)
+    fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)(native.fn)
+    x = torch.randn(5, 128)
+    y = torch.empty(5, 45)
+    assert fn(native.state, x.data_ptr(), 5, y.data_ptr()) == 0
+    assert torch.equal(y, layer.packed.matmul(x))
+    torch.testing.assert_close(method.apply(layer, x), y)  # decode rows: the packed kernel
+    # more rows than the int8 kernel takes: the dequantized tile and torch's matmul, the same function
+    big = torch.randn(gguf_method.PACKED_MAX_ROWS + 1, 128)
+    expected = big @ torch.from_numpy(dequantize(stored, T.Q4_1)).T + layer.bias
+    torch.testing.assert_close(method.apply(layer, big), expected, atol=1e-4, rtol=1e-4)
