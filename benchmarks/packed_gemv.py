@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contention import cpu_model  # noqa: E402
 
-from pagedserve.engine.model_store import resolve_model  # noqa: E402
+from pagedserve.engine.loading.model_store import resolve_model  # noqa: E402
 from pagedserve.kernels import cpu_packed  # noqa: E402
 from pagedserve.quant.onednn_dense import can_pack, pack_weight, packed_linear  # noqa: E402
 

@@ -33,9 +33,9 @@ def _rss_bytes() -> int:
 def child(model: str | None, mode: str) -> dict:
     import torch
 
-    from pagedserve.engine.gguf_checkpoint import GgufCheckpoint
-    from pagedserve.engine.model_loader import load_model
-    from pagedserve.engine.model_store import resolve_model
+    from pagedserve.engine.loading.gguf_checkpoint import GgufCheckpoint
+    from pagedserve.engine.loading.model_loader import load_model
+    from pagedserve.engine.loading.model_store import resolve_model
     from pagedserve.kernels import cpu_packed
 
     cpu_packed.build()

@@ -18,7 +18,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
-GGUF_WEIGHTS = ("auto", "packed", "dequantized")  # engine/model_loader.py's packed_gguf_types reads them
+GGUF_WEIGHTS = ("auto", "packed", "dequantized")  # engine/loading/model_loader.py's packed_gguf_types reads them
 
 
 def field_choices() -> dict[str, tuple[str, ...]]:

@@ -9,8 +9,8 @@ import pytest
 
 import bench_paths  # noqa: F401 - puts benchmarks/ on sys.path
 import fp8_texts
-from pagedserve.engine.model_store import resolve_model
-from pagedserve.engine.tokenizer import Tokenizer
+from pagedserve.engine.loading.model_store import resolve_model
+from pagedserve.engine.loading.tokenizer import Tokenizer
 
 KINDS = ("prose", "code", "structured", "chat", "non-English")
 

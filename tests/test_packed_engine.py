@@ -21,7 +21,7 @@ from pagedserve.engine import SamplingParams
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import ConfigError, ModelLoadError
-from pagedserve.engine.model_loader import load_model, packed_gguf_types
+from pagedserve.engine.loading.model_loader import load_model, packed_gguf_types
 from pagedserve.kernels import cpu_packed
 from pagedserve.quant import gguf as gguf_method
 from quant_fixtures import full_logits

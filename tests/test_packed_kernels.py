@@ -21,7 +21,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize, quantize
 
 from gguf_fixtures import random_k_blocks
-from pagedserve.engine.model_store import gemma3_270m_gguf, resolve_model
+from pagedserve.engine.loading.model_store import gemma3_270m_gguf, resolve_model
 from pagedserve.kernels import cpu_packed
 from pagedserve.quant import gguf as gguf_method
 from pagedserve.quant.gguf import GgufLinearMethod
