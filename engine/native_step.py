@@ -35,20 +35,20 @@ class StepLayer(ctypes.Structure):
     # Field order and types mirror StepLayer in cpu_decode_step.c.
     _fields_ = [("qkv", PsLinear * 3), ("n_qkv", _i64), ("o", PsLinear), ("gate_up", PsLinear * 2),
                 ("n_gate_up", _i64), ("down", PsLinear), ("input_norm", _p), ("post_norm", _p), ("k_cache", _p),
-                ("v_cache", _p), ("k_scale", _p), ("v_scale", _p), ("k_rotation", _p), ("window", _i64)]
+                ("v_cache", _p), ("k_scale", _p), ("v_scale", _p), ("k_rotation", _p), ("k_offset", _p), ("window", _i64)]
 
 
 class StepModel(ctypes.Structure):
     _fields_ = [(name, _i64) for name in ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads",
                                           "head_dim", "num_blocks", "block_size", "vocab", "max_positions")] + [
-        ("eps", _f32), ("attn_scale", _f32), ("fp8_max", _f32), ("norm_dtype", _int), ("embed_dtype", _int),
-        ("kv_dtype", _int), ("embed", _p), ("cos", _p), ("signed_sin", _p), ("final_norm", _p), ("layers", _p),
+        ("eps", _f32), ("attn_scale", _f32), ("fp8_max", _f32), ("norm_dtype", _int),
+        ("kv_dtype", _int), ("cos", _p), ("signed_sin", _p), ("final_norm", _p), ("layers", _p),
         ("lm_head", PsLinear)]
 
 
 class StepBatch(ctypes.Structure):
     _fields_ = [("token_ids", _p), ("positions", _p), ("slots", _p), ("rows", _p), ("seq_lens", _p),
-                ("block_tables", _p), ("block_table_stride", _i64), ("max_seq_len", _i64), ("logits", _p)]
+                ("block_tables", _p), ("block_table_stride", _i64), ("max_seq_len", _i64), ("embed_rows", _p), ("logits", _p)]
 
 
 class NativeStepUnavailable(Exception):
@@ -79,17 +79,28 @@ class NativeDecodeStep:
         head = _linears((stack.lm_head,))[0]
         self._keep.append(head)
         spec = cache.spec
-        self.vocab = stack.embed.shape[0]
+        self.vocab = stack.vocab_size
+        self._embedding = stack.embedding
         self._model = StepModel(
-            len(stack.layers), stack.embed.shape[1], stack.intermediate_size, stack.num_heads, stack.num_kv_heads,
+            len(stack.layers), stack.hidden_size, stack.intermediate_size, stack.num_heads, stack.num_kv_heads,
             stack.head_dim, cache.num_blocks, spec.block_size, self.vocab, stack.cos.shape[0],
             stack.eps, stack.head_dim**-0.5, spec.dtype.fp8_max if spec.dtype.is_fp8 else 0.0,
-            dtype_code(stack.final_norm.dtype), dtype_code(stack.embed.dtype), dtype_code(spec.dtype.torch_dtype),
-            stack.embed.data_ptr(), stack.cos.data_ptr(), stack.signed_sin.data_ptr(), stack.final_norm.data_ptr(),
+            dtype_code(stack.final_norm.dtype), dtype_code(spec.dtype.torch_dtype), stack.cos.data_ptr(), stack.signed_sin.data_ptr(), stack.final_norm.data_ptr(),
             ctypes.addressof(self._layers), head.as_struct(),
         )
         self._keep += [stack]
+        self._cache = cache
+        self._offsets_bound = False
         self._lib = load_library()
+
+    def _bind_k_offsets(self) -> None:
+        """FP8 K offsets exist only once calibration has run (the first prefill, before any native step)."""
+        for struct, entry in zip(self._layers, self._cache.layers, strict=True):
+            if entry.k_offset is not None:
+                offset = entry.k_offset.to(torch.float32).contiguous()
+                self._keep.append(offset)
+                struct.k_offset = offset.data_ptr()
+        self._offsets_bound = True
 
     def _layer(self, layer, entry: LayerKVCache) -> StepLayer:
         qkv, gate_up = _linears(layer.qkv), _linears(layer.gate_up)
@@ -103,7 +114,7 @@ class NativeDecodeStep:
             _struct_array(qkv, 3), len(qkv), o.as_struct(), _struct_array(gate_up, 2), len(gate_up), down.as_struct(),
             layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), k.data_ptr(), v.data_ptr(),
             entry.k_scale.data_ptr(), entry.v_scale.data_ptr(),
-            None if self._rotation is None else self._rotation.data_ptr(), layer.window or 0,
+            None if self._rotation is None else self._rotation.data_ptr(), None, layer.window or 0,
         )
 
     def accepts(self, batch: SchedulerOutput) -> bool:
@@ -117,6 +128,8 @@ class NativeDecodeStep:
 
     def run(self, batch: SchedulerOutput, block_size: int) -> tuple[torch.Tensor, tuple[Sequence, ...]]:
         """fp32 logits [n, vocab] of the step's sequences (every one samples), in schedule order."""
+        if not self._offsets_bound:
+            self._bind_k_offsets()
         seqs = tuple(item.seq for item in batch.scheduled)
         n = len(seqs)
         positions = [seq.num_computed_tokens for seq in seqs]
@@ -130,8 +143,12 @@ class NativeDecodeStep:
         ], dtype=torch.int64)
         seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
         logits = torch.empty(n, self.vocab, dtype=torch.float32)
+        # One torch call: the embedding reads its own storage (a packed one dequantizes only these rows).
+        with torch.no_grad():
+            embed_rows = self._embedding(longs[0]).to(torch.float32).contiguous()
         args = StepBatch(longs[0].data_ptr(), longs[1].data_ptr(), longs[2].data_ptr(), longs[3].data_ptr(),
-                         seq_lens.data_ptr(), tables.data_ptr(), width, max(positions) + 1, logits.data_ptr())
+                         seq_lens.data_ptr(), tables.data_ptr(), width, max(positions) + 1, embed_rows.data_ptr(),
+                         logits.data_ptr())
         status = self._lib.pagedserve_decode_step(ctypes.byref(self._model), ctypes.byref(args), n,
                                                   torch.get_num_threads())
         if status != 0:

@@ -24,6 +24,7 @@ typedef struct {
     const void *k_cache, *v_cache;              /* head-major [Hkv, num_blocks, block_size, D], kv_dtype */
     const float *k_scale, *v_scale;             /* [Hkv] */
     const float *k_rotation;                    /* [D, D] fp32 or NULL: the cache holds K R, queries use Q R */
+    const float *k_offset;                      /* [Hkv, D] fp32 or NULL: subtracted from K R before it is stored */
     int64_t window;                             /* 0: full attention */
 } StepLayer;
 
@@ -31,8 +32,7 @@ typedef struct {
     int64_t num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, num_blocks, block_size, vocab;
     int64_t max_positions;
     float eps, attn_scale, fp8_max;
-    int norm_dtype, embed_dtype, kv_dtype;
-    const void *embed;                          /* [vocab, hidden] */
+    int norm_dtype, kv_dtype;
     const float *cos, *signed_sin;              /* [max_positions, D] fp32, sin's first half negated */
     const void *final_norm;
     const StepLayer *layers;
@@ -43,6 +43,8 @@ typedef struct {
     const int64_t *token_ids, *positions, *slots, *rows;  /* [n]; rows = 0..n-1 (the attention kernel's row map) */
     const int32_t *seq_lens, *block_tables;
     int64_t block_table_stride, max_seq_len;
+    const float *embed_rows;  /* [n, hidden]: the rows' token embeddings, looked up by the caller in the
+                               * embedding's own storage (dense or packed blocks) */
     float *logits;                                        /* [n, vocab] */
 } StepBatch;
 
@@ -135,6 +137,8 @@ static int attention_block(const StepModel *m, const StepLayer *L, const StepBat
         const float *cos = m->cos + b->positions[r] * D, *ssin = m->signed_sin + b->positions[r] * D;
         rope_heads(q, H, D, cos, ssin, L->k_rotation, w->head);
         rope_heads(k, Hkv, D, cos, ssin, L->k_rotation, w->head);
+        if (L->k_offset)  /* FP8 K centring (kv_scales.py): softmax ignores the per-query shift it causes */
+            for (int64_t d = 0; d < Hkv * D; d++) k[d] -= L->k_offset[d];
         memcpy(w->attn + r * H * D, q, sizeof(float) * H * D);  /* the query rows, dense for the kernel */
         for (int64_t h = 0; h < Hkv; h++) {
             store_kv_row(m, (void *)L->k_cache, k + h * D, L->k_scale[h], h, b->slots[r]);
@@ -181,7 +185,7 @@ static int run_layers(const StepModel *m, const StepBatch *b, int64_t n, Buffers
     const int64_t hid = m->hidden;
     for (int64_t r = 0; r < n; r++)
         for (int64_t d = 0; d < hid; d++)
-            w->residual[r * hid + d] = load_at(m->embed, b->token_ids[r] * hid + d, m->embed_dtype);
+            w->residual[r * hid + d] = b->embed_rows[r * hid + d];
     for (int64_t l = 0; l < m->num_layers; l++) {
         const StepLayer *L = &m->layers[l];
         rms_norm_rows(w->residual, l ? w->delta : NULL, w->h, L->input_norm, m->norm_dtype, n, hid, m->eps);

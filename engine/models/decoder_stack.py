@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from pagedserve.quant.linear import QuantLinear
 
@@ -32,7 +33,9 @@ class StackLayer:
 
 @dataclass(frozen=True, slots=True)
 class DecoderStack:
-    embed: torch.Tensor  # [vocab, hidden]
+    embedding: nn.Module  # token ids [n] -> rows [n, hidden] (dense, or kept in a checkpoint's blocks)
+    vocab_size: int
+    hidden_size: int
     layers: tuple[StackLayer, ...]
     final_norm: torch.Tensor  # [hidden]
     lm_head: QuantLinear

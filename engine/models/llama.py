@@ -228,7 +228,8 @@ class LlamaForCausalLM(nn.Module):
             ))
         args = self.args
         return DecoderStack(
-            embed=self.model.embed_tokens.weight, layers=tuple(layers), final_norm=self.model.norm.weight,
+            embedding=self.model.embed_tokens, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+            layers=tuple(layers), final_norm=self.model.norm.weight,
             lm_head=self.lm_head, cos=self.rotary.cos, signed_sin=self.rotary.signed_sin, eps=args.rms_norm_eps,
             num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
             intermediate_size=args.intermediate_size,
