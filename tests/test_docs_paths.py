@@ -113,4 +113,5 @@ def test_the_extraction_sees_paths_and_modules():
     assert not path_exists("engine/no_such_module.py", arch)
     assert module_exists("pagedserve.engine.sampler", _package_dirs())
     assert not module_exists("pagedserve.engine.no_such_module", _package_dirs())
-    assert _clean("$PAGEDSERVE_CACHE/models/x.gguf") is None and _clean("engine/gguf_file.py:34") == "engine/gguf_file.py"
+    assert _clean("$PAGEDSERVE_CACHE/models/x.gguf") is None
+    assert _clean("engine/gguf_file.py:34") == "engine/gguf_file.py"
