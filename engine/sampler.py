@@ -94,13 +94,19 @@ class Sampler:
         scaled = (logits[rows] - row_max[rows].unsqueeze(1)) / temps.clamp(min=torch.finfo(torch.float32).tiny)
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         ranks = torch.arange(sorted_logits.shape[1]).unsqueeze(0)
-        top_k = torch.tensor([seqs[r].params.top_k or sorted_logits.shape[1] for r in rows]).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+        vocab = sorted_logits.shape[1]
+        top_k = torch.tensor([min(seqs[r].params.top_k or vocab, vocab) for r in rows]).unsqueeze(1)
+        if bool((top_k < vocab).any()):
+            # Tokens tied with the k-th are kept with it (as transformers and vLLM do): which of equal logits the
+            # sort puts first must not decide what can be sampled.
+            kth = sorted_logits.gather(1, top_k - 1)
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         top_p = torch.tensor([seqs[r].params.top_p for r in rows]).unsqueeze(1)
-        before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens; the best token always survives
         min_p = torch.tensor([seqs[r].params.min_p for r in rows]).unsqueeze(1)
-        drop = (before > top_p) | (probs < min_p * probs[:, :1])
+        drop = probs < min_p * probs[:, :1]
+        if bool((top_p < 1).any()):
+            drop |= (_mass_strictly_above(probs, ranks) >= top_p) & (top_p < 1)
         probs = probs.masked_fill(drop, 0.0)
         out: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
@@ -120,3 +126,17 @@ class Sampler:
             best = torch.topk(values, seq.params.logprobs)
             top = tuple(zip(best.indices.tolist(), best.values.tolist()))
         return TokenLogprob(token, float(values[token]), top)
+
+
+def _mass_strictly_above(probs: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """For rows sorted in descending order: each token's mass of strictly more likely tokens. top_p keeps a token
+    while that mass is below top_p (the smallest set reaching top_p), and tied tokens share their run's first
+    value, so equal tokens are kept or dropped together; the best token (mass 0) always survives."""
+    before = probs.cumsum(dim=-1) - probs
+    tied = (probs[:, 1:] == probs[:, :-1]) & (probs[:, 1:] > 0)  # tokens of probability 0 are dropped anyway
+    if not bool(tied.any()):
+        return before
+    starts = torch.ones_like(probs, dtype=torch.bool)
+    starts[:, 1:] = ~tied
+    first = torch.where(starts, ranks, 0).cummax(dim=-1).values
+    return before.gather(1, first)

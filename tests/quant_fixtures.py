@@ -151,3 +151,19 @@ def random_weight(k: int, n: int, bits: int, group: int, act_order: bool, seed: 
     z = torch.randint(0, 1 << bits, (groups, n), generator=g, dtype=torch.int32)
     s = (torch.rand(groups, n, generator=g) * 0.02 + 0.002).half()
     return GroupQuantWeight(pack_rows(q, bits), pack_cols(z, bits), s, g_idx, bits, k, n)
+
+
+def dequantized_reference(name: str) -> torch.nn.Module:
+    """transformers' Llama built from the checkpoint's config without its quantization, holding every quantized
+    linear as the tools dequantize it (test_quant_fixtures checks these weights against the tools' own hashes)
+    and every other tensor as stored, in float32."""
+    import transformers
+
+    model_dir = fixture_dir(name)
+    cfg = {k: v for k, v in hf_config(model_dir).items() if k != "quantization_config"}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).to(torch.float32).eval()
+    state = {k: v.float() for k, v in checkpoint_tensors(model_dir).items() if k.endswith(".weight")}
+    for prefix in tool_record(name)["dequant_fp16_sha256"]:
+        state[f"{prefix}.weight"] = reference_weight(model_dir, prefix).dequantize(torch.float32)
+    model.load_state_dict(state, strict=True)
+    return model

@@ -45,16 +45,26 @@ def _workload(seed: int) -> list[tuple[list[int], bool]]:
 async def _run(config: EngineConfig, llm: LLMEngine, hub: KvEventHub) -> tuple[dict, list]:
     engine = AsyncEngine(config, engine=llm)
     await engine.start()
-    engine.publish_kv_events(hub.publish)
+    published = 0  # batches the engine thread handed the hub; the hub numbers them 1, 2, ...
+
+    def publish(events) -> None:
+        nonlocal published
+        hub.publish(events)
+        published += 1
+
+    engine.publish_kv_events(publish)
     subscription = hub.subscribe()
     replica: dict[int, BlockStored] = {}
     seen: list = []
+    applied = 0  # sequence number of the last batch the follower applied
 
     async def follow() -> None:
+        nonlocal applied
         while True:
             batch = await subscription.next()
             seen.extend(batch.events)
             apply(replica, batch)
+            applied = batch.sequence_number
 
     async def request(i: int, ids: list[int], abort: bool) -> None:
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -68,9 +78,13 @@ async def _run(config: EngineConfig, llm: LLMEngine, hub: KvEventHub) -> tuple[d
         await asyncio.gather(*(request(wave + i, ids, abort) for i, (ids, abort) in enumerate(jobs[wave:wave + 6])))
         if wave == 6:
             assert await engine.reset_prefix_cache() > 0  # FlushCache: every cached block leaves at once
-    await asyncio.sleep(0.2)  # the last step's batch is on its way to this loop
-    await engine.shutdown()
-    await asyncio.sleep(0.05)
+    await engine.shutdown()  # no step, so no batch, after this
+    # The follower has applied the engine's last batch (the ceiling only bounds a hang).
+    for _ in range(6000):
+        if applied == published:
+            break
+        await asyncio.sleep(0.01)
+    assert applied == published > 0, f"the subscriber applied batches up to {applied} of {published}"
     follower.cancel()
     subscription.close()
     return replica, seen

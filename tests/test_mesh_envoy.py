@@ -6,7 +6,6 @@ One pair of replicas and one Envoy serve the whole module; the SIGTERM test drai
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import signal
 import threading
 import time
@@ -22,12 +21,16 @@ from service_fixtures import ServerProcess, health, metric_value, spawn_server, 
 
 from pagedserve.v1 import generate_pb2 as pb
 
-GRACE_S, DRAIN_DELAY_S = 20.0, 5.0
-# Room for a stream longer than 15 s even on a fast host: 2048-token context, 90 KV blocks.
-REPLICA_ARGS = ("--max-model-len", "2048", "--kv-cache-memory", "64MiB", "--drain-delay", str(DRAIN_DELAY_S),
+# Ceilings, not expectations: the drain test checks its steps by the events themselves (B's log, health, frames),
+# and these only have to be long enough that a loaded host never reaches them.
+GRACE_S, DRAIN_DELAY_S = 300.0, 10.0
+# An 8192-token context and a KV cache to match (at most 46 KB a token): a stream that could run for minutes.
+REPLICA_ARGS = ("--max-model-len", "8192", "--kv-cache-memory", "400MiB", "--drain-delay", str(DRAIN_DELAY_S),
                 "--shutdown-grace", str(GRACE_S))
 PROMPTS = ("The capital of France is", "Tell me about the sea.", "Count: one, two,", "A haiku about rain:")
-MAX_TOKENS = 1400  # the prompt plus this fits the 1456-token KV cache
+MAX_TOKENS = 8000  # the prompt plus this fits the context and, alone, the KV cache
+DRAIN_TOKENS = 48  # per stream through the SIGTERM drain (160 took 114 s on the loaded 2-core host)
+ENVOY_ROUTE_TIMEOUT_S = 15  # Envoy's default route timeout, which deploy/envoy turns off for streams
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -88,16 +91,28 @@ def test_64_concurrent_streams_through_envoy_are_correct_and_spread(mesh):
     assert min(shares) >= 8, f"least_request left a replica nearly idle: {shares}"
 
 
-def test_stream_longer_than_envoys_default_15s_route_timeout_completes(mesh):
-    envoy, _, _ = mesh
-    started = time.monotonic()
-    generate(envoy.target, PROMPTS[1], 32)
-    rate = 32 / (time.monotonic() - started)
-    tokens = min(MAX_TOKENS, max(64, math.ceil(rate * 24)))  # ~24 s at the measured speed
-    started = time.monotonic()
-    assert len(generate(envoy.target, PROMPTS[1], tokens, timeout=600)) == tokens
-    elapsed = time.monotonic() - started
-    assert elapsed > 15, f"precondition: {tokens} tokens took only {elapsed:.1f}s, not past Envoy's default 15 s"
+def test_stream_longer_than_envoys_default_15s_route_timeout_keeps_streaming(mesh):
+    """A stream asked for far more tokens than any host makes in 15 s (ignore_eos) is read until it has run past
+    Envoy's default route timeout, still delivering tokens after it, then cancelled: sized by what it asks for,
+    not by a speed measured beforehand."""
+    envoy, a, b = mesh
+    wait_until(lambda: idle(a) and idle(b), 120, "idle replicas")
+    before = aborted(a, b)
+    with grpc.insecure_channel(envoy.target) as channel:
+        started = time.monotonic()
+        call = stub(channel).Generate(request(PROMPTS[1], MAX_TOKENS), timeout=600)
+        received, after_timeout = 0, 0
+        for frame in call:
+            assert frame.WhichOneof("frame") != "final", f"the stream ended after {received} tokens: {frame}"
+            if frame.WhichOneof("frame") == "delta":
+                received += len(frame.delta.token_ids)
+                after_timeout += time.monotonic() - started > ENVOY_ROUTE_TIMEOUT_S + 1
+                if after_timeout >= 3:
+                    break
+        call.cancel()
+    assert after_timeout >= 3 and received < MAX_TOKENS
+    wait_until(lambda: aborted(a, b) == before + 1, 120, "the engine to abort the cancelled stream")
+    wait_until(lambda: idle(a) and idle(b), 120, "the cancelled stream's blocks back in the pool")
 
 
 def aborted(*replicas: ServerProcess) -> float:
@@ -130,7 +145,7 @@ def test_cancel_through_envoy_aborts_and_frees_blocks(mesh):
         assert metric_value(a, "pagedserve:kv_cache_blocks_active") + metric_value(b, "pagedserve:kv_cache_blocks_active") > 0
         call.cancel()
         wait_until(lambda: aborted(a, b) == before + 1, 60, "Envoy to pass the cancel on and the engine to abort")
-        wait_until(lambda: idle(a) and idle(b), 10, "the cancelled request's blocks back in the pool")
+        wait_until(lambda: idle(a) and idle(b), 120, "the cancelled request's blocks back in the pool")
 
 
 class _Load:
@@ -167,18 +182,12 @@ def ready_status(replica: ServerProcess) -> int:
 
 def test_sigterm_under_load_through_envoy_loses_nothing_and_in_flight_streams_finish(mesh):
     envoy, a, b = mesh
-    # #13: streams that need about half the grace period all complete. Sized from B's measured speed with the
-    # same concurrency; capped so all four fit the KV cache together (preemption would slow them for reasons
-    # that have nothing to do with the drain).
-    # Measured under the same load (both replicas share this host's cores).
+    # #13: streams in flight at SIGTERM all complete within the grace period (a ceiling: B exits as soon as they
+    # are done). All four fit the KV cache together, so no preemption slows them for reasons unrelated to the drain.
     assert ready_status(b) == 200
     load = _Load(envoy.target)
     try:
-        started = time.monotonic()
-        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-            list(pool.map(lambda p: generate(b.target, p, 32), PROMPTS))
-        per_token = (time.monotonic() - started) / 32
-        tokens = max(16, min(MAX_TOKENS // len(PROMPTS) - 32, int(GRACE_S / 2 / per_token)))
+        tokens = DRAIN_TOKENS
         b_channel = grpc.insecure_channel(b.target)
         long_calls = [stub(b_channel).Generate(request(p, tokens), timeout=600) for p in PROMPTS]
         firsts = [next(f for f in c if f.WhichOneof("frame") == "delta") for c in long_calls]
@@ -187,9 +196,10 @@ def test_sigterm_under_load_through_envoy_loses_nothing_and_in_flight_streams_fi
         wait_until(lambda: health(b_channel) == NOT_SERVING, 30, "B's health NOT_SERVING")
         assert ready_status(b) == 503
         assert health(b_channel, "liveness") == SERVING, "liveness must not fail a draining replica"
-        # Within --drain-delay B still admits: requests routed during endpoint propagation succeed.
+        # Within --drain-delay B still admits: requests routed during endpoint propagation succeed. B logs
+        # "draining:" when the delay ends; its absence after the answer shows the request fell inside the delay.
         assert len(generate(b.target, PROMPTS[0], 2)) == 2
-        assert time.monotonic() - sigterm_at < DRAIN_DELAY_S, "precondition: still inside the drain delay"
+        assert "draining:" not in b.log(), "precondition: the drain delay ended before the request was answered"
         wait_until(lambda: not envoy.healthy(b), 30, "Envoy's health check to fail B")
         routed_to_b = envoy.host_stat(b, "rq_total")
         for first, call in zip(firsts, long_calls):
@@ -206,5 +216,5 @@ def test_sigterm_under_load_through_envoy_loses_nothing_and_in_flight_streams_fi
         load.finish()
     assert load.failures == [], load.failures[:5]
     assert load.ok > 0
-    print(f"drain: {tokens} tokens x {len(PROMPTS)} streams, calibrated {tokens * per_token:.1f}s, finished "
-          f"{drained_s:.1f}s after SIGTERM (grace {GRACE_S}s after a {DRAIN_DELAY_S}s delay)")
+    print(f"drain: {tokens} tokens x {len(PROMPTS)} streams finished {drained_s:.1f}s after SIGTERM "
+          f"(grace {GRACE_S}s after a {DRAIN_DELAY_S}s delay)")

@@ -10,6 +10,7 @@ from quant_fixtures import (
     FIXTURE_NAMES,
     build_linear,
     copy_fixture,
+    dequantized_reference,
     fixture_dir,
     fp16_sha256,
     full_logits,
@@ -78,13 +79,19 @@ def test_logits_match_the_tools_cpu_logits(name, loaded_models):
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
-def test_int4_kernel_path_agrees_with_the_exact_path(name, loaded_models, loaded_bf16):
-    # bfloat16 has 8 mantissa bits (fp16 has 11), so this path is compared with our exact fp32 path at a
-    # bf16-sized tolerance rather than with the fp16 tool at 1e-2.
+def test_bf16_kernel_path_is_as_close_to_the_dequantized_reference_as_transformers_in_bf16(name, loaded_bf16):
+    """The bfloat16 serving path (torch's int4 CPU kernel for 4-bit layers) against transformers running the tools'
+    dequantized weights in float32: bf16's 8 mantissa bits cost this path no more than they cost transformers
+    itself on the same weights in bf16 (measured: 0.024-0.053 for both; ratio at most 1.12), so the bound is
+    1.5x transformers' own bf16 error, not a fixed tolerance against our other path."""
     ids = tool_outputs(name)["input_ids"]
-    exact = full_logits(loaded_models[name], ids)
-    fast = full_logits(loaded_bf16[name], ids)
-    assert (fast - exact).abs().max().item() <= 0.1
+    reference = dequantized_reference(name)
+    with torch.inference_mode():
+        exact = reference(ids).logits.float()
+        hf_bf16 = reference.to(torch.bfloat16)(ids).logits.float()
+    ours = (full_logits(loaded_bf16[name], ids) - exact).abs().max().item()
+    theirs = (hf_bf16 - exact).abs().max().item()
+    assert 0 < ours <= 1.5 * theirs, (ours, theirs)
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)

@@ -1,4 +1,6 @@
-"""Sampling parameters each change behaviour the way they claim; a test fails if one is ignored."""
+"""Sampling through the engine: n-way forks, seeds, stops, penalties and logit bias against transformers' greedy
+output, logprobs and non-finite rows. Each option's sampled distribution, and a test that fails when any one option
+is ignored, are in tests/test_sampler_distribution.py."""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import urllib.request
 
@@ -22,6 +23,7 @@ from service_fixtures import (  # noqa: F401 - fixtures are used by name
     wait_until,
 )
 
+from pagedserve.engine.model_store import resolve_model
 from pagedserve.v1 import generate_pb2 as pb
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -55,20 +57,46 @@ def test_full_admission_queue_is_resource_exhausted(server_factory):  # noqa: F8
         assert frames[-1].final.usage.completion_tokens == 2
 
 
-def test_health_serving_only_once_loaded_then_sigterm_drains_in_flight_streams(tmp_path):
+# Loaded into the server process through PYTHONPATH: an audit hook that holds the first open of the model's weights
+# file until the test creates the release file, so the model load is observably in progress for as long as the
+# test needs, however fast the host (Python's audit events, no hook in pagedserve).
+_HOLD_OPEN = """
+import os, sys, time
+_held, _release = os.environ["PAGEDSERVE_TEST_HOLD_OPEN"], os.environ["PAGEDSERVE_TEST_RELEASE"]
+def _hold(event, args):
+    if event == "open" and args and str(args[0]) == _held:
+        while not os.path.exists(_release):
+            time.sleep(0.05)
+sys.addaudithook(_hold)
+"""
+
+
+def test_health_serving_only_once_loaded_then_sigterm_drains_in_flight_streams(tmp_path, monkeypatch):
     port = free_port()
+    hook, release = tmp_path / "hold-load", tmp_path / "release"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_HOLD_OPEN)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PAGEDSERVE_TEST_HOLD_OPEN", str(resolve_model(None).weights))
+    monkeypatch.setenv("PAGEDSERVE_TEST_RELEASE", str(release))
     proc, ready, log = spawn_server(tmp_path / "drain", "--shutdown-grace", "120", port=port)
     seen: list[int] = []
     with grpc.insecure_channel(f"localhost:{port}") as channel:
-        def loaded() -> bool:
+        def answers() -> bool:
             try:
                 seen.append(health(channel))
             except grpc.RpcError:  # not listening yet
+                assert proc.poll() is None, log.read_text()[-3000:]
                 return False
-            return seen[-1] == SERVING
+            return True
 
-        wait_until(loaded, 600, "health SERVING")
-        assert seen[0] == NOT_SERVING, "the port answers NOT_SERVING while the model loads"
+        try:
+            wait_until(answers, 600, "the port to answer health")
+            assert seen == [NOT_SERVING], "the port answers NOT_SERVING while the model loads"
+            assert not ready.exists()
+        finally:
+            release.touch()
+        wait_until(lambda: health(channel) == SERVING, 600, "health SERVING once the load can finish")
         assert health(channel, "pagedserve.v1.GenerationService") == SERVING
         wait_ready(proc, ready, log)
 

@@ -154,8 +154,12 @@ def test_stop_strings_and_sampled_requests_through_smg(smg, llm_fp32):
                 {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "stop": ["e"]})["choices"][0]
     assert (got["text"], got["finish_reason"]) == (expected.text, "stop")
     sampled = _post(f"{smg.base}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 8, "n": 2,
-                                                  "temperature": 0.9, "top_p": 0.9, "seed": 3})
-    assert sorted(c["index"] for c in sampled["choices"]) == [0, 1] and sampled["usage"]["completion_tokens"] > 0
+                                                  "temperature": 0.9, "top_p": 0.9, "seed": 3, "ignore_eos": True})
+    direct = off_main_thread(llm_fp32.generate, llm_fp32.tokenizer.encode(prompt), SamplingParams(
+        n=2, temperature=0.9, top_p=0.9, seed=3, max_tokens=8, ignore_eos=True))[0].outputs
+    # The seed reaches the engine: the same samples as the offline engine's, and the two samples differ.
+    assert sorted((c["index"], c["text"]) for c in sampled["choices"]) == [(c.index, c.text) for c in direct]
+    assert direct[0].text != direct[1].text and sampled["usage"]["completion_tokens"] == 16
 
 
 def test_cache_aware_routing_keeps_a_shared_prefix_on_one_replica(smg, replicas):

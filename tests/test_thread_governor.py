@@ -133,7 +133,7 @@ def test_only_a_spinning_pool_is_governed():
 
 
 ENGINE_PROBE = """
-import os, subprocess, sys
+import os, subprocess, sys, time
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pagedserve.engine.host.tuning import tune_host
 config = EngineConfig(dtype="float32", kv_cache_memory=64 << 20)
@@ -143,15 +143,15 @@ assert governor is not None, "no governor with a spinning pool"
 core = sorted(os.sched_getaffinity(0))[-1]
 busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=lambda: os.sched_setaffinity(0, {core}))
 try:
-    for i in range(400):  # bounded: a few seconds of decoding at most
-        if governor.threads < governor.config.max_threads:
-            break
+    ceiling, i = time.monotonic() + 240, 0  # only bounds a hang: the governor decides within a window or two
+    while governor.threads == governor.config.max_threads and time.monotonic() < ceiling:
         if not engine.has_unfinished_requests():
             engine.add_request(f"r{i}", [1, 2, 3, 4], SamplingParams(max_tokens=64, ignore_eos=True))
+            i += 1
         engine.step()
 finally:
     busy.kill()
-print("THREADS", governor.config.max_threads, "->", governor.threads)
+print("THREADS", governor.config.max_threads, governor.threads)
 """
 
 
@@ -159,6 +159,10 @@ print("THREADS", governor.config.max_threads, "->", governor.threads)
 def test_an_engine_steps_down_beside_a_busy_core():
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-P", "-c", ENGINE_PROBE], env=env, capture_output=True, text=True,
-                         timeout=300)
-    threads = cpu_budget().usable
-    assert f"THREADS {threads} -> {threads - 1}" in out.stdout, out.stderr[-2000:]  # one core taken: one thread
+                         timeout=600)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("THREADS ")), None)
+    assert line is not None, out.stderr[-2000:]
+    before, after = map(int, line.split()[1:])
+    # One core taken by the spinner: at least one thread fewer. Other processes on a shared host may take more,
+    # so the exact count is not pinned; the governor never goes below one thread.
+    assert before == cpu_budget().usable and 1 <= after < before, (before, after)
