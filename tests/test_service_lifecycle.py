@@ -23,7 +23,7 @@ from service_fixtures import (  # noqa: F401 - fixtures are used by name
     wait_until,
 )
 
-from pagedserve.engine.model_store import resolve_model
+from pagedserve.engine.loading.model_store import resolve_model
 from pagedserve.v1 import generate_pb2 as pb
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING

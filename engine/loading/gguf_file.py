@@ -19,7 +19,7 @@ from pagedserve.engine.errors import ModelLoadError
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # Vocabulary arrays are long (262,144 strings for Gemma 3): the metadata keeps their length, and the tokenizer
-# is built from the file by transformers (`tokenizer_dir` in engine/gguf_checkpoint.py).
+# is built from the file by transformers (`tokenizer_dir` in engine/loading/gguf_checkpoint.py).
 _LONG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
                 "tokenizer.ggml.merges")
 
