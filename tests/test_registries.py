@@ -104,7 +104,8 @@ def spy_on_steps(runner, monkeypatch) -> tuple[CountingAttention, list]:
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_the_runner_plans_once_per_step_and_every_layer_uses_that_plan(tmp_path, monkeypatch, backend):
-    llm = LLM(str(make_tiny_model(tmp_path)), dtype="float32", attention_backend=backend)
+    # The per-op path: a native decode step (engine/native_step.py) runs every layer in one C call, with no plans.
+    llm = LLM(str(make_tiny_model(tmp_path)), dtype="float32", attention_backend=backend, native_step_max_batch=0)
     params = SamplingParams(max_tokens=4, temperature=0.0)
     expected = llm.generate(["a b c", "d e"], params)
     runner = llm.engine.runner

@@ -146,10 +146,41 @@ def start_llama_server(model_dir: str, dtype: str, log_dir: Path, threads: int =
     argv = [str(paths.llama_server()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-c", str(parallel * ctx_per_slot),
             "--cont-batching", "--no-webui", "-a", "model"]
+    if not LLAMA_REPACK_OFF[0]:
+        try:
+            return _start_llama(argv, gguf, log_dir, timeout)
+        except LlamaIllegalInstruction:
+            pass
+    # A -march=native build runs ggml's AMX kernels where the CPU lists AMX; a VM that does not grant the tile
+    # state kills it with SIGILL at its warm-up. Without repacking, llama.cpp uses its AVX-512 kernels.
+    if not LLAMA_REPACK_OFF[0]:
+        print("llama-server died at start (SIGILL in its AMX kernels on a VM without AMX tile state?): "
+              "retrying with --no-repack", file=sys.stderr)
+    LLAMA_REPACK_OFF[0] = True
+    return _start_llama([*argv, "--no-repack"], gguf, log_dir, timeout)
+
+
+LLAMA_REPACK_OFF = [False]  # set once llama-server needed --no-repack here; reports say so
+
+
+class LlamaIllegalInstruction(RuntimeError):
+    """llama-server was killed by SIGILL (an instruction the CPU or VM does not allow)."""
+
+
+def _start_llama(argv: list[str], gguf: Path, log_dir: Path, timeout: float) -> Server:
     proc, log = _spawn(f"llama-server-{gguf.stem}", argv, None, log_dir)
-    server = Server("llama-server", proc, f"http://127.0.0.1:{port}", log)
-    _wait_http(server, "/health", timeout)
+    server = Server("llama-server", proc, f"http://127.0.0.1:{port_of(argv)}", log)
+    try:
+        _wait_http(server, "/health", timeout)
+    except RuntimeError:
+        if proc.returncode != -signal.SIGILL:
+            raise
+        raise LlamaIllegalInstruction(f"llama-server died of SIGILL; see {log}") from None
     return server
+
+
+def port_of(argv: list[str]) -> str:
+    return argv[argv.index("--port") + 1]
 
 
 def _wait_ready(proc: subprocess.Popen, ready: Path, log: Path, timeout: float) -> dict:
