@@ -4,20 +4,32 @@ the GPU machine stays pinned to versions pyproject.toml accepts."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 
-import report  # noqa: E402
-import wheels  # noqa: E402
+
+def _gpu_module(name: str) -> ModuleType:
+    """tests/gpu/<name>.py under a name of its own: benchmarks/peers has a `report` module too, and whichever test
+    imported its `report` first would otherwise hand the other its module."""
+    spec = importlib.util.spec_from_file_location(f"device_check_{name}", ROOT / "tests" / "gpu" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+report = _gpu_module("report")
+wheels = _gpu_module("wheels")
 
 E2E_CASES = {"llama_fp32", "gemma3_fp32", "llama_bf16", "fp8_kv", "gptq", "awq", "smollm2"}
 SERVER_CHECKS = {"health", "protocols_agree", "concurrent_streams", "cancel_frees_blocks"}
