@@ -6,8 +6,11 @@ A layer whose type has no packed kernel (F16, BF16, Q5_1, Q2_K, Q3_K, ...) arriv
 
 Per call the kernel is chosen by the number of rows (measured: docs/quantization.md): up to `PACKED_MAX_ROWS` rows
 (decode) the packed kernel reads the blocks in place, dequantizing each run of 32 weights in registers and
-multiplying it with the fp32 activations (exact up to summation order); more rows (prefill) dequantize the matrix
-to the compute dtype once per call and take torch's dense matmul, whose GEMM outruns the per-row kernel there.
+multiplying it with the fp32 activations (exact up to summation order); more rows (prefill, large decode batches)
+take a dense GEMM, whose AMX/AVX-512 tiles outrun the per-row kernel there. With `dense_batches` (the default,
+`--gguf-weights auto`) each layer also holds its weights expanded once at load in the compute dtype (oneDNN-packed,
+as the dequantized path serves them), so a saturated server runs exactly as fast as the dequantized path; without it
+(`--gguf-weights packed`, the lean-memory choice) the matrix is dequantized per call.
 The kernel's int8-activation variant (llama.cpp's scheme) measured ~12% faster at one row only, and its rounding
 of activations cost top-1 agreement (95.7% vs 97.5% for bf16 against fp32 on the held-out text), so it is off.
 """
@@ -41,24 +44,30 @@ def row_bytes(qtype: str, in_features: int) -> int:
 class GgufLinearMethod(LinearMethod):
     """One linear layer whose weight is `qtype` blocks, uint8 [out_features, row_bytes] as the file stores it."""
 
-    def __init__(self, qtype: str):
+    def __init__(self, qtype: str, dense_batches: bool = False):
         self.qtype = qtype
+        self.dense_batches = dense_batches
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         blocks = torch.empty(out_features, row_bytes(self.qtype, in_features), dtype=torch.uint8)
         layer.weight = nn.Parameter(blocks, requires_grad=False)
         layer.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         layer.packed = None
+        layer.compute_dtype = dtype
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         bias = layer.bias.detach().float().contiguous() if layer.bias is not None else None
         layer.packed = PackedMatrix(self.qtype, layer.weight.data, layer.in_features, bias)
+        # Kept out of the module tree (not a submodule): a second copy for many rows, never a checkpoint slot.
+        layer.__dict__["dense_batches"] = _dense_companion(layer) if self.dense_batches else None
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         packed: PackedMatrix = layer.packed
         flat = x.reshape(-1, layer.in_features)
         if flat.shape[0] <= PACKED_MAX_ROWS:
             y = packed.matmul(flat.float().contiguous())
+        elif layer.__dict__.get("dense_batches") is not None:
+            return layer.__dict__["dense_batches"](x)
         else:
             dtype = x.dtype if x.dtype == torch.bfloat16 else torch.float32
             y = F.linear(flat.to(dtype), packed.dequantize(dtype=dtype), None if packed.bias is None else packed.bias.to(dtype))
@@ -79,8 +88,10 @@ class GgufLinearMethod(LinearMethod):
         has_bias = any(layer.bias is not None for layer in layers)
         dtype = next((layer.bias.dtype for layer in layers if layer.bias is not None), torch.float32)
         with torch.device("meta"):
-            merged = QuantLinear(layers[0].in_features, blocks.shape[0], has_bias, GgufLinearMethod(self.qtype), dtype)
+            merged = QuantLinear(layers[0].in_features, blocks.shape[0], has_bias,
+                                 GgufLinearMethod(self.qtype, self.dense_batches), dtype)
         merged.weight = nn.Parameter(blocks, requires_grad=False)
+        merged.compute_dtype = layers[0].compute_dtype
         if has_bias:
             merged.bias = nn.Parameter(torch.cat([
                 layer.bias if layer.bias is not None else torch.zeros(layer.out_features, dtype=dtype)
@@ -89,12 +100,28 @@ class GgufLinearMethod(LinearMethod):
         return merged
 
 
+def _dense_companion(layer: nn.Module) -> nn.Module:
+    """The layer's weights expanded once into its compute dtype, served by the unquantized method (oneDNN on CPU)."""
+    from pagedserve.quant.linear import QuantLinear
+
+    dtype = layer.compute_dtype if layer.compute_dtype in (torch.bfloat16, torch.float16) else torch.float32
+    with torch.device("meta"):
+        dense = QuantLinear(layer.in_features, layer.out_features, layer.bias is not None, UnquantizedLinearMethod(),
+                            dtype)
+    dense.weight = nn.Parameter(layer.packed.dequantize(dtype=dtype), requires_grad=False)
+    if layer.bias is not None:
+        dense.bias = nn.Parameter(layer.bias.detach().to(dtype), requires_grad=False)
+    dense.method.process_weights_after_loading(dense)
+    return dense
+
+
 class PackedEmbedding(nn.Module):
     """A token embedding kept in `qtype` blocks; a lookup dequantizes only the rows it reads."""
 
-    def __init__(self, qtype: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
+    def __init__(self, qtype: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype,
+                 dense_batches: bool = False):
         super().__init__()
-        self.qtype, self.dtype = qtype, dtype
+        self.qtype, self.dtype, self.dense_batches = qtype, dtype, dense_batches
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         blocks = torch.empty(num_embeddings, row_bytes(qtype, embedding_dim), dtype=torch.uint8)
         self.weight = nn.Parameter(blocks, requires_grad=False)
@@ -113,10 +140,11 @@ class PackedEmbedding(nn.Module):
         """The tied LM head: a linear layer over the same blocks (shared, not copied)."""
         from pagedserve.quant.linear import QuantLinear
 
-        method = GgufLinearMethod(self.qtype)
+        method = GgufLinearMethod(self.qtype, self.dense_batches)
         with torch.device("meta"):
             head = QuantLinear(self.embedding_dim, self.num_embeddings, False, method, self.dtype)
         head.weight = self.weight
+        head.compute_dtype = self.dtype
         method.process_weights_after_loading(head)
         return head
 
@@ -127,6 +155,7 @@ class GgufConfig(QuantConfig):
     loader hands over packed."""
 
     tensor_types: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    dense_batches: bool = False  # also keep each matrix expanded for many-row calls (see the module docstring)
     name = "gguf"
 
     def __post_init__(self) -> None:
@@ -140,17 +169,20 @@ class GgufConfig(QuantConfig):
         types = quantization_config.get("tensor_types", {})
         if not isinstance(types, dict):
             raise QuantConfigError("tensor_types", f"expected an object, got {type(types).__name__}")
-        return cls(MappingProxyType(dict(types)))
+        dense = quantization_config.get("dense_batches", False)
+        if not isinstance(dense, bool):
+            raise QuantConfigError("dense_batches", f"expected true or false, got {dense!r}")
+        return cls(MappingProxyType(dict(types)), dense)
 
     def linear_method(self, prefix: str) -> LinearMethod:
         qtype = self.tensor_types.get(f"{prefix}.weight")
-        return GgufLinearMethod(qtype) if qtype is not None else UnquantizedLinearMethod()
+        return GgufLinearMethod(qtype, self.dense_batches) if qtype is not None else UnquantizedLinearMethod()
 
     def embedding(self, prefix: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> nn.Module:
         qtype = self.tensor_types.get(f"{prefix}.weight")
         if qtype is None:
             return super().embedding(prefix, num_embeddings, embedding_dim, dtype)
-        return PackedEmbedding(qtype, num_embeddings, embedding_dim, dtype)
+        return PackedEmbedding(qtype, num_embeddings, embedding_dim, dtype, self.dense_batches)
 
     def describe(self) -> str:
         kinds = sorted(set(self.tensor_types.values()))

@@ -36,9 +36,10 @@ class GgufCheckpoint:
         self.hf_config: dict[str, Any] = hf_config(self.file.architecture, self.file.metadata, self.file.tensor_names)
         self.packed: dict[str, str] = {}  # GGUF name -> HF name of the matrices handed over as blocks
 
-    def keep_packed(self, packed_types: frozenset[str]) -> None:
+    def keep_packed(self, packed_types: frozenset[str], dense_batches: bool = False) -> None:
         """Matrices of `packed_types` stay in their blocks: the config then names the `gguf` method and lists them
-        in `quantization_config.tensor_types`; every other tensor is still dequantized once at load."""
+        in `quantization_config.tensor_types`; every other tensor is still dequantized once at load. dense_batches:
+        the method also keeps each matrix expanded for many-row calls (quant/gguf.py)."""
         types = {}
         for name, qtype in self.file.tensor_types().items():
             hf_name = hf_tensor_name(self.arch, name)
@@ -46,7 +47,8 @@ class GgufCheckpoint:
                 self.packed[name] = hf_name
                 types[hf_name] = qtype
         if types:
-            self.hf_config["quantization_config"] = {"quant_method": "gguf", "tensor_types": types}
+            self.hf_config["quantization_config"] = {"quant_method": "gguf", "tensor_types": types,
+                                                     "dense_batches": dense_batches}
 
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor under its HF name: packed matrices as their blocks, the rest dequantized once (fp32, where

@@ -106,7 +106,9 @@ def load_model(path: Path, dtype: torch.dtype | None, quantization: str | None, 
     cpu_bf16 = native_bf16_flags() if device.type == "cpu" and dtype is None else ()
     compute_dtype = resolve_dtype(hf_config, dtype, device, cpu_bf16)
     if gguf is not None:
-        gguf.keep_packed(packed_gguf_types(gguf_weights, quantization, device, compute_dtype))
+        # auto: the blocks for decode rows and the expanded weights for batches; packed: the blocks alone.
+        gguf.keep_packed(packed_gguf_types(gguf_weights, quantization, device, compute_dtype),
+                         dense_batches=gguf_weights == "auto")
     factory = model_class_for(hf_config)
     try:
         # A GGUF names the gguf method when it keeps blocks; side files beside it are not its own.
