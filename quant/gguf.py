@@ -59,15 +59,15 @@ class GgufLinearMethod(LinearMethod):
         bias = layer.bias.detach().float().contiguous() if layer.bias is not None else None
         layer.packed = PackedMatrix(self.qtype, layer.weight.data, layer.in_features, bias)
         # Kept out of the module tree (not a submodule): a second copy for many rows, never a checkpoint slot.
-        layer.__dict__["dense_batches"] = _dense_companion(layer) if self.dense_batches else None
+        layer.__dict__["dense_copy"] = _dense_companion(layer) if self.dense_batches else None
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         packed: PackedMatrix = layer.packed
         flat = x.reshape(-1, layer.in_features)
         if flat.shape[0] <= PACKED_MAX_ROWS:
             y = packed.matmul(flat.float().contiguous())
-        elif layer.__dict__.get("dense_batches") is not None:
-            return layer.__dict__["dense_batches"](x)
+        elif (dense := layer.__dict__.get("dense_copy")) is not None:
+            return dense(x)
         else:
             dtype = x.dtype if x.dtype == torch.bfloat16 else torch.float32
             y = F.linear(flat.to(dtype), packed.dequantize(dtype=dtype), None if packed.bias is None else packed.bias.to(dtype))
