@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import ConfigError
-from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata
+from pagedserve.kernels.attention import AttentionImpl, WriteObservingAttention
 from pagedserve.kernels.kv_cache import KVDtype, LayerKVCache
 from pagedserve.kernels.kv_scales import ScaleRule
 
@@ -62,11 +62,11 @@ class KVCalibrationConfig:
         ScaleRule(margin=self.margin)  # validates the margin
 
 
-class AmaxObserver(AttentionImpl):
+class AmaxObserver(WriteObservingAttention):
     """Passes everything to `inner`; remembers, per layer, the largest |K| and |V| written for each KV head."""
 
     def __init__(self, inner: AttentionImpl, layers: list[LayerKVCache]):
-        self.inner = inner
+        super().__init__(inner)
         self._index = {id(layer): i for i, layer in enumerate(layers)}
         heads = layers[0].k_scale.numel()
         self.k_amax = torch.zeros(len(layers), heads)
@@ -80,14 +80,6 @@ class AmaxObserver(AttentionImpl):
         if i == 0:
             self.tokens += key.shape[0]
         self.inner.write_kv(key, value, cache, slot_mapping)
-
-    def plan(self, meta: AttentionMetadata, cache: LayerKVCache, window: int | None = None) -> Any:
-        return self.inner.plan(meta, cache, window)
-
-    def attention(
-        self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, plan: Any, scale: float
-    ) -> torch.Tensor:
-        return self.inner.attention(query, cache, meta, plan, scale)
 
 
 def observe(config: KVCalibrationConfig) -> AmaxObserver:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -104,3 +104,19 @@ class AttentionImpl(ABC, Generic[PlanT]):
         self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, plan: PlanT, scale: float
     ) -> torch.Tensor:
         """query [T, H, D] -> [T, H, D] in query's dtype; `plan` is this step's `plan(meta, ..., window)`."""
+
+
+class WriteObservingAttention(AttentionImpl[Any]):
+    """An implementation wrapped to look at (or set scales from) what is written: `write_kv` is the subclass's,
+    which ends by calling `inner.write_kv`; plans and attention are `inner`'s own."""
+
+    def __init__(self, inner: AttentionImpl):
+        self.inner = inner
+
+    def plan(self, meta: AttentionMetadata, cache: LayerKVCache, window: int | None = None) -> Any:
+        return self.inner.plan(meta, cache, window)
+
+    def attention(
+        self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, plan: Any, scale: float
+    ) -> torch.Tensor:
+        return self.inner.attention(query, cache, meta, plan, scale)

@@ -29,12 +29,11 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from pagedserve.kernels.kv_cache import KVCache, KVCacheConfigError, KVDtype, LayerKVCache
-from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata
+from pagedserve.kernels.attention import AttentionImpl, WriteObservingAttention
 
 logger = logging.getLogger(__name__)
 
@@ -160,13 +159,13 @@ def _describe(scales: list[torch.Tensor]) -> str:
     return f"[{values.min().item():.3g}, {values.max().item():.3g}]"
 
 
-class CalibratingAttention(AttentionImpl):
+class CalibratingAttention(WriteObservingAttention):
     """Wraps an implementation; the first write into each layer's cache fixes that layer's scales from its data."""
 
     def __init__(self, inner: AttentionImpl, cache: KVCache, rule: ScaleRule = DEFAULT_RULE):
         if not cache.spec.dtype.is_fp8:
             raise KVScaleError(f"calibration needs an fp8 cache, not {cache.spec.dtype.value}")
-        self.inner = inner
+        super().__init__(inner)
         self.rule = rule
         self._pending = {id(layer): index for index, layer in enumerate(cache.layers)}
         self._layers = cache.layers
@@ -188,14 +187,6 @@ class CalibratingAttention(AttentionImpl):
             if not self._pending:
                 self._log_done()
         self.inner.write_kv(key, value, cache, slot_mapping)
-
-    def plan(self, meta: AttentionMetadata, cache: LayerKVCache, window: int | None = None) -> Any:
-        return self.inner.plan(meta, cache, window)
-
-    def attention(
-        self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, plan: Any, scale: float
-    ) -> torch.Tensor:
-        return self.inner.attention(query, cache, meta, plan, scale)
 
     def _log_done(self) -> None:
         logger.warning(
