@@ -133,6 +133,17 @@ def _block_m(max_query_len: int, queries_per_kv: int) -> int:
     return max(rows, triton.next_power_of_2(queries_per_kv))
 
 
+# K and V tiles of one cache block are what the software pipeline multi-buffers in shared memory: three stages of a
+# 128-token block at head_dim 256 need 294 KiB, over an H100's 227 KiB. This budget leaves room for the query tile
+# and fits the 164 KiB of an A100 as well.
+_PIPELINE_SHARED_BYTES = 128 * 1024
+
+
+def _num_stages(block_size: int, head_dim_pad: int, element_size: int) -> int:
+    tile_bytes = 2 * block_size * head_dim_pad * element_size
+    return max(1, min(3, _PIPELINE_SHARED_BYTES // tile_bytes))
+
+
 def check_supported(query: torch.Tensor, cache: LayerKVCache) -> None:
     """Shapes the kernel cannot take raise here, before launch, with the reason."""
     block_size, head_dim = cache.k.shape[1], cache.k.shape[3]
@@ -157,6 +168,7 @@ def triton_paged_attention(
     queries_per_kv = num_heads // num_kv_heads
     block_m = _block_m(meta.max_query_len, queries_per_kv)
     block_q = block_m // queries_per_kv
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     out = torch.empty_like(query)
     grid = (num_tokens // block_q + meta.num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
@@ -166,9 +178,10 @@ def triton_paged_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         cache.k.stride(0), cache.k.stride(1), cache.k.stride(2), meta.block_tables.stride(0),
         NUM_QUERIES_PER_KV=queries_per_kv, BLOCK_M=block_m, BLOCK_Q=block_q,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         IS_FP8=cache.dtype.is_fp8, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DOT_DTYPE=_dot_dtype(query.dtype),
+        num_stages=_num_stages(block_size, head_dim_pad, query.element_size()),
     )
     return out
 

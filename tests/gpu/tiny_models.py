@@ -8,6 +8,7 @@ fixture's dequantized weights.
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -51,9 +52,13 @@ def load_hf(path: Path, dtype: torch.dtype, device: torch.device):
 
 @torch.inference_mode()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    # No end-of-sequence token at all, as the engine's ignore_eos: min_new_tokens would instead mask EOS out of the
+    # logits, and a random model's argmax is EOS often enough to make the two disagree.
     ids = torch.tensor([prompt], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         min_new_tokens=max_new_tokens, pad_token_id=model.config.eos_token_id)
+    # An empty list, not None: None falls back to the model config's EOS.
+    config = copy.deepcopy(model.generation_config)
+    config.update(eos_token_id=[], max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    out = model.generate(ids, generation_config=config, attention_mask=torch.ones_like(ids))
     return out[0, len(prompt):].tolist()
 
 
