@@ -6,6 +6,7 @@ import copy
 import math
 from dataclasses import dataclass, field
 
+from pagedserve.engine.constraint import OutputConstraint
 from pagedserve.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
@@ -57,6 +58,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-n alternatives per generated token (the chosen token is always included)
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    constraint: OutputConstraint | None = None  # structured output (engine/constraint.py); compiled at admission
 
     def __post_init__(self) -> None:
         self._normalise_sequences()
@@ -104,6 +106,8 @@ class SamplingParams:
                 _integer("logit_bias", token, 0)
                 _finite("logit_bias", bias)
                 _within("logit_bias", bias, LOGIT_BIAS_RANGE)
+        if self.constraint is not None and not isinstance(self.constraint, OutputConstraint):
+            raise InvalidRequestError("constraint", f"must be an OutputConstraint, got {type(self.constraint).__name__}")
         if self.n > 1 and self.temperature == 0:
             raise InvalidRequestError("n", "n > 1 needs temperature > 0 (greedy samples would be identical)")
 

@@ -24,6 +24,9 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # cancelled by the client or the server
     ERROR = "error"  # this request's logits went non-finite; its batch mates are unaffected
+    # Its constraint allows no further token (nor the end) before it was satisfied: only this sequence ends, with
+    # the text so far; not an error (vLLM #18783 failed the whole request instead).
+    CONSTRAINT_DEAD_END = "constraint_dead_end"
 
 
 @dataclass(slots=True)

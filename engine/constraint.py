@@ -1,0 +1,96 @@
+"""What a structured-output request constrains its text to: the one engine-facing description every front end builds.
+
+A constraint is only a description here (kind + spec, checked for shape and size). Compiling it into a grammar for
+the model's tokenizer happens at admission, off the engine loop (`engine/structured_output/`), so a schema the
+grammar library rejects is refused with the request, naming the field, before anything is queued.
+Errors name `constraint.<kind>`; front ends rename `constraint` to their own path (`renamed(field_map(...))`).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+
+from pagedserve.engine.errors import InvalidRequestError
+
+MAX_SPEC_BYTES = 64 * 1024  # a schema, regex or grammar; larger ones are refused before compiling
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
+FIELD = "constraint"
+
+
+class ConstraintKind(str, enum.Enum):
+    JSON_SCHEMA = "json_schema"  # spec: the schema as JSON text
+    JSON_OBJECT = "json_object"  # any JSON object; spec unused ("")
+    REGEX = "regex"  # spec: the pattern the whole output must match
+    GRAMMAR = "grammar"  # spec: an EBNF grammar (the grammar library's dialect, docs/structured-outputs.md)
+    CHOICE = "choice"  # choices: the output is exactly one of them; spec unused ("")
+    STRUCTURAL_TAG = "structural_tag"  # spec: the structural tag as JSON text (the library's format)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputConstraint:
+    kind: ConstraintKind
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, ConstraintKind):
+            try:
+                object.__setattr__(self, "kind", ConstraintKind(self.kind))
+            except ValueError:
+                names = ", ".join(k.value for k in ConstraintKind)
+                raise InvalidRequestError(FIELD, f"unknown constraint kind {self.kind!r}; supported: {names}") from None
+        field = self.field
+        if not isinstance(self.spec, str):
+            raise InvalidRequestError(field, f"must be a string, got {type(self.spec).__name__}")
+        if len(self.spec.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
+            raise InvalidRequestError(field, f"is longer than {MAX_SPEC_BYTES} bytes")
+        if self.kind in (ConstraintKind.CHOICE,):
+            self._check_choices()
+        elif self.choices:
+            raise InvalidRequestError(field, "choices are only for the choice constraint")
+        if self.kind in (ConstraintKind.JSON_SCHEMA, ConstraintKind.STRUCTURAL_TAG):
+            self._check_json()
+        elif self.kind in (ConstraintKind.REGEX, ConstraintKind.GRAMMAR) and not self.spec:
+            raise InvalidRequestError(field, "must not be empty")
+
+    @property
+    def field(self) -> str:
+        return f"{FIELD}.{self.kind.value}"
+
+    def _check_choices(self) -> None:
+        choices = self.choices
+        if isinstance(choices, list):
+            choices = tuple(choices)
+            object.__setattr__(self, "choices", choices)
+        if not isinstance(choices, tuple) or not all(isinstance(c, str) for c in choices):
+            raise InvalidRequestError(self.field, "must be a list of strings")
+        if not choices:
+            raise InvalidRequestError(self.field, "needs at least one choice")
+        if len(choices) > MAX_CHOICES:
+            raise InvalidRequestError(self.field, f"at most {MAX_CHOICES} choices, got {len(choices)}")
+        for i, choice in enumerate(choices):
+            if not choice:
+                raise InvalidRequestError(f"{self.field}[{i}]", "choices must be non-empty")
+            if len(choice) > MAX_CHOICE_CHARS:
+                raise InvalidRequestError(f"{self.field}[{i}]", f"choices must be <= {MAX_CHOICE_CHARS} characters")
+
+    def _check_json(self) -> None:
+        try:
+            value = json.loads(self.spec)
+        except ValueError as exc:
+            raise InvalidRequestError(self.field, f"is not valid JSON: {exc}") from None
+        if self.kind is ConstraintKind.JSON_SCHEMA and not isinstance(value, (dict, bool)):
+            raise InvalidRequestError(self.field, f"a JSON Schema is an object or a boolean, got {type(value).__name__}")
+        if self.kind is ConstraintKind.STRUCTURAL_TAG and not isinstance(value, dict):
+            raise InvalidRequestError(self.field, f"must be a JSON object, got {type(value).__name__}")
+
+
+def json_object() -> OutputConstraint:
+    return OutputConstraint(ConstraintKind.JSON_OBJECT)
+
+
+def json_schema(schema: dict | bool | str) -> OutputConstraint:
+    return OutputConstraint(ConstraintKind.JSON_SCHEMA, schema if isinstance(schema, str) else json.dumps(schema))
