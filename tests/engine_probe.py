@@ -94,6 +94,7 @@ def assert_matches(run: ProbeRun, hf_model, atol: float = 1e-4) -> None:
 def hf_greedy_tokens(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.inference_mode():
+        # eos_token_id=[]: no end token at all (None would fall back to the model config's EOS and stop there).
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)
+                                eos_token_id=[], pad_token_id=0)
     return out[0, len(prompt):].tolist()
