@@ -36,6 +36,25 @@ def test_triton_gemm_matches_reference(bits, k, n, group, act_order, dtype):
     assert (y - ref).abs().max().item() <= tol * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("m,splits", [(3, 3), (5, 2), (triton_gemm.DENSE_FROM_M, None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_gemm_split_k_and_dense_paths(m, splits, dtype):
+    """K split into partial sums (ranges not a multiple of a group, a short last split), and the dequantize +
+    matmul path used from DENSE_FROM_M rows, both against the reference."""
+    w = random_weight(320, 72, 4, 64, True, seed=11)
+    x = torch.randn(m, 320, generator=torch.Generator().manual_seed(m))
+    ref = x @ w.dequantize(torch.float32).t()
+    y = triton_gemm.dequant_gemm(x.to(dtype).to(DEVICE), _on(w, DEVICE), splits=splits).float().cpu()
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
+    assert (y - ref).abs().max().item() <= tol * ref.abs().max().item()
+
+
+def test_triton_dequantize_matches_reference():
+    w = random_weight(200, 96, 8, 32, True, seed=3)
+    dense = triton_gemm.dequantize(_on(w, DEVICE), torch.float32).cpu()
+    torch.testing.assert_close(dense, w.dequantize(torch.float32), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name,prefix", [
     ("gptq_4bit_g128_actorder_sym", "model.layers.0.mlp.down_proj"),
     ("gptq_8bit_g64_actorder_asym", "model.layers.1.self_attn.k_proj"),
