@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedserve.quant.base import LinearMethod, QuantConfigError
 from pagedserve.quant.group_quant import GroupQuantWeight
+from pagedserve.quant.native_linear import NativeLinear
 from pagedserve.quant.qlinear_kernels import select_kernel
 
 
@@ -81,3 +82,6 @@ class PackedLinearMethod(LinearMethod):
         if layer.bias is not None:
             y = y + layer.bias.to(y.dtype)
         return y.reshape(*lead, y.shape[-1])
+
+    def native_linear(self, layer: nn.Module) -> NativeLinear | None:
+        return layer.qkernel.native_linear(layer.bias)
