@@ -21,7 +21,7 @@ from pagedserve.kernels import cpu_packed
 from pagedserve.quant.cpu_group_kernel import CpuGroupKernel, repack
 from pagedserve.quant.dense_native import call_native_linear
 from pagedserve.quant.packed_linear import PackedLinearMethod
-from quant_fixtures import (FIXTURE_NAMES, dequantized_reference, fixture_dir, fp16_sha256, quant_linears,
+from quant_fixtures import (FIXTURE_NAMES, build_linear, dequantized_reference, fixture_dir, fp16_sha256, quant_linears,
                             random_weight, reference_weight, tool_record)
 
 VARIANTS = {"native": (), "no-avx512": ("-mno-avx512f",), "portable": ("-march=x86-64", "-mtune=generic")}
@@ -150,3 +150,23 @@ def test_fixtures_through_the_native_decode_step(name, monkeypatch):
     assert tokens[8] == tokens[0]
     for request_id, prompt in prompts.items():
         assert tokens[8][request_id][len(prompt):] == engine_probe.hf_greedy_tokens(hf, prompt, 16), request_id
+
+
+@pytest.mark.parametrize("name", ["gptq_4bit_g128_actorder_sym", "gptq_8bit_g64_actorder_asym", "awq_4bit_g64"])
+def test_merged_projections_equal_their_parts(name):
+    prefixes = [f"model.layers.1.self_attn.{p}_proj" for p in "qkv"]
+    parts = [build_linear(fixture_dir(name), p, process=False) for p in prefixes]
+    merged = parts[0].method.merge(parts)
+    assert merged is not None
+    merged.method.process_weights_after_loading(merged)
+    for part in parts:
+        part.method.process_weights_after_loading(part)
+    x = torch.randn(3, parts[0].in_features)
+    torch.testing.assert_close(merged(x), torch.cat([part(x) for part in parts], 1), rtol=0, atol=0)
+
+
+def test_projections_with_different_act_order_stay_apart():
+    prefixes = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    parts = [build_linear(fixture_dir("gptq_4bit_g128_actorder_sym"), p, process=False) for p in prefixes]
+    parts[1].g_idx = parts[1].g_idx.flip(0).contiguous()  # another (still valid) channel order for k
+    assert parts[0].method.merge(parts) is None
