@@ -170,3 +170,15 @@ def test_projections_with_different_act_order_stay_apart():
     parts = [build_linear(fixture_dir("gptq_4bit_g128_actorder_sym"), p, process=False) for p in prefixes]
     parts[1].g_idx = parts[1].g_idx.flip(0).contiguous()  # another (still valid) channel order for k
     assert parts[0].method.merge(parts) is None
+
+
+def test_bad_layouts_name_the_field():
+    m = repack(random_weight(256, 64, 4, 128, True))
+    with pytest.raises(ValueError, match="codes: expected contiguous torch.uint8"):
+        type(m)(m.bits, m.codes[:, :-1].contiguous(), m.scales, m.zeros, m.run_group, m.perm)
+    with pytest.raises(ValueError, match="bits: 3"):
+        type(m)(3, m.codes, m.scales, m.zeros, m.run_group, m.perm)
+    with pytest.raises(ValueError, match="perm: expected"):
+        type(m)(m.bits, m.codes, m.scales, m.zeros, m.run_group, m.perm.long())
+    with pytest.raises(ValueError, match="in_features: 40 is not a multiple of 32"):
+        repack(random_weight(40, 64, 4, 8, False))
