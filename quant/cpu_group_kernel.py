@@ -59,7 +59,9 @@ class CpuGroupKernel(QLinearKernel):
         super().__init__()
         self.matrix = matrix
         self.in_features, self.out_features = matrix.in_features, matrix.out_features
-        for field in ("codes", "scales", "zeros", "run_group", "perm"):
+        # Integer buffers only: Module.to(dtype) converts floating-point buffers, which would leave the C state
+        # pointing at freed scales; they stay with the matrix (and count in weight_nbytes).
+        for field in ("codes", "zeros", "run_group", "perm"):
             self.register_buffer(field, getattr(matrix, field))
 
     @classmethod
@@ -79,6 +81,9 @@ class CpuGroupKernel(QLinearKernel):
     @classmethod
     def from_weight(cls, w: GroupQuantWeight, dtype: torch.dtype) -> "CpuGroupKernel":
         return cls(repack(w))
+
+    def weight_nbytes(self) -> int:
+        return self.matrix.nbytes()
 
     def native_linear(self, bias: torch.Tensor | None) -> NativeLinear:
         """The layer (with its bias) as a `ps_linear` for the native decode step."""

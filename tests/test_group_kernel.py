@@ -182,3 +182,13 @@ def test_bad_layouts_name_the_field():
         type(m)(m.bits, m.codes, m.scales, m.zeros, m.run_group, m.perm.long())
     with pytest.raises(ValueError, match="in_features: 40 is not a multiple of 32"):
         repack(random_weight(40, 64, 4, 8, False))
+
+
+def test_a_dtype_cast_of_the_module_leaves_the_kernel_intact():
+    w = random_weight(256, 64, 4, 64, True)
+    kernel = CpuGroupKernel.from_weight(w, torch.float32)
+    x = torch.randn(2, 256)
+    before = kernel(x)
+    kernel.to(torch.bfloat16)  # converts floating-point buffers; the kernel's are integers, its scales its own
+    assert torch.equal(kernel(x), before)
+    assert kernel.weight_nbytes() == kernel.matrix.nbytes()
