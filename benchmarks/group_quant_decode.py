@@ -101,8 +101,10 @@ def make_checkpoint(kind: str, out: Path) -> Path:
 def linear_bytes(llm) -> int:
     from pagedserve.quant.linear import QuantLinear
 
-    total = 0
-    for module in llm.engine.runner.model.modules():
+    total = 0  # the layers' linears; the LM head (a tied embedding here) is left out
+    for name, module in llm.engine.runner.model.named_modules():
+        if name.endswith("lm_head"):
+            continue
         if isinstance(module, QuantLinear) and hasattr(module, "qkernel"):
             total += module.qkernel.weight_nbytes()
         elif isinstance(module, QuantLinear) and getattr(module, "packed", None) is not None:
