@@ -7,6 +7,10 @@ and its Q8_0 LM head (the tied embedding), at 1, 4, 8 and 32 rows, through
   dequant_bf16 dequantizing the matrix to bf16 per call, then torch's matmul (the engine's choice above it),
   dense_bf16   torch's bf16 matmul on weights expanded at load (the dequantized path, oneDNN-packed as it serves),
 with microseconds per call (best of --repeats) and GB/s of the weight bytes each one reads.
+With --group, the same shapes (LM head left out) through the GPTQ/AWQ kernel (quant/cpu_group_kernel.py) on
+random GroupQuantWeights made by the same packing code: group_gptq (4-bit g128, act-order), group_awq (4-bit g64),
+group_gptq8 (8-bit g128), beside the Q4_1 packed kernel at that shape (`--group-flags` builds the kernels with
+extra compiler flags, e.g. to compare variants).
 End to end (--e2e): `LLM.generate` of one request, 256 tokens, EOS ignored, packed vs dequantized, interleaved,
 best of --e2e-repeats, output tokens per second.
 
@@ -85,6 +89,35 @@ def kernel_rows(path: Path, rows_list: list[int], repeats: int) -> None:
                                   "cpu": cpu_model()}), flush=True)
 
 
+def group_rows(path: Path, rows_list: list[int], repeats: int, flags: tuple[str, ...]) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from quant_fixtures import random_weight
+
+    from pagedserve.kernels.cpu_group_packed import GroupMatrix
+    from pagedserve.quant.cpu_group_kernel import repack
+
+    lib = cpu_packed.build(flags)
+    for name, qtype, blocks, in_features in matrices(path):
+        if name == "lm_head":
+            continue
+        out = blocks.shape[0]
+        q4_1 = cpu_packed.PackedMatrix(qtype, blocks, in_features, lib=lib)
+        kernels = {f"packed_{qtype.lower()}": (q4_1.matmul, blocks.numel())}
+        for kind, bits, group, act_order in (("group_gptq", 4, 128, True), ("group_awq", 4, 64, False),
+                                             ("group_gptq8", 8, 128, True)):
+            m = repack(random_weight(in_features, out, bits, group, act_order))
+            m = GroupMatrix(m.bits, m.codes, m.scales, m.zeros, m.run_group, m.perm, None, lib)
+            kernels[kind] = (m.matmul, m.nbytes())
+        for rows in rows_list:
+            x = torch.randn(rows, in_features)
+            for kernel, (fn, nbytes) in kernels.items():
+                us = best_us(lambda: fn(x), repeats)
+                print(json.dumps({"kind": "group_kernel", "matrix": name, "in": in_features, "out": out, "rows": rows,
+                                  "kernel": kernel, "us": round(us, 1), "gb_s": round(nbytes / us / 1e3, 2),
+                                  "flags": " ".join(flags), "isa": cpu_packed.group_isa(lib),
+                                  "threads": torch.get_num_threads(), "cpu": cpu_model()}), flush=True)
+
+
 def end_to_end(repeats: int, tokens: int) -> None:
     from pagedserve.engine import SamplingParams
     from pagedserve.engine.llm import LLM
@@ -112,7 +145,14 @@ def main() -> None:
     parser.add_argument("--e2e-only", action="store_true")
     parser.add_argument("--e2e-repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--group", action="store_true", help="also the GPTQ/AWQ kernel")
+    parser.add_argument("--group-only", action="store_true")
+    parser.add_argument("--group-flags", nargs="*", default=[], help="extra compiler flags for --group")
     args = parser.parse_args()
+    if args.group or args.group_only:
+        group_rows(resolve_model(None).weights, args.rows, args.repeats, tuple(args.group_flags))
+    if args.group_only:
+        return
     if not args.e2e_only:
         kernel_rows(resolve_model(None).weights, args.rows, args.repeats)
     if args.e2e or args.e2e_only:

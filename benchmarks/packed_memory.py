@@ -4,8 +4,9 @@ Each mode loads the model in a fresh process and reads its resident set (VmRSS) 
 (after the imports, the kernel build and one throwaway read of the file's metadata, which imports transformers:
 only the weights and the load's leftovers count). The bf16 bytes are
 the file's value count times two (a tied head is not in the file). `*_trimmed` is the same after malloc_trim, which
-hands the heap's free pages back (what the load freed but the heap kept); `*_tensor_bytes` is what the model's
-parameters and buffers (RoPE tables included) hold.
+hands the heap's free pages back (what the load freed but the heap kept); `*_anon*` counts anonymous pages only
+(heap and tensors: the file-backed code pages that imports during the load map are left out); `*_tensor_bytes` is
+what the model's parameters and buffers (RoPE tables included) hold.
 
     python benchmarks/packed_memory.py                 # the default SmolLM2-135M Q4_1 file
     python benchmarks/packed_memory.py --model gemma-3-270m
@@ -23,11 +24,11 @@ import sys
 from pathlib import Path
 
 
-def _rss_bytes() -> int:
+def _rss_bytes(field: str = "VmRSS") -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def child(model: str | None, mode: str) -> dict:
@@ -42,18 +43,19 @@ def child(model: str | None, mode: str) -> dict:
     path = resolve_model(model).weights
     GgufCheckpoint(path)  # imports transformers and the gguf reader once: the baseline holds what they keep
     gc.collect()
-    before = _rss_bytes()
+    before, before_anon = _rss_bytes(), _rss_bytes("RssAnon")
     loaded = load_model(path, torch.bfloat16, None, torch.device("cpu"), mode)
     gc.collect()
     after = _rss_bytes()
     ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)  # the heap's free pages back to the system
-    trimmed = _rss_bytes()
+    trimmed, trimmed_anon = _rss_bytes(), _rss_bytes("RssAnon")
     from gguf import GGUFReader
 
     values = sum(int(t.n_elements) for t in GGUFReader(path).tensors)
     tensors = [*loaded.model.parameters(), *loaded.model.buffers()]
     return {"mode": mode, "quantization": loaded.quant.describe(), "weights_rss_bytes": after - before,
-            "weights_rss_bytes_trimmed": trimmed - before, "bf16_bytes": 2 * values,
+            "weights_rss_bytes_trimmed": trimmed - before, "weights_rss_anon_bytes_trimmed": trimmed_anon - before_anon,
+            "bf16_bytes": 2 * values,
             "tensor_bytes": sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())}
 
 
@@ -74,6 +76,9 @@ def main() -> None:
         "model": args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF)", "bf16_bytes": bf16,
         **{f"{mode}_weights_rss_bytes": row["weights_rss_bytes"] for mode, row in rows.items()},
         **{f"{mode}_weights_rss_bytes_trimmed": row["weights_rss_bytes_trimmed"] for mode, row in rows.items()},
+        **{f"{mode}_weights_rss_anon_bytes_trimmed": row["weights_rss_anon_bytes_trimmed"] for mode, row in rows.items()},
+        **{f"{mode}_anon_trimmed_fraction_of_bf16": round(row["weights_rss_anon_bytes_trimmed"] / bf16, 4)
+           for mode, row in rows.items()},
         **{f"{mode}_tensor_bytes": row["tensor_bytes"] for mode, row in rows.items()},
         **{f"{mode}_fraction_of_bf16": round(row["weights_rss_bytes"] / bf16, 4) for mode, row in rows.items()},
         **{f"{mode}_trimmed_fraction_of_bf16": round(row["weights_rss_bytes_trimmed"] / bf16, 4)

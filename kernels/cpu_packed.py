@@ -24,7 +24,8 @@ from pagedserve.kernels.cache_dir import cache_root
 from pagedserve.kernels.cpu_native import NativeBuildError, cpu_fingerprint, native_flags
 
 _HERE = Path(__file__).parent
-SOURCES = tuple(_HERE / f"cpu_packed_{name}.c" for name in ("linear", "f32", "dequantize"))
+# GGUF blocks (cpu_packed_*.c) and GPTQ/AWQ groups (cpu_group_linear.c, state in cpu_group_packed.py): one object.
+SOURCES = (*(_HERE / f"cpu_packed_{name}.c" for name in ("linear", "f32", "dequantize")), _HERE / "cpu_group_linear.c")
 HEADERS = (_HERE / "cpu_packed_blocks.h", _HERE / "cpu_linear.h")
 # GGUF type name -> (PK_* code of cpu_packed_blocks.h, values per block, bytes per block).
 FORMATS: dict[str, tuple[int, int, int]] = {
@@ -74,7 +75,11 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.pagedserve_packed_dequantize.argtypes = [state, ptr, i64, ptr, c_int, c_int]
     for fn in (lib.pagedserve_packed_linear_threads, lib.pagedserve_packed_dequantize):
         fn.restype = c_int
-    lib.pagedserve_packed_isa.restype = ctypes.c_char_p
+    for name in ("pagedserve_group_linear_threads", "pagedserve_group_dequantize"):
+        getattr(lib, name).argtypes = [ptr, ptr, i64, ptr, c_int] if "linear" in name else [ptr, ptr, c_int, c_int]
+        getattr(lib, name).restype = c_int
+    lib.pagedserve_group_state_size.restype = i64
+    lib.pagedserve_packed_isa.restype = lib.pagedserve_group_isa.restype = ctypes.c_char_p
     lib.pagedserve_packed_state_size.restype = i64
     if lib.pagedserve_packed_state_size() != ctypes.sizeof(PackedState):
         raise NativeBuildError("cpu_packed_blocks.h's ps_packed_state does not match PackedState")
@@ -84,6 +89,11 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
 def isa(lib: ctypes.CDLL) -> str:
     """Which integer dot product `lib` was compiled to: avx512vnni, avxvnni, avx2 or portable."""
     return lib.pagedserve_packed_isa().decode()
+
+
+def group_isa(lib: ctypes.CDLL) -> str:
+    """What the GPTQ/AWQ kernel (cpu_group_linear.c) in `lib` was compiled to: avx512 or portable."""
+    return lib.pagedserve_group_isa().decode()
 
 
 @dataclass(frozen=True, eq=False)

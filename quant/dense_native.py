@@ -2,7 +2,8 @@
 
 The kernel reads W [out, in] row-major; the torch path's oneDNN copy is blocked and opaque, so the step gets a
 plain copy (`plain_weight`): for unquantized layers the native step holds the weights twice (the oneDNN copy for
-prefill and large batches, this one for decode batches up to the crossover).
+prefill and large batches, this one for decode batches up to the crossover). A tied LM head is the exception: its
+plain weight is the embedding's own tensor, which it reads in place (`QuantLinear.weight_shared`).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pagedserve.quant.base import QuantConfigError
+from pagedserve.quant.native_linear import NativeLinear
 from pagedserve.quant.packing import gptq_dequantize, pack_factor, pack_rows, unpack_cols, unpack_rows
 
 
@@ -83,6 +84,11 @@ class QLinearKernel(nn.Module):
 
     def weight_nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def native_linear(self, bias: torch.Tensor | None) -> NativeLinear | None:
+        """This weight (plus `bias`) as a kernels/cpu_linear.h function for the native decode step, or None where
+        the kernel has no C entry (the step then keeps the model on the torch path)."""
+        return None
 
 
 class DequantKernel(QLinearKernel):

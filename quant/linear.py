@@ -15,6 +15,9 @@ class QuantLinear(nn.Module):
         self.out_features = out_features
         self.method = method
         self.loaded_tensors: set[str] = set()
+        # The weight is another module's tensor (a tied LM head over the embedding): a method repacking it keeps that
+        # tensor rather than dropping it, since dropping frees nothing, and may read it in place.
+        self.weight_shared = False
         method.create_weights(self, in_features, out_features, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

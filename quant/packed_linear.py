@@ -5,6 +5,7 @@ canonical `GroupQuantWeight` (group_quant.py), and hand that to the kernel chose
 
 from __future__ import annotations
 
+import copy
 from abc import abstractmethod
 from typing import ClassVar
 
@@ -13,6 +14,7 @@ from torch import nn
 
 from pagedserve.quant.base import LinearMethod, QuantConfigError
 from pagedserve.quant.group_quant import GroupQuantWeight
+from pagedserve.quant.native_linear import NativeLinear
 from pagedserve.quant.qlinear_kernels import select_kernel
 
 
@@ -63,7 +65,9 @@ class PackedLinearMethod(LinearMethod):
         """Validate the loaded tensors and convert them to the canonical layout."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        w = self.to_group_quant(layer)
+        w = layer.__dict__.pop("group_weight", None)  # a merged layer's, converted part by part (merge)
+        if w is None:
+            w = self.to_group_quant(layer)
         for name in self.CHECKPOINT_TENSORS:
             if hasattr(layer, name):
                 delattr(layer, name)
@@ -75,9 +79,43 @@ class PackedLinearMethod(LinearMethod):
         cls = select_kernel(self.kernel, w, device, layer.compute_dtype, self.prefix)
         layer.qkernel = cls.from_weight(w, layer.compute_dtype)
 
+    def merge(self, layers: list[nn.Module]) -> nn.Module | None:
+        """q/k/v or gate/up as one layer when they share bits, scale dtype and g_idx (act-order can give each its
+        own permutation): each part is converted on its own (its zero convention and checks), then the output
+        columns are concatenated, which is exact. One matmul, and one native call per group in the decode step."""
+        from pagedserve.quant.linear import QuantLinear
+
+        if not all(type(layer.method) is type(self) for layer in layers):
+            return None
+        try:
+            parts = [layer.method.to_group_quant(layer) for layer in layers]
+        except QuantConfigError:  # left to each layer's own processing, which names the tensor
+            return None
+        first = parts[0]
+        if any(w.bits != first.bits or w.scales.dtype != first.scales.dtype or not torch.equal(w.g_idx, first.g_idx)
+               for w in parts):
+            return None
+        out = sum(w.out_features for w in parts)
+        weight = GroupQuantWeight(torch.cat([w.qweight for w in parts], 1), torch.cat([w.qzeros for w in parts], 1),
+                                  torch.cat([w.scales for w in parts], 1), first.g_idx, first.bits,
+                                  first.in_features, out)
+        with torch.device("meta"):
+            merged = QuantLinear(first.in_features, out, False, copy.copy(self), layers[0].compute_dtype)
+        for name in self.CHECKPOINT_TENSORS:
+            if hasattr(merged, name):
+                delattr(merged, name)
+        merged.bias = torch.cat([layer.bias for layer in layers])
+        merged.bias_required = any(layer.bias_required for layer in layers)
+        merged.loaded_tensors = {"bias"} if any("bias" in layer.loaded_tensors for layer in layers) else set()
+        merged.__dict__["group_weight"] = weight
+        return merged
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         y = layer.qkernel(x.reshape(-1, x.shape[-1]))
         if layer.bias is not None:
             y = y + layer.bias.to(y.dtype)
         return y.reshape(*lead, y.shape[-1])
+
+    def native_linear(self, layer: nn.Module) -> NativeLinear | None:
+        return layer.qkernel.native_linear(layer.bias)

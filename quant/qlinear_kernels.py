@@ -15,6 +15,7 @@ import torch
 
 from pagedserve.kernels.registry import Registry
 from pagedserve.quant.base import QuantConfigError
+from pagedserve.quant.cpu_group_kernel import CpuGroupKernel
 from pagedserve.quant.cpu_int4 import CpuInt4Kernel
 from pagedserve.quant.group_quant import DequantKernel, GroupQuantWeight, QLinearKernel
 from pagedserve.quant.vendor_kernels import AwqExtKernel
@@ -29,6 +30,7 @@ def _triton_kernel() -> type[QLinearKernel]:
 QLINEAR_KERNELS: Registry[type[QLinearKernel]] = Registry("quantized linear kernel")
 QLINEAR_KERNELS.register("dequant")(DequantKernel)
 QLINEAR_KERNELS.register("cpu_int4")(CpuInt4Kernel)
+QLINEAR_KERNELS.register("cpu_group")(CpuGroupKernel)
 QLINEAR_KERNELS.register("vendor")(AwqExtKernel)
 if importlib.util.find_spec("triton") is not None:  # without triton, the CUDA path falls back to dequant
     QLINEAR_KERNELS.register_lazy("triton", _triton_kernel)
@@ -37,7 +39,8 @@ if importlib.util.find_spec("triton") is not None:  # without triton, the CUDA p
 def auto_kernel_order(device: torch.device) -> tuple[str, ...]:
     if device.type == "cuda":
         return ("vendor", "triton", "dequant")
-    return ("cpu_int4", "dequant")
+    # cpu_group: any bits and dtype, the native decode step's kernel; cpu_int4 where a layer's groups don't fit it.
+    return ("cpu_group", "cpu_int4", "dequant")
 
 
 _warned: set[str] = set()

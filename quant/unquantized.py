@@ -22,7 +22,8 @@ class UnquantizedLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if can_pack(layer.weight):
             layer.packed_weight = pack_weight(layer.weight)
-            layer.weight = None  # the packed copy replaces it: one copy of the weights in memory
+            if not layer.weight_shared:
+                layer.weight = None  # the packed copy replaces it: one copy of the weights in memory
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.packed_weight is not None:
@@ -30,12 +31,13 @@ class UnquantizedLinearMethod(LinearMethod):
         return F.linear(x, layer.weight, layer.bias)
 
     def native_linear(self, layer: nn.Module) -> NativeLinear | None:
-        """The bf16/fp16/fp32 GEMV of cpu_dense_linear.c over a plain copy of the weight (see dense_native.py);
+        """The bf16/fp16/fp32 GEMV of cpu_dense_linear.c over a plain copy of the weight (see dense_native.py), or
+        over the plain weight itself where the layer kept it (a tied head reads the embedding's tensor: no copy);
         None off CPU or where the native kernels do not build."""
         from pagedserve.kernels.cpu_native import available
         from pagedserve.quant.dense_native import dense_native_linear, plain_weight
 
-        weight = layer.packed_weight if layer.packed_weight is not None else layer.weight
+        weight = layer.weight if layer.weight is not None else layer.packed_weight
         if weight is None or weight.device.type != "cpu" or not available():
             return None
         return dense_native_linear(plain_weight(weight), layer.bias)

@@ -79,3 +79,17 @@ def test_fused_projections_and_tied_head_are_packed(tmp_path) -> None:
     assert model.lm_head.packed_weight is not None and model.model.embed_tokens.weight is not None
     torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, model.model.embed_tokens.weight),
                                rtol=1e-5, atol=1e-4)
+
+
+def test_tied_head_native_linear_reads_the_embedding_in_place(tmp_path) -> None:
+    from pagedserve.engine.loading.model_loader import load_model
+    from pagedserve.quant.dense_native import call_native_linear
+
+    loaded = load_model(make_tiny_model(tmp_path, tie_word_embeddings=True), torch.float32, None, torch.device("cpu"))
+    model = loaded.model
+    table = model.model.embed_tokens.weight
+    assert model.lm_head.weight is table  # kept beside the oneDNN copy: dropping it would free nothing
+    native = model.lm_head.method.native_linear(model.lm_head)
+    assert any(isinstance(t, torch.Tensor) and t.data_ptr() == table.data_ptr() for t in native.keepalive)
+    hidden = torch.randn(2, model.args.hidden_size)
+    torch.testing.assert_close(call_native_linear(native, hidden), F.linear(hidden, table), rtol=1e-5, atol=1e-4)

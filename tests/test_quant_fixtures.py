@@ -22,8 +22,7 @@ from quant_fixtures import (
     tool_outputs,
     tool_record,
 )
-from pagedserve.quant.cpu_int4 import CpuInt4Kernel
-from pagedserve.quant.group_quant import DequantKernel
+from pagedserve.quant.cpu_group_kernel import CpuGroupKernel
 from pagedserve.quant.packing import pack_cols, unpack_cols
 
 REQUIRED = {
@@ -97,11 +96,11 @@ def test_bf16_kernel_path_is_as_close_to_the_dequantized_reference_as_transforme
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_serving_path_keeps_weights_packed(name, loaded_models, loaded_bf16):
     bits = 8 if "8bit" in name else 4
-    for models, expected in ((loaded_models, DequantKernel), (loaded_bf16, CpuInt4Kernel if bits == 4 else DequantKernel)):
+    for models in (loaded_models, loaded_bf16):
         linears = quant_linears(models[name].model)
-        assert len(linears) == 14
+        assert len(linears) == 8  # per layer: merged q/k/v, o, merged gate/up, down
         for prefix, layer in linears.items():
-            assert isinstance(layer.qkernel, expected), prefix
+            assert isinstance(layer.qkernel, CpuGroupKernel), prefix
             assert not hasattr(layer, "weight") and not hasattr(layer, "qweight"), prefix
             assert max(b.numel() for b in layer.qkernel.buffers()) * 4 <= layer.in_features * layer.out_features * bits / 8 * 4
             fp16_bytes = layer.in_features * layer.out_features * 2

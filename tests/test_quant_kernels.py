@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedserve.quant.base import QuantConfigError
+from pagedserve.quant.cpu_group_kernel import CpuGroupKernel
 from pagedserve.quant.cpu_int4 import CpuInt4Kernel
 from pagedserve.quant.group_quant import DequantKernel
 from pagedserve.quant.qlinear_kernels import select_kernel
@@ -88,20 +89,22 @@ def test_weights_stay_packed_and_use_under_0p3_of_fp16():
             assert not any(b.is_floating_point() and b.numel() >= k * n for b in kernel.buffers())
 
 
-def test_auto_falls_back_to_dequant_with_a_log(caplog):
+def test_auto_picks_the_native_group_kernel_and_falls_back_with_a_log(caplog):
     cpu = torch.device("cpu")
     w8 = random_weight(128, 64, 8, 64, False)
-    odd_n = random_weight(128, 24, 4, 64, False)  # N % 16 != 0: torch's int4 pack refuses it
+    odd_n = random_weight(128, 24, 4, 64, False)  # N % 16 != 0: torch's int4 pack refuses it, the C kernel not
     w4 = random_weight(128, 64, 4, 64, True)
+    for w, dtype in ((w8, torch.bfloat16), (odd_n, torch.bfloat16), (w4, torch.float32), (w4, torch.bfloat16)):
+        assert select_kernel("auto", w, cpu, dtype, "layer") is CpuGroupKernel
+    short_runs = random_weight(64, 64, 4, 16, False)  # groups of 16: a run of 32 inputs spans two
+    odd_k = random_weight(40, 64, 4, 8, False)  # in_features % 32 != 0
     # DEBUG: a reason already warned about by an earlier test (or layer) is logged once, then at debug level.
     with caplog.at_level(logging.DEBUG, logger="pagedserve.quant"):
-        assert select_kernel("auto", w8, cpu, torch.bfloat16, "layer.a") is DequantKernel
-        assert select_kernel("auto", odd_n, cpu, torch.bfloat16, "layer.b") is DequantKernel
-        assert select_kernel("auto", w4, cpu, torch.float32, "layer.c") is DequantKernel
+        assert select_kernel("auto", short_runs, cpu, torch.bfloat16, "layer.a") is DequantKernel
+        assert select_kernel("auto", odd_k, cpu, torch.float32, "layer.b") is DequantKernel
     text = caplog.text
-    assert "needs 4-bit weights, got 8-bit" in text and "out_features % 16" in text
-    assert "only fast for bfloat16 activations, got torch.float32" in text
-    assert select_kernel("auto", w4, cpu, torch.bfloat16, "l") is CpuInt4Kernel
+    assert "cpu_group: some run of 32 group-sorted inputs spans two groups" in text
+    assert "cpu_group: needs in_features % 32 == 0, got 40" in text
 
 
 def test_forcing_an_unusable_kernel_names_the_layer():

@@ -172,4 +172,5 @@ def tied_lm_head(embedding: nn.Module) -> nn.Module:
     with torch.device("meta"):  # no throwaway allocation: the weight is replaced at once
         head = QuantLinear(hidden, vocab, False, UnquantizedLinearMethod(), embedding.weight.dtype)
     head.weight = embedding.weight
+    head.weight_shared = True
     return head

@@ -1,0 +1,151 @@
+"""One-stream decode of SmolLM2-135M as GPTQ and AWQ against its Q4_1 GGUF: JSON lines (never in CI).
+
+    python benchmarks/group_quant_decode.py                       # makes the checkpoints once, then measures
+    python benchmarks/group_quant_decode.py --gptq DIR --awq DIR  # real tool checkpoints instead
+
+Without --gptq / --awq the two checkpoints are SmolLM2-135M-shaped and made here (once, under --work) by rounding
+the default GGUF's own weights to the nearest level (RTN) and packing them with pagedserve's packing code into the
+tools' layouts: GPTQ 4-bit group 128, act-order (a seeded random channel order), symmetric, v1 zeros; AWQ GEMM
+4-bit group 64 with zero points. They are NOT made by the quantization tools (their accuracy says nothing about
+GPTQ's or AWQ's); they have the tools' tensor layouts and shapes, which is what decode speed depends on. Each row
+says which kind it measured.
+
+Per model (`kernel` rows): the linear layers' packed bytes and, for decode, `LLM.generate` of one request of
+--tokens tokens (EOS ignored) with the engine's defaults (the native decode step up to 2 rows), interleaved over
+--repeats rounds, best tokens/s. The Q4_1 GGUF is the default model served packed (`--gguf-weights packed`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from contention import cpu_model  # noqa: E402
+
+GROUP_GPTQ, GROUP_AWQ = 128, 64
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _rtn(w: torch.Tensor, g_idx: torch.Tensor, groups: int, sym: bool) -> tuple[torch.Tensor, ...]:
+    """w [out, in] fp32 -> q [in, out], zeros [groups, out], scales fp16 [groups, out] (4-bit)."""
+    wt = w.t()  # [in, out]
+    one_hot = torch.nn.functional.one_hot(g_idx.long(), groups).bool()  # [in, groups]
+    lo = torch.stack([wt[one_hot[:, g]].amin(0) for g in range(groups)])
+    hi = torch.stack([wt[one_hot[:, g]].amax(0) for g in range(groups)])
+    if sym:
+        scales = (torch.maximum(hi.abs(), lo.abs()) / 7.5).clamp_min(1e-8).half()
+        zeros = torch.full_like(scales, 8, dtype=torch.int32)
+    else:
+        scales = ((hi - lo) / 15).clamp_min(1e-8).half()
+        zeros = (-lo / scales.float()).round().clamp(0, 15).to(torch.int32)
+    s, z = scales.float()[g_idx.long()], zeros[g_idx.long()]
+    q = (wt / s).round().add(z).clamp(0, 15).to(torch.int32)
+    return q, zeros, scales
+
+
+def _quantized(name: str, w: torch.Tensor, kind: str, perm_seed: int) -> dict[str, torch.Tensor]:
+    from pagedserve.quant.packing import default_g_idx, pack_awq, pack_cols, pack_rows
+
+    out_f, in_f = w.shape
+    if kind == "awq":
+        g_idx = default_g_idx(in_f, GROUP_AWQ)
+        q, zeros, scales = _rtn(w, g_idx, int(g_idx.max()) + 1, sym=False)
+        return {f"{name}.qweight": pack_awq(q), f"{name}.qzeros": pack_awq(zeros), f"{name}.scales": scales}
+    order = torch.randperm(in_f, generator=torch.Generator().manual_seed(perm_seed))
+    g_idx = torch.empty(in_f, dtype=torch.int32)
+    g_idx[order] = default_g_idx(in_f, GROUP_GPTQ)  # act-order: channel order[i] is in group i // 128
+    q, zeros, scales = _rtn(w, g_idx, int(g_idx.max()) + 1, sym=True)
+    return {f"{name}.qweight": pack_rows(q, 4), f"{name}.qzeros": pack_cols(zeros - 1, 4),  # v1 stores z - 1
+            f"{name}.scales": scales, f"{name}.g_idx": g_idx}
+
+
+def make_checkpoint(kind: str, out: Path) -> Path:
+    """The default model as an RTN-packed `kind` ("gptq" or "awq") HF folder (see the module docstring)."""
+    from safetensors.torch import save_file
+
+    from pagedserve.engine.loading.gguf_checkpoint import GgufCheckpoint, tokenizer_dir
+    from pagedserve.engine.loading.model_store import resolve_model
+
+    if (out / "model.safetensors").exists():
+        return out
+    gguf = resolve_model(None).weights
+    ckpt = GgufCheckpoint(gguf)
+    tensors: dict[str, torch.Tensor] = {}
+    for i, (name, values) in enumerate(ckpt.tensors(torch.float32)):
+        base = name.removesuffix(".weight")
+        if name.endswith(".weight") and base.rsplit(".", 1)[-1] in LINEARS:
+            tensors.update(_quantized(base, values, kind, i))
+        else:
+            tensors[name] = values.to(torch.bfloat16).contiguous()
+    config = dict(ckpt.hf_config, torch_dtype="bfloat16")
+    config["quantization_config"] = (
+        {"quant_method": "gptq", "bits": 4, "group_size": GROUP_GPTQ, "desc_act": True, "sym": True,
+         "checkpoint_format": "gptq"} if kind == "gptq" else
+        {"quant_method": "awq", "bits": 4, "group_size": GROUP_AWQ, "zero_point": True, "version": "gemm"})
+    out.mkdir(parents=True, exist_ok=True)
+    for f in tokenizer_dir(gguf).iterdir():
+        if f.is_file():
+            shutil.copy(f, out / f.name)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def linear_bytes(llm) -> int:
+    from pagedserve.quant.linear import QuantLinear
+
+    total = 0  # the layers' linears; the LM head (a tied embedding here) is left out
+    for name, module in llm.engine.runner.model.named_modules():
+        if name.endswith("lm_head"):
+            continue
+        if isinstance(module, QuantLinear) and hasattr(module, "qkernel"):
+            total += module.qkernel.weight_nbytes()
+        elif isinstance(module, QuantLinear) and getattr(module, "packed", None) is not None:
+            total += module.packed.blocks.numel()
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gptq", type=Path, help="a GPTQ checkpoint folder (default: made here, RTN)")
+    parser.add_argument("--awq", type=Path, help="an AWQ GEMM checkpoint folder (default: made here, RTN)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/pagedserve-group-quant-bench"))
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    from pagedserve.engine import SamplingParams
+    from pagedserve.engine.llm import LLM
+
+    models = {"gguf_q4_1": (None, "the default Q4_1 GGUF, packed")}
+    for kind in ("gptq", "awq"):
+        given = getattr(args, kind)
+        models[kind] = (str(given or make_checkpoint(kind, args.work / f"smollm2-{kind}-rtn")),
+                        "given checkpoint" if given else "RTN-packed by pagedserve, not by the tools")
+    engines = {name: LLM(path, dtype=args.dtype, **({"gguf_weights": "packed"} if path is None else {}))
+               for name, (path, _) in models.items()}
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    best = {name: 0.0 for name in engines}
+    for rep in range(args.repeats):
+        for name, llm in (engines.items() if rep % 2 == 0 else reversed(engines.items())):
+            start = time.perf_counter()
+            out = llm.generate(["The history of the printing press"], params)
+            best[name] = max(best[name], len(out[0].outputs[0].token_ids) / (time.perf_counter() - start))
+    for name, llm in engines.items():
+        print(json.dumps({"kind": "decode_1_stream", "model": name, "checkpoint": models[name][1],
+                          "native_step": llm.engine.runner.native_step is not None,
+                          "linear_bytes": linear_bytes(llm), "tok_s": round(best[name], 2),
+                          "vs_gguf": round(best[name] / best["gguf_q4_1"], 3), "tokens": args.tokens,
+                          "repeats": args.repeats, "dtype": args.dtype, "threads": torch.get_num_threads(),
+                          "cpu": cpu_model()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

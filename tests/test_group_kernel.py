@@ -1,0 +1,194 @@
+"""The native GPTQ/AWQ kernel (kernels/cpu_group_linear.c, quant/cpu_group_kernel.py) against the reference
+dequantization (quant/group_quant.py, which tests/test_quant_fixtures.py checks against the tools' own outputs).
+
+- Random weights of every supported bits x group combination, act-order or not, odd output counts and partial
+  last groups, 1-17 activation rows: the product within fp32 summation order of x @ W^T, the expanded matrix bit
+  for bit; each in the AVX-512 build and in the portable build (what a host without AVX-512 runs).
+- Every quantized linear of the committed tool checkpoints: the kernel's expanded weights hash to the tool's own.
+- The ps_linear pointer the native decode step calls, with a bias.
+- The fixtures through the engine with the native decode step: logits of every position equal transformers' on
+  the tools' dequantized weights (fp32), and the greedy tokens equal both transformers' and the torch path's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine_probe
+from pagedserve.engine import LLM
+from pagedserve.kernels import cpu_packed
+from pagedserve.quant.cpu_group_kernel import CpuGroupKernel, repack
+from pagedserve.quant.dense_native import call_native_linear
+from pagedserve.quant.packed_linear import PackedLinearMethod
+from quant_fixtures import (FIXTURE_NAMES, build_linear, dequantized_reference, fixture_dir, fp16_sha256, quant_linears,
+                            random_weight, reference_weight, tool_record)
+
+VARIANTS = {"native": (), "no-avx512": ("-mno-avx512f",), "portable": ("-march=x86-64", "-mtune=generic")}
+CASES = [
+    # (K, N, bits, group, act_order)
+    (256, 128, 4, 128, False),
+    (576, 192, 4, 128, True),  # SmolLM2's hidden size: the last group is partial (64 of 128)
+    (160, 40, 4, 64, True),  # last group 32 of 64; N not a multiple of 16
+    (512, 64, 4, -1, False),  # one group over all inputs
+    (256, 32, 4, 32, True),
+    (192, 64, 8, 64, True),
+    (576, 24, 8, 32, False),
+    (320, 48, 8, -1, False),
+    (1536, 72, 8, 128, True),
+]
+ROWS = (1, 2, 3, 7, 8, 9, 17)
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def lib(request):
+    built = cpu_packed.build(VARIANTS[request.param])
+    assert cpu_packed.group_isa(built) == ("avx512" if request.param == "native" and _has_avx512() else "portable")
+    return built
+
+
+def _has_avx512() -> bool:
+    from pathlib import Path
+
+    return " avx512f " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
+
+
+def _in_checkpoint_order(matrix, w_sorted: torch.Tensor) -> torch.Tensor:
+    if matrix.perm is None:
+        return w_sorted
+    out = torch.empty_like(w_sorted)
+    out[:, matrix.perm.long()] = w_sorted
+    return out
+
+
+@pytest.mark.parametrize("k,n,bits,group,act_order", CASES)
+def test_product_and_expansion_equal_the_reference(lib, k, n, bits, group, act_order):
+    w = random_weight(k, n, bits, group, act_order, seed=k + n)
+    m = repack(w)
+    m = type(m)(m.bits, m.codes, m.scales, m.zeros, m.run_group, m.perm, None, lib)
+    reference = w.dequantize(torch.float32)
+    assert torch.equal(_in_checkpoint_order(m, m.dequantize(torch.float32)), reference)
+    assert torch.equal(_in_checkpoint_order(m, m.dequantize(torch.bfloat16)), reference.bfloat16())
+    g = torch.Generator().manual_seed(k)
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=g)
+        expected = x.double() @ reference.double().t()
+        y = m.matmul(x)
+        # fp32 sums of k products in another order: a few ulps of the largest partial sums
+        torch.testing.assert_close(y.double(), expected, rtol=0, atol=2e-6 * (x.abs() @ reference.abs().t()).max().item())
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_tool_checkpoints_expand_to_the_tools_weights(name):
+    record = tool_record(name)["dequant_fp16_sha256"]
+    for prefix, digest in record.items():
+        w = reference_weight(fixture_dir(name), prefix)
+        m = repack(w)
+        assert fp16_sha256(_in_checkpoint_order(m, m.dequantize(torch.float32))) == digest, (name, prefix)
+        x = torch.randn(3, w.in_features, generator=torch.Generator().manual_seed(1))
+        reference = w.dequantize(torch.float32)
+        bound = 2e-6 * (x.abs() @ reference.abs().t()).max().item()
+        torch.testing.assert_close(m.matmul(x), x @ reference.t(), rtol=0, atol=bound)
+
+
+def test_the_ps_linear_pointer_adds_the_bias_and_equals_the_kernel():
+    w = random_weight(576, 192, 4, 128, True)
+    kernel = CpuGroupKernel.from_weight(w, torch.float32)
+    bias = torch.randn(192)
+    native = kernel.native_linear(bias)
+    assert (native.in_features, native.out_features) == (576, 192)
+    for rows in (1, 4, 9):
+        x = torch.randn(rows, 576)
+        y = call_native_linear(native, x)
+        assert torch.equal(y, kernel.matrix.matmul(x) + bias)
+    assert CpuGroupKernel.from_weight(w, torch.float32).native_linear(None).state != native.state
+
+
+def test_many_rows_take_the_expanded_matrix_with_the_same_result():
+    w = random_weight(576, 192, 4, 128, True)
+    kernel = CpuGroupKernel.from_weight(w, torch.float32)
+    x = torch.randn(40, 576)
+    reference = x.double() @ w.dequantize(torch.float32).double().t()
+    bound = 2e-6 * (x.abs() @ w.dequantize(torch.float32).abs().t()).max().item()
+    torch.testing.assert_close(kernel(x).double(), reference, rtol=0, atol=bound)
+    torch.testing.assert_close(kernel(x[:5]).double(), reference[:5], rtol=0, atol=bound)
+    y16 = kernel(x.bfloat16())
+    assert y16.dtype == torch.bfloat16
+    assert (y16.double() - reference).abs().max().item() <= 2e-2 * reference.abs().max().item()
+
+
+def test_layer_holds_only_the_repacked_bytes():
+    name = "gptq_4bit_g128_actorder_sym"
+    llm = LLM(str(fixture_dir(name)), dtype="float32")
+    for prefix, layer in quant_linears(llm.engine.runner.model).items():
+        assert isinstance(layer.qkernel, CpuGroupKernel) and isinstance(layer.method, PackedLinearMethod), prefix
+        assert not any(hasattr(layer, t) for t in ("qweight", "qzeros", "scales", "g_idx")), prefix
+        k, n = layer.in_features, layer.out_features
+        # nibbles + fp16 scale and uint8 zero per (row, group of 128) + the int32 run map and permutation
+        assert layer.qkernel.weight_nbytes() == k * n // 2 + n * -(-k // 128) * 3 + k // 32 * 4 + k * 4, prefix
+
+
+def _prompts() -> dict[str, list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return {f"p{i}": torch.randint(3, 128, (length,), generator=g).tolist() for i, length in enumerate((6, 17, 30))}
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_fixtures_through_the_native_decode_step(name, monkeypatch):
+    hf = dequantized_reference(name)
+    prompts, tokens = _prompts(), {}
+    for limit in (8, 0):  # the native step for every decode step, then never (the torch path)
+        engine = LLM(str(fixture_dir(name)), dtype="float32", block_size=8, native_step_max_batch=limit).engine
+        assert (engine.runner.native_step is not None) == (limit > 0)
+        run = engine_probe.ProbeRun()
+        with monkeypatch.context() as patch:
+            engine_probe.attach(engine, run, patch)
+            engine_probe.generate(engine, prompts, 16, run)
+        assert (run.native_steps >= 10) == (limit > 0)
+        engine_probe.assert_matches(run, hf)
+        tokens[limit] = run.tokens
+    assert tokens[8] == tokens[0]
+    for request_id, prompt in prompts.items():
+        assert tokens[8][request_id][len(prompt):] == engine_probe.hf_greedy_tokens(hf, prompt, 16), request_id
+
+
+@pytest.mark.parametrize("name", ["gptq_4bit_g128_actorder_sym", "gptq_8bit_g64_actorder_asym", "awq_4bit_g64"])
+def test_merged_projections_equal_their_parts(name):
+    prefixes = [f"model.layers.1.self_attn.{p}_proj" for p in "qkv"]
+    parts = [build_linear(fixture_dir(name), p, process=False) for p in prefixes]
+    merged = parts[0].method.merge(parts)
+    assert merged is not None
+    merged.method.process_weights_after_loading(merged)
+    for part in parts:
+        part.method.process_weights_after_loading(part)
+    x = torch.randn(3, parts[0].in_features)
+    torch.testing.assert_close(merged(x), torch.cat([part(x) for part in parts], 1), rtol=0, atol=0)
+
+
+def test_projections_with_different_act_order_stay_apart():
+    prefixes = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    parts = [build_linear(fixture_dir("gptq_4bit_g128_actorder_sym"), p, process=False) for p in prefixes]
+    parts[1].g_idx = parts[1].g_idx.flip(0).contiguous()  # another (still valid) channel order for k
+    assert parts[0].method.merge(parts) is None
+
+
+def test_bad_layouts_name_the_field():
+    m = repack(random_weight(256, 64, 4, 128, True))
+    with pytest.raises(ValueError, match="codes: expected contiguous torch.uint8"):
+        type(m)(m.bits, m.codes[:, :-1].contiguous(), m.scales, m.zeros, m.run_group, m.perm)
+    with pytest.raises(ValueError, match="bits: 3"):
+        type(m)(3, m.codes, m.scales, m.zeros, m.run_group, m.perm)
+    with pytest.raises(ValueError, match="perm: expected"):
+        type(m)(m.bits, m.codes, m.scales, m.zeros, m.run_group, m.perm.long())
+    with pytest.raises(ValueError, match="in_features: 40 is not a multiple of 32"):
+        repack(random_weight(40, 64, 4, 8, False))
+
+
+def test_a_dtype_cast_of_the_module_leaves_the_kernel_intact():
+    w = random_weight(256, 64, 4, 64, True)
+    kernel = CpuGroupKernel.from_weight(w, torch.float32)
+    x = torch.randn(2, 256)
+    before = kernel(x)
+    kernel.to(torch.bfloat16)  # converts floating-point buffers; the kernel's are integers, its scales its own
+    assert torch.equal(kernel(x), before)
+    assert kernel.weight_nbytes() == kernel.matrix.nbytes()
