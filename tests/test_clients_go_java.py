@@ -28,7 +28,8 @@ from service_fixtures import (  # noqa: F401 - shared_server is a fixture used b
     wait_until,
 )
 
-from pagedserve.client import Client, ClientError, GenerateOptions, Message, TlsOptions, build_request
+from pagedserve.client import Choice, Client, ClientError, GenerateOptions, JsonSchema, Message, Regex, TlsOptions
+from pagedserve.client import build_request
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENTS = ROOT / "clients"
@@ -168,6 +169,9 @@ def test_expired_deadline_is_deadline_exceeded(driver, channel):
     (dict(top_p=2.0), "sampling.top_p"),
     (dict(temperature=-1.0), "sampling.temperature"),
     (dict(max_new_tokens=100_000), "stopping.max_new_tokens"),
+    (dict(constraint=Regex("")), "constraint.regex"),
+    (dict(constraint=JsonSchema("[1]")), "constraint.json_schema"),
+    (dict(constraint=Choice(["yes", ""])), "constraint.choice.choices[1]"),
 ])
 def test_invalid_argument_names_the_field(driver, py_client, options, field):
     with pytest.raises(ClientError) as python_error:
