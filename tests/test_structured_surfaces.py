@@ -40,7 +40,7 @@ HTTP_BAD = [  # (id, path, body, param)
     ("guided-regex-number", COMPLETIONS, {"prompt": "x", "guided_regex": 5}, "guided_regex"),
     ("two-parameters", CHAT, {"messages": USER, "guided_regex": "a+", "response_format": {"type": "json_object"}},
      "guided_regex"),
-    ("tools-auto", CHAT, {"messages": USER, "tools": TOOLS}, "tool_choice"),
+    ("tools-auto", CHAT, {"messages": USER, "tools": TOOLS}, "tools"),
     ("tools-auto-explicit", CHAT, {"messages": USER, "tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
     ("tool-choice-unknown-function", CHAT, {"messages": USER, "tools": TOOLS, "tool_choice": {
         "type": "function", "function": {"name": "launch"}}}, "tool_choice.function.name"),

@@ -40,9 +40,10 @@ def tool_constraint(body: dict[str, Any]) -> tuple[RequestedConstraint, ToolChoi
     schemas = _function_schemas(tools)
     if choice == "none":
         return None
-    if choice is None or choice == "auto":
-        raise InvalidRequestError("tool_choice", 'tool_choice "auto" needs a tool-call parser for the model, which '
-                                  'this server does not configure; set "required" or name a function')
+    if choice is None or choice == "auto":  # no tool_choice with tools means "auto": name what the client sent
+        raise InvalidRequestError("tool_choice" if choice else "tools", 'tool_choice "auto" (the default with tools) '
+                                  'needs a tool-call parser for the model, which this server does not configure; set '
+                                  'tool_choice to "required" or name a function')
     if choice == "required":
         variants = [_named_call(name, schema) for name, schema in schemas.items()]
         schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
