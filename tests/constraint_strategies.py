@@ -68,6 +68,7 @@ GRAMMARS = st.one_of(
                      'root ::= ', 'root ::= missing_rule', 'start: "a"']),
     st.text(max_size=20))
 STRUCTURAL_TAGS = st.one_of(
-    st.just({"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f>"], "tags": [
-        {"begin": "<f>", "content": {"type": "json_schema", "json_schema": {"type": "object"}}, "end": "</f>"}]}}),
+    st.builds(lambda schema: {"structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}], "triggers": ["<f"]},
+              SCHEMAS),
+    st.just({"structures": [{"begin": "<g>", "schema": {}, "end": "</g>"}], "triggers": ["<f"]}),
     st.dictionaries(st.text(max_size=6), st.text(max_size=6), max_size=2))

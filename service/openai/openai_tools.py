@@ -114,19 +114,17 @@ class ToolCallText:
         return name, (body[:-1] if body.endswith("}") else body).rstrip()
 
     def deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
-        """The `tool_calls` stream deltas for what text adds: the call's id and name once, then argument pieces."""
+        """The `tool_calls` stream delta for what text adds: the call's id and name once, then argument pieces."""
         read = self.split(text, final)
         if read is None:
             return []
         name, arguments = read
-        out = []
-        if not self.sent_head:
+        piece = arguments[self.sent_arguments:]
+        self.sent_arguments = max(self.sent_arguments, len(arguments))
+        if not self.sent_head:  # the call's first delta: its id and name, with the arguments so far
             self.sent_head = True
-            out.append({"index": 0, "id": self.id, "type": "function", "function": {"name": name, "arguments": ""}})
-        if len(arguments) > self.sent_arguments:
-            out.append({"index": 0, "function": {"arguments": arguments[self.sent_arguments:]}})
-            self.sent_arguments = len(arguments)
-        return out
+            return [{"index": 0, "id": self.id, "type": "function", "function": {"name": name, "arguments": piece}}]
+        return [{"index": 0, "function": {"arguments": piece}}] if piece else []
 
     def whole(self, text: str) -> list[dict[str, Any]] | None:
         read = self.split(text, final=True)

@@ -31,7 +31,7 @@ func Regex(pattern string) *pb.Constraint {
 	return &pb.Constraint{Kind: &pb.Constraint_Regex{Regex: pattern}}
 }
 
-// Grammar constrains the output to a sentence of an EBNF grammar (its root rule), in the server's dialect.
+// Grammar constrains the output to a sentence of a grammar: Lark (its start rule) or GBNF (root ::= ...).
 func Grammar(ebnf string) *pb.Constraint {
 	return &pb.Constraint{Kind: &pb.Constraint_Grammar{Grammar: ebnf}}
 }
@@ -41,8 +41,8 @@ func Choice(choices ...string) *pb.Constraint {
 	return &pb.Constraint{Kind: &pb.Constraint_Choice{Choice: &pb.Choices{Choices: choices}}}
 }
 
-// StructuralTag allows free text with constrained tagged segments (the grammar library's structural-tag format),
-// given as JSON text or a value encoding/json marshals.
+// StructuralTag allows free text until a trigger, then a tagged JSON segment: vLLM's format
+// {"structures": [{"begin", "schema", "end"}], "triggers": [...]}, as JSON text or a value encoding/json marshals.
 func StructuralTag(tag any) (*pb.Constraint, error) {
 	text, err := jsonText(tag)
 	if err != nil {

@@ -432,7 +432,7 @@ type Constraint_Regex struct {
 }
 
 type Constraint_Grammar struct {
-	// A grammar in the library's EBNF dialect; its `root` rule is the whole output.
+	// A grammar, Lark (its `start` rule is the whole output) or GBNF (`root ::= ...`).
 	Grammar string `protobuf:"bytes,4,opt,name=grammar,proto3,oneof"`
 }
 
@@ -442,7 +442,8 @@ type Constraint_Choice struct {
 }
 
 type Constraint_StructuralTag struct {
-	// A structural tag (as JSON text, the grammar library's format): free text with constrained tagged segments.
+	// A structural tag, as JSON text in vLLM's format {"structures": [{"begin", "schema", "end"}], "triggers":
+	// [...]}: free text until a trigger, then the structure it begins, its JSON constrained by `schema`.
 	StructuralTag string `protobuf:"bytes,6,opt,name=structural_tag,json=structuralTag,proto3,oneof"`
 }
 

@@ -49,7 +49,7 @@ class Regex:
 
 @dataclass(frozen=True, slots=True)
 class Grammar:
-    """The output is a sentence of an EBNF grammar (its `root` rule), in the server's grammar library's dialect."""
+    """The output is a sentence of a grammar: Lark (its `start` rule) or GBNF (`root ::= ...`)."""
 
     ebnf: str
 
@@ -74,7 +74,8 @@ class Choice:
 
 @dataclass(frozen=True, slots=True)
 class StructuralTag:
-    """Free text with constrained tagged segments (the grammar library's structural-tag format)."""
+    """Free text until a trigger, then a tagged JSON segment: {"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]} (vLLM's structural-tag format)."""
 
     tag: Mapping[str, Any] | str
 

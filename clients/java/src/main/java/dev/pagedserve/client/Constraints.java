@@ -35,7 +35,7 @@ public final class Constraints {
     return Constraint.newBuilder().setRegex(Objects.requireNonNull(pattern, "pattern")).build();
   }
 
-  /** A sentence of an EBNF grammar (its root rule), in the server's grammar library's dialect. */
+  /** A sentence of a grammar: Lark (its start rule) or GBNF ({@code root ::= ...}). */
   public static Constraint grammar(String ebnf) {
     return Constraint.newBuilder().setGrammar(Objects.requireNonNull(ebnf, "ebnf")).build();
   }
@@ -50,7 +50,7 @@ public final class Constraints {
     return Constraint.newBuilder().setChoice(Choices.newBuilder().addAllChoices(choices)).build();
   }
 
-  /** Free text with constrained tagged segments (the grammar library's structural-tag format, as JSON text). */
+  /** Free text until a trigger, then a tagged JSON segment (vLLM's structural-tag format, as JSON text). */
   public static Constraint structuralTag(String tagJson) {
     return Constraint.newBuilder().setStructuralTag(Objects.requireNonNull(tagJson, "tagJson")).build();
   }
