@@ -9,6 +9,7 @@ clients/java/README.md exactly as written there and must print the Python client
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -81,7 +82,8 @@ SNIPPETS = snippets()
 
 
 def test_every_snippet_is_tagged_and_used():
-    used = {"python-client", "python-offline", "python-openai", "go-fragment", "go-main", "go-recipe", "java-fragment", "java-pom",
+    used = {"python-client", "python-offline", "python-openai", "python-structured", "python-openai-structured",
+            "go-fragment", "go-main", "go-recipe", "java-fragment", "java-pom",
             "java-main", "java-recipe"}
     assert set(SNIPPETS) == used
 
@@ -121,6 +123,23 @@ def test_python_openai_sdk_snippet(shared_server, tmp_path):  # noqa: F811
                                  max_new_tokens=64)
     assert answer.final.finish_reason.value == "eos_token", "the answer ends before either length limit"
     assert out == answer.text + "\n" and "Paris" in out
+
+
+def test_python_structured_snippet(shared_server, tmp_path):  # noqa: F811
+    """The typed constraints: a choice that is one of its strings, a regex the whole output matches."""
+    answer, phone = run([sys.executable, "-c", at(shared_server.target, SNIPPETS["python-structured"])],
+                        tmp_path).splitlines()
+    assert answer in ("yes", "no") and re.fullmatch(r"[0-9]{3}-[0-9]{4}", phone), (answer, phone)
+
+
+def test_python_openai_structured_snippet(shared_server, tmp_path):  # noqa: F811
+    """README's response_format and forced tool call through the OpenAI SDK: a person and a get_weather call."""
+    code = SNIPPETS["python-openai-structured"].replace("localhost:8000", f"127.0.0.1:{shared_server.http_port}")
+    person, call = run([sys.executable, "-c", code], tmp_path).splitlines()
+    person = ast.literal_eval(person)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int) and len(person["name"]) <= 20
+    name, arguments = call.split(" ", 1)
+    assert name == "get_weather" and isinstance(ast.literal_eval(arguments)["city"], str)
 
 
 def test_python_offline_api_snippet(tmp_path):
