@@ -280,3 +280,16 @@ def test_compile_time_limit_refuses_by_name(tiny_model):
         llm.generate(["hi"], SamplingParams(constraint=regex(pattern)))
     assert info.value.field == "constraint.regex" and "did not compile within 0.001 s" in info.value.message
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_bitmask_bias_matches_the_bits():
+    import torch
+
+    from pagedserve.engine.structured_output.bitmask import to_bias
+
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32, generator=gen)
+    for vocab in (100, 128, 150):  # shorter than, equal to and wider than the bitmask
+        expected = [[t < 128 and (int(words[r, t // 32]) >> (t % 32)) & 1 == 1 for t in range(vocab)] for r in range(3)]
+        assert (to_bias(words, vocab) == 0).tolist() == expected
+        assert set(to_bias(words, vocab).unique().tolist()) <= {0.0, float("-inf")}
