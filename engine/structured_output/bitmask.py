@@ -32,7 +32,7 @@ def mask_constrained_rows(logits: torch.Tensor, seqs: Seq[Sequence]) -> set[int]
     for k, row in enumerate(rows):
         seqs[row].matcher.fill_bitmask(bitmask, k)
     _clear_past(bitmask, vocab)
-    bias = to_bias(bitmask, vocab)
+    bias = to_bias(bitmask, vocab).to(logits.device, non_blocking=True)  # filled on CPU, applied where the logits are
     with torch.inference_mode():  # the runner's logits are inference tensors; masked in place, not copied whole
         for k, row in enumerate(rows):
             logits[row] += bias[k]
