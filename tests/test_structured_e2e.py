@@ -14,7 +14,7 @@ import grpc
 import jsonschema
 import openai
 import pytest
-from service_fixtures import engine_idle, shared_server, wait_until  # noqa: F401 - fixtures by name
+from service_fixtures import engine_idle, server_factory, shared_server, wait_until  # noqa: F401 - fixtures by name
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vgrpc
 from transformers import AutoTokenizer
@@ -188,3 +188,36 @@ def test_router_every_constraint_field(shared_server, default_model):  # noqa: F
     assert _router_text(shared_server, tok, choice=vpb.ChoiceConstraint(choices=ANSWERS))[0] in ANSWERS
     assert re.fullmatch(r"The answer is (yes|no)\.", _router_text(shared_server, tok, grammar=GRAMMAR)[0])
     assert isinstance(json.loads(_router_text(shared_server, tok, json_object=True)[0]), dict)
+
+
+# --- dead ends -------------------------------------------------------------------------------------------------
+
+
+def test_dead_end_finish_reason_on_every_surface(server_factory, tmp_path):  # noqa: F811
+    """A model whose logits cover only token ids < 100 cannot write "zzz": the constrained request ends with the
+    dead-end finish reason on each surface (not an error status), and the server goes on serving; that batch mates
+    keep their tokens through a dead end is tests/test_structured_outputs.py's."""
+    from conftest import make_tiny_model
+
+    server = server_factory("--model", str(make_tiny_model(tmp_path / "tiny", vocab_size=100, seed=4)),
+                            "--dtype", "float32", "--http-port", "0")
+    prompt = [5, 6, 7]
+    with Client(server.target, timeout=120) as client:
+        dead = client.complete(prompt, temperature=0, max_new_tokens=8, constraint=Choice(["zzz"]))
+        assert dead.finish_reason is FinishReason.CONSTRAINT_DEAD_END and dead.text == ""
+        assert client.complete(prompt, temperature=0, max_new_tokens=8, ignore_eos=True).final.usage \
+            .completion_tokens == 8
+    with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=120) as oai:
+        kwargs = dict(model=oai.models.list().data[0].id, prompt=prompt, temperature=0, max_tokens=8,
+                      extra_body={"guided_choice": ["zzz"]})
+        assert oai.completions.create(**kwargs).choices[0].finish_reason == "constraint_dead_end"
+        chunks = [c for c in oai.completions.create(**kwargs, stream=True) if c.choices]
+        assert chunks[-1].choices[0].finish_reason == "constraint_dead_end"
+    request = vpb.GenerateRequest(request_id="dead-end", tokenized=vpb.TokenizedInput(input_ids=prompt),
+                                  sampling_params=vpb.SamplingParams(
+                                      temperature=0, max_tokens=8, choice=vpb.ChoiceConstraint(choices=["zzz"])))
+    with grpc.insecure_channel(server.target) as channel:
+        replies = list(vgrpc.VllmEngineStub(channel).Generate(request, timeout=120))
+        (complete,) = [r.complete for r in replies if r.WhichOneof("response") == "complete"]
+        assert complete.finish_reason == "constraint_dead_end" and not complete.output_ids
+        wait_until(lambda: engine_idle(channel), 30, "no request or KV block left behind")

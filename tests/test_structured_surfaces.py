@@ -128,3 +128,24 @@ def test_router_learns_constraints_start_at_the_first_token(shared_server):  # n
     with grpc.insecure_channel(shared_server.target) as channel:
         info = vgrpc.VllmEngineStub(channel).GetServerInfo(vpb.GetServerInfoRequest(), timeout=30)
     assert info.constrained_decoding_start == "first_token"
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "get_weather", "parameters": {"city": "Paris", "unit": {"a": "}"}} }',
+    '{"name":"get_time","parameters":{}}',
+    '{ "name" : "get_time" , "parameters" : { "zone" : "UTC" }\n}',
+], ids=["nested-braces", "compact", "spaced"])
+def test_required_tool_call_streams_its_arguments_exactly(text):
+    """Fed one character at a time, the deltas concatenate to the arguments of the whole call, and the held-back
+    closing braces never leak the wrapper's own `}` into the arguments."""
+    import json
+
+    from pagedserve.service.openai.openai_tools import ToolCallText, ToolChoice
+
+    stream, whole = ToolCallText(ToolChoice(None)), ToolCallText(ToolChoice(None))
+    deltas = [d for i in range(len(text)) for d in stream.deltas(text[:i + 1], final=False)]
+    deltas += stream.deltas(text, final=True)
+    (call,) = whole.whole(text)
+    assert deltas[0]["id"] == stream.id and deltas[0]["function"]["name"] == json.loads(text)["name"]
+    assert "".join(d["function"]["arguments"] for d in deltas) == call["function"]["arguments"]
+    assert json.loads(call["function"]["arguments"]) == json.loads(text)["parameters"]
