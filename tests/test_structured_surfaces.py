@@ -49,6 +49,15 @@ HTTP_BAD = [  # (id, path, body, param)
                                  "tool_choice": "required"}, "tools[0].function.name"),
     ("tool-parameters-not-a-schema", CHAT, {"messages": USER, "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools[0].function.parameters"),
+    # Rejected by the grammar library at admission, renamed to the parameter the client set:
+    ("regex-does-not-compile", COMPLETIONS, {"prompt": "x", "guided_regex": "(ab"}, "guided_regex"),
+    ("schema-unknown-type", CHAT, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "no-such-type"}}}}, "response_format.json_schema.schema"),
+    ("grammar-does-not-compile", COMPLETIONS, {"prompt": "x", "structured_outputs": {"grammar": "start: missing"}},
+     "structured_outputs.grammar"),
+    ("tool-schema-does-not-compile", CHAT, {"messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "no-such-type"}}}], "tool_choice": {
+        "type": "function", "function": {"name": "f"}}}, "tools[0].function.parameters"),
     ("tools-with-response-format", CHAT, {"messages": USER, "tools": TOOLS, "tool_choice": "required",
                                           "response_format": {"type": "json_object"}}, "tool_choice"),
 ]
@@ -79,6 +88,8 @@ V1_BAD = [  # (id, constraint, field)
     ("empty-choice", pb.Constraint(choice=pb.Choices(choices=["a", ""])), "constraint.choice.choices[1]"),
     ("tag-not-an-object", pb.Constraint(structural_tag="[]"), "constraint.structural_tag"),
     ("kind-unset", pb.Constraint(), "constraint"),
+    ("regex-does-not-compile", pb.Constraint(regex="(ab"), "constraint.regex"),
+    ("schema-unknown-type", pb.Constraint(json_schema='{"type": "no-such-type"}'), "constraint.json_schema"),
 ]
 
 
@@ -111,6 +122,8 @@ ROUTER_BAD = [  # (id, SamplingParams constraint fields, field)
     ("empty-grammar", {"grammar": ""}, "sampling_params.grammar"),
     ("empty-choice", {"choice": vpb.ChoiceConstraint(choices=["a", ""])}, "sampling_params.choice.choices[1]"),
     ("tag-not-json", {"structural_tag": "x"}, "sampling_params.structural_tag"),
+    ("grammar-does-not-compile", {"grammar": "start: missing"}, "sampling_params.grammar"),
+    ("schema-unknown-type", {"json_schema": '{"type": "no-such-type"}'}, "sampling_params.json_schema"),
 ]
 
 
