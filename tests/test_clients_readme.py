@@ -46,7 +46,11 @@ import (
 func readmeFragment(ctx context.Context, req *pb.GenerateRequest) error {
 %s}
 
-var _, _, _ = readmeFragment, fmt.Print, client.Dial
+// readmeStructured holds README.md's structured-output snippet.
+func readmeStructured(ctx context.Context, c *client.Client) error {
+%s}
+
+var _, _, _, _ = readmeFragment, readmeStructured, fmt.Print, client.Dial
 """
 
 JAVA_FRAGMENT_HARNESS = """package example;
@@ -60,6 +64,9 @@ final class ReadmeFragment {
   private ReadmeFragment() {}
 
   static void run(GenerateRequest request) {
+%s  }
+
+  static void structured(PagedServeClient client) {
 %s  }
 }
 """
@@ -83,7 +90,7 @@ SNIPPETS = snippets()
 
 def test_every_snippet_is_tagged_and_used():
     used = {"python-client", "python-offline", "python-openai", "python-structured", "python-openai-structured",
-            "go-fragment", "go-main", "go-recipe", "java-fragment", "java-pom",
+            "go-fragment", "go-structured", "go-main", "go-recipe", "java-fragment", "java-structured", "java-pom",
             "java-main", "java-recipe"}
     assert set(SNIPPETS) == used
 
@@ -94,6 +101,10 @@ def expected(shared_server) -> dict[str, str]:  # noqa: F811
         return {"readme": client.complete("The capital of France is", max_new_tokens=32, temperature=0).text,
                 "program": client.complete("The capital of France is", max_new_tokens=24, temperature=0,
                                            ignore_eos=True).text}
+
+
+def _indent(code: str, prefix: str) -> str:
+    return "".join(f"{prefix}{line}\n" if line else "\n" for line in code.splitlines())
 
 
 def at(target: str, code: str) -> str:
@@ -159,8 +170,8 @@ def test_go_recipe_pins_match_the_client_go_mod():
 @toolchains
 def test_downstream_go_module_from_the_readme(built_clients, shared_server, expected, tmp_path):  # noqa: F811
     (tmp_path / "main.go").write_text(SNIPPETS["go-main"])
-    fragment = "".join(f"\t{line}\n" if line else "\n" for line in SNIPPETS["go-fragment"].splitlines())
-    (tmp_path / "readme_fragment.go").write_text(GO_FRAGMENT_HARNESS % fragment)
+    fragment, structured = (_indent(SNIPPETS[name], "\t") for name in ("go-fragment", "go-structured"))
+    (tmp_path / "readme_fragment.go").write_text(GO_FRAGMENT_HARNESS % (fragment, structured))
     recipe = at(shared_server.target, SNIPPETS["go-recipe"])
     env = {"PAGEDSERVE": str(ROOT), "GOFLAGS": "", "GOPROXY": "off"}
     out = run(["bash", "-euo", "pipefail", "-c", recipe], tmp_path, env)
@@ -173,8 +184,8 @@ def test_downstream_maven_project_from_the_readme(built_clients, shared_server, 
     src = tmp_path / "src" / "main" / "java" / "example"
     src.mkdir(parents=True)
     (src / "Hello.java").write_text(SNIPPETS["java-main"])
-    fragment = "".join(f"    {line}\n" if line else "\n" for line in SNIPPETS["java-fragment"].splitlines())
-    (src / "ReadmeFragment.java").write_text(JAVA_FRAGMENT_HARNESS % fragment)
+    fragment, structured = (_indent(SNIPPETS[name], "    ") for name in ("java-fragment", "java-structured"))
+    (src / "ReadmeFragment.java").write_text(JAVA_FRAGMENT_HARNESS % (fragment, structured))
     recipe = at(shared_server.target, SNIPPETS["java-recipe"])
     out = run(["bash", "-euo", "pipefail", "-c", recipe], tmp_path, {"PAGEDSERVE": str(ROOT)})
     # Debian's Maven 3.8 writes ANSI resets around its (quiet, batch-mode) output even with no terminal.
