@@ -5,7 +5,8 @@ Every front end (the offline `LLM`, pagedserve.v1, OpenAI HTTP, the router's vll
 onto a `GenerationRequest` and renames the fields of the errors back to its own (`renamed`); nothing downstream
 checks again. Checks run in one order for all of them: the request's own values (SamplingParams, built by the
 front end), then the prompt against the model (tokenize or render, vocabulary, truncation, context), then the
-output budget (max_tokens against the context and the whole KV cache).
+output budget (max_tokens against the context and the whole KV cache), then the constraint, compiled last (the
+dearest check) for the model's tokenizer: the engine's step loop never compiles.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Protocol
 
 from pagedserve.engine.errors import CapacityError, InvalidRequestError
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions, check_messages
+from pagedserve.engine.constraint import OutputConstraint
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.structured_output.backend import CompiledConstraint
 
 # Field names in this module's errors; front ends rename them (`renamed`) to the paths their clients set.
 TEXT_FIELD, TOKENS_FIELD, CHAT_FIELD = "prompt", "prompt_token_ids", "chat"
@@ -64,6 +67,7 @@ class AdmittedRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     truncated: bool  # truncate_prompt_tokens cut the prompt
+    constraint: CompiledConstraint | None = None  # params.constraint, compiled for the engine's tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +85,18 @@ class PromptEncoder(Protocol):
     def render_chat(self, messages: tuple[ChatMessage, ...], options: ChatOptions) -> str: ...
 
 
-class Admission:
-    """Thread-safe: it reads the tokenizer and fixed limits only, so front ends admit on their own threads."""
+class ConstraintCompiler(Protocol):
+    """What admission needs to compile a constraint; `structured_output.compiler.ConstraintCompiler` is one."""
 
-    def __init__(self, limits: ModelLimits, encoder: PromptEncoder):
-        self.limits, self.encoder = limits, encoder
+    def compile(self, constraint: OutputConstraint) -> CompiledConstraint: ...
+
+
+class Admission:
+    """Thread-safe: it reads the tokenizer and fixed limits only (the constraint compiler locks its own cache), so
+    front ends admit on their own threads. Without a compiler, constrained requests are refused by name."""
+
+    def __init__(self, limits: ModelLimits, encoder: PromptEncoder, compiler: ConstraintCompiler | None = None):
+        self.limits, self.encoder, self.compiler = limits, encoder, compiler
 
     def admit(self, request: GenerationRequest) -> AdmittedRequest:
         ids, field = self._prompt_ids(request.prompt)
@@ -96,7 +107,14 @@ class Admission:
                                       "tokens and at least one must be left to generate")
         params = self._fit(request, len(ids))
         params.check_vocab(self.limits.vocab_size)
-        return AdmittedRequest(tuple(ids), params, truncated)
+        return AdmittedRequest(tuple(ids), params, truncated, self._compile(params.constraint))
+
+    def _compile(self, constraint: OutputConstraint | None) -> CompiledConstraint | None:
+        if constraint is None:
+            return None
+        if self.compiler is None:
+            raise InvalidRequestError(constraint.field, "structured outputs are not available on this engine")
+        return self.compiler.compile(constraint)
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[list[int], str]:
         if isinstance(prompt, TextPrompt):

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.engine.errors import ConfigError
+from pagedserve.engine.structured_output.registry import CONSTRAINT_BACKENDS
 from pagedserve.kernels.backends import (
     attention_backend_names, attention_requirements, layer_ops_names, layer_ops_requirements,
 )
@@ -29,6 +30,7 @@ def field_choices() -> dict[str, tuple[str, ...]]:
         "layer_ops": layer_ops_names(),
         "quantization": tuple(QUANT_METHODS.names()),
         "gguf_weights": GGUF_WEIGHTS,
+        "structured_output_backend": tuple(CONSTRAINT_BACKENDS.names()),
     }
 
 
@@ -72,6 +74,8 @@ class EngineConfig:
     # on Sapphire Rapids, where oneDNN's AMX matmuls win from 4 rows (benchmarks/native_step_crossover.py)
     native_step_max_batch: int = 2
     chat_template: str | None = None  # a jinja file replacing the model's chat template
+    structured_output_backend: str = "llguidance"  # the grammar library (docs/structured-outputs.md)
+    constraint_compile_timeout_s: float = 10.0  # a constraint still compiling after this is refused
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -87,6 +91,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(name, f"must be a positive integer, got {value!r}")
+        if not isinstance(self.constraint_compile_timeout_s, (int, float)) or not self.constraint_compile_timeout_s > 0:
+            raise ConfigError("constraint_compile_timeout_s", f"must be > 0, got {self.constraint_compile_timeout_s!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -26,8 +26,10 @@ from pagedserve.engine.outputs import (
 from pagedserve.engine.sampler import Sampler, SampledTokens, generator_for
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler
-from pagedserve.engine.sequence import FinishReason, Sequence, SequenceMetrics, now
+from pagedserve.engine.sequence import FinishReason, Sequence, SequenceMetrics, SeqStatus, now
 from pagedserve.engine.stopping import apply_token
+from pagedserve.engine.structured_output.compiler import ConstraintCompiler
+from pagedserve.engine.structured_output.registry import CONSTRAINT_BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +78,12 @@ class LLMEngine:
         if self.block_manager.peak_blocks(self.max_model_len, config.max_num_batched_tokens) <= self.block_manager.num_blocks:
             # Every layer slides: a sequence holds only its window's blocks, so any context fits.
             kv_tokens = max(kv_tokens, self.max_model_len)
-        self.admission = Admission(ModelLimits(self.runner.vocab_size, self.max_model_len, kv_tokens), self.tokenizer)
+        backend = CONSTRAINT_BACKENDS.get(config.structured_output_backend)
+        vocab, eos = self.runner.vocab_size, self.tokenizer.eos_token_ids
+        self.constraints = ConstraintCompiler(lambda: backend(self.tokenizer.hf, vocab, eos),
+                                              config.constraint_compile_timeout_s)
+        self.admission = Admission(ModelLimits(self.runner.vocab_size, self.max_model_len, kv_tokens), self.tokenizer,
+                                   self.constraints)
         self.requests: dict[str, RequestState] = {}
         self.num_aborted_requests = 0
 
@@ -104,6 +111,7 @@ class LLMEngine:
         seq.pending_forks = params.n - 1
         seq.sampler_state = generator_for(params.seed, 0) if params.seed is not None else None
         seq.detok = start_detok(len(ids))
+        seq.matcher = request.constraint.new_matcher() if request.constraint is not None else None
         self.requests[request_id] = RequestState(request_id, ids, params, [seq])
         self.scheduler.add(seq)
 
@@ -156,6 +164,8 @@ class LLMEngine:
             touched[state.request_id] = state
             if sampled.error is not None:
                 failed[state.request_id] = sampled.error
+            elif sampled.dead_end:
+                self._dead_end(state, sampled.seq)
             elif state.request_id not in failed:
                 self._accept(state, sampled)
         outputs = [self._fail(state, failed[rid]) if rid in failed else self._output(state) for rid, state in touched.items()]
@@ -172,6 +182,7 @@ class LLMEngine:
             self.block_manager.fork(seq, child)
             child.sampler_state = generator_for(seq.params.seed, index) if seq.params.seed is not None else None
             child.detok = type(seq.detok)(seq.detok.prefix_offset, seq.detok.read_offset)
+            child.matcher = seq.matcher.fork() if seq.matcher is not None else None  # before seq takes its token
             state.seqs.append(child)
             self.scheduler.add_running(child)
             self._append(child, token, logprob)
@@ -179,8 +190,28 @@ class LLMEngine:
         self._append(seq, *first)
 
     def _append(self, seq: Sequence, token: int, logprob) -> None:
+        if seq.matcher is not None and not seq.matcher.accept(token):
+            self._finish(seq, FinishReason.CONSTRAINT_DEAD_END)  # the library refused a token its own mask allowed
+            return
         if apply_token(seq, token, logprob, self.tokenizer, self.max_model_len):
             self.scheduler.finish(seq)
+        elif seq.matcher is not None and seq.matcher.is_terminated():
+            self._finish(seq, FinishReason.STOP)  # the grammar is complete: it ends here, as in vLLM
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish_reason, seq.metrics.finished_time = reason, now()
+        self.scheduler.finish(seq)
+
+    def _dead_end(self, state: RequestState, seq: Sequence) -> None:
+        """The constraint allows no token: only this sequence ends (with its text so far) and frees its blocks; the
+        samples it has not forked yet would start from the same dead end, so they end with it."""
+        for index in range(1, seq.pending_forks + 1):
+            child = seq.fork(index)
+            child.status, child.metrics.finished_time = SeqStatus.FINISHED, now()
+            child.finish_reason = FinishReason.CONSTRAINT_DEAD_END
+            state.seqs.append(child)
+        seq.pending_forks = 0
+        self._finish(seq, FinishReason.CONSTRAINT_DEAD_END)
 
     def _output(self, state: RequestState) -> RequestOutput:
         completions = tuple(_completion(seq) for seq in sorted(state.seqs, key=lambda s: s.index))
@@ -224,6 +255,7 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_aborted_requests=self.num_aborted_requests,
+            constraints=self.constraints.stats(),
             block_size=self.config.block_size,
             max_model_len=self.max_model_len,
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.engine.sequence import TokenLogprob
+from pagedserve.engine.structured_output.compiler import ConstraintStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +42,7 @@ class CompletionOutput:
     new_token_ids: tuple[int, ...]
     new_logprobs: tuple[TokenLogprob, ...]  # empty unless SamplingParams.logprobs is set
     num_tokens: int  # generated so far, the new ones included
-    finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error"
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error" | "constraint_dead_end"
     stop_reason: str | int | None  # the matched stop string or stop token id
     history: OutputHistory = field(repr=False, compare=False)
 
@@ -87,6 +88,7 @@ class EngineStats:
     num_aborted_requests: int  # unfinished requests stopped by abort_request (cancel, deadline, shutdown)
     block_size: int
     max_model_len: int
+    constraints: ConstraintStats = ConstraintStats()  # structured outputs: requests, compiles, cache hits
 
     @property
     def kv_cache_usage(self) -> float:

@@ -1,6 +1,8 @@
 """Turns each sampling sequence's logits into its next token(s), honouring its own SamplingParams.
 
-Logprobs are reported from the model's raw distribution (before penalties and temperature), as vLLM does.
+A constrained row is masked to the tokens its grammar allows first (`engine/structured_output/bitmask.py`), before
+penalties, bias, min_tokens and temperature. Logprobs are reported from the model's distribution before penalties
+and temperature, as vLLM does: for a constrained row, the masked (constrained) distribution.
 Every row is sampled on its own: temperatures divide logits after the row maximum is subtracted (so no
 temperature overflows a row to inf/NaN), and a row that is still not finite fails only its own request.
 """
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.engine.sequence import Sequence, TokenLogprob
+from pagedserve.engine.structured_output.bitmask import mask_constrained_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +22,7 @@ class SampledTokens:
     seq: Sequence
     tokens: tuple[tuple[int, TokenLogprob | None], ...]  # n tokens when a request forks its samples, else 1
     error: str | None = None  # the row could not be sampled; `tokens` is empty
+    dead_end: bool = False  # the row's constraint allows no token; `tokens` is empty
 
 
 def generator_for(seed: int, index: int) -> torch.Generator:
@@ -37,6 +41,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> list[SampledTokens]:
         """logits [S, vocab] fp32, one row per sequence in `seqs`."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs) and logits.dtype == torch.float32
+        dead = mask_constrained_rows(logits, seqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         processed = self._process(logits, seqs)
         # amax propagates NaN: a NaN or +inf anywhere, or no finite logit at all, makes the row's maximum non-finite.
@@ -51,6 +56,7 @@ class Sampler:
         if random_rows:
             choices.update(self._sample_random(processed, row_max, seqs, random_rows))
         return [
+            SampledTokens(seq, (), dead_end=True) if row in dead else
             SampledTokens(seq, (), error=_NON_FINITE) if row in bad else
             SampledTokens(seq, tuple((tok, self._logprob(raw_logprobs, row, tok, seq)) for tok in choices[row]))
             for row, seq in enumerate(seqs)
@@ -83,7 +89,7 @@ class Sampler:
         if seq.num_output_tokens < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
             if banned:
-                row[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
+                _ban(row, torch.tensor(sorted(banned), dtype=torch.long), keep_one=seq.matcher is not None)
 
     def _sample_random(
         self, logits: torch.Tensor, row_max: torch.Tensor, seqs: tuple[Sequence, ...], rows: list[int]
@@ -126,6 +132,15 @@ class Sampler:
             best = torch.topk(values, seq.params.logprobs)
             top = tuple(zip(best.indices.tolist(), best.values.tolist()))
         return TokenLogprob(token, float(values[token]), top)
+
+
+def _ban(row: torch.Tensor, ids: torch.Tensor, keep_one: bool) -> None:
+    """min_tokens: the end is forbidden; under a constraint only while the grammar allows some other token (a
+    complete grammar that allows only the end still ends, rather than dead-ending on min_tokens)."""
+    saved = row[ids].clone()
+    row[ids] = float("-inf")
+    if keep_one and not bool(torch.isfinite(row).any()):
+        row[ids] = saved
 
 
 def _mass_strictly_above(probs: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:

@@ -98,6 +98,9 @@ class Sequence:
     pending_forks: int = 0  # extra samples (n - 1) still to be forked off after the first sampled token
     sampler_state: Any = None  # the per-sequence torch.Generator when seeded; opaque here to keep this torch-free
     detok: Any = None  # the incremental detokenizer's state
+    # The constraint's ConstraintMatcher (engine/structured_output/backend.py) when the request has one; advanced
+    # only by appended tokens, so recompute after preemption and chunked prefill never replay it.
+    matcher: Any = None
     text: OutputText = field(default_factory=OutputText)
     emitted_text_len: int = 0
     emitted_token_len: int = 0

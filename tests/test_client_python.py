@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import subprocess
 import sys
 
@@ -134,3 +136,22 @@ def test_cli_reports_errors_with_exit_status_1(shared_server, tmp_path):  # noqa
          "--top-p", "0"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert "INVALID_ARGUMENT" in result.stderr and "sampling.top_p" in result.stderr
+
+
+def test_cli_constraint_flags(shared_server, tmp_path):  # noqa: F811
+    """--choice / --regex / --json-schema @FILE constrain the printed answer; two of them are refused by argparse."""
+    def cli(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pagedserve.client.cli", "--target", shared_server.target,
+                               "generate", "Is Paris in France? Answer:", "--temperature", "0", "--max-new-tokens",
+                               "40", *flags], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+    assert cli("--choice", "yes", "--choice", "no").stdout.strip() in ("yes", "no")
+    assert re.fullmatch(r"[0-9]{3}", cli("--regex", "[0-9]{3}").stdout.strip())
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    assert isinstance(json.loads(cli("--json-schema", "@schema.json").stdout)["ok"], bool)
+    both = cli("--regex", "a", "--json-object")
+    assert both.returncode == 2 and "not allowed with" in both.stderr
+    bad = cli("--regex", "(")
+    assert bad.returncode == 1 and "constraint.regex" in bad.stderr

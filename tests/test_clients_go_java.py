@@ -10,6 +10,7 @@ languages send the same request. The toolchains come from Debian packages that c
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,8 @@ from service_fixtures import (  # noqa: F401 - shared_server is a fixture used b
     wait_until,
 )
 
-from pagedserve.client import Client, ClientError, GenerateOptions, Message, TlsOptions, build_request
+from pagedserve.client import Choice, Client, ClientError, GenerateOptions, JsonSchema, Message, Regex, TlsOptions
+from pagedserve.client import build_request
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENTS = ROOT / "clients"
@@ -168,6 +170,9 @@ def test_expired_deadline_is_deadline_exceeded(driver, channel):
     (dict(top_p=2.0), "sampling.top_p"),
     (dict(temperature=-1.0), "sampling.temperature"),
     (dict(max_new_tokens=100_000), "stopping.max_new_tokens"),
+    (dict(constraint=Regex("")), "constraint.regex"),
+    (dict(constraint=JsonSchema("[1]")), "constraint.json_schema"),
+    (dict(constraint=Choice(["yes", ""])), "constraint.choice.choices[1]"),
 ])
 def test_invalid_argument_names_the_field(driver, py_client, options, field):
     with pytest.raises(ClientError) as python_error:
@@ -176,6 +181,22 @@ def test_invalid_argument_names_the_field(driver, py_client, options, field):
     assert got["error"]["code"] == "INVALID_ARGUMENT"
     assert got["error"]["field"] == field == python_error.value.field
     assert field in got["error"]["message"]
+
+
+@pytest.mark.parametrize("constraint, check", [
+    (Choice(["yes", "no", "maybe"]), lambda text: text in ("yes", "no", "maybe")),
+    (Regex(r"[0-9]{3}-[0-9]{4}"), lambda text: re.fullmatch(r"[0-9]{3}-[0-9]{4}", text)),
+    (JsonSchema({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                 "additionalProperties": False}), lambda text: isinstance(json.loads(text)["ok"], bool)),
+], ids=["choice", "regex", "json_schema"])
+def test_constrained_generation_matches_python_client(driver, py_client, constraint, check):
+    """The constraint oneof travels through each language's generated types: the same constrained answer."""
+    options = dict(temperature=0.0, max_new_tokens=48, constraint=constraint)
+    expected = py_client.complete("Is Paris in France? Answer:", **options)
+    got = driver.call("generate", request=request_json("Is Paris in France? Answer:", **options))
+    assert got["error"] is None
+    assert got["text"] == expected.text and check(expected.text), expected.text
+    assert got["finish_reason"] == "FINISH_REASON_EOS_TOKEN"
 
 
 def test_health_check(driver):

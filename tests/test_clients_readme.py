@@ -9,6 +9,7 @@ clients/java/README.md exactly as written there and must print the Python client
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -45,7 +46,11 @@ import (
 func readmeFragment(ctx context.Context, req *pb.GenerateRequest) error {
 %s}
 
-var _, _, _ = readmeFragment, fmt.Print, client.Dial
+// readmeStructured holds README.md's structured-output snippet.
+func readmeStructured(ctx context.Context, c *client.Client) error {
+%s}
+
+var _, _, _, _ = readmeFragment, readmeStructured, fmt.Print, client.Dial
 """
 
 JAVA_FRAGMENT_HARNESS = """package example;
@@ -59,6 +64,9 @@ final class ReadmeFragment {
   private ReadmeFragment() {}
 
   static void run(GenerateRequest request) {
+%s  }
+
+  static void structured(PagedServeClient client) {
 %s  }
 }
 """
@@ -81,7 +89,8 @@ SNIPPETS = snippets()
 
 
 def test_every_snippet_is_tagged_and_used():
-    used = {"python-client", "python-offline", "python-openai", "go-fragment", "go-main", "go-recipe", "java-fragment", "java-pom",
+    used = {"python-client", "python-offline", "python-openai", "python-structured", "python-openai-structured",
+            "go-fragment", "go-structured", "go-main", "go-recipe", "java-fragment", "java-structured", "java-pom",
             "java-main", "java-recipe"}
     assert set(SNIPPETS) == used
 
@@ -92,6 +101,10 @@ def expected(shared_server) -> dict[str, str]:  # noqa: F811
         return {"readme": client.complete("The capital of France is", max_new_tokens=32, temperature=0).text,
                 "program": client.complete("The capital of France is", max_new_tokens=24, temperature=0,
                                            ignore_eos=True).text}
+
+
+def _indent(code: str, prefix: str) -> str:
+    return "".join(f"{prefix}{line}\n" if line else "\n" for line in code.splitlines())
 
 
 def at(target: str, code: str) -> str:
@@ -123,6 +136,23 @@ def test_python_openai_sdk_snippet(shared_server, tmp_path):  # noqa: F811
     assert out == answer.text + "\n" and "Paris" in out
 
 
+def test_python_structured_snippet(shared_server, tmp_path):  # noqa: F811
+    """The typed constraints: a choice that is one of its strings, a regex the whole output matches."""
+    answer, phone = run([sys.executable, "-c", at(shared_server.target, SNIPPETS["python-structured"])],
+                        tmp_path).splitlines()
+    assert answer in ("yes", "no") and re.fullmatch(r"[0-9]{3}-[0-9]{4}", phone), (answer, phone)
+
+
+def test_python_openai_structured_snippet(shared_server, tmp_path):  # noqa: F811
+    """README's response_format and forced tool call through the OpenAI SDK: a person and a get_weather call."""
+    code = SNIPPETS["python-openai-structured"].replace("localhost:8000", f"127.0.0.1:{shared_server.http_port}")
+    person, call = run([sys.executable, "-c", code], tmp_path).splitlines()
+    person = ast.literal_eval(person)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int) and len(person["name"]) <= 20
+    name, arguments = call.split(" ", 1)
+    assert name == "get_weather" and isinstance(ast.literal_eval(arguments)["city"], str)
+
+
 def test_python_offline_api_snippet(tmp_path):
     out = run([sys.executable, "-c", SNIPPETS["python-offline"]], tmp_path, env={"OMP_NUM_THREADS": "2"})
     assert len(out.splitlines()) == 1 and out.strip()
@@ -140,8 +170,8 @@ def test_go_recipe_pins_match_the_client_go_mod():
 @toolchains
 def test_downstream_go_module_from_the_readme(built_clients, shared_server, expected, tmp_path):  # noqa: F811
     (tmp_path / "main.go").write_text(SNIPPETS["go-main"])
-    fragment = "".join(f"\t{line}\n" if line else "\n" for line in SNIPPETS["go-fragment"].splitlines())
-    (tmp_path / "readme_fragment.go").write_text(GO_FRAGMENT_HARNESS % fragment)
+    fragment, structured = (_indent(SNIPPETS[name], "\t") for name in ("go-fragment", "go-structured"))
+    (tmp_path / "readme_fragment.go").write_text(GO_FRAGMENT_HARNESS % (fragment, structured))
     recipe = at(shared_server.target, SNIPPETS["go-recipe"])
     env = {"PAGEDSERVE": str(ROOT), "GOFLAGS": "", "GOPROXY": "off"}
     out = run(["bash", "-euo", "pipefail", "-c", recipe], tmp_path, env)
@@ -154,8 +184,8 @@ def test_downstream_maven_project_from_the_readme(built_clients, shared_server, 
     src = tmp_path / "src" / "main" / "java" / "example"
     src.mkdir(parents=True)
     (src / "Hello.java").write_text(SNIPPETS["java-main"])
-    fragment = "".join(f"    {line}\n" if line else "\n" for line in SNIPPETS["java-fragment"].splitlines())
-    (src / "ReadmeFragment.java").write_text(JAVA_FRAGMENT_HARNESS % fragment)
+    fragment, structured = (_indent(SNIPPETS[name], "    ") for name in ("java-fragment", "java-structured"))
+    (src / "ReadmeFragment.java").write_text(JAVA_FRAGMENT_HARNESS % (fragment, structured))
     recipe = at(shared_server.target, SNIPPETS["java-recipe"])
     out = run(["bash", "-euo", "pipefail", "-c", recipe], tmp_path, {"PAGEDSERVE": str(ROOT)})
     # Debian's Maven 3.8 writes ANSI resets around its (quiet, batch-mode) output even with no terminal.

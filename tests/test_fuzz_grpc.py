@@ -9,9 +9,11 @@ server still reports SERVING. Budget and replay: see fuzz_support.py.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 
 import grpc
 import pytest
+from constraint_strategies import CHOICES, GRAMMARS, REGEXES, SCHEMA_TEXT, STRUCTURAL_TAGS
 from fuzz_support import check_outcome, fuzz_settings
 from grpc_health.v1 import health_pb2
 from hypothesis import given
@@ -43,6 +45,13 @@ SMALL_MAX_TOKENS = st.one_of(st.none(), st.integers(0, 6), st.integers(0, 2**32 
 
 def _optional(strategy):
     return st.one_of(st.none(), strategy)
+
+
+V1_CONSTRAINTS = st.one_of(
+    SCHEMA_TEXT.map(lambda spec: pb.Constraint(json_schema=spec)), st.just(pb.Constraint(json_object=pb.JsonObject())),
+    REGEXES.map(lambda spec: pb.Constraint(regex=spec)), GRAMMARS.map(lambda spec: pb.Constraint(grammar=spec)),
+    CHOICES.map(lambda choices: pb.Constraint(choice=pb.Choices(choices=choices))),
+    STRUCTURAL_TAGS.map(lambda tag: pb.Constraint(structural_tag=json.dumps(tag))), st.just(pb.Constraint()))
 
 
 @st.composite
@@ -78,6 +87,9 @@ def generate_requests(draw) -> pb.GenerateRequest:
     _set_optionals(request.response, draw, {
         "logprobs": st.integers(0, 30), "heartbeat_ms": UINT32})
     request.response.stream_mode = draw(st.sampled_from([0, 1, 2, 3, 2**31 - 1]))
+    constraint = draw(st.one_of(st.none(), st.none(), V1_CONSTRAINTS))
+    if constraint is not None:
+        request.constraint.CopyFrom(constraint)
     return request
 
 

@@ -17,6 +17,7 @@ import re
 
 import grpc
 import pytest
+from constraint_strategies import CHOICES, GRAMMARS, REGEXES, SCHEMAS, STRUCTURAL_TAGS
 from fuzz_support import fuzz_settings
 from grpc_health.v1 import health_pb2
 from hypothesis import given
@@ -67,6 +68,8 @@ COMPLETION_PARAMS = {
     "suffix": _plausible(None, "x"),
     "best_of": _plausible(None, 1, 2),
 }
+TOOLS = st.lists(st.builds(lambda name, schema: {"type": "function", "function": {"name": name, "parameters": schema}},
+                          st.sampled_from(["f0", "f1", "f2"]), SCHEMAS), min_size=1, max_size=3)
 MESSAGE = st.fixed_dictionaries(
     {"role": _plausible("user", "system", "assistant", "wizard"),
      "content": _plausible("Hi", "", None, [{"type": "text", "text": "Hi"}], [{"type": "image_url"}])})
@@ -75,9 +78,28 @@ CHAT_PARAMS = {
     "messages": st.one_of(st.lists(MESSAGE, max_size=4), ANY_JSON),
     "logprobs": _plausible(None, False, True),
     "top_logprobs": _plausible(None, 0, 3, 21),
-    "tools": _plausible(None, [], [{"type": "function"}]),
-    "response_format": _plausible(None, {"type": "text"}, {"type": "json_object"}),
+    "tools": st.one_of(_plausible(None, [], [{"type": "function"}]), TOOLS),
+    "tool_choice": _plausible("none", "auto", "required", {"type": "function", "function": {"name": "f0"}},
+                              {"type": "function", "function": {"name": "nope"}}),
 }
+# Structured outputs, every dialect, on both endpoints: generated schemas, regexes, choices and grammars.
+CONSTRAINT_PARAMS = {
+    "response_format": st.one_of(
+        _plausible(None, {"type": "text"}, {"type": "json_object"}, {"type": "json_schema"}),
+        st.builds(lambda schema, strict: {"type": "json_schema", "json_schema": {
+            "name": "out", "schema": schema, "strict": strict}}, SCHEMAS, st.booleans()),
+        STRUCTURAL_TAGS.map(lambda tag: {"type": "structural_tag", **tag})),
+    "structured_outputs": st.one_of(
+        st.fixed_dictionaries({"json": SCHEMAS}), st.fixed_dictionaries({"regex": REGEXES}),
+        st.fixed_dictionaries({"choice": CHOICES}), st.fixed_dictionaries({"grammar": GRAMMARS}),
+        st.just({"json_object": True}), ANY_JSON),
+    "guided_json": st.one_of(SCHEMAS, ANY_JSON),
+    "guided_regex": st.one_of(REGEXES, ANY_JSON),
+    "guided_choice": st.one_of(CHOICES, ANY_JSON),
+    "guided_grammar": GRAMMARS,
+}
+COMPLETION_PARAMS.update(CONSTRAINT_PARAMS)
+CHAT_PARAMS.update(CONSTRAINT_PARAMS)
 
 
 @st.composite

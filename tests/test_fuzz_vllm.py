@@ -11,9 +11,11 @@ afterwards no KV block is held and the server still reports SERVING. Budget and 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 
 import grpc
 import pytest
+from constraint_strategies import CHOICES, GRAMMARS, REGEXES, SCHEMA_TEXT, STRUCTURAL_TAGS
 from fuzz_support import check_outcome, fuzz_settings
 from grpc_health.v1 import health_pb2
 from hypothesis import given
@@ -55,9 +57,16 @@ SAMPLING = {
     "seed": INT32,
     "include_stop_str_in_output": st.booleans(),
     "truncate_prompt_tokens": _mostly(st.integers(1, 600), INT32),
-    "json_schema": st.text(max_size=10),
-    "regex": st.text(max_size=10),
+}
+# The constraint oneof: at most one member is drawn (setting a second would replace the first).
+CONSTRAINTS = {
+    "json_schema": SCHEMA_TEXT,
+    "regex": REGEXES,
+    "grammar": GRAMMARS,
+    "structural_tag": STRUCTURAL_TAGS.map(json.dumps),
     "json_object": st.booleans(),
+    "choice": CHOICES.map(lambda choices: vpb.ChoiceConstraint(choices=choices)),
+    "grammar_from_first_token": st.booleans(),
 }
 TOKEN_IDS = _mostly(st.lists(st.integers(0, 49151), min_size=1, max_size=40),
                     st.lists(st.one_of(st.integers(0, 49151), st.integers(0, 2**32 - 1)), max_size=600))
@@ -84,6 +93,13 @@ def generate_requests(draw) -> vpb.GenerateRequest:
             field.extend(value)
         else:
             setattr(request.sampling_params, name, value)
+    constraint = draw(st.one_of(st.none(), st.none(), st.sampled_from(sorted(CONSTRAINTS))))
+    if constraint is not None:
+        value = draw(CONSTRAINTS[constraint])
+        if isinstance(value, vpb.ChoiceConstraint):
+            request.sampling_params.choice.CopyFrom(value)
+        else:
+            setattr(request.sampling_params, constraint, value)
     for token, bias in draw(st.dictionaries(_mostly(st.integers(0, 49151), UINT32),
                                             _mostly(st.floats(-100, 100), F32), max_size=2)).items():
         request.sampling_params.logit_bias[token] = bias

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import jsonschema
 import pytest
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
@@ -218,6 +219,45 @@ def _abort_calls(server) -> float:
                and "vllm.grpc.engine.VllmEngine" in line)
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+    "additionalProperties": False}}}
+
+
+def _constrained(replicas) -> float:
+    return sum(metric_value(r, "pagedserve:structured_output_requests_total") for r in replicas)
+
+
+def test_openai_structured_outputs_at_smg_constrain_the_replicas(smg, replicas):
+    """SMG turns response_format into the json_schema constraint of vllm.grpc.engine and builds a forced tool call's
+    schema itself; the replicas compile and apply both (their counters), and what comes back validates."""
+    before = _constrained(replicas)
+    messages = [{"role": "user", "content": "Give me a JSON object describing a person."}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 96, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}}
+    whole = _post(f"{smg.base}/v1/chat/completions", body)["choices"][0]
+    assert whole["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(whole["message"]["content"]), PERSON)
+    chunks = _sse(smg.base, body)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices")) == \
+        whole["message"]["content"]
+    json_object = _post(f"{smg.base}/v1/chat/completions", {**body, "response_format": {"type": "json_object"},
+                                                             "messages": [{"role": "user", "content":
+                                                                           "Is Paris in France? Answer as JSON."}]})
+    assert isinstance(json.loads(json_object["choices"][0]["message"]["content"]), dict)
+    call = _post(f"{smg.base}/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "max_tokens": 96, "temperature": 0, "tools": [WEATHER_TOOL], "tool_choice": "required"})["choices"][0]
+    assert call["finish_reason"] == "tool_calls"
+    (tool_call,) = call["message"]["tool_calls"]
+    assert tool_call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(tool_call["function"]["arguments"]), WEATHER_TOOL["function"]["parameters"])
+    assert _constrained(replicas) == before + 4
+
+
 # --- the VllmEngine service directly ----------------------------------------------------------------------------
 
 
@@ -234,8 +274,8 @@ def _generate(stub, ids: list[int], stream: bool = False, **sampling) -> list[vp
 
 
 @pytest.mark.parametrize("sampling, field", [
-    ({"regex": "a+"}, "sampling_params.regex"),
-    ({"json_schema": "{}"}, "sampling_params.json_schema"),
+    ({"regex": "("}, "sampling_params.regex"),
+    ({"json_schema": "[1]"}, "sampling_params.json_schema"),
     ({"prompt_logprobs": 1}, "sampling_params.prompt_logprobs"),
     ({"logprobs": -1}, "sampling_params.logprobs"),
     ({"top_p": 3.0}, "sampling_params.top_p"),

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from pagedserve.engine.outputs import RequestMetrics
+from pagedserve.engine.structured_output.compiler import COMPILE_BUCKETS, ConstraintStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -46,7 +47,7 @@ class EngineStatsCollector(Collector):
         self.model_name = model_name
         self.stats = stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         s = self.stats()
         if s is None:  # model still loading
             return
@@ -83,6 +84,25 @@ class EngineStatsCollector(Collector):
                       s.num_preemptions)
         yield counter("pagedserve:requests_aborted", "Unfinished requests aborted in the engine (cancel, deadline).",
                       s.num_aborted_requests)
+        yield from _constraint_metrics(s.constraints, labels, counter)
+
+
+def _constraint_metrics(c: ConstraintStats, labels: list[str], counter) -> Iterator:
+    """Structured outputs (vLLM exports none of these; named in its style)."""
+    yield counter("pagedserve:structured_output_requests", "Constrained (structured-output) requests admitted.",
+                  c.num_requests)
+    yield counter("pagedserve:structured_output_compile_cache_hits", "Constraints found compiled in the cache.",
+                  c.cache_hits)
+    yield counter("pagedserve:structured_output_compile_cache_misses", "Constraints compiled (refused ones too).",
+                  c.cache_misses)
+    family = HistogramMetricFamily("pagedserve:structured_output_compile_seconds",
+                                   "Time to compile a constraint for the tokenizer (cache misses).", labels=["model_name"])
+    cumulative, buckets = 0, []
+    for bound, count in zip((*map(str, COMPILE_BUCKETS), "+Inf"), c.compile_bucket_counts):
+        cumulative += count
+        buckets.append((bound, cumulative))
+    family.add_metric(labels, buckets, c.compile_seconds_sum)
+    yield family
 
 
 class ServiceMetrics:

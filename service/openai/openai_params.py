@@ -19,6 +19,9 @@ from pagedserve.engine.admission import (
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.service.openai.openai_constraints import STRUCTURED_PARAMS, RequestedConstraint, requested_constraint
+from pagedserve.service.openai.openai_constraints import rename as rename_constraint
+from pagedserve.service.openai.openai_tools import ToolChoice, tool_constraint
 
 # OpenAI's own parameters, plus vLLM's extensions that the same clients send.
 _COMMON = frozenset({
@@ -26,7 +29,7 @@ _COMMON = frozenset({
     "presence_penalty", "frequency_penalty", "logit_bias", "user",
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens",
-    "return_token_ids",
+    "return_token_ids", *STRUCTURED_PARAMS,
 })
 COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT_PARAMS = _COMMON | {
@@ -63,6 +66,8 @@ class OpenAIRequest:
     return_token_ids: bool  # vLLM's return_token_ids: each choice (or chunk) carries its token ids
     echo: bool
     names: dict[str, str]  # engine field -> the OpenAI parameter the client set
+    constraint_param: str | None = None  # where the constraint came from: its errors name this path
+    tool_choice: ToolChoice | None = None  # set: the text is a forced tool call (openai_tools.py)
 
     @property
     def params(self) -> SamplingParams:
@@ -70,6 +75,10 @@ class OpenAIRequest:
         return self.prompts[0].request.params
 
     def param(self, engine_field: str) -> str:
+        if self.constraint_param is not None:
+            renamed_field = rename_constraint(engine_field, self.constraint_param)
+            if renamed_field != engine_field:
+                return renamed_field
         return self.names.get(engine_field, engine_field)
 
     def admit(self, engine_admit: Callable[[GenerationRequest], AdmittedRequest]) -> tuple[AdmittedRequest, ...]:
@@ -91,8 +100,9 @@ def parse(body: Any, chat: bool) -> OpenAIRequest:
     names = _names(body, chat)
     shapes = [(_chat_prompt(body), "", "messages")] if chat else _completion_prompts(body)
     logprobs = _chat_logprobs(body) if chat else body.get("logprobs")  # its own errors already name OpenAI's fields
+    requested, tool_choice = _constraint(body, chat)
     with renamed(field_map(names)):
-        params = _sampling_params(body, chat, logprobs)
+        params = _sampling_params(body, chat, logprobs, requested)
     # No max_tokens: the room left in the context (chat) or 16 within it (completions); a set one must fit.
     default = "max_completion_tokens" not in body and "max_tokens" not in body
     prompts = tuple(PromptInput(GenerationRequest(prompt, params, max_tokens_is_default=default), text, field)
@@ -105,7 +115,20 @@ def parse(body: Any, chat: bool) -> OpenAIRequest:
         chat=chat, model=_model(body), prompts=prompts, stream=stream,
         include_usage=_bool(options, "include_usage", False),
         continuous_usage=_bool(options, "continuous_usage_stats", False),
-        return_token_ids=_bool(body, "return_token_ids", False), echo=_bool(body, "echo", False), names=names)
+        return_token_ids=_bool(body, "return_token_ids", False), echo=_bool(body, "echo", False), names=names,
+        constraint_param=requested.param if requested else None, tool_choice=tool_choice)
+
+
+def _constraint(body: dict[str, Any], chat: bool) -> tuple[RequestedConstraint | None, ToolChoice | None]:
+    """At most one: a structured-output parameter or a forced tool call."""
+    requested = requested_constraint(body)
+    tools = tool_constraint(body) if chat else None
+    if tools is None:
+        return requested, None
+    if requested is not None:
+        raise InvalidRequestError("tool_choice", f"a forced tool call constrains the output already; "
+                                                 f"{requested.param.split('.')[0]} cannot be set with it")
+    return tools
 
 
 def _check_known(body: dict[str, Any], known: frozenset[str]) -> None:
@@ -115,15 +138,10 @@ def _check_known(body: dict[str, Any], known: frozenset[str]) -> None:
 
 
 def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise InvalidRequestError(name, "tool and function calling are not supported by this server")
-    for name in ("tool_choice", "function_call"):
-        if body.get(name, "none") not in ("none", "auto"):
-            raise InvalidRequestError(name, "tool and function calling are not supported by this server")
-    fmt = body.get("response_format", {"type": "text"})
-    if not isinstance(fmt, dict) or fmt.get("type") != "text":
-        raise InvalidRequestError("response_format", "only {\"type\": \"text\"} is supported")
+    if body.get("functions"):
+        raise InvalidRequestError("functions", "the deprecated functions are not supported; use tools")
+    if body.get("function_call", "none") not in ("none", "auto"):
+        raise InvalidRequestError("function_call", "the deprecated function_call is not supported; use tool_choice")
     for name in ("audio", "prediction", "web_search_options", "suffix"):
         if name in body:
             raise InvalidRequestError(name, "is not supported by this server")
@@ -160,8 +178,11 @@ def _model(body: dict[str, Any]) -> str | None:
     return model
 
 
-def _sampling_params(body: dict[str, Any], chat: bool, logprobs: int | None) -> SamplingParams:
+def _sampling_params(body: dict[str, Any], chat: bool, logprobs: int | None,
+                     requested: RequestedConstraint | None) -> SamplingParams:
     kwargs: dict[str, Any] = {name: body[name] for name in _DIRECT if name in body}
+    if requested is not None:
+        kwargs["constraint"] = requested.constraint
     if "top_k" in body:
         kwargs["top_k"] = 0 if body["top_k"] == -1 else body["top_k"]  # vLLM's -1 means "off", like our 0
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens")

@@ -12,6 +12,11 @@ from pagedserve.engine.admission import AdmittedRequest
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.sequence import TokenLogprob
 from pagedserve.service.openai.openai_params import OpenAIRequest
+from pagedserve.service.openai.openai_tools import ToolCallText
+
+# The engine's finish reasons -> OpenAI's. A constraint's dead end passes as the engine's own value (the text is only
+# a prefix of a valid output, which "stop" would hide); the other ends of a request are vLLM's "abort".
+_FINISH = {"stop": "stop", "length": "length", "constraint_dead_end": "constraint_dead_end"}
 
 Decode = Callable[[int], str]  # one token id -> its text
 
@@ -23,6 +28,7 @@ class _Choice:
     stop_reason: str | int | None = None
     text_offset: int = 0  # completions' logprobs.text_offset: characters before the next token
     started: bool = False  # chat streams: the role chunk was sent
+    tool: ToolCallText | None = None  # a forced tool call: the text is read back as tool_calls
 
     @property
     def text(self) -> str:
@@ -50,7 +56,8 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.object = "chat.completion" if request.chat else "text_completion"
         self.n = request.params.n
-        self.choices = [_Choice() for _ in range(self.n * len(request.prompts))]
+        self.choices = [_Choice(tool=ToolCallText(request.tool_choice) if request.tool_choice else None)
+                        for _ in range(self.n * len(request.prompts))]
         self.prompt_tokens = sum(len(a.prompt_token_ids) for a in admitted)
         self.cached_tokens = 0
 
@@ -79,6 +86,10 @@ class ResponseBuilder:
                                "stop_reason": choice.stop_reason}
         if self.request.chat:
             out["message"] = {"role": "assistant", "content": text}
+            calls = choice.tool.whole(text) if choice.tool and choice.finish_reason == "stop" else None
+            if calls is not None:
+                out["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                out["finish_reason"] = "tool_calls"
         else:
             out["text"] = (self._echo(index // self.n)) + text
         if self.request.return_token_ids:
@@ -111,9 +122,17 @@ class ResponseBuilder:
                 text = self._echo(prompt) + text
             if text or completion.new_token_ids or choice.finish_reason is not None:
                 logprobs = self._logprobs(choice, new_logprobs) if self.request.params.logprobs is not None else None
-                body = {"content": text} if self.request.chat else text
+                body = self._delta_body(choice, text)
                 chunks.append(self._chunk(index, body, logprobs, choice, completion.new_token_ids))
         return chunks
+
+    def _delta_body(self, choice: _Choice, text: str) -> Any:
+        if not self.request.chat:
+            return text
+        if choice.tool is None:
+            return {"content": text}
+        calls = choice.tool.deltas(choice.text, final=choice.finish_reason is not None)
+        return {"tool_calls": calls} if calls else {}
 
     def _echo(self, prompt: int) -> str:
         return self.request.prompts[prompt].text if self.request.echo else ""
@@ -129,6 +148,8 @@ class ResponseBuilder:
     def _chunk(self, index: int, body: Any, logprobs: Any, choice: _Choice | None,
                token_ids: tuple[int, ...] = ()) -> dict[str, Any]:
         finish = choice.finish_reason if choice else None
+        if finish == "stop" and choice.tool is not None and choice.tool.sent_head:
+            finish = "tool_calls"
         item: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
             item["stop_reason"] = choice.stop_reason
@@ -151,7 +172,7 @@ class ResponseBuilder:
         choice.last = completion
         new = list(completion.new_logprobs)
         if completion.finish_reason is not None:
-            choice.finish_reason = {"stop": "stop", "length": "length"}.get(completion.finish_reason, "abort")
+            choice.finish_reason = _FINISH.get(completion.finish_reason, "abort")
             choice.stop_reason = self._stop_reason(completion.stop_reason)
         return new
 

@@ -16,6 +16,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from pagedserve.engine.admission import (
     AdmittedRequest, GenerationRequest, Prompt, TextPrompt, TokensPrompt, field_map, renamed,
 )
+from pagedserve.engine.constraint import ConstraintKind, OutputConstraint
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.sampling_params import SamplingParams
 
@@ -31,7 +32,11 @@ _PROTO_FIELDS = field_map({
 _ZERO_IS_UNSET = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "n",
                   "min_tokens")
 # Set on a request, these need machinery the engine does not have: INVALID_ARGUMENT naming them.
-_UNSUPPORTED_SAMPLING = ("prompt_logprobs", "grammar_from_first_token")
+# (grammar_from_first_token is honoured as it is: the engine always starts a constraint at the first token.)
+_UNSUPPORTED_SAMPLING = ("prompt_logprobs",)
+# Where the engine starts a request's constraint (GetServerInfo's constrained_decoding_start): no reasoning parser
+# holds it back, so always at the first generated token.
+CONSTRAINED_DECODING_START = "first_token"
 _UNSUPPORTED_REQUEST = ("kv_transfer_params", "mm_inputs", "extra_mm_inputs", "kv_transfer_params_json",
                         "media_refs")
 
@@ -40,10 +45,19 @@ def admit(request: vpb.GenerateRequest, engine_admit: Callable[[GenerationReques
           ) -> AdmittedRequest:
     _refuse_unsupported(request)
     s = request.sampling_params
-    with renamed(_PROTO_FIELDS):
+    with renamed(_proto_field):
         truncate = s.truncate_prompt_tokens if s.HasField("truncate_prompt_tokens") else None
         # An unset max_tokens means "until the context is full", as in vLLM.
         return engine_admit(GenerationRequest(_prompt(request), _sampling_params(s), truncate_prompt_tokens=truncate))
+
+
+def _proto_field(field: str) -> str:
+    # The engine's `constraint.<kind>` is the oneof member `sampling_params.<kind>` (choice: its list's path).
+    if field.startswith("constraint.choice"):
+        return f"{SP}.choice.choices" + field[len("constraint.choice"):]
+    if field.startswith("constraint."):
+        return f"{SP}.{field[len('constraint.'):]}"
+    return _PROTO_FIELDS(field)
 
 
 def input_chars(request: vpb.GenerateRequest) -> int:
@@ -74,9 +88,6 @@ def _refuse_unsupported(request: vpb.GenerateRequest) -> None:
         raise InvalidRequestError("data_parallel_rank",
                                   f"this server has one rank (0), got {request.data_parallel_rank}")
     s = request.sampling_params
-    constraint = s.WhichOneof("constraint")
-    if constraint is not None:
-        raise InvalidRequestError(f"{SP}.{constraint}", "structured output constraints are not supported")
     for name in _UNSUPPORTED_SAMPLING:
         if _is_set(s, name):
             raise InvalidRequestError(f"{SP}.{name}", "not supported by pagedserve")
@@ -106,7 +117,23 @@ def _sampling_params(s: vpb.SamplingParams) -> SamplingParams:
     if s.logit_bias:
         kwargs["logit_bias"] = dict(s.logit_bias)
     kwargs.setdefault("max_tokens", None)  # unset: whatever room the context leaves
+    constraint = _constraint(s)
+    if constraint is not None:
+        kwargs["constraint"] = constraint
     return SamplingParams(**kwargs)
+
+
+def _constraint(s: vpb.SamplingParams) -> OutputConstraint | None:
+    """The oneof's members are the engine's kinds by name; json_object false is no constraint, as in vLLM."""
+    which = s.WhichOneof("constraint")
+    if which is None or (which == "json_object" and not s.json_object):
+        return None
+    kind = ConstraintKind(which)
+    if kind is ConstraintKind.CHOICE:
+        return OutputConstraint(kind, choices=tuple(s.choice.choices))
+    if kind is ConstraintKind.JSON_OBJECT:
+        return OutputConstraint(kind)
+    return OutputConstraint(kind, getattr(s, which))
 
 
 def _proto_version() -> str:

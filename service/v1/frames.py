@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.sequence import TokenLogprob
+from pagedserve.engine.sequence import FinishReason, TokenLogprob
 from pagedserve.service.core.metrics import durations
 from pagedserve.service.core.stream import Ended, Heartbeat, StreamEvent
 from pagedserve.v1 import generate_pb2 as pb
@@ -102,6 +102,8 @@ class FrameBuilder:
             return pb.FINISH_REASON_MAX_TOKENS if at_max else pb.FINISH_REASON_CONTEXT_LIMIT
         if reason == "abort":
             return pb.FINISH_REASON_CANCELLED
+        if reason == FinishReason.CONSTRAINT_DEAD_END.value:
+            return pb.FINISH_REASON_CONSTRAINT_DEAD_END
         if isinstance(stop_reason, str):
             return pb.FINISH_REASON_STOP_SEQUENCE
         if isinstance(stop_reason, int) and stop_reason in self.params.stop_token_ids:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pagedserve.engine.admission import (
     AdmittedRequest, ChatPrompt, GenerationRequest, Prompt, TextPrompt, TokensPrompt, field_map, renamed,
 )
+from pagedserve.engine.constraint import ConstraintKind, OutputConstraint
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions
 from pagedserve.engine.sampling_params import SamplingParams
@@ -42,6 +43,13 @@ PROTO_FIELDS = field_map({
 })
 
 
+def _proto_field(field: str) -> str:
+    # The engine's `constraint.<kind>` is the oneof's path already, except choice's list inside its message.
+    if field.startswith("constraint.choice"):
+        return "constraint.choice.choices" + field[len("constraint.choice"):]
+    return PROTO_FIELDS(field)
+
+
 @dataclass(frozen=True, slots=True)
 class V1Request:
     admitted: AdmittedRequest
@@ -53,7 +61,7 @@ Admit = Callable[[GenerationRequest], AdmittedRequest]
 
 
 def admit(request: pb.GenerateRequest, engine_admit: Admit) -> V1Request:
-    with renamed(PROTO_FIELDS):
+    with renamed(_proto_field):
         admitted = engine_admit(generation_request(request))
     heartbeat_ms = request.response.heartbeat_ms  # 0 or unset: no heartbeats
     options = StreamOptions(heartbeat_s=heartbeat_ms / 1000 or None, time_limit_s=_time_limit_s(request.stopping))
@@ -95,7 +103,23 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
         kwargs["stop_token_ids"] = tuple(t.stop_token_ids)
     if s.logit_bias:
         kwargs["logit_bias"] = dict(s.logit_bias)
+    if request.HasField("constraint"):
+        kwargs["constraint"] = output_constraint(request.constraint)
     return SamplingParams(**kwargs)
+
+
+def output_constraint(constraint: pb.Constraint) -> OutputConstraint:
+    """The oneof's names are the engine's kinds, so its errors (`constraint.<kind>`) already name the proto path."""
+    which = constraint.WhichOneof("kind")
+    if which is None:
+        raise InvalidRequestError("constraint", "set one of json_schema, json_object, regex, grammar, choice or "
+                                                "structural_tag (or leave constraint unset)")
+    kind = ConstraintKind(which)
+    if kind is ConstraintKind.CHOICE:
+        return OutputConstraint(kind, choices=tuple(constraint.choice.choices))
+    if kind is ConstraintKind.JSON_OBJECT:
+        return OutputConstraint(kind)
+    return OutputConstraint(kind, getattr(constraint, which))
 
 
 def _copy_optional(kwargs: dict[str, object], message: object, names: tuple[str, ...]) -> None:

@@ -2,6 +2,7 @@
 
 from pagedserve.client.async_client import AsyncClient, AsyncGenerationStream
 from pagedserve.client.channels import TlsOptions
+from pagedserve.client.constraints import Choice, Constraint, Grammar, JsonObject, JsonSchema, Regex, StructuralTag
 from pagedserve.client.errors import ClientError
 from pagedserve.client.request import GenerateOptions, Message, build_request
 from pagedserve.client.sync_client import Client, GenerationStream
@@ -18,7 +19,8 @@ from pagedserve.client.types import (
 )
 
 __all__ = [
-    "AsyncClient", "AsyncGenerationStream", "Client", "ClientError", "Completion", "Delta", "Final", "FinishReason",
-    "GenerateOptions", "GenerationStream", "Message", "Started", "Timing", "TokenLogprob", "Tokenization", "TlsOptions", "Usage",
+    "AsyncClient", "AsyncGenerationStream", "Choice", "Client", "ClientError", "Completion", "Constraint", "Delta",
+    "Final", "FinishReason", "GenerateOptions", "GenerationStream", "Grammar", "JsonObject", "JsonSchema", "Message",
+    "Regex", "Started", "StructuralTag", "Timing", "TokenLogprob", "Tokenization", "TlsOptions", "Usage",
     "build_request",
 ]

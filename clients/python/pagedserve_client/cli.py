@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from google.protobuf import json_format
 
 from pagedserve.client.channels import TlsOptions
+from pagedserve.client.constraints import Choice, Constraint, Grammar, JsonObject, JsonSchema, Regex
 from pagedserve.client.errors import ClientError
 from pagedserve.client.request import Message
 from pagedserve.client.sync_client import Client
@@ -66,6 +67,31 @@ def _add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", default=None)
     parser.add_argument("--request-id", default="")
     parser.add_argument("--json", action="store_true", help="print one JSON object per completion instead of text")
+    shape = parser.add_mutually_exclusive_group()  # structured output: at most one constraint
+    shape.add_argument("--json-schema", help="constrain the output to this JSON Schema (JSON text, or @FILE)")
+    shape.add_argument("--json-object", action="store_true", help="constrain the output to any JSON object")
+    shape.add_argument("--regex", help="constrain the whole output to match this pattern")
+    shape.add_argument("--grammar", help="constrain the output to this Lark or GBNF grammar (text, or @FILE)")
+    shape.add_argument("--choice", action="append", help="constrain the output to one of these (repeatable)")
+
+
+def _constraint(args: argparse.Namespace) -> Constraint | None:
+    if args.json_schema is not None:
+        return JsonSchema(_text_or_file(args.json_schema))
+    if args.grammar is not None:
+        return Grammar(_text_or_file(args.grammar))
+    if args.regex is not None:
+        return Regex(args.regex)
+    if args.choice:
+        return Choice(args.choice)
+    return JsonObject() if args.json_object else None
+
+
+def _text_or_file(value: str) -> str:
+    if not value.startswith("@"):
+        return value
+    with open(value[1:], encoding="utf-8") as f:
+        return f.read()
 
 
 def _prompt(args: argparse.Namespace) -> tuple[object, dict[str, object]]:
@@ -107,7 +133,7 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
     options = {k: v for k, v in options.items() if v is not None}
     prompt, chat_options = _prompt(args)
     stream = client.generate(prompt, **chat_options, stop=args.stop, ignore_eos=args.ignore_eos, request_id=args.request_id,
-                             **options)
+                             constraint=_constraint(args), **options)
     try:
         for delta in stream:
             if not args.json and delta.index == 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
+from pagedserve.client.constraints import CONSTRAINT_TYPES, Constraint
 from pagedserve.v1 import generate_pb2 as pb
 
 
@@ -47,6 +48,7 @@ class GenerateOptions:
     truncate_input_tokens: int | None = None
     chat_template: str | None = None  # chat prompts only: a jinja template instead of the model's
     add_generation_prompt: bool | None = None  # chat prompts only (server default true)
+    constraint: Constraint | None = None  # structured output: JsonSchema, JsonObject, Regex, Grammar, Choice, ...
     request_id: str = ""
 
     @classmethod
@@ -87,6 +89,11 @@ def build_request(prompt: Prompt, options: GenerateOptions) -> pb.GenerateReques
     _set(request.response, "heartbeat_ms", options.heartbeat_ms)
     if options.final_only:
         request.response.stream_mode = pb.STREAM_MODE_FINAL_ONLY
+    if options.constraint is not None:
+        if not isinstance(options.constraint, CONSTRAINT_TYPES):
+            names = ", ".join(t.__name__ for t in CONSTRAINT_TYPES)
+            raise TypeError(f"constraint must be one of {names}, got {type(options.constraint).__name__}")
+        request.constraint.CopyFrom(options.constraint.to_proto())
     return request
 
 

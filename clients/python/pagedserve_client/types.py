@@ -16,6 +16,7 @@ class FinishReason(str, enum.Enum):
     CANCELLED = "cancelled"
     TIME_LIMIT = "time_limit"
     CONTEXT_LIMIT = "context_limit"
+    CONSTRAINT_DEAD_END = "constraint_dead_end"  # the constraint admitted no further token; the text is a prefix
     UNSPECIFIED = "unspecified"
 
     @classmethod

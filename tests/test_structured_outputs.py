@@ -1,0 +1,295 @@
+"""Structured outputs in the engine: every constrained sample parses (jsonschema, re.fullmatch, the choices, a
+parser), unconstrained batch mates are untouched, and dead ends, forks, preemption, chunked prefill, stops and
+limits behave as docs/structured-outputs.md says. One shared SmolLM2 engine (`llm_fp32`) for the real-model cases,
+one tiny random model (module-scoped) for the scheduling cases."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from conftest import make_tiny_model
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.constraint import ConstraintKind, OutputConstraint, json_object, json_schema
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.sequence import FinishReason
+
+SCHEMAS: dict[str, dict] = json.loads((Path(__file__).parent / "fixtures" / "service_schemas.json").read_text())
+PROMPT = "Reply with a JSON object describing a user:"
+TEMPERATURES = (0.0, 0.7, 1.0)
+
+
+def assert_no_blocks_held(engine) -> None:
+    stats = engine.stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
+
+
+def regex(pattern: str) -> OutputConstraint:
+    return OutputConstraint(ConstraintKind.REGEX, pattern)
+
+
+def choice(*options: str) -> OutputConstraint:
+    return OutputConstraint(ConstraintKind.CHOICE, choices=options)
+
+
+def test_every_schema_validates_greedy_and_sampled(llm_fp32):
+    """22 schemas of the shapes services send, at three temperatures, in one batch: 100% validate."""
+    names = list(SCHEMAS)
+    params = [SamplingParams(temperature=t, seed=7, max_tokens=400, constraint=json_schema(SCHEMAS[n]))
+              for t in TEMPERATURES for n in names]
+    outputs = llm_fp32.generate([PROMPT] * len(params), params)
+    failures = []
+    for i, out in enumerate(outputs):
+        name, completion = names[i % len(names)], out.outputs[0]
+        try:
+            assert completion.finish_reason == "stop"
+            jsonschema.validate(json.loads(completion.text), SCHEMAS[name])
+        except (AssertionError, ValueError, jsonschema.ValidationError) as exc:
+            failures.append((name, params[i].temperature, completion.finish_reason, completion.text[:200], str(exc)[:200]))
+    assert not failures
+    assert_no_blocks_held(llm_fp32.engine)
+
+
+@pytest.mark.parametrize("pattern", [r"\d{3}-\d{4}", r"(cat|dog)s?", r"[A-Z][a-z]{2,8}", r"[a-z]{1,8}@[a-z]{1,8}\.(com|org)",
+                                     r"(yes|no), because [a-z ]{5,30}\."])
+def test_regex_outputs_fullmatch(llm_fp32, pattern):
+    params = [SamplingParams(temperature=t, seed=3, max_tokens=80, constraint=regex(pattern)) for t in TEMPERATURES]
+    for out in llm_fp32.generate(["Answer:"] * len(params), params):
+        assert out.outputs[0].finish_reason == "stop"
+        assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
+
+
+def test_choice_outputs_are_one_of_the_choices(llm_fp32):
+    options = ("positive", "negative", "neutral", "mixed feelings")
+    outs = llm_fp32.generate(["The review says: great food, slow service. Sentiment:"] * 2, [
+        SamplingParams(temperature=0, max_tokens=20, constraint=choice(*options)),
+        SamplingParams(temperature=1.0, seed=11, n=4, max_tokens=20, constraint=choice(*options)),
+    ])
+    texts = [c.text for out in outs for c in out.outputs]
+    assert len(texts) == 5 and all(t in options for t in texts), texts
+    assert all(c.finish_reason == "stop" for out in outs for c in out.outputs)
+
+
+def test_json_object_parses_to_a_dict(llm_fp32):
+    ask = [{"role": "user", "content": f"Give a JSON object with the {what}. Only JSON."} for what in
+           ("name and age of a person", "title and year of a film")]
+    prompts = [llm_fp32.tokenizer.apply_chat_template([m]) for m in ask]
+    outs = llm_fp32.generate(prompts, SamplingParams(temperature=0, max_tokens=200, constraint=json_object()))
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        assert isinstance(json.loads(out.outputs[0].text), dict)
+
+
+# Bounded (at most four terms), so every sample completes well inside max_tokens.
+ARITHMETIC_GBNF = 'root ::= term (" + " term)? (" + " term)? (" + " term)?\nterm ::= [1-9] [0-9]? [0-9]?'
+ARITHMETIC_LARK = 'start: term (" * " term)? (" * " term)? (" * " term)?\nterm: /[1-9][0-9]{0,2}/'
+
+
+@pytest.mark.parametrize("grammar, op", [(ARITHMETIC_GBNF, "+"), (ARITHMETIC_LARK, "*")])
+def test_grammar_outputs_parse(llm_fp32, grammar, op):
+    constraint = OutputConstraint(ConstraintKind.GRAMMAR, grammar)
+    params = [SamplingParams(temperature=t, seed=5, max_tokens=60, constraint=constraint) for t in TEMPERATURES]
+    for out in llm_fp32.generate(["Write a sum: "] * len(params), params):
+        text = out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop", text
+        # The grammar's own language, parsed independently: one to four numbers 1-999 joined by the operator.
+        terms = text.split(f" {op} ")
+        assert 1 <= len(terms) <= 4 and all(re.fullmatch(r"[1-9][0-9]{0,2}", t) for t in terms), text
+
+
+def test_unconstrained_batch_mates_get_their_solo_tokens(llm_fp32):
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    solo = [llm_fp32.generate([p], plain)[0].outputs[0].token_ids for p in prompts]
+    constrained = [SamplingParams(temperature=t, seed=1, max_tokens=60, constraint=json_schema(SCHEMAS["person"]))
+                   for t in (0.0, 1.0)]
+    mixed = llm_fp32.generate([PROMPT, prompts[0], PROMPT, prompts[1]], [constrained[0], plain, constrained[1], plain])
+    assert [mixed[1].outputs[0].token_ids, mixed[3].outputs[0].token_ids] == solo
+    for out in (mixed[0], mixed[2]):
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS["person"])
+
+
+def test_n_samples_each_follow_their_own_matcher(llm_fp32):
+    schema = SCHEMAS["array_of_objects"]
+    out = llm_fp32.generate([PROMPT], SamplingParams(temperature=1.0, seed=21, n=4, max_tokens=200,
+                                                      constraint=json_schema(schema)))[0]
+    assert len(out.outputs) == 4
+    for c in out.outputs:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), schema)
+    assert len({c.text for c in out.outputs}) > 1  # forks sample on their own (one seed, distinct streams)
+    assert_no_blocks_held(llm_fp32.engine)
+
+
+def test_stop_string_and_max_tokens_end_a_constrained_output(llm_fp32):
+    stop, length = llm_fp32.generate(["Say it:", PROMPT], [
+        SamplingParams(temperature=0, max_tokens=20, stop=[" "], constraint=choice("hello world")),
+        SamplingParams(temperature=0, max_tokens=3, constraint=json_schema(SCHEMAS["ten_fields"])),
+    ])
+    assert (stop.outputs[0].text, stop.outputs[0].finish_reason, stop.outputs[0].stop_reason) == ("hello", "stop", " ")
+    partial = length.outputs[0]
+    assert partial.finish_reason == "length" and len(partial.token_ids) == 3 and partial.text.startswith('{"')
+
+
+def test_min_tokens_holds_the_end_only_while_the_grammar_goes_on(llm_fp32):
+    digits, single = llm_fp32.generate(["Number:", "Letter:"], [
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=6, constraint=regex(r"[0-9]+")),
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=6, constraint=regex(r"[a-z]")),
+    ])
+    assert len(digits.outputs[0].token_ids) >= 6 and re.fullmatch(r"[0-9]+", digits.outputs[0].text)
+    # A complete grammar that allows nothing more ends the sequence (STOP) even before min_tokens.
+    assert single.outputs[0].finish_reason == "stop" and re.fullmatch(r"[a-z]", single.outputs[0].text)
+
+
+def test_logprobs_are_of_the_constrained_distribution(llm_fp32):
+    options = ("yes", "no")
+    free, constrained = llm_fp32.generate(["Is water wet? Answer:"] * 2, [
+        SamplingParams(temperature=0, max_tokens=1, logprobs=5),
+        SamplingParams(temperature=0, max_tokens=5, logprobs=5, constraint=choice(*options)),
+    ])
+    first = constrained.outputs[0].logprobs[0]
+    tok = llm_fp32.tokenizer
+    for token, logprob in first.top:
+        if logprob > float("-inf"):
+            assert any(o.startswith(tok.decode([token])) for o in options), tok.decode([token])
+    raw = dict(free.outputs[0].logprobs[0].top)
+    if first.token_id in raw:  # renormalised over the allowed tokens: at least as likely as unconstrained
+        assert first.logprob >= raw[first.token_id]
+
+
+@pytest.mark.parametrize("constraint, field, reason", [
+    (json_schema({"type": "frobnicate"}), "constraint.json_schema", "frobnicate"),
+    (json_schema({"type": "string", "format": "no-such-format"}), "constraint.json_schema", "no-such-format"),
+    (regex("[a-z]{3"), "constraint.regex", "unclosed"),
+    (OutputConstraint(ConstraintKind.GRAMMAR, 'root ::= "(" missing ")"'), "constraint.grammar", "missing"),
+    (OutputConstraint(ConstraintKind.STRUCTURAL_TAG, '{"structures": [], "triggers": []}'), "constraint.structural_tag",
+     "structures"),
+])
+def test_rejected_constraints_name_the_field_with_the_library_reason(llm_fp32, constraint, field, reason):
+    with pytest.raises(InvalidRequestError) as info:
+        llm_fp32.engine.add_request("bad", "hi", SamplingParams(constraint=constraint))
+    assert info.value.field == field and reason in info.value.message
+    assert not llm_fp32.engine.has_unfinished_requests()
+
+
+def test_structural_tag_constrains_the_tagged_json(llm_fp32):
+    spec = {"structures": [{"begin": "<function=get_weather>", "schema": SCHEMAS["tool_call"], "end": "</function>"}],
+            "triggers": ["<function="]}
+    prompt = "Call the weather tool now: <function=get_weather>"
+    out = llm_fp32.generate([prompt], SamplingParams(temperature=0, max_tokens=80, constraint=OutputConstraint(
+        ConstraintKind.STRUCTURAL_TAG, json.dumps(spec))))[0].outputs[0]
+    match = re.search(r"<function=get_weather>(.*?)</function>", out.text, re.S)
+    if match:  # the model may never trigger the tag; when it does, the arguments follow the schema
+        jsonschema.validate(json.loads(match.group(1)), SCHEMAS["tool_call"])
+
+
+def test_compiles_are_cached_and_counted(llm_fp32):
+    schema = {"type": "object", "properties": {"cache_probe": {"type": "boolean"}}, "required": ["cache_probe"]}
+    before = llm_fp32.engine.stats().constraints
+    llm_fp32.generate(["x", "y"], SamplingParams(temperature=0, max_tokens=20, constraint=json_schema(schema)))
+    after = llm_fp32.engine.stats().constraints
+    assert after.cache_misses == before.cache_misses + 1 and after.cache_hits == before.cache_hits + 1
+    assert after.num_requests == before.num_requests + 2
+    assert sum(after.compile_bucket_counts) == sum(before.compile_bucket_counts) + 1
+
+
+def test_metrics_export_the_constraint_counters(llm_fp32):
+    from prometheus_client import generate_latest
+
+    from pagedserve.service.core.metrics import ServiceMetrics
+
+    llm_fp32.generate(["z"], SamplingParams(temperature=0, max_tokens=5, constraint=choice("a", "b")))
+    text = generate_latest(ServiceMetrics("m", llm_fp32.engine.stats).registry).decode()
+    stats = llm_fp32.engine.stats().constraints
+    assert f'pagedserve:structured_output_requests_total{{model_name="m"}} {float(stats.num_requests)}' in text
+    assert f'pagedserve:structured_output_compile_seconds_count{{model_name="m"}} {float(stats.cache_misses)}' in text
+    assert 'pagedserve:structured_output_compile_cache_hits_total{model_name="m"}' in text
+
+
+def test_constrained_admission_runs_off_the_event_loop():
+    from pagedserve.service.core.admit import admit_off_loop
+
+    async def run() -> tuple[int, int]:
+        loop_thread = threading.get_ident()
+        return loop_thread, await admit_off_loop(threading.get_ident, text_chars=10, constrained=True)
+
+    loop_thread, admit_thread = asyncio.run(run())
+    assert admit_thread != loop_thread
+
+
+# -- scheduling cases on a tiny random model ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-so"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model) -> LLM:
+    return LLM(str(tiny_model), dtype="float32")
+
+
+def _tiny_requests() -> tuple[list[str], list[SamplingParams]]:
+    names = ("person", "nested_order", "array_of_objects", "defs_ref", "sentiment", "address")
+    prompts = [f"Record {i}: " + "context words " * (2 + 2 * i) for i in range(len(names))]  # 9 to 29 tokens
+    return prompts, [SamplingParams(temperature=0, max_tokens=90, constraint=json_schema(SCHEMAS[n])) for n in names]
+
+
+def test_preemption_and_chunked_prefill_replay_without_re_advancing(tiny, tiny_model):
+    prompts, params = _tiny_requests()
+    reference = [o.outputs[0].token_ids for o in tiny.generate(prompts, params)]
+    block_bytes = 2 * 2 * 2 * 16 * 16 * 4  # layers x (K, V) x kv heads x head dim x block x fp32
+    # 8 blocks (128 tokens) for six requests of up to 6 blocks each: preemptions; 16-token budget: chunked prompts.
+    small = LLM(str(tiny_model), dtype="float32", kv_cache_memory=8 * block_bytes, max_num_batched_tokens=16)
+    outs = small.generate(prompts, params)
+    assert small.engine.stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    for out, p in zip(outs, params):
+        jsonschema.validate(json.loads(out.outputs[0].text), json.loads(p.constraint.spec))
+    assert_no_blocks_held(small.engine)
+
+
+def test_dead_end_ends_only_its_own_sequence(tmp_path):
+    # A model whose logits cover only the first 100 token ids: "zzz" needs a token it cannot produce.
+    model = make_tiny_model(tmp_path, vocab_size=100, seed=4)
+    llm = LLM(str(model), dtype="float32")
+    mate = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    solo = llm.generate([[5, 6, 7]], mate)[0].outputs[0].token_ids
+    dead, bystander, forked = llm.generate([[5, 6, 7], [5, 6, 7], [8, 9]], [
+        SamplingParams(temperature=0, max_tokens=12, constraint=choice("zzz")), mate,
+        SamplingParams(temperature=1.0, n=3, seed=2, max_tokens=12, constraint=choice("zzz")),
+    ])
+    assert dead.outputs[0].finish_reason == FinishReason.CONSTRAINT_DEAD_END.value and not dead.outputs[0].token_ids
+    assert dead.error is None
+    assert [c.finish_reason for c in forked.outputs] == ["constraint_dead_end"] * 3
+    assert bystander.outputs[0].token_ids == solo
+    assert_no_blocks_held(llm.engine)
+
+
+def test_compile_time_limit_refuses_by_name(tiny_model):
+    # 7000 alternatives (56 KB, under the size limit) take llguidance about 100 ms to compile: 100x the limit.
+    pattern = "(" + "|".join(f"w{i:05d}x" for i in range(7000)) + ")"
+    llm = LLM(str(tiny_model), dtype="float32", constraint_compile_timeout_s=0.001)
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate(["hi"], SamplingParams(constraint=regex(pattern)))
+    assert info.value.field == "constraint.regex" and "did not compile within 0.001 s" in info.value.message
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_bitmask_bias_matches_the_bits():
+    import torch
+
+    from pagedserve.engine.structured_output.bitmask import to_bias
+
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32, generator=gen)
+    for vocab in (100, 128, 150):  # shorter than, equal to and wider than the bitmask
+        expected = [[t < 128 and (int(words[r, t // 32]) >> (t % 32)) & 1 == 1 for t in range(vocab)] for r in range(3)]
+        assert (to_bias(words, vocab) == 0).tolist() == expected
+        assert set(to_bias(words, vocab).unique().tolist()) <= {0.0, float("-inf")}
