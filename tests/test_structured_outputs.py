@@ -224,6 +224,35 @@ def test_constrained_admission_runs_off_the_event_loop():
     assert admit_thread != loop_thread
 
 
+def test_async_engine_streams_a_constrained_request_beside_a_plain_one(llm_fp32):
+    from pagedserve.engine.async_engine import AsyncEngine
+
+    engine = llm_fp32.engine
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    alone = llm_fp32.generate(["Once upon a time"], plain)[0].outputs[0].token_ids
+    constrained = SamplingParams(temperature=0.7, seed=9, max_tokens=200, constraint=json_schema(SCHEMAS["address"]))
+
+    async def last(front: AsyncEngine, request_id: str, prompt: str, params: SamplingParams):
+        out = None
+        async for out in front.generate(request_id, prompt, params):
+            pass
+        return out.outputs[0]
+
+    async def scenario():
+        front = AsyncEngine(engine.config, engine=engine)
+        await front.start()
+        try:
+            return await asyncio.gather(last(front, "so-json", PROMPT, constrained),
+                                        last(front, "so-plain", "Once upon a time", plain))
+        finally:
+            await front.shutdown()
+
+    shaped, bystander = asyncio.run(scenario())
+    jsonschema.validate(json.loads(shaped.text), SCHEMAS["address"])
+    assert bystander.token_ids == alone
+    assert_no_blocks_held(engine)
+
+
 # -- scheduling cases on a tiny random model ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
