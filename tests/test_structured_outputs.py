@@ -168,6 +168,7 @@ def test_logprobs_are_of_the_constrained_distribution(llm_fp32):
     (json_schema({"type": "frobnicate"}), "constraint.json_schema", "frobnicate"),
     (json_schema({"type": "string", "format": "no-such-format"}), "constraint.json_schema", "no-such-format"),
     (regex("[a-z]{3"), "constraint.regex", "unclosed"),
+    (regex("ab\\"), "constraint.regex", "lone backslash"),
     (OutputConstraint(ConstraintKind.GRAMMAR, 'root ::= "(" missing ")"'), "constraint.grammar", "missing"),
     (OutputConstraint(ConstraintKind.STRUCTURAL_TAG, '{"structures": [], "triggers": []}'), "constraint.structural_tag",
      "structures"),
