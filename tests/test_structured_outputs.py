@@ -129,10 +129,13 @@ def test_n_samples_each_follow_their_own_matcher(llm_fp32):
 
 
 def test_stop_string_and_max_tokens_end_a_constrained_output(llm_fp32):
-    stop, length = llm_fp32.generate(["Say it:", PROMPT], [
+    stop, length, exact = llm_fp32.generate(["Say it:", PROMPT, "Digit:"], [
         SamplingParams(temperature=0, max_tokens=20, stop=[" "], constraint=choice("hello world")),
         SamplingParams(temperature=0, max_tokens=3, constraint=json_schema(SCHEMAS["ten_fields"])),
+        SamplingParams(temperature=0, max_tokens=1, constraint=regex("[0-9]")),  # complete on its last allowed token
     ])
+    assert (exact.outputs[0].finish_reason, len(exact.outputs[0].token_ids)) == ("stop", 1)
+    assert re.fullmatch("[0-9]", exact.outputs[0].text)
     assert (stop.outputs[0].text, stop.outputs[0].finish_reason, stop.outputs[0].stop_reason) == ("hello", "stop", " ")
     partial = length.outputs[0]
     assert partial.finish_reason == "length" and len(partial.token_ids) == 3 and partial.text.startswith('{"')
