@@ -147,14 +147,20 @@ class AsyncEngine:
             return len(self._sinks)
 
     def admit(self, request: GenerationRequest) -> AdmittedRequest:
-        """Checks a request once, in the caller's thread (front ends send long prompts to a worker thread)."""
+        """Checks a request once, in the caller's thread (front ends send long prompts and constrained requests, whose
+        grammar compiles here, to a worker thread: `service/core/admit.py`)."""
         return self.engine.admission.admit(request)
 
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """The offline API's request (a text or token-id prompt, see LLMEngine.add_request) as a stream."""
-        stream = self.stream(request_id, self.engine.admit_prompt(prompt, params))
+        """The offline API's request (a text or token-id prompt, see LLMEngine.add_request) as a stream; a constraint
+        compiles in a worker thread, never on the event loop."""
+        if params.constraint is not None:
+            admitted = await asyncio.to_thread(self.engine.admit_prompt, prompt, params)
+        else:
+            admitted = self.engine.admit_prompt(prompt, params)
+        stream = self.stream(request_id, admitted)
         try:
             async for output in stream:
                 yield output

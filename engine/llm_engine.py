@@ -193,10 +193,13 @@ class LLMEngine:
         if seq.matcher is not None and not seq.matcher.accept(token):
             self._finish(seq, FinishReason.CONSTRAINT_DEAD_END)  # the library refused a token its own mask allowed
             return
-        if apply_token(seq, token, logprob, self.tokenizer, self.max_model_len):
+        finished = apply_token(seq, token, logprob, self.tokenizer, self.max_model_len)
+        if seq.matcher is not None and seq.matcher.is_terminated() and seq.finish_reason in (None, FinishReason.LENGTH):
+            # The grammar is complete: the sequence ends here (as in vLLM), and a complete output is a stop even
+            # when its last token also reached max_tokens.
+            seq.finish_reason, seq.metrics.finished_time, finished = FinishReason.STOP, now(), True
+        if finished:
             self.scheduler.finish(seq)
-        elif seq.matcher is not None and seq.matcher.is_terminated():
-            self._finish(seq, FinishReason.STOP)  # the grammar is complete: it ends here, as in vLLM
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason, seq.metrics.finished_time = reason, now()

@@ -129,10 +129,13 @@ def test_n_samples_each_follow_their_own_matcher(llm_fp32):
 
 
 def test_stop_string_and_max_tokens_end_a_constrained_output(llm_fp32):
-    stop, length = llm_fp32.generate(["Say it:", PROMPT], [
+    stop, length, exact = llm_fp32.generate(["Say it:", PROMPT, "Digit:"], [
         SamplingParams(temperature=0, max_tokens=20, stop=[" "], constraint=choice("hello world")),
         SamplingParams(temperature=0, max_tokens=3, constraint=json_schema(SCHEMAS["ten_fields"])),
+        SamplingParams(temperature=0, max_tokens=1, constraint=regex("[0-9]")),  # complete on its last allowed token
     ])
+    assert (exact.outputs[0].finish_reason, len(exact.outputs[0].token_ids)) == ("stop", 1)
+    assert re.fullmatch("[0-9]", exact.outputs[0].text)
     assert (stop.outputs[0].text, stop.outputs[0].finish_reason, stop.outputs[0].stop_reason) == ("hello", "stop", " ")
     partial = length.outputs[0]
     assert partial.finish_reason == "length" and len(partial.token_ids) == 3 and partial.text.startswith('{"')
@@ -168,6 +171,7 @@ def test_logprobs_are_of_the_constrained_distribution(llm_fp32):
     (json_schema({"type": "frobnicate"}), "constraint.json_schema", "frobnicate"),
     (json_schema({"type": "string", "format": "no-such-format"}), "constraint.json_schema", "no-such-format"),
     (regex("[a-z]{3"), "constraint.regex", "unclosed"),
+    (regex("ab\\"), "constraint.regex", "lone backslash"),
     (OutputConstraint(ConstraintKind.GRAMMAR, 'root ::= "(" missing ")"'), "constraint.grammar", "missing"),
     (OutputConstraint(ConstraintKind.STRUCTURAL_TAG, '{"structures": [], "triggers": []}'), "constraint.structural_tag",
      "structures"),
@@ -222,6 +226,35 @@ def test_constrained_admission_runs_off_the_event_loop():
 
     loop_thread, admit_thread = asyncio.run(run())
     assert admit_thread != loop_thread
+
+
+def test_async_engine_streams_a_constrained_request_beside_a_plain_one(llm_fp32):
+    from pagedserve.engine.async_engine import AsyncEngine
+
+    engine = llm_fp32.engine
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    alone = llm_fp32.generate(["Once upon a time"], plain)[0].outputs[0].token_ids
+    constrained = SamplingParams(temperature=0.7, seed=9, max_tokens=200, constraint=json_schema(SCHEMAS["address"]))
+
+    async def last(front: AsyncEngine, request_id: str, prompt: str, params: SamplingParams):
+        out = None
+        async for out in front.generate(request_id, prompt, params):
+            pass
+        return out.outputs[0]
+
+    async def scenario():
+        front = AsyncEngine(engine.config, engine=engine)
+        await front.start()
+        try:
+            return await asyncio.gather(last(front, "so-json", PROMPT, constrained),
+                                        last(front, "so-plain", "Once upon a time", plain))
+        finally:
+            await front.shutdown()
+
+    shaped, bystander = asyncio.run(scenario())
+    jsonschema.validate(json.loads(shaped.text), SCHEMAS["address"])
+    assert bystander.token_ids == alone
+    assert_no_blocks_held(engine)
 
 
 # -- scheduling cases on a tiny random model ------------------------------------------------------------------

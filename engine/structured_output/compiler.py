@@ -42,6 +42,7 @@ class ConstraintCompiler:
     def __init__(self, make_backend: Callable[[], GrammarBackend], timeout_s: float, cache_size: int = 1024):
         self._make_backend = make_backend
         self._backend: GrammarBackend | None = None
+        self._backend_error: str | None = None  # the library could not take this tokenizer: said once, kept
         self.timeout_s, self.cache_size = timeout_s, cache_size
         self._cache: OrderedDict[tuple, CompiledConstraint] = OrderedDict()
         self._lock = threading.Lock()
@@ -51,10 +52,13 @@ class ConstraintCompiler:
         self._buckets = [0] * (len(COMPILE_BUCKETS) + 1)
         self._seconds = 0.0
 
-    def backend(self) -> GrammarBackend:
+    def backend(self) -> GrammarBackend | None:
         with self._backend_lock:
-            if self._backend is None:
-                self._backend = self._make_backend()
+            if self._backend is None and self._backend_error is None:
+                try:
+                    self._backend = self._make_backend()
+                except Exception as exc:  # e.g. a tokenizer the library cannot read (not a fast tokenizer)
+                    self._backend_error = f"{type(exc).__name__}: {exc}"
             return self._backend
 
     def compile(self, constraint: OutputConstraint) -> CompiledConstraint:
@@ -66,6 +70,9 @@ class ConstraintCompiler:
                 self._requests, self._hits = self._requests + 1, self._hits + 1
                 return CompiledConstraint(constraint, cached.compiled, cached.backend, 0.0)
         backend = self.backend()
+        if backend is None:
+            raise InvalidRequestError(constraint.field, "structured outputs are unavailable for this model's "
+                                      f"tokenizer: {self._backend_error}")
         start = time.perf_counter()
         future = self._pool.submit(backend.compile, constraint)
         try:

@@ -69,6 +69,9 @@ def _grammar(constraint: OutputConstraint) -> str:
         if kind is ConstraintKind.JSON_OBJECT:
             return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
         if kind is ConstraintKind.REGEX:
+            # llguidance 1.9.1 drops a trailing lone backslash ("a\\" compiles as "a"); every regex dialect refuses it.
+            if (len(spec) - len(spec.rstrip("\\"))) % 2:
+                raise ConstraintRejected("the pattern ends in a lone backslash, which escapes nothing")
             return llguidance.LLMatcher.grammar_from_regex(spec)
         if kind is ConstraintKind.CHOICE:
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in constraint.choices))
