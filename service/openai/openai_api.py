@@ -115,7 +115,8 @@ class _Generate:
 
     async def _admit(self, body: Any, request: OpenAIRequest) -> tuple[AdmittedRequest, ...]:
         admit = self.api.serving.engine.admit
-        return await admit_off_loop(lambda: request.admit(admit), _size(body))
+        return await admit_off_loop(lambda: request.admit(admit), _size(body),
+                                    constrained=request.params.constraint is not None)
 
     async def _generate(self, exchange: Exchange, request: OpenAIRequest,
                         admitted: tuple[AdmittedRequest, ...]) -> None:

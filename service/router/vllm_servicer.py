@@ -96,7 +96,8 @@ class VllmEngineServicer:
         self.state.check_admitting()
         self._last_receive = time.time()
         request_id = check_request_id(request.request_id, "request_id") if request.request_id else uuid.uuid4().hex
-        admitted = await admit_off_loop(lambda: admit(request, self.engine.admit), input_chars(request))
+        admitted = await admit_off_loop(lambda: admit(request, self.engine.admit), input_chars(request),
+                                        constrained=_constrained(request))
         # The engine keys the request by the router's id, so Abort finds it from any connection; a second
         # request under an id still in flight is refused (INVALID_ARGUMENT), as vLLM refuses it.
         with self.state.track():
@@ -218,3 +219,8 @@ def _unimplemented(method: str, why: str) -> grpc.RpcMethodHandler:
 def _token_id(value: int | None) -> int:
     return -1 if value is None else int(value)
 
+
+
+def _constrained(request: vpb.GenerateRequest) -> bool:
+    """Whether admission will compile a constraint (then it runs in a worker thread, off the event loop)."""
+    return request.HasField("sampling_params") and request.sampling_params.WhichOneof("constraint") is not None

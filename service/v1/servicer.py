@@ -63,7 +63,8 @@ class GenerationServicer:
         self.state.check_admitting()
         request_id = _request_id(request, context)
         await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
-        v1 = await admit_off_loop(lambda: admit(request, self.engine.admit), input_chars(request))
+        v1 = await admit_off_loop(lambda: admit(request, self.engine.admit), input_chars(request),
+                                  constrained=request.HasField("constraint"))
         prompt = v1.admitted
         builder = FrameBuilder(request_id, len(prompt.prompt_token_ids), prompt.truncated, prompt.params,
                                v1.stream_mode)
