@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import tempfile
 import time
 import traceback
@@ -157,6 +158,31 @@ def case_fp8_kv(scale: Scale, tmp: Path) -> dict:
             "blocks_fp8": blocks[fp8], "tokens_equal_to_bf16_cache": f"{same}/{len(batch) * scale.max_tokens}"}
 
 
+def case_constrained(scale: Scale, tmp: Path) -> dict:
+    """A regex-constrained request beside an unconstrained one in the same batches, the mask applied to logits on
+    the GPU: the constrained text fullmatches, the bystander keeps its solo greedy tokens."""
+    from pagedserve.engine import SamplingParams
+    from pagedserve.engine.constraint import ConstraintKind, OutputConstraint
+
+    model = tiny_models.make_tiny(tmp / "byte-llama", vocab_size=tiny_models.BYTE_VOCAB, hidden_size=scale.hidden,
+                                  intermediate_size=2 * scale.hidden, num_attention_heads=scale.heads,
+                                  num_key_value_heads=2, num_hidden_layers=scale.layers, initializer_range=0.1)
+    llm = engine(model, scale, dtype="bfloat16")
+    batch = [[1] + list(range(40 + i, 52 + i)) for i in range(2)]
+    pattern = r'\{"id": [0-9]{1,4}, "ok": (true|false)\}'
+
+    constrained = SamplingParams(temperature=0.0, max_tokens=48,  # one token per byte: room for the longest match
+                                 constraint=OutputConstraint(ConstraintKind.REGEX, pattern))
+    plain = SamplingParams(temperature=0.0, max_tokens=scale.max_tokens, ignore_eos=True)
+    alone = list(llm.generate([batch[1]], plain)[0].outputs[0].token_ids)
+    first, second = llm.generate([batch[0], batch[1]], [constrained, plain])
+    text, reason = first.outputs[0].text, first.outputs[0].finish_reason
+    bystander = list(second.outputs[0].token_ids)
+    ok = bool(re.fullmatch(pattern, text)) and reason == "stop" and bystander == alone
+    return {"status": "passed" if ok else "failed", "attention": attention_impl(llm), "text": text,
+            "finish_reason": reason, "bystander_equal_to_alone": bystander == alone}
+
+
 def quant_case(name: str) -> Callable[[Scale, Path], dict]:
     def run(scale: Scale, tmp: Path) -> dict:
         llm = engine(fixture_dir(name), scale)
@@ -186,6 +212,7 @@ CASES: dict[str, Callable[[Scale, Path], dict]] = {
     "gemma3_fp32": case_gemma3_fp32,
     "llama_bf16": case_llama_bf16,
     "fp8_kv": case_fp8_kv,
+    "constrained": case_constrained,
     "gptq": quant_case("gptq_4bit_g128_actorder_sym"),
     "awq": quant_case("awq_4bit_g64"),
     "smollm2": case_smollm2,

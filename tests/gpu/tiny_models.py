@@ -38,10 +38,35 @@ def make_tiny(path: Path, architecture: str = "LlamaForCausalLM", seed: int = 0,
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config_cls[architecture](**fields)).to(torch.float32)
     model.save_pretrained(path, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        (path / name).write_bytes((TOKENIZER_SOURCE / name).read_bytes())
+    if fields["vocab_size"] == BYTE_VOCAB:
+        write_byte_tokenizer(path)
+    else:
+        for name in TOKENIZER_FILES:
+            (path / name).write_bytes((TOKENIZER_SOURCE / name).read_bytes())
     assert json.loads((path / "config.json").read_text())["architectures"] == [architecture]
     return path
+
+
+BYTE_SPECIALS = ("<unk>", "<s>", "</s>")
+BYTE_VOCAB = len(BYTE_SPECIALS) + 256
+
+
+def write_byte_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer with no merges (ids 0-2 special, then one token per byte), for a model made with
+    vocab_size=BYTE_VOCAB: grammar libraries read byte-level BPE vocabularies, not the fixtures' word-level one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate(BYTE_SPECIALS)}
+    for char in pre_tokenizers.ByteLevel.alphabet():
+        vocab.setdefault(char, len(vocab))
+    assert len(vocab) == BYTE_VOCAB
+    tokenizer = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(BYTE_SPECIALS))
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}))
 
 
 def load_hf(path: Path, dtype: torch.dtype, device: torch.device):
