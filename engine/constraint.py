@@ -94,3 +94,14 @@ def json_object() -> OutputConstraint:
 
 def json_schema(schema: dict | bool | str) -> OutputConstraint:
     return OutputConstraint(ConstraintKind.JSON_SCHEMA, schema if isinstance(schema, str) else json.dumps(schema))
+
+
+def from_oneof(message: object, kind_name: str) -> OutputConstraint:
+    """A protobuf oneof whose members are named as the kinds (pagedserve.v1's `Constraint`, the router's
+    SamplingParams): `choice` a message with `choices`, `json_object` a flag, every other member the spec text."""
+    kind = ConstraintKind(kind_name)
+    if kind is ConstraintKind.CHOICE:
+        return OutputConstraint(kind, choices=tuple(getattr(message, kind_name).choices))
+    if kind is ConstraintKind.JSON_OBJECT:
+        return OutputConstraint(kind)
+    return OutputConstraint(kind, getattr(message, kind_name))

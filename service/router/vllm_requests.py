@@ -16,7 +16,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from pagedserve.engine.admission import (
     AdmittedRequest, GenerationRequest, Prompt, TextPrompt, TokensPrompt, field_map, renamed,
 )
-from pagedserve.engine.constraint import ConstraintKind, OutputConstraint
+from pagedserve.engine.constraint import OutputConstraint, from_oneof
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.sampling_params import SamplingParams
 
@@ -128,12 +128,7 @@ def _constraint(s: vpb.SamplingParams) -> OutputConstraint | None:
     which = s.WhichOneof("constraint")
     if which is None or (which == "json_object" and not s.json_object):
         return None
-    kind = ConstraintKind(which)
-    if kind is ConstraintKind.CHOICE:
-        return OutputConstraint(kind, choices=tuple(s.choice.choices))
-    if kind is ConstraintKind.JSON_OBJECT:
-        return OutputConstraint(kind)
-    return OutputConstraint(kind, getattr(s, which))
+    return from_oneof(s, which)
 
 
 def _proto_version() -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pagedserve.engine.admission import (
     AdmittedRequest, ChatPrompt, GenerationRequest, Prompt, TextPrompt, TokensPrompt, field_map, renamed,
 )
-from pagedserve.engine.constraint import ConstraintKind, OutputConstraint
+from pagedserve.engine.constraint import OutputConstraint, from_oneof
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions
 from pagedserve.engine.sampling_params import SamplingParams
@@ -114,12 +114,7 @@ def output_constraint(constraint: pb.Constraint) -> OutputConstraint:
     if which is None:
         raise InvalidRequestError("constraint", "set one of json_schema, json_object, regex, grammar, choice or "
                                                 "structural_tag (or leave constraint unset)")
-    kind = ConstraintKind(which)
-    if kind is ConstraintKind.CHOICE:
-        return OutputConstraint(kind, choices=tuple(constraint.choice.choices))
-    if kind is ConstraintKind.JSON_OBJECT:
-        return OutputConstraint(kind)
-    return OutputConstraint(kind, getattr(constraint, which))
+    return from_oneof(constraint, which)
 
 
 def _copy_optional(kwargs: dict[str, object], message: object, names: tuple[str, ...]) -> None:
