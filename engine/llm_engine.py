@@ -124,8 +124,7 @@ class LLMEngine:
         for seq in state.seqs:
             seq.pending_forks = 0
             if not seq.is_finished:
-                seq.finish_reason, seq.metrics.finished_time = FinishReason.ABORT, now()
-                self.scheduler.finish(seq)
+                self._finish(seq, FinishReason.ABORT)
         return self._output(state)
 
     def _fail(self, state: RequestState, error: str) -> RequestOutput:
@@ -134,8 +133,7 @@ class LLMEngine:
         for seq in state.seqs:
             seq.pending_forks = 0
             if not seq.is_finished:
-                seq.finish_reason, seq.metrics.finished_time = FinishReason.ERROR, now()
-                self.scheduler.finish(seq)
+                self._finish(seq, FinishReason.ERROR)
         return dataclasses.replace(self._output(state), error=error)
 
     def has_unfinished_requests(self) -> bool:
@@ -193,12 +191,7 @@ class LLMEngine:
         if seq.matcher is not None and not seq.matcher.accept(token):
             self._finish(seq, FinishReason.CONSTRAINT_DEAD_END)  # the library refused a token its own mask allowed
             return
-        finished = apply_token(seq, token, logprob, self.tokenizer, self.max_model_len)
-        if seq.matcher is not None and seq.matcher.is_terminated() and seq.finish_reason in (None, FinishReason.LENGTH):
-            # The grammar is complete: the sequence ends here (as in vLLM), and a complete output is a stop even
-            # when its last token also reached max_tokens.
-            seq.finish_reason, seq.metrics.finished_time, finished = FinishReason.STOP, now(), True
-        if finished:
+        if apply_token(seq, token, logprob, self.tokenizer, self.max_model_len):
             self.scheduler.finish(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

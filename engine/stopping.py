@@ -35,6 +35,10 @@ def _stop_reason(
             return FinishReason.STOP
         if p.stop and _match_stop_string(seq, previous_len):
             return FinishReason.STOP
+    if seq.matcher is not None and seq.matcher.is_terminated():
+        # The grammar is complete (as in vLLM, the output ends here, min_tokens or not); a complete output is a stop
+        # even when its last token also reached max_tokens.
+        return FinishReason.STOP
     if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
         return FinishReason.LENGTH
     return None

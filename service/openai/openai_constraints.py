@@ -13,10 +13,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.engine.constraint import FIELD as CONSTRAINT_FIELD
 from pagedserve.engine.constraint import ConstraintKind, OutputConstraint
 from pagedserve.engine.errors import InvalidRequestError
 
-CONSTRAINT_FIELD = "constraint"  # the engine's field; its errors are `constraint.<kind>` (engine/constraint.py)
 GUIDED_PARAMS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 STRUCTURED_PARAMS = ("response_format", "structured_outputs", *GUIDED_PARAMS)
 
