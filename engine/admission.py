@@ -58,6 +58,7 @@ class GenerationRequest:
     params: SamplingParams
     max_tokens_is_default: bool = False
     truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens (TRUNCATE_TO_CONTEXT: fit)
+    adapter: str | None = None  # a LoRA adapter's name (engine/lora/); None: the base model
 
 
 @dataclass(frozen=True, slots=True)

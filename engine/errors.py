@@ -50,3 +50,17 @@ class RequestFailedError(PagedServeError):
 
 class EngineDeadError(PagedServeError):
     """The engine loop stopped; no further requests can be served."""
+
+
+class AdapterNotFoundError(InvalidRequestError):
+    """A request or an unload names a LoRA adapter the server does not have (gRPC NOT_FOUND, HTTP 404)."""
+
+
+class AdapterLoadError(InvalidRequestError):
+    """A LoRA adapter cannot be loaded: missing or pickled files, unsupported options, rank above the limit, shapes
+    that do not fit the base, a path outside the allowed folders. `field` names the offending file key or option."""
+
+
+class AdapterInUseError(PagedServeError):
+    """An unload (or a reload under the same name) while requests using the adapter are in flight (gRPC
+    FAILED_PRECONDITION, HTTP 409): refused, never breaking them."""

@@ -89,6 +89,10 @@ class EngineStats:
     block_size: int
     max_model_len: int
     constraints: ConstraintStats = ConstraintStats()  # structured outputs: requests, compiles, cache hits
+    # LoRA (vllm:lora_requests_info): adapter names with a running / waiting request, in first-seen order
+    max_loras: int = 0  # 0: LoRA off
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
