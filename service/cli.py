@@ -68,10 +68,18 @@ def _flag_type(field: dataclasses.Field) -> type | None:
     raise TypeError(f"EngineConfig.{field.name}: no CLI mapping for {annotation}")
 
 
+# Config fields that are whole sub-configs get their own flag group (vLLM's names), not one flag each.
+_OWN_FLAG_GROUPS = frozenset({"lora"})
+
+
+def _flag_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(EngineConfig) if f.name not in _OWN_FLAG_GROUPS]
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     choices = field_choices()
-    for field in dataclasses.fields(EngineConfig):
+    for field in _flag_fields():
         flag = "--" + field.name.replace("_", "-")
         names = f"; one of {', '.join(choices[field.name])}" if field.name in choices else ""
         help_text = f"{_ENGINE_HELP.get(field.name, field.name)}{names} (default: {field.default})"
@@ -131,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    given = {f.name: getattr(args, f.name) for f in _flag_fields()}
     return EngineConfig(**{k: v for k, v in given.items() if v is not None})
 
 

@@ -16,7 +16,8 @@ def parse(*flags: str):
 
 
 def test_every_engine_config_field_has_a_flag():
-    assert {f.name for f in dataclasses.fields(EngineConfig)} <= set(vars(parse()))
+    # `lora` is a sub-config with its own flag group (vLLM's --enable-lora, --lora-modules, ...)
+    assert {f.name for f in dataclasses.fields(EngineConfig)} - {"lora"} <= set(vars(parse()))
 
 
 def test_engine_flags_reach_the_engine_config():
