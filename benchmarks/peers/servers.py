@@ -112,12 +112,12 @@ def _poll_http(server: Server, path: str, timeout: float) -> None:
 
 
 def start_vllm(model_dir: str, dtype: str, log_dir: Path, kv_gib: int = 2, bind: str = "auto",
-               timeout: float = 900, preload: bool = False) -> Server:
+               timeout: float = 900, preload: bool = False, extra_args: tuple[str, ...] = ()) -> Server:
     port = free_port()
     argv = [str(paths.vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", "model", "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
             "--max-model-len", "2048", "--no-enable-prefix-caching", "--disable-uvicorn-access-log",
-            "--seed", "0"]
+            "--seed", "0", *extra_args]
     tag = "-preload" if preload else ""
     proc, log = _spawn(f"vllm-server{tag}-{dtype}", argv, vllm_env(kv_gib, bind, preload), log_dir)
     server = Server("vllm-server", proc, f"http://127.0.0.1:{port}", log)
@@ -196,7 +196,7 @@ def _wait_ready(proc: subprocess.Popen, ready: Path, log: Path, timeout: float) 
 
 
 def start_pagedserve(model_dir: str, dtype: str, log_dir: Path, threads: int = 2,
-                     timeout: float = 300, http: bool = False) -> Server:
+                     timeout: float = 300, http: bool = False, extra_args: tuple[str, ...] = ()) -> Server:
     """http: also serve the OpenAI HTTP API and return its http:// target instead of the gRPC one. With as many
     threads as this process may use, the server picks its own (the same number), so it runs as shipped: its thread
     governor is on only when no --num-threads is given."""
@@ -207,7 +207,7 @@ def start_pagedserve(model_dir: str, dtype: str, log_dir: Path, threads: int = 2
     argv = [sys.executable, "-m", "pagedserve.service", "serve", "--model", model_dir, "--dtype", dtype,
             "--port", "0", "--host", "127.0.0.1", *thread_flags,
             "--no-enable-prefix-caching", "--ready-file", str(ready), "--log-level", "WARNING",
-            *(("--http-port", "0", "--served-model-name", "model") if http else ())]
+            *(("--http-port", "0", "--served-model-name", "model") if http else ()), *extra_args]
     proc, log = _spawn(name, argv, None, log_dir)
     try:
         ports = _wait_ready(proc, ready, log, timeout)
