@@ -7,9 +7,17 @@ import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 
-from conftest import hf_greedy
+from conftest import hf_greedy, make_tiny_model
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.lora.config import LoraConfig, LoraModule
+from pagedserve.engine.sampling_params import SamplingParams
+
+MAX_NEW = 8
+BLOCK = 16
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -86,3 +94,43 @@ def assert_greedy_within(model: torch.nn.Module, prompt: list[int], tokens: list
         best = logits[position].topk(2)
         if (best.values[0] - best.values[1]).item() > 2 * atol:
             assert full[position + 1] == best.indices[0].item(), (label, position)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama (fp32), the four peft adapters over it, their references and mixed requests."""
+    root = tmp_path_factory.mktemp("lora")
+    path = make_tiny_model(root / "base", num_hidden_layers=2)
+    base = hf_base(path)
+    dirs = {spec.name: make_adapter(base, spec, root / spec.name) for spec in FOUR}
+    models = {None: base} | {name: with_adapter(base, d) for name, d in dirs.items()}
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 12, 21, 9, 30)]
+    # The base and every adapter over prompt 0 (each must change its output), and each over one more prompt.
+    requests = [(name, prompts[k]) for i, name in enumerate([None, *dirs]) for k in (0, i)]
+    return dict(root=root, path=path, base=base, dirs=dirs, models=models, requests=requests,
+                expected=references(models, requests, MAX_NEW))
+
+
+def start_modules(tiny: dict) -> tuple[LoraModule, ...]:
+    return tuple(LoraModule(name, str(d)) for name, d in tiny["dirs"].items())
+
+
+def tiny_engine(tiny: dict, lora: LoraConfig | None, **fields) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny["path"]), dtype="float32", block_size=BLOCK, lora=lora, **fields))
+
+
+def greedy(max_new: int = MAX_NEW) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_new, min_tokens=max_new)
+
+
+def generate(engine: LLMEngine, requests, params: SamplingParams | None = None) -> dict[str, list[list[int]]]:
+    """Runs (adapter, prompt ids) requests r0, r1, ... to the end; {id: token ids of each sample}."""
+    for i, (adapter, ids) in enumerate(requests):
+        engine.add_request(f"r{i}", ids, params or greedy(), adapter=adapter)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = [list(c.token_ids) for c in out.outputs]
+    return outputs

@@ -8,50 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_model
-from lora_fixtures import FOUR, assert_greedy_within, hf_base, make_adapter, references, with_adapter
-from pagedserve.engine.config import EngineConfig
+from lora_fixtures import (
+    BLOCK, MAX_NEW, assert_greedy_within, generate, references, start_modules, tiny, tiny_engine,  # noqa: F401
+)
 from pagedserve.engine.kv_events import BlockStored
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.lora.config import LoraConfig, LoraModule
+from pagedserve.engine.lora.config import LoraConfig
 from pagedserve.engine.sampling_params import SamplingParams
-
-MAX_NEW = 8
-BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny random Llama, four peft adapters over it, their references and the mixed requests."""
-    root = tmp_path_factory.mktemp("lora")
-    path = make_tiny_model(root / "base", num_hidden_layers=2)
-    base = hf_base(path)
-    dirs = {spec.name: make_adapter(base, spec, root / spec.name) for spec in FOUR}
-    models = {None: base} | {name: with_adapter(base, d) for name, d in dirs.items()}
-    g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 12, 21, 9, 30)]
-    # The base and every adapter over prompt 0 (each must change its output), and each over one more prompt.
-    requests = [(name, prompts[k]) for i, name in enumerate([None, *dirs]) for k in (0, i)]
-    return dict(path=path, dirs=dirs, models=models, requests=requests,
-                expected=references(models, requests, MAX_NEW))
 
 
 def _engine(tiny, max_loras: int = 4, **fields) -> LLMEngine:
-    modules = tuple(LoraModule(name, str(d)) for name, d in tiny["dirs"].items())
-    return LLMEngine(EngineConfig(model=str(tiny["path"]), dtype="float32", block_size=BLOCK,
-                                  lora=LoraConfig(modules=modules, max_loras=max_loras, max_lora_rank=16), **fields))
-
-
-def _generate(engine: LLMEngine, requests, params: SamplingParams | None = None) -> dict[str, list[list[int]]]:
-    params = params or SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
-    for i, (adapter, ids) in enumerate(requests):
-        engine.add_request(f"r{i}", ids, params, adapter=adapter)
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = [list(c.token_ids) for c in out.outputs]
-    return outputs
+    return tiny_engine(tiny, LoraConfig(modules=start_modules(tiny), max_loras=max_loras, max_lora_rank=16), **fields)
 
 
 def _record_adapters_per_step(engine: LLMEngine, monkeypatch) -> list[set]:
@@ -70,7 +37,7 @@ def _record_adapters_per_step(engine: LLMEngine, monkeypatch) -> list[set]:
 def test_four_adapters_and_the_base_in_the_same_steps_match_peft(tiny, monkeypatch):
     engine = _engine(tiny, max_loras=4)
     seen = _record_adapters_per_step(engine, monkeypatch)
-    outputs = _generate(engine, tiny["requests"])
+    outputs = generate(engine, tiny["requests"])
     for i, expected in enumerate(tiny["expected"]):
         assert outputs[f"r{i}"] == [expected], tiny["requests"][i][0]
     assert len(seen[0]) == 5, "all four adapters and the base run in the first step"
@@ -85,7 +52,7 @@ def test_four_adapters_and_the_base_in_the_same_steps_match_peft(tiny, monkeypat
 def test_the_adapter_cap_holds_per_step_and_everyone_finishes(tiny, monkeypatch):
     engine = _engine(tiny, max_loras=2)
     seen = _record_adapters_per_step(engine, monkeypatch)
-    outputs = _generate(engine, tiny["requests"])
+    outputs = generate(engine, tiny["requests"])
     assert [outputs[f"r{i}"][0] for i in range(len(tiny["requests"]))] == tiny["expected"]
     assert max(len(s - {None}) for s in seen) == 2
     assert all(len(s - {None}) <= 2 for s in seen)
@@ -95,7 +62,7 @@ def test_chunked_prefill_and_preemption_with_adapters(tiny):
     # 7-token steps chunk every prompt; a cache of 4 blocks cannot hold all ten requests at once.
     block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, float32
     engine = _engine(tiny, max_loras=3, max_num_batched_tokens=7, kv_cache_memory=4 * block_bytes)
-    outputs = _generate(engine, tiny["requests"])
+    outputs = generate(engine, tiny["requests"])
     assert [outputs[f"r{i}"][0] for i in range(len(tiny["requests"]))] == tiny["expected"]
     assert engine.stats().num_preemptions > 0
 
@@ -104,13 +71,13 @@ def test_forks_of_an_adapter_request_keep_the_adapter(tiny):
     engine = _engine(tiny)
     adapter, ids = tiny["requests"][2]
     params = SamplingParams(n=2, temperature=1.0, top_k=1, max_tokens=MAX_NEW, min_tokens=MAX_NEW, seed=3)
-    outputs = _generate(engine, [(adapter, ids)], params)
+    outputs = generate(engine, [(adapter, ids)], params)
     assert outputs["r0"] == [tiny["expected"][2]] * 2
 
 
 def test_fp8_kv_cache_with_adapters(tiny):
     engine = _engine(tiny, kv_cache_dtype="fp8_e4m3")
-    outputs = _generate(engine, tiny["requests"])
+    outputs = generate(engine, tiny["requests"])
     for i, (adapter, ids) in enumerate(tiny["requests"]):
         # test_quant_engine's stated FP8 agreement on logits (3 mantissa bits of K and V).
         assert_greedy_within(tiny["models"][adapter], ids, outputs[f"r{i}"][0], 0.3, (adapter, i))
