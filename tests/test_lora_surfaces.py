@@ -274,12 +274,21 @@ def test_runtime_updates_off_refuse_load_and_unload(shared_server):
         assert error.value.code == grpc.StatusCode.NOT_FOUND and error.value.field == "adapter"
 
 
-def test_readme_python_lora_snippet(server, client, tmp_path):
-    """README's LoRA snippet, run as written against this server: the adapters listed, then the adapter's tokens."""
+def test_readme_python_lora_snippet_and_the_cli(server, client, tmp_path):
+    """README's LoRA snippet, run as written against this server: the adapters listed, then the adapter's tokens;
+    `pagedserve-client generate --adapter` prints the adapter's text."""
     import subprocess
     import sys
 
     from test_clients_readme import SNIPPETS, at
+
+    cli = subprocess.run([sys.executable, "-m", "pagedserve.client.cli", "--target", server.target, "generate", "hi",
+                          "--adapter", "chat", "--temperature", "0", "--max-new-tokens", "8", "--ignore-eos"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    expected = client.complete("hi", adapter="chat", temperature=0, max_new_tokens=8, ignore_eos=True).text
+    assert cli.stdout == expected + "\n" and expected != client.complete("hi", temperature=0, max_new_tokens=8,
+                                                                         ignore_eos=True).text
 
     done = subprocess.run([sys.executable, "-c", at(server.target, SNIPPETS["python-lora"])], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)

@@ -67,8 +67,9 @@ class OpenAIApi:
             return None  # a non-string model is refused by parse(), naming the field
         if self.adapters.find(model) is not None:
             return model
-        served = ", ".join(f"`{name}`" for name in (self.model_name, *(a.name for a in self.adapters.adapters())))
-        raise HttpError(404, f"The model `{model}` does not exist; this server serves {served}",
+        count = len(self.adapters.adapters())
+        adapters = f" and {count} LoRA adapter(s) (GET /v1/models lists them)" if count else ""
+        raise HttpError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`{adapters}",
                         param="model", code="model_not_found")
 
     def decode_token(self, token_id: int) -> str:
