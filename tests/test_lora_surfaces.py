@@ -293,9 +293,9 @@ def test_readme_python_lora_snippet_and_the_cli(server, client, tmp_path):
     done = subprocess.run([sys.executable, "-c", at(server.target, SNIPPETS["python-lora"])], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    names, tokens = done.stdout.splitlines()
+    names, text = done.stdout.split("\n", 1)
     assert set(KEPT) <= set(names.split(","))
-    assert tokens == str(client.complete([1, 504, 3492], adapter="sql", max_new_tokens=8, temperature=0).token_ids)
+    assert text == client.complete("SELECT", adapter="sql", max_new_tokens=16, temperature=0).text + "\n"
 
 
 @pytest.mark.skipif(bool(_missing), reason=f"Go/Java toolchains absent ({', '.join(_missing)})")
