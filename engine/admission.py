@@ -14,13 +14,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from pagedserve.engine.errors import CapacityError, InvalidRequestError
+from pagedserve.engine.errors import AdapterNotFoundError, CapacityError, InvalidRequestError
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions, check_messages
 from pagedserve.engine.constraint import OutputConstraint
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.structured_output.backend import CompiledConstraint
+
+if TYPE_CHECKING:
+    from pagedserve.engine.lora.weights import LoraWeights
 
 # Field names in this module's errors; front ends rename them (`renamed`) to the paths their clients set.
 TEXT_FIELD, TOKENS_FIELD, CHAT_FIELD = "prompt", "prompt_token_ids", "chat"
@@ -69,6 +72,7 @@ class AdmittedRequest:
     params: SamplingParams
     truncated: bool  # truncate_prompt_tokens cut the prompt
     constraint: CompiledConstraint | None = None  # params.constraint, compiled for the engine's tokenizer
+    adapter: LoraWeights | None = None  # the LoRA adapter's weights, held until the request ends; None: the base
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,14 +96,23 @@ class ConstraintCompiler(Protocol):
     def compile(self, constraint: OutputConstraint) -> CompiledConstraint: ...
 
 
-class Admission:
-    """Thread-safe: it reads the tokenizer and fixed limits only (the constraint compiler locks its own cache), so
-    front ends admit on their own threads. Without a compiler, constrained requests are refused by name."""
+class AdapterResolver(Protocol):
+    """What admission needs of the adapters; `lora.manager.AdapterManager` is one (thread-safe)."""
 
-    def __init__(self, limits: ModelLimits, encoder: PromptEncoder, compiler: ConstraintCompiler | None = None):
-        self.limits, self.encoder, self.compiler = limits, encoder, compiler
+    def resolve(self, name: str | None) -> LoraWeights | None: ...
+
+
+class Admission:
+    """Thread-safe: it reads the tokenizer and fixed limits only (the constraint compiler locks its own cache, the
+    adapter manager its registry), so front ends admit on their own threads. Without a compiler, constrained requests
+    are refused by name; without adapters, a request naming one is refused (`AdapterNotFoundError`)."""
+
+    def __init__(self, limits: ModelLimits, encoder: PromptEncoder, compiler: ConstraintCompiler | None = None,
+                 adapters: AdapterResolver | None = None):
+        self.limits, self.encoder, self.compiler, self.adapters = limits, encoder, compiler, adapters
 
     def admit(self, request: GenerationRequest) -> AdmittedRequest:
+        adapter = self._adapter(request.adapter)
         ids, field = self._prompt_ids(request.prompt)
         ids, truncated = self._truncate(ids, request.truncate_prompt_tokens)
         context = self.limits.max_model_len
@@ -108,7 +121,14 @@ class Admission:
                                       "tokens and at least one must be left to generate")
         params = self._fit(request, len(ids))
         params.check_vocab(self.limits.vocab_size)
-        return AdmittedRequest(tuple(ids), params, truncated, self._compile(params.constraint))
+        return AdmittedRequest(tuple(ids), params, truncated, self._compile(params.constraint), adapter)
+
+    def _adapter(self, name: str | None) -> LoraWeights | None:
+        if name is None:
+            return None
+        if self.adapters is None:
+            raise AdapterNotFoundError("adapter", f"no adapter named {name!r}: LoRA adapters are off on this engine")
+        return self.adapters.resolve(name)
 
     def _compile(self, constraint: OutputConstraint | None) -> CompiledConstraint | None:
         if constraint is None:

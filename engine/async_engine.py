@@ -23,6 +23,7 @@ from pagedserve.engine.errors import (
 )
 from pagedserve.engine.kv_events import KvEvent
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.lora.config import AdapterInfo, LoraModule
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.sequence import now
@@ -51,6 +52,15 @@ class _ResetPrefixCache:
 
 
 @dataclass(frozen=True, slots=True)
+class _AdapterCall:
+    """An adapter registration or unload, applied on the loop thread between steps; its result (or error) goes to
+    `done` on the caller's loop."""
+
+    apply: Callable[[], Any]
+    done: asyncio.Future
+
+
+@dataclass(frozen=True, slots=True)
 class _Sink:
     """Delivers outputs (or an exception) from the loop thread into the request's asyncio queue.
 
@@ -69,6 +79,25 @@ class _Sink:
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
     for queue_, item in items:
         queue_.put_nowait(item)
+
+
+def _settle(call: _AdapterCall) -> None:
+    try:
+        result = call.apply()
+    except Exception as exc:  # the caller gets the error; the loop goes on
+        call.done.get_loop().call_soon_threadsafe(_set_exception, call.done, exc)
+        return
+    call.done.get_loop().call_soon_threadsafe(_set_result, call.done, result)
+
+
+def _set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
 
 
 # How often the idle step loop wakes: on a main-thread host that lets Python run pending signal handlers.
@@ -151,13 +180,33 @@ class AsyncEngine:
         grammar compiles here, to a worker thread: `service/core/admit.py`)."""
         return self.engine.admission.admit(request)
 
+    async def load_adapter(self, module: LoraModule) -> AdapterInfo:
+        """Reads and validates the PEFT folder in a worker thread (off the event loop and the step loop), then
+        registers it on the loop thread between steps."""
+        read = await asyncio.to_thread(self.engine.read_adapter, module)
+        return await self._adapter_call(functools.partial(self.engine.register_adapter, read))
+
+    async def unload_adapter(self, name: str) -> None:
+        """Applied between steps; AdapterInUseError while a request using it is unfinished."""
+        await self._adapter_call(functools.partial(self.engine.unload_adapter, name))
+
+    def adapters(self) -> tuple[AdapterInfo, ...]:
+        return self.engine.adapters()
+
+    async def _adapter_call(self, apply: Callable[[], Any]) -> Any:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        done = asyncio.get_running_loop().create_future()
+        self._send(_AdapterCall(apply, done))
+        return await done
+
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """The offline API's request (a text or token-id prompt, see LLMEngine.add_request) as a stream; a constraint
-        compiles in a worker thread, never on the event loop."""
-        if params.constraint is not None:
-            admitted = await asyncio.to_thread(self.engine.admit_prompt, prompt, params)
+        (or an evicted adapter's reload) runs in a worker thread, never on the event loop."""
+        if params.constraint is not None or adapter is not None:
+            admitted = await asyncio.to_thread(self.engine.admit_prompt, prompt, params, adapter)
         else:
             admitted = self.engine.admit_prompt(prompt, params)
         stream = self.stream(request_id, admitted)
@@ -217,7 +266,7 @@ class AsyncEngine:
         self._send(_ResetPrefixCache(done))
         return await done
 
-    def _send(self, command: _Add | _Abort | _ResetPrefixCache) -> None:
+    def _send(self, command: _Add | _Abort | _ResetPrefixCache | _AdapterCall) -> None:
         self._commands.put(command)
         self._wakeup.set()
 
@@ -263,6 +312,8 @@ class AsyncEngine:
             elif isinstance(command, _ResetPrefixCache):
                 dropped = self.engine.block_manager.reset_prefix_cache()
                 command.done.get_loop().call_soon_threadsafe(command.done.set_result, dropped)
+            elif isinstance(command, _AdapterCall):
+                _settle(command)
             else:
                 out = self.engine.abort_request(command.sink.engine_id)
                 if self._forget(command.sink) and not command.released and out is not None:

@@ -45,6 +45,12 @@ def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
     return hash((prev, tokens))
 
 
+def chain_root(seq: Sequence) -> int | None:
+    """What a sequence's first block chains from: None for the base, a key of its adapter otherwise, so a block
+    computed under one adapter is never found for another or for the base."""
+    return None if seq.adapter_id == 0 else hash(("lora", seq.adapter_id))
+
+
 class BlockManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int | None = None
@@ -108,7 +114,7 @@ class BlockManager:
             return PrefixHit((), ())
         ids: list[int] = []
         hashes: list[int] = []
-        prev, run, best = None, 0, 0  # run: consecutive cached blocks ending at block i
+        prev, run, best = chain_root(seq), 0, 0  # run: consecutive cached blocks ending at block i
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             prev = chain_hash(prev, tokens)
@@ -132,7 +138,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        prev = seq.block_hashes[-1] if seq.block_hashes else None
+        prev = seq.block_hashes[-1] if seq.block_hashes else chain_root(seq)
         for i in range(len(seq.block_hashes), full):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = chain_hash(prev, tokens)
@@ -141,7 +147,9 @@ class BlockManager:
                 block.hash, block.tokens = h, tokens
                 self._cached[h] = block.block_id
                 if self._events is not None:
-                    self._events.append(BlockStored(h, prev, tokens, self.block_size))
+                    parent = prev if i > 0 else None  # a first block's parent is no block, adapter or not
+                    lora = (seq.adapter_id, seq.adapter_name) if seq.lora is not None else (None, None)
+                    self._events.append(BlockStored(h, parent, tokens, self.block_size, *lora))
             seq.block_hashes.append(h)
             prev = h
 

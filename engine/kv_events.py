@@ -17,6 +17,11 @@ class BlockStored:
     parent_hash: int | None  # the chain key of the block before it; None for a prompt's first block
     token_ids: tuple[int, ...]
     block_size: int
+    # The LoRA adapter the block was computed under (None: the base); its id is folded into the chain key of a
+    # sequence's first block, so the same tokens under another adapter are other blocks (router proto: lora_id,
+    # lora_name).
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""The offline API vLLM users know: LLM(model).generate(prompts, SamplingParams(...))."""
+"""The offline API vLLM users know: LLM(model).generate(prompts, SamplingParams(...)); with LoRA adapters,
+LLM(model, lora=LoraConfig(modules=(LoraModule(name, path), ...), max_loras=...)).generate(..., adapter=name)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Sequence as SequenceABC
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.host.tuning import tune_host
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.lora.config import AdapterInfo, LoraModule
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 
@@ -23,22 +25,36 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        return self.engine.load_adapter(LoraModule(name, path))
+
+    def unload_adapter(self, name: str) -> None:
+        self.engine.unload_adapter(name)
+
+    def adapters(self) -> tuple[AdapterInfo, ...]:
+        return self.engine.adapters()
+
     def generate(
         self,
         prompts: str | list[int] | SequenceABC[str | list[int]],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        adapter: str | SequenceABC[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion in one continuously batched engine; outputs in prompt order."""
+        """Runs every prompt to completion in one continuously batched engine; outputs in prompt order. `adapter`:
+        one LoRA adapter's name for every prompt, or one name (None: the base) per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, SequenceABC) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        adapters = [adapter] * len(prompts) if adapter is None or isinstance(adapter, str) else list(adapter)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters")
         order = []
-        for prompt, p in zip(prompts, params_list):
+        for prompt, p, name in zip(prompts, params_list, adapters):
             request_id = f"llm-{next(self._ids)}"
-            self.engine.add_request(request_id, prompt, p)
+            self.engine.add_request(request_id, prompt, p, adapter=name)
             order.append(request_id)
         finished: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

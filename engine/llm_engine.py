@@ -14,11 +14,14 @@ from pagedserve.engine.admission import (
 )
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.errors import AdapterInUseError, AdapterLoadError, AdapterNotFoundError, InvalidRequestError
 from pagedserve.engine.loading.chat_template import read_template_file
 from pagedserve.engine.loading.model_loader import load_model
 from pagedserve.engine.loading.model_store import resolve_model
 from pagedserve.engine.loading.tokenizer import Tokenizer, start_detok
+from pagedserve.engine.lora.config import AdapterInfo, LoraModule
+from pagedserve.engine.lora.manager import AdapterManager
+from pagedserve.engine.lora.weights import LoraWeights
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.outputs import (
     CompletionOutput, EngineStats, ModelDescription, OutputHistory, RequestMetrics, RequestOutput,
@@ -72,7 +75,11 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching, self.runner.kv_window
         )
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        lora = config.lora
+        self.lora_manager = None if lora is None else \
+            AdapterManager(lora, self.runner.lora_layout, self.loaded.dtype)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   None if lora is None else lora.max_loras)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         kv_tokens = self.block_manager.num_blocks * config.block_size
         if self.block_manager.peak_blocks(self.max_model_len, config.max_num_batched_tokens) <= self.block_manager.num_blocks:
@@ -83,26 +90,28 @@ class LLMEngine:
         self.constraints = ConstraintCompiler(lambda: backend(self.tokenizer.hf, vocab, eos),
                                               config.constraint_compile_timeout_s)
         self.admission = Admission(ModelLimits(self.runner.vocab_size, self.max_model_len, kv_tokens), self.tokenizer,
-                                   self.constraints)
+                                   self.constraints, self.lora_manager)
         self.requests: dict[str, RequestState] = {}
         self.num_aborted_requests = 0
 
     # -- admission ------------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None = None
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None = None,
+        adapter: str | None = None,
     ) -> None:
         """The offline front end's request: admitted here, then queued. Its id must not be running (the served
         front ends' ids are checked once, by AsyncEngine, which submits each under a key of its own)."""
-        admitted = self.admit_prompt(prompt, params)
+        admitted = self.admit_prompt(prompt, params, adapter)
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         self.submit(request_id, admitted, arrival_time)
 
-    def admit_prompt(self, prompt: str | list[int], params: SamplingParams) -> AdmittedRequest:
-        """A text or token-id prompt with SamplingParams, checked once; errors name SamplingParams' fields."""
+    def admit_prompt(self, prompt: str | list[int], params: SamplingParams, adapter: str | None = None) -> AdmittedRequest:
+        """A text or token-id prompt with SamplingParams (and a LoRA adapter's name), checked once; errors name
+        SamplingParams' fields."""
         as_prompt = TextPrompt(prompt) if isinstance(prompt, str) else TokensPrompt(tuple(prompt))
         with renamed(_offline_field):
-            return self.admission.admit(GenerationRequest(as_prompt, params))
+            return self.admission.admit(GenerationRequest(as_prompt, params, adapter=adapter))
 
     def submit(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
         """Queues an admitted request as it is (no check is repeated: its id is new, see add_request)."""
@@ -112,6 +121,7 @@ class LLMEngine:
         seq.sampler_state = generator_for(params.seed, 0) if params.seed is not None else None
         seq.detok = start_detok(len(ids))
         seq.matcher = request.constraint.new_matcher() if request.constraint is not None else None
+        seq.lora = request.adapter
         self.requests[request_id] = RequestState(request_id, ids, params, [seq])
         self.scheduler.add(seq)
 
@@ -138,6 +148,38 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    # -- LoRA adapters --------------------------------------------------------------------------------
+    def load_adapter(self, module: LoraModule) -> AdapterInfo:
+        """Reads, validates and registers a PEFT folder (the same name and folder again: a no-op)."""
+        return self.register_adapter(self.read_adapter(module))
+
+    def read_adapter(self, module: LoraModule) -> LoraWeights | AdapterInfo:
+        """The disk half of load_adapter (any thread): the folder must be allowed, readable and fit the base."""
+        manager = self._lora("lora_name", AdapterLoadError)
+        manager.check_allowed(module.path)
+        return manager.read(module)
+
+    def register_adapter(self, read: LoraWeights | AdapterInfo) -> AdapterInfo:
+        """The registry half of load_adapter (the step loop's thread, between steps)."""
+        return self._lora("lora_name", AdapterLoadError).register(read)
+
+    def unload_adapter(self, name: str) -> None:
+        """Refused while a request using it is unfinished (AdapterInUseError); running requests are never broken."""
+        manager = self._lora("lora_name", AdapterNotFoundError)
+        users = [rid for rid, state in self.requests.items() if state.seqs[0].adapter_name == name]
+        if users and name in {info.name for info in manager.infos()}:
+            raise AdapterInUseError(f"adapter {name!r} is used by {len(users)} unfinished request(s); unload it "
+                                    "when they end")
+        manager.unregister(name)
+
+    def adapters(self) -> tuple[AdapterInfo, ...]:
+        return () if self.lora_manager is None else self.lora_manager.infos()
+
+    def _lora(self, field: str, error: type[InvalidRequestError]) -> AdapterManager:
+        if self.lora_manager is None:
+            raise error(field, "LoRA adapters are off on this engine (EngineConfig.lora is None)")
+        return self.lora_manager
 
     # -- the step loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -254,6 +296,9 @@ class LLMEngine:
             constraints=self.constraints.stats(),
             block_size=self.config.block_size,
             max_model_len=self.max_model_len,
+            max_loras=0 if self.config.lora is None else self.config.lora.max_loras,
+            running_adapters=self.scheduler.running_adapters(),
+            waiting_adapters=self.scheduler.waiting_adapters(),
         )
 
 

@@ -9,6 +9,8 @@ import torch
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.loading.model_loader import LoadedModel
+from pagedserve.engine.lora.layers import StepAdapters, wrap_model
+from pagedserve.engine.lora.weights import LoraLayout, model_layout
 from pagedserve.engine.models.layers import ForwardContext
 from pagedserve.engine.native_step import build_native_step
 from pagedserve.engine.scheduler import SchedulerOutput
@@ -51,6 +53,12 @@ class ModelRunner:
         self.native_step = build_native_step(
             self.model, self.kv_cache, self.attn_impl, config.native_step_max_batch, device
         )
+        # LoRA: the adaptable linears get wrapped after the native step took the bare ones (it serves base steps).
+        self.step_adapters = StepAdapters()
+        self.lora_layout: LoraLayout | None = None
+        if config.lora is not None:
+            self.lora_layout = model_layout(self.model)
+            wrap_model(self.model, self.lora_layout, self.step_adapters)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%s, %.1f MiB, attention=%s, layer ops=%s)",
             num_blocks, config.block_size, num_blocks * config.block_size, kv_dtype.value,
@@ -75,10 +83,13 @@ class ModelRunner:
         seq_lens: list[int] = []
         rows: list[int] = []
         sampling: list[Sequence] = []
+        adapter_rows: list[tuple[object, int, int]] = []
         block_size = self.kv_spec.block_size
         for item in batch.scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
+            if seq.lora is not None:
+                adapter_rows.append((seq.lora, len(ids), len(ids) + item.num_new_tokens))
             ids += seq.token_ids[start:end]
             positions += range(start, end)
             table = seq.block_table
@@ -90,6 +101,8 @@ class ModelRunner:
                 sampling.append(seq)
         width = max(len(item.seq.block_table) for item in batch.scheduled)
         tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch.scheduled]
+        if adapter_rows or self.step_adapters.groups:
+            self.step_adapters.set_rows(adapter_rows, len(ids), self.device)
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)

@@ -2,8 +2,8 @@
 stack and LM head in one C call (kernels/cpu_decode_step.c) instead of ~15 torch ops per layer.
 
 Taken at step time from the SchedulerOutput: every scheduled sequence computes exactly its one newest token, the
-batch is at most `EngineConfig.native_step_max_batch` rows, and FP8 scales are calibrated. Anything else (a prefill
-or chunk in the step, a larger batch) runs the torch path, which shares the same KV cache. Built only when the
+batch is at most `EngineConfig.native_step_max_batch` rows, FP8 scales are calibrated and no row uses a LoRA adapter.
+Anything else (a prefill or chunk in the step, a larger batch, an adapter) runs the torch path, which shares the same KV cache. Built only when the
 model describes its stack (`decoder_stack()`: the Llama family), attention is the native CPU implementation, and
 every linear, the LM head included, has a native kernel (`LinearMethod.native_linear`); otherwise the engine logs
 why and keeps the torch path for every step.
@@ -118,9 +118,10 @@ class NativeDecodeStep:
         )
 
     def accepts(self, batch: SchedulerOutput) -> bool:
-        """Whether this step runs natively: decode rows only, at most max_batch, FP8 scales settled."""
+        """Whether this step runs natively: decode rows only, at most max_batch, FP8 scales settled, no LoRA adapter
+        (the C step has no adapter deltas: a step with any adapter row runs on torch)."""
         items = batch.scheduled
-        if not items or len(items) > self.max_batch:
+        if not items or len(items) > self.max_batch or any(i.seq.lora is not None for i in items):
             return False
         if isinstance(self._attn, CalibratingAttention) and not self._attn.calibrated:
             return False

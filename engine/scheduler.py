@@ -3,6 +3,11 @@
 There are no prefill or decode phases: each running sequence computes the gap between its computed and its
 total tokens, limited by a per-step token budget, so chunked prefill and mixed prefill+decode batches fall out.
 Under KV pressure the newest running sequence is preempted and later recomputed (its outputs are kept).
+
+LoRA: at most `max_loras` distinct adapters among the running sequences (so in any step; the base is not counted).
+A waiting request whose adapter would exceed it is passed only by requests of the base or of an adapter already
+running, and only for `lora_pass_steps` steps; then nothing behind it is admitted until an adapter's last request
+ends and frees its place: first come, first served, without starving anyone.
 """
 
 from __future__ import annotations
@@ -34,14 +39,22 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+# Steps a request blocked by the adapter cap may be passed by others before admission waits for it.
+LORA_PASS_STEPS = 16
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_loras: int | None = None, lora_pass_steps: int = LORA_PASS_STEPS):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_loras = max_loras  # None: no cap (LoRA off)
+        self.lora_pass_steps = lora_pass_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._passed_steps: dict[Sequence, int] = {}  # a request blocked by the adapter cap -> steps it was passed
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -72,15 +85,26 @@ class Scheduler:
         return SchedulerOutput(tuple(scheduled), tuple(copies))
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        adapters = {s.adapter_id for s in self.running if s.lora is not None}
+        index = 0  # the waiting requests before this one are blocked by the adapter cap
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[index]
+            if self._over_adapter_cap(seq, adapters):
+                passed = self._passed_steps[seq] = self._passed_steps.get(seq, 0) + 1
+                if index == 0 and passed > self.lora_pass_steps:
+                    break  # the first blocked request waited long enough: nobody else goes before it
+                index += 1
+                continue
             fresh = not seq.block_table
             hit = self.block_manager.lookup_prefix(seq) if fresh else None
             hit_tokens = len(hit.block_ids) * self.block_manager.block_size if hit else 0
             num_new = min(seq.num_tokens - seq.num_computed_tokens - hit_tokens, budget)
             if not self.block_manager.can_allocate(seq, num_new, hit):
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
+            self._passed_steps.pop(seq, None)
+            if seq.lora is not None:
+                adapters.add(seq.adapter_id)
             if hit is not None:
                 self.block_manager.record_lookup(seq, hit)
                 if seq.metrics.first_scheduled_time is None:
@@ -93,6 +117,18 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return budget
+
+    def _over_adapter_cap(self, seq: Sequence, running: set[int]) -> bool:
+        """By id, not name: a name unloaded and loaded again from another folder is another adapter."""
+        return self.max_loras is not None and seq.lora is not None and seq.adapter_id not in running and \
+            len(running) >= self.max_loras
+
+    def running_adapters(self) -> tuple[str, ...]:
+        """Adapter names of the running sequences, in first-seen order."""
+        return tuple(dict.fromkeys(s.adapter_name for s in self.running if s.lora is not None))
+
+    def waiting_adapters(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s.adapter_name for s in self.waiting if s.lora is not None))
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop the KV blocks, keep the tokens (prompt and outputs alike)."""
@@ -121,5 +157,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+            self._passed_steps.pop(seq, None)
         seq.status = SeqStatus.FINISHED
         self.block_manager.free(seq)

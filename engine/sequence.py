@@ -101,6 +101,8 @@ class Sequence:
     # The constraint's ConstraintMatcher (engine/structured_output/backend.py) when the request has one; advanced
     # only by appended tokens, so recompute after preemption and chunked prefill never replay it.
     matcher: Any = None
+    # The request's LoRA adapter (engine/lora/weights.py's LoraWeights) or None for the base; opaque here.
+    lora: Any = None
     text: OutputText = field(default_factory=OutputText)
     emitted_text_len: int = 0
     emitted_token_len: int = 0
@@ -119,6 +121,15 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def adapter_name(self) -> str | None:
+        return None if self.lora is None else self.lora.name
+
+    @property
+    def adapter_id(self) -> int:
+        """0 for the base model."""
+        return 0 if self.lora is None else self.lora.adapter_id
 
     @property
     def is_finished(self) -> bool:
@@ -140,6 +151,7 @@ class Sequence:
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,
             block_hashes=list(self.block_hashes),
+            lora=self.lora,
         )
         return child
 

@@ -32,12 +32,13 @@ from pagedserve.service.core.standard_services import (
 )
 from pagedserve.service.openai.http_server import HttpServer
 from pagedserve.service.router.vllm_servicer import SERVICE_NAME as VLLM_SERVICE_NAME, VllmEngineServicer
+from pagedserve.service.v1.adapter_servicer import SERVICE_NAME as ADAPTER_SERVICE_NAME, AdapterServicer
 from pagedserve.service.v1.servicer import SERVICE_NAME, GenerationServicer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SERVICE_NAMES = (SERVICE_NAME, HEALTH_SERVICE, *REFLECTION_SERVICES)
+SERVICE_NAMES = (SERVICE_NAME, ADAPTER_SERVICE_NAME, HEALTH_SERVICE, *REFLECTION_SERVICES)
 
 
 async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThreadHost | None = None) -> int:
@@ -48,13 +49,14 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     """
     stop = _StopSignals(host)
     health = HealthServicer()
-    state = ServingState(health, services=(SERVICE_NAME,))
+    state = ServingState(health, services=(SERVICE_NAME, ADAPTER_SERVICE_NAME))
     name = config.served_model_name or (Path(engine_config.model).name.removesuffix(".gguf") if engine_config.model else DEFAULT_MODEL_NAME)
     metrics = ServiceMetrics(name, lambda: serving.stats())
     serving = ServingContext(state, metrics, name)
     servicer = GenerationServicer(serving, config.max_message_bytes)
     server = grpc.aio.server(options=config.grpc_options())
-    server.add_generic_rpc_handlers((servicer.rpc_handler(),))
+    adapters = AdapterServicer(serving, config.max_message_bytes)
+    server.add_generic_rpc_handlers((servicer.rpc_handler(), adapters.rpc_handler()))
     vllm = VllmEngineServicer(serving, config.max_message_bytes) if config.vllm_engine_service else None
     if vllm is not None:
         server.add_generic_rpc_handlers((vllm.rpc_handler(),))

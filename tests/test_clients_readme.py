@@ -50,7 +50,11 @@ func readmeFragment(ctx context.Context, req *pb.GenerateRequest) error {
 func readmeStructured(ctx context.Context, c *client.Client) error {
 %s}
 
-var _, _, _, _ = readmeFragment, readmeStructured, fmt.Print, client.Dial
+// readmeLora holds README.md's LoRA snippet.
+func readmeLora(ctx context.Context, c *client.Client) error {
+%s}
+
+var _, _, _, _, _ = readmeFragment, readmeStructured, readmeLora, fmt.Print, client.Dial
 """
 
 JAVA_FRAGMENT_HARNESS = """package example;
@@ -67,6 +71,9 @@ final class ReadmeFragment {
 %s  }
 
   static void structured(PagedServeClient client) {
+%s  }
+
+  static void lora(PagedServeClient client) {
 %s  }
 }
 """
@@ -91,7 +98,7 @@ SNIPPETS = snippets()
 def test_every_snippet_is_tagged_and_used():
     used = {"python-client", "python-offline", "python-openai", "python-structured", "python-openai-structured",
             "go-fragment", "go-structured", "go-main", "go-recipe", "java-fragment", "java-structured", "java-pom",
-            "java-main", "java-recipe"}
+            "java-main", "java-recipe", "python-lora", "go-lora", "java-lora"}  # python-lora: test_lora_surfaces.py
     assert set(SNIPPETS) == used
 
 
@@ -170,8 +177,8 @@ def test_go_recipe_pins_match_the_client_go_mod():
 @toolchains
 def test_downstream_go_module_from_the_readme(built_clients, shared_server, expected, tmp_path):  # noqa: F811
     (tmp_path / "main.go").write_text(SNIPPETS["go-main"])
-    fragment, structured = (_indent(SNIPPETS[name], "\t") for name in ("go-fragment", "go-structured"))
-    (tmp_path / "readme_fragment.go").write_text(GO_FRAGMENT_HARNESS % (fragment, structured))
+    snippets = tuple(_indent(SNIPPETS[name], "\t") for name in ("go-fragment", "go-structured", "go-lora"))
+    (tmp_path / "readme_fragment.go").write_text(GO_FRAGMENT_HARNESS % snippets)
     recipe = at(shared_server.target, SNIPPETS["go-recipe"])
     env = {"PAGEDSERVE": str(ROOT), "GOFLAGS": "", "GOPROXY": "off"}
     out = run(["bash", "-euo", "pipefail", "-c", recipe], tmp_path, env)
@@ -184,8 +191,8 @@ def test_downstream_maven_project_from_the_readme(built_clients, shared_server, 
     src = tmp_path / "src" / "main" / "java" / "example"
     src.mkdir(parents=True)
     (src / "Hello.java").write_text(SNIPPETS["java-main"])
-    fragment, structured = (_indent(SNIPPETS[name], "    ") for name in ("java-fragment", "java-structured"))
-    (src / "ReadmeFragment.java").write_text(JAVA_FRAGMENT_HARNESS % (fragment, structured))
+    snippets = tuple(_indent(SNIPPETS[name], "    ") for name in ("java-fragment", "java-structured", "java-lora"))
+    (src / "ReadmeFragment.java").write_text(JAVA_FRAGMENT_HARNESS % snippets)
     recipe = at(shared_server.target, SNIPPETS["java-recipe"])
     out = run(["bash", "-euo", "pipefail", "-c", recipe], tmp_path, {"PAGEDSERVE": str(ROOT)})
     # Debian's Maven 3.8 writes ANSI resets around its (quiet, batch-mode) output even with no terminal.

@@ -84,3 +84,51 @@ def test_a_windowed_sequence_outgrows_the_pool_without_preemption():
         run_step(sched)
         assert bm.num_used_blocks == sum(1 for b in s.block_table if b >= 0) <= 2
     assert sched.num_preemptions == 0 and s.num_computed_tokens == 159
+
+
+def lora_seq(n: int, request_id: str, adapter: str | None) -> Sequence:
+    from pagedserve.engine.lora.config import AdapterInfo
+    from pagedserve.engine.lora.weights import LoraWeights
+
+    s = seq(n, request_id)
+    if adapter is not None:
+        s.lora = LoraWeights(AdapterInfo(adapter, sum(map(ord, adapter)), "/x", 1, ()), ())
+    return s
+
+
+def test_adapter_cap_lets_running_adapters_and_the_base_pass_then_waits():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=16, max_num_batched_tokens=100, max_loras=2,
+                      lora_pass_steps=3)
+    for request_id, adapter in [("a1", "A"), ("b1", "B"), ("c1", "C"), ("a2", "A"), ("base", None)]:
+        sched.add(lora_seq(4, request_id, adapter))
+    assert set(run_step(sched)) == {"a1", "b1", "a2", "base"}  # C would be a third adapter: passed
+    assert sched.running_adapters() == ("A", "B") and sched.waiting_adapters() == ("C",)
+    for step in range(2):  # C is passed in at most lora_pass_steps steps (the first one above included) ...
+        sched.add(lora_seq(4, f"a-late{step}", "A"))
+        assert f"a-late{step}" in run_step(sched)
+    sched.add(lora_seq(4, "a-last", "A"))
+    sched.add(lora_seq(4, "base-last", None))
+    assert "a-last" not in run_step(sched) and "base-last" not in run_step(sched)  # ... then nobody passes C
+    for s in [s for s in sched.running if s.adapter_name == "B"]:
+        sched.finish(s)  # B's last request ends: C takes its place, first
+    admitted = run_step(sched)
+    assert {"c1", "a-last", "base-last"} <= set(admitted)
+    assert set(sched.running_adapters()) == {"A", "C"}
+
+
+def test_every_step_holds_at_most_max_loras_adapters():
+    sched = Scheduler(BlockManager(256, 4), max_num_seqs=8, max_num_batched_tokens=64, max_loras=2)
+    for i in range(24):
+        sched.add(lora_seq(3 + i % 5, f"r{i}", "ABCD"[i % 4] if i % 3 else None))
+    finished = set()
+    while sched.running or sched.waiting:
+        out = sched.schedule()
+        assert len({item.seq.adapter_id for item in out.scheduled if item.seq.lora is not None}) <= 2
+        sched.commit(out)
+        for item in out.scheduled:
+            if item.seq.num_computed_tokens == item.seq.num_tokens:
+                item.seq.token_ids.append(7)
+                if item.seq.num_output_tokens == 3:
+                    finished.add(item.seq.request_id)
+                    sched.finish(item.seq)
+    assert len(finished) == 24

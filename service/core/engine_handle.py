@@ -12,6 +12,7 @@ from pagedserve.engine.admission import AdmittedRequest, GenerationRequest
 from pagedserve.engine.async_engine import LoopHost
 from pagedserve.engine.kv_events import KvEvent
 from pagedserve.engine.loading.tokenizer import Tokenizer
+from pagedserve.engine.lora.config import AdapterInfo, LoraModule
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
 
 
@@ -40,6 +41,12 @@ class EngineHandle(Protocol):
     async def reset_prefix_cache(self) -> int: ...
 
     def publish_kv_events(self, sink: Callable[[list[KvEvent]], None]) -> None: ...
+
+    async def load_adapter(self, module: LoraModule) -> AdapterInfo: ...
+
+    async def unload_adapter(self, name: str) -> None: ...
+
+    def adapters(self) -> tuple[AdapterInfo, ...]: ...
 
 
 async def load_engine(

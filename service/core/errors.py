@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import grpc
 
 from pagedserve.engine.errors import (
+    AdapterInUseError,
+    AdapterNotFoundError,
     CapacityError,
     ConfigError,
     EngineDeadError,
@@ -24,6 +26,11 @@ class DrainingError(PagedServeError):
     """The server stopped admitting requests (SIGTERM); clients should retry on another replica."""
 
 
+class RuntimeUpdatesOffError(PagedServeError):
+    """A LoRA adapter load or unload while runtime updates are off (HTTP 404, as in vLLM, which then has no such
+    routes)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RpcError:
     code: grpc.StatusCode
@@ -32,6 +39,8 @@ class RpcError:
 
 # Ordered: the first matching class wins, so subclasses come before their bases.
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (AdapterNotFoundError, grpc.StatusCode.NOT_FOUND),  # an InvalidRequestError naming the field
+    (AdapterInUseError, grpc.StatusCode.FAILED_PRECONDITION),
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (CapacityError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnsupportedError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -39,6 +48,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (DrainingError, grpc.StatusCode.UNAVAILABLE),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
+    (RuntimeUpdatesOffError, grpc.StatusCode.FAILED_PRECONDITION),
     (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
     (MissingChatTemplateError, grpc.StatusCode.FAILED_PRECONDITION),
     # Only non-finite model logits get here (parameters are bounded at the edge): a server-side failure of this

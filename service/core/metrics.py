@@ -85,6 +85,19 @@ class EngineStatsCollector(Collector):
         yield counter("pagedserve:requests_aborted", "Unfinished requests aborted in the engine (cancel, deadline).",
                       s.num_aborted_requests)
         yield from _constraint_metrics(s.constraints, labels, counter)
+        if s.max_loras > 0:
+            yield lora_requests_info(s.max_loras, s.running_adapters, s.waiting_adapters)
+
+
+def lora_requests_info(max_loras: int, running: tuple[str, ...], waiting: tuple[str, ...]) -> GaugeMetricFamily:
+    """vLLM's gauge as the Gateway API Inference Extension reads it: the adapters with running and with waiting
+    requests as comma-separated names (its reader splits on "," without trimming: no spaces), and as value the time
+    of this update (unix seconds; a reader keeps the series with the latest). Read at scrape time, so it is the
+    engine's state now; names cannot hold commas (engine/lora/config.py)."""
+    family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                               labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    family.add_metric([str(max_loras), ",".join(running), ",".join(waiting)], time.time())
+    return family
 
 
 def _constraint_metrics(c: ConstraintStats, labels: list[str], counter) -> Iterator:
@@ -127,6 +140,9 @@ class ServiceMetrics:
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", m, registry=r)
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
+        # vLLM counts no requests per adapter; named in its style. Admitted requests, whichever front end sent them.
+        self.lora_requests = Counter("pagedserve:lora_requests", "Requests admitted per LoRA adapter.",
+                                     ["model_name", "adapter"], registry=r)
         grpc_labels = ["grpc_type", "grpc_service", "grpc_method"]
         self.rpc_started = Counter("grpc_server_started", "RPCs started.", grpc_labels, registry=r)
         self.rpc_handled = Counter("grpc_server_handled", "RPCs completed, by status code.",
@@ -150,6 +166,11 @@ class ServiceMetrics:
         self.prompt_tokens.labels(name).inc(prompt_tokens)
         self.generation_tokens.labels(name).inc(generated_tokens)
         self.success.labels(name, reason).inc()
+
+    def adapter_requests(self, adapter: str | None, count: int = 1) -> None:
+        """Admitted requests that name an adapter (None: the base, not counted here)."""
+        if adapter is not None:
+            self.lora_requests.labels(self.model_name, adapter).inc(count)
 
     def http_done(self, handler: str, status: int) -> None:
         self.http_handled.labels(handler, str(status)).inc()

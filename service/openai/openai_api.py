@@ -1,4 +1,7 @@
-"""The OpenAI-compatible HTTP API (Starlette app): /v1/completions, /v1/chat/completions, /v1/models, /health.
+"""The OpenAI-compatible HTTP API (Starlette app): /v1/completions, /v1/chat/completions, /v1/models, /health, and
+vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter.
+
+`model` picks what serves a request: the base's served name (or none) the base, an adapter's name that adapter.
 
 It serves the serving context's engine, state and metrics (service/core/context.py), shared with the other front
 ends: the same requests, limits, drain and counts.
@@ -6,6 +9,7 @@ ends: the same requests, limits, drain and counts.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -14,10 +18,12 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from pagedserve.engine.admission import AdmittedRequest
+from pagedserve.engine.lora.config import AdapterInfo
+from pagedserve.service.core.adapters import AdapterAdmin
 from pagedserve.service.core.admit import admit_off_loop
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.stream import Ended, RequestStream
@@ -36,6 +42,7 @@ class OpenAIApi:
     def __init__(self, serving: ServingContext, max_body_bytes: int):
         self.serving, self.max_body_bytes = serving, max_body_bytes
         self.created = int(time.time())
+        self.adapters = AdapterAdmin(serving)
 
     def app(self) -> Starlette:
         routes = [
@@ -44,6 +51,8 @@ class OpenAIApi:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/v1/load_lora_adapter", self.load_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload_adapter, methods=["POST"]),
         ]
         return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
 
@@ -51,11 +60,17 @@ class OpenAIApi:
     def model_name(self) -> str:
         return self.serving.model_name
 
-    def check_model(self, body: Any) -> None:
+    def check_model(self, body: Any) -> str | None:
+        """The adapter `model` names (None: the base); a name that is neither -> 404 naming `model`."""
         model = body.get("model") if isinstance(body, dict) else None
-        if isinstance(model, str) and model != self.model_name:
-            raise HttpError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
-                            param="model", code="model_not_found")
+        if not isinstance(model, str) or model == self.model_name:
+            return None  # a non-string model is refused by parse(), naming the field
+        if self.adapters.find(model) is not None:
+            return model
+        count = len(self.adapters.adapters())
+        adapters = f" and {count} LoRA adapter(s) (GET /v1/models lists them)" if count else ""
+        raise HttpError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`{adapters}",
+                        param="model", code="model_not_found")
 
     def decode_token(self, token_id: int) -> str:
         return self.serving.engine.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -67,16 +82,41 @@ class OpenAIApi:
             card["max_model_len"] = self.serving.max_model_len
         return card
 
+    def _adapter_card(self, adapter: AdapterInfo) -> dict[str, Any]:
+        """As vLLM lists an adapter: `root` its folder, `parent` the base's served name."""
+        return {"id": adapter.name, "object": "model", "created": self.created, "owned_by": "pagedserve",
+                "root": adapter.path, "parent": self.model_name}
+
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._card()]})
+        cards = [self._card(), *(self._adapter_card(a) for a in self.adapters.adapters())]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
         try:
-            self.check_model({"model": request.path_params["model"]})
+            adapter = self.check_model({"model": request.path_params["model"]})
         except HttpError as exc:
-            reply = error_reply(exc)
-            return JSONResponse(reply.body, reply.status)
-        return JSONResponse(self._card())
+            return _error(exc)
+        info = self.adapters.find(adapter) if adapter is not None else None
+        return JSONResponse(self._adapter_card(info) if info is not None else self._card())
+
+    async def load_adapter(self, request: Request) -> Response:
+        """vLLM's body {"lora_name", "lora_path"} and its answers: 200 with a text line, or OpenAI's error JSON."""
+        try:
+            body = await _admin_body(request, self.max_body_bytes)
+            info = await self.adapters.load(body.get("lora_name"), body.get("lora_path"))
+        except Exception as exc:  # noqa: BLE001 - every failure is an error reply, classified in one place
+            return _error(exc)
+        log.info("loaded LoRA adapter %s from %s", info.name, info.path)
+        return PlainTextResponse(f"Success: LoRA adapter '{info.name}' added successfully.")
+
+    async def unload_adapter(self, request: Request) -> Response:
+        try:
+            body = await _admin_body(request, self.max_body_bytes)
+            await self.adapters.unload(body.get("lora_name"))
+        except Exception as exc:  # noqa: BLE001
+            return _error(exc)
+        log.info("unloaded LoRA adapter %s", body["lora_name"])
+        return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
 
     async def health(self, request: Request) -> Response:
         """200 while serving; 503 while the model loads or the server drains (load balancers stop sending)."""
@@ -94,10 +134,11 @@ class _Generate:
         try:
             exchange.check_request_id_header()
             body = await exchange.json_body(self.api.max_body_bytes)
-            self.api.check_model(body)
+            adapter = self.api.check_model(body)
             self.api.serving.state.check_admitting()
-            request = parse(body, self.chat)
+            request = parse(body, self.chat, adapter)
             admitted = await self._admit(body, request)
+            self.api.serving.metrics.adapter_requests(request.adapter, len(admitted))
             with self.api.serving.state.track():
                 await self._generate(exchange, request, admitted)
         except ClientGone:
@@ -122,7 +163,8 @@ class _Generate:
                         admitted: tuple[AdmittedRequest, ...]) -> None:
         serving = self.api.serving
         response_id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        builder = ResponseBuilder(request, admitted, response_id, self.api.model_name, self.api.decode_token)
+        builder = ResponseBuilder(request, admitted, response_id, request.adapter or self.api.model_name,
+                                  self.api.decode_token)
         many = len(admitted) > 1
         outputs = MergedStreams([
             RequestStream(serving.engine, f"{response_id}-{i}" if many else response_id, a, serving.metrics).events()
@@ -170,6 +212,26 @@ def _size(body: Any) -> int:
         size += sum(len(m.get("content") or "") if isinstance(m, dict) and isinstance(m.get("content"), str)
                     else 64 for m in messages)
     return size
+
+
+async def _admin_body(request: Request, limit: int) -> dict[str, Any]:
+    raw = await request.body()
+    if len(raw) > limit:
+        raise HttpError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise HttpError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise HttpError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _error(exc: BaseException) -> Response:
+    if not isinstance(exc, HttpError) and error_reply(exc).status == 500:
+        log.exception("adapter request failed")
+    reply = error_reply(exc)
+    return JSONResponse(reply.body, reply.status, headers=reply.headers)
 
 
 async def _http_exception(request: Request, exc: HTTPException) -> Response:

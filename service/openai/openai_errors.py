@@ -8,8 +8,8 @@ from typing import Any
 
 import grpc
 
-from pagedserve.engine.errors import InvalidRequestError, MissingChatTemplateError
-from pagedserve.service.core.errors import to_rpc_error
+from pagedserve.engine.errors import AdapterInUseError, InvalidRequestError, MissingChatTemplateError
+from pagedserve.service.core.errors import RuntimeUpdatesOffError, to_rpc_error
 
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -18,6 +18,9 @@ _STATUS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
 }
+# Where HTTP (as vLLM answers) is finer than the gRPC code: an adapter in use is a conflict, and runtime adapter
+# updates that are off are routes that do not exist.
+_HTTP_STATUS = ((AdapterInUseError, 409), (RuntimeUpdatesOffError, 404))
 
 
 class HttpError(Exception):
@@ -42,6 +45,7 @@ def error_reply(exc: BaseException, rename: Any = None) -> ErrorReply:
         return _reply(exc.status, exc.kind, exc.message, exc.param, exc.code)
     rpc = to_rpc_error(exc)
     status, kind = _STATUS.get(rpc.code, (500, "server_error"))
+    status = next((s for cls, s in _HTTP_STATUS if isinstance(exc, cls)), status)
     param, message = None, rpc.message
     if isinstance(exc, InvalidRequestError):
         param = rename(exc.field) if rename else exc.field

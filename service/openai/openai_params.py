@@ -68,6 +68,7 @@ class OpenAIRequest:
     names: dict[str, str]  # engine field -> the OpenAI parameter the client set
     constraint_param: str | None = None  # where the constraint came from: its errors name this path
     tool_choice: ToolChoice | None = None  # set: the text is a forced tool call (openai_tools.py)
+    adapter: str | None = None  # the LoRA adapter `model` named (None: the base)
 
     @property
     def params(self) -> SamplingParams:
@@ -91,7 +92,8 @@ class OpenAIRequest:
         return tuple(admitted)
 
 
-def parse(body: Any, chat: bool) -> OpenAIRequest:
+def parse(body: Any, chat: bool, adapter: str | None = None) -> OpenAIRequest:
+    """adapter: the LoRA adapter `model` names (OpenAIApi.check_model), set on every prompt's request."""
     if not isinstance(body, dict):
         raise InvalidRequestError("body", f"must be a JSON object, got {type(body).__name__}")
     body = {k: v for k, v in body.items() if v is not None}  # the SDKs send null for "not given"
@@ -105,8 +107,8 @@ def parse(body: Any, chat: bool) -> OpenAIRequest:
         params = _sampling_params(body, chat, logprobs, requested)
     # No max_tokens: the room left in the context (chat) or 16 within it (completions); a set one must fit.
     default = "max_completion_tokens" not in body and "max_tokens" not in body
-    prompts = tuple(PromptInput(GenerationRequest(prompt, params, max_tokens_is_default=default), text, field)
-                    for prompt, text, field in shapes)
+    prompts = tuple(PromptInput(GenerationRequest(prompt, params, max_tokens_is_default=default, adapter=adapter),
+                                text, field) for prompt, text, field in shapes)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options", {})
     if "stream_options" in body and (not stream or not isinstance(options, dict)):
@@ -116,7 +118,7 @@ def parse(body: Any, chat: bool) -> OpenAIRequest:
         include_usage=_bool(options, "include_usage", False),
         continuous_usage=_bool(options, "continuous_usage_stats", False),
         return_token_ids=_bool(body, "return_token_ids", False), echo=_bool(body, "echo", False), names=names,
-        constraint_param=requested.param if requested else None, tool_choice=tool_choice)
+        constraint_param=requested.param if requested else None, tool_choice=tool_choice, adapter=adapter)
 
 
 def _constraint(body: dict[str, Any], chat: bool) -> tuple[RequestedConstraint | None, ToolChoice | None]:
@@ -156,7 +158,7 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
 
 
 def _names(body: dict[str, Any], chat: bool) -> dict[str, str]:
-    names = {}
+    names = {"adapter": "model"}  # an adapter unloaded since check_model: 404 naming `model`
     if chat and "max_completion_tokens" in body:
         names["max_tokens"] = "max_completion_tokens"
     if chat and "top_logprobs" in body:

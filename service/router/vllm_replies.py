@@ -63,10 +63,12 @@ def _event(event: Any, event_id: int) -> common_pb2.KvCacheEvent:
         return common_pb2.KvCacheEvent(event_id=event_id, removed=common_pb2.KvBlocksRemoved(
             block_hashes=[event.block_hash], tier=common_pb2.KV_CACHE_TIER_DEVICE))
     assert isinstance(event, BlockStored)
-    stored = common_pb2.KvBlocksStored(
-        blocks=[common_pb2.KvBlock(block_hash=event.block_hash, token_ids=event.token_ids,
-                                   block_size=event.block_size)],
-        tier=common_pb2.KV_CACHE_TIER_DEVICE)
+    block = common_pb2.KvBlock(block_hash=event.block_hash, token_ids=event.token_ids, block_size=event.block_size)
+    if event.lora_id is not None:
+        block.lora_id = event.lora_id
+    stored = common_pb2.KvBlocksStored(blocks=[block], tier=common_pb2.KV_CACHE_TIER_DEVICE)
     if event.parent_hash is not None:
         stored.parent_block_hash = event.parent_hash
+    if event.lora_name is not None:
+        stored.lora_name = event.lora_name
     return common_pb2.KvCacheEvent(event_id=event_id, stored=stored)

@@ -11,11 +11,13 @@ import grpc
 
 from pagedserve.engine.request_id import check_request_id
 from pagedserve.service.core import rpc_status
+from pagedserve.service.core.adapters import AdapterAdmin
 from pagedserve.service.core.admit import admit_off_loop
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.engine_handle import EngineHandle
 from pagedserve.service.core.stream import RequestStream
 from pagedserve.service.core.wire import parse_request
+from pagedserve.service.v1.adapter_servicer import adapter_message
 from pagedserve.service.v1.frames import FrameBuilder
 from pagedserve.service.v1.model_info import model_info
 from pagedserve.service.v1.requests import admit, input_chars
@@ -66,6 +68,7 @@ class GenerationServicer:
         v1 = await admit_off_loop(lambda: admit(request, self.engine.admit), input_chars(request),
                                   constrained=request.HasField("constraint"))
         prompt = v1.admitted
+        self.metrics.adapter_requests(request.adapter or None)
         builder = FrameBuilder(request_id, len(prompt.prompt_token_ids), prompt.truncated, prompt.params,
                                v1.stream_mode)
         # Retries may reuse x-request-id while the first attempt still runs: each submission gets its own engine key,
@@ -101,6 +104,7 @@ class GenerationServicer:
         info.scheduler.CopyFrom(model_info_pb2.SchedulerStats(
             running_requests=s.num_running, waiting_requests=s.num_waiting, num_preemptions=s.num_preemptions,
             draining=self.state.draining))
+        info.adapters.extend(adapter_message(a) for a in AdapterAdmin(self.serving).adapters())
         return info
 
 

@@ -23,6 +23,7 @@ type Client struct {
 	conn           *grpc.ClientConn
 	owned          bool
 	api            pb.GenerationServiceClient
+	adapters       pb.AdapterServiceClient
 	health         healthpb.HealthClient
 	defaultTimeout time.Duration
 }
@@ -59,7 +60,8 @@ func Dial(ctx context.Context, target string, opts ...Option) (*Client, error) {
 
 // New wraps a connection the caller already manages; Close then leaves it open.
 func New(conn *grpc.ClientConn) *Client {
-	return &Client{conn: conn, api: pb.NewGenerationServiceClient(conn), health: healthpb.NewHealthClient(conn)}
+	return &Client{conn: conn, api: pb.NewGenerationServiceClient(conn), adapters: pb.NewAdapterServiceClient(conn),
+		health: healthpb.NewHealthClient(conn)}
 }
 
 // Close closes the connection when Dial opened it.

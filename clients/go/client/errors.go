@@ -12,8 +12,8 @@ import (
 	"google.golang.org/grpc/status"
 )
 
-// Error is what every Client call returns on failure: the gRPC status plus, for INVALID_ARGUMENT, the
-// request field the server rejected. status.Code(err) and status.FromError(err) work on it unchanged.
+// Error is what every Client call returns on failure: the gRPC status plus, for INVALID_ARGUMENT (and NOT_FOUND:
+// an unknown LoRA adapter), the request field the server rejected. status.Code(err) and status.FromError(err) work on it unchanged.
 type Error struct {
 	Code    codes.Code
 	Message string
@@ -97,7 +97,7 @@ func wrapError(err error) error {
 			}
 		}
 	}
-	if len(e.Violations) == 0 && e.Code == codes.InvalidArgument {
+	if len(e.Violations) == 0 && (e.Code == codes.InvalidArgument || e.Code == codes.NotFound) {
 		// Without google.rpc.BadRequest details the server's description starts with "field.path: reason".
 		if m := fieldPrefix.FindStringSubmatch(e.Message); m != nil {
 			e.Violations = []FieldViolation{{Field: m[1], Description: m[2]}}

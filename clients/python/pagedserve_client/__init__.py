@@ -1,5 +1,6 @@
 """pagedserve.client: a typed Python client for the pagedserve gRPC API (sync and asyncio)."""
 
+from pagedserve.client.adapters import Adapter, AdapterList
 from pagedserve.client.async_client import AsyncClient, AsyncGenerationStream
 from pagedserve.client.channels import TlsOptions
 from pagedserve.client.constraints import Choice, Constraint, Grammar, JsonObject, JsonSchema, Regex, StructuralTag
@@ -19,6 +20,7 @@ from pagedserve.client.types import (
 )
 
 __all__ = [
+    "Adapter", "AdapterList",
     "AsyncClient", "AsyncGenerationStream", "Choice", "Client", "ClientError", "Completion", "Constraint", "Delta",
     "Final", "FinishReason", "GenerateOptions", "GenerationStream", "Grammar", "JsonObject", "JsonSchema", "Message",
     "Regex", "Started", "StructuralTag", "Timing", "TokenLogprob", "Tokenization", "TlsOptions", "Usage",

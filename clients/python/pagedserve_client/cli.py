@@ -32,6 +32,7 @@ _GENERATE_FLAGS = (
     ("logprobs", int, "top alternatives per token"),
     ("time-limit-ms", int, "wall-clock budget for the request"),
     ("truncate-input-tokens", int, "keep only the last N prompt tokens"),
+    ("adapter", str, "a LoRA adapter's name (the server's ListAdapters); default: the base model"),
 )
 
 

@@ -13,8 +13,10 @@ class ClientError(Exception):
 
     @property
     def field(self) -> str | None:
-        """The request field an INVALID_ARGUMENT names ("sampling.top_p: must be ..." -> "sampling.top_p")."""
-        if self.code is not grpc.StatusCode.INVALID_ARGUMENT or ": " not in self.details:
+        """The request field an INVALID_ARGUMENT (or NOT_FOUND: an unknown adapter) names ("sampling.top_p: must be
+        ..." -> "sampling.top_p")."""
+        named = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+        if self.code not in named or ": " not in self.details:
             return None
         return self.details.split(": ", 1)[0]
 

@@ -49,6 +49,7 @@ class GenerateOptions:
     chat_template: str | None = None  # chat prompts only: a jinja template instead of the model's
     add_generation_prompt: bool | None = None  # chat prompts only (server default true)
     constraint: Constraint | None = None  # structured output: JsonSchema, JsonObject, Regex, Grammar, Choice, ...
+    adapter: str | None = None  # a LoRA adapter's name (list_adapters()); None: the base model
     request_id: str = ""
 
     @classmethod
@@ -66,7 +67,7 @@ _STOPPING = ("max_new_tokens", "min_new_tokens", "ignore_eos", "include_stop_seq
 
 
 def build_request(prompt: Prompt, options: GenerateOptions) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(request_id=options.request_id)
+    request = pb.GenerateRequest(request_id=options.request_id, adapter=options.adapter or "")
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt and isinstance(prompt[0], Message):

@@ -6,12 +6,15 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
+from pagedserve.client.adapters import Adapter, AdapterList, load_request, unload_request
 from pagedserve.client.channels import TlsOptions, channel_options, resolve_target, sync_channel
 from pagedserve.client.errors import ClientError
 from pagedserve.client.frames import FrameReader
 from pagedserve.client.request import GenerateOptions, Prompt, build_request
 from pagedserve.client.types import Completion, Delta, Final, Started, Tokenization
-from pagedserve.v1 import generate_pb2, generation_service_pb2_grpc, model_info_pb2, tokenize_pb2
+from pagedserve.v1 import (
+    adapters_pb2, adapters_pb2_grpc, generate_pb2, generation_service_pb2_grpc, model_info_pb2, tokenize_pb2,
+)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 
@@ -73,6 +76,7 @@ class Client:
         options = channel_options(tls, max_message_bytes, keepalive_s, load_balancing)
         self._channel = sync_channel(resolve_target(target), tls, options)
         self._stub = generation_service_pb2_grpc.GenerationServiceStub(self._channel)
+        self._adapters = adapters_pb2_grpc.AdapterServiceStub(self._channel)
 
     def generate(self, prompt: Prompt, *, timeout: float | None = None,
                  metadata: Sequence[tuple[str, str]] = (), **options: object) -> GenerationStream:
@@ -101,6 +105,20 @@ class Client:
 
     def model_info(self, *, timeout: float | None = None) -> model_info_pb2.ModelInfoResponse:
         return self._unary(self._stub.ModelInfo, model_info_pb2.ModelInfoRequest(), timeout)
+
+    def list_adapters(self, *, timeout: float | None = None) -> AdapterList:
+        """The LoRA adapters the server holds; `generate(..., adapter=name)` picks one."""
+        return AdapterList.from_proto(self._unary(self._adapters.ListAdapters, adapters_pb2.ListAdaptersRequest(),
+                                                    timeout))
+
+    def load_adapter(self, name: str, path: str, *, timeout: float | None = None) -> Adapter:
+        """Loads the PEFT folder `path` (on the server's disk, inside its --allowed-lora-dirs) as `name`."""
+        reply = self._unary(self._adapters.LoadAdapter, load_request(name, path), timeout)
+        return Adapter.from_proto(reply.adapter)
+
+    def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
+        """Refused (FAILED_PRECONDITION) while requests using the adapter are unfinished."""
+        self._unary(self._adapters.UnloadAdapter, unload_request(name), timeout)
 
     def _unary(self, method, request, timeout):  # noqa: ANN001, ANN202 - thin wrapper over generated stubs
         try:

@@ -7,6 +7,7 @@
 //	{"op":"generate","request":{...},"timeout_ms":500,"cancel_after_tokens":3}
 //	{"op":"generate_many","request":{...},"count":16}
 //	{"op":"health","service":""}
+//	{"op":"list_adapters"} / {"op":"load_adapter","name":"a","path":"/dir/a"} / {"op":"unload_adapter","name":"a"}
 package main
 
 import (
@@ -27,6 +28,8 @@ type command struct {
 	CancelAfterTokens int             `json:"cancel_after_tokens"`
 	Count             int             `json:"count"`
 	Service           string          `json:"service"`
+	Name              string          `json:"name"`
+	Path              string          `json:"path"`
 }
 
 type errorJSON struct {
@@ -54,6 +57,19 @@ func handle(ctx context.Context, c *client.Client, cmd command) interface{} {
 	case "health":
 		status, err := c.Health(ctx, cmd.Service)
 		return map[string]interface{}{"status": status.String(), "error": errorOf(err)}
+	case "list_adapters":
+		resp, err := c.ListAdapters(ctx)
+		names := []string{}
+		for _, a := range resp.GetAdapters() {
+			names = append(names, a.GetName())
+		}
+		return map[string]interface{}{"adapters": names, "runtime_updates": resp.GetRuntimeUpdates(),
+			"error": errorOf(err)}
+	case "load_adapter":
+		a, err := c.LoadAdapter(ctx, cmd.Name, cmd.Path)
+		return map[string]interface{}{"name": a.GetName(), "rank": a.GetRank(), "error": errorOf(err)}
+	case "unload_adapter":
+		return map[string]interface{}{"error": errorOf(c.UnloadAdapter(ctx, cmd.Name))}
 	default:
 		return map[string]interface{}{"error": &errorJSON{Code: "CLIENT", Message: "unknown op " + cmd.Op}}
 	}

@@ -1,12 +1,18 @@
 package dev.pagedserve.client;
 
+import dev.pagedserve.v1.Adapter;
+import dev.pagedserve.v1.AdapterServiceGrpc;
 import dev.pagedserve.v1.GenerateRequest;
 import dev.pagedserve.v1.GenerateResponse;
 import dev.pagedserve.v1.GenerationServiceGrpc;
+import dev.pagedserve.v1.ListAdaptersRequest;
+import dev.pagedserve.v1.ListAdaptersResponse;
+import dev.pagedserve.v1.LoadAdapterRequest;
 import dev.pagedserve.v1.ModelInfoRequest;
 import dev.pagedserve.v1.ModelInfoResponse;
 import dev.pagedserve.v1.TokenizeRequest;
 import dev.pagedserve.v1.TokenizeResponse;
+import dev.pagedserve.v1.UnloadAdapterRequest;
 import io.grpc.Channel;
 import io.grpc.ManagedChannel;
 import dev.pagedserve.client.health.v1.HealthCheckRequest;
@@ -93,6 +99,30 @@ public final class PagedServeClient implements AutoCloseable {
   public ModelInfoResponse modelInfo() {
     return unary(() -> deadline(GenerationServiceGrpc::newBlockingStub)
         .modelInfo(ModelInfoRequest.getDefaultInstance()));
+  }
+
+  /**
+   * The LoRA adapters the server holds (a request picks one with {@code GenerateRequest.setAdapter(name)}), and
+   * whether it accepts runtime loads.
+   */
+  public ListAdaptersResponse listAdapters() {
+    return unary(() -> deadline(AdapterServiceGrpc::newBlockingStub)
+        .listAdapters(ListAdaptersRequest.getDefaultInstance()));
+  }
+
+  /**
+   * Loads the PEFT folder {@code path} (on the server, inside its --allowed-lora-dirs) as {@code name};
+   * FAILED_PRECONDITION when the server runs without --enable-runtime-lora-updates.
+   */
+  public Adapter loadAdapter(String name, String path) {
+    LoadAdapterRequest request = LoadAdapterRequest.newBuilder().setLoraName(name).setLoraPath(path).build();
+    return unary(() -> deadline(AdapterServiceGrpc::newBlockingStub).loadAdapter(request)).getAdapter();
+  }
+
+  /** Unloads an adapter; FAILED_PRECONDITION while requests using it are unfinished. */
+  public void unloadAdapter(String name) {
+    UnloadAdapterRequest request = UnloadAdapterRequest.newBuilder().setLoraName(name).build();
+    unary(() -> deadline(AdapterServiceGrpc::newBlockingStub).unloadAdapter(request));
   }
 
   /** The standard grpc.health.v1 check; {@code ""} asks about the whole server. */

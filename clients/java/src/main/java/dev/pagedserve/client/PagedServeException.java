@@ -15,7 +15,8 @@ import java.util.regex.Matcher;
 import java.util.regex.Pattern;
 
 /**
- * A failed call: the gRPC status plus, for INVALID_ARGUMENT, the request fields the server rejected.
+ * A failed call: the gRPC status plus, for INVALID_ARGUMENT (and NOT_FOUND: an unknown LoRA adapter), the request
+ * fields the server rejected.
  * It is a {@link StatusRuntimeException}, so code that already handles gRPC errors keeps working.
  */
 public final class PagedServeException extends StatusRuntimeException {
@@ -68,7 +69,8 @@ public final class PagedServeException extends StatusRuntimeException {
 
   private static List<FieldViolation> violations(Status status, Metadata trailers) {
     List<FieldViolation> out = trailers == null ? new ArrayList<>() : details(status, trailers);
-    if (out.isEmpty() && status.getCode() == Status.Code.INVALID_ARGUMENT && status.getDescription() != null) {
+    boolean named = status.getCode() == Status.Code.INVALID_ARGUMENT || status.getCode() == Status.Code.NOT_FOUND;
+    if (out.isEmpty() && named && status.getDescription() != null) {
       // Without google.rpc.BadRequest details the server's description starts with "field.path: reason".
       Matcher m = FIELD_PREFIX.matcher(status.getDescription());
       if (m.matches()) {

@@ -9,7 +9,9 @@ import com.google.protobuf.util.JsonFormat;
 import dev.pagedserve.client.ClientOptions;
 import dev.pagedserve.client.PagedServeClient;
 import dev.pagedserve.client.PagedServeException;
+import dev.pagedserve.v1.Adapter;
 import dev.pagedserve.v1.GenerateRequest;
+import dev.pagedserve.v1.ListAdaptersResponse;
 import java.io.BufferedReader;
 import java.io.File;
 import java.io.InputStreamReader;
@@ -66,6 +68,7 @@ public final class ConformanceDriver {
         case "generate_many" -> streams.generateMany(request(cmd), intField(cmd, "count"),
             intField(cmd, "timeout_ms"));
         case "health" -> health(client, cmd.has("service") ? cmd.get("service").getAsString() : "");
+        case "list_adapters", "load_adapter", "unload_adapter" -> adapters(client, op, cmd);
         default -> Map.of("error", error("CLIENT", "unknown op " + op, null));
       };
     } catch (InvalidProtocolBufferException e) {
@@ -80,6 +83,29 @@ public final class ConformanceDriver {
       out.put("error", null);
     } catch (PagedServeException e) {
       out.put("status", "UNKNOWN");
+      out.put("error", error(e));
+    }
+    return out;
+  }
+
+  private static Map<String, Object> adapters(PagedServeClient client, String op, JsonObject cmd) {
+    Map<String, Object> out = new LinkedHashMap<>();
+    try {
+      switch (op) {
+        case "list_adapters" -> {
+          ListAdaptersResponse list = client.listAdapters();
+          out.put("adapters", list.getAdaptersList().stream().map(Adapter::getName).toList());
+          out.put("runtime_updates", list.getRuntimeUpdates());
+        }
+        case "load_adapter" -> {
+          Adapter adapter = client.loadAdapter(cmd.get("name").getAsString(), cmd.get("path").getAsString());
+          out.put("name", adapter.getName());
+          out.put("rank", adapter.getRank());
+        }
+        default -> client.unloadAdapter(cmd.get("name").getAsString());
+      }
+      out.put("error", null);
+    } catch (PagedServeException e) {
       out.put("error", error(e));
     }
     return out;
