@@ -8,6 +8,9 @@ Cases (each a dict in the output with "status" passed / failed / skipped):
 - llama_bf16: bf16 engine; every greedy pick is the fp32 argmax up to bf16's own error (transformers' bf16 logits vs
   its fp32 ones on the same tokens), the tolerance tests/test_models.py documents;
 - fp8_kv: an FP8 cache gets twice the blocks of a bf16 one in the same memory and still generates;
+- lora: a LoRA adapter (PEFT's format, random non-zero A and B on every linear) beside base requests in the same
+  batches: greedy tokens identical to transformers' fp32 model with the adapter merged in, and to the plain model's
+  for the base rows;
 - gptq, awq: checkpoints made by the real tools (tests/fixtures/quant), served through the Triton dequant-GEMM (on
   CUDA every quantized layer must use it), greedy tokens identical to transformers' fp32 model holding the
   dequantized weights;
@@ -183,6 +186,38 @@ def case_constrained(scale: Scale, tmp: Path) -> dict:
             "finish_reason": reason, "bystander_equal_to_alone": bystander == alone}
 
 
+def case_lora(scale: Scale, tmp: Path) -> dict:
+    """A LoRA adapter and the base in the same batches (the adapter's shrink/expand on the device): the adapter's
+    greedy tokens equal transformers' with the adapter merged into its weights, the base's equal the plain model's,
+    and the adapter changes the output."""
+    from pagedserve.engine.lora.config import LoraConfig, LoraModule
+
+    model = llama(scale, tmp)
+    pairs = tiny_models.write_lora_adapter(model, tmp / "lora-adapter")
+    llm = engine(model, scale, lora=LoraConfig(modules=(LoraModule("tuned", str(tmp / "lora-adapter")),), max_loras=1))
+    batch = prompts(scale)
+    names = ["tuned" if i % 2 == 0 else None for i in range(len(batch))]
+    params = greedy_params(scale.max_tokens)
+    ours = [list(o.outputs[0].token_ids) for o in llm.generate(batch + batch[:1], params, adapter=names + [None])]
+    device = torch.device(scale.device)
+    base = tiny_models.load_hf(model, torch.float32, device)
+    merged = tiny_models.merge_lora(tiny_models.load_hf(model, torch.float32, device), pairs)
+    theirs = [tiny_models.hf_greedy(merged if name else base, p, scale.max_tokens) for p, name in zip(batch, names)]
+    mismatched = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
+    changed = ours[0] != ours[-1]  # the same prompt with and without the adapter
+    ok = not mismatched and changed and attention_impl(llm) == "TritonAttention"
+    return {"status": "passed" if ok else "failed", "attention": attention_impl(llm), "prompts": len(batch),
+            "adapter_rows": sum(1 for n in names if n), "mismatched_prompts": mismatched,
+            "adapter_changes_output": changed, "ours": ours if mismatched else None,
+            "transformers": theirs if mismatched else None}
+
+
+def greedy_params(max_tokens: int):
+    from pagedserve.engine import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
 def quant_case(name: str) -> Callable[[Scale, Path], dict]:
     def run(scale: Scale, tmp: Path) -> dict:
         llm = engine(fixture_dir(name), scale)
@@ -213,6 +248,7 @@ CASES: dict[str, Callable[[Scale, Path], dict]] = {
     "llama_bf16": case_llama_bf16,
     "fp8_kv": case_fp8_kv,
     "constrained": case_constrained,
+    "lora": case_lora,
     "gptq": quant_case("gptq_4bit_g128_actorder_sym"),
     "awq": quant_case("awq_4bit_g64"),
     "smollm2": case_smollm2,

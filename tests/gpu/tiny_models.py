@@ -114,3 +114,49 @@ def dequantized_reference(name: str, device: torch.device):
         raise ValueError(f"{name}: dense reference does not match the checkpoint: missing {missing}, "
                          f"unexpected {unexpected}")
     return model.to(device).eval()
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_lora_adapter(model_path: Path, out: Path, rank: int = 8, alpha: float = 16.0, seed: int = 1,
+                       std: float = 0.08) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A PEFT-format LoRA folder (adapter_config.json + adapter_model.safetensors, PEFT's key names) with random
+    non-zero A and B over every linear of the tiny Llama at `model_path`, written without peft (the GPU image has no
+    peft; the CPU tests check the engine against peft itself). Returns {linear's HF name: (A, B)}."""
+    from safetensors.torch import save_file
+
+    config = json.loads((model_path / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head_dim
+    shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden),
+              "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    gen = torch.Generator().manual_seed(seed)
+    pairs, tensors = {}, {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, (fan_in, fan_out) in shapes.items():
+            owner = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            name = f"model.layers.{layer}.{owner}.{module}"
+            a = torch.randn(rank, fan_in, generator=gen) * std
+            b = torch.randn(fan_out, rank, generator=gen) * std
+            pairs[name] = (a, b)
+            tensors[f"base_model.model.{name}.lora_A.weight"] = a
+            tensors[f"base_model.model.{name}.lora_B.weight"] = b
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "use_rslora": False,
+        "target_modules": list(LORA_TARGETS), "bias": "none", "use_dora": False, "modules_to_save": None,
+        "lora_dropout": 0.0, "base_model_name_or_path": str(model_path)}))
+    return {name: (a, b * (alpha / rank)) for name, (a, b) in pairs.items()}
+
+
+@torch.no_grad()
+def merge_lora(model, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]):
+    """The transformers model with W += scale * B @ A merged into each adapted linear (PEFT's merge_and_unload), in
+    fp32: the reference an adapter's greedy tokens are compared with."""
+    for name, (a, b) in pairs.items():
+        weight = model.get_submodule(name).weight
+        weight += (b @ a).to(weight.device, weight.dtype)
+    return model
