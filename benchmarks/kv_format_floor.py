@@ -55,6 +55,8 @@ class SimFormat:
 
     def blocks_ratio(self, head_dim: int) -> float:
         """Blocks per byte relative to a 16-bit cache."""
+        if not (self.quantize_k or self.quantize_v):
+            return 1.0
         extra = SCALE_BYTES if self.scales == "token" else 0
         return 2.0 * head_dim / (head_dim + extra)
 
@@ -67,6 +69,9 @@ FORMATS = {
     "e5m2/head": SimFormat("e5m2", "head"),
     "int8/head": SimFormat("int8", "head", margin=1.0),
     "int8/token": SimFormat("int8", "token"),
+    # nothing quantized: K only goes through the rotation and centring and back in fp32 (a change of ~1e-7 of the
+    # row's size) and is stored in the compute dtype: how much the compute dtype itself amplifies the smallest change
+    "round-trip-only": SimFormat("int8", "head", quantize_k=False, quantize_v=False),
 }
 
 

@@ -79,3 +79,4 @@ def test_bad_format_names_the_field(field: str, kwargs: dict) -> None:
 def test_blocks_ratio_counts_the_per_token_scales() -> None:
     assert floor.FORMATS["e4m3/head"].blocks_ratio(64) == 2.0
     assert floor.FORMATS["int8/token"].blocks_ratio(64) == pytest.approx(2 * 64 / 66)
+    assert floor.FORMATS["round-trip-only"].blocks_ratio(64) == 1.0
