@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # fp8_texts beside thi
 import fp8_texts  # noqa: E402
 from pagedserve.engine import EngineConfig, LLMEngine  # noqa: E402
 from pagedserve.engine.models.layers import ForwardContext
+import pagedserve.kernels as kernels_package  # noqa: E402
 from pagedserve.kernels import kv_scales
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.cache_dir import cache_root
@@ -104,9 +105,21 @@ def kl_divergence(ref_logp: torch.Tensor, logq: torch.Tensor) -> float:
     return kl.mean().item()
 
 
+def numerics_fingerprint() -> str:
+    """torch's version and the source of everything that computes logits (kernels, quant, models, loading): a cached
+    reference from other code would silently skew every comparison."""
+    root = Path(kernels_package.__file__).resolve().parent.parent
+    digest = hashlib.sha256(torch.__version__.encode())
+    for folder in ("kernels", "quant", "engine/models", "engine/loading"):
+        for path in sorted((root / folder).rglob("*")):
+            if path.suffix in (".py", ".c", ".h"):
+                digest.update(path.relative_to(root).as_posix().encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
 def reference(engine: LLMEngine, ids: list[int], chunk: int, tag: str, cache_dir: Path) -> dict[str, torch.Tensor]:
-    """The 16-bit run's per-token results, from disk when this exact run was scored before."""
-    key = hashlib.sha256(json.dumps([tag, chunk, TOP_K, ids]).encode()).hexdigest()[:24]
+    """The 16-bit run's per-token results, from disk when this exact run, by this code, was scored before."""
+    key = hashlib.sha256(json.dumps([tag, chunk, TOP_K, ids, numerics_fingerprint()]).encode()).hexdigest()[:24]
     path = cache_dir / f"{key}.pt"
     if path.is_file():
         return torch.load(path)
