@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # fp8_texts beside thi
 import fp8_texts  # noqa: E402
 from pagedserve.engine import EngineConfig, LLMEngine  # noqa: E402
 from pagedserve.engine.models.layers import ForwardContext
+import pagedserve.kernels as kernels_package  # noqa: E402
 from pagedserve.kernels import kv_scales
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.cache_dir import cache_root
@@ -59,8 +60,9 @@ TOP1_TARGET = 97.0
 TOP_K = 32  # reference log-probabilities kept per position for the KL divergence
 
 
-def make_engine(compute: str, kv: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(kv_cache_dtype=kv, kv_cache_memory=64 << 20, attention_backend="torch", dtype=compute))
+def make_engine(compute: str, kv: str, kv_cache_memory: int = 64 << 20) -> LLMEngine:
+    return LLMEngine(EngineConfig(kv_cache_dtype=kv, kv_cache_memory=kv_cache_memory, attention_backend="torch",
+                                  dtype=compute))
 
 
 def run_chunk(engine: LLMEngine, ids: list[int], start: int, end: int) -> torch.Tensor:
@@ -103,9 +105,21 @@ def kl_divergence(ref_logp: torch.Tensor, logq: torch.Tensor) -> float:
     return kl.mean().item()
 
 
+def numerics_fingerprint() -> str:
+    """torch's version and the source of everything that computes logits (kernels, quant, models, loading): a cached
+    reference from other code would silently skew every comparison."""
+    root = Path(kernels_package.__file__).resolve().parent.parent
+    digest = hashlib.sha256(torch.__version__.encode())
+    for folder in ("kernels", "quant", "engine/models", "engine/loading"):
+        for path in sorted((root / folder).rglob("*")):
+            if path.suffix in (".py", ".c", ".h"):
+                digest.update(path.relative_to(root).as_posix().encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
 def reference(engine: LLMEngine, ids: list[int], chunk: int, tag: str, cache_dir: Path) -> dict[str, torch.Tensor]:
-    """The 16-bit run's per-token results, from disk when this exact run was scored before."""
-    key = hashlib.sha256(json.dumps([tag, chunk, TOP_K, ids]).encode()).hexdigest()[:24]
+    """The 16-bit run's per-token results, from disk when this exact run, by this code, was scored before."""
+    key = hashlib.sha256(json.dumps([tag, chunk, TOP_K, ids, numerics_fingerprint()]).encode()).hexdigest()[:24]
     path = cache_dir / f"{key}.pt"
     if path.is_file():
         return torch.load(path)
@@ -184,6 +198,39 @@ def worst(rows: list[dict]) -> list[dict]:
     return out
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux; platform.processor() is often empty there)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host_info() -> dict:
+    return {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu": cpu_model()}
+
+
+def load_texts(role: str, names: list[str] | None, max_tokens: int | None):
+    """The manifest's texts of `role` that are on this image (the others reported) -> (texts, problems, token ids
+    per text, the chat calibration prompt's ids, the fp32 engine whose tokenizer rendered them)."""
+    text_set = fp8_texts.load_manifest()
+    texts = [t for t in text_set.texts if role in ("all", t.role) and (names is None or t.name in names)]
+    missing = [p for p in (t.problem() for t in texts) if p is not None]
+    for problem in missing:
+        print(f"MISSING TEXT (not measured): {problem}", flush=True)
+    texts = [t for t in texts if t.problem() is None]
+    engine = make_engine("float32", "fp32")
+    tok = engine.tokenizer
+    encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    all_ids = {t.name: fp8_texts.token_ids(t, encode, tok.apply_chat_template, max_tokens or text_set.max_tokens)
+               for t in texts}
+    return texts, missing, all_ids, tok.apply_chat_template([{"role": "user", "content": CHAT}]), engine
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", choices=["selection", "evaluation", "all"], default="evaluation")
@@ -198,20 +245,9 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=str(cache_root() / "fp8_kv_reference"))
     parser.add_argument("--json")
     args = parser.parse_args()
-    text_set = fp8_texts.load_manifest()
-    texts = [t for t in text_set.texts if args.role in ("all", t.role) and (args.texts is None or t.name in args.texts)]
-    missing = [p for p in (t.problem() for t in texts) if p is not None]
-    for problem in missing:
-        print(f"MISSING TEXT (not measured): {problem}", flush=True)
-    texts = [t for t in texts if t.problem() is None]
-    tok = make_engine("float32", "fp32").tokenizer
-    encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    all_ids = {t.name: fp8_texts.token_ids(t, encode, tok.apply_chat_template,
-                                             args.max_tokens or text_set.max_tokens) for t in texts}
-    chat = tok.apply_chat_template([{"role": "user", "content": CHAT}])
+    texts, missing, all_ids, chat, _ = load_texts(args.role, args.texts, args.max_tokens)
     rows = measure(args, texts, all_ids, chat)
-    result = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "cpu": platform.processor() or platform.machine(), "missing_texts": missing,
+    result = {**host_info(), "missing_texts": missing,
               "texts": [{"name": t.name, "kind": t.kind, "role": t.role, "path": str(t.file), "tokens": len(all_ids[t.name])}
                         for t in texts], "runs": rows, "worst": worst(rows)}
     print(json.dumps(result["worst"], indent=1))

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pagedserve.engine.errors import CapacityError
-from pagedserve.service.cli import parse_bytes
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, even under python -P
+from fp8_kv_accuracy import host_info  # noqa: E402
+from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from pagedserve.engine.errors import CapacityError  # noqa: E402
+from pagedserve.service.cli import parse_bytes  # noqa: E402
 
 
 def make_engine(kv: str, memory: int, max_num_seqs: int) -> LLMEngine:
@@ -87,8 +90,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     rows = [measure(kv, args.kv_cache_memory, args.request_tokens, args.output_tokens) for kv in args.kv]
-    result = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor(),
-              "threads": torch.get_num_threads(), "rows": rows}
+    result = {**host_info(), "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
