@@ -28,8 +28,9 @@ class ModelInput:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     attn_meta: AttentionMetadata
-    logits_rows: torch.Tensor  # [S] int64: the last new token of each sequence that samples this step
-    sampling_seqs: tuple[Sequence, ...]  # the S sequences, in logits-row order
+    # [R] int64: the last new token of each sequence that samples this step, and each of its draft tokens
+    logits_rows: torch.Tensor
+    sampling_seqs: tuple[Sequence, ...]  # the sequences, in logits-row order (a speculating one has 1 + drafts rows)
 
 
 class ModelRunner:
@@ -90,14 +91,17 @@ class ModelRunner:
             end = start + item.num_new_tokens
             if seq.lora is not None:
                 adapter_rows.append((seq.lora, len(ids), len(ids) + item.num_new_tokens))
-            ids += seq.token_ids[start:end]
+            drafts = item.draft_tokens
+            ids += seq.token_ids[start : end - len(drafts)]
+            ids += drafts
             positions += range(start, end)
             table = seq.block_table
             slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
             query_lens.append(item.num_new_tokens)
             seq_lens.append(end)
-            if end == seq.num_tokens:
-                rows.append(len(ids) - 1)
+            if end - len(drafts) == seq.num_tokens:
+                # A speculating sequence samples at its last token and after each draft: 1 + len(drafts) rows.
+                rows += range(len(ids) - 1 - len(drafts), len(ids))
                 sampling.append(seq)
         width = max(len(item.seq.block_table) for item in batch.scheduled)
         tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch.scheduled]
@@ -129,7 +133,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> tuple[torch.Tensor, tuple[Sequence, ...]]:
-        """Runs one step; returns fp32 logits [S, vocab] for the sequences that sample now, and those sequences."""
+        """Runs one step; returns fp32 logits [R, vocab] for the sequences that sample now (one row each, 1 + drafts
+        rows for a speculating one, consecutive), and those sequences."""
         self.copy_blocks(batch.block_copies)
         if self.native_step is not None and self.native_step.accepts(batch):
             return self.native_step.run(batch, self.kv_spec.block_size)

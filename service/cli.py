@@ -17,6 +17,10 @@ from pagedserve.engine import kv_calibration
 from pagedserve.engine.config import EngineConfig, field_choices
 from pagedserve.engine.errors import ConfigError, ModelLoadError, UnsupportedError
 from pagedserve.service.config import ServerConfig, TlsConfig
+from pagedserve.service.spec_flags import add_speculative_flags, speculative_config
+
+# EngineConfig fields with their own flag group instead of one flag each.
+_GROUPED_FIELDS = {"speculative": add_speculative_flags}
 
 # Help for EngineConfig fields; every field becomes a flag (a new field shows up without touching this file).
 _ENGINE_HELP = {
@@ -72,6 +76,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     choices = field_choices()
     for field in dataclasses.fields(EngineConfig):
+        if field.name in _GROUPED_FIELDS:
+            _GROUPED_FIELDS[field.name](parser)
+            continue
         flag = "--" + field.name.replace("_", "-")
         names = f"; one of {', '.join(choices[field.name])}" if field.name in choices else ""
         help_text = f"{_ENGINE_HELP.get(field.name, field.name)}{names} (default: {field.default})"
@@ -131,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in _GROUPED_FIELDS}
+    given["speculative"] = speculative_config(args)
     return EngineConfig(**{k: v for k, v in given.items() if v is not None})
 
 

@@ -85,6 +85,22 @@ class EngineStatsCollector(Collector):
         yield counter("pagedserve:requests_aborted", "Unfinished requests aborted in the engine (cancel, deadline).",
                       s.num_aborted_requests)
         yield from _constraint_metrics(s.constraints, labels, counter)
+        yield from _spec_decode_metrics(s, labels, counter)
+
+
+def _spec_decode_metrics(s: Any, labels: list[str], counter) -> Iterator:
+    """Speculative decoding, with vLLM's names: steps that verified drafts (per sequence), drafts, accepted drafts,
+    and accepted drafts by position (0: a step's first draft)."""
+    yield counter("vllm:spec_decode_num_drafts", "Sequence steps that verified speculative drafts.",
+                  s.spec_decode_num_drafts)
+    yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                  s.spec_decode_num_draft_tokens)
+    yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_decode_num_accepted_tokens)
+    family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
+                                 labels=["model_name", "position"])
+    for position, count in enumerate(s.spec_decode_accepted_per_position):
+        family.add_metric([*labels, str(position)], count)
+    yield family
 
 
 def _constraint_metrics(c: ConstraintStats, labels: list[str], counter) -> Iterator:

@@ -1,0 +1,45 @@
+"""Which sequences get drafts this step, and how many: the scheduler's side of speculative decoding.
+
+A sequence speculates only where verification reproduces exactly what decoding without drafts would do, token by
+token: a decode step (its one new token, not a prefill or a recompute after preemption), no grammar (the matcher
+would have to be rolled back), no repetition/presence/frequency penalties and min_tokens already reached (those
+change each row's distribution with the tokens before it), no samples still to fork (n > 1 forks on the first
+token; the forked samples speculate on their own afterwards), and the request did not opt out. Drafts never run
+past max_tokens or the context limit, so they need no KV the admission did not reserve.
+"""
+
+from __future__ import annotations
+
+from pagedserve.engine.sequence import Sequence
+from pagedserve.engine.spec_decode.config import SpeculativeConfig
+from pagedserve.engine.spec_decode.ngram import propose_ngram
+
+
+class Drafter:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+
+    def active(self, num_running: int) -> bool:
+        """vLLM's disable-by-batch-size, decided per step from the running sequences."""
+        return num_running <= self.config.disable_by_batch_size
+
+    def propose(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """Draft tokens for a decode sequence, at most `budget` of them (the step's token budget left)."""
+        limit = min(budget, self._room(seq))
+        if limit < 1 or not self.eligible(seq):
+            return ()
+        c = self.config
+        return propose_ngram(seq.token_ids, limit, c.prompt_lookup_min, c.prompt_lookup_max)
+
+    def _room(self, seq: Sequence) -> int:
+        """Drafts after which the sequence can still end on its own next token."""
+        p = seq.params
+        left = p.max_tokens - seq.num_output_tokens - 1 if p.max_tokens is not None else self.config.num_speculative_tokens
+        return min(self.config.num_speculative_tokens, left, self.max_model_len - seq.num_tokens - 1)
+
+    @staticmethod
+    def eligible(seq: Sequence) -> bool:
+        p = seq.params
+        return (p.speculative and seq.matcher is None and not p.needs_penalties and seq.pending_forks == 0
+                and seq.num_output_tokens >= p.min_tokens and seq.num_computed_tokens + 1 == seq.num_tokens)
