@@ -31,7 +31,7 @@ from pagedserve.engine.spec_decode.config import SpeculativeConfig  # noqa: E402
 from workload import WorkloadConfig, build_workload  # noqa: E402
 
 LICENSE = Path(os.__file__).parent / "LICENSE.txt"
-ASK = "Copy the text below exactly, but write \"Python\" in capitals (PYTHON) everywhere.\n\nText:\n{text}\n\nCopy:\n"
+ASK = "Rewrite the following text, replacing the word \"Python\" with \"PYTHON\" everywhere. Change nothing else.\n\n{text}"
 
 
 def cpu_model() -> str:
@@ -60,6 +60,11 @@ def license_chunks(llm: LLM, count: int, lo: int = 300, hi: int = 1000) -> list[
     return chunks
 
 
+def edit_prompt(llm: LLM, text: str) -> list[int]:
+    """The instruction as a chat turn (the default model is an instruct model), as token ids."""
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": ASK.format(text=text)}])
+
+
 def run_timed(llm: LLM, prompts: list, params: list[SamplingParams]) -> tuple[list[float], int]:
     """Mean inter-token latency of each request (s), and the output tokens of all."""
     engine = llm.engine
@@ -85,7 +90,7 @@ def spec_counts(llm: LLM) -> dict:
 
 
 def copy_figures(base: LLM, spec: LLM, concurrency: int, max_tokens: int, repeats: int) -> dict:
-    prompts = [ASK.format(text=t) for t in license_chunks(base, concurrency)]
+    prompts = [edit_prompt(base, t) for t in license_chunks(base, concurrency)]
     params = [SamplingParams(temperature=0, max_tokens=max_tokens)] * concurrency
     runs: dict[str, list[float]] = {"base": [], "spec": []}
     tokens = {}
@@ -96,10 +101,21 @@ def copy_figures(base: LLM, spec: LLM, concurrency: int, max_tokens: int, repeat
             runs[name].append(statistics.mean(itl))
     after = spec_counts(spec)
     b, s = statistics.median(runs["base"]), statistics.median(runs["spec"])
-    return {"concurrency": concurrency, "prompt_tokens": [len(base.tokenizer.encode(p)) for p in prompts],
+    return {"concurrency": concurrency, "prompt_tokens": [len(p) for p in prompts],
             "output_tokens": tokens, "itl_ms_base": round(b * 1e3, 2), "itl_ms_spec": round(s * 1e3, 2),
             "itl_ratio": round(b / s, 3), "runs_ms": {k: [round(v * 1e3, 2) for v in vs] for k, vs in runs.items()},
-            "acceptance": {k: (v - before[k] if isinstance(v, int) else v) for k, v in after.items()}}
+            "acceptance": _difference(after, before)}
+
+
+def _difference(after: dict, before: dict) -> dict:
+    out = {}
+    for key, value in after.items():
+        if isinstance(value, list):
+            old = before[key] + [0] * (len(value) - len(before[key]))
+            out[key] = [a - b for a, b in zip(value, old)]
+        else:
+            out[key] = value - before[key]
+    return out
 
 
 def saturation_figures(base: LLM, spec: LLM, repeats: int) -> dict:
