@@ -3,6 +3,7 @@
     python benchmarks/spec_decode.py                       # default model, k=4, repeats 3
     python benchmarks/spec_decode.py --k 4 --repeats 5 --max-tokens 192
     python benchmarks/spec_decode.py --quick               # a smoke run: shorter outputs, one repeat, no saturation
+    python benchmarks/spec_decode.py --concurrency 1 2 4 8 16 --disable-by-batch-size 64 --no-saturation  # crossover
 
 Two figures, printed as one JSON object with the machine (CPU model, usable cores, load average before/after):
 - copy: an edit of a given text (chunks of Python's own LICENSE.txt, 300-1,000 tokens each, shipped with every
@@ -42,7 +43,8 @@ def cpu_model() -> str:
 
 
 def license_chunks(llm: LLM, count: int, lo: int = 300, hi: int = 1000) -> list[str]:
-    """Consecutive paragraph runs of Python's LICENSE.txt, each between lo and hi tokens."""
+    """Consecutive paragraph runs of Python's LICENSE.txt, each between lo and hi tokens (the text has about ten;
+    more than that repeats them, each with its own number in front so no two prompts are equal)."""
     paragraphs = [p.strip() for p in LICENSE.read_text().split("\n\n") if p.strip()]
     chunks, current = [], []
     for para in paragraphs:
@@ -54,10 +56,10 @@ def license_chunks(llm: LLM, count: int, lo: int = 300, hi: int = 1000) -> list[
                 text = llm.tokenizer.decode(llm.tokenizer.encode(text)[:hi])
             chunks.append(text)
             current = []
-        if len(chunks) == count:
-            break
-    assert len(chunks) == count, f"{LICENSE} gave only {len(chunks)} chunks of >= {lo} tokens"
-    return chunks
+    assert chunks, f"{LICENSE} has no run of paragraphs of >= {lo} tokens"
+    if count <= len(chunks):
+        return chunks[:count]
+    return [f"({i + 1})\n{chunks[i % len(chunks)]}" for i in range(count)]
 
 
 def edit_prompt(llm: LLM, text: str) -> list[int]:
@@ -144,6 +146,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4],
+                        help="copy workload concurrencies (with a large --disable-by-batch-size: the crossover)")
+    parser.add_argument("--no-saturation", action="store_true", help="skip the 64-stream saturation figure")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     extra = {} if args.disable_by_batch_size is None else {"disable_by_batch_size": args.disable_by_batch_size}
@@ -160,9 +165,9 @@ def main() -> None:
                                "prompt_lookup_max": config.prompt_lookup_max,
                                "disable_by_batch_size": config.disable_by_batch_size},
         "max_tokens": max_tokens, "repeats": repeats,
-        "copy": [copy_figures(base, spec, c, max_tokens, repeats) for c in (1, 4)],
+        "copy": [copy_figures(base, spec, c, max_tokens, repeats) for c in args.concurrency],
     }
-    if not args.quick:
+    if not (args.quick or args.no_saturation):
         result["saturation"] = saturation_figures(base, spec, repeats)
     result["loadavg_before"], result["loadavg_after"] = load_before, os.getloadavg()
     print(json.dumps(result, indent=1))

@@ -153,10 +153,11 @@ def run_checked(engine_llm, prompts, params) -> list[list[int]]:
     # sequence's prompt + output, never over a rejected draft.
     size, real = engine.block_manager.block_size, set()
     for out in final.values():
-        tokens, prev = list(out.prompt_token_ids) + list(out.outputs[0].token_ids), None
-        for start in range(0, len(tokens) - size + 1, size):
-            prev = chain_hash(prev, tuple(tokens[start : start + size]))
-            real.add(prev)
+        for sample in out.outputs:
+            tokens, prev = list(out.prompt_token_ids) + list(sample.token_ids), None
+            for start in range(0, len(tokens) - size + 1, size):
+                prev = chain_hash(prev, tuple(tokens[start : start + size]))
+                real.add(prev)
     assert engine.block_manager.cached_hashes <= real
     return [list(final[f"r{i}"].outputs[0].token_ids) for i in range(len(prompts))]
 
@@ -171,6 +172,29 @@ def test_preemption_and_many_rejections_keep_blocks_consistent(tiny, tiny_base):
     s = small.engine.stats()
     assert s.num_preemptions > 0
     assert s.spec_decode_num_draft_tokens - s.spec_decode_num_accepted_tokens > 20  # many rejections
+
+
+def test_samples_of_n_speculate_after_forking(tiny):
+    engine_llm = LLM(tiny, **SMALL, speculative=spec(4))
+    # top_k=1: the sampling path, with the greedy loops a random tiny model falls into (so drafts get accepted)
+    params = SamplingParams(n=3, temperature=1.0, top_k=1, seed=7, max_tokens=60, ignore_eos=True)
+    run_checked(engine_llm, REPEATS[:1], params)
+    assert engine_llm.engine.stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_accepted_tokens_go_out_as_one_delta(tiny):
+    engine = LLM(tiny, **SMALL, speculative=spec(4)).engine
+    engine.add_request("d", REPEATS[0], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    deltas, counts, history = [], [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            completion = out.outputs[0]
+            deltas.append(completion.new_token_ids)
+            counts.append(completion.num_tokens)
+            history = completion
+    assert max(len(d) for d in deltas) > 1  # a step that accepted drafts sent them together
+    assert [t for d in deltas for t in d] == list(history.token_ids)
+    assert counts == list(np.cumsum([len(d) for d in deltas])) and counts[-1] == 48
 
 
 def test_fp8_kv_cache(tiny):
