@@ -32,7 +32,8 @@ from pagedserve.engine.spec_decode.config import SpeculativeConfig  # noqa: E402
 from workload import WorkloadConfig, build_workload  # noqa: E402
 
 LICENSE = Path(os.__file__).parent / "LICENSE.txt"
-ASK = "Rewrite the following text, replacing the word \"Python\" with \"PYTHON\" everywhere. Change nothing else.\n\n{text}"
+ASK = ("Rewrite the following text, replacing the word \"Python\" with \"PYTHON\" everywhere. Change nothing "
+       "else.\n\n{text}")
 
 
 def cpu_model() -> str:
@@ -88,7 +89,8 @@ def run_timed(llm: LLM, prompts: list, params: list[SamplingParams]) -> tuple[li
 def spec_counts(llm: LLM) -> dict:
     s = llm.engine.stats()
     return {"drafts": s.spec_decode_num_drafts, "draft_tokens": s.spec_decode_num_draft_tokens,
-            "accepted": s.spec_decode_num_accepted_tokens, "accepted_per_position": list(s.spec_decode_accepted_per_position)}
+            "accepted": s.spec_decode_num_accepted_tokens,
+            "accepted_per_position": list(s.spec_decode_accepted_per_position)}
 
 
 def copy_figures(base: LLM, spec: LLM, concurrency: int, max_tokens: int, repeats: int) -> dict:

@@ -100,7 +100,8 @@ class EngineConfig:
         if self.lora is not None and not isinstance(self.lora, LoraConfig):
             raise ConfigError("lora", f"must be a LoraConfig or None, got {type(self.lora).__name__}")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
-            raise ConfigError("speculative", f"must be a SpeculativeConfig or None, got {type(self.speculative).__name__}")
+            raise ConfigError("speculative",
+                              f"must be a SpeculativeConfig or None, got {type(self.speculative).__name__}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -35,8 +35,9 @@ class Drafter:
     def _room(self, seq: Sequence) -> int:
         """Drafts after which the sequence can still end on its own next token."""
         p = seq.params
-        left = p.max_tokens - seq.num_output_tokens - 1 if p.max_tokens is not None else self.config.num_speculative_tokens
-        return min(self.config.num_speculative_tokens, left, self.max_model_len - seq.num_tokens - 1)
+        k = self.config.num_speculative_tokens
+        left = k if p.max_tokens is None else p.max_tokens - seq.num_output_tokens - 1
+        return min(k, left, self.max_model_len - seq.num_tokens - 1)
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
