@@ -5,11 +5,13 @@
     python benchmarks/spec_decode.py --quick               # a smoke run: shorter outputs, one repeat, no saturation
     python benchmarks/spec_decode.py --concurrency 1 2 4 8 16 --disable-by-batch-size 64 --no-saturation  # crossover
 
-Two figures, printed as one JSON object with the machine (CPU model, usable cores, load average before/after):
+Three figures, printed as one JSON object with the machine (CPU model, usable cores, load average before/after):
 - copy: an edit of a given text (chunks of Python's own LICENSE.txt, 300-1,000 tokens each, shipped with every
   Python) at concurrency 1 and 4, greedy: the mean inter-token latency per request (time from its first to its last
   token over the tokens between) without and with speculation, the ratio (target >= 1.8) and the acceptance counts.
   Greedy outputs are token-identical with and without drafts, so both runs do exactly the same tokens.
+- free_writing: one stream writing a story (nothing to copy), greedy: the same ITL ratio where drafts are rare and
+  mostly wrong (what speculation costs a workload it does not suit).
 - saturation: the standard workload (benchmarks/workload.py defaults: 64 requests of random token ids, all at once),
   output tokens per second without and with speculation (auto-off above `disable_by_batch_size`); target >= 0.97.
 Runs alternate (A/B) on two engines loaded side by side; medians reported.
@@ -122,6 +124,24 @@ def _difference(after: dict, before: dict) -> dict:
     return out
 
 
+FREE_ASK = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def free_figures(base: LLM, spec: LLM, max_tokens: int, repeats: int) -> dict:
+    """One stream writing new text (no source to copy): what speculation costs when its drafts are mostly wrong."""
+    prompt = base.tokenizer.apply_chat_template([{"role": "user", "content": FREE_ASK}])
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens)]
+    runs: dict[str, list[float]] = {"base": [], "spec": []}
+    before = spec_counts(spec)
+    for _ in range(repeats):
+        for name, llm in (("base", base), ("spec", spec)):
+            itl, _ = run_timed(llm, [prompt], params)
+            runs[name].append(itl[0])
+    b, s = statistics.median(runs["base"]), statistics.median(runs["spec"])
+    return {"itl_ms_base": round(b * 1e3, 2), "itl_ms_spec": round(s * 1e3, 2), "itl_ratio": round(b / s, 3),
+            "acceptance": _difference(spec_counts(spec), before)}
+
+
 def saturation_figures(base: LLM, spec: LLM, repeats: int) -> dict:
     work = build_workload(WorkloadConfig())
     prompts = [list(r.prompt_token_ids) for r in work.requests]
@@ -168,6 +188,7 @@ def main() -> None:
                                "disable_by_batch_size": config.disable_by_batch_size},
         "max_tokens": max_tokens, "repeats": repeats,
         "copy": [copy_figures(base, spec, c, max_tokens, repeats) for c in args.concurrency],
+        "free_writing": free_figures(base, spec, max_tokens, repeats),
     }
     if not (args.quick or args.no_saturation):
         result["saturation"] = saturation_figures(base, spec, repeats)
