@@ -253,6 +253,7 @@ class LLMEngine:
             if done:
                 break
         self.scheduler.commit_verified(seq, min(appended, verified.num_accepted))
+        Drafter.observe(seq, verified.num_accepted)
         if done:
             self.scheduler.finish(seq)
 

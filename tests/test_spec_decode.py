@@ -21,6 +21,7 @@ from pagedserve.engine.errors import ConfigError, InvalidRequestError
 from pagedserve.engine.sampler import Sampler
 from pagedserve.engine.sequence import Sequence, SequenceMetrics
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
+from pagedserve.engine.spec_decode.drafter import Drafter
 from pagedserve.engine.spec_decode.ngram import propose_ngram
 from pagedserve.engine.spec_decode.verifier import Verifier
 from pagedserve.service.spec_flags import add_speculative_flags, speculative_config
@@ -111,6 +112,25 @@ def test_ngram_proposals_match_a_brute_force_search():
         proposed += bool(got)
     assert 50 < proposed < 400
     assert propose_ngram([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2, 1, 3) == (7, 1)  # the most recent occurrence
+
+
+def test_drafter_backs_off_after_rejections_and_resets_on_acceptance():
+    drafter = Drafter(spec(2), max_model_len=512)
+    tokens = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    seq = Sequence("b", 0, tokens, 8, SamplingParams(max_tokens=100), SequenceMetrics(arrival_time=0.0))
+    seq.num_computed_tokens = len(tokens) - 1
+    assert drafter.propose(seq, 10) == (7, 8)
+    skipped = []
+    for _ in range(4):  # four all-rejected verifications in a row: 1, 2, 4, 8 steps without drafts
+        Drafter.observe(seq, 0)
+        steps = 0
+        while not drafter.propose(seq, 10):
+            steps += 1
+        skipped.append(steps)
+    assert skipped == [1, 2, 4, 8]
+    Drafter.observe(seq, 1)
+    Drafter.observe(seq, 0)
+    assert seq.spec_skip == 1  # an acceptance started the count again
 
 
 # -- greedy: token-identical ------------------------------------------------------------------------
