@@ -20,6 +20,7 @@ from pagedserve.engine.loading.model_loader import load_model
 from pagedserve.engine.loading.model_store import resolve_model
 from pagedserve.engine.loading.tokenizer import Tokenizer, start_detok
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule
+from pagedserve.engine.lora.layers import lora_dtype
 from pagedserve.engine.lora.manager import AdapterManager
 from pagedserve.engine.lora.weights import LoraWeights
 from pagedserve.engine.model_runner import ModelRunner
@@ -77,7 +78,7 @@ class LLMEngine:
         )
         lora = config.lora
         self.lora_manager = None if lora is None else \
-            AdapterManager(lora, self.runner.lora_layout, self.loaded.dtype)
+            AdapterManager(lora, self.runner.lora_layout, lora_dtype(self.loaded.dtype, self.device))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    None if lora is None else lora.max_loras)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)

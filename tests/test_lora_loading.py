@@ -194,7 +194,7 @@ def test_adapter_weights_fold_the_scale_into_b(tiny, engine):
         merged = tiny["models"][spec.name]
         for index, slot in enumerate(manager.layout.slots):
             pair = weights.slots[index]
-            delta = torch.zeros(slot.out_features, slot.in_features) if pair is None else (pair[0] @ pair[1]).T
+            delta = torch.zeros(slot.out_features, slot.in_features) if pair is None else (pair[0].T @ pair[1]).T
             base = torch.cat([tiny["base"].get_submodule(f"model.layers.{slot.layer}.{slot.owner}.{p}").weight
                               for p, _ in slot.parts])
             after = torch.cat([merged.get_submodule(f"model.layers.{slot.layer}.{slot.owner}.{p}").weight

@@ -183,15 +183,14 @@ def _place(module: str, a: torch.Tensor, b: torch.Tensor, config: PeftConfig, la
 
 
 def _slot_pair(in_features: int, out_features: int, parts: list, dtype: torch.dtype):
-    """Stacks the A's of one slot's modules and places their B's block-diagonally -> (A^T [in, R], B^T [R, out])."""
+    """Stacks the A's of one slot's modules and places their B's block-diagonally -> (A [R, in], B^T [R, out])."""
     parts = sorted(parts, key=lambda p: p[0])
-    total = sum(a.shape[0] for _, _, a, _ in parts)
-    a_t = torch.empty(in_features, total)
-    b_t = torch.zeros(total, out_features)
-    col = 0
-    for offset, width, a, b in parts:
-        r = a.shape[0]
-        a_t[:, col:col + r] = a.T
-        b_t[col:col + r, offset:offset + width] = b.T
-        col += r
-    return a_t.to(dtype).contiguous(), b_t.to(dtype).contiguous()
+    a = torch.cat([part[2] for part in parts])
+    b_t = torch.zeros(a.shape[0], out_features)
+    row = 0
+    for offset, width, part_a, part_b in parts:
+        r = part_a.shape[0]
+        b_t[row:row + r, offset:offset + width] = part_b.T
+        row += r
+    assert a.shape[1] == in_features
+    return a.to(dtype).contiguous(), b_t.to(dtype).contiguous()

@@ -1,0 +1,35 @@
+"""The native LoRA delta (kernels/cpu_lora.c): one call per layer adds every adapter's x A^T B^T to its rows."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.kernels.cpu_native import dtype_code, load_library
+
+REF_FIELDS = 3  # a LoraRef: rank, A's address, B^T's address (int64 each)
+
+
+def lora_ref(a: torch.Tensor | None, b_t: torch.Tensor | None) -> tuple[int, int, int]:
+    """One adapter's matrices for one layer as the kernel reads them (A [rank, in], B^T [rank, out], fp32, contiguous;
+    the caller keeps them alive); None: the adapter leaves the layer alone."""
+    if a is None:
+        return (0, 0, 0)
+    assert a.dtype == b_t.dtype == torch.float32 and a.is_contiguous() and b_t.is_contiguous()
+    return (a.shape[0], a.data_ptr(), b_t.data_ptr())
+
+
+def supports(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Shapes and layouts the kernel takes: CPU rows of a compute dtype, widths a multiple of 16, unit inner stride."""
+    return (x.device.type == "cpu" and x.dim() == 2 and out.dim() == 2 and x.dtype == out.dtype
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.shape[1] % 16 == 0
+            and out.shape[1] % 16 == 0 and x.stride(1) == 1 and out.stride(1) == 1)
+
+
+def lora_delta(x: torch.Tensor, out: torch.Tensor, spans: torch.Tensor, refs: torch.Tensor, threads: int) -> None:
+    """out[s:e] += x[s:e] A_g^T B_g^T in place for each group g; spans [G, 2] int64, refs [G, 3] int64 contiguous
+    (lora_ref rows)."""
+    status = load_library().pagedserve_lora_delta(
+        x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), dtype_code(x.dtype), x.shape[1], out.shape[1],
+        spans.shape[0], spans.data_ptr(), refs.data_ptr(), threads)
+    if status != 0:
+        raise RuntimeError(f"native LoRA delta refused its arguments (status {status})")
