@@ -78,7 +78,7 @@ class LLMEngine:
         )
         lora = config.lora
         self.lora_manager = None if lora is None else \
-            AdapterManager(lora, self.runner.lora_layout, lora_dtype(self.loaded.dtype, self.device))
+            AdapterManager(lora, self.runner.lora_layout, lora_dtype(self.loaded.dtype, self.device), self.device)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    None if lora is None else lora.max_loras)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)

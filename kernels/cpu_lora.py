@@ -7,6 +7,7 @@ import torch
 from pagedserve.kernels.cpu_native import dtype_code, load_library
 
 REF_FIELDS = 3  # a LoraRef: rank, A's address, B^T's address (int64 each)
+MAX_IN = 8192  # MAX_IN of cpu_lora.c: a tile of input rows lives on the stack
 
 
 def lora_ref(a: torch.Tensor | None, b_t: torch.Tensor | None) -> tuple[int, int, int]:
@@ -19,9 +20,10 @@ def lora_ref(a: torch.Tensor | None, b_t: torch.Tensor | None) -> tuple[int, int
 
 
 def supports(x: torch.Tensor, out: torch.Tensor) -> bool:
-    """Shapes and layouts the kernel takes: CPU rows of a compute dtype, widths a multiple of 16, unit inner stride."""
+    """Shapes and layouts the kernel takes: CPU rows of a compute dtype, widths a multiple of 16 (inputs up to
+    MAX_IN), unit inner stride."""
     return (x.device.type == "cpu" and x.dim() == 2 and out.dim() == 2 and x.dtype == out.dtype
-            and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.shape[1] % 16 == 0
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.shape[1] % 16 == 0 and x.shape[1] <= MAX_IN
             and out.shape[1] % 16 == 0 and x.stride(1) == 1 and out.stride(1) == 1)
 
 
