@@ -8,11 +8,16 @@
  */
 #include "cpu_native.h"
 
-/* One adapter on one layer: A [rank, in] and B^T [rank, out], fp32, contiguous; rank 0: the adapter skips it. */
+/* One adapter on one layer: A [rank, in] and B^T [rank, out], fp32, contiguous; rank 0: the adapter skips it.
+ * B^T of a fused layer is block-diagonal (q/k/v or gate/up each with its own A rows): `parts` lists the blocks as
+ * (first rank row, end, first output column, end; columns multiples of 16), so the expand skips the zeros. */
+#define MAX_PARTS 3
 typedef struct {
     int64_t rank;
     const float *a;
     const float *b;
+    int64_t num_parts;
+    int64_t parts[MAX_PARTS][4];
 } LoraRef;
 
 /* Rows are taken TILE at a time (one adapter's): each weight vector loaded once serves them all, so A and B stream
@@ -22,7 +27,7 @@ typedef struct {
 
 INLINE void lora_tile(const char *x, int64_t x_row, char *out, int64_t out_row, int64_t n, const LoraRef *ref,
                       int64_t in, int64_t n_out, const int dt) {
-    const int64_t cin = in / 16, cout = n_out / 16, rank = ref->rank;
+    const int64_t cin = in / 16, rank = ref->rank;
     f32x16 rows[TILE][cin];
     float shrunk[rank][TILE];
     for (int64_t t = 0; t < TILE; t++)
@@ -37,9 +42,10 @@ INLINE void lora_tile(const char *x, int64_t x_row, char *out, int64_t out_row, 
         }
         for (int64_t t = 0; t < TILE; t++) shrunk[k][t] = hsum16(acc[t]);
     }
-    for (int64_t c = 0; c < cout; c++) {
+    for (int64_t p = 0; p < ref->num_parts; p++)
+    for (int64_t c = ref->parts[p][2] / 16; c < ref->parts[p][3] / 16; c++) {
         f32x16 delta[TILE] = {{0}};
-        for (int64_t k = 0; k < rank; k++) {
+        for (int64_t k = ref->parts[p][0]; k < ref->parts[p][1]; k++) {
             f32x16 w;
             memcpy(&w, ref->b + k * n_out + 16 * c, sizeof w);
             for (int64_t t = 0; t < TILE; t++) delta[t] += shrunk[k][t] * w;

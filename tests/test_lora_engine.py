@@ -195,9 +195,16 @@ def test_lora_linear_adds_each_adapter_to_its_own_rows(dtype, native):
     plain = base.weight.detach().float().clone()
     base.method.process_weights_after_loading(base)
     lora_type = lora_dtype(dtype, torch.device("cpu"))
-    adapters = [LoraWeights(AdapterInfo(f"a{i}", i + 1, "/x", 4, ()), (
-        (torch.randn(4 + 2 * i, 32, generator=g, dtype=lora_type),
-         torch.randn(4 + 2 * i, 48, generator=g, dtype=lora_type)),)) for i in range(2)]
+    # a0: one dense block; a1: a fused layer's block-diagonal B^T (ranks 0-2 -> outputs 0-32, ranks 2-6 -> 32-48)
+    block_diag = torch.randn(6, 48, generator=g, dtype=lora_type)
+    block_diag[:2, 32:] = 0
+    block_diag[2:, :32] = 0
+    adapters = [
+        LoraWeights(AdapterInfo("a0", 1, "/x", 4, ()), ((torch.randn(4, 32, generator=g, dtype=lora_type),
+                                                        torch.randn(4, 48, generator=g, dtype=lora_type)),)),
+        LoraWeights(AdapterInfo("a1", 2, "/x", 6, ()), ((torch.randn(6, 32, generator=g, dtype=lora_type), block_diag,
+                                                        ((0, 2, 0, 32), (2, 6, 32, 48))),)),
+    ]
     step = StepAdapters(native=native)
     layer = LoraLinear(base, 0, step)
     x = torch.randn(21, 32, generator=g).to(dtype)
@@ -208,7 +215,7 @@ def test_lora_linear_adds_each_adapter_to_its_own_rows(dtype, native):
         got = layer(x).float()
     expected = x.float() @ plain.T
     for adapter, start, end in step.groups:
-        a, b_t = adapter.slots[0]
+        a, b_t = adapter.slots[0][:2]
         expected[start:end] += x[start:end].float() @ a.float().T @ b_t.float()
     tol = dict(rtol=0, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=0.15)
     torch.testing.assert_close(got, expected, **tol)

@@ -185,14 +185,16 @@ def _place(module: str, a: torch.Tensor, b: torch.Tensor, config: PeftConfig, la
 
 
 def _slot_pair(in_features: int, out_features: int, parts: list, dtype: torch.dtype, device: torch.device):
-    """Stacks the A's of one slot's modules and places their B's block-diagonally -> (A [R, in], B^T [R, out])."""
+    """Stacks the A's of one slot's modules and places their B's block-diagonally -> (A [R, in], B^T [R, out],
+    the blocks as (first rank row, end, first column, end))."""
     parts = sorted(parts, key=lambda p: p[0])
     a = torch.cat([part[2] for part in parts])
     b_t = torch.zeros(a.shape[0], out_features)
-    row = 0
+    blocks, row = [], 0
     for offset, width, part_a, part_b in parts:
         r = part_a.shape[0]
         b_t[row:row + r, offset:offset + width] = part_b.T
+        blocks.append((row, row + r, offset, offset + width))
         row += r
     assert a.shape[1] == in_features
-    return a.to(device, dtype).contiguous(), b_t.to(device, dtype).contiguous()
+    return a.to(device, dtype).contiguous(), b_t.to(device, dtype).contiguous(), tuple(blocks)

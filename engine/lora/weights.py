@@ -90,14 +90,14 @@ def model_layout(model: nn.Module) -> LoraLayout:
 
 
 class LoraWeights:
-    """One loaded adapter: per slot of the layout, (A [R, in], B^T [R, out]) with the scale folded into B, or None
-    where the adapter leaves the slot alone. Immutable once built; a request holds it while it runs, so evicting or
-    unloading the adapter never changes a running request. `refs` [slots, 3] int64: the same matrices as the native
-    kernel reads them (kernels/cpu_lora.py), when they are fp32 on CPU."""
+    """One loaded adapter: per slot of the layout, (A [R, in], B^T [R, out]) with the scale folded into B (and, for
+    a fused slot, B^T's blocks as (r0, r1, c0, c1)), or None where the adapter leaves the slot alone. Immutable once built; a request holds it while it runs, so evicting or
+    unloading the adapter never changes a running request. `refs` [slots, REF_FIELDS] int64: the same matrices as
+    the native kernel reads them (kernels/cpu_lora.py), when they are fp32 on CPU."""
 
     __slots__ = ("info", "slots", "dtype", "refs")
 
-    def __init__(self, info: AdapterInfo, slots: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]):
+    def __init__(self, info: AdapterInfo, slots: tuple[tuple | None, ...]):
         self.info = info
         self.slots = slots
         self.dtype = next((pair[0].dtype for pair in slots if pair is not None), torch.float32)
