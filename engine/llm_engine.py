@@ -20,6 +20,7 @@ from pagedserve.engine.loading.model_loader import load_model
 from pagedserve.engine.loading.model_store import resolve_model
 from pagedserve.engine.loading.tokenizer import Tokenizer, start_detok
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule
+from pagedserve.engine.lora.layers import lora_dtype
 from pagedserve.engine.lora.manager import AdapterManager
 from pagedserve.engine.lora.weights import LoraWeights
 from pagedserve.engine.model_runner import ModelRunner
@@ -79,7 +80,7 @@ class LLMEngine:
         )
         lora = config.lora
         self.lora_manager = None if lora is None else \
-            AdapterManager(lora, self.runner.lora_layout, self.loaded.dtype)
+            AdapterManager(lora, self.runner.lora_layout, lora_dtype(self.loaded.dtype, self.device), self.device)
         drafter = None if config.speculative is None else Drafter(config.speculative, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    None if lora is None else lora.max_loras, drafter=drafter)

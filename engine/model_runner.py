@@ -13,10 +13,11 @@ from pagedserve.engine.lora.layers import StepAdapters, wrap_model
 from pagedserve.engine.lora.weights import LoraLayout, model_layout
 from pagedserve.engine.models.layers import ForwardContext
 from pagedserve.engine.native_step import build_native_step
-from pagedserve.engine.scheduler import SchedulerOutput
+from pagedserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagedserve.engine.sequence import Sequence
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.backends import select_attention_impl, select_layer_ops
+from pagedserve.kernels.cpu_native import available
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype
 from pagedserve.kernels.kv_scales import setup_kv_scales
 
@@ -55,7 +56,7 @@ class ModelRunner:
             self.model, self.kv_cache, self.attn_impl, config.native_step_max_batch, device
         )
         # LoRA: the adaptable linears get wrapped after the native step took the bare ones (it serves base steps).
-        self.step_adapters = StepAdapters()
+        self.step_adapters = StepAdapters(native=device.type == "cpu" and config.lora is not None and available())
         self.lora_layout: LoraLayout | None = None
         if config.lora is not None:
             self.lora_layout = model_layout(self.model)
@@ -86,7 +87,8 @@ class ModelRunner:
         sampling: list[Sequence] = []
         adapter_rows: list[tuple[object, int, int]] = []
         block_size = self.kv_spec.block_size
-        for item in batch.scheduled:
+        order = self._in_adapter_order(batch.scheduled)
+        for item in order:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             if seq.lora is not None:
@@ -103,10 +105,10 @@ class ModelRunner:
                 # A speculating sequence samples at its last token and after each draft: 1 + len(drafts) rows.
                 rows += range(len(ids) - 1 - len(drafts), len(ids))
                 sampling.append(seq)
-        width = max(len(item.seq.block_table) for item in batch.scheduled)
-        tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch.scheduled]
+        width = max(len(item.seq.block_table) for item in order)
+        tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in order]
         if adapter_rows or self.step_adapters.groups:
-            self.step_adapters.set_rows(adapter_rows, len(ids), self.device)
+            self.step_adapters.set_spans(adapter_rows)
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
@@ -127,6 +129,13 @@ class ModelRunner:
             logits_rows=self._tensor(rows, torch.int64),
             sampling_seqs=tuple(sampling),
         )
+
+    def _in_adapter_order(self, scheduled: tuple[ScheduledSeq, ...]) -> tuple[ScheduledSeq, ...]:
+        """With LoRA, the step's sequences grouped by adapter (base first, stable), so each adapter's tokens are one
+        span; the logits rows follow this order (execute returns the sequences with them)."""
+        if self.lora_layout is None:
+            return scheduled
+        return tuple(sorted(scheduled, key=lambda item: item.seq.adapter_id))
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
