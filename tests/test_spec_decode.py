@@ -218,6 +218,24 @@ def test_accepted_tokens_go_out_as_one_delta(tiny):
     assert counts == list(np.cumsum([len(d) for d in deltas])) and counts[-1] == 48
 
 
+def test_lora_adapters_and_the_base_speculate_in_the_same_steps(tiny, tmp_path):
+    from lora_fixtures import FOUR, hf_base, make_adapter
+    from pagedserve.engine.lora.config import LoraConfig, LoraModule
+
+    adapters = [make_adapter(hf_base(tiny), spec_, tmp_path / spec_.name) for spec_ in FOUR[:2]]
+    lora = LoraConfig(modules=tuple(LoraModule(f"a{i}", str(d)) for i, d in enumerate(adapters)), max_loras=2)
+    names = [None, "a0", "a1"]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    outputs = []
+    for speculative in (None, spec(4, disable_by_batch_size=8)):
+        engine_llm = LLM(tiny, **SMALL, lora=lora, speculative=speculative)
+        prompts = [REPEATS[0]] * 3 + [REPEATS[2]] * 3  # each prompt under the base and both adapters
+        outputs.append(ids(engine_llm.generate(prompts, params, adapter=names * 2)))
+    assert outputs[0] == outputs[1]
+    assert len(set(outputs[0][:3])) == 3  # each adapter changes the output
+    assert engine_llm.engine.stats().spec_decode_num_accepted_tokens > 0
+
+
 def test_fp8_kv_cache(tiny):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     base = LLM(tiny, **SMALL, kv_cache_dtype="fp8_e4m3")
