@@ -236,6 +236,16 @@ def test_lora_adapters_and_the_base_speculate_in_the_same_steps(tiny, tmp_path):
     assert engine_llm.engine.stats().spec_decode_num_accepted_tokens > 0
 
 
+def test_sliding_window_model_releases_blocks_behind_the_window(tmp_path):
+    model = str(make_tiny_model(tmp_path, "MistralForCausalLM", seed=3, sliding_window=24))  # seed 3: it loops
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    base = LLM(model, **SMALL).generate(REPEATS, params)
+    spec_llm = LLM(model, **SMALL, speculative=spec(4))
+    assert spec_llm.engine.block_manager.window == 24  # every layer slides: blocks behind it are released
+    assert run_checked(spec_llm, REPEATS, params) == [list(t) for t in ids(base)]
+    assert spec_llm.engine.stats().spec_decode_num_accepted_tokens > 0
+
+
 def test_fp8_kv_cache(tiny):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     base = LLM(tiny, **SMALL, kv_cache_dtype="fp8_e4m3")
