@@ -126,6 +126,8 @@ class Admission:
     def _adapter(self, name: str | None) -> LoraWeights | None:
         if name is None:
             return None
+        if not isinstance(name, str):
+            raise InvalidRequestError("adapter", f"must be an adapter's name (a string), got {type(name).__name__}")
         if self.adapters is None:
             raise AdapterNotFoundError("adapter", f"no adapter named {name!r}: LoRA adapters are off on this engine")
         return self.adapters.resolve(name)

@@ -222,6 +222,16 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
 
+    def trim_to_computed(self, seq: Sequence) -> int:
+        """Release the blocks past the sequence's computed tokens (taken for speculative positions that were rejected;
+        never hashed, since only computed full blocks are); returns how many."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        extra = seq.block_table[keep:]
+        for block_id in reversed(extra):
+            self._release(block_id)
+        del seq.block_table[keep:]
+        return len(extra)
+
     def release_out_of_window(self, seq: Sequence) -> int:
         """Free the blocks no later token of `seq` can see (call after commit_full_blocks); returns how many."""
         dead = min(self._dead_blocks(seq.num_computed_tokens), len(seq.block_table))

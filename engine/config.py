@@ -9,6 +9,7 @@ import torch
 
 from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.lora.config import LoraConfig
+from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.engine.structured_output.registry import CONSTRAINT_BACKENDS
 from pagedserve.kernels.backends import (
     attention_backend_names, attention_requirements, layer_ops_names, layer_ops_requirements,
@@ -78,6 +79,7 @@ class EngineConfig:
     structured_output_backend: str = "llguidance"  # the grammar library (docs/structured-outputs.md)
     constraint_compile_timeout_s: float = 10.0  # a constraint still compiling after this is refused
     lora: LoraConfig | None = None  # None: LoRA adapters off (docs/lora.md)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding (docs/speculative-decoding.md)
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -97,6 +99,9 @@ class EngineConfig:
             raise ConfigError("constraint_compile_timeout_s", f"must be > 0, got {self.constraint_compile_timeout_s!r}")
         if self.lora is not None and not isinstance(self.lora, LoraConfig):
             raise ConfigError("lora", f"must be a LoraConfig or None, got {type(self.lora).__name__}")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ConfigError("speculative",
+                              f"must be a SpeculativeConfig or None, got {type(self.speculative).__name__}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -20,6 +20,7 @@ from pagedserve.engine.loading.model_loader import load_model
 from pagedserve.engine.loading.model_store import resolve_model
 from pagedserve.engine.loading.tokenizer import Tokenizer, start_detok
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule
+from pagedserve.engine.lora.layers import lora_dtype
 from pagedserve.engine.lora.manager import AdapterManager
 from pagedserve.engine.lora.weights import LoraWeights
 from pagedserve.engine.model_runner import ModelRunner
@@ -30,6 +31,8 @@ from pagedserve.engine.sampler import Sampler, SampledTokens, generator_for
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.sequence import FinishReason, Sequence, SequenceMetrics, SeqStatus, now
+from pagedserve.engine.spec_decode.drafter import Drafter
+from pagedserve.engine.spec_decode.verifier import Verified, Verifier
 from pagedserve.engine.stopping import apply_token
 from pagedserve.engine.structured_output.compiler import ConstraintCompiler
 from pagedserve.engine.structured_output.registry import CONSTRAINT_BACKENDS
@@ -77,10 +80,12 @@ class LLMEngine:
         )
         lora = config.lora
         self.lora_manager = None if lora is None else \
-            AdapterManager(lora, self.runner.lora_layout, self.loaded.dtype)
+            AdapterManager(lora, self.runner.lora_layout, lora_dtype(self.loaded.dtype, self.device), self.device)
+        drafter = None if config.speculative is None else Drafter(config.speculative, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   None if lora is None else lora.max_loras)
+                                   None if lora is None else lora.max_loras, drafter=drafter)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        self.verifier = Verifier(self.sampler)
         kv_tokens = self.block_manager.num_blocks * config.block_size
         if self.block_manager.peak_blocks(self.max_model_len, config.max_num_batched_tokens) <= self.block_manager.num_blocks:
             # Every layer slides: a sequence holds only its window's blocks, so any context fits.
@@ -199,7 +204,10 @@ class LLMEngine:
         self.scheduler.commit(batch)
         touched: dict[str, RequestState] = {}
         failed: dict[str, str] = {}
-        for sampled in self.sampler(logits, seqs):
+        drafts = {item.seq: item.draft_tokens for item in batch.scheduled if item.draft_tokens}
+        if drafts:
+            logits, seqs = self._verify(logits, seqs, drafts, touched, failed)
+        for sampled in self.sampler(logits, seqs) if seqs else ():
             state = self.requests[sampled.seq.request_id]
             touched[state.request_id] = state
             if sampled.error is not None:
@@ -213,6 +221,42 @@ class LLMEngine:
             if out.finished:
                 del self.requests[out.request_id]
         return outputs
+
+    def _verify(self, logits: torch.Tensor, seqs: tuple[Sequence, ...], drafts: dict[Sequence, tuple[int, ...]],
+                touched: dict[str, RequestState], failed: dict[str, str]) -> tuple[torch.Tensor, tuple[Sequence, ...]]:
+        """Verifies and appends the speculating sequences' tokens; returns the other rows and sequences to sample."""
+        plain_rows: list[int] = []
+        plain: list[Sequence] = []
+        row = 0
+        for seq in seqs:
+            num_rows = 1 + len(drafts.get(seq, ()))
+            if num_rows == 1:
+                plain_rows.append(row)
+                plain.append(seq)
+            else:
+                state = touched[seq.request_id] = self.requests[seq.request_id]
+                verified = self.verifier(logits[row : row + num_rows], seq, drafts[seq])
+                if verified.error is not None:
+                    failed[state.request_id] = verified.error
+                else:
+                    self._append_verified(verified)
+            row += num_rows
+        return logits[plain_rows], tuple(plain)
+
+    def _append_verified(self, verified: Verified) -> None:
+        """Token by token, as without speculation: the first token that ends the sequence ends it there. Only the
+        appended drafts count as computed (their KV was written by this step), so the prefix cache and the block
+        table never keep a rejected or unused draft."""
+        seq, appended, done = verified.seq, 0, False
+        for token, logprob in verified.tokens:
+            appended += 1
+            done = apply_token(seq, token, logprob, self.tokenizer, self.max_model_len)
+            if done:
+                break
+        self.scheduler.commit_verified(seq, min(appended, verified.num_accepted))
+        Drafter.observe(seq, verified.num_accepted)
+        if done:
+            self.scheduler.finish(seq)
 
     def _accept(self, state: RequestState, sampled: SampledTokens) -> None:
         seq = sampled.seq
@@ -282,7 +326,7 @@ class LLMEngine:
         )
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
+        bm, spec = self.block_manager, self.verifier.counters
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -299,6 +343,10 @@ class LLMEngine:
             max_loras=0 if self.config.lora is None else self.config.lora.max_loras,
             running_adapters=self.scheduler.running_adapters(),
             waiting_adapters=self.scheduler.waiting_adapters(),
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_accepted_per_position=tuple(spec.accepted_per_position),
         )
 
 

@@ -13,10 +13,11 @@ from pagedserve.engine.lora.layers import StepAdapters, wrap_model
 from pagedserve.engine.lora.weights import LoraLayout, model_layout
 from pagedserve.engine.models.layers import ForwardContext
 from pagedserve.engine.native_step import build_native_step
-from pagedserve.engine.scheduler import SchedulerOutput
+from pagedserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagedserve.engine.sequence import Sequence
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.backends import select_attention_impl, select_layer_ops
+from pagedserve.kernels.cpu_native import available
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype
 from pagedserve.kernels.kv_scales import setup_kv_scales
 
@@ -28,8 +29,9 @@ class ModelInput:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     attn_meta: AttentionMetadata
-    logits_rows: torch.Tensor  # [S] int64: the last new token of each sequence that samples this step
-    sampling_seqs: tuple[Sequence, ...]  # the S sequences, in logits-row order
+    # [R] int64: the last new token of each sequence that samples this step, and each of its draft tokens
+    logits_rows: torch.Tensor
+    sampling_seqs: tuple[Sequence, ...]  # the sequences, in logits-row order (a speculating one has 1 + drafts rows)
 
 
 class ModelRunner:
@@ -54,7 +56,7 @@ class ModelRunner:
             self.model, self.kv_cache, self.attn_impl, config.native_step_max_batch, device
         )
         # LoRA: the adaptable linears get wrapped after the native step took the bare ones (it serves base steps).
-        self.step_adapters = StepAdapters()
+        self.step_adapters = StepAdapters(native=device.type == "cpu" and config.lora is not None and available())
         self.lora_layout: LoraLayout | None = None
         if config.lora is not None:
             self.lora_layout = model_layout(self.model)
@@ -85,24 +87,28 @@ class ModelRunner:
         sampling: list[Sequence] = []
         adapter_rows: list[tuple[object, int, int]] = []
         block_size = self.kv_spec.block_size
-        for item in batch.scheduled:
+        order = self._in_adapter_order(batch.scheduled)
+        for item in order:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             if seq.lora is not None:
                 adapter_rows.append((seq.lora, len(ids), len(ids) + item.num_new_tokens))
-            ids += seq.token_ids[start:end]
+            drafts = item.draft_tokens
+            ids += seq.token_ids[start : end - len(drafts)]
+            ids += drafts
             positions += range(start, end)
             table = seq.block_table
             slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
             query_lens.append(item.num_new_tokens)
             seq_lens.append(end)
-            if end == seq.num_tokens:
-                rows.append(len(ids) - 1)
+            if end - len(drafts) == seq.num_tokens:
+                # A speculating sequence samples at its last token and after each draft: 1 + len(drafts) rows.
+                rows += range(len(ids) - 1 - len(drafts), len(ids))
                 sampling.append(seq)
-        width = max(len(item.seq.block_table) for item in batch.scheduled)
-        tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch.scheduled]
+        width = max(len(item.seq.block_table) for item in order)
+        tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in order]
         if adapter_rows or self.step_adapters.groups:
-            self.step_adapters.set_rows(adapter_rows, len(ids), self.device)
+            self.step_adapters.set_spans(adapter_rows)
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
@@ -124,12 +130,20 @@ class ModelRunner:
             sampling_seqs=tuple(sampling),
         )
 
+    def _in_adapter_order(self, scheduled: tuple[ScheduledSeq, ...]) -> tuple[ScheduledSeq, ...]:
+        """With LoRA, the step's sequences grouped by adapter (base first, stable), so each adapter's tokens are one
+        span; the logits rows follow this order (execute returns the sequences with them)."""
+        if self.lora_layout is None:
+            return scheduled
+        return tuple(sorted(scheduled, key=lambda item: item.seq.adapter_id))
+
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> tuple[torch.Tensor, tuple[Sequence, ...]]:
-        """Runs one step; returns fp32 logits [S, vocab] for the sequences that sample now, and those sequences."""
+        """Runs one step; returns fp32 logits [R, vocab] for the sequences that sample now (one row each, 1 + drafts
+        rows for a speculating one, consecutive), and those sequences."""
         self.copy_blocks(batch.block_copies)
         if self.native_step is not None and self.native_step.accepts(batch):
             return self.native_step.run(batch, self.kv_spec.block_size)

@@ -93,6 +93,12 @@ class EngineStats:
     max_loras: int = 0  # 0: LoRA off
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
+    # Speculative decoding (vLLM's vllm:spec_decode_* counters): sequences verified with drafts, drafts, accepted
+    # drafts, and accepted drafts by their position (0: the first draft of a step)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: tuple[int, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:

@@ -58,7 +58,7 @@ class Sampler:
         return [
             SampledTokens(seq, (), dead_end=True) if row in dead else
             SampledTokens(seq, (), error=_NON_FINITE) if row in bad else
-            SampledTokens(seq, tuple((tok, self._logprob(raw_logprobs, row, tok, seq)) for tok in choices[row]))
+            SampledTokens(seq, tuple((tok, self.logprob(raw_logprobs, row, tok, seq)) for tok in choices[row]))
             for row, seq in enumerate(seqs)
         ]
 
@@ -94,6 +94,25 @@ class Sampler:
     def _sample_random(
         self, logits: torch.Tensor, row_max: torch.Tensor, seqs: tuple[Sequence, ...], rows: list[int]
     ) -> dict[int, list[int]]:
+        probs, order = self.filtered_probs(logits, row_max, seqs, rows)
+        out: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            seq = seqs[row]
+            count = 1 + seq.pending_forks if seq.num_output_tokens == 0 else 1
+            picks = torch.multinomial(probs[i], count, replacement=True, generator=seq.sampler_state)
+            out[row] = order[i, picks].tolist()
+        return out
+
+    def process(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> torch.Tensor:
+        """Bias, penalties and min_tokens applied to each row (a copy when any row needs one)."""
+        return self._process(logits, seqs)
+
+    @staticmethod
+    def filtered_probs(
+        logits: torch.Tensor, row_max: torch.Tensor, seqs: tuple[Sequence, ...], rows: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The distribution each of `rows` samples from, after temperature, top-k, min-p and top-p: (probabilities
+        sorted best first [len(rows), vocab], the token id at each sorted place)."""
         temps = torch.tensor([seqs[r].params.temperature for r in rows], dtype=torch.float32).unsqueeze(1)
         # Shifted rows are <= 0 with the best logit exactly 0, so dividing by any temperature (a denormal one
         # included) gives 0 or a negative number, never inf or 0/0; the softmax is unchanged by the shift.
@@ -113,17 +132,10 @@ class Sampler:
         drop = probs < min_p * probs[:, :1]
         if bool((top_p < 1).any()):
             drop |= (_mass_strictly_above(probs, ranks) >= top_p) & (top_p < 1)
-        probs = probs.masked_fill(drop, 0.0)
-        out: dict[int, list[int]] = {}
-        for i, row in enumerate(rows):
-            seq = seqs[row]
-            count = 1 + seq.pending_forks if seq.num_output_tokens == 0 else 1
-            picks = torch.multinomial(probs[i], count, replacement=True, generator=seq.sampler_state)
-            out[row] = order[i, picks].tolist()
-        return out
+        return probs.masked_fill(drop, 0.0), order
 
     @staticmethod
-    def _logprob(raw: torch.Tensor | None, row: int, token: int, seq: Sequence) -> TokenLogprob | None:
+    def logprob(raw: torch.Tensor | None, row: int, token: int, seq: Sequence) -> TokenLogprob | None:
         if raw is None or seq.params.logprobs is None:
             return None
         values = raw[row]

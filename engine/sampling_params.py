@@ -59,6 +59,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-n alternatives per generated token (the chosen token is always included)
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
     constraint: OutputConstraint | None = None  # structured output (engine/constraint.py); compiled at admission
+    # False: this request never gets speculative drafts, even on an engine that speculates (its tokens are the
+    # same either way for greedy, and equally distributed for sampling; only the step cost differs)
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         self._normalise_sequences()
@@ -108,6 +111,8 @@ class SamplingParams:
                 _within("logit_bias", bias, LOGIT_BIAS_RANGE)
         if self.constraint is not None and not isinstance(self.constraint, OutputConstraint):
             raise InvalidRequestError("constraint", f"must be an OutputConstraint, got {type(self.constraint).__name__}")
+        if not isinstance(self.speculative, bool):
+            raise InvalidRequestError("speculative", f"must be true or false, got {self.speculative!r}")
         if self.n > 1 and self.temperature == 0:
             raise InvalidRequestError("n", "n > 1 needs temperature > 0 (greedy samples would be identical)")
 

@@ -8,6 +8,10 @@ LoRA: at most `max_loras` distinct adapters among the running sequences (so in a
 A waiting request whose adapter would exceed it is passed only by requests of the base or of an adapter already
 running, and only for `lora_pass_steps` steps; then nothing behind it is admitted until an adapter's last request
 ends and frees its place: first come, first served, without starving anyone.
+
+Speculative decoding: a decode sequence the drafter proposes for computes 1 + len(drafts) positions in the same step
+(the budget counts them; drafts are dropped rather than preempting anyone). Its commit waits for verification
+(`commit_verified`): only the accepted positions count as computed, and blocks taken only for rejected ones go back.
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ from dataclasses import dataclass
 
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.sequence import Sequence, SeqStatus, now
+from pagedserve.engine.spec_decode.drafter import Drafter
 
 
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # positions computed this step, the draft tokens included
+    draft_tokens: tuple[int, ...] = ()  # speculative tokens after the sequence's last one (not in seq.token_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +51,7 @@ LORA_PASS_STEPS = 16
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_loras: int | None = None, lora_pass_steps: int = LORA_PASS_STEPS):
+                 max_loras: int | None = None, lora_pass_steps: int = LORA_PASS_STEPS, drafter: Drafter | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -55,6 +61,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._passed_steps: dict[Sequence, int] = {}  # a request blocked by the adapter cap -> steps it was passed
+        self.drafter = drafter  # None: no speculative decoding
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -65,9 +72,12 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
         index = 0
+        speculate = self.drafter is not None and self.drafter.active(len(self.running))
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            drafts = self._drafts(seq, budget - num_new) if speculate else ()
+            num_new += len(drafts)
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running.pop()  # the newest running sequence gives way
                 self._preempt(victim)
@@ -77,12 +87,19 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 break
             copies += self.block_manager.allocate(seq, num_new)
-            scheduled.append(ScheduledSeq(seq, num_new))
+            scheduled.append(ScheduledSeq(seq, num_new, drafts))
             budget -= num_new
             index += 1
         if not preempted:
             budget = self._admit_waiting(budget, scheduled, copies)
         return SchedulerOutput(tuple(scheduled), tuple(copies))
+
+    def _drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """Drafts only where their blocks are free now: speculation never preempts anyone."""
+        if seq.num_tokens - seq.num_computed_tokens != 1:
+            return ()
+        drafts = self.drafter.propose(seq, budget)
+        return drafts if drafts and self.block_manager.can_allocate(seq, 1 + len(drafts)) else ()
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]) -> int:
         adapters = {s.adapter_id for s in self.running if s.lora is not None}
@@ -143,9 +160,19 @@ class Scheduler:
         """The forward for `output` ran: its tokens are now computed, full blocks become shareable, and blocks that
         fell out of every sliding window go back to the pool (after being published: their contents stay valid)."""
         for item in output.scheduled:
+            if item.draft_tokens:
+                continue  # committed by commit_verified once its drafts are checked
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit_full_blocks(item.seq)
             self.block_manager.release_out_of_window(item.seq)
+
+    def commit_verified(self, seq: Sequence, num_accepted: int) -> None:
+        """A speculating sequence's step: its last token and the `num_accepted` drafts now in its tokens are computed
+        (their KV is right); the rejected drafts' positions are not, and blocks taken only for them go back."""
+        seq.num_computed_tokens += 1 + num_accepted
+        self.block_manager.commit_full_blocks(seq)
+        self.block_manager.release_out_of_window(seq)
+        self.block_manager.trim_to_computed(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A forked sibling joins the batch right after its parent."""

@@ -103,6 +103,10 @@ class Sequence:
     matcher: Any = None
     # The request's LoRA adapter (engine/lora/weights.py's LoraWeights) or None for the base; opaque here.
     lora: Any = None
+    # Speculative decoding's back-off (engine/spec_decode/drafter.py): steps left without drafts, and how many
+    # verifications in a row accepted nothing.
+    spec_skip: int = 0
+    spec_misses: int = 0
     text: OutputText = field(default_factory=OutputText)
     emitted_text_len: int = 0
     emitted_token_len: int = 0

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = tuple(
     _HERE / f"cpu_{name}.c"
-    for name in ("decode_attention", "prefill_attention", "layer_ops", "kv_write", "dense_linear", "decode_step")
+    for name in ("decode_attention", "prefill_attention", "layer_ops", "kv_write", "dense_linear", "decode_step", "lora")
 )
 HEADERS = tuple(_HERE / f"cpu_{name}.h" for name in ("native", "linear", "decode_attention"))
 _FLAGS = (
@@ -144,6 +144,9 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.pagedserve_rope.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, c_int, c_int]
     lib.pagedserve_decode_step.argtypes = [ptr, ptr, i64, c_int]  # StepModel, StepBatch (engine/native_step.py)
     lib.pagedserve_decode_step.restype = c_int
+    # x, x stride, out, out stride, dtype, in, out features, groups, spans, LoraRefs (kernels/cpu_lora.py), threads
+    lib.pagedserve_lora_delta.argtypes = [ptr, i64, ptr, i64, c_int, i64, i64, i64, ptr, ptr, c_int]
+    lib.pagedserve_lora_delta.restype = c_int
     for name in ("pagedserve_dense_linear", "pagedserve_dense_linear_portable"):  # ps_linear_fn (cpu_linear.h)
         getattr(lib, name).argtypes = [ptr, ptr, i64, ptr]
         getattr(lib, name).restype = c_int

@@ -18,9 +18,10 @@ from pagedserve.engine.config import EngineConfig, field_choices
 from pagedserve.engine.errors import ConfigError, ModelLoadError, UnsupportedError
 from pagedserve.service.config import ServerConfig, TlsConfig
 from pagedserve.service.lora_flags import add_lora_flags, lora_config
+from pagedserve.service.spec_flags import add_speculative_flags, speculative_config
 
 # EngineConfig fields with their own flag group instead of one flag each.
-_GROUPED_FIELDS = {"lora": add_lora_flags}
+_GROUPED_FIELDS = {"lora": add_lora_flags, "speculative": add_speculative_flags}
 
 # Help for EngineConfig fields; every field becomes a flag (a new field shows up without touching this file).
 _ENGINE_HELP = {
@@ -140,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in _GROUPED_FIELDS}
     given["lora"] = lora_config(args, args.served_model_name)
+    given["speculative"] = speculative_config(args)
     return EngineConfig(**{k: v for k, v in given.items() if v is not None})
 
 

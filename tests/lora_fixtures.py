@@ -134,3 +134,23 @@ def generate(engine: LLMEngine, requests, params: SamplingParams | None = None) 
             if out.finished:
                 outputs[out.request_id] = [list(c.token_ids) for c in out.outputs]
     return outputs
+
+
+def peft_greedy(base: torch.nn.Module, dirs: dict[str, Path], requests, max_new: int) -> list[list[int]]:
+    """Greedy continuations from ONE PeftModel holding every adapter unmerged (switched per request; the base with
+    the adapters disabled), for models too large to copy once per adapter."""
+    from peft import PeftModel
+
+    names = list(dirs)
+    model = PeftModel.from_pretrained(copy.deepcopy(base), str(dirs[names[0]]), adapter_name=names[0]).eval()
+    for name in names[1:]:
+        model.load_adapter(str(dirs[name]), adapter_name=name)
+    out = []
+    for name, ids in requests:
+        if name is None:
+            with model.disable_adapter():
+                out.append(hf_greedy(model, ids, max_new))
+        else:
+            model.set_adapter(name)
+            out.append(hf_greedy(model, ids, max_new))
+    return out

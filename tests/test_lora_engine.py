@@ -8,13 +8,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_fixtures import (
-    BLOCK, MAX_NEW, assert_greedy_within, generate, references, start_modules, tiny, tiny_engine,  # noqa: F401
+from conftest import hf_from_gguf, make_tiny_model
+from gguf_fixtures import write_tiny_llama
+from lora_fixtures import (  # noqa: F401  (tiny: the shared module fixture)
+    BLOCK, FOUR, MAX_NEW, AdapterSpec, assert_greedy_within, generate, hf_base, make_adapter, peft_greedy,
+    references, start_modules, tiny, tiny_engine, with_adapter,
 )
+from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.kv_events import BlockStored
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.lora.config import LoraConfig
+from pagedserve.engine.lora.config import LoraConfig, LoraModule
+from pagedserve.service.router.kv_events import EventBatch
+from pagedserve.service.router.vllm_replies import kv_batch
 from pagedserve.engine.sampling_params import SamplingParams
+from quant_fixtures import dequantized_reference, fixture_dir
 
 
 def _engine(tiny, max_loras: int = 4, **fields) -> LLMEngine:
@@ -103,3 +110,114 @@ def test_prefix_cache_is_never_shared_across_adapters(tiny):
     assert {(e.lora_id, e.lora_name) for e in stored} == {(None, None), (ids["full8"], "full8"), (ids["qv4"], "qv4")}
     firsts = [e for e in stored if e.parent_hash is None]  # same tokens, three keys: base, full8, qv4
     assert len(firsts) == 3 and len({e.block_hash for e in firsts}) == 3
+    # The router protocol's fields (KvBlock.lora_id, KvBlocksStored.lora_name), as the replica publishes them.
+    reply = kv_batch(EventBatch(1, 0.0, tuple(stored), first_event_id=1))
+    published = [(e.stored.blocks[0].lora_id if e.stored.blocks[0].HasField("lora_id") else None,
+                  e.stored.lora_name if e.stored.HasField("lora_name") else None) for e in reply.events]
+    assert published == [(e.lora_id, e.lora_name) for e in stored]
+
+
+def _other_base_case(path, reference, root, atol: float, **fields):
+    """Two adapters and the base over another base (quantized: its reference is the dequantized transformers model)
+    with the peft adapters merged into the reference."""
+    dirs = {spec.name: make_adapter(reference, spec, root / spec.name) for spec in (FOUR[0], FOUR[3])}
+    models = {None: reference} | {name: with_adapter(reference, d) for name, d in dirs.items()}
+    vocab = reference.config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (7, 19)]
+    requests = [(name, p) for name in models for p in prompts]
+    lora = LoraConfig(modules=tuple(LoraModule(n, str(d)) for n, d in dirs.items()), max_loras=2)
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", block_size=BLOCK, lora=lora,
+                                    max_num_batched_tokens=11, **fields))
+    outputs = generate(engine, requests)
+    for i, (name, ids) in enumerate(requests):
+        assert_greedy_within(models[name], ids, outputs[f"r{i}"][0], atol, (name, i))
+    for name in dirs:
+        with torch.inference_mode():
+            changed = (models[name](torch.tensor([prompts[1]])).logits - reference(torch.tensor([prompts[1]])).logits)
+        assert changed.abs().max() > 0.1, f"{name} must change the logits"
+    return engine
+
+
+def test_gptq_base_with_adapters(tmp_path):
+    name = "gptq_4bit_g128_actorder_sym"
+    # test_quant_engine's fp32 agreement: the same dequantized weights summed in another order.
+    _other_base_case(fixture_dir(name), dequantized_reference(name), tmp_path, atol=1e-4)
+
+
+def test_gemma3_base_with_adapters(tmp_path):
+    path = make_tiny_model(tmp_path / "gemma", "Gemma3ForCausalLM", head_dim=16)
+    _other_base_case(path, hf_base(path), tmp_path, atol=1e-4)
+
+
+def test_gguf_base_with_adapters(tmp_path):
+    """The GGUF's own blocks (packed kernels) with the adapters' deltas on top; the dequantized path is the dense one."""
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
+    engine = _other_base_case(path, hf_from_gguf(path), tmp_path, atol=1e-3, gguf_weights="packed")
+    assert engine.describe().quantization.startswith("gguf (packed")
+
+
+def test_smollm2_with_adapters_matches_peft(default_model, hf_reference, tmp_path):
+    """The default model (its Q4_1 GGUF, dequantized to fp32 like transformers' own loader) with two peft adapters
+    and the base in the same steps, against one unmerged PeftModel."""
+    model, tok = hf_reference
+    specs = (AdapterSpec("smol-a", 16, seed=21, std=0.04), AdapterSpec("smol-b", 8, ("q_proj", "v_proj", "down_proj"),
+                                                                      seed=22, std=0.04))
+    dirs = {spec.name: make_adapter(model, spec, tmp_path / spec.name) for spec in specs}
+    prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
+    requests = [(name, ids) for name in (None, *dirs) for ids in prompts]
+    expected = peft_greedy(model, dirs, requests, MAX_NEW)
+    lora = LoraConfig(modules=tuple(LoraModule(n, str(d)) for n, d in dirs.items()), max_loras=2)
+    engine = LLMEngine(EngineConfig(model=str(default_model.weights), dtype="float32", lora=lora))
+    outputs = generate(engine, requests)
+    assert [outputs[f"r{i}"][0] for i in range(len(requests))] == expected
+    n = len(prompts)
+    for j, name in enumerate(dirs, start=1):
+        assert any(expected[j * n + k] != expected[k] for k in range(n)), f"{name} must change the output"
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_linear_adds_each_adapter_to_its_own_rows(dtype, native):
+    """One wrapped linear over base rows and two adapters' spans: each span gets exactly its adapter's x A^T B^T
+    (float32 LoRA matrices over a bf16 base included), the base rows nothing; the native kernel and the torch path."""
+    from pagedserve.engine.lora.config import AdapterInfo
+    from pagedserve.engine.lora.layers import LoraLinear, StepAdapters, lora_dtype
+    from pagedserve.engine.lora.weights import LoraWeights
+    from pagedserve.kernels.cpu_native import available
+    from pagedserve.quant.linear import QuantLinear
+    from pagedserve.quant.unquantized import UnquantizedLinearMethod
+
+    assert available(), "the native kernels build on every supported host"
+    g = torch.Generator().manual_seed(0)
+    base = QuantLinear(32, 48, False, UnquantizedLinearMethod(), dtype)
+    base.weight.data.copy_(torch.randn(48, 32, generator=g))
+    plain = base.weight.detach().float().clone()
+    base.method.process_weights_after_loading(base)
+    lora_type = lora_dtype(dtype, torch.device("cpu"))
+    # a0: one dense block; a1: a fused layer's block-diagonal B^T (ranks 0-2 -> outputs 0-32, ranks 2-6 -> 32-48)
+    block_diag = torch.randn(6, 48, generator=g, dtype=lora_type)
+    block_diag[:2, 32:] = 0
+    block_diag[2:, :32] = 0
+    adapters = [
+        LoraWeights(AdapterInfo("a0", 1, "/x", 4, ()), ((torch.randn(4, 32, generator=g, dtype=lora_type),
+                                                        torch.randn(4, 48, generator=g, dtype=lora_type)),)),
+        LoraWeights(AdapterInfo("a1", 2, "/x", 6, ()), ((torch.randn(6, 32, generator=g, dtype=lora_type), block_diag,
+                                                        ((0, 2, 0, 32), (2, 6, 32, 48))),)),
+    ]
+    step = StepAdapters(native=native)
+    layer = LoraLinear(base, 0, step)
+    x = torch.randn(21, 32, generator=g).to(dtype)
+    step.set_spans([(None, 0, 2), (adapters[0], 2, 3), (adapters[0], 3, 10), (adapters[1], 10, 21)])
+    assert [(a.name, s, e) for a, s, e in step.groups] == [("a0", 2, 10), ("a1", 10, 21)]
+    assert (step.refs is not None) == native
+    with torch.inference_mode():
+        got = layer(x).float()
+    expected = x.float() @ plain.T
+    for adapter, start, end in step.groups:
+        a, b_t = adapter.slots[0][:2]
+        expected[start:end] += x[start:end].float() @ a.float().T @ b_t.float()
+    tol = dict(rtol=0, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=0.15)
+    torch.testing.assert_close(got, expected, **tol)
+    step.clear()
+    torch.testing.assert_close(layer(x).float(), (x.float() @ plain.T), **tol)

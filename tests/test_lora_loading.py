@@ -17,7 +17,7 @@ from lora_fixtures import (  # noqa: F401
     FOUR, MAX_NEW, AdapterSpec, generate, greedy, hf_base, make_adapter, start_modules, tiny, tiny_engine,
 )
 from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.errors import AdapterInUseError, AdapterLoadError, AdapterNotFoundError
+from pagedserve.engine.errors import AdapterInUseError, AdapterLoadError, AdapterNotFoundError, InvalidRequestError
 from pagedserve.engine.lora.config import LoraConfig, LoraModule
 
 
@@ -97,6 +97,9 @@ def test_load_unload_rules(tiny, engine):
     with pytest.raises(AdapterNotFoundError) as info:
         engine.add_request("x", [5, 6, 7], greedy(), adapter="nope")
     assert info.value.field == "adapter"
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request("x", [5, 6, 7], greedy(), adapter=3)
+    assert info.value.field == "adapter" and not engine.has_unfinished_requests()
 
     added = engine.load_adapter(LoraModule("late", str(tiny["dirs"]["mlp16-rs"])))
     assert added.adapter_id not in {a.adapter_id for a in infos.values()}
@@ -194,7 +197,7 @@ def test_adapter_weights_fold_the_scale_into_b(tiny, engine):
         merged = tiny["models"][spec.name]
         for index, slot in enumerate(manager.layout.slots):
             pair = weights.slots[index]
-            delta = torch.zeros(slot.out_features, slot.in_features) if pair is None else (pair[0] @ pair[1]).T
+            delta = torch.zeros(slot.out_features, slot.in_features) if pair is None else (pair[0].T @ pair[1]).T
             base = torch.cat([tiny["base"].get_submodule(f"model.layers.{slot.layer}.{slot.owner}.{p}").weight
                               for p, _ in slot.parts])
             after = torch.cat([merged.get_submodule(f"model.layers.{slot.layer}.{slot.owner}.{p}").weight

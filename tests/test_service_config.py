@@ -16,8 +16,11 @@ def parse(*flags: str):
 
 
 def test_every_engine_config_field_has_a_flag():
-    grouped = {"lora"}  # LoraConfig's fields: the LoRA flag group (tests/test_lora_surfaces.py)
+    # Sub-configs with their own flag groups: LoRA (tests/test_lora_surfaces.py) and --speculative-config
+    # (tests/test_spec_decode.py).
+    grouped = {"lora", "speculative"}
     assert {f.name for f in dataclasses.fields(EngineConfig)} - grouped <= set(vars(parse()))
+    assert "speculative_config" in vars(parse())
 
 
 def test_engine_flags_reach_the_engine_config():

@@ -25,8 +25,9 @@ from pagedserve.engine.lora.weights import LoraLayout, LoraWeights
 class AdapterManager:
     """Thread-safe: admission resolves names on front-end threads while the loop thread registers and unloads."""
 
-    def __init__(self, config: LoraConfig, layout: LoraLayout, dtype: torch.dtype):
-        self.config, self.layout, self.dtype = config, layout, dtype
+    def __init__(self, config: LoraConfig, layout: LoraLayout, dtype: torch.dtype,
+                 device: torch.device = torch.device("cpu")):
+        self.config, self.layout, self.dtype, self.device = config, layout, dtype, device
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._registered: dict[str, AdapterInfo] = {}
@@ -45,7 +46,7 @@ class AdapterManager:
                                        "it first to load another folder under that name")
             return known
         info = AdapterInfo(module.name, 0, module.path, 0, ())
-        return read_peft_adapter(info, self.layout, self.config.max_lora_rank, self.dtype)
+        return read_peft_adapter(info, self.layout, self.config.max_lora_rank, self.dtype, self.device)
 
     def check_allowed(self, path: str) -> None:
         """Runtime loads come only from under `LoraConfig.allowed_dirs` (when it names any)."""
@@ -87,7 +88,7 @@ class AdapterManager:
         if info is None:
             known = ", ".join(self._registered) or "none"
             raise AdapterNotFoundError("adapter", f"no adapter named {name!r} (loaded: {known})")
-        weights = read_peft_adapter(info, self.layout, self.config.max_lora_rank, self.dtype)
+        weights = read_peft_adapter(info, self.layout, self.config.max_lora_rank, self.dtype, self.device)
         with self._lock:
             if self._registered.get(name) is info:
                 self._keep(weights)

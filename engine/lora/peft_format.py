@@ -117,8 +117,10 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
         raise AdapterLoadError(WEIGHTS_FILE, f"{path} is not a readable safetensors file: {exc}") from None
 
 
-def read_peft_adapter(info: AdapterInfo, layout: LoraLayout, max_rank: int, dtype: torch.dtype) -> LoraWeights:
-    """Reads and validates `info.path` for this base; `info`'s rank and targets are filled from the files."""
+def read_peft_adapter(info: AdapterInfo, layout: LoraLayout, max_rank: int, dtype: torch.dtype,
+                      device: torch.device = torch.device("cpu")) -> LoraWeights:
+    """Reads and validates `info.path` for this base (matrices in `dtype` on `device`); `info`'s rank and targets
+    are filled from the files."""
     folder = Path(info.path)
     if not folder.is_dir():
         raise AdapterLoadError("lora_path", f"{info.path} is not a folder (a PEFT LoRA folder is expected)")
@@ -128,7 +130,7 @@ def read_peft_adapter(info: AdapterInfo, layout: LoraLayout, max_rank: int, dtyp
     for module, (a, b) in modules.items():
         slot, offset, a, b = _place(module, a, b, config, layout)
         parts.setdefault(slot, []).append((offset, b.shape[0], a, b))
-    slots = tuple(_slot_pair(layout.slots[i].in_features, layout.slots[i].out_features, parts[i], dtype)
+    slots = tuple(_slot_pair(layout.slots[i].in_features, layout.slots[i].out_features, parts[i], dtype, device)
                   if i in parts else None for i in range(len(layout.slots)))
     targets = tuple(sorted({_MODULE.fullmatch(m)["part"] for m in modules}))
     rank = max((a.shape[0] for a, _ in modules.values()), default=config.rank)
@@ -182,16 +184,17 @@ def _place(module: str, a: torch.Tensor, b: torch.Tensor, config: PeftConfig, la
     return slot, offset, a.float(), b.float() * config.scale(module, rank)
 
 
-def _slot_pair(in_features: int, out_features: int, parts: list, dtype: torch.dtype):
-    """Stacks the A's of one slot's modules and places their B's block-diagonally -> (A^T [in, R], B^T [R, out])."""
+def _slot_pair(in_features: int, out_features: int, parts: list, dtype: torch.dtype, device: torch.device):
+    """Stacks the A's of one slot's modules and places their B's block-diagonally -> (A [R, in], B^T [R, out],
+    the blocks as (first rank row, end, first column, end))."""
     parts = sorted(parts, key=lambda p: p[0])
-    total = sum(a.shape[0] for _, _, a, _ in parts)
-    a_t = torch.empty(in_features, total)
-    b_t = torch.zeros(total, out_features)
-    col = 0
-    for offset, width, a, b in parts:
-        r = a.shape[0]
-        a_t[:, col:col + r] = a.T
-        b_t[col:col + r, offset:offset + width] = b.T
-        col += r
-    return a_t.to(dtype).contiguous(), b_t.to(dtype).contiguous()
+    a = torch.cat([part[2] for part in parts])
+    b_t = torch.zeros(a.shape[0], out_features)
+    blocks, row = [], 0
+    for offset, width, part_a, part_b in parts:
+        r = part_a.shape[0]
+        b_t[row:row + r, offset:offset + width] = part_b.T
+        blocks.append((row, row + r, offset, offset + width))
+        row += r
+    assert a.shape[1] == in_features
+    return a.to(device, dtype).contiguous(), b_t.to(device, dtype).contiguous(), tuple(blocks)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagedserve.engine.lora.config import AdapterInfo
+from pagedserve.kernels.cpu_lora import lora_ref
 
 # PEFT module names pagedserve can adapt, by the model part that holds them, with the fused linear they may live in.
 FUSED_GROUPS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
@@ -89,15 +90,20 @@ def model_layout(model: nn.Module) -> LoraLayout:
 
 
 class LoraWeights:
-    """One loaded adapter: per slot of the layout, (A^T [in, R], B^T [R, out]) with the scale folded into B, or None
-    where the adapter leaves the slot alone. Immutable once built; a request holds it while it runs, so evicting or
-    unloading the adapter never changes a running request."""
+    """One loaded adapter: per slot of the layout, (A [R, in], B^T [R, out]) with the scale folded into B (and, for
+    a fused slot, B^T's blocks as (r0, r1, c0, c1)), or None where the adapter leaves the slot alone. Immutable once built; a request holds it while it runs, so evicting or
+    unloading the adapter never changes a running request. `refs` [slots, REF_FIELDS] int64: the same matrices as
+    the native kernel reads them (kernels/cpu_lora.py), when they are fp32 on CPU."""
 
-    __slots__ = ("info", "slots")
+    __slots__ = ("info", "slots", "dtype", "refs")
 
-    def __init__(self, info: AdapterInfo, slots: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]):
+    def __init__(self, info: AdapterInfo, slots: tuple[tuple | None, ...]):
         self.info = info
         self.slots = slots
+        self.dtype = next((pair[0].dtype for pair in slots if pair is not None), torch.float32)
+        on_cpu = all(pair is None or pair[0].device.type == "cpu" for pair in slots)
+        self.refs = torch.tensor([lora_ref(*(pair or (None, None))) for pair in slots], dtype=torch.int64) \
+            if self.dtype == torch.float32 and on_cpu and slots else None
 
     @property
     def name(self) -> str:

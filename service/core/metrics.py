@@ -87,6 +87,7 @@ class EngineStatsCollector(Collector):
         yield from _constraint_metrics(s.constraints, labels, counter)
         if s.max_loras > 0:
             yield lora_requests_info(s.max_loras, s.running_adapters, s.waiting_adapters)
+        yield from _spec_decode_metrics(s, labels, counter)
 
 
 def lora_requests_info(max_loras: int, running: tuple[str, ...], waiting: tuple[str, ...]) -> GaugeMetricFamily:
@@ -98,6 +99,21 @@ def lora_requests_info(max_loras: int, running: tuple[str, ...], waiting: tuple[
                                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
     family.add_metric([str(max_loras), ",".join(running), ",".join(waiting)], time.time())
     return family
+
+
+def _spec_decode_metrics(s: Any, labels: list[str], counter) -> Iterator:
+    """Speculative decoding, with vLLM's names: steps that verified drafts (per sequence), drafts, accepted drafts,
+    and accepted drafts by position (0: a step's first draft)."""
+    yield counter("vllm:spec_decode_num_drafts", "Sequence steps that verified speculative drafts.",
+                  s.spec_decode_num_drafts)
+    yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                  s.spec_decode_num_draft_tokens)
+    yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_decode_num_accepted_tokens)
+    family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
+                                 labels=["model_name", "position"])
+    for position, count in enumerate(s.spec_decode_accepted_per_position):
+        family.add_metric([*labels, str(position)], count)
+    yield family
 
 
 def _constraint_metrics(c: ConstraintStats, labels: list[str], counter) -> Iterator:

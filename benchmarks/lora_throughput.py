@@ -1,0 +1,111 @@
+"""What does serving LoRA adapters cost? (Never in CI.)
+
+    python benchmarks/lora_throughput.py                      # default model, 64 requests, repeats 3
+    python benchmarks/lora_throughput.py --requests 64 --prompt-len 64 --max-tokens 64 --repeats 5
+
+64 requests spread over 4 LoRA adapters and the base (request i uses adapter i % 5; 4 = the base), against the same
+64 requests all on the base through an engine without LoRA: the same prompts, greedy, ignore_eos and fixed lengths,
+so both runs do the same token work and differ only by the adapters. The adapters are made with peft on the fly in
+a temporary folder (rank 16 on q/k/v/o/gate/up/down, random non-zero A and B) over the model's architecture. Runs
+alternate (A/B), medians reported; target ratio (adapters / base) >= 0.85. Prints one JSON object with the machine
+(CPU model, usable cores, load average before/after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.lora.config import LoraConfig, LoraModule
+
+NUM_ADAPTERS = 4
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def make_adapters(hf_config: dict, folder: Path, rank: int) -> list[LoraModule]:
+    """PEFT folders for the model's architecture (a random-weight copy of it is enough: only names and shapes
+    matter to the adapter files)."""
+    import transformers
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "quantization_config"})
+    base = transformers.AutoModelForCausalLM.from_config(config)
+    modules = []
+    for index in range(NUM_ADAPTERS):
+        peft_config = PeftLoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        model = get_peft_model(base, peft_config, adapter_name=f"a{index}")
+        g = torch.Generator().manual_seed(index)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.copy_(torch.randn(param.shape, generator=g) * 0.02)
+        out = folder / f"adapter{index}"
+        model.save_pretrained(str(out), safe_serialization=True)
+        saved = next(p for p in out.rglob("adapter_model.safetensors"))
+        modules.append(LoraModule(f"adapter{index}", str(saved.parent)))
+        base = model.unload()  # the bare base again for the next adapter
+    return modules
+
+
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, adapters: list[str | None]) -> float:
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, adapter=adapters)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    base_llm = LLM(args.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        modules = make_adapters(base_llm.engine.loaded.hf_config, Path(tmp), args.rank)
+        lora = LoraConfig(modules=tuple(modules), max_loras=NUM_ADAPTERS, max_lora_rank=args.rank)
+        lora_llm = LLM(args.model, lora=lora)
+    g = torch.Generator().manual_seed(0)
+    vocab = base_llm.engine.runner.vocab_size
+    prompts = [torch.randint(100, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.requests)]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    names = [m.name for m in modules] + [None]
+    mixed = [names[i % len(names)] for i in range(args.requests)]
+    run(base_llm, prompts[:4], params, [None] * 4)  # warm-up: kernels compiled, allocator settled
+    run(lora_llm, prompts[:4], params, mixed[:4])
+    base, adapters = [], []
+    for _ in range(args.repeats):
+        base.append(run(base_llm, prompts, params, [None] * args.requests))
+        adapters.append(run(lora_llm, prompts, params, mixed))
+    result = {
+        "benchmark": "lora_throughput", "cpu": cpu_model(), "usable_cores": len(os.sched_getaffinity(0)),
+        "model": base_llm.engine.source.name, "dtype": str(base_llm.engine.loaded.dtype).removeprefix("torch."),
+        "requests": args.requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rank": args.rank,
+        "adapters": NUM_ADAPTERS, "base_tok_s": statistics.median(base), "lora_tok_s": statistics.median(adapters),
+        "ratio": statistics.median(adapters) / statistics.median(base), "target_ratio": 0.85,
+        "runs": {"base": base, "lora": adapters}, "load_before": load_before, "load_after": os.getloadavg(),
+    }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""`SpeculativeConfig`: what `--speculative-config '<json>'` sets, with vLLM's keys and meanings.
+
+`EngineConfig.speculative is None` means speculation is off. Only the n-gram prompt-lookup method exists; a draft
+model would add a method name and a proposer behind the same `Drafter` seam (docs/speculative-decoding.md).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+from pagedserve.engine.errors import ConfigError
+
+METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+# Steps with more running sequences than this do not speculate: a CPU step stops being bound by reading the weights
+# once the batch itself fills the matrix units, so extra rows cost real time there (see docs/speculative-decoding.md).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """`num_speculative_tokens`: drafts per step (k); `prompt_lookup_min` / `prompt_lookup_max`: the shortest and
+    longest suffix n-gram looked up (either alone sets both, none: 5 and 5, as vLLM does); `disable_by_batch_size`:
+    a step with more running sequences than this speculates for none of them."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError("speculative_config.method", f"unknown {self.method!r}; supported: {', '.join(METHODS)}")
+        _positive("num_speculative_tokens", self.num_speculative_tokens)
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ConfigError("speculative_config.num_speculative_tokens",
+                              f"must be <= {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
+        _positive("prompt_lookup_min", lo)
+        _positive("prompt_lookup_max", hi)
+        if lo > hi:
+            raise ConfigError("speculative_config.prompt_lookup_min", f"{lo} exceeds prompt_lookup_max {hi}")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        _positive("disable_by_batch_size", self.disable_by_batch_size)
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """vLLM's `--speculative-config` JSON object; unknown keys are refused by name."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError("speculative_config", f"not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError("speculative_config", "must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config.{unknown[0]}", f"unknown key; supported: {', '.join(sorted(known))}")
+        if "num_speculative_tokens" not in data:
+            raise ConfigError("speculative_config.num_speculative_tokens", "is required")
+        return cls(**data)
+
+
+def _positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"speculative_config.{name}", f"must be an integer >= 1, got {value!r}")

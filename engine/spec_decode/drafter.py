@@ -1,0 +1,66 @@
+"""Which sequences get drafts this step, and how many: the scheduler's side of speculative decoding.
+
+A sequence speculates only where verification reproduces exactly what decoding without drafts would do, token by
+token: a decode step (its one new token, not a prefill or a recompute after preemption), no grammar (the matcher
+would have to be rolled back), no repetition/presence/frequency penalties and min_tokens already reached (those
+change each row's distribution with the tokens before it), no samples still to fork (n > 1 forks on the first
+token; the forked samples speculate on their own afterwards), and the request did not opt out. Drafts never run
+past max_tokens or the context limit, so they need no KV the admission did not reserve.
+
+Back-off: a step with drafts runs the torch path where a lone decode step would run the native one (about twice as
+fast on CPU), so drafts that are all rejected cost real time. After a verification that accepted nothing, the
+sequence proposes nothing for 1, 2, 4, ... up to `MAX_BACKOFF_STEPS` steps; any accepted draft resets it. This
+changes which steps speculate, never the tokens.
+"""
+
+from __future__ import annotations
+
+from pagedserve.engine.sequence import Sequence
+from pagedserve.engine.spec_decode.config import SpeculativeConfig
+from pagedserve.engine.spec_decode.ngram import propose_ngram
+
+
+MAX_BACKOFF_STEPS = 16
+
+
+class Drafter:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+
+    def active(self, num_running: int) -> bool:
+        """vLLM's disable-by-batch-size, decided per step from the running sequences."""
+        return num_running <= self.config.disable_by_batch_size
+
+    def propose(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """Draft tokens for a decode sequence, at most `budget` of them (the step's token budget left)."""
+        limit = min(budget, self._room(seq))
+        if limit < 1 or not self.eligible(seq):
+            return ()
+        if seq.spec_skip:
+            seq.spec_skip -= 1
+            return ()
+        c = self.config
+        return propose_ngram(seq.token_ids, limit, c.prompt_lookup_min, c.prompt_lookup_max)
+
+    @staticmethod
+    def observe(seq: Sequence, num_accepted: int) -> None:
+        """A verification's outcome: nothing accepted backs the sequence off for longer each time in a row."""
+        if num_accepted:
+            seq.spec_misses = 0
+            return
+        seq.spec_misses += 1
+        seq.spec_skip = min(2 ** (seq.spec_misses - 1), MAX_BACKOFF_STEPS)
+
+    def _room(self, seq: Sequence) -> int:
+        """Drafts after which the sequence can still end on its own next token."""
+        p = seq.params
+        k = self.config.num_speculative_tokens
+        left = k if p.max_tokens is None else p.max_tokens - seq.num_output_tokens - 1
+        return min(k, left, self.max_model_len - seq.num_tokens - 1)
+
+    @staticmethod
+    def eligible(seq: Sequence) -> bool:
+        p = seq.params
+        return (p.speculative and seq.matcher is None and not p.needs_penalties and seq.pending_forks == 0
+                and seq.num_output_tokens >= p.min_tokens and seq.num_computed_tokens + 1 == seq.num_tokens)
