@@ -1,11 +1,11 @@
 """The batched LoRA compute: each adaptable linear of the base is wrapped in a `LoraLinear` that adds, for every
-distinct adapter of the step, shrink-then-expand over that adapter's tokens only (vLLM's punica ops, in torch).
+distinct adapter of the step, shrink-then-expand over that adapter's tokens only (what vLLM's punica ops do).
 
 The token -> adapter grouping is one `StepAdapters` the model runner fills once per step: it orders the step's
 sequences by adapter, so each distinct adapter's tokens are one contiguous span and a layer adds its delta to a view
 of those rows (no gather, no scatter). A layer loops over the step's distinct adapters (at most `max_loras`), never
-over requests; tokens of the base pay nothing. The delta is
-computed from the layer's input, so it is the same on every base: dense, GPTQ/AWQ, GGUF packed or dequantized.
+over requests; tokens of the base pay nothing. The delta is computed from the layer's input, so it is the same on
+every base: dense, GPTQ/AWQ, GGUF packed or dequantized.
 
 On CPU the adapters' matrices are float32 whatever the compute dtype (`lora_dtype`) and one native call per layer
 (kernels/cpu_lora.c) adds every adapter's delta: in torch each adapter costs a shrink, an expand and an add per
@@ -34,7 +34,8 @@ def lora_dtype(compute: torch.dtype, device: torch.device) -> torch.dtype:
 class StepAdapters:
     """This step's adapters: [(adapter, first token, end)], one contiguous span per adapter (the runner orders the
     step's sequences by adapter), base tokens in none. With the native kernel, also the spans and every slot's
-    matrices of those adapters as it reads them (`spans` [G, 2], `refs` [slots, G, 3]), built once per step."""
+    matrices of those adapters as it reads them (`spans` [G, 2], `refs` [slots, G, REF_FIELDS]), built once per
+    step."""
 
     __slots__ = ("groups", "native", "spans", "refs", "threads")
 
