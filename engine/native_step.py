@@ -1,8 +1,8 @@
 """The native small-batch decode step: a decode-only step of at most `max_batch` rows runs the model's whole layer
 stack and LM head in one C call (kernels/cpu_decode_step.c) instead of ~15 torch ops per layer.
 
-Taken at step time from the SchedulerOutput: every scheduled sequence computes exactly its one newest token, the
-batch is at most `EngineConfig.native_step_max_batch` rows, FP8 scales are calibrated and no row uses a LoRA adapter.
+Taken at step time from the SchedulerOutput: every scheduled sequence computes exactly its one newest token (and its
+speculative drafts, if any, verified in the same call), the batch is at most `EngineConfig.native_step_max_batch` rows, FP8 scales are calibrated and no row uses a LoRA adapter.
 Anything else (a prefill or chunk in the step, a larger batch, an adapter) runs the torch path, which shares the same KV cache. Built only when the
 model describes its stack (`decoder_stack()`: the Llama family), attention is the native CPU implementation, and
 every linear, the LM head included, has a native kernel (`LinearMethod.native_linear`); otherwise the engine logs
@@ -118,30 +118,37 @@ class NativeDecodeStep:
         )
 
     def accepts(self, batch: SchedulerOutput) -> bool:
-        """Whether this step runs natively: decode rows only, at most max_batch, FP8 scales settled, no LoRA adapter
+        """Whether this step runs natively: decode rows only (a speculating sequence's drafts included: each draft is
+        one more row over the same block table), at most max_batch sequences, FP8 scales settled, no LoRA adapter
         (the C step has no adapter deltas: a step with any adapter row runs on torch)."""
         items = batch.scheduled
         if not items or len(items) > self.max_batch or any(i.seq.lora is not None for i in items):
             return False
         if isinstance(self._attn, CalibratingAttention) and not self._attn.calibrated:
             return False
-        return all(i.num_new_tokens == 1 and i.seq.num_computed_tokens + 1 == i.seq.num_tokens for i in items)
+        return all(i.num_new_tokens == 1 + len(i.draft_tokens) and i.seq.num_computed_tokens + 1 == i.seq.num_tokens
+                   for i in items)
 
     def run(self, batch: SchedulerOutput, block_size: int) -> tuple[torch.Tensor, tuple[Sequence, ...]]:
-        """fp32 logits [n, vocab] of the step's sequences (every one samples), in schedule order."""
+        """fp32 logits [rows, vocab] of the step's sequences (every one samples), in schedule order: one row per
+        sequence, 1 + drafts consecutive rows for a speculating one. A draft row is a decode row of its own over the
+        sequence's block table, its context ending at its position: the C step writes every row's K/V before any
+        row's attention in each layer, so each draft sees the rows before it, as a causal forward does."""
         if not self._offsets_bound:
             self._bind_k_offsets()
         seqs = tuple(item.seq for item in batch.scheduled)
-        n = len(seqs)
-        positions = [seq.num_computed_tokens for seq in seqs]
-        width = max(len(seq.block_table) for seq in seqs)
-        tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs],
-                              dtype=torch.int32)
-        longs = torch.tensor([
-            [seq.token_ids[-1] for seq in seqs], positions,
-            [seq.block_table[p // block_size] * block_size + p % block_size for seq, p in zip(seqs, positions)],
-            list(range(n)),
-        ], dtype=torch.int64)
+        tokens, positions, slots, table_rows = [], [], [], []
+        for item in batch.scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            tokens += [seq.token_ids[-1], *item.draft_tokens]
+            for p in range(start, start + item.num_new_tokens):
+                positions.append(p)
+                slots.append(seq.block_table[p // block_size] * block_size + p % block_size)
+                table_rows.append(seq.block_table)
+        n = len(tokens)
+        width = max(len(table) for table in table_rows)
+        tables = torch.tensor([table + [0] * (width - len(table)) for table in table_rows], dtype=torch.int32)
+        longs = torch.tensor([tokens, positions, slots, list(range(n))], dtype=torch.int64)
         seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
         logits = torch.empty(n, self.vocab, dtype=torch.float32)
         # One torch call: the embedding reads its own storage (a packed one dequantizes only these rows).

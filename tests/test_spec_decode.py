@@ -183,6 +183,33 @@ def run_checked(engine_llm, prompts, params) -> list[list[int]]:
     return [list(final[f"r{i}"].outputs[0].token_ids) for i in range(len(prompts))]
 
 
+def test_native_decode_step_verifies_drafts(tiny, tiny_base, monkeypatch):
+    """One stream: the drafts are rows of the native decode step (each over the sequence's block table, its context
+    ending at its own position), and the tokens stay those of decoding without drafts."""
+    from pagedserve.engine.native_step import NativeDecodeStep
+
+    native_drafts = []
+    run = NativeDecodeStep.run
+
+    def counting_run(self, batch, block_size):
+        logits, seqs = run(self, batch, block_size)
+        native_drafts.append(sum(len(item.draft_tokens) for item in batch.scheduled))
+        assert logits.shape[0] == len(seqs) + native_drafts[-1]
+        return logits, seqs
+
+    monkeypatch.setattr(NativeDecodeStep, "run", counting_run)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
+    engine_llm = LLM(tiny, **SMALL, speculative=spec(4))
+    assert engine_llm.engine.runner.native_step is not None
+    for prompt in REPEATS:
+        got, want = engine_llm.generate([prompt], params)[0].outputs[0], tiny_base.generate([prompt], params)[0].outputs[0]
+        assert got.token_ids == want.token_ids
+        np.testing.assert_allclose([t.logprob for t in got.logprobs], [t.logprob for t in want.logprobs], atol=1e-4)
+    assert sum(native_drafts) > 0
+    s = engine_llm.engine.stats()
+    assert 0 < s.spec_decode_num_accepted_tokens < s.spec_decode_num_draft_tokens
+
+
 def test_preemption_and_many_rejections_keep_blocks_consistent(tiny, tiny_base):
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     block_bytes = LLM(tiny, dtype="float32", kv_cache_memory=1 << 20).engine.runner.kv_spec.bytes_per_block
