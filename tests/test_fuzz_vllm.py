@@ -100,7 +100,7 @@ def generate_requests(draw) -> vpb.GenerateRequest:
             request.sampling_params.choice.CopyFrom(value)
         else:
             setattr(request.sampling_params, constraint, value)
-    for token, bias in draw(st.dictionaries(_mostly(st.integers(0, 49151), UINT32),
+    for token, bias in draw(st.dictionaries(_mostly(st.integers(0, 49151), INT32),  # the proto map key is int32
                                             _mostly(st.floats(-100, 100), F32), max_size=2)).items():
         request.sampling_params.logit_bias[token] = bias
     if draw(st.sampled_from([False] * 9 + [True])):
@@ -137,6 +137,20 @@ def _check_replies(request: vpb.GenerateRequest, replies: list[vpb.GenerateRespo
     if not aborted:  # an Abort may end a stream early, with or without its completions
         n = request.sampling_params.n or 1
         assert sorted(c.index for c in completes) == list(range(n)), replies
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_samples_ending_in_different_steps_complete_once_each(channel, stream):
+    """Half the vocabulary stops a sample, so the 8 samples end over several steps; every engine output lists all
+    of them, finished or not, and each index still gets exactly one Complete."""
+    request = vpb.GenerateRequest(request_id=f"spread-{stream}", tokenized=vpb.TokenizedInput(input_ids=[1, 2, 3]),
+                                  stream=stream, sampling_params=vpb.SamplingParams(
+                                      n=8, max_tokens=6, temperature=1.0, seed=7, stop_token_ids=range(0, 49152, 2)))
+    code, details, replies = _outcome(vgrpc.VllmEngineStub(channel), request)
+    assert code == grpc.StatusCode.OK, details
+    completes = [r.complete for r in replies if r.WhichOneof("response") == "complete"]
+    assert sorted(c.index for c in completes) == list(range(8))
+    assert len({c.completion_tokens for c in completes}) > 1  # they did end in different steps
 
 
 def test_fuzzed_router_requests_never_harm_a_bystander(channel):

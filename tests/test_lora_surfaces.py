@@ -28,8 +28,8 @@ from pagedserve.client import AsyncClient, Client, ClientError
 from pagedserve.engine.errors import ConfigError
 from pagedserve.service.cli import build_parser, engine_config
 
-NAMES = ("sql", "chat", "code", "late")  # "late" is loaded at runtime
-STARTUP = NAMES[:3]
+NAMES = ("sql", "chat", "code", "math", "late")  # "late" is loaded at runtime
+STARTUP = NAMES[:4]
 KEPT = STARTUP[:2]  # never unloaded (the in-flight test unloads "code")
 SERVED = "tiny-base"
 PROMPT = [1, 504, 3492, 314, 4649, 28, 253, 1345]
@@ -51,7 +51,7 @@ def expected(lora_set) -> dict[str | None, list[int]]:
 
 @pytest.fixture(scope="module")
 def server(lora_set, tmp_path_factory) -> Iterator[ServerProcess]:
-    modules = [f"{name}={lora_set.adapters[name]}" for name in STARTUP[:2]]
+    modules = [f"{name}={lora_set.adapters[name]}" for name in (*STARTUP[:2], STARTUP[3])]
     modules.append(json.dumps({"name": STARTUP[2], "path": str(lora_set.adapters[STARTUP[2]]),
                                "base_model_name": SERVED}))
     proc = start_server(tmp_path_factory.mktemp("lora-server"), "--model", str(lora_set.base), "--http-port", "0",
@@ -125,7 +125,7 @@ def test_bad_lora_flags_name_the_field(flags, field):
 
 
 def test_mixed_batch_of_adapters_and_base_on_both_front_ends(server, client, expected):
-    """Base and three adapters at once on HTTP and gRPC (more distinct adapters than --max-loras 2): each answer is
+    """Base and four adapters at once on HTTP and gRPC (more distinct adapters than --max-loras 2): each answer is
     its own adapter's, token for token."""
     models = [None, *STARTUP]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:

@@ -136,7 +136,8 @@ def slot_context(requests) -> int:
 
 
 def start_llama_server(model_dir: str, dtype: str, log_dir: Path, threads: int = 2, parallel: int = 64,
-                       ctx_per_slot: int = 512, timeout: float = 300, gguf: Path | None = None) -> Server:
+                       ctx_per_slot: int = 512, timeout: float = 300, gguf: Path | None = None,
+                       extra_args: tuple[str, ...] = ()) -> Server:
     """gguf: serve this file; default: the model folder's f32/bf16 GGUF made by convert_gguf.sh.
     ctx_per_slot: see slot_context; -c is shared by the -np slots."""
     gguf = gguf or paths.gguf_dir() / f"{Path(model_dir).name}-{GGUF_TYPES[dtype]}.gguf"
@@ -145,7 +146,7 @@ def start_llama_server(model_dir: str, dtype: str, log_dir: Path, threads: int =
     port = free_port()
     argv = [str(paths.llama_server()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-c", str(parallel * ctx_per_slot),
-            "--cont-batching", "--no-webui", "-a", "model"]
+            "--cont-batching", "--no-webui", "-a", "model", *extra_args]
     if not LLAMA_REPACK_OFF[0]:
         try:
             return _start_llama(argv, gguf, log_dir, timeout)

@@ -100,10 +100,11 @@ class VllmEngineServicer:
                                         constrained=_constrained(request))
         # The engine keys the request by the router's id, so Abort finds it from any connection; a second
         # request under an id still in flight is refused (INVALID_ARGUMENT), as vLLM refuses it.
+        completed: set[int] = set()  # an engine output lists every sample, those finished in earlier steps too
         with self.state.track():
             async for event in RequestStream(self.engine, request_id, admitted, self.metrics).events():
                 if not isinstance(event, Ended):
-                    for reply in _replies(event, request.stream):
+                    for reply in _replies(event, request.stream, completed):
                         yield reply
 
     async def abort(self, raw: bytes, context: grpc.aio.ServicerContext) -> vpb.AbortResponse:
@@ -197,14 +198,16 @@ class VllmEngineServicer:
                                     dp_rank_count=1, loads=loads)
 
 
-def _replies(out: RequestOutput, stream: bool) -> list[vpb.GenerateResponse]:
+def _replies(out: RequestOutput, stream: bool, completed: set[int]) -> list[vpb.GenerateResponse]:
     """Streaming: a chunk per new-token delta, then a Complete (no tokens) per finished index.
-    Non-streaming: one Complete per index with all its tokens."""
+    Non-streaming: one Complete per index with all its tokens. `completed`: the indices already sent their
+    Complete (samples of one request can finish in different steps: each gets exactly one)."""
     replies = []
     for completion in out.outputs:
         if stream and completion.new_token_ids:
             replies.append(vpb.GenerateResponse(chunk=chunk(out, completion)))
-        if completion.finished:
+        if completion.finished and completion.index not in completed:
+            completed.add(completion.index)
             replies.append(vpb.GenerateResponse(complete=complete(out, completion, with_tokens=not stream)))
     return replies
 
