@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fp8_texts beside this script, even under python -P
 import fp8_texts  # noqa: E402
+from contention import cpu_model  # noqa: E402
 from pagedserve.engine import EngineConfig, LLMEngine  # noqa: E402
 from pagedserve.engine.models.layers import ForwardContext
 import pagedserve.kernels as kernels_package  # noqa: E402
@@ -196,17 +197,6 @@ def worst(rows: list[dict]) -> list[dict]:
                     "worst_top1_pct": bad_top["top1_pct"], "worst_top1_text": bad_top["text"],
                     "meets_targets": kv in TARGETS and bad_ppl["ppl_delta_pct"] <= TARGETS[kv] and bad_top["top1_pct"] >= TOP1_TARGET})
     return out
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux; platform.processor() is often empty there)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def host_info() -> dict:

@@ -5,8 +5,9 @@
 
 64 requests spread over 4 LoRA adapters and the base (request i uses adapter i % 5; 4 = the base), against the same
 64 requests all on the base through an engine without LoRA: the same prompts, greedy, ignore_eos and fixed lengths,
-so both runs do the same token work and differ only by the adapters. The adapters are made with peft on the fly in
-a temporary folder (rank 16 on q/k/v/o/gate/up/down, random non-zero A and B) over the model's architecture. Runs
+so both runs do the same token work and differ only by the adapters. The adapters are the ones
+benchmarks/peers/lora_vs_vllm.py serves (benchmarks/lora_adapters.py: made once by peft over the model's HF folder,
+rank 16 on q/k/v/o/gate/up/down, random non-zero A and B). Runs
 alternate (A/B), medians reported (and the median of each pair's ratio); target ratio (adapters / base) >= 0.85. Prints one JSON object with the machine
 (CPU model, usable cores, load average before/after).
 """
@@ -17,49 +18,20 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.lora.config import LoraConfig, LoraModule
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, even under python -P
+from contention import cpu_model  # noqa: E402
+from hf_folder import hf_folder  # noqa: E402
+from lora_adapters import benchmark_adapters  # noqa: E402
+from pagedserve.engine import LLM, SamplingParams  # noqa: E402
+from pagedserve.engine.lora.config import LoraConfig, LoraModule  # noqa: E402
 
 NUM_ADAPTERS = 4
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
-def make_adapters(hf_config: dict, folder: Path, rank: int) -> list[LoraModule]:
-    """PEFT folders for the model's architecture (a random-weight copy of it is enough: only names and shapes
-    matter to the adapter files)."""
-    import transformers
-    from peft import LoraConfig as PeftLoraConfig, get_peft_model
-
-    config = transformers.AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "quantization_config"})
-    base = transformers.AutoModelForCausalLM.from_config(config)
-    modules = []
-    for index in range(NUM_ADAPTERS):
-        peft_config = PeftLoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False, target_modules=[
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-        model = get_peft_model(base, peft_config, adapter_name=f"a{index}")
-        g = torch.Generator().manual_seed(index)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_" in name:
-                    param.copy_(torch.randn(param.shape, generator=g) * 0.02)
-        out = folder / f"adapter{index}"
-        model.save_pretrained(str(out), safe_serialization=True)
-        saved = next(p for p in out.rglob("adapter_model.safetensors"))
-        modules.append(LoraModule(f"adapter{index}", str(saved.parent)))
-        base = model.unload()  # the bare base again for the next adapter
-    return modules
 
 
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, adapters: list[str | None]) -> float:
@@ -80,10 +52,10 @@ def main() -> None:
     args = parser.parse_args()
     load_before = os.getloadavg()
     base_llm = LLM(args.model)
-    with tempfile.TemporaryDirectory() as tmp:
-        modules = make_adapters(base_llm.engine.loaded.hf_config, Path(tmp), args.rank)
-        lora = LoraConfig(modules=tuple(modules), max_loras=NUM_ADAPTERS, max_lora_rank=args.rank)
-        lora_llm = LLM(args.model, lora=lora)
+    folders = benchmark_adapters(hf_folder(args.model), NUM_ADAPTERS, args.rank)
+    modules = [LoraModule(folder.name, str(folder)) for folder in folders]
+    lora = LoraConfig(modules=tuple(modules), max_loras=NUM_ADAPTERS, max_lora_rank=args.rank)
+    lora_llm = LLM(args.model, lora=lora)
     g = torch.Generator().manual_seed(0)
     vocab = base_llm.engine.runner.vocab_size
     prompts = [torch.randint(100, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.requests)]

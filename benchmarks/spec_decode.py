@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from contention import cpu_model  # noqa: E402
 from pagedserve.engine import LLM, SamplingParams  # noqa: E402
 from pagedserve.engine.spec_decode.config import SpeculativeConfig  # noqa: E402
 from workload import WorkloadConfig, build_workload  # noqa: E402
@@ -36,13 +37,6 @@ from workload import WorkloadConfig, build_workload  # noqa: E402
 LICENSE = Path(os.__file__).parent / "LICENSE.txt"
 ASK = ("Rewrite the following text, replacing the word \"Python\" with \"PYTHON\" everywhere. Change nothing "
        "else.\n\n{text}")
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def license_chunks(llm: LLM, count: int, lo: int = 300, hi: int = 1000) -> list[str]:

@@ -31,7 +31,7 @@ def generator_for(seed: int, index: int) -> torch.Generator:
     return g
 
 
-_NON_FINITE = "the model's logits for this request are not finite (NaN or inf); no token can be sampled"
+NON_FINITE = "the model's logits for this request are not finite (NaN or inf); no token can be sampled"
 
 
 class Sampler:
@@ -43,7 +43,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(seqs) and logits.dtype == torch.float32
         dead = mask_constrained_rows(logits, seqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
-        processed = self._process(logits, seqs)
+        processed = self.process(logits, seqs)
         # amax propagates NaN: a NaN or +inf anywhere, or no finite logit at all, makes the row's maximum non-finite.
         row_max = processed.amax(dim=-1)
         bad = set(torch.nonzero(~torch.isfinite(row_max)).flatten().tolist())
@@ -57,12 +57,13 @@ class Sampler:
             choices.update(self._sample_random(processed, row_max, seqs, random_rows))
         return [
             SampledTokens(seq, (), dead_end=True) if row in dead else
-            SampledTokens(seq, (), error=_NON_FINITE) if row in bad else
+            SampledTokens(seq, (), error=NON_FINITE) if row in bad else
             SampledTokens(seq, tuple((tok, self.logprob(raw_logprobs, row, tok, seq)) for tok in choices[row]))
             for row, seq in enumerate(seqs)
         ]
 
-    def _process(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> torch.Tensor:
+        """Bias, penalties and min_tokens applied to each row (a copy when any row needs one)."""
         needs = [
             i for i, s in enumerate(seqs)
             if s.params.logit_bias or s.params.needs_penalties or s.num_output_tokens < s.params.min_tokens
@@ -102,10 +103,6 @@ class Sampler:
             picks = torch.multinomial(probs[i], count, replacement=True, generator=seq.sampler_state)
             out[row] = order[i, picks].tolist()
         return out
-
-    def process(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> torch.Tensor:
-        """Bias, penalties and min_tokens applied to each row (a copy when any row needs one)."""
-        return self._process(logits, seqs)
 
     @staticmethod
     def filtered_probs(

@@ -96,8 +96,6 @@ class Scheduler:
 
     def _drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
         """Drafts only where their blocks are free now: speculation never preempts anyone."""
-        if seq.num_tokens - seq.num_computed_tokens != 1:
-            return ()
         drafts = self.drafter.propose(seq, budget)
         return drafts if drafts and self.block_manager.can_allocate(seq, 1 + len(drafts)) else ()
 
@@ -160,19 +158,19 @@ class Scheduler:
         """The forward for `output` ran: its tokens are now computed, full blocks become shareable, and blocks that
         fell out of every sliding window go back to the pool (after being published: their contents stay valid)."""
         for item in output.scheduled:
-            if item.draft_tokens:
-                continue  # committed by commit_verified once its drafts are checked
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.commit_full_blocks(item.seq)
-            self.block_manager.release_out_of_window(item.seq)
+            if not item.draft_tokens:  # a speculating one is committed by commit_verified once its drafts are checked
+                self._advance(item.seq, item.num_new_tokens)
 
     def commit_verified(self, seq: Sequence, num_accepted: int) -> None:
         """A speculating sequence's step: its last token and the `num_accepted` drafts now in its tokens are computed
         (their KV is right); the rejected drafts' positions are not, and blocks taken only for them go back."""
-        seq.num_computed_tokens += 1 + num_accepted
+        self._advance(seq, 1 + num_accepted)
+        self.block_manager.trim_to_computed(seq)
+
+    def _advance(self, seq: Sequence, num_computed: int) -> None:
+        seq.num_computed_tokens += num_computed
         self.block_manager.commit_full_blocks(seq)
         self.block_manager.release_out_of_window(seq)
-        self.block_manager.trim_to_computed(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A forked sibling joins the batch right after its parent."""

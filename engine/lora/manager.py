@@ -41,24 +41,15 @@ class AdapterManager:
         with self._lock:
             known = self._registered.get(module.name)
         if known is not None:
-            if os.path.realpath(known.path) != os.path.realpath(module.path):
-                raise AdapterLoadError("lora_name", f"{module.name!r} is already loaded from {known.path}; unload "
-                                       "it first to load another folder under that name")
+            _check_same_folder(known, module.path)
             return known
         info = AdapterInfo(module.name, 0, module.path, 0, ())
         return read_peft_adapter(info, self.layout, self.config.max_lora_rank, self.dtype, self.device)
 
     def check_allowed(self, path: str) -> None:
         """Runtime loads come only from under `LoraConfig.allowed_dirs` (when it names any)."""
-        if not self.config.allowed_dirs:
-            return
-        real = os.path.realpath(path)
-        for folder in self.config.allowed_dirs:
-            root = os.path.realpath(folder)
-            if os.path.commonpath([real, root]) == root:
-                return
-        raise AdapterLoadError("lora_path", f"{path} is outside the allowed adapter folders "
-                               f"({', '.join(self.config.allowed_dirs)})")
+        if self.config.allowed_dirs:
+            allowed_path(path, self.config.allowed_dirs)
 
     def register(self, read: LoraWeights | AdapterInfo) -> AdapterInfo:
         """Applies a `read` result (on the loop thread, between steps); returns what front ends list."""
@@ -67,8 +58,7 @@ class AdapterManager:
         with self._lock:
             known = self._registered.get(read.name)
             if known is not None:  # registered meanwhile: the same rule as read()
-                if os.path.realpath(known.path) != os.path.realpath(read.info.path):
-                    raise AdapterLoadError("lora_name", f"{read.name!r} is already loaded from {known.path}")
+                _check_same_folder(known, read.info.path)
                 return known
             info = AdapterInfo(read.name, next(self._ids), read.info.path, read.info.rank, read.info.target_modules)
             self._registered[info.name] = info
@@ -109,3 +99,26 @@ class AdapterManager:
         self._loaded.move_to_end(weights.name)
         while len(self._loaded) > self.config.cpu_capacity:
             self._loaded.popitem(last=False)  # requests holding it keep their reference
+
+
+def _check_same_folder(known: AdapterInfo, path: str) -> None:
+    """Loading a registered name again is a no-op from the same folder, refused from another."""
+    if os.path.realpath(known.path) != os.path.realpath(path):
+        raise AdapterLoadError("lora_name", f"{known.name!r} is already loaded from {known.path}; unload it first to "
+                               "load another folder under that name")
+
+
+def allowed_path(path: object, allowed_dirs: tuple[str, ...]) -> str:
+    """The real path (symlinks and `..` resolved) when it lies inside one of the allowed folders (also resolved), so
+    a link inside an allowed folder cannot point the server at any other file."""
+    if not isinstance(path, str) or not path:
+        raise AdapterLoadError("lora_path", "must be a non-empty string (the adapter's PEFT folder)")
+    if "\x00" in path:
+        raise AdapterLoadError("lora_path", "must not contain NUL characters")
+    real = os.path.realpath(path)
+    for folder in allowed_dirs:
+        root = os.path.realpath(folder)
+        if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+            return real
+    raise AdapterLoadError("lora_path", f"{path!r} is outside the allowed folders (--allowed-lora-dirs: "
+                                        f"{', '.join(allowed_dirs)})")

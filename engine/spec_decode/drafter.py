@@ -7,8 +7,8 @@ change each row's distribution with the tokens before it), no samples still to f
 token; the forked samples speculate on their own afterwards), and the request did not opt out. Drafts never run
 past max_tokens or the context limit, so they need no KV the admission did not reserve.
 
-Back-off: a step with drafts runs the torch path where a lone decode step would run the native one (about twice as
-fast on CPU), so drafts that are all rejected cost real time. After a verification that accepted nothing, the
+Back-off: drafts that are all rejected still cost their rows (in the native decode step, or on the torch path for
+batches too large for it), so they cost real time. After a verification that accepted nothing, the
 sequence proposes nothing for 1, 2, 4, ... up to `MAX_BACKOFF_STEPS` steps; any accepted draft resets it. This
 changes which steps speculate, never the tokens.
 """

@@ -15,10 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.engine.sampler import Sampler
+from pagedserve.engine.sampler import NON_FINITE, Sampler
 from pagedserve.engine.sequence import Sequence, TokenLogprob
-
-_NON_FINITE = "the model's logits for this request are not finite (NaN or inf); no token can be sampled"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +58,7 @@ class Verifier:
         processed = self.sampler.process(logits, rows)
         row_max = processed.amax(dim=-1)
         if not bool(torch.isfinite(row_max).all()):
-            return Verified(seq, (), len(drafts), 0, error=_NON_FINITE)
+            return Verified(seq, (), len(drafts), 0, error=NON_FINITE)
         if seq.params.greedy:
             picks = self._greedy(processed, drafts)
         else:

@@ -8,11 +8,10 @@ folder cannot point the server at any other file.
 
 from __future__ import annotations
 
-import os
-
 from pagedserve.engine.admission import field_map, renamed
 from pagedserve.engine.errors import AdapterLoadError, ConfigError
 from pagedserve.engine.lora.config import AdapterInfo, LoraConfig, LoraModule, check_adapter_name
+from pagedserve.engine.lora.manager import allowed_path
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.errors import RuntimeUpdatesOffError
 
@@ -41,7 +40,7 @@ class AdapterAdmin:
 
     async def load(self, name: object, path: object) -> AdapterInfo:
         lora = self._check_updates()
-        module = LoraModule(_name(name), _allowed_path(path, lora.allowed_dirs))
+        module = LoraModule(_name(name), allowed_path(path, lora.allowed_dirs))
         with renamed(_ADMIN_FIELDS):
             return await self.serving.engine.load_adapter(module)
 
@@ -67,18 +66,3 @@ def _name(name: object) -> str:
         return check_adapter_name(name, "lora_name")
     except ConfigError as exc:
         raise AdapterLoadError("lora_name", str(exc).removeprefix("lora_name: ")) from None
-
-
-def _allowed_path(path: object, allowed_dirs: tuple[str, ...]) -> str:
-    """The real path (symlinks and `..` resolved) when it lies inside one of the allowed folders (also resolved)."""
-    if not isinstance(path, str) or not path:
-        raise AdapterLoadError("lora_path", "must be a non-empty string (the adapter's PEFT folder)")
-    if "\x00" in path:
-        raise AdapterLoadError("lora_path", "must not contain NUL characters")
-    real = os.path.realpath(path)
-    for folder in allowed_dirs:
-        root = os.path.realpath(folder)
-        if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
-            return real
-    raise AdapterLoadError("lora_path", f"{path!r} is outside the allowed folders (--allowed-lora-dirs: "
-                                        f"{', '.join(allowed_dirs)})")

@@ -26,6 +26,32 @@ class ClientGone(Exception):
     """The client disconnected; nothing more can be sent."""
 
 
+async def read_json_body(receive: Any, limit: int) -> Any:
+    """The request body as JSON, read through the ASGI `receive` up to `limit` bytes (413 beyond, 400 if not JSON)."""
+    body = await _read_body(receive, limit)
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise HttpError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+async def _read_body(receive: Any, limit: int) -> bytes:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        size += len(message.get("body", b""))
+        if size <= limit:
+            chunks.append(message.get("body", b""))
+        if not message.get("more_body", False) or size > limit * _DRAIN_FACTOR:
+            break
+    if size > limit:
+        raise HttpError(413, f"the request body is {size} bytes or more, over the server limit of {limit} bytes "
+                        "(--max-message-bytes)", code="request_too_large")
+    return b"".join(chunks)
+
+
 class Exchange:
     def __init__(self, scope: dict[str, Any], receive: Any, send: Any):
         self.scope, self._receive, self._send = scope, receive, send
@@ -44,27 +70,7 @@ class Exchange:
                 return
 
     async def json_body(self, limit: int) -> Any:
-        body = await self._read_body(limit)
-        try:
-            return json.loads(body)
-        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-            raise HttpError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-
-    async def _read_body(self, limit: int) -> bytes:
-        chunks, size = [], 0
-        while True:
-            message = await self._receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone()
-            size += len(message.get("body", b""))
-            if size <= limit:
-                chunks.append(message.get("body", b""))
-            if not message.get("more_body", False) or size > limit * _DRAIN_FACTOR:
-                break
-        if size > limit:
-            raise HttpError(413, f"the request body is {size} bytes or more, over the server limit of {limit} bytes "
-                            "(--max-message-bytes)", code="request_too_large")
-        return b"".join(chunks)
+        return await read_json_body(self._receive, limit)
 
     async def until_disconnect(self, awaitable: Awaitable[T]) -> T:
         """The awaitable's result, unless the client disconnects first: then it is cancelled and ClientGone raised."""

@@ -9,7 +9,6 @@ ends: the same requests, limits, drain and counts.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -27,7 +26,7 @@ from pagedserve.service.core.adapters import AdapterAdmin
 from pagedserve.service.core.admit import admit_off_loop
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.stream import Ended, RequestStream
-from pagedserve.service.openai.http_exchange import ClientGone, Exchange
+from pagedserve.service.openai.http_exchange import ClientGone, Exchange, read_json_body
 from pagedserve.service.openai.merged_streams import MergedStreams
 from pagedserve.service.openai.openai_errors import HttpError, error_reply
 from pagedserve.service.openai.openai_params import OpenAIRequest, parse
@@ -215,13 +214,7 @@ def _size(body: Any) -> int:
 
 
 async def _admin_body(request: Request, limit: int) -> dict[str, Any]:
-    raw = await request.body()
-    if len(raw) > limit:
-        raise HttpError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise HttpError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    body = await read_json_body(request.receive, limit)
     if not isinstance(body, dict):
         raise HttpError(400, "the request body must be a JSON object", code="invalid_json")
     return body
