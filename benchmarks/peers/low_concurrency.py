@@ -141,7 +141,7 @@ def main() -> None:
                           args.threads, log_dir)
     host = {"cpu_model": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                                if line.startswith("model name")), "unknown"), "load_avg_1m_end": os.getloadavg()[0]}
-    print(json.dumps({"started": started, "host": host, **section}, indent=2))
+    print(json.dumps({"started": started, "host": host, "llama_build": servers.LLAMA_BUILD[0], **section}, indent=2))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,12 @@ def llama_server() -> Path:
     return peers_cache() / "llama-build" / "bin" / "llama-server"
 
 
+def llama_server_no_amx() -> Path:
+    """build_llama_server.sh --no-amx: AVX-512/VNNI/BF16 named instead of -march=native, for VMs that list AMX but
+    do not grant its tile state (the native build dies there; this one keeps llama.cpp's weight repacking)."""
+    return peers_cache() / "llama-build-noamx" / "bin" / "llama-server"
+
+
 def gguf_dir() -> Path:
     return peers_cache() / "gguf"
 

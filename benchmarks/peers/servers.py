@@ -147,21 +147,30 @@ def start_llama_server(model_dir: str, dtype: str, log_dir: Path, threads: int =
     argv = [str(paths.llama_server()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-c", str(parallel * ctx_per_slot),
             "--cont-batching", "--no-webui", "-a", "model", *extra_args]
-    if not LLAMA_REPACK_OFF[0]:
+    if LLAMA_BUILD[0] == "native":
         try:
             return _start_llama(argv, gguf, log_dir, timeout)
         except LlamaIllegalInstruction:
-            pass
+            print("llama-server died at start (SIGILL in its AMX kernels on a VM without AMX tile state?)",
+                  file=sys.stderr)
     # A -march=native build runs ggml's AMX kernels where the CPU lists AMX; a VM that does not grant the tile
-    # state kills it with SIGILL at its warm-up. Without repacking, llama.cpp uses its AVX-512 kernels.
-    if not LLAMA_REPACK_OFF[0]:
-        print("llama-server died at start (SIGILL in its AMX kernels on a VM without AMX tile state?): "
-              "retrying with --no-repack", file=sys.stderr)
-    LLAMA_REPACK_OFF[0] = True
+    # state kills it with SIGILL at its warm-up. The no-AMX build keeps llama.cpp's repacked AVX-512 kernels;
+    # without it, --no-repack turns the AMX (and every other repacked) buffer off.
+    if LLAMA_BUILD[0] in ("native", "no-amx") and paths.llama_server_no_amx().exists():
+        try:
+            LLAMA_BUILD[0] = "no-amx"
+            return _start_llama([str(paths.llama_server_no_amx()), *argv[1:]], gguf, log_dir, timeout)
+        except LlamaIllegalInstruction:
+            pass
+    if LLAMA_BUILD[0] != "no-repack":
+        print("llama-server: retrying the native build with --no-repack", file=sys.stderr)
+    LLAMA_BUILD[0] = "no-repack"
     return _start_llama([*argv, "--no-repack"], gguf, log_dir, timeout)
 
 
-LLAMA_REPACK_OFF = [False]  # set once llama-server needed --no-repack here; reports say so
+# Which llama-server ran: "native" (-march=native), "no-amx" (build_llama_server.sh --no-amx, after the native one
+# died of SIGILL) or "no-repack" (the native build with --no-repack); reports say which.
+LLAMA_BUILD = ["native"]
 
 
 class LlamaIllegalInstruction(RuntimeError):

@@ -113,7 +113,7 @@ def main() -> None:
                     "pagedserve_spec_itl_over_llama_spec_itl": itl["pagedserve-spec"][c] / itl["llama-server-spec"][c]}
                 for c in map(str, args.concurrency)}
     print(json.dumps({"benchmark": "spec_vs_llama", "host": info, "gguf": str(gguf), "max_tokens": args.max_tokens,
-                      "llama_repack_off": servers.LLAMA_REPACK_OFF[0], "pagedserve_spec": PAGEDSERVE_SPEC[1],
+                      "llama_build": servers.LLAMA_BUILD[0], "pagedserve_spec": PAGEDSERVE_SPEC[1],
                       "llama_spec": " ".join(LLAMA_SPEC), "speedups": speedups, "results": results}, indent=1))
 
 
