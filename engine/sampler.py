@@ -31,6 +31,27 @@ def generator_for(seed: int, index: int) -> torch.Generator:
     return g
 
 
+_ARGMAX_CHUNK = 512
+
+
+def first_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index of the row's maximum: the same ids as logits.argmax(dim=-1), several times faster
+    on CPU (torch's argmax over a [32, 49152] row block measured 5-6 ms, a scalar loop; this ~1 ms): the maximum of
+    each 512-wide chunk comes from the vectorised amax, then argmax runs only over the first chunk holding it."""
+    rows, vocab = logits.shape
+    chunks = vocab // _ARGMAX_CHUNK
+    if chunks < 2:
+        return logits.argmax(dim=-1)
+    chunk_max = logits[:, :chunks * _ARGMAX_CHUNK].reshape(rows, chunks, _ARGMAX_CHUNK).amax(dim=-1)
+    if chunks * _ARGMAX_CHUNK < vocab:
+        chunk_max = torch.cat([chunk_max, logits[:, chunks * _ARGMAX_CHUNK:].amax(dim=-1, keepdim=True)], dim=1)
+    start = chunk_max.argmax(dim=-1) * _ARGMAX_CHUNK
+    # The tail chunk is narrower: its index runs past the row and is clamped to the last id, which repeats only
+    # after that id's own position, so the first maximum is unchanged.
+    cols = (start.unsqueeze(1) + torch.arange(_ARGMAX_CHUNK, device=logits.device)).clamp_(max=vocab - 1)
+    return logits.gather(1, cols).argmax(dim=-1) + start
+
+
 NON_FINITE = "the model's logits for this request are not finite (NaN or inf); no token can be sampled"
 
 
@@ -50,7 +71,7 @@ class Sampler:
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy and i not in bad]
         choices: dict[int, list[int]] = {}
         if greedy:
-            picks = processed[greedy].argmax(dim=-1).tolist()
+            picks = first_argmax(processed)[greedy].tolist()
             choices.update({row: [tok] for row, tok in zip(greedy, picks)})
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in bad]
         if random_rows:

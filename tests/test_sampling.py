@@ -243,3 +243,18 @@ def test_async_engine_fails_only_the_poisoned_stream(llm_fp32, monkeypatch):
     assert bystander == alone
     assert isinstance(victim, RequestFailedError) and "not finite" in str(victim)
     assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("vocab", [7, 1024, 1500, 49152, 50257])
+def test_first_argmax_equals_torch_argmax_with_ties_and_masked_rows(vocab):
+    from pagedserve.engine.sampler import first_argmax
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=g)
+    logits[1] = logits[1].round()  # many ties: the first maximum must win
+    logits[2, :-1] = float("-inf")  # only the last id allowed (a constrained row)
+    logits[3] = 0.0  # all tied
+    logits[4, vocab // 2:] = logits[4].max() + 1  # tie across the chunk boundary
+    logits[5, ::3] = float("-inf")
+    assert torch.equal(first_argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(first_argmax(logits[::2]), logits[::2].argmax(dim=-1))  # rows that are not contiguous
