@@ -1,13 +1,14 @@
-"""The native small-batch decode step: a decode-only step of at most `max_batch` rows runs the model's whole layer
-stack and LM head in one C call (kernels/cpu_decode_step.c) instead of ~15 torch ops per layer.
+"""The native small-batch decode step: a decode-only step of at most `max_batch` sequences runs the model's whole
+layer stack and LM head in one C call (kernels/cpu_decode_step.c) instead of ~15 torch ops per layer.
 
 Taken at step time from the SchedulerOutput: every scheduled sequence computes exactly its one newest token (and its
-speculative drafts, if any, verified in the same call), the batch is at most `EngineConfig.native_step_max_batch` sequences (a step with drafts: at most
-`native_step_max_rows` rows, whatever its sequences), FP8 scales are calibrated and no row uses a LoRA adapter.
-Anything else (a prefill or chunk in the step, a larger batch, an adapter) runs the torch path, which shares the same KV cache. Built only when the
-model describes its stack (`decoder_stack()`: the Llama family), attention is the native CPU implementation, and
-every linear, the LM head included, has a native kernel (`LinearMethod.native_linear`); otherwise the engine logs
-why and keeps the torch path for every step.
+speculative drafts, if any, verified in the same call), the batch is at most `EngineConfig.native_step_max_batch`
+sequences (a step with drafts: any number of sequences within `native_step_max_rows` rows), FP8 scales are
+calibrated and no row uses a LoRA adapter. Anything else (a prefill or chunk in the step, a larger batch, an adapter)
+runs the torch path, which shares the same KV cache. Built only when the model describes its stack
+(`decoder_stack()`: the Llama family), attention is the native CPU implementation, and every linear, the LM head
+included, has a native kernel (`LinearMethod.native_linear`); otherwise the engine logs why and keeps the torch path
+for every step.
 """
 
 from __future__ import annotations
