@@ -76,10 +76,10 @@ class EngineConfig:
     # on Sapphire Rapids, where oneDNN's AMX matmuls win from 4 rows (benchmarks/native_step_crossover.py)
     native_step_max_batch: int = 2
     # A step with speculative drafts runs natively past native_step_max_batch sequences while its rows (1 + drafts
-    # per sequence) stay within this, and the drafter trims drafts to fit it (engine/spec_decode/drafter.py): on
-    # Sapphire Rapids 4 copy streams at 3 rows each beat the torch path at 5 rows each (benchmarks/spec_decode.py
-    # --native-step-max-rows); 0 turns the budget off
-    native_step_max_rows: int = 12
+    # per sequence) stay within this, the drafter trimming drafts to fit (engine/spec_decode/drafter.py). 0 (off):
+    # on Sapphire Rapids 4 copy streams at 3 rows each natively did not measurably beat 5 rows each on the torch path
+    # (noisy A/B; docs/speculative-decoding.md has the command that decides it on a host)
+    native_step_max_rows: int = 0
     chat_template: str | None = None  # a jinja file replacing the model's chat template
     structured_output_backend: str = "llguidance"  # the grammar library (docs/structured-outputs.md)
     constraint_compile_timeout_s: float = 10.0  # a constraint still compiling after this is refused
