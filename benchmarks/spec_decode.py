@@ -159,6 +159,8 @@ def main() -> None:
     parser.add_argument("--lookup-min", type=int, default=2)
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--disable-by-batch-size", type=int, default=None, help="default: SpeculativeConfig's")
+    parser.add_argument("--native-step-max-rows", type=int, default=None,
+                        help="the speculating engine's EngineConfig.native_step_max_rows (default: its default)")
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
@@ -172,7 +174,8 @@ def main() -> None:
     common = {"num_threads": args.threads} if args.threads else {}
     load_before = os.getloadavg()
     base = LLM(args.model, **common)
-    spec = LLM(args.model, speculative=config, **common)
+    rows = {} if args.native_step_max_rows is None else {"native_step_max_rows": args.native_step_max_rows}
+    spec = LLM(args.model, speculative=config, **common, **rows)
     max_tokens, repeats = (48, 1) if args.quick else (args.max_tokens, args.repeats)
     result = {
         "benchmark": "spec_decode", "cpu": cpu_model(), "usable_cores": len(os.sched_getaffinity(0)),
@@ -180,6 +183,7 @@ def main() -> None:
                                "prompt_lookup_min": config.prompt_lookup_min,
                                "prompt_lookup_max": config.prompt_lookup_max,
                                "disable_by_batch_size": config.disable_by_batch_size},
+        "native_step_max_rows": spec.engine.config.native_step_max_rows,
         "max_tokens": max_tokens, "repeats": repeats,
         "copy": [copy_figures(base, spec, c, max_tokens, repeats) for c in args.concurrency],
         "free_writing": free_figures(base, spec, max_tokens, repeats),

@@ -75,6 +75,11 @@ class EngineConfig:
     # linear of the model has a native kernel (engine/native_step.py); 0 turns it off. 2: the crossover measured
     # on Sapphire Rapids, where oneDNN's AMX matmuls win from 4 rows (benchmarks/native_step_crossover.py)
     native_step_max_batch: int = 2
+    # A step with speculative drafts runs natively past native_step_max_batch sequences while its rows (1 + drafts
+    # per sequence) stay within this, the drafter trimming drafts to fit (engine/spec_decode/drafter.py). 0 (off):
+    # on Sapphire Rapids 4 copy streams at 3 rows each natively did not measurably beat 5 rows each on the torch path
+    # (noisy A/B; docs/speculative-decoding.md has the command that decides it on a host)
+    native_step_max_rows: int = 0
     chat_template: str | None = None  # a jinja file replacing the model's chat template
     structured_output_backend: str = "llguidance"  # the grammar library (docs/structured-outputs.md)
     constraint_compile_timeout_s: float = 10.0  # a constraint still compiling after this is refused
@@ -91,6 +96,8 @@ class EngineConfig:
             raise ConfigError("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if not isinstance(self.native_step_max_batch, int) or self.native_step_max_batch < 0:
             raise ConfigError("native_step_max_batch", f"must be an integer >= 0, got {self.native_step_max_batch!r}")
+        if not isinstance(self.native_step_max_rows, int) or self.native_step_max_rows < 0:
+            raise ConfigError("native_step_max_rows", f"must be an integer >= 0, got {self.native_step_max_rows!r}")
         for name in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_queued_requests"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

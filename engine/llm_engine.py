@@ -81,7 +81,9 @@ class LLMEngine:
         lora = config.lora
         self.lora_manager = None if lora is None else \
             AdapterManager(lora, self.runner.lora_layout, lora_dtype(self.loaded.dtype, self.device), self.device)
-        drafter = None if config.speculative is None else Drafter(config.speculative, self.max_model_len)
+        native = self.runner.native_step
+        drafter = None if config.speculative is None else Drafter(
+            config.speculative, self.max_model_len, *((native.max_rows, native.max_batch) if native else (0, 0)))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    None if lora is None else lora.max_loras, drafter=drafter)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)

@@ -53,7 +53,7 @@ class ModelRunner:
         )
         self.layer_ops = select_layer_ops(config.layer_ops_choice, device, loaded.dtype)
         self.native_step = build_native_step(
-            self.model, self.kv_cache, self.attn_impl, config.native_step_max_batch, device
+            self.model, self.kv_cache, self.attn_impl, config.native_step_max_batch, device, config.native_step_max_rows
         )
         # LoRA: the adaptable linears get wrapped after the native step took the bare ones (it serves base steps).
         self.step_adapters = StepAdapters(native=device.type == "cpu" and config.lora is not None and available())

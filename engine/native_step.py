@@ -1,12 +1,14 @@
-"""The native small-batch decode step: a decode-only step of at most `max_batch` rows runs the model's whole layer
-stack and LM head in one C call (kernels/cpu_decode_step.c) instead of ~15 torch ops per layer.
+"""The native small-batch decode step: a decode-only step of at most `max_batch` sequences runs the model's whole
+layer stack and LM head in one C call (kernels/cpu_decode_step.c) instead of ~15 torch ops per layer.
 
 Taken at step time from the SchedulerOutput: every scheduled sequence computes exactly its one newest token (and its
-speculative drafts, if any, verified in the same call), the batch is at most `EngineConfig.native_step_max_batch` rows, FP8 scales are calibrated and no row uses a LoRA adapter.
-Anything else (a prefill or chunk in the step, a larger batch, an adapter) runs the torch path, which shares the same KV cache. Built only when the
-model describes its stack (`decoder_stack()`: the Llama family), attention is the native CPU implementation, and
-every linear, the LM head included, has a native kernel (`LinearMethod.native_linear`); otherwise the engine logs
-why and keeps the torch path for every step.
+speculative drafts, if any, verified in the same call), the batch is at most `EngineConfig.native_step_max_batch`
+sequences (a step with drafts: any number of sequences within `native_step_max_rows` rows), FP8 scales are
+calibrated and no row uses a LoRA adapter. Anything else (a prefill or chunk in the step, a larger batch, an adapter)
+runs the torch path, which shares the same KV cache. Built only when the model describes its stack
+(`decoder_stack()`: the Llama family), attention is the native CPU implementation, and every linear, the LM head
+included, has a native kernel (`LinearMethod.native_linear`); otherwise the engine logs why and keeps the torch path
+for every step.
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ def _struct_array(natives: tuple[NativeLinear, ...], size: int):
 
 
 class NativeDecodeStep:
-    def __init__(self, stack: DecoderStack, cache: KVCache, attn: AttentionImpl, max_batch: int):
+    def __init__(self, stack: DecoderStack, cache: KVCache, attn: AttentionImpl, max_batch: int, max_rows: int = 0):
         self.max_batch = max_batch
+        self.max_rows = max_rows
         self._attn = attn
         self._keep: list[object] = []  # NativeLinears and tensors whose addresses the C structs hold
         rotation = cache.layers[0].k_rotation  # one matrix for every layer (KVCache.set_k_rotation)
@@ -119,10 +122,14 @@ class NativeDecodeStep:
 
     def accepts(self, batch: SchedulerOutput) -> bool:
         """Whether this step runs natively: decode rows only (a speculating sequence's drafts included: each draft is
-        one more row over the same block table), at most max_batch sequences, FP8 scales settled, no LoRA adapter
-        (the C step has no adapter deltas: a step with any adapter row runs on torch)."""
+        one more row over the same block table), at most max_batch sequences (or, with drafts, any number within
+        max_rows rows: the drafter trims drafts to fit), FP8 scales settled, no LoRA adapter (the C step has no
+        adapter deltas: a step with any adapter row runs on torch)."""
         items = batch.scheduled
-        if not items or len(items) > self.max_batch or any(i.seq.lora is not None for i in items):
+        if not items or any(i.seq.lora is not None for i in items):
+            return False
+        if len(items) > self.max_batch and not (any(i.draft_tokens for i in items)
+                                                and sum(i.num_new_tokens for i in items) <= self.max_rows):
             return False
         if isinstance(self._attn, CalibratingAttention) and not self._attn.calibrated:
             return False
@@ -166,7 +173,7 @@ class NativeDecodeStep:
 
 
 def build_native_step(model: torch.nn.Module, cache: KVCache, attn: AttentionImpl, max_batch: int,
-                      device: torch.device) -> NativeDecodeStep | None:
+                      device: torch.device, max_rows: int = 0) -> NativeDecodeStep | None:
     """The native step for this engine, or None (logging why) where the torch path must serve every step."""
     if max_batch < 1 or device.type != "cpu":
         return None
@@ -177,7 +184,7 @@ def build_native_step(model: torch.nn.Module, cache: KVCache, attn: AttentionImp
         describe = getattr(model, "decoder_stack", None)
         if describe is None:
             raise NativeStepUnavailable(f"{type(model).__name__} has no native layer stack (its layer math differs)")
-        step = NativeDecodeStep(describe(), cache, attn, max_batch)
+        step = NativeDecodeStep(describe(), cache, attn, max_batch, max_rows)
     except NativeStepUnavailable as why:
         logger.info("native decode step off, every step on the torch path: %s", why)
         return None

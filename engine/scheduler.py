@@ -73,10 +73,11 @@ class Scheduler:
         preempted: list[Sequence] = []
         index = 0
         speculate = self.drafter is not None and self.drafter.active(len(self.running))
+        per_seq = self.drafter.drafts_per_sequence(len(self.running)) if speculate else 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            drafts = self._drafts(seq, budget - num_new) if speculate else ()
+            drafts = self._drafts(seq, min(per_seq, budget - num_new)) if per_seq else ()
             num_new += len(drafts)
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running.pop()  # the newest running sequence gives way

@@ -49,6 +49,9 @@ _ENGINE_HELP = {
     "native_step_max_batch": "CPU: decode-only steps of up to this many sequences run the whole layer stack in one "
                              "native call (Llama-family models, native attention, every linear with a native "
                              "kernel); 0: always the per-op torch path",
+    "native_step_max_rows": "CPU, speculative decoding: a step with drafts runs natively past "
+                            "--native-step-max-batch sequences while its rows (1 + drafts each) fit this, drafts "
+                            "trimmed to fit; 0: off",
     "max_queued_requests": "admitted requests waiting for a batch slot; beyond it: RESOURCE_EXHAUSTED",
     "chat_template": "jinja chat template file used instead of the model's own (for chat messages)",
 }

@@ -210,11 +210,41 @@ def test_native_decode_step_verifies_drafts(tiny, tiny_base, monkeypatch):
     assert 0 < s.spec_decode_num_accepted_tokens < s.spec_decode_num_draft_tokens
 
 
+def test_four_speculating_streams_share_the_native_step_within_its_row_budget(tiny, tiny_base, monkeypatch):
+    """Past the native step's sequence limit, steps with drafts run natively while their rows fit the row budget
+    (the drafter trims each sequence's drafts to its share), with the tokens and logprobs of decoding without."""
+    from pagedserve.engine.native_step import NativeDecodeStep
+
+    shapes = []
+    run = NativeDecodeStep.run
+
+    def recording_run(self, batch, block_size):
+        shapes.append((len(batch.scheduled), sum(item.num_new_tokens for item in batch.scheduled),
+                       max(len(item.draft_tokens) for item in batch.scheduled)))
+        return run(self, batch, block_size)
+
+    monkeypatch.setattr(NativeDecodeStep, "run", recording_run)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    prompts = [*REPEATS, REPEATS[0][::-1]]
+    engine_llm = LLM(tiny, **SMALL, speculative=spec(4), native_step_max_batch=2, native_step_max_rows=12)
+    got, want = engine_llm.generate(prompts, params), tiny_base.generate(prompts, params)
+    assert ids(got) == ids(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose([t.logprob for t in g.outputs[0].logprobs],
+                                   [t.logprob for t in w.outputs[0].logprobs], atol=1e-4)
+    four = [shape for shape in shapes if shape[0] == 4]
+    assert four and all(rows <= 12 and drafts <= 2 for _, rows, drafts in four)  # 12 rows / 4 sequences: 2 drafts
+    assert any(drafts > 0 for _, _, drafts in four)
+    s = engine_llm.engine.stats()
+    assert 0 < s.spec_decode_num_accepted_tokens < s.spec_decode_num_draft_tokens
+
+
 def test_preemption_and_many_rejections_keep_blocks_consistent(tiny, tiny_base):
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     block_bytes = LLM(tiny, dtype="float32", kv_cache_memory=1 << 20).engine.runner.kv_spec.bytes_per_block
+    # No row budget: all 5 drafts of every sequence, so many of them are rejected.
     small = LLM(tiny, dtype="float32", kv_cache_memory=16 * block_bytes, block_size=16,
-                speculative=spec(5, disable_by_batch_size=8))
+                speculative=spec(5, disable_by_batch_size=8), native_step_max_rows=0)
     got = run_checked(small, REPEATS * 2, params)
     assert got == [list(t) for t in ids(tiny_base.generate(REPEATS * 2, params))]
     s = small.engine.stats()

@@ -14,8 +14,9 @@ from pagedserve.engine.errors import ConfigError
 METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16
 # Steps with more running sequences than this do not speculate: a CPU step stops being bound by reading the weights
-# once the batch itself fills the matrix units, so extra rows cost real time there (see docs/speculative-decoding.md).
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# once the batch itself fills the matrix units, so extra rows cost real time there. On Sapphire Rapids the copy
+# workload still gains at 32 streams (noisy; docs/speculative-decoding.md has the table and the command).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 
 
 @dataclass(frozen=True, slots=True)

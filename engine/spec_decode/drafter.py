@@ -7,6 +7,9 @@ change each row's distribution with the tokens before it), no samples still to f
 token; the forked samples speculate on their own afterwards), and the request did not opt out. Drafts never run
 past max_tokens or the context limit, so they need no KV the admission did not reserve.
 
+Row budget: past the native decode step's sequence limit, a step with drafts still runs natively while its rows fit
+`EngineConfig.native_step_max_rows`; each sequence then drafts at most that budget's share (`drafts_per_sequence`).
+
 Back-off: drafts that are all rejected still cost their rows (in the native decode step, or on the torch path for
 batches too large for it), so they cost real time. After a verification that accepted nothing, the
 sequence proposes nothing for 1, 2, 4, ... up to `MAX_BACKOFF_STEPS` steps; any accepted draft resets it. This
@@ -24,13 +27,25 @@ MAX_BACKOFF_STEPS = 16
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, native_rows: int = 0, native_seqs: int = 0):
         self.config = config
         self.max_model_len = max_model_len
+        self.native_rows = native_rows  # the native decode step's row budget for steps with drafts (0: none)
+        self.native_seqs = native_seqs  # sequences it takes in any decode step
 
     def active(self, num_running: int) -> bool:
         """vLLM's disable-by-batch-size, decided per step from the running sequences."""
         return num_running <= self.config.disable_by_batch_size
+
+    def drafts_per_sequence(self, num_running: int) -> int:
+        """k, or fewer where that keeps a step too large for the native step's sequence limit within its row budget
+        (fewer drafts on the native step beat k drafts on the torch path: benchmarks/spec_decode.py). Where even one
+        draft each does not fit, k on the torch path."""
+        k = self.config.num_speculative_tokens
+        if num_running <= self.native_seqs or num_running * (1 + k) <= self.native_rows:
+            return k
+        fit = self.native_rows // max(num_running, 1) - 1
+        return fit if fit >= 1 else k
 
     def propose(self, seq: Sequence, budget: int) -> tuple[int, ...]:
         """Draft tokens for a decode sequence, at most `budget` of them (the step's token budget left)."""
