@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.engine.sampler import NON_FINITE, Sampler
+from pagedserve.engine.sampler import NON_FINITE, Sampler, first_argmax
 from pagedserve.engine.sequence import Sequence, TokenLogprob
 
 
@@ -73,7 +73,7 @@ class Verifier:
 
     @staticmethod
     def _greedy(processed: torch.Tensor, drafts: tuple[int, ...]) -> list[int]:
-        targets = processed.argmax(dim=-1).tolist()
+        targets = first_argmax(processed).tolist()
         picks: list[int] = []
         for row, draft in enumerate(drafts):
             picks.append(targets[row])
