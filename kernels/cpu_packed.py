@@ -25,7 +25,8 @@ from pagedserve.kernels.cpu_native import NativeBuildError, cpu_fingerprint, nat
 
 _HERE = Path(__file__).parent
 # GGUF blocks (cpu_packed_*.c) and GPTQ/AWQ groups (cpu_group_linear.c, state in cpu_group_packed.py): one object.
-SOURCES = (*(_HERE / f"cpu_packed_{name}.c" for name in ("linear", "f32", "dequantize")), _HERE / "cpu_group_linear.c")
+SOURCES = (*(_HERE / f"cpu_packed_{name}.c" for name in ("linear", "f32", "grouped", "dequantize")),
+           _HERE / "cpu_group_linear.c")
 HEADERS = (_HERE / "cpu_packed_blocks.h", _HERE / "cpu_linear.h")
 # GGUF type name -> (PK_* code of cpu_packed_blocks.h, values per block, bytes per block).
 FORMATS: dict[str, tuple[int, int, int]] = {
@@ -34,12 +35,17 @@ FORMATS: dict[str, tuple[int, int, int]] = {
 }
 
 
+# The interleaved layout (ps_packed_state.row_group): rows per group, and the formats that have it.
+GROUP_ROWS = 16
+GROUPED_FORMATS = ("Q4_0", "Q4_1")
+
+
 class PackedState(ctypes.Structure):
     # Field order and types mirror ps_packed_state in cpu_packed_blocks.h.
     _fields_ = [("format", ctypes.c_int32), ("num_threads", ctypes.c_int32),
                 ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64),
                 ("data", ctypes.c_void_p), ("row_bytes", ctypes.c_int64), ("bias", ctypes.c_void_p),
-                ("int8_max_rows", ctypes.c_int32)]
+                ("int8_max_rows", ctypes.c_int32), ("row_group", ctypes.c_int32)]
 
 
 def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
@@ -79,7 +85,10 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
         getattr(lib, name).argtypes = [ptr, ptr, i64, ptr, c_int] if "linear" in name else [ptr, ptr, c_int, c_int]
         getattr(lib, name).restype = c_int
     lib.pagedserve_group_state_size.restype = i64
+    lib.pagedserve_packed_group_rows.argtypes = [state, ptr]
+    lib.pagedserve_packed_group_rows.restype = c_int
     lib.pagedserve_packed_isa.restype = lib.pagedserve_group_isa.restype = ctypes.c_char_p
+    lib.pagedserve_packed_grouped_isa.restype = ctypes.c_char_p
     lib.pagedserve_packed_state_size.restype = i64
     if lib.pagedserve_packed_state_size() != ctypes.sizeof(PackedState):
         raise NativeBuildError("cpu_packed_blocks.h's ps_packed_state does not match PackedState")
@@ -89,6 +98,12 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
 def isa(lib: ctypes.CDLL) -> str:
     """Which integer dot product `lib` was compiled to: avx512vnni, avxvnni, avx2 or portable."""
     return lib.pagedserve_packed_isa().decode()
+
+
+def grouped_isa(lib: ctypes.CDLL) -> str:
+    """What the interleaved-rows kernel (cpu_packed_grouped.c) in `lib` was compiled to: avx512 or portable; only
+    avx512 is faster than the file layout's kernel, so loaders group rows only then."""
+    return lib.pagedserve_packed_grouped_isa().decode()
 
 
 def group_isa(lib: ctypes.CDLL) -> str:
@@ -106,10 +121,14 @@ class PackedMatrix:
     bias: torch.Tensor | None = None  # fp32 [out_features]
     lib: ctypes.CDLL | None = None  # None: build()
     int8_max_rows: int = 0  # calls with up to this many rows round x to int8 per 32 values; more: exact fp32 x
+    row_group: int = 0  # 0: the file's layout; GROUP_ROWS: rows interleaved by `grouped()` (never int8 x)
 
     def __post_init__(self) -> None:
         if self.qtype not in FORMATS:
             raise ValueError(f"qtype: {self.qtype!r} has no packed kernel; supported: {', '.join(FORMATS)}")
+        if self.row_group not in (0, GROUP_ROWS) or (self.row_group and not self.can_group(self.qtype, self.blocks)):
+            raise ValueError(f"row_group: {self.row_group} needs Q4_0/Q4_1 blocks with a multiple of {GROUP_ROWS} "
+                             f"rows (got {self.qtype}, {self.blocks.shape[0]} rows)")
         code, per, size = FORMATS[self.qtype]
         if self.in_features % per:
             raise ValueError(f"in_features: {self.in_features} is not a multiple of {self.qtype}'s {per}-value blocks")
@@ -123,8 +142,25 @@ class PackedMatrix:
             raise ValueError(f"bias: expected float32 [{blocks.shape[0]}]")
         object.__setattr__(self, "lib", self.lib or build())
         state = PackedState(code, 0, self.in_features, blocks.shape[0], blocks.data_ptr(), blocks.shape[1],
-                            self.bias.data_ptr() if self.bias is not None else None, self.int8_max_rows)
+                            self.bias.data_ptr() if self.bias is not None else None, self.int8_max_rows,
+                            self.row_group)
         object.__setattr__(self, "state", state)
+
+    @staticmethod
+    def can_group(qtype: str, blocks: torch.Tensor) -> bool:
+        """Whether `grouped()` applies: Q4_0/Q4_1 with whole groups of GROUP_ROWS rows."""
+        return qtype in GROUPED_FORMATS and blocks.dim() == 2 and blocks.shape[0] % GROUP_ROWS == 0
+
+    def grouped(self) -> "PackedMatrix":
+        """The same matrix with its rows interleaved in groups (cpu_packed_grouped.c), rewritten in place: this
+        matrix's blocks then hold the grouped layout, so only the returned matrix reads them correctly."""
+        if self.row_group or not self.can_group(self.qtype, self.blocks):
+            raise ValueError(f"grouped: needs file-layout Q4_0/Q4_1 blocks with a multiple of {GROUP_ROWS} rows")
+        staging = torch.empty_like(self.blocks)
+        if self.lib.pagedserve_packed_group_rows(ctypes.byref(self.state), staging.data_ptr()) != 0:
+            raise ValueError("grouped: the kernel refused the matrix")
+        self.blocks.copy_(staging)
+        return PackedMatrix(self.qtype, self.blocks, self.in_features, self.bias, self.lib, 0, GROUP_ROWS)
 
     @property
     def out_features(self) -> int:

@@ -14,15 +14,14 @@ static inline uint16_t pk_bf16(float f) {
     return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);  /* round to nearest even */
 }
 
-/* The 32 values of run j of block b into dst (fp32 or bf16) from element `at` on. */
-static inline void pk_dequantize_run(int fmt, const uint8_t *b, int j, const pk_scales *s, void *dst, int64_t at,
-                                     int to_bf16) {
+void pk_grouped_row_run(const ps_packed_state *st, int64_t row, int64_t b, uint8_t *u, float *d, float *m);
+
+/* 32 values w = d u + m (d, m per 16-value half) into dst (fp32 or bf16) from element `at` on. */
+static inline void pk_store_run(const uint8_t *u, const float *d, const float *m, void *dst, int64_t at, int to_bf16) {
 #if defined(__AVX2__)
-    uint8_t u[32];
-    _mm256_storeu_si256((__m256i *)u, pk_codes_avx2(fmt, b, j));
     for (int g = 0; g < 4; g++) {
         __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + 8 * g))));
-        v = _mm256_fmadd_ps(v, _mm256_set1_ps(s->d[j][g >> 1]), _mm256_set1_ps(s->m[j][g >> 1]));
+        v = _mm256_fmadd_ps(v, _mm256_set1_ps(d[g >> 1]), _mm256_set1_ps(m[g >> 1]));
         if (!to_bf16) {
             _mm256_storeu_ps((float *)dst + at + 8 * g, v);
             continue;
@@ -35,14 +34,42 @@ static inline void pk_dequantize_run(int fmt, const uint8_t *b, int j, const pk_
         _mm_storeu_si128((__m128i *)((uint16_t *)dst + at + 8 * g), packed);
     }
 #else
-    uint8_t u[32];
-    pk_codes_scalar(fmt, b, j, u);
     for (int l = 0; l < 32; l++) {
-        float v = fmaf(s->d[j][l >> 4], (float)u[l], s->m[j][l >> 4]);
+        float v = fmaf(d[l >> 4], (float)u[l], m[l >> 4]);
         if (to_bf16) ((uint16_t *)dst)[at + l] = pk_bf16(v);
         else ((float *)dst)[at + l] = v;
     }
 #endif
+}
+
+/* Row `row` of W into dst from element `at` on. */
+static void pk_dequantize_row(const ps_packed_state *st, int64_t row, void *dst, int64_t at, int to_bf16) {
+    const int fmt = st->format;
+    const int64_t nblocks = st->in_features / PK_BLOCK_VALUES[fmt];
+    uint8_t u[32];
+    if (st->row_group) {
+        for (int64_t b = 0; b < nblocks; b++, at += 32) {
+            float d[2], m[2];
+            pk_grouped_row_run(st, row, b, u, d, m);
+            d[1] = d[0], m[1] = m[0];
+            pk_store_run(u, d, m, dst, at, to_bf16);
+        }
+        return;
+    }
+    const uint8_t *w = st->data + row * st->row_bytes;
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        pk_scales s;
+        const uint8_t *b = w + blk * PK_BLOCK_BYTES[fmt];
+        const int runs = pk_block_scales(fmt, b, &s);
+        for (int j = 0; j < runs; j++, at += 32) {
+#if defined(__AVX2__)
+            _mm256_storeu_si256((__m256i *)u, pk_codes_avx2(fmt, b, j));
+#else
+            pk_codes_scalar(fmt, b, j, u);
+#endif
+            pk_store_run(u, s.d[j], s.m[j], dst, at, to_bf16);
+        }
+    }
 }
 
 /* Rows `ids` (NULL: 0..n-1) of W as fp32 or bf16 values [n, in]: the embedding lookup and the prefill tile. */
@@ -51,19 +78,9 @@ PK_EXPORT int pagedserve_packed_dequantize(const ps_packed_state *st, const int6
     if (pk_check(st) || n < 0) return 1;
     for (int64_t i = 0; ids != NULL && i < n; i++)
         if (ids[i] < 0 || ids[i] >= st->out_features) return 3;
-    const int fmt = st->format;
-    const int64_t in = st->in_features, nblocks = in / PK_BLOCK_VALUES[fmt];
+    const int64_t in = st->in_features;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *w = st->data + (ids ? ids[i] : i) * st->row_bytes;
-        int64_t col = 0;
-        for (int64_t blk = 0; blk < nblocks; blk++) {
-            pk_scales s;
-            const uint8_t *b = w + blk * PK_BLOCK_BYTES[fmt];
-            int runs = pk_block_scales(fmt, b, &s);
-            for (int j = 0; j < runs; j++, col += 32) pk_dequantize_run(fmt, b, j, &s, dst, i * in + col, to_bf16);
-        }
-    }
+    for (int64_t i = 0; i < n; i++) pk_dequantize_row(st, ids ? ids[i] : i, dst, i * in, to_bf16);
     return 0;
 }
 

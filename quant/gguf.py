@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.cpu_packed import FORMATS, PackedMatrix
+from pagedserve.kernels.cpu_packed import FORMATS, PackedMatrix, grouped_isa
 from pagedserve.quant.base import LinearMethod, QuantConfig, QuantConfigError
 from pagedserve.quant.native_linear import NativeLinear
 from pagedserve.quant.unquantized import UnquantizedLinearMethod
@@ -44,9 +44,12 @@ def row_bytes(qtype: str, in_features: int) -> int:
 class GgufLinearMethod(LinearMethod):
     """One linear layer whose weight is `qtype` blocks, uint8 [out_features, row_bytes] as the file stores it."""
 
-    def __init__(self, qtype: str, dense_batches: bool = False):
+    def __init__(self, qtype: str, dense_batches: bool = False, group_rows: bool = True):
         self.qtype = qtype
         self.dense_batches = dense_batches
+        # Q4_0/Q4_1 rows interleaved at load where the built kernel has the fast path for that layout; off for
+        # blocks shared with an embedding (the tied LM head), whose lookups read the file's layout.
+        self.group_rows = group_rows
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         blocks = torch.empty(out_features, row_bytes(self.qtype, in_features), dtype=torch.uint8)
@@ -57,7 +60,10 @@ class GgufLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         bias = layer.bias.detach().float().contiguous() if layer.bias is not None else None
-        layer.packed = PackedMatrix(self.qtype, layer.weight.data, layer.in_features, bias)
+        packed = PackedMatrix(self.qtype, layer.weight.data, layer.in_features, bias)
+        if self.group_rows and packed.can_group(self.qtype, packed.blocks) and grouped_isa(packed.lib) == "avx512":
+            packed = packed.grouped()
+        layer.packed = packed
         # Kept out of the module tree (not a submodule): a second copy for many rows, never a checkpoint slot.
         layer.__dict__["dense_copy"] = _dense_companion(layer) if self.dense_batches else None
 
@@ -89,7 +95,7 @@ class GgufLinearMethod(LinearMethod):
         dtype = next((layer.bias.dtype for layer in layers if layer.bias is not None), torch.float32)
         with torch.device("meta"):
             merged = QuantLinear(layers[0].in_features, blocks.shape[0], has_bias,
-                                 GgufLinearMethod(self.qtype, self.dense_batches), dtype)
+                                 GgufLinearMethod(self.qtype, self.dense_batches, self.group_rows), dtype)
         merged.weight = nn.Parameter(blocks, requires_grad=False)
         merged.compute_dtype = layers[0].compute_dtype
         if has_bias:
@@ -140,7 +146,7 @@ class PackedEmbedding(nn.Module):
         """The tied LM head: a linear layer over the same blocks (shared, not copied)."""
         from pagedserve.quant.linear import QuantLinear
 
-        method = GgufLinearMethod(self.qtype, self.dense_batches)
+        method = GgufLinearMethod(self.qtype, self.dense_batches, group_rows=False)
         with torch.device("meta"):
             head = QuantLinear(self.embedding_dim, self.num_embeddings, False, method, self.dtype)
         head.weight = self.weight

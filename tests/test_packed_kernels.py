@@ -39,6 +39,8 @@ def lib(request):
         assert cpu_packed.isa(built) == "avx2"
     if request.param == "portable":
         assert cpu_packed.isa(built) == "portable"
+    if request.param != "native":  # the interleaved rows' fallback: what loaders never choose, still exact
+        assert cpu_packed.grouped_isa(built) == "portable"
     return built
 
 
@@ -109,6 +111,43 @@ def test_product_on_odd_shapes(lib, qtype):
             check_product(unbiased, weights, x)
 
 
+@pytest.mark.parametrize("qtype", cpu_packed.GROUPED_FORMATS)
+def test_grouped_rows_equal_the_file_layout(lib, qtype):
+    """The interleaved layout (cpu_packed_grouped.c): same values as gguf's dequantizer, exactly, and the fp32
+    product within fp32 summation error, for every activation-row remainder of its 8-row passes, with a bias."""
+    rng = np.random.default_rng(4)
+    for inn in (96, 2336):
+        stored = blocks_for(qtype, 48, inn, rng)
+        weights = dequantize(stored, T[qtype]).astype(np.float32)
+        bias = torch.randn(48)
+        grouped = cpu_packed.PackedMatrix(qtype, torch.from_numpy(stored.copy()), inn, bias, lib=lib).grouped()
+        assert grouped.row_group == cpu_packed.GROUP_ROWS
+        assert not np.array_equal(grouped.blocks.numpy(), stored)  # rewritten in place, same size
+        assert np.array_equal(grouped.dequantize().numpy(), weights)
+        ids = torch.tensor([47, 0, 17, 17])
+        assert torch.equal(grouped.dequantize(ids, torch.bfloat16), torch.from_numpy(weights)[ids].to(torch.bfloat16))
+        w = weights.astype(np.float64)
+        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 33):
+            x = torch.randn(rows, inn) * torch.rand(rows, 1) * 3
+            x[0, :32] = 0.0
+            y = grouped.matmul(x).numpy().astype(np.float64) - bias.numpy()
+            exact = np.abs(x.numpy()).astype(np.float64) @ np.abs(w).T
+            np.testing.assert_array_less(np.abs(y - x.numpy().astype(np.float64) @ w.T), 1e-5 * exact + 1e-5)
+
+
+def test_grouped_rows_refuse_what_they_cannot_hold(lib):
+    rng = np.random.default_rng(5)
+    odd = cpu_packed.PackedMatrix("Q4_1", torch.from_numpy(blocks_for("Q4_1", 40, 64, rng)), 64, lib=lib)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        odd.grouped()
+    q8 = torch.from_numpy(blocks_for("Q8_0", 32, 64, rng))
+    with pytest.raises(ValueError, match="row_group"):
+        cpu_packed.PackedMatrix("Q8_0", q8, 64, lib=lib, row_group=cpu_packed.GROUP_ROWS)
+    grouped = cpu_packed.PackedMatrix("Q4_0", torch.from_numpy(blocks_for("Q4_0", 32, 64, rng)), 64, lib=lib).grouped()
+    with pytest.raises(ValueError, match="file-layout"):
+        grouped.grouped()
+
+
 def _real_tensors(path, names):
     reader = GGUFReader(path)
     return [(t.name, t.tensor_type.name, np.array(t.data)) for t in reader.tensors if t.name in names]
@@ -134,25 +173,36 @@ def test_real_tensors(model):
         matrix = cpu_packed.PackedMatrix(qtype, torch.from_numpy(np.ascontiguousarray(stored)), inn)
         assert np.array_equal(matrix.dequantize().numpy(), weights), name
         check_product(matrix, weights, torch.randn(3, inn))
+        if cpu_packed.PackedMatrix.can_group(qtype, matrix.blocks):
+            grouped = matrix.grouped()
+            assert np.array_equal(grouped.dequantize().numpy(), weights), name
+            x = torch.randn(3, inn)
+            exact = np.abs(x.numpy()).astype(np.float64) @ np.abs(weights.astype(np.float64)).T
+            error = np.abs(grouped.matmul(x).numpy() - x.numpy().astype(np.float64) @ weights.astype(np.float64).T)
+            np.testing.assert_array_less(error, 1e-5 * exact + 1e-5)
         seen.add(qtype)
     assert seen == ({"Q4_1", "Q8_0"} if model == "smollm2" else {"Q5_0", "Q4_K", "Q6_K", "Q8_0"})
 
 
-def test_the_ps_linear_fn_pointer_computes_the_same_product():
-    """What the native layer loop calls: kernels/cpu_linear.h's ps_linear_fn through the NativeLinear address."""
+@pytest.mark.parametrize("out", [45, 48])
+def test_the_ps_linear_fn_pointer_computes_the_same_product(out):
+    """What the native layer loop calls: kernels/cpu_linear.h's ps_linear_fn through the NativeLinear address. 48
+    rows are whole groups, so the loader interleaves them where the kernel has the AVX-512 path for that layout."""
     rng = np.random.default_rng(3)
-    stored = blocks_for("Q4_1", 45, 128, rng)
+    stored = blocks_for("Q4_1", out, 128, rng)
     layer = torch.nn.Module()
-    layer.in_features, layer.out_features = 128, 45
+    layer.in_features, layer.out_features = 128, out
     method = GgufLinearMethod("Q4_1")
-    method.create_weights(layer, 128, 45, True, torch.float32)
+    method.create_weights(layer, 128, out, True, torch.float32)
     layer.weight.data.copy_(torch.from_numpy(stored))
-    layer.bias.data.copy_(torch.randn(45))
+    layer.bias.data.copy_(torch.randn(out))
     method.process_weights_after_loading(layer)
+    fast = cpu_packed.grouped_isa(layer.packed.lib) == "avx512"
+    assert layer.packed.row_group == (cpu_packed.GROUP_ROWS if out % 16 == 0 and fast else 0)
     native = method.native_linear(layer)
     fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)(native.fn)
     x = torch.randn(5, 128)
-    y = torch.empty(5, 45)
+    y = torch.empty(5, out)
     assert fn(native.state, x.data_ptr(), 5, y.data_ptr()) == 0
     assert torch.equal(y, layer.packed.matmul(x))
     torch.testing.assert_close(method.apply(layer, x), y)  # decode rows: the packed kernel

@@ -1,0 +1,198 @@
+/* Q4_0/Q4_1 matrices with their rows interleaved in groups of PK_GROUP_ROWS (ps_packed_state.row_group): the
+ * layout the one-to-eight-row product reads fastest, made once at load by pagedserve_packed_group_rows.
+ *
+ * Why: in the file's layout each 32-weight block of one row needs its scales converted and broadcast and its
+ * nibbles widened lane by lane, ~9 cycles per block, so a single stream's linears ran at 4-10 GB/s: bound by
+ * instructions, not by reading the weights. With 16 rows side by side one AVX-512 register holds one input's code
+ * for all 16 rows: a shift and a vpermps (16-entry table, index = the low 4 bits of each lane) make its 16 fp32
+ * codes, one FMA with the broadcast activation accumulates them, and each block's scales are one vector per group.
+ * The activations stay fp32 (no rounding of x, unlike llama.cpp's Q8 activations), so results equal the file
+ * layout's fp32 kernel up to summation order.
+ *
+ * Layout, same bytes as the file's: group g = rows 16g..16g+15, stored in place of those rows. Per block b (32
+ * inputs) one tile: the 16 rows' d (fp16, 32 bytes), for Q4_1 their m (fp16, 32 bytes), then 4 chunks of 64 bytes
+ * where chunk c's 32-bit word r holds row r's codes of inputs 8c..8c+7, input 8c+p in bits 4p..4p+3. */
+#include <omp.h>
+
+#include "cpu_packed_blocks.h"
+
+#define PK_EXPORT __attribute__((visibility("default")))
+#define PK_INLINE static inline __attribute__((always_inline))
+#define PK_GROUP_TILE 8  /* activation rows per pass over a group's weights */
+
+static inline int64_t pk_tile_header(int fmt) { return fmt == PK_Q4_1 ? 64 : 32; }
+static inline int64_t pk_tile_bytes(int fmt) { return PK_GROUP_ROWS * PK_BLOCK_BYTES[fmt]; }
+
+/* Row r's 32 codes in a tile, in input order. Its four words, read in chunk order, are 16 bytes whose byte j holds
+ * inputs 2j (low nibble) and 2j + 1. */
+static inline void pk_grouped_codes(const uint8_t *tile, int fmt, int r, uint8_t *u) {
+    uint8_t q[16];
+    for (int c = 0; c < 4; c++) memcpy(q + 4 * c, tile + pk_tile_header(fmt) + 64 * c + 4 * r, 4);
+#if defined(__AVX2__)
+    const __m128i low4 = _mm_set1_epi8(0xF), v = _mm_loadu_si128((const __m128i *)q);
+    const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+    _mm_storeu_si128((__m128i *)u, _mm_unpacklo_epi8(lo, hi));
+    _mm_storeu_si128((__m128i *)(u + 16), _mm_unpackhi_epi8(lo, hi));
+#else
+    for (int j = 0; j < 16; j++) u[2 * j] = q[j] & 0xF, u[2 * j + 1] = q[j] >> 4;
+#endif
+}
+
+/* Row r's scale and offset in a tile (w = d u + m, as gguf's dequantizer). */
+static inline void pk_grouped_scales(const uint8_t *tile, int fmt, int r, float *d, float *m) {
+    *d = pk_half(tile + 2 * r);
+    *m = fmt == PK_Q4_1 ? pk_half(tile + 32 + 2 * r) : -8.0f * *d;
+}
+
+/* Rewrites a file-layout Q4_0/Q4_1 matrix (`st`, row_group 0) into the grouped layout at dst (row_bytes *
+ * out_features bytes, not overlapping st->data). Returns nonzero when the matrix cannot be grouped. */
+PK_EXPORT int pagedserve_packed_group_rows(const ps_packed_state *st, uint8_t *dst) {
+    if (pk_check(st) || st->row_group != 0 || (st->format != PK_Q4_0 && st->format != PK_Q4_1) ||
+        st->out_features % PK_GROUP_ROWS)
+        return 1;
+    const int fmt = st->format;
+    const int64_t nb = st->in_features / 32, bb = PK_BLOCK_BYTES[fmt], hb = pk_tile_header(fmt);
+    for (int64_t g = 0; g < st->out_features / PK_GROUP_ROWS; g++) {
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *tile = dst + (g * nb + b) * pk_tile_bytes(fmt);
+            memset(tile + hb, 0, 256);
+            for (int r = 0; r < PK_GROUP_ROWS; r++) {
+                const uint8_t *blk = st->data + (g * PK_GROUP_ROWS + r) * st->row_bytes + b * bb;
+                uint8_t u[32];
+                pk_codes_scalar(fmt, blk, 0, u);
+                memcpy(tile + 2 * r, blk, 2);
+                if (fmt == PK_Q4_1) memcpy(tile + 32 + 2 * r, blk + 2, 2);
+                for (int k = 0; k < 32; k++) {
+                    uint32_t word;
+                    uint8_t *at = tile + hb + 64 * (k / 8) + 4 * r;
+                    memcpy(&word, at, 4);
+                    word |= (uint32_t)u[k] << (4 * (k % 8));
+                    memcpy(at, &word, 4);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* Row `row` of the grouped matrix as 32-value runs: codes and per-run d, m for cpu_packed_dequantize.c. */
+void pk_grouped_row_run(const ps_packed_state *st, int64_t row, int64_t b, uint8_t *u, float *d, float *m) {
+    const int fmt = st->format;
+    const int64_t nb = st->in_features / 32, g = row / PK_GROUP_ROWS;
+    const uint8_t *tile = st->data + (g * nb + b) * pk_tile_bytes(fmt);
+    pk_grouped_codes(tile, fmt, (int)(row % PK_GROUP_ROWS), u);
+    pk_grouped_scales(tile, fmt, (int)(row % PK_GROUP_ROWS), d, m);
+}
+
+#if defined(__AVX512F__)
+#define PK_GROUPED_ISA "avx512"
+/* y[r][16 rows of group] for R activation rows: per block, 32 inputs x 16 rows of FMAs on fp32 codes, then
+ * tot += d * acc + m * sum(x over the block). R and fmt are constants after inlining. */
+PK_INLINE void pk_grouped_tile(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, const float *sx,
+                               int R, __m512 *tot) {
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const int64_t hb = pk_tile_header(fmt), tb = pk_tile_bytes(fmt);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tile = tiles + b * tb;
+        const float *xb = x + 32 * b;
+        __m512 acc0[PK_GROUP_TILE], acc1[PK_GROUP_TILE];
+        for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+        for (int c = 0; c < 4; c++) {
+            const __m512i word = _mm512_loadu_si512(tile + hb + 64 * c);
+            for (int p = 0; p < 8; p++) {
+                const __m512 u = _mm512_permutexvar_ps(p ? _mm512_srli_epi32(word, 4 * p) : word, codes);
+                for (int r = 0; r < R; r++) {
+                    const __m512 xv = _mm512_set1_ps(xb[r * in + 8 * c + p]);
+                    /* two chains per row while few rows give few independent FMAs */
+                    if (R < 4 && (p & 1)) acc1[r] = _mm512_fmadd_ps(u, xv, acc1[r]);
+                    else acc0[r] = _mm512_fmadd_ps(u, xv, acc0[r]);
+                }
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tile));
+        const __m512 m = fmt == PK_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 32)))
+                                        : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+        for (int r = 0; r < R; r++) {
+            tot[r] = _mm512_fmadd_ps(R < 4 ? _mm512_add_ps(acc0[r], acc1[r]) : acc0[r], d, tot[r]);
+            tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * nb + b]), tot[r]);
+        }
+    }
+}
+
+PK_INLINE void pk_grouped_rows(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, const float *sx,
+                               int R, const float *bias, float *y, int64_t out) {
+    __m512 tot[PK_GROUP_TILE];
+    for (int r = 0; r < R; r++) tot[r] = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    pk_grouped_tile(fmt, tiles, nb, x, in, sx, R, tot);
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * out, tot[r]);
+}
+#else
+#define PK_GROUPED_ISA "portable"
+PK_INLINE void pk_grouped_rows(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, const float *sx,
+                               int R, const float *bias, float *y, int64_t out) {
+    for (int r = 0; r < R; r++) {
+        for (int row = 0; row < PK_GROUP_ROWS; row++) {
+            float total = bias ? bias[row] : 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *tile = tiles + b * pk_tile_bytes(fmt);
+                uint8_t u[32];
+                float d, m, acc = 0.0f;
+                pk_grouped_codes(tile, fmt, row, u);
+                pk_grouped_scales(tile, fmt, row, &d, &m);
+                for (int k = 0; k < 32; k++) acc += (float)u[k] * x[r * in + 32 * b + k];
+                total += d * acc + m * sx[r * nb + b];
+            }
+            y[r * out + row] = total;
+        }
+    }
+}
+#endif
+
+#define PK_GROUPED_CASES(F)                                                                     \
+    switch (R) {                                                                                \
+    case 1: pk_grouped_rows(F, tiles, nb, x, in, sx, 1, bias, y, out); return;                  \
+    case 2: pk_grouped_rows(F, tiles, nb, x, in, sx, 2, bias, y, out); return;                  \
+    case 3: pk_grouped_rows(F, tiles, nb, x, in, sx, 3, bias, y, out); return;                  \
+    case 4: pk_grouped_rows(F, tiles, nb, x, in, sx, 4, bias, y, out); return;                  \
+    default: pk_grouped_rows(F, tiles, nb, x, in, sx, PK_GROUP_TILE, bias, y, out); return;     \
+    }
+
+static void pk_grouped_any(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, const float *sx,
+                           int R, const float *bias, float *y, int64_t out) {
+    if (R > 4 && R < PK_GROUP_TILE) {  /* 5-7 rows: a 4-row pass, then the rest */
+        pk_grouped_any(fmt, tiles, nb, x, in, sx, 4, bias, y, out);
+        pk_grouped_any(fmt, tiles, nb, x + 4 * in, in, sx + 4 * nb, R - 4, bias, y + 4 * out, out);
+        return;
+    }
+    if (fmt == PK_Q4_1) PK_GROUPED_CASES(PK_Q4_1)
+    PK_GROUPED_CASES(PK_Q4_0)
+}
+
+/* y = x @ W^T (+ bias) for a grouped matrix, inside the caller's parallel region (work-shared over groups).
+ * sx[r * nb + b]: the sum of activation row r over block b. */
+void pk_grouped_product(const ps_packed_state *st, const float *x, int64_t rows, float *y, const float *sx) {
+    const int64_t in = st->in_features, out = st->out_features, nb = in / 32, groups = out / PK_GROUP_ROWS;
+    const int64_t group_bytes = nb * pk_tile_bytes(st->format);
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        for (int64_t r0 = 0; r0 < rows; r0 += PK_GROUP_TILE) {
+            const int R = rows - r0 < PK_GROUP_TILE ? (int)(rows - r0) : PK_GROUP_TILE;
+            pk_grouped_any(st->format, st->data + g * group_bytes, nb, x + r0 * in, in, sx + r0 * nb, R,
+                           st->bias ? st->bias + g * PK_GROUP_ROWS : NULL, y + r0 * out + g * PK_GROUP_ROWS, out);
+        }
+    }
+}
+
+/* The per-block activation sums pk_grouped_product takes, for rows [begin, end). */
+void pk_grouped_block_sums(const float *x, int64_t in, int64_t begin, int64_t end, float *sx) {
+    const int64_t nb = in / 32;
+    for (int64_t r = begin; r < end; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            float sum = 0.0f;
+            for (int k = 0; k < 32; k++) sum += x[r * in + 32 * b + k];
+            sx[r * nb + b] = sum;
+        }
+    }
+}
+
+PK_EXPORT const char *pagedserve_packed_grouped_isa(void) { return PK_GROUPED_ISA; }
