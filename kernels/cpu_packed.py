@@ -37,7 +37,7 @@ FORMATS: dict[str, tuple[int, int, int]] = {
 
 # The interleaved layout (ps_packed_state.row_group): rows per group, and the formats that have it.
 GROUP_ROWS = 16
-GROUPED_FORMATS = ("Q4_0", "Q4_1")
+GROUPED_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
 
 class PackedState(ctypes.Structure):
@@ -127,7 +127,7 @@ class PackedMatrix:
         if self.qtype not in FORMATS:
             raise ValueError(f"qtype: {self.qtype!r} has no packed kernel; supported: {', '.join(FORMATS)}")
         if self.row_group not in (0, GROUP_ROWS) or (self.row_group and not self.can_group(self.qtype, self.blocks)):
-            raise ValueError(f"row_group: {self.row_group} needs Q4_0/Q4_1 blocks with a multiple of {GROUP_ROWS} "
+            raise ValueError(f"row_group: {self.row_group} needs Q4_0/Q4_1/Q8_0 blocks with a multiple of {GROUP_ROWS} "
                              f"rows (got {self.qtype}, {self.blocks.shape[0]} rows)")
         code, per, size = FORMATS[self.qtype]
         if self.in_features % per:
@@ -148,14 +148,14 @@ class PackedMatrix:
 
     @staticmethod
     def can_group(qtype: str, blocks: torch.Tensor) -> bool:
-        """Whether `grouped()` applies: Q4_0/Q4_1 with whole groups of GROUP_ROWS rows."""
+        """Whether `grouped()` applies: Q4_0/Q4_1/Q8_0 with whole groups of GROUP_ROWS rows."""
         return qtype in GROUPED_FORMATS and blocks.dim() == 2 and blocks.shape[0] % GROUP_ROWS == 0
 
     def grouped(self) -> "PackedMatrix":
         """The same matrix with its rows interleaved in groups (cpu_packed_grouped.c), rewritten in place: this
         matrix's blocks then hold the grouped layout, so only the returned matrix reads them correctly."""
         if self.row_group or not self.can_group(self.qtype, self.blocks):
-            raise ValueError(f"grouped: needs file-layout Q4_0/Q4_1 blocks with a multiple of {GROUP_ROWS} rows")
+            raise ValueError(f"grouped: needs file-layout Q4_0/Q4_1/Q8_0 blocks with a multiple of {GROUP_ROWS} rows")
         staging = torch.empty_like(self.blocks)
         if self.lib.pagedserve_packed_group_rows(ctypes.byref(self.state), staging.data_ptr()) != 0:
             raise ValueError("grouped: the kernel refused the matrix")

@@ -148,7 +148,7 @@ typedef struct {
     int64_t row_bytes;
     const float *bias;    /* [out_features] or NULL */
     int32_t int8_max_rows;  /* calls with up to this many rows round x to int8 blocks; more: fp32 (cpu_packed_f32.c) */
-    int32_t row_group;      /* 0: the file's layout; PK_GROUP_ROWS: Q4_0/Q4_1 rows interleaved (cpu_packed_grouped.c) */
+    int32_t row_group;      /* 0: the file's layout; PK_GROUP_ROWS: Q4_0/Q4_1/Q8_0 rows interleaved (cpu_packed_grouped.c) */
 } ps_packed_state;
 
 /* Output rows per group of the interleaved layout: one AVX-512 register holds one value of each. */
@@ -160,7 +160,7 @@ static inline int pk_check(const ps_packed_state *st) {
     int64_t per = PK_BLOCK_VALUES[st->format];
     if (st->in_features <= 0 || st->in_features % per || st->out_features <= 0) return 1;
     if (st->row_group != 0 && (st->row_group != PK_GROUP_ROWS || st->out_features % PK_GROUP_ROWS ||
-                               (st->format != PK_Q4_0 && st->format != PK_Q4_1)))
+                               (st->format != PK_Q4_0 && st->format != PK_Q4_1 && st->format != PK_Q8_0)))
         return 1;
     return st->row_bytes != st->in_features / per * PK_BLOCK_BYTES[st->format];
 }

@@ -44,12 +44,9 @@ def row_bytes(qtype: str, in_features: int) -> int:
 class GgufLinearMethod(LinearMethod):
     """One linear layer whose weight is `qtype` blocks, uint8 [out_features, row_bytes] as the file stores it."""
 
-    def __init__(self, qtype: str, dense_batches: bool = False, group_rows: bool = True):
+    def __init__(self, qtype: str, dense_batches: bool = False):
         self.qtype = qtype
         self.dense_batches = dense_batches
-        # Q4_0/Q4_1 rows interleaved at load where the built kernel has the fast path for that layout; off for
-        # blocks shared with an embedding (the tied LM head), whose lookups read the file's layout.
-        self.group_rows = group_rows
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         blocks = torch.empty(out_features, row_bytes(self.qtype, in_features), dtype=torch.uint8)
@@ -60,10 +57,9 @@ class GgufLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         bias = layer.bias.detach().float().contiguous() if layer.bias is not None else None
-        packed = PackedMatrix(self.qtype, layer.weight.data, layer.in_features, bias)
-        if self.group_rows and packed.can_group(self.qtype, packed.blocks) and grouped_isa(packed.lib) == "avx512":
-            packed = packed.grouped()
-        layer.packed = packed
+        layer.packed = _grouped_where_faster(
+            PackedMatrix(self.qtype, layer.weight.data, layer.in_features, bias, row_group=row_group(layer.weight)),
+            layer.weight)
         # Kept out of the module tree (not a submodule): a second copy for many rows, never a checkpoint slot.
         layer.__dict__["dense_copy"] = _dense_companion(layer) if self.dense_batches else None
 
@@ -95,7 +91,7 @@ class GgufLinearMethod(LinearMethod):
         dtype = next((layer.bias.dtype for layer in layers if layer.bias is not None), torch.float32)
         with torch.device("meta"):
             merged = QuantLinear(layers[0].in_features, blocks.shape[0], has_bias,
-                                 GgufLinearMethod(self.qtype, self.dense_batches, self.group_rows), dtype)
+                                 GgufLinearMethod(self.qtype, self.dense_batches), dtype)
         merged.weight = nn.Parameter(blocks, requires_grad=False)
         merged.compute_dtype = layers[0].compute_dtype
         if has_bias:
@@ -104,6 +100,22 @@ class GgufLinearMethod(LinearMethod):
                 for layer in layers]), requires_grad=False)
         merged.loaded_tensors = {"weight", "bias"} if has_bias else {"weight"}
         return merged
+
+
+def row_group(weight: torch.Tensor) -> int:
+    """The layout `weight`'s blocks hold: 0 (the file's) or the row group `_grouped_where_faster` rewrote them to.
+    It is marked on the tensor because a tied LM head shares its blocks with the embedding, which reads them too."""
+    return getattr(weight, "pagedserve_row_group", 0)
+
+
+def _grouped_where_faster(packed: PackedMatrix, weight: torch.Tensor) -> PackedMatrix:
+    """Q4_0/Q4_1/Q8_0 rows interleaved in place (cpu_packed_grouped.c) where the build has that layout's AVX-512
+    kernel (2-2.5x the file layout's at one row); elsewhere the file's layout, whose kernel is then the faster."""
+    if packed.row_group or not packed.can_group(packed.qtype, packed.blocks) or grouped_isa(packed.lib) != "avx512":
+        return packed
+    grouped = packed.grouped()
+    weight.pagedserve_row_group = grouped.row_group
+    return grouped
 
 
 def _dense_companion(layer: nn.Module) -> nn.Module:
@@ -134,8 +146,10 @@ class PackedEmbedding(nn.Module):
         self._packed: PackedMatrix | None = None
 
     def packed(self) -> PackedMatrix:
-        if self._packed is None or self._packed.blocks.data_ptr() != self.weight.data_ptr():
-            self._packed = PackedMatrix(self.qtype, self.weight.data, self.embedding_dim)
+        layout = row_group(self.weight)  # the tied head may have grouped the shared blocks since
+        if self._packed is None or (self._packed.blocks.data_ptr(), self._packed.row_group) != (
+                self.weight.data_ptr(), layout):
+            self._packed = PackedMatrix(self.qtype, self.weight.data, self.embedding_dim, row_group=layout)
         return self._packed
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -146,7 +160,7 @@ class PackedEmbedding(nn.Module):
         """The tied LM head: a linear layer over the same blocks (shared, not copied)."""
         from pagedserve.quant.linear import QuantLinear
 
-        method = GgufLinearMethod(self.qtype, self.dense_batches, group_rows=False)
+        method = GgufLinearMethod(self.qtype, self.dense_batches)
         with torch.device("meta"):
             head = QuantLinear(self.embedding_dim, self.num_embeddings, False, method, self.dtype)
         head.weight = self.weight
