@@ -177,16 +177,14 @@ PK_INLINE void pk_grouped_rows(int fmt, const uint8_t *tiles, int64_t nb, const 
     case 2: pk_grouped_rows(F, tiles, nb, x, in, sx, 2, bias, y, out); return;                  \
     case 3: pk_grouped_rows(F, tiles, nb, x, in, sx, 3, bias, y, out); return;                  \
     case 4: pk_grouped_rows(F, tiles, nb, x, in, sx, 4, bias, y, out); return;                  \
+    case 5: pk_grouped_rows(F, tiles, nb, x, in, sx, 5, bias, y, out); return;                  \
+    case 6: pk_grouped_rows(F, tiles, nb, x, in, sx, 6, bias, y, out); return;                  \
+    case 7: pk_grouped_rows(F, tiles, nb, x, in, sx, 7, bias, y, out); return;                  \
     default: pk_grouped_rows(F, tiles, nb, x, in, sx, PK_GROUP_TILE, bias, y, out); return;     \
     }
 
 static void pk_grouped_any(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, const float *sx,
                            int R, const float *bias, float *y, int64_t out) {
-    if (R > 4 && R < PK_GROUP_TILE) {  /* 5-7 rows: a 4-row pass, then the rest */
-        pk_grouped_any(fmt, tiles, nb, x, in, sx, 4, bias, y, out);
-        pk_grouped_any(fmt, tiles, nb, x + 4 * in, in, sx + 4 * nb, R - 4, bias, y + 4 * out, out);
-        return;
-    }
     if (fmt == PK_Q4_1) PK_GROUPED_CASES(PK_Q4_1)
     if (fmt == PK_Q8_0) PK_GROUPED_CASES(PK_Q8_0)
     PK_GROUPED_CASES(PK_Q4_0)
