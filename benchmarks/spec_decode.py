@@ -161,6 +161,8 @@ def main() -> None:
     parser.add_argument("--disable-by-batch-size", type=int, default=None, help="default: SpeculativeConfig's")
     parser.add_argument("--native-step-max-rows", type=int, default=None,
                         help="the speculating engine's EngineConfig.native_step_max_rows (default: its default)")
+    parser.add_argument("--native-step-max-batch", type=int, default=None,
+                        help="both engines' EngineConfig.native_step_max_batch (default: its default)")
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
@@ -172,6 +174,8 @@ def main() -> None:
     extra = {} if args.disable_by_batch_size is None else {"disable_by_batch_size": args.disable_by_batch_size}
     config = SpeculativeConfig(args.k, prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max, **extra)
     common = {"num_threads": args.threads} if args.threads else {}
+    if args.native_step_max_batch is not None:
+        common["native_step_max_batch"] = args.native_step_max_batch
     load_before = os.getloadavg()
     base = LLM(args.model, **common)
     rows = {} if args.native_step_max_rows is None else {"native_step_max_rows": args.native_step_max_rows}
@@ -184,6 +188,7 @@ def main() -> None:
                                "prompt_lookup_max": config.prompt_lookup_max,
                                "disable_by_batch_size": config.disable_by_batch_size},
         "native_step_max_rows": spec.engine.config.native_step_max_rows,
+        "native_step_max_batch": spec.engine.config.native_step_max_batch,
         "max_tokens": max_tokens, "repeats": repeats,
         "copy": [copy_figures(base, spec, c, max_tokens, repeats) for c in args.concurrency],
         "free_writing": free_figures(base, spec, max_tokens, repeats),

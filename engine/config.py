@@ -71,10 +71,11 @@ class EngineConfig:
     # CPU, threads from the budget, spinning pool: fewer threads while other processes hold some of the cores
     adapt_threads: bool = True
     max_queued_requests: int = 1024
-    # CPU decode-only steps of at most this many rows run the whole layer stack in one native call when every
-    # linear of the model has a native kernel (engine/native_step.py); 0 turns it off. 2: the crossover measured
-    # on Sapphire Rapids, where oneDNN's AMX matmuls win from 4 rows (benchmarks/native_step_crossover.py)
-    native_step_max_batch: int = 2
+    # CPU decode-only steps of at most this many sequences run the whole layer stack in one native call when every
+    # linear of the model has a native kernel (engine/native_step.py); 0 turns it off. None: the crossover each
+    # kernel measured (benchmarks/native_step_crossover.py, Sapphire Rapids): 8 for grouped Q4_0/Q4_1/Q8_0 GGUF
+    # weights, 2 for the others, where oneDNN's bf16 matmuls win from 4 rows (NativeLinear.native_max_batch)
+    native_step_max_batch: int | None = None
     # A step with speculative drafts runs natively past native_step_max_batch sequences while its rows (1 + drafts
     # per sequence) stay within this, the drafter trimming drafts to fit (engine/spec_decode/drafter.py). 0 (off):
     # on Sapphire Rapids 4 copy streams at 3 rows each natively were slower than 5 rows each on the torch path
@@ -94,8 +95,10 @@ class EngineConfig:
                 raise ConfigError(name, f"unknown {value!r}; supported: {', '.join(supported)}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ConfigError("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        if not isinstance(self.native_step_max_batch, int) or self.native_step_max_batch < 0:
-            raise ConfigError("native_step_max_batch", f"must be an integer >= 0, got {self.native_step_max_batch!r}")
+        if self.native_step_max_batch is not None and (
+                not isinstance(self.native_step_max_batch, int) or self.native_step_max_batch < 0):
+            raise ConfigError("native_step_max_batch", f"must be None or an integer >= 0, got "
+                                                       f"{self.native_step_max_batch!r}")
         if not isinstance(self.native_step_max_rows, int) or self.native_step_max_rows < 0:
             raise ConfigError("native_step_max_rows", f"must be an integer >= 0, got {self.native_step_max_rows!r}")
         for name in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_queued_requests"):

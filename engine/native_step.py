@@ -69,8 +69,8 @@ def _struct_array(natives: tuple[NativeLinear, ...], size: int):
 
 
 class NativeDecodeStep:
-    def __init__(self, stack: DecoderStack, cache: KVCache, attn: AttentionImpl, max_batch: int, max_rows: int = 0):
-        self.max_batch = max_batch
+    def __init__(self, stack: DecoderStack, cache: KVCache, attn: AttentionImpl, max_batch: int | None,
+                 max_rows: int = 0):
         self.max_rows = max_rows
         self._attn = attn
         self._keep: list[object] = []  # NativeLinears and tensors whose addresses the C structs hold
@@ -81,6 +81,9 @@ class NativeDecodeStep:
         ))
         head = _linears((stack.lm_head,))[0]
         self._keep.append(head)
+        # None: as many sequences as every linear's kernel still wins at (NativeLinear.native_max_batch)
+        self.max_batch = max_batch if max_batch is not None else min(
+            n.native_max_batch for n in self._keep if isinstance(n, NativeLinear))
         spec = cache.spec
         self.vocab = stack.vocab_size
         self._embedding = stack.embedding
@@ -172,10 +175,11 @@ class NativeDecodeStep:
         return logits, seqs
 
 
-def build_native_step(model: torch.nn.Module, cache: KVCache, attn: AttentionImpl, max_batch: int,
+def build_native_step(model: torch.nn.Module, cache: KVCache, attn: AttentionImpl, max_batch: int | None,
                       device: torch.device, max_rows: int = 0) -> NativeDecodeStep | None:
-    """The native step for this engine, or None (logging why) where the torch path must serve every step."""
-    if max_batch < 1 or device.type != "cpu":
+    """The native step for this engine, or None (logging why) where the torch path must serve every step;
+    max_batch None: chosen from the linears' kernels."""
+    if (max_batch is not None and max_batch < 1) or device.type != "cpu":
         return None
     try:
         inner = attn.inner if isinstance(attn, CalibratingAttention) else attn
@@ -188,5 +192,5 @@ def build_native_step(model: torch.nn.Module, cache: KVCache, attn: AttentionImp
     except NativeStepUnavailable as why:
         logger.info("native decode step off, every step on the torch path: %s", why)
         return None
-    logger.info("native decode step on for decode-only steps of up to %d rows", max_batch)
+    logger.info("native decode step on for decode-only steps of up to %d sequences", step.max_batch)
     return step

@@ -26,10 +26,15 @@ class NativeLinear:
     in_features: int
     out_features: int
     keepalive: tuple[object, ...] = ()
+    # Up to this many rows a native step through this kernel beat the torch path's GEMMs where it was measured
+    # (benchmarks/native_step_crossover.py); the step's automatic batch limit is the smallest over its linears.
+    native_max_batch: int = 2
 
     def __post_init__(self) -> None:
         if not self.fn:
             raise ValueError("NativeLinear.fn: a null function pointer")
+        if self.native_max_batch < 1:
+            raise ValueError(f"NativeLinear.native_max_batch must be >= 1, got {self.native_max_batch}")
         if self.in_features <= 0 or self.out_features <= 0:
             raise ValueError(f"NativeLinear features must be positive, got {self.in_features}x{self.out_features}")
 
