@@ -105,8 +105,8 @@ def group_rows(path: Path, rows_list: list[int], repeats: int, flags: tuple[str,
         out = blocks.shape[0]
         q4_1 = cpu_packed.PackedMatrix(qtype, blocks, in_features, lib=lib)
         kernels = {f"packed_{qtype.lower()}": (q4_1.matmul, blocks.numel())}
-        if q4_1.can_group(qtype, blocks):  # the layout quant/gguf.py serves (grouped() rewrites a copy in place)
-            grouped = cpu_packed.PackedMatrix(qtype, blocks.clone(), in_features, lib=lib).grouped()
+        if q4_1.can_group(qtype, blocks) and cpu_packed.grouped_isa(lib) == "avx512":  # as quant/gguf.py serves
+            grouped = cpu_packed.PackedMatrix(qtype, blocks.clone(), in_features, lib=lib).grouped()  # in place
             kernels[f"packed_{qtype.lower()}_grouped"] = (grouped.matmul, blocks.numel())
         for kind, bits, group, act_order in (("group_gptq", 4, 128, True), ("group_awq", 4, 64, False),
                                              ("group_gptq8", 8, 128, True)):

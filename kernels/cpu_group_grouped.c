@@ -63,10 +63,12 @@ GQ_INLINE void gq_grouped_rows(const ps_group_state *st, int bits, int64_t h, co
         if (g != cur) {
             cur = g;
             const int64_t at = (h * st->groups + g) * GQ_ROWS;
-            s = st->scale_f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)st->scales + at)))
+            const uint16_t *s16 = (const uint16_t *)st->scales + at;
+            s = st->scale_f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s16))
                               : _mm512_loadu_ps((const float *)st->scales + at);
-            const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(st->zeros + at))));
-            m = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), z), s);  /* exact for fp16 s: 8 x 11 bits */
+            const __m128i z8 = _mm_loadu_si128((const __m128i *)(st->zeros + at));
+            /* -z s: exact for fp16 scales (8 x 11 significant bits), as cpu_group_linear.c's offset */
+            m = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(z8))), s);
         }
         const uint8_t *tile = tiles + j * tb;
         const float *xb = x + 32 * j;

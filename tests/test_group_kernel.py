@@ -75,7 +75,8 @@ def _magnitudes(w) -> torch.Tensor:
 def _bound(m, w, x: torch.Tensor) -> float:
     """The error the layout's product may have against exact x @ W^T. Row after row the weights are the reference's
     bit for bit: fp32 summation order, a few ulps of the largest partial sums. Grouped: per run s * sum(u x) +
-    (-z s) * sum(x), so each of in/32 + 32 + a few roundings is relative to sums of (u + z) s |x| (cpu_group_grouped.c)."""
+    (-z s) * sum(x), so each of in/32 + 32 + a few roundings is relative to sums of (u + z) s |x| (the bound
+    cpu_group_grouped.c states)."""
     if m.row_group == 0:
         return 2e-6 * (x.abs() @ w.dequantize(torch.float32).abs().t()).max().item()
     return (m.in_features // 32 + 40) * 2.0**-24 * (x.abs() @ _magnitudes(w).t()).max().item()
