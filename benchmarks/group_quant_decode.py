@@ -10,7 +10,8 @@ tools' layouts: GPTQ 4-bit group 128, act-order (a seeded random channel order),
 GPTQ's or AWQ's); they have the tools' tensor layouts and shapes, which is what decode speed depends on. Each row
 says which kind it measured.
 
-Per model (`kernel` rows): the linear layers' packed bytes and, for decode, `LLM.generate` of one request of
+Per model (`kernel` rows): the linear layers' packed bytes, for GPTQ/AWQ the share of linears served with rows
+interleaved (`rows_grouped`, cpu_group_grouped.c) and, for decode, `LLM.generate` of one request of
 --tokens tokens (EOS ignored) with the engine's defaults (the native decode step up to 2 rows), interleaved over
 --repeats rounds, best tokens/s. The Q4_1 GGUF is the default model served packed (`--gguf-weights packed`).
 """
@@ -112,6 +113,13 @@ def linear_bytes(llm) -> int:
     return total
 
 
+def grouped_share(llm) -> float | None:
+    """The share of the GPTQ/AWQ linears whose rows the loader interleaved (cpu_group_grouped.c); None: no such."""
+    matrices = [m.qkernel.matrix for m in llm.engine.runner.model.modules()
+                if hasattr(getattr(m, "qkernel", None), "matrix")]
+    return round(sum(m.row_group > 0 for m in matrices) / len(matrices), 3) if matrices else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gptq", type=Path, help="a GPTQ checkpoint folder (default: made here, RTN)")
@@ -141,7 +149,8 @@ def main() -> None:
     for name, llm in engines.items():
         print(json.dumps({"kind": "decode_1_stream", "model": name, "checkpoint": models[name][1],
                           "native_step": llm.engine.runner.native_step is not None,
-                          "linear_bytes": linear_bytes(llm), "tok_s": round(best[name], 2),
+                          "linear_bytes": linear_bytes(llm), "rows_grouped": grouped_share(llm),
+                          "tok_s": round(best[name], 2),
                           "vs_gguf": round(best[name] / best["gguf_q4_1"], 3), "tokens": args.tokens,
                           "repeats": args.repeats, "dtype": args.dtype, "threads": torch.get_num_threads(),
                           "cpu": cpu_model()}), flush=True)
