@@ -4,9 +4,9 @@ The canonical GroupQuantWeight is repacked once into the kernel's layout (kernel
 channels sorted by group, 32 per run, nibbles of a run side by side, per-row scales and zeros; then, where the build
 has AVX-512 and out_features % 16 == 0, output rows interleaved in groups of 16, cpu_group_grouped.c) and the
 checkpoint's tensors are dropped, so the layer holds only those bytes. Calls of up to `NATIVE_MAX_ROWS` rows
-(decode) multiply in place with fp32 activations; more rows (prefill)
-expand the matrix per call into the compute dtype and take a dense GEMM, whose AMX/AVX-512 tiles win there. The
-same matrix is the layer's `NativeLinear`, so GPTQ/AWQ models take the native decode step.
+(decode) multiply in place with fp32 activations; more rows (prefill) expand the matrix per call into the compute
+dtype and take a dense GEMM, whose AMX/AVX-512 tiles win there. The same matrix is the layer's `NativeLinear`, so
+GPTQ/AWQ models take the native decode step.
 """
 
 from __future__ import annotations
