@@ -5,12 +5,14 @@
 
 Without --gptq / --awq the two checkpoints are SmolLM2-135M-shaped and made here (once, under --work) by rounding
 the default GGUF's own weights to the nearest level (RTN) and packing them with pagedserve's packing code into the
-tools' layouts: GPTQ 4-bit group 128, act-order (a seeded random channel order), symmetric, v1 zeros; AWQ GEMM
+tools' layouts: GPTQ 4-bit group 128, act-order (a seeded random channel order per layer input: q/k/v share
+one, gate/up one, as the tool's Hessian order does), symmetric, v1 zeros; AWQ GEMM
 4-bit group 64 with zero points. They are NOT made by the quantization tools (their accuracy says nothing about
 GPTQ's or AWQ's); they have the tools' tensor layouts and shapes, which is what decode speed depends on. Each row
 says which kind it measured.
 
-Per model (`kernel` rows): the linear layers' packed bytes and, for decode, `LLM.generate` of one request of
+Per model (`kernel` rows): the linear layers' packed bytes, for GPTQ/AWQ the share of linears served with rows
+interleaved (`rows_grouped`, cpu_group_grouped.c) and, for decode, `LLM.generate` of one request of
 --tokens tokens (EOS ignored) with the engine's defaults (the native decode step up to 2 rows), interleaved over
 --repeats rounds, best tokens/s. The Q4_1 GGUF is the default model served packed (`--gguf-weights packed`).
 """
@@ -22,6 +24,7 @@ import json
 import shutil
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -66,6 +69,15 @@ def _quantized(name: str, w: torch.Tensor, kind: str, perm_seed: int) -> dict[st
             f"{name}.scales": scales, f"{name}.g_idx": g_idx}
 
 
+def _perm_seed(base: str) -> int:
+    """One act-order permutation per layer input: GPTQ orders channels by its Hessian of the layer's inputs, so
+    q/k/v (and gate/up), which read the same input, get the same order in the tool's checkpoints too, and the
+    engine merges them only then."""
+    layer, proj = base.rsplit(".", 1)
+    shared = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(proj, proj)
+    return zlib.crc32(f"{layer}.{shared}".encode())
+
+
 def make_checkpoint(kind: str, out: Path) -> Path:
     """The default model as an RTN-packed `kind` ("gptq" or "awq") HF folder (see the module docstring)."""
     from safetensors.torch import save_file
@@ -78,10 +90,10 @@ def make_checkpoint(kind: str, out: Path) -> Path:
     gguf = resolve_model(None).weights
     ckpt = GgufCheckpoint(gguf)
     tensors: dict[str, torch.Tensor] = {}
-    for i, (name, values) in enumerate(ckpt.tensors(torch.float32)):
+    for name, values in ckpt.tensors(torch.float32):
         base = name.removesuffix(".weight")
         if name.endswith(".weight") and base.rsplit(".", 1)[-1] in LINEARS:
-            tensors.update(_quantized(base, values, kind, i))
+            tensors.update(_quantized(base, values, kind, _perm_seed(base)))
         else:
             tensors[name] = values.to(torch.bfloat16).contiguous()
     config = dict(ckpt.hf_config, torch_dtype="bfloat16")
@@ -112,6 +124,13 @@ def linear_bytes(llm) -> int:
     return total
 
 
+def grouped_share(llm) -> float | None:
+    """The share of the GPTQ/AWQ linears whose rows the loader interleaved (cpu_group_grouped.c); None: no such."""
+    matrices = [m.qkernel.matrix for m in llm.engine.runner.model.modules()
+                if hasattr(getattr(m, "qkernel", None), "matrix")]
+    return round(sum(m.row_group > 0 for m in matrices) / len(matrices), 3) if matrices else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gptq", type=Path, help="a GPTQ checkpoint folder (default: made here, RTN)")
@@ -127,7 +146,7 @@ def main() -> None:
     models = {"gguf_q4_1": (None, "the default Q4_1 GGUF, packed")}
     for kind in ("gptq", "awq"):
         given = getattr(args, kind)
-        models[kind] = (str(given or make_checkpoint(kind, args.work / f"smollm2-{kind}-rtn")),
+        models[kind] = (str(given or make_checkpoint(kind, args.work / f"smollm2-{kind}-rtn-v2")),
                         "given checkpoint" if given else "RTN-packed by pagedserve, not by the tools")
     engines = {name: LLM(path, dtype=args.dtype, **({"gguf_weights": "packed"} if path is None else {}))
                for name, (path, _) in models.items()}
@@ -141,7 +160,8 @@ def main() -> None:
     for name, llm in engines.items():
         print(json.dumps({"kind": "decode_1_stream", "model": name, "checkpoint": models[name][1],
                           "native_step": llm.engine.runner.native_step is not None,
-                          "linear_bytes": linear_bytes(llm), "tok_s": round(best[name], 2),
+                          "linear_bytes": linear_bytes(llm), "rows_grouped": grouped_share(llm),
+                          "tok_s": round(best[name], 2),
                           "vs_gguf": round(best[name] / best["gguf_q4_1"], 3), "tokens": args.tokens,
                           "repeats": args.repeats, "dtype": args.dtype, "threads": torch.get_num_threads(),
                           "cpu": cpu_model()}), flush=True)

@@ -9,8 +9,10 @@ and its Q8_0 LM head (the tied embedding), at 1, 4, 8 and 32 rows, through
 with microseconds per call (best of --repeats) and GB/s of the weight bytes each one reads.
 With --group, the same shapes (LM head left out) through the GPTQ/AWQ kernel (quant/cpu_group_kernel.py) on
 random GroupQuantWeights made by the same packing code: group_gptq (4-bit g128, act-order), group_awq (4-bit g64),
-group_gptq8 (8-bit g128), beside the Q4_1 packed kernel at that shape (`--group-flags` builds the kernels with
-extra compiler flags, e.g. to compare variants).
+group_gptq8 (8-bit g128) in the layout the loader serves with that build (rows interleaved in groups of 16 where it
+has AVX-512; then also *_rowwise, one row after another), beside the Q4_1 packed kernel at that shape in the file's
+layout (packed_q4_1) and with rows grouped (packed_q4_1_grouped: what quant/gguf.py serves where the build has
+AVX-512). `--group-flags` builds the kernels with extra compiler flags, e.g. to compare variants.
 End to end (--e2e): `LLM.generate` of one request, 256 tokens, EOS ignored, packed vs dequantized, interleaved,
 best of --e2e-repeats, output tokens per second.
 
@@ -21,6 +23,7 @@ best of --e2e-repeats, output tokens per second.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -93,7 +96,6 @@ def group_rows(path: Path, rows_list: list[int], repeats: int, flags: tuple[str,
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from quant_fixtures import random_weight
 
-    from pagedserve.kernels.cpu_group_packed import GroupMatrix
     from pagedserve.quant.cpu_group_kernel import repack
 
     lib = cpu_packed.build(flags)
@@ -103,10 +105,16 @@ def group_rows(path: Path, rows_list: list[int], repeats: int, flags: tuple[str,
         out = blocks.shape[0]
         q4_1 = cpu_packed.PackedMatrix(qtype, blocks, in_features, lib=lib)
         kernels = {f"packed_{qtype.lower()}": (q4_1.matmul, blocks.numel())}
+        if q4_1.can_group(qtype, blocks) and cpu_packed.grouped_isa(lib) == "avx512":  # as quant/gguf.py serves
+            grouped = cpu_packed.PackedMatrix(qtype, blocks.clone(), in_features, lib=lib).grouped()  # in place
+            kernels[f"packed_{qtype.lower()}_grouped"] = (grouped.matmul, blocks.numel())
         for kind, bits, group, act_order in (("group_gptq", 4, 128, True), ("group_awq", 4, 64, False),
                                              ("group_gptq8", 8, 128, True)):
-            m = repack(random_weight(in_features, out, bits, group, act_order))
-            m = GroupMatrix(m.bits, m.codes, m.scales, m.zeros, m.run_group, m.perm, None, lib)
+            m = dataclasses.replace(repack(random_weight(in_features, out, bits, group, act_order), group_rows=False),
+                                    lib=lib)
+            if out % cpu_packed.GROUP_ROWS == 0 and cpu_packed.group_grouped_isa(lib) == "avx512":
+                kernels[f"{kind}_rowwise"] = (m.matmul, m.nbytes())  # the layout before rows were grouped
+                m = m.grouped()  # what repack serves with this build
             kernels[kind] = (m.matmul, m.nbytes())
         for rows in rows_list:
             x = torch.randn(rows, in_features)
@@ -114,7 +122,7 @@ def group_rows(path: Path, rows_list: list[int], repeats: int, flags: tuple[str,
                 us = best_us(lambda: fn(x), repeats)
                 print(json.dumps({"kind": "group_kernel", "matrix": name, "in": in_features, "out": out, "rows": rows,
                                   "kernel": kernel, "us": round(us, 1), "gb_s": round(nbytes / us / 1e3, 2),
-                                  "flags": " ".join(flags), "isa": cpu_packed.group_isa(lib),
+                                  "flags": " ".join(flags), "isa": cpu_packed.group_grouped_isa(lib),
                                   "threads": torch.get_num_threads(), "cpu": cpu_model()}), flush=True)
 
 

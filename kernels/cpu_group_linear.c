@@ -1,10 +1,12 @@
 /* y[rows, out] = x[rows, in] @ W^T (+ bias) with W in GPTQ/AWQ groups, read in place: the ps_linear_fn of
  * kernels/cpu_linear.h for group-quantized weights (state built by quant/cpu_group_kernel.py).
  *
- * Layout (one, made once at load from the canonical GroupQuantWeight): input channels in group order (act-order's
+ * Layout (made once at load from the canonical GroupQuantWeight): input channels in group order (act-order's
  * permutation `perm` is applied to x per call instead), so every run of 32 inputs lies in one group `run_group[j]`.
  * codes [out, in * bits / 8]: per output row, per run of 32, 16 bytes whose low nibbles are values 0-15 and high
  * nibbles values 16-31 (4-bit), or 32 bytes (8-bit); scales [out, groups] fp16 or fp32, zeros uint8 [out, groups].
+ * Where the build has AVX-512 and out % 16 == 0 the loader interleaves rows in groups of 16 instead (row_group,
+ * cpu_group_grouped.c, faster for 1-8 rows); the product and the expansion below hand such matrices over to it.
  *
  * Each run is dequantized in registers to fp32 as w = u * s + (-z * s) by one FMA; -z * s is exact in fp32 for
  * fp16 scales, so w is the reference's (q - z) * s bit for bit, and y is x @ W^T up to fp32 summation order.
@@ -14,37 +16,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_group_state.h"
 #include "cpu_linear.h"
-#include "cpu_packed_blocks.h"
 
 #define GQ_EXPORT __attribute__((visibility("default")))
 #define GQ_INLINE static inline __attribute__((always_inline))
 #define GQ_TILE 8    /* x rows per dequantized run: 16 zmm accumulators + 2 weight registers */
 #define GQ_CHUNK 16  /* output rows per unit of parallel work */
-
-/* One group-quantized matrix as the kernel reads it; mirrored by GroupState in kernels/cpu_group_packed.py. */
-typedef struct {
-    int32_t bits;         /* 4 or 8 */
-    int32_t num_threads;  /* for calls through ps_linear_fn; 0: omp_get_max_threads() */
-    int64_t in_features, out_features, groups;
-    const uint8_t *codes;
-    const void *scales;   /* [out, groups] */
-    int32_t scale_f16;    /* scales are fp16 bits (else fp32) */
-    int32_t pad;
-    const uint8_t *zeros;        /* [out, groups] */
-    const int32_t *run_group;    /* [in / 32] */
-    const int32_t *perm;         /* [in]: x column of sorted input k, or NULL */
-    const float *bias;           /* [out] or NULL */
-} ps_group_state;
-
-static int gq_check(const ps_group_state *st) {
-    if (st == NULL || (st->bits != 4 && st->bits != 8) || st->in_features <= 0 || st->in_features % 32) return 1;
-    return st->out_features <= 0 || st->groups <= 0 || st->codes == NULL || st->scales == NULL || st->zeros == NULL;
-}
-
-GQ_INLINE float gq_scale(const ps_group_state *st, int64_t i) {
-    return st->scale_f16 ? pk_half((const uint8_t *)st->scales + 2 * i) : ((const float *)st->scales)[i];
-}
 
 /* The 32 codes of run j of one output row, widened to fp32 weights (portable). */
 GQ_INLINE void gq_run_scalar(const uint8_t *c, int bits, int64_t j, float d, float m, float *w) {
@@ -148,6 +126,11 @@ GQ_EXPORT int pagedserve_group_linear_threads(const ps_group_state *st, const fl
             for (int64_t k = 0; k < in; k++) xs[r * in + k] = x[r * in + st->perm[k]];
         x = xs;
     }
+    if (st->row_group) {
+        const int status = gq_grouped_product(st, x, rows, y, threads);
+        free(xs);
+        return status;
+    }
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int64_t ch = 0; ch < chunks; ch++) {
         const int64_t o_end = (ch + 1) * GQ_CHUNK < out ? (ch + 1) * GQ_CHUNK : out;
@@ -181,9 +164,15 @@ GQ_EXPORT int pagedserve_group_dequantize(const ps_group_state *st, void *w_out,
     for (int64_t o = 0; o < st->out_features; o++) {
         float w[32];
         for (int64_t j = 0; j < runs; j++) {
-            const int64_t g = st->run_group[j];
-            const float d = gq_scale(st, o * st->groups + g), m = -(float)st->zeros[o * st->groups + g] * d;
-            gq_run_scalar(st->codes + o * row_bytes, st->bits, j, d, m, w);
+            const int64_t at = gq_sz_index(st, o, st->run_group[j]);
+            const float d = gq_scale(st, at), m = -(float)st->zeros[at] * d;
+            if (st->row_group) {  /* the grouped layout: this row's codes gathered, then the same expansion */
+                uint8_t u[32];
+                gq_grouped_codes(st, o, j, u);
+                for (int l = 0; l < 32; l++) w[l] = (float)u[l] * d + m;
+            } else {
+                gq_run_scalar(st->codes + o * row_bytes, st->bits, j, d, m, w);
+            }
             if (!bf16) {
                 memcpy((float *)w_out + o * in + 32 * j, w, sizeof w);
                 continue;

@@ -1,34 +1,38 @@
-"""GPTQ/AWQ weights in the native group layout (cpu_group_linear.c), built into kernels/cpu_packed.py's object.
+"""GPTQ/AWQ weights in the native group layouts (cpu_group_linear.c, cpu_group_grouped.c), built into
+kernels/cpu_packed.py's object.
 
 `GroupMatrix` holds one matrix's tensors in that layout (quant/cpu_group_kernel.py makes them from the canonical
-GroupQuantWeight) and the C state that points at them; its `state_address` and `linear_fn` are what
-kernels/cpu_linear.h's `ps_linear` takes, so the native decode step runs it like any other linear.
+GroupQuantWeight; `grouped()` interleaves the rows) and the C state that points at them; its `state_address` and
+`linear_fn` are what kernels/cpu_linear.h's `ps_linear` takes, so the native decode step runs it like any other
+linear.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from pagedserve.kernels.cpu_native import NativeBuildError
-from pagedserve.kernels.cpu_packed import build
+from pagedserve.kernels.cpu_packed import GROUP_ROWS, build
 
 
 class GroupState(ctypes.Structure):
-    # Field order and types mirror ps_group_state in cpu_group_linear.c.
+    # Field order and types mirror ps_group_state in cpu_group_state.h.
     _fields_ = [("bits", ctypes.c_int32), ("num_threads", ctypes.c_int32),
                 ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64), ("groups", ctypes.c_int64),
                 ("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("scale_f16", ctypes.c_int32),
-                ("pad", ctypes.c_int32), ("zeros", ctypes.c_void_p), ("run_group", ctypes.c_void_p),
+                ("row_group", ctypes.c_int32), ("zeros", ctypes.c_void_p), ("run_group", ctypes.c_void_p),
                 ("perm", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True, eq=False)
 class GroupMatrix:
     """W [out, in] as codes uint8 [out, in * bits / 8] (input channels in group order, 32 per run), scales
-    [out, groups] fp16/fp32, zeros uint8 [out, groups], run_group int32 [in / 32], perm int32 [in] or None."""
+    [out, groups] fp16/fp32, zeros uint8 [out, groups], run_group int32 [in / 32], perm int32 [in] or None.
+    row_group GROUP_ROWS: codes, scales and zeros hold the same values with rows interleaved (`grouped()`)."""
 
     bits: int
     codes: torch.Tensor
@@ -38,6 +42,7 @@ class GroupMatrix:
     perm: torch.Tensor | None = None
     bias: torch.Tensor | None = None  # fp32 [out]
     lib: ctypes.CDLL | None = None  # None: build()
+    row_group: int = 0  # 0: one row after another; GROUP_ROWS: interleaved (cpu_group_grouped.c)
 
     def __post_init__(self) -> None:
         out, groups = self.scales.shape
@@ -50,6 +55,9 @@ class GroupMatrix:
             expect["bias"] = ((out,), torch.float32)
         if self.bits not in (4, 8):
             raise ValueError(f"bits: {self.bits}, supported: [4, 8]")
+        if self.row_group not in (0, GROUP_ROWS) or out % GROUP_ROWS * self.row_group:
+            raise ValueError(f"row_group: {self.row_group} needs 0, or {GROUP_ROWS} with a multiple of {GROUP_ROWS} "
+                             f"output rows (got {out})")
         if self.scales.dtype not in (torch.float16, torch.float32) or not self.scales.is_contiguous():
             raise ValueError(f"scales: expected contiguous float16/float32 [out, groups], got {self.scales.dtype}")
         for name, (shape, dtype) in expect.items():
@@ -58,13 +66,31 @@ class GroupMatrix:
                 raise ValueError(f"{name}: expected contiguous {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
         lib = self.lib or build()
         if lib.pagedserve_group_state_size() != ctypes.sizeof(GroupState):
-            raise NativeBuildError("cpu_group_linear.c's ps_group_state does not match GroupState")
+            raise NativeBuildError("cpu_group_state.h's ps_group_state does not match GroupState")
         object.__setattr__(self, "lib", lib)
         addr = (lambda t: None if t is None else t.data_ptr())
         state = GroupState(self.bits, 0, in_features, out, groups, self.codes.data_ptr(), self.scales.data_ptr(),
-                           int(self.scales.dtype == torch.float16), 0, self.zeros.data_ptr(),
+                           int(self.scales.dtype == torch.float16), self.row_group, self.zeros.data_ptr(),
                            self.run_group.data_ptr(), addr(self.perm), addr(self.bias))
         object.__setattr__(self, "state", state)
+
+    def grouped(self) -> "GroupMatrix":
+        """The same matrix with its rows interleaved in groups of GROUP_ROWS (layout in cpu_group_grouped.c), in
+        new tensors; raises ValueError when out_features is not a multiple of GROUP_ROWS."""
+        out, h = self.out_features, self.out_features // GROUP_ROWS
+        if self.row_group or out % GROUP_ROWS:
+            raise ValueError(f"grouped: needs a row-after-row matrix with a multiple of {GROUP_ROWS} rows, got {out}")
+        runs = self.in_features // 32
+        if self.bits == 4:  # each run's byte l: values l (low nibble) and l + 16
+            c = self.codes.view(out, runs, 16)
+            q = torch.cat([c & 0xF, c >> 4], 2).view(h, GROUP_ROWS, runs, 4, 4, 2)
+            # tile [h, run]: chunk c, row r, byte b = inputs 8c + 2b (low nibble) and 8c + 2b + 1
+            codes = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1, 4)
+        else:  # tile [h, run]: input k, row r
+            codes = self.codes.view(h, GROUP_ROWS, self.in_features).transpose(1, 2)
+        side = (lambda t: t.view(h, GROUP_ROWS, -1).transpose(1, 2).contiguous().view(out, -1))
+        return dataclasses.replace(self, codes=codes.contiguous().view(out, -1), scales=side(self.scales),
+                                   zeros=side(self.zeros), row_group=GROUP_ROWS)
 
     @property
     def in_features(self) -> int:

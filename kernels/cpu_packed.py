@@ -24,10 +24,10 @@ from pagedserve.kernels.cache_dir import cache_root
 from pagedserve.kernels.cpu_native import NativeBuildError, cpu_fingerprint, native_flags
 
 _HERE = Path(__file__).parent
-# GGUF blocks (cpu_packed_*.c) and GPTQ/AWQ groups (cpu_group_linear.c, state in cpu_group_packed.py): one object.
+# GGUF blocks (cpu_packed_*.c) and GPTQ/AWQ groups (cpu_group_*.c, state in cpu_group_packed.py): one object.
 SOURCES = (*(_HERE / f"cpu_packed_{name}.c" for name in ("linear", "f32", "grouped", "dequantize")),
-           _HERE / "cpu_group_linear.c")
-HEADERS = (_HERE / "cpu_packed_blocks.h", _HERE / "cpu_linear.h")
+           _HERE / "cpu_group_linear.c", _HERE / "cpu_group_grouped.c")
+HEADERS = (_HERE / "cpu_packed_blocks.h", _HERE / "cpu_linear.h", _HERE / "cpu_group_state.h")
 # GGUF type name -> (PK_* code of cpu_packed_blocks.h, values per block, bytes per block).
 FORMATS: dict[str, tuple[int, int, int]] = {
     "Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q5_0": (2, 32, 22), "Q8_0": (3, 32, 34),
@@ -88,7 +88,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.pagedserve_packed_group_rows.argtypes = [state, ptr]
     lib.pagedserve_packed_group_rows.restype = c_int
     lib.pagedserve_packed_isa.restype = lib.pagedserve_group_isa.restype = ctypes.c_char_p
-    lib.pagedserve_packed_grouped_isa.restype = ctypes.c_char_p
+    lib.pagedserve_packed_grouped_isa.restype = lib.pagedserve_group_grouped_isa.restype = ctypes.c_char_p
     lib.pagedserve_packed_state_size.restype = i64
     if lib.pagedserve_packed_state_size() != ctypes.sizeof(PackedState):
         raise NativeBuildError("cpu_packed_blocks.h's ps_packed_state does not match PackedState")
@@ -109,6 +109,12 @@ def grouped_isa(lib: ctypes.CDLL) -> str:
 def group_isa(lib: ctypes.CDLL) -> str:
     """What the GPTQ/AWQ kernel (cpu_group_linear.c) in `lib` was compiled to: avx512 or portable."""
     return lib.pagedserve_group_isa().decode()
+
+
+def group_grouped_isa(lib: ctypes.CDLL) -> str:
+    """What the GPTQ/AWQ interleaved-rows kernel (cpu_group_grouped.c) in `lib` was compiled to: avx512 or
+    portable; only avx512 is faster than the one-row-after-another kernel, so the loader groups rows only then."""
+    return lib.pagedserve_group_grouped_isa().decode()
 
 
 @dataclass(frozen=True, eq=False)

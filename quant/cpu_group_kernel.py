@@ -1,21 +1,24 @@
 """GPTQ/AWQ on CPU through the native group kernel (kernels/cpu_group_linear.c): the `cpu_group` QLinearKernel.
 
 The canonical GroupQuantWeight is repacked once into the kernel's layout (kernels/cpu_group_packed.py: input
-channels sorted by group, 32 per run, nibbles of a run side by side, per-row scales and zeros) and the checkpoint's
-tensors are dropped, so the layer holds only those bytes. Calls of up to `NATIVE_MAX_ROWS` rows (decode) multiply
-in place in fp32 with the weights dequantized in registers (exactly the reference's values); more rows (prefill)
-expand the matrix per call into the compute dtype and take a dense GEMM, whose AMX/AVX-512 tiles win there. The
-same matrix is the layer's `NativeLinear`, so GPTQ/AWQ models take the native decode step.
+channels sorted by group, 32 per run, nibbles of a run side by side, per-row scales and zeros; then, where the build
+has AVX-512 and out_features % 16 == 0, output rows interleaved in groups of 16, cpu_group_grouped.c) and the
+checkpoint's tensors are dropped, so the layer holds only those bytes. Calls of up to `NATIVE_MAX_ROWS` rows
+(decode) multiply in place with fp32 activations; more rows (prefill) expand the matrix per call into the compute
+dtype and take a dense GEMM, whose AMX/AVX-512 tiles win there. The same matrix is the layer's `NativeLinear`, so
+GPTQ/AWQ models take the native decode step.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.cpu_group_packed import GroupMatrix
 from pagedserve.kernels.cpu_native import NativeBuildError
-from pagedserve.kernels.cpu_packed import build
+from pagedserve.kernels.cpu_packed import GROUP_ROWS, build, group_grouped_isa
 from pagedserve.quant.group_quant import GroupQuantWeight, QLinearKernel, sorted_groups
 from pagedserve.quant.native_linear import NativeLinear
 from pagedserve.quant.packing import unpack_cols, unpack_rows
@@ -29,8 +32,10 @@ def _runs_in_groups(sorted_g: torch.Tensor) -> bool:
     return bool((runs == runs[:, :1]).all())
 
 
-def repack(w: GroupQuantWeight, bias: torch.Tensor | None = None) -> GroupMatrix:
-    """The canonical weight in the kernel's layout (see cpu_group_linear.c); raises ValueError when it cannot be."""
+def repack(w: GroupQuantWeight, bias: torch.Tensor | None = None, group_rows: bool = True) -> GroupMatrix:
+    """The canonical weight in the kernel's layout (see cpu_group_linear.c), with its rows interleaved
+    (cpu_group_grouped.c) when `group_rows`, out_features % GROUP_ROWS == 0 and the build's interleaved kernel is
+    AVX-512 (elsewhere it is slower than the row-after-row one); raises ValueError when it cannot be repacked."""
     if w.in_features % RUN:
         raise ValueError(f"in_features: {w.in_features} is not a multiple of {RUN}")
     perm, sorted_g = sorted_groups(w.g_idx)
@@ -44,12 +49,15 @@ def repack(w: GroupQuantWeight, bias: torch.Tensor | None = None) -> GroupMatrix
         pairs = q.reshape(w.out_features, -1, 2, RUN // 2)  # each run: values 0-15 low nibbles, 16-31 high
         q = pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)
     scales = w.scales if w.scales.dtype in (torch.float16, torch.float32) else w.scales.float()
-    return GroupMatrix(
+    matrix = GroupMatrix(
         bits=w.bits, codes=q.reshape(w.out_features, -1).contiguous(), scales=scales.t().contiguous(),
         zeros=unpack_cols(w.qzeros, w.bits).t().to(torch.uint8).contiguous(),
         run_group=sorted_g[::RUN].to(torch.int32).contiguous(),
         perm=None if perm is None else perm.to(torch.int32).contiguous(),
         bias=None if bias is None else bias.detach().float().contiguous())
+    if group_rows and w.out_features % GROUP_ROWS == 0 and group_grouped_isa(matrix.lib) == "avx512":
+        return matrix.grouped()
+    return matrix
 
 
 class CpuGroupKernel(QLinearKernel):
@@ -89,8 +97,7 @@ class CpuGroupKernel(QLinearKernel):
         """The layer (with its bias) as a `ps_linear` for the native decode step."""
         m = self.matrix
         if bias is not None:
-            m = GroupMatrix(m.bits, m.codes, m.scales, m.zeros, m.run_group, m.perm, bias.detach().float().contiguous(),
-                            m.lib)
+            m = dataclasses.replace(m, bias=bias.detach().float().contiguous())
         return NativeLinear(m.linear_fn, m.state_address, m.in_features, m.out_features, (m,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,9 @@
 dequantization (quant/group_quant.py, which tests/test_quant_fixtures.py checks against the tools' own outputs).
 
 - Random weights of every supported bits x group combination, act-order or not, odd output counts and partial
-  last groups, 1-17 activation rows: the product within fp32 summation order of x @ W^T, the expanded matrix bit
-  for bit; each in the AVX-512 build and in the portable build (what a host without AVX-512 runs).
+  last groups, 1-17 activation rows, rows one after another and interleaved in groups of 16: the product within
+  the layout's stated fp32 error bound of x @ W^T, the expanded matrix bit for bit; each in the AVX-512 build and
+  in the portable builds (what a host without AVX-512 runs; the loader groups rows only in the AVX-512 one).
 - Every quantized linear of the committed tool checkpoints: the kernel's expanded weights hash to the tool's own.
 - The ps_linear pointer the native decode step calls, with a bias.
 - The fixtures through the engine with the native decode step: logits of every position equal transformers' on
@@ -11,6 +12,8 @@ dequantization (quant/group_quant.py, which tests/test_quant_fixtures.py checks 
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from pagedserve.kernels import cpu_packed
 from pagedserve.quant.cpu_group_kernel import CpuGroupKernel, repack
 from pagedserve.quant.dense_native import call_native_linear
 from pagedserve.quant.packed_linear import PackedLinearMethod
+from pagedserve.quant.packing import unpack_cols, unpack_rows
 from quant_fixtures import (FIXTURE_NAMES, build_linear, dequantized_reference, fixture_dir, fp16_sha256, quant_linears,
                             random_weight, reference_weight, tool_record)
 
@@ -61,21 +65,53 @@ def _in_checkpoint_order(matrix, w_sorted: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _magnitudes(w) -> torch.Tensor:
+    """(u + z) * s [out, in] in checkpoint order: what the grouped kernel's fp32 sums add up (it never forms u - z)."""
+    g = w.g_idx.long()
+    u = unpack_rows(w.qweight, w.bits).float()  # [in, out]
+    return ((u + unpack_cols(w.qzeros, w.bits).float()[g]) * w.scales.float()[g]).t()
+
+
+def _bound(m, w, x: torch.Tensor) -> float:
+    """The error the layout's product may have against exact x @ W^T. Row after row the weights are the reference's
+    bit for bit: fp32 summation order, a few ulps of the largest partial sums. Grouped: per run s * sum(u x) +
+    (-z s) * sum(x), so each of in/32 + 32 + a few roundings is relative to sums of (u + z) s |x| (the bound
+    cpu_group_grouped.c states)."""
+    if m.row_group == 0:
+        return 2e-6 * (x.abs() @ w.dequantize(torch.float32).abs().t()).max().item()
+    return (m.in_features // 32 + 40) * 2.0**-24 * (x.abs() @ _magnitudes(w).t()).max().item()
+
+
 @pytest.mark.parametrize("k,n,bits,group,act_order", CASES)
 def test_product_and_expansion_equal_the_reference(lib, k, n, bits, group, act_order):
     w = random_weight(k, n, bits, group, act_order, seed=k + n)
-    m = repack(w)
-    m = type(m)(m.bits, m.codes, m.scales, m.zeros, m.run_group, m.perm, None, lib)
+    rowwise = dataclasses.replace(repack(w, group_rows=False), lib=lib)
+    layouts = [rowwise] + ([rowwise.grouped()] if n % cpu_packed.GROUP_ROWS == 0 else [])
     reference = w.dequantize(torch.float32)
-    assert torch.equal(_in_checkpoint_order(m, m.dequantize(torch.float32)), reference)
-    assert torch.equal(_in_checkpoint_order(m, m.dequantize(torch.bfloat16)), reference.bfloat16())
     g = torch.Generator().manual_seed(k)
-    for rows in ROWS:
-        x = torch.randn(rows, k, generator=g)
-        expected = x.double() @ reference.double().t()
-        y = m.matmul(x)
-        # fp32 sums of k products in another order: a few ulps of the largest partial sums
-        torch.testing.assert_close(y.double(), expected, rtol=0, atol=2e-6 * (x.abs() @ reference.abs().t()).max().item())
+    xs = [torch.randn(rows, k, generator=g) for rows in ROWS]
+    for m in layouts:
+        assert torch.equal(_in_checkpoint_order(m, m.dequantize(torch.float32)), reference), m.row_group
+        assert torch.equal(_in_checkpoint_order(m, m.dequantize(torch.bfloat16)), reference.bfloat16())
+        for x in xs:
+            expected = x.double() @ reference.double().t()
+            torch.testing.assert_close(m.matmul(x).double(), expected, rtol=0, atol=_bound(m, w, x))
+
+
+def test_rows_are_grouped_where_the_build_has_avx512_and_whole_groups():
+    for n in (64, 40):
+        for flags in VARIANTS.values():
+            lib = cpu_packed.build(flags)
+            avx512 = cpu_packed.group_grouped_isa(lib) == "avx512"
+            assert avx512 == (flags == () and _has_avx512())
+            m = repack(random_weight(256, n, 4, 64, True))
+            if flags == ():
+                assert m.row_group == (cpu_packed.GROUP_ROWS if avx512 and n % 16 == 0 else 0)
+    rowwise = repack(random_weight(256, 40, 4, 64, True), group_rows=False)
+    with pytest.raises(ValueError, match="grouped: needs a row-after-row matrix with a multiple of 16 rows, got 40"):
+        rowwise.grouped()
+    with pytest.raises(ValueError, match="row_group: 16 needs 0, or 16 with a multiple of 16 output rows"):
+        dataclasses.replace(rowwise, row_group=16)
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
@@ -83,12 +119,11 @@ def test_tool_checkpoints_expand_to_the_tools_weights(name):
     record = tool_record(name)["dequant_fp16_sha256"]
     for prefix, digest in record.items():
         w = reference_weight(fixture_dir(name), prefix)
-        m = repack(w)
-        assert fp16_sha256(_in_checkpoint_order(m, m.dequantize(torch.float32))) == digest, (name, prefix)
-        x = torch.randn(3, w.in_features, generator=torch.Generator().manual_seed(1))
-        reference = w.dequantize(torch.float32)
-        bound = 2e-6 * (x.abs() @ reference.abs().t()).max().item()
-        torch.testing.assert_close(m.matmul(x), x @ reference.t(), rtol=0, atol=bound)
+        for m in (repack(w), repack(w, group_rows=False)):
+            assert fp16_sha256(_in_checkpoint_order(m, m.dequantize(torch.float32))) == digest, (name, prefix)
+            x = torch.randn(3, w.in_features, generator=torch.Generator().manual_seed(1))
+            reference = w.dequantize(torch.float32)
+            torch.testing.assert_close(m.matmul(x), x @ reference.t(), rtol=0, atol=_bound(m, w, x))
 
 
 def test_the_ps_linear_pointer_adds_the_bias_and_equals_the_kernel():
@@ -109,9 +144,9 @@ def test_many_rows_take_the_expanded_matrix_with_the_same_result():
     kernel = CpuGroupKernel.from_weight(w, torch.float32)
     x = torch.randn(40, 576)
     reference = x.double() @ w.dequantize(torch.float32).double().t()
-    bound = 2e-6 * (x.abs() @ w.dequantize(torch.float32).abs().t()).max().item()
+    bound = 2e-6 * (x.abs() @ w.dequantize(torch.float32).abs().t()).max().item()  # the expanded weights, exact
     torch.testing.assert_close(kernel(x).double(), reference, rtol=0, atol=bound)
-    torch.testing.assert_close(kernel(x[:5]).double(), reference[:5], rtol=0, atol=bound)
+    torch.testing.assert_close(kernel(x[:5]).double(), reference[:5], rtol=0, atol=_bound(kernel.matrix, w, x[:5]))
     y16 = kernel(x.bfloat16())
     assert y16.dtype == torch.bfloat16
     assert (y16.double() - reference).abs().max().item() <= 2e-2 * reference.abs().max().item()
@@ -173,7 +208,7 @@ def test_projections_with_different_act_order_stay_apart():
 
 
 def test_bad_layouts_name_the_field():
-    m = repack(random_weight(256, 64, 4, 128, True))
+    m = repack(random_weight(256, 64, 4, 128, True), group_rows=False)
     with pytest.raises(ValueError, match="codes: expected contiguous torch.uint8"):
         type(m)(m.bits, m.codes[:, :-1].contiguous(), m.scales, m.zeros, m.run_group, m.perm)
     with pytest.raises(ValueError, match="bits: 3"):
