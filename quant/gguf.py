@@ -30,13 +30,10 @@ from torch import nn
 
 from pagedserve.kernels.cpu_packed import FORMATS, PackedMatrix, grouped_isa
 from pagedserve.quant.base import LinearMethod, QuantConfig, QuantConfigError
-from pagedserve.quant.native_linear import NativeLinear
+from pagedserve.quant.native_linear import GROUPED_NATIVE_MAX_BATCH, NativeLinear
 from pagedserve.quant.unquantized import UnquantizedLinearMethod
 
 PACKED_MAX_ROWS = 8
-# Grouped rows read the weights once for up to 8 rows, so the native step beats the torch path's bf16 GEMMs through
-# 8 sequences (quiet SPR VM: 1.4x at 8, level at 16; file layout and dense weights: 2).
-GROUPED_NATIVE_MAX_BATCH = 8
 
 
 def row_bytes(qtype: str, in_features: int) -> int:

@@ -11,6 +11,12 @@ import ctypes
 from dataclasses import dataclass
 
 
+# Kernels that read the weights once for up to 8 activation rows (grouped GGUF and GPTQ/AWQ rows) keep the native
+# step ahead of the torch path's bf16 GEMMs through 8 sequences (benchmarks/native_step_crossover.py; dense
+# weights and the file layouts: 2, the default).
+GROUPED_NATIVE_MAX_BATCH = 8
+
+
 class PsLinear(ctypes.Structure):
     # Field order and types mirror ps_linear in kernels/cpu_linear.h.
     _fields_ = [("fn", ctypes.c_void_p), ("state", ctypes.c_void_p),

@@ -24,6 +24,7 @@ from pagedserve.engine.errors import ConfigError, ModelLoadError
 from pagedserve.engine.loading.model_loader import load_model, packed_gguf_types
 from pagedserve.kernels import cpu_packed
 from pagedserve.quant import gguf as gguf_method
+from pagedserve.quant.native_linear import GROUPED_NATIVE_MAX_BATCH
 from quant_fixtures import full_logits
 
 HELD_OUT = Path(__file__).parent.parent / "docs" / "architecture.md"
@@ -66,7 +67,7 @@ def test_native_step_batch_limit_follows_the_kernels(engines):
     packed = engines["packed"].engine.loaded.model.lm_head.packed
     grouped = cpu_packed.grouped_isa(packed.lib) == "avx512"
     assert packed.row_group == (cpu_packed.GROUP_ROWS if grouped else 0)
-    limit = gguf_method.GROUPED_NATIVE_MAX_BATCH if grouped else 2
+    limit = GROUPED_NATIVE_MAX_BATCH if grouped else 2
     assert engines["packed"].engine.runner.native_step.max_batch == limit
     assert engines["dequantized"].engine.runner.native_step.max_batch == 2
 
