@@ -186,7 +186,7 @@ def main() -> None:
         "speculative_config": {"num_speculative_tokens": config.num_speculative_tokens,
                                "prompt_lookup_min": config.prompt_lookup_min,
                                "prompt_lookup_max": config.prompt_lookup_max,
-                               "disable_by_batch_size": config.disable_by_batch_size},
+                               "disable_by_batch_size": spec.engine.scheduler.drafter.disable_by_batch_size},
         "native_step_max_rows": spec.engine.config.native_step_max_rows,
         "native_step_max_batch": spec.engine.config.native_step_max_batch,
         "max_tokens": max_tokens, "repeats": repeats,

@@ -54,8 +54,9 @@ GQ_INLINE void gq_grouped_rows(const ps_group_state *st, int bits, int64_t h, co
     const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const int64_t in = st->in_features, runs = in / 32, tb = gq_tile_bytes(bits);
     const uint8_t *tiles = st->codes + h * runs * tb;
-    /* independent FMA chains per row while few rows give few */
-    const int chains = R <= 2 ? 4 : R == 3 ? 2 : 1;  /* measured: R = 2 is ~5% faster with 4 than with 2 */
+    /* Two FMA chains per row whatever R: a row's sums then do not depend on the rows beside it, so a speculating
+     * step's rows give exactly the logits one-row steps give (4 chains at 1-2 rows measured ~5% faster). */
+    const int chains = 2;
     int32_t cur = -1;
     __m512 s = _mm512_setzero_ps(), m = s;
     for (int64_t j = 0; j < runs; j++) {
@@ -72,7 +73,7 @@ GQ_INLINE void gq_grouped_rows(const ps_group_state *st, int bits, int64_t h, co
         }
         const uint8_t *tile = tiles + j * tb;
         const float *xb = x + 32 * j;
-        __m512 acc[GQ_GTILE];
+        __m512 acc[2 * GQ_GTILE];
         for (int a = 0; a < chains * R; a++) acc[a] = _mm512_setzero_ps();
         for (int c = 0; c < 4; c++) {
             const __m512i word = bits == 4 ? _mm512_loadu_si512(tile + 64 * c) : _mm512_setzero_si512();
@@ -136,16 +137,13 @@ static void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, cons
     case 2: gq_grouped_store(st, B, h, x, sx, 2, y); return;                   \
     case 3: gq_grouped_store(st, B, h, x, sx, 3, y); return;                   \
     case 4: gq_grouped_store(st, B, h, x, sx, 4, y); return;                   \
+    case 5: gq_grouped_store(st, B, h, x, sx, 5, y); return;                   \
+    case 6: gq_grouped_store(st, B, h, x, sx, 6, y); return;                   \
+    case 7: gq_grouped_store(st, B, h, x, sx, 7, y); return;                   \
     default: gq_grouped_store(st, B, h, x, sx, GQ_GTILE, y); return;           \
     }
 
 static void gq_grouped_any(const ps_group_state *st, int64_t h, const float *x, const float *sx, int R, float *y) {
-    if (R > 4 && R < GQ_GTILE) {  /* 5-7 rows: a 4-row pass, then the rest */
-        const int64_t in = st->in_features;
-        gq_grouped_any(st, h, x, sx, 4, y);
-        gq_grouped_any(st, h, x + 4 * in, sx + 4 * (in / 32), R - 4, y + 4 * st->out_features);
-        return;
-    }
     if (st->bits == 4) GQ_GROUPED_CASES(4)
     GQ_GROUPED_CASES(8)
 }

@@ -115,7 +115,7 @@ PK_INLINE void pk_grouped_tile(int fmt, const uint8_t *tiles, int64_t nb, const 
             const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
             for (int r = 0; r < R; r++) {
                 const __m512 xv = _mm512_set1_ps(xb[r * in + k]);
-                if (R < 4 && (k & 1)) acc1[r] = _mm512_fmadd_ps(u, xv, acc1[r]);
+                if (k & 1) acc1[r] = _mm512_fmadd_ps(u, xv, acc1[r]);
                 else acc0[r] = _mm512_fmadd_ps(u, xv, acc0[r]);
             }
         }
@@ -125,8 +125,9 @@ PK_INLINE void pk_grouped_tile(int fmt, const uint8_t *tiles, int64_t nb, const 
                 const __m512 u = _mm512_permutexvar_ps(p ? _mm512_srli_epi32(word, 4 * p) : word, codes);
                 for (int r = 0; r < R; r++) {
                     const __m512 xv = _mm512_set1_ps(xb[r * in + 8 * c + p]);
-                    /* two chains per row while few rows give few independent FMAs */
-                    if (R < 4 && (p & 1)) acc1[r] = _mm512_fmadd_ps(u, xv, acc1[r]);
+                    /* two chains per row, whatever R: a row's sums then do not depend on the rows beside it,
+                     * so a speculating step's rows give exactly the logits one-row decode steps give */
+                    if (p & 1) acc1[r] = _mm512_fmadd_ps(u, xv, acc1[r]);
                     else acc0[r] = _mm512_fmadd_ps(u, xv, acc0[r]);
                 }
             }
@@ -135,7 +136,7 @@ PK_INLINE void pk_grouped_tile(int fmt, const uint8_t *tiles, int64_t nb, const 
         const __m512 m = fmt == PK_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 32)))
                                         : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
         for (int r = 0; r < R; r++) {
-            tot[r] = _mm512_fmadd_ps(R < 4 ? _mm512_add_ps(acc0[r], acc1[r]) : acc0[r], d, tot[r]);
+            tot[r] = _mm512_fmadd_ps(_mm512_add_ps(acc0[r], acc1[r]), d, tot[r]);
             /* Q8_0's signed codes need no offset */
             if (fmt != PK_Q8_0) tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * nb + b]), tot[r]);
         }

@@ -483,3 +483,16 @@ def test_smollm2_greedy_copy_is_token_identical(default_model, llm_fp32):
     np.testing.assert_allclose([t.logprob for t in got.logprobs], [t.logprob for t in want.logprobs], atol=1e-3)
     s = spec_llm.engine.stats()
     assert s.spec_decode_num_accepted_tokens > 10 and s.spec_decode_num_accepted_tokens < s.spec_decode_num_draft_tokens
+
+
+def test_default_disable_by_batch_size_follows_the_native_step():
+    """Unset, it is the crossover measured for the engine's native step (config.py): 1 where that step already
+    serves up to 8 sequences without drafts, 32 where it serves 2; a value the user sets wins."""
+    from pagedserve.engine.spec_decode.config import (DEFAULT_DISABLE_BY_BATCH_SIZE,
+                                                       DEFAULT_DISABLE_WITH_WIDE_NATIVE_STEP)
+    assert Drafter(spec(4), 512, 0, 8).disable_by_batch_size == DEFAULT_DISABLE_WITH_WIDE_NATIVE_STEP == 1
+    for seqs in (0, 2):
+        assert Drafter(spec(4), 512, 0, seqs).disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
+    drafter = Drafter(spec(4, disable_by_batch_size=6), 512, 0, 8)
+    assert drafter.active(6) and not drafter.active(7)
+    assert Drafter(spec(4), 512, 0, 8).active(1) and not Drafter(spec(4), 512, 0, 8).active(2)

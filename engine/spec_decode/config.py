@@ -13,23 +13,28 @@ from pagedserve.engine.errors import ConfigError
 
 METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16
-# Steps with more running sequences than this do not speculate: a CPU step stops being bound by reading the weights
-# once the batch itself fills the matrix units, so extra rows cost real time there. On Sapphire Rapids the copy
-# workload still gains at 32 streams (noisy; docs/speculative-decoding.md has the table and the command).
+# Steps with more running sequences than this do not speculate (disable_by_batch_size None picks one of these, by
+# the engine's native decode step; docs/speculative-decoding.md has the tables and the command):
+# - the native step serves at most 2 sequences (dense weights, file-layout blocks): larger batches run the torch
+#   path, whose steps cost about the same for a few more rows, and the copy workload gains up to 32 streams;
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
+# - it serves up to 8 (grouped GGUF / GPTQ / AWQ rows): 2-8 sequences without drafts already run natively at
+#   nearly one weight read per step, while every draft row costs its FMAs: drafts paid only for one sequence
+#   (quiet SPR VM, copy workload: 1.71x at 1 stream, 0.91x at 2, 0.75x at 4).
+DEFAULT_DISABLE_WITH_WIDE_NATIVE_STEP = 1
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """`num_speculative_tokens`: drafts per step (k); `prompt_lookup_min` / `prompt_lookup_max`: the shortest and
     longest suffix n-gram looked up (either alone sets both, none: 5 and 5, as vLLM does); `disable_by_batch_size`:
-    a step with more running sequences than this speculates for none of them."""
+    a step with more running sequences than this speculates for none of them (None: measured per engine, above)."""
 
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -46,7 +51,8 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config.prompt_lookup_min", f"{lo} exceeds prompt_lookup_max {hi}")
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
-        _positive("disable_by_batch_size", self.disable_by_batch_size)
+        if self.disable_by_batch_size is not None:
+            _positive("disable_by_batch_size", self.disable_by_batch_size)
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:

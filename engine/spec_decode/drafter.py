@@ -19,7 +19,9 @@ changes which steps speculate, never the tokens.
 from __future__ import annotations
 
 from pagedserve.engine.sequence import Sequence
-from pagedserve.engine.spec_decode.config import SpeculativeConfig
+from pagedserve.engine.spec_decode.config import (
+    DEFAULT_DISABLE_BY_BATCH_SIZE, DEFAULT_DISABLE_WITH_WIDE_NATIVE_STEP, SpeculativeConfig,
+)
 from pagedserve.engine.spec_decode.ngram import propose_ngram
 
 
@@ -32,10 +34,13 @@ class Drafter:
         self.max_model_len = max_model_len
         self.native_rows = native_rows  # the native decode step's row budget for steps with drafts (0: none)
         self.native_seqs = native_seqs  # sequences it takes in any decode step
+        wide = native_seqs > 2  # the native step serves non-speculative batches past 2 (config.py's two defaults)
+        self.disable_by_batch_size = config.disable_by_batch_size or (
+            DEFAULT_DISABLE_WITH_WIDE_NATIVE_STEP if wide else DEFAULT_DISABLE_BY_BATCH_SIZE)
 
     def active(self, num_running: int) -> bool:
         """vLLM's disable-by-batch-size, decided per step from the running sequences."""
-        return num_running <= self.config.disable_by_batch_size
+        return num_running <= self.disable_by_batch_size
 
     def drafts_per_sequence(self, num_running: int) -> int:
         """k, or fewer where that keeps a step too large for the native step's sequence limit within its row budget
