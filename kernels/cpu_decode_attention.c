@@ -15,14 +15,41 @@
 #include "cpu_decode_attention.h"
 
 
-typedef struct { float *scores, *q, *acc, *row; } Scratch;  /* one per thread */
+typedef struct { float *scores, *q, *acc, *row, *part; } Scratch;  /* one per thread */
 
-/* Softmax numerators in place (fp32, max subtracted); returns their sum. */
+/* out[j] = the sum of v[j]'s 16 lanes, for 16 vectors at once: a transpose-add tree of 15 steps instead of 16
+ * horizontal sums (about a third of the shuffles and adds). */
+INLINE f32x16 hsum16x16(const f32x16 *v) {
+    f32x16 c[8], d[4], e[2];
+    for (int j = 0; j < 8; j++)
+        c[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(v[2 * j], v[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int j = 0; j < 4; j++)
+        d[j] = __builtin_shufflevector(c[2 * j], c[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(c[2 * j], c[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int j = 0; j < 2; j++)
+        e[j] = __builtin_shufflevector(d[2 * j], d[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(d[2 * j], d[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* Softmax numerators in place (fp32, max subtracted); returns their sum. 16 lanes at a time (the scalar exp was
+ * ~7% of a long-context decode step), the tail lane by lane. */
 static float softmax_numerators(float *scores, int64_t len) {
     float peak = -INFINITY, sum = 0.0f;
     for (int64_t t = 0; t < len; t++) peak = scores[t] > peak ? scores[t] : peak;
-    for (int64_t t = 0; t < len; t++) sum += (scores[t] = exp_nonpositive(scores[t] - peak));
-    return sum;
+    f32x16 sums = {0};
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) {
+        f32x16 v;
+        memcpy(&v, scores + t, sizeof v);
+        v = exp16_nonpositive(v - peak);
+        memcpy(scores + t, &v, sizeof v);
+        sums += v;
+    }
+    for (; t < len; t++) sum += (scores[t] = exp_nonpositive(scores[t] - peak));
+    return sum + hsum16(sums);
 }
 
 /* The first key a decode row of context length `len` sees. */
@@ -53,19 +80,28 @@ INLINE void decode_task(const DecodeArgs *a, int64_t s, int64_t h, Scratch *w, c
         /* Blocks are scattered, so the hardware prefetcher stops at every tile boundary: ask for the next K tile
          * now, and for this V tile, which the probs x V loop below then finds in cache. */
         const char *next_k = t0 + bs < len ? (const char *)a->k_cache + (size_t)(h * a->num_blocks + table[t0 / bs + 1]) * tile_bytes : tile;
-        for (int64_t i = lo; i < n; i++) {
-            /* Spread over the key loop: a burst of 2 * tile_bytes / 64 prefetches would fill the miss buffers and
-             * stall on them. */
-            for (size_t line = 0; line < kv_row; line += 64) {
-                __builtin_prefetch(next_k + i * kv_row + line);
-                __builtin_prefetch((const char *)a->v_cache + offset + i * kv_row + line);
+        f32x16 *part = (f32x16 *)w->part;  /* [group][16]: each key's dot products before their lane sums */
+        for (int64_t i0 = lo; i0 < n; i0 += 16) {
+            const int64_t m = n - i0 < 16 ? n - i0 : 16;
+            for (int64_t i = i0; i < i0 + m; i++) {
+                /* Spread over the key loop: a burst of 2 * tile_bytes / 64 prefetches would fill the miss buffers
+                 * and stall on them. */
+                for (size_t line = 0; line < kv_row; line += 64) {
+                    __builtin_prefetch(next_k + i * kv_row + line);
+                    __builtin_prefetch((const char *)a->v_cache + offset + i * kv_row + line);
+                }
+                f32x16 k[chunks];
+                for (int64_t c = 0; c < chunks; c++) k[c] = load16(tile + i * kv_row, c, kv_dt);
+                for (int64_t g = 0; g < group; g++) {
+                    f32x16 dot = q[g * chunks] * k[0];
+                    for (int64_t c = 1; c < chunks; c++) dot += q[g * chunks + c] * k[c];
+                    part[g * 16 + i - i0] = dot;
+                }
             }
-            f32x16 k[chunks];
-            for (int64_t c = 0; c < chunks; c++) k[c] = load16(tile + i * kv_row, c, kv_dt);
             for (int64_t g = 0; g < group; g++) {
-                f32x16 dot = q[g * chunks] * k[0];
-                for (int64_t c = 1; c < chunks; c++) dot += q[g * chunks + c] * k[c];
-                w->scores[g * keys + t0 + i - first] = hsum16(dot);
+                for (int64_t i = m; i < 16; i++) part[g * 16 + i] = (f32x16){0};
+                const f32x16 sums = hsum16x16(part + g * 16);
+                memcpy(w->scores + g * keys + t0 + i0 - first, &sums, sizeof(float) * (size_t)m);
             }
         }
     }
@@ -148,12 +184,13 @@ int pagedserve_decode_attention(const DecodeArgs *a, int64_t num_seqs, int64_t m
             scratch(group * a->head_dim),
             scratch(group * a->head_dim),
             scratch(a->head_dim),
+            scratch(group * 16 * 16),
         };
-        failed = !w.scores || !w.q || !w.acc || !w.row;
+        failed = !w.scores || !w.q || !w.acc || !w.row || !w.part;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++)
             if (!failed) decode_dispatch(a, task / a->num_kv_heads, task % a->num_kv_heads, &w);
-        free(w.scores); free(w.q); free(w.acc); free(w.row);
+        free(w.scores); free(w.q); free(w.acc); free(w.row); free(w.part);
     }
     return failed ? -1 : 0;
 }
