@@ -35,15 +35,11 @@ void gq_grouped_codes(const ps_group_state *st, int64_t o, int64_t j, uint8_t *u
     const int64_t runs = st->in_features / 32;
     const uint8_t *tile = st->codes + ((o / GQ_ROWS) * runs + j) * gq_tile_bytes(st->bits);
     const int r = (int)(o % GQ_ROWS);
-    for (int k = 0; k < 32; k++) {
-        if (st->bits == 8) {
-            u[k] = tile[GQ_ROWS * k + r];
-            continue;
-        }
-        uint32_t word;
-        memcpy(&word, tile + 64 * (k / 8) + 4 * r, 4);
-        u[k] = (word >> (4 * (k % 8))) & 0xF;
+    if (st->bits == 4) {
+        pk_tile4_codes(tile, r, u);  /* the GGUF Q4 tile's code layout */
+        return;
     }
+    for (int k = 0; k < 32; k++) u[k] = tile[GQ_ROWS * k + r];
 }
 
 #if defined(__AVX512F__)

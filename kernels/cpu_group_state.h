@@ -8,7 +8,7 @@
 
 #include "cpu_packed_blocks.h"
 
-#define GQ_ROWS 16  /* output rows per group of the interleaved layout: one AVX-512 register holds one code of each */
+#define GQ_ROWS PK_GROUP_ROWS  /* output rows per group of the interleaved layout, as the GGUF one's */
 
 typedef struct {
     int32_t bits;         /* 4 or 8 */

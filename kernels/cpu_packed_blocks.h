@@ -154,13 +154,16 @@ typedef struct {
 /* Output rows per group of the interleaved layout: one AVX-512 register holds one value of each. */
 #define PK_GROUP_ROWS 16
 
+/* The formats with an interleaved layout (cpu_packed_grouped.c). */
+static inline int pk_groupable(int fmt) { return fmt == PK_Q4_0 || fmt == PK_Q4_1 || fmt == PK_Q8_0; }
+
 /* Nonzero when the state does not describe whole blocks. */
 static inline int pk_check(const ps_packed_state *st) {
     if (st == NULL || st->format < 0 || st->format >= PK_NUM_FORMATS) return 1;
     int64_t per = PK_BLOCK_VALUES[st->format];
     if (st->in_features <= 0 || st->in_features % per || st->out_features <= 0) return 1;
     if (st->row_group != 0 && (st->row_group != PK_GROUP_ROWS || st->out_features % PK_GROUP_ROWS ||
-                               (st->format != PK_Q4_0 && st->format != PK_Q4_1 && st->format != PK_Q8_0)))
+                               !pk_groupable(st->format)))
         return 1;
     return st->row_bytes != st->in_features / per * PK_BLOCK_BYTES[st->format];
 }
@@ -215,5 +218,22 @@ static inline __m256i pk_codes_avx2(int fmt, const uint8_t *b, int j) {
     }
 }
 #endif
+
+/* Row r's 32 codes, in input order, from the 4-bit codes of one interleaved tile (GGUF Q4_0/Q4_1 in
+ * cpu_packed_grouped.c, GPTQ/AWQ in cpu_group_grouped.c): 4 chunks of 64 bytes, chunk c's 32-bit word r holding
+ * inputs 8c..8c+7 one nibble each. Row r's four words, read in chunk order, are 16 bytes whose byte j holds inputs
+ * 2j (low nibble) and 2j + 1. */
+static inline void pk_tile4_codes(const uint8_t *codes, int r, uint8_t *u) {
+    uint8_t q[16];
+    for (int c = 0; c < 4; c++) memcpy(q + 4 * c, codes + 64 * c + 4 * r, 4);
+#if defined(__AVX2__)
+    const __m128i low4 = _mm_set1_epi8(0xF), v = _mm_loadu_si128((const __m128i *)q);
+    const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+    _mm_storeu_si128((__m128i *)u, _mm_unpacklo_epi8(lo, hi));
+    _mm_storeu_si128((__m128i *)(u + 16), _mm_unpackhi_epi8(lo, hi));
+#else
+    for (int j = 0; j < 16; j++) u[2 * j] = q[j] & 0xF, u[2 * j + 1] = q[j] >> 4;
+#endif
+}
 
 #endif

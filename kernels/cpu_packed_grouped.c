@@ -23,26 +23,15 @@
 #define PK_PREFETCH_TILES 8  /* software prefetch distance, in tiles */
 
 static inline int64_t pk_tile_header(int fmt) { return fmt == PK_Q4_1 ? 64 : 32; }
-static inline int pk_groupable(int fmt) { return fmt == PK_Q4_0 || fmt == PK_Q4_1 || fmt == PK_Q8_0; }
 static inline int64_t pk_tile_bytes(int fmt) { return PK_GROUP_ROWS * PK_BLOCK_BYTES[fmt]; }
 
-/* Row r's 32 codes in a tile, in input order. Its four words, read in chunk order, are 16 bytes whose byte j holds
- * inputs 2j (low nibble) and 2j + 1. */
+/* Row r's 32 codes in a tile, in input order. */
 static inline void pk_grouped_codes(const uint8_t *tile, int fmt, int r, uint8_t *u) {
     if (fmt == PK_Q8_0) {  /* the unsigned code q + 128, as pk_codes_scalar gives it */
         for (int k = 0; k < 32; k++) u[k] = tile[32 + 16 * k + r] ^ 0x80;
         return;
     }
-    uint8_t q[16];
-    for (int c = 0; c < 4; c++) memcpy(q + 4 * c, tile + pk_tile_header(fmt) + 64 * c + 4 * r, 4);
-#if defined(__AVX2__)
-    const __m128i low4 = _mm_set1_epi8(0xF), v = _mm_loadu_si128((const __m128i *)q);
-    const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
-    _mm_storeu_si128((__m128i *)u, _mm_unpacklo_epi8(lo, hi));
-    _mm_storeu_si128((__m128i *)(u + 16), _mm_unpackhi_epi8(lo, hi));
-#else
-    for (int j = 0; j < 16; j++) u[2 * j] = q[j] & 0xF, u[2 * j + 1] = q[j] >> 4;
-#endif
+    pk_tile4_codes(tile + pk_tile_header(fmt), r, u);
 }
 
 /* Row r's scale and offset in a tile (w = d u + m, as gguf's dequantizer). */
@@ -51,7 +40,7 @@ static inline void pk_grouped_scales(const uint8_t *tile, int fmt, int r, float 
     *m = fmt == PK_Q4_1 ? pk_half(tile + 32 + 2 * r) : (fmt == PK_Q8_0 ? -128.0f : -8.0f) * *d;
 }
 
-/* Rewrites a file-layout Q4_0/Q4_1 matrix (`st`, row_group 0) into the grouped layout at dst (row_bytes *
+/* Rewrites a file-layout Q4_0/Q4_1/Q8_0 matrix (`st`, row_group 0) into the grouped layout at dst (row_bytes *
  * out_features bytes, not overlapping st->data). Returns nonzero when the matrix cannot be grouped. */
 PK_EXPORT int pagedserve_packed_group_rows(const ps_packed_state *st, uint8_t *dst) {
     if (pk_check(st) || st->row_group != 0 || !pk_groupable(st->format) || st->out_features % PK_GROUP_ROWS)
