@@ -30,7 +30,7 @@ from torch import nn
 
 from pagedserve.kernels.cpu_packed import FORMATS, PackedMatrix, grouped_isa
 from pagedserve.quant.base import LinearMethod, QuantConfig, QuantConfigError
-from pagedserve.quant.native_linear import GROUPED_NATIVE_MAX_BATCH, NativeLinear
+from pagedserve.quant.native_linear import DEFAULT_NATIVE_MAX_BATCH, GROUPED_NATIVE_MAX_BATCH, NativeLinear
 from pagedserve.quant.unquantized import UnquantizedLinearMethod
 
 PACKED_MAX_ROWS = 8
@@ -80,7 +80,7 @@ class GgufLinearMethod(LinearMethod):
     def native_linear(self, layer: nn.Module) -> NativeLinear:
         packed: PackedMatrix = layer.packed
         return NativeLinear(packed.linear_fn, packed.state_address, packed.in_features, packed.out_features, (packed,),
-                            GROUPED_NATIVE_MAX_BATCH if packed.row_group else 2)
+                            GROUPED_NATIVE_MAX_BATCH if packed.row_group else DEFAULT_NATIVE_MAX_BATCH)
 
     def merge(self, layers: list[nn.Module]) -> nn.Module | None:
         """q/k/v or gate/up as one matrix: rows are independent, so concatenating the block rows is exact."""

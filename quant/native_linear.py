@@ -15,6 +15,7 @@ from dataclasses import dataclass
 # step ahead of the torch path's bf16 GEMMs through 8 sequences (benchmarks/native_step_crossover.py; dense
 # weights and the file layouts: 2, the default).
 GROUPED_NATIVE_MAX_BATCH = 8
+DEFAULT_NATIVE_MAX_BATCH = 2
 
 
 class PsLinear(ctypes.Structure):
@@ -34,7 +35,7 @@ class NativeLinear:
     keepalive: tuple[object, ...] = ()
     # Up to this many rows a native step through this kernel beat the torch path's GEMMs where it was measured
     # (benchmarks/native_step_crossover.py); the step's automatic batch limit is the smallest over its linears.
-    native_max_batch: int = 2
+    native_max_batch: int = DEFAULT_NATIVE_MAX_BATCH
 
     def __post_init__(self) -> None:
         if not self.fn:
