@@ -173,3 +173,44 @@ def test_write_kv_refuses_a_slot_outside_the_cache() -> None:
 
 QUERY_DTYPES_FOR_WRITE = {KVDtype.FP32: torch.float32, KVDtype.BF16: torch.bfloat16, KVDtype.FP16: torch.float16,
                           KVDtype.FP8_E4M3: torch.bfloat16}
+
+
+def _rows_alone_and_together(seq_len: int, drafts: int, queries_per_kv: int, kv_dtype: KVDtype, head_dim: int,
+                             window: int | None, block_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's decode row and its draft rows as the native step passes them (one entry per row, the same
+    block table, contexts ending at consecutive positions) after another sequence's row: all in one call, and each
+    row in a call of its own."""
+    query, layer, meta = make_case((seq_len, 40), (1, 1), block_size, queries_per_kv, kv_dtype, head_dim, seed=9)
+    rows = drafts + 2
+    gen = torch.Generator().manual_seed(4)
+    queries = torch.randn(rows, query.shape[1], head_dim, generator=gen).to(query.dtype)
+    lens = [40] + [seq_len - drafts + i for i in range(drafts + 1)]
+    tables = torch.stack([meta.block_tables[1]] + [meta.block_tables[0]] * (drafts + 1)).contiguous()
+    together = torch.zeros_like(queries)
+    batch = cpu_native.DecodeBatch(torch.arange(rows), torch.tensor(lens, dtype=torch.int32), tables, max(lens), window)
+    cpu_native.decode_attention(queries, together, layer, batch, SCALE)
+    alone = torch.zeros_like(queries)
+    for r in range(rows):
+        one = cpu_native.DecodeBatch(torch.zeros(1, dtype=torch.int64), torch.tensor([lens[r]], dtype=torch.int32),
+                                     tables[r : r + 1].contiguous(), lens[r], window)
+        out = torch.zeros_like(queries[r : r + 1])
+        cpu_native.decode_attention(queries[r : r + 1].contiguous(), out, layer, one, SCALE)
+        alone[r] = out[0]
+    return together, alone
+
+
+@pytest.mark.parametrize(("drafts", "queries_per_kv", "kv_dtype", "head_dim", "window"), [
+    (4, 3, KVDtype.BF16, 64, None),
+    (4, 3, KVDtype.FP8_E4M3, 64, 20),
+    (7, 4, KVDtype.FP32, 128, None),
+    (15, 8, KVDtype.FP16, 64, None),  # more rows than one task holds: the span is split
+    (2, 1, KVDtype.BF16, 48, 9),  # a head_dim without a specialization: a runtime chunk count
+    (2, 3, KVDtype.BF16, 40, 9),  # head_dim off the vector code: row by row
+])
+def test_draft_rows_read_the_cache_once_and_equal_rows_alone(drafts, queries_per_kv, kv_dtype, head_dim, window):
+    """Rows over the same cached keys share one pass over K and V (kernels/cpu_decode_attention.c, spans), yet each
+    row's output is bit-identical to the row computed alone: speculative verification must reproduce the logits of
+    decoding without drafts token by token."""
+    together, alone = _rows_alone_and_together(77, drafts, queries_per_kv, kv_dtype, head_dim, window)
+    assert torch.isfinite(together).all()
+    assert torch.equal(together, alone)
