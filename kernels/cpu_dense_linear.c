@@ -13,7 +13,7 @@
  * 16-lane code computes the same products.
  *
  * bf16 matrices with rows interleaved in groups of 16 at load (DenseLinear.row_group, AVX-512 builds) go to
- * cpu_dense_grouped.c instead: the same rounding of x and exact products, 1.3-4x faster at 1-8 rows.
+ * cpu_dense_grouped.c instead: the same rounding of x and exact products, 1.3-2.6x faster at 1-8 rows.
  */
 #include "cpu_dense_linear.h"
 #include "cpu_linear.h"

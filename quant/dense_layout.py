@@ -2,7 +2,7 @@
 
 Why: the row-major GEMV (cpu_dense_linear.c) sums each output row across lanes; with 16 rows interleaved one
 AVX-512 register holds one input pair's weights for 16 rows, so each activation row costs one FMA per input and
-no horizontal sums (1.3-1.5x at one row, 2-4x at four to eight, measured on SmolLM2's shapes: docs/quantization.md).
+no horizontal sums (1.3-1.9x at one row, 1.5-2.6x at two to eight, on SmolLM2's shapes: docs/quantization.md).
 The rewrite is made once at load, in the weight's own storage. A tied LM head shares its weight with the token
 embedding, so the layout is marked on the tensor and `DenseEmbedding` reads rows through it: one copy, not two.
 """
