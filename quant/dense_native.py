@@ -19,7 +19,7 @@ from pagedserve.quant.native_linear import NativeLinear
 
 
 class DenseLinearState(ctypes.Structure):
-    # Field order and types mirror DenseLinear in cpu_dense_linear.c.
+    # Field order and types mirror DenseLinear in kernels/cpu_dense_linear.h.
     _fields_ = [("weight", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("w_dtype", ctypes.c_int),
                 ("bias_dtype", ctypes.c_int), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64),
                 ("row_group", ctypes.c_int32), ("reserved", ctypes.c_int32)]
