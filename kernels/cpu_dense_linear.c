@@ -11,15 +11,13 @@
  * products are exact in fp32 and summed in fp32; only the order of the sums differs from oneDNN's. With
  * AVX512-BF16, bf16 weights use vdpbf16ps (pairs of bf16 products into fp32 lanes); elsewhere the portable
  * 16-lane code computes the same products.
+ *
+ * bf16 matrices with rows interleaved in groups of 16 at load (DenseLinear.row_group, AVX-512 builds) go to
+ * cpu_dense_grouped.c instead: the same rounding of x and exact products, 1.3-2.6x faster at 1-8 rows.
  */
+#include "cpu_dense_linear.h"
 #include "cpu_linear.h"
 #include "cpu_native.h"
-
-typedef struct {
-    const void *weight; const void *bias;  /* [out, in], [out] or NULL */
-    int w_dtype, bias_dtype;
-    int64_t in_features, out_features;
-} DenseLinear;
 
 enum { MAX_ROWS = 8, ROW_BLOCK = 4 };  /* x rows per pass over a weight row block; output rows per block */
 
@@ -134,10 +132,23 @@ static void pass(const DenseLinear *s, const void *xr, int64_t m, float *y, int 
     }
 }
 
+static void add_bias(const DenseLinear *s, int64_t rows, float *y) {
+    const int64_t out = s->out_features;
+    if (s->bias)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t o = 0; o < out; o++) y[r * out + o] += load_at(s->bias, o, s->bias_dtype);
+}
+
 int pagedserve_dense_linear(const void *state, const float *x, int64_t rows, float *y) {
     const DenseLinear *s = state;
     if (!s || !x || !y || rows < 0) return -1;
     const int64_t in = s->in_features, out = s->out_features;
+    if (s->row_group) {  /* rows interleaved at load where this build has the grouped kernel (cpu_dense_grouped.c) */
+        const int status = ps_dense_grouped(s, x, rows, y);
+        if (status) return status < 0 ? status : -3;
+        add_bias(s, rows, y);
+        return 0;
+    }
     const int fast = bf16_fast(s);
     void *xr = scratch(MAX_ROWS * in);
     if (!xr) return -2;
@@ -151,15 +162,14 @@ int pagedserve_dense_linear(const void *state, const float *x, int64_t rows, flo
         pass(s, xr, m, y + r0 * out, fast);
     }
     free(xr);
-    if (s->bias)
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t o = 0; o < out; o++) y[r * out + o] += load_at(s->bias, o, s->bias_dtype);
+    add_bias(s, rows, y);
     return 0;
 }
 
 /* For tests: the portable path whatever the CPU has (what a host without AVX512-BF16 runs). */
 int pagedserve_dense_linear_portable(const void *state, const float *x, int64_t rows, float *y) {
     const DenseLinear *s = state;
+    if (!s || !x || !y || rows < 0 || s->row_group) return -1;  /* the grouped layout has no portable kernel */
     const int64_t in = s->in_features, out = s->out_features;
     float *xr = scratch(MAX_ROWS * in);
     if (!xr) return -2;
@@ -169,8 +179,6 @@ int pagedserve_dense_linear_portable(const void *state, const float *x, int64_t 
         pass(s, xr, m, y + r0 * out, 0);
     }
     free(xr);
-    if (s->bias)
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t o = 0; o < out; o++) y[r * out + o] += load_at(s->bias, o, s->bias_dtype);
+    add_bias(s, rows, y);
     return 0;
 }

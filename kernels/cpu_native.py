@@ -32,9 +32,10 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = tuple(
     _HERE / f"cpu_{name}.c"
-    for name in ("decode_attention", "prefill_attention", "layer_ops", "kv_write", "dense_linear", "decode_step", "lora")
+    for name in ("decode_attention", "prefill_attention", "layer_ops", "kv_write", "dense_linear", "dense_grouped",
+                 "decode_step", "lora")
 )
-HEADERS = tuple(_HERE / f"cpu_{name}.h" for name in ("native", "linear", "decode_attention"))
+HEADERS = tuple(_HERE / f"cpu_{name}.h" for name in ("native", "linear", "dense_linear", "decode_attention"))
 _FLAGS = (
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
     "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math",
@@ -98,12 +99,12 @@ def cpu_fingerprint() -> str:
     return _cpu_fingerprint()
 
 
-def _compile(compiler: str, target: Path) -> None:
+def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         staging = Path(tmp) / target.name
         result = subprocess.run(
-            [compiler, *_FLAGS, *map(str, SOURCES), "-o", str(staging), "-lm"], capture_output=True, text=True
+            [compiler, *flags, *map(str, SOURCES), "-o", str(staging), "-lm"], capture_output=True, text=True
         )
         if result.returncode != 0:
             raise NativeBuildError(f"{compiler} failed on the native kernels: {result.stderr.strip()[-2000:]}")
@@ -113,18 +114,26 @@ def _compile(compiler: str, target: Path) -> None:
 @functools.cache
 def load_library() -> ctypes.CDLL:
     """The compiled kernels (built on first use, then cached on disk). Raises NativeBuildError."""
+    return build()
+
+
+@functools.cache
+def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The kernels compiled with -march=native plus `extra_flags` (tests build e.g. ("-mno-avx512f",) to run what
+    a host without AVX-512 runs), cached on disk by source, flags, compiler and CPU. Raises NativeBuildError."""
     if platform.system() != "Linux":
         raise NativeBuildError(f"native CPU kernels are built for Linux only, not {platform.system()}")
     compiler = shutil.which(os.environ.get("CC") or "gcc") or shutil.which("cc")
     if compiler is None:
         raise NativeBuildError("no C compiler found (set CC or install gcc)")
+    flags = (*_FLAGS, *extra_flags)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
-        "\0".join((*(f.read_text() for f in (*SOURCES, *HEADERS)), " ".join(_FLAGS), version, _cpu_fingerprint())).encode()
+        "\0".join((*(f.read_text() for f in (*SOURCES, *HEADERS)), " ".join(flags), version, _cpu_fingerprint())).encode()
     ).hexdigest()[:16]
     target = cache_root() / "native" / f"cpu_native-{key}.so"
     if not target.exists():
-        _compile(compiler, target)
+        _compile(compiler, flags, target)
         logger.info("built native CPU kernels: %s", target)
     try:
         lib = ctypes.CDLL(str(target))
@@ -150,6 +159,7 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     for name in ("pagedserve_dense_linear", "pagedserve_dense_linear_portable"):  # ps_linear_fn (cpu_linear.h)
         getattr(lib, name).argtypes = [ptr, ptr, i64, ptr]
         getattr(lib, name).restype = c_int
+    lib.pagedserve_dense_grouped_isa.restype = ctypes.c_char_p
     for fn in (lib.pagedserve_decode_attention, lib.pagedserve_prefill_attention, lib.pagedserve_write_kv,
                lib.pagedserve_rms_norm, lib.pagedserve_silu_and_mul, lib.pagedserve_rope):
         fn.restype = c_int

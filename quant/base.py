@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from pagedserve.quant.dense_layout import DenseEmbedding
 from pagedserve.quant.native_linear import NativeLinear
 
 
@@ -85,10 +86,9 @@ class QuantConfig(ABC):
 
     def embedding(self, prefix: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> nn.Module:
         """The token embedding called `prefix` (its forward maps ids to rows in `dtype`): a plain one unless the
-        method keeps the checkpoint's own blocks (quant/gguf.py)."""
-        embedding = nn.Embedding(num_embeddings, embedding_dim, dtype=dtype)
-        embedding.weight.requires_grad_(False)
-        return embedding
+        method keeps the checkpoint's own blocks (quant/gguf.py); a plain one reads its table in either dense layout,
+        as a tied head's native kernel may regroup it (quant/dense_layout.py)."""
+        return DenseEmbedding(num_embeddings, embedding_dim, dtype)
 
     def describe(self) -> str:
         return self.name

@@ -1,9 +1,10 @@
 """Dense bf16/fp16/fp32 weights as a native linear (kernels/cpu_dense_linear.c) for the native small-batch step.
 
-The kernel reads W [out, in] row-major; the torch path's oneDNN copy is blocked and opaque, so the step gets a
-plain copy (`plain_weight`): for unquantized layers the native step holds the weights twice (the oneDNN copy for
-prefill and large batches, this one for decode batches up to the crossover). A tied LM head is the exception: its
-plain weight is the embedding's own tensor, which it reads in place (`QuantLinear.weight_shared`).
+The kernel reads W [out, in] row-major, or bf16 rows interleaved in groups of 16 (quant/dense_layout.py, read by
+kernels/cpu_dense_grouped.c); the torch path's oneDNN copy is blocked and opaque, so the step gets a plain copy
+(`plain_weight`): for unquantized layers the native step holds the weights twice (the oneDNN copy for prefill and
+large batches, this one for decode batches up to the crossover). A tied LM head is the exception: its plain weight
+is the embedding's own tensor, which it reads in place (`QuantLinear.weight_shared`).
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ import ctypes
 import torch
 
 from pagedserve.kernels.cpu_native import COMPUTE_DTYPES, dtype_code, load_library
+from pagedserve.quant.dense_layout import row_group
 from pagedserve.quant.native_linear import NativeLinear
 
 
 class DenseLinearState(ctypes.Structure):
-    # Field order and types mirror DenseLinear in cpu_dense_linear.c.
+    # Field order and types mirror DenseLinear in kernels/cpu_dense_linear.h.
     _fields_ = [("weight", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("w_dtype", ctypes.c_int),
-                ("bias_dtype", ctypes.c_int), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64)]
+                ("bias_dtype", ctypes.c_int), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64),
+                ("row_group", ctypes.c_int32), ("reserved", ctypes.c_int32)]
+
 
 
 def plain_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -27,9 +31,11 @@ def plain_weight(weight: torch.Tensor) -> torch.Tensor:
     return (weight.to_dense() if weight.layout == torch._mkldnn else weight).contiguous()
 
 
-def dense_native_linear(weight: torch.Tensor, bias: torch.Tensor | None, portable: bool = False) -> NativeLinear:
-    """weight [out, in] (bf16, fp16 or fp32, CPU, contiguous), bias [out] or None -> the kernel and its state.
-    portable: the code a host without AVX512-BF16 runs, whatever this one has (for tests)."""
+def dense_native_linear(weight: torch.Tensor, bias: torch.Tensor | None, portable: bool = False,
+                        lib: ctypes.CDLL | None = None) -> NativeLinear:
+    """weight [out, in] (bf16, fp16 or fp32, CPU, contiguous; row-major or grouped: `row_group`), bias [out] or None
+    -> the kernel and its state. portable: the code a host without AVX-512 runs, whatever this one has (for tests;
+    row-major weights only). lib: the build to run (tests pass one compiled with CPU features switched off)."""
     if weight.device.type != "cpu" or weight.dtype not in COMPUTE_DTYPES or weight.dim() != 2:
         raise ValueError(f"dense native linear: weight must be a 2-D CPU tensor in {COMPUTE_DTYPES}, got "
                          f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
@@ -38,12 +44,14 @@ def dense_native_linear(weight: torch.Tensor, bias: torch.Tensor | None, portabl
         if bias.shape != (weight.shape[0],) or bias.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dense native linear: bias must be [{weight.shape[0]}] in {COMPUTE_DTYPES}")
         bias = bias.contiguous()
+    if portable and row_group(weight):
+        raise ValueError("dense native linear: the portable kernel reads row-major weights only, not grouped ones")
     out_features, in_features = weight.shape
     state = DenseLinearState(
         weight.data_ptr(), None if bias is None else bias.data_ptr(), dtype_code(weight.dtype),
-        dtype_code(bias.dtype) if bias is not None else 0, in_features, out_features,
+        dtype_code(bias.dtype) if bias is not None else 0, in_features, out_features, row_group(weight), 0,
     )
-    lib = load_library()
+    lib = lib or load_library()
     fn = lib.pagedserve_dense_linear_portable if portable else lib.pagedserve_dense_linear
     return NativeLinear(
         fn=ctypes.cast(fn, ctypes.c_void_p).value, state=ctypes.addressof(state),

@@ -33,14 +33,21 @@ class UnquantizedLinearMethod(LinearMethod):
     def native_linear(self, layer: nn.Module) -> NativeLinear | None:
         """The bf16/fp16/fp32 GEMV of cpu_dense_linear.c over a plain copy of the weight (see dense_native.py), or
         over the plain weight itself where the layer kept it (a tied head reads the embedding's tensor: no copy);
-        None off CPU or where the native kernels do not build."""
+        None off CPU or where the native kernels do not build. bf16 weights are regrouped for the faster kernel
+        (quant/dense_layout.py) where nothing else reads them row-major: a private copy, or a tied head's table
+        when the torch path reads its oneDNN copy (the embedding reads either layout)."""
         from pagedserve.kernels.cpu_native import available
+        from pagedserve.quant.dense_layout import can_group, group_rows_in_place
         from pagedserve.quant.dense_native import dense_native_linear, plain_weight
 
         weight = layer.weight if layer.weight is not None else layer.packed_weight
         if weight is None or weight.device.type != "cpu" or not available():
             return None
-        return dense_native_linear(plain_weight(weight), layer.bias)
+        plain = plain_weight(weight)
+        read_elsewhere = layer.weight is not None and not (layer.weight_shared and layer.packed_weight is not None)
+        if not read_elsewhere and can_group(plain):
+            group_rows_in_place(plain)
+        return dense_native_linear(plain, layer.bias)
 
     def merge(self, layers: list[nn.Module]) -> nn.Module | None:
         from pagedserve.quant.linear import QuantLinear

@@ -1,0 +1,82 @@
+"""The grouped-rows layout of dense bf16 weights (kernels/cpu_dense_grouped.c) and the embedding that reads it.
+
+Why: the row-major GEMV (cpu_dense_linear.c) sums each output row across lanes; with 16 rows interleaved one
+AVX-512 register holds one input pair's weights for 16 rows, so each activation row costs one FMA per input and
+no horizontal sums (1.3-1.9x at one row, 1.5-2.6x at two to eight, on SmolLM2's shapes: docs/quantization.md).
+The rewrite is made once at load, in the weight's own storage. A tied LM head shares its weight with the token
+embedding, so the layout is marked on the tensor and `DenseEmbedding` reads rows through it: one copy, not two.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.kernels.cpu_native import load_library
+
+# Rows per group (DENSE_GROUP_ROWS in kernels/cpu_dense_linear.h).
+GROUP_ROWS = 16
+# Groups rewritten per step of `group_rows_in_place`: bounds its temporary copy (~1 MB for a 576-wide bf16 matrix).
+_GROUPS_PER_STEP = 64
+
+
+def grouped_isa() -> str:
+    """What the grouped kernel was compiled to here: avx512, or portable (no grouped kernel: builds without AVX-512
+    keep the row-major layout and its kernel)."""
+    return load_library().pagedserve_dense_grouped_isa().decode()
+
+
+def row_group(weight: torch.Tensor) -> int:
+    """The layout `weight` holds: 0 (row-major) or GROUP_ROWS (`group_rows_in_place` rewrote it)."""
+    return getattr(weight, "pagedserve_row_group", 0)
+
+
+def can_group(weight: torch.Tensor) -> bool:
+    """Whether the grouped kernel reads this weight here: a contiguous bf16 [out, in] CPU matrix with out % 16 == 0
+    and in even, in an AVX-512 build; other matrices keep the row-major layout."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.is_contiguous() and weight.shape[0] % GROUP_ROWS == 0 and weight.shape[1] % 2 == 0
+            and grouped_isa() == "avx512")
+
+
+def group_rows_in_place(weight: torch.Tensor) -> None:
+    """Rewrites a row-major bf16 [out, in] weight (`can_group`) into the grouped layout in its own storage: group g's
+    tile p, 32-bit word l holds row 16g + l's inputs 2p (low half) and 2p + 1. Marks the tensor (`row_group`)."""
+    if row_group(weight):
+        return
+    if not can_group(weight):
+        raise ValueError(f"dense layout: cannot group a {tuple(weight.shape)} {weight.dtype} weight here")
+    n_in = weight.shape[1]
+    with torch.no_grad():
+        for r0 in range(0, weight.shape[0], GROUP_ROWS * _GROUPS_PER_STEP):
+            rows = weight[r0:r0 + GROUP_ROWS * _GROUPS_PER_STEP]
+            tiles = rows.view(-1, GROUP_ROWS, n_in // 2, 2).permute(0, 2, 1, 3).contiguous()
+            rows.copy_(tiles.view(rows.shape))
+    weight.pagedserve_row_group = GROUP_ROWS
+
+
+def embedding_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (1-D) of a [vocab, dim] table in either layout, as the row-major table holds them."""
+    if not row_group(weight):
+        return F.embedding(ids, weight)
+    vocab, dim = weight.shape
+    tiles = weight.view(vocab // GROUP_ROWS, dim // 2, GROUP_ROWS, 2)
+    return tiles[ids // GROUP_ROWS, :, ids % GROUP_ROWS, :].reshape(ids.shape[0], dim)
+
+
+class DenseEmbedding(nn.Module):
+    """A token embedding over a plain [vocab, dim] table, row-major or grouped (a tied head's native kernel may
+    have grouped it since loading)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = embedding_rows(self.weight, ids.reshape(-1))
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, grouped={bool(row_group(self.weight))}"
