@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from pagedserve.kernels.cpu_group_packed import GroupMatrix
 from pagedserve.kernels.cpu_native import NativeBuildError
-from pagedserve.kernels.cpu_packed import GROUP_ROWS, build, group_grouped_isa
+from pagedserve.kernels.cpu_packed import FAST_GROUPED_ISAS, GROUP_ROWS, build, group_grouped_isa
 from pagedserve.quant.group_quant import GroupQuantWeight, QLinearKernel, sorted_groups
 from pagedserve.quant.native_linear import DEFAULT_NATIVE_MAX_BATCH, GROUPED_NATIVE_MAX_BATCH, NativeLinear
 from pagedserve.quant.packing import unpack_cols, unpack_rows
@@ -55,7 +55,7 @@ def repack(w: GroupQuantWeight, bias: torch.Tensor | None = None, group_rows: bo
         run_group=sorted_g[::RUN].to(torch.int32).contiguous(),
         perm=None if perm is None else perm.to(torch.int32).contiguous(),
         bias=None if bias is None else bias.detach().float().contiguous())
-    if group_rows and w.out_features % GROUP_ROWS == 0 and group_grouped_isa(matrix.lib) == "avx512":
+    if group_rows and w.out_features % GROUP_ROWS == 0 and group_grouped_isa(matrix.lib) in FAST_GROUPED_ISAS:
         return matrix.grouped()
     return matrix
 

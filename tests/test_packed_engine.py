@@ -65,7 +65,7 @@ def test_packed_engine_keeps_the_files_blocks(engines):
 def test_native_step_batch_limit_follows_the_kernels(engines):
     """Grouped Q4_1/Q8_0 blocks (AVX-512 builds) keep the native step up to 8 sequences; bf16 weights up to 2."""
     packed = engines["packed"].engine.loaded.model.lm_head.packed
-    grouped = cpu_packed.grouped_isa(packed.lib) == "avx512"
+    grouped = cpu_packed.grouped_isa(packed.lib) in cpu_packed.FAST_GROUPED_ISAS
     assert packed.row_group == (cpu_packed.GROUP_ROWS if grouped else 0)
     limit = GROUPED_NATIVE_MAX_BATCH if grouped else 2
     assert engines["packed"].engine.runner.native_step.max_batch == limit
