@@ -30,7 +30,7 @@ from torch import nn
 
 from pagedserve.kernels.cpu_packed import FAST_GROUPED_ISAS, FORMATS, PackedMatrix, grouped_isa
 from pagedserve.quant.base import LinearMethod, QuantConfig, QuantConfigError
-from pagedserve.quant.native_linear import DEFAULT_NATIVE_MAX_BATCH, GROUPED_NATIVE_MAX_BATCH, NativeLinear
+from pagedserve.quant.native_linear import DEFAULT_NATIVE_MAX_BATCH, NativeLinear, grouped_native_max_batch
 from pagedserve.quant.unquantized import UnquantizedLinearMethod
 
 PACKED_MAX_ROWS = 8
@@ -79,8 +79,9 @@ class GgufLinearMethod(LinearMethod):
 
     def native_linear(self, layer: nn.Module) -> NativeLinear:
         packed: PackedMatrix = layer.packed
+        limit = grouped_native_max_batch(grouped_isa(packed.lib)) if packed.row_group else DEFAULT_NATIVE_MAX_BATCH
         return NativeLinear(packed.linear_fn, packed.state_address, packed.in_features, packed.out_features, (packed,),
-                            GROUPED_NATIVE_MAX_BATCH if packed.row_group else DEFAULT_NATIVE_MAX_BATCH)
+                            limit)
 
     def merge(self, layers: list[nn.Module]) -> nn.Module | None:
         """q/k/v or gate/up as one matrix: rows are independent, so concatenating the block rows is exact."""
