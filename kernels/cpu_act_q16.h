@@ -73,12 +73,14 @@ static inline void pq_quantize(const float *x, int64_t blocks, int64_t begin, in
         const float *v = x + 32 * i;
         float amax = 0.0f, sum = 0.0f;
         for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[k])), sum += v[k];
-        const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        /* a NaN or inf in the block (fmaxf skips NaN): its rows' outputs are NaN, as the fp32 kernels give */
+        const int finite = isfinite(sum);
+        const float inv = finite && amax > 0.0f ? 32767.0f / amax : 0.0f;
         for (int k = 0; k < 32; k++) {
             const int at = order4 ? (k & ~7) + 2 * (k & 3) + ((k >> 2) & 1) : k;
-            act->q[32 * i + at] = (int16_t)nearbyintf(v[k] * inv);
+            act->q[32 * i + at] = finite ? (int16_t)nearbyintf(v[k] * inv) : 0;
         }
-        act->da[i] = amax / 32767.0f;
+        act->da[i] = finite ? amax / 32767.0f : NAN;
         act->sx[i] = sum;
     }
 }
