@@ -174,16 +174,16 @@ static void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, cons
 }
 #endif
 
-#define GQ_GROUPED_CASES(B)                                                    \
-    switch (R) {                                                               \
-    case 1: gq_grouped_store(st, B, h, x, act, 1, y); return;                   \
-    case 2: gq_grouped_store(st, B, h, x, act, 2, y); return;                   \
-    case 3: gq_grouped_store(st, B, h, x, act, 3, y); return;                   \
-    case 4: gq_grouped_store(st, B, h, x, act, 4, y); return;                   \
-    case 5: gq_grouped_store(st, B, h, x, act, 5, y); return;                   \
-    case 6: gq_grouped_store(st, B, h, x, act, 6, y); return;                   \
-    case 7: gq_grouped_store(st, B, h, x, act, 7, y); return;                   \
-    default: gq_grouped_store(st, B, h, x, act, GQ_GTILE, y); return;           \
+#define GQ_GROUPED_CASES(B)                                                                    \
+    switch (R) {                                                                               \
+    case 1: gq_grouped_store(st, B, h, x, act, 1, y); return;                                  \
+    case 2: gq_grouped_store(st, B, h, x, act, 2, y); return;                                  \
+    case 3: gq_grouped_store(st, B, h, x, act, 3, y); return;                                  \
+    case 4: gq_grouped_store(st, B, h, x, act, 4, y); return;                                  \
+    case 5: gq_grouped_store(st, B, h, x, act, 5, y); return;                                  \
+    case 6: gq_grouped_store(st, B, h, x, act, 6, y); return;                                  \
+    case 7: gq_grouped_store(st, B, h, x, act, 7, y); return;                                  \
+    default: gq_grouped_store(st, B, h, x, act, GQ_GTILE, y); return;                          \
     }
 
 static void gq_grouped_any(const ps_group_state *st, int64_t h, const float *x, pq_act act, int R, float *y) {

@@ -199,14 +199,14 @@ PK_INLINE void pk_grouped_rows(int fmt, const uint8_t *tiles, int64_t nb, const 
 
 #define PK_GROUPED_CASES(F)                                                                     \
     switch (R) {                                                                                \
-    case 1: pk_grouped_rows(F, tiles, nb, x, in, act, 1, bias, y, out); return;                  \
-    case 2: pk_grouped_rows(F, tiles, nb, x, in, act, 2, bias, y, out); return;                  \
-    case 3: pk_grouped_rows(F, tiles, nb, x, in, act, 3, bias, y, out); return;                  \
-    case 4: pk_grouped_rows(F, tiles, nb, x, in, act, 4, bias, y, out); return;                  \
-    case 5: pk_grouped_rows(F, tiles, nb, x, in, act, 5, bias, y, out); return;                  \
-    case 6: pk_grouped_rows(F, tiles, nb, x, in, act, 6, bias, y, out); return;                  \
-    case 7: pk_grouped_rows(F, tiles, nb, x, in, act, 7, bias, y, out); return;                  \
-    default: pk_grouped_rows(F, tiles, nb, x, in, act, PK_GROUP_TILE, bias, y, out); return;     \
+    case 1: pk_grouped_rows(F, tiles, nb, x, in, act, 1, bias, y, out); return;                 \
+    case 2: pk_grouped_rows(F, tiles, nb, x, in, act, 2, bias, y, out); return;                 \
+    case 3: pk_grouped_rows(F, tiles, nb, x, in, act, 3, bias, y, out); return;                 \
+    case 4: pk_grouped_rows(F, tiles, nb, x, in, act, 4, bias, y, out); return;                 \
+    case 5: pk_grouped_rows(F, tiles, nb, x, in, act, 5, bias, y, out); return;                 \
+    case 6: pk_grouped_rows(F, tiles, nb, x, in, act, 6, bias, y, out); return;                 \
+    case 7: pk_grouped_rows(F, tiles, nb, x, in, act, 7, bias, y, out); return;                 \
+    default: pk_grouped_rows(F, tiles, nb, x, in, act, PK_GROUP_TILE, bias, y, out); return;    \
     }
 
 static void pk_grouped_any(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, pq_act act,
