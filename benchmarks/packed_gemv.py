@@ -18,6 +18,7 @@ best of --e2e-repeats, output tokens per second.
 
     python benchmarks/packed_gemv.py                  # kernels, all usable threads
     python benchmarks/packed_gemv.py --e2e            # and the end-to-end single stream
+    python benchmarks/packed_gemv.py --grouped-ab --rows 1 2 4 8 16   # interleaved rows: VNNI vs fp32 build
 """
 
 from __future__ import annotations
@@ -105,14 +106,15 @@ def group_rows(path: Path, rows_list: list[int], repeats: int, flags: tuple[str,
         out = blocks.shape[0]
         q4_1 = cpu_packed.PackedMatrix(qtype, blocks, in_features, lib=lib)
         kernels = {f"packed_{qtype.lower()}": (q4_1.matmul, blocks.numel())}
-        if q4_1.can_group(qtype, blocks) and cpu_packed.grouped_isa(lib) == "avx512":  # as quant/gguf.py serves
+        # as quant/gguf.py serves
+        if q4_1.can_group(qtype, blocks) and cpu_packed.grouped_isa(lib) in cpu_packed.FAST_GROUPED_ISAS:
             grouped = cpu_packed.PackedMatrix(qtype, blocks.clone(), in_features, lib=lib).grouped()  # in place
             kernels[f"packed_{qtype.lower()}_grouped"] = (grouped.matmul, blocks.numel())
         for kind, bits, group, act_order in (("group_gptq", 4, 128, True), ("group_awq", 4, 64, False),
                                              ("group_gptq8", 8, 128, True)):
             m = dataclasses.replace(repack(random_weight(in_features, out, bits, group, act_order), group_rows=False),
                                     lib=lib)
-            if out % cpu_packed.GROUP_ROWS == 0 and cpu_packed.group_grouped_isa(lib) == "avx512":
+            if out % cpu_packed.GROUP_ROWS == 0 and cpu_packed.group_grouped_isa(lib) in cpu_packed.FAST_GROUPED_ISAS:
                 kernels[f"{kind}_rowwise"] = (m.matmul, m.nbytes())  # the layout before rows were grouped
                 m = m.grouped()  # what repack serves with this build
             kernels[kind] = (m.matmul, m.nbytes())
@@ -124,6 +126,41 @@ def group_rows(path: Path, rows_list: list[int], repeats: int, flags: tuple[str,
                                   "kernel": kernel, "us": round(us, 1), "gb_s": round(nbytes / us / 1e3, 2),
                                   "flags": " ".join(flags), "isa": cpu_packed.group_grouped_isa(lib),
                                   "threads": torch.get_num_threads(), "cpu": cpu_model()}), flush=True)
+
+
+def grouped_ab(path: Path, rows_list: list[int], repeats: int, flags: tuple[str, ...]) -> None:
+    """The interleaved-rows kernels of two builds, -march=native (A) and with `flags` added (B; default
+    -mno-avx512vnni: the fp32 AVX-512 kernel), at every shape (LM head included) and row count, A and B calls
+    interleaved and the best of each kept: noise on a shared machine hits both alike. The GGUF matrices are the
+    file's; GPTQ/AWQ ones random at the same shape (4-bit g128 act-order, 8-bit g128)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from quant_fixtures import random_weight
+
+    from pagedserve.quant.cpu_group_kernel import repack
+
+    libs = {"A": cpu_packed.build(()), "B": cpu_packed.build(flags)}
+    isas = {k: cpu_packed.grouped_isa(lib) for k, lib in libs.items()}
+    for name, qtype, blocks, in_features in matrices(path):
+        out = blocks.shape[0]
+        kernels = {f"gguf_{qtype.lower()}": {k: cpu_packed.PackedMatrix(qtype, blocks.clone(), in_features, lib=lib)
+                                             .grouped().matmul for k, lib in libs.items()}}
+        for kind, bits in (("gptq4", 4), ("gptq8", 8)):
+            if name == "lm_head":
+                continue
+            base = repack(random_weight(in_features, out, bits, 128, True), group_rows=False)
+            kernels[kind] = {k: dataclasses.replace(base, lib=lib).grouped().matmul for k, lib in libs.items()}
+        for rows in rows_list:
+            x = torch.randn(rows, in_features)
+            for kernel, fns in kernels.items():
+                best = {k: float("inf") for k in fns}
+                for _ in range(repeats):
+                    for k, fn in fns.items():
+                        best[k] = min(best[k], best_us(lambda: fn(x), 1))
+                print(json.dumps({"kind": "grouped_ab", "matrix": name, "in": in_features, "out": out, "rows": rows,
+                                  "kernel": kernel, "us_a": round(best["A"], 1), "us_b": round(best["B"], 1),
+                                  "b_over_a": round(best["B"] / best["A"], 2), "isa_a": isas["A"], "isa_b": isas["B"],
+                                  "flags_b": " ".join(flags), "threads": torch.get_num_threads(),
+                                  "cpu": cpu_model()}), flush=True)
 
 
 def end_to_end(repeats: int, tokens: int) -> None:
@@ -156,7 +193,13 @@ def main() -> None:
     parser.add_argument("--group", action="store_true", help="also the GPTQ/AWQ kernel")
     parser.add_argument("--group-only", action="store_true")
     parser.add_argument("--group-flags", nargs="*", default=[], help="extra compiler flags for --group")
+    parser.add_argument("--grouped-ab", nargs="*", metavar="FLAG",
+                        help="only the interleaved-rows kernels: -march=native against these extra flags "
+                             "(none given: -mno-avx512vnni, the fp32 AVX-512 kernel)")
     args = parser.parse_args()
+    if args.grouped_ab is not None:
+        grouped_ab(resolve_model(None).weights, args.rows, args.repeats, tuple(args.grouped_ab or ["-mno-avx512vnni"]))
+        return
     if args.group or args.group_only:
         group_rows(resolve_model(None).weights, args.rows, args.repeats, tuple(args.group_flags))
     if args.group_only:

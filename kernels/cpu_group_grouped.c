@@ -12,7 +12,11 @@
  * input 8c+p in bits 4p..4p+3 (a shift and a vpermps of the table {0..15} make 16 fp32 codes); 8-bit: 32 x 16
  * bytes, byte r of the 16 for input k is row r's code. Scales and zeros [out / 16, groups, 16].
  *
- * Numerics: per run the codes are summed against fp32 activations as integers and scaled once,
+ * Builds (compile time, as cpu_packed_grouped.c's): "avx512-vnni" rounds the activations to int16 per run and takes
+ * the integer dots with vpdpwssd (cpu_act_q16.h: extra activation rows cost about half the fp32 FMA path's; its
+ * header states the rounding's bound, where d u is s u here); "avx512" and "portable" keep fp32 activations:
+ *
+ * Numerics (fp32 builds): per run the codes are summed against fp32 activations as integers and scaled once,
  * y = sum over runs of s * sum(u x) + (-z s) * sum(x), as cpu_packed_grouped.c does for Q4_1 (forming each weight
  * u s - z s first was measured 10-20% slower at one row). The weights (u - z) s are never rounded, but the two parts
  * are summed separately, so the fp32 error is relative to their magnitudes: |y - x W^T| <= (in / 32 + 40) 2^-24
@@ -22,6 +26,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "cpu_act_q16.h"
 #include "cpu_group_state.h"
 
 #define GQ_PREFETCH_TILES 8  /* software prefetch distance, in tiles (cpu_packed_grouped.c's choice) */
@@ -42,7 +47,46 @@ void gq_grouped_codes(const ps_group_state *st, int64_t o, int64_t j, uint8_t *u
     for (int k = 0; k < 32; k++) u[k] = tile[GQ_ROWS * k + r];
 }
 
-#if defined(__AVX512F__)
+#if defined(PQ_VNNI)
+#define GQ_GROUPED_ISA "avx512-vnni"
+/* The group's scale s and offset -z s (16 rows) for group g of row group h. */
+GQ_INLINE void gq_group_scales(const ps_group_state *st, int64_t h, int32_t g, __m512 *s, __m512 *m) {
+    const int64_t at = (h * st->groups + g) * GQ_ROWS;
+    const uint16_t *s16 = (const uint16_t *)st->scales + at;
+    *s = st->scale_f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s16))
+                       : _mm512_loadu_ps((const float *)st->scales + at);
+    const __m128i z8 = _mm_loadu_si128((const __m128i *)(st->zeros + at));
+    *m = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(z8))), *s);
+}
+
+/* The 16 rows of row group h for R activation rows from their int16 runs: per run the integer dots (cpu_act_q16.h),
+ * then tot += (s da) * dot + (-z s) * sum(x), the same instructions per row whatever R; the bias last. */
+GQ_INLINE void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, const float *x, pq_act act, int R,
+                                float *y) {
+    (void)x;
+    const int64_t runs = st->in_features / 32, tb = gq_tile_bytes(bits);
+    const uint8_t *tiles = st->codes + h * runs * tb;
+    __m512 tot[GQ_GTILE], s = _mm512_setzero_ps(), m = s;
+    for (int r = 0; r < R; r++) tot[r] = _mm512_setzero_ps();
+    int32_t cur = -1;
+    for (int64_t j = 0; j < runs; j++) {
+        if (st->run_group[j] != cur) gq_group_scales(st, h, cur = st->run_group[j], &s, &m);
+        const uint8_t *tile = tiles + j * tb;
+        for (int64_t l = 0; l <= tb; l += 64) _mm_prefetch((const char *)tile + GQ_PREFETCH_TILES * tb + l, _MM_HINT_T0);
+        __m512i acc[2 * GQ_GTILE];
+        if (bits == 4) pq_dots4(tile, act.q + 32 * j, 32 * runs, R, acc);
+        else pq_dots8(tile, 0, act.q + 32 * j, 32 * runs, R, acc);
+        for (int r = 0; r < R; r++) {
+            const int64_t i = r * runs + j;
+            const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(act.da[i]));
+            tot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), scale, tot[r]);
+            tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(act.sx[i]), tot[r]);
+        }
+    }
+    const __m512 bias = st->bias ? _mm512_loadu_ps(st->bias + h * GQ_ROWS) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * st->out_features + h * GQ_ROWS, _mm512_add_ps(tot[r], bias));
+}
+#elif defined(__AVX512F__)
 #define GQ_GROUPED_ISA "avx512"
 /* tot[r] += the 16 rows' dots with activation row r, for R rows. Per run the codes are multiplied with the
  * activations as integers u and scaled after: tot += s * sum(u x) + (-z s) * sum(x) (bits and R constants). */
@@ -97,12 +141,12 @@ GQ_INLINE void gq_grouped_rows(const ps_group_state *st, int bits, int64_t h, co
     }
 }
 
-GQ_INLINE void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, const float *x, const float *sx, int R,
+GQ_INLINE void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, const float *x, pq_act act, int R,
                                 float *y) {
     const int64_t out = st->out_features;
     __m512 tot[GQ_GTILE];
     for (int r = 0; r < R; r++) tot[r] = _mm512_setzero_ps();
-    gq_grouped_rows(st, bits, h, x, sx, R, tot);
+    gq_grouped_rows(st, bits, h, x, act.sx, R, tot);
     /* the bias last, as cpu_group_linear.c adds it: y = (x @ W^T) + bias, rounded once more */
     const __m512 bias = st->bias ? _mm512_loadu_ps(st->bias + h * GQ_ROWS) : _mm512_setzero_ps();
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * out + h * GQ_ROWS, _mm512_add_ps(tot[r], bias));
@@ -110,10 +154,10 @@ GQ_INLINE void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, c
 #else
 #define GQ_GROUPED_ISA "portable"
 /* Exact weights w = u s + (-z s), as cpu_group_linear.c's portable path. */
-static void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, const float *x, const float *sx, int R,
+static void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, const float *x, pq_act act, int R,
                              float *y) {
     const int64_t in = st->in_features, runs = in / 32;
-    (void)bits, (void)sx;
+    (void)bits, (void)act;
     for (int64_t o = h * GQ_ROWS; o < (h + 1) * GQ_ROWS; o++) {
         for (int r = 0; r < R; r++) {
             float total = 0.0f;
@@ -130,19 +174,19 @@ static void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, cons
 }
 #endif
 
-#define GQ_GROUPED_CASES(B)                                                    \
-    switch (R) {                                                               \
-    case 1: gq_grouped_store(st, B, h, x, sx, 1, y); return;                   \
-    case 2: gq_grouped_store(st, B, h, x, sx, 2, y); return;                   \
-    case 3: gq_grouped_store(st, B, h, x, sx, 3, y); return;                   \
-    case 4: gq_grouped_store(st, B, h, x, sx, 4, y); return;                   \
-    case 5: gq_grouped_store(st, B, h, x, sx, 5, y); return;                   \
-    case 6: gq_grouped_store(st, B, h, x, sx, 6, y); return;                   \
-    case 7: gq_grouped_store(st, B, h, x, sx, 7, y); return;                   \
-    default: gq_grouped_store(st, B, h, x, sx, GQ_GTILE, y); return;           \
+#define GQ_GROUPED_CASES(B)                                                                    \
+    switch (R) {                                                                               \
+    case 1: gq_grouped_store(st, B, h, x, act, 1, y); return;                                  \
+    case 2: gq_grouped_store(st, B, h, x, act, 2, y); return;                                  \
+    case 3: gq_grouped_store(st, B, h, x, act, 3, y); return;                                  \
+    case 4: gq_grouped_store(st, B, h, x, act, 4, y); return;                                  \
+    case 5: gq_grouped_store(st, B, h, x, act, 5, y); return;                                  \
+    case 6: gq_grouped_store(st, B, h, x, act, 6, y); return;                                  \
+    case 7: gq_grouped_store(st, B, h, x, act, 7, y); return;                                  \
+    default: gq_grouped_store(st, B, h, x, act, GQ_GTILE, y); return;                          \
     }
 
-static void gq_grouped_any(const ps_group_state *st, int64_t h, const float *x, const float *sx, int R, float *y) {
+static void gq_grouped_any(const ps_group_state *st, int64_t h, const float *x, pq_act act, int R, float *y) {
     if (st->bits == 4) GQ_GROUPED_CASES(4)
     GQ_GROUPED_CASES(8)
 }
@@ -150,21 +194,21 @@ static void gq_grouped_any(const ps_group_state *st, int64_t h, const float *x, 
 /* y = x @ W^T (+ bias), x already in the weights' input order. Returns 0, or 2 when out of memory. */
 int gq_grouped_product(const ps_group_state *st, const float *x, int64_t rows, float *y, int threads) {
     const int64_t in = st->in_features, runs = in / 32;
-    float *sx = malloc(sizeof(float) * (size_t)(rows * runs) + 1);  /* per run sums of each activation row */
-    if (sx == NULL) return 2;
-    for (int64_t i = 0; i < rows * runs; i++) {
-        float sum = 0.0f;
-        for (int k = 0; k < 32; k++) sum += x[32 * i + k];
-        sx[i] = sum;
-    }
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-    for (int64_t h = 0; h < st->out_features / GQ_ROWS; h++) {
-        for (int64_t r0 = 0; r0 < rows; r0 += GQ_GTILE) {
-            const int R = rows - r0 < GQ_GTILE ? (int)(rows - r0) : GQ_GTILE;
-            gq_grouped_any(st, h, x + r0 * in, sx + r0 * runs, R, y + r0 * st->out_features);
+    pq_act act;  /* per run sums (and int16 runs) of each activation row */
+    if (pq_alloc(&act, rows, runs)) return 2;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) pq_quantize(x, runs, r, r + 1, st->bits == 4, &act);
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < st->out_features / GQ_ROWS; h++) {
+            for (int64_t r0 = 0; r0 < rows; r0 += GQ_GTILE) {
+                const int R = rows - r0 < GQ_GTILE ? (int)(rows - r0) : GQ_GTILE;
+                gq_grouped_any(st, h, x + r0 * in, pq_rows(&act, r0, runs), R, y + r0 * st->out_features);
+            }
         }
     }
-    free(sx);
+    pq_free(&act);
     return 0;
 }
 

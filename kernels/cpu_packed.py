@@ -27,7 +27,7 @@ _HERE = Path(__file__).parent
 # GGUF blocks (cpu_packed_*.c) and GPTQ/AWQ groups (cpu_group_*.c, state in cpu_group_packed.py): one object.
 SOURCES = (*(_HERE / f"cpu_packed_{name}.c" for name in ("linear", "f32", "grouped", "dequantize")),
            _HERE / "cpu_group_linear.c", _HERE / "cpu_group_grouped.c")
-HEADERS = (_HERE / "cpu_packed_blocks.h", _HERE / "cpu_linear.h", _HERE / "cpu_group_state.h")
+HEADERS = (_HERE / "cpu_packed_blocks.h", _HERE / "cpu_linear.h", _HERE / "cpu_group_state.h", _HERE / "cpu_act_q16.h")
 # GGUF type name -> (PK_* code of cpu_packed_blocks.h, values per block, bytes per block).
 FORMATS: dict[str, tuple[int, int, int]] = {
     "Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q5_0": (2, 32, 22), "Q8_0": (3, 32, 34),
@@ -100,9 +100,14 @@ def isa(lib: ctypes.CDLL) -> str:
     return lib.pagedserve_packed_isa().decode()
 
 
+# The interleaved-rows kernels' builds faster than the file layout's / row-after-row kernels: loaders group rows
+# only where the build is one of these. avx512-vnni: int16 activations and vpdpwssd (cpu_act_q16.h); avx512: fp32.
+FAST_GROUPED_ISAS = ("avx512-vnni", "avx512")
+
+
 def grouped_isa(lib: ctypes.CDLL) -> str:
-    """What the interleaved-rows kernel (cpu_packed_grouped.c) in `lib` was compiled to: avx512 or portable; only
-    avx512 is faster than the file layout's kernel, so loaders group rows only then."""
+    """What the interleaved-rows kernel (cpu_packed_grouped.c) in `lib` was compiled to: avx512-vnni, avx512 or
+    portable (see FAST_GROUPED_ISAS)."""
     return lib.pagedserve_packed_grouped_isa().decode()
 
 
@@ -112,8 +117,8 @@ def group_isa(lib: ctypes.CDLL) -> str:
 
 
 def group_grouped_isa(lib: ctypes.CDLL) -> str:
-    """What the GPTQ/AWQ interleaved-rows kernel (cpu_group_grouped.c) in `lib` was compiled to: avx512 or
-    portable; only avx512 is faster than the one-row-after-another kernel, so the loader groups rows only then."""
+    """What the GPTQ/AWQ interleaved-rows kernel (cpu_group_grouped.c) in `lib` was compiled to: avx512-vnni,
+    avx512 or portable (see FAST_GROUPED_ISAS)."""
     return lib.pagedserve_group_grouped_isa().decode()
 
 

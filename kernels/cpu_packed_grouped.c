@@ -4,10 +4,16 @@
  * Why: in the file's layout each 32-weight block of one row needs its scales converted and broadcast and its
  * nibbles widened lane by lane, ~9 cycles per block, so a single stream's linears ran at 4-10 GB/s: bound by
  * instructions, not by reading the weights. With 16 rows side by side one AVX-512 register holds one input's code
- * for all 16 rows: a shift and a vpermps (16-entry table, index = the low 4 bits of each lane) make its 16 fp32
- * codes, one FMA with the broadcast activation accumulates them, and each block's scales are one vector per group.
- * The activations stay fp32 (no rounding of x, unlike llama.cpp's Q8 activations), so results equal the file
- * layout's fp32 kernel up to summation order.
+ * for all 16 rows and each block's scales are one vector per group.
+ *
+ * Three builds, chosen at compile time (-march=native; the tests build each): "avx512-vnni" (AVX512-VNNI and
+ * VBMI: Ice Lake and later, Zen 4) rounds the activations to int16 per block (cpu_act_q16.h) and takes a block's
+ * 16-row dots as 16 vpdpwssd per activation row: extra rows (speculative verification, small batches) cost ~20
+ * instructions per block each instead of ~36, and the codes are widened with half the instructions. "avx512"
+ * keeps fp32 activations: a shift and a vpermps (16-entry table) make one input's 16 fp32 codes, one FMA per
+ * activation row accumulates them; results equal the file layout's fp32 kernel up to summation order.
+ * "portable": C loops, fp32. Per block every build adds d * sum(u x) + m * sum(x) with the exact fp32 sum(x);
+ * cpu_act_q16.h states the int16 rounding's bound.
  *
  * Layout, same bytes as the file's: group g = rows 16g..16g+15, stored in place of those rows. Per block b (32
  * inputs) one tile: the 16 rows' d (fp16, 32 bytes), for Q4_1 their m (fp16, 32 bytes), then the codes. 4-bit: 4
@@ -15,6 +21,7 @@
  * 4p..4p+3. Q8_0: 32 chunks of 16 bytes, chunk k holding the 16 rows' int8 codes of input k (one vpmovsxbd each). */
 #include <omp.h>
 
+#include "cpu_act_q16.h"
 #include "cpu_packed_blocks.h"
 
 #define PK_EXPORT __attribute__((visibility("default")))
@@ -83,7 +90,35 @@ void pk_grouped_row_run(const ps_packed_state *st, int64_t row, int64_t b, uint8
     pk_grouped_scales(tile, fmt, (int)(row % PK_GROUP_ROWS), d, m);
 }
 
-#if defined(__AVX512F__)
+#if defined(PQ_VNNI)
+#define PK_GROUPED_ISA "avx512-vnni"
+/* y[r][16 rows of group] for R activation rows from their int16 blocks: per block the integer dots (cpu_act_q16.h),
+ * then tot += (d da) * dot + m * sum(x), the same instructions per row whatever R. */
+PK_INLINE void pk_grouped_rows(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, pq_act act,
+                               int R, const float *bias, float *y, int64_t out) {
+    (void)x, (void)in;
+    const int64_t hb = pk_tile_header(fmt), tb = pk_tile_bytes(fmt);
+    __m512 tot[PK_GROUP_TILE];
+    for (int r = 0; r < R; r++) tot[r] = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tile = tiles + b * tb;
+        for (int64_t l = 0; l <= tb; l += 64) _mm_prefetch((const char *)tile + PK_PREFETCH_TILES * tb + l, _MM_HINT_T0);
+        __m512i acc[2 * PK_GROUP_TILE];
+        if (fmt == PK_Q8_0) pq_dots8(tile + hb, 1, act.q + 32 * b, 32 * nb, R, acc);  /* signed codes: m = 0 */
+        else pq_dots4(tile + hb, act.q + 32 * b, 32 * nb, R, acc);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tile));
+        const __m512 m = fmt == PK_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 32)))
+                                        : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+        for (int r = 0; r < R; r++) {
+            const int64_t i = r * nb + b;
+            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(act.da[i]));
+            tot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), scale, tot[r]);
+            if (fmt != PK_Q8_0) tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(act.sx[i]), tot[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * out, tot[r]);
+}
+#elif defined(__AVX512F__)
 #define PK_GROUPED_ISA "avx512"
 /* y[r][16 rows of group] for R activation rows: per block, 32 inputs x 16 rows of FMAs on fp32 codes, then
  * tot += d * acc + m * sum(x over the block). R and fmt are constants after inlining. */
@@ -132,17 +167,18 @@ PK_INLINE void pk_grouped_tile(int fmt, const uint8_t *tiles, int64_t nb, const 
     }
 }
 
-PK_INLINE void pk_grouped_rows(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, const float *sx,
+PK_INLINE void pk_grouped_rows(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, pq_act act,
                                int R, const float *bias, float *y, int64_t out) {
     __m512 tot[PK_GROUP_TILE];
     for (int r = 0; r < R; r++) tot[r] = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    pk_grouped_tile(fmt, tiles, nb, x, in, sx, R, tot);
+    pk_grouped_tile(fmt, tiles, nb, x, in, act.sx, R, tot);
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * out, tot[r]);
 }
 #else
 #define PK_GROUPED_ISA "portable"
-PK_INLINE void pk_grouped_rows(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, const float *sx,
+PK_INLINE void pk_grouped_rows(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, pq_act act,
                                int R, const float *bias, float *y, int64_t out) {
+    const float *sx = act.sx;
     for (int r = 0; r < R; r++) {
         for (int row = 0; row < PK_GROUP_ROWS; row++) {
             float total = bias ? bias[row] : 0.0f;
@@ -163,48 +199,45 @@ PK_INLINE void pk_grouped_rows(int fmt, const uint8_t *tiles, int64_t nb, const 
 
 #define PK_GROUPED_CASES(F)                                                                     \
     switch (R) {                                                                                \
-    case 1: pk_grouped_rows(F, tiles, nb, x, in, sx, 1, bias, y, out); return;                  \
-    case 2: pk_grouped_rows(F, tiles, nb, x, in, sx, 2, bias, y, out); return;                  \
-    case 3: pk_grouped_rows(F, tiles, nb, x, in, sx, 3, bias, y, out); return;                  \
-    case 4: pk_grouped_rows(F, tiles, nb, x, in, sx, 4, bias, y, out); return;                  \
-    case 5: pk_grouped_rows(F, tiles, nb, x, in, sx, 5, bias, y, out); return;                  \
-    case 6: pk_grouped_rows(F, tiles, nb, x, in, sx, 6, bias, y, out); return;                  \
-    case 7: pk_grouped_rows(F, tiles, nb, x, in, sx, 7, bias, y, out); return;                  \
-    default: pk_grouped_rows(F, tiles, nb, x, in, sx, PK_GROUP_TILE, bias, y, out); return;     \
+    case 1: pk_grouped_rows(F, tiles, nb, x, in, act, 1, bias, y, out); return;                 \
+    case 2: pk_grouped_rows(F, tiles, nb, x, in, act, 2, bias, y, out); return;                 \
+    case 3: pk_grouped_rows(F, tiles, nb, x, in, act, 3, bias, y, out); return;                 \
+    case 4: pk_grouped_rows(F, tiles, nb, x, in, act, 4, bias, y, out); return;                 \
+    case 5: pk_grouped_rows(F, tiles, nb, x, in, act, 5, bias, y, out); return;                 \
+    case 6: pk_grouped_rows(F, tiles, nb, x, in, act, 6, bias, y, out); return;                 \
+    case 7: pk_grouped_rows(F, tiles, nb, x, in, act, 7, bias, y, out); return;                 \
+    default: pk_grouped_rows(F, tiles, nb, x, in, act, PK_GROUP_TILE, bias, y, out); return;    \
     }
 
-static void pk_grouped_any(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, const float *sx,
+static void pk_grouped_any(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, pq_act act,
                            int R, const float *bias, float *y, int64_t out) {
     if (fmt == PK_Q4_1) PK_GROUPED_CASES(PK_Q4_1)
     if (fmt == PK_Q8_0) PK_GROUPED_CASES(PK_Q8_0)
     PK_GROUPED_CASES(PK_Q4_0)
 }
 
-/* y = x @ W^T (+ bias) for a grouped matrix, inside the caller's parallel region (work-shared over groups).
- * sx[r * nb + b]: the sum of activation row r over block b. */
-void pk_grouped_product(const ps_packed_state *st, const float *x, int64_t rows, float *y, const float *sx) {
+/* y = x @ W^T (+ bias) for a grouped matrix: the activations' block sums (and int16 blocks) once, then the groups
+ * work-shared over the threads. Returns 0, or 2 when out of memory. */
+int pk_grouped_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads) {
     const int64_t in = st->in_features, out = st->out_features, nb = in / 32, groups = out / PK_GROUP_ROWS;
     const int64_t group_bytes = nb * pk_tile_bytes(st->format);
+    pq_act act;
+    if (pq_alloc(&act, rows, nb)) return 2;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        for (int64_t r0 = 0; r0 < rows; r0 += PK_GROUP_TILE) {
-            const int R = rows - r0 < PK_GROUP_TILE ? (int)(rows - r0) : PK_GROUP_TILE;
-            pk_grouped_any(st->format, st->data + g * group_bytes, nb, x + r0 * in, in, sx + r0 * nb, R,
-                           st->bias ? st->bias + g * PK_GROUP_ROWS : NULL, y + r0 * out + g * PK_GROUP_ROWS, out);
+        for (int64_t r = 0; r < rows; r++) pq_quantize(x, nb, r, r + 1, st->format != PK_Q8_0, &act);
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            for (int64_t r0 = 0; r0 < rows; r0 += PK_GROUP_TILE) {
+                const int R = rows - r0 < PK_GROUP_TILE ? (int)(rows - r0) : PK_GROUP_TILE;
+                pk_grouped_any(st->format, st->data + g * group_bytes, nb, x + r0 * in, in, pq_rows(&act, r0, nb),
+                               R, st->bias ? st->bias + g * PK_GROUP_ROWS : NULL, y + r0 * out + g * PK_GROUP_ROWS, out);
+            }
         }
     }
-}
-
-/* The per-block activation sums pk_grouped_product takes, for rows [begin, end). */
-void pk_grouped_block_sums(const float *x, int64_t in, int64_t begin, int64_t end, float *sx) {
-    const int64_t nb = in / 32;
-    for (int64_t r = begin; r < end; r++) {
-        for (int64_t b = 0; b < nb; b++) {
-            float sum = 0.0f;
-            for (int k = 0; k < 32; k++) sum += x[r * in + 32 * b + k];
-            sx[r * nb + b] = sum;
-        }
-    }
+    pq_free(&act);
+    return 0;
 }
 
 PK_EXPORT const char *pagedserve_packed_grouped_isa(void) { return PK_GROUPED_ISA; }

@@ -21,8 +21,7 @@
 #define PK_CHUNK 16    /* output rows per unit of parallel work */
 
 
-void pk_grouped_product(const ps_packed_state *st, const float *x, int64_t rows, float *y, const float *sx);
-void pk_grouped_block_sums(const float *x, int64_t in, int64_t begin, int64_t end, float *sx);
+int pk_grouped_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads);
 void pk_f32_row_dot_any(int fmt, const uint8_t *w, int64_t nblocks, const float *x, int64_t in, int R, float *out);
 
 /* One quantized activation row: codes per run of 32, the run's scale a, and a * sum(codes) of each 16-value half
@@ -227,25 +226,10 @@ static void pk_product(const ps_packed_state *st, const float *x, int64_t rows, 
     }
 }
 
-/* A grouped matrix (cpu_packed_grouped.c): fp32 activations, whatever the number of rows. */
-static int pk_grouped_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads) {
-    const int64_t in = st->in_features;
-    float *sx = malloc(sizeof(float) * (size_t)(rows * (in / 32)) + 1);
-    if (sx == NULL) return 2;
-#pragma omp parallel num_threads(threads > 0 ? threads : 1)
-    {
-#pragma omp single
-        pk_grouped_block_sums(x, in, 0, rows, sx);
-        pk_grouped_product(st, x, rows, y, sx);
-    }
-    free(sx);
-    return 0;
-}
-
 PK_EXPORT int pagedserve_packed_linear_threads(const ps_packed_state *st, const float *x, int64_t rows, float *y,
                                                int threads) {
     if (pk_check(st) || rows < 0) return 1;
-    if (st->row_group) return pk_grouped_linear(st, x, rows, y, threads);
+    if (st->row_group) return pk_grouped_linear(st, x, rows, y, threads);  /* cpu_packed_grouped.c */
     const int64_t in = st->in_features, nruns = in / 32;
     if (rows > st->int8_max_rows) {
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 from pagedserve.kernels.cpu_group_packed import GroupMatrix
 from pagedserve.kernels.cpu_native import NativeBuildError
-from pagedserve.kernels.cpu_packed import GROUP_ROWS, build, group_grouped_isa
+from pagedserve.kernels.cpu_packed import FAST_GROUPED_ISAS, GROUP_ROWS, build, group_grouped_isa
 from pagedserve.quant.group_quant import GroupQuantWeight, QLinearKernel, sorted_groups
-from pagedserve.quant.native_linear import DEFAULT_NATIVE_MAX_BATCH, GROUPED_NATIVE_MAX_BATCH, NativeLinear
+from pagedserve.quant.native_linear import DEFAULT_NATIVE_MAX_BATCH, NativeLinear, grouped_native_max_batch
 from pagedserve.quant.packing import unpack_cols, unpack_rows
 
 NATIVE_MAX_ROWS = 8
@@ -55,7 +55,7 @@ def repack(w: GroupQuantWeight, bias: torch.Tensor | None = None, group_rows: bo
         run_group=sorted_g[::RUN].to(torch.int32).contiguous(),
         perm=None if perm is None else perm.to(torch.int32).contiguous(),
         bias=None if bias is None else bias.detach().float().contiguous())
-    if group_rows and w.out_features % GROUP_ROWS == 0 and group_grouped_isa(matrix.lib) == "avx512":
+    if group_rows and w.out_features % GROUP_ROWS == 0 and group_grouped_isa(matrix.lib) in FAST_GROUPED_ISAS:
         return matrix.grouped()
     return matrix
 
@@ -99,8 +99,8 @@ class CpuGroupKernel(QLinearKernel):
         if bias is not None:
             m = dataclasses.replace(m, bias=bias.detach().float().contiguous())
         # grouped rows: the same one-pass-for-8-rows structure as the GGUF grouped kernel (quant/gguf.py)
-        return NativeLinear(m.linear_fn, m.state_address, m.in_features, m.out_features, (m,),
-                            GROUPED_NATIVE_MAX_BATCH if m.row_group else DEFAULT_NATIVE_MAX_BATCH)
+        limit = grouped_native_max_batch(group_grouped_isa(m.lib)) if m.row_group else DEFAULT_NATIVE_MAX_BATCH
+        return NativeLinear(m.linear_fn, m.state_address, m.in_features, m.out_features, (m,), limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert x.dim() == 2 and x.shape[1] == self.in_features, (x.shape, self.in_features)

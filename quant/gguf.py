@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.cpu_packed import FORMATS, PackedMatrix, grouped_isa
+from pagedserve.kernels.cpu_packed import FAST_GROUPED_ISAS, FORMATS, PackedMatrix, grouped_isa
 from pagedserve.quant.base import LinearMethod, QuantConfig, QuantConfigError
-from pagedserve.quant.native_linear import DEFAULT_NATIVE_MAX_BATCH, GROUPED_NATIVE_MAX_BATCH, NativeLinear
+from pagedserve.quant.native_linear import DEFAULT_NATIVE_MAX_BATCH, NativeLinear, grouped_native_max_batch
 from pagedserve.quant.unquantized import UnquantizedLinearMethod
 
 PACKED_MAX_ROWS = 8
@@ -79,8 +79,9 @@ class GgufLinearMethod(LinearMethod):
 
     def native_linear(self, layer: nn.Module) -> NativeLinear:
         packed: PackedMatrix = layer.packed
+        limit = grouped_native_max_batch(grouped_isa(packed.lib)) if packed.row_group else DEFAULT_NATIVE_MAX_BATCH
         return NativeLinear(packed.linear_fn, packed.state_address, packed.in_features, packed.out_features, (packed,),
-                            GROUPED_NATIVE_MAX_BATCH if packed.row_group else DEFAULT_NATIVE_MAX_BATCH)
+                            limit)
 
     def merge(self, layers: list[nn.Module]) -> nn.Module | None:
         """q/k/v or gate/up as one matrix: rows are independent, so concatenating the block rows is exact."""
@@ -113,8 +114,11 @@ def row_group(weight: torch.Tensor) -> int:
 
 def _grouped_where_faster(packed: PackedMatrix, weight: torch.Tensor) -> PackedMatrix:
     """Q4_0/Q4_1/Q8_0 rows interleaved in place (cpu_packed_grouped.c) where the build has that layout's AVX-512
-    kernel (2-2.5x the file layout's at one row); elsewhere the file's layout, whose kernel is then the faster."""
-    if packed.row_group or not packed.can_group(packed.qtype, packed.blocks) or grouped_isa(packed.lib) != "avx512":
+    kernel, VNNI or fp32 (2-2.5x the file layout's at one row); elsewhere the file's layout, whose kernel is then
+    the faster."""
+    if packed.row_group or not packed.can_group(packed.qtype, packed.blocks):
+        return packed
+    if grouped_isa(packed.lib) not in FAST_GROUPED_ISAS:
         return packed
     grouped = packed.grouped()
     weight.pagedserve_row_group = grouped.row_group

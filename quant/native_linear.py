@@ -12,10 +12,20 @@ from dataclasses import dataclass
 
 
 # Kernels that read the weights once for up to 8 activation rows (grouped GGUF and GPTQ/AWQ rows) keep the native
-# step ahead of the torch path's bf16 GEMMs through 8 sequences (benchmarks/native_step_crossover.py; dense
-# weights and the file layouts: 2, the default).
+# step ahead of the torch path's bf16 GEMMs through 8 sequences with fp32 activations, and through 16 where they
+# take int16 activations and AVX512-VNNI dots (kernels/cpu_act_q16.h): measured on SmolLM2 Q4_1, bf16, 2 shared
+# cores, the native step ran 1.6-1.7x the torch path's speed at 12 sequences and 1.2-1.3x at 16, against
+# 1.05-1.1x and 0.9-1.3x with the fp32 kernel (benchmarks/native_step_crossover.py). Dense weights and the file
+# layouts: 2, the default.
 GROUPED_NATIVE_MAX_BATCH = 8
+VNNI_GROUPED_NATIVE_MAX_BATCH = 16
 DEFAULT_NATIVE_MAX_BATCH = 2
+
+
+def grouped_native_max_batch(isa: str) -> int:
+    """The native step's batch limit through a grouped-rows kernel compiled to `isa` (kernels/cpu_packed.py's
+    grouped_isa / group_grouped_isa)."""
+    return VNNI_GROUPED_NATIVE_MAX_BATCH if isa == "avx512-vnni" else GROUPED_NATIVE_MAX_BATCH
 
 
 class PsLinear(ctypes.Structure):
