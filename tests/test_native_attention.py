@@ -119,7 +119,9 @@ def test_never_reads_past_seq_len() -> None:
 
 def test_missing_compiler_falls_back_to_torch(monkeypatch, tmp_path) -> None:
     """`auto` serves the torch path (and says why) when the C file cannot be built; `native` refuses."""
+    # both caches: load_library() returns build()'s library, which is cached per flag set on its own
     cpu_native.load_library.cache_clear()
+    cpu_native.build.cache_clear()
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))
     try:
@@ -129,6 +131,7 @@ def test_missing_compiler_falls_back_to_torch(monkeypatch, tmp_path) -> None:
             NativeCpuAttention()
     finally:
         cpu_native.load_library.cache_clear()
+        cpu_native.build.cache_clear()
 
 
 def test_native_backend_is_refused_off_cpu() -> None:
