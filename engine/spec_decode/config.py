@@ -18,9 +18,10 @@ MAX_SPECULATIVE_TOKENS = 16
 # - the native step serves at most 2 sequences (dense weights, file-layout blocks): larger batches run the torch
 #   path, whose steps cost about the same for a few more rows, and the copy workload gains up to 32 streams;
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
-# - it serves up to 8 (grouped GGUF / GPTQ / AWQ rows): 2-8 sequences without drafts already run natively at
-#   nearly one weight read per step, while every draft row costs its FMAs: drafts paid only for one sequence
-#   (quiet SPR VM, copy workload: 1.71x at 1 stream, 0.91x at 2, 0.75x at 4).
+# - it serves more (grouped GGUF / GPTQ / AWQ rows: 16 with int16/VNNI dots, 8 with fp32 FMAs): 2-16 sequences
+#   without drafts already run natively at nearly one weight read per step, while every draft row costs its dots and
+#   its attention: drafts paid only for one sequence (quiet SPR VM, copy workload: 1.80x at 1 stream, 0.93x at 2,
+#   0.94x at 4).
 DEFAULT_DISABLE_WITH_WIDE_NATIVE_STEP = 1
 
 
