@@ -25,8 +25,8 @@ from pagedserve.quant.cpu_group_kernel import CpuGroupKernel, repack
 from pagedserve.quant.dense_native import call_native_linear
 from pagedserve.quant.packed_linear import PackedLinearMethod
 from pagedserve.quant.packing import unpack_cols, unpack_rows
-from quant_fixtures import (FIXTURE_NAMES, build_linear, dequantized_reference, fixture_dir, fp16_sha256, quant_linears,
-                            random_weight, reference_weight, tool_record)
+from quant_fixtures import (FIXTURE_NAMES, build_linear, dequantized_reference, fixture_dir, fp16_sha256,
+                            grouped_logits_atol, quant_linears, random_weight, reference_weight, tool_record)
 
 # avx512-fp32: the AVX-512 build without VNNI (fp32 activations), what an AVX-512 host without VNNI runs
 VARIANTS = {"native": (), "avx512-fp32": ("-mno-avx512vnni",), "no-avx512": ("-mno-avx512f",),
@@ -193,14 +193,6 @@ def test_layer_holds_only_the_repacked_bytes():
         assert layer.qkernel.weight_nbytes() == k * n // 2 + n * -(-k // 128) * 3 + k // 32 * 4 + k * 4, prefix
 
 
-def _logits_atol() -> float:
-    """fp32 kernels: the logits equal transformers' up to fp32 summation order (1e-4). The AVX512-VNNI build rounds
-    each decode row's activations to int16 per 32 inputs before the grouped linears (cpu_act_q16.h): relative
-    ~1.5e-5 of the block's largest value per input, which these random 2-layer fixtures amplify to at most 1.2e-3
-    on logits up to ~3.4 (measured); 5e-3 bounds it, and the greedy tokens below must still be transformers'."""
-    return 5e-3 if cpu_packed.group_grouped_isa(cpu_packed.build()) == "avx512-vnni" else 1e-4
-
-
 def _prompts() -> dict[str, list[int]]:
     g = torch.Generator().manual_seed(5)
     return {f"p{i}": torch.randint(3, 128, (length,), generator=g).tolist() for i, length in enumerate((6, 17, 30))}
@@ -218,7 +210,7 @@ def test_fixtures_through_the_native_decode_step(name, monkeypatch):
             engine_probe.attach(engine, run, patch)
             engine_probe.generate(engine, prompts, 16, run)
         assert (run.native_steps >= 10) == (limit > 0)
-        engine_probe.assert_matches(run, hf, atol=_logits_atol())
+        engine_probe.assert_matches(run, hf, atol=grouped_logits_atol())
         tokens[limit] = run.tokens
     assert tokens[8] == tokens[0]
     for request_id, prompt in prompts.items():
