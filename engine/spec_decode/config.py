@@ -20,7 +20,7 @@ MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 # - it serves more (grouped GGUF / GPTQ / AWQ rows: 16 with int16/VNNI dots, 8 with fp32 FMAs): 2-16 sequences
 #   without drafts already run natively at nearly one weight read per step, while every draft row costs its dots and
-#   its attention: drafts paid only for one sequence (quiet SPR VM, copy workload: 1.80x at 1 stream, 0.93x at 2,
+#   its attention: drafts paid only for one sequence (quiet SPR VM, copy workload: 1.67x at 1 stream, 0.93x at 2,
 #   0.94x at 4).
 DEFAULT_DISABLE_WITH_WIDE_NATIVE_STEP = 1
 
