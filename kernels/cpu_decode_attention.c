@@ -3,13 +3,14 @@
  *
  * Why C: in eager torch, decode attention over a paged cache is a gather of every context block (index_select),
  * an upcast copy, two small batched matmuls and a softmax, each a separate pass over memory plus per-op dispatch;
- * at decode sizes that was ~27% of bf16 step time. Here each (sequence, KV head) task reads its blocks in place,
- * once for K and once for V, with the scores of the query heads that share the KV head kept in L1.
+ * at decode sizes that was ~27% of bf16 step time. Here each (span, KV head) task reads its blocks in place,
+ * once for K and once for V, with the scores of the query heads that share the KV head kept in L1; a span is one
+ * decode row, or consecutive rows over the same cached keys (a sequence's row and its speculative drafts).
  *
  * Semantics are those of the torch implementation (kernels/torch_attention.py), which the tests compare against:
  * fp32 scores and softmax, FP8 K/V times their per-head scale, output rounded once to the query dtype.
- * A sliding window W starts each row's key loop at max(0, len - W): earlier blocks are never read (the block
- * manager may have freed them; their block-table entries are then -1).
+ * A sliding window W starts each row's keys at max(0, len - W), a span's at its earliest row's start: earlier
+ * blocks are never read (the block manager may have freed them; their block-table entries are then -1).
  * Storage layout: the head-major [Hkv, num_blocks, block_size, D] tensors behind LayerKVCache's logical view.
  */
 #include "cpu_decode_attention.h"
