@@ -67,12 +67,15 @@ static inline pq_act pq_rows(const pq_act *act, int64_t r0, int64_t blocks) {
 }
 
 /* Rows [begin, end) of x [rows, 32 blocks]; order4: the 4-bit tiles' order, else the natural one. The sums are
- * added in input order, as the fp32 kernels always did. */
+ * added in input order, as the fp32 kernels always did. Builds without the VNNI kernels read only the sums, so
+ * only they are made there. */
 static inline void pq_quantize(const float *x, int64_t blocks, int64_t begin, int64_t end, int order4, pq_act *act) {
     for (int64_t i = begin * blocks; i < end * blocks; i++) {
         const float *v = x + 32 * i;
         float amax = 0.0f, sum = 0.0f;
         for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[k])), sum += v[k];
+        act->sx[i] = sum;
+#if defined(PQ_VNNI)
         /* a NaN or inf in the block (fmaxf skips NaN): its rows' outputs are NaN, as the fp32 kernels give */
         const int finite = isfinite(sum);
         const float inv = finite && amax > 0.0f ? 32767.0f / amax : 0.0f;
@@ -81,7 +84,9 @@ static inline void pq_quantize(const float *x, int64_t blocks, int64_t begin, in
             act->q[32 * i + at] = finite ? (int16_t)nearbyintf(v[k] * inv) : 0;
         }
         act->da[i] = finite ? amax / 32767.0f : NAN;
-        act->sx[i] = sum;
+#else
+        (void)amax, (void)order4;
+#endif
     }
 }
 
@@ -97,6 +102,13 @@ PQ_INLINE int32_t pq_pair(const int16_t *q) {
  * the rows hide it and a second set of accumulators would spill (8 rows x 2 + 8 totals + codes > 32 registers).
  * Any split of exact int32 sums gives the same total, so a row's result does not depend on R. */
 #define PQ_CHAINS(R) ((R) <= 4 ? 2 : 1)
+
+/* tot + (d da) dot + m sx: one block's 16 rows for one activation row, scaled back from its integer dot (the same
+ * instructions for every row, whatever R). with_offset 0: signed codes, no offset term (Q8_0). */
+PQ_INLINE __m512 pq_block_total(__m512 tot, __m512i dot, __m512 d, __m512 m, float da, float sx, int with_offset) {
+    tot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(da)), tot);
+    return with_offset ? _mm512_fmadd_ps(m, _mm512_set1_ps(sx), tot) : tot;
+}
 
 /* acc[r] = the 16 rows' integer dots of a 4-bit tile's codes with activation row r's 32 codes (q + r * qstride,
  * 4-bit order); acc[R + r] is scratch. */

@@ -47,9 +47,9 @@ void gq_grouped_codes(const ps_group_state *st, int64_t o, int64_t j, uint8_t *u
     for (int k = 0; k < 32; k++) u[k] = tile[GQ_ROWS * k + r];
 }
 
-#if defined(PQ_VNNI)
-#define GQ_GROUPED_ISA "avx512-vnni"
-/* The group's scale s and offset -z s (16 rows) for group g of row group h. */
+#if defined(__AVX512F__)
+/* The group's scale s and offset -z s (16 rows) for group g of row group h. -z s is exact for fp16 scales
+ * (8 x 11 significant bits), as cpu_group_linear.c's offset. */
 GQ_INLINE void gq_group_scales(const ps_group_state *st, int64_t h, int32_t g, __m512 *s, __m512 *m) {
     const int64_t at = (h * st->groups + g) * GQ_ROWS;
     const uint16_t *s16 = (const uint16_t *)st->scales + at;
@@ -58,6 +58,10 @@ GQ_INLINE void gq_group_scales(const ps_group_state *st, int64_t h, int32_t g, _
     const __m128i z8 = _mm_loadu_si128((const __m128i *)(st->zeros + at));
     *m = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(z8))), *s);
 }
+#endif
+
+#if defined(PQ_VNNI)
+#define GQ_GROUPED_ISA "avx512-vnni"
 
 /* The 16 rows of row group h for R activation rows from their int16 runs: per run the integer dots (cpu_act_q16.h),
  * then tot += (s da) * dot + (-z s) * sum(x), the same instructions per row whatever R; the bias last. */
@@ -76,12 +80,8 @@ GQ_INLINE void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, c
         __m512i acc[2 * GQ_GTILE];
         if (bits == 4) pq_dots4(tile, act.q + 32 * j, 32 * runs, R, acc);
         else pq_dots8(tile, 0, act.q + 32 * j, 32 * runs, R, acc);
-        for (int r = 0; r < R; r++) {
-            const int64_t i = r * runs + j;
-            const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(act.da[i]));
-            tot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), scale, tot[r]);
-            tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(act.sx[i]), tot[r]);
-        }
+        for (int r = 0; r < R; r++)
+            tot[r] = pq_block_total(tot[r], acc[r], s, m, act.da[r * runs + j], act.sx[r * runs + j], 1);
     }
     const __m512 bias = st->bias ? _mm512_loadu_ps(st->bias + h * GQ_ROWS) : _mm512_setzero_ps();
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * st->out_features + h * GQ_ROWS, _mm512_add_ps(tot[r], bias));
@@ -101,17 +101,7 @@ GQ_INLINE void gq_grouped_rows(const ps_group_state *st, int bits, int64_t h, co
     int32_t cur = -1;
     __m512 s = _mm512_setzero_ps(), m = s;
     for (int64_t j = 0; j < runs; j++) {
-        const int32_t g = st->run_group[j];
-        if (g != cur) {
-            cur = g;
-            const int64_t at = (h * st->groups + g) * GQ_ROWS;
-            const uint16_t *s16 = (const uint16_t *)st->scales + at;
-            s = st->scale_f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s16))
-                              : _mm512_loadu_ps((const float *)st->scales + at);
-            const __m128i z8 = _mm_loadu_si128((const __m128i *)(st->zeros + at));
-            /* -z s: exact for fp16 scales (8 x 11 significant bits), as cpu_group_linear.c's offset */
-            m = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(z8))), s);
-        }
+        if (st->run_group[j] != cur) gq_group_scales(st, h, cur = st->run_group[j], &s, &m);
         const uint8_t *tile = tiles + j * tb;
         /* as the grouped GGUF kernel: the hardware prefetcher alone leaves the stream well under the read bound */
         for (int64_t l = 0; l <= tb; l += 64) _mm_prefetch((const char *)tile + GQ_PREFETCH_TILES * tb + l, _MM_HINT_T0);

@@ -109,12 +109,8 @@ PK_INLINE void pk_grouped_rows(int fmt, const uint8_t *tiles, int64_t nb, const 
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tile));
         const __m512 m = fmt == PK_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 32)))
                                         : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-        for (int r = 0; r < R; r++) {
-            const int64_t i = r * nb + b;
-            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(act.da[i]));
-            tot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), scale, tot[r]);
-            if (fmt != PK_Q8_0) tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(act.sx[i]), tot[r]);
-        }
+        for (int r = 0; r < R; r++)
+            tot[r] = pq_block_total(tot[r], acc[r], d, m, act.da[r * nb + b], act.sx[r * nb + b], fmt != PK_Q8_0);
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * out, tot[r]);
 }
