@@ -245,22 +245,22 @@ static void decode_dispatch(const DecodeArgs *a, const Span *sp, int64_t h, Scra
     for (int64_t i = 0; i < sp->m; i++) decode_task_scalar(a, sp->s + i, h, w);
 }
 
-/* Whether decode row s + 1 may join the span starting at `start`: its context is no shorter than row s's and its
+/* Whether decode row s may join `span` (which ends at row s - 1): its context is no shorter than row s - 1's and its
  * block-table entries equal the span's over all of it (so every row of the span reads the same cached keys; a
  * draft row and the row before it always do). The span's queries are bounded by SPAN_QUERIES. */
-static int joins_span(const DecodeArgs *a, int64_t start, int64_t s, int64_t rows_so_far) {
-    const int64_t group = a->num_heads / a->num_kv_heads, len = a->seq_lens[s + 1];
-    if ((rows_so_far + 1) * group > SPAN_QUERIES || len < a->seq_lens[s]) return 0;
-    const int32_t *span = a->block_tables + start * a->block_table_stride;
-    const int32_t *next = a->block_tables + (s + 1) * a->block_table_stride;
-    return memcmp(span, next, sizeof(int32_t) * (size_t)((len + a->block_size - 1) / a->block_size)) == 0;
+static int joins_span(const DecodeArgs *a, const Span *span, int64_t s) {
+    const int64_t group = a->num_heads / a->num_kv_heads, len = a->seq_lens[s];
+    if ((span->m + 1) * group > SPAN_QUERIES || len < a->seq_lens[s - 1]) return 0;
+    const int32_t *first = a->block_tables + span->s * a->block_table_stride;
+    const int32_t *next = a->block_tables + s * a->block_table_stride;
+    return memcmp(first, next, sizeof(int32_t) * (size_t)((len + a->block_size - 1) / a->block_size)) == 0;
 }
 
 /* Splits the decode rows into spans; returns their count. */
 static int64_t find_spans(const DecodeArgs *a, int64_t num_seqs, Span *spans) {
     int64_t count = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
-        if (count && joins_span(a, spans[count - 1].s, s - 1, spans[count - 1].m)) spans[count - 1].m++;
+        if (count && joins_span(a, &spans[count - 1], s)) spans[count - 1].m++;
         else spans[count++] = (Span){s, 1};
     }
     return count;
