@@ -73,9 +73,9 @@ class EngineConfig:
     max_queued_requests: int = 1024
     # CPU decode-only steps of at most this many sequences run the whole layer stack in one native call when every
     # linear of the model has a native kernel (engine/native_step.py); 0 turns it off. None: the crossover each
-    # kernel measured (benchmarks/native_step_crossover.py, Sapphire Rapids): 8 for grouped 4/8-bit rows (GGUF
-    # Q4_0/Q4_1/Q8_0, GPTQ/AWQ), 2 for the others, where oneDNN's bf16 matmuls win from 4 rows
-    # (NativeLinear.native_max_batch)
+    # kernel measured (benchmarks/native_step_crossover.py, Sapphire Rapids): for grouped 4/8-bit rows (GGUF
+    # Q4_0/Q4_1/Q8_0, GPTQ/AWQ) 16 with int16/VNNI dots and 8 with fp32 ones, 2 for the others, where oneDNN's bf16
+    # matmuls win from 4 rows (NativeLinear.native_max_batch)
     native_step_max_batch: int | None = None
     # A step with speculative drafts runs natively past native_step_max_batch sequences while its rows (1 + drafts
     # per sequence) stay within this, the drafter trimming drafts to fit (engine/spec_decode/drafter.py). 0 (off):

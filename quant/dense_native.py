@@ -25,7 +25,6 @@ class DenseLinearState(ctypes.Structure):
                 ("row_group", ctypes.c_int32), ("reserved", ctypes.c_int32)]
 
 
-
 def plain_weight(weight: torch.Tensor) -> torch.Tensor:
     """A dense row-major copy of a weight (oneDNN's packed tensors included)."""
     return (weight.to_dense() if weight.layout == torch._mkldnn else weight).contiguous()

@@ -49,7 +49,8 @@ _ENGINE_HELP = {
     "native_step_max_batch": "CPU: decode-only steps of up to this many sequences run the whole layer stack in one "
                              "native call (Llama-family models, native attention, every linear with a native "
                              "kernel); 0: always the per-op torch path (default: where each weight kernel measured "
-                             "it faster: 8 for grouped 4/8-bit rows (GGUF Q4_0/Q4_1/Q8_0, GPTQ/AWQ), 2 otherwise)",
+                             "it faster: 16 for grouped 4/8-bit rows (GGUF Q4_0/Q4_1/Q8_0, GPTQ/AWQ) with "
+                             "int16/VNNI dots, 8 with fp32 ones, 2 otherwise)",
     "native_step_max_rows": "CPU, speculative decoding: a step with drafts runs natively past "
                             "--native-step-max-batch sequences while its rows (1 + drafts each) fit this, drafts "
                             "trimmed to fit; 0: off",
