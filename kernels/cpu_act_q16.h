@@ -73,10 +73,16 @@ static inline void pq_quantize(const float *x, int64_t blocks, int64_t begin, in
     for (int64_t i = begin * blocks; i < end * blocks; i++) {
         const float *v = x + 32 * i;
         float amax = 0.0f, sum = 0.0f;
-        for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[k])), sum += v[k];
+        /* fmaxf's NaN rule as a compare (a NaN never wins), which compiles to maxss where fmaxf was a libm call
+         * per input (the sum's fixed order keeps this loop scalar) */
+        for (int k = 0; k < 32; k++) {
+            const float a = fabsf(v[k]);
+            amax = a > amax ? a : amax;
+            sum += v[k];
+        }
         act->sx[i] = sum;
 #if defined(PQ_VNNI)
-        /* a NaN or inf in the block (fmaxf skips NaN): its rows' outputs are NaN, as the fp32 kernels give */
+        /* a NaN or inf in the block (the maximum skips NaN): its rows' outputs are NaN, as the fp32 kernels give */
         const int finite = isfinite(sum);
         const float inv = finite && amax > 0.0f ? 32767.0f / amax : 0.0f;
         for (int k = 0; k < 32; k++) {

@@ -182,7 +182,7 @@ static void pk_quantize_row(const float *x, int64_t n, int8_t *q, float *a, floa
     for (int64_t run = 0; run < n / 32; run++) {
         const float *v = x + 32 * run;
         float amax = 0.0f;
-        for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(v[l]));
+        for (int l = 0; l < 32; l++) amax = fabsf(v[l]) > amax ? fabsf(v[l]) : amax;  /* fmaxf's result, no libm call */
         float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         int32_t sums[2] = {0, 0};
         for (int l = 0; l < 32; l++) {
