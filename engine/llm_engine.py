@@ -27,7 +27,7 @@ from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.outputs import (
     CompletionOutput, EngineStats, ModelDescription, OutputHistory, RequestMetrics, RequestOutput,
 )
-from pagedserve.engine.sampler import Sampler, SampledTokens, generator_for
+from pagedserve.engine.sampler import Sampler, SampledTokens, generator_for, native_max_argmax, torch_max_argmax
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.sequence import FinishReason, Sequence, SequenceMetrics, SeqStatus, now
@@ -36,6 +36,7 @@ from pagedserve.engine.spec_decode.verifier import Verified, Verifier
 from pagedserve.engine.stopping import apply_token
 from pagedserve.engine.structured_output.compiler import ConstraintCompiler
 from pagedserve.engine.structured_output.registry import CONSTRAINT_BACKENDS
+from pagedserve.kernels import cpu_native
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ class LLMEngine:
             config.speculative, self.max_model_len, *((native.max_rows, native.max_batch) if native else (0, 0)))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    None if lora is None else lora.max_loras, drafter=drafter)
-        self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        native_picks = self.device.type == "cpu" and cpu_native.available()
+        self.sampler = Sampler(self.tokenizer.eos_token_ids, native_max_argmax if native_picks else torch_max_argmax)
         self.verifier = Verifier(self.sampler)
         kv_tokens = self.block_manager.num_blocks * config.block_size
         if self.block_manager.peak_blocks(self.max_model_len, config.max_num_batched_tokens) <= self.block_manager.num_blocks:

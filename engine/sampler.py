@@ -9,9 +9,12 @@ temperature overflows a row to inf/NaN), and a row that is still not finite fail
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from pagedserve.kernels.cpu_layer_ops import row_max_argmax
 
 from pagedserve.engine.sequence import Sequence, TokenLogprob
 from pagedserve.engine.structured_output.bitmask import mask_constrained_rows
@@ -52,12 +55,27 @@ def first_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.gather(1, cols).argmax(dim=-1) + start
 
 
+def torch_max_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's maximum (NaN when the row holds a NaN) and the first index holding it."""
+    return logits.amax(dim=-1), first_argmax(logits)
+
+
+def native_max_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch_max_argmax in one C pass per row (kernels/cpu_layer_ops.c) for dense fp32 CPU rows, the usual case."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1 and logits.shape[-1]:
+        return row_max_argmax(logits)
+    return torch_max_argmax(logits)
+
+
+MaxArgmax = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
 NON_FINITE = "the model's logits for this request are not finite (NaN or inf); no token can be sampled"
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: frozenset[int]):
+    def __init__(self, eos_token_ids: frozenset[int], max_argmax: MaxArgmax = torch_max_argmax):
         self.eos_token_ids = eos_token_ids
+        self.max_argmax = max_argmax  # greedy picks and the finiteness check; native_max_argmax where it builds
 
     def __call__(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> list[SampledTokens]:
         """logits [S, vocab] fp32, one row per sequence in `seqs`."""
@@ -66,13 +84,13 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         processed = self.process(logits, seqs)
         # amax propagates NaN: a NaN or +inf anywhere, or no finite logit at all, makes the row's maximum non-finite.
-        row_max = processed.amax(dim=-1)
+        row_max, argmax = self.max_argmax(processed)
         bad = set(torch.nonzero(~torch.isfinite(row_max)).flatten().tolist())
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy and i not in bad]
         choices: dict[int, list[int]] = {}
         if greedy:
-            picks = first_argmax(processed)[greedy].tolist()
-            choices.update({row: [tok] for row, tok in zip(greedy, picks)})
+            picks = argmax.tolist()
+            choices.update({row: [picks[row]] for row in greedy})
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in bad]
         if random_rows:
             choices.update(self._sample_random(processed, row_max, seqs, random_rows))

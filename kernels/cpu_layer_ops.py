@@ -151,3 +151,20 @@ class NativeLayerOps(LayerOps):
         if self._native(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
             return rope(x, cos, signed_sin, self._split)
         return self._torch.rope(x, cos, signed_sin)
+
+
+# A pass over a 49k-token row takes ~10-20 us on one thread: a batch of 8 such rows or more is worth the pool's wake-up.
+_MAX_ARGMAX_SPLIT = 262144
+
+
+def row_max_argmax(logits: torch.Tensor, lib=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [rows, vocab] fp32 on CPU, each row dense -> (each row's maximum, NaN when the row holds a NaN as
+    torch's amax gives; the first index holding it, as logits.argmax(dim=-1) picks). lib: another build (tests)."""
+    rows, vocab = logits.shape
+    assert logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.stride(1) == 1 and vocab > 0
+    maxima, index = torch.empty(rows), torch.empty(rows, dtype=torch.long)
+    (lib or load_library()).pagedserve_row_max_argmax(
+        logits.data_ptr(), rows, vocab, logits.stride(0), maxima.data_ptr(), index.data_ptr(),
+        _threads(rows * vocab, _MAX_ARGMAX_SPLIT),
+    )
+    return maxima, index

@@ -151,6 +151,7 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.pagedserve_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, c_int, c_int]
     lib.pagedserve_silu_and_mul.argtypes = [ptr, ptr, i64, i64, c_int, c_int]
     lib.pagedserve_rope.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, c_int, c_int]
+    lib.pagedserve_row_max_argmax.argtypes = [ptr, i64, i64, i64, ptr, ptr, c_int]
     lib.pagedserve_decode_step.argtypes = [ptr, ptr, i64, c_int]  # StepModel, StepBatch (engine/native_step.py)
     lib.pagedserve_decode_step.restype = c_int
     # x, x stride, out, out stride, dtype, in, out features, groups, spans, LoraRefs (kernels/cpu_lora.py), threads
@@ -161,7 +162,8 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
         getattr(lib, name).restype = c_int
     lib.pagedserve_dense_grouped_isa.restype = ctypes.c_char_p
     for fn in (lib.pagedserve_decode_attention, lib.pagedserve_prefill_attention, lib.pagedserve_write_kv,
-               lib.pagedserve_rms_norm, lib.pagedserve_silu_and_mul, lib.pagedserve_rope):
+               lib.pagedserve_rms_norm, lib.pagedserve_silu_and_mul, lib.pagedserve_rope,
+               lib.pagedserve_row_max_argmax):
         fn.restype = c_int
 
 

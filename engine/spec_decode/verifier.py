@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.engine.sampler import NON_FINITE, Sampler, first_argmax
+from pagedserve.engine.sampler import NON_FINITE, Sampler
 from pagedserve.engine.sequence import Sequence, TokenLogprob
 
 
@@ -56,11 +56,11 @@ class Verifier:
         """`logits` [1 + len(drafts), vocab] fp32: the rows at the sequence's last token and at each draft."""
         rows = (seq,) * len(logits)
         processed = self.sampler.process(logits, rows)
-        row_max = processed.amax(dim=-1)
+        row_max, argmax = self.sampler.max_argmax(processed)
         if not bool(torch.isfinite(row_max).all()):
             return Verified(seq, (), len(drafts), 0, error=NON_FINITE)
         if seq.params.greedy:
-            picks = self._greedy(processed, drafts)
+            picks = self._greedy(argmax.tolist(), drafts)
         else:
             probs, order = self.sampler.filtered_probs(processed, row_max, rows, list(range(len(rows))))
             probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p and top-p drop mass: p(d) is of what is left
@@ -72,8 +72,8 @@ class Verifier:
         return Verified(seq, tokens, len(drafts), accepted)
 
     @staticmethod
-    def _greedy(processed: torch.Tensor, drafts: tuple[int, ...]) -> list[int]:
-        targets = first_argmax(processed).tolist()
+    def _greedy(targets: list[int], drafts: tuple[int, ...]) -> list[int]:
+        """targets: each row's argmax."""
         picks: list[int] = []
         for row, draft in enumerate(drafts):
             picks.append(targets[row])
