@@ -59,14 +59,15 @@ def test_other_tensors_take_torch() -> None:
 
 
 def test_engine_greedy_and_speculative_outputs_equal_the_torch_picks() -> None:
-    """The same greedy continuations with the C picks as with torch's, with and without speculation."""
+    """The same greedy continuations with the C picks as with torch's; with speculation on, both the sampler (steps
+    without drafts) and the verifier pick."""
     from pagedserve.engine.spec_decode.config import SpeculativeConfig
 
     prompts = ["The quick brown fox jumps over the lazy dog. The quick brown fox", "List three colours:"]
     params = SamplingParams(temperature=0, max_tokens=24)
-    for spec in (None, SpeculativeConfig(3, prompt_lookup_min=1, prompt_lookup_max=3)):
-        llm = LLM(None, speculative=spec)
-        assert llm.engine.sampler.max_argmax is native_max_argmax
-        native = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        llm.engine.sampler.max_argmax = torch_max_argmax
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == native
+    llm = LLM(None, speculative=SpeculativeConfig(3, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=4))
+    assert llm.engine.sampler.max_argmax is native_max_argmax
+    native = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert llm.engine.verifier.counters.num_drafts > 0
+    llm.engine.sampler.max_argmax = torch_max_argmax
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == native
