@@ -2,6 +2,14 @@
 
     python benchmarks/group_quant_decode.py                       # makes the checkpoints once, then measures
     python benchmarks/group_quant_decode.py --gptq DIR --awq DIR  # real tool checkpoints instead
+    python benchmarks/group_quant_decode.py --tool-checkpoints     # the SmolLM2 tool checkpoints, 3 systems
+
+--tool-checkpoints takes GPTQModel 7.3.6's SmolLM2-135M checkpoints from the tools cache (made by
+`python benchmarks/quant_tools/smollm2_quality.py --recipes gptq_4bit_g128 awq_4bit_g64 gptq_4bit_g128_lmhead4
+--skip-throughput`, minutes each; never in git): GPTQ 4-bit g128 act-order sym, AWQ 4-bit g64, and GPTQ 4-bit
+g128 with the LM head quantized too (`lm_head=True`, the head 4-bit g128 act-order sym; the embedding stays fp16
+for the lookup only). `--gptq-lm-head DIR` names that third checkpoint by hand. Each row's `checkpoint` says where
+the checkpoint came from (the quantizer the checkpoint's config names, or RTN made here).
 
 Without --gptq / --awq the two checkpoints are SmolLM2-135M-shaped and made here (once, under --work) by rounding
 the default GGUF's own weights to the nearest level (RTN) and packing them with pagedserve's packing code into the
@@ -124,6 +132,39 @@ def linear_bytes(llm) -> int:
     return total
 
 
+def head_bytes(llm) -> int:
+    """The bytes the LM head reads per token: its packed tensors, its GGUF blocks, or its dense weight."""
+    head = llm.engine.runner.model.lm_head
+    if hasattr(head, "qkernel"):
+        return head.qkernel.weight_nbytes()
+    if getattr(head, "packed", None) is not None:
+        return head.packed.blocks.numel()
+    return head.weight.numel() * head.weight.element_size()
+
+
+def provenance(path: Path) -> str:
+    """Who made a checkpoint: the quantizer its config names (GPTQModel writes meta.quantizer), else 'unknown'."""
+    config = json.loads((path / "config.json").read_text()).get("quantization_config", {})
+    quantizer = (config.get("meta") or {}).get("quantizer") or config.get("quantizer")
+    if quantizer:
+        return "made by " + ", ".join(quantizer if isinstance(quantizer, list) else [str(quantizer)])
+    return "given checkpoint (its config names no quantizer)"
+
+
+def tool_checkpoint(name: str) -> Path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+    from paths import tools_cache
+
+    path = tools_cache() / "smollm2" / name
+    if not list(path.glob("*.safetensors")):
+        raise SystemExit(f"{path}: missing; make it with `python benchmarks/quant_tools/smollm2_quality.py "
+                         f"--recipes {name} --skip-throughput` (GPTQModel's venv, minutes on 2 cores)")
+    return path
+
+
+TOOL_RECIPES = {"gptq": "gptq_4bit_g128", "awq": "awq_4bit_g64", "gptq_lm_head": "gptq_4bit_g128_lmhead4"}
+
+
 def grouped_share(llm) -> float | None:
     """The share of the GPTQ/AWQ linears whose rows the loader interleaved (cpu_group_grouped.c); None: no such."""
     matrices = [m.qkernel.matrix for m in llm.engine.runner.model.modules()
@@ -135,6 +176,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gptq", type=Path, help="a GPTQ checkpoint folder (default: made here, RTN)")
     parser.add_argument("--awq", type=Path, help="an AWQ GEMM checkpoint folder (default: made here, RTN)")
+    parser.add_argument("--gptq-lm-head", type=Path, help="a GPTQ checkpoint with a quantized LM head (lm_head=True)")
+    parser.add_argument("--tool-checkpoints", action="store_true",
+                        help="the GPTQModel SmolLM2 checkpoints of the tools cache for all three (see above)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/pagedserve-group-quant-bench"))
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--tokens", type=int, default=128)
@@ -143,11 +187,16 @@ def main() -> None:
     from pagedserve.engine import SamplingParams
     from pagedserve.engine.llm import LLM
 
+    if args.tool_checkpoints:
+        for kind, recipe in TOOL_RECIPES.items():
+            setattr(args, kind, getattr(args, kind) or tool_checkpoint(recipe))
     models = {"gguf_q4_1": (None, "the default Q4_1 GGUF, packed")}
     for kind in ("gptq", "awq"):
         given = getattr(args, kind)
         models[kind] = (str(given or make_checkpoint(kind, args.work / f"smollm2-{kind}-rtn-v2")),
-                        "given checkpoint" if given else "RTN-packed by pagedserve, not by the tools")
+                        provenance(given) if given else "RTN-packed by pagedserve, not by the tools")
+    if args.gptq_lm_head:
+        models["gptq_lm_head"] = (str(args.gptq_lm_head), provenance(args.gptq_lm_head))
     engines = {name: LLM(path, dtype=args.dtype, **({"gguf_weights": "packed"} if path is None else {}))
                for name, (path, _) in models.items()}
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
@@ -160,7 +209,8 @@ def main() -> None:
     for name, llm in engines.items():
         print(json.dumps({"kind": "decode_1_stream", "model": name, "checkpoint": models[name][1],
                           "native_step": llm.engine.runner.native_step is not None,
-                          "linear_bytes": linear_bytes(llm), "rows_grouped": grouped_share(llm),
+                          "path": models[name][0], "linear_bytes": linear_bytes(llm), "head_bytes": head_bytes(llm),
+                          "rows_grouped": grouped_share(llm),
                           "tok_s": round(best[name], 2),
                           "vs_gguf": round(best[name] / best["gguf_q4_1"], 3), "tokens": args.tokens,
                           "repeats": args.repeats, "dtype": args.dtype, "threads": torch.get_num_threads(),

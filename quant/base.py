@@ -90,6 +90,13 @@ class QuantConfig(ABC):
         as a tied head's native kernel may regroup it (quant/dense_layout.py)."""
         return DenseEmbedding(num_embeddings, embedding_dim, dtype)
 
+    def stores_tied_head(self) -> bool:
+        """Whether the checkpoint holds the LM head's own quantized tensors although the model ties it to the
+        embedding (GPTQModel's `lm_head: true` on a tied model): the model then builds a separate head from
+        `linear_method("lm_head")` and looks tokens up in the embedding as stored. Default: the head is the
+        embedding's table."""
+        return False
+
     def describe(self) -> str:
         return self.name
 

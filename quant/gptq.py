@@ -90,6 +90,9 @@ class GPTQConfig(QuantConfig):
                 return replace(self.spec, **dict(overrides))
         return self.spec
 
+    def stores_tied_head(self) -> bool:
+        return self.lm_head
+
     def linear_method(self, prefix: str) -> LinearMethod:
         spec = self.spec_for(prefix)
         if spec is None:
@@ -102,6 +105,13 @@ class GPTQConfig(QuantConfig):
                 f"format={self.checkpoint_format}")
 
 
+# GPTQModel `dynamic` keys that steer how the tool searched for the weights, not how they are stored: GPTQModel
+# 7.3.6 writes {"lm_head": {"bits": 8, "group_size": 32, "sym": true, "desc_act": false, "mse": 2.4}} for
+# lm_head=True unless told otherwise. They are read past; unknown keys are still refused.
+_SEARCH_ONLY = frozenset({"mse", "damp_percent", "damp_auto_increment", "static_groups", "true_sequential",
+                          "act_group_aware", "gptaq", "foem", "hessian", "fallback"})
+
+
 def _parse_dynamic(dynamic: Any) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
     if not dynamic:
         return ()
@@ -111,7 +121,7 @@ def _parse_dynamic(dynamic: Any) -> tuple[tuple[str, tuple[tuple[str, Any], ...]
     out = []
     for pattern, overrides in dynamic.items():
         overrides = overrides or {}
-        unknown = set(overrides) - allowed
+        unknown = set(overrides) - allowed - _SEARCH_ONLY
         if unknown and not pattern.startswith("-:"):
             raise QuantConfigError(f"{F}.dynamic[{pattern!r}]",
                                    f"unsupported override(s) {sorted(unknown)}; supported: {sorted(allowed)}")

@@ -40,6 +40,11 @@ def tool_record(name: str) -> dict:
     return json.loads((FIXTURES / name / "tool_record.json").read_text())
 
 
+def tool_quantized_head(name: str) -> bool:
+    """Whether the recipe asked the tool to quantize the LM head too (GPTQModel's lm_head=True)."""
+    return bool(tool_record(name)["recipe"].get("config", {}).get("lm_head", False))
+
+
 def tool_outputs(name: str) -> dict[str, torch.Tensor]:
     return load_file(str(FIXTURES / name / "tool_outputs.tensors"))
 

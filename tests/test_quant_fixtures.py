@@ -20,6 +20,7 @@ from quant_fixtures import (
     rewrite_checkpoint,
     rewrite_config,
     tool_outputs,
+    tool_quantized_head,
     tool_record,
 )
 from pagedserve.quant.cpu_group_kernel import CpuGroupKernel
@@ -27,7 +28,7 @@ from pagedserve.quant.packing import pack_cols, unpack_cols
 
 REQUIRED = {
     "gptq_4bit_g128_actorder_sym", "gptq_4bit_gm1_sym", "gptq_8bit_g64_actorder_asym", "gptq_v2_4bit_g64_asym",
-    "awq_4bit_g64", "awq_4bit_g128", "awq_4bit_g128_no_zero_point",
+    "awq_4bit_g64", "awq_4bit_g128", "awq_4bit_g128_no_zero_point", "gptq_4bit_g128_lm_head",
 }
 LOGITS_ATOL = 1e-2
 
@@ -52,7 +53,10 @@ def test_dequantized_weights_equal_the_tools(name):
             served = served[torch.argsort(kernel.perm.long())]
         if fp16_sha256(w) != tool_hash or fp16_sha256(served.t()) != tool_hash:
             mismatched.append(prefix)
-    assert len(record["dequant_fp16_sha256"]) == 14
+    # 7 linears x 2 layers, and the LM head where the recipe quantized it (lm_head=True)
+    head = int(tool_quantized_head(name))
+    assert len(record["dequant_fp16_sha256"]) == 14 + head
+    assert ("lm_head" in record["dequant_fp16_sha256"]) == bool(head)
     assert not mismatched
 
 
@@ -98,13 +102,16 @@ def test_serving_path_keeps_weights_packed(name, loaded_models, loaded_bf16):
     bits = 8 if "8bit" in name else 4
     for models in (loaded_models, loaded_bf16):
         linears = quant_linears(models[name].model)
-        assert len(linears) == 8  # per layer: merged q/k/v, o, merged gate/up, down
+        head = int(tool_quantized_head(name))
+        assert len(linears) == 8 + head  # per layer: merged q/k/v, o, merged gate/up, down; a quantized head
         for prefix, layer in linears.items():
+            layer_bits = getattr(getattr(layer.method, "spec", None), "bits", bits)  # GPTQ's head may differ
             assert isinstance(layer.qkernel, CpuGroupKernel), prefix
             assert not hasattr(layer, "weight") and not hasattr(layer, "qweight"), prefix
-            assert max(b.numel() for b in layer.qkernel.buffers()) * 4 <= layer.in_features * layer.out_features * bits / 8 * 4
+            assert (max(b.numel() for b in layer.qkernel.buffers()) * 4
+                    <= layer.in_features * layer.out_features * layer_bits / 8 * 4)
             fp16_bytes = layer.in_features * layer.out_features * 2
-            assert layer.qkernel.weight_nbytes() < fp16_bytes * (0.6 if bits == 8 else 0.35), prefix
+            assert layer.qkernel.weight_nbytes() < fp16_bytes * (0.6 if layer_bits == 8 else 0.35), prefix
 
 
 @pytest.mark.parametrize("name", ["gptq_4bit_g128_actorder_sym", "awq_4bit_g128"])

@@ -51,6 +51,10 @@ RECIPES = (
     Recipe("gptq_4bit_g128_actorder_sym", "gptqm", "tool_gptqmodel.py", ("gptq", "4", "128", "1", "1", "gptq")),
     Recipe("gptq_4bit_gm1_sym", "agptq", "tool_autogptq.py", ("4", "-1", "0", "1")),
     Recipe("gptq_8bit_g64_actorder_asym", "agptq", "tool_autogptq.py", ("8", "64", "1", "0")),
+    # lm_head=True: the tool quantizes the head too, by default 8-bit g32 sym with mse 2.4 (a `dynamic` entry
+    # it writes into the config). GPTQModel refuses it on a tied model; the base's head is untied.
+    Recipe("gptq_4bit_g128_lm_head", "gptqm", "tool_gptqmodel.py",
+           ("gptq", "4", "128", "1", "1", "gptq", "--set=lm_head=true")),
     Recipe("gptq_v2_4bit_g64_asym", "gptqm", "tool_gptqmodel.py", ("gptq", "4", "64", "0", "0", "gptq_v2")),
     Recipe("awq_4bit_g64", "awq", "tool_autoawq.py", ("64",)),
     Recipe("awq_4bit_g128", "gptqm", "tool_gptqmodel.py", ("awq", "4", "128", "0")),

@@ -50,6 +50,8 @@ class Recipe:
     samples: int  # calibration windows of `length` tokens, from the even topics
     length: int = 256
     skip: int = 0  # calibration windows skipped first (another sample of the same text)
+    untied: bool = False  # quantize from untied_base(): the tool's lm_head=True refuses a tied model
+
 
     def calibration(self) -> str:
         where = f", windows {self.skip}+" if self.skip else ""
@@ -91,6 +93,17 @@ RECIPES = {
     "gptq_4bit_g128_asym_gptaq_calib2": Recipe(
         "tool_gptqmodel.py", ("gptq", "4", "128", "1", "0", "gptq", '--set=gptaq={"alpha": 0.25, "device": "cpu"}'),
         32, skip=32),
+    # The LM head quantized too (GPTQModel `lm_head=True`). GPTQModel 7.3.6 raises NotImplementedError for a
+    # model whose lm_head.weight is tied to the embedding (looper/module_looper.py, _loop_impl), so these start
+    # from untied_base(): the same weights, the head a copy of the embedding, tie_word_embeddings false; the
+    # export keeps the embedding in fp16 for the lookup. Unless `dynamic` names lm_head, the tool quantizes it
+    # 8-bit g32 sym (mse 2.4); the first recipe asks for the layers' own 4-bit g128 act-order sym instead.
+    "gptq_4bit_g128_lmhead4": Recipe(
+        "tool_gptqmodel.py", ("gptq", "4", "128", "1", "1", "gptq", "--set=lm_head=true",
+                              '--set=dynamic={"lm_head": {"bits": 4, "group_size": 128, "desc_act": true, '
+                              '"sym": true}}'), 32, untied=True),
+    "gptq_4bit_g128_lmhead8": Recipe(
+        "tool_gptqmodel.py", ("gptq", "4", "128", "1", "1", "gptq", "--set=lm_head=true"), 32, untied=True),
     "gptq_4bit_g128_asym_gptaq_damp001": Recipe(
         "tool_gptqmodel.py", ("gptq", "4", "128", "1", "0", "gptq", '--set=gptaq={"alpha": 0.25, "device": "cpu"}',
                               "--set=damp_percent=0.01"), 32),
@@ -112,6 +125,27 @@ def token_windows(tokenizer, text: str, length: int, count: int) -> list[list[in
     return windows[:count]
 
 
+def untied_base(base: Path) -> Path:
+    """`base` with its LM head stored as a copy of the embedding and tie_word_embeddings false (made once)."""
+    from safetensors.torch import load_file, save_file
+
+    out = work_dir() / "base_untied"
+    if (out / "model.safetensors").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for f in base.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            (out / f.name).write_bytes(f.read_bytes())
+    config = json.loads((base / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}, indent=1))
+    tensors = {}
+    for f in sorted(base.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"].clone())
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def quantize(base: Path, calib_text: str, tokenizer, names: list[str]) -> dict[str, Path]:
     """Quantize each named recipe whose checkpoint folder is still empty; {name: checkpoint dir}."""
     py = ensure_venv("gptqm")
@@ -124,7 +158,8 @@ def quantize(base: Path, calib_text: str, tokenizer, names: list[str]) -> dict[s
             calib_file.write_text(json.dumps(windows))
             print(f"[{name}] quantizing ...", flush=True)
             t0 = time.time()
-            subprocess.run([str(py), str(HERE / r.worker), str(base), str(dst), *r.args, "--calib", str(calib_file),
+            source = untied_base(base) if r.untied else base
+            subprocess.run([str(py), str(HERE / r.worker), str(source), str(dst), *r.args, "--calib", str(calib_file),
                             "--no-record"], check=True)
             print(f"[{name}] done in {time.time() - t0:.0f}s", flush=True)
         out[name] = dst
@@ -148,7 +183,7 @@ def perplexity(loaded, windows: list[list[int]]) -> float:
 def linear_bytes(model, dtype: torch.dtype) -> tuple[int, int]:
     """(bytes the linear weights occupy as loaded, bytes they would take in fp16). Unquantized layers
     count in_features x out_features in the model dtype (their weight may be repacked for oneDNN). The
-    lm_head (tied to the embedding in SmolLM2, never quantized) is left out, as in the first rows."""
+    lm_head is left out, as in the first rows (SmolLM2 ties it to the embedding): head_bytes counts it."""
     from pagedserve.quant.linear import QuantLinear
 
     stored = fp16 = 0
@@ -160,6 +195,15 @@ def linear_bytes(model, dtype: torch.dtype) -> tuple[int, int]:
             else:
                 stored += m.in_features * m.out_features * dtype.itemsize
     return stored, fp16
+
+
+def head_bytes(model, dtype: torch.dtype) -> int:
+    """Bytes the LM head reads per token: its packed tensors where the tool quantized it (lm_head=True), else
+    the dense [vocab, hidden] table in the model dtype (the tied embedding)."""
+    head = model.lm_head
+    if hasattr(head, "qkernel"):
+        return head.qkernel.weight_nbytes()
+    return head.in_features * head.out_features * dtype.itemsize
 
 
 def decode_tokens_per_s(model_dir: Path, dtype: str, prompts: list[list[int]], new_tokens: int) -> float:
@@ -181,7 +225,8 @@ def evaluate(name: str, model_dir: Path, dtype: str, windows, throughput: bool) 
     loaded = load_model(model_dir, parse_dtype(dtype), None, torch.device("cpu"))
     stored, fp16 = linear_bytes(loaded.model, parse_dtype(dtype))
     row = {"model": name, "dtype": dtype, "quant": loaded.quant.describe(), "ppl": perplexity(loaded, windows),
-           "linear_MiB": stored / 2**20, "linear_vs_fp16": stored / fp16}
+           "linear_MiB": stored / 2**20, "linear_vs_fp16": stored / fp16,
+           "head_MiB": head_bytes(loaded.model, parse_dtype(dtype)) / 2**20}
     del loaded
     if throughput:
         prompts = [w[:32] for w in windows]

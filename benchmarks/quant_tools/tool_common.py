@@ -73,6 +73,8 @@ def quantized_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     for name, mod in model.named_modules():
         if name.endswith(LINEAR_SUFFIXES) and hasattr(mod, "qweight"):
             out[name[name.index("model.layers"):]] = mod
+        elif name.endswith("lm_head") and hasattr(mod, "qweight"):  # lm_head=True recipes
+            out["lm_head"] = mod
     return out
 
 

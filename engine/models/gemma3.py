@@ -206,7 +206,7 @@ class Gemma3ForCausalLM(nn.Module):
             kind: RotaryEmbedding(args.head_dim, args.max_position_embeddings, theta, scaling)
             for kind, (theta, scaling) in args.rope.items()
         })
-        if args.tie_word_embeddings:
+        if args.tie_word_embeddings and not quant.stores_tied_head():
             self.lm_head = None  # until fuse_projections: the loader must not expect an lm_head.weight
         else:
             self.lm_head = _linear(quant, "lm_head", args.hidden_size, args.vocab_size, False, dtype)

@@ -185,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
         self.args = args = LlamaArgs.from_hf(hf_config, *self.biases(hf_config), self.sliding)
         self.model = LlamaBody(args, quant, dtype)
         self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
-        if args.tie_word_embeddings:
+        if args.tie_word_embeddings and not quant.stores_tied_head():
             self.lm_head = None  # until fuse_projections: the loader must not expect an lm_head.weight
         else:
             self.lm_head = QuantLinear(args.hidden_size, args.vocab_size, False, quant.linear_method("lm_head"), dtype)
