@@ -32,10 +32,12 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = tuple(
     _HERE / f"cpu_{name}.c"
-    for name in ("decode_attention", "prefill_attention", "layer_ops", "kv_write", "dense_linear", "dense_grouped",
-                 "decode_step", "lora")
+    for name in ("decode_attention", "decode_tasks", "prefill_attention", "layer_ops", "kv_write", "dense_linear",
+                 "dense_grouped", "decode_step", "lora")
 )
-HEADERS = tuple(_HERE / f"cpu_{name}.h" for name in ("native", "linear", "dense_linear", "decode_attention"))
+HEADERS = tuple(
+    _HERE / f"cpu_{name}.h" for name in ("native", "linear", "dense_linear", "decode_attention", "decode_chunks")
+)
 _FLAGS = (
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
     "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math",
@@ -146,6 +148,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
 def _declare_signatures(lib: ctypes.CDLL) -> None:
     ptr, i64, f32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.pagedserve_decode_attention.argtypes = [ctypes.POINTER(DecodeArgs), i64, i64, c_int]
+    lib.pagedserve_decode_key_chunk.restype = i64
     lib.pagedserve_prefill_attention.argtypes = [ctypes.c_void_p, i64, c_int]  # a PrefillArgs (cpu_prefill.py)
     lib.pagedserve_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.pagedserve_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, c_int, c_int]
@@ -236,15 +239,23 @@ def attention_fields(
 
 
 def decode_attention(
-    query: torch.Tensor, out: torch.Tensor, cache: LayerKVCache, batch: DecodeBatch, scale: float
+    query: torch.Tensor, out: torch.Tensor, cache: LayerKVCache, batch: DecodeBatch, scale: float,
+    num_threads: int | None = None,
 ) -> None:
-    """out[rows] = attention(query[rows]) over the paged cache; tensors as `attention_fields` takes them."""
+    """out[rows] = attention(query[rows]) over the paged cache; tensors as `attention_fields` takes them. On torch's
+    thread count unless `num_threads` is given (a row's result does not depend on it)."""
     args = DecodeArgs(**attention_fields(query, out, cache, batch, scale))
+    threads = torch.get_num_threads() if num_threads is None else num_threads
     status = load_library().pagedserve_decode_attention(
-        ctypes.byref(args), batch.rows.shape[0], batch.max_seq_len, torch.get_num_threads()
+        ctypes.byref(args), batch.rows.shape[0], batch.max_seq_len, threads
     )
     if status != 0:
         raise MemoryError("native decode attention could not allocate its per-thread scratch")
+
+
+def decode_key_chunk() -> int:
+    """The decode attention's key chunk (cpu_decode_chunks.h): rows' keys are cut at its multiples."""
+    return load_library().pagedserve_decode_key_chunk()
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_storage: torch.Tensor, v_storage: torch.Tensor,

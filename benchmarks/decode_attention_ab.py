@@ -1,0 +1,153 @@
+"""Native CPU decode attention, this tree against a git revision: one layer's time on SmolLM2-135M's shapes.
+
+    python benchmarks/decode_attention_ab.py                          # against main, 2 threads
+    python benchmarks/decode_attention_ab.py --base 544a80e --threads 2 --pairs 9
+
+Builds the decode attention C files of `--base` (from `git show`) and of this tree into two objects, then times a
+step's worth of layers (30 caches, so K/V come from memory as in a real step, not from a hot L2) at each case:
+1 row, a 5-row span (a row and 4 speculative drafts) and 16 distinct sequences, at contexts 300/800/1500. fp32
+queries over a bf16 cache, as the native decode step calls it. A and B alternate `--pairs` times; prints one JSON
+object: per case the median us per layer of each and their ratio (base / this tree: > 1 means this tree is faster),
+with the CPU model and the load average before and after. Times are per call (one layer), median and 10th
+percentile over the calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pagedserve.kernels import cpu_native
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 30, 9, 3, 64, 16
+
+
+def _build(sources: dict[str, str], folder: Path, name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """sources: file name -> text; all the .c ones compiled into one object with the engine's flags."""
+    for file, text in sources.items():
+        (folder / file).write_text(text)
+    target = folder / f"{name}.so"
+    c_files = [str(folder / f) for f in sources if f.endswith(".c")]
+    subprocess.run(["gcc", *cpu_native.native_flags(), *defines, *c_files, "-o", str(target), "-lm"], check=True)
+    lib = ctypes.CDLL(str(target))
+    lib.pagedserve_decode_attention.argtypes = [ctypes.POINTER(cpu_native.DecodeArgs), ctypes.c_int64,
+                                                ctypes.c_int64, ctypes.c_int]
+    return lib
+
+
+def _sources(rev: str | None) -> dict[str, str]:
+    """The decode attention's C files and the headers they include, at `rev` (None: this tree)."""
+    names = ("cpu_native.h", "cpu_decode_attention.h", "cpu_decode_attention.c", "cpu_decode_chunks.h",
+             "cpu_decode_tasks.c")
+    out = {}
+    for name in names:
+        if rev is None:
+            path = ROOT / "kernels" / name
+            if path.exists():
+                out[name] = path.read_text()
+            continue
+        shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:kernels/{name}"],
+                               capture_output=True, text=True)
+        if shown.returncode == 0:
+            out[name] = shown.stdout
+    return out
+
+
+class Case:
+    """A step's decode rows over LAYERS scattered bf16 caches: `rows` rows, `spans` of them sharing a sequence."""
+
+    def __init__(self, rows: int, span: int, context: int, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        seqs = rows // span
+        per_seq = -(-(context + span) // BLOCK)
+        self.num_blocks = seqs * per_seq + 4
+        self.caches = [torch.randn(2, KV_HEADS, self.num_blocks, BLOCK, DIM, generator=gen).to(torch.bfloat16)
+                       for _ in range(LAYERS)]
+        order = torch.randperm(self.num_blocks, generator=gen).to(torch.int32)
+        tables = torch.stack([order[s * per_seq : (s + 1) * per_seq] for s in range(seqs) for _ in range(span)])
+        self.tables = tables.contiguous()
+        self.lens = torch.tensor([context + i % span for i in range(rows)], dtype=torch.int32)
+        self.rows = torch.arange(rows, dtype=torch.int64)
+        self.query = torch.randn(rows, HEADS, DIM, generator=gen)
+        self.out = torch.empty_like(self.query)
+        self.scales = torch.ones(KV_HEADS)
+        self.args = [self._args(c) for c in self.caches]
+
+    def _args(self, cache: torch.Tensor) -> cpu_native.DecodeArgs:
+        return cpu_native.DecodeArgs(
+            query=self.query.data_ptr(), q_token_stride=HEADS * DIM, out=self.out.data_ptr(), q_dtype=0,
+            k_cache=cache[0].data_ptr(), v_cache=cache[1].data_ptr(), kv_dtype=1,
+            k_scale=self.scales.data_ptr(), v_scale=self.scales.data_ptr(),
+            block_tables=self.tables.data_ptr(), block_table_stride=self.tables.stride(0),
+            seq_lens=self.lens.data_ptr(), rows=self.rows.data_ptr(),
+            num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, num_blocks=self.num_blocks, block_size=BLOCK,
+            scale=DIM**-0.5, window=0,
+        )
+
+    def time_us(self, lib: ctypes.CDLL, threads: int, steps: int) -> tuple[float, float]:
+        """The median and the 10th percentile over `steps` x LAYERS calls of one call's time: per call, so that a
+        busy host's preemptions spoil a few calls, not whole steps."""
+        n, longest = len(self.rows), int(self.lens.max())
+        times = []
+        for _ in range(steps):
+            for args in self.args:
+                start = time.perf_counter_ns()
+                lib.pagedserve_decode_attention(ctypes.byref(args), n, longest, threads)
+                times.append((time.perf_counter_ns() - start) / 1e3)
+        times.sort()
+        return times[len(times) // 2], times[len(times) // 10]
+
+
+def _summary(rows: int, span: int, context: int, a: list, b: list) -> dict:
+    """a, b: (median, 10th percentile) per alternation, of the base and of this tree."""
+    med_a, med_b = statistics.median(x[0] for x in a), statistics.median(x[0] for x in b)
+    least_a, least_b = statistics.median(x[1] for x in a), statistics.median(x[1] for x in b)
+    ratios = [x[0] / y[0] for x, y in zip(a, b)]
+    return dict(rows=rows, span=span, context=context, base_us=round(med_a, 1), this_us=round(med_b, 1),
+                ratio=round(med_a / med_b, 3), ratio_range=[round(min(ratios), 3), round(max(ratios), 3)],
+                base_p10_us=round(least_a, 1), this_p10_us=round(least_b, 1), p10_ratio=round(least_a / least_b, 3))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="main", help="git revision to compare against")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--pairs", type=int, default=7, help="A/B alternations per case")
+    parser.add_argument("--steps", type=int, default=40, help="steps per timing")
+    parser.add_argument("--key-chunk", type=int, help="build this tree with -DKEY_CHUNK=N (cpu_decode_chunks.h)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 16], help="1: one row, 5: a span, 16: batch")
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        base = _build(_sources(args.base), Path(tmp), "base")
+        defines = (f"-DKEY_CHUNK={args.key_chunk}",) if args.key_chunk else ()
+        this = _build(_sources(None), Path(tmp), "this", defines)
+        results = []
+        for rows, span in [(r, 5 if r == 5 else 1) for r in args.rows]:
+            for context in (300, 800, 1500):
+                case = Case(rows, span, context)
+                a, b = [], []
+                for _ in range(args.pairs):
+                    a.append(case.time_us(base, args.threads, args.steps))
+                    b.append(case.time_us(this, args.threads, args.steps))
+                results.append(_summary(rows, span, context, a, b))
+                print(json.dumps(results[-1]), flush=True)
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    print(json.dumps(dict(base=args.base, threads=args.threads, cpu=cpu, cores=os.cpu_count(),
+                          load_before=load_before, load_after=os.getloadavg(), cases=results)))
+
+
+if __name__ == "__main__":
+    main()
