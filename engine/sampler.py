@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels.cpu_layer_ops import row_max_argmax
-
 from pagedserve.engine.sequence import Sequence, TokenLogprob
 from pagedserve.engine.structured_output.bitmask import mask_constrained_rows
+from pagedserve.kernels.cpu_layer_ops import row_max_argmax
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +82,7 @@ class Sampler:
         dead = mask_constrained_rows(logits, seqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         processed = self.process(logits, seqs)
-        # amax propagates NaN: a NaN or +inf anywhere, or no finite logit at all, makes the row's maximum non-finite.
+        # A NaN or +inf anywhere, or no finite logit at all, makes the row's maximum non-finite (NaN for a NaN).
         row_max, argmax = self.max_argmax(processed)
         bad = set(torch.nonzero(~torch.isfinite(row_max)).flatten().tolist())
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy and i not in bad]
