@@ -3,6 +3,7 @@
     python benchmarks/group_quant_decode.py                       # makes the checkpoints once, then measures
     python benchmarks/group_quant_decode.py --gptq DIR --awq DIR  # real tool checkpoints instead
     python benchmarks/group_quant_decode.py --tool-checkpoints     # the SmolLM2 tool checkpoints, 3 systems
+    python benchmarks/group_quant_decode.py --tool-checkpoints --head-q8-0   # + GPTQ/AWQ with a Q8_0 head made at load
 
 --tool-checkpoints takes GPTQModel 7.3.6's SmolLM2-135M checkpoints from the tools cache (made by
 `python benchmarks/quant_tools/smollm2_quality.py --recipes gptq_4bit_g128 awq_4bit_g64 gptq_4bit_g128_lmhead4
@@ -172,6 +173,12 @@ def grouped_share(llm) -> float | None:
     return round(sum(m.row_group > 0 for m in matrices) / len(matrices), 3) if matrices else None
 
 
+def _engine_options(name: str, path: str | None) -> dict:
+    if path is None:
+        return {"gguf_weights": "packed"}
+    return {"lm_head_quantization": "q8_0"} if name.endswith("_head_q8_0") else {}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gptq", type=Path, help="a GPTQ checkpoint folder (default: made here, RTN)")
@@ -179,6 +186,9 @@ def main() -> None:
     parser.add_argument("--gptq-lm-head", type=Path, help="a GPTQ checkpoint with a quantized LM head (lm_head=True)")
     parser.add_argument("--tool-checkpoints", action="store_true",
                         help="the GPTQModel SmolLM2 checkpoints of the tools cache for all three (see above)")
+    parser.add_argument("--head-q8-0", action="store_true",
+                        help="also GPTQ and AWQ with their 16-bit LM head quantized to Q8_0 at load "
+                             "(--lm-head-quantization q8_0)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/pagedserve-group-quant-bench"))
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--tokens", type=int, default=128)
@@ -197,8 +207,11 @@ def main() -> None:
                         provenance(given) if given else "RTN-packed by pagedserve, not by the tools")
     if args.gptq_lm_head:
         models["gptq_lm_head"] = (str(args.gptq_lm_head), provenance(args.gptq_lm_head))
-    engines = {name: LLM(path, dtype=args.dtype, **({"gguf_weights": "packed"} if path is None else {}))
-               for name, (path, _) in models.items()}
+    if args.head_q8_0:
+        for kind in ("gptq", "awq"):
+            path, made = models[kind]
+            models[f"{kind}_head_q8_0"] = (path, f"{made}; LM head Q8_0 at load")
+    engines = {name: LLM(path, dtype=args.dtype, **_engine_options(name, path)) for name, (path, _) in models.items()}
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     best = {name: 0.0 for name in engines}
     for rep in range(args.repeats):

@@ -15,6 +15,7 @@ from pagedserve.kernels.backends import (
     attention_backend_names, attention_requirements, layer_ops_names, layer_ops_requirements,
 )
 from pagedserve.kernels.kv_cache import KVDtype
+from pagedserve.quant.head_quant import HEAD_QUANTIZATIONS
 from pagedserve.quant.registry import QUANT_METHODS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,6 +33,7 @@ def field_choices() -> dict[str, tuple[str, ...]]:
         "layer_ops": layer_ops_names(),
         "quantization": tuple(QUANT_METHODS.names()),
         "gguf_weights": GGUF_WEIGHTS,
+        "lm_head_quantization": HEAD_QUANTIZATIONS,
         "structured_output_backend": tuple(CONSTRAINT_BACKENDS.names()),
     }
 
@@ -62,6 +64,9 @@ class EngineConfig:
     # GGUF files: "packed" keeps the file's 4/5/6/8-bit blocks and multiplies from them (CPU); "dequantized" expands
     # every weight into the compute dtype at load; "auto": packed on CPU where the packed kernels build
     gguf_weights: str = "auto"
+    # "q8_0": an unquantized LM head is multiplied from int8 blocks made at load (quant/head_quant.py; CPU, opt-in
+    # since it rounds the head's weights; lookups keep the embedding as stored)
+    lm_head_quantization: str = "none"
     attention_backend: str = "auto"
     # auto: native fused C for 16-bit models on CPU, torch otherwise; and torch whenever attention_backend is
     # "torch", which asks for the pure-torch reference path (see layer_ops_choice).
@@ -123,6 +128,9 @@ class EngineConfig:
             raise ConfigError("tokenizer", f"not a folder: {self.tokenizer}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ConfigError("chat_template", f"file not found: {self.chat_template}")
+        if self.lm_head_quantization != "none" and self.device != "cpu":
+            raise ConfigError("lm_head_quantization", f"a {self.lm_head_quantization} head is computed on CPU only; "
+                                                      f"device is {self.device!r}")
         if self.gguf_weights == "packed" and self.device != "cpu":
             raise ConfigError("gguf_weights", f"packed GGUF weights are computed on CPU only; device is {self.device!r}")
         self._check_backend_requirements()

@@ -72,7 +72,7 @@ class LLMEngine:
         self.source = resolve_model(config.model, config.tokenizer)
         override = read_template_file(config.chat_template) if config.chat_template else None  # fail before loading
         self.loaded = load_model(self.source.weights, config.torch_dtype, config.quantization, self.device,
-                                 config.gguf_weights)
+                                 config.gguf_weights, config.lm_head_quantization)
         self.runner = ModelRunner(self.loaded, config, self.device)
         self.tokenizer = Tokenizer(self.source.tokenizer_dir, self.runner.vocab_size, override, self.source.name)
         self.max_model_len = self.runner.max_model_len

@@ -20,6 +20,7 @@ from pagedserve.engine.models.registry import model_class_for
 from pagedserve.kernels import cpu_packed
 from pagedserve.kernels.cpu_native import NativeBuildError
 from pagedserve.quant.base import QuantConfig, QuantConfigError
+from pagedserve.quant.head_quant import quantized_head
 from pagedserve.quant.linear import QuantLinear
 from pagedserve.quant.registry import quant_config_for
 
@@ -97,7 +98,7 @@ def packed_gguf_types(gguf_weights: str, quantization: str | None, device: torch
 
 
 def load_model(path: Path, dtype: torch.dtype | None, quantization: str | None, device: torch.device,
-               gguf_weights: str = "dequantized") -> LoadedModel:
+               gguf_weights: str = "dequantized", lm_head_quantization: str = "none") -> LoadedModel:
     """`path`: an HF folder (config.json + *.safetensors) or a .gguf file: matrices of the types the packed kernels
     read kept in their blocks as `packed_gguf_types` decides (EngineConfig's default is auto; this function's is
     every tensor dequantized once at load)."""
@@ -119,6 +120,8 @@ def load_model(path: Path, dtype: torch.dtype | None, quantization: str | None, 
         model = factory(hf_config, quant, compute_dtype)
     kv_scales = _load_weights(model, gguf.tensors(compute_dtype) if gguf else _safetensors(path))
     model.fuse_projections()
+    if lm_head_quantization != "none":
+        model.lm_head = _quantized_head(model.lm_head)
     _process_linear_layers(model)
     model.eval()
     logger.info("loaded %s (%s, %s, quantization=%s)", path, type(model).__name__, compute_dtype, quant.describe())
@@ -154,6 +157,16 @@ def _load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]])
         _load_one(modules, key, tensor, loaded)
     _check_complete(model, expected, loaded)
     return kv_scales
+
+
+def _quantized_head(head: nn.Module) -> nn.Module:
+    try:
+        cpu_packed.build()
+        return quantized_head(head)
+    except NativeBuildError as exc:
+        raise ModelLoadError(f"lm_head_quantization: the packed kernels do not build here ({exc})") from None
+    except QuantConfigError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def _process_linear_layers(model: nn.Module) -> None:

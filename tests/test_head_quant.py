@@ -1,0 +1,82 @@
+"""`lm_head_quantization="q8_0"` (quant/head_quant.py): an unquantized LM head multiplied from Q8_0 blocks made at
+load, against gguf's own quantize/dequantize of the same weights; tied (the default model with its blocks expanded)
+and untied (an AWQ tool fixture, whose head is 16-bit); lookups keep the embedding as stored; bad uses refused
+with the field named."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file
+
+from pagedserve.engine import LLM
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.errors import ConfigError, ModelLoadError
+from pagedserve.engine.loading.model_loader import load_model
+from pagedserve.engine.loading.model_store import resolve_model
+from pagedserve.quant.gguf import GgufLinearMethod
+from quant_fixtures import fixture_dir
+
+CPU = torch.device("cpu")
+
+
+def _q8_0_reference(weight: torch.Tensor) -> torch.Tensor:
+    """The head's weights as gguf rounds them to Q8_0 and back, fp64."""
+    w = weight.detach().float().numpy()
+    q = quantize(w, GGMLQuantizationType.Q8_0)
+    return torch.from_numpy(np.asarray(dequantize(q, GGMLQuantizationType.Q8_0), dtype=np.float64)).reshape(w.shape)
+
+
+def _check_head(head: torch.nn.Module, reference: torch.Tensor, rows: int) -> None:
+    x = torch.randn(rows, reference.shape[1], generator=torch.Generator().manual_seed(rows))
+    got = head(x.to(head.compute_dtype)).double()
+    xd = x.to(head.compute_dtype).double()
+    want = xd @ reference.T
+    # int16 activation blocks (packed rows) or bf16 operands (the expanded companion): a few 2^-8 of |x||w|
+    bound = 2.0**-7 * (xd.abs() @ reference.abs().T) + 1e-6
+    assert ((got - want).abs() <= bound).all(), f"{rows} rows: max err {(got - want).abs().max().item()}"
+
+
+@pytest.fixture(scope="module")
+def tied_pair():
+    """The default model with every GGUF block expanded (a dense tied head), with and without the option."""
+    source = resolve_model(None)
+    plain = load_model(source.weights, None, None, CPU, "dequantized")
+    quantized = load_model(source.weights, None, None, CPU, "dequantized", "q8_0")
+    return plain.model, quantized.model
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_tied_head_is_gguf_q8_0_of_the_embedding(tied_pair, rows: int) -> None:
+    plain, quantized = tied_pair
+    table = plain.model.embed_tokens.weight
+    assert isinstance(quantized.lm_head.method, GgufLinearMethod) and quantized.lm_head.method.qtype == "Q8_0"
+    assert torch.equal(quantized.model.embed_tokens.weight, table)  # lookups read the table as stored
+    _check_head(quantized.lm_head, _q8_0_reference(table), rows)
+
+
+def test_untied_16_bit_head_of_an_awq_checkpoint() -> None:
+    path = fixture_dir("awq_4bit_g64")
+    stored = load_file(str(path / "model.safetensors"))["lm_head.weight"]
+    quantized = load_model(path, torch.bfloat16, None, CPU, lm_head_quantization="q8_0").model
+    reference = _q8_0_reference(stored.to(torch.bfloat16))
+    for rows in (1, 12):
+        _check_head(quantized.lm_head, reference, rows)
+
+
+def test_the_native_step_reads_the_packed_head() -> None:
+    llm = LLM(str(fixture_dir("awq_4bit_g64")), lm_head_quantization="q8_0", dtype="bfloat16")
+    step = llm.engine.runner.native_step
+    assert step is not None and isinstance(llm.engine.loaded.model.lm_head.method, GgufLinearMethod)
+
+
+def test_refusals_name_the_field() -> None:
+    with pytest.raises(ConfigError, match="lm_head_quantization.*supported: none, q8_0"):
+        EngineConfig(lm_head_quantization="q4_0")
+    with pytest.raises(ConfigError, match="lm_head_quantization.*CPU only"):
+        EngineConfig(lm_head_quantization="q8_0", device="cuda")
+    with pytest.raises(ModelLoadError, match="lm_head_quantization.*GPTQ"):
+        load_model(fixture_dir("gptq_4bit_g128_lm_head"), None, None, CPU, lm_head_quantization="q8_0")
