@@ -38,8 +38,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent / "quant_tools")]
 from contention import cpu_model  # noqa: E402
+from smollm2_quality import head_bytes  # noqa: E402
 
 GROUP_GPTQ, GROUP_AWQ = 128, 64
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -133,16 +134,6 @@ def linear_bytes(llm) -> int:
     return total
 
 
-def head_bytes(llm) -> int:
-    """The bytes the LM head reads per token: its packed tensors, its GGUF blocks, or its dense weight."""
-    head = llm.engine.runner.model.lm_head
-    if hasattr(head, "qkernel"):
-        return head.qkernel.weight_nbytes()
-    if getattr(head, "packed", None) is not None:
-        return head.packed.blocks.numel()
-    return head.weight.numel() * head.weight.element_size()
-
-
 def provenance(path: Path) -> str:
     """Who made a checkpoint: the quantizer its config names (GPTQModel writes meta.quantizer), else 'unknown'."""
     config = json.loads((path / "config.json").read_text()).get("quantization_config", {})
@@ -222,7 +213,7 @@ def main() -> None:
     for name, llm in engines.items():
         print(json.dumps({"kind": "decode_1_stream", "model": name, "checkpoint": models[name][1],
                           "native_step": llm.engine.runner.native_step is not None,
-                          "path": models[name][0], "linear_bytes": linear_bytes(llm), "head_bytes": head_bytes(llm),
+                          "path": models[name][0], "linear_bytes": linear_bytes(llm), "head_bytes": head_bytes(llm.engine.runner.model, llm.engine.loaded.dtype),
                           "rows_grouped": grouped_share(llm),
                           "tok_s": round(best[name], 2),
                           "vs_gguf": round(best[name] / best["gguf_q4_1"], 3), "tokens": args.tokens,

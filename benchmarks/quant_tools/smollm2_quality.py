@@ -198,11 +198,14 @@ def linear_bytes(model, dtype: torch.dtype) -> tuple[int, int]:
 
 
 def head_bytes(model, dtype: torch.dtype) -> int:
-    """Bytes the LM head reads per token: its packed tensors where the tool quantized it (lm_head=True), else
-    the dense [vocab, hidden] table in the model dtype (the tied embedding)."""
+    """Bytes the LM head reads per token: its packed tensors where the tool quantized it (lm_head=True), its GGUF
+    blocks (a GGUF file's head, or `--lm-head-quantization q8_0`), else the dense [vocab, hidden] table in the
+    model dtype (the tied embedding)."""
     head = model.lm_head
     if hasattr(head, "qkernel"):
         return head.qkernel.weight_nbytes()
+    if getattr(head, "packed", None) is not None:
+        return head.packed.blocks.numel()
     return head.in_features * head.out_features * dtype.itemsize
 
 
