@@ -1,21 +1,21 @@
-"""The FP8 KV text set (benchmarks/fp8_texts.json): resolve each entry on this image, check it, render it to token ids.
+"""The FP8 KV text set (benchmarks/fp8_texts.json): resolve each entry, check it, render it to token ids.
 
-Every text is read from a file that ships with Python or a Debian package, so nothing large is committed; the
-manifest pins each file by sha256, so a different file under the same path is reported, not silently measured.
+The texts are committed under benchmarks/fp8_texts/ (their origins and licenses: SOURCES.md there), so the set is
+the same on every machine and Python version; the manifest pins each file by sha256, so an edited file is reported,
+not silently measured.
 """
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import re
-import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 MANIFEST = Path(__file__).resolve().parent / "fp8_texts.json"
+TEXTS = MANIFEST.with_suffix("")  # benchmarks/fp8_texts/
 ROLES = ("selection", "evaluation")
 RENDERS = ("plain", "chat")
 
@@ -29,11 +29,10 @@ class TextEntry:
     name: str
     kind: str
     role: str
-    path: str  # may start with {stdlib} or {purelib}
+    path: str  # relative to benchmarks/fp8_texts/
     sha256: str
     render: str
     chars: tuple[int, int]
-    gzip: bool = False
     question_regex: str = ""
 
     def __post_init__(self) -> None:
@@ -50,22 +49,19 @@ class TextEntry:
 
     @property
     def file(self) -> Path:
-        paths = sysconfig.get_paths()
-        return Path(self.path.format(stdlib=paths["stdlib"], purelib=paths["purelib"]))
+        return TEXTS / self.path
 
     def problem(self) -> str | None:
-        """Why this text cannot be rebuilt here (missing file, different content), or None."""
+        """Why this text cannot be read as pinned (missing file, different content), or None."""
         if not self.file.is_file():
-            return f"{self.name}: {self.file} is not on this image"
+            return f"{self.name}: {self.file} is missing"
         digest = hashlib.sha256(self.file.read_bytes()).hexdigest()
         if digest != self.sha256:
             return f"{self.name}: {self.file} has sha256 {digest[:12]}..., the manifest pins {self.sha256[:12]}..."
         return None
 
     def text(self) -> str:
-        raw = self.file.read_bytes()
-        data = (gzip.decompress(raw) if self.gzip else raw).decode("utf-8")
-        return data[self.chars[0] : self.chars[1]]
+        return self.file.read_bytes().decode("utf-8")[self.chars[0] : self.chars[1]]
 
     def turns(self) -> list[dict[str, str]]:
         """Question/answer pairs as alternating user/assistant messages."""

@@ -6,8 +6,8 @@
     python benchmarks/spec_decode.py --concurrency 1 2 4 8 16 --disable-by-batch-size 64 --no-saturation  # crossover
 
 Three figures, printed as one JSON object with the machine (CPU model, usable cores, load average before/after):
-- copy: an edit of a given text (chunks of Python's own LICENSE.txt, 300-1,000 tokens each, shipped with every
-  Python) at concurrency 1 and 4, greedy: the mean inter-token latency per request (time from its first to its last
+- copy: an edit of a given text (chunks of Python's LICENSE.txt, 300-1,000 tokens each; the copy committed as
+  benchmarks/fp8_texts/python-license.txt, so every machine edits the same text) at concurrency 1 and 4, greedy: the mean inter-token latency per request (time from its first to its last
   token over the tokens between) without and with speculation, the ratio (target >= 1.8) and the acceptance counts.
   Greedy outputs are token-identical with and without drafts, so both runs do exactly the same tokens.
 - free_writing: one stream writing a story (nothing to copy), greedy: the same ITL ratio where drafts are rare and
@@ -34,7 +34,7 @@ from pagedserve.engine import LLM, SamplingParams  # noqa: E402
 from pagedserve.engine.spec_decode.config import SpeculativeConfig  # noqa: E402
 from workload import WorkloadConfig, build_workload  # noqa: E402
 
-LICENSE = Path(os.__file__).parent / "LICENSE.txt"
+LICENSE = Path(__file__).resolve().parent / "fp8_texts" / "python-license.txt"
 ASK = ("Rewrite the following text, replacing the word \"Python\" with \"PYTHON\" everywhere. Change nothing "
        "else.\n\n{text}")
 

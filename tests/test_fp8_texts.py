@@ -1,4 +1,4 @@
-"""The FP8 KV text set (benchmarks/fp8_texts.json): valid, held-out texts kept apart, rebuildable on this image."""
+"""The FP8 KV text set (benchmarks/fp8_texts.json): valid, held-out texts kept apart, every file committed as pinned."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_selection_and_evaluation_cover_every_kind_from_different_files() -> Non
     assert not selection_files & {t.path for t in text_set.role("evaluation")}
 
 
-def test_every_text_is_on_this_image_and_renders_to_enough_tokens() -> None:
+def test_every_text_is_committed_as_pinned_and_renders_to_enough_tokens() -> None:
     text_set = fp8_texts.load_manifest()
     assert text_set.problems() == []
     tok = Tokenizer(resolve_model(None).tokenizer_dir, vocab_size=49152)
@@ -41,7 +41,7 @@ def test_every_text_is_on_this_image_and_renders_to_enough_tokens() -> None:
 def test_a_changed_or_missing_file_is_named(tmp_path) -> None:
     entry = fp8_texts.load_manifest().texts[0]
     moved = dataclasses.replace(entry, path=str(tmp_path / "gone.txt"))
-    assert moved.problem() == f"{entry.name}: {tmp_path / 'gone.txt'} is not on this image"
+    assert moved.problem() == f"{entry.name}: {tmp_path / 'gone.txt'} is missing"
     (tmp_path / "other.txt").write_text("different content")
     changed = dataclasses.replace(entry, path=str(tmp_path / "other.txt"))
     assert "has sha256" in changed.problem() and entry.name in changed.problem()

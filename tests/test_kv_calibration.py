@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -30,8 +29,8 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory) -> list[Path]:
-    """Two calibration texts cut from the Python license that ships with every CPython."""
-    source = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+    """Two calibration texts cut from the Python license committed with the FP8 text set."""
+    source = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_texts" / "python-license.txt"
     folder = tmp_path_factory.mktemp("texts")
     out = []
     for n, (start, end) in enumerate(((0, 2500), (6000, 9000))):
