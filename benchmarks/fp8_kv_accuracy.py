@@ -205,8 +205,8 @@ def host_info() -> dict:
 
 
 def load_texts(role: str, names: list[str] | None, max_tokens: int | None):
-    """The manifest's texts of `role` that are on this image (the others reported) -> (texts, problems, token ids
-    per text, the chat calibration prompt's ids, the fp32 engine whose tokenizer rendered them)."""
+    """The manifest's texts of `role` whose files are present as pinned (the others reported) -> (texts, problems,
+    token ids per text, the chat calibration prompt's ids, the fp32 engine whose tokenizer rendered them)."""
     text_set = fp8_texts.load_manifest()
     texts = [t for t in text_set.texts if role in ("all", t.role) and (names is None or t.name in names)]
     missing = [p for p in (t.problem() for t in texts) if p is not None]
