@@ -12,8 +12,9 @@ from typing import TypeVar
 
 F = TypeVar("F", bound="SeqFeature")
 
-# Every feature class, in definition order: what a sequence may hold (tests check each one forks).
-FEATURE_KINDS: list[type[SeqFeature]] = []
+# Every feature class by its qualified name: what a sequence may hold (tests check each one forks). By name: a
+# slotted dataclass is a second class made from the first, and the second replaces it here.
+FEATURE_KINDS: dict[str, type[SeqFeature]] = {}
 
 
 class SeqFeature:
@@ -23,7 +24,7 @@ class SeqFeature:
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        FEATURE_KINDS.append(cls)
+        FEATURE_KINDS[f"{cls.__module__}.{cls.__qualname__}"] = cls
 
     def fork(self, index: int) -> SeqFeature | None:
         """The state sibling sample `index` starts with (None: without this feature). Called before the parent

@@ -5,20 +5,21 @@ verifies drafts and samples (grammar masks included) itself: logits never leave 
 from __future__ import annotations
 
 import logging
+
 import torch
 
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.core.scheduler import ScheduledSeq, SchedulerOutput
+from pagedserve.engine.core.sequence import Sequence
+from pagedserve.engine.core.step_output import StepOutput
 from pagedserve.engine.loading.model_loader import LoadedModel
 from pagedserve.engine.lora.layers import StepAdapters, wrap_model
 from pagedserve.engine.lora.weights import LoraLayout, model_layout
 from pagedserve.engine.models.layers import ForwardContext
-from pagedserve.engine.runner.native_step import build_native_step
-from pagedserve.engine.core.scheduler import ScheduledSeq, SchedulerOutput
-from pagedserve.engine.core.sequence import Sequence
 from pagedserve.engine.runner.native_capacity import NO_NATIVE_STEP, NativeCapacity
+from pagedserve.engine.runner.native_step import build_native_step
 from pagedserve.engine.runner.sampler import Sampler
 from pagedserve.engine.runner.step_input import StepInput, prepare_step
-from pagedserve.engine.core.step_output import StepOutput
 from pagedserve.engine.spec_decode.verifier import Verifier
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.backends import select_attention_impl, select_layer_ops
