@@ -40,7 +40,9 @@ SMALL = {"dtype": "float32", "kv_cache_memory": 32 << 20}
 
 
 def spec(k: int, **kw) -> SpeculativeConfig:
+    """Speculation at every batch size these tests run (the default, a lone sequence, has a test of its own)."""
     lo, hi = kw.pop("lo", 1), kw.pop("hi", 3)
+    kw.setdefault("disable_by_batch_size", 32)
     return SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi, **kw)
 
 
@@ -192,11 +194,11 @@ def test_native_decode_step_verifies_drafts(tiny, tiny_base, monkeypatch):
     native_drafts = []
     run = NativeDecodeStep.run
 
-    def counting_run(self, batch, block_size):
-        logits, seqs = run(self, batch, block_size)
-        native_drafts.append(sum(len(item.draft_tokens) for item in batch.scheduled))
-        assert logits.shape[0] == len(seqs) + native_drafts[-1]
-        return logits, seqs
+    def counting_run(self, step):
+        logits = run(self, step)
+        native_drafts.append(sum(step.query_lens) - len(step.query_lens))
+        assert logits.shape[0] == len(step.sampling_seqs) + native_drafts[-1]
+        return logits
 
     monkeypatch.setattr(NativeDecodeStep, "run", counting_run)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
@@ -492,7 +494,7 @@ def test_by_default_only_a_lone_sequence_speculates_whatever_the_native_step():
     from pagedserve.engine.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE
 
     for capacity in (NativeCapacity(), NativeCapacity(2), NativeCapacity(16), NativeCapacity(2, 12)):
-        drafter = Drafter(spec(4), 512, capacity)
+        drafter = Drafter(SpeculativeConfig(4), 512, capacity)
         assert drafter.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE == 1
         assert drafter.active(1) and not drafter.active(2)
     drafter = Drafter(spec(4, disable_by_batch_size=6), 512, NativeCapacity(8))
