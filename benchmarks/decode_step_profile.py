@@ -49,10 +49,11 @@ def cpu_model() -> str:
 
 
 def phase_clock(engine) -> dict[str, float]:
-    """Wraps the scheduler, the model runner and the sampler of this engine instance; returns their running totals."""
+    """Wraps the scheduler (schedule and update), the model runner's forward and its sampler of this engine instance;
+    returns their running totals."""
     totals: dict[str, float] = defaultdict(float)
     owners = {"scheduler": engine.scheduler, "runner": engine.runner}
-    for label, attr in (("scheduler", "schedule"), ("runner", "execute")):
+    for label, attr in (("scheduler", "schedule"), ("scheduler", "update"), ("runner", "forward")):
         inner = getattr(owners[label], attr)
 
         def timed(*a, _inner=inner, _label=label, **k):
@@ -63,7 +64,7 @@ def phase_clock(engine) -> dict[str, float]:
                 totals[_label] += time.perf_counter() - t0
 
         setattr(owners[label], attr, timed)
-    sampler = engine.sampler
+    sampler = engine.runner.sampler
 
     def sample(*a, **k):
         t0 = time.perf_counter()
@@ -72,7 +73,7 @@ def phase_clock(engine) -> dict[str, float]:
         finally:
             totals["sampler"] += time.perf_counter() - t0
 
-    engine.sampler = sample
+    engine.runner.sampler = sample
     return totals
 
 

@@ -54,7 +54,7 @@ def instrument(engine) -> PhaseTimer:
     timer.wrap(engine.runner.attn_impl, "plan", "attention plan")
     timer.wrap(engine.runner.model, "forward", "model forward")
     timer.wrap(engine.runner.model, "compute_logits", "lm head")
-    timer.wrap(engine, "sampler", "sample")
+    timer.wrap(engine.runner, "sampler", "sample")
     return timer
 
 

@@ -5,7 +5,7 @@
 
 A tiny random Llama (from a transformers config, the default model's tokenizer) decodes a batch of requests in
 lockstep, greedy with ignore_eos, so step k is output position k for every request. Each step is split by wrapping
-this engine's own components: `model` (runner.execute: inputs, attention plan, forward, logits), `sample`
+this engine's own components: `model` (runner.forward: inputs, attention plan, forward, logits), `sample`
 (sampler) and `bookkeeping`, the rest of step() (scheduling, appending tokens, detokenizing, stop checks, building
 the outputs). Attention reads the whole context, so `model` may grow with the position; `bookkeeping` must not: a
 step that copied every request's token and logprob history into its outputs grew with it.
@@ -57,8 +57,8 @@ class StepClock:
     def __init__(self, engine) -> None:
         self.inner = {"model": 0.0, "sample": 0.0}
         self.steps: list[dict[str, float]] = []
-        self._wrap(engine.runner, "execute", "model")
-        self._wrap(engine, "sampler", "sample")
+        self._wrap(engine.runner, "forward", "model")
+        self._wrap(engine.runner, "sampler", "sample")
         self.engine, self._step = engine, engine.step
 
     def _wrap(self, owner, attr: str, label: str) -> None:

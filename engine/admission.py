@@ -16,11 +16,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from pagedserve.engine.constraint import OutputConstraint
+from pagedserve.engine.core.sequence import Sequence, SequenceMetrics
 from pagedserve.engine.errors import AdapterNotFoundError, CapacityError, InvalidRequestError
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions, check_messages
-from pagedserve.engine.constraint import OutputConstraint
+from pagedserve.engine.loading.tokenizer import start_detok
+from pagedserve.engine.runner.sampler import SeededSampling
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.structured_output.backend import CompiledConstraint
+from pagedserve.engine.structured_output.backend import CompiledConstraint, GrammarState
 
 if TYPE_CHECKING:
     from pagedserve.engine.lora.weights import LoraWeights
@@ -73,6 +76,20 @@ class AdmittedRequest:
     truncated: bool  # truncate_prompt_tokens cut the prompt
     constraint: CompiledConstraint | None = None  # params.constraint, compiled for the engine's tokenizer
     adapter: LoraWeights | None = None  # the LoRA adapter's weights, held until the request ends; None: the base
+
+    def start(self, request_id: str, arrival_time: float) -> Sequence:
+        """The request's first sequence, holding each feature's starting state (its forks copy them from it)."""
+        ids, params = self.prompt_token_ids, self.params
+        seq = Sequence(request_id, 0, list(ids), len(ids), params, SequenceMetrics(arrival_time),
+                       pending_forks=params.n - 1, adapter=None if self.adapter is None else self.adapter.info)
+        seq.features.attach(start_detok(len(ids)))
+        if params.seed is not None:
+            seq.features.attach(SeededSampling.start(params.seed))
+        if self.constraint is not None:
+            seq.features.attach(GrammarState(self.constraint.new_matcher()))
+        if self.adapter is not None:
+            seq.features.attach(self.adapter)
+        return seq
 
 
 @dataclass(frozen=True, slots=True)

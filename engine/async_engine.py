@@ -26,7 +26,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.sequence import now
+from pagedserve.engine.core.sequence import now
 
 logger = logging.getLogger(__name__)
 

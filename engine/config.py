@@ -1,4 +1,6 @@
-"""Engine configuration: assembled once (CLI or LLM(...)), frozen, validated here."""
+"""Engine configuration: assembled once (CLI or LLM(...)), frozen, validated here. Fields that name a backend
+(attention, layer ops, quantization, LM head, grammar library) are checked against the registries that build them,
+where they are built (`engine/build.py: check_backends`), so this module imports no backend."""
 
 from __future__ import annotations
 
@@ -10,13 +12,7 @@ import torch
 from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.lora.config import LoraConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
-from pagedserve.engine.structured_output.registry import CONSTRAINT_BACKENDS
-from pagedserve.kernels.backends import (
-    attention_backend_names, attention_requirements, layer_ops_names, layer_ops_requirements,
-)
 from pagedserve.kernels.kv_cache import KVDtype
-from pagedserve.quant.head_quant import HEAD_QUANTIZATIONS
-from pagedserve.quant.registry import QUANT_METHODS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
@@ -26,16 +22,8 @@ GGUF_WEIGHTS = ("auto", "packed", "dequantized")  # engine/loading/model_loader.
 
 
 def field_choices() -> dict[str, tuple[str, ...]]:
-    """The names each named field accepts, read from the registries themselves (the CLI's help lists them too)."""
-    return {
-        "kv_cache_dtype": ("auto", *(kv.value for kv in KVDtype)),
-        "attention_backend": attention_backend_names(),
-        "layer_ops": layer_ops_names(),
-        "quantization": tuple(QUANT_METHODS.names()),
-        "gguf_weights": GGUF_WEIGHTS,
-        "lm_head_quantization": HEAD_QUANTIZATIONS,
-        "structured_output_backend": tuple(CONSTRAINT_BACKENDS.names()),
-    }
+    """The names each named field that is not a backend accepts (backends: `engine/build.py: backend_choices`)."""
+    return {"kv_cache_dtype": ("auto", *(kv.value for kv in KVDtype)), "gguf_weights": GGUF_WEIGHTS}
 
 
 def parse_dtype(name: str) -> torch.dtype | None:
@@ -77,15 +65,14 @@ class EngineConfig:
     adapt_threads: bool = True
     max_queued_requests: int = 1024
     # CPU decode-only steps of at most this many sequences run the whole layer stack in one native call when every
-    # linear of the model has a native kernel (engine/native_step.py); 0 turns it off. None: the crossover each
-    # kernel measured (benchmarks/native_step_crossover.py, Sapphire Rapids): for grouped 4/8-bit rows (GGUF
-    # Q4_0/Q4_1/Q8_0, GPTQ/AWQ) 16 with int16/VNNI dots and 8 with fp32 ones, 2 for the others, where oneDNN's bf16
-    # matmuls win from 4 rows (NativeLinear.native_max_batch)
+    # linear of the model has a native kernel (engine/runner/native_step.py); 0 turns it off. None: the smallest
+    # crossover its linears' kernels declare (NativeLinear.native_max_batch, measured by
+    # benchmarks/native_step_crossover.py): past it the torch path's matmuls are faster
     native_step_max_batch: int | None = None
     # A step with speculative drafts runs natively past native_step_max_batch sequences while its rows (1 + drafts
-    # per sequence) stay within this, the drafter trimming drafts to fit (engine/spec_decode/drafter.py). 0 (off):
-    # on Sapphire Rapids 4 copy streams at 3 rows each natively were slower than 5 rows each on the torch path
-    # (quiet: 1.63x vs 1.785x ITL; docs/speculative-decoding.md has the command that decides it on a host)
+    # per sequence) stay within this, the drafter trimming drafts to fit (engine/runner/native_capacity.py). 0: off,
+    # since fewer drafts natively can lose to all drafts on the torch path; docs/speculative-decoding.md has the
+    # command that decides it on a host
     native_step_max_rows: int = 0
     chat_template: str | None = None  # a jinja file replacing the model's chat template
     structured_output_backend: str = "llguidance"  # the grammar library (docs/structured-outputs.md)
@@ -133,16 +120,6 @@ class EngineConfig:
                                                       f"device is {self.device!r}")
         if self.gguf_weights == "packed" and self.device != "cpu":
             raise ConfigError("gguf_weights", f"packed GGUF weights are computed on CPU only; device is {self.device!r}")
-        self._check_backend_requirements()
-
-    def _check_backend_requirements(self) -> None:
-        """Each chosen implementation's own rules (kernels/requirements.py), declared on its class."""
-        for name, needs in (("attention_backend", attention_requirements(self.attention_backend)),
-                            ("layer_ops", layer_ops_requirements(self.layer_ops))):
-            if needs.cpu_only and self.device != "cpu":
-                raise ConfigError(name, f"{getattr(self, name)} runs on CPU tensors only; device is {self.device!r}")
-            if self.block_size < needs.min_block_size:
-                raise ConfigError("block_size", needs.block_size_reason)
 
     @property
     def layer_ops_choice(self) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.engine.sequence import TokenLogprob
+from pagedserve.engine.core.sequence import TokenLogprob
 from pagedserve.engine.structured_output.compiler import ConstraintStats
 
 

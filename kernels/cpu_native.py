@@ -155,7 +155,7 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.pagedserve_silu_and_mul.argtypes = [ptr, ptr, i64, i64, c_int, c_int]
     lib.pagedserve_rope.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, c_int, c_int]
     lib.pagedserve_row_max_argmax.argtypes = [ptr, i64, i64, i64, ptr, ptr, c_int]
-    lib.pagedserve_decode_step.argtypes = [ptr, ptr, i64, c_int]  # StepModel, StepBatch (engine/native_step.py)
+    lib.pagedserve_decode_step.argtypes = [ptr, ptr, i64, c_int]  # StepModel, StepBatch (engine/runner/native_step.py)
     lib.pagedserve_decode_step.restype = c_int
     # x, x stride, out, out stride, dtype, in, out features, groups, spans, LoraRefs (kernels/cpu_lora.py), threads
     lib.pagedserve_lora_delta.argtypes = [ptr, i64, ptr, i64, c_int, i64, i64, i64, ptr, ptr, c_int]

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pagedserve.engine import kv_calibration
+from pagedserve.engine.build import backend_choices, check_backends
 from pagedserve.engine.config import EngineConfig, field_choices
 from pagedserve.engine.errors import ConfigError, ModelLoadError, UnsupportedError
 from pagedserve.service.config import ServerConfig, TlsConfig
@@ -83,7 +84,7 @@ def _flag_type(field: dataclasses.Field) -> type | None:
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    choices = field_choices()
+    choices = {**field_choices(), **backend_choices()}
     for field in dataclasses.fields(EngineConfig):
         if field.name in _GROUPED_FIELDS:
             _GROUPED_FIELDS[field.name](parser)
@@ -150,7 +151,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in _GROUPED_FIELDS}
     given["lora"] = lora_config(args, args.served_model_name)
     given["speculative"] = speculative_config(args)
-    return EngineConfig(**{k: v for k, v in given.items() if v is not None})
+    config = EngineConfig(**{k: v for k, v in given.items() if v is not None})
+    check_backends(config)  # refused here, naming the flag's field, before anything loads
+    return config
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

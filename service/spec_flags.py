@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.engine.spec_decode.config import (
-    DEFAULT_DISABLE_BY_BATCH_SIZE, DEFAULT_DISABLE_WITH_WIDE_NATIVE_STEP, SpeculativeConfig,
-)
+from pagedserve.engine.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
 
 
 def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
@@ -17,8 +15,7 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
                    help='n-gram prompt lookup, as vLLM configures it: {"method": "ngram", "num_speculative_tokens": '
                         'k, "prompt_lookup_min": a, "prompt_lookup_max": b, "disable_by_batch_size": '
                         f'n}} (a step with more than n running sequences does not speculate; default: '
-                        f"{DEFAULT_DISABLE_WITH_WIDE_NATIVE_STEP} where the native decode step serves up to 8 "
-                        f"sequences (grouped 4/8-bit weights), else {DEFAULT_DISABLE_BY_BATCH_SIZE}); default: off")
+                        f"{DEFAULT_DISABLE_BY_BATCH_SIZE}); default: off")
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:

@@ -4,7 +4,7 @@ computes, for comparison with transformers' full forward over the same tokens.
 The runner computes logits only for the rows that sample; the probe applies the model's own LM head to every row
 of the very hidden states that step produced, so prefill chunks, recomputation after preemption and tokens after a
 prefix-cache hit are all checked, not only the sampled positions. A step the native decode step ran
-(engine/native_step.py) never calls the model: every row of it samples, so its own logits are recorded.
+(engine/runner/native_step.py) never calls the model: every row of it samples, so its own logits are recorded.
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ def attach(engine: LLMEngine, run: ProbeRun, monkeypatch) -> None:
     runner = engine.runner
     recorder = _HiddenRecorder(runner.model)
     monkeypatch.setattr(runner, "model", recorder)
-    execute = runner.execute
+    forward = runner.forward
 
-    def recording_execute(batch):
+    def recording_forward(batch):
         layout = [(item.seq.request_id, item.seq.num_computed_tokens, item.num_new_tokens) for item in batch.scheduled]
         native = runner.native_step is not None and runner.native_step.accepts(batch)
         run.native_steps += native
-        result = execute(batch)
+        result = forward(batch)
         with torch.inference_mode():
             logits = result[0] if native else recorder.model.compute_logits(recorder.hidden)
         row = 0
@@ -61,7 +61,7 @@ def attach(engine: LLMEngine, run: ProbeRun, monkeypatch) -> None:
             row += count
         return result
 
-    monkeypatch.setattr(runner, "execute", recording_execute)
+    monkeypatch.setattr(runner, "forward", recording_forward)
 
 
 def generate(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int, run: ProbeRun) -> None:

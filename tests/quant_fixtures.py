@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.loading.model_loader import LoadedModel, load_model
-from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.runner.model_runner import ModelRunner
 from pagedserve.engine.models.layers import ForwardContext
 from pagedserve.kernels import cpu_packed
 from pagedserve.kernels.attention import AttentionMetadata

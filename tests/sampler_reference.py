@@ -2,7 +2,7 @@
 logits row and SamplingParams, a seeded draw of many samples through the product's Sampler, a distribution check
 with a stated false-failure rate, and the mutation harness that makes the sampler ignore one option.
 
-The reference follows the documented order (docs/architecture.md, engine/sampler.py; vLLM's order too): logit bias,
+The reference follows the documented order (docs/architecture.md, engine/runner/sampler.py; vLLM's order too): logit bias,
 repetition penalty (prompt and output tokens: divide positive logits, multiply negative ones), frequency and
 presence penalties (output tokens), min_tokens (EOS unless ignore_eos, and stop_token_ids, banned), temperature,
 then top_k (tokens tied with the k-th kept), one softmax over the survivors, and on that distribution top_p (a token
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from pagedserve.engine import SamplingParams
-from pagedserve.engine.sampler import Sampler
-from pagedserve.engine.sequence import Sequence, SequenceMetrics
+from pagedserve.engine.runner.sampler import Sampler, SeededSampling
+from pagedserve.engine.core.sequence import Sequence, SequenceMetrics
 
 # The value of each option that turns it off: a sampler that "ignores" an option reads this instead.
 NEUTRAL = {
@@ -97,7 +97,7 @@ class IgnoringOption:
 def _sequence(prompt: list[int], output: list[int], params, seed: int, forks: int) -> Sequence:
     seq = Sequence("dist", 0, list(prompt) + list(output), len(prompt), params, SequenceMetrics(arrival_time=0.0))
     seq.pending_forks = forks
-    seq.sampler_state = torch.Generator().manual_seed(seed)
+    seq.features.attach(SeededSampling(seed, torch.Generator().manual_seed(seed)))
     return seq
 
 

@@ -1,15 +1,24 @@
 """Each kernel implementation declares what it needs of the engine config on its class (kernels/requirements.py);
-EngineConfig enforces whatever the chosen class declares, naming the field, and knows no backend by name."""
+the engine build (`check_backends`) enforces whatever the chosen class declares, naming the field; EngineConfig
+itself knows no backend."""
 
 from __future__ import annotations
 
 import pytest
 
+from pagedserve.engine.build import check_backends
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import ConfigError
 from pagedserve.kernels.backends import ATTENTION_IMPLS, LAYER_OPS, attention_requirements, layer_ops_requirements
 from pagedserve.kernels.native_attention import NativeCpuAttention
 from pagedserve.kernels.requirements import Requirements
+
+
+def validated(**fields) -> EngineConfig:
+    """The config as the engine's build checks it, before anything loads (engine/build.py: check_backends)."""
+    config = EngineConfig(**fields)
+    check_backends(config)
+    return config
 
 
 def test_every_registered_implementation_declares_requirements():
@@ -24,27 +33,27 @@ def test_every_registered_implementation_declares_requirements():
 @pytest.mark.parametrize("field", ["attention_backend", "layer_ops"])
 def test_a_cpu_only_implementation_is_refused_on_cuda_naming_its_field(field):
     with pytest.raises(ConfigError, match="native runs on CPU tensors only") as err:
-        EngineConfig(device="cuda", **{field: "native"})
+        validated(device="cuda", **{field: "native"})
     assert err.value.field == field
-    EngineConfig(device="cpu", **{field: "native"})
+    validated(device="cpu", **{field: "native"})
 
 
 @pytest.mark.skipif("triton" not in ATTENTION_IMPLS, reason="triton is not installed")
 def test_triton_needs_blocks_of_16():
     with pytest.raises(ConfigError, match=r"block_size >= 16") as err:
-        EngineConfig(attention_backend="triton", block_size=8)
+        validated(attention_backend="triton", block_size=8)
     assert err.value.field == "block_size"
-    EngineConfig(attention_backend="triton", block_size=16)
+    validated(attention_backend="triton", block_size=16)
 
 
 def test_the_config_reads_the_rule_from_the_class(monkeypatch):
     monkeypatch.setattr(NativeCpuAttention, "requirements",
                         Requirements(cpu_only=True, min_block_size=32, block_size_reason="needs 32-token blocks"))
     with pytest.raises(ConfigError, match="needs 32-token blocks") as err:
-        EngineConfig(attention_backend="native", block_size=16)
+        validated(attention_backend="native", block_size=16)
     assert err.value.field == "block_size"
-    EngineConfig(attention_backend="native", block_size=32)
-    EngineConfig(attention_backend="torch", block_size=16)  # another class, its own (empty) rules
+    validated(attention_backend="native", block_size=32)
+    validated(attention_backend="torch", block_size=16)  # another class, its own (empty) rules
 
 
 def test_a_minimum_without_a_reason_is_refused():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.block_manager import FREED, BlockAccountingError, BlockManager
+from pagedserve.engine.core.block_manager import FREED, BlockAccountingError, BlockManager
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.sequence import Sequence, SequenceMetrics
+from pagedserve.engine.core.sequence import Sequence, SequenceMetrics
 
 
 def seq(tokens: list[int], request_id: str = "r") -> Sequence:

@@ -110,9 +110,9 @@ def test_named_paths_and_modules_exist(document: Path):
 def test_the_extraction_sees_paths_and_modules():
     """The matcher itself: a known path, a known module and a known missing path are recognised."""
     arch = ROOT / "docs" / "architecture.md"
-    assert "engine/sampler.py" in named_paths(arch) and "tests/test_import_graph.py" in named_paths(arch)
+    assert "engine/runner/sampler.py" in named_paths(arch) and "tests/test_import_graph.py" in named_paths(arch)
     assert not path_exists("engine/no_such_module.py", arch)
-    assert module_exists("pagedserve.engine.sampler", _package_dirs())
+    assert module_exists("pagedserve.engine.runner.sampler", _package_dirs())
     assert not module_exists("pagedserve.engine.no_such_module", _package_dirs())
     assert _clean("$PAGEDSERVE_CACHE/models/x.gguf") is None
     assert _clean("engine/gguf_file.py:34") == "engine/gguf_file.py"

@@ -1,6 +1,6 @@
 """The package layering, read from the source: no import cycle between modules; kernels/ imports nothing above it
 (quant/, engine/, service/), quant/ nothing of engine/ or service/, engine/ nothing of service/; the engine core
-(engine/*.py, the request path) imports no host tuning (engine/host/); the front ends (service/v1, service/openai,
+(engine/*.py, engine/core/ and engine/runner/: the request path) imports no host tuning (engine/host/); the front ends (service/v1, service/openai,
 service/router) are siblings over service/core and import neither each other nor the composition root. Imports
 inside functions count too: a deferred import hides a cycle, it does not remove it."""
 
@@ -108,10 +108,15 @@ def within(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
+ENGINE_CORE_PACKAGES = ("pagedserve.engine.core", "pagedserve.engine.runner")
+
+
 def engine_core(module: str) -> bool:
-    """engine/*.py itself (not its subpackages host/, loading/, models/), entries excluded."""
+    """engine/*.py itself and the request path's subpackages core/ and runner/ (not host/, loading/, models/...),
+    entries excluded."""
     parts = module.split(".")
-    return parts[:2] == ["pagedserve", "engine"] and len(parts) == 3 and module not in ENGINE_ENTRIES
+    top = parts[:2] == ["pagedserve", "engine"] and len(parts) == 3 and module not in ENGINE_ENTRIES
+    return top or any(within(module, package) for package in ENGINE_CORE_PACKAGES)
 
 
 def layering_breaks(graph: dict[str, set[str]]) -> list[str]:
@@ -151,12 +156,15 @@ def test_the_checks_catch_what_they_look_for():
         "pagedserve.service.core.stream": {"pagedserve.service.router.kv_events"},
         "pagedserve.engine.llm_engine": {"pagedserve.engine.host.tuning", "pagedserve.engine.loading.tokenizer"},
         "pagedserve.engine.llm": {"pagedserve.engine.host.tuning"},
+        "pagedserve.engine.runner.model_runner": {"pagedserve.engine.host.cpu_threads"},
         "pagedserve.service.v1.servicer": {"pagedserve.service.server"},
     }
     assert sorted(layering_breaks(broken)) == sorted([
         "pagedserve.service.openai.openai_api imports pagedserve.service.v1.servicer (another front end)",
         "pagedserve.service.core.stream imports pagedserve.service.router.kv_events (a front end, from the core)",
         "pagedserve.engine.llm_engine imports pagedserve.engine.host.tuning "
+        "(the engine core imports no host tuning or service)",
+        "pagedserve.engine.runner.model_runner imports pagedserve.engine.host.cpu_threads "
         "(the engine core imports no host tuning or service)",
         "pagedserve.service.v1.servicer imports pagedserve.service.server (the composition root)",
     ])

@@ -1,4 +1,4 @@
-"""The native small-batch decode step (engine/native_step.py, kernels/cpu_decode_step.c).
+"""The native small-batch decode step (engine/runner/native_step.py, kernels/cpu_decode_step.c).
 
 - Through the real engine on tiny random models (GQA ratios 4:2, 4:1, 4:4, head dims 16, 24 and 64, Qwen2's
   q/k/v bias, sliding windows, preemption): the logits of every position, the native step's included, equal
@@ -64,22 +64,22 @@ def _lockstep(engine, prompts: dict[str, list[int]], steps: int) -> list[float]:
     from pagedserve.engine import SamplingParams
 
     runner = engine.runner
-    native_step, execute = runner.native_step, runner.execute
+    native_step, forward = runner.native_step, runner.forward
     errors: list[float] = []
 
     def both(batch):
         if not native_step.accepts(batch):
-            return execute(batch)
-        native_logits, _ = native_step.run(batch, runner.kv_spec.block_size)
+            return forward(batch)
+        native_logits = native_step.run(runner.prepare(batch))
         runner.native_step = None
         try:
-            result = execute(batch)
+            result = forward(batch)
         finally:
             runner.native_step = native_step
         errors.append(((native_logits - result[0]).abs().max() / result[0].abs().max()).item())
         return result
 
-    runner.execute = both
+    runner.forward = both
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     for request_id, prompt in prompts.items():
         engine.add_request(request_id, prompt, params)

@@ -11,7 +11,7 @@ from service_fixtures import off_main_thread
 
 from pagedserve.engine import LLMEngine, SamplingParams
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.sequence import OutputText
+from pagedserve.engine.core.sequence import OutputText
 
 
 @pytest.fixture(scope="module")

@@ -71,8 +71,8 @@ def test_native_step_batch_limit_follows_the_kernels(engines):
     assert packed.row_group == (cpu_packed.GROUP_ROWS if grouped else 0)
     limit = {"avx512-vnni": 16, "avx512": 8}.get(isa, 2)
     assert limit == (grouped_native_max_batch(isa) if grouped else 2)
-    assert engines["packed"].engine.runner.native_step.max_batch == limit
-    assert engines["dequantized"].engine.runner.native_step.max_batch == 2
+    assert engines["packed"].engine.runner.native_step.capacity.max_batch == limit
+    assert engines["dequantized"].engine.runner.native_step.capacity.max_batch == 2
 
 
 def test_teacher_forced_fp32_is_the_dequantized_function(default_model, held_out, monkeypatch):

@@ -37,11 +37,11 @@ def _forced_decode(llm: LLM, ids: torch.Tensor, native: bool) -> tuple[torch.Ten
     runner = llm.engine.runner
     if not native:
         runner.native_step = None
-    execute, recorded, native_steps = runner.execute, {}, [0]
+    forward, recorded, native_steps = runner.forward, {}, [0]
 
     def forcing(batch):
         native_steps[0] += runner.native_step is not None and runner.native_step.accepts(batch)
-        logits, seqs = execute(batch)
+        logits, seqs = forward(batch)
         forced = logits.clone()
         for row, seq in enumerate(seqs):
             r, position = int(seq.request_id), seq.num_tokens - 1
@@ -51,13 +51,13 @@ def _forced_decode(llm: LLM, ids: torch.Tensor, native: bool) -> tuple[torch.Ten
                 forced[row, ids[r, position + 1]] = 1e9
         return forced, seqs
 
-    runner.execute = forcing
+    runner.forward = forcing
     params = SamplingParams(temperature=0, max_tokens=ids.shape[1] - PROMPT + 1, ignore_eos=True)
     for r in range(ids.shape[0]):
         llm.engine.add_request(str(r), ids[r, :PROMPT].tolist(), params)
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
-    runner.execute = execute
+    runner.forward = forward
     rows = [[recorded[r, p] for p in range(PROMPT, ids.shape[1])] for r in range(ids.shape[0])]
     return torch.stack([torch.stack(row) for row in rows]), native_steps[0]
 

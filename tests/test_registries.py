@@ -7,6 +7,7 @@ import pytest
 from conftest import make_tiny_model
 
 from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.build import check_backends
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import ConfigError, ModelLoadError
 from pagedserve.engine.models.registry import discover_architectures, model_archs, model_class_for
@@ -27,9 +28,9 @@ NAMED_FIELDS = {
 def test_config_accepts_exactly_the_registered_names(field):
     supported = NAMED_FIELDS[field]()
     for name in supported:
-        assert getattr(EngineConfig(**{field: name}), field) == name
+        check_backends(EngineConfig(**{field: name}))
     with pytest.raises(ConfigError) as info:
-        EngineConfig(**{field: "no-such-name"})
+        check_backends(EngineConfig(**{field: "no-such-name"}))
     assert info.value.field == field
     assert str(info.value).endswith("supported: " + ", ".join(supported))
 
@@ -46,7 +47,7 @@ def test_layer_ops_follow_the_torch_reference_path_only_when_left_on_auto():
     assert EngineConfig(attention_backend="torch", layer_ops="native").layer_ops_choice == "native"
     assert EngineConfig(attention_backend="native", layer_ops="torch").layer_ops_choice == "torch"
     with pytest.raises(ConfigError, match="layer_ops: native runs on CPU"):
-        EngineConfig(layer_ops="native", device="cuda")
+        check_backends(EngineConfig(layer_ops="native", device="cuda"))
 
 
 def test_a_model_module_registers_by_being_in_the_package(tmp_path, monkeypatch):
@@ -104,7 +105,7 @@ def spy_on_steps(runner, monkeypatch) -> tuple[CountingAttention, list]:
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_the_runner_plans_once_per_step_and_every_layer_uses_that_plan(tmp_path, monkeypatch, backend):
-    # The per-op path: a native decode step (engine/native_step.py) runs every layer in one C call, with no plans.
+    # The per-op path: a native decode step (engine/runner/native_step.py) runs every layer in one C call, with no plans.
     llm = LLM(str(make_tiny_model(tmp_path)), dtype="float32", attention_backend=backend, native_step_max_batch=0)
     params = SamplingParams(max_tokens=4, temperature=0.0)
     expected = llm.generate(["a b c", "d e"], params)

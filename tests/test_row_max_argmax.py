@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.sampler import native_max_argmax, torch_max_argmax
+from pagedserve.engine.runner.sampler import native_max_argmax, torch_max_argmax
 from pagedserve.kernels.cpu_layer_ops import row_max_argmax
 from pagedserve.kernels.cpu_native import build
 
@@ -66,8 +66,8 @@ def test_engine_greedy_and_speculative_outputs_equal_the_torch_picks() -> None:
     prompts = ["The quick brown fox jumps over the lazy dog. The quick brown fox", "List three colours:"]
     params = SamplingParams(temperature=0, max_tokens=24)
     llm = LLM(None, speculative=SpeculativeConfig(3, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=4))
-    assert llm.engine.sampler.max_argmax is native_max_argmax
+    assert llm.engine.runner.sampler.max_argmax is native_max_argmax
     native = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert llm.engine.verifier.counters.num_drafts > 0
-    llm.engine.sampler.max_argmax = torch_max_argmax
+    assert llm.engine.runner.verifier.counters.num_drafts > 0
+    llm.engine.runner.sampler.max_argmax = torch_max_argmax
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == native

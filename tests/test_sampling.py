@@ -162,10 +162,10 @@ def test_a_row_with_non_finite_logits_fails_only_its_own_request(llm_fp32, monke
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True)
     alone = [o.outputs[0].token_ids for o in llm_fp32.generate([PROMPT, "The sea is"], [greedy, sampled])]
-    execute, steps = engine.runner.execute, []
+    forward, steps = engine.runner.forward, []
 
     def poisoned(batch):
-        logits, seqs = execute(batch)
+        logits, seqs = forward(batch)
         steps.append(1)
         if len(steps) == 3:  # mid-generation, with both batch mates decoding beside the victim
             row = next(i for i, s in enumerate(seqs) if s.params.n == 2)
@@ -173,7 +173,7 @@ def test_a_row_with_non_finite_logits_fails_only_its_own_request(llm_fp32, monke
             logits[row, 7] = float("nan")
         return logits, seqs
 
-    monkeypatch.setattr(engine.runner, "execute", poisoned)
+    monkeypatch.setattr(engine.runner, "forward", poisoned)
     victim = SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=12)
     outs = llm_fp32.generate([PROMPT, "The sea is", "Hello"], [greedy, sampled, victim])
     assert [o.outputs[0].token_ids for o in outs[:2]] == alone
@@ -213,17 +213,17 @@ def test_async_engine_fails_only_the_poisoned_stream(llm_fp32, monkeypatch):
     engine = llm_fp32.engine
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     alone = llm_fp32.generate([PROMPT], greedy)[0].outputs[0].token_ids
-    execute = engine.runner.execute
+    forward = engine.runner.forward
 
     def poisoned(batch):
-        logits, seqs = execute(batch)
+        logits, seqs = forward(batch)
         victims = [i for i, s in enumerate(seqs) if s.request_id.startswith("victim")]
         if victims:
             logits = logits.clone()
             logits[victims, :] = float("inf")
         return logits, seqs
 
-    monkeypatch.setattr(engine.runner, "execute", poisoned)
+    monkeypatch.setattr(engine.runner, "forward", poisoned)
 
     async def tokens(front: AsyncEngine, request_id: str) -> tuple[int, ...]:
         last = None
@@ -247,7 +247,7 @@ def test_async_engine_fails_only_the_poisoned_stream(llm_fp32, monkeypatch):
 
 @pytest.mark.parametrize("vocab", [7, 1024, 1500, 49152, 50257])
 def test_first_argmax_equals_torch_argmax_with_ties_and_masked_rows(vocab):
-    from pagedserve.engine.sampler import first_argmax
+    from pagedserve.engine.runner.sampler import first_argmax
 
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randn(9, vocab, generator=g)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.core.block_manager import BlockManager
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduler import Scheduler
-from pagedserve.engine.sequence import Sequence, SequenceMetrics, SeqStatus
+from pagedserve.engine.core.scheduler import Scheduler
+from pagedserve.engine.core.sequence import Sequence, SequenceMetrics, SeqStatus
 
 
 def seq(n: int, request_id: str) -> Sequence:
@@ -88,11 +88,10 @@ def test_a_windowed_sequence_outgrows_the_pool_without_preemption():
 
 def lora_seq(n: int, request_id: str, adapter: str | None) -> Sequence:
     from pagedserve.engine.lora.config import AdapterInfo
-    from pagedserve.engine.lora.weights import LoraWeights
 
     s = seq(n, request_id)
     if adapter is not None:
-        s.lora = LoraWeights(AdapterInfo(adapter, sum(map(ord, adapter)), "/x", 1, ()), ())
+        s.adapter = AdapterInfo(adapter, sum(map(ord, adapter)), "/x", 1, ())
     return s
 
 
@@ -123,7 +122,7 @@ def test_every_step_holds_at_most_max_loras_adapters():
     finished = set()
     while sched.running or sched.waiting:
         out = sched.schedule()
-        assert len({item.seq.adapter_id for item in out.scheduled if item.seq.lora is not None}) <= 2
+        assert len({item.seq.adapter_id for item in out.scheduled if item.seq.adapter is not None}) <= 2
         sched.commit(out)
         for item in out.scheduled:
             if item.seq.num_computed_tokens == item.seq.num_tokens:

@@ -16,12 +16,13 @@ from scipy.stats import chi2_contingency
 
 from conftest import make_tiny_model
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.block_manager import FREED, chain_hash
+from pagedserve.engine.core.block_manager import FREED, chain_hash
 from pagedserve.engine.errors import ConfigError, InvalidRequestError
-from pagedserve.engine.sampler import Sampler
-from pagedserve.engine.sequence import Sequence, SequenceMetrics
+from pagedserve.engine.core.sequence import Sequence, SequenceMetrics
+from pagedserve.engine.runner.native_capacity import NativeCapacity
+from pagedserve.engine.runner.sampler import Sampler, SeededSampling
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
-from pagedserve.engine.spec_decode.drafter import Drafter
+from pagedserve.engine.spec_decode.drafter import Drafter, SpecBackoff
 from pagedserve.engine.spec_decode.ngram import propose_ngram
 from pagedserve.engine.spec_decode.verifier import Verifier
 from pagedserve.service.spec_flags import add_speculative_flags, speculative_config
@@ -39,7 +40,9 @@ SMALL = {"dtype": "float32", "kv_cache_memory": 32 << 20}
 
 
 def spec(k: int, **kw) -> SpeculativeConfig:
+    """Speculation at every batch size these tests run (the default, a lone sequence, has a test of its own)."""
     lo, hi = kw.pop("lo", 1), kw.pop("hi", 3)
+    kw.setdefault("disable_by_batch_size", 32)
     return SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi, **kw)
 
 
@@ -130,7 +133,7 @@ def test_drafter_backs_off_after_rejections_and_resets_on_acceptance():
     assert skipped == [1, 2, 4, 8]
     Drafter.observe(seq, 1)
     Drafter.observe(seq, 0)
-    assert seq.spec_skip == 1  # an acceptance started the count again
+    assert seq.features.of(SpecBackoff).skip == 1  # an acceptance started the count again
 
 
 # -- greedy: token-identical ------------------------------------------------------------------------
@@ -186,16 +189,16 @@ def run_checked(engine_llm, prompts, params) -> list[list[int]]:
 def test_native_decode_step_verifies_drafts(tiny, tiny_base, monkeypatch):
     """One stream: the drafts are rows of the native decode step (each over the sequence's block table, its context
     ending at its own position), and the tokens stay those of decoding without drafts."""
-    from pagedserve.engine.native_step import NativeDecodeStep
+    from pagedserve.engine.runner.native_step import NativeDecodeStep
 
     native_drafts = []
     run = NativeDecodeStep.run
 
-    def counting_run(self, batch, block_size):
-        logits, seqs = run(self, batch, block_size)
-        native_drafts.append(sum(len(item.draft_tokens) for item in batch.scheduled))
-        assert logits.shape[0] == len(seqs) + native_drafts[-1]
-        return logits, seqs
+    def counting_run(self, step):
+        logits = run(self, step)
+        native_drafts.append(sum(step.query_lens) - len(step.query_lens))
+        assert logits.shape[0] == len(step.sampling_seqs) + native_drafts[-1]
+        return logits
 
     monkeypatch.setattr(NativeDecodeStep, "run", counting_run)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
@@ -213,20 +216,20 @@ def test_native_decode_step_verifies_drafts(tiny, tiny_base, monkeypatch):
 def test_four_speculating_streams_share_the_native_step_within_its_row_budget(tiny, tiny_base, monkeypatch):
     """Past the native step's sequence limit, steps with drafts run natively while their rows fit the row budget
     (the drafter trims each sequence's drafts to its share), with the tokens and logprobs of decoding without."""
-    from pagedserve.engine.native_step import NativeDecodeStep
+    from pagedserve.engine.runner.native_step import NativeDecodeStep
 
     shapes = []
     run = NativeDecodeStep.run
 
-    def recording_run(self, batch, block_size):
-        shapes.append((len(batch.scheduled), sum(item.num_new_tokens for item in batch.scheduled),
-                       max(len(item.draft_tokens) for item in batch.scheduled)))
-        return run(self, batch, block_size)
+    def recording_run(self, step):
+        shapes.append((len(step.query_lens), sum(step.query_lens), max(step.query_lens) - 1))
+        return run(self, step)
 
     monkeypatch.setattr(NativeDecodeStep, "run", recording_run)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
     prompts = [*REPEATS, REPEATS[0][::-1]]
-    engine_llm = LLM(tiny, **SMALL, speculative=spec(4), native_step_max_batch=2, native_step_max_rows=12)
+    engine_llm = LLM(tiny, **SMALL, speculative=spec(4, disable_by_batch_size=8), native_step_max_batch=2,
+                     native_step_max_rows=12)
     got, want = engine_llm.generate(prompts, params), tiny_base.generate(prompts, params)
     assert ids(got) == ids(want)
     for g, w in zip(got, want):
@@ -374,7 +377,7 @@ def verify_many(params: SamplingParams, samples: int, drafts=DRAFTS) -> list[tup
     outs = []
     for i in range(samples):
         seq = Sequence("v", 0, [5, 6, 7], 2, params, SequenceMetrics(arrival_time=0.0))
-        seq.sampler_state = torch.Generator().manual_seed(1000 + i)
+        seq.features.attach(SeededSampling(1000 + i, torch.Generator().manual_seed(1000 + i)))
         outs.append(tuple(tok for tok, _ in verifier(logits, seq, drafts).tokens))
     return outs
 
@@ -485,14 +488,27 @@ def test_smollm2_greedy_copy_is_token_identical(default_model, llm_fp32):
     assert s.spec_decode_num_accepted_tokens > 10 and s.spec_decode_num_accepted_tokens < s.spec_decode_num_draft_tokens
 
 
-def test_default_disable_by_batch_size_follows_the_native_step():
-    """Unset, it is the crossover measured for the engine's native step (config.py): 1 where that step already
-    serves up to 8 sequences without drafts, 32 where it serves 2; a value the user sets wins."""
-    from pagedserve.engine.spec_decode.config import (DEFAULT_DISABLE_BY_BATCH_SIZE,
-                                                       DEFAULT_DISABLE_WITH_WIDE_NATIVE_STEP)
-    assert Drafter(spec(4), 512, 0, 8).disable_by_batch_size == DEFAULT_DISABLE_WITH_WIDE_NATIVE_STEP == 1
-    for seqs in (0, 2):
-        assert Drafter(spec(4), 512, 0, seqs).disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
-    drafter = Drafter(spec(4, disable_by_batch_size=6), 512, 0, 8)
+def test_by_default_only_a_lone_sequence_speculates_whatever_the_native_step():
+    """Unset, disable_by_batch_size is 1 on every engine (spec_decode/config.py says why); a value the user sets
+    wins."""
+    from pagedserve.engine.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    for capacity in (NativeCapacity(), NativeCapacity(2), NativeCapacity(16), NativeCapacity(2, 12)):
+        drafter = Drafter(SpeculativeConfig(4), 512, capacity)
+        assert drafter.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE == 1
+        assert drafter.active(1) and not drafter.active(2)
+    drafter = Drafter(spec(4, disable_by_batch_size=6), 512, NativeCapacity(8))
     assert drafter.active(6) and not drafter.active(7)
-    assert Drafter(spec(4), 512, 0, 8).active(1) and not Drafter(spec(4), 512, 0, 8).active(2)
+
+
+def test_drafts_are_trimmed_by_the_runners_own_size_rule():
+    """The drafter sizes drafts with the native step's `NativeCapacity` (the rule `accepts` applies): k while the
+    step fits, the row budget's share past max_batch, k where not even one draft each fits (the torch path)."""
+    capacity = NativeCapacity(max_batch=2, max_rows=12)
+    drafter = Drafter(spec(4, disable_by_batch_size=64), 512, capacity)
+    assert [drafter.drafts_per_sequence(n) for n in (1, 2, 3, 4, 6, 7)] == [4, 4, 3, 2, 1, 4]
+    for n in (1, 2, 3, 4, 6):
+        d = drafter.drafts_per_sequence(n)
+        assert capacity.serves(n, n * (1 + d), True)
+    assert not capacity.serves(7, 7 * 2, True) and not capacity.serves(3, 3, False)
+    assert Drafter(spec(4), 512).drafts_per_sequence(3) == 4  # no native step: all k on the torch path

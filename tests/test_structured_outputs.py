@@ -18,7 +18,7 @@ from conftest import make_tiny_model
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.constraint import ConstraintKind, OutputConstraint, json_object, json_schema
 from pagedserve.engine.errors import InvalidRequestError
-from pagedserve.engine.sequence import FinishReason
+from pagedserve.engine.core.sequence import FinishReason
 
 SCHEMAS: dict[str, dict] = json.loads((Path(__file__).parent / "fixtures" / "service_schemas.json").read_text())
 PROMPT = "Reply with a JSON object describing a user:"

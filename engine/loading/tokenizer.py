@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve.engine.core.seq_features import SeqFeature
 from pagedserve.engine.errors import ModelLoadError
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions, ChatTemplate
 
@@ -58,9 +59,14 @@ class Tokenizer:
 
 
 @dataclass(slots=True)
-class DetokState:
+class DetokState(SeqFeature):
+    """A sequence's incremental detokenizer: the token offsets its next text piece is decoded from."""
+
     prefix_offset: int
     read_offset: int
+
+    def fork(self, index: int) -> DetokState:
+        return DetokState(self.prefix_offset, self.read_offset)
 
 
 def start_detok(num_prompt_tokens: int) -> DetokState:

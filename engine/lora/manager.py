@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 import torch
 
-from pagedserve.engine.errors import AdapterLoadError, AdapterNotFoundError
+from pagedserve.engine.errors import AdapterInUseError, AdapterLoadError, AdapterNotFoundError, InvalidRequestError
 from pagedserve.engine.lora.config import AdapterInfo, LoraConfig, LoraModule
 from pagedserve.engine.lora.peft_format import read_peft_adapter
 from pagedserve.engine.lora.weights import LoraLayout, LoraWeights
@@ -45,6 +45,18 @@ class AdapterManager:
             return known
         info = AdapterInfo(module.name, 0, module.path, 0, ())
         return read_peft_adapter(info, self.layout, self.config.max_lora_rank, self.dtype, self.device)
+
+    def read_allowed(self, module: LoraModule) -> LoraWeights | AdapterInfo:
+        """A runtime load's disk half (any thread): the folder must be allowed, readable and fit the base."""
+        self.check_allowed(module.path)
+        return self.read(module)
+
+    def unload(self, name: str, users: int) -> None:
+        """Refused while `users` unfinished requests use it (AdapterInUseError): running requests are never broken."""
+        if users and any(info.name == name for info in self.infos()):
+            raise AdapterInUseError(f"adapter {name!r} is used by {users} unfinished request(s); unload it when they "
+                                    "end")
+        self.unregister(name)
 
     def check_allowed(self, path: str) -> None:
         """Runtime loads come only from under `LoraConfig.allowed_dirs` (when it names any)."""
@@ -99,6 +111,13 @@ class AdapterManager:
         self._loaded.move_to_end(weights.name)
         while len(self._loaded) > self.config.cpu_capacity:
             self._loaded.popitem(last=False)  # requests holding it keep their reference
+
+
+def require(manager: AdapterManager | None, field: str, error: type[InvalidRequestError]) -> AdapterManager:
+    """The engine's adapter manager, or `error` naming `field` when LoRA is off."""
+    if manager is None:
+        raise error(field, "LoRA adapters are off on this engine (EngineConfig.lora is None)")
+    return manager
 
 
 def _check_same_folder(known: AdapterInfo, path: str) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedserve.engine.core.seq_features import SeqFeature
 from pagedserve.engine.lora.config import AdapterInfo
 from pagedserve.kernels.cpu_lora import lora_ref
 
@@ -89,7 +90,7 @@ def model_layout(model: nn.Module) -> LoraLayout:
     return LoraLayout(tuple(slots), len(model.model.layers))
 
 
-class LoraWeights:
+class LoraWeights(SeqFeature):
     """One loaded adapter: per slot of the layout, (A [R, in], B^T [R, out]) with the scale folded into B (and, for
     a fused slot, B^T's blocks as (r0, r1, c0, c1)), or None where the adapter leaves the slot alone. Immutable once built; a request holds it while it runs, so evicting or
     unloading the adapter never changes a running request. `refs` [slots, REF_FIELDS] int64: the same matrices as
@@ -112,6 +113,10 @@ class LoraWeights:
     @property
     def adapter_id(self) -> int:
         return self.info.adapter_id
+
+    def fork(self, index: int) -> LoraWeights:
+        """A request's samples share its adapter."""
+        return self
 
     def __repr__(self) -> str:
         return f"LoraWeights({self.info.name!r}, id={self.info.adapter_id}, rank={self.info.rank})"

@@ -1,4 +1,4 @@
-"""What a model hands the native decode step (engine/native_step.py): its layer stack as tensors and linears.
+"""What a model hands the native decode step (engine/runner/native_step.py): its layer stack as tensors and linears.
 
 A model family whose decode step is the Llama layer (RMSNorm, q/k/v, rotate-half RoPE, paged attention, o
 projection, RMSNorm, SiLU-gated MLP, residual adds) defines `decoder_stack()` returning this; families with other

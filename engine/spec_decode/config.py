@@ -13,23 +13,19 @@ from pagedserve.engine.errors import ConfigError
 
 METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16
-# Steps with more running sequences than this do not speculate (disable_by_batch_size None picks one of these, by
-# the engine's native decode step; docs/speculative-decoding.md has the tables and the command):
-# - the native step serves at most 2 sequences (dense weights, file-layout blocks): larger batches run the torch
-#   path, whose steps cost about the same for a few more rows, and the copy workload gains up to 32 streams;
-DEFAULT_DISABLE_BY_BATCH_SIZE = 32
-# - it serves more (grouped GGUF / GPTQ / AWQ rows: 16 with int16/VNNI dots, 8 with fp32 FMAs): 2-16 sequences
-#   without drafts already run natively at nearly one weight read per step, while every draft row costs its dots and
-#   its attention: drafts paid only for one sequence (quiet SPR VM, copy workload: 1.67x at 1 stream, 0.93x at 2,
-#   0.94x at 4).
-DEFAULT_DISABLE_WITH_WIDE_NATIVE_STEP = 1
+# Steps with more running sequences than this do not speculate. One: a draft row is close to free only while a step
+# waits on reading the weights, which holds for one stream on every path and host measured (the copy workload
+# 1.7-2.2x); from two streams on, what a draft row costs depends on the host's matrix units and the weights' kernel
+# (its integer dots on the native step, bf16 GEMM rows on the torch path), and text that copies little loses
+# (docs/speculative-decoding.md has the tables and the command that finds a host's own crossover).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 1
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """`num_speculative_tokens`: drafts per step (k); `prompt_lookup_min` / `prompt_lookup_max`: the shortest and
     longest suffix n-gram looked up (either alone sets both, none: 5 and 5, as vLLM does); `disable_by_batch_size`:
-    a step with more running sequences than this speculates for none of them (None: measured per engine, above)."""
+    a step with more running sequences than this speculates for none of them (None: DEFAULT_DISABLE_BY_BATCH_SIZE)."""
 
     num_speculative_tokens: int
     method: str = "ngram"

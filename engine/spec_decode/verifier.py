@@ -15,17 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.engine.sampler import NON_FINITE, Sampler
-from pagedserve.engine.sequence import Sequence, TokenLogprob
-
-
-@dataclass(frozen=True, slots=True)
-class Verified:
-    seq: Sequence
-    tokens: tuple[tuple[int, TokenLogprob | None], ...]  # the accepted drafts, then the target's own token
-    num_drafts: int
-    num_accepted: int
-    error: str | None = None
+from pagedserve.engine.core.sequence import Sequence
+from pagedserve.engine.runner.sampler import NON_FINITE, Sampler, generator_of
+from pagedserve.engine.core.step_output import SeqSample
 
 
 @dataclass(slots=True)
@@ -52,24 +44,24 @@ class Verifier:
         self.sampler = sampler
         self.counters = SpecCounters()
 
-    def __call__(self, logits: torch.Tensor, seq: Sequence, drafts: tuple[int, ...]) -> Verified:
+    def __call__(self, logits: torch.Tensor, seq: Sequence, drafts: tuple[int, ...]) -> SeqSample:
         """`logits` [1 + len(drafts), vocab] fp32: the rows at the sequence's last token and at each draft."""
         rows = (seq,) * len(logits)
         processed = self.sampler.process(logits, rows)
         row_max, argmax = self.sampler.max_argmax(processed)
         if not bool(torch.isfinite(row_max).all()):
-            return Verified(seq, (), len(drafts), 0, error=NON_FINITE)
+            return SeqSample(seq, (), len(drafts), 0, error=NON_FINITE)
         if seq.params.greedy:
             picks = self._greedy(argmax.tolist(), drafts)
         else:
             probs, order = self.sampler.filtered_probs(processed, row_max, rows, list(range(len(rows))))
             probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p and top-p drop mass: p(d) is of what is left
-            picks = self._rejection(probs, order, drafts, seq.sampler_state)
+            picks = self._rejection(probs, order, drafts, generator_of(seq))
         raw = torch.log_softmax(logits, dim=-1) if seq.params.logprobs is not None else None
         tokens = tuple((tok, self.sampler.logprob(raw, row, tok, seq)) for row, tok in enumerate(picks))
         accepted = len(picks) - 1
         self.counters.count(len(drafts), accepted)
-        return Verified(seq, tokens, len(drafts), accepted)
+        return SeqSample(seq, tokens, len(drafts), accepted)
 
     @staticmethod
     def _greedy(targets: list[int], drafts: tuple[int, ...]) -> list[int]:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from pagedserve.engine.constraint import OutputConstraint
+from pagedserve.engine.core.seq_features import SeqFeature
 
 
 class ConstraintRejected(ValueError):
@@ -53,6 +54,17 @@ class GrammarBackend(ABC):
     @abstractmethod
     def matcher(self, compiled: Any) -> ConstraintMatcher:
         """A fresh matcher at the start of `compiled`."""
+
+
+@dataclass(slots=True)
+class GrammarState(SeqFeature):
+    """A constrained sequence's matcher, advanced only by appended tokens (recompute after preemption and chunked
+    prefill never replay it)."""
+
+    matcher: ConstraintMatcher
+
+    def fork(self, index: int) -> GrammarState:
+        return GrammarState(self.matcher.fork())
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,8 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from pagedserve.engine.sequence import Sequence
+from pagedserve.engine.core.sequence import Sequence
+from pagedserve.engine.structured_output.backend import GrammarState
 
 # Byte value b -> 8 biases, bit i of b (token 8k + i) set: 0.0, else -inf. Little-endian int32 words read as bytes
 # keep token order: bit t % 32 of word t // 32 is bit t % 8 of byte t // 8.
@@ -23,14 +24,14 @@ _BYTE_BIAS = torch.zeros(256, 8).masked_fill_(_BYTE_BITS == 0, float("-inf"))
 def mask_constrained_rows(logits: torch.Tensor, seqs: Seq[Sequence]) -> set[int]:
     """Masks logits [S, vocab] in place on the rows whose sequence has a matcher; returns the rows that allow no
     token at all (the constraint's dead ends)."""
-    rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
+    rows = [i for i, seq in enumerate(seqs) if GrammarState in seq.features]
     if not rows:
         return set()
     vocab = logits.shape[1]
-    words = max(seqs[r].matcher.vocab_words for r in rows)
-    bitmask = torch.zeros((len(rows), words), dtype=torch.int32)
-    for k, row in enumerate(rows):
-        seqs[row].matcher.fill_bitmask(bitmask, k)
+    matchers = [seqs[r].features[GrammarState].matcher for r in rows]
+    bitmask = torch.zeros((len(rows), max(m.vocab_words for m in matchers)), dtype=torch.int32)
+    for k, matcher in enumerate(matchers):
+        matcher.fill_bitmask(bitmask, k)
     _clear_past(bitmask, vocab)
     bias = to_bias(bitmask, vocab).to(logits.device, non_blocking=True)  # filled on CPU, applied where the logits are
     with torch.inference_mode():  # the runner's logits are inference tensors; masked in place, not copied whole

@@ -10,7 +10,7 @@ from typing import Any
 
 from pagedserve.engine.admission import AdmittedRequest
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
-from pagedserve.engine.sequence import TokenLogprob
+from pagedserve.engine.core.sequence import TokenLogprob
 from pagedserve.service.openai.openai_params import OpenAIRequest
 from pagedserve.service.openai.openai_tools import ToolCallText
 

@@ -9,7 +9,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as vpb
 
 from pagedserve.engine.kv_events import BlockRemoved, BlockStored
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
-from pagedserve.engine.sequence import TokenLogprob
+from pagedserve.engine.core.sequence import TokenLogprob
 from pagedserve.service.router.kv_events import EventBatch
 
 

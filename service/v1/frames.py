@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.sequence import FinishReason, TokenLogprob
+from pagedserve.engine.core.sequence import FinishReason, TokenLogprob
 from pagedserve.service.core.metrics import durations
 from pagedserve.service.core.stream import Ended, Heartbeat, StreamEvent
 from pagedserve.v1 import generate_pb2 as pb

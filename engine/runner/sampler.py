@@ -14,23 +14,39 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine.sequence import Sequence, TokenLogprob
+from pagedserve.engine.core.seq_features import SeqFeature
+from pagedserve.engine.core.sequence import Sequence, TokenLogprob
+from pagedserve.engine.core.step_output import SeqSample
+from pagedserve.engine.structured_output.backend import GrammarState
 from pagedserve.engine.structured_output.bitmask import mask_constrained_rows
 from pagedserve.kernels.cpu_layer_ops import row_max_argmax
-
-
-@dataclass(frozen=True, slots=True)
-class SampledTokens:
-    seq: Sequence
-    tokens: tuple[tuple[int, TokenLogprob | None], ...]  # n tokens when a request forks its samples, else 1
-    error: str | None = None  # the row could not be sampled; `tokens` is empty
-    dead_end: bool = False  # the row's constraint allows no token; `tokens` is empty
 
 
 def generator_for(seed: int, index: int) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed((seed + 0x9E3779B97F4A7C15 * index) % 2**63)
     return g
+
+
+@dataclass(slots=True)
+class SeededSampling(SeqFeature):
+    """A seeded request's per-sample generator: sample `index` draws from its own stream of the seed."""
+
+    seed: int
+    generator: torch.Generator
+
+    @classmethod
+    def start(cls, seed: int) -> SeededSampling:
+        return cls(seed, generator_for(seed, 0))
+
+    def fork(self, index: int) -> SeededSampling:
+        return SeededSampling(self.seed, generator_for(self.seed, index))
+
+
+def generator_of(seq: Sequence) -> torch.Generator | None:
+    """The sequence's own generator, or None (torch's global one) when its request has no seed."""
+    state = seq.features.get(SeededSampling)
+    return None if state is None else state.generator
 
 
 _ARGMAX_CHUNK = 512
@@ -76,7 +92,7 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self.max_argmax = max_argmax  # greedy picks and the finiteness check; native_max_argmax where it builds
 
-    def __call__(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> list[SampledTokens]:
+    def __call__(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> list[SeqSample]:
         """logits [S, vocab] fp32, one row per sequence in `seqs`."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs) and logits.dtype == torch.float32
         dead = mask_constrained_rows(logits, seqs)
@@ -94,9 +110,9 @@ class Sampler:
         if random_rows:
             choices.update(self._sample_random(processed, row_max, seqs, random_rows))
         return [
-            SampledTokens(seq, (), dead_end=True) if row in dead else
-            SampledTokens(seq, (), error=NON_FINITE) if row in bad else
-            SampledTokens(seq, tuple((tok, self.logprob(raw_logprobs, row, tok, seq)) for tok in choices[row]))
+            SeqSample(seq, (), dead_end=True) if row in dead else
+            SeqSample(seq, (), error=NON_FINITE) if row in bad else
+            SeqSample(seq, tuple((tok, self.logprob(raw_logprobs, row, tok, seq)) for tok in choices[row]))
             for row, seq in enumerate(seqs)
         ]
 
@@ -128,7 +144,7 @@ class Sampler:
         if seq.num_output_tokens < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
             if banned:
-                _ban(row, torch.tensor(sorted(banned), dtype=torch.long), keep_one=seq.matcher is not None)
+                _ban(row, torch.tensor(sorted(banned), dtype=torch.long), keep_one=GrammarState in seq.features)
 
     def _sample_random(
         self, logits: torch.Tensor, row_max: torch.Tensor, seqs: tuple[Sequence, ...], rows: list[int]
@@ -138,7 +154,7 @@ class Sampler:
         for i, row in enumerate(rows):
             seq = seqs[row]
             count = 1 + seq.pending_forks if seq.num_output_tokens == 0 else 1
-            picks = torch.multinomial(probs[i], count, replacement=True, generator=seq.sampler_state)
+            picks = torch.multinomial(probs[i], count, replacement=True, generator=generator_of(seq))
             out[row] = order[i, picks].tolist()
         return out
 

@@ -19,8 +19,9 @@ import logging
 import torch
 
 from pagedserve.engine.models.decoder_stack import DecoderStack
-from pagedserve.engine.scheduler import SchedulerOutput
-from pagedserve.engine.sequence import Sequence
+from pagedserve.engine.core.scheduler import SchedulerOutput
+from pagedserve.engine.runner.native_capacity import NativeCapacity
+from pagedserve.engine.runner.step_input import StepInput
 from pagedserve.kernels.attention import AttentionImpl
 from pagedserve.kernels.cpu_native import dtype_code, load_library
 from pagedserve.kernels.kv_cache import KVCache, LayerKVCache
@@ -71,7 +72,6 @@ def _struct_array(natives: tuple[NativeLinear, ...], size: int):
 class NativeDecodeStep:
     def __init__(self, stack: DecoderStack, cache: KVCache, attn: AttentionImpl, max_batch: int | None,
                  max_rows: int = 0):
-        self.max_rows = max_rows
         self._attn = attn
         self._keep: list[object] = []  # NativeLinears and tensors whose addresses the C structs hold
         rotation = cache.layers[0].k_rotation  # one matrix for every layer (KVCache.set_k_rotation)
@@ -82,8 +82,8 @@ class NativeDecodeStep:
         head = _linears((stack.lm_head,))[0]
         self._keep.append(head)
         # None: as many sequences as every linear's kernel still wins at (NativeLinear.native_max_batch)
-        self.max_batch = max_batch if max_batch is not None else min(
-            n.native_max_batch for n in self._keep if isinstance(n, NativeLinear))
+        self.capacity = NativeCapacity(max_batch if max_batch is not None else min(
+            n.native_max_batch for n in self._keep if isinstance(n, NativeLinear)), max_rows)
         spec = cache.spec
         self.vocab = stack.vocab_size
         self._embedding = stack.embedding
@@ -124,55 +124,46 @@ class NativeDecodeStep:
         )
 
     def accepts(self, batch: SchedulerOutput) -> bool:
-        """Whether this step runs natively: decode rows only (a speculating sequence's drafts included: each draft is
-        one more row over the same block table), at most max_batch sequences (or, with drafts, any number within
-        max_rows rows: the drafter trims drafts to fit), FP8 scales settled, no LoRA adapter (the C step has no
-        adapter deltas: a step with any adapter row runs on torch)."""
+        """Whether this step runs natively (the runner's one rule): decode rows only (a speculating sequence's drafts
+        included: each draft is one more row over the same block table), a size `capacity` serves (the drafter trims
+        drafts to fit it), FP8 scales settled, no LoRA adapter (the C step has no adapter deltas: a step with any
+        adapter row runs on torch)."""
         items = batch.scheduled
-        if not items or any(i.seq.lora is not None for i in items):
+        if not items or any(i.seq.adapter is not None for i in items):
             return False
-        if len(items) > self.max_batch and not (any(i.draft_tokens for i in items)
-                                                and sum(i.num_new_tokens for i in items) <= self.max_rows):
+        drafts = any(i.draft_tokens for i in items)
+        if not self.capacity.serves(len(items), sum(i.num_new_tokens for i in items) if drafts else len(items), drafts):
             return False
         if isinstance(self._attn, CalibratingAttention) and not self._attn.calibrated:
             return False
         return all(i.num_new_tokens == 1 + len(i.draft_tokens) and i.seq.num_computed_tokens + 1 == i.seq.num_tokens
                    for i in items)
 
-    def run(self, batch: SchedulerOutput, block_size: int) -> tuple[torch.Tensor, tuple[Sequence, ...]]:
+    def run(self, step: StepInput) -> torch.Tensor:
         """fp32 logits [rows, vocab] of the step's sequences (every one samples), in schedule order: one row per
         sequence, 1 + drafts consecutive rows for a speculating one. A draft row is a decode row of its own over the
         sequence's block table, its context ending at its position: the C step writes every row's K/V before any
         row's attention in each layer, so each draft sees the rows before it, as a causal forward does."""
         if not self._offsets_bound:
             self._bind_k_offsets()
-        seqs = tuple(item.seq for item in batch.scheduled)
-        tokens, positions, slots, table_rows = [], [], [], []
-        for item in batch.scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            tokens += [seq.token_ids[-1], *item.draft_tokens]
-            for p in range(start, start + item.num_new_tokens):
-                positions.append(p)
-                slots.append(seq.block_table[p // block_size] * block_size + p % block_size)
-                table_rows.append(seq.block_table)
-        n = len(tokens)
-        width = max(len(table) for table in table_rows)
-        tables = torch.tensor([table + [0] * (width - len(table)) for table in table_rows], dtype=torch.int32)
-        longs = torch.tensor([tokens, positions, slots, list(range(n))], dtype=torch.int64)
-        seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
+        n = len(step.token_ids)
+        width = len(step.block_tables[0])
+        tables = torch.tensor(step.row_block_tables, dtype=torch.int32)
+        longs = torch.tensor([step.token_ids, step.positions, step.slots, list(range(n))], dtype=torch.int64)
+        seq_lens = longs[1].to(torch.int32) + 1
         logits = torch.empty(n, self.vocab, dtype=torch.float32)
         # One torch call: the embedding reads its own storage (a packed one dequantizes only these rows).
         with torch.no_grad():
             embed_rows = self._embedding(longs[0]).to(torch.float32).contiguous()
         args = StepBatch(longs[0].data_ptr(), longs[1].data_ptr(), longs[2].data_ptr(), longs[3].data_ptr(),
-                         seq_lens.data_ptr(), tables.data_ptr(), width, max(positions) + 1, embed_rows.data_ptr(),
+                         seq_lens.data_ptr(), tables.data_ptr(), width, max(step.seq_lens), embed_rows.data_ptr(),
                          logits.data_ptr())
         status = self._lib.pagedserve_decode_step(ctypes.byref(self._model), ctypes.byref(args), n,
                                                   torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"native decode step failed (status {status}: -2 out of memory, -10 token id, "
                                f"-11 position, -12 KV slot out of range; other: a linear's own error)")
-        return logits, seqs
+        return logits
 
 
 def build_native_step(model: torch.nn.Module, cache: KVCache, attn: AttentionImpl, max_batch: int | None,
@@ -192,5 +183,5 @@ def build_native_step(model: torch.nn.Module, cache: KVCache, attn: AttentionImp
     except NativeStepUnavailable as why:
         logger.info("native decode step off, every step on the torch path: %s", why)
         return None
-    logger.info("native decode step on for decode-only steps of up to %d sequences", step.max_batch)
+    logger.info("native decode step on for decode-only steps of up to %d sequences", step.capacity.max_batch)
     return step

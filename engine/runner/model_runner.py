@@ -1,20 +1,26 @@
-"""Turns a SchedulerOutput into tensors, runs the model over the paged KV cache, returns logits to sample."""
+"""One step: a SchedulerOutput in, each sampling sequence's tokens out (`execute`). The runner prepares the step's
+inputs once, runs them on the native C step or the torch forward (one rule, `NativeDecodeStep.accepts`), then
+verifies drafts and samples (grammar masks included) itself: logits never leave it."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.core.scheduler import ScheduledSeq, SchedulerOutput
+from pagedserve.engine.core.sequence import Sequence
+from pagedserve.engine.core.step_output import StepOutput
 from pagedserve.engine.loading.model_loader import LoadedModel
 from pagedserve.engine.lora.layers import StepAdapters, wrap_model
 from pagedserve.engine.lora.weights import LoraLayout, model_layout
 from pagedserve.engine.models.layers import ForwardContext
-from pagedserve.engine.native_step import build_native_step
-from pagedserve.engine.scheduler import ScheduledSeq, SchedulerOutput
-from pagedserve.engine.sequence import Sequence
+from pagedserve.engine.runner.native_capacity import NO_NATIVE_STEP, NativeCapacity
+from pagedserve.engine.runner.native_step import build_native_step
+from pagedserve.engine.runner.sampler import Sampler
+from pagedserve.engine.runner.step_input import StepInput, prepare_step
+from pagedserve.engine.spec_decode.verifier import Verifier
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.backends import select_attention_impl, select_layer_ops
 from pagedserve.kernels.cpu_native import available
@@ -24,19 +30,11 @@ from pagedserve.kernels.kv_scales import setup_kv_scales
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class ModelInput:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    attn_meta: AttentionMetadata
-    # [R] int64: the last new token of each sequence that samples this step, and each of its draft tokens
-    logits_rows: torch.Tensor
-    sampling_seqs: tuple[Sequence, ...]  # the sequences, in logits-row order (a speculating one has 1 + drafts rows)
-
-
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, sampler: Sampler):
         self.model = loaded.model
+        self.sampler = sampler
+        self.verifier = Verifier(sampler)
         self.device = device
         args = self.model.args
         self.vocab_size = args.vocab_size
@@ -77,58 +75,13 @@ class ModelRunner:
         """The widest sliding window when every layer has one (a block no window reaches is then dead), else None."""
         return None if None in self.windows else max(self.windows)
 
-    def prepare(self, batch: SchedulerOutput) -> ModelInput:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        rows: list[int] = []
-        sampling: list[Sequence] = []
-        adapter_rows: list[tuple[object, int, int]] = []
-        block_size = self.kv_spec.block_size
-        order = self._in_adapter_order(batch.scheduled)
-        for item in order:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_new_tokens
-            if seq.lora is not None:
-                adapter_rows.append((seq.lora, len(ids), len(ids) + item.num_new_tokens))
-            drafts = item.draft_tokens
-            ids += seq.token_ids[start : end - len(drafts)]
-            ids += drafts
-            positions += range(start, end)
-            table = seq.block_table
-            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-            query_lens.append(item.num_new_tokens)
-            seq_lens.append(end)
-            if end - len(drafts) == seq.num_tokens:
-                # A speculating sequence samples at its last token and after each draft: 1 + len(drafts) rows.
-                rows += range(len(ids) - 1 - len(drafts), len(ids))
-                sampling.append(seq)
-        width = max(len(item.seq.block_table) for item in order)
-        tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in order]
-        if adapter_rows or self.step_adapters.groups:
-            self.step_adapters.set_spans(adapter_rows)
-        qsl = [0]
-        for q in query_lens:
-            qsl.append(qsl[-1] + q)
-        meta = AttentionMetadata(
-            query_start_loc=self._tensor(qsl, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            block_tables=self._tensor(tables, torch.int32),
-            slot_mapping=self._tensor(slots, torch.int64),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_host=tuple(query_lens),
-            seq_lens_host=tuple(seq_lens),
-        )
-        return ModelInput(
-            input_ids=self._tensor(ids, torch.int64),
-            positions=self._tensor(positions, torch.int64),
-            attn_meta=meta,
-            logits_rows=self._tensor(rows, torch.int64),
-            sampling_seqs=tuple(sampling),
-        )
+    @property
+    def native_capacity(self) -> NativeCapacity:
+        """What the native step takes (the drafter sizes drafts by it); nothing without one."""
+        return NO_NATIVE_STEP if self.native_step is None else self.native_step.capacity
+
+    def prepare(self, batch: SchedulerOutput) -> StepInput:
+        return prepare_step(self._in_adapter_order(batch.scheduled), self.kv_spec.block_size)
 
     def _in_adapter_order(self, scheduled: tuple[ScheduledSeq, ...]) -> tuple[ScheduledSeq, ...]:
         """With LoRA, the step's sequences grouped by adapter (base first, stable), so each adapter's tokens are one
@@ -141,22 +94,59 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> tuple[torch.Tensor, tuple[Sequence, ...]]:
-        """Runs one step; returns fp32 logits [R, vocab] for the sequences that sample now (one row each, 1 + drafts
-        rows for a speculating one, consecutive), and those sequences."""
+    def execute(self, batch: SchedulerOutput) -> StepOutput:
+        """Runs one step: the sampling sequences' tokens (verified drafts first, then the plainly sampled rows)."""
         self.copy_blocks(batch.block_copies)
+        logits, seqs = self.forward(batch)
+        if not seqs:
+            return StepOutput.empty()
+        drafts = {item.seq: item.draft_tokens for item in batch.scheduled if item.draft_tokens}
+        if not drafts:
+            return StepOutput(tuple(self.sampler(logits, seqs)))
+        verified, plain_rows, plain = [], [], []
+        row = 0
+        for seq in seqs:
+            num_rows = 1 + len(drafts.get(seq, ()))
+            if num_rows == 1:
+                plain_rows.append(row)
+                plain.append(seq)
+            else:
+                verified.append(self.verifier(logits[row : row + num_rows], seq, drafts[seq]))
+            row += num_rows
+        sampled = self.sampler(logits[plain_rows], tuple(plain)) if plain else []
+        return StepOutput((*verified, *sampled))
+
+    def forward(self, batch: SchedulerOutput) -> tuple[torch.Tensor, tuple[Sequence, ...]]:
+        """fp32 logits [R, vocab] for the sequences that sample now (one row each, 1 + drafts rows for a
+        speculating one, consecutive), and those sequences."""
+        step = self.prepare(batch)
         if self.native_step is not None and self.native_step.accepts(batch):
-            return self.native_step.run(batch, self.kv_spec.block_size)
-        model_input = self.prepare(batch)
-        meta = model_input.attn_meta
+            return self.native_step.run(step), step.sampling_seqs
+        if step.adapter_spans or self.step_adapters.groups:
+            self.step_adapters.set_spans(step.adapter_spans)
+        meta = self._metadata(step)
         # Once per step and window, shared by every layer with that window.
         plans = {window: self.attn_impl.plan(meta, self.kv_cache.layers[0], window) for window in self.windows}
         ctx = ForwardContext(meta, self.kv_cache, self.attn_impl, self.layer_ops, plans)
-        hidden = self.model(model_input.input_ids, model_input.positions, ctx)
-        if not model_input.sampling_seqs:
+        hidden = self.model(self._tensor(step.token_ids, torch.int64), self._tensor(step.positions, torch.int64), ctx)
+        if not step.sampling_seqs:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), ()
-        logits = self.model.compute_logits(hidden[model_input.logits_rows])
-        return logits, model_input.sampling_seqs
+        return self.model.compute_logits(hidden[self._tensor(step.logits_rows, torch.int64)]), step.sampling_seqs
+
+    def _metadata(self, step: StepInput) -> AttentionMetadata:
+        qsl = [0]
+        for q in step.query_lens:
+            qsl.append(qsl[-1] + q)
+        return AttentionMetadata(
+            query_start_loc=self._tensor(qsl, torch.int32),
+            seq_lens=self._tensor(step.seq_lens, torch.int32),
+            block_tables=self._tensor(step.block_tables, torch.int32),
+            slot_mapping=self._tensor(step.slots, torch.int64),
+            max_query_len=max(step.query_lens),
+            max_seq_len=max(step.seq_lens),
+            query_lens_host=tuple(step.query_lens),
+            seq_lens_host=tuple(step.seq_lens),
+        )
 
     def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
         if not copies:

@@ -12,15 +12,21 @@ ends and frees its place: first come, first served, without starving anyone.
 Speculative decoding: a decode sequence the drafter proposes for computes 1 + len(drafts) positions in the same step
 (the budget counts them; drafts are dropped rather than preempting anyone). Its commit waits for verification
 (`commit_verified`): only the accepted positions count as computed, and blocks taken only for rejected ones go back.
+
+After the runner's step, `update` is the one place the step's outcome changes state: blocks are committed, tokens
+appended through the stop rules (verified drafts one by one), n > 1 samples forked off their first token, dead ends
+and finished sequences released.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pagedserve.engine.block_manager import BlockManager
-from pagedserve.engine.sequence import Sequence, SeqStatus, now
+from pagedserve.engine.core.block_manager import BlockManager
+from pagedserve.engine.core.sequence import FinishReason, Sequence, SeqStatus, TokenLogprob, now
+from pagedserve.engine.core.step_output import SeqSample, StepOutput
+from pagedserve.engine.core.stopping import StopRules
 from pagedserve.engine.spec_decode.drafter import Drafter
 
 
@@ -45,13 +51,24 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass(slots=True)
+class StepUpdate:
+    """What a step changed, for the engine's outputs: the requests whose sequences got tokens or ended (in order),
+    the sequences forked off this step (n > 1), and the requests whose logits failed (to be ended whole)."""
+
+    touched: dict[str, None] = field(default_factory=dict)
+    forked: list[Sequence] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
 # Steps a request blocked by the adapter cap may be passed by others before admission waits for it.
 LORA_PASS_STEPS = 16
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_loras: int | None = None, lora_pass_steps: int = LORA_PASS_STEPS, drafter: Drafter | None = None):
+                 max_loras: int | None = None, lora_pass_steps: int = LORA_PASS_STEPS, drafter: Drafter | None = None,
+                 stop: StopRules | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -62,6 +79,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._passed_steps: dict[Sequence, int] = {}  # a request blocked by the adapter cap -> steps it was passed
         self.drafter = drafter  # None: no speculative decoding
+        self.stop = stop  # the stop rules `update` appends through
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -101,7 +119,7 @@ class Scheduler:
         return drafts if drafts and self.block_manager.can_allocate(seq, 1 + len(drafts)) else ()
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]) -> int:
-        adapters = {s.adapter_id for s in self.running if s.lora is not None}
+        adapters = {s.adapter_id for s in self.running if s.adapter is not None}
         index = 0  # the waiting requests before this one are blocked by the adapter cap
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[index]
@@ -119,7 +137,7 @@ class Scheduler:
                 break
             del self.waiting[index]
             self._passed_steps.pop(seq, None)
-            if seq.lora is not None:
+            if seq.adapter is not None:
                 adapters.add(seq.adapter_id)
             if hit is not None:
                 self.block_manager.record_lookup(seq, hit)
@@ -136,15 +154,15 @@ class Scheduler:
 
     def _over_adapter_cap(self, seq: Sequence, running: set[int]) -> bool:
         """By id, not name: a name unloaded and loaded again from another folder is another adapter."""
-        return self.max_loras is not None and seq.lora is not None and seq.adapter_id not in running and \
+        return self.max_loras is not None and seq.adapter is not None and seq.adapter_id not in running and \
             len(running) >= self.max_loras
 
     def running_adapters(self) -> tuple[str, ...]:
         """Adapter names of the running sequences, in first-seen order."""
-        return tuple(dict.fromkeys(s.adapter_name for s in self.running if s.lora is not None))
+        return tuple(dict.fromkeys(s.adapter_name for s in self.running if s.adapter is not None))
 
     def waiting_adapters(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(s.adapter_name for s in self.waiting if s.lora is not None))
+        return tuple(dict.fromkeys(s.adapter_name for s in self.waiting if s.adapter is not None))
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop the KV blocks, keep the tokens (prompt and outputs alike)."""
@@ -173,12 +191,71 @@ class Scheduler:
         self.block_manager.commit_full_blocks(seq)
         self.block_manager.release_out_of_window(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A forked sibling joins the batch right after its parent."""
-        self.running.append(seq)
+    def update(self, batch: SchedulerOutput, output: StepOutput) -> StepUpdate:
+        """Applies the runner's step: commits `batch`, then each sequence's tokens, in the runner's order."""
+        self.commit(batch)
+        update = StepUpdate()
+        for sample in output.samples:
+            seq = sample.seq
+            update.touched[seq.request_id] = None
+            if sample.error is not None:
+                update.failed[seq.request_id] = sample.error
+            elif sample.dead_end:
+                self._dead_end(seq, update)
+            elif sample.num_drafts:
+                self._append_verified(sample)
+            elif seq.request_id not in update.failed:
+                self._append_sampled(sample, update)
+        return update
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence wherever it is and release its blocks."""
+    def _append_sampled(self, sample: SeqSample, update: StepUpdate) -> None:
+        """A first token with n > 1 forks the other samples off it: each child shares the blocks computed so far."""
+        seq = sample.seq
+        first, *extra = sample.tokens
+        for index, (token, logprob) in enumerate(extra, start=1):
+            child = seq.fork(index)  # before seq takes its token: its feature state is forked as it is now
+            self.block_manager.fork(seq, child)
+            update.forked.append(child)
+            self.running.append(child)  # a forked sibling joins the batch right after its parent
+            self._append(child, token, logprob)
+        seq.pending_forks = 0
+        self._append(seq, *first)
+
+    def _append_verified(self, sample: SeqSample) -> None:
+        """Token by token, as without speculation: the first token that ends the sequence ends it there. Only the
+        appended drafts count as computed (their KV was written by this step), so the prefix cache and the block
+        table never keep a rejected or unused draft."""
+        seq, appended, done = sample.seq, 0, False
+        for token, logprob in sample.tokens:
+            appended += 1
+            done = self.stop.append(seq, token, logprob)
+            if done:
+                break
+        self.commit_verified(seq, min(appended, sample.num_accepted))
+        Drafter.observe(seq, sample.num_accepted)
+        if done:
+            self.finish(seq)
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        if self.stop.append(seq, token, logprob):
+            self.finish(seq)
+
+    def _dead_end(self, seq: Sequence, update: StepUpdate) -> None:
+        """The constraint allows no token: only this sequence ends (with its text so far) and frees its blocks; the
+        samples it has not forked yet would start from the same dead end, so they end with it."""
+        for index in range(1, seq.pending_forks + 1):
+            child = seq.fork(index)
+            child.status, child.metrics.finished_time = SeqStatus.FINISHED, now()
+            child.finish_reason = FinishReason.CONSTRAINT_DEAD_END
+            update.forked.append(child)
+        seq.pending_forks = 0
+        self.finish(seq, FinishReason.CONSTRAINT_DEAD_END)
+
+    def finish(self, seq: Sequence, reason: FinishReason | None = None) -> None:
+        """Remove a finished or aborted sequence wherever it is and release its blocks; `reason`: why it ends, when
+        the stop rules did not already say."""
+        if reason is not None:
+            seq.finish_reason, seq.metrics.finished_time = reason, now()
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from pagedserve.engine.kv_events import BlockRemoved, BlockStored, KvEvent
-from pagedserve.engine.sequence import Sequence
+from pagedserve.engine.core.sequence import Sequence
 
 FREED = -1  # a block-table entry whose block fell out of every window and went back to the pool
 
@@ -148,7 +148,7 @@ class BlockManager:
                 self._cached[h] = block.block_id
                 if self._events is not None:
                     parent = prev if i > 0 else None  # a first block's parent is no block, adapter or not
-                    lora = (seq.adapter_id, seq.adapter_name) if seq.lora is not None else (None, None)
+                    lora = (seq.adapter_id, seq.adapter_name) if seq.adapter is not None else (None, None)
                     self._events.append(BlockStored(h, parent, tokens, self.block_size, *lora))
             seq.block_hashes.append(h)
             prev = h

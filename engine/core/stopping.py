@@ -1,9 +1,28 @@
-"""Appending a sampled token to a sequence: detokenize, then decide whether the sequence is done."""
+"""Appending a sampled token to a sequence: the grammar accepts it, it is detokenized, then the stop rules decide
+whether the sequence is done."""
 
 from __future__ import annotations
 
-from pagedserve.engine.loading.tokenizer import Tokenizer, detokenize_step
-from pagedserve.engine.sequence import FinishReason, Sequence, TokenLogprob, now
+from pagedserve.engine.core.sequence import FinishReason, Sequence, TokenLogprob, now
+from pagedserve.engine.loading.tokenizer import DetokState, Tokenizer, detokenize_step
+from pagedserve.engine.structured_output.backend import GrammarState
+
+
+class StopRules:
+    """The scheduler's appender: every token a sequence gets goes through `append`."""
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> bool:
+        """Appends `token`; True when the sequence just finished (its finish reason set)."""
+        grammar = seq.features.get(GrammarState)
+        if grammar is not None and not grammar.matcher.accept(token):
+            # The library refused a token its own mask allowed: the sequence ends here, without it.
+            seq.finish_reason, seq.metrics.finished_time = FinishReason.CONSTRAINT_DEAD_END, now()
+            return True
+        return apply_token(seq, token, logprob, self.tokenizer, self.max_model_len)
 
 
 def apply_token(seq: Sequence, token: int, logprob: TokenLogprob | None, tokenizer: Tokenizer, max_model_len: int) -> bool:
@@ -14,7 +33,7 @@ def apply_token(seq: Sequence, token: int, logprob: TokenLogprob | None, tokeniz
     if logprob is not None:
         seq.logprobs.append(logprob)
     previous_len = seq.text.length
-    seq.text.append(detokenize_step(tokenizer, seq.token_ids, seq.detok))
+    seq.text.append(detokenize_step(tokenizer, seq.token_ids, seq.features[DetokState]))
     reason = _stop_reason(seq, token, tokenizer, previous_len, max_model_len)
     if reason is None:
         return False
@@ -35,7 +54,8 @@ def _stop_reason(
             return FinishReason.STOP
         if p.stop and _match_stop_string(seq, previous_len):
             return FinishReason.STOP
-    if seq.matcher is not None and seq.matcher.is_terminated():
+    grammar = seq.features.get(GrammarState)
+    if grammar is not None and grammar.matcher.is_terminated():
         # The grammar is complete (as in vLLM, the output ends here, min_tokens or not); a complete output is a stop
         # even when its last token also reached max_tokens.
         return FinishReason.STOP

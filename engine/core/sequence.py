@@ -6,8 +6,8 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
+from pagedserve.engine.core.seq_features import SeqFeatures
+from pagedserve.engine.lora.config import AdapterInfo
 from pagedserve.engine.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -96,17 +96,10 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hash chain of this sequence's committed full blocks
     pending_forks: int = 0  # extra samples (n - 1) still to be forked off after the first sampled token
-    sampler_state: Any = None  # the per-sequence torch.Generator when seeded; opaque here to keep this torch-free
-    detok: Any = None  # the incremental detokenizer's state
-    # The constraint's ConstraintMatcher (engine/structured_output/backend.py) when the request has one; advanced
-    # only by appended tokens, so recompute after preemption and chunked prefill never replay it.
-    matcher: Any = None
-    # The request's LoRA adapter (engine/lora/weights.py's LoraWeights) or None for the base; opaque here.
-    lora: Any = None
-    # Speculative decoding's back-off (engine/spec_decode/drafter.py): steps left without drafts, and how many
-    # verifications in a row accepted nothing.
-    spec_skip: int = 0
-    spec_misses: int = 0
+    adapter: AdapterInfo | None = None  # the request's LoRA adapter (None: the base); part of the prefix-cache key
+    # Every feature's own state (seeded sampling, grammar matcher, adapter weights, speculation back-off, the
+    # detokenizer): `engine/core/seq_features.py`.
+    features: SeqFeatures = field(default_factory=SeqFeatures)
     text: OutputText = field(default_factory=OutputText)
     emitted_text_len: int = 0
     emitted_token_len: int = 0
@@ -128,19 +121,20 @@ class Sequence:
 
     @property
     def adapter_name(self) -> str | None:
-        return None if self.lora is None else self.lora.name
+        return None if self.adapter is None else self.adapter.name
 
     @property
     def adapter_id(self) -> int:
         """0 for the base model."""
-        return 0 if self.lora is None else self.lora.adapter_id
+        return 0 if self.adapter is None else self.adapter.adapter_id
 
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
     def fork(self, index: int) -> "Sequence":
-        """A sibling sample sharing everything computed so far; blocks are shared by the block manager."""
+        """A sibling sample sharing everything computed so far, each feature's state forked; blocks are shared by
+        the block manager."""
         child = Sequence(
             request_id=self.request_id,
             index=index,
@@ -155,7 +149,8 @@ class Sequence:
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,
             block_hashes=list(self.block_hashes),
-            lora=self.lora,
+            adapter=self.adapter,
+            features=self.features.fork(index),
         )
         return child
 

@@ -1,0 +1,36 @@
+"""What one step of the model runner returns: per sampling sequence, the tokens it gets (logits never leave the
+runner). The scheduler's `update` applies it; nothing else reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.engine.core.sequence import Sequence, TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSample:
+    """One sequence's outcome. Plain sampling: one token, or n on a request's first token (the first is the
+    sequence's own, the rest start its forked siblings). Speculation (`num_drafts` > 0): the accepted drafts, then
+    the model's own token, appended in order."""
+
+    seq: Sequence
+    tokens: tuple[tuple[int, TokenLogprob | None], ...]
+    num_drafts: int = 0  # drafts verified this step (0: no speculation)
+    num_accepted: int = 0
+    error: str | None = None  # the row could not be sampled (its logits are not finite); `tokens` is empty
+    dead_end: bool = False  # the row's constraint allows no token; `tokens` is empty
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """Verified sequences first, then the plainly sampled ones (the order draws come from unseeded generators)."""
+
+    samples: tuple[SeqSample, ...]
+
+    @staticmethod
+    def empty() -> StepOutput:
+        return _EMPTY
+
+
+_EMPTY = StepOutput(())

@@ -1,0 +1,61 @@
+"""One step's inputs, prepared once from the SchedulerOutput for whichever path runs it (the torch forward or the
+native C step): the new tokens of every sequence packed into one batch, their positions and KV slots, and the
+logits rows that sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.engine.core.scheduler import ScheduledSeq
+from pagedserve.engine.core.sequence import Sequence
+from pagedserve.engine.lora.weights import LoraWeights
+
+
+@dataclass(frozen=True, slots=True)
+class StepInput:
+    token_ids: list[int]  # [T]: each sequence's new tokens, then its drafts
+    positions: list[int]  # [T]
+    slots: list[int]  # [T]: the KV cache slot each token's K/V goes to
+    query_lens: list[int]  # [S]: new tokens per sequence
+    seq_lens: list[int]  # [S]: each sequence's context after this step
+    block_tables: list[list[int]]  # [S]: each sequence's table, padded with 0 to the longest
+    # The last new token of each sequence that samples this step, and each of its draft tokens
+    logits_rows: list[int]
+    sampling_seqs: tuple[Sequence, ...]  # the sequences, in logits-row order (a speculating one has 1 + drafts rows)
+    adapter_spans: list[tuple[LoraWeights, int, int]]  # (adapter, first token, end) of each adapter row's tokens
+
+    @property
+    def row_block_tables(self) -> list[list[int]]:
+        """[T]: every token's sequence table (a draft is a decode row of its own over its sequence's table)."""
+        return [table for table, count in zip(self.block_tables, self.query_lens) for _ in range(count)]
+
+
+def prepare_step(scheduled: tuple[ScheduledSeq, ...], block_size: int) -> StepInput:
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    rows: list[int] = []
+    sampling: list[Sequence] = []
+    spans: list[tuple[LoraWeights, int, int]] = []
+    for item in scheduled:
+        seq, start = item.seq, item.seq.num_computed_tokens
+        end = start + item.num_new_tokens
+        if seq.adapter is not None:
+            spans.append((seq.features[LoraWeights], len(ids), len(ids) + item.num_new_tokens))
+        drafts = item.draft_tokens
+        ids += seq.token_ids[start : end - len(drafts)]
+        ids += drafts
+        positions += range(start, end)
+        table = seq.block_table
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        query_lens.append(item.num_new_tokens)
+        seq_lens.append(end)
+        if end - len(drafts) == seq.num_tokens:
+            # A speculating sequence samples at its last token and after each draft: 1 + len(drafts) rows.
+            rows += range(len(ids) - 1 - len(drafts), len(ids))
+            sampling.append(seq)
+    width = max(len(item.seq.block_table) for item in scheduled)
+    tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in scheduled]
+    return StepInput(ids, positions, slots, query_lens, seq_lens, tables, rows, tuple(sampling), spans)
