@@ -113,9 +113,9 @@ def row_group(weight: torch.Tensor) -> int:
 
 
 def _grouped_where_faster(packed: PackedMatrix, weight: torch.Tensor) -> PackedMatrix:
-    """Q4_0/Q4_1/Q8_0 rows interleaved in place (kernels/cpu/packed_grouped.c) where the build has that layout's AVX-512
-    kernel, VNNI or fp32 (2-2.5x the file layout's at one row); elsewhere the file's layout, whose kernel is then
-    the faster."""
+    """Q4_0/Q4_1/Q8_0 rows interleaved in place (kernels/cpu/packed_grouped.c) where the build has that layout's
+    AVX-512 or AVX2 kernel (2-2.5x the file layout's at one row with AVX-512, 2-3x with AVX2); elsewhere (portable C)
+    the file's layout, whose kernel is then the faster."""
     if packed.row_group or not packed.can_group(packed.qtype, packed.blocks):
         return packed
     if grouped_isa(packed.lib) not in FAST_GROUPED_ISAS:

@@ -64,13 +64,16 @@ def isa(lib: ctypes.CDLL) -> str:
 
 
 # The interleaved-rows kernels' builds faster than the file layout's / row-after-row kernels: loaders group rows
-# only where the build is one of these. avx512_vnni: int16 activations and vpdpwssd (act_q16.h); avx512: fp32.
-FAST_GROUPED_ISAS = ("avx512_vnni", "avx512")
+# only where the build is one of these. avx512_vnni, avx2_vnni, avx2: int16 activations and integer pair dots
+# (act_q16.h; the three give the same results bit for bit); avx512: fp32.
+FAST_GROUPED_ISAS = ("avx512_vnni", "avx512", "avx2_vnni", "avx2")
+# The builds whose interleaved-rows kernels round activations to int16 per block (act_q16.h states the bound).
+INT16_GROUPED_ISAS = ("avx512_vnni", "avx2_vnni", "avx2")
 
 
 def grouped_isa(lib: ctypes.CDLL) -> str:
-    """What the interleaved-rows kernel (packed_grouped.c) in `lib` was compiled to: avx512_vnni, avx512 or
-    portable (see FAST_GROUPED_ISAS)."""
+    """What the interleaved-rows kernel (packed_grouped.c) in `lib` was compiled to: avx512_vnni, avx512,
+    avx2_vnni, avx2 or portable (see FAST_GROUPED_ISAS)."""
     return lib.pagedserve_packed_grouped_isa().decode()
 
 

@@ -6,10 +6,13 @@
  * instructions, not by reading the weights. With 16 rows side by side one AVX-512 register holds one input's code
  * for all 16 rows and each block's scales are one vector per group.
  *
- * Three builds, chosen at compile time (-march=native; the tests build each): "avx512_vnni" (AVX512-VNNI and
+ * Builds, chosen at compile time by the ISA tier (isa.h; the tests build each): "avx512_vnni" (AVX512-VNNI and
  * VBMI: Ice Lake and later, Zen 4) rounds the activations to int16 per block (act_q16.h) and takes a block's
  * 16-row dots as 16 vpdpwssd per activation row: extra rows (speculative verification, small batches) cost ~20
- * instructions per block each instead of ~36, and the codes are widened with half the instructions. "avx512"
+ * instructions per block each instead of ~36, and the codes are widened with half the instructions. "avx2_vnni"
+ * and "avx2" take the same int16 activations and the same integer dots in two 8-row halves (vpdpwssd ymm with
+ * AVX-VNNI, vpmaddwd + vpaddd without: Zen 1-3, Haswell to Skylake client), with the same float epilogue, so
+ * their results equal the avx512_vnni build's bit for bit. "avx512"
  * keeps fp32 activations: a shift and a vpermps (16-entry table) make one input's 16 fp32 codes, one FMA per
  * activation row accumulates them; results equal the file layout's fp32 kernel up to summation order.
  * "portable": C loops, fp32. Per block every build adds d * sum(u x) + m * sum(x) with the exact fp32 sum(x);
@@ -27,7 +30,11 @@
 
 #define PK_EXPORT __attribute__((visibility("default")))
 #define PK_INLINE static inline __attribute__((always_inline))
-#define PK_GROUP_TILE 8  /* activation rows per pass over a group's weights */
+#if defined(PQ_LANES8)
+#define PK_GROUP_TILE 4  /* activation rows per pass over a group's weights: 16 registers hold 4 rows' sums */
+#else
+#define PK_GROUP_TILE 8
+#endif
 #define PK_PREFETCH_TILES 8  /* software prefetch distance, in tiles */
 
 static inline int64_t pk_tile_header(int fmt) { return fmt == PK_Q4_1 ? 64 : 32; }
@@ -115,6 +122,41 @@ PK_INLINE void pk_grouped_rows(int fmt, const uint8_t *tiles, int64_t nb, const 
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * out, tot[r]);
 }
+#elif defined(PQ_LANES8)
+#define PK_GROUPED_ISA PQ_INT16
+/* The avx512_vnni kernel in two 8-lane halves: rows 0-7 (tot[2r]) and 8-15 (tot[2r + 1]) of the group. */
+PK_INLINE void pk_grouped_rows(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, pq_act act,
+                               int R, const float *bias, float *y, int64_t out) {
+    (void)x, (void)in;
+    const int64_t hb = pk_tile_header(fmt), tb = pk_tile_bytes(fmt);
+    __m256 tot[2 * PK_GROUP_TILE];
+    for (int r = 0; r < R; r++) {
+        tot[2 * r] = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+        tot[2 * r + 1] = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tile = tiles + b * tb;
+        for (int64_t l = 0; l <= tb; l += 64) _mm_prefetch((const char *)tile + PK_PREFETCH_TILES * tb + l, _MM_HINT_T0);
+        __m256i acc[4 * PK_GROUP_TILE];
+        if (fmt == PK_Q8_0) pq_dots8(tile + hb, 1, act.q + 32 * b, 32 * nb, R, acc);  /* signed codes: m = 0 */
+        else pq_dots4(tile + hb, act.q + 32 * b, 32 * nb, R, acc);
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tile));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 16)));
+        const __m256 m0 = fmt == PK_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 32)))
+                                         : _mm256_mul_ps(d0, _mm256_set1_ps(-8.0f));
+        const __m256 m1 = fmt == PK_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 48)))
+                                         : _mm256_mul_ps(d1, _mm256_set1_ps(-8.0f));
+        for (int r = 0; r < R; r++) {
+            const float da = act.da[r * nb + b], sx = act.sx[r * nb + b];
+            tot[2 * r] = pq_block_total8(tot[2 * r], acc[2 * r], d0, m0, da, sx, fmt != PK_Q8_0);
+            tot[2 * r + 1] = pq_block_total8(tot[2 * r + 1], acc[2 * r + 1], d1, m1, da, sx, fmt != PK_Q8_0);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(y + r * out, tot[2 * r]);
+        _mm256_storeu_ps(y + r * out + 8, tot[2 * r + 1]);
+    }
+}
 #elif defined(PS_AVX512)
 #define PK_GROUPED_ISA "avx512"
 /* y[r][16 rows of group] for R activation rows: per block, 32 inputs x 16 rows of FMAs on fp32 codes, then
@@ -194,15 +236,13 @@ PK_INLINE void pk_grouped_rows(int fmt, const uint8_t *tiles, int64_t nb, const 
 }
 #endif
 
+#define PK_GROUPED_CASE(F, N) \
+    case N: pk_grouped_rows(F, tiles, nb, x, in, act, N < PK_GROUP_TILE ? N : PK_GROUP_TILE, bias, y, out); return;
+/* R a constant in each instance; R never exceeds PK_GROUP_TILE (pk_grouped_linear tiles the rows by it) */
 #define PK_GROUPED_CASES(F)                                                                     \
     switch (R) {                                                                                \
-    case 1: pk_grouped_rows(F, tiles, nb, x, in, act, 1, bias, y, out); return;                 \
-    case 2: pk_grouped_rows(F, tiles, nb, x, in, act, 2, bias, y, out); return;                 \
-    case 3: pk_grouped_rows(F, tiles, nb, x, in, act, 3, bias, y, out); return;                 \
-    case 4: pk_grouped_rows(F, tiles, nb, x, in, act, 4, bias, y, out); return;                 \
-    case 5: pk_grouped_rows(F, tiles, nb, x, in, act, 5, bias, y, out); return;                 \
-    case 6: pk_grouped_rows(F, tiles, nb, x, in, act, 6, bias, y, out); return;                 \
-    case 7: pk_grouped_rows(F, tiles, nb, x, in, act, 7, bias, y, out); return;                 \
+    PK_GROUPED_CASE(F, 1) PK_GROUPED_CASE(F, 2) PK_GROUPED_CASE(F, 3) PK_GROUPED_CASE(F, 4)     \
+    PK_GROUPED_CASE(F, 5) PK_GROUPED_CASE(F, 6) PK_GROUPED_CASE(F, 7)                           \
     default: pk_grouped_rows(F, tiles, nb, x, in, act, PK_GROUP_TILE, bias, y, out); return;    \
     }
 
