@@ -28,7 +28,7 @@ from pagedserve.engine.runner.sampler import Sampler, native_max_argmax, torch_m
 from pagedserve.engine.spec_decode.drafter import Drafter
 from pagedserve.engine.structured_output.compiler import ConstraintCompiler
 from pagedserve.engine.structured_output.registry import CONSTRAINT_BACKENDS
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.kernels.backends import (
     attention_backend_names, attention_requirements, layer_ops_names, layer_ops_requirements,
 )

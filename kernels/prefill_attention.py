@@ -1,5 +1,5 @@
 """Prefill chunks (sequences with more than one new token) through SDPA: the torch path's prefill, and the native
-path's for head dims that are not a multiple of 16 (cpu_prefill_attention.c takes every other case)."""
+path's for head dims that are not a multiple of 16 (kernels/cpu/prefill_attention.c takes every other case)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from pagedserve.engine.llm import LLM
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import ConfigError, ModelLoadError
 from pagedserve.engine.loading.model_loader import load_model, packed_gguf_types
-from pagedserve.kernels import cpu_packed
+from pagedserve.kernels.cpu import packed as cpu_packed
 from pagedserve.quant import gguf as gguf_method
 from pagedserve.quant.native_linear import grouped_native_max_batch
 from quant_fixtures import full_logits
@@ -63,13 +63,13 @@ def test_packed_engine_keeps_the_files_blocks(engines):
 
 
 def test_native_step_batch_limit_follows_the_kernels(engines):
-    """Grouped Q4_1/Q8_0 blocks (AVX-512 builds) keep the native step up to 8 sequences, 16 with AVX512-VNNI;
-    bf16 weights up to 2."""
+    """Grouped Q4_1/Q8_0 blocks (AVX-512 and AVX2 builds) keep the native step up to 8 sequences, 16 with
+    AVX512-VNNI; bf16 weights up to 2."""
     packed = engines["packed"].engine.loaded.model.lm_head.packed
     isa = cpu_packed.grouped_isa(packed.lib)
     grouped = isa in cpu_packed.FAST_GROUPED_ISAS
     assert packed.row_group == (cpu_packed.GROUP_ROWS if grouped else 0)
-    limit = {"avx512-vnni": 16, "avx512": 8}.get(isa, 2)
+    limit = {"avx512_vnni": 16, "avx512": 8, "avx2_vnni": 8, "avx2": 8}.get(isa, 2)
     assert limit == (grouped_native_max_batch(isa) if grouped else 2)
     assert engines["packed"].engine.runner.native_step.capacity.max_batch == limit
     assert engines["dequantized"].engine.runner.native_step.capacity.max_batch == 2

@@ -23,7 +23,7 @@ from pagedserve.engine.runner.step_input import StepInput, prepare_step
 from pagedserve.engine.spec_decode.verifier import Verifier
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.backends import select_attention_impl, select_layer_ops
-from pagedserve.kernels.cpu_native import available
+from pagedserve.kernels.cpu.native import available
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype
 from pagedserve.kernels.kv_scales import setup_kv_scales
 
