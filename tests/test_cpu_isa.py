@@ -68,7 +68,7 @@ def test_forced_tier_without_avx512_flags_compiles_no_avx512_code():
 def test_every_mirrored_structure_is_checked_and_a_mismatch_names_it():
     check_struct_sizes(native.load_library(), NATIVE_STRUCTS)
     check_struct_sizes(packed.build(), PACKED_STRUCTS)
-    assert len(NATIVE_STRUCTS) + len(PACKED_STRUCTS) == 6  # with engine/native_step.py's three: all nine
+    assert len(NATIVE_STRUCTS) + len(PACKED_STRUCTS) == 6  # with engine/runner/native_step.py's three: all nine
 
     class Shorter(ctypes.Structure):
         _fields_ = [("format", ctypes.c_int32)]

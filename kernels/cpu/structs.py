@@ -1,6 +1,6 @@
 """The ctypes mirrors of the kernels' C structures, in one place: field order and types follow the C definitions
 named beside each, and kernels/cpu/build.py checks every one against the C `sizeof` when its library loads
-(engine/native_step.py checks its own StepLayer/StepModel/StepBatch the same way)."""
+(engine/runner/native_step.py checks its own StepLayer/StepModel/StepBatch the same way)."""
 
 from __future__ import annotations
 
