@@ -18,6 +18,8 @@ from pagedserve.engine.config import EngineConfig, field_choices
 from pagedserve.engine.errors import ConfigError, ModelLoadError, UnsupportedError
 from pagedserve.service.config import ServerConfig, TlsConfig
 from pagedserve.service.lora_flags import add_lora_flags, lora_config
+from pagedserve.service.openai.openai_tools import ToolSettings
+from pagedserve.service.openai.tool_parsers.registry import TOOL_PARSERS
 from pagedserve.service.spec_flags import add_speculative_flags, speculative_config
 
 # EngineConfig fields with their own flag group instead of one flag each.
@@ -133,6 +135,11 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                    help="also serve vllm.grpc.engine.VllmEngine, the worker protocol of SMG, vllm-router and llm-d")
     g.add_argument("--ready-file", type=Path, help="write {port, metrics_port, pid} as JSON here once serving")
     g.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='OpenAI API: tool_choice "auto" (and tools without tool_choice): the model decides, '
+                        "--tool-call-parser reads its calls (vLLM's flag)")
+    g.add_argument("--tool-call-parser", help="the model's tool-call format, for auto and required tool calls; one of "
+                   + ", ".join(TOOL_PARSERS.names()))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,7 +173,13 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_connection_age_grace_s=args.max_connection_age_grace, drain_delay_s=args.drain_delay,
         shutdown_grace_s=args.shutdown_grace,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, served_model_name=args.served_model_name,
-        vllm_engine_service=args.vllm_engine_service, ready_file=args.ready_file, http_port=args.http_port)
+        vllm_engine_service=args.vllm_engine_service, ready_file=args.ready_file, http_port=args.http_port,
+        enable_auto_tool_choice=_tools(args).auto, tool_call_parser=args.tool_call_parser)
+
+
+def _tools(args: argparse.Namespace) -> ToolSettings:
+    """Checked here, so an unknown parser name stops the start before the model loads."""
+    return ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser)
 
 
 def _serve_on_two_threads(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:

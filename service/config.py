@@ -52,6 +52,9 @@ class ServerConfig:
     vllm_engine_service: bool = True
     ready_file: Path | None = None  # written (JSON: ports, pid) once the model is loaded and the server serves
     http_port: int | None = None  # the OpenAI-compatible HTTP API on `host`; None: off, 0: a free port
+    # vLLM's --enable-auto-tool-choice / --tool-call-parser (names checked by service/openai/openai_tools.py)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

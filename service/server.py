@@ -31,6 +31,7 @@ from pagedserve.service.core.standard_services import (
     HEALTH_SERVICE, REFLECTION_SERVICES, health_rpc_handler, reflection_rpc_handlers,
 )
 from pagedserve.service.openai.http_server import HttpServer
+from pagedserve.service.openai.openai_tools import ToolSettings
 from pagedserve.service.router.vllm_servicer import SERVICE_NAME as VLLM_SERVICE_NAME, VllmEngineServicer
 from pagedserve.service.v1.adapter_servicer import SERVICE_NAME as ADAPTER_SERVICE_NAME, AdapterServicer
 from pagedserve.service.v1.servicer import SERVICE_NAME, GenerationServicer
@@ -151,7 +152,8 @@ def _http_server(serving: ServingContext, config: ServerConfig) -> HttpServer | 
     if config.http_port is None:
         return None
     try:
-        return HttpServer(serving, config.host, config.http_port, config.max_message_bytes, config.tls)
+        tools = ToolSettings(config.enable_auto_tool_choice, config.tool_call_parser)
+        return HttpServer(serving, config.host, config.http_port, config.max_message_bytes, config.tls, tools)
     except OSError as exc:
         raise ConfigError("http_port", f"cannot listen on {config.host}:{config.http_port}: {exc}") from None
 

@@ -13,6 +13,7 @@ import uvicorn
 from pagedserve.service.config import TlsConfig
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.openai.openai_api import OpenAIApi
+from pagedserve.service.openai.openai_tools import ToolSettings
 
 log = logging.getLogger(__name__)
 _SHUTDOWN_S = 2  # after the drain: idle keep-alive connections get this long before they are closed
@@ -22,10 +23,10 @@ class HttpServer:
     """tls: the gRPC port's certificates serve HTTPS too (a client CA makes it mutual TLS, as for gRPC)."""
 
     def __init__(self, serving: ServingContext, host: str, port: int, max_body_bytes: int,
-                 tls: TlsConfig | None = None):
+                 tls: TlsConfig | None = None, tools: ToolSettings = ToolSettings()):
         self.socket = _bind(host, port)
         self.port = self.socket.getsockname()[1]
-        config = uvicorn.Config(OpenAIApi(serving, max_body_bytes).app(), lifespan="off", log_config=None,
+        config = uvicorn.Config(OpenAIApi(serving, max_body_bytes, tools).app(), lifespan="off", log_config=None,
                                 access_log=False, timeout_graceful_shutdown=_SHUTDOWN_S, server_header=False,
                                 **_tls_options(tls))
         self._server = uvicorn.Server(config)

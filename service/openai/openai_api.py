@@ -31,6 +31,7 @@ from pagedserve.service.openai.merged_streams import MergedStreams
 from pagedserve.service.openai.openai_errors import HttpError, error_reply
 from pagedserve.service.openai.openai_params import OpenAIRequest, parse
 from pagedserve.service.openai.openai_responses import ResponseBuilder
+from pagedserve.service.openai.openai_tools import ToolSettings
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,8 @@ log = logging.getLogger(__name__)
 class OpenAIApi:
     """serving: the engine, state, metrics and model name this API shares with the other front ends."""
 
-    def __init__(self, serving: ServingContext, max_body_bytes: int):
-        self.serving, self.max_body_bytes = serving, max_body_bytes
+    def __init__(self, serving: ServingContext, max_body_bytes: int, tools: ToolSettings = ToolSettings()):
+        self.serving, self.max_body_bytes, self.tools = serving, max_body_bytes, tools
         self.created = int(time.time())
         self.adapters = AdapterAdmin(serving)
 
@@ -135,7 +136,7 @@ class _Generate:
             body = await exchange.json_body(self.api.max_body_bytes)
             adapter = self.api.check_model(body)
             self.api.serving.state.check_admitting()
-            request = parse(body, self.chat, adapter)
+            request = parse(body, self.chat, adapter, self.api.tools)
             admitted = await self._admit(body, request)
             self.api.serving.metrics.adapter_requests(request.adapter, len(admitted))
             with self.api.serving.state.track():

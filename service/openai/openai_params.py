@@ -8,6 +8,7 @@ ignores them), which are refused as unsupported, and how their shapes map onto t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.service.openai.openai_constraints import STRUCTURED_PARAMS, RequestedConstraint, requested_constraint
 from pagedserve.service.openai.openai_constraints import rename as rename_constraint
-from pagedserve.service.openai.openai_tools import ToolChoice, tool_constraint
+from pagedserve.service.openai.openai_tools import ToolPlan, ToolSettings, tool_plan
 
 # OpenAI's own parameters, plus vLLM's extensions that the same clients send.
 _COMMON = frozenset({
@@ -36,7 +37,7 @@ CHAT_PARAMS = _COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "metadata", "store", "service_tier", "parallel_tool_calls",
     "tools", "tool_choice", "response_format", "chat_template", "add_generation_prompt", "reasoning_effort",
     "prompt_cache_key", "safety_identifier", "modalities", "audio", "prediction", "functions", "function_call",
-    "web_search_options", "verbosity",
+    "web_search_options", "verbosity", "chat_template_kwargs", "continue_final_message", "documents",
 }
 _TEXT_PART = "text"
 
@@ -67,7 +68,7 @@ class OpenAIRequest:
     echo: bool
     names: dict[str, str]  # engine field -> the OpenAI parameter the client set
     constraint_param: str | None = None  # where the constraint came from: its errors name this path
-    tool_choice: ToolChoice | None = None  # set: the text is a forced tool call (openai_tools.py)
+    tools: ToolPlan = ToolPlan(None)  # tools rendered, forced, or read back from the text (openai_tools.py)
     adapter: str | None = None  # the LoRA adapter `model` named (None: the base)
 
     @property
@@ -92,17 +93,18 @@ class OpenAIRequest:
         return tuple(admitted)
 
 
-def parse(body: Any, chat: bool, adapter: str | None = None) -> OpenAIRequest:
-    """adapter: the LoRA adapter `model` names (OpenAIApi.check_model), set on every prompt's request."""
+def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings = ToolSettings()) -> OpenAIRequest:
+    """adapter: the LoRA adapter `model` names (OpenAIApi.check_model), set on every prompt's request; tools: the
+    server's tool-call flags."""
     if not isinstance(body, dict):
         raise InvalidRequestError("body", f"must be a JSON object, got {type(body).__name__}")
     body = {k: v for k, v in body.items() if v is not None}  # the SDKs send null for "not given"
     _check_known(body, CHAT_PARAMS if chat else COMPLETION_PARAMS)
     _refuse_unsupported(body, chat)
     names = _names(body, chat)
-    shapes = [(_chat_prompt(body), "", "messages")] if chat else _completion_prompts(body)
+    requested, plan = _constraint(body, chat, tools)
+    shapes = [(_chat_prompt(body, plan), "", "messages")] if chat else _completion_prompts(body)
     logprobs = _chat_logprobs(body) if chat else body.get("logprobs")  # its own errors already name OpenAI's fields
-    requested, tool_choice = _constraint(body, chat)
     with renamed(field_map(names)):
         params = _sampling_params(body, chat, logprobs, requested)
     # No max_tokens: the room left in the context (chat) or 16 within it (completions); a set one must fit.
@@ -118,19 +120,20 @@ def parse(body: Any, chat: bool, adapter: str | None = None) -> OpenAIRequest:
         include_usage=_bool(options, "include_usage", False),
         continuous_usage=_bool(options, "continuous_usage_stats", False),
         return_token_ids=_bool(body, "return_token_ids", False), echo=_bool(body, "echo", False), names=names,
-        constraint_param=requested.param if requested else None, tool_choice=tool_choice, adapter=adapter)
+        constraint_param=requested.param if requested else None, tools=plan, adapter=adapter)
 
 
-def _constraint(body: dict[str, Any], chat: bool) -> tuple[RequestedConstraint | None, ToolChoice | None]:
+def _constraint(body: dict[str, Any], chat: bool,
+                settings: ToolSettings) -> tuple[RequestedConstraint | None, ToolPlan]:
     """At most one: a structured-output parameter or a forced tool call."""
     requested = requested_constraint(body)
-    tools = tool_constraint(body) if chat else None
-    if tools is None:
-        return requested, None
+    plan = tool_plan(body, settings) if chat else ToolPlan(None)
+    if plan.constraint is None:
+        return requested, plan
     if requested is not None:
         raise InvalidRequestError("tool_choice", f"a forced tool call constrains the output already; "
                                                  f"{requested.param.split('.')[0]} cannot be set with it")
-    return tools
+    return plan.constraint, plan
 
 
 def _check_known(body: dict[str, Any], known: frozenset[str]) -> None:
@@ -235,10 +238,19 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def _chat_prompt(body: dict[str, Any]) -> ChatPrompt:
+def _chat_prompt(body: dict[str, Any], plan: ToolPlan) -> ChatPrompt:
     messages = tuple(_messages(body.get("messages")))
+    kwargs = body.get("chat_template_kwargs", {})
+    if not isinstance(kwargs, dict):
+        raise InvalidRequestError("chat_template_kwargs", "must be an object of template variables")
+    documents = body.get("documents")
+    if documents is not None and (not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents)):
+        raise InvalidRequestError("documents", "must be a list of objects (e.g. {\"title\": ..., \"text\": ...})")
     options = ChatOptions(template=body.get("chat_template"),
-                          add_generation_prompt=_bool(body, "add_generation_prompt", True))
+                          add_generation_prompt=_bool(body, "add_generation_prompt", True),
+                          continue_final_message=_bool(body, "continue_final_message", False),
+                          tools=plan.tools, documents=tuple(documents) if documents is not None else None,
+                          kwargs=tuple(kwargs.items()))
     return ChatPrompt(messages, options, _bool(body, "add_special_tokens", False))
 
 
@@ -249,13 +261,47 @@ def _messages(raw: Any) -> list[ChatMessage]:
     for i, message in enumerate(raw):
         if not isinstance(message, dict):
             raise InvalidRequestError(f"messages[{i}]", "must be an object with role and content")
-        if message.get("tool_calls"):
-            raise InvalidRequestError(f"messages[{i}].tool_calls", "tool calls are not supported by this server")
         role = message.get("role")
         if not isinstance(role, str):
             raise InvalidRequestError(f"messages[{i}].role", f"must be a string, got {role!r}")
-        out.append(ChatMessage(role, _content(message.get("content"), f"messages[{i}].content")))
+        calls = _tool_calls(message.get("tool_calls"), f"messages[{i}].tool_calls") if role == "assistant" else ()
+        content = message.get("content")
+        content = None if content is None and calls else _content(content, f"messages[{i}].content")
+        out.append(ChatMessage(role, content, calls, _optional_str(message, "tool_call_id", f"messages[{i}]"),
+                               _optional_str(message, "name", f"messages[{i}]")))
     return out
+
+
+def _tool_calls(raw: Any, field: str) -> tuple[dict[str, Any], ...]:
+    """An assistant turn's calls as templates read them: arguments as an object (vLLM parses them for the
+    template too; templates write them with tojson)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise InvalidRequestError(field, "must be a list of tool calls")
+    calls = []
+    for j, call in enumerate(raw):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidRequestError(f"{field}[{j}]", "must be {\"id\", \"type\": \"function\", \"function\": "
+                                      "{\"name\", \"arguments\"}}")
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            raise InvalidRequestError(f"{field}[{j}].function.arguments", "must be JSON text of an object") from None
+        if not isinstance(arguments, dict):
+            raise InvalidRequestError(f"{field}[{j}].function.arguments", "must be JSON text of an object")
+        calls.append({"id": str(call.get("id", "")), "type": "function",
+                      "function": {"name": function["name"], "arguments": arguments}})
+    return tuple(calls)
+
+
+def _optional_str(message: dict[str, Any], name: str, field: str) -> str | None:
+    value = message.get(name)
+    if value is not None and not isinstance(value, str):
+        raise InvalidRequestError(f"{field}.{name}", f"must be a string, got {value!r}")
+    return value
 
 
 def _content(content: Any, field: str) -> str:

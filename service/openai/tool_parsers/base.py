@@ -120,8 +120,12 @@ def lark_alternatives(rules: list[str]) -> str:
 
 
 def lark_json(schema: Any) -> str:
-    """A Lark rule body matching one JSON value of schema (llguidance's %json extension)."""
-    return "%json " + json.dumps(schema if schema is not True else {}, sort_keys=False)
+    """A Lark rule body matching one JSON value of schema (llguidance's %json extension), without the free
+    whitespace small models loop on (as the backend compiles JSON Schemas)."""
+    schema = {} if schema is True else schema
+    if isinstance(schema, dict):
+        schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    return "%json " + json.dumps(schema)
 
 
 def repeated(item: str, separator: str, forced: ForcedCalls) -> str:
