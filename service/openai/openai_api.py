@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (Starlette app): /v1/completions, /v1/chat/completions, /v1/models, /health, and
-vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter.
+vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter, /tokenize, /detokenize and /version.
 
 `model` picks what serves a request: the base's served name (or none) the base, an adapter's name that adapter.
 
@@ -31,6 +31,7 @@ from pagedserve.service.openai.merged_streams import MergedStreams
 from pagedserve.service.openai.openai_errors import HttpError, error_reply
 from pagedserve.service.openai.openai_params import OpenAIRequest, parse
 from pagedserve.service.openai.openai_responses import ResponseBuilder
+from pagedserve.service.openai.openai_tokenize import TokenizeApi
 from pagedserve.service.openai.openai_tools import ToolSettings
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class OpenAIApi:
         self.adapters = AdapterAdmin(serving)
 
     def app(self) -> Starlette:
+        tokens = TokenizeApi(self.serving, self.max_body_bytes)
         routes = [
             Route("/v1/completions", _Generate(self, chat=False), methods=["POST"]),
             Route("/v1/chat/completions", _Generate(self, chat=True), methods=["POST"]),
@@ -53,6 +55,9 @@ class OpenAIApi:
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/load_lora_adapter", self.load_adapter, methods=["POST"]),
             Route("/v1/unload_lora_adapter", self.unload_adapter, methods=["POST"]),
+            Route("/tokenize", tokens.tokenize, methods=["POST"]),
+            Route("/detokenize", tokens.detokenize, methods=["POST"]),
+            Route("/version", tokens.version, methods=["GET"]),
         ]
         return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
 

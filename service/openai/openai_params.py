@@ -103,7 +103,7 @@ def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings
     _refuse_unsupported(body, chat)
     names = _names(body, chat)
     requested, plan = _constraint(body, chat, tools)
-    shapes = [(_chat_prompt(body, plan), "", "messages")] if chat else _completion_prompts(body)
+    shapes = [(chat_prompt(body, plan), "", "messages")] if chat else _completion_prompts(body)
     logprobs = _chat_logprobs(body) if chat else body.get("logprobs")  # its own errors already name OpenAI's fields
     with renamed(field_map(names)):
         params = _sampling_params(body, chat, logprobs, requested)
@@ -238,7 +238,8 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def _chat_prompt(body: dict[str, Any], plan: ToolPlan) -> ChatPrompt:
+def chat_prompt(body: dict[str, Any], plan: ToolPlan) -> ChatPrompt:
+    """messages and the template's other inputs (also for /tokenize)."""
     messages = tuple(_messages(body.get("messages")))
     kwargs = body.get("chat_template_kwargs", {})
     if not isinstance(kwargs, dict):

@@ -104,6 +104,15 @@ def tool_plan(body: dict[str, Any], settings: ToolSettings) -> ToolPlan:
     return ToolPlan(rendered, constraint, NamedCallFormat(name), named=True)
 
 
+def rendered_tools(body: dict[str, Any]) -> ToolPlan:
+    """Tools for the template only (/tokenize): checked as a chat request checks them."""
+    tools = body.get("tools")
+    if not tools:
+        return ToolPlan(None)
+    _function_schemas(tools)
+    return ToolPlan(tuple(tools))
+
+
 def _required(forced: ForcedCalls, settings: ToolSettings) -> tuple[RequestedConstraint, ToolParser]:
     parser = settings.make_parser()
     if parser is None:
