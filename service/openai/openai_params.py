@@ -9,13 +9,14 @@ ignores them), which are refused as unsupported, and how their shapes map onto t
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine.admission import (
-    CHAT_FIELD, TEXT_FIELD, TOKENS_FIELD, AdmittedRequest, ChatPrompt, GenerationRequest, Prompt, TextPrompt,
-    TokensPrompt, field_map, renamed,
+    CHAT_FIELD, TEXT_FIELD, TOKENS_FIELD, TRUNCATE_TO_CONTEXT, AdmittedRequest, ChatPrompt, GenerationRequest, Prompt,
+    TextPrompt, TokensPrompt, field_map, renamed,
 )
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions
@@ -30,7 +31,8 @@ _COMMON = frozenset({
     "presence_penalty", "frequency_penalty", "logit_bias", "user",
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens",
-    "return_token_ids", *STRUCTURED_PARAMS,
+    "return_token_ids", "truncate_prompt_tokens", "priority", "bad_words", "allowed_token_ids", "prompt_logprobs",
+    "request_id", *STRUCTURED_PARAMS,
 })
 COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT_PARAMS = _COMMON | {
@@ -38,15 +40,20 @@ CHAT_PARAMS = _COMMON | {
     "tools", "tool_choice", "response_format", "chat_template", "add_generation_prompt", "reasoning_effort",
     "prompt_cache_key", "safety_identifier", "modalities", "audio", "prediction", "functions", "function_call",
     "web_search_options", "verbosity", "chat_template_kwargs", "continue_final_message", "documents",
+    "echo",
 }
 _TEXT_PART = "text"
 
 # OpenAI parameter -> SamplingParams field, where the value passes unchanged.
 _DIRECT = ("n", "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
-           "stop", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output")
+           "stop", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output", "allowed_token_ids",
+           "bad_words", "skip_special_tokens")
 
 
 MAX_BATCH = 64  # prompts in one /v1/completions request
+_WARNED: set[str] = set()  # unknown field names already logged
+_MAX_WARNED = 256
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,14 +110,16 @@ def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings
     _refuse_unsupported(body, chat)
     names = _names(body, chat)
     requested, plan = _constraint(body, chat, tools)
-    shapes = [(chat_prompt(body, plan), "", "messages")] if chat else _completion_prompts(body)
+    shapes = [_chat_shape(body, plan)] if chat else _completion_prompts(body)
     logprobs = _chat_logprobs(body) if chat else body.get("logprobs")  # its own errors already name OpenAI's fields
     with renamed(field_map(names)):
         params = _sampling_params(body, chat, logprobs, requested)
     # No max_tokens: the room left in the context (chat) or 16 within it (completions); a set one must fit.
     default = "max_completion_tokens" not in body and "max_tokens" not in body
-    prompts = tuple(PromptInput(GenerationRequest(prompt, params, max_tokens_is_default=default, adapter=adapter),
-                                text, field) for prompt, text, field in shapes)
+    truncate = _truncate(body)
+    prompts = tuple(PromptInput(GenerationRequest(prompt, params, max_tokens_is_default=default, adapter=adapter,
+                                                  truncate_prompt_tokens=truncate), text, field)
+                    for prompt, text, field in shapes)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options", {})
     if "stream_options" in body and (not stream or not isinstance(options, dict)):
@@ -137,9 +146,12 @@ def _constraint(body: dict[str, Any], chat: bool,
 
 
 def _check_known(body: dict[str, Any], known: frozenset[str]) -> None:
-    unknown = sorted(set(body) - known)
-    if unknown:  # OpenAI answers the same for a misspelt parameter, instead of silently ignoring it
-        raise InvalidRequestError(unknown[0], f"Unrecognized request argument supplied: {unknown[0]}")
+    """Unknown fields are ignored, as vLLM ignores them, with one warning per field name (a bounded set, so
+    random names cannot grow it without end)."""
+    for name in sorted(set(body) - known):
+        if name not in _WARNED and len(_WARNED) < _MAX_WARNED:
+            _WARNED.add(name)
+            log.warning("ignoring the unknown request field %r (warned once per field name)", name[:64])
 
 
 def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
@@ -153,11 +165,16 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     if body.get("modalities", ["text"]) != ["text"]:
         raise InvalidRequestError("modalities", "only [\"text\"] is supported")
     if "best_of" in body and body["best_of"] != body.get("n", 1):
-        raise InvalidRequestError("best_of", "must equal n (ranking extra samples is not supported)")
-    if _bool(body, "echo", False) and "logprobs" in body:
+        raise InvalidRequestError("best_of", "must equal n: ranking extra samples is not supported (vLLM's V1 "
+                                  "engine dropped best_of too); ask for n samples and rank them yourself")
+    if _bool(body, "echo", False) and not chat and "logprobs" in body:
         raise InvalidRequestError("echo", "echo with logprobs needs prompt logprobs, which are not supported")
-    if not _bool(body, "skip_special_tokens", True):
-        raise InvalidRequestError("skip_special_tokens", "only true is supported")
+    if body.get("prompt_logprobs") is not None:
+        raise InvalidRequestError("prompt_logprobs", "is not supported: the engine computes logits for the last "
+                                  "prompt position only")
+    if body.get("priority", 0) != 0:
+        raise InvalidRequestError("priority", f"got {body['priority']!r}, but this server schedules first come, "
+                                  "first served (vLLM without --scheduling-policy priority refuses it the same way)")
 
 
 def _names(body: dict[str, Any], chat: bool) -> dict[str, str]:
@@ -167,6 +184,14 @@ def _names(body: dict[str, Any], chat: bool) -> dict[str, str]:
     if chat and "top_logprobs" in body:
         names["logprobs"] = "top_logprobs"
     return names
+
+
+def _truncate(body: dict[str, Any]) -> int | None:
+    """vLLM's truncate_prompt_tokens: keep the last k prompt tokens; -1: as many as the context allows."""
+    value = body.get("truncate_prompt_tokens")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < TRUNCATE_TO_CONTEXT):
+        raise InvalidRequestError("truncate_prompt_tokens", f"must be an integer >= 1, or -1, got {value!r}")
+    return value
 
 
 def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -236,6 +261,15 @@ def _completion_prompts(body: dict[str, Any]) -> list[tuple[Prompt, str, str]]:
 
 def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _chat_shape(body: dict[str, Any], plan: ToolPlan) -> tuple[Prompt, str, str]:
+    """vLLM's echo in chat: the answer starts with the last message's content when that message is the
+    assistant's (the turn being continued)."""
+    prompt = chat_prompt(body, plan)
+    last = prompt.messages[-1]
+    echo = (last.content or "") if _bool(body, "echo", False) and last.role == "assistant" else ""
+    return prompt, echo, "messages"
 
 
 def chat_prompt(body: dict[str, Any], plan: ToolPlan) -> ChatPrompt:

@@ -85,7 +85,7 @@ class ResponseBuilder:
         out: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": choice.finish_reason,
                                "stop_reason": choice.stop_reason}
         if self.request.chat:
-            out["message"] = {"role": "assistant", "content": text}
+            out["message"] = {"role": "assistant", "content": self._echo(index // self.n) + text}
             if choice.tool is not None:
                 content, calls = choice.tool.message(text)
                 out["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
