@@ -25,6 +25,7 @@ from pagedserve.engine.lora.config import AdapterInfo
 from pagedserve.service.core.adapters import AdapterAdmin
 from pagedserve.service.core.admit import admit_off_loop
 from pagedserve.service.core.context import ServingContext
+from pagedserve.service.core.request_policy import RequestPolicy
 from pagedserve.service.core.stream import Ended, RequestStream
 from pagedserve.service.openai.http_exchange import ClientGone, Exchange, read_json_body
 from pagedserve.service.openai.merged_streams import MergedStreams
@@ -40,8 +41,9 @@ log = logging.getLogger(__name__)
 class OpenAIApi:
     """serving: the engine, state, metrics and model name this API shares with the other front ends."""
 
-    def __init__(self, serving: ServingContext, max_body_bytes: int, tools: ToolSettings = ToolSettings()):
-        self.serving, self.max_body_bytes, self.tools = serving, max_body_bytes, tools
+    def __init__(self, serving: ServingContext, max_body_bytes: int, tools: ToolSettings = ToolSettings(),
+                 policy: RequestPolicy = RequestPolicy()):
+        self.serving, self.max_body_bytes, self.tools, self.policy = serving, max_body_bytes, tools, policy
         self.created = int(time.time())
         self.adapters = AdapterAdmin(serving)
 
@@ -141,7 +143,7 @@ class _Generate:
             body = await exchange.json_body(self.api.max_body_bytes)
             adapter = self.api.check_model(body)
             self.api.serving.state.check_admitting()
-            request = parse(body, self.chat, adapter, self.api.tools)
+            request = parse(body, self.chat, adapter, self.api.tools, self.api.policy)
             admitted = await self._admit(body, request)
             self.api.serving.metrics.adapter_requests(request.adapter, len(admitted))
             with self.api.serving.state.track():

@@ -21,6 +21,7 @@ from pagedserve.engine.admission import (
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.service.core.request_policy import RequestPolicy
 from pagedserve.service.openai.openai_constraints import STRUCTURED_PARAMS, RequestedConstraint, requested_constraint
 from pagedserve.service.openai.openai_constraints import rename as rename_constraint
 from pagedserve.service.openai.openai_tools import ToolPlan, ToolSettings, tool_plan
@@ -100,9 +101,10 @@ class OpenAIRequest:
         return tuple(admitted)
 
 
-def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings = ToolSettings()) -> OpenAIRequest:
+def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings = ToolSettings(),
+          policy: RequestPolicy = RequestPolicy()) -> OpenAIRequest:
     """adapter: the LoRA adapter `model` names (OpenAIApi.check_model), set on every prompt's request; tools: the
-    server's tool-call flags."""
+    server's tool-call flags; policy: its sampling defaults (--generation-config) and limits."""
     if not isinstance(body, dict):
         raise InvalidRequestError("body", f"must be a JSON object, got {type(body).__name__}")
     body = {k: v for k, v in body.items() if v is not None}  # the SDKs send null for "not given"
@@ -112,10 +114,12 @@ def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings
     requested, plan = _constraint(body, chat, tools)
     shapes = [_chat_shape(body, plan)] if chat else _completion_prompts(body)
     logprobs = _chat_logprobs(body) if chat else body.get("logprobs")  # its own errors already name OpenAI's fields
-    with renamed(field_map(names)):
-        params = _sampling_params(body, chat, logprobs, requested)
+    _check_logprobs(logprobs, chat, policy)
     # No max_tokens: the room left in the context (chat) or 16 within it (completions); a set one must fit.
     default = "max_completion_tokens" not in body and "max_tokens" not in body
+    body = _with_defaults(body, policy, default)
+    with renamed(field_map(names)):
+        params = _sampling_params(body, chat, logprobs, requested)
     truncate = _truncate(body)
     prompts = tuple(PromptInput(GenerationRequest(prompt, params, max_tokens_is_default=default, adapter=adapter,
                                                   truncate_prompt_tokens=truncate), text, field)
@@ -184,6 +188,21 @@ def _names(body: dict[str, Any], chat: bool) -> dict[str, str]:
     if chat and "top_logprobs" in body:
         names["logprobs"] = "top_logprobs"
     return names
+
+
+def _with_defaults(body: dict[str, Any], policy: RequestPolicy, no_max_tokens: bool) -> dict[str, Any]:
+    """The model's sampling defaults under what the request set (a default max_tokens still shrinks to fit)."""
+    if not policy.sampling_defaults:
+        return body
+    defaults = {k: v for k, v in policy.sampling_defaults.items() if k != "max_tokens" or no_max_tokens}
+    return {**defaults, **body}
+
+
+def _check_logprobs(logprobs: Any, chat: bool, policy: RequestPolicy) -> None:
+    if isinstance(logprobs, int) and not isinstance(logprobs, bool) and logprobs > policy.max_logprobs:
+        name = "top_logprobs" if chat else "logprobs"
+        raise InvalidRequestError(name, f"must be <= {policy.max_logprobs} (the server's --max-logprobs), "
+                                  f"got {logprobs}")
 
 
 def _truncate(body: dict[str, Any]) -> int | None:
