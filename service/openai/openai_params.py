@@ -33,9 +33,19 @@ _COMMON = frozenset({
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens",
     "return_token_ids", "truncate_prompt_tokens", "priority", "bad_words", "allowed_token_ids", "prompt_logprobs",
-    "request_id", *STRUCTURED_PARAMS,
+    "request_id", "use_beam_search", "length_penalty", "logits_processors", "return_tokens_as_token_ids",
+    "cache_salt", "kv_transfer_params", "vllm_xargs", *STRUCTURED_PARAMS,
 })
-COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix", "prompt_embeds"}
+# vLLM extras that would change the answer in ways this server does not do: refused naming why, never ignored.
+_REFUSED = {
+    "use_beam_search": "beam search is not supported; sample n answers instead",
+    "logits_processors": "is not supported: the server runs no code sent with a request",
+    "prompt_embeds": "is not supported: prompts are text or token ids",
+    "return_tokens_as_token_ids": "is not supported; return_token_ids gives each choice's token ids",
+    "cache_salt": "is not supported: the prefix cache is shared by all requests of this server",
+    "kv_transfer_params": "is not supported: this server does no disaggregated prefill",
+}
 CHAT_PARAMS = _COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "metadata", "store", "service_tier", "parallel_tool_calls",
     "tools", "tool_choice", "response_format", "chat_template", "add_generation_prompt", "reasoning_effort",
@@ -166,6 +176,9 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     for name in ("audio", "prediction", "web_search_options", "suffix"):
         if name in body:
             raise InvalidRequestError(name, "is not supported by this server")
+    for name, reason in _REFUSED.items():
+        if body.get(name) not in (None, False, [], {}):
+            raise InvalidRequestError(name, reason)
     if body.get("modalities", ["text"]) != ["text"]:
         raise InvalidRequestError("modalities", "only [\"text\"] is supported")
     if "best_of" in body and body["best_of"] != body.get("n", 1):
