@@ -82,5 +82,7 @@ class Drafter:
     @staticmethod
     def eligible(seq: Sequence) -> bool:
         p = seq.params
-        return (p.speculative and seq.matcher is None and not p.needs_penalties and seq.pending_forks == 0
+        # bad words depend on the tokens before each position, which the verifier's rows do not carry for drafts
+        return (p.speculative and seq.matcher is None and not p.needs_penalties and not p.bad_words_ids
+                and seq.pending_forks == 0
                 and seq.num_output_tokens >= p.min_tokens and seq.num_computed_tokens + 1 == seq.num_tokens)
