@@ -13,7 +13,7 @@ from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.openai.http_exchange import read_json_body
 from pagedserve.service.openai.openai_errors import HttpError, error_reply
-from pagedserve.service.openai.openai_params import chat_prompt
+from pagedserve.service.openai.openai_messages import chat_prompt, flag
 from pagedserve.service.openai.openai_tools import rendered_tools
 
 MAX_DETOKENIZE = 1 << 20  # token ids in one /detokenize body
@@ -28,7 +28,7 @@ class TokenizeApi:
             body = await self._body(request)
             ids = self._ids(body)
             reply: dict[str, Any] = {"count": len(ids), "max_model_len": self.serving.max_model_len, "tokens": ids}
-            if _flag(body, "return_token_strs", False):
+            if flag(body, "return_token_strs", False):
                 tokenizer = self.serving.engine.tokenizer
                 reply["token_strs"] = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
             return JSONResponse(reply)
@@ -69,14 +69,7 @@ class TokenizeApi:
         text = body.get("prompt")
         if not isinstance(text, str):
             raise InvalidRequestError("prompt", "must be a string (or send messages)")
-        return tokenizer.encode(text, _flag(body, "add_special_tokens", True))
-
-
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if not isinstance(value, bool):
-        raise InvalidRequestError(name, f"must be a boolean, got {value!r}")
-    return value
+        return tokenizer.encode(text, flag(body, "add_special_tokens", True))
 
 
 def _error(exc: BaseException) -> Response:
