@@ -126,6 +126,8 @@ def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings
     # No max_tokens: the room left in the context (chat) or 16 within it (completions); a set one must fit.
     default = "max_completion_tokens" not in body and "max_tokens" not in body
     body = _with_defaults(body, policy, default)
+    if plan.format is not None and plan.format.keeps_special_tokens:
+        body = {**body, "skip_special_tokens": False}
     with renamed(field_map(names)):
         params = _sampling_params(body, chat, logprobs, requested)
     truncate = _truncate(body)

@@ -45,6 +45,9 @@ class ForcedCalls:
 
 class ToolParser(ABC):
     name: ClassVar[str]
+    # The call marker is a special token of the family's tokenizer, which the text must keep to be read (vLLM's
+    # mistral parser turns skip_special_tokens off for the same reason).
+    keeps_special_tokens: ClassVar[bool] = False
 
     @abstractmethod
     def parse(self, text: str, final: bool) -> Parsed: ...

@@ -19,6 +19,7 @@ _ID_CHARS = string.ascii_letters + string.digits
 
 class MistralParser(ToolParser):
     name = "mistral"
+    keeps_special_tokens = True
 
     def parse(self, text: str, final: bool) -> Parsed:
         start = text.find(MARKER)
