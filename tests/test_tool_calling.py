@@ -108,7 +108,7 @@ def test_two_turn_tool_loop(served, hf_tokenizer, stream):
     assert "18 degrees Celsius" in hf_tokenizer.decode(tokenized["tokens"])
 
     second = dict(SETTINGS, messages=messages, tools=TOOLS)
-    raw = client.chat.completions.create(**second, tool_choice="none").choices[0]
+    raw = client.chat.completions.create(**second, tool_choice="none", extra_body=_same_text(parser)).choices[0]
     assert raw.message.tool_calls in (None, [])
     want_content, want_calls = _read(parser, raw.message.content)
     if stream:
@@ -125,6 +125,11 @@ def test_two_turn_tool_loop(served, hf_tokenizer, stream):
     assert finish == ("tool_calls" if want_calls and raw.finish_reason == "stop" else raw.finish_reason)
 
 
+def _same_text(parser: str) -> dict:
+    """The plain request decodes as the parser's requests do (mistral keeps special tokens)."""
+    return {"skip_special_tokens": not TOOL_PARSERS.get(parser).keeps_special_tokens}
+
+
 def _read(parser: str, text: str) -> tuple[str | None, list[tuple[str, str]]]:
     from pagedserve.service.openai.tool_parsers.stream import ToolCallStream
 
@@ -136,7 +141,8 @@ def test_plain_answers_pass_through_auto_unchanged(served):
     """A question no tool answers: the auto reply is the model's text as "none" gives it, when it holds no call."""
     parser, _, client = served
     messages = [{"role": "user", "content": "Write one sentence about the sea."}]
-    plain = client.chat.completions.create(**SETTINGS, messages=messages, tools=TOOLS, tool_choice="none")
+    plain = client.chat.completions.create(**SETTINGS, messages=messages, tools=TOOLS, tool_choice="none",
+                                           extra_body=_same_text(parser))
     auto = client.chat.completions.create(**SETTINGS, messages=messages, tools=TOOLS, tool_choice="auto")
     content, calls = _read(parser, plain.choices[0].message.content)
     assert auto.choices[0].message.content == content
