@@ -147,3 +147,12 @@ def test_plain_answers_pass_through_auto_unchanged(served):
     content, calls = _read(parser, plain.choices[0].message.content)
     assert auto.choices[0].message.content == content
     assert [(c.function.name, c.function.arguments) for c in auto.choices[0].message.tool_calls or []] == calls
+
+
+def test_a_schema_the_grammar_refuses_is_a_400_and_the_server_keeps_serving(served):
+    parser, _, client = served
+    broken = [{"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**SETTINGS, messages=QUESTION, tools=broken, tool_choice="required")
+    assert refused.value.body["param"] == "tools"
+    assert client.chat.completions.create(**SETTINGS, messages=QUESTION).choices[0].message.content
