@@ -154,5 +154,5 @@ def test_a_schema_the_grammar_refuses_is_a_400_and_the_server_keeps_serving(serv
     broken = [{"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}]
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(**SETTINGS, messages=QUESTION, tools=broken, tool_choice="required")
-    assert refused.value.body["param"] == "tools"
-    assert client.chat.completions.create(**SETTINGS, messages=QUESTION).choices[0].message.content
+    assert refused.value.param == ("tools[0].function.parameters" if parser == "pythonic" else "tools")
+    assert client.chat.completions.create(**SETTINGS, messages=QUESTION).choices[0].finish_reason in ("stop", "length")

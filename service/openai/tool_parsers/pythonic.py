@@ -9,6 +9,7 @@ import ast
 import json
 from typing import Any
 
+from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.service.openai.tool_parsers.base import (
     ForcedCalls, Parsed, ParsedCall, ToolParser, lark_json, lark_literal, repeated,
 )
@@ -37,14 +38,25 @@ class PythonicParser(ToolParser):
         rules = [f"start: {lark_literal('[')} {repeated('call', ', ', forced)} {lark_literal(']')}",
                  "call: " + " | ".join(f"call_{i}" for i in range(len(forced.functions)))]
         for i, (name, schema) in enumerate(forced.functions):
-            properties = schema.get("properties", {}) if isinstance(schema, dict) else {}
-            required = [p for p in (schema.get("required", []) if isinstance(schema, dict) else []) if p in properties]
+            properties, required = _keywords(schema, i)
             args = []
             for j, prop in enumerate(required):
                 rules.append(f"arg_{i}_{j}: {lark_json(properties[prop])}")
                 args.append(f"{lark_literal((', ' if j else '') + prop + '=')} arg_{i}_{j}")
             rules.append(f"call_{i}: {lark_literal(name + '(')} {' '.join(args)} {lark_literal(')')}")
         return "\n".join(rules)
+
+
+def _keywords(schema: Any, index: int) -> tuple[dict[str, Any], list[str]]:
+    """A function's keyword parameters (its object schema's properties) and the required ones, in schema order."""
+    schema = {} if schema is True else schema
+    properties = schema.get("properties", {}) if isinstance(schema, dict) else None
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object" or not isinstance(properties, dict) \
+            or not all(isinstance(p, (dict, bool)) for p in properties.values()):
+        raise InvalidRequestError(f"tools[{index}].function.parameters", "pythonic calls take keyword arguments: "
+                                  "the parameters must be an object schema with properties")
+    required = schema.get("required", [])
+    return properties, [p for p in required if p in properties] if isinstance(required, list) else []
 
 
 def _calls(body: str) -> list[ParsedCall] | None:
