@@ -7,7 +7,7 @@ template variables), so the prompt is byte for byte what `tokenizer.apply_chat_t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ class ChatMessage:
     role: str
     content: str | None  # None: an assistant turn that only calls tools (templates test `content` for it)
     # An assistant turn's calls, as templates read them: {"id", "type", "function": {"name", "arguments": dict}}
-    tool_calls: tuple[dict[str, Any], ...] = ()
+    tool_calls: tuple[dict[str, Any], ...] = field(default=(), hash=False)
     tool_call_id: str | None = None  # a tool result: the call it answers
     name: str | None = None  # a tool result: the function's name (some templates print it)
 
@@ -47,10 +47,11 @@ class ChatOptions:
     add_generation_prompt: bool = True  # end with the assistant header, so the model answers
     # The last (assistant) message is left open for the model to continue; excludes add_generation_prompt.
     continue_final_message: bool = False
-    tools: tuple[dict[str, Any], ...] | None = None  # OpenAI tool definitions, as templates read them
-    documents: tuple[dict[str, Any], ...] | None = None  # RAG documents, for templates that take them
+    # JSON values (dicts inside): left out of the hash, so hashing an options object never fails on them
+    tools: tuple[dict[str, Any], ...] | None = field(default=None, hash=False)  # OpenAI tool definitions
+    documents: tuple[dict[str, Any], ...] | None = field(default=None, hash=False)  # for templates that take them
     # Extra template variables (vLLM's chat_template_kwargs, e.g. enable_thinking); never override the above.
-    kwargs: tuple[tuple[str, Any], ...] = ()
+    kwargs: tuple[tuple[str, Any], ...] = field(default=(), hash=False)
 
     def __post_init__(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:
