@@ -137,6 +137,8 @@ class Admission:
             raise InvalidRequestError(field, f"the prompt is {len(ids)} tokens; the model's context is {context} "
                                       "tokens and at least one must be left to generate")
         params = self._fit(request, len(ids))
+        if params.bad_words:
+            params = params.with_bad_words_ids(self._bad_words_ids(params.bad_words))
         params.check_vocab(self.limits.vocab_size)
         return AdmittedRequest(tuple(ids), params, truncated, self._compile(params.constraint), adapter)
 
@@ -172,6 +174,16 @@ class Admission:
         if not ids:
             raise InvalidRequestError(field, "the prompt is empty")
         return ids, field
+
+    def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each word as the model writes it alone and after a space (vLLM's two spellings), each once."""
+        found: list[tuple[int, ...]] = []
+        for word in words:
+            for spelling in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.encoder.encode(spelling, False))
+                if ids and ids not in found:
+                    found.append(ids)
+        return tuple(found)
 
     def _check_ids(self, ids: list[int]) -> None:
         vocab = self.limits.vocab_size

@@ -18,6 +18,7 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)
 PRESENCE_FREQUENCY_RANGE = (-2.0, 2.0)
 _MAX_STOP_STRINGS = 16
 _MAX_STOP_STRING_CHARS = 256
+_MAX_BAD_WORDS = 256
 
 
 def _finite(name: str, value: float) -> None:
@@ -59,6 +60,12 @@ class SamplingParams:
     logprobs: int | None = None  # top-n alternatives per generated token (the chosen token is always included)
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
     constraint: OutputConstraint | None = None  # structured output (engine/constraint.py); compiled at admission
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (vLLM's allowed_token_ids)
+    # vLLM's bad_words: strings never generated; the admission tokenizes them into bad_words_ids (with and without a
+    # leading space, as vLLM does): a word's last token is banned while the output ends with the tokens before it.
+    bad_words: tuple[str, ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    skip_special_tokens: bool = True  # False: special tokens' text stays in the output (the ending token's never)
     # False: this request never gets speculative drafts, even on an engine that speculates (its tokens are the
     # same either way for greedy, and equally distributed for sampling; only the step cost differs)
     speculative: bool = True
@@ -79,6 +86,21 @@ class SamplingParams:
         if not isinstance(ids, (tuple, list)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise InvalidRequestError("stop_token_ids", "must be a list of integers")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            if not isinstance(allowed, (tuple, list)) or not allowed or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in allowed):
+                raise InvalidRequestError("allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
+            object.__setattr__(self, "allowed_token_ids", tuple(allowed))
+        words = self.bad_words
+        if not isinstance(words, (tuple, list)) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise InvalidRequestError("bad_words", "must be a list of non-empty strings")
+        if len(words) > _MAX_BAD_WORDS:
+            raise InvalidRequestError("bad_words", f"at most {_MAX_BAD_WORDS} words, got {len(words)}")
+        object.__setattr__(self, "bad_words", tuple(words))
+        object.__setattr__(self, "bad_words_ids", tuple(tuple(ids) for ids in self.bad_words_ids))
+        if not isinstance(self.skip_special_tokens, bool):
+            raise InvalidRequestError("skip_special_tokens", f"must be true or false, got {self.skip_special_tokens!r}")
 
     def _validate_sampling(self) -> None:
         _integer("n", self.n, 1)
@@ -138,6 +160,10 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def restricts_tokens(self) -> bool:
+        return self.allowed_token_ids is not None or bool(self.bad_words_ids)
+
+    @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
@@ -149,9 +175,16 @@ class SamplingParams:
         object.__setattr__(fitted, "min_tokens", min(self.min_tokens, max_tokens))
         return fitted
 
+    def with_bad_words_ids(self, ids: tuple[tuple[int, ...], ...]) -> SamplingParams:
+        """A copy with bad_words tokenized (the admission does it, with the model's tokenizer)."""
+        resolved = copy.copy(self)
+        object.__setattr__(resolved, "bad_words_ids", ids)
+        return resolved
+
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids the client sent must exist in the model's vocabulary."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", tuple(self.logit_bias or ()))):
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", tuple(self.logit_bias or ())),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise InvalidRequestError(name, f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -20,7 +21,10 @@ from pagedserve.engine.config import EngineConfig, field_choices
 from pagedserve.engine.errors import ConfigError, ModelLoadError, UnsupportedError
 from pagedserve.kernels.cpu import isa
 from pagedserve.service.config import ServerConfig, TlsConfig
+from pagedserve.service.core.request_policy import RequestPolicy, generation_defaults
 from pagedserve.service.lora_flags import add_lora_flags, lora_config
+from pagedserve.service.openai.openai_tools import ToolSettings
+from pagedserve.service.openai.tool_parsers.registry import TOOL_PARSERS
 from pagedserve.service.spec_flags import add_speculative_flags, speculative_config
 
 # EngineConfig fields with their own flag group instead of one flag each.
@@ -136,12 +140,29 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                    help="also serve vllm.grpc.engine.VllmEngine, the worker protocol of SMG, vllm-router and llm-d")
     g.add_argument("--ready-file", type=Path, help="write {port, metrics_port, pid} as JSON here once serving")
     g.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    g.add_argument("--api-key", help="clients must send `Authorization: Bearer KEY` (HTTP) or `authorization: "
+                   "Bearer KEY` metadata (gRPC); health checks are exempt (default: no key)")
+    g.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for OpenAI requests that leave them out: auto (the model folder's "
+                        "generation_config.json, vLLM's default), vllm (none) or a folder holding one")
+    g.add_argument("--max-logprobs", type=int, default=20, help="most logprobs / top_logprobs a request may ask "
+                   "for (default 20, the engine's maximum)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's command lines; this server never runs a checkpoint's own code, and "
+                        "refuses models that need it (config.json auto_map)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='OpenAI API: tool_choice "auto" (and tools without tool_choice): the model decides, '
+                        "--tool-call-parser reads its calls (vLLM's flag)")
+    g.add_argument("--tool-call-parser", help="the model's tool-call format, for auto and required tool calls; one of "
+                   + ", ".join(TOOL_PARSERS.names()))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="pagedserve: a gRPC (and OpenAI HTTP) LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over gRPC")
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL",
+                       help="the model to serve, as `vllm serve MODEL` takes it (the same as --model)")
     add_engine_flags(serve)
     add_server_flags(serve)
     serve.add_argument("--cpu-isa", default=None, metavar="TIER",
@@ -154,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in _GROUPED_FIELDS}
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            raise ConfigError("model", f"given twice: {tag!r} (positional) and --model {args.model!r}")
+        given["model"] = tag
     given["lora"] = lora_config(args, args.served_model_name)
     given["speculative"] = speculative_config(args)
     config = EngineConfig(**{k: v for k, v in given.items() if v is not None})
@@ -174,7 +200,36 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_connection_age_grace_s=args.max_connection_age_grace, drain_delay_s=args.drain_delay,
         shutdown_grace_s=args.shutdown_grace,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, served_model_name=args.served_model_name,
-        vllm_engine_service=args.vllm_engine_service, ready_file=args.ready_file, http_port=args.http_port)
+        vllm_engine_service=args.vllm_engine_service, ready_file=args.ready_file, http_port=args.http_port,
+        enable_auto_tool_choice=_tools(args).auto, tool_call_parser=args.tool_call_parser, api_key=args.api_key,
+        generation_config=args.generation_config, max_logprobs=args.max_logprobs)
+
+
+def check_start(engine_cfg: EngineConfig, server_cfg: ServerConfig, trust_remote_code: bool) -> None:
+    """What can be refused before anything loads: a --generation-config folder without the file, a bad
+    --max-logprobs, a model that needs its own code."""
+    RequestPolicy(generation_defaults(server_cfg.generation_config, engine_cfg.model), server_cfg.max_logprobs)
+    config = Path(engine_cfg.model) / "config.json" if engine_cfg.model else None
+    auto_map = _auto_map(config) if config is not None and config.is_file() else None
+    if auto_map:
+        raise ConfigError("model", f"{engine_cfg.model} needs the checkpoint's own code (config.json auto_map: "
+                          f"{', '.join(sorted(auto_map))}), which this server never runs"
+                          + (" (--trust-remote-code cannot change that)" if trust_remote_code else ""))
+    if trust_remote_code:
+        logging.getLogger(__name__).info("--trust-remote-code accepted: this model needs no code of its own")
+
+
+def _auto_map(config: Path) -> dict | None:
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # the loader reports an unreadable config with its own error
+    return data.get("auto_map") if isinstance(data, dict) and isinstance(data.get("auto_map"), dict) else None
+
+
+def _tools(args: argparse.Namespace) -> ToolSettings:
+    """Checked here, so an unknown parser name stops the start before the model loads."""
+    return ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser)
 
 
 def _serve_on_two_threads(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
@@ -220,7 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "calibrate-kv":
             return kv_calibration.run(args)
         force_cpu_isa(args.cpu_isa)
-        return _serve_on_two_threads(engine_config(args), server_config(args))
+        engine_cfg, server_cfg = engine_config(args), server_config(args)
+        check_start(engine_cfg, server_cfg, args.trust_remote_code)
+        return _serve_on_two_threads(engine_cfg, server_cfg)
     except (ConfigError, ModelLoadError, UnsupportedError, isa.IsaError) as exc:
         print(f"pagedserve: {exc}", file=sys.stderr)
         return 2

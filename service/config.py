@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.engine.errors import ConfigError
+from pagedserve.service.core.auth import ApiKey
 
 MIB = 1 << 20
 
@@ -52,8 +53,17 @@ class ServerConfig:
     vllm_engine_service: bool = True
     ready_file: Path | None = None  # written (JSON: ports, pid) once the model is loaded and the server serves
     http_port: int | None = None  # the OpenAI-compatible HTTP API on `host`; None: off, 0: a free port
+    # vLLM's --enable-auto-tool-choice / --tool-call-parser (names checked by service/openai/openai_tools.py)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    # --api-key: requests need `Authorization: Bearer KEY` (HTTP) / `authorization` metadata (gRPC); health is exempt
+    api_key: str | None = field(default=None, repr=False)
+    generation_config: str = "auto"  # vLLM's --generation-config: auto, vllm or a folder (core/request_policy.py)
+    max_logprobs: int = 20  # vLLM's --max-logprobs: most logprobs / top_logprobs a request may ask for
 
     def __post_init__(self) -> None:
+        if self.api_key is not None:
+            ApiKey(self.api_key)  # refuses an empty or padded key at start
         if not 0 <= self.port <= 65535:
             raise ConfigError("port", f"must be in [0, 65535], got {self.port}")
         for name in ("metrics_port", "http_port"):

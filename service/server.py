@@ -30,7 +30,10 @@ from pagedserve.service.core.metrics import ServiceMetrics
 from pagedserve.service.core.standard_services import (
     HEALTH_SERVICE, REFLECTION_SERVICES, health_rpc_handler, reflection_rpc_handlers,
 )
+from pagedserve.service.core.auth import ApiKey, GrpcApiKeyInterceptor
+from pagedserve.service.core.request_policy import RequestPolicy, generation_defaults
 from pagedserve.service.openai.http_server import HttpServer
+from pagedserve.service.openai.openai_tools import ToolSettings
 from pagedserve.service.router.vllm_servicer import SERVICE_NAME as VLLM_SERVICE_NAME, VllmEngineServicer
 from pagedserve.service.v1.adapter_servicer import SERVICE_NAME as ADAPTER_SERVICE_NAME, AdapterServicer
 from pagedserve.service.v1.servicer import SERVICE_NAME, GenerationServicer
@@ -54,7 +57,8 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     metrics = ServiceMetrics(name, lambda: serving.stats())
     serving = ServingContext(state, metrics, name)
     servicer = GenerationServicer(serving, config.max_message_bytes)
-    server = grpc.aio.server(options=config.grpc_options())
+    interceptors = [GrpcApiKeyInterceptor(ApiKey(config.api_key))] if config.api_key else []
+    server = grpc.aio.server(options=config.grpc_options(), interceptors=interceptors)
     adapters = AdapterServicer(serving, config.max_message_bytes)
     server.add_generic_rpc_handlers((servicer.rpc_handler(), adapters.rpc_handler()))
     vllm = VllmEngineServicer(serving, config.max_message_bytes) if config.vllm_engine_service else None
@@ -63,7 +67,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     server.add_generic_rpc_handlers((health_rpc_handler(health, config.max_message_bytes),))
     server.add_generic_rpc_handlers(reflection_rpc_handlers(SERVICE_NAMES + ((VLLM_SERVICE_NAME,) if vllm else ())))
     await state.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
-    http = _http_server(serving, config)  # binds first: a taken port stops the start before anything runs
+    http = _http_server(serving, config, engine_config.model)  # binds first: a taken port stops the start before anything runs
     port = _bind(server, config)
     await server.start()
     metrics_port = _serve_metrics(metrics, state, config)
@@ -146,12 +150,16 @@ def _serve_metrics(metrics: ServiceMetrics, state: ServingState, config: ServerC
     return serve_http(metrics.registry, ready, config.metrics_host or config.host, config.metrics_port)
 
 
-def _http_server(serving: ServingContext, config: ServerConfig) -> HttpServer | None:
+def _http_server(serving: ServingContext, config: ServerConfig, model: str | None) -> HttpServer | None:
     """The OpenAI API on this event loop (--http-port), sharing the serving context's engine, state and metrics."""
     if config.http_port is None:
         return None
     try:
-        return HttpServer(serving, config.host, config.http_port, config.max_message_bytes, config.tls)
+        tools = ToolSettings(config.enable_auto_tool_choice, config.tool_call_parser)
+        key = ApiKey(config.api_key) if config.api_key else None
+        policy = RequestPolicy(generation_defaults(config.generation_config, model), config.max_logprobs)
+        return HttpServer(serving, config.host, config.http_port, config.max_message_bytes, config.tls, tools, key,
+                          policy)
     except OSError as exc:
         raise ConfigError("http_port", f"cannot listen on {config.host}:{config.http_port}: {exc}") from None
 

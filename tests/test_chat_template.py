@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -110,3 +112,45 @@ def test_check_messages_names_the_bad_message(messages, field):
     with pytest.raises(InvalidRequestError) as info:
         check_messages(messages)
     assert info.value.field == field
+
+
+TOOLS = ({"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},)
+
+
+def test_tools_documents_and_kwargs_render_as_transformers_renders_them(folders, tmp_path):
+    """A named-template dict: "tool_use" with tools, "default" without (transformers' choice); documents and
+    template variables reach the template."""
+    default = "{% for m in messages %}{{ m.content }}{% endfor %}{% if shout %}!{% endif %}"
+    tool_use = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for d in documents or [] %}"
+                "<{{ d.title }}>{% endfor %}{% for m in messages %}{{ m.content or '' }}{% for c in m.tool_calls or [] %}"
+                "{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}")
+    folder = tokenizer_dir(tmp_path / "named", None, as_jinja_file=False)
+    config = folder / "tokenizer_config.json"
+    data = json.loads(config.read_text())
+    data["chat_template"] = [{"name": "default", "template": default}, {"name": "tool_use", "template": tool_use}]
+    config.write_text(json.dumps(data))
+    ours, theirs = Tokenizer(folder, VOCAB), AutoTokenizer.from_pretrained(folder)
+    chat = [{"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {"tz": "UTC"}}}]},
+            {"role": "tool", "content": "12:00", "tool_call_id": "c1", "name": "get_time"}]
+    messages = tuple(ChatMessage(m["role"], m["content"], tuple(m.get("tool_calls", ())), m.get("tool_call_id"),
+                                 m.get("name")) for m in chat)
+    documents = ({"title": "doc", "text": "x"},)
+    got = ours.chat.render(messages, ChatOptions(tools=TOOLS, documents=documents))
+    assert got == theirs.apply_chat_template(chat, tools=list(TOOLS), documents=list(documents), tokenize=False,
+                                             add_generation_prompt=True)
+    assert got == '[get_time]<doc>Higet_time{"tz": "UTC"}12:00'
+    assert ours.chat.render(messages[:1], ChatOptions(kwargs=(("shout", True),))) == "Hi!"
+    with pytest.raises(InvalidRequestError) as refused:
+        ChatOptions(kwargs=(("tools", []),))
+    assert refused.value.field == "chat_template_kwargs"
+
+
+def test_bad_words_are_tokenized_alone_and_after_a_space(default_model):
+    from pagedserve.engine.admission import Admission, ModelLimits
+
+    tokenizer = Tokenizer(default_model.tokenizer_dir, VOCAB)
+    admission = Admission(ModelLimits(VOCAB, 512, 10_000), tokenizer)
+    ids = admission._bad_words_ids(("Paris", " Paris"))
+    assert ids == (tuple(tokenizer.encode("Paris", False)), tuple(tokenizer.encode(" Paris", False)))

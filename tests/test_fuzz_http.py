@@ -59,6 +59,14 @@ SHARED_PARAMS = {
     "user": _plausible("u1"),
     "model": st.sampled_from([MODEL, MODEL, MODEL, "no-such-model", 7]),
     "unknown_field_x": ANY_JSON,
+    # vLLM's extras
+    "truncate_prompt_tokens": _plausible(None, -1, 0, 1, 4, -2, 10**9),
+    "allowed_token_ids": _plausible(None, [], [42, 43], [-1], [99999999], [True]),
+    "bad_words": _plausible(None, [], ["Paris"], [""], [" "], ["a"] * 300, [1]),
+    "skip_special_tokens": _plausible(True, False),
+    "include_stop_str_in_output": _plausible(True, False),
+    "priority": _plausible(0, 1, -1),
+    "prompt_logprobs": _plausible(None, 0, 1),
 }
 COMPLETION_PARAMS = {
     **SHARED_PARAMS,
@@ -70,9 +78,14 @@ COMPLETION_PARAMS = {
 }
 TOOLS = st.lists(st.builds(lambda name, schema: {"type": "function", "function": {"name": name, "parameters": schema}},
                           st.sampled_from(["f0", "f1", "f2"]), SCHEMAS), min_size=1, max_size=3)
+TOOL_CALL = st.fixed_dictionaries({"id": _plausible("call_1", "abcdefghi"), "type": _plausible("function"),
+                                   "function": _plausible({"name": "f0", "arguments": "{}"},
+                                                          {"name": "f1", "arguments": "{oops"}, {"name": 3})})
 MESSAGE = st.fixed_dictionaries(
-    {"role": _plausible("user", "system", "assistant", "wizard"),
-     "content": _plausible("Hi", "", None, [{"type": "text", "text": "Hi"}], [{"type": "image_url"}])})
+    {"role": _plausible("user", "system", "assistant", "wizard", "tool"),
+     "content": _plausible("Hi", "", None, [{"type": "text", "text": "Hi"}], [{"type": "image_url"}])},
+    optional={"tool_calls": st.one_of(st.lists(TOOL_CALL, max_size=2), ANY_JSON),
+              "tool_call_id": _plausible("call_1", 5), "name": _plausible("f0", None, [1])})
 CHAT_PARAMS = {
     **SHARED_PARAMS,
     "messages": st.one_of(st.lists(MESSAGE, max_size=4), ANY_JSON),
@@ -81,6 +94,12 @@ CHAT_PARAMS = {
     "tools": st.one_of(_plausible(None, [], [{"type": "function"}]), TOOLS),
     "tool_choice": _plausible("none", "auto", "required", {"type": "function", "function": {"name": "f0"}},
                               {"type": "function", "function": {"name": "nope"}}),
+    "parallel_tool_calls": _plausible(True, False),
+    "chat_template_kwargs": _plausible(None, {}, {"enable_thinking": False}, {"messages": 1}, [1]),
+    "add_generation_prompt": _plausible(True, False),
+    "continue_final_message": _plausible(True, False),
+    "echo": _plausible(False, True),
+    "documents": _plausible(None, [{"title": "t", "text": "x"}], ["x"]),
 }
 # Structured outputs, every dialect, on both endpoints: generated schemas, regexes, choices and grammars.
 CONSTRAINT_PARAMS = {

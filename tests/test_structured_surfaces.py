@@ -40,7 +40,17 @@ HTTP_BAD = [  # (id, path, body, param)
     ("guided-regex-number", COMPLETIONS, {"prompt": "x", "guided_regex": 5}, "guided_regex"),
     ("two-parameters", CHAT, {"messages": USER, "guided_regex": "a+", "response_format": {"type": "json_object"}},
      "guided_regex"),
-    ("tools-auto", CHAT, {"messages": USER, "tools": TOOLS}, "tools"),
+    ("tools-too-many", CHAT, {"messages": USER, "tools": [
+        {"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools"),
+    ("tool-name-not-an-identifier", CHAT, {"messages": USER, "tools": [
+        {"type": "function", "function": {"name": "get weather; rm -rf"}}]}, "tools[0].function.name"),
+    ("parallel-tool-calls-string", CHAT, {"messages": USER, "tools": TOOLS, "parallel_tool_calls": "yes"},
+     "parallel_tool_calls"),
+    ("tool-call-arguments-not-json", CHAT, {"messages": [*USER, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{oops"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ("tool-message-id-not-a-string", CHAT, {"messages": [*USER, {"role": "tool", "content": "1",
+                                                                  "tool_call_id": 5}]}, "messages[1].tool_call_id"),
     ("tools-auto-explicit", CHAT, {"messages": USER, "tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
     ("tool-choice-unknown-function", CHAT, {"messages": USER, "tools": TOOLS, "tool_choice": {
         "type": "function", "function": {"name": "launch"}}}, "tool_choice.function.name"),
@@ -71,10 +81,12 @@ def test_openai_bad_constraint_is_400_naming_the_parameter(shared_server, path, 
 
 
 def test_openai_text_response_format_and_tool_choice_none_are_plain_text(shared_server):  # noqa: F811
+    """Without --enable-auto-tool-choice, tools without tool_choice are answered as "none" (never a 400); the
+    default template renders no tools, so the answer is the plain one."""
     plain = {"messages": USER, "temperature": 0, "max_tokens": 6}
     status, expected = post(shared_server.http_port, CHAT, plain)
     assert status == 200
-    for extra in ({"response_format": {"type": "text"}}, {"tools": TOOLS, "tool_choice": "none"}):
+    for extra in ({"response_format": {"type": "text"}}, {"tools": TOOLS, "tool_choice": "none"}, {"tools": TOOLS}):
         status, reply = post(shared_server.http_port, CHAT, {**plain, **extra})
         assert status == 200 and reply["choices"][0]["message"] == expected["choices"][0]["message"], extra
 
@@ -141,24 +153,3 @@ def test_router_learns_constraints_start_at_the_first_token(shared_server):  # n
     with grpc.insecure_channel(shared_server.target) as channel:
         info = vgrpc.VllmEngineStub(channel).GetServerInfo(vpb.GetServerInfoRequest(), timeout=30)
     assert info.constrained_decoding_start == "first_token"
-
-
-@pytest.mark.parametrize("text", [
-    '{"name": "get_weather", "parameters": {"city": "Paris", "unit": {"a": "}"}} }',
-    '{"name":"get_time","parameters":{}}',
-    '{ "name" : "get_time" , "parameters" : { "zone" : "UTC" }\n}',
-], ids=["nested-braces", "compact", "spaced"])
-def test_required_tool_call_streams_its_arguments_exactly(text):
-    """Fed one character at a time, the deltas concatenate to the arguments of the whole call, and the held-back
-    closing braces never leak the wrapper's own `}` into the arguments."""
-    import json
-
-    from pagedserve.service.openai.openai_tools import ToolCallText, ToolChoice
-
-    stream, whole = ToolCallText(ToolChoice(None)), ToolCallText(ToolChoice(None))
-    deltas = [d for i in range(len(text)) for d in stream.deltas(text[:i + 1], final=False)]
-    deltas += stream.deltas(text, final=True)
-    (call,) = whole.whole(text)
-    assert deltas[0]["id"] == stream.id and deltas[0]["function"]["name"] == json.loads(text)["name"]
-    assert "".join(d["function"]["arguments"] for d in deltas) == call["function"]["arguments"]
-    assert json.loads(call["function"]["arguments"]) == json.loads(text)["parameters"]

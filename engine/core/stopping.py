@@ -33,10 +33,12 @@ def apply_token(seq: Sequence, token: int, logprob: TokenLogprob | None, tokeniz
     if logprob is not None:
         seq.logprobs.append(logprob)
     previous_len = seq.text.length
-    seq.text.append(detokenize_step(tokenizer, seq.token_ids, seq.features[DetokState]))
+    seq.text.append(detokenize_step(tokenizer, seq.token_ids, seq.features[DetokState], seq.params.skip_special_tokens))
     reason = _stop_reason(seq, token, tokenizer, previous_len, max_model_len)
     if reason is None:
         return False
+    if not seq.params.skip_special_tokens and _ended_by_token(seq, token, tokenizer):
+        seq.text.truncate(previous_len)  # the ending token's own text (EOS) stays out, as vLLM leaves it out
     seq.finish_reason = reason
     seq.metrics.finished_time = now()
     return True
@@ -62,6 +64,12 @@ def _stop_reason(
     if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
         return FinishReason.LENGTH
     return None
+
+
+def _ended_by_token(seq: Sequence, token: int, tokenizer: Tokenizer) -> bool:
+    p = seq.params
+    return seq.stop_reason == token or (not p.ignore_eos and token in tokenizer.eos_token_ids
+                                        and seq.num_output_tokens >= p.min_tokens and seq.stop_reason is None)
 
 
 def _match_stop_string(seq: Sequence, previous_len: int) -> bool:

@@ -7,7 +7,7 @@ template variables), so the prompt is byte for byte what `tokenizer.apply_chat_t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +24,48 @@ MAX_MESSAGES = 4096
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
     role: str
-    content: str
+    content: str | None  # None: an assistant turn that only calls tools (templates test `content` for it)
+    # An assistant turn's calls, as templates read them: {"id", "type", "function": {"name", "arguments": dict}}
+    tool_calls: tuple[dict[str, Any], ...] = field(default=(), hash=False)
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    name: str | None = None  # a tool result: the function's name (some templates print it)
+
+    def as_template_data(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            data["tool_calls"] = [dict(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            data["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            data["name"] = self.name
+        return data
 
 
 @dataclass(frozen=True, slots=True)
 class ChatOptions:
     template: str | None = None  # a jinja template for this request only; None: the model's (or --chat-template)
     add_generation_prompt: bool = True  # end with the assistant header, so the model answers
+    # The last (assistant) message is left open for the model to continue; excludes add_generation_prompt.
+    continue_final_message: bool = False
+    # JSON values (dicts inside): left out of the hash, so hashing an options object never fails on them
+    tools: tuple[dict[str, Any], ...] | None = field(default=None, hash=False)  # OpenAI tool definitions
+    documents: tuple[dict[str, Any], ...] | None = field(default=None, hash=False)  # for templates that take them
+    # Extra template variables (vLLM's chat_template_kwargs, e.g. enable_thinking); never override the above.
+    kwargs: tuple[tuple[str, Any], ...] = field(default=(), hash=False)
+
+    def __post_init__(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message", "cannot be set with add_generation_prompt: the "
+                                      "answer either starts a new assistant turn or continues the last one")
+        reserved = _RESERVED_KWARGS.intersection(name for name, _ in self.kwargs)
+        if reserved:
+            raise InvalidRequestError("chat_template_kwargs", f"{sorted(reserved)[0]!r} is set by the request "
+                                      "itself, not through chat_template_kwargs")
+
+
+# Template variables a request sets through its own fields; chat_template_kwargs may not shadow them.
+_RESERVED_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                              "chat_template", "conversations", "return_assistant_tokens_mask"})
 
 
 def check_messages(messages: Any, field: str = "messages") -> tuple[ChatMessage, ...]:
@@ -45,7 +80,9 @@ def check_messages(messages: Any, field: str = "messages") -> tuple[ChatMessage,
         if message.role not in CHAT_ROLES:
             raise InvalidRequestError(
                 f"{field}[{i}].role", f"unknown role {message.role!r}; supported: {', '.join(CHAT_ROLES)}")
-        if not isinstance(message.content, str):
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            raise InvalidRequestError(f"{field}[{i}].content", "may be null only in an assistant turn with tool_calls")
+        if message.content is not None and not isinstance(message.content, str):
             raise InvalidRequestError(f"{field}[{i}].content", "must be a string")
     return tuple(messages)
 
@@ -73,6 +110,7 @@ class ChatTemplate:
     def __init__(self, hf_tokenizer: Any, model_name: str, override: str | None = None):
         self.model_name = model_name
         self.default = override if override is not None else _model_template(hf_tokenizer)
+        self.tool_use = None if override is not None else _model_template(hf_tokenizer, "tool_use")
         self.special_tokens = dict(hf_tokenizer.special_tokens_map)
 
     @property
@@ -81,11 +119,15 @@ class ChatTemplate:
 
     def render(self, messages: tuple[ChatMessage, ...], options: ChatOptions = ChatOptions()) -> str:
         template = self._template(options)
-        chat = [{"role": m.role, "content": m.content} for m in messages]
+        chat = [m.as_template_data() for m in messages]
+        tools = list(options.tools) if options.tools is not None else None
+        documents = list(options.documents) if options.documents is not None else None
+        variables = {**self.special_tokens, **dict(options.kwargs)}
         try:
             rendered, _ = render_jinja_template(
-                conversations=[chat], chat_template=template,
-                add_generation_prompt=options.add_generation_prompt, **self.special_tokens)
+                conversations=[chat], chat_template=template, tools=tools, documents=documents,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, **variables)
         except jinja2.TemplateError as exc:  # raise_exception() in the template: the conversation is refused
             raise InvalidRequestError("messages", f"the chat template refused the conversation: {exc}") from None
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
@@ -98,6 +140,8 @@ class ChatTemplate:
                 raise InvalidRequestError("chat_template", "must be a non-empty string")
             _compile(options.template, lambda msg: InvalidRequestError("chat_template", msg))
             return options.template
+        if options.tools and self.tool_use is not None:
+            return self.tool_use
         if self.default is None:
             raise MissingChatTemplateError(
                 f"model {self.model_name!r} has no chat template (no chat_template.jinja and no chat_template in "
@@ -105,10 +149,10 @@ class ChatTemplate:
         return self.default
 
 
-def _model_template(hf_tokenizer: Any) -> str | None:
+def _model_template(hf_tokenizer: Any, name: str = "default") -> str | None:
     """chat_template.jinja or tokenizer_config's chat_template (transformers loads either); a dict of named
-    templates means its "default" entry, as apply_chat_template picks without tools."""
+    templates means its `name` entry ("tool_use" is what apply_chat_template picks with tools, when present)."""
     template = getattr(hf_tokenizer, "chat_template", None)
     if isinstance(template, dict):
-        template = template.get("default")
-    return template or None
+        return template.get(name) or None
+    return (template or None) if name == "default" else None

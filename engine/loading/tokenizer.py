@@ -73,10 +73,11 @@ def start_detok(num_prompt_tokens: int) -> DetokState:
     return DetokState(max(num_prompt_tokens - _CONTEXT_TOKENS, 0), num_prompt_tokens)
 
 
-def detokenize_step(tokenizer: Tokenizer, token_ids: list[int], state: DetokState) -> str:
+def detokenize_step(tokenizer: Tokenizer, token_ids: list[int], state: DetokState,
+                    skip_special_tokens: bool = True) -> str:
     """Text added by the tokens after `state.read_offset`; empty while a UTF-8 character is incomplete."""
-    prefix = tokenizer.decode(token_ids[state.prefix_offset : state.read_offset])
-    full = tokenizer.decode(token_ids[state.prefix_offset :])
+    prefix = tokenizer.decode(token_ids[state.prefix_offset : state.read_offset], skip_special_tokens)
+    full = tokenizer.decode(token_ids[state.prefix_offset :], skip_special_tokens)
     if len(full) > len(prefix) and not full.endswith("\ufffd"):
         state.prefix_offset = state.read_offset
         state.read_offset = len(token_ids)

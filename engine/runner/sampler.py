@@ -121,6 +121,7 @@ class Sampler:
         needs = [
             i for i, s in enumerate(seqs)
             if s.params.logit_bias or s.params.needs_penalties or s.num_output_tokens < s.params.min_tokens
+            or s.params.restricts_tokens
         ]
         if not needs:
             return logits
@@ -145,6 +146,8 @@ class Sampler:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
             if banned:
                 _ban(row, torch.tensor(sorted(banned), dtype=torch.long), keep_one=GrammarState in seq.features)
+        if p.restricts_tokens:
+            _restrict(row, seq)
 
     def _sample_random(
         self, logits: torch.Tensor, row_max: torch.Tensor, seqs: tuple[Sequence, ...], rows: list[int]
@@ -204,6 +207,23 @@ def _ban(row: torch.Tensor, ids: torch.Tensor, keep_one: bool) -> None:
     row[ids] = float("-inf")
     if keep_one and not bool(torch.isfinite(row).any()):
         row[ids] = saved
+
+
+def _restrict(row: torch.Tensor, seq: Sequence) -> None:
+    """allowed_token_ids: every other token is out; bad words: a word's last token is out while the output ends
+    with the word's other tokens (a one-token word is always out)."""
+    p = seq.params
+    if p.allowed_token_ids is not None:
+        keep = torch.tensor(p.allowed_token_ids, dtype=torch.long)
+        kept = row[keep].clone()
+        row.fill_(float("-inf"))
+        row[keep] = kept
+    if p.bad_words_ids:
+        output = seq.output_token_ids
+        banned = {ids[-1] for ids in p.bad_words_ids
+                  if len(ids) == 1 or (len(ids) - 1 <= len(output) and tuple(output[len(output) - len(ids) + 1:]) == ids[:-1])}
+        if banned:
+            row[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
 
 
 def _mass_strictly_above(probs: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,7 @@ class Drafter:
     @staticmethod
     def eligible(seq: Sequence) -> bool:
         p = seq.params
-        return (p.speculative and GrammarState not in seq.features and not p.needs_penalties
+        # bad words depend on the tokens before each position, which the verifier's rows do not carry for drafts
+        return (p.speculative and GrammarState not in seq.features and not p.needs_penalties and not p.bad_words_ids
                 and seq.pending_forks == 0 and seq.num_output_tokens >= p.min_tokens
                 and seq.num_computed_tokens + 1 == seq.num_tokens)

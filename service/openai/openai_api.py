@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (Starlette app): /v1/completions, /v1/chat/completions, /v1/models, /health, and
-vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter.
+vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter, /tokenize, /detokenize and /version.
 
 `model` picks what serves a request: the base's served name (or none) the base, an adapter's name that adapter.
 
@@ -25,12 +25,15 @@ from pagedserve.engine.lora.config import AdapterInfo
 from pagedserve.service.core.adapters import AdapterAdmin
 from pagedserve.service.core.admit import admit_off_loop
 from pagedserve.service.core.context import ServingContext
+from pagedserve.service.core.request_policy import RequestPolicy
 from pagedserve.service.core.stream import Ended, RequestStream
 from pagedserve.service.openai.http_exchange import ClientGone, Exchange, read_json_body
 from pagedserve.service.openai.merged_streams import MergedStreams
 from pagedserve.service.openai.openai_errors import HttpError, error_reply
 from pagedserve.service.openai.openai_params import OpenAIRequest, parse
 from pagedserve.service.openai.openai_responses import ResponseBuilder
+from pagedserve.service.openai.openai_tokenize import TokenizeApi
+from pagedserve.service.openai.openai_tools import ToolSettings
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +41,14 @@ log = logging.getLogger(__name__)
 class OpenAIApi:
     """serving: the engine, state, metrics and model name this API shares with the other front ends."""
 
-    def __init__(self, serving: ServingContext, max_body_bytes: int):
-        self.serving, self.max_body_bytes = serving, max_body_bytes
+    def __init__(self, serving: ServingContext, max_body_bytes: int, tools: ToolSettings = ToolSettings(),
+                 policy: RequestPolicy = RequestPolicy()):
+        self.serving, self.max_body_bytes, self.tools, self.policy = serving, max_body_bytes, tools, policy
         self.created = int(time.time())
         self.adapters = AdapterAdmin(serving)
 
     def app(self) -> Starlette:
+        tokens = TokenizeApi(self.serving, self.max_body_bytes)
         routes = [
             Route("/v1/completions", _Generate(self, chat=False), methods=["POST"]),
             Route("/v1/chat/completions", _Generate(self, chat=True), methods=["POST"]),
@@ -52,6 +57,9 @@ class OpenAIApi:
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/load_lora_adapter", self.load_adapter, methods=["POST"]),
             Route("/v1/unload_lora_adapter", self.unload_adapter, methods=["POST"]),
+            Route("/tokenize", tokens.tokenize, methods=["POST"]),
+            Route("/detokenize", tokens.detokenize, methods=["POST"]),
+            Route("/version", tokens.version, methods=["GET"]),
         ]
         return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
 
@@ -135,7 +143,7 @@ class _Generate:
             body = await exchange.json_body(self.api.max_body_bytes)
             adapter = self.api.check_model(body)
             self.api.serving.state.check_admitting()
-            request = parse(body, self.chat, adapter)
+            request = parse(body, self.chat, adapter, self.api.tools, self.api.policy)
             admitted = await self._admit(body, request)
             self.api.serving.metrics.adapter_requests(request.adapter, len(admitted))
             with self.api.serving.state.track():

@@ -8,20 +8,22 @@ ignores them), which are refused as unsupported, and how their shapes map onto t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine.admission import (
-    CHAT_FIELD, TEXT_FIELD, TOKENS_FIELD, AdmittedRequest, ChatPrompt, GenerationRequest, Prompt, TextPrompt,
-    TokensPrompt, field_map, renamed,
+    CHAT_FIELD, TEXT_FIELD, TOKENS_FIELD, TRUNCATE_TO_CONTEXT, AdmittedRequest, GenerationRequest, Prompt,
+    TextPrompt, TokensPrompt, field_map, renamed,
 )
 from pagedserve.engine.errors import InvalidRequestError
-from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.service.core.request_policy import RequestPolicy
 from pagedserve.service.openai.openai_constraints import STRUCTURED_PARAMS, RequestedConstraint, requested_constraint
 from pagedserve.service.openai.openai_constraints import rename as rename_constraint
-from pagedserve.service.openai.openai_tools import ToolChoice, tool_constraint
+from pagedserve.service.openai.openai_messages import chat_shape, flag
+from pagedserve.service.openai.openai_tools import ToolPlan, ToolSettings, tool_plan
 
 # OpenAI's own parameters, plus vLLM's extensions that the same clients send.
 _COMMON = frozenset({
@@ -29,23 +31,38 @@ _COMMON = frozenset({
     "presence_penalty", "frequency_penalty", "logit_bias", "user",
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens",
-    "return_token_ids", *STRUCTURED_PARAMS,
+    "return_token_ids", "truncate_prompt_tokens", "priority", "bad_words", "allowed_token_ids", "prompt_logprobs",
+    "request_id", "use_beam_search", "length_penalty", "logits_processors", "return_tokens_as_token_ids",
+    "cache_salt", "kv_transfer_params", "vllm_xargs", *STRUCTURED_PARAMS,
 })
-COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix", "prompt_embeds"}
+# vLLM extras that would change the answer in ways this server does not do: refused naming why, never ignored.
+_REFUSED = {
+    "use_beam_search": "beam search is not supported; sample n answers instead",
+    "logits_processors": "is not supported: the server runs no code sent with a request",
+    "prompt_embeds": "is not supported: prompts are text or token ids",
+    "return_tokens_as_token_ids": "is not supported; return_token_ids gives each choice's token ids",
+    "cache_salt": "is not supported: the prefix cache is shared by all requests of this server",
+    "kv_transfer_params": "is not supported: this server does no disaggregated prefill",
+}
 CHAT_PARAMS = _COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "metadata", "store", "service_tier", "parallel_tool_calls",
     "tools", "tool_choice", "response_format", "chat_template", "add_generation_prompt", "reasoning_effort",
     "prompt_cache_key", "safety_identifier", "modalities", "audio", "prediction", "functions", "function_call",
-    "web_search_options", "verbosity",
+    "web_search_options", "verbosity", "chat_template_kwargs", "continue_final_message", "documents",
+    "echo",
 }
-_TEXT_PART = "text"
 
 # OpenAI parameter -> SamplingParams field, where the value passes unchanged.
 _DIRECT = ("n", "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
-           "stop", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output")
+           "stop", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output", "allowed_token_ids",
+           "bad_words", "skip_special_tokens")
 
 
 MAX_BATCH = 64  # prompts in one /v1/completions request
+_WARNED: set[str] = set()  # unknown field names already logged
+_MAX_WARNED = 256
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +84,7 @@ class OpenAIRequest:
     echo: bool
     names: dict[str, str]  # engine field -> the OpenAI parameter the client set
     constraint_param: str | None = None  # where the constraint came from: its errors name this path
-    tool_choice: ToolChoice | None = None  # set: the text is a forced tool call (openai_tools.py)
+    tools: ToolPlan = ToolPlan(None)  # tools rendered, forced, or read back from the text (openai_tools.py)
     adapter: str | None = None  # the LoRA adapter `model` named (None: the base)
 
     @property
@@ -92,23 +109,31 @@ class OpenAIRequest:
         return tuple(admitted)
 
 
-def parse(body: Any, chat: bool, adapter: str | None = None) -> OpenAIRequest:
-    """adapter: the LoRA adapter `model` names (OpenAIApi.check_model), set on every prompt's request."""
+def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings = ToolSettings(),
+          policy: RequestPolicy = RequestPolicy()) -> OpenAIRequest:
+    """adapter: the LoRA adapter `model` names (OpenAIApi.check_model), set on every prompt's request; tools: the
+    server's tool-call flags; policy: its sampling defaults (--generation-config) and limits."""
     if not isinstance(body, dict):
         raise InvalidRequestError("body", f"must be a JSON object, got {type(body).__name__}")
     body = {k: v for k, v in body.items() if v is not None}  # the SDKs send null for "not given"
     _check_known(body, CHAT_PARAMS if chat else COMPLETION_PARAMS)
     _refuse_unsupported(body, chat)
     names = _names(body, chat)
-    shapes = [(_chat_prompt(body), "", "messages")] if chat else _completion_prompts(body)
+    requested, plan = _constraint(body, chat, tools)
+    shapes = [chat_shape(body, plan)] if chat else _completion_prompts(body)
     logprobs = _chat_logprobs(body) if chat else body.get("logprobs")  # its own errors already name OpenAI's fields
-    requested, tool_choice = _constraint(body, chat)
-    with renamed(field_map(names)):
-        params = _sampling_params(body, chat, logprobs, requested)
+    _check_logprobs(logprobs, chat, policy)
     # No max_tokens: the room left in the context (chat) or 16 within it (completions); a set one must fit.
     default = "max_completion_tokens" not in body and "max_tokens" not in body
-    prompts = tuple(PromptInput(GenerationRequest(prompt, params, max_tokens_is_default=default, adapter=adapter),
-                                text, field) for prompt, text, field in shapes)
+    body = _with_defaults(body, policy, default)
+    if plan.format is not None and plan.format.keeps_special_tokens:
+        body = {**body, "skip_special_tokens": False}
+    with renamed(field_map(names)):
+        params = _sampling_params(body, chat, logprobs, requested)
+    truncate = _truncate(body)
+    prompts = tuple(PromptInput(GenerationRequest(prompt, params, max_tokens_is_default=default, adapter=adapter,
+                                                  truncate_prompt_tokens=truncate), text, field)
+                    for prompt, text, field in shapes)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options", {})
     if "stream_options" in body and (not stream or not isinstance(options, dict)):
@@ -118,25 +143,29 @@ def parse(body: Any, chat: bool, adapter: str | None = None) -> OpenAIRequest:
         include_usage=_bool(options, "include_usage", False),
         continuous_usage=_bool(options, "continuous_usage_stats", False),
         return_token_ids=_bool(body, "return_token_ids", False), echo=_bool(body, "echo", False), names=names,
-        constraint_param=requested.param if requested else None, tool_choice=tool_choice, adapter=adapter)
+        constraint_param=requested.param if requested else None, tools=plan, adapter=adapter)
 
 
-def _constraint(body: dict[str, Any], chat: bool) -> tuple[RequestedConstraint | None, ToolChoice | None]:
+def _constraint(body: dict[str, Any], chat: bool,
+                settings: ToolSettings) -> tuple[RequestedConstraint | None, ToolPlan]:
     """At most one: a structured-output parameter or a forced tool call."""
     requested = requested_constraint(body)
-    tools = tool_constraint(body) if chat else None
-    if tools is None:
-        return requested, None
+    plan = tool_plan(body, settings) if chat else ToolPlan(None)
+    if plan.constraint is None:
+        return requested, plan
     if requested is not None:
         raise InvalidRequestError("tool_choice", f"a forced tool call constrains the output already; "
                                                  f"{requested.param.split('.')[0]} cannot be set with it")
-    return tools
+    return plan.constraint, plan
 
 
 def _check_known(body: dict[str, Any], known: frozenset[str]) -> None:
-    unknown = sorted(set(body) - known)
-    if unknown:  # OpenAI answers the same for a misspelt parameter, instead of silently ignoring it
-        raise InvalidRequestError(unknown[0], f"Unrecognized request argument supplied: {unknown[0]}")
+    """Unknown fields are ignored, as vLLM ignores them, with one warning per field name (a bounded set, so
+    random names cannot grow it without end)."""
+    for name in sorted(set(body) - known):
+        if name not in _WARNED and len(_WARNED) < _MAX_WARNED:
+            _WARNED.add(name)
+            log.warning("ignoring the unknown request field %r (warned once per field name)", name[:64])
 
 
 def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
@@ -147,14 +176,22 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     for name in ("audio", "prediction", "web_search_options", "suffix"):
         if name in body:
             raise InvalidRequestError(name, "is not supported by this server")
+    for name, reason in _REFUSED.items():
+        if body.get(name) not in (None, False, [], {}):
+            raise InvalidRequestError(name, reason)
     if body.get("modalities", ["text"]) != ["text"]:
         raise InvalidRequestError("modalities", "only [\"text\"] is supported")
     if "best_of" in body and body["best_of"] != body.get("n", 1):
-        raise InvalidRequestError("best_of", "must equal n (ranking extra samples is not supported)")
-    if _bool(body, "echo", False) and "logprobs" in body:
+        raise InvalidRequestError("best_of", "must equal n: ranking extra samples is not supported (vLLM's V1 "
+                                  "engine dropped best_of too); ask for n samples and rank them yourself")
+    if _bool(body, "echo", False) and not chat and "logprobs" in body:
         raise InvalidRequestError("echo", "echo with logprobs needs prompt logprobs, which are not supported")
-    if not _bool(body, "skip_special_tokens", True):
-        raise InvalidRequestError("skip_special_tokens", "only true is supported")
+    if body.get("prompt_logprobs") is not None:
+        raise InvalidRequestError("prompt_logprobs", "is not supported: the engine computes logits for the last "
+                                  "prompt position only")
+    if body.get("priority", 0) != 0:
+        raise InvalidRequestError("priority", f"got {body['priority']!r}, but this server schedules first come, "
+                                  "first served (vLLM without --scheduling-policy priority refuses it the same way)")
 
 
 def _names(body: dict[str, Any], chat: bool) -> dict[str, str]:
@@ -166,11 +203,31 @@ def _names(body: dict[str, Any], chat: bool) -> dict[str, str]:
     return names
 
 
-def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if not isinstance(value, bool):
-        raise InvalidRequestError(name, f"must be a boolean, got {value!r}")
+def _with_defaults(body: dict[str, Any], policy: RequestPolicy, no_max_tokens: bool) -> dict[str, Any]:
+    """The model's sampling defaults under what the request set (a default max_tokens still shrinks to fit)."""
+    if not policy.sampling_defaults:
+        return body
+    defaults = {k: v for k, v in policy.sampling_defaults.items() if k != "max_tokens" or no_max_tokens}
+    return {**defaults, **body}
+
+
+def _check_logprobs(logprobs: Any, chat: bool, policy: RequestPolicy) -> None:
+    if isinstance(logprobs, int) and not isinstance(logprobs, bool) and logprobs > policy.max_logprobs:
+        name = "top_logprobs" if chat else "logprobs"
+        raise InvalidRequestError(name, f"must be <= {policy.max_logprobs} (the server's --max-logprobs), "
+                                  f"got {logprobs}")
+
+
+def _truncate(body: dict[str, Any]) -> int | None:
+    """vLLM's truncate_prompt_tokens: keep the last k prompt tokens; -1: as many as the context allows."""
+    value = body.get("truncate_prompt_tokens")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < TRUNCATE_TO_CONTEXT):
+        raise InvalidRequestError("truncate_prompt_tokens", f"must be an integer >= 1, or -1, got {value!r}")
     return value
+
+
+def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    return flag(body, name, default)
 
 
 def _model(body: dict[str, Any]) -> str | None:
@@ -233,42 +290,3 @@ def _completion_prompts(body: dict[str, Any]) -> list[tuple[Prompt, str, str]]:
 
 def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
-def _chat_prompt(body: dict[str, Any]) -> ChatPrompt:
-    messages = tuple(_messages(body.get("messages")))
-    options = ChatOptions(template=body.get("chat_template"),
-                          add_generation_prompt=_bool(body, "add_generation_prompt", True))
-    return ChatPrompt(messages, options, _bool(body, "add_special_tokens", False))
-
-
-def _messages(raw: Any) -> list[ChatMessage]:
-    if not isinstance(raw, list) or not raw:
-        raise InvalidRequestError("messages", "must be a non-empty list of messages")
-    out = []
-    for i, message in enumerate(raw):
-        if not isinstance(message, dict):
-            raise InvalidRequestError(f"messages[{i}]", "must be an object with role and content")
-        if message.get("tool_calls"):
-            raise InvalidRequestError(f"messages[{i}].tool_calls", "tool calls are not supported by this server")
-        role = message.get("role")
-        if not isinstance(role, str):
-            raise InvalidRequestError(f"messages[{i}].role", f"must be a string, got {role!r}")
-        out.append(ChatMessage(role, _content(message.get("content"), f"messages[{i}].content")))
-    return out
-
-
-def _content(content: Any, field: str) -> str:
-    """A string, or text content parts joined by newlines (as vLLM joins them); null content is empty."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise InvalidRequestError(field, "must be a string or a list of content parts")
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != _TEXT_PART or not isinstance(part.get("text"), str):
-            raise InvalidRequestError(f"{field}[{j}]", "only text parts ({\"type\": \"text\", \"text\": ...}) "
-                                      "are supported")
-        texts.append(part["text"])
-    return "\n".join(texts)
-

@@ -12,7 +12,7 @@ from pagedserve.engine.admission import AdmittedRequest
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.core.sequence import TokenLogprob
 from pagedserve.service.openai.openai_params import OpenAIRequest
-from pagedserve.service.openai.openai_tools import ToolCallText
+from pagedserve.service.openai.tool_parsers.stream import ToolCallStream
 
 # The engine's finish reasons -> OpenAI's. A constraint's dead end passes as the engine's own value (the text is only
 # a prefix of a valid output, which "stop" would hide); the other ends of a request are vLLM's "abort".
@@ -28,7 +28,7 @@ class _Choice:
     stop_reason: str | int | None = None
     text_offset: int = 0  # completions' logprobs.text_offset: characters before the next token
     started: bool = False  # chat streams: the role chunk was sent
-    tool: ToolCallText | None = None  # a forced tool call: the text is read back as tool_calls
+    tool: ToolCallStream | None = None  # tools: the text is read back as content and tool_calls
 
     @property
     def text(self) -> str:
@@ -56,7 +56,7 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.object = "chat.completion" if request.chat else "text_completion"
         self.n = request.params.n
-        self.choices = [_Choice(tool=ToolCallText(request.tool_choice) if request.tool_choice else None)
+        self.choices = [_Choice(tool=request.tools.stream())
                         for _ in range(self.n * len(request.prompts))]
         self.prompt_tokens = sum(len(a.prompt_token_ids) for a in admitted)
         self.cached_tokens = 0
@@ -85,11 +85,11 @@ class ResponseBuilder:
         out: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": choice.finish_reason,
                                "stop_reason": choice.stop_reason}
         if self.request.chat:
-            out["message"] = {"role": "assistant", "content": text}
-            calls = choice.tool.whole(text) if choice.tool and choice.finish_reason == "stop" else None
-            if calls is not None:
-                out["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
-                out["finish_reason"] = "tool_calls"
+            out["message"] = {"role": "assistant", "content": self._echo(index // self.n) + text}
+            if choice.tool is not None:
+                content, calls = choice.tool.message(text)
+                out["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                out["finish_reason"] = self._finish_reason(choice)
         else:
             out["text"] = (self._echo(index // self.n)) + text
         if self.request.return_token_ids:
@@ -123,6 +123,9 @@ class ResponseBuilder:
             if text or completion.new_token_ids or choice.finish_reason is not None:
                 logprobs = self._logprobs(choice, new_logprobs) if self.request.params.logprobs is not None else None
                 body = self._delta_body(choice, text)
+                if body == {} and choice.finish_reason is None and logprobs is None \
+                        and not self.request.return_token_ids:
+                    continue  # a tool-call format holds this text back: nothing to say yet (OpenAI sends no chunk)
                 chunks.append(self._chunk(index, body, logprobs, choice, completion.new_token_ids))
         return chunks
 
@@ -131,8 +134,13 @@ class ResponseBuilder:
             return text
         if choice.tool is None:
             return {"content": text}
-        calls = choice.tool.deltas(choice.text, final=choice.finish_reason is not None)
-        return {"tool_calls": calls} if calls else {}
+        return choice.tool.delta(choice.text, final=choice.finish_reason is not None)
+
+    def _finish_reason(self, choice: _Choice) -> str | None:
+        """"tool_calls" when the model stopped after calling tools (a named function keeps "stop", as OpenAI and
+        vLLM answer it)."""
+        called = choice.tool is not None and choice.tool.called and not self.request.tools.named
+        return "tool_calls" if choice.finish_reason == "stop" and called else choice.finish_reason
 
     def _echo(self, prompt: int) -> str:
         return self.request.prompts[prompt].text if self.request.echo else ""
@@ -147,9 +155,7 @@ class ResponseBuilder:
 
     def _chunk(self, index: int, body: Any, logprobs: Any, choice: _Choice | None,
                token_ids: tuple[int, ...] = ()) -> dict[str, Any]:
-        finish = choice.finish_reason if choice else None
-        if finish == "stop" and choice.tool is not None and choice.tool.sent_head:
-            finish = "tool_calls"
+        finish = self._finish_reason(choice) if choice else None
         item: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
             item["stop_reason"] = choice.stop_reason

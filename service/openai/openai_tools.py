@@ -1,84 +1,163 @@
-"""Forced tool calls: OpenAI `tools` + `tool_choice` -> a JSON Schema constraint, and the constrained text -> `tool_calls`.
+"""OpenAI `tools` + `tool_choice` (+ `parallel_tool_calls`) -> what the chat template renders, what constrains the
+output, and how each choice's text is read back as `tool_calls`, as vLLM's OpenAI server does:
 
-A named function (`tool_choice: {"type": "function", "function": {"name": ...}}`) constrains the text to that
-function's parameter schema: the text is the call's `arguments`. `"required"` constrains it to
-`{"name": <one of the tools>, "parameters": <that tool's arguments>}` (one call; several tools: an `anyOf` choosing
-among them), from which the call is read back. `"auto"` needs a model-specific tool parser, which this server does
-not configure, so it is refused rather than silently answered in plain text; `"none"` is plain text.
+- "auto" (and `tools` without `tool_choice`) with `--enable-auto-tool-choice`: the model decides; the text is read
+  by the `--tool-call-parser` format, so a plain answer stays plain. Without the flag, an explicit "auto" is refused
+  naming it (vLLM's 400); `tools` without `tool_choice` is answered as "none" (vLLM refuses it too, which breaks
+  every agent framework: here it answers, tools rendered, with one warning in the log).
+- "required": one or more calls, forced by a grammar: in the parser's own format when one is configured (the way
+  the model writes calls, read back by the same parser), else vLLM's JSON list `[{"name", "parameters"}, ...]`.
+  `parallel_tool_calls: false` allows only one.
+- a named function: the text is that function's arguments, forced by its parameter schema (vLLM's named mode).
+- "none": plain text; tools are still rendered (vLLM's default).
 """
 
 from __future__ import annotations
 
-import json
-import re
-import uuid
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine.constraint import ConstraintKind
-from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.errors import ConfigError, InvalidRequestError
 from pagedserve.service.openai.openai_constraints import RequestedConstraint, build
+from pagedserve.service.openai.tool_parsers.base import NAME_PATTERN, ForcedCalls, ToolParser
+from pagedserve.service.openai.tool_parsers.forced_json import JsonListFormat, NamedCallFormat, json_list_schema
+from pagedserve.service.openai.tool_parsers.registry import TOOL_PARSERS
+from pagedserve.service.openai.tool_parsers.stream import ToolCallStream
+from pagedserve.kernels.registry import UnknownImplementationError
+
+log = logging.getLogger(__name__)
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
-# The head of a "required" call's text, up to where its arguments start; the name is a JSON string.
-_REQUIRED_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*')
-_CLOSERS = "} \t\r\n"
+MAX_TOOLS = 128  # OpenAI's limit
 
 
 @dataclass(frozen=True, slots=True)
-class ToolChoice:
-    named: str | None  # the forced function's name; None: "required" (the text names the function)
+class ToolSettings:
+    """`--enable-auto-tool-choice` and `--tool-call-parser NAME` (checked at start: unknown names list the known)."""
+
+    auto: bool = False
+    parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.auto and self.parser is None:
+            raise ConfigError("enable_auto_tool_choice", "needs --tool-call-parser NAME; supported: "
+                              + ", ".join(TOOL_PARSERS.names()))
+        if self.parser is not None:
+            try:
+                TOOL_PARSERS.get(self.parser)
+            except UnknownImplementationError as exc:
+                raise ConfigError("tool_call_parser", str(exc)) from None
+
+    def make_parser(self) -> ToolParser | None:
+        return TOOL_PARSERS.get(self.parser)() if self.parser is not None else None
 
 
-def tool_constraint(body: dict[str, Any]) -> tuple[RequestedConstraint, ToolChoice] | None:
-    """None when no tool call is forced (no tools, or tool_choice "none")."""
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """One request's tools: what the template gets, the constraint (forced modes) and the format of the text."""
+
+    tools: tuple[dict[str, Any], ...] | None  # for the chat template
+    constraint: RequestedConstraint | None = None
+    format: ToolParser | None = None  # None: the text is plain content
+    named: bool = False  # a named function: OpenAI and vLLM finish with "stop", not "tool_calls"
+
+    def stream(self) -> ToolCallStream | None:
+        return ToolCallStream(self.format) if self.format is not None else None
+
+
+_warned_unset = False
+
+
+def tool_plan(body: dict[str, Any], settings: ToolSettings) -> ToolPlan:
     tools, choice = body.get("tools"), body.get("tool_choice")
     if not tools:
         if choice not in (None, "none"):
             raise InvalidRequestError("tool_choice", "needs tools")
-        return None
+        return ToolPlan(None)
     schemas = _function_schemas(tools)
+    parallel = _parallel(body)
+    rendered = tuple(tools)
+    if choice is None:
+        if settings.auto:
+            return ToolPlan(rendered, format=settings.make_parser())
+        _warn_unset_once()
+        return ToolPlan(rendered)
     if choice == "none":
-        return None
-    if choice is None or choice == "auto":  # no tool_choice with tools means "auto": name what the client sent
-        raise InvalidRequestError("tool_choice" if choice else "tools", 'tool_choice "auto" (the default with tools) '
-                                  'needs a tool-call parser for the model, which this server does not configure; set '
-                                  'tool_choice to "required" or name a function')
+        return ToolPlan(rendered)
+    if choice == "auto":
+        if not settings.auto:
+            raise InvalidRequestError("tool_choice", '"auto" needs the server started with --enable-auto-tool-choice '
+                                      'and --tool-call-parser NAME; set tool_choice to "required", "none" or name a '
+                                      'function')
+        return ToolPlan(rendered, format=settings.make_parser())
     if choice == "required":
-        variants = [_named_call(name, schema) for name, schema in schemas.items()]
-        schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
-        return build(ConstraintKind.JSON_SCHEMA, schema, "tools"), ToolChoice(None)
+        forced = ForcedCalls(tuple(schemas.items()), 1, None if parallel else 1)
+        return ToolPlan(rendered, *_required(forced, settings))
     name = _named(choice)
     if name not in schemas:
         raise InvalidRequestError("tool_choice.function.name", f"{name!r} is not one of the tools: "
                                   + ", ".join(schemas))
     index = list(schemas).index(name)
-    return build(ConstraintKind.JSON_SCHEMA, schemas[name], f"tools[{index}].function.parameters"), ToolChoice(name)
+    constraint = build(ConstraintKind.JSON_SCHEMA, schemas[name], f"tools[{index}].function.parameters")
+    return ToolPlan(rendered, constraint, NamedCallFormat(name), named=True)
+
+
+def rendered_tools(body: dict[str, Any]) -> ToolPlan:
+    """Tools for the template only (/tokenize): checked as a chat request checks them."""
+    tools = body.get("tools")
+    if not tools:
+        return ToolPlan(None)
+    _function_schemas(tools)
+    return ToolPlan(tuple(tools))
+
+
+def _required(forced: ForcedCalls, settings: ToolSettings) -> tuple[RequestedConstraint, ToolParser]:
+    parser = settings.make_parser()
+    if parser is None:
+        return build(ConstraintKind.JSON_SCHEMA, json_list_schema(forced), "tools"), JsonListFormat()
+    return build(ConstraintKind.GRAMMAR, parser.forced_grammar(forced), "tools"), parser
+
+
+def _warn_unset_once() -> None:
+    global _warned_unset
+    if not _warned_unset:
+        _warned_unset = True
+        log.warning("a request sent tools without tool_choice and this server has no --enable-auto-tool-choice: "
+                    "answered as tool_choice \"none\" (tools rendered, no calls parsed; vLLM would refuse it)")
+
+
+def _parallel(body: dict[str, Any]) -> bool:
+    value = body.get("parallel_tool_calls", True)
+    if not isinstance(value, bool):
+        raise InvalidRequestError("parallel_tool_calls", f"must be a boolean, got {value!r}")
+    return value
 
 
 def _function_schemas(tools: Any) -> dict[str, Any]:
     if not isinstance(tools, list):
         raise InvalidRequestError("tools", "must be a list of {\"type\": \"function\", \"function\": {...}}")
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequestError("tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
     schemas: dict[str, Any] = {}
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
             raise InvalidRequestError(f"tools[{i}]", "must be {\"type\": \"function\", \"function\": {...}}")
         name = function.get("name")
-        if not isinstance(name, str) or not name:
-            raise InvalidRequestError(f"tools[{i}].function.name", "must be a non-empty string")
+        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+            raise InvalidRequestError(f"tools[{i}].function.name", "must be 1-64 letters, digits, underscores, dots "
+                                      f"or dashes, got {name!r}")
         if name in schemas:
             raise InvalidRequestError(f"tools[{i}].function.name", f"{name!r} is named twice")
+        if not isinstance(function.get("description", ""), str):
+            raise InvalidRequestError(f"tools[{i}].function.description", "must be a string")
         parameters = function.get("parameters", _NO_PARAMETERS)
         if not isinstance(parameters, (dict, bool)):
             raise InvalidRequestError(f"tools[{i}].function.parameters", "must be a JSON Schema object")
         schemas[name] = parameters
     return schemas
-
-
-def _named_call(name: str, parameters: Any) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
-            "required": ["name", "parameters"], "additionalProperties": False}
 
 
 def _named(choice: Any) -> str:
@@ -88,46 +167,3 @@ def _named(choice: Any) -> str:
         raise InvalidRequestError("tool_choice", 'must be "none", "auto", "required" or '
                                   '{"type": "function", "function": {"name": ...}}')
     return function["name"]
-
-
-@dataclass(slots=True)
-class ToolCallText:
-    """One choice's constrained text read as one tool call, as it grows: what of it can be sent yet."""
-
-    choice: ToolChoice
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-    sent_head: bool = False
-    sent_arguments: int = 0
-
-    def split(self, text: str, final: bool) -> tuple[str, str] | None:
-        """(name, arguments) readable from text so far; while not final, a trailing run of closing braces and
-        whitespace is held back (part of it may close the "required" wrapper, not the arguments)."""
-        if self.choice.named is not None:
-            return self.choice.named, text
-        head = _REQUIRED_HEAD.match(text)
-        if head is None:
-            return None
-        name, body = json.loads(f'"{head.group(1)}"'), text[head.end():]
-        if not final:
-            return name, body.rstrip(_CLOSERS)
-        body = body.rstrip()
-        return name, (body[:-1] if body.endswith("}") else body).rstrip()
-
-    def deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
-        """The `tool_calls` stream delta for what text adds: the call's id and name once, then argument pieces."""
-        read = self.split(text, final)
-        if read is None:
-            return []
-        name, arguments = read
-        piece = arguments[self.sent_arguments:]
-        self.sent_arguments = max(self.sent_arguments, len(arguments))
-        if not self.sent_head:  # the call's first delta: its id and name, with the arguments so far
-            self.sent_head = True
-            return [{"index": 0, "id": self.id, "type": "function", "function": {"name": name, "arguments": piece}}]
-        return [{"index": 0, "function": {"arguments": piece}}] if piece else []
-
-    def whole(self, text: str) -> list[dict[str, Any]] | None:
-        read = self.split(text, final=True)
-        if read is None:
-            return None
-        return [{"id": self.id, "type": "function", "function": {"name": read[0], "arguments": read[1]}}]

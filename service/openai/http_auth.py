@@ -1,0 +1,31 @@
+"""`--api-key` on the OpenAI HTTP API: an ASGI wrapper refusing requests without `Authorization: Bearer KEY` with
+OpenAI's 401 error JSON, before any route runs; /health stays open for load balancers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pagedserve.service.core.auth import REFUSAL, ApiKey
+
+EXEMPT_PATHS = frozenset({"/health"})
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app: Any, key: ApiKey):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in EXEMPT_PATHS or self._allowed(scope):
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps({"error": {"message": REFUSAL, "type": "invalid_request_error", "param": None,
+                                     "code": "invalid_api_key"}}).encode()
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
+
+    def _allowed(self, scope: dict[str, Any]) -> bool:
+        headers = [value for name, value in scope["headers"] if name == b"authorization"]
+        return len(headers) == 1 and self.key.allows(headers[0])

@@ -1,0 +1,1 @@
+"""Tool-call formats of model families: model text -> content and tool calls (`--tool-call-parser NAME`)."""

@@ -1,0 +1,95 @@
+"""vLLM's request extras on the shared server, each doing what vLLM does with it (not merely accepted): unknown
+fields ignored with one warning per name, truncate_prompt_tokens, allowed_token_ids, bad_words,
+skip_special_tokens, chat_template_kwargs, continue_final_message, echo in chat, /tokenize, /detokenize, /version."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import requests
+from service_fixtures import shared_server  # noqa: F401 - fixture by name
+from test_openai_http_errors import CHAT, COMPLETIONS, USER, post
+
+MODEL = "SmolLM2-135M-Instruct"
+GREEDY = {"temperature": 0, "max_tokens": 12}
+
+
+def _ok(server, path: str, body: dict) -> dict:
+    status, reply = post(server.http_port, path, body)
+    assert status == 200, reply
+    return reply
+
+
+def test_unknown_fields_are_ignored_with_one_warning_per_name(shared_server):  # noqa: F811
+    plain = _ok(shared_server, COMPLETIONS, {"prompt": "The sky is", **GREEDY})
+    for _ in range(2):
+        odd = _ok(shared_server, COMPLETIONS, {"prompt": "The sky is", **GREEDY, "temprature": 0.5,
+                                               "x_unknown_flag_17": {"a": 1}})
+        assert odd["choices"][0]["text"] == plain["choices"][0]["text"]
+    log = shared_server.log()
+    assert log.count("ignoring the unknown request field 'temprature'") == 1
+    assert log.count("ignoring the unknown request field 'x_unknown_flag_17'") == 1
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(shared_server):  # noqa: F811
+    prompt = "one two three four five six seven eight nine ten eleven twelve"
+    whole = _ok(shared_server, COMPLETIONS, {"prompt": prompt, **GREEDY})
+    cut = _ok(shared_server, COMPLETIONS, {"prompt": prompt, **GREEDY, "truncate_prompt_tokens": 4})
+    tail = requests.post(f"{shared_server.http_url}/tokenize", json={"prompt": prompt}, timeout=30).json()["tokens"][-4:]
+    same = _ok(shared_server, COMPLETIONS, {"prompt": tail, **GREEDY})
+    assert whole["usage"]["prompt_tokens"] > 4 and cut["usage"]["prompt_tokens"] == 4
+    assert cut["choices"][0]["text"] == same["choices"][0]["text"]
+
+
+def test_allowed_token_ids_limit_every_token(shared_server):  # noqa: F811
+    allowed = requests.post(f"{shared_server.http_url}/tokenize", json={
+        "prompt": " yes no maybe", "add_special_tokens": False}, timeout=30).json()["tokens"]
+    reply = _ok(shared_server, COMPLETIONS, {"prompt": "Is Paris in France?", "temperature": 1.0, "seed": 3,
+                                             "max_tokens": 16, "allowed_token_ids": allowed, "return_token_ids": True,
+                                             "ignore_eos": True})
+    assert set(reply["choices"][0]["token_ids"]) <= set(allowed) and len(reply["choices"][0]["token_ids"]) == 16
+
+
+def test_bad_words_are_never_generated(shared_server):  # noqa: F811
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], **GREEDY, "max_tokens": 24}
+    plain = _ok(shared_server, CHAT, body)["choices"][0]["message"]["content"]
+    assert "Paris" in plain
+    banned = _ok(shared_server, CHAT, {**body, "bad_words": ["Paris"]})["choices"][0]["message"]["content"]
+    assert "Paris" not in banned and banned != plain
+
+
+def test_skip_special_tokens_false_keeps_their_text(shared_server):  # noqa: F811
+    body = {"prompt": "Hello", "temperature": 0, "max_tokens": 2, "logit_bias": {"1": 100}, "ignore_eos": True}
+    assert "<|im_start|>" not in _ok(shared_server, COMPLETIONS, body)["choices"][0]["text"]
+    kept = _ok(shared_server, COMPLETIONS, {**body, "skip_special_tokens": False})["choices"][0]["text"]
+    assert kept == "<|im_start|><|im_start|>"
+
+
+def _rendered(server, body: dict) -> str:
+    reply = requests.post(f"{server.http_url}/tokenize", json={"model": MODEL, **body}, timeout=30).json()
+    assert reply["count"] == len(reply["tokens"]) and reply["max_model_len"] == 512, reply
+    detok = requests.post(f"{server.http_url}/detokenize", json={"model": MODEL, "tokens": reply["tokens"]},
+                          timeout=30).json()
+    return detok["prompt"]
+
+
+def test_chat_template_kwargs_reach_the_template(shared_server):  # noqa: F811
+    template = "{% if shout %}LOUD {% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert _rendered(shared_server, {"messages": USER, "chat_template": template}) == USER[0]["content"]
+    assert _rendered(shared_server, {"messages": USER, "chat_template": template,
+                                     "chat_template_kwargs": {"shout": True}}) == "LOUD " + USER[0]["content"]
+
+
+def test_continue_final_message_and_echo(shared_server):  # noqa: F811
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    extras = {"add_generation_prompt": False, "continue_final_message": True}
+    assert _rendered(shared_server, {"messages": messages, **extras}).endswith("The capital of France is")
+    plain = _ok(shared_server, CHAT, {"messages": messages, **extras, **GREEDY})["choices"][0]["message"]["content"]
+    echoed = _ok(shared_server, CHAT, {"messages": messages, **extras, **GREEDY, "echo": True})
+    assert echoed["choices"][0]["message"]["content"] == "The capital of France is" + plain
+
+
+def test_version(shared_server):  # noqa: F811
+    reply = requests.get(f"{shared_server.http_url}/version", timeout=30).json()
+    assert reply == {"version": importlib.metadata.version("pagedserve")}
