@@ -18,6 +18,7 @@ from pagedserve.engine.config import EngineConfig, field_choices
 from pagedserve.engine.errors import ConfigError, ModelLoadError, UnsupportedError
 from pagedserve.service.config import ServerConfig, TlsConfig
 from pagedserve.service.lora_flags import add_lora_flags, lora_config
+from pagedserve.service.observability_flags import add_observability_flags, observability_config
 from pagedserve.service.spec_flags import add_speculative_flags, speculative_config
 
 # EngineConfig fields with their own flag group instead of one flag each.
@@ -141,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over gRPC")
     add_engine_flags(serve)
     add_server_flags(serve)
+    add_observability_flags(serve)
     kv_calibration.add_arguments(sub.add_parser(
         "calibrate-kv", help="measure K/V ranges on text files and write FP8 k/v scales into a copy of a checkpoint"))
     return parser
@@ -166,7 +168,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_connection_age_grace_s=args.max_connection_age_grace, drain_delay_s=args.drain_delay,
         shutdown_grace_s=args.shutdown_grace,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, served_model_name=args.served_model_name,
-        vllm_engine_service=args.vllm_engine_service, ready_file=args.ready_file, http_port=args.http_port)
+        vllm_engine_service=args.vllm_engine_service, ready_file=args.ready_file, http_port=args.http_port,
+        observability=observability_config(args))
 
 
 def _serve_on_two_threads(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
