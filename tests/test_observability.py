@@ -18,12 +18,16 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import json_format
 from mesh_fixtures import SMG_MODEL, http_json, start_envoy, start_smg
 from otlp_receiver import SPAN_KIND_SERVER, ReceivedSpan, TraceReceiver, start_receiver
 from service_fixtures import ServerProcess, spawn_server, start_server, stub, wait_until
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vgrpc
+from test_clients_go_java import Driver, built_clients  # noqa: F401 - built_clients is a fixture used by name
+from test_clients_go_java import _missing as go_java_missing
 
+from pagedserve.client import Client, GenerateOptions, build_request
 from pagedserve.v1 import generate_pb2 as pb
 
 pytestmark = pytest.mark.timeout(900)
@@ -326,3 +330,42 @@ def test_without_the_otel_extra_the_server_serves_with_tracing_off(tmp_path, no_
         assert request_lines(server, "no-otel")["request_finished"]["trace_id"] == trace_id
     finally:
         server.stop()
+
+
+# --- client libraries --------------------------------------------------------------------------------------------
+
+
+def test_python_client_sends_traceparent_per_call(replica, receiver):
+    traceparent, trace_id, parent = new_traceparent()
+    with Client(replica.target, timeout=120) as client:
+        client.complete("Hello", max_new_tokens=2, temperature=0.0, request_id="py-traced", traceparent=traceparent,
+                        tracestate="vendor=1")
+    span = span_for(receiver, "py-traced")
+    assert (span.trace_id, span.parent_span_id) == (trace_id, parent)
+
+
+def test_python_client_propagates_the_current_opentelemetry_span(replica, receiver):
+    from opentelemetry.sdk.trace import TracerProvider
+
+    tracer = TracerProvider().get_tracer("test")  # a local provider: its spans go nowhere, their context does
+    with tracer.start_as_current_span("caller") as caller, Client(replica.target, timeout=120) as client:
+        client.complete("Hello", max_new_tokens=2, temperature=0.0, request_id="py-current")
+        ctx = caller.get_span_context()
+    span = span_for(receiver, "py-current")
+    assert (span.trace_id, span.parent_span_id) == (f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}")
+
+
+@pytest.mark.skipif(bool(go_java_missing), reason=f"Go/Java toolchains absent ({', '.join(go_java_missing)})")
+@pytest.mark.parametrize("lang", ["go", "java"])
+def test_go_and_java_clients_send_the_trace_context(lang, replica, receiver, built_clients, tmp_path):
+    driver = Driver(lang, replica.target, tmp_path)
+    try:
+        traceparent, trace_id, parent = new_traceparent()
+        request = json_format.MessageToDict(build_request("Hello", GenerateOptions(
+            temperature=0.0, max_new_tokens=2, request_id=f"{lang}-traced")))
+        got = driver.call("generate", request=request, traceparent=traceparent, tracestate="vendor=1")
+        assert got["error"] is None
+    finally:
+        driver.close()
+    span = span_for(receiver, f"{lang}-traced")
+    assert (span.trace_id, span.parent_span_id) == (trace_id, parent)
