@@ -1,7 +1,7 @@
 """Structured logs an operator reads beside the metrics: one JSON line per request when it is admitted and when
 it finishes (`--enable-log-requests`), and a periodic stats line (`--stats-interval`, vLLM's 10 s by default).
 
-Lines go to stderr through the `pagedserve.requests` and `pagedserve.stats` loggers, each line one JSON object
+Lines go to stderr through two loggers of this module (REQUEST_LOGGER, STATS_LOGGER), each line one JSON object
 (no level or time prefix: a log shipper parses it as is; `ts` is Unix seconds). A request's prompt is never
 logged unless the server was started with `--log-prompts`, and then at most `--max-log-len` tokens of it.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 from pagedserve.engine.outputs import EngineStats
 
-REQUEST_LOGGER, STATS_LOGGER = "pagedserve.requests", "pagedserve.stats"
+REQUEST_LOGGER, STATS_LOGGER = f"{__name__}.requests", f"{__name__}.stats"
 _DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pagedserve.engine.admission import AdmittedRequest
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.service.core.engine_handle import EngineHandle
-from pagedserve.service.core.telemetry import RequestEnd, RequestOrigin, Telemetry
+from pagedserve.service.core.telemetry import RequestEnd, RequestOrigin, Telemetry, Watch
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class RequestStream:
         except Exception:  # aborting must never mask the original outcome
             log.exception("abort of %s failed", self.engine_id)
 
-    def _observe(self, watch) -> None:  # noqa: ANN001 - telemetry.Watch | None
+    def _observe(self, watch: Watch | None) -> None:
         if self.last is None and watch is None:
             return  # nothing to report: metrics count only requests the engine answered
         reasons = [c.finish_reason for c in self.last.outputs if c.finish_reason] if self.last is not None else []

@@ -113,7 +113,7 @@ class Telemetry:
     def _request_attributes(self, watch: Watch, request: AdmittedRequest) -> dict[str, Any]:
         p, origin = request.params, watch.origin
         attributes = {Attr.RESPONSE_MODEL: watch.adapter or self.model_name, Attr.REQUEST_ID: origin.request_id,
-                      Attr.REQUEST_TEMPERATURE: p.temperature, Attr.REQUEST_TOP_P: p.top_p,
+                      Attr.REQUEST_TEMPERATURE: float(p.temperature), Attr.REQUEST_TOP_P: float(p.top_p),
                       Attr.REQUEST_N: p.n, Attr.USAGE_NUM_SEQUENCES: p.n, Attr.FRONT_END: origin.front_end}
         if p.max_tokens is not None:
             attributes[Attr.REQUEST_MAX_TOKENS] = p.max_tokens

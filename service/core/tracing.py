@@ -22,6 +22,7 @@ PROTOCOLS = ("grpc", "http/protobuf")
 SPAN_NAME = "llm_request"
 _EXPORTERS = {"grpc": "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
               "http/protobuf": "opentelemetry.exporter.otlp.proto.http.trace_exporter"}
+_OWN = "pagedserve."  # the namespace of pagedserve's own span attributes
 _EXPORT_DELAY_MS = 1000  # spans leave in batches at least this often (the SDK's default is 5 s)
 
 
@@ -43,12 +44,12 @@ class Attr:
     LATENCY_TIME_IN_MODEL_PREFILL = "gen_ai.latency.time_in_model_prefill"
     LATENCY_TIME_IN_MODEL_DECODE = "gen_ai.latency.time_in_model_decode"
     LATENCY_TIME_IN_MODEL_INFERENCE = "gen_ai.latency.time_in_model_inference"
-    # pagedserve's own (vLLM has none for these)
-    FRONT_END = "pagedserve.front_end"
-    FINISH_REASON = "pagedserve.finish_reason"
-    ADAPTER = "pagedserve.lora_adapter"
-    NUM_PREEMPTIONS = "pagedserve.num_preemptions"
-    NUM_CACHED_TOKENS = "pagedserve.num_cached_tokens"
+    # pagedserve's own, under its name (vLLM has none for these)
+    FRONT_END = _OWN + "front_end"
+    FINISH_REASON = _OWN + "finish_reason"
+    ADAPTER = _OWN + "lora_adapter"
+    NUM_PREEMPTIONS = _OWN + "num_preemptions"
+    NUM_CACHED_TOKENS = _OWN + "num_cached_tokens"
 
 
 @dataclass(frozen=True, slots=True)
