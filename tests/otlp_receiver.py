@@ -1,11 +1,13 @@
 """A real OTLP trace receiver on loopback: a grpc server serving opentelemetry.proto.collector.trace.v1.TraceService
-from the official protobuf definitions (PyPI opentelemetry-proto). No OpenTelemetry Collector is packaged for
-PyPI or Debian here; this receives exactly what an exporter sends one, over the same wire protocol."""
+from the official protobuf definitions (PyPI opentelemetry-proto), and OTLP/HTTP's POST /v1/traces of the same
+message. No OpenTelemetry Collector is packaged for PyPI or Debian here; this receives exactly what an exporter
+sends one, over the same wire protocols."""
 
 from __future__ import annotations
 
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
@@ -50,6 +52,10 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         return f"127.0.0.1:{self.port}"
 
     def Export(self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext):  # noqa: N802
+        self.record(request)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def record(self, request: trace_service_pb2.ExportTraceServiceRequest) -> None:
         received = []
         for resource_spans in request.resource_spans:
             resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
@@ -63,7 +69,6 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         with self._changed:
             self.spans.extend(received)
             self._changed.notify_all()
-        return trace_service_pb2.ExportTraceServiceResponse()
 
     def wait_for(self, match: Callable[[ReceivedSpan], bool], timeout: float = 60.0) -> ReceivedSpan:
         """The first received span that matches; the timeout only bounds a hang (spans leave in ~1 s batches)."""
@@ -92,3 +97,27 @@ def start_receiver() -> TraceReceiver:
     server.start()
     receiver.server = server
     return receiver
+
+
+def start_http_receiver(receiver: TraceReceiver) -> ThreadingHTTPServer:
+    """OTLP/HTTP (binary protobuf) into the same receiver; the URL is http://127.0.0.1:PORT/v1/traces."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            body = self.rfile.read(int(self.headers.get("content-length", 0)))
+            ok = self.path == "/v1/traces" and self.headers.get("content-type") == "application/x-protobuf"
+            if ok:
+                receiver.record(trace_service_pb2.ExportTraceServiceRequest.FromString(body))
+            reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString() if ok else b""
+            self.send_response(200 if ok else 400)
+            self.send_header("content-type", "application/x-protobuf")
+            self.send_header("content-length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server

@@ -20,7 +20,7 @@ import grpc
 import pytest
 from google.protobuf import json_format
 from mesh_fixtures import SMG_MODEL, http_json, start_envoy, start_smg
-from otlp_receiver import SPAN_KIND_SERVER, ReceivedSpan, TraceReceiver, start_receiver
+from otlp_receiver import SPAN_KIND_SERVER, ReceivedSpan, TraceReceiver, start_http_receiver, start_receiver
 from service_fixtures import ServerProcess, spawn_server, start_server, stub, wait_until
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vgrpc
@@ -222,6 +222,21 @@ def test_stats_line_reports_throughput_and_load(replica):
     assert set(line) >= {"ts", "interval_s", "prompt_throughput", "generation_throughput", "running", "waiting",
                          "kv_cache_usage", "prefix_cache_hit_rate"}
     assert 0 <= line["kv_cache_usage"] <= 1 and line["running"] >= 0 and line["waiting"] >= 0
+
+
+def test_otlp_over_http_protobuf(tmp_path):
+    receiver = TraceReceiver()
+    http = start_http_receiver(receiver)
+    server = start_server(tmp_path / "http-otlp", "--otlp-traces-protocol", "http/protobuf",
+                          "--otlp-traces-endpoint", f"127.0.0.1:{http.server_address[1]}", "--stats-interval", "0")
+    try:
+        traceparent, trace_id, parent = new_traceparent()
+        v1_generate(server.target, v1_request("over-http", tokens=2), (("traceparent", traceparent),))
+        span = span_for(receiver, "over-http")
+    finally:
+        server.stop()
+        http.shutdown()
+    assert (span.trace_id, span.parent_span_id) == (trace_id, parent)
 
 
 def test_log_prompts_only_when_asked(tmp_path):

@@ -196,33 +196,39 @@ class ServiceMetrics:
                                    [*grpc_labels, "grpc_code"], registry=r)
         self.http_handled = Counter("http_server_handled", "OpenAI HTTP API generation requests completed, by "
                                     "status (499: the client went away first).", ["handler", "status"], registry=r)
+        # The model's series, bound once (as vLLM does): labels() costs a locked lookup on every observation.
+        self._per_request = tuple(h.labels(model_name) for h in (
+            self.ttft, self.queue, self.e2e, self.prefill, self.decode, self.inference, self.tpot, self.prompt_len,
+            self.gen_len, self.prompt_tokens, self.generation_tokens))
+        self._itl, self._iteration = self.itl.labels(model_name), self.iteration_tokens.labels(model_name)
 
     def observe_token_times(self, intervals: list[float]) -> None:
-        child = self.itl.labels(self.model_name)
+        observe = self._itl.observe
         for interval in intervals:
-            child.observe(interval)
+            observe(interval)
 
     def observe_request(self, metrics: RequestMetrics, prompt_tokens: int, generated_tokens: int, reason: str) -> None:
         """Called once per engine request, whichever front end sent it (service/core/stream.py)."""
-        name, d = self.model_name, durations(metrics)
-        self.ttft.labels(name).observe(d.time_to_first_token_s)
-        self.queue.labels(name).observe(d.queue_s)
-        self.e2e.labels(name).observe(d.total_s)
-        self.prefill.labels(name).observe(d.prefill_s)
-        self.decode.labels(name).observe(d.decode_s)
-        self.inference.labels(name).observe(d.inference_s)
-        self.tpot.labels(name).observe(d.time_per_output_token(generated_tokens))
-        self.prompt_len.labels(name).observe(prompt_tokens)
-        self.gen_len.labels(name).observe(generated_tokens)
-        self.prompt_tokens.labels(name).inc(prompt_tokens)
-        self.generation_tokens.labels(name).inc(generated_tokens)
-        self.success.labels(name, reason).inc()
+        d = durations(metrics)
+        ttft, queue, e2e, prefill, decode, inference, tpot, prompt_len, gen_len, prompt, generated = self._per_request
+        ttft.observe(d.time_to_first_token_s)
+        queue.observe(d.queue_s)
+        e2e.observe(d.total_s)
+        prefill.observe(d.prefill_s)
+        decode.observe(d.decode_s)
+        inference.observe(d.inference_s)
+        tpot.observe(d.time_per_output_token(generated_tokens))
+        prompt_len.observe(prompt_tokens)
+        gen_len.observe(generated_tokens)
+        prompt.inc(prompt_tokens)
+        generated.inc(generated_tokens)
+        self.success.labels(self.model_name, reason).inc()
 
     def observe_step(self, prompt_tokens: int, generation_tokens: int) -> None:
         """One engine step's tokens (vLLM's iteration stats); called on the engine thread."""
         self.step_prompt_tokens += prompt_tokens
         self.step_generation_tokens += generation_tokens
-        self.iteration_tokens.labels(self.model_name).observe(prompt_tokens + generation_tokens)
+        self._iteration.observe(prompt_tokens + generation_tokens)
 
     def adapter_requests(self, adapter: str | None, count: int = 1) -> None:
         """Admitted requests that name an adapter (None: the base, not counted here)."""
