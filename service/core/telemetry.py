@@ -6,6 +6,7 @@ so with tracing and request logging off a request costs what it did before eithe
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ from pagedserve.service.core.request_log import RequestLog
 from pagedserve.service.core.trace_context import TraceContext, trace_context
 from pagedserve.service.core.tracing import Attr, RequestTracer
 
+log = logging.getLogger(__name__)
 Pairs = Iterable[tuple[str | bytes, str | bytes]]
 
 
@@ -62,8 +64,16 @@ class Telemetry:
 
     def admitted(self, origin: RequestOrigin | None, engine_id: str, request: AdmittedRequest,
                  arrival: float) -> Watch | None:
+        """Starts the span and writes the admission line; a failure here is logged, never the request's."""
         if not self.reads_context or origin is None:
             return None
+        try:
+            return self._admitted(origin, engine_id, request, arrival)
+        except Exception:  # noqa: BLE001 - observability must not fail a request
+            log.exception("request telemetry failed at admission")
+            return None
+
+    def _admitted(self, origin: RequestOrigin, engine_id: str, request: AdmittedRequest, arrival: float) -> Watch:
         watch = Watch(origin, engine_id, request.adapter.info.name if request.adapter is not None else None)
         if origin.trace is not None:
             watch.trace_id = origin.trace.trace_id
@@ -84,6 +94,12 @@ class Telemetry:
             self.metrics.observe_request(end.metrics, end.prompt_tokens, end.generated_tokens, end.finish_reason)
         if watch is None:
             return
+        try:
+            self._finished(watch, end)
+        except Exception:  # noqa: BLE001 - observability must not mask the request's own outcome
+            log.exception("request telemetry failed at the end")
+
+    def _finished(self, watch: Watch, end: RequestEnd) -> None:
         d = durations(end.metrics)
         if watch.span is not None:
             self.tracer.finish(watch.span, end.metrics, {
