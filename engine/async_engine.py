@@ -140,12 +140,19 @@ class AsyncEngine:
         self._stats: EngineStats | None = None
         self.dead_reason: str | None = None
         self._kv_sink: Callable[[list[KvEvent]], None] | None = None
+        self._step_sink: Callable[[int, int], None] | None = None
 
     def publish_kv_events(self, sink: Callable[[list[KvEvent]], None]) -> None:
         """Hands each step's prefix-cache events to `sink`, on the engine thread, in order (one sink per engine).
         The sink must not block: it runs between engine steps."""
         self.engine.block_manager.record_events()
         self._kv_sink = sink
+
+    def observe_steps(self, sink: Callable[[int, int], None]) -> None:
+        """Hands each step's token counts to `sink(prompt_tokens, generation_tokens)` on the engine thread, as vLLM's
+        iteration stats count them: the whole prompt of a request in the step that gave its first token, plus the
+        tokens the step generated. The sink must not block."""
+        self._step_sink = sink
 
     async def start(self) -> None:
         """Loads the model off the event loop (on the host's main thread, or a worker thread) and starts the step
@@ -296,6 +303,8 @@ class AsyncEngine:
                 continue
             self._stats = self.engine.stats()
             self._flush_kv_events()
+            if self._step_sink is not None:
+                self._observe_step(outputs)
             self._deliver(outputs)
         self._fail_all(EngineDeadError("the engine is shutting down"))
 
@@ -332,6 +341,19 @@ class AsyncEngine:
                 self._kv_sink(events)
             except Exception:  # a broken listener must not stop the engine
                 logger.exception("KV event listener failed")
+
+    def _observe_step(self, outputs: list[RequestOutput]) -> None:
+        prompt = generated = 0
+        for out in outputs:
+            new = [len(c.new_token_ids) for c in out.outputs]
+            generated += sum(new)
+            # A sample whose every token is new got its first token in this step (samples fork in the same step).
+            if any(k and k == c.num_tokens for k, c in zip(new, out.outputs)):
+                prompt += len(out.prompt_token_ids)
+        try:
+            self._step_sink(prompt, generated)
+        except Exception:  # a broken listener must not stop the engine
+            logger.exception("step listener failed")
 
     def _apply_add(self, command: _Add) -> None:
         sink = command.sink

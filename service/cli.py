@@ -25,6 +25,7 @@ from pagedserve.service.core.request_policy import RequestPolicy, generation_def
 from pagedserve.service.lora_flags import add_lora_flags, lora_config
 from pagedserve.service.openai.openai_tools import ToolSettings
 from pagedserve.service.openai.tool_parsers.registry import TOOL_PARSERS
+from pagedserve.service.observability_flags import add_observability_flags, observability_config
 from pagedserve.service.spec_flags import add_speculative_flags, speculative_config
 
 # EngineConfig fields with their own flag group instead of one flag each.
@@ -168,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cpu-isa", default=None, metavar="TIER",
                        help=f"build the native CPU kernels for this ISA tier ({', '.join(isa.TIER_NAMES)}; default: "
                             f"native, what the CPU has); sets {isa.ENV_VAR}, which the kernels read when they build")
+    add_observability_flags(serve)
     kv_calibration.add_arguments(sub.add_parser(
         "calibrate-kv", help="measure K/V ranges on text files and write FP8 k/v scales into a copy of a checkpoint"))
     return parser
@@ -202,7 +204,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, served_model_name=args.served_model_name,
         vllm_engine_service=args.vllm_engine_service, ready_file=args.ready_file, http_port=args.http_port,
         enable_auto_tool_choice=_tools(args).auto, tool_call_parser=args.tool_call_parser, api_key=args.api_key,
-        generation_config=args.generation_config, max_logprobs=args.max_logprobs)
+        generation_config=args.generation_config, max_logprobs=args.max_logprobs,
+        observability=observability_config(args))
 
 
 def check_start(engine_cfg: EngineConfig, server_cfg: ServerConfig, trust_remote_code: bool) -> None:

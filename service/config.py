@@ -29,6 +29,30 @@ class TlsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ObservabilityConfig:
+    """Tracing (OTLP), per-request JSON log lines and the periodic stats line (docs/observability.md)."""
+
+    otlp_traces_endpoint: str | None = None  # None: no tracing (OpenTelemetry is not even imported)
+    otlp_traces_protocol: str = "grpc"  # or "http/protobuf"
+    service_name: str = "pagedserve"  # the spans' service.name
+    log_requests: bool = False  # a JSON line per request at admission and at finish
+    log_prompts: bool = False  # only then does a request line carry the prompt (its token ids and text)
+    max_log_len: int | None = None  # prompt tokens / characters logged at most (None: all)
+    stats_interval_s: float = 10.0  # the stats line's period (vLLM's); 0: off
+
+    def __post_init__(self) -> None:
+        if self.otlp_traces_protocol not in ("grpc", "http/protobuf"):
+            raise ConfigError("otlp_traces_protocol", f"unknown protocol {self.otlp_traces_protocol!r}; supported: "
+                              "grpc, http/protobuf")
+        if self.stats_interval_s < 0:
+            raise ConfigError("stats_interval_s", f"must be >= 0 (0: off), got {self.stats_interval_s}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ConfigError("max_log_len", f"must be >= 0, got {self.max_log_len}")
+        if self.log_prompts and not self.log_requests:
+            raise ConfigError("log_prompts", "logs prompts in request lines: needs --enable-log-requests")
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0: pick a free port (reported in the ready file and the log)
@@ -60,6 +84,7 @@ class ServerConfig:
     api_key: str | None = field(default=None, repr=False)
     generation_config: str = "auto"  # vLLM's --generation-config: auto, vllm or a folder (core/request_policy.py)
     max_logprobs: int = 20  # vLLM's --max-logprobs: most logprobs / top_logprobs a request may ask for
+    observability: ObservabilityConfig | None = None  # tracing, request and stats logs (None: the defaults)
 
     def __post_init__(self) -> None:
         if self.api_key is not None:

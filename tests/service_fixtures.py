@@ -83,14 +83,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_server(workdir: Path, *args: str, port: int = 0) -> tuple[subprocess.Popen, Path, Path]:
-    """Starts `python -m pagedserve.service serve`; returns (process, ready file, log file) without waiting."""
+def spawn_server(workdir: Path, *args: str, port: int = 0,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path, Path]:
+    """Starts `python -m pagedserve.service serve`; returns (process, ready file, log file) without waiting.
+    env: variables added to this process's environment."""
     workdir.mkdir(parents=True, exist_ok=True)
     ready, log_path = workdir / "ready.json", workdir / "server.log"
     ready.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pagedserve.service", "serve", "--port", str(port), "--ready-file", str(ready),
            "--metrics-port", "0", *BASE_ARGS, *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "wb") as log:
         # cwd is the temp dir so the repository root never lands on the server's sys.path.
         proc = subprocess.Popen(cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -109,8 +111,8 @@ def wait_ready(proc: subprocess.Popen, ready: Path, log_path: Path, timeout: flo
     raise AssertionError(f"server not ready after {timeout}s; log:\n{log_path.read_text()[-4000:]}")
 
 
-def start_server(workdir: Path, *args: str, port: int = 0) -> ServerProcess:
-    proc, ready, log_path = spawn_server(workdir, *args, port=port)
+def start_server(workdir: Path, *args: str, port: int = 0, env: dict[str, str] | None = None) -> ServerProcess:
+    proc, ready, log_path = spawn_server(workdir, *args, port=port, env=env)
     info = wait_ready(proc, ready, log_path)
     return ServerProcess(proc, workdir, info["port"], info["metrics_port"], log_path, info.get("http_port"))
 

@@ -10,13 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import shutil
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -26,11 +20,12 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vgrpc
 
-from pagedserve.engine.sampling_params import SamplingParams
-from service_fixtures import free_port, metric_value, off_main_thread, start_server, wait_until
+from mesh_fixtures import SMG_MODEL as MODEL
+from mesh_fixtures import http_json, start_smg
+from service_fixtures import metric_value, off_main_thread, start_server, wait_until
 
-MODEL = "SmolLM2-135M-Instruct"
-SMG_START_S = 120
+from pagedserve.engine.sampling_params import SamplingParams
+
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -42,63 +37,15 @@ def replicas(tmp_path_factory):
         server.stop()
 
 
-@dataclass(frozen=True, slots=True)
-class Smg:
-    base: str  # http://127.0.0.1:PORT
-    metrics_port: int
-
-    def metric(self, name: str, label: str = "") -> float:
-        body = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
-                   if line.startswith(name + "{") and label in line)
-
-
 @pytest.fixture(scope="module")
 def smg(replicas, default_model, tmp_path_factory):
-    beside = Path(sys.executable).parent / "smg"  # the test extra's console script, also when not on PATH
-    binary = str(beside) if beside.exists() else shutil.which("smg")
-    assert binary, "the smg binary is missing: tests/run.sh installs it with the test extra (smg==1.13.0)"
-    port, metrics_port, log_path = free_port(), free_port(), tmp_path_factory.mktemp("smg") / "smg.log"
-    cmd = [binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
-           "--worker-urls", *[f"grpc://127.0.0.1:{s.port}" for s in replicas],
-           "--model-path", str(default_model.tokenizer_dir), "--prometheus-host", "127.0.0.1",
-           "--prometheus-port", str(metrics_port), "--log-level", "info"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_for_workers(base, proc, log_path, len(replicas))
-        yield Smg(base, metrics_port)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _wait_for_workers(base: str, proc: subprocess.Popen, log_path: Path, count: int) -> None:
-    deadline = time.monotonic() + SMG_START_S
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"smg exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
-        try:
-            workers = _get(f"{base}/workers")["workers"]
-            if len(workers) == count and _post(f"{base}/v1/completions", {
-                    "model": MODEL, "prompt": "warm", "max_tokens": 1, "temperature": 0}).get("choices"):
-                return
-        except (OSError, urllib.error.URLError, KeyError, ValueError):
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"smg not ready with {count} workers in {SMG_START_S}s:\n{log_path.read_text()[-4000:]}")
-
-
-def _get(url: str) -> dict:
-    return json.loads(urllib.request.urlopen(url, timeout=30).read())
+    router = start_smg(tmp_path_factory.mktemp("smg"), replicas, default_model.tokenizer_dir)
+    yield router
+    router.stop()
 
 
 def _post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
-    return json.loads(urllib.request.urlopen(request, timeout=300).read())
+    return http_json(url, body)
 
 
 def _offline(llm, prompt_ids: list[int], max_tokens: int) -> list[int]:

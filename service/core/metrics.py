@@ -14,18 +14,33 @@ from prometheus_client.registry import Collector
 from pagedserve.engine.outputs import RequestMetrics
 from pagedserve.engine.structured_output.compiler import COMPILE_BUCKETS, ConstraintStats
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+# vLLM's own buckets (vllm/v1/metrics/loggers.py), so histogram_quantile over a mixed fleet lines up.
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                            240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                          20.0, 40.0, 80.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass(frozen=True, slots=True)
 class Durations:
+    """vLLM's phases: queue (arrival -> first scheduled), prefill (first scheduled -> first token), decode (first
+    token -> finished), inference (prefill + decode)."""
+
     queue_s: float
     time_to_first_token_s: float
     decode_s: float
     total_s: float
     num_preemptions: int
+    prefill_s: float = 0.0
+    inference_s: float = 0.0
+
+    def time_per_output_token(self, generated_tokens: int) -> float:
+        """vLLM's per-request TPOT: decode time over the tokens after the first (0 for a single token)."""
+        return self.decode_s / (generated_tokens - 1) if generated_tokens > 1 else 0.0
 
 
 def durations(metrics: RequestMetrics) -> Durations:
@@ -37,7 +52,8 @@ def durations(metrics: RequestMetrics) -> Durations:
     finished = metrics.finished_time or now
     return Durations(queue_s=max(0.0, scheduled - arrival), time_to_first_token_s=max(0.0, first_token - arrival),
                      decode_s=max(0.0, finished - first_token), total_s=max(0.0, finished - arrival),
-                     num_preemptions=metrics.num_preemptions)
+                     num_preemptions=metrics.num_preemptions, prefill_s=max(0.0, first_token - scheduled),
+                     inference_s=max(0.0, finished - scheduled))
 
 
 class EngineStatsCollector(Collector):
@@ -141,13 +157,28 @@ class ServiceMetrics:
         self.registry.register(EngineStatsCollector(model_name, stats))
         r, m = self.registry, ["model_name"]
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", m,
-                              buckets=_LATENCY_BUCKETS, registry=r)
+                              buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", m,
-                             buckets=_LATENCY_BUCKETS, registry=r)
+                             buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "Per request: decode time over the "
+                              "output tokens after the first.", m, buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", m,
-                               buckets=_LATENCY_BUCKETS, registry=r)
+                               buckets=_REQUEST_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finished.", m,
-                             buckets=_LATENCY_BUCKETS, registry=r)
+                             buckets=_REQUEST_LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("vllm:request_prefill_time_seconds", "First scheduled to first token.", m,
+                                 buckets=_REQUEST_LATENCY_BUCKETS, registry=r)
+        self.decode = Histogram("vllm:request_decode_time_seconds", "First token to finished.", m,
+                                buckets=_REQUEST_LATENCY_BUCKETS, registry=r)
+        self.inference = Histogram("vllm:request_inference_time_seconds", "First scheduled to finished.", m,
+                                   buckets=_REQUEST_LATENCY_BUCKETS, registry=r)
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens per engine step: prompts that got "
+                                          "their first token in the step, plus the tokens it generated.", m,
+                                          buckets=_ITERATION_TOKEN_BUCKETS, registry=r)
+        # Cumulative per-step token counts, written on the engine thread (the only writer) and read as deltas by
+        # the periodic stats line.
+        self.step_prompt_tokens = 0
+        self.step_generation_tokens = 0
         self.prompt_len = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", m,
                                     buckets=_TOKEN_BUCKETS, registry=r)
         self.gen_len = Histogram("vllm:request_generation_tokens", "Generated tokens per request.", m,
@@ -165,23 +196,39 @@ class ServiceMetrics:
                                    [*grpc_labels, "grpc_code"], registry=r)
         self.http_handled = Counter("http_server_handled", "OpenAI HTTP API generation requests completed, by "
                                     "status (499: the client went away first).", ["handler", "status"], registry=r)
+        # The model's series, bound once (as vLLM does): labels() costs a locked lookup on every observation.
+        self._per_request = tuple(h.labels(model_name) for h in (
+            self.ttft, self.queue, self.e2e, self.prefill, self.decode, self.inference, self.tpot, self.prompt_len,
+            self.gen_len, self.prompt_tokens, self.generation_tokens))
+        self._itl, self._iteration = self.itl.labels(model_name), self.iteration_tokens.labels(model_name)
 
     def observe_token_times(self, intervals: list[float]) -> None:
-        child = self.itl.labels(self.model_name)
+        observe = self._itl.observe
         for interval in intervals:
-            child.observe(interval)
+            observe(interval)
 
     def observe_request(self, metrics: RequestMetrics, prompt_tokens: int, generated_tokens: int, reason: str) -> None:
         """Called once per engine request, whichever front end sent it (service/core/stream.py)."""
-        name, d = self.model_name, durations(metrics)
-        self.ttft.labels(name).observe(d.time_to_first_token_s)
-        self.queue.labels(name).observe(d.queue_s)
-        self.e2e.labels(name).observe(d.total_s)
-        self.prompt_len.labels(name).observe(prompt_tokens)
-        self.gen_len.labels(name).observe(generated_tokens)
-        self.prompt_tokens.labels(name).inc(prompt_tokens)
-        self.generation_tokens.labels(name).inc(generated_tokens)
-        self.success.labels(name, reason).inc()
+        d = durations(metrics)
+        ttft, queue, e2e, prefill, decode, inference, tpot, prompt_len, gen_len, prompt, generated = self._per_request
+        ttft.observe(d.time_to_first_token_s)
+        queue.observe(d.queue_s)
+        e2e.observe(d.total_s)
+        prefill.observe(d.prefill_s)
+        decode.observe(d.decode_s)
+        inference.observe(d.inference_s)
+        tpot.observe(d.time_per_output_token(generated_tokens))
+        prompt_len.observe(prompt_tokens)
+        gen_len.observe(generated_tokens)
+        prompt.inc(prompt_tokens)
+        generated.inc(generated_tokens)
+        self.success.labels(self.model_name, reason).inc()
+
+    def observe_step(self, prompt_tokens: int, generation_tokens: int) -> None:
+        """One engine step's tokens (vLLM's iteration stats); called on the engine thread."""
+        self.step_prompt_tokens += prompt_tokens
+        self.step_generation_tokens += generation_tokens
+        self._iteration.observe(prompt_tokens + generation_tokens)
 
     def adapter_requests(self, adapter: str | None, count: int = 1) -> None:
         """Admitted requests that name an adapter (None: the base, not counted here)."""

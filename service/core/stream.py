@@ -4,7 +4,7 @@ Events are the engine's outputs (per sample: new token ids, new text, new logpro
 the request waits for its first output, and `Ended` when the stream stops before every sample finished (the time
 limit passed, or the engine stopped). Each front end turns them into its own frames (service/v1/frames.py,
 service/openai/openai_responses.py, service/router/vllm_replies.py). The request is aborted on any early exit,
-and its latencies and token counts are observed once.
+and its latencies and token counts are reported once (service/core/telemetry.py: metrics, span, log lines).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pagedserve.engine.admission import AdmittedRequest
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.service.core.engine_handle import EngineHandle
-from pagedserve.service.core.metrics import ServiceMetrics
+from pagedserve.service.core.telemetry import RequestEnd, RequestOrigin, Telemetry, Watch
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +52,14 @@ class _Wait(enum.Enum):
 
 
 class RequestStream:
-    def __init__(self, engine: EngineHandle, engine_id: str, request: AdmittedRequest, metrics: ServiceMetrics,
-                 options: StreamOptions = StreamOptions()):
-        self.engine, self.engine_id, self.request, self.metrics = engine, engine_id, request, metrics
+    """origin: who sent the request (front end, id, trace context), for the span and log lines."""
+
+    def __init__(self, engine: EngineHandle, engine_id: str, request: AdmittedRequest, telemetry: Telemetry,
+                 options: StreamOptions = StreamOptions(), origin: RequestOrigin | None = None):
+        self.engine, self.engine_id, self.request = engine, engine_id, request
+        self.telemetry, self.metrics, self.origin = telemetry, telemetry.metrics, origin
         self.options = options
+        self.failed = False
         self.loop = asyncio.get_running_loop()
         self.time_limit_at = None if options.time_limit_s is None else self.loop.time() + options.time_limit_s
         self.timed_out = False
@@ -70,6 +74,8 @@ class RequestStream:
         return self.last is not None and self.last.finished
 
     async def events(self) -> AsyncIterator[StreamEvent]:
+        self._arrival = time.monotonic()
+        watch = self.telemetry.admitted(self.origin, self.engine_id, self.request, self._arrival)
         self._outputs = aiter(self.engine.stream(self.engine_id, self.request))
         try:
             while not self.finished:
@@ -84,10 +90,13 @@ class RequestStream:
             if not self.finished:
                 await self._settle_pending()
                 await self._abort()
-                yield Ended(self.timed_out, self.last.metrics if self.last is not None else _arrival())
+                yield Ended(self.timed_out, self.last.metrics if self.last is not None else self._no_output())
+        except Exception:
+            self.failed = True
+            raise
         finally:
             await self._release()
-            self._observe()
+            self._observe(watch)
 
     async def _next(self) -> RequestOutput | _Wait:
         if self._pending is None and self._wait_time() is None:
@@ -158,15 +167,16 @@ class RequestStream:
         except Exception:  # aborting must never mask the original outcome
             log.exception("abort of %s failed", self.engine_id)
 
-    def _observe(self) -> None:
-        if self.last is None:
-            return
-        reasons = [c.finish_reason for c in self.last.outputs if c.finish_reason]
-        reason = "time_limit" if self.timed_out else reasons[0] if self.finished and reasons else "abort"
-        self.metrics.observe_request(self.last.metrics, len(self.request.prompt_token_ids),
-                                     sum(self._num_tokens.values()), reason)
+    def _observe(self, watch: Watch | None) -> None:
+        if self.last is None and watch is None:
+            return  # nothing to report: metrics count only requests the engine answered
+        reasons = [c.finish_reason for c in self.last.outputs if c.finish_reason] if self.last is not None else []
+        reason = ("time_limit" if self.timed_out else reasons[0] if self.finished and reasons
+                  else "error" if self.failed else "abort")
+        end = RequestEnd(self.last.metrics if self.last is not None else self._no_output(),
+                         len(self.request.prompt_token_ids), sum(self._num_tokens.values()), reason)
+        self.telemetry.finished(watch, end, engine_answered=self.last is not None)
 
-
-def _arrival() -> RequestMetrics:
-    """Metrics of a request that produced no output before its time limit."""
-    return RequestMetrics(time.monotonic(), None, None, None, 0, 0)
+    def _no_output(self) -> RequestMetrics:
+        """Metrics of a request that produced no output (time limit, refused or cancelled before its first)."""
+        return RequestMetrics(self._arrival, None, None, time.monotonic(), 0, 0)

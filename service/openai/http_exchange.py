@@ -59,13 +59,14 @@ class Exchange:
         self.status = 499  # until a reply starts: nginx's "client closed request"
         self._disconnected: asyncio.Future | None = None
         self._echo: list[tuple[bytes, bytes]] = []  # x-request-id, once checked (check_request_id_header)
+        self.request_id: str | None = None  # the client's x-request-id, once checked
 
     def check_request_id_header(self) -> None:
         """A client's x-request-id is echoed on every reply (as gRPC echoes its metadata), once it passes the one
         request-id rule; a bad one is refused naming the header."""
         for key, value in self.scope.get("headers", ()):
             if key == b"x-request-id":
-                check_request_id(value.decode("latin-1"), "x-request-id")
+                self.request_id = check_request_id(value.decode("latin-1"), "x-request-id")
                 self._echo = [(key, value)]
                 return
 

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP API (Starlette app): /v1/completions, /v1/chat/completions, /v1/models, /health, and
-vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter, /tokenize, /detokenize and /version.
+"""The OpenAI-compatible HTTP API (Starlette app): /v1/completions, /v1/chat/completions, /v1/models, /health,
+Prometheus /metrics (as vLLM serves it on its API port), and vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter,
+/tokenize, /detokenize and /version.
 
 `model` picks what serves a request: the base's served name (or none) the base, an adapter's name that adapter.
 
@@ -14,6 +15,7 @@ import time
 import uuid
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -55,6 +57,7 @@ class OpenAIApi:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
             Route("/v1/load_lora_adapter", self.load_adapter, methods=["POST"]),
             Route("/v1/unload_lora_adapter", self.unload_adapter, methods=["POST"]),
             Route("/tokenize", tokens.tokenize, methods=["POST"]),
@@ -125,6 +128,10 @@ class OpenAIApi:
         log.info("unloaded LoRA adapter %s", body["lora_name"])
         return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
 
+    async def metrics(self, request: Request) -> Response:
+        """The same registry as --metrics-port serves (one set of counts, whichever port a scraper reads)."""
+        return Response(generate_latest(self.serving.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     async def health(self, request: Request) -> Response:
         """200 while serving; 503 while the model loads or the server drains (load balancers stop sending)."""
         return Response(status_code=200 if self.serving.serving else 503)
@@ -173,8 +180,10 @@ class _Generate:
         builder = ResponseBuilder(request, admitted, response_id, request.adapter or self.api.model_name,
                                   self.api.decode_token)
         many = len(admitted) > 1
+        origin = serving.telemetry.origin("openai", exchange.request_id or response_id, exchange.scope["headers"])
         outputs = MergedStreams([
-            RequestStream(serving.engine, f"{response_id}-{i}" if many else response_id, a, serving.metrics).events()
+            RequestStream(serving.engine, f"{response_id}-{i}" if many else response_id, a, serving.telemetry,
+                          origin=origin).events()
             for i, a in enumerate(admitted)])
         try:
             while not builder.all_finished:

@@ -102,7 +102,9 @@ class VllmEngineServicer:
         # request under an id still in flight is refused (INVALID_ARGUMENT), as vLLM refuses it.
         completed: set[int] = set()  # an engine output lists every sample, those finished in earlier steps too
         with self.state.track():
-            async for event in RequestStream(self.engine, request_id, admitted, self.metrics).events():
+            origin = self.serving.telemetry.origin("vllm", request_id, context.invocation_metadata() or ())
+            stream = RequestStream(self.engine, request_id, admitted, self.serving.telemetry, origin=origin)
+            async for event in stream.events():
                 if not isinstance(event, Ended):
                     for reply in _replies(event, request.stream, completed):
                         yield reply

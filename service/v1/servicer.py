@@ -75,7 +75,9 @@ class GenerationServicer:
         # so the engine's one uniqueness check (AsyncEngine) never refuses a v1 request.
         engine_key = f"{request_id}#{next(self._submissions)}"
         with self.state.track():
-            async for event in RequestStream(self.engine, engine_key, prompt, self.metrics, v1.options).events():
+            origin = self.serving.telemetry.origin("v1", request_id, context.invocation_metadata() or ())
+            stream = RequestStream(self.engine, engine_key, prompt, self.serving.telemetry, v1.options, origin)
+            async for event in stream.events():
                 for frame in builder.frames(event):
                     yield frame
 

@@ -13,6 +13,7 @@ from pagedserve.client.errors import ClientError
 from pagedserve.client.frames import FrameReader
 from pagedserve.client.request import GenerateOptions, Prompt, build_request
 from pagedserve.client.sync_client import DEFAULT_MAX_MESSAGE_BYTES
+from pagedserve.client.tracing import with_trace
 from pagedserve.client.types import Completion, Delta, Final, Started, Tokenization
 from pagedserve.v1 import adapters_pb2, adapters_pb2_grpc, generation_service_pb2_grpc, model_info_pb2, tokenize_pb2
 
@@ -76,10 +77,13 @@ class AsyncClient:
         self._stub = generation_service_pb2_grpc.GenerationServiceStub(self._channel)
         self._adapters = adapters_pb2_grpc.AdapterServiceStub(self._channel)
 
-    def generate(self, prompt: Prompt, *, timeout: float | None = None,
-                 metadata: Sequence[tuple[str, str]] = (), **options: object) -> AsyncGenerationStream:
+    def generate(self, prompt: Prompt, *, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = (),
+                 traceparent: str | None = None, tracestate: str | None = None,
+                 **options: object) -> AsyncGenerationStream:
+        """traceparent/tracestate: as Client.generate's."""
         request = build_request(prompt, GenerateOptions.from_kwargs(**options))
-        call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=tuple(metadata))
+        call = self._stub.Generate(request, timeout=timeout or self.timeout,
+                                   metadata=with_trace(metadata, traceparent, tracestate))
         return AsyncGenerationStream(call)
 
     async def complete(self, prompt: Prompt, **kwargs: object) -> Completion:

@@ -11,6 +11,7 @@ from pagedserve.client.channels import TlsOptions, channel_options, resolve_targ
 from pagedserve.client.errors import ClientError
 from pagedserve.client.frames import FrameReader
 from pagedserve.client.request import GenerateOptions, Prompt, build_request
+from pagedserve.client.tracing import with_trace
 from pagedserve.client.types import Completion, Delta, Final, Started, Tokenization
 from pagedserve.v1 import (
     adapters_pb2, adapters_pb2_grpc, generate_pb2, generation_service_pb2_grpc, model_info_pb2, tokenize_pb2,
@@ -78,10 +79,14 @@ class Client:
         self._stub = generation_service_pb2_grpc.GenerationServiceStub(self._channel)
         self._adapters = adapters_pb2_grpc.AdapterServiceStub(self._channel)
 
-    def generate(self, prompt: Prompt, *, timeout: float | None = None,
-                 metadata: Sequence[tuple[str, str]] = (), **options: object) -> GenerationStream:
+    def generate(self, prompt: Prompt, *, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = (),
+                 traceparent: str | None = None, tracestate: str | None = None,
+                 **options: object) -> GenerationStream:
+        """traceparent/tracestate: the W3C trace context the server's span joins (default: the current
+        OpenTelemetry context, when opentelemetry-api is installed)."""
         request = build_request(prompt, GenerateOptions.from_kwargs(**options))
-        return GenerationStream(self.generate_raw(request, timeout=timeout, metadata=metadata))
+        return GenerationStream(self.generate_raw(request, timeout=timeout,
+                                                  metadata=with_trace(metadata, traceparent, tracestate)))
 
     def generate_raw(self, request: generate_pb2.GenerateRequest, *, timeout: float | None = None,
                      metadata: Sequence[tuple[str, str]] = ()) -> grpc.CallIterator:

@@ -42,7 +42,7 @@ func generate(ctx context.Context, c *client.Client, cmd command) streamResult {
 	if err != nil {
 		return streamResult{Error: errorOf(err)}
 	}
-	ctx, cancel := withTimeout(ctx, cmd.TimeoutMs)
+	ctx, cancel := withTimeout(client.WithTraceContext(ctx, cmd.Traceparent, cmd.Tracestate), cmd.TimeoutMs)
 	defer cancel()
 	var res streamResult
 	var text strings.Builder

@@ -30,6 +30,8 @@ type command struct {
 	Service           string          `json:"service"`
 	Name              string          `json:"name"`
 	Path              string          `json:"path"`
+	Traceparent       string          `json:"traceparent"`
+	Tracestate        string          `json:"tracestate"`
 }
 
 type errorJSON struct {

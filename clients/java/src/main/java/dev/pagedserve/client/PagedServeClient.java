@@ -15,10 +15,12 @@ import dev.pagedserve.v1.TokenizeResponse;
 import dev.pagedserve.v1.UnloadAdapterRequest;
 import io.grpc.Channel;
 import io.grpc.ManagedChannel;
+import io.grpc.Metadata;
 import dev.pagedserve.client.health.v1.HealthCheckRequest;
 import dev.pagedserve.client.health.v1.HealthCheckResponse;
 import dev.pagedserve.client.health.v1.HealthGrpc;
 import io.grpc.stub.AbstractStub;
+import io.grpc.stub.MetadataUtils;
 import io.grpc.stub.StreamObserver;
 import java.time.Duration;
 import java.util.Objects;
@@ -42,11 +44,13 @@ public final class PagedServeClient implements AutoCloseable {
   private final Channel channel;
   private final ManagedChannel owned;
   private final Duration timeout;
+  private final Metadata headers; // sent with every call of this view (the W3C trace context), or null
 
-  private PagedServeClient(Channel channel, ManagedChannel owned, Duration timeout) {
+  private PagedServeClient(Channel channel, ManagedChannel owned, Duration timeout, Metadata headers) {
     this.channel = channel;
     this.owned = owned;
     this.timeout = timeout;
+    this.headers = headers;
   }
 
   /**
@@ -56,12 +60,12 @@ public final class PagedServeClient implements AutoCloseable {
    */
   public static PagedServeClient connect(String target, ClientOptions options) {
     ManagedChannel channel = Channels.open(target, options);
-    return new PagedServeClient(channel, channel, options.defaultTimeout().orElse(null));
+    return new PagedServeClient(channel, channel, options.defaultTimeout().orElse(null), null);
   }
 
   /** Uses a channel the caller manages (interceptors, custom transport); close() leaves it open. */
   public static PagedServeClient wrap(Channel channel) {
-    return new PagedServeClient(Objects.requireNonNull(channel, "channel"), null, null);
+    return new PagedServeClient(Objects.requireNonNull(channel, "channel"), null, null, null);
   }
 
   /** A view of this client whose calls each get a deadline of {@code timeout}; it shares the channel. */
@@ -69,7 +73,22 @@ public final class PagedServeClient implements AutoCloseable {
     if (timeout == null || timeout.isNegative() || timeout.isZero()) {
       throw new IllegalArgumentException("timeout must be positive, got " + timeout);
     }
-    return new PagedServeClient(channel, null, timeout);
+    return new PagedServeClient(channel, null, timeout, headers);
+  }
+
+  /**
+   * A view of this client whose calls carry a W3C trace context ({@code traceparent}, and {@code tracestate} when
+   * not null): the server's span for each request becomes a child of it. Pass the current span's values from
+   * whatever tracer the application uses; the client itself depends on none. It shares the channel.
+   */
+  public PagedServeClient withTraceContext(String traceparent, String tracestate) {
+    Objects.requireNonNull(traceparent, "traceparent");
+    Metadata trace = new Metadata();
+    trace.put(Metadata.Key.of("traceparent", Metadata.ASCII_STRING_MARSHALLER), traceparent);
+    if (tracestate != null && !tracestate.isEmpty()) {
+      trace.put(Metadata.Key.of("tracestate", Metadata.ASCII_STRING_MARSHALLER), tracestate);
+    }
+    return new PagedServeClient(channel, null, timeout, trace);
   }
 
   /** Starts Generate and returns a blocking, iterate-once stream of frames. */
@@ -150,6 +169,9 @@ public final class PagedServeClient implements AutoCloseable {
 
   private <S extends AbstractStub<S>> S deadline(Function<Channel, S> newStub) {
     S stub = newStub.apply(channel);
+    if (headers != null) {
+      stub = stub.withInterceptors(MetadataUtils.newAttachHeadersInterceptor(headers));
+    }
     return timeout == null ? stub : stub.withDeadlineAfter(timeout.toNanos(), TimeUnit.NANOSECONDS);
   }
 

@@ -63,8 +63,8 @@ public final class ConformanceDriver {
   private static Object handle(PagedServeClient client, Streams streams, String op, JsonObject cmd) {
     try {
       return switch (op) {
-        case "generate" -> streams.generate(request(cmd), intField(cmd, "timeout_ms"),
-            intField(cmd, "cancel_after_tokens"));
+        case "generate" -> (cmd.has("traceparent") ? new Streams(traced(client, cmd)) : streams).generate(
+            request(cmd), intField(cmd, "timeout_ms"), intField(cmd, "cancel_after_tokens"));
         case "generate_many" -> streams.generateMany(request(cmd), intField(cmd, "count"),
             intField(cmd, "timeout_ms"));
         case "health" -> health(client, cmd.has("service") ? cmd.get("service").getAsString() : "");
@@ -109,6 +109,12 @@ public final class ConformanceDriver {
       out.put("error", error(e));
     }
     return out;
+  }
+
+  /** The client with the command's W3C trace context ("traceparent", optional "tracestate") on its calls. */
+  private static PagedServeClient traced(PagedServeClient client, JsonObject cmd) {
+    String state = cmd.has("tracestate") ? cmd.get("tracestate").getAsString() : null;
+    return client.withTraceContext(cmd.get("traceparent").getAsString(), state);
   }
 
   private static GenerateRequest request(JsonObject cmd) throws InvalidProtocolBufferException {
