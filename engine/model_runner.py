@@ -151,7 +151,9 @@ class ModelRunner:
         meta = model_input.attn_meta
         # Once per step and window, shared by every layer with that window.
         plans = {window: self.attn_impl.plan(meta, self.kv_cache.layers[0], window) for window in self.windows}
-        ctx = ForwardContext(meta, self.kv_cache, self.attn_impl, self.layer_ops, plans)
+        lengths = tuple(max(i.seq.num_tokens, i.seq.num_computed_tokens + i.num_new_tokens)
+                        for i in self._in_adapter_order(batch.scheduled))  # LongRoPE's factors follow them
+        ctx = ForwardContext(meta, self.kv_cache, self.attn_impl, self.layer_ops, plans, lengths)
         hidden = self.model(model_input.input_ids, model_input.positions, ctx)
         if not model_input.sampling_seqs:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), ()

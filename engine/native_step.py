@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from pagedserve.engine.models.decoder_stack import DecoderStack
+from pagedserve.engine.models.decoder_stack import DecoderStack, UnsupportedStack
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.engine.sequence import Sequence
 from pagedserve.kernels.attention import AttentionImpl
@@ -95,6 +95,7 @@ class NativeDecodeStep:
             ctypes.addressof(self._layers), head.as_struct(),
         )
         self._keep += [stack]
+        self._stack = stack
         self._cache = cache
         self._offsets_bound = False
         self._lib = load_library()
@@ -147,18 +148,20 @@ class NativeDecodeStep:
         if not self._offsets_bound:
             self._bind_k_offsets()
         seqs = tuple(item.seq for item in batch.scheduled)
-        tokens, positions, slots, table_rows = [], [], [], []
+        tokens, positions, slots, table_rows, rope_rows = [], [], [], [], []
         for item in batch.scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             tokens += [seq.token_ids[-1], *item.draft_tokens]
+            length = max(seq.num_tokens, start + item.num_new_tokens)
             for p in range(start, start + item.num_new_tokens):
                 positions.append(p)
+                rope_rows.append(self._stack.rope_row(p, length))  # the C step reads cos/sin at these rows
                 slots.append(seq.block_table[p // block_size] * block_size + p % block_size)
                 table_rows.append(seq.block_table)
         n = len(tokens)
         width = max(len(table) for table in table_rows)
         tables = torch.tensor([table + [0] * (width - len(table)) for table in table_rows], dtype=torch.int32)
-        longs = torch.tensor([tokens, positions, slots, list(range(n))], dtype=torch.int64)
+        longs = torch.tensor([tokens, rope_rows, slots, list(range(n))], dtype=torch.int64)
         seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
         logits = torch.empty(n, self.vocab, dtype=torch.float32)
         # One torch call: the embedding reads its own storage (a packed one dequantizes only these rows).
@@ -189,7 +192,7 @@ def build_native_step(model: torch.nn.Module, cache: KVCache, attn: AttentionImp
         if describe is None:
             raise NativeStepUnavailable(f"{type(model).__name__} has no native layer stack (its layer math differs)")
         step = NativeDecodeStep(describe(), cache, attn, max_batch, max_rows)
-    except NativeStepUnavailable as why:
+    except (NativeStepUnavailable, UnsupportedStack) as why:
         logger.info("native decode step off, every step on the torch path: %s", why)
         return None
     logger.info("native decode step on for decode-only steps of up to %d sequences", step.max_batch)

@@ -15,6 +15,11 @@ from torch import nn
 from pagedserve.quant.linear import QuantLinear
 
 
+class UnsupportedStack(Exception):
+    """Why a model's layer math does not fit the native step (it keeps the torch path; logged, never raised to
+    the user)."""
+
+
 @dataclass(frozen=True, slots=True)
 class StackLayer:
     qkv: tuple[QuantLinear, ...]  # one merged q/k/v linear, or q, k, v (outputs concatenated in that order)
@@ -39,13 +44,22 @@ class DecoderStack:
     layers: tuple[StackLayer, ...]
     final_norm: torch.Tensor  # [hidden]
     lm_head: QuantLinear
-    cos: torch.Tensor  # [max_positions, head_dim] fp32 (attention factor applied)
+    cos: torch.Tensor  # [table rows, head_dim] fp32 (attention factor applied; rows: rope_row)
     signed_sin: torch.Tensor  # same, sin's first half negated
     eps: float
     num_heads: int
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
+    # LongRoPE: a sequence longer than this reads the table's rows from long_rope_offset on (rope.py); None: one set
+    long_rope_after: int | None = None
+    long_rope_offset: int = 0
+
+    def rope_row(self, position: int, seq_length: int) -> int:
+        """The cos/sin table row of a token at `position` of a sequence of `seq_length` tokens."""
+        if self.long_rope_after is not None and seq_length > self.long_rope_after:
+            return position + self.long_rope_offset
+        return position
 
     def __post_init__(self) -> None:
         if self.cos.dtype != torch.float32 or self.cos.shape != self.signed_sin.shape:
