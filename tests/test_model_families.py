@@ -95,7 +95,8 @@ def test_family_gguf_matches_transformers(family, case, tmp_path):
     if quantized:
         reference = hf_model(path, case, stored)
         expected = {rid: engine_probe.hf_greedy_tokens(reference, PROMPTS[rid], NEW_TOKENS) for rid in ("p2", LONG)}
-    llm = LLM(str(gguf_path), dtype="float32", block_size=BLOCK, max_num_batched_tokens=512,
+    # The folder's tokenizer: exporting one from the GGUF vocabulary costs ~30 s per new file.
+    llm = LLM(str(gguf_path), dtype="float32", block_size=BLOCK, max_num_batched_tokens=512, tokenizer=str(path),
               gguf_weights="packed" if quantized else "auto")
     cfg = llm.engine.loaded.hf_config
     assert cfg["architectures"] == [CASES[case][0]]
