@@ -59,7 +59,9 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+    supported = ("Gemma3ForCausalLM, Gemma3ForConditionalGeneration, LlamaForCausalLM, MistralForCausalLM, "
+                 "Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")
+    with pytest.raises(ModelLoadError, match=f"architectures: \\['GPT2LMHeadModel'\\] unsupported; supported: {supported}"):
         LLM(str(path))
 
 

@@ -1,8 +1,10 @@
 """What a model hands the native decode step (engine/native_step.py): its layer stack as tensors and linears.
 
-A model family whose decode step is the Llama layer (RMSNorm, q/k/v, rotate-half RoPE, paged attention, o
-projection, RMSNorm, SiLU-gated MLP, residual adds) defines `decoder_stack()` returning this; families with other
-layer math (Gemma 3: (1 + w) norms, q/k norms, GeGLU, softcapping) define none and keep the torch path.
+A model family whose decode step is the Llama layer (RMSNorm, q/k/v, optional per-head q/k RMSNorms, rotate-half
+RoPE over whole heads, paged attention, o projection, RMSNorm, SiLU-gated MLP, residual adds) defines
+`decoder_stack()` returning this (raising `UnsupportedStack` where one model of the family does not fit: partial
+rotary); families with other layer math (Gemma 3: (1 + w) norms, GeGLU, softcapping) define none and keep the torch
+path.
 """
 
 from __future__ import annotations
@@ -29,8 +31,12 @@ class StackLayer:
     input_norm: torch.Tensor  # [hidden] RMSNorm weights
     post_norm: torch.Tensor
     window: int | None  # sliding window; None: full attention
+    q_norm: torch.Tensor | None = None  # [head_dim] RMSNorm weights of each q / k head before RoPE (Qwen3)
+    k_norm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise ValueError("StackLayer: q_norm and k_norm come together")
         if len(self.qkv) not in (1, 3) or len(self.gate_up) not in (1, 2):
             raise ValueError(f"StackLayer: qkv has {len(self.qkv)} parts (1 or 3), "
                              f"gate_up {len(self.gate_up)} (1 or 2)")

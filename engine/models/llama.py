@@ -236,8 +236,6 @@ class LlamaForCausalLM(nn.Module):
 
     def decoder_stack(self) -> DecoderStack:
         """The layer stack for the native decode step (after fuse_projections)."""
-        if self.args.qk_norm:
-            raise UnsupportedStack("q/k RMSNorms (Qwen3): the C step has none")
         if self.rotary.rotary_dim != self.args.head_dim:
             raise UnsupportedStack(f"partial rotary ({self.rotary.rotary_dim} of {self.args.head_dim} dimensions): "
                                    "the C step rotates whole heads")
@@ -250,7 +248,8 @@ class LlamaForCausalLM(nn.Module):
                 gate_up=(mlp.gate_up_proj,) if mlp.gate_up_proj is not None else (mlp.gate_proj, mlp.up_proj),
                 down=mlp.down_proj,
                 input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
-                window=attn.window,
+                window=attn.window, q_norm=None if attn.q_norm is None else attn.q_norm.weight,
+                k_norm=None if attn.k_norm is None else attn.k_norm.weight,
             ))
         args = self.args
         return DecoderStack(

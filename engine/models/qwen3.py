@@ -1,8 +1,8 @@
 """Qwen3 dense models: the Llama block with an RMSNorm over each q and k head before RoPE (`qk_norm`).
 
 Everything else is read from the config as for Qwen2 (no q/k/v biases unless `attention_bias`, sliding windows only
-with `use_sliding_window`, tied heads on the small sizes, YaRN through rope_scaling). The native decode step has no
-q/k norm, so Qwen3 decodes on the torch path (engine/native_step.py logs why).
+with `use_sliding_window`, tied heads on the small sizes, YaRN through rope_scaling). The native decode step applies
+the q/k norms too (kernels/cpu_decode_step.c).
 """
 
 from __future__ import annotations
