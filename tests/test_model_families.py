@@ -138,3 +138,22 @@ def test_gemma3_multimodal_transformers5_names_load_the_same_weights(family, tmp
     a = LLM(str(path), dtype="float32").engine.loaded.model.state_dict()
     b = LLM(str(renamed), dtype="float32").engine.loaded.model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_family_through_triton_like_the_torch_path(family, case):
+    """The Triton attention kernel (compiled on CUDA, under Triton's interpreter elsewhere) over each family's model
+    code, reading the same RoPE tables: greedy tokens equal the torch path's and transformers' on a short prompt
+    (the interpreter is too slow for the long one; its RoPE rows are the torch path's, checked above)."""
+    pytest.importorskip("triton")
+    from attention_cases import DEVICE
+
+    path, _, expected = family(case)
+    prompts = [PROMPTS["p3"]]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(path), attention_backend=backend, dtype="float32", block_size=BLOCK, max_num_batched_tokens=16,
+                  kv_cache_memory=1 << 22, device=DEVICE.type)
+        tokens[backend] = [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)]
+    assert tokens["triton"] == tokens["torch"] == [expected["p3"][:3]]
