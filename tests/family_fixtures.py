@@ -36,7 +36,8 @@ def _longrope(rotary_dim: int) -> dict:
 CASES = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
-        rope_theta=1e6, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL})),
+        rope_theta=1e6,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL})),
     "phi3-mini": ("Phi3ForCausalLM", "Phi3Config", dict(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False, sliding_window=2047,
         original_max_position_embeddings=ORIGINAL, rope_scaling=_longrope(16))),
@@ -206,9 +207,11 @@ def write_group_quant(hf_dir: Path, out: Path, method: str) -> dict[str, torch.T
         prefix = name.removesuffix(".weight")
         if method == "gptq":
             written |= {f"{prefix}.qweight": pack_rows(q, 4), f"{prefix}.qzeros": pack_cols((zeros - 1) & 15, 4),
-                        f"{prefix}.scales": scales, f"{prefix}.g_idx": torch.arange(q.shape[0], dtype=torch.int32) // 32}
+                        f"{prefix}.scales": scales,
+                        f"{prefix}.g_idx": torch.arange(q.shape[0], dtype=torch.int32) // 32}
         else:
-            written |= {f"{prefix}.qweight": pack_awq(q), f"{prefix}.qzeros": pack_awq(zeros), f"{prefix}.scales": scales}
+            written |= {f"{prefix}.qweight": pack_awq(q), f"{prefix}.qzeros": pack_awq(zeros),
+                        f"{prefix}.scales": scales}
         groups = torch.arange(q.shape[0]) // 32
         reference[name] = ((q - zeros[groups]).float() * scales.float()[groups]).t().contiguous()
     save_file(written, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -97,7 +97,8 @@ def _phi3_config(metadata: Mapping[str, Any], read: Callable[[str], torch.Tensor
     except KeyError:
         return out
     scaling = {"rope_type": "longrope", "short_factor": short.tolist(), "long_factor": long.tolist()}
-    factor = metadata["phi3.context_length"] / out.get("original_max_position_embeddings", metadata["phi3.context_length"])
+    context = metadata["phi3.context_length"]
+    factor = context / out.get("original_max_position_embeddings", context)
     derived = math.sqrt(1 + math.log(factor) / math.log(out["original_max_position_embeddings"])) if factor > 1 else 1.0
     stored = metadata.get("phi3.rope.scaling.attn_factor")
     if stored is not None and abs(stored - derived) > 1e-6 * derived:

@@ -226,7 +226,8 @@ class Gemma3ForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids) * self.model.embed_scale
         lengths = ctx.token_seq_lengths(positions.device) if any(
             r.long_after is not None for r in self.rotary.values()) else None
-        ropes = {kind: rotary.angles(positions, x.dtype, ctx.layer_ops, lengths) for kind, rotary in self.rotary.items()}
+        ropes = {kind: rotary.angles(positions, x.dtype, ctx.layer_ops, lengths)
+                 for kind, rotary in self.rotary.items()}
         for layer in self.model.layers:
             x = layer(x, ropes, ctx)
         return self.model.norm(x)
