@@ -87,6 +87,7 @@ class LLMEngine:
             config.speculative, self.max_model_len, *((native.max_rows, native.max_batch) if native else (0, 0)))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    None if lora is None else lora.max_loras, drafter=drafter)
+        self.scheduler.long_rope_after = self.block_manager.long_rope_after = self.runner.long_rope_after
         native_picks = self.device.type == "cpu" and cpu_native.available()
         self.sampler = Sampler(self.tokenizer.eos_token_ids, native_max_argmax if native_picks else torch_max_argmax)
         self.verifier = Verifier(self.sampler)

@@ -43,6 +43,8 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         # One attention plan per step for each distinct sliding window (None: full attention).
         self.windows = tuple(dict.fromkeys(args.layer_windows))
+        rotary = getattr(self.model, "rotary", None)  # LongRoPE's switch length (None: one table), for the engine
+        self.long_rope_after: int | None = getattr(rotary, "long_after", None)
         kv_dtype = KVDtype.parse(config.kv_cache_dtype, loaded.dtype)
         self.kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size, kv_dtype)
         num_blocks = self.kv_spec.num_blocks_for(config.kv_cache_memory)

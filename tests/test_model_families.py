@@ -81,6 +81,27 @@ def test_longrope_long_factors_change_the_long_prompt(family):
     assert rope["long_factor"] != rope["short_factor"] and diff > 1e-2
 
 
+@pytest.mark.parametrize("case", ["phi3-mini", "phi4-mini"])  # with and without the native step
+def test_longrope_switching_mid_decode_matches_transformers_generate(family, case):
+    """A prompt just short of the pretraining length decodes across it: the short factors until then; at the
+    crossing the sequence recomputes its whole cache with the long ones (transformers' Phi-3 drops its cache there,
+    prepare_inputs_for_generation), once. Blocks cached by a short sequence are not found by a long prompt sharing
+    their tokens (their keys turned with the short factors); a short prompt sharing them still finds them."""
+    path, model, _ = family(case)
+    prompt = PROMPTS[LONG][: ORIGINAL - 4]
+    llm = LLM(str(path), dtype="float32", block_size=BLOCK, max_num_batched_tokens=512)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    out = llm.generate([prompt], params)[0]
+    assert list(out.outputs[0].token_ids) == engine_probe.hf_greedy_tokens(model, prompt, NEW_TOKENS)
+    assert llm.engine.stats().num_preemptions == 1  # the recompute at the switch
+    fresh = LLM(str(path), dtype="float32", block_size=BLOCK, max_num_batched_tokens=512)
+    short, longer, short_again = (PROMPTS[LONG][:n] for n in (ORIGINAL - 100, ORIGINAL + 8, ORIGINAL - 50))
+    outs = [fresh.generate([p], params)[0] for p in (short, longer, short_again)]
+    assert [o.metrics.num_cached_tokens > 0 for o in outs] == [False, False, True]
+    for prompt, out in zip((short, longer, short_again), outs):
+        assert list(out.outputs[0].token_ids) == engine_probe.hf_greedy_tokens(model, prompt, NEW_TOKENS)
+
+
 GGUF_CASES = {"qwen3": {}, "phi4-mini": {}, "phi3-mini": {"attn_qkv": T.Q8_0, "ffn_up": T.Q8_0}}
 
 
