@@ -119,7 +119,8 @@ class BlockManager:
             return PrefixHit((), ())
         ids: list[int] = []
         hashes: list[int] = []
-        prev, run, best = chain_root(seq, self.long_rope_after), 0, 0  # run: consecutive cached blocks ending at block i
+        # run: consecutive cached blocks ending at block i
+        prev, run, best = chain_root(seq, self.long_rope_after), 0, 0
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             prev = chain_hash(prev, tokens)

@@ -37,8 +37,8 @@ class StepLayer(ctypes.Structure):
     # Field order and types mirror StepLayer in cpu_decode_step.c.
     _fields_ = [("qkv", PsLinear * 3), ("n_qkv", _i64), ("o", PsLinear), ("gate_up", PsLinear * 2),
                 ("n_gate_up", _i64), ("down", PsLinear), ("input_norm", _p), ("post_norm", _p), ("k_cache", _p),
-                ("v_cache", _p), ("k_scale", _p), ("v_scale", _p), ("k_rotation", _p), ("k_offset", _p), ("window", _i64),
-                ("q_norm", _p), ("k_norm", _p)]
+                ("v_cache", _p), ("k_scale", _p), ("v_scale", _p), ("k_rotation", _p), ("k_offset", _p),
+                ("window", _i64), ("q_norm", _p), ("k_norm", _p)]
 
 
 class StepModel(ctypes.Structure):
@@ -115,7 +115,8 @@ class NativeDecodeStep:
         (o, down) = _linears((layer.o, layer.down))
         self._keep += [*qkv, *gate_up, o, down]
         k, v = LayerKVCache.by_head(entry.k), LayerKVCache.by_head(entry.v)
-        norms = (layer.input_norm, layer.post_norm, *((layer.q_norm, layer.k_norm) if layer.q_norm is not None else ()))
+        head_norms = (layer.q_norm, layer.k_norm) if layer.q_norm is not None else ()
+        norms = (layer.input_norm, layer.post_norm, *head_norms)
         if any(not t.is_contiguous() for t in norms):
             raise NativeStepUnavailable("RMSNorm weights are not contiguous")
         return StepLayer(
@@ -123,7 +124,7 @@ class NativeDecodeStep:
             layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), k.data_ptr(), v.data_ptr(),
             entry.k_scale.data_ptr(), entry.v_scale.data_ptr(),
             None if self._rotation is None else self._rotation.data_ptr(), None, layer.window or 0,
-            *((layer.q_norm.data_ptr(), layer.k_norm.data_ptr()) if layer.q_norm is not None else (None, None)),
+            *((t.data_ptr() for t in head_norms) if head_norms else (None, None)),
         )
 
     def accepts(self, batch: SchedulerOutput) -> bool:

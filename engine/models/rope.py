@@ -7,8 +7,9 @@ bit-equal to the ones transformers computes. LongRoPE has two tables in one buff
 a sequence whose length (all its known tokens, prompt included, so a chunked prefill picks as a whole prompt would)
 exceeds `original_max_position_embeddings` reads the long rows, as transformers' `longrope_frequency_update` picks
 by `max(position_ids) + 1` per forward; the scheduler recomputes a sequence that grows past it (transformers' Phi-3
-drops its cache there) and the block manager keeps long and short sequences' prefix blocks apart. Dynamic NTK is vLLM's: one base fixed for `factor * max_position_embeddings`
-positions (transformers rescales per sequence length instead; its frequencies at that length are these).
+drops its cache there) and the block manager keeps long and short sequences' prefix blocks apart. Dynamic NTK is
+vLLM's: one base fixed for `factor * max_position_embeddings` positions (transformers rescales per sequence length
+instead; its frequencies at that length are these).
 """
 
 from __future__ import annotations
