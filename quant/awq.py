@@ -99,6 +99,9 @@ class AWQLinearMethod(PackedLinearMethod):
         layer.register_buffer("scales", torch.empty(groups, out_features, dtype=torch.float16))
         self._create_bias(layer, out_features, bias, dtype)
 
+    def output_packing(self, name: str) -> int:
+        return 8 if name in ("qweight", "qzeros") else 1  # 8 output columns per int32 (reordered within it)
+
     def required_checkpoint_tensors(self, layer: nn.Module) -> tuple[str, ...]:
         return ("qweight", "scales") + (("qzeros",) if self.config.zero_point else ())
 

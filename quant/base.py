@@ -46,6 +46,13 @@ class LinearMethod(ABC):
             slot.copy_(tensor.to(slot.dtype))
         layer.loaded_tensors.add(name)
 
+    def split_output(self, name: str, tensor: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """Checkpoint tensor `name` of a fused layer (Phi-3's qkv_proj) -> each part's, the parts being this method's
+        layers with `sizes` outputs. Default: rows ([out, in] weights, GGUF block rows, [out] biases)."""
+        if name in ("weight", "bias") and tensor.dim() >= 1 and tensor.shape[0] == sum(sizes):
+            return tensor.split(list(sizes), 0)
+        raise QuantConfigError(name, f"cannot split shape {tuple(tensor.shape)} into outputs of {list(sizes)}")
+
     def required_tensors(self, layer: nn.Module) -> set[str]:
         """Names that must come from the checkpoint (missing ones fail the load, naming the tensor)."""
         return {n for n, _ in layer.named_parameters(recurse=False)} | {n for n, _ in layer.named_buffers(recurse=False)}

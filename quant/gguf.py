@@ -208,7 +208,8 @@ class GgufConfig(QuantConfig):
     def embedding(self, prefix: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> nn.Module:
         qtype = self.tensor_types.get(f"{prefix}.weight")
         if qtype is None:
-            return super().embedding(prefix, num_embeddings, embedding_dim, dtype)
+            # QuantConfig's, named: zero-argument super() fails in a slotted dataclass (a class rebuilt by @dataclass)
+            return QuantConfig.embedding(self, prefix, num_embeddings, embedding_dim, dtype)
         return PackedEmbedding(qtype, num_embeddings, embedding_dim, dtype, self.dense_batches)
 
     def describe(self) -> str:

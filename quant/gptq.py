@@ -154,6 +154,9 @@ class GPTQLinearMethod(PackedLinearMethod):
         layer.register_buffer("g_idx", default_g_idx(in_features, self.spec.group_size))
         self._create_bias(layer, out_features, bias, dtype)
 
+    def output_packing(self, name: str) -> int:
+        return pack_factor(self.spec.bits) if name == "qzeros" else 1  # qweight packs inputs, qzeros outputs
+
     def required_checkpoint_tensors(self, layer: nn.Module) -> tuple[str, ...]:
         # Without act-order g_idx is implied (i // group_size); with it the permutation must be stored.
         return ("qweight", "qzeros", "scales") + (("g_idx",) if self.spec.desc_act else ())

@@ -43,6 +43,24 @@ class PackedLinearMethod(LinearMethod):
         setattr(layer, name, tensor.detach().to(slot.device).clone())
         layer.loaded_tensors.add(name)
 
+    def output_packing(self, name: str) -> int:
+        """How many output columns one stored column of checkpoint tensor `name` holds."""
+        return 1
+
+    def split_output(self, name: str, tensor: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """Packed tensors hold output columns (a fused qkv_proj splits by columns, whole int32 words apiece, exact);
+        g_idx describes the shared input, so every part gets it whole."""
+        if name == "bias":
+            return super().split_output(name, tensor, sizes)
+        if name == "g_idx":
+            return (tensor,) * len(sizes)
+        per = self.output_packing(name)
+        if name not in self.CHECKPOINT_TENSORS or tensor.dim() != 2 or any(s % per for s in sizes) \
+                or tensor.shape[1] * per != sum(sizes):
+            raise QuantConfigError(f"{self.prefix}.{name}", f"cannot split shape {tuple(tensor.shape)} into "
+                                   f"outputs of {list(sizes)} ({per} columns per stored column)")
+        return tensor.split([s // per for s in sizes], 1)
+
     def _create_bias(self, layer: nn.Module, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         # GPTQ tools write a (zero) bias for every linear even where the architecture has none, so a bias
         # tensor is always accepted and only required when the layer has one.

@@ -44,7 +44,8 @@ def test_an_unsupported_tensor_type_is_refused_listing_the_supported(tmp_path):
 
 def test_an_unknown_architecture_is_refused_listing_the_supported(tmp_path):
     path = write_tiny_llama(tmp_path / "gpt2.gguf", arch="gpt2")
-    with pytest.raises(ModelLoadError, match="unknown GGUF architecture 'gpt2'; supported: gemma3, llama, qwen2"):
+    with pytest.raises(ModelLoadError,
+                       match="unknown GGUF architecture 'gpt2'; supported: gemma3, llama, phi3, qwen2, qwen3"):
         LLM(str(path), dtype="float32")
 
 

@@ -59,7 +59,10 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+    supported = ("Gemma3ForCausalLM, Gemma3ForConditionalGeneration, LlamaForCausalLM, MistralForCausalLM, "
+                 "Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")
+    named = r"architectures: \['GPT2LMHeadModel'\] unsupported; supported: "
+    with pytest.raises(ModelLoadError, match=named + supported):
         LLM(str(path))
 
 

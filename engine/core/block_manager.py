@@ -45,10 +45,14 @@ def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
     return hash((prev, tokens))
 
 
-def chain_root(seq: Sequence) -> int | None:
+def chain_root(seq: Sequence, long_rope_after: int | None = None) -> int | None:
     """What a sequence's first block chains from: None for the base, a key of its adapter otherwise, so a block
-    computed under one adapter is never found for another or for the base."""
-    return None if seq.adapter_id == 0 else hash(("lora", seq.adapter_id))
+    computed under one adapter is never found for another or for the base. With LongRoPE (`long_rope_after`: the
+    length past which a sequence's keys use the long factors) a long sequence's blocks chain apart from short ones'."""
+    root = None if seq.adapter_id == 0 else hash(("lora", seq.adapter_id))
+    if long_rope_after is not None and seq.num_tokens > long_rope_after:
+        root = hash(("long-rope", root))
+    return root
 
 
 class BlockManager:
@@ -60,6 +64,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.long_rope_after: int | None = None  # LongRoPE models: set by the engine (see chain_root)
         self.window = window  # the widest sliding window when every layer has one; None: blocks live to the end
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -114,7 +119,8 @@ class BlockManager:
             return PrefixHit((), ())
         ids: list[int] = []
         hashes: list[int] = []
-        prev, run, best = chain_root(seq), 0, 0  # run: consecutive cached blocks ending at block i
+        # run: consecutive cached blocks ending at block i
+        prev, run, best = chain_root(seq, self.long_rope_after), 0, 0
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             prev = chain_hash(prev, tokens)
@@ -138,7 +144,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        prev = seq.block_hashes[-1] if seq.block_hashes else chain_root(seq)
+        prev = seq.block_hashes[-1] if seq.block_hashes else chain_root(seq, self.long_rope_after)
         for i in range(len(seq.block_hashes), full):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = chain_hash(prev, tokens)

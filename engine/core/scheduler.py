@@ -77,6 +77,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # LongRoPE: a sequence that grows past this length recomputes its cache with the long factors, once, as
+        # transformers' Phi-3 drops its cache there (prepare_inputs_for_generation); set by the engine.
+        self.long_rope_after: int | None = None
+        self._long_recomputed: set[int] = set()
         self._passed_steps: dict[Sequence, int] = {}  # a request blocked by the adapter cap -> steps it was passed
         self.drafter = drafter  # None: no speculative decoding
         self.stop = stop  # the stop rules `update` appends through
@@ -94,6 +98,11 @@ class Scheduler:
         per_seq = self.drafter.drafts_per_sequence(len(self.running)) if speculate else 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if self._crossed_long_rope(seq):
+                self.running.pop(index)
+                self._preempt(seq)
+                preempted.append(seq)
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             drafts = self._drafts(seq, min(per_seq, budget - num_new)) if per_seq else ()
             num_new += len(drafts)
@@ -163,6 +172,16 @@ class Scheduler:
 
     def waiting_adapters(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(s.adapter_name for s in self.waiting if s.adapter is not None))
+
+    def _crossed_long_rope(self, seq: Sequence) -> bool:
+        """Whether `seq` just grew past the LongRoPE switch with keys cached under the short factors."""
+        switch = self.long_rope_after
+        if switch is None or seq.seq_id in self._long_recomputed or seq.num_prompt_tokens > switch:
+            return False
+        if 0 < seq.num_computed_tokens <= switch < seq.num_tokens:
+            self._long_recomputed.add(seq.seq_id)
+            return True
+        return False
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop the KV blocks, keep the tokens (prompt and outputs alike)."""
@@ -262,4 +281,5 @@ class Scheduler:
             self.waiting.remove(seq)
             self._passed_steps.pop(seq, None)
         seq.status = SeqStatus.FINISHED
+        self._long_recomputed.discard(seq.seq_id)
         self.block_manager.free(seq)

@@ -2,12 +2,16 @@
 
 What each entry undoes was checked against transformers' own GGUF loader (modeling_gguf_pytorch_utils.py and
 integrations/ggml.py), which tests/test_gguf_models.py uses as the oracle: llama.cpp permutes Llama's Q/K rows
-for its rotary layout, and stores Gemma's norm weights as 1 + w.
+for its rotary layout, and stores Gemma's norm weights as 1 + w. Qwen3 and Phi-3 files (llama.cpp's convert_hf_to_gguf
+layout: Phi-3's fused attn_qkv and ffn_up = [gate | up], its LongRoPE factors as the rope_factors_short/long tensors,
+partial rotary as rope.dimension_count) are checked against transformers on the HF weights they were written from
+(tests/test_model_families.py): transformers' GGUF loader reads neither those factors nor the partial rotary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -37,6 +41,9 @@ _PROJECTIONS = {
     "ffn_down": "mlp.down_proj",
 }
 _LLAMA_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_QWEN3_NORMS = _LLAMA_NORMS | {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_PHI3_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj", "ffn_up": "mlp.gate_up_proj",
+                 "ffn_down": "mlp.down_proj"} | _LLAMA_NORMS
 _GEMMA3_NORMS = {
     "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
@@ -52,6 +59,20 @@ class GgufArch:
     config_keys: Mapping[str, str] = field(default_factory=lambda: MappingProxyType(_CONFIG_KEYS))
     permute_qk: bool = False  # llama.cpp's converter interleaves Llama's Q/K rows for its rotary layout
     norm_offset: float = 0.0  # llama.cpp stores Gemma's norms as 1 + w (HF's Gemma computes x * (1 + w))
+    # fused HF module (as layer_tensors names it) -> the model's linears it splits into (the loader splits the rows)
+    fused: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    config_tensors: tuple[str, ...] = ()  # global tensors read into the config, not loaded as weights
+    # (metadata, tensor reader) -> config fields the generic keys cannot express
+    config_hook: Callable[[Mapping[str, Any], Callable[[str], torch.Tensor]], dict[str, Any]] | None = None
+
+    def fused_parts(self, hf_name: str) -> tuple[str, ...]:
+        """HF names of the parts of a fused tensor (empty for any other)."""
+        module, _, suffix = hf_name.rpartition(".")
+        for fused, parts in self.fused.items():
+            if module.endswith(f".{fused}"):
+                owner = module[: -len(fused.rsplit(".", 1)[-1])]  # ends in "self_attn." / "mlp."
+                return tuple(f"{owner}{part}.{suffix}" for part in parts)
+        return ()
 
 
 GGUF_ARCHS: Registry[GgufArch] = Registry("GGUF architecture")
@@ -59,6 +80,40 @@ GGUF_ARCHS.register("llama")(GgufArch(
     "LlamaForCausalLM", "llama", MappingProxyType(_PROJECTIONS | _LLAMA_NORMS),
     MappingProxyType(_CONFIG_KEYS | {"rope.dimension_count": "head_dim"}), permute_qk=True))
 GGUF_ARCHS.register("qwen2")(GgufArch("Qwen2ForCausalLM", "qwen2", MappingProxyType(_PROJECTIONS | _LLAMA_NORMS)))
+
+
+def _phi3_config(metadata: Mapping[str, Any], read: Callable[[str], torch.Tensor]) -> dict[str, Any]:
+    """Phi-3's partial rotary (rope.dimension_count of head_dim), sliding window (0: none, Phi-4) and LongRoPE
+    factors (tensors; their attention factor only when it differs from the one transformers derives)."""
+    heads, hidden = metadata["phi3.attention.head_count"], metadata["phi3.embedding_length"]
+    out: dict[str, Any] = {"sliding_window": metadata.get("phi3.attention.sliding_window") or None}
+    dims = metadata.get("phi3.rope.dimension_count")
+    if dims is not None:
+        out["partial_rotary_factor"] = dims / (hidden // heads)
+    if "phi3.rope.scaling.original_context_length" in metadata:
+        out["original_max_position_embeddings"] = metadata["phi3.rope.scaling.original_context_length"]
+    try:
+        short, long = read("rope_factors_short.weight"), read("rope_factors_long.weight")
+    except KeyError:
+        return out
+    scaling = {"rope_type": "longrope", "short_factor": short.tolist(), "long_factor": long.tolist()}
+    context = metadata["phi3.context_length"]
+    factor = context / out.get("original_max_position_embeddings", context)
+    derived = math.sqrt(1 + math.log(factor) / math.log(out["original_max_position_embeddings"])) if factor > 1 else 1.0
+    stored = metadata.get("phi3.rope.scaling.attn_factor")
+    if stored is not None and abs(stored - derived) > 1e-6 * derived:
+        scaling["attention_factor"] = float(stored)
+    return out | {"rope_scaling": scaling}
+
+
+GGUF_ARCHS.register("qwen3")(GgufArch(
+    "Qwen3ForCausalLM", "qwen3", MappingProxyType(_PROJECTIONS | _QWEN3_NORMS),
+    MappingProxyType(_CONFIG_KEYS | {"attention.key_length": "head_dim"})))
+GGUF_ARCHS.register("phi3")(GgufArch(
+    "Phi3ForCausalLM", "phi3", MappingProxyType(_PHI3_TENSORS),
+    fused=MappingProxyType({"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                            "mlp.gate_up_proj": ("gate_proj", "up_proj")}),
+    config_tensors=("rope_factors_long.weight", "rope_factors_short.weight"), config_hook=_phi3_config))
 GGUF_ARCHS.register("gemma3")(GgufArch(
     "Gemma3ForCausalLM", "gemma3_text", MappingProxyType(_PROJECTIONS | _GEMMA3_NORMS),
     MappingProxyType(_CONFIG_KEYS | {"attention.key_length": "head_dim", "attention.sliding_window": "sliding_window"}),
@@ -72,7 +127,8 @@ def gguf_arch(name: str) -> GgufArch:
         raise ModelLoadError(f"general.architecture: {exc}") from None
 
 
-def hf_config(arch_name: str, metadata: Mapping[str, Any], tensor_names: tuple[str, ...]) -> dict[str, Any]:
+def hf_config(arch_name: str, metadata: Mapping[str, Any], tensor_names: tuple[str, ...],
+              read_tensor: Callable[[str], torch.Tensor] | None = None) -> dict[str, Any]:
     """The HF config dict transformers would build for this file (its config class fills the defaults), plus
     `architectures` and dtype float32: the dequantized values are exact in fp32."""
     from transformers import AutoConfig
@@ -87,6 +143,8 @@ def hf_config(arch_name: str, metadata: Mapping[str, Any], tensor_names: tuple[s
     scaling = _rope_scaling(arch_name, metadata)
     if scaling is not None:
         fields["rope_scaling"] = scaling
+    if arch.config_hook is not None:
+        fields |= arch.config_hook(metadata, read_tensor or _no_tensors)
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if not fields.get(k)]
     if missing:
         raise ModelLoadError(f"GGUF metadata: {missing[0]} missing ({arch_name}.* keys)")
@@ -94,16 +152,35 @@ def hf_config(arch_name: str, metadata: Mapping[str, Any], tensor_names: tuple[s
     return config | {"architectures": [arch.hf_architecture], "dtype": "float32"}
 
 
+def _no_tensors(name: str) -> torch.Tensor:
+    raise KeyError(name)
+
+
 def _rope_scaling(arch_name: str, metadata: Mapping[str, Any]) -> dict[str, Any] | None:
-    kind = metadata.get(f"{arch_name}.rope.scaling.type", "none")
+    """rope.scaling.* as HF rope_scaling: linear, and YaRN (Qwen3's long-context setting) with its pretraining
+    length and betas; YaRN's attn_factor means a multiplier of llama.cpp's own in some converters and a
+    replacement in others, so a file that sets it is refused rather than guessed at."""
+    key = f"{arch_name}.rope.scaling"
+    kind = metadata.get(f"{key}.type", "none")
     if kind == "none":
         return None
-    if kind != "linear":
-        raise ModelLoadError(f"{arch_name}.rope.scaling.type: {kind!r} unsupported in GGUF files; supported: linear")
-    factor = metadata.get(f"{arch_name}.rope.scaling.factor")
+    if kind not in ("linear", "yarn"):
+        raise ModelLoadError(f"{key}.type: {kind!r} unsupported in GGUF files; supported: linear, yarn")
+    factor = metadata.get(f"{key}.factor")
     if factor is None:
-        raise ModelLoadError(f"{arch_name}.rope.scaling.factor: missing for rope.scaling.type linear")
-    return {"rope_type": "linear", "factor": float(factor)}
+        raise ModelLoadError(f"{key}.factor: missing for rope.scaling.type {kind}")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    original = metadata.get(f"{key}.original_context_length")
+    if original is None:
+        raise ModelLoadError(f"{key}.original_context_length: missing for rope.scaling.type yarn")
+    if metadata.get(f"{key}.attn_factor", 1.0) != 1.0:
+        raise ModelLoadError(f"{key}.attn_factor: unsupported for yarn (its meaning differs between converters)")
+    scaling = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+    for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if f"{key}.{gguf_key}" in metadata:
+            scaling[hf_key] = float(metadata[f"{key}.{gguf_key}"])
+    return scaling
 
 
 def hf_tensor_name(arch: GgufArch, name: str) -> str:

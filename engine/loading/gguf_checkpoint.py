@@ -33,7 +33,8 @@ class GgufCheckpoint:
         self.file = GgufFile(path)
         self.arch = gguf_arch(self.file.architecture)
         self.file.check_types()
-        self.hf_config: dict[str, Any] = hf_config(self.file.architecture, self.file.metadata, self.file.tensor_names)
+        self.hf_config: dict[str, Any] = hf_config(self.file.architecture, self.file.metadata, self.file.tensor_names,
+                                                   self.file.tensor)
         self.packed: dict[str, str] = {}  # GGUF name -> HF name of the matrices handed over as blocks
 
     def keep_packed(self, packed_types: frozenset[str], dense_batches: bool = False) -> None:
@@ -45,7 +46,8 @@ class GgufCheckpoint:
             hf_name = hf_tensor_name(self.arch, name)
             if qtype in packed_types and hf_name.endswith(_PACKABLE_SUFFIXES):
                 self.packed[name] = hf_name
-                types[hf_name] = qtype
+                for part in self.arch.fused_parts(hf_name) or (hf_name,):  # the linears a fused matrix feeds
+                    types[part] = qtype
         if types:
             self.hf_config["quantization_config"] = {"quant_method": "gguf", "tensor_types": types,
                                                      "dense_batches": dense_batches}
@@ -58,6 +60,8 @@ class GgufCheckpoint:
         logger.info("%s: GGUF %s with tensor types %s; %s dequantized once into %s",
                     self.path.name, self.file.architecture, types, kept, dtype)
         for name, values in self.file.tensors(frozenset(self.packed)):
+            if name in self.arch.config_tensors:
+                continue
             hf_name, values = hf_tensor(self.arch, name, values, self.hf_config)
             yield hf_name, values if name in self.packed else values.to(dtype)
 

@@ -60,6 +60,15 @@ class GgufFile:
         """GGUF name -> type name of every matrix (tensors of two dimensions)."""
         return {t.name: t.tensor_type.name for t in self.reader.tensors if len(t.shape) == 2}
 
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor's float32 values by GGUF name (KeyError when the file has none)."""
+        from gguf.quants import dequantize
+
+        for tensor in self.reader.tensors:
+            if tensor.name == name:
+                return torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+        raise KeyError(name)
+
     def tensors(self, packed: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """(GGUF name, float32 values in HF layout [out, in]) one tensor at a time, so only one is ever
         dequantized at once; tensors named in `packed` come as their blocks instead, uint8 [rows, row_bytes]."""

@@ -16,6 +16,7 @@ from torch import nn
 from pagedserve.engine.errors import ModelLoadError
 from pagedserve.engine.host.cpu_features import native_bf16_flags
 from pagedserve.engine.loading.gguf_checkpoint import GgufCheckpoint
+from pagedserve.engine.models.checkpoint_layout import PLAIN, CheckpointLayout
 from pagedserve.engine.models.registry import model_class_for
 from pagedserve.kernels.cpu import packed as cpu_packed
 from pagedserve.kernels.cpu.native import NativeBuildError
@@ -145,18 +146,39 @@ def _safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def _load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     modules = dict(model.named_modules())
     tied = getattr(model, "lm_head", 1) is None
+    layout: CheckpointLayout = getattr(model, "checkpoint_layout", PLAIN)
     expected = {name for name, _ in model.named_parameters()}
     loaded: set[str] = set()
     kv_scales: dict[str, torch.Tensor] = {}
-    for key, tensor in tensors:
-        if key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
+    for stored_key, tensor in tensors:
+        key = layout.module_key(stored_key)
+        if key is None or key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
             continue
         if key.rsplit(".", 1)[-1] in _KV_SCALE_SUFFIXES or key.endswith(_KV_OUTPUT_SCALES):
             kv_scales[key] = tensor
             continue
-        _load_one(modules, key, tensor, loaded)
+        module_name, _, attr = key.rpartition(".")
+        parts = () if module_name in modules else layout.fused_parts(module_name)
+        if parts:
+            _load_fused(modules, parts, key, attr, tensor, loaded)
+        else:
+            _load_one(modules, key, tensor, loaded)
     _check_complete(model, expected, loaded)
     return kv_scales
+
+
+def _load_fused(modules: dict[str, nn.Module], parts: tuple[str, ...], key: str, attr: str, tensor: torch.Tensor,
+                loaded: set[str]) -> None:
+    """One tensor of a fused checkpoint module (Phi-3's qkv_proj) split into the model's linears `parts`."""
+    layers = [modules.get(part) for part in parts]
+    if not all(isinstance(layer, QuantLinear) for layer in layers):
+        raise ModelLoadError(f"tensor {key}: no such module in the model (unexpected checkpoint tensor)")
+    try:
+        pieces = layers[0].method.split_output(attr, tensor, tuple(layer.out_features for layer in layers))
+    except QuantConfigError as exc:
+        raise ModelLoadError(f"tensor {key}: {exc}") from None
+    for part, piece in zip(parts, pieces, strict=True):
+        _load_one(modules, f"{part}.{attr}", piece.contiguous(), loaded)
 
 
 def _quantized_head(head: nn.Module) -> nn.Module:

@@ -17,9 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.engine.errors import ModelLoadError
+from pagedserve.engine.models.checkpoint_layout import CheckpointLayout
 from pagedserve.engine.models.layers import (
-    FULL, SLIDING, ForwardContext, RopeAngles, RotaryEmbedding, layer_types, layer_windows, merge_linears, tied_lm_head,
+    FULL, SLIDING, ForwardContext, layer_types, layer_windows, merge_linears, tied_lm_head,
 )
+from pagedserve.engine.models.rope import RopeAngles, RopeParams, RotaryEmbedding, hf_rope
 from pagedserve.quant.base import QuantConfig
 from pagedserve.quant.linear import QuantLinear
 
@@ -28,8 +30,8 @@ _DEFAULT_WINDOW, _DEFAULT_PATTERN = 4096, 6
 _DEFAULT_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
 
 
-def _rope(cfg: dict[str, Any], kind: str) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling or None) of one layer type: transformers 5's `rope_parameters` keyed by layer type, or the
+def _rope(cfg: dict[str, Any], kind: str) -> RopeParams:
+    """The rotary embedding of one layer type: transformers 5's `rope_parameters` keyed by layer type, or the
     older rope_theta + rope_scaling (global) and rope_local_base_freq (sliding) keys."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and isinstance(params.get(kind), dict):
@@ -38,8 +40,7 @@ def _rope(cfg: dict[str, Any], kind: str) -> tuple[float, dict[str, Any] | None]
         rope = {"rope_theta": cfg.get("rope_local_base_freq", _DEFAULT_THETA[SLIDING])}
     else:
         rope = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", _DEFAULT_THETA[FULL])}
-    theta = float(rope.get("rope_theta", _DEFAULT_THETA[kind]))
-    return theta, (rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None)
+    return hf_rope(cfg, rope={"rope_theta": _DEFAULT_THETA[kind], **rope})
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +60,7 @@ class Gemma3Args:
     final_logit_softcapping: float | None
     layer_types: tuple[str, ...]
     layer_windows: tuple[int | None, ...]  # each layer's sliding window, None: full attention
-    rope: dict[str, tuple[float, dict[str, Any] | None]]  # layer type -> (theta, scaling)
+    rope: dict[str, RopeParams]  # layer type -> its rotary embedding
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -203,8 +204,9 @@ class Gemma3ForCausalLM(nn.Module):
         self.args = args = Gemma3Args.from_hf(hf_config)
         self.model = Gemma3Body(args, quant, dtype)
         self.rotary = nn.ModuleDict({
-            kind: RotaryEmbedding(args.head_dim, args.max_position_embeddings, theta, scaling)
-            for kind, (theta, scaling) in args.rope.items()
+            kind: RotaryEmbedding(args.head_dim, args.max_position_embeddings, rope.theta, rope.scaling,
+                                  rope.partial_rotary_factor)
+            for kind, rope in args.rope.items()
         })
         if args.tie_word_embeddings and not quant.stores_tied_head():
             self.lm_head = None  # until fuse_projections: the loader must not expect an lm_head.weight
@@ -222,7 +224,10 @@ class Gemma3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids) * self.model.embed_scale
-        ropes = {kind: rotary.angles(positions, x.dtype, ctx.layer_ops) for kind, rotary in self.rotary.items()}
+        lengths = ctx.token_seq_lengths(positions.device) if any(
+            r.long_after is not None for r in self.rotary.values()) else None
+        ropes = {kind: rotary.angles(positions, x.dtype, ctx.layer_ops, lengths)
+                 for kind, rotary in self.rotary.items()}
         for layer in self.model.layers:
             x = layer(x, ropes, ctx)
         return self.model.norm(x)
@@ -236,5 +241,25 @@ class Gemma3ForCausalLM(nn.Module):
         return logits.float()
 
 
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Gemma 3 4B/12B/27B as published (image-text checkpoints): the text decoder of `text_config`, its weights
+    under transformers 5's `model.language_model.` or transformers 4's `language_model.model.` prefix; the vision
+    tower and projector are not loaded (text prompts only)."""
+
+    checkpoint_layout = CheckpointLayout(
+        renames=(("model.language_model.", "model."), ("language_model.model.", "model."),
+                 ("language_model.lm_head.", "lm_head.")),
+        skipped=("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector."),
+    )
+
+    def __init__(self, hf_config: dict[str, Any], quant: QuantConfig, dtype: torch.dtype):
+        text = hf_config.get("text_config")
+        if not isinstance(text, dict):
+            raise ModelLoadError("text_config: missing; a Gemma3ForConditionalGeneration config nests the text model")
+        # The head is tied unless the top level says otherwise (transformers reads it there for this class).
+        super().__init__({"tie_word_embeddings": hf_config.get("tie_word_embeddings", True), **text}, quant, dtype)
+
+
 # Read by engine/models/registry.py, which registers every module of this package that defines ARCHITECTURES.
-ARCHITECTURES = {"Gemma3ForCausalLM": Gemma3ForCausalLM}
+ARCHITECTURES = {"Gemma3ForCausalLM": Gemma3ForCausalLM,
+                 "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration}

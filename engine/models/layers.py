@@ -1,8 +1,8 @@
-"""Building blocks shared by the models: norms, rotary embeddings, sliding windows, the per-step forward context."""
+"""Building blocks shared by the models: norms, sliding windows, the per-step forward context (rotary embeddings:
+rope.py, re-exported here)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pagedserve.engine.errors import ModelLoadError
+from pagedserve.engine.models.rope import RopeAngles, RotaryEmbedding  # noqa: F401  (re-exported)
 from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, AttentionPlan
 from pagedserve.kernels.kv_cache import KVCache
 from pagedserve.kernels.layer_ops import LayerOps, TorchLayerOps
@@ -31,6 +32,16 @@ class ForwardContext:
     # attn_impl.plan(attn_meta, ..., window) of this step for each distinct sliding window (None: full attention),
     # made once by the model runner; a window missing here: each layer with it plans for itself.
     attn_plans: Mapping[int | None, AttentionPlan] = field(default_factory=dict)
+    # Each sequence's whole length (every known token, prompt included), in attn_meta's order; None: this step's
+    # context lengths stand in. LongRoPE picks its factors by it (a chunked prompt's first chunk is still long).
+    seq_lengths: tuple[int, ...] | None = None
+
+    def token_seq_lengths(self, device: torch.device) -> torch.Tensor:
+        """[T]: the length of each token's sequence."""
+        meta = self.attn_meta
+        lengths = self.seq_lengths if self.seq_lengths is not None else meta.seq_lens_host
+        return torch.repeat_interleave(torch.tensor(lengths, device=device),
+                                       torch.tensor(meta.query_lens_host, device=device))
 
     def plan_for(self, window: int | None) -> AttentionPlan | None:
         return self.attn_plans.get(window)
@@ -83,71 +94,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
 
+    def per_head(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        """x [T, N, head_dim] -> each head normed (Qwen3's q/k norms)."""
+        return self(x.reshape(-1, x.shape[-1]), ops).view(x.shape)
+
     def add_forward(self, residual: torch.Tensor, delta: torch.Tensor, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (residual + delta, this norm of it); may update `residual` in place."""
         return ops.add_rms_norm(residual, delta, self.weight, self.eps)
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    factor = scaling["factor"]
-    low_freq_factor = scaling.get("low_freq_factor", 1.0)
-    high_freq_factor = scaling.get("high_freq_factor", 4.0)
-    old_context = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_context / low_freq_factor
-    high_freq_wavelen = old_context / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
-    """Returns (inv_freq [head_dim/2], attention scaling factor applied to cos/sin)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "default":
-        return inv_freq, 1.0
-    if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling), 1.0
-    if rope_type == "linear":
-        return inv_freq / scaling["factor"], 1.0
-    raise ModelLoadError(f"rope_scaling.rope_type: unsupported {rope_type!r}; supported: default, linear, llama3")
-
-
-@dataclass(frozen=True, slots=True)
-class RopeAngles:
-    """cos and sign-folded sin for one step's positions, [T, 1, D] in the compute dtype; built once per forward."""
-
-    cos: torch.Tensor
-    signed_sin: torch.Tensor  # sin with its first half negated: rotate_half's minus sign, folded in once
-    ops: LayerOps
-
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, N, D] -> RoPE(x), same op order as transformers' (x * cos) + (rotate_half(x) * sin)."""
-        return self.ops.rope(x, self.cos, self.signed_sin)
-
-
-class RotaryEmbedding(nn.Module):
-    """Non-interleaved (rotate-half) RoPE with cos/sin precomputed for every position."""
-
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
-        super().__init__()
-        inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        sin = emb.sin() * attention_factor
-        half = head_dim // 2
-        self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)  # [P, D]
-        self.register_buffer("signed_sin", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False)
-
-    def angles(self, positions: torch.Tensor, dtype: torch.dtype, ops: LayerOps) -> RopeAngles:
-        """positions [T] -> the step's RopeAngles, cast to `dtype` as transformers casts cos/sin."""
-        return RopeAngles(
-            self.cos[positions].to(dtype).unsqueeze(1), self.signed_sin[positions].to(dtype).unsqueeze(1), ops
-        )
 
 
 def merge_linears(owner: nn.Module, parts: tuple[str, ...], merged: str) -> None:

@@ -1,6 +1,7 @@
-"""The Llama family (Llama 1/2/3, Mistral, Qwen2): one implementation, differences read from the config.
+"""The Llama family (Llama 1/2/3, Mistral, Qwen2; Qwen3 and Phi-3 subclass it): one implementation, differences read
+from the config and from class attributes the subclasses set (q/k norms, RoPE type aliases, checkpoint layout).
 
-Mistral's and Qwen2's `sliding_window` is honoured per layer (layers.layer_windows); Llama has none.
+Mistral's, Qwen2's and Phi-3's `sliding_window` is honoured per layer (layers.layer_windows); Llama has none.
 
 Module names match HF checkpoints (model.layers.N.self_attn.q_proj, ...), so weights load by name.
 Tokens of all sequences in a step are packed along dim 0: hidden states are [T, hidden].
@@ -16,10 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.engine.errors import ModelLoadError
-from pagedserve.engine.models.decoder_stack import DecoderStack, StackLayer
+from pagedserve.engine.models.checkpoint_layout import PLAIN, CheckpointLayout
+from pagedserve.engine.models.decoder_stack import DecoderStack, StackLayer, UnsupportedStack
 from pagedserve.engine.models.layers import (
-    ForwardContext, RMSNorm, RopeAngles, RotaryEmbedding, layer_types, layer_windows, merge_linears, tied_lm_head,
+    ForwardContext, RMSNorm, layer_types, layer_windows, merge_linears, tied_lm_head,
 )
+from pagedserve.engine.models.rope import RopeAngles, RopeParams, RotaryEmbedding, hf_rope
 from pagedserve.kernels.layer_ops import LayerOps
 from pagedserve.quant.base import QuantConfig
 from pagedserve.quant.linear import QuantLinear
@@ -35,27 +38,26 @@ class LlamaArgs:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
+    rope: RopeParams
+    max_position_embeddings: int  # positions the rotary table covers (vLLM's dynamic NTK: factor x the config's)
     tie_word_embeddings: bool
     qkv_bias: bool
     mlp_bias: bool
     o_bias: bool
     layer_windows: tuple[int | None, ...]  # each layer's sliding window, None: full attention
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head before RoPE
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads")
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], qkv_bias: bool, o_bias: bool, sliding: bool) -> "LlamaArgs":
+    def from_hf(cls, cfg: dict[str, Any], qkv_bias: bool, o_bias: bool, sliding: bool, qk_norm: bool = False,
+                rope_aliases: dict[str, str] | None = None) -> "LlamaArgs":
         if cfg.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"hidden_act: {cfg['hidden_act']!r} unsupported; supported: silu")
         num_heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        rope = hf_rope(cfg, aliases=rope_aliases)
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -65,14 +67,14 @@ class LlamaArgs:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rope=rope,
+            max_position_embeddings=rope.table_positions(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=qkv_bias,
             mlp_bias=cfg.get("mlp_bias", False),
             o_bias=o_bias,
             layer_windows=_layer_windows(cfg, sliding),
+            qk_norm=qk_norm,
         )
 
 
@@ -102,21 +104,34 @@ class Attention(nn.Module):
         self.o_proj = linear("o_proj", q_out, args.hidden_size, args.o_bias)
         self.qkv_proj: nn.Module | None = None
         self.split_sizes = [q_out, kv_out, kv_out]
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
 
     def fuse_projections(self) -> None:
         merge_linears(self, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
 
-    def forward(self, x: torch.Tensor, rope: RopeAngles, ctx: ForwardContext) -> torch.Tensor:
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x -> q [T, H, D], k and v [T, Hkv, D] (views of one fused output where q/k/v are merged)."""
         tokens = x.shape[0]
         if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return (q.view(tokens, self.num_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
+                v.view(tokens, self.num_kv_heads, self.head_dim))
+
+    def forward(self, x: torch.Tensor, rope: RopeAngles, ctx: ForwardContext) -> torch.Tensor:
+        tokens = x.shape[0]
+        if self.qkv_proj is not None and self.q_norm is None:
             qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
             q_and_k = qkv[:, : self.split_sizes[0] + self.split_sizes[1]].view(tokens, -1, self.head_dim)
             q, k = rope.rotate(q_and_k).split([self.num_heads, self.num_kv_heads], dim=1)  # one RoPE for both
             v = qkv[:, -self.split_sizes[2] :].reshape(tokens, self.num_kv_heads, self.head_dim)
         else:
-            q = rope.rotate(self.q_proj(x).view(tokens, self.num_heads, self.head_dim))
-            k = rope.rotate(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
-            v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+            q, k, v = self._project(x)
+            if self.q_norm is not None:
+                q, k = self.q_norm.per_head(q, ctx.layer_ops), self.k_norm.per_head(k, ctx.layer_ops)
+            q, k = rope.rotate(q), rope.rotate(k)
         out = ctx.attend(self.layer_index, q, k, v, self.scale, self.window)  # [T, H, D]
         return self.o_proj(out.reshape(tokens, -1))
 
@@ -173,6 +188,9 @@ class LlamaBody(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     sliding = False  # whether config.json's sliding_window applies (transformers' Llama ignores it)
+    qk_norm = False  # q/k RMSNorm per head before RoPE (Qwen3)
+    rope_aliases: dict[str, str] = {}  # a family's legacy RoPE type names
+    checkpoint_layout: CheckpointLayout = PLAIN  # how checkpoint names differ from module names
 
     @staticmethod
     def biases(hf_config: dict[str, Any]) -> tuple[bool, bool]:
@@ -182,9 +200,11 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, hf_config: dict[str, Any], quant: QuantConfig, dtype: torch.dtype):
         super().__init__()
-        self.args = args = LlamaArgs.from_hf(hf_config, *self.biases(hf_config), self.sliding)
+        self.args = args = LlamaArgs.from_hf(hf_config, *self.biases(hf_config), self.sliding, self.qk_norm,
+                                             self.rope_aliases)
         self.model = LlamaBody(args, quant, dtype)
-        self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
+        self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope.theta, args.rope.scaling,
+                                      args.rope.partial_rotary_factor)
         if args.tie_word_embeddings and not quant.stores_tied_head():
             self.lm_head = None  # until fuse_projections: the loader must not expect an lm_head.weight
         else:
@@ -201,7 +221,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
-        rope = self.rotary.angles(positions, x.dtype, ctx.layer_ops)
+        lengths = ctx.token_seq_lengths(positions.device) if self.rotary.long_after is not None else None
+        rope = self.rotary.angles(positions, x.dtype, ctx.layer_ops, lengths)
         delta = None
         for layer in self.model.layers:
             x, delta = layer(x, delta, rope, ctx)
@@ -215,6 +236,9 @@ class LlamaForCausalLM(nn.Module):
 
     def decoder_stack(self) -> DecoderStack:
         """The layer stack for the native decode step (after fuse_projections)."""
+        if self.rotary.rotary_dim != self.args.head_dim:
+            raise UnsupportedStack(f"partial rotary ({self.rotary.rotary_dim} of {self.args.head_dim} dimensions): "
+                                   "the C step rotates whole heads")
         layers = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -224,7 +248,8 @@ class LlamaForCausalLM(nn.Module):
                 gate_up=(mlp.gate_up_proj,) if mlp.gate_up_proj is not None else (mlp.gate_proj, mlp.up_proj),
                 down=mlp.down_proj,
                 input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
-                window=attn.window,
+                window=attn.window, q_norm=None if attn.q_norm is None else attn.q_norm.weight,
+                k_norm=None if attn.k_norm is None else attn.k_norm.weight,
             ))
         args = self.args
         return DecoderStack(
@@ -233,6 +258,7 @@ class LlamaForCausalLM(nn.Module):
             lm_head=self.lm_head, cos=self.rotary.cos, signed_sin=self.rotary.signed_sin, eps=args.rms_norm_eps,
             num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
             intermediate_size=args.intermediate_size,
+            long_rope_after=self.rotary.long_after, long_rope_offset=self.rotary.long_offset,
         )
 
 

@@ -41,6 +41,8 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         # One attention plan per step for each distinct sliding window (None: full attention).
         self.windows = tuple(dict.fromkeys(args.layer_windows))
+        rotary = getattr(self.model, "rotary", None)  # LongRoPE's switch length (None: one table), for the engine
+        self.long_rope_after: int | None = getattr(rotary, "long_after", None)
         kv_dtype = KVDtype.parse(config.kv_cache_dtype, loaded.dtype)
         self.kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size, kv_dtype)
         num_blocks = self.kv_spec.num_blocks_for(config.kv_cache_memory)
@@ -127,7 +129,7 @@ class ModelRunner:
         meta = self._metadata(step)
         # Once per step and window, shared by every layer with that window.
         plans = {window: self.attn_impl.plan(meta, self.kv_cache.layers[0], window) for window in self.windows}
-        ctx = ForwardContext(meta, self.kv_cache, self.attn_impl, self.layer_ops, plans)
+        ctx = ForwardContext(meta, self.kv_cache, self.attn_impl, self.layer_ops, plans, step.rope_lengths)
         hidden = self.model(self._tensor(step.token_ids, torch.int64), self._tensor(step.positions, torch.int64), ctx)
         if not step.sampling_seqs:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), ()

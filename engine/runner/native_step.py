@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from pagedserve.engine.models.decoder_stack import DecoderStack
+from pagedserve.engine.models.decoder_stack import DecoderStack, UnsupportedStack
 from pagedserve.engine.core.scheduler import SchedulerOutput
 from pagedserve.engine.runner.native_capacity import NativeCapacity
 from pagedserve.engine.runner.step_input import StepInput
@@ -39,7 +39,8 @@ class StepLayer(ctypes.Structure):
     # Field order and types mirror StepLayer in kernels/cpu/decode_step.c.
     _fields_ = [("qkv", PsLinear * 3), ("n_qkv", _i64), ("o", PsLinear), ("gate_up", PsLinear * 2),
                 ("n_gate_up", _i64), ("down", PsLinear), ("input_norm", _p), ("post_norm", _p), ("k_cache", _p),
-                ("v_cache", _p), ("k_scale", _p), ("v_scale", _p), ("k_rotation", _p), ("k_offset", _p), ("window", _i64)]
+                ("v_cache", _p), ("k_scale", _p), ("v_scale", _p), ("k_rotation", _p), ("k_offset", _p),
+                ("window", _i64), ("q_norm", _p), ("k_norm", _p)]
 
 
 class StepModel(ctypes.Structure):
@@ -96,6 +97,7 @@ class NativeDecodeStep:
             ctypes.addressof(self._layers), head.as_struct(),
         )
         self._keep += [stack]
+        self._stack = stack
         self._cache = cache
         self._offsets_bound = False
         self._lib = load_library()
@@ -115,7 +117,8 @@ class NativeDecodeStep:
         (o, down) = _linears((layer.o, layer.down))
         self._keep += [*qkv, *gate_up, o, down]
         k, v = LayerKVCache.by_head(entry.k), LayerKVCache.by_head(entry.v)
-        norms = (layer.input_norm, layer.post_norm)
+        head_norms = (layer.q_norm, layer.k_norm) if layer.q_norm is not None else ()
+        norms = (layer.input_norm, layer.post_norm, *head_norms)
         if any(not t.is_contiguous() for t in norms):
             raise NativeStepUnavailable("RMSNorm weights are not contiguous")
         return StepLayer(
@@ -123,6 +126,7 @@ class NativeDecodeStep:
             layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), k.data_ptr(), v.data_ptr(),
             entry.k_scale.data_ptr(), entry.v_scale.data_ptr(),
             None if self._rotation is None else self._rotation.data_ptr(), None, layer.window or 0,
+            *((t.data_ptr() for t in head_norms) if head_norms else (None, None)),
         )
 
     def accepts(self, batch: SchedulerOutput) -> bool:
@@ -151,8 +155,8 @@ class NativeDecodeStep:
         n = len(step.token_ids)
         width = len(step.block_tables[0])
         tables = torch.tensor(step.row_block_tables, dtype=torch.int32)
-        longs = torch.tensor([step.token_ids, step.positions, step.slots, list(range(n))], dtype=torch.int64)
-        seq_lens = longs[1].to(torch.int32) + 1
+        longs = torch.tensor([step.token_ids, self._rope_rows(step), step.slots, list(range(n))], dtype=torch.int64)
+        seq_lens = torch.tensor(step.positions, dtype=torch.int32) + 1
         logits = torch.empty(n, self.vocab, dtype=torch.float32)
         # One torch call: the embedding reads its own storage (a packed one dequantizes only these rows).
         with torch.no_grad():
@@ -166,6 +170,11 @@ class NativeDecodeStep:
             raise RuntimeError(f"native decode step failed (status {status}: -2 out of memory, -10 token id, "
                                f"-11 position, -12 KV slot out of range; other: a linear's own error)")
         return logits
+
+    def _rope_rows(self, step: StepInput) -> list[int]:
+        """The cos/sin table row of every token: its position, shifted into LongRoPE's long table past the switch."""
+        lengths = [n for n, count in zip(step.rope_lengths, step.query_lens) for _ in range(count)]
+        return [self._stack.rope_row(p, n) for p, n in zip(step.positions, lengths)]
 
 
 def build_native_step(model: torch.nn.Module, cache: KVCache, attn: AttentionImpl, max_batch: int | None,
@@ -182,7 +191,7 @@ def build_native_step(model: torch.nn.Module, cache: KVCache, attn: AttentionImp
         if describe is None:
             raise NativeStepUnavailable(f"{type(model).__name__} has no native layer stack (its layer math differs)")
         step = NativeDecodeStep(describe(), cache, attn, max_batch, max_rows)
-    except NativeStepUnavailable as why:
+    except (NativeStepUnavailable, UnsupportedStack) as why:
         logger.info("native decode step off, every step on the torch path: %s", why)
         return None
     logger.info("native decode step on for decode-only steps of up to %d sequences", step.capacity.max_batch)

@@ -23,6 +23,7 @@ class StepInput:
     logits_rows: list[int]
     sampling_seqs: tuple[Sequence, ...]  # the sequences, in logits-row order (a speculating one has 1 + drafts rows)
     adapter_spans: list[tuple[LoraWeights, int, int]]  # (adapter, first token, end) of each adapter row's tokens
+    rope_lengths: list[int]  # [S]: each sequence's length as LongRoPE sees it (its factors switch on it)
 
     @property
     def row_block_tables(self) -> list[list[int]]:
@@ -36,6 +37,7 @@ def prepare_step(scheduled: tuple[ScheduledSeq, ...], block_size: int) -> StepIn
     slots: list[int] = []
     query_lens: list[int] = []
     seq_lens: list[int] = []
+    rope_lengths: list[int] = []
     rows: list[int] = []
     sampling: list[Sequence] = []
     spans: list[tuple[LoraWeights, int, int]] = []
@@ -52,10 +54,11 @@ def prepare_step(scheduled: tuple[ScheduledSeq, ...], block_size: int) -> StepIn
         slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
         query_lens.append(item.num_new_tokens)
         seq_lens.append(end)
+        rope_lengths.append(max(seq.num_tokens, end))
         if end - len(drafts) == seq.num_tokens:
             # A speculating sequence samples at its last token and after each draft: 1 + len(drafts) rows.
             rows += range(len(ids) - 1 - len(drafts), len(ids))
             sampling.append(seq)
     width = max(len(item.seq.block_table) for item in scheduled)
     tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in scheduled]
-    return StepInput(ids, positions, slots, query_lens, seq_lens, tables, rows, tuple(sampling), spans)
+    return StepInput(ids, positions, slots, query_lens, seq_lens, tables, rows, tuple(sampling), spans, rope_lengths)

@@ -2,7 +2,8 @@
  * kernels/cpu/native.py, driven by engine/native_step.py).
  *
  * Why: at 1-8 decode rows a step is bound by reading the weights once, yet the eager torch path spent about as
- * long again in per-op dispatch and Python (~15 ops per layer). Here a layer is: RMSNorm, q/k/v projection, RoPE,
+ * long again in per-op dispatch and Python (~15 ops per layer). Here a layer is: RMSNorm, q/k/v projection, (Qwen3:
+ * an RMSNorm of each q and k head), RoPE,
  * KV write into the paged cache, the decode attention kernel (decode_attention.c), o projection, residual,
  * RMSNorm, gate/up projection, SiLU-and-mul, down projection; all linears through their ps_linear pointers
  * (linear.h), whatever the weight format, so each parallelizes itself and this loop stays on one thread.
@@ -27,6 +28,7 @@ typedef struct {
     const float *k_rotation;                    /* [D, D] fp32 or NULL: the cache holds K R, queries use Q R */
     const float *k_offset;                      /* [Hkv, D] fp32 or NULL: subtracted from K R before it is stored */
     int64_t window;                             /* 0: full attention */
+    const void *q_norm, *k_norm;                /* [D], norm_dtype, or NULL: Qwen3's RMSNorm of each q / k head */
 } StepLayer;
 
 typedef struct {
@@ -141,6 +143,10 @@ static int attention_block(const StepModel *m, const StepLayer *L, const StepBat
     for (int64_t r = 0; r < n; r++) {
         float *q = w->qkv + r * width, *k = q + H * D, *v = k + Hkv * D;
         const float *cos = m->cos + b->positions[r] * D, *ssin = m->signed_sin + b->positions[r] * D;
+        if (L->q_norm) {  /* in place: each head's sum of squares is taken before any of it is written */
+            rms_norm_rows(q, NULL, q, L->q_norm, m->norm_dtype, H, D, m->eps);
+            rms_norm_rows(k, NULL, k, L->k_norm, m->norm_dtype, Hkv, D, m->eps);
+        }
         rope_heads(q, H, D, cos, ssin, L->k_rotation, w->head);
         rope_heads(k, Hkv, D, cos, ssin, L->k_rotation, w->head);
         if (L->k_offset)  /* FP8 K centring (kv_scales.py): softmax ignores the per-query shift it causes */
