@@ -107,7 +107,7 @@ def host_info() -> dict:
     """CPU model, the ISA flags that decide kernel paths, usable cores and the load average: ratios are only
     comparable within one run on one host, so every result file says which host that was."""
     info = {"cpu_model": "unknown", "isa": [], "usable_cores": len(os.sched_getaffinity(0)),
-            "load_avg_1m_start": os.getloadavg()[0]}
+            "load_avg_1m_start": os.getloadavg()[0], "tier": "native"}  # low_concurrency.py --tier avx2 for AVX2
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
             info["cpu_model"] = line.split(":", 1)[1].strip()
