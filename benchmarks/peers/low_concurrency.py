@@ -123,9 +123,11 @@ def measure(live: dict, workloads: dict[str, Workload], repeats: int, dtype: str
                     continue
                 done = phases.guarded(live, failures, name, phases.run_one, live[name], name, dtype, workload)
                 if done:
-                    runs[name][key].append(done[0])
-                    phases.log(f"[low concurrency] {key} rep {rep + 1} {name}: {done[0].output_tok_s:.1f} tok/s, "
-                               f"TTFT {done[0].ttft_p50_s:.2f} s, ITL p50 {done[0].itl_p50_ms:.1f} ms")
+                    res = done[0]
+                    runs[name][key].append(res)
+                    rate = (f"{res.prompt_tokens / res.ttft_p50_s:.1f} prompt tok/s" if key.startswith("prefill-")
+                            else f"{res.output_tok_s:.1f} tok/s, ITL p50 {res.itl_p50_ms:.1f} ms")
+                    phases.log(f"[low concurrency] {key} rep {rep + 1} {name}: {rate}, TTFT {res.ttft_p50_s:.2f} s")
     return runs
 
 
