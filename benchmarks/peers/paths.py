@@ -9,6 +9,7 @@ a path is needed, never at import.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -32,14 +33,29 @@ def vllm_python() -> Path:
     return peers_cache() / "vllm-venv" / "bin" / "python"
 
 
-def llama_server() -> Path:
-    return peers_cache() / "llama-build" / "bin" / "llama-server"
+LLAMA_TIERS = ("native", "avx2")  # build_llama_server.sh's builds, side by side in the peers cache
 
 
-def llama_server_no_amx() -> Path:
-    """build_llama_server.sh --no-amx: AVX-512/VNNI/BF16 named instead of -march=native, for VMs that list AMX but
-    do not grant its tile state (the native build dies there; this one keeps llama.cpp's weight repacking)."""
-    return peers_cache() / "llama-build-noamx" / "bin" / "llama-server"
+def llama_build(tier: str = "native") -> Path:
+    """build_llama_server.sh TIER's build folder: native (-march=native, without AMX where the VM refuses its tile
+    state) or avx2 (AVX2 + FMA + F16C, no AVX-512)."""
+    if tier not in LLAMA_TIERS:
+        raise ValueError(f"unknown llama.cpp build tier {tier!r}; supported: {', '.join(LLAMA_TIERS)}")
+    return peers_cache() / f"llama-build-{tier}"
+
+
+def llama_server(tier: str = "native") -> Path:
+    return llama_build(tier) / "bin" / "llama-server"
+
+
+def llama_quantize(tier: str = "native") -> Path:
+    return llama_build(tier) / "bin" / "llama-quantize"
+
+
+def llama_build_info(tier: str = "native") -> dict:
+    """What build_llama_server.sh recorded about the build (tier, cmake ISA flags, AMX probe, compiler)."""
+    info = llama_build(tier) / "pagedserve-build.json"
+    return json.loads(info.read_text()) if info.is_file() else {"missing": str(info)}
 
 
 def gguf_dir() -> Path:

@@ -206,9 +206,27 @@ def low_concurrency_lines(lc: dict) -> list[str]:
                      else "-" for n in streams]
             lines.append(f"| {LC_LABELS[ours]} / llama-server | " + " | ".join(cells) + " |")
     lines.append("")
+    lines += prefill_lines(lc.get("prefill", {}))
+    llama = lc.get("llama_server")
+    if llama:
+        lines += [f"llama-server: the `{llama['tier']}` build ({', '.join(llama['build'].get('cmake_isa_flags', []))}); "
+                  f"system_info: `{llama['system_info']}`", ""]
     notes = [f"- {LC_LABELS.get(n, n)}: skipped, {why}" for n, why in lc.get("skipped", {}).items()]
     notes += [f"- {LC_LABELS.get(n, n)}: stopped, {why}" for n, why in lc.get("failures", {}).items()]
     return lines + (notes + [""] if notes else [])
+
+
+def prefill_lines(prefill: dict) -> list[str]:
+    """One long prompt per row: prompt tokens / TTFT (best of the repeats), per system."""
+    lens = sorted({n for per in prefill.values() for n in per}, key=int)
+    if not lens:
+        return []
+    lines = ["| prefill | " + " | ".join(f"{n}-token prompt: tok/s (TTFT s)" for n in lens) + " |",
+             "|---|" + "---|" * len(lens)]
+    for name, per in prefill.items():
+        cells = [f"{per[n]['prefill_tok_s']:.1f} ({per[n]['ttft_s']:.2f})" if n in per else "-" for n in lens]
+        lines.append(f"| {LC_LABELS.get(name, name)} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def render(out: dict, json_name: str, png_name: str | None) -> str:

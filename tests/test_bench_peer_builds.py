@@ -1,0 +1,135 @@
+"""The peers harness's llama.cpp builds per tier, pagedserve's tier environment, the 1B-shaped model's layout and
+the low-concurrency section's prefill and bandwidth rows (no peer is started here: benchmarks/peers/ runs them)."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bench_paths import PEERS
+
+import host_record  # noqa: E402
+import low_concurrency  # noqa: E402
+import model_1b  # noqa: E402
+import paths  # noqa: E402
+import servers  # noqa: E402
+from metrics import RequestTiming, summarize  # noqa: E402
+
+# As llama.cpp's llama-server prints it at start (from a build of the pinned sdist on an AVX-512 host).
+SYSTEM_INFO = ("system_info: n_threads = 2 (n_threads_batch = 2) / 2 | CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | "
+               "AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | AVX512 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 |")
+
+
+def test_no_repack_is_refused_before_anything_starts(tmp_path):
+    with pytest.raises(ValueError, match="repacked kernels"):
+        servers.start_llama_server("", "bfloat16", tmp_path, gguf=tmp_path / "absent.gguf",
+                                   extra_args=("--no-repack",))
+    assert not list(tmp_path.iterdir())  # no log: nothing was spawned
+
+
+def test_no_harness_file_passes_no_repack():
+    for path in PEERS.iterdir():
+        if path.suffix in (".py", ".sh"):
+            text = path.read_text()
+            assert '"--no-repack"' not in text.replace('NO_REPACK = "--no-repack"', ""), path
+
+
+def test_builds_per_tier_live_side_by_side(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGEDSERVE_PEERS_CACHE", str(tmp_path))
+    assert paths.llama_server("native") == tmp_path / "llama-build-native" / "bin" / "llama-server"
+    assert paths.llama_quantize("avx2") == tmp_path / "llama-build-avx2" / "bin" / "llama-quantize"
+    assert paths.llama_build_info("avx2") == {"missing": str(tmp_path / "llama-build-avx2" / "pagedserve-build.json")}
+    with pytest.raises(ValueError, match="native, avx2"):
+        paths.llama_server("avx512")
+    assert "llama-build-avx2" in low_concurrency.missing_peer("llama-server", "avx2")
+
+
+def test_pagedserve_tier_environment(monkeypatch):
+    monkeypatch.setenv(servers.ISA_ENV, "portable")
+    assert servers.ISA_ENV not in servers.pagedserve_env("native")  # native: the host's best, whatever the shell
+    assert servers.pagedserve_env("avx2")[servers.ISA_ENV] == "avx2"
+    with pytest.raises(ValueError, match="native, avx2"):
+        servers.pagedserve_env("sse2")
+
+
+def test_system_info_is_the_last_start_in_the_log(tmp_path):
+    log = tmp_path / "llama-server.log"
+    log.write_text(f"main: loading\n{SYSTEM_INFO.replace('AVX512 = 1', 'AVX512 = 0')}\nold run\n"
+                   f"build: 1 (x)\n{SYSTEM_INFO}\nsrv  load_model: loading model\n")
+    assert servers.system_info(log).startswith("n_threads = 2") and "AVX512 = 1" in servers.system_info(log)
+    log.write_text("no start yet\n")
+    assert servers.system_info(log) == "not found in the log"
+
+
+@pytest.mark.skipif(shutil.which("cc") is None or not Path("/proc/cpuinfo").exists(), reason="needs cc and Linux")
+def test_no_amx_flags_leave_no_amx_code_in_a_native_build():
+    """What build_llama_server.sh native adds where the VM refuses AMX: gcc then defines no __AMX_*__ macro, so
+    ggml compiles none of its AMX kernels, while -march=native keeps every other extension."""
+    flags = subprocess.run([str(PEERS / "build_llama_server.sh"), "--no-amx-flags"], capture_output=True,
+                           text=True, check=True).stdout.split()
+    assert all(f.startswith("-mno-amx-") for f in flags)
+    macros = subprocess.run(["cc", "-march=native", *flags, "-dM", "-E", "-"], input="", capture_output=True,
+                            text=True, check=True).stdout
+    assert "__AMX_" not in macros
+    native = subprocess.run(["cc", "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True,
+                            check=True).stdout
+    kept = {line for line in native.splitlines() if "__AMX_" not in line}
+    assert kept <= set(macros.splitlines())
+
+
+def test_model_1b_has_llama_3_2_1b_widths():
+    """The tensors model_1b writes are exactly those transformers' Llama of that config holds (tied head)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from pagedserve.engine.loading.model_store import resolve_model
+
+    shape = model_1b.Shape()
+    tokenizer_dir = resolve_model(None).tokenizer_dir
+    cfg = model_1b.config(shape, tokenizer_dir)
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (tok.bos_token_id, tok.eos_token_id)
+    assert len(tok) <= cfg["vocab_size"] == 49152
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
+    want = {n: tuple(p.shape) for n, p in model.state_dict().items() if n != "lm_head.weight"}
+    assert model_1b.tensor_shapes(shape) == want
+    assert 1.07e9 < sum(p.numel() for n, p in model.named_parameters()) < 1.08e9
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        model_1b.Shape(num_attention_heads=30)
+    assert model_1b.gguf_file("Q4_K_M").name == f"{model_1b.NAME}-q4_k_m.gguf"
+    assert "1b-q4_k_m" in low_concurrency.MODEL_FILES and "1b-bf16" in low_concurrency.MODEL_FILES
+
+
+def test_prefill_row_is_prompt_tokens_over_the_fastest_first_token():
+    w = low_concurrency.prefill_workload(512)
+    assert [len(r.prompt_token_ids) for r in w.requests] == [512] and w.requests[0].max_tokens == 2
+    slow = summarize("p", "bfloat16", [RequestTiming("r", 0.0, (2.0, 2.1))], 512)
+    fast = summarize("p", "bfloat16", [RequestTiming("r", 0.0, (0.5, 0.6))], 512)
+    row = low_concurrency.prefill_row([slow, fast])
+    assert row["ttft_s"] == pytest.approx(0.5) and row["prefill_tok_s"] == pytest.approx(1024.0)
+
+
+def test_bandwidth_fraction_counts_one_weight_read_per_step():
+    # 100 MB a step at 100 tok/s on 20 GB/s: half; 8 streams at 400 tok/s are 50 steps/s: a quarter
+    assert host_record.bandwidth_fraction(100_000_000, 100.0, 1, 20.0) == pytest.approx(0.5)
+    assert host_record.bandwidth_fraction(100_000_000, 400.0, 8, 20.0) == pytest.approx(0.25)
+
+
+def test_host_record_names_the_cpu_and_its_tier_flags():
+    assert host_record.cpu_model() not in ("", None)
+    flags = host_record.cpu_flags()
+    assert set(flags) <= set(host_record.TIER_FLAGS)
+    have = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("flags")).split(":", 1)[1].split())
+    assert ("avx2" in flags) == ("avx2" in have)
+
+
+def test_pagedserve_isa_probe_reports_the_forced_tier():
+    if "avx2" not in host_record.cpu_flags():
+        pytest.skip("the host has no AVX2 tier to force")
+    got = host_record.pagedserve_isa("avx2")
+    assert "error" not in got
+    if not got["tier"].startswith("unknown"):  # the ISA layer is present
+        assert got["tier"] == "avx2"
