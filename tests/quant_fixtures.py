@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.loading.model_loader import LoadedModel, load_model
 from pagedserve.engine.runner.model_runner import ModelRunner
+from pagedserve.engine.runner.sampler import Sampler
 from pagedserve.engine.models.layers import ForwardContext
 from pagedserve.kernels.cpu import packed as cpu_packed
 from pagedserve.kernels.attention import AttentionMetadata
@@ -129,7 +130,7 @@ def full_logits(
     token_bytes = 2 * args.num_layers * args.num_kv_heads * args.head_dim * 4  # K and V, at most fp32
     config = EngineConfig(model=str(loaded.path), kv_cache_dtype=kv_cache_dtype, block_size=block,
                           kv_cache_memory=(b * blocks_per_seq + 1) * block * token_bytes)
-    runner = ModelRunner(loaded, config, torch.device("cpu"))
+    runner = ModelRunner(loaded, config, torch.device("cpu"), Sampler(frozenset()))  # its KV cache and ops only
     assert runner.num_blocks >= b * blocks_per_seq
     tables = torch.arange(b * blocks_per_seq, dtype=torch.int32).view(b, blocks_per_seq)
     slots = torch.cat([tables[i].repeat_interleave(block)[:t].long() * block + torch.arange(t) % block
