@@ -103,7 +103,7 @@ def measure(family: str, prompt_len: int, new_tokens: int) -> dict:
 def host() -> dict:
     import torch
 
-    from pagedserve.kernels import cpu_packed
+    from pagedserve.kernels.cpu import packed as cpu_packed
 
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")), platform.processor())

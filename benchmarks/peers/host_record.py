@@ -28,7 +28,7 @@ try:
 except Exception as exc:
     out["tier"] = "unknown (%s: %s)" % (type(exc).__name__, exc)
 try:
-    from pagedserve.kernels import cpu_packed as cp
+    from pagedserve.kernels.cpu import packed as cp
     lib = cp.build()
     out["packed_kernels"] = {f: getattr(cp, f)(lib) for f in ("isa", "grouped_isa", "group_isa", "group_grouped_isa")
                              if hasattr(cp, f)}
