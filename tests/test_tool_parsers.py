@@ -167,7 +167,7 @@ def test_json_list_schema_is_read_back():
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == CALLS
     cut = text[:text.index('{"name": "now"') + 10]  # max_tokens inside the second call: the first one stays
     content, calls = ToolCallStream(JsonListFormat()).message(cut)
-    assert [c["function"]["name"] for c in calls] == ["get_weather"] and content == '{"name": "n'
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] and content == '{"name": "'
     assert _read_json_list_stream(text) == CALLS
 
 
