@@ -165,6 +165,18 @@ def test_json_list_schema_is_read_back():
     assert schema["maxItems"] == 1 and schema["minItems"] == 1
     _, calls = ToolCallStream(JsonListFormat()).message(text)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == CALLS
+    cut = text[:text.index('{"name": "now"') + 10]  # max_tokens inside the second call: the first one stays
+    content, calls = ToolCallStream(JsonListFormat()).message(cut)
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] and content == '{"name": "'
+    assert _read_json_list_stream(text) == CALLS
+
+
+def _read_json_list_stream(text: str) -> list:
+    stream, calls = ToolCallStream(JsonListFormat()), []
+    for n in range(1, len(text) + 1):
+        for call in stream.delta(text[:n], n == len(text)).get("tool_calls", []):
+            calls.append((call["function"]["name"], json.loads(call["function"]["arguments"])))
+    return calls
 
 
 def test_mistral_call_ids_are_nine_alphanumerics():

@@ -14,13 +14,25 @@ class JsonListFormat(ToolParser):
     name = "json_list"
 
     def parse(self, text: str, final: bool) -> Parsed:
-        decoded = decode_json(text, 0)
-        if decoded is None or not isinstance(decoded[0], list) or skip_space(text, decoded[1]) < len(text):
+        """Each complete item is a call as soon as it closes; at the end, a list cut short (max_tokens) keeps its
+        complete calls and gives the rest back as content."""
+        pos = skip_space(text, 0)
+        if not text.startswith("[", pos):
             return Parsed(text if final else "")
-        calls = [call_from_object(item, ("parameters", "arguments")) for item in decoded[0]]
-        if not calls or None in calls:
-            return Parsed(text if final else "")
-        return Parsed("", tuple(calls))
+        calls, pos = [], pos + 1
+        while (decoded := decode_json(text, pos)) is not None:
+            call = call_from_object(decoded[0], ("parameters", "arguments"))
+            if call is None:
+                break
+            calls.append(call)
+            pos = skip_space(text, decoded[1])
+            if not text.startswith(",", pos):
+                break
+            pos += 1
+        closed = text.startswith("]", pos) and skip_space(text, pos + 1) == len(text)
+        if not final or closed:
+            return Parsed("", tuple(calls))
+        return Parsed(text[pos:].strip() if calls else text, tuple(calls))
 
     def forced_grammar(self, forced: ForcedCalls) -> str:
         raise NotImplementedError("the JSON list is forced by its JSON Schema (json_list_schema)")
