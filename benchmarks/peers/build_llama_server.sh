@@ -41,8 +41,10 @@ case "$TIER" in
     ISA=(-DGGML_NATIVE=ON)
     EXTRA=""
     if grep -qw amx_tile /proc/cpuinfo; then
-      if amx_ok; then AMX="usable"; else
-        AMX="listed, tile state refused"
+      # PAGEDSERVE_LLAMA_AMX=off: where the probe passes yet ggml's AMX kernels crash (seen on an SPR Firecracker VM:
+      # SIGSEGV in ggml_backend_amx_mul_mat at warm-up), the harness's error names this switch
+      if [ "${PAGEDSERVE_LLAMA_AMX:-auto}" != off ] && amx_ok; then AMX="usable"; else
+        AMX="listed, refused (probe) or switched off (PAGEDSERVE_LLAMA_AMX=${PAGEDSERVE_LLAMA_AMX:-auto})"
         # every AMX extension the compiler's -march=native turns on, switched off again (order does not matter)
         EXTRA=$(no_amx_flags)
         echo "AMX listed but refused here: building native without it ($EXTRA)"

@@ -193,6 +193,10 @@ def _start_llama(argv: list[str], gguf: Path, log_dir: Path, timeout: float, tie
     try:
         _wait_http(server, "/health", timeout)
     except RuntimeError:
+        if proc.returncode == -signal.SIGSEGV and paths.llama_build_info(tier).get("amx") == "usable":
+            raise RuntimeError(f"llama-server ({tier}) crashed (SIGSEGV), built with AMX; see {log}. "
+                               "Rebuild without AMX: rm -r the build folder, then PAGEDSERVE_LLAMA_AMX=off "
+                               f"build_llama_server.sh {tier}") from None
         if proc.returncode != -signal.SIGILL:
             raise
         raise LlamaIllegalInstruction(
