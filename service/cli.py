@@ -266,9 +266,18 @@ def _serve_on_two_threads(engine_cfg: EngineConfig, server_cfg: ServerConfig) ->
 def force_cpu_isa(tier: str | None) -> None:
     """--cpu-isa: the kernels read PAGEDSERVE_CPU_ISA at their first build, which comes after this; an unknown tier or
     one the CPU lacks fails here, before the model loads, naming the available ones."""
-    if tier is not None:
-        os.environ[isa.ENV_VAR] = tier
+    if tier is None:
+        return
+    previous = os.environ.get(isa.ENV_VAR)
+    os.environ[isa.ENV_VAR] = tier
+    try:
         isa.requested_tier()
+    except isa.IsaError:
+        if previous is None:  # a refused tier must not stay behind for whatever builds next in this process
+            del os.environ[isa.ENV_VAR]
+        else:
+            os.environ[isa.ENV_VAR] = previous
+        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
