@@ -10,6 +10,7 @@ import gzip
 import hashlib
 import json
 import re
+import site
 import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,8 +51,12 @@ class TextEntry:
 
     @property
     def file(self) -> Path:
+        """The file on this image; {purelib} is searched in every site-packages this interpreter reads (a venv made
+        with --system-site-packages has the system's too)."""
         paths = sysconfig.get_paths()
-        return Path(self.path.format(stdlib=paths["stdlib"], purelib=paths["purelib"]))
+        candidates = [Path(self.path.format(stdlib=paths["stdlib"], purelib=lib))
+                      for lib in dict.fromkeys([paths["purelib"], *site.getsitepackages()])]
+        return next((c for c in candidates if c.is_file()), candidates[0])
 
     def problem(self) -> str | None:
         """Why this text cannot be rebuilt here (missing file, different content), or None."""

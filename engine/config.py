@@ -14,7 +14,7 @@ from pagedserve.engine.structured_output.registry import CONSTRAINT_BACKENDS
 from pagedserve.kernels.backends import (
     attention_backend_names, attention_requirements, layer_ops_names, layer_ops_requirements,
 )
-from pagedserve.kernels.kv_cache import KVDtype
+from pagedserve.kernels.kv_cache import ALIASES as KV_DTYPE_ALIASES, KVDtype
 from pagedserve.quant.head_quant import HEAD_QUANTIZATIONS
 from pagedserve.quant.registry import QUANT_METHODS
 
@@ -28,7 +28,7 @@ GGUF_WEIGHTS = ("auto", "packed", "dequantized")  # engine/loading/model_loader.
 def field_choices() -> dict[str, tuple[str, ...]]:
     """The names each named field accepts, read from the registries themselves (the CLI's help lists them too)."""
     return {
-        "kv_cache_dtype": ("auto", *(kv.value for kv in KVDtype)),
+        "kv_cache_dtype": ("auto", *KV_DTYPE_ALIASES, *(kv.value for kv in KVDtype)),
         "attention_backend": attention_backend_names(),
         "layer_ops": layer_ops_names(),
         "quantization": tuple(QUANT_METHODS.names()),

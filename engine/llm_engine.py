@@ -344,6 +344,7 @@ class LLMEngine:
             constraints=self.constraints.stats(),
             block_size=self.config.block_size,
             max_model_len=self.max_model_len,
+            kv_cache_dtype=self.runner.kv_spec.dtype.value,
             max_loras=0 if self.config.lora is None else self.config.lora.max_loras,
             running_adapters=self.scheduler.running_adapters(),
             waiting_adapters=self.scheduler.waiting_adapters(),

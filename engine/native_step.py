@@ -185,6 +185,8 @@ def build_native_step(model: torch.nn.Module, cache: KVCache, attn: AttentionImp
         inner = attn.inner if isinstance(attn, CalibratingAttention) else attn
         if not isinstance(inner, NativeCpuAttention):
             raise NativeStepUnavailable(f"attention is {type(inner).__name__}, not the native CPU implementation")
+        if cache.spec.dtype.has_row_scales:
+            raise NativeStepUnavailable("the C step does not read int8 KV rows")
         describe = getattr(model, "decoder_stack", None)
         if describe is None:
             raise NativeStepUnavailable(f"{type(model).__name__} has no native layer stack (its layer math differs)")
