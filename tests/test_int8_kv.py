@@ -1,0 +1,144 @@
+"""The int8 KV cache (one fp16 scale per token and KV head): the quantization rule against numpy, its block count,
+every kernel against the torch reference (Triton under the interpreter on CPU, the native C kernels), and the
+engine end to end against a 16-bit cache; bad dtype names are refused naming the field."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from attention_cases import BATCHES, DEVICE, SCALE, TOLERANCE, assert_matches_torch, float64_reference, make_case, \
+    poison_stale_slots
+from pagedserve.engine import EngineConfig, LLM, SamplingParams
+from pagedserve.engine.errors import ConfigError
+from pagedserve.kernels.backends import ATTENTION_IMPLS, select_attention_impl
+from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype
+from pagedserve.kernels.kv_quant import quantize_rows_int8
+from pagedserve.kernels.paged_attention import paged_attention, write_kv
+
+triton_only = pytest.mark.skipif("triton" not in ATTENTION_IMPLS, reason="triton is not installed")
+
+
+def numpy_int8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The documented rule, written independently: scale = fp16(amax / 127), q = clamp(rint(x / scale), +-127)."""
+    x = x.astype(np.float32)
+    scale = np.minimum(np.abs(x).max(axis=-1) / np.float32(127), np.float32(65504)).astype(np.float16)
+    divisor = scale.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(divisor > 0, np.rint(x / divisor), 0)
+    return np.clip(q, -127, 127).astype(np.int8), scale
+
+
+def test_row_quantization_matches_numpy_and_stays_within_half_a_step() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 72, generator=gen) * torch.logspace(-6, 3, 50).view(-1, 1, 1)
+    x[0] = 0.0  # a zero row: scale 0, zeros
+    x[1, 0, :3] = torch.tensor([1e9, -1e9, 5.0])  # past fp16's scales: saturates, never inf
+    x[2, 1] = torch.arange(72) - 36.0 + 0.5  # ties
+    q, s = quantize_rows_int8(x)
+    ref_q, ref_s = numpy_int8_rows(x.numpy())
+    assert q.dtype == torch.int8 and s.dtype == torch.float16 and s.shape == (50, 3)
+    assert np.array_equal(q.numpy(), ref_q) and np.array_equal(s.numpy(), ref_s)
+    assert torch.isfinite(s).all() and (q.abs() <= 127).all()
+    back = q.float() * s.float().unsqueeze(-1)
+    fits = x.abs().amax(-1) < 127 * 65504
+    err = (back - x).abs()[fits & (s.float() > 6.2e-5)]  # normal fp16 scales: within half a step of the row
+    step = s.float().unsqueeze(-1).expand_as(x)[fits & (s.float() > 6.2e-5)]
+    assert (err <= 0.5 * step * (1 + 2**-10) + 1e-30).all()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 72])
+def test_blocks_per_byte_are_at_least_1_9x_of_16_bit(head_dim: int) -> None:
+    specs = {kv: KVCacheSpec(30, 3, head_dim, 16, kv) for kv in (KVDtype.BF16, KVDtype.INT8)}
+    budget = 1 << 30
+    ratio = specs[KVDtype.INT8].num_blocks_for(budget) / specs[KVDtype.BF16].num_blocks_for(budget)
+    assert ratio == pytest.approx(2 * head_dim / (head_dim + 2), rel=1e-3) and ratio >= 1.9
+
+
+def test_engine_counts_int8_blocks_and_reports_the_dtype(tiny_llama: str) -> None:
+    memory = 1 << 22
+    blocks = {}
+    for kv in ("fp16", "int8", "fp8"):
+        llm = LLM(tiny_llama, kv_cache_dtype=kv, kv_cache_memory=memory, dtype="float32")
+        stats = llm.engine.stats()
+        blocks[stats.kv_cache_dtype] = stats.num_kv_blocks
+    assert set(blocks) == {"fp16", "int8", "fp8_e4m3"}  # vLLM's `fp8` is e4m3
+    assert blocks["int8"] / blocks["fp16"] >= 1.9 and blocks["fp8_e4m3"] == 2 * blocks["fp16"]
+
+
+@pytest.mark.parametrize("name", ["int4", "INT8", "fp8,int8", "int8/fp16", ""])
+def test_bad_or_mixed_dtype_names_are_refused_naming_the_field(name: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(kv_cache_dtype=name)
+    assert info.value.field == "kv_cache_dtype" and "int8" in str(info.value) and "fp8" in str(info.value)
+
+
+# --- kernels against the torch reference --------------------------------------------------------------------------
+
+@triton_only
+@pytest.mark.parametrize(("num_kv_heads", "head_dim", "block_size"), [(3, 64, 16), (2, 72, 32), (1, 40, 16)])
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
+def test_triton_write_is_bit_exact(num_kv_heads: int, head_dim: int, block_size: int, input_dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    num_blocks = 5
+    key, value = (torch.randn(37, num_kv_heads, head_dim, generator=gen).to(input_dtype) for _ in range(2))
+    key[0] = 0.0
+    key[1, 0, :8] = torch.tensor([127.0, 63.5, -0.5, 1.5, 2.5, -2.5, 31.75, 0.25]).to(input_dtype)  # ties
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:37]
+    slots[5] = -1  # padding: nothing written
+    layers = []
+    for impl in (select_attention_impl("torch", torch.device("cpu")), ATTENTION_IMPLS.get("triton")()):
+        layer = KVCache(KVCacheSpec(1, num_kv_heads, head_dim, block_size, KVDtype.INT8), num_blocks, DEVICE).layers[0]
+        keep = slots >= 0 if impl.__class__.__name__ == "TorchAttention" else slice(None)  # torch has no padding
+        write_kv(impl, key[keep].to(DEVICE), value[keep].to(DEVICE), layer, slots[keep].to(DEVICE))
+        layers.append(layer)
+    ref, out = layers
+    for name in ("k", "v", "k_row_scale", "v_row_scale"):
+        assert torch.equal(getattr(ref, name).cpu(), getattr(out, name).cpu()), name
+
+
+@triton_only
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize(("queries_per_kv", "block_size", "head_dim"), [(1, 16, 64), (3, 32, 64), (4, 16, 72)])
+def test_triton_attention_matches_torch(batch: str, queries_per_kv: int, block_size: int, head_dim: int) -> None:
+    seq_lens, query_lens = BATCHES[batch]
+    query, layer, meta = make_case(seq_lens, query_lens, block_size, queries_per_kv, KVDtype.INT8, head_dim=head_dim)
+    assert_matches_torch(ATTENTION_IMPLS.get("triton")(), query, layer, meta)
+
+
+@triton_only
+def test_triton_attention_with_rotated_keys() -> None:
+    """The engine's int8 layout: K rotated by the Hadamard matrix on write, Q on attention (the entry points)."""
+    seq_lens, query_lens = BATCHES["mixed"]
+    query, layer, meta = make_case(seq_lens, query_lens, 16, 3, KVDtype.INT8, seed=4, rotate=True)
+    assert_matches_torch(ATTENTION_IMPLS.get("triton")(), query, layer, meta)
+
+
+@triton_only
+def test_triton_attention_ignores_stale_int8_slots_and_agrees_with_float64() -> None:
+    seq_lens, query_lens = BATCHES["mixed"]
+    query, layer, meta = make_case(seq_lens, query_lens, 16, 3, KVDtype.INT8, seed=2)
+    exact = float64_reference(query, layer, meta)
+    poison_stale_slots(layer, meta)
+    result = paged_attention(ATTENTION_IMPLS.get("triton")(), query, layer, meta, SCALE)
+    assert torch.isfinite(result).all()
+    assert (result.double().cpu() - exact).abs().max().item() <= TOLERANCE[query.dtype]
+
+
+def test_torch_path_agrees_with_float64_math() -> None:
+    seq_lens, query_lens = BATCHES["mixed"]
+    query, layer, meta = make_case(seq_lens, query_lens, 16, 3, KVDtype.INT8, seed=2)
+    exact = float64_reference(query, layer, meta)
+    result = paged_attention(select_attention_impl("torch", DEVICE), query, layer, meta, SCALE)
+    assert (result.double().cpu() - exact).abs().max().item() <= TOLERANCE[query.dtype]
+
+
+# --- the engine end to end ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    from conftest import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-llama-int8"), hidden_size=192,
+                                   num_attention_heads=3, num_key_value_heads=1, initializer_range=0.1))
