@@ -203,3 +203,21 @@ def test_int8_logits_stay_closer_to_fp32_than_fp8_and_bf16_caches(tiny_llama: st
 
     # measured: bf16 0.010, int8 0.037, fp8 0.28
     assert error("int8") < 0.25 * error("fp8") and error("int8") < 0.05
+
+
+def test_cli_flag_reaches_the_engine_and_the_metrics_say_it(tiny_llama: str) -> None:
+    """`pagedserve serve --kv-cache-dtype int8` (and vLLM's `fp8`): ModelInfo's kv_cache_dtype and
+    vllm:cache_config_info's cache_dtype label report the cache as built."""
+    from prometheus_client import generate_latest
+
+    from pagedserve.engine import LLMEngine
+    from pagedserve.service.cli import build_parser, engine_config
+    from pagedserve.service.core.metrics import ServiceMetrics
+
+    for flag, built in (("int8", "int8"), ("fp8", "fp8_e4m3")):
+        args = build_parser().parse_args(["serve", "--model", tiny_llama, "--kv-cache-dtype", flag,
+                                          "--kv-cache-memory", "4MiB", "--dtype", "float32"])
+        engine = LLMEngine(engine_config(args))
+        assert engine.describe().kv_cache_dtype == built
+        text = generate_latest(ServiceMetrics("m", engine.stats).registry).decode()
+        assert f'cache_dtype="{built}"' in text and "vllm:cache_config_info{" in text
