@@ -15,6 +15,7 @@ from pagedserve.engine.errors import ConfigError
 from pagedserve.kernels.backends import ATTENTION_IMPLS, select_attention_impl
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype
 from pagedserve.kernels.kv_quant import quantize_rows_int8
+from pagedserve.kernels.native_attention import NativeCpuAttention
 from pagedserve.kernels.paged_attention import paged_attention, write_kv
 
 triton_only = pytest.mark.skipif("triton" not in ATTENTION_IMPLS, reason="triton is not installed")
@@ -132,6 +133,50 @@ def test_torch_path_agrees_with_float64_math() -> None:
     exact = float64_reference(query, layer, meta)
     result = paged_attention(select_attention_impl("torch", DEVICE), query, layer, meta, SCALE)
     assert (result.double().cpu() - exact).abs().max().item() <= TOLERANCE[query.dtype]
+
+
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize(("queries_per_kv", "block_size", "head_dim"),
+                         [(1, 8, 64), (3, 16, 64), (4, 32, 128), (3, 16, 72), (2, 16, 48)])
+def test_native_attention_matches_torch(batch: str, queries_per_kv: int, block_size: int, head_dim: int) -> None:
+    """Decode (vector code at multiples of 16, the scalar code at 72) and prefill (C for multiples of 16)."""
+    seq_lens, query_lens = BATCHES[batch]
+    query, layer, meta = make_case(seq_lens, query_lens, block_size, queries_per_kv, KVDtype.INT8, head_dim=head_dim)
+    assert_matches_torch(NativeCpuAttention(), query, layer, meta)
+
+
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])
+def test_native_prefill_and_decode_agree_with_float64(query_dtype) -> None:
+    """Chunks longer than the C prefill's 16-position tiles starting mid-block after cached context, 2-token chunks
+    and decode rows, in the compute dtypes the engine uses (bf16 takes the AVX512-BF16 path where the CPU has it)."""
+    seq_lens, query_lens = (300, 77, 129, 40, 200), (300, 50, 2, 37, 1)
+    query, layer, meta = make_case(seq_lens, query_lens, 16, 3, KVDtype.INT8, head_dim=64, seed=8)
+    query = query.to(query_dtype)
+    impl = NativeCpuAttention()
+    assert impl.plan(meta, layer).prefill is not None  # the C kernel, not SDPA
+    exact = float64_reference(query, layer, meta)
+    result = paged_attention(impl, query, layer, meta, SCALE)
+    assert (result.double() - exact).abs().max().item() <= (1e-5 if query_dtype == torch.float32 else 1.6e-2)
+    poison_stale_slots(layer, meta)
+    assert torch.equal(paged_attention(impl, query, layer, meta, SCALE), result)  # stale NaN rows never read
+
+
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_write_is_bit_exact(input_dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    key, value = (torch.randn(29, 3, 64, generator=gen).to(input_dtype) for _ in range(2))
+    key[0] = 0.0
+    key[1, 0, :6] = torch.tensor([127.0, 63.5, -0.5, 1.5, 2.5, -2.5]).to(input_dtype)
+    slots = torch.randperm(6 * 16, generator=gen)[:29]
+    layers = []
+    for impl in (select_attention_impl("torch", torch.device("cpu")), NativeCpuAttention()):
+        layer = KVCache(KVCacheSpec(1, 3, 64, 16, KVDtype.INT8), 6).layers[0]
+        write_kv(impl, key, value, layer, slots)
+        layers.append(layer)
+    for name in ("k", "v", "k_row_scale", "v_row_scale"):
+        assert torch.equal(getattr(layers[0], name), getattr(layers[1], name)), name
+    with pytest.raises(IndexError):
+        write_kv(NativeCpuAttention(), key[:1], value[:1], layers[0], torch.tensor([6 * 16]))
 
 
 # --- the engine end to end ------------------------------------------------------------------------------------------
