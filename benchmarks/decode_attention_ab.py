@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels.cpu import native as cpu_native
+from pagedserve.kernels.cpu.build import COMMON_FLAGS
+from pagedserve.kernels.cpu.structs import DecodeArgs
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 30, 9, 3, 64, 16
@@ -39,28 +41,30 @@ def _build(sources: dict[str, str], folder: Path, name: str, defines: tuple[str,
         (folder / file).write_text(text)
     target = folder / f"{name}.so"
     c_files = [str(folder / f) for f in sources if f.endswith(".c")]
-    subprocess.run(["gcc", *cpu_native.native_flags(), *defines, *c_files, "-o", str(target), "-lm"], check=True)
+    flags = (*COMMON_FLAGS, "-march=native")
+    subprocess.run(["gcc", *flags, *defines, *c_files, "-o", str(target), "-lm"], check=True)
     lib = ctypes.CDLL(str(target))
-    lib.pagedserve_decode_attention.argtypes = [ctypes.POINTER(cpu_native.DecodeArgs), ctypes.c_int64,
+    lib.pagedserve_decode_attention.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int64,
                                                 ctypes.c_int64, ctypes.c_int]
     return lib
 
 
 def _sources(rev: str | None) -> dict[str, str]:
-    """The decode attention's C files and the headers they include, at `rev` (None: this tree)."""
-    names = ("cpu_native.h", "cpu_decode_attention.h", "cpu_decode_attention.c", "cpu_decode_chunks.h",
-             "cpu_decode_tasks.c")
+    """The decode attention's C files and the headers they include, at `rev` (None: this tree), under the names they
+    include each other by (kernels/cpu/NAME; revisions before that folder: kernels/cpu_NAME)."""
+    names = ("isa.h", "native.h", "decode_attention.h", "decode_attention.c", "decode_chunks.h", "decode_tasks.c")
     out = {}
     for name in names:
         if rev is None:
-            path = ROOT / "kernels" / name
+            path = ROOT / "kernels" / "cpu" / name
             if path.exists():
                 out[name] = path.read_text()
             continue
-        shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:kernels/{name}"],
-                               capture_output=True, text=True)
-        if shown.returncode == 0:
-            out[name] = shown.stdout
+        for stored in (f"kernels/cpu/{name}", f"kernels/cpu_{name}"):
+            shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{stored}"], capture_output=True, text=True)
+            if shown.returncode == 0:
+                out[stored.rsplit("/", 1)[1]] = shown.stdout
+                break
     return out
 
 
@@ -125,7 +129,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pairs", type=int, default=7, help="A/B alternations per case")
     parser.add_argument("--steps", type=int, default=40, help="steps per timing")
-    parser.add_argument("--key-chunk", type=int, help="build this tree with -DKEY_CHUNK=N (cpu_decode_chunks.h)")
+    parser.add_argument("--key-chunk", type=int, help="build this tree with -DKEY_CHUNK=N (kernels/cpu/decode_chunks.h)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 16], help="1: one row, 5: a span, 16: batch")
     args = parser.parse_args()
     load_before = os.getloadavg()

@@ -1,6 +1,6 @@
 """The dense bf16 GEMV of the native step at SmolLM2-135M's shapes, row-major vs rows grouped: JSON lines.
 
-Kernels (kernels/cpu_dense_linear.c and kernels/cpu_dense_grouped.c, through their ps_linear function):
+Kernels (kernels/cpu/dense_linear.c and kernels/cpu/dense_grouped.c, through their ps_linear function):
   rowmajor  W [out, in] as stored (what builds without AVX-512 run, and matrices the grouped layout does not take),
   grouped   rows interleaved in groups of 16 at load (quant/dense_layout.py: what an AVX-512 build serves),
 at 1, 2, 4 and 8 activation rows, on random bf16 weights (speed does not depend on the values). Each kernel cycles

@@ -21,7 +21,7 @@ GPTQ's or AWQ's); they have the tools' tensor layouts and shapes, which is what 
 says which kind it measured.
 
 Per model (`kernel` rows): the linear layers' packed bytes, for GPTQ/AWQ the share of linears served with rows
-interleaved (`rows_grouped`, cpu_group_grouped.c) and, for decode, `LLM.generate` of one request of
+interleaved (`rows_grouped`, kernels/cpu/group_grouped.c) and, for decode, `LLM.generate` of one request of
 --tokens tokens (EOS ignored) with the engine's defaults (the native decode step up to 2 rows), interleaved over
 --repeats rounds, best tokens/s. The Q4_1 GGUF is the default model served packed (`--gguf-weights packed`).
 """
@@ -158,7 +158,7 @@ TOOL_RECIPES = {"gptq": "gptq_4bit_g128", "awq": "awq_4bit_g64", "gptq_lm_head":
 
 
 def grouped_share(llm) -> float | None:
-    """The share of the GPTQ/AWQ linears whose rows the loader interleaved (cpu_group_grouped.c); None: no such."""
+    """The share of the GPTQ/AWQ linears whose rows the loader interleaved (kernels/cpu/group_grouped.c); None: no such."""
     matrices = [m.qkernel.matrix for m in llm.engine.runner.model.modules()
                 if hasattr(getattr(m, "qkernel", None), "matrix")]
     return round(sum(m.row_group > 0 for m in matrices) / len(matrices), 3) if matrices else None

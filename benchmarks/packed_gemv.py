@@ -12,13 +12,15 @@ random GroupQuantWeights made by the same packing code: group_gptq (4-bit g128, 
 group_gptq8 (8-bit g128) in the layout the loader serves with that build (rows interleaved in groups of 16 where it
 has AVX-512; then also *_rowwise, one row after another), beside the Q4_1 packed kernel at that shape in the file's
 layout (packed_q4_1) and with rows grouped (packed_q4_1_grouped: what quant/gguf.py serves where the build has
-AVX-512). `--group-flags` builds the kernels with extra compiler flags, e.g. to compare variants.
+AVX-512). `--group-tier` builds the kernels for another ISA tier (kernels/cpu/isa.py), e.g. to compare them.
+PAGEDSERVE_CPU_ISA=avx2 runs everything on the AVX2 tier's build; every line records the tier ("tier") it ran.
 End to end (--e2e): `LLM.generate` of one request, 256 tokens, EOS ignored, packed vs dequantized, interleaved,
 best of --e2e-repeats, output tokens per second.
 
     python benchmarks/packed_gemv.py                  # kernels, all usable threads
     python benchmarks/packed_gemv.py --e2e            # and the end-to-end single stream
     python benchmarks/packed_gemv.py --grouped-ab --rows 1 2 4 8 16   # interleaved rows: VNNI vs fp32 build
+    PAGEDSERVE_CPU_ISA=avx2 python benchmarks/packed_gemv.py          # the AVX2 tier on any AVX2 host
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contention import cpu_model  # noqa: E402
 
 from pagedserve.engine.loading.model_store import resolve_model  # noqa: E402
-from pagedserve.kernels import cpu_packed  # noqa: E402
+from pagedserve.kernels.cpu import packed as cpu_packed  # noqa: E402
+from pagedserve.kernels.cpu.build import library_tier  # noqa: E402
 from pagedserve.quant.onednn_dense import can_pack, pack_weight, packed_linear  # noqa: E402
 
 # (name, GGUF tensors concatenated by rows, as the engine merges them)
@@ -90,16 +93,16 @@ def kernel_rows(path: Path, rows_list: list[int], repeats: int) -> None:
                 print(json.dumps({"kind": "kernel", "matrix": name, "type": qtype, "in": in_features,
                                   "out": blocks.shape[0], "rows": rows, "kernel": kernel, "us": round(us, 1),
                                   "gb_s": round(nbytes / us / 1e3, 2), "threads": torch.get_num_threads(),
-                                  "cpu": cpu_model()}), flush=True)
+                                  "tier": library_tier(fp32.lib), "cpu": cpu_model()}), flush=True)
 
 
-def group_rows(path: Path, rows_list: list[int], repeats: int, flags: tuple[str, ...]) -> None:
+def group_rows(path: Path, rows_list: list[int], repeats: int, tier: str | None) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from quant_fixtures import random_weight
 
     from pagedserve.quant.cpu_group_kernel import repack
 
-    lib = cpu_packed.build(flags)
+    lib = cpu_packed.build(tier)
     for name, qtype, blocks, in_features in matrices(path):
         if name == "lm_head":
             continue
@@ -124,13 +127,13 @@ def group_rows(path: Path, rows_list: list[int], repeats: int, flags: tuple[str,
                 us = best_us(lambda: fn(x), repeats)
                 print(json.dumps({"kind": "group_kernel", "matrix": name, "in": in_features, "out": out, "rows": rows,
                                   "kernel": kernel, "us": round(us, 1), "gb_s": round(nbytes / us / 1e3, 2),
-                                  "flags": " ".join(flags), "isa": cpu_packed.group_grouped_isa(lib),
+                                  "tier": library_tier(lib), "isa": cpu_packed.group_grouped_isa(lib),
                                   "threads": torch.get_num_threads(), "cpu": cpu_model()}), flush=True)
 
 
-def grouped_ab(path: Path, rows_list: list[int], repeats: int, flags: tuple[str, ...]) -> None:
-    """The interleaved-rows kernels of two builds, -march=native (A) and with `flags` added (B; default
-    -mno-avx512vnni: the fp32 AVX-512 kernel), at every shape (LM head included) and row count, A and B calls
+def grouped_ab(path: Path, rows_list: list[int], repeats: int, tier: str) -> None:
+    """The interleaved-rows kernels of two builds, -march=native (A) and ISA tier `tier` (B; default avx512: the
+    fp32 AVX-512 kernel), at every shape (LM head included) and row count, A and B calls
     interleaved and the best of each kept: noise on a shared machine hits both alike. The GGUF matrices are the
     file's; GPTQ/AWQ ones random at the same shape (4-bit g128 act-order, 8-bit g128)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -138,7 +141,7 @@ def grouped_ab(path: Path, rows_list: list[int], repeats: int, flags: tuple[str,
 
     from pagedserve.quant.cpu_group_kernel import repack
 
-    libs = {"A": cpu_packed.build(()), "B": cpu_packed.build(flags)}
+    libs = {"A": cpu_packed.build("native"), "B": cpu_packed.build(tier)}
     isas = {k: cpu_packed.grouped_isa(lib) for k, lib in libs.items()}
     for name, qtype, blocks, in_features in matrices(path):
         out = blocks.shape[0]
@@ -159,7 +162,8 @@ def grouped_ab(path: Path, rows_list: list[int], repeats: int, flags: tuple[str,
                 print(json.dumps({"kind": "grouped_ab", "matrix": name, "in": in_features, "out": out, "rows": rows,
                                   "kernel": kernel, "us_a": round(best["A"], 1), "us_b": round(best["B"], 1),
                                   "b_over_a": round(best["B"] / best["A"], 2), "isa_a": isas["A"], "isa_b": isas["B"],
-                                  "flags_b": " ".join(flags), "threads": torch.get_num_threads(),
+                                  "tier_a": library_tier(libs["A"]), "tier_b": library_tier(libs["B"]),
+                                  "threads": torch.get_num_threads(),
                                   "cpu": cpu_model()}), flush=True)
 
 
@@ -178,8 +182,8 @@ def end_to_end(repeats: int, tokens: int) -> None:
             best[mode] = max(best[mode], len(out[0].outputs[0].token_ids) / elapsed)
     print(json.dumps({"kind": "e2e", "requests": 1, "output_tokens": tokens, "repeats": repeats,
                       **{f"{mode}_tok_s": round(v, 2) for mode, v in best.items()},
-                      "speedup": round(best["packed"] / best["dequantized"], 3),
-                      "threads": torch.get_num_threads(), "cpu": cpu_model()}), flush=True)
+                      "speedup": round(best["packed"] / best["dequantized"], 3), "threads": torch.get_num_threads(),
+                      "tier": library_tier(cpu_packed.build()), "cpu": cpu_model()}), flush=True)
 
 
 def main() -> None:
@@ -192,16 +196,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--group", action="store_true", help="also the GPTQ/AWQ kernel")
     parser.add_argument("--group-only", action="store_true")
-    parser.add_argument("--group-flags", nargs="*", default=[], help="extra compiler flags for --group")
-    parser.add_argument("--grouped-ab", nargs="*", metavar="FLAG",
-                        help="only the interleaved-rows kernels: -march=native against these extra flags "
-                             "(none given: -mno-avx512vnni, the fp32 AVX-512 kernel)")
+    parser.add_argument("--group-tier", default=None, help="ISA tier of the --group build (default: as served)")
+    parser.add_argument("--grouped-ab", nargs="?", const="avx512", metavar="TIER",
+                        help="only the interleaved-rows kernels: -march=native against this ISA tier's build "
+                             "(none given: avx512, the fp32 AVX-512 kernel)")
     args = parser.parse_args()
     if args.grouped_ab is not None:
-        grouped_ab(resolve_model(None).weights, args.rows, args.repeats, tuple(args.grouped_ab or ["-mno-avx512vnni"]))
+        grouped_ab(resolve_model(None).weights, args.rows, args.repeats, args.grouped_ab)
         return
     if args.group or args.group_only:
-        group_rows(resolve_model(None).weights, args.rows, args.repeats, tuple(args.group_flags))
+        group_rows(resolve_model(None).weights, args.rows, args.repeats, args.group_tier)
     if args.group_only:
         return
     if not args.e2e_only:

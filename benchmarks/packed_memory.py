@@ -37,7 +37,7 @@ def child(model: str | None, mode: str) -> dict:
     from pagedserve.engine.loading.gguf_checkpoint import GgufCheckpoint
     from pagedserve.engine.loading.model_loader import load_model
     from pagedserve.engine.loading.model_store import resolve_model
-    from pagedserve.kernels import cpu_packed
+    from pagedserve.kernels.cpu import packed as cpu_packed
 
     cpu_packed.build()
     path = resolve_model(model).weights

@@ -71,7 +71,7 @@ def phase_report(timer: PhaseTimer, wall: float) -> dict:
 # The native kernels are ctypes calls the torch profiler cannot see: each gets a label (this process only).
 NATIVE_CALLS = (
     ("pagedserve.kernels.native_attention", ("decode_attention", "prefill_attention_native", "write_kv", "store_kv")),
-    ("pagedserve.kernels.cpu_layer_ops", ("rms_norm", "silu_and_mul", "rope")),
+    ("pagedserve.kernels.cpu.layer_ops", ("rms_norm", "silu_and_mul", "rope")),
 )
 MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm")
 

@@ -36,7 +36,7 @@ from pagedserve.engine.spec_decode.verifier import Verified, Verifier
 from pagedserve.engine.stopping import apply_token
 from pagedserve.engine.structured_output.compiler import ConstraintCompiler
 from pagedserve.engine.structured_output.registry import CONSTRAINT_BACKENDS
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels.cpu import native as cpu_native
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from pagedserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagedserve.engine.sequence import Sequence
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.backends import select_attention_impl, select_layer_ops
-from pagedserve.kernels.cpu_native import available
+from pagedserve.kernels.cpu.native import available
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype
 from pagedserve.kernels.kv_scales import setup_kv_scales
 

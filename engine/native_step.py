@@ -1,5 +1,5 @@
 """The native small-batch decode step: a decode-only step of at most `max_batch` sequences runs the model's whole
-layer stack and LM head in one C call (kernels/cpu_decode_step.c) instead of ~15 torch ops per layer.
+layer stack and LM head in one C call (kernels/cpu/decode_step.c) instead of ~15 torch ops per layer.
 
 Taken at step time from the SchedulerOutput: every scheduled sequence computes exactly its one newest token (and its
 speculative drafts, if any, verified in the same call), the batch is at most `EngineConfig.native_step_max_batch`
@@ -22,7 +22,8 @@ from pagedserve.engine.models.decoder_stack import DecoderStack
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.engine.sequence import Sequence
 from pagedserve.kernels.attention import AttentionImpl
-from pagedserve.kernels.cpu_native import dtype_code, load_library
+from pagedserve.kernels.cpu.build import check_struct_sizes
+from pagedserve.kernels.cpu.native import dtype_code, load_library
 from pagedserve.kernels.kv_cache import KVCache, LayerKVCache
 from pagedserve.kernels.kv_scales import CalibratingAttention
 from pagedserve.kernels.native_attention import NativeCpuAttention
@@ -34,7 +35,7 @@ _p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c
 
 
 class StepLayer(ctypes.Structure):
-    # Field order and types mirror StepLayer in cpu_decode_step.c.
+    # Field order and types mirror StepLayer in kernels/cpu/decode_step.c.
     _fields_ = [("qkv", PsLinear * 3), ("n_qkv", _i64), ("o", PsLinear), ("gate_up", PsLinear * 2),
                 ("n_gate_up", _i64), ("down", PsLinear), ("input_norm", _p), ("post_norm", _p), ("k_cache", _p),
                 ("v_cache", _p), ("k_scale", _p), ("v_scale", _p), ("k_rotation", _p), ("k_offset", _p), ("window", _i64)]
@@ -98,6 +99,7 @@ class NativeDecodeStep:
         self._cache = cache
         self._offsets_bound = False
         self._lib = load_library()
+        check_struct_sizes(self._lib, (("step_layer", StepLayer), ("step_model", StepModel), ("step_batch", StepBatch)))
 
     def _bind_k_offsets(self) -> None:
         """FP8 K offsets exist only once calibration has run (the first prefill, before any native step)."""

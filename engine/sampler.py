@@ -16,7 +16,7 @@ import torch
 
 from pagedserve.engine.sequence import Sequence, TokenLogprob
 from pagedserve.engine.structured_output.bitmask import mask_constrained_rows
-from pagedserve.kernels.cpu_layer_ops import row_max_argmax
+from pagedserve.kernels.cpu.layer_ops import row_max_argmax
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +60,7 @@ def torch_max_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def native_max_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch_max_argmax in one C pass per row (kernels/cpu_layer_ops.c) for dense fp32 CPU rows, the usual case."""
+    """torch_max_argmax in one C pass per row (kernels/cpu/layer_ops.c) for dense fp32 CPU rows, the usual case."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1 and logits.shape[-1]:
         return row_max_argmax(logits)
     return torch_max_argmax(logits)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.kernels.attention import AttentionImpl
-from pagedserve.kernels.cpu_layer_ops import NATIVE_DTYPES, NativeLayerOps
+from pagedserve.kernels.cpu.layer_ops import NATIVE_DTYPES, NativeLayerOps
 from pagedserve.kernels.layer_ops import LayerOps, TorchLayerOps
 from pagedserve.kernels.native_attention import NativeCpuAttention
 from pagedserve.kernels.registry import Registry

@@ -1,7 +1,7 @@
 """The elementwise math of a decoder layer (RMSNorm, residual add, SiLU-and-mul, RoPE), behind one small interface.
 
 `torch` (here) is transformers' op order, bit for bit (the fp32 engine's greedy output must equal transformers').
-`native` (cpu_layer_ops.py) runs the same math fused in C for 16-bit dtypes on CPU, where torch's separate small
+`native` (kernels/cpu/layer_ops.py) runs the same math fused in C for 16-bit dtypes on CPU, where torch's separate small
 ops cost ~15% of a decode step. Names and selection: kernels/backends.py.
 """
 

@@ -1,9 +1,9 @@
 """The CPU serving path of the PagedAttention entry point: two native calls per layer and step.
 
-Every decode row of a step goes through cpu_decode_attention.c and short prefill chunks through
-cpu_prefill_attention.c; both read K/V blocks in place instead of gathering and upcasting them. Long chunks (and
-every chunk when the head dim is not a multiple of 16) go to the shared SDPA path (prefill_attention.py). `auto` picks this on CPU
-whenever the C files build here, and falls back to pure torch (logging why) when they cannot.
+Every decode row of a step goes through kernels/cpu/decode_attention.c and short prefill chunks through
+kernels/cpu/prefill_attention.c; both read K/V blocks in place instead of gathering and upcasting them. Long chunks
+(and every chunk when the head dim is not a multiple of 16) go to the shared SDPA path (prefill_attention.py). `auto`
+picks this on CPU whenever the C files build here, and falls back to pure torch (logging why) when they cannot.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, AttentionPlan
-from pagedserve.kernels.cpu_native import DecodeBatch, decode_attention, load_library, write_kv
-from pagedserve.kernels.cpu_prefill import PrefillBatch, prefill_attention_native
+from pagedserve.kernels.cpu.native import DecodeBatch, decode_attention, load_library, write_kv
+from pagedserve.kernels.cpu.prefill import PrefillBatch, prefill_attention_native
 from pagedserve.kernels.kv_cache import LayerKVCache
 from pagedserve.kernels.kv_quant import store_kv
 from pagedserve.kernels.prefill_attention import PrefillChunk, prefill_attention, prefill_chunks

@@ -1,5 +1,6 @@
 """Prefill chunks (sequences with more than one new token) through SDPA: the torch path's prefill, and the native
-path's for long chunks and for head dims that are not a multiple of 16 (cpu_prefill_attention.c takes short chunks)."""
+path's for long chunks and for head dims that are not a multiple of 16 (kernels/cpu/prefill_attention.c takes short
+chunks)."""
 
 from __future__ import annotations
 

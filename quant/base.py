@@ -58,7 +58,7 @@ class LinearMethod(ABC):
         """x [..., in_features] -> [..., out_features]."""
 
     def native_linear(self, layer: nn.Module) -> NativeLinear | None:
-        """The layer as a C function for the native small-batch step (kernels/cpu_linear.h), or None where this
+        """The layer as a C function for the native small-batch step (kernels/cpu/linear.h), or None where this
         method has no native kernel here; the step then keeps the layer on the torch path."""
         return None
 

@@ -1,6 +1,6 @@
-"""The grouped-rows layout of dense bf16 weights (kernels/cpu_dense_grouped.c) and the embedding that reads it.
+"""The grouped-rows layout of dense bf16 weights (kernels/cpu/dense_grouped.c) and the embedding that reads it.
 
-Why: the row-major GEMV (cpu_dense_linear.c) sums each output row across lanes; with 16 rows interleaved one
+Why: the row-major GEMV (kernels/cpu/dense_linear.c) sums each output row across lanes; with 16 rows interleaved one
 AVX-512 register holds one input pair's weights for 16 rows, so each activation row costs one FMA per input and
 no horizontal sums (1.3-1.9x at one row, 1.5-2.6x at two to eight, on SmolLM2's shapes: docs/quantization.md).
 The rewrite is made once at load, in the weight's own storage. A tied LM head shares its weight with the token
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.cpu_native import load_library
+from pagedserve.kernels.cpu.native import load_library
 
-# Rows per group (DENSE_GROUP_ROWS in kernels/cpu_dense_linear.h).
+# Rows per group (DENSE_GROUP_ROWS in kernels/cpu/dense_linear.h).
 GROUP_ROWS = 16
 # Groups rewritten per step of `group_rows_in_place`: bounds its temporary copy (~1 MB for a 576-wide bf16 matrix).
 _GROUPS_PER_STEP = 64

@@ -1,7 +1,7 @@
-"""Dense bf16/fp16/fp32 weights as a native linear (kernels/cpu_dense_linear.c) for the native small-batch step.
+"""Dense bf16/fp16/fp32 weights as a native linear (kernels/cpu/dense_linear.c) for the native small-batch step.
 
 The kernel reads W [out, in] row-major, or bf16 rows interleaved in groups of 16 (quant/dense_layout.py, read by
-kernels/cpu_dense_grouped.c); the torch path's oneDNN copy is blocked and opaque, so the step gets a plain copy
+kernels/cpu/dense_grouped.c); the torch path's oneDNN copy is blocked and opaque, so the step gets a plain copy
 (`plain_weight`): for unquantized layers the native step holds the weights twice (the oneDNN copy for prefill and
 large batches, this one for decode batches up to the crossover). A tied LM head is the exception: its plain weight
 is the embedding's own tensor, which it reads in place (`QuantLinear.weight_shared`).
@@ -13,16 +13,10 @@ import ctypes
 
 import torch
 
-from pagedserve.kernels.cpu_native import COMPUTE_DTYPES, dtype_code, load_library
+from pagedserve.kernels.cpu.native import COMPUTE_DTYPES, dtype_code, load_library
+from pagedserve.kernels.cpu.structs import DenseLinearState
 from pagedserve.quant.dense_layout import row_group
 from pagedserve.quant.native_linear import NativeLinear
-
-
-class DenseLinearState(ctypes.Structure):
-    # Field order and types mirror DenseLinear in kernels/cpu_dense_linear.h.
-    _fields_ = [("weight", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("w_dtype", ctypes.c_int),
-                ("bias_dtype", ctypes.c_int), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64),
-                ("row_group", ctypes.c_int32), ("reserved", ctypes.c_int32)]
 
 
 def plain_weight(weight: torch.Tensor) -> torch.Tensor:

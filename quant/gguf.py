@@ -7,7 +7,7 @@ A layer whose type has no packed kernel (F16, BF16, Q5_1, Q2_K, Q3_K, ...) arriv
 Per call the kernel is chosen by the number of rows (measured: docs/quantization.md): up to `PACKED_MAX_ROWS` rows
 (decode) the packed kernel reads the blocks in place, dequantizing each run of 32 weights in registers and
 multiplying it with the fp32 activations (exact up to summation order); Q4_0/Q4_1/Q8_0 matrices are first rewritten
-in place into groups of 16 interleaved rows, which that kernel reads 2-2.5x faster (kernels/cpu_packed_grouped.c);
+in place into groups of 16 interleaved rows, which that kernel reads 2-2.5x faster (kernels/cpu/packed_grouped.c);
 more rows (prefill, large decode batches)
 take a dense GEMM, whose AMX/AVX-512 tiles outrun the per-row kernel there. With `dense_batches` (the default,
 `--gguf-weights auto`) each layer also holds its weights expanded once at load in the compute dtype (oneDNN-packed,
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.cpu_packed import FAST_GROUPED_ISAS, FORMATS, PackedMatrix, grouped_isa
+from pagedserve.kernels.cpu.packed import FAST_GROUPED_ISAS, FORMATS, PackedMatrix, grouped_isa
 from pagedserve.quant.base import LinearMethod, QuantConfig, QuantConfigError
 from pagedserve.quant.native_linear import DEFAULT_NATIVE_MAX_BATCH, NativeLinear, grouped_native_max_batch
 from pagedserve.quant.unquantized import UnquantizedLinearMethod
@@ -113,7 +113,7 @@ def row_group(weight: torch.Tensor) -> int:
 
 
 def _grouped_where_faster(packed: PackedMatrix, weight: torch.Tensor) -> PackedMatrix:
-    """Q4_0/Q4_1/Q8_0 rows interleaved in place (cpu_packed_grouped.c) where the build has that layout's AVX-512
+    """Q4_0/Q4_1/Q8_0 rows interleaved in place (kernels/cpu/packed_grouped.c) where the build has that layout's AVX-512
     kernel, VNNI or fp32 (2-2.5x the file layout's at one row); elsewhere the file's layout, whose kernel is then
     the faster."""
     if packed.row_group or not packed.can_group(packed.qtype, packed.blocks):

@@ -86,7 +86,7 @@ class QLinearKernel(nn.Module):
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def native_linear(self, bias: torch.Tensor | None) -> NativeLinear | None:
-        """This weight (plus `bias`) as a kernels/cpu_linear.h function for the native decode step, or None where
+        """This weight (plus `bias`) as a kernels/cpu/linear.h function for the native decode step, or None where
         the kernel has no C entry (the step then keeps the model on the torch path)."""
         return None
 

@@ -1,4 +1,4 @@
-"""The Python side of kernels/cpu_linear.h: one linear layer as a C function pointer plus the state it reads.
+"""The Python side of kernels/cpu/linear.h: one linear layer as a C function pointer plus the state it reads.
 
 Why a function pointer: the native small-batch step runs a whole layer stack in C, and each weight format (dense,
 GGUF blocks, GPTQ/AWQ groups) multiplies in its own kernel. A `LinearMethod` that can run natively hands out a
@@ -7,13 +7,14 @@ GGUF blocks, GPTQ/AWQ groups) multiplies in its own kernel. A `LinearMethod` tha
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
+
+from pagedserve.kernels.cpu.structs import PsLinear
 
 
 # Kernels that read the weights once for up to 8 activation rows (grouped GGUF and GPTQ/AWQ rows) keep the native
 # step ahead of the torch path's bf16 GEMMs through 8 sequences with fp32 activations, and through 16 where they
-# take int16 activations and AVX512-VNNI dots (kernels/cpu_act_q16.h): measured on SmolLM2 Q4_1, bf16, 2 shared
+# take int16 activations and AVX512-VNNI dots (kernels/cpu/act_q16.h): measured on SmolLM2 Q4_1, bf16, 2 shared
 # cores, the native step ran 1.6-1.7x the torch path's speed at 12 sequences and 1.2-1.3x at 16, against
 # 1.05-1.1x and 0.9-1.3x with the fp32 kernel (benchmarks/native_step_crossover.py). Dense weights and the file
 # layouts: 2, the default.
@@ -23,15 +24,9 @@ DEFAULT_NATIVE_MAX_BATCH = 2
 
 
 def grouped_native_max_batch(isa: str) -> int:
-    """The native step's batch limit through a grouped-rows kernel compiled to `isa` (kernels/cpu_packed.py's
+    """The native step's batch limit through a grouped-rows kernel compiled to `isa` (kernels/cpu/packed.py's
     grouped_isa / group_grouped_isa)."""
-    return VNNI_GROUPED_NATIVE_MAX_BATCH if isa == "avx512-vnni" else GROUPED_NATIVE_MAX_BATCH
-
-
-class PsLinear(ctypes.Structure):
-    # Field order and types mirror ps_linear in kernels/cpu_linear.h.
-    _fields_ = [("fn", ctypes.c_void_p), ("state", ctypes.c_void_p),
-                ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64)]
+    return VNNI_GROUPED_NATIVE_MAX_BATCH if isa == "avx512_vnni" else GROUPED_NATIVE_MAX_BATCH
 
 
 @dataclass(frozen=True, slots=True)

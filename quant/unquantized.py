@@ -31,12 +31,12 @@ class UnquantizedLinearMethod(LinearMethod):
         return F.linear(x, layer.weight, layer.bias)
 
     def native_linear(self, layer: nn.Module) -> NativeLinear | None:
-        """The bf16/fp16/fp32 GEMV of cpu_dense_linear.c over a plain copy of the weight (see dense_native.py), or
+        """The bf16/fp16/fp32 GEMV of kernels/cpu/dense_linear.c over a plain copy of the weight (see dense_native.py), or
         over the plain weight itself where the layer kept it (a tied head reads the embedding's tensor: no copy);
         None off CPU or where the native kernels do not build. bf16 weights are regrouped for the faster kernel
         (quant/dense_layout.py) where nothing else reads them row-major: a private copy, or a tied head's table
         when the torch path reads its oneDNN copy (the embedding reads either layout)."""
-        from pagedserve.kernels.cpu_native import available
+        from pagedserve.kernels.cpu.native import available
         from pagedserve.quant.dense_layout import can_group, group_rows_in_place
         from pagedserve.quant.dense_native import dense_native_linear, plain_weight
 

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import re
 import signal
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 from pagedserve.engine import kv_calibration
 from pagedserve.engine.config import EngineConfig, field_choices
 from pagedserve.engine.errors import ConfigError, ModelLoadError, UnsupportedError
+from pagedserve.kernels.cpu import isa
 from pagedserve.service.config import ServerConfig, TlsConfig
 from pagedserve.service.lora_flags import add_lora_flags, lora_config
 from pagedserve.service.spec_flags import add_speculative_flags, speculative_config
@@ -141,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over gRPC")
     add_engine_flags(serve)
     add_server_flags(serve)
+    serve.add_argument("--cpu-isa", default=None, metavar="TIER",
+                       help=f"build the native CPU kernels for this ISA tier ({', '.join(isa.TIER_NAMES)}; default: "
+                            f"native, what the CPU has); sets {isa.ENV_VAR}, which the kernels read when they build")
     kv_calibration.add_arguments(sub.add_parser(
         "calibrate-kv", help="measure K/V ranges on text files and write FP8 k/v scales into a copy of a checkpoint"))
     return parser
@@ -197,14 +202,23 @@ def _serve_on_two_threads(engine_cfg: EngineConfig, server_cfg: ServerConfig) ->
     return int(outcome["code"])
 
 
+def force_cpu_isa(tier: str | None) -> None:
+    """--cpu-isa: the kernels read PAGEDSERVE_CPU_ISA at their first build, which comes after this; an unknown tier or
+    one the CPU lacks fails here, before the model loads, naming the available ones."""
+    if tier is not None:
+        os.environ[isa.ENV_VAR] = tier
+        isa.requested_tier()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "calibrate-kv":
             return kv_calibration.run(args)
+        force_cpu_isa(args.cpu_isa)
         return _serve_on_two_threads(engine_config(args), server_config(args))
-    except (ConfigError, ModelLoadError, UnsupportedError) as exc:
+    except (ConfigError, ModelLoadError, UnsupportedError, isa.IsaError) as exc:
         print(f"pagedserve: {exc}", file=sys.stderr)
         return 2
 

@@ -1,4 +1,4 @@
-"""The native decode attention's key chunks (kernels/cpu_decode_chunks.h, cpu_decode_tasks.c): a row's keys are cut
+"""The native decode attention's key chunks (kernels/cpu/decode_chunks.h, kernels/cpu/decode_tasks.c): a row's keys are cut
 at fixed multiples of the chunk and the chunks' softmax partials merged in order, one task per chunk when a step has
 few (span, KV head) pairs per thread. Speculative decoding's greedy exactness needs a row's output to be the same
 bits however the step is scheduled: alone or in a batch, in a span with its drafts or not, on 1, 2 or 3 threads."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attention_cases import SCALE, TOLERANCE, float64_reference, make_case
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.kernels.kv_cache import KVDtype
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="cases are built on the GPU when one is present")

@@ -1,4 +1,4 @@
-"""The grouped-rows dense bf16 layout (quant/dense_layout.py, kernels/cpu_dense_grouped.c): the kernel against an
+"""The grouped-rows dense bf16 layout (quant/dense_layout.py, kernels/cpu/dense_grouped.c): the kernel against an
 fp64 reference, a row's logits bit-identical alone or beside others, lookups through the grouped table equal the
 row-major rows, the tied head regrouped in place (no second copy), and a build without AVX-512 keeping the
 row-major layout and kernel.
@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_tiny_model
-from pagedserve.kernels.cpu_native import build
+import cpu_tiers
+from pagedserve.kernels.cpu.native import load_library
 from pagedserve.quant.dense_layout import (DenseEmbedding, can_group, embedding_rows, group_rows_in_place,
                                            grouped_isa, row_group)
 from pagedserve.quant.dense_native import call_native_linear, dense_native_linear
@@ -97,8 +98,9 @@ def test_portable_kernel_refuses_a_grouped_weight() -> None:
         dense_native_linear(g, None, portable=True)
 
 
-def test_build_without_avx512_keeps_the_row_major_kernel() -> None:
-    lib = build(("-mno-avx512f",))
+@pytest.mark.parametrize("tier", cpu_tiers.params(("avx2", "portable")))
+def test_build_without_avx512_keeps_the_row_major_kernel(tier: str) -> None:
+    lib = load_library(tier)
     assert lib.pagedserve_dense_grouped_isa() == b"portable"
     w, bias = _weights(48, 576, 2)
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(9))

@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 HOWTOS = ("a model architecture", "an attention backend", "a quant method", "a front end", "a constraint backend",
-          "an adapter format")
+          "an adapter format", "a CPU kernel ISA")
 
 
 def howto_files(text: str) -> dict[str, list[tuple[str, str]]]:

@@ -1,4 +1,4 @@
-"""The native GPTQ/AWQ kernel (kernels/cpu_group_linear.c, quant/cpu_group_kernel.py) against the reference
+"""The native GPTQ/AWQ kernel (kernels/cpu/group_linear.c, quant/cpu_group_kernel.py) against the reference
 dequantization (quant/group_quant.py, which tests/test_quant_fixtures.py checks against the tools' own outputs).
 
 - Random weights of every supported bits x group combination, act-order or not, odd output counts and partial
@@ -18,9 +18,11 @@ import dataclasses
 import pytest
 import torch
 
+import cpu_tiers
 import engine_probe
 from pagedserve.engine import LLM
-from pagedserve.kernels import cpu_packed
+from pagedserve.kernels.cpu import isa
+from pagedserve.kernels.cpu import packed as cpu_packed
 from pagedserve.quant.cpu_group_kernel import CpuGroupKernel, repack
 from pagedserve.quant.dense_native import call_native_linear
 from pagedserve.quant.packed_linear import PackedLinearMethod
@@ -28,9 +30,9 @@ from pagedserve.quant.packing import unpack_cols, unpack_rows
 from quant_fixtures import (FIXTURE_NAMES, build_linear, dequantized_reference, fixture_dir, fp16_sha256,
                             grouped_logits_atol, quant_linears, random_weight, reference_weight, tool_record)
 
-# avx512-fp32: the AVX-512 build without VNNI (fp32 activations), what an AVX-512 host without VNNI runs
-VARIANTS = {"native": (), "avx512-fp32": ("-mno-avx512vnni",), "no-avx512": ("-mno-avx512f",),
-            "portable": ("-march=x86-64", "-mtune=generic")}
+# The builds (kernels/cpu/isa.py tiers): avx512 is the AVX-512 build without VNNI (fp32 activations), what an AVX-512
+# host without VNNI runs; avx2 and portable what hosts without AVX-512 run.
+TIERS = ("native", "avx512", "avx2", "portable")
 CASES = [
     # (K, N, bits, group, act_order)
     (256, 128, 4, 128, False),
@@ -46,20 +48,18 @@ CASES = [
 ROWS = (1, 2, 3, 7, 8, 9, 17)
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
+def _expected_isas(tier: str) -> tuple[str, str]:
+    """What the row-after-row and the interleaved-rows GPTQ/AWQ kernels compile to in a tier's build."""
+    tier = isa.host_tier() if tier == "native" else tier
+    grouped = tier if tier in ("avx512", "avx512_vnni") else "avx512_vnni" if tier == "avx512_bf16" else "portable"
+    return ("avx512" if tier.startswith("avx512") else "portable"), grouped
+
+
+@pytest.fixture(scope="module", params=cpu_tiers.params(TIERS))
 def lib(request):
-    built = cpu_packed.build(VARIANTS[request.param])
-    fast = request.param in ("native", "avx512-fp32") and _has_avx512()
-    assert cpu_packed.group_isa(built) == ("avx512" if fast else "portable")
-    if request.param == "avx512-fp32":
-        assert cpu_packed.group_grouped_isa(built) == ("avx512" if fast else "portable")
+    built = cpu_packed.build(request.param)
+    assert (cpu_packed.group_isa(built), cpu_packed.group_grouped_isa(built)) == _expected_isas(request.param)
     return built
-
-
-def _has_avx512() -> bool:
-    from pathlib import Path
-
-    return " avx512f " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
 
 
 def _in_checkpoint_order(matrix, w_sorted: torch.Tensor) -> torch.Tensor:
@@ -98,12 +98,12 @@ def _bound(m, w, x: torch.Tensor) -> float:
     """The error the layout's product may have against exact x @ W^T. Row after row the weights are the reference's
     bit for bit: fp32 summation order, a few ulps of the largest partial sums. Grouped: per run s * sum(u x) +
     (-z s) * sum(x), so each of in/32 + 32 + a few roundings is relative to sums of (u + z) s |x| (the bound
-    cpu_group_grouped.c states); the VNNI build also rounds x to int16 per run: + sum_k (da_k / 2) u_k s_k
-    (cpu_act_q16.h's bound, with 0.1% for the rounding of da itself)."""
+    kernels/cpu/group_grouped.c states); the VNNI build also rounds x to int16 per run: + sum_k (da_k / 2) u_k s_k
+    (kernels/cpu/act_q16.h's bound, with 0.1% for the rounding of da itself)."""
     if m.row_group == 0:
         return 2e-6 * (x.abs() @ w.dequantize(torch.float32).abs().t()).max().item()
     bound = (m.in_features // 32 + 40) * 2.0**-24 * (x.abs() @ _magnitudes(w).t())
-    if cpu_packed.group_grouped_isa(m.lib) == "avx512-vnni":
+    if cpu_packed.group_grouped_isa(m.lib) == "avx512_vnni":
         bound = bound + 1.001 * (_rounding(m, x) @ _code_terms(w).t())
     return bound.max().item()
 
@@ -130,13 +130,9 @@ def test_product_and_expansion_equal_the_reference(lib, k, n, bits, group, act_o
 
 def test_rows_are_grouped_where_the_build_has_avx512_and_whole_groups():
     for n in (64, 40):
-        for flags in VARIANTS.values():
-            lib = cpu_packed.build(flags)
-            avx512 = cpu_packed.group_grouped_isa(lib).startswith("avx512")
-            assert avx512 == (flags in ((), VARIANTS["avx512-fp32"]) and _has_avx512())
-            m = repack(random_weight(256, n, 4, 64, True))
-            if flags == ():
-                assert m.row_group == (cpu_packed.GROUP_ROWS if avx512 and n % 16 == 0 else 0)
+        avx512 = cpu_packed.group_grouped_isa(cpu_packed.build()).startswith("avx512")
+        m = repack(random_weight(256, n, 4, 64, True))
+        assert m.row_group == (cpu_packed.GROUP_ROWS if avx512 and n % 16 == 0 else 0)
     rowwise = repack(random_weight(256, 40, 4, 64, True), group_rows=False)
     with pytest.raises(ValueError, match="grouped: needs a row-after-row matrix with a multiple of 16 rows, got 40"):
         rowwise.grouped()

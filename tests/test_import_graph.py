@@ -144,7 +144,7 @@ def test_the_checks_catch_what_they_look_for():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     code = "def f():\n    from pagedserve.engine.loading.model_store import cache_root\nfrom . import kv_cache\nimport os\n"
     known = {"pagedserve.engine.loading.model_store", "pagedserve.kernels.kv_cache"}
-    assert imports_of("pagedserve.kernels.cpu_native", False, code, known) == known
+    assert imports_of("pagedserve.kernels.paged_attention", False, code, known) == known
     broken = {
         "pagedserve.service.openai.openai_api": {
             "pagedserve.service.v1.servicer", "pagedserve.service.core.stream"},

@@ -1,4 +1,4 @@
-"""The fused C layer ops (kernels/cpu_layer_ops.c) against transformers' op order in torch (TorchLayerOps).
+"""The fused C layer ops (kernels/cpu/layer_ops.c) against transformers' op order in torch (TorchLayerOps).
 
 In 16-bit dtypes every rounding step is reproduced, so RoPE and SiLU-and-mul match torch exactly or within one
 unit in the last place, and RMSNorm within one unit (its fp32 sum runs in another order). The model-level test runs
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pagedserve.kernels.backends import select_layer_ops
-from pagedserve.kernels.cpu_layer_ops import NativeLayerOps
+from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
 from pagedserve.kernels.layer_ops import TorchLayerOps
-from pagedserve.kernels import cpu_layer_ops
+from pagedserve.kernels.cpu import layer_ops as cpu_layer_ops
 
 CPU = torch.device("cpu")
 TORCH, NATIVE = TorchLayerOps(), NativeLayerOps()

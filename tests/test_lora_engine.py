@@ -184,7 +184,7 @@ def test_lora_linear_adds_each_adapter_to_its_own_rows(dtype, native):
     from pagedserve.engine.lora.config import AdapterInfo
     from pagedserve.engine.lora.layers import LoraLinear, StepAdapters, lora_dtype
     from pagedserve.engine.lora.weights import LoraWeights
-    from pagedserve.kernels.cpu_native import available
+    from pagedserve.kernels.cpu.native import available
     from pagedserve.quant.linear import QuantLinear
     from pagedserve.quant.unquantized import UnquantizedLinearMethod
 

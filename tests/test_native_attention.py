@@ -18,7 +18,8 @@ from attention_cases import (
     make_case,
     poison_stale_slots,
 )
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels.cpu import native as cpu_native
+from pagedserve.kernels.cpu.build import load
 from pagedserve.kernels.kv_cache import KVDtype
 from pagedserve.kernels.native_attention import NativeCpuAttention
 from pagedserve.kernels.backends import select_attention_impl
@@ -119,9 +120,7 @@ def test_never_reads_past_seq_len() -> None:
 
 def test_missing_compiler_falls_back_to_torch(monkeypatch, tmp_path) -> None:
     """`auto` serves the torch path (and says why) when the C file cannot be built; `native` refuses."""
-    # both caches: load_library() returns build()'s library, which is cached per flag set on its own
-    cpu_native.load_library.cache_clear()
-    cpu_native.build.cache_clear()
+    load.cache_clear()
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))
     try:
@@ -130,8 +129,7 @@ def test_missing_compiler_falls_back_to_torch(monkeypatch, tmp_path) -> None:
         with pytest.raises(cpu_native.NativeBuildError, match="no C compiler"):
             NativeCpuAttention()
     finally:
-        cpu_native.load_library.cache_clear()
-        cpu_native.build.cache_clear()
+        load.cache_clear()
 
 
 def test_native_backend_is_refused_off_cpu() -> None:
@@ -211,7 +209,7 @@ def _rows_alone_and_together(seq_len: int, drafts: int, queries_per_kv: int, kv_
     (2, 3, KVDtype.BF16, 40, 9),  # head_dim off the vector code: row by row
 ])
 def test_draft_rows_read_the_cache_once_and_equal_rows_alone(drafts, queries_per_kv, kv_dtype, head_dim, window):
-    """Rows over the same cached keys share one pass over K and V (kernels/cpu_decode_attention.c, spans), yet each
+    """Rows over the same cached keys share one pass over K and V (kernels/cpu/decode_attention.c, spans), yet each
     row's output is bit-identical to the row computed alone: speculative verification must reproduce the logits of
     decoding without drafts token by token."""
     together, alone = _rows_alone_and_together(77, drafts, queries_per_kv, kv_dtype, head_dim, window)

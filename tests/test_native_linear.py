@@ -1,4 +1,4 @@
-"""The dense native linear (kernels/cpu_dense_linear.c) against an fp32 reference, and the unquantized method's
+"""The dense native linear (kernels/cpu/dense_linear.c) against an fp32 reference, and the unquantized method's
 `native_linear` against its own torch `apply`.
 
 Reference: x rounded to the weight's dtype, then an fp64 matmul; the kernel's products are exact in fp32 and only

@@ -1,4 +1,4 @@
-"""The native small-batch decode step (engine/native_step.py, kernels/cpu_decode_step.c).
+"""The native small-batch decode step (engine/native_step.py, kernels/cpu/decode_step.c).
 
 - Through the real engine on tiny random models (GQA ratios 4:2, 4:1, 4:4, head dims 16, 24 and 64, Qwen2's
   q/k/v bias, sliding windows, preemption): the logits of every position, the native step's included, equal

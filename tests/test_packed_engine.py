@@ -22,7 +22,7 @@ from pagedserve.engine.llm import LLM
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import ConfigError, ModelLoadError
 from pagedserve.engine.loading.model_loader import load_model, packed_gguf_types
-from pagedserve.kernels import cpu_packed
+from pagedserve.kernels.cpu import packed as cpu_packed
 from pagedserve.quant import gguf as gguf_method
 from pagedserve.quant.native_linear import grouped_native_max_batch
 from quant_fixtures import full_logits
@@ -69,7 +69,7 @@ def test_native_step_batch_limit_follows_the_kernels(engines):
     isa = cpu_packed.grouped_isa(packed.lib)
     grouped = isa in cpu_packed.FAST_GROUPED_ISAS
     assert packed.row_group == (cpu_packed.GROUP_ROWS if grouped else 0)
-    limit = {"avx512-vnni": 16, "avx512": 8}.get(isa, 2)
+    limit = {"avx512_vnni": 16, "avx512": 8}.get(isa, 2)
     assert limit == (grouped_native_max_batch(isa) if grouped else 2)
     assert engines["packed"].engine.runner.native_step.max_batch == limit
     assert engines["dequantized"].engine.runner.native_step.max_batch == 2

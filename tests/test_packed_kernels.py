@@ -1,17 +1,17 @@
-"""The packed GGUF kernels (kernels/cpu_packed_linear.c) against gguf's own dequantizers, in every compiled variant.
+"""The packed GGUF kernels (kernels/cpu/packed_linear.c) against gguf's own dequantizers, in every compiled variant.
 
 Bounds: dequantized rows equal `gguf.quants.dequantize` exactly (fp32) and its bf16 rounding (bf16). The fp32
 product (the default) is x @ W^T within fp32 summation error: 1e-5 of |x| @ |W|^T, computed in float64. The int8
 variant rounds activations per 32 values (x ~ a q, |x - a q| <= a / 2), so it is checked twice: against the same
 rounding emulated in numpy, x_q @ W^T, within fp32 summation error (1e-4 of |x_q| @ |W|^T); and against the exact
 x @ W^T within the rounding's own bound, sum_i |W_i| a_i / 2 (+ that summation error).
-The interleaved-rows kernel (cpu_packed_grouped.c) is exact in fp32 up to summation order in its AVX-512 fp32 and
+The interleaved-rows kernel (kernels/cpu/packed_grouped.c) is exact in fp32 up to summation order in its AVX-512 fp32 and
 portable builds; its AVX512-VNNI build rounds x to int16 per 32 values (a = max|x| / 32767) but keeps exact fp32
-block sums for the offset term (cpu_act_q16.h): |y - x W^T| <= sum_k (a_k / 2) |d u_k| (+ the fp32 bound),
+block sums for the offset term (kernels/cpu/act_q16.h): |y - x W^T| <= sum_k (a_k / 2) |d u_k| (+ the fp32 bound),
 d u = w - m per block.
-The variants: -march=native, the same with AVX512-VNNI off (the interleaved rows' fp32 AVX-512 kernel), with
-AVX-512 off (AVX-VNNI where the CPU has it, else AVX2), with AVX-512 and AVX-VNNI off (AVX2), and plain x86-64
-(portable C): an ISA this host lacks is covered by its fallback.
+The builds: -march=native and every ISA tier this host runs (kernels/cpu/isa.py), each compiled with exactly its
+tier's flags: avx512 is the interleaved rows' fp32 AVX-512 kernel, avx2_vnni / avx2 the row kernel's AVX-VNNI and
+AVX2 dots, portable plain C.
 """
 
 from __future__ import annotations
@@ -25,29 +25,27 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize, quantize
 
+import cpu_tiers
 from gguf_fixtures import random_k_blocks
 from pagedserve.engine.loading.model_store import gemma3_270m_gguf, resolve_model
-from pagedserve.kernels import cpu_packed
+from pagedserve.kernels.cpu import isa
+from pagedserve.kernels.cpu import packed as cpu_packed
 from pagedserve.quant import gguf as gguf_method
 from pagedserve.quant.gguf import GgufLinearMethod
 
-VARIANTS = {"native": (), "avx512-fp32": ("-mno-avx512vnni",), "no-avx512": ("-mno-avx512f",),
-            "avx2": ("-mno-avx512f", "-mno-avxvnni"), "portable": ("-march=x86-64", "-mtune=generic")}
+# tier -> what its row kernel's integer dot and its interleaved-rows kernel compile to
+EXPECTED_ISAS = {"portable": ("portable", "portable"), "avx2": ("avx2", "portable"),
+                 "avx2_vnni": ("avx2_vnni", "portable"), "avx512": ("avx2", "avx512"),
+                 "avx512_vnni": ("avx512_vnni", "avx512_vnni"), "avx512_bf16": ("avx512_vnni", "avx512_vnni")}
 FORMATS = tuple(cpu_packed.FORMATS)
 ROWS = (1, 2, 3, 7, 16, 33)
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
+@pytest.fixture(scope="module", params=cpu_tiers.params(cpu_tiers.ALL))
 def lib(request):
-    built = cpu_packed.build(VARIANTS[request.param])
-    if request.param == "avx2":
-        assert cpu_packed.isa(built) == "avx2"
-    if request.param == "portable":
-        assert cpu_packed.isa(built) == "portable"
-    if request.param not in ("native", "avx512-fp32"):  # the interleaved rows' fallback: loaders never choose it
-        assert cpu_packed.grouped_isa(built) == "portable"
-    if request.param == "avx512-fp32":
-        assert cpu_packed.grouped_isa(built) in ("avx512", "portable")
+    built = cpu_packed.build(request.param)
+    tier = isa.host_tier() if request.param == "native" else request.param
+    assert (cpu_packed.isa(built), cpu_packed.grouped_isa(built)) == EXPECTED_ISAS[tier]
     return built
 
 
@@ -91,7 +89,7 @@ def grouped_bound(matrix: cpu_packed.PackedMatrix, stored: np.ndarray, w: np.nda
     error, and in the AVX512-VNNI build the int16 rounding of x, sum_k (a_k / 2) |d u_k| (with 0.1% for a's own
     rounding), d u = w - m: m = -8 d (Q4_0), the stored m (Q4_1), 0 (Q8_0's signed codes)."""
     bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w).T) + 1e-5
-    if cpu_packed.grouped_isa(matrix.lib) != "avx512-vnni":
+    if cpu_packed.grouped_isa(matrix.lib) != "avx512_vnni":
         return bound
     raw = stored.view(np.uint8).reshape(w.shape[0], w.shape[1] // 32, -1)
     d = raw[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float64)
@@ -137,7 +135,7 @@ def test_product_on_odd_shapes(lib, qtype):
 
 @pytest.mark.parametrize("qtype", cpu_packed.GROUPED_FORMATS)
 def test_grouped_rows_equal_the_file_layout(lib, qtype):
-    """The interleaved layout (cpu_packed_grouped.c): same values as gguf's dequantizer, exactly, and the fp32
+    """The interleaved layout (kernels/cpu/packed_grouped.c): same values as gguf's dequantizer, exactly, and the fp32
     product within fp32 summation error, for every activation-row remainder of its 8-row passes, with a bias."""
     rng = np.random.default_rng(4)
     for inn in (96, 2336):
@@ -218,7 +216,7 @@ def test_real_tensors(model):
 
 @pytest.mark.parametrize("out", [45, 48])
 def test_the_ps_linear_fn_pointer_computes_the_same_product(out):
-    """What the native layer loop calls: kernels/cpu_linear.h's ps_linear_fn through the NativeLinear address. 48
+    """What the native layer loop calls: kernels/cpu/linear.h's ps_linear_fn through the NativeLinear address. 48
     rows are whole groups, so the loader interleaves them where the kernel has the AVX-512 path for that layout."""
     rng = np.random.default_rng(3)
     stored = blocks_for("Q4_1", out, 128, rng)

@@ -1,17 +1,17 @@
-"""The greedy pick in C (kernels/cpu_layer_ops.c: each row's maximum and first argmax in one pass) against torch's
-amax and argmax, in the AVX-512 build and the portable one, and the engine's picks with it against torch's."""
+"""The greedy pick in C (kernels/cpu/layer_ops.c: each row's maximum and first argmax in one pass) against torch's
+amax and argmax, in the default build and the AVX2 and portable tiers (kernels/cpu/isa.py), and the engine's picks with it against torch's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import cpu_tiers
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.sampler import native_max_argmax, torch_max_argmax
-from pagedserve.kernels.cpu_layer_ops import row_max_argmax
-from pagedserve.kernels.cpu_native import build
+from pagedserve.kernels.cpu.layer_ops import row_max_argmax
+from pagedserve.kernels.cpu.native import load_library
 
-BUILDS = {"native": (), "portable": ("-mno-avx512f",)}
 
 
 def _special_rows(vocab: int) -> torch.Tensor:
@@ -37,10 +37,10 @@ def _check(logits: torch.Tensor, lib=None) -> None:
     assert torch.equal(index[finite], logits.argmax(dim=-1)[finite])
 
 
-@pytest.mark.parametrize("variant", BUILDS)
+@pytest.mark.parametrize("variant", cpu_tiers.params(cpu_tiers.CORE))
 @pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152, 100003])
 def test_matches_amax_and_argmax(variant: str, vocab: int) -> None:
-    lib = build(BUILDS[variant])
+    lib = load_library(variant)
     _check(torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab)), lib)
     _check(_special_rows(max(vocab, 2)), lib)
 

@@ -65,3 +65,14 @@ def test_mesh_options_become_grpc_channel_args():
     # the transport cap sits above the servicer's limit so over-limit requests get a message naming the limit
     assert options["grpc.max_receive_message_length"] > config.max_message_bytes == 8 << 20
     assert "grpc.max_connection_age_ms" not in dict(server_config(parse()).grpc_options())
+
+
+def test_cpu_isa_flag_sets_the_tier_the_kernels_build_for(monkeypatch):
+    from pagedserve.kernels.cpu import isa
+    from pagedserve.service.cli import force_cpu_isa, main
+
+    monkeypatch.delenv(isa.ENV_VAR, raising=False)
+    assert parse("--cpu-isa", "portable").cpu_isa == "portable" and parse().cpu_isa is None
+    force_cpu_isa("portable")
+    assert isa.requested_tier().name == "portable"
+    assert main(["serve", "--cpu-isa", "avx9"]) == 2  # refused before any model loads

@@ -19,7 +19,7 @@ from pagedserve.engine.host.cpu_threads import cpu_budget
 from pagedserve.engine.host.thread_governor import (
     CpuSample, GovernorConfig, ThreadGovernor, others_cpus, read_sample, start_governor, threads_for,
 )
-from pagedserve.kernels.cpu_native import pool_sleeps
+from pagedserve.kernels.cpu.native import pool_sleeps
 
 
 def test_others_cpus_is_busy_time_minus_our_own_per_second():

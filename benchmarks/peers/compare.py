@@ -115,7 +115,18 @@ def host_info() -> dict:
             flags = set(line.split(":", 1)[1].split())
             info["isa"] = [f for f in _ISA if f in flags]
             break
+    info["pagedserve_cpu_tier"] = pagedserve_tier()
     return info
+
+
+def pagedserve_tier() -> str:
+    """The ISA tier pagedserve's CPU kernels build for in this run: PAGEDSERVE_CPU_ISA's, else the host's own."""
+    try:
+        from pagedserve.kernels.cpu import isa
+    except ImportError:
+        return "unknown"
+    forced = isa.requested_tier()
+    return forced.name if forced else f"native ({isa.host_tier()})"
 
 
 check_token_counts = phases.check_token_counts  # kept importable under its old home

@@ -12,7 +12,7 @@ from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.host.allocator import keep_freed_memory
 from pagedserve.engine.host.cpu_threads import configure_cpu_threads
 from pagedserve.engine.host.thread_governor import GovernorConfig, ThreadGovernor, start_governor
-from pagedserve.kernels.cpu_native import pool_sleeps
+from pagedserve.kernels.cpu.native import pool_sleeps
 
 
 def tune_host(config: EngineConfig) -> ThreadGovernor | None:

@@ -17,8 +17,8 @@ from pagedserve.engine.errors import ModelLoadError
 from pagedserve.engine.host.cpu_features import native_bf16_flags
 from pagedserve.engine.loading.gguf_checkpoint import GgufCheckpoint
 from pagedserve.engine.models.registry import model_class_for
-from pagedserve.kernels import cpu_packed
-from pagedserve.kernels.cpu_native import NativeBuildError
+from pagedserve.kernels.cpu import packed as cpu_packed
+from pagedserve.kernels.cpu.native import NativeBuildError
 from pagedserve.quant.base import QuantConfig, QuantConfigError
 from pagedserve.quant.head_quant import quantized_head
 from pagedserve.quant.linear import QuantLinear

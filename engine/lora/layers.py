@@ -8,7 +8,7 @@ over requests; tokens of the base pay nothing. The delta is computed from the la
 every base: dense, GPTQ/AWQ, GGUF packed or dequantized.
 
 On CPU the adapters' matrices are float32 whatever the compute dtype (`lora_dtype`) and one native call per layer
-(kernels/cpu_lora.c) adds every adapter's delta: in torch each adapter costs a shrink, an expand and an add per
+(kernels/cpu/lora.c) adds every adapter's delta: in torch each adapter costs a shrink, an expand and an add per
 layer, calls whose fixed cost dominated at decode sizes (oneDNN's bf16 GEMM ~40 us a call for rank-wide matrices).
 Where the kernel does not build, or widths are not multiples of 16, the torch path runs (float32 GEMMs: 3-5x faster
 than bf16 ones at these sizes, measured on Sapphire Rapids).
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pagedserve.engine.lora.weights import LoraLayout, LoraWeights
-from pagedserve.kernels.cpu_lora import lora_delta, supports
+from pagedserve.kernels.cpu.lora import lora_delta, supports
 
 # Steps with at least this many adapter rows split the native LoRA kernel across torch's threads (fewer: one
 # thread, which beats waking the pool for a few microseconds of work).
@@ -40,7 +40,7 @@ class StepAdapters:
     __slots__ = ("groups", "native", "spans", "refs", "threads")
 
     def __init__(self, native: bool = False) -> None:
-        self.native = native  # the native kernel is built here (kernels/cpu_lora.c)
+        self.native = native  # the native kernel is built here (kernels/cpu/lora.c)
         self.clear()
 
     def set_spans(self, rows: list[tuple[LoraWeights | None, int, int]]) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pagedserve.engine.lora.config import AdapterInfo
-from pagedserve.kernels.cpu_lora import lora_ref
+from pagedserve.kernels.cpu.lora import lora_ref
 
 # PEFT module names pagedserve can adapt, by the model part that holds them, with the fused linear they may live in.
 FUSED_GROUPS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
@@ -93,7 +93,7 @@ class LoraWeights:
     """One loaded adapter: per slot of the layout, (A [R, in], B^T [R, out]) with the scale folded into B (and, for
     a fused slot, B^T's blocks as (r0, r1, c0, c1)), or None where the adapter leaves the slot alone. Immutable once built; a request holds it while it runs, so evicting or
     unloading the adapter never changes a running request. `refs` [slots, REF_FIELDS] int64: the same matrices as
-    the native kernel reads them (kernels/cpu_lora.py), when they are fp32 on CPU."""
+    the native kernel reads them (kernels/cpu/lora.py), when they are fp32 on CPU."""
 
     __slots__ = ("info", "slots", "dtype", "refs")
 

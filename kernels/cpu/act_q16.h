@@ -1,0 +1,173 @@
+/* Activations rounded to int16 per 32-input block, and the integer tile products of the interleaved-row kernels
+ * (packed_grouped.c: GGUF Q4_0/Q4_1/Q8_0; group_grouped.c: GPTQ/AWQ 4/8-bit) built on AVX512-VNNI.
+ *
+ * Why: with fp32 activations those kernels spend, per 16 rows x 32 inputs, 32 FMAs per activation row plus 64
+ * shifts and vpermps widening the codes, so 4 rows cost ~2x one row and 8 rows ~4x: the price of speculative
+ * verification (k + 1 rows per stream) and of small-batch decode. With x ~ da q per block (q = rint(x / da)) a
+ * block's 16-row dot is integer work: 16 vpdpwssd (s16 x s16 pairs -> int32) per activation row, and one int->float
+ * conversion and FMA with d da; the codes are widened once per tile for all rows (16 shift/and pairs for 4-bit).
+ *
+ * Why int16 and not llama.cpp's int8 (vpdpbusd, half the dot instructions): measured on SmolLM2-135M Q4_1/Q8_0
+ * through tests/test_packed_engine.py, int8 activations (da = max|x| / 127) moved the fp32 top-1 agreement with the
+ * dequantized model to 91% (95% with the offset term rounded alike) against >= 99% required, bf16 perplexity +1.7%
+ * and greedy continuations 1 of 8 identical; int16 (da = max|x| / 32767) keeps them at the fp32 kernel's figures.
+ *
+ * Numerics: int32 sums are exact (|sum| < 2^31: 16 pairs x 255 x 32767 x 2), so a row's result is the same whatever
+ * rows are beside it and however its integer sums are split; the float epilogue per row is the same instructions
+ * for every number of rows. Only the code term is rounded: the offset term m sum(x) keeps the exact fp32 block
+ * sums (sx). Per output, with w = d u + m:
+ *     |y - x W^T| <= sum over blocks b of (da_b / 2) sum_{k in b} |d_b u_k|  +  the fp32 summation error,
+ * |d u| being |w| for the signed codes (Q8_0: m = 0) and |w - m| otherwise (tests/test_packed_kernels.py and
+ * tests/test_group_kernel.py assert it).
+ *
+ * Order of q within a block, to match the tiles: a 4-bit tile's chunk c word r holds row r's inputs 8c..8c+7
+ * (input 8c + p in bits 4p..4p+3), so (word >> 4p) & 0x000F000F holds inputs 8c + p and 8c + p + 4 as two int16:
+ * element 8c + 2p + h of the block is input 8c + p + 4h. An 8-bit tile's 64 bytes of inputs 4c..4c+3 x 16 rows are
+ * gathered with one vpermb into row r's pairs of consecutive inputs (layout unchanged: one instruction per 64
+ * bytes shared by all activation rows; re-laying the tiles at load would move every reader of the layout), so
+ * the 8-bit order is the natural one. */
+#ifndef PAGEDSERVE_CPU_ACT_Q16_H
+#define PAGEDSERVE_CPU_ACT_Q16_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "isa.h"
+
+#define PQ_INLINE static inline __attribute__((always_inline))
+
+/* Rounded activations of `rows` rows, `blocks` blocks of 32 each; [row * blocks + b] indexing. */
+typedef struct {
+    int16_t *q;  /* [rows, blocks, 32] in the tiles' order (pq_quantize) */
+    float *da;   /* the block's scale: x ~ da q */
+    float *sx;   /* the exact fp32 sum of x over the block (the offset term's) */
+} pq_act;
+
+/* One buffer for the three arrays (pq_free releases it). Returns nonzero when out of memory. */
+static inline int pq_alloc(pq_act *act, int64_t rows, int64_t blocks) {
+    const size_t n = (size_t)(rows * blocks);
+    char *mem = malloc(n * (64 + 2 * 4) + 64);
+    if (mem == NULL) return 1;
+    act->da = (float *)mem;
+    act->sx = act->da + n;
+    act->q = (int16_t *)(act->sx + n);
+    return 0;
+}
+
+static inline void pq_free(pq_act *act) { free(act->da); }
+
+/* The arrays from activation row r0 on. */
+static inline pq_act pq_rows(const pq_act *act, int64_t r0, int64_t blocks) {
+    return (pq_act){act->q + 32 * r0 * blocks, act->da + r0 * blocks, act->sx + r0 * blocks};
+}
+
+#if defined(PS_AVX512_VNNI)
+/* One block: 32 inputs -> da, sx and 32 int16 codes (order4: the 4-bit tiles' order, else the natural one), in
+ * vectors: the scalar loop (a serial sum, a rounding and a scattered store per input) was ~5% of a speculative
+ * step. The sum is a fixed tree (per lane, then the lanes), the same for every row, so rows stay independent. */
+PQ_INLINE void pq_quantize_block(const float *v, int order4, int16_t *q, float *da, float *sx) {
+    const __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
+    /* max_ps returns its second operand when either is NaN: a NaN input never becomes the maximum */
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    /* a NaN or inf in the block makes the sum non-finite: its rows' outputs are NaN, as the fp32 kernels give */
+    const int finite = isfinite(sum);
+    const __m512 inv = _mm512_set1_ps(finite && amax > 0.0f ? 32767.0f / amax : 0.0f);
+    const __m256i qlo = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)));
+    const __m256i qhi = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inv)));
+    __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(qlo), qhi, 1);
+    if (order4) {  /* element 8c + 2p + h <- input 8c + p + 4h */
+        const __m512i from = _mm512_set_epi16(31, 27, 30, 26, 29, 25, 28, 24, 23, 19, 22, 18, 21, 17, 20, 16,
+                                              15, 11, 14, 10, 13, 9, 12, 8, 7, 3, 6, 2, 5, 1, 4, 0);
+        codes = _mm512_permutexvar_epi16(from, codes);
+    }
+    _mm512_storeu_si512(q, finite ? codes : _mm512_setzero_si512());
+    *sx = sum;
+    *da = finite ? amax / 32767.0f : NAN;
+}
+#endif
+
+/* Rows [begin, end) of x [rows, 32 blocks]; order4: the 4-bit tiles' order, else the natural one. Builds without
+ * the VNNI kernels read only the sums, which they add in input order, as the fp32 kernels always did. */
+static inline void pq_quantize(const float *x, int64_t blocks, int64_t begin, int64_t end, int order4, pq_act *act) {
+    for (int64_t i = begin * blocks; i < end * blocks; i++) {
+#if defined(PS_AVX512_VNNI)
+        pq_quantize_block(x + 32 * i, order4, act->q + 32 * i, act->da + i, act->sx + i);
+#else
+        float sum = 0.0f;
+        for (int k = 0; k < 32; k++) sum += x[32 * i + k];
+        act->sx[i] = sum;
+        (void)order4;
+#endif
+    }
+}
+
+#if defined(PS_AVX512_VNNI)
+/* 2 int16 activations as the dword a vpdpwssd broadcasts (memcpy: no aliasing of the int16 buffer) */
+PQ_INLINE int32_t pq_pair(const int16_t *q) {
+    int32_t v;
+    memcpy(&v, q, 4);
+    return v;
+}
+
+/* Integer chains per activation row: two while few rows leave the dot latency exposed, one from 5 rows on, where
+ * the rows hide it and a second set of accumulators would spill (8 rows x 2 + 8 totals + codes > 32 registers).
+ * Any split of exact int32 sums gives the same total, so a row's result does not depend on R. */
+#define PQ_CHAINS(R) ((R) <= 4 ? 2 : 1)
+
+/* tot + (d da) dot + m sx: one block's 16 rows for one activation row, scaled back from its integer dot (the same
+ * instructions for every row, whatever R). with_offset 0: signed codes, no offset term (Q8_0). */
+PQ_INLINE __m512 pq_block_total(__m512 tot, __m512i dot, __m512 d, __m512 m, float da, float sx, int with_offset) {
+    tot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(da)), tot);
+    return with_offset ? _mm512_fmadd_ps(m, _mm512_set1_ps(sx), tot) : tot;
+}
+
+/* acc[r] = the 16 rows' integer dots of a 4-bit tile's codes with activation row r's 32 codes (q + r * qstride,
+ * 4-bit order); acc[R + r] is scratch. */
+PQ_INLINE void pq_dots4(const uint8_t *codes, const int16_t *q, int64_t qstride, int R, __m512i *acc) {
+    const __m512i low4 = _mm512_set1_epi32(0x000F000F);
+    for (int r = 0; r < PQ_CHAINS(R) * R; r++) acc[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        const __m512i word = _mm512_loadu_si512(codes + 64 * c);
+        for (int p = 0; p < 4; p++) {
+            const __m512i u = _mm512_and_si512(p ? _mm512_srli_epi32(word, 4 * p) : word, low4);
+            for (int r = 0; r < R; r++) {
+                const int a = (PQ_CHAINS(R) == 2 && (p & 1)) * R + r;
+                const __m512i pair = _mm512_set1_epi32(pq_pair(q + r * qstride + 8 * c + 2 * p));
+                acc[a] = _mm512_dpwssd_epi32(acc[a], u, pair);
+            }
+        }
+    }
+    for (int r = 0; PQ_CHAINS(R) == 2 && r < R; r++) acc[r] = _mm512_add_epi32(acc[r], acc[R + r]);
+}
+
+/* byte j of the gathered chunk: row j / 2 % 16's code of input 2 (j / 32) + j % 2 = byte 16 (that input) + row */
+static const uint8_t PQ_PAIR_GATHER[64] = {
+    0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26, 11, 27, 12, 28, 13, 29,
+    14, 30, 15, 31, 32, 48, 33, 49, 34, 50, 35, 51, 36, 52, 37, 53, 38, 54, 39, 55, 40, 56, 41, 57, 42, 58, 43, 59,
+    44, 60, 45, 61, 46, 62, 47, 63};
+
+/* The same for an 8-bit tile (32 inputs x 16 bytes, byte r of input k's 16 = row r's code), natural order;
+ * is_signed: the codes are int8 (Q8_0), else uint8. */
+PQ_INLINE void pq_dots8(const uint8_t *codes, int is_signed, const int16_t *q, int64_t qstride, int R, __m512i *acc) {
+    const __m512i gather = _mm512_loadu_si512(PQ_PAIR_GATHER);
+    const int hi_at = PQ_CHAINS(R) == 2 ? R : 0;
+    for (int r = 0; r < PQ_CHAINS(R) * R; r++) acc[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c++) {
+        const __m512i pairs = _mm512_permutexvar_epi8(gather, _mm512_loadu_si512(codes + 64 * c));
+        const __m256i lo8 = _mm512_castsi512_si256(pairs), hi8 = _mm512_extracti64x4_epi64(pairs, 1);
+        const __m512i lo = is_signed ? _mm512_cvtepi8_epi16(lo8) : _mm512_cvtepu8_epi16(lo8);  /* inputs 4c, 4c+1 */
+        const __m512i hi = is_signed ? _mm512_cvtepi8_epi16(hi8) : _mm512_cvtepu8_epi16(hi8);  /* 4c+2, 4c+3 */
+        for (int r = 0; r < R; r++) {
+            const int16_t *qa = q + r * qstride + 4 * c;
+            acc[r] = _mm512_dpwssd_epi32(acc[r], lo, _mm512_set1_epi32(pq_pair(qa)));
+            acc[hi_at + r] = _mm512_dpwssd_epi32(acc[hi_at + r], hi, _mm512_set1_epi32(pq_pair(qa + 2)));
+        }
+    }
+    for (int r = 0; PQ_CHAINS(R) == 2 && r < R; r++) acc[r] = _mm512_add_epi32(acc[r], acc[R + r]);
+}
+#endif
+
+#endif

@@ -1,0 +1,273 @@
+/* Decode attention over the paged KV cache: the math of one task, a span's queries that share a KV head over one
+ * chunk of their keys (scheduled by decode_tasks.c; built and called by kernels/cpu/native.py).
+ *
+ * Why C: in eager torch, decode attention over a paged cache is a gather of every context block (index_select),
+ * an upcast copy, two small batched matmuls and a softmax, each a separate pass over memory plus per-op dispatch;
+ * at decode sizes that was ~27% of bf16 step time. Here a task reads its blocks in place, once for K and once for
+ * V, with the scores of the query heads that share the KV head kept in L1; a span is one decode row, or
+ * consecutive rows over the same cached keys (a sequence's row and its speculative drafts).
+ *
+ * Semantics are those of the torch implementation (kernels/torch_attention.py), which the tests compare against:
+ * fp32 scores and softmax, FP8 K/V times their per-head scale, output rounded once to the query dtype. The softmax
+ * runs per chunk of keys and the chunks merge flash-decoding style (decode_chunks.h).
+ * A sliding window W starts each row's keys at max(0, len - W), a span's at its earliest row's start: earlier
+ * blocks are never read (the block manager may have freed them; their block-table entries are then -1).
+ * Storage layout: the head-major [Hkv, num_blocks, block_size, D] tensors behind LayerKVCache's logical view.
+ */
+#include "isa.h"
+#include "decode_chunks.h"
+
+
+/* out[j] = the sum of v[j]'s 16 lanes, for 16 vectors at once: a transpose-add tree of 15 steps instead of 16
+ * horizontal sums (about a third of the shuffles and adds). */
+INLINE f32x16 hsum16x16(const f32x16 *v) {
+    f32x16 c[8], d[4], e[2];
+    for (int j = 0; j < 8; j++)
+        c[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(v[2 * j], v[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int j = 0; j < 4; j++)
+        d[j] = __builtin_shufflevector(c[2 * j], c[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(c[2 * j], c[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int j = 0; j < 2; j++)
+        e[j] = __builtin_shufflevector(d[2 * j], d[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(d[2 * j], d[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* Softmax numerators in place (fp32, max subtracted); returns their sum, and the max in *peak_out. 16 lanes at a
+ * time (the scalar exp was ~7% of a long-context decode step), the tail lane by lane. */
+static float softmax_numerators(float *scores, int64_t len, float *peak_out) {
+    float peak = -INFINITY, sum = 0.0f;
+    int64_t t = 0;
+    if (len >= 16) {  /* lane-wise maxima, then the tail: a scalar scan was ~40% of this function */
+        f32x16 peaks;
+        memcpy(&peaks, scores, sizeof peaks);
+        for (t = 16; t + 16 <= len; t += 16) {
+            f32x16 v;
+            memcpy(&v, scores + t, sizeof v);
+            peaks = select16(v > peaks, v, peaks);
+        }
+        peak = hmax16(peaks);
+    }
+    for (; t < len; t++) peak = scores[t] > peak ? scores[t] : peak;
+    f32x16 sums = {0};
+    t = 0;
+    for (; t + 16 <= len; t += 16) {
+        f32x16 v;
+        memcpy(&v, scores + t, sizeof v);
+        v = exp16_nonpositive(v - peak);
+        memcpy(scores + t, &v, sizeof v);
+        sums += v;
+    }
+    for (; t < len; t++) sum += (scores[t] = exp_nonpositive(scores[t] - peak));
+    *peak_out = peak;
+    return sum + hsum16(sums);
+}
+
+/* The first key a decode row of context length `len` sees. */
+INLINE int64_t first_key(const DecodeArgs *a, int64_t len) {
+    return a->window > 0 && len > a->window ? len - a->window : 0;
+}
+
+void span_keys(const DecodeArgs *a, const Span *sp, int64_t *lo, int64_t *hi) {
+    *lo = INT64_MAX, *hi = 0;
+    for (int64_t i = 0; i < sp->m; i++) {
+        const int64_t len = a->seq_lens[sp->s + i], first = first_key(a, len);
+        *lo = first < *lo ? first : *lo;
+        *hi = len > *hi ? len : *hi;
+    }
+}
+
+/* The keys [k0, k1) of one chunk of a task (k0 and k1 within the span's [lo, hi)). */
+typedef struct { int64_t k0, k1, hi; const int32_t *table; } Keys;
+
+/* probs x V for `nq` consecutive queries (qq0..) of a span over the chunk's keys: each V row is loaded once for all
+ * of them. Every query's sums run over all the chunk's keys in order, with zero probabilities outside its own range,
+ * so its partial is bit-identical to the query's computed alone (x + 0 * v == x). nq and chunks are constants after
+ * inlining. */
+INLINE void chunk_values(const DecodeArgs *a, const Keys *k, int64_t h, const float *scores, float *part,
+                         int64_t qq0, const int nq, const int64_t chunks, const int kv_dt) {
+    const int64_t bs = a->block_size, dim = 16 * chunks, stride = partial_stride(dim);
+    const size_t kv_row = (size_t)dim * elem_size(kv_dt);
+    f32x16 acc[nq][chunks];
+    for (int b = 0; b < nq; b++)
+        for (int64_t c = 0; c < chunks; c++) acc[b][c] = (f32x16){0};
+    for (int64_t t0 = k->k0 - k->k0 % bs; t0 < k->k1; t0 += bs) {
+        const char *tile = (const char *)a->v_cache + (h * a->num_blocks + k->table[t0 / bs]) * bs * kv_row;
+        const int64_t n = k->k1 - t0 < bs ? k->k1 - t0 : bs, tlo = t0 < k->k0 ? k->k0 - t0 : 0;
+        for (int64_t i = tlo; i < n; i++) {
+            f32x16 v[chunks];
+            for (int64_t c = 0; c < chunks; c++) v[c] = load16(tile + i * kv_row, c, kv_dt);
+            for (int b = 0; b < nq; b++) {
+                const float pb = scores[(qq0 + b) * KEY_CHUNK + t0 + i - k->k0];
+                for (int64_t c = 0; c < chunks; c++) acc[b][c] += pb * v[c];
+            }
+        }
+    }
+    for (int b = 0; b < nq; b++) memcpy(part + (qq0 + b) * stride, acc[b], sizeof(float) * (size_t)dim);
+}
+
+/* Scores of 16 keys (m of them real, from key row i0 of `tile`) for all the span's queries: the keys widened to
+ * fp32 once for all queries; each query's 16 dot vectors then stay in registers up to their lane sums (a
+ * [query][key] buffer of them cost a store and a load each). The prefetches run ahead to `next_k` and this tile's V. */
+INLINE void score16(const char *tile, const char *next_k, const char *v_tile, int64_t i0, int64_t m, const f32x16 *q,
+                    int64_t nq, float *dst, const int64_t chunks, const int kv_dt) {
+    const size_t kv_row = (size_t)16 * chunks * elem_size(kv_dt);
+    f32x16 kf[16][chunks];
+    for (int64_t i = 0; i < 16; i++) {
+        if (i >= m) {
+            for (int64_t c = 0; c < chunks; c++) kf[i][c] = (f32x16){0};
+            continue;
+        }
+        /* Spread over the key loop: a burst of 2 * tile_bytes / 64 prefetches would fill the miss buffers and
+         * stall on them. */
+        for (size_t line = 0; line < kv_row; line += 64) {
+            __builtin_prefetch(next_k + (i0 + i) * kv_row + line);
+            __builtin_prefetch(v_tile + (i0 + i) * kv_row + line);
+        }
+        for (int64_t c = 0; c < chunks; c++) kf[i][c] = load16(tile + (i0 + i) * kv_row, c, kv_dt);
+    }
+    for (int64_t qq = 0; qq < nq; qq++) {
+        f32x16 dots[16];
+        for (int64_t i = 0; i < 16; i++) {
+            f32x16 dot = q[qq * chunks] * kf[i][0];
+            for (int64_t c = 1; c < chunks; c++) dot += q[qq * chunks + c] * kf[i][c];
+            dots[i] = dot;
+        }
+        const f32x16 sums = hsum16x16(dots);
+        /* a constant size is one store; a variable one became `rep movsq` (~10% of the kernel) */
+        if (m == 16) memcpy(dst + qq * KEY_CHUNK, &sums, sizeof sums);
+        else memcpy(dst + qq * KEY_CHUNK, &sums, sizeof(float) * (size_t)m);
+    }
+}
+
+/* Scores of all the span's queries over the chunk's keys: scores[qq * KEY_CHUNK + t - k0]. */
+INLINE void chunk_scores(const DecodeArgs *a, const Keys *k, int64_t h, const f32x16 *q, int64_t nq, float *scores,
+                         const int64_t chunks, const int kv_dt) {
+    const int64_t bs = a->block_size;
+    const size_t tile_bytes = (size_t)bs * 16 * chunks * elem_size(kv_dt);
+    for (int64_t t0 = k->k0 - k->k0 % bs; t0 < k->k1; t0 += bs) {
+        const size_t offset = (size_t)(h * a->num_blocks + k->table[t0 / bs]) * tile_bytes;
+        const char *tile = (const char *)a->k_cache + offset;
+        const int64_t n = k->k1 - t0 < bs ? k->k1 - t0 : bs, tlo = t0 < k->k0 ? k->k0 - t0 : 0;
+        /* Blocks are scattered, so the hardware prefetcher stops at every tile boundary: ask for the next K tile
+         * now (past the chunk's end too: the same thread usually takes the next chunk), and for this V tile, which
+         * the probs x V loop then finds in cache. */
+        const char *next_k = t0 + bs < k->hi
+            ? (const char *)a->k_cache + (size_t)(h * a->num_blocks + k->table[t0 / bs + 1]) * tile_bytes : tile;
+        for (int64_t i0 = tlo; i0 < n; i0 += 16)
+            score16(tile, next_k, (const char *)a->v_cache + offset, i0, n - i0 < 16 ? n - i0 : 16, q, nq,
+                    scores + t0 + i0 - k->k0, chunks, kv_dt);
+    }
+}
+
+/* Each query's softmax numerators over its own keys within the chunk, the chunk's other keys zeroed; its max and
+ * sum go to its partial (sum 0: it sees none of the chunk's keys). */
+static void chunk_softmax(const DecodeArgs *a, const Span *sp, const Keys *k, float *scores, float *part,
+                          int64_t dim) {
+    const int64_t group = a->num_heads / a->num_kv_heads, stride = partial_stride(dim);
+    for (int64_t qq = 0; qq < sp->m * group; qq++) {
+        const int64_t len = a->seq_lens[sp->s + qq / group], first = first_key(a, len);
+        const int64_t from = first > k->k0 ? first : k->k0, to = len < k->k1 ? len : k->k1;
+        float *p = scores + qq * KEY_CHUNK, *stats = part + qq * stride + dim;  /* p[t - k0]: the score of key t */
+        if (from >= to) {
+            memset(p, 0, sizeof(float) * (size_t)(k->k1 - k->k0));
+            stats[0] = -INFINITY, stats[1] = 0.0f;
+            continue;
+        }
+        stats[1] = softmax_numerators(p + from - k->k0, to - from, &stats[0]);
+        memset(p, 0, sizeof(float) * (size_t)(from - k->k0));  /* keys this query does not see weigh nothing */
+        memset(p + to - k->k0, 0, sizeof(float) * (size_t)(k->k1 - to));
+    }
+}
+
+/* One chunk of a span's queries that share KV head `h`. Always inlined into callers that pass a constant number of
+ * 16-lane chunks (head_dim / 16) and constant dtypes: the row loops then have constant trip counts and the
+ * accumulators stay in registers. */
+INLINE void chunk_task(const DecodeArgs *a, const Span *sp, int64_t h, int64_t c, Scratch *w, float *part,
+                       const int64_t chunks, const int kv_dt, const int q_dt) {
+    const int64_t group = a->num_heads / a->num_kv_heads, dim = 16 * chunks, nq = sp->m * group;
+    int64_t lo, hi;
+    span_keys(a, sp, &lo, &hi);
+    const Keys k = {lo > c * KEY_CHUNK ? lo : c * KEY_CHUNK, hi < (c + 1) * KEY_CHUNK ? hi : (c + 1) * KEY_CHUNK, hi,
+                    a->block_tables + sp->s * a->block_table_stride};
+    const float q_factor = a->scale * a->k_scale[h];  /* FP8 K's scale folded into the query once */
+    f32x16 *q = (f32x16 *)w->q;  /* [nq][chunks]: query qq = row qq / group of the span, head h * group + qq % group */
+    for (int64_t i = 0; i < sp->m; i++) {
+        const char *query = (const char *)a->query +
+                            (a->rows[sp->s + i] * a->q_token_stride + h * group * dim) * elem_size(q_dt);
+        for (int64_t j = 0; j < group * chunks; j++) q[i * group * chunks + j] = load16(query, j, q_dt) * q_factor;
+    }
+    chunk_scores(a, &k, h, q, nq, w->scores, chunks, kv_dt);
+    chunk_softmax(a, sp, &k, w->scores, part, dim);
+    /* Up to 4 queries per pass over V (2 at head_dim 128: 16 accumulators and the V row stay in registers). */
+    const int most = chunks <= 4 ? 4 : 2;
+    for (int64_t qq0 = 0; qq0 < nq;) {
+        const int64_t left = nq - qq0, take = left < most ? left : most;
+        if (take == 4) chunk_values(a, &k, h, w->scores, part, qq0, 4, chunks, kv_dt);
+        else if (take == 3) chunk_values(a, &k, h, w->scores, part, qq0, 3, chunks, kv_dt);
+        else if (take == 2) chunk_values(a, &k, h, w->scores, part, qq0, 2, chunks, kv_dt);
+        else chunk_values(a, &k, h, w->scores, part, qq0, 1, chunks, kv_dt);
+        qq0 += take;
+    }
+}
+
+/* head_dim not a multiple of 16: one row at a time over all its keys, one lane at a time, straight to the output. */
+static void row_scalar(const DecodeArgs *a, int64_t s, int64_t h, Scratch *w) {
+    const int64_t group = a->num_heads / a->num_kv_heads, bs = a->block_size, dim = a->head_dim;
+    const int64_t len = a->seq_lens[s], first_head = a->rows[s] * a->num_heads + h * group;
+    const int64_t first = first_key(a, len), keys = len - first;
+    const void *query = (const char *)a->query + a->rows[s] * a->q_token_stride * elem_size(a->q_dtype);
+    const int32_t *table = a->block_tables + s * a->block_table_stride;
+    const float q_factor = a->scale * a->k_scale[h];
+    for (int64_t g = 0; g < group; g++) {
+        const float *q = row_f32(query, h * group + g, dim, a->q_dtype, w->row);
+        for (int64_t d = 0; d < dim; d++) w->q[g * dim + d] = q[d] * q_factor;
+    }
+    for (int64_t t = first; t < len; t++) {
+        const float *k = row_f32(a->k_cache, (h * a->num_blocks + table[t / bs]) * bs + t % bs, dim, a->kv_dtype, w->row);
+        for (int64_t g = 0; g < group; g++) {
+            float dot = 0.0f;
+            for (int64_t d = 0; d < dim; d++) dot += w->q[g * dim + d] * k[d];
+            w->scores[g * keys + t - first] = dot;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float peak;
+        const float factor = a->v_scale[h] / softmax_numerators(w->scores + g * keys, keys, &peak);
+        float *acc = w->acc;
+        memset(acc, 0, sizeof(float) * dim);
+        for (int64_t t = first; t < len; t++) {
+            const float *v = row_f32(a->v_cache, (h * a->num_blocks + table[t / bs]) * bs + t % bs, dim, a->kv_dtype, w->row);
+            for (int64_t d = 0; d < dim; d++) acc[d] += w->scores[g * keys + t - first] * v[d];
+        }
+        store_row(a->out, first_head + g, dim, a->q_dtype, acc, factor);
+    }
+}
+
+void decode_rows_scalar(const DecodeArgs *a, const Span *sp, int64_t h, Scratch *w) {
+    for (int64_t i = 0; i < sp->m; i++) row_scalar(a, sp->s + i, h, w);
+}
+
+/* The specializations: every (KV dtype, query dtype) pair the engine makes, at head_dim 64 and 128; other
+ * multiples of 16 take the vector code with a runtime chunk count. */
+#define SPECIALIZE(D, KV, Q) \
+    if (a->head_dim == D && a->kv_dtype == KV && a->q_dtype == Q) return chunk_task(a, sp, h, c, w, part, D / 16, KV, Q)
+#define SPECIALIZE_DIMS(KV, Q) SPECIALIZE(64, KV, Q); SPECIALIZE(128, KV, Q)
+
+void decode_chunk(const DecodeArgs *a, const Span *sp, int64_t h, int64_t c, Scratch *w, float *part) {
+    SPECIALIZE_DIMS(DT_BF16, DT_BF16);
+    SPECIALIZE_DIMS(DT_F32, DT_F32);
+    SPECIALIZE_DIMS(DT_F16, DT_F16);
+    SPECIALIZE_DIMS(DT_E4M3, DT_BF16);
+    SPECIALIZE_DIMS(DT_E5M2, DT_BF16);
+    /* fp32 queries over 16-bit and FP8 caches: the native decode step (decode_step.c) keeps its state fp32 */
+    SPECIALIZE_DIMS(DT_BF16, DT_F32);
+    SPECIALIZE_DIMS(DT_F16, DT_F32);
+    SPECIALIZE_DIMS(DT_E4M3, DT_F32);
+    SPECIALIZE_DIMS(DT_E5M2, DT_F32);
+    chunk_task(a, sp, h, c, w, part, a->head_dim / 16, a->kv_dtype, a->q_dtype);
+}
+
+PS_SIZEOF(decode_args, DecodeArgs)

@@ -1,0 +1,223 @@
+/* A whole Llama-family decode step in one call: token ids in, fp32 logits out (built and called by
+ * kernels/cpu/native.py, driven by engine/native_step.py).
+ *
+ * Why: at 1-8 decode rows a step is bound by reading the weights once, yet the eager torch path spent about as
+ * long again in per-op dispatch and Python (~15 ops per layer). Here a layer is: RMSNorm, q/k/v projection, RoPE,
+ * KV write into the paged cache, the decode attention kernel (decode_attention.c), o projection, residual,
+ * RMSNorm, gate/up projection, SiLU-and-mul, down projection; all linears through their ps_linear pointers
+ * (linear.h), whatever the weight format, so each parallelizes itself and this loop stays on one thread.
+ *
+ * Numerics: the hidden state, norms, RoPE, attention queries and outputs stay fp32 (the torch path rounds each to
+ * the model's dtype); a linear rounds its input to its weights' dtype. So in fp32 only summation orders differ
+ * from the torch path; in bf16 the native step carries more precision than the torch path, which differs from it
+ * by about bf16's rounding (~2^-8 relative) per layer.
+ */
+#include "isa.h"
+#include "decode_attention.h"
+#include "linear.h"
+
+typedef struct {
+    ps_linear qkv[3]; int64_t n_qkv;            /* one merged q/k/v linear, or q, k, v: outputs concatenated */
+    ps_linear o;
+    ps_linear gate_up[2]; int64_t n_gate_up;    /* merged [gate | up], or gate, up */
+    ps_linear down;
+    const void *input_norm, *post_norm;         /* [hidden], norm_dtype */
+    const void *k_cache, *v_cache;              /* head-major [Hkv, num_blocks, block_size, D], kv_dtype */
+    const float *k_scale, *v_scale;             /* [Hkv] */
+    const float *k_rotation;                    /* [D, D] fp32 or NULL: the cache holds K R, queries use Q R */
+    const float *k_offset;                      /* [Hkv, D] fp32 or NULL: subtracted from K R before it is stored */
+    int64_t window;                             /* 0: full attention */
+} StepLayer;
+
+typedef struct {
+    int64_t num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, num_blocks, block_size, vocab;
+    int64_t max_positions;
+    float eps, attn_scale, fp8_max;
+    int norm_dtype, kv_dtype;
+    const float *cos, *signed_sin;              /* [max_positions, D] fp32, sin's first half negated */
+    const void *final_norm;
+    const StepLayer *layers;
+    ps_linear lm_head;
+} StepModel;
+
+typedef struct {
+    const int64_t *token_ids, *positions, *slots, *rows;  /* [n]; rows = 0..n-1 (the attention kernel's row map) */
+    const int32_t *seq_lens, *block_tables;
+    int64_t block_table_stride, max_seq_len;
+    const float *embed_rows;  /* [n, hidden]: the rows' token embeddings, looked up by the caller in the
+                               * embedding's own storage (dense or packed blocks) */
+    float *logits;                                        /* [n, vocab] */
+} StepBatch;
+
+PS_SIZEOF(step_layer, StepLayer)
+PS_SIZEOF(step_model, StepModel)
+PS_SIZEOF(step_batch, StepBatch)
+PS_SIZEOF(linear, ps_linear)
+
+/* fp32 -> FP8 bits, rounding to nearest even as torch's cast does; |x| must already be clamped to the format's
+ * finite range (quantize_for_cache clamps too). mant: mantissa bits (3: e4m3fn, 2: e5m2), bias: exponent bias. */
+static uint8_t f32_to_fp8(float x, int mant, int bias) {
+    const uint8_t sign = signbit(x) ? 0x80 : 0;
+    const float a = fabsf(x);
+    const float min_normal = ldexpf(1.0f, 1 - bias);
+    uint32_t bits;
+    if (a < min_normal) {
+        bits = (uint32_t)nearbyintf(a / ldexpf(1.0f, 1 - bias - mant));  /* == 1 << mant rounds up to the min normal */
+    } else {
+        int e;
+        const float m = frexpf(a, &e) * 2.0f;  /* a = m 2^(e-1), m in [1, 2) */
+        uint32_t q = (uint32_t)nearbyintf((m - 1.0f) * (float)(1 << mant));
+        int exponent = e - 1 + bias;
+        if (q == (1u << mant)) q = 0, exponent++;
+        bits = ((uint32_t)exponent << mant) | q;
+    }
+    return sign | (uint8_t)bits;
+}
+
+/* One K or V row (fp32, already rotated for K) into its slot of head h's tiles, in the cache's dtype. */
+static void store_kv_row(const StepModel *m, void *cache, const float *row, float scale, int64_t h, int64_t slot) {
+    const int64_t dim = m->head_dim, at = (h * m->num_blocks * m->block_size + slot) * dim;
+    if (m->kv_dtype == DT_E4M3 || m->kv_dtype == DT_E5M2) {
+        const int mant = m->kv_dtype == DT_E4M3 ? 3 : 2, bias = m->kv_dtype == DT_E4M3 ? 7 : 15;
+        for (int64_t d = 0; d < dim; d++) {
+            float v = row[d] / scale;
+            v = v > m->fp8_max ? m->fp8_max : v < -m->fp8_max ? -m->fp8_max : v;
+            ((uint8_t *)cache)[at + d] = f32_to_fp8(v, mant, bias);
+        }
+        return;
+    }
+    for (int64_t d = 0; d < dim; d++) store_at(cache, at + d, m->kv_dtype, row[d]);
+}
+
+/* out = x * rsqrt(mean(x^2) + eps) * w for n rows; with delta, x += delta first (the residual stream). */
+static void rms_norm_rows(float *x, const float *delta, float *out, const void *w, int dt, int64_t n, int64_t dim,
+                          float eps) {
+    for (int64_t r = 0; r < n; r++) {
+        float *xr = x + r * dim, sum = 0.0f;
+        if (delta)
+            for (int64_t d = 0; d < dim; d++) xr[d] += delta[r * dim + d];
+        for (int64_t d = 0; d < dim; d++) sum += xr[d] * xr[d];
+        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (int64_t d = 0; d < dim; d++) out[r * dim + d] = xr[d] * inv * load_at(w, d, dt);
+    }
+}
+
+/* Rotate-half RoPE of `heads` heads of one row in place, then (K rotation) x <- x R. */
+static void rope_heads(float *x, int64_t heads, int64_t dim, const float *cos, const float *ssin, const float *rot,
+                       float *tmp) {
+    const int64_t half = dim / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *xh = x + h * dim;
+        for (int64_t d = 0; d < dim; d++) tmp[d] = xh[d] * cos[d] + xh[d < half ? d + half : d - half] * ssin[d];
+        if (!rot) { memcpy(xh, tmp, sizeof(float) * dim); continue; }
+        for (int64_t d = 0; d < dim; d++) xh[d] = 0.0f;
+        for (int64_t e = 0; e < dim; e++)
+            for (int64_t d = 0; d < dim; d++) xh[d] += tmp[e] * rot[e * dim + d];
+    }
+}
+
+/* y [n, sum of outs] = the parts' outputs side by side; `tmp` holds one part's [n, out] when there are several. */
+static int concat_linears(const ps_linear *parts, int64_t count, const float *x, int64_t n, float *y, float *tmp) {
+    if (count == 1) return ps_linear_apply(&parts[0], x, n, y);
+    int64_t width = 0, offset = 0;
+    for (int64_t i = 0; i < count; i++) width += parts[i].out_features;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t out = parts[i].out_features;
+        const int status = ps_linear_apply(&parts[i], x, n, tmp);
+        if (status) return status;
+        for (int64_t r = 0; r < n; r++) memcpy(y + r * width + offset, tmp + r * out, sizeof(float) * out);
+        offset += out;
+    }
+    return 0;
+}
+
+typedef struct { float *residual, *delta, *h, *qkv, *attn, *gate_up, *act, *tmp, *head; } Buffers;
+
+static int attention_block(const StepModel *m, const StepLayer *L, const StepBatch *b, int64_t n, Buffers *w,
+                           int num_threads) {
+    const int64_t H = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, width = (H + 2 * Hkv) * D;
+    int status = concat_linears(L->qkv, L->n_qkv, w->h, n, w->qkv, w->tmp);
+    if (status) return status;
+    for (int64_t r = 0; r < n; r++) {
+        float *q = w->qkv + r * width, *k = q + H * D, *v = k + Hkv * D;
+        const float *cos = m->cos + b->positions[r] * D, *ssin = m->signed_sin + b->positions[r] * D;
+        rope_heads(q, H, D, cos, ssin, L->k_rotation, w->head);
+        rope_heads(k, Hkv, D, cos, ssin, L->k_rotation, w->head);
+        if (L->k_offset)  /* FP8 K centring (kv_scales.py): softmax ignores the per-query shift it causes */
+            for (int64_t d = 0; d < Hkv * D; d++) k[d] -= L->k_offset[d];
+        memcpy(w->attn + r * H * D, q, sizeof(float) * H * D);  /* the query rows, dense for the kernel */
+        for (int64_t h = 0; h < Hkv; h++) {
+            store_kv_row(m, (void *)L->k_cache, k + h * D, L->k_scale[h], h, b->slots[r]);
+            store_kv_row(m, (void *)L->v_cache, v + h * D, L->v_scale[h], h, b->slots[r]);
+        }
+    }
+    DecodeArgs a = {
+        .query = w->attn, .q_token_stride = H * D, .out = w->qkv, .q_dtype = DT_F32,
+        .k_cache = L->k_cache, .v_cache = L->v_cache, .kv_dtype = m->kv_dtype,
+        .k_scale = L->k_scale, .v_scale = L->v_scale,
+        .block_tables = b->block_tables, .block_table_stride = b->block_table_stride,
+        .seq_lens = b->seq_lens, .rows = b->rows,
+        .num_heads = H, .num_kv_heads = Hkv, .head_dim = D, .num_blocks = m->num_blocks,
+        .block_size = m->block_size, .scale = m->attn_scale, .window = L->window,
+    };
+    /* out [n, H, D] dense into the qkv buffer, free now (it is wider) */
+    if (pagedserve_decode_attention(&a, n, b->max_seq_len, num_threads)) return -3;
+    return ps_linear_apply(&L->o, w->qkv, n, w->delta);
+}
+
+static int mlp_block(const StepModel *m, const StepLayer *L, int64_t n, Buffers *w) {
+    const int64_t inter = m->intermediate;
+    int status = concat_linears(L->gate_up, L->n_gate_up, w->h, n, w->gate_up, w->tmp);
+    if (status) return status;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t i = 0; i < inter; i++) {
+            const float g = w->gate_up[r * 2 * inter + i];
+            const float e = exp_nonpositive(-fabsf(g));  /* silu(g) = g / (1 + e^-g), never overflowing */
+            w->act[r * inter + i] = g * (g >= 0.0f ? 1.0f : e) / (1.0f + e) * w->gate_up[r * 2 * inter + inter + i];
+        }
+    return ps_linear_apply(&L->down, w->act, n, w->delta);
+}
+
+static int check_batch(const StepModel *m, const StepBatch *b, int64_t n) {
+    for (int64_t r = 0; r < n; r++) {
+        if (b->token_ids[r] < 0 || b->token_ids[r] >= m->vocab) return -10;
+        if (b->positions[r] < 0 || b->positions[r] >= m->max_positions) return -11;
+        if (b->slots[r] < 0 || b->slots[r] >= m->num_blocks * m->block_size) return -12;
+    }
+    return 0;
+}
+
+static int run_layers(const StepModel *m, const StepBatch *b, int64_t n, Buffers *w, int num_threads) {
+    const int64_t hid = m->hidden;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t d = 0; d < hid; d++)
+            w->residual[r * hid + d] = b->embed_rows[r * hid + d];
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const StepLayer *L = &m->layers[l];
+        rms_norm_rows(w->residual, l ? w->delta : NULL, w->h, L->input_norm, m->norm_dtype, n, hid, m->eps);
+        int status = attention_block(m, L, b, n, w, num_threads);
+        if (status) return status;
+        rms_norm_rows(w->residual, w->delta, w->h, L->post_norm, m->norm_dtype, n, hid, m->eps);
+        if ((status = mlp_block(m, L, n, w))) return status;
+    }
+    rms_norm_rows(w->residual, m->num_layers ? w->delta : NULL, w->h, m->final_norm, m->norm_dtype, n, hid, m->eps);
+    return ps_linear_apply(&m->lm_head, w->h, n, b->logits);
+}
+
+int pagedserve_decode_step(const StepModel *m, const StepBatch *b, int64_t n, int num_threads) {
+    if (!m || !b || n < 1) return -1;
+    int status = check_batch(m, b, n);
+    if (status) return status;
+    const int64_t hid = m->hidden, D = m->head_dim, inter = m->intermediate;
+    const int64_t qkv = (m->num_heads + 2 * m->num_kv_heads) * D;
+    const int64_t widest = 2 * inter > qkv ? 2 * inter : qkv;
+    Buffers w = {
+        scratch(n * hid), scratch(n * hid), scratch(n * hid), scratch(n * qkv), scratch(n * m->num_heads * D),
+        scratch(n * 2 * inter), scratch(n * inter), scratch(n * widest), scratch(D),
+    };
+    status = w.residual && w.delta && w.h && w.qkv && w.attn && w.gate_up && w.act && w.tmp && w.head
+                 ? run_layers(m, b, n, &w, num_threads) : -2;
+    free(w.residual); free(w.delta); free(w.h); free(w.qkv); free(w.attn);
+    free(w.gate_up); free(w.act); free(w.tmp); free(w.head);
+    return status;
+}

@@ -1,0 +1,207 @@
+/* GPTQ/AWQ matrices with their output rows interleaved in groups of GQ_ROWS (ps_group_state.row_group): the layout
+ * the one-to-eight-row product reads fastest, made once at load (kernels/cpu/group_packed.py, `grouped()`) where
+ * the build has AVX-512 and out_features % GQ_ROWS == 0. Same idea as packed_grouped.c's Q4_0/Q4_1 layout.
+ *
+ * Why: one output row after another (group_linear.c), every run of 32 codes is widened lane by lane, turned
+ * into weights, multiplied with 32 activations and finally reduced across the register per row. With 16 rows side
+ * by side one register holds one input's code for all 16 rows, an FMA with the broadcast activation accumulates
+ * it, no horizontal sums, and a group's scales and zeros are one vector per 16 rows.
+ *
+ * Layout (input channels in group order, as group_linear.c's): row group h = rows 16h..16h+15; per run j of 32
+ * inputs one tile. 4-bit: 4 chunks of 64 bytes, chunk c's 32-bit word r holds row r's codes of inputs 8c..8c+7,
+ * input 8c+p in bits 4p..4p+3 (a shift and a vpermps of the table {0..15} make 16 fp32 codes); 8-bit: 32 x 16
+ * bytes, byte r of the 16 for input k is row r's code. Scales and zeros [out / 16, groups, 16].
+ *
+ * Builds (compile time, as packed_grouped.c's): "avx512_vnni" rounds the activations to int16 per run and takes
+ * the integer dots with vpdpwssd (act_q16.h: extra activation rows cost about half the fp32 FMA path's; its
+ * header states the rounding's bound, where d u is s u here); "avx512" and "portable" keep fp32 activations:
+ *
+ * Numerics (fp32 builds): per run the codes are summed against fp32 activations as integers and scaled once,
+ * y = sum over runs of s * sum(u x) + (-z s) * sum(x), as packed_grouped.c does for Q4_1 (forming each weight
+ * u s - z s first was measured 10-20% slower at one row). The weights (u - z) s are never rounded, but the two parts
+ * are summed separately, so the fp32 error is relative to their magnitudes: |y - x W^T| <= (in / 32 + 40) 2^-24
+ * sum_k (u_k + z_k) s_k |x_k| per output (tests/test_group_kernel.py checks this bound; in practice the error is far
+ * below it and within the row kernel's "fp32 summation order"). The expansion (dequantize) stays bit exact.
+ */
+#include "isa.h"
+#include <omp.h>
+#include <stdlib.h>
+
+#include "act_q16.h"
+#include "group_state.h"
+
+#define GQ_PREFETCH_TILES 8  /* software prefetch distance, in tiles (packed_grouped.c's choice) */
+#define GQ_INLINE static inline __attribute__((always_inline))
+#define GQ_GTILE 8  /* activation rows per pass over a row group's weights */
+
+static inline int64_t gq_tile_bytes(int bits) { return 32 * GQ_ROWS * bits / 8; }
+
+/* Row o's 32 codes of run j, in input order (portable; dequantize and the portable product). */
+void gq_grouped_codes(const ps_group_state *st, int64_t o, int64_t j, uint8_t *u) {
+    const int64_t runs = st->in_features / 32;
+    const uint8_t *tile = st->codes + ((o / GQ_ROWS) * runs + j) * gq_tile_bytes(st->bits);
+    const int r = (int)(o % GQ_ROWS);
+    if (st->bits == 4) {
+        pk_tile4_codes(tile, r, u);  /* the GGUF Q4 tile's code layout */
+        return;
+    }
+    for (int k = 0; k < 32; k++) u[k] = tile[GQ_ROWS * k + r];
+}
+
+#if defined(PS_AVX512)
+/* The group's scale s and offset -z s (16 rows) for group g of row group h. -z s is exact for fp16 scales
+ * (8 x 11 significant bits), as group_linear.c's offset. */
+GQ_INLINE void gq_group_scales(const ps_group_state *st, int64_t h, int32_t g, __m512 *s, __m512 *m) {
+    const int64_t at = (h * st->groups + g) * GQ_ROWS;
+    const uint16_t *s16 = (const uint16_t *)st->scales + at;
+    *s = st->scale_f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s16))
+                       : _mm512_loadu_ps((const float *)st->scales + at);
+    const __m128i z8 = _mm_loadu_si128((const __m128i *)(st->zeros + at));
+    *m = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(z8))), *s);
+}
+#endif
+
+#if defined(PS_AVX512_VNNI)
+#define GQ_GROUPED_ISA "avx512_vnni"
+
+/* The 16 rows of row group h for R activation rows from their int16 runs: per run the integer dots (act_q16.h),
+ * then tot += (s da) * dot + (-z s) * sum(x), the same instructions per row whatever R; the bias last. */
+GQ_INLINE void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, const float *x, pq_act act, int R,
+                                float *y) {
+    (void)x;
+    const int64_t runs = st->in_features / 32, tb = gq_tile_bytes(bits);
+    const uint8_t *tiles = st->codes + h * runs * tb;
+    __m512 tot[GQ_GTILE], s = _mm512_setzero_ps(), m = s;
+    for (int r = 0; r < R; r++) tot[r] = _mm512_setzero_ps();
+    int32_t cur = -1;
+    for (int64_t j = 0; j < runs; j++) {
+        if (st->run_group[j] != cur) gq_group_scales(st, h, cur = st->run_group[j], &s, &m);
+        const uint8_t *tile = tiles + j * tb;
+        for (int64_t l = 0; l <= tb; l += 64) _mm_prefetch((const char *)tile + GQ_PREFETCH_TILES * tb + l, _MM_HINT_T0);
+        __m512i acc[2 * GQ_GTILE];
+        if (bits == 4) pq_dots4(tile, act.q + 32 * j, 32 * runs, R, acc);
+        else pq_dots8(tile, 0, act.q + 32 * j, 32 * runs, R, acc);
+        for (int r = 0; r < R; r++)
+            tot[r] = pq_block_total(tot[r], acc[r], s, m, act.da[r * runs + j], act.sx[r * runs + j], 1);
+    }
+    const __m512 bias = st->bias ? _mm512_loadu_ps(st->bias + h * GQ_ROWS) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * st->out_features + h * GQ_ROWS, _mm512_add_ps(tot[r], bias));
+}
+#elif defined(PS_AVX512)
+#define GQ_GROUPED_ISA "avx512"
+/* tot[r] += the 16 rows' dots with activation row r, for R rows. Per run the codes are multiplied with the
+ * activations as integers u and scaled after: tot += s * sum(u x) + (-z s) * sum(x) (bits and R constants). */
+GQ_INLINE void gq_grouped_rows(const ps_group_state *st, int bits, int64_t h, const float *x, const float *sx, int R,
+                               __m512 *tot) {
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const int64_t in = st->in_features, runs = in / 32, tb = gq_tile_bytes(bits);
+    const uint8_t *tiles = st->codes + h * runs * tb;
+    /* Two FMA chains per row whatever R: a row's sums then do not depend on the rows beside it, so a speculating
+     * step's rows give exactly the logits one-row steps give (4 chains at 1-2 rows measured ~5% faster). */
+    const int chains = 2;
+    int32_t cur = -1;
+    __m512 s = _mm512_setzero_ps(), m = s;
+    for (int64_t j = 0; j < runs; j++) {
+        if (st->run_group[j] != cur) gq_group_scales(st, h, cur = st->run_group[j], &s, &m);
+        const uint8_t *tile = tiles + j * tb;
+        /* as the grouped GGUF kernel: the hardware prefetcher alone leaves the stream well under the read bound */
+        for (int64_t l = 0; l <= tb; l += 64) _mm_prefetch((const char *)tile + GQ_PREFETCH_TILES * tb + l, _MM_HINT_T0);
+        const float *xb = x + 32 * j;
+        __m512 acc[2 * GQ_GTILE];
+        for (int a = 0; a < chains * R; a++) acc[a] = _mm512_setzero_ps();
+        for (int c = 0; c < 4; c++) {
+            const __m512i word = bits == 4 ? _mm512_loadu_si512(tile + 64 * c) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int p = 0; p < 8; p++) {
+                const int k = 8 * c + p;
+                __m512 u = bits == 4 ? _mm512_permutexvar_ps(p ? _mm512_srli_epi32(word, 4 * p) : word, table)
+                                     : _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                           _mm_loadu_si128((const __m128i *)(tile + GQ_ROWS * k))));
+                for (int r = 0; r < R; r++) {
+                    const int a = (p % chains) * R + r;
+                    acc[a] = _mm512_fmadd_ps(u, _mm512_set1_ps(xb[r * in + k]), acc[a]);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            __m512 sum = acc[r];
+            for (int c = 1; c < chains; c++) sum = _mm512_add_ps(sum, acc[c * R + r]);
+            tot[r] = _mm512_fmadd_ps(sum, s, tot[r]);
+            tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * runs + j]), tot[r]);
+        }
+    }
+}
+
+GQ_INLINE void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, const float *x, pq_act act, int R,
+                                float *y) {
+    const int64_t out = st->out_features;
+    __m512 tot[GQ_GTILE];
+    for (int r = 0; r < R; r++) tot[r] = _mm512_setzero_ps();
+    gq_grouped_rows(st, bits, h, x, act.sx, R, tot);
+    /* the bias last, as group_linear.c adds it: y = (x @ W^T) + bias, rounded once more */
+    const __m512 bias = st->bias ? _mm512_loadu_ps(st->bias + h * GQ_ROWS) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * out + h * GQ_ROWS, _mm512_add_ps(tot[r], bias));
+}
+#else
+#define GQ_GROUPED_ISA "portable"
+/* Exact weights w = u s + (-z s), as group_linear.c's portable path. */
+static void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, const float *x, pq_act act, int R,
+                             float *y) {
+    const int64_t in = st->in_features, runs = in / 32;
+    (void)bits, (void)act;
+    for (int64_t o = h * GQ_ROWS; o < (h + 1) * GQ_ROWS; o++) {
+        for (int r = 0; r < R; r++) {
+            float total = 0.0f;
+            for (int64_t j = 0; j < runs; j++) {
+                const int64_t at = gq_sz_index(st, o, st->run_group[j]);
+                const float d = gq_scale(st, at), m = -(float)st->zeros[at] * d;
+                uint8_t u[32];
+                gq_grouped_codes(st, o, j, u);
+                for (int k = 0; k < 32; k++) total += ((float)u[k] * d + m) * x[r * in + 32 * j + k];
+            }
+            y[r * st->out_features + o] = total + (st->bias ? st->bias[o] : 0.0f);
+        }
+    }
+}
+#endif
+
+#define GQ_GROUPED_CASES(B)                                                                    \
+    switch (R) {                                                                               \
+    case 1: gq_grouped_store(st, B, h, x, act, 1, y); return;                                  \
+    case 2: gq_grouped_store(st, B, h, x, act, 2, y); return;                                  \
+    case 3: gq_grouped_store(st, B, h, x, act, 3, y); return;                                  \
+    case 4: gq_grouped_store(st, B, h, x, act, 4, y); return;                                  \
+    case 5: gq_grouped_store(st, B, h, x, act, 5, y); return;                                  \
+    case 6: gq_grouped_store(st, B, h, x, act, 6, y); return;                                  \
+    case 7: gq_grouped_store(st, B, h, x, act, 7, y); return;                                  \
+    default: gq_grouped_store(st, B, h, x, act, GQ_GTILE, y); return;                          \
+    }
+
+static void gq_grouped_any(const ps_group_state *st, int64_t h, const float *x, pq_act act, int R, float *y) {
+    if (st->bits == 4) GQ_GROUPED_CASES(4)
+    GQ_GROUPED_CASES(8)
+}
+
+/* y = x @ W^T (+ bias), x already in the weights' input order. Returns 0, or 2 when out of memory. */
+int gq_grouped_product(const ps_group_state *st, const float *x, int64_t rows, float *y, int threads) {
+    const int64_t in = st->in_features, runs = in / 32;
+    pq_act act;  /* per run sums (and int16 runs) of each activation row */
+    if (pq_alloc(&act, rows, runs)) return 2;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) pq_quantize(x, runs, r, r + 1, st->bits == 4, &act);
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < st->out_features / GQ_ROWS; h++) {
+            for (int64_t r0 = 0; r0 < rows; r0 += GQ_GTILE) {
+                const int R = rows - r0 < GQ_GTILE ? (int)(rows - r0) : GQ_GTILE;
+                gq_grouped_any(st, h, x + r0 * in, pq_rows(&act, r0, runs), R, y + r0 * st->out_features);
+            }
+        }
+    }
+    pq_free(&act);
+    return 0;
+}
+
+const char *pagedserve_group_grouped_isa(void) __attribute__((visibility("default")));
+const char *pagedserve_group_grouped_isa(void) { return GQ_GROUPED_ISA; }

@@ -1,0 +1,58 @@
+/* The one place pagedserve's C kernels learn which instructions they may use. Every file tests these macros, never
+ * the compiler's own __AVX*__ ones, so a tier means the same in every kernel; kernels/cpu/isa.py names the tiers,
+ * finds the host's, and builds a forced one with exactly its flags (PAGEDSERVE_CPU_ISA), so the code of a higher
+ * tier is not even compiled into a lower tier's object.
+ *
+ *   PS_AVX2         AVX2 + FMA + F16C                         tier "avx2" (Haswell, Zen 1-3)
+ *   PS_AVX2_VNNI    PS_AVX2 + AVX-VNNI (VEX vpdpbusd)         tier "avx2_vnni" (Alder Lake, Sapphire Rapids)
+ *   PS_AVX512       PS_AVX2 + AVX-512 F, BW, DQ, VL           tier "avx512" (Skylake-SP)
+ *   PS_AVX512_VNNI  PS_AVX512 + AVX512-VNNI + AVX512-VBMI     tier "avx512_vnni" (Ice Lake, Zen 4)
+ *   PS_AVX512_BF16  PS_AVX512_VNNI + AVX512-BF16              tier "avx512_bf16" (Sapphire Rapids, Zen 4)
+ *
+ * The tiers are not one chain: Zen 4 has the AVX-512 ones but not AVX-VNNI. PS_ISA_TIER names the highest tier the
+ * build's flags reach; pagedserve_isa_tier() (isa.c) returns it at run time. */
+#ifndef PAGEDSERVE_CPU_ISA_H
+#define PAGEDSERVE_CPU_ISA_H
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PS_AVX2 1
+#endif
+#if defined(PS_AVX2) && defined(__AVXVNNI__)
+#define PS_AVX2_VNNI 1
+#endif
+#if defined(PS_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VL__)
+#define PS_AVX512 1
+#endif
+#if defined(PS_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define PS_AVX512_VNNI 1
+#endif
+#if defined(PS_AVX512_VNNI) && defined(__AVX512BF16__)
+#define PS_AVX512_BF16 1
+#endif
+
+#if defined(PS_AVX512_BF16)
+#define PS_ISA_TIER "avx512_bf16"
+#elif defined(PS_AVX512_VNNI)
+#define PS_ISA_TIER "avx512_vnni"
+#elif defined(PS_AVX512)
+#define PS_ISA_TIER "avx512"
+#elif defined(PS_AVX2_VNNI)
+#define PS_ISA_TIER "avx2_vnni"
+#elif defined(PS_AVX2)
+#define PS_ISA_TIER "avx2"
+#else
+#define PS_ISA_TIER "portable"
+#endif
+
+#if defined(PS_AVX2)
+#include <immintrin.h>
+#endif
+
+#include <stddef.h>
+
+/* Exported for kernels/cpu/build.py: the C size of each structure a ctypes class mirrors, checked at load. */
+#define PS_SIZEOF(name, type) \
+    __attribute__((visibility("default"))) size_t ps_sizeof_##name(void) { return sizeof(type); }
+
+#endif

@@ -1,0 +1,26 @@
+/* The KV write of a step for caches stored in the compute dtype (built and called by kernels/cpu/native.py, used by
+ * kernels/native_attention.py): each new token's K and V rows copied into their slots of the head-major storage.
+ *
+ * Why C: torch's advanced-index assignment (storage[:, slots] = rows) costs ~26 us per tensor and layer at decode
+ * sizes, most of it dispatch and index checking, for a few KB of copies. FP8 caches, which quantize, keep the torch
+ * path. Slots are checked against the storage here, so a bad slot is an error, not a stray write.
+ */
+#include "isa.h"
+#include "native.h"
+
+/* key/value: [T, Hkv, D] rows with the given token strides (elements), heads dense; storage: [Hkv, slots, D]. */
+int pagedserve_write_kv(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *k_storage,
+                        char *v_storage, const int64_t *slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
+                        int64_t num_slots, int64_t head_dim, int64_t elem) {
+    const size_t row = (size_t)head_dim * elem;
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots) return -1;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const size_t dst = ((size_t)h * num_slots + slot_mapping[t]) * row;
+            memcpy(k_storage + dst, key + ((size_t)t * key_stride + h * head_dim) * elem, row);
+            memcpy(v_storage + dst, value + ((size_t)t * value_stride + h * head_dim) * elem, row);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,221 @@
+/* Shared by pagedserve's native CPU kernels (decode_attention.c, layer_ops.c): dtype codes, exact
+ * conversions between fp32 and the 16-bit / FP8 storage types, and 16-lane GCC vectors. Everything here is inline:
+ * each .c file specializes it for the dtypes it is called with. */
+#ifndef PAGEDSERVE_CPU_NATIVE_H
+#define PAGEDSERVE_CPU_NATIVE_H
+
+#include "isa.h"
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_E4M3 = 3, DT_E5M2 = 4 };
+
+/* memcpy, not unions: gcc vectorizes loops over these. */
+static inline float bf16_to_f32(uint16_t x) {
+    const uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch's .to(bfloat16); NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet_nan = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+static inline float f16_bits_to_f32(uint16_t bits) {
+    _Float16 h;
+    memcpy(&h, &bits, sizeof h);
+    return (float)h;
+}
+
+#define INLINE static inline __attribute__((always_inline))
+
+static inline int64_t elem_size(int dt) { return dt == DT_F32 ? 4 : dt == DT_E4M3 || dt == DT_E5M2 ? 1 : 2; }
+
+/* Element i of a tensor of dtype dt, as fp32. FP8 is exact: e5m2 is fp16's top byte, and e4m3 moved into fp16's
+ * fields reads 2^-8 times its value. */
+INLINE float load_at(const void *base, int64_t i, int dt) {
+    if (dt == DT_F32) return ((const float *)base)[i];
+    if (dt == DT_BF16) return bf16_to_f32(((const uint16_t *)base)[i]);
+    if (dt == DT_F16) return (float)((const _Float16 *)base)[i];
+    const uint16_t b = ((const uint8_t *)base)[i];
+    if (dt == DT_E4M3) return f16_bits_to_f32((uint16_t)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7))) * 256.0f;
+    return f16_bits_to_f32((uint16_t)(b << 8));  /* DT_E5M2 */
+}
+
+/* Stores fp32 x as element i of a tensor of a compute dtype (fp32, bf16, fp16), rounding to nearest even. */
+INLINE void store_at(void *base, int64_t i, int dt, float x) {
+    if (dt == DT_BF16) ((uint16_t *)base)[i] = f32_to_bf16(x);
+    else if (dt == DT_F16) ((_Float16 *)base)[i] = (_Float16)x;
+    else ((float *)base)[i] = x;
+}
+
+/* Row `index` of a [rows, dim] tensor of dtype `dt`, as fp32: a pointer into the tensor when it is already fp32,
+ * otherwise converted into `buf`. */
+INLINE const float *row_f32(const void *base, int64_t index, int64_t dim, int dt, float *buf) {
+    if (dt == DT_F32) return (const float *)base + index * dim;
+    for (int64_t d = 0; d < dim; d++) buf[d] = load_at(base, index * dim + d, dt);
+    return buf;
+}
+
+INLINE void store_row(void *base, int64_t index, int64_t dim, int dt, const float *src, float factor) {
+    for (int64_t d = 0; d < dim; d++) store_at(base, index * dim + d, dt, src[d] * factor);
+}
+
+/* 16 fp32 lanes as a GCC vector: one AVX-512 register here, two or four narrower ones elsewhere; no intrinsics, so
+ * the file builds for any target gcc knows. */
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef _Float16 f16x16 __attribute__((vector_size(32)));
+
+INLINE float hsum16(f32x16 x) {  /* a tree, not a 16-long dependency chain */
+    f32x8 h = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    f32x4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+/* Per-thread scratch, 64-byte aligned: the vector code reads it as f32x16. */
+static inline float *scratch(int64_t floats) {
+    return aligned_alloc(64, (size_t)((floats + 15) / 16) * 64);
+}
+
+/* Lanes [16c, 16c + 16) of a row of dtype dt, as fp32 (FP8 as in load_at). */
+INLINE f32x16 load16(const void *row, int64_t c, int dt) {
+    f32x16 out;
+    if (dt == DT_F32) {
+        memcpy(&out, (const float *)row + 16 * c, sizeof out);
+    } else if (dt == DT_BF16) {
+        u16x16 bits;
+        memcpy(&bits, (const uint16_t *)row + 16 * c, sizeof bits);
+        u32x16 wide = __builtin_convertvector(bits, u32x16) << 16;
+        memcpy(&out, &wide, sizeof out);
+    } else if (dt == DT_F16) {
+        f16x16 half;
+        memcpy(&half, (const _Float16 *)row + 16 * c, sizeof half);
+        out = __builtin_convertvector(half, f32x16);
+    } else {
+        u8x16 byte;
+        memcpy(&byte, (const uint8_t *)row + 16 * c, sizeof byte);
+        u16x16 b = __builtin_convertvector(byte, u16x16), bits;
+        bits = dt == DT_E4M3 ? (u16x16)(((b & 0x80) << 8) | ((b & 0x7f) << 7)) : (u16x16)(b << 8);
+        f16x16 half;
+        memcpy(&half, &bits, sizeof half);
+        out = __builtin_convertvector(half, f32x16) * (dt == DT_E4M3 ? 256.0f : 1.0f);
+    }
+    return out;
+}
+
+/* 16 fp32 lanes rounded to bf16 bits as f32_to_bf16 rounds each (nearest even, NaN stays NaN). */
+INLINE u16x16 bf16x16_portable(f32x16 x) {
+    u32x16 u;
+    memcpy(&u, &x, sizeof u);
+    const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet_nan = (u >> 16) | 0x40u;
+    const u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
+    return __builtin_convertvector((nan & quiet_nan) | (~nan & rounded), u16x16);
+}
+
+#if defined(PS_AVX512_BF16)
+/* vcvtneps2bf16 rounds the same way in one instruction but flushes denormal inputs to zero, so a vector holding
+ * one (never seen in activations, but exactness is promised) takes the portable path. */
+INLINE u16x16 bf16x16_bits(f32x16 x) {
+    __m512 v;
+    memcpy(&v, &x, sizeof v);
+    if (__builtin_expect(_mm512_fpclass_ps_mask(v, 0x20), 0)) return bf16x16_portable(x);  /* 0x20: denormal */
+    const __m256bh bits = _mm512_cvtneps_pbh(v);
+    u16x16 out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+#else
+INLINE u16x16 bf16x16_bits(f32x16 x) { return bf16x16_portable(x); }
+#endif
+
+/* Each lane rounded to what dtype `dt` stores, as fp32 (round_to on 16 lanes; fp32 unchanged). */
+INLINE f32x16 round16(f32x16 x, int dt) {
+    if (dt == DT_BF16) {
+        const u32x16 wide = __builtin_convertvector(bf16x16_bits(x), u32x16) << 16;
+        memcpy(&x, &wide, sizeof x);
+    } else if (dt == DT_F16) {
+        x = __builtin_convertvector(__builtin_convertvector(x, f16x16), f32x16);
+    }
+    return x;
+}
+
+/* Stores 16 fp32 lanes as lanes [16c, 16c + 16) of a row of a compute dtype, rounding as store_at does. */
+INLINE void store16(void *row, int64_t c, int dt, f32x16 x) {
+    if (dt == DT_BF16) {
+        const u16x16 bits = bf16x16_bits(x);
+        memcpy((uint16_t *)row + 16 * c, &bits, sizeof bits);
+    } else if (dt == DT_F16) {
+        const f16x16 half = __builtin_convertvector(x, f16x16);
+        memcpy((_Float16 *)row + 16 * c, &half, sizeof half);
+    } else {
+        memcpy((float *)row + 16 * c, &x, sizeof x);
+    }
+}
+
+/* e^x for x <= 0 (softmax numerators, SiLU): Cephes' expf polynomial on x = n ln2 + r, |r| <= ln2 / 2, within
+ * 2 ulp of expf; branch-free, so loops over it vectorize. Inputs below -87 flush to 0. */
+INLINE float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x <= -87.0f ? 0.0f : p * scale;
+}
+
+/* Lanes of `yes` where `mask` (a vector comparison's result) is set, else lanes of `no`. */
+INLINE f32x16 select16(i32x16 mask, f32x16 yes, f32x16 no) {
+    return (f32x16)((mask & (i32x16)yes) | (~mask & (i32x16)no));
+}
+
+INLINE float hmax16(f32x16 x) {  /* the two halves lane by lane, then the 8 maxima */
+    const f32x8 lo = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7),
+                hi = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    float m = lo[0] > hi[0] ? lo[0] : hi[0];
+    for (int i = 1; i < 8; i++) {
+        const float pair = lo[i] > hi[i] ? lo[i] : hi[i];
+        m = pair > m ? pair : m;
+    }
+    return m;
+}
+
+/* exp_nonpositive on 16 lanes at once: the same polynomial; n rounds to nearest (ties to even instead of up, which
+ * keeps |r| <= ln2 / 2 all the same). */
+INLINE f32x16 exp16_nonpositive(f32x16 x) {
+    const f32x16 floor_x = (f32x16){0} - 87.0f, magic = (f32x16){0} + 12582912.0f;  /* 1.5 * 2^23 */
+    const i32x16 underflow = x <= floor_x;
+    x = select16(underflow, floor_x, x);
+    const f32x16 n = (x * 1.44269504088896341f + magic) - magic;
+    const f32x16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    f32x16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+    return select16(underflow, (f32x16){0}, p * (f32x16)bits);
+}
+
+#endif

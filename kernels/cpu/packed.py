@@ -1,0 +1,176 @@
+"""The packed-weight CPU library (packed_linear.c and friends: GGUF blocks multiplied in place; GPTQ/AWQ groups,
+group_linear.c, group_grouped.c, state in kernels/cpu/group_packed.py), built by kernels/cpu/build.py.
+
+Built apart from the native library so each tier's variant (kernels/cpu/isa.py: AVX512-VNNI, AVX-VNNI, AVX2,
+portable C) is small to build and test on any host. `PackedMatrix` holds one weight matrix's blocks and the C state
+that points at them; its `state_address` and `linear_fn` are what kernels/cpu/linear.h's `ps_linear` takes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels.cpu.build import LibrarySpec, load
+from pagedserve.kernels.cpu.structs import PACKED_STRUCTS, PackedState
+
+# GGUF type name -> (PK_* code of packed_blocks.h, values per block, bytes per block).
+FORMATS: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q5_0": (2, 32, 22), "Q8_0": (3, 32, 34),
+    "Q4_K": (4, 256, 144), "Q5_K": (5, 256, 176), "Q6_K": (6, 256, 210),
+}
+
+
+# The interleaved layout (ps_packed_state.row_group): rows per group, and the formats that have it.
+GROUP_ROWS = 16
+GROUPED_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    state, ptr, i64, c_int = ctypes.POINTER(PackedState), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.pagedserve_packed_linear_threads.argtypes = [state, ptr, i64, ptr, c_int]
+    lib.pagedserve_packed_dequantize.argtypes = [state, ptr, i64, ptr, c_int, c_int]
+    for fn in (lib.pagedserve_packed_linear_threads, lib.pagedserve_packed_dequantize):
+        fn.restype = c_int
+    for name in ("pagedserve_group_linear_threads", "pagedserve_group_dequantize"):
+        getattr(lib, name).argtypes = [ptr, ptr, i64, ptr, c_int] if "linear" in name else [ptr, ptr, c_int, c_int]
+        getattr(lib, name).restype = c_int
+    lib.pagedserve_packed_group_rows.argtypes = [state, ptr]
+    lib.pagedserve_packed_group_rows.restype = c_int
+    lib.pagedserve_packed_isa.restype = lib.pagedserve_group_isa.restype = ctypes.c_char_p
+    lib.pagedserve_packed_grouped_isa.restype = lib.pagedserve_group_grouped_isa.restype = ctypes.c_char_p
+
+
+SPEC = LibrarySpec(
+    name="packed",
+    sources=(*(f"packed_{name}.c" for name in ("linear", "f32", "grouped", "dequantize")), "group_linear.c",
+             "group_grouped.c"),
+    structs=PACKED_STRUCTS,
+    declare=_declare,
+)
+
+
+def build(tier: str | None = None) -> ctypes.CDLL:
+    """The packed library for `tier` (None: PAGEDSERVE_CPU_ISA's when first built, else -march=native; "native";
+    or a tier name of kernels/cpu/isa.py). Raises NativeBuildError (IsaError for a tier this host lacks)."""
+    return load(SPEC, tier)
+
+
+def isa(lib: ctypes.CDLL) -> str:
+    """Which integer dot product `lib`'s row kernel was compiled to: avx512_vnni, avx2_vnni, avx2 or portable."""
+    return lib.pagedserve_packed_isa().decode()
+
+
+# The interleaved-rows kernels' builds faster than the file layout's / row-after-row kernels: loaders group rows
+# only where the build is one of these. avx512_vnni: int16 activations and vpdpwssd (act_q16.h); avx512: fp32.
+FAST_GROUPED_ISAS = ("avx512_vnni", "avx512")
+
+
+def grouped_isa(lib: ctypes.CDLL) -> str:
+    """What the interleaved-rows kernel (packed_grouped.c) in `lib` was compiled to: avx512_vnni, avx512 or
+    portable (see FAST_GROUPED_ISAS)."""
+    return lib.pagedserve_packed_grouped_isa().decode()
+
+
+def group_isa(lib: ctypes.CDLL) -> str:
+    """What the GPTQ/AWQ kernel (group_linear.c) in `lib` was compiled to: avx512 or portable."""
+    return lib.pagedserve_group_isa().decode()
+
+
+def group_grouped_isa(lib: ctypes.CDLL) -> str:
+    """What the GPTQ/AWQ interleaved-rows kernel (group_grouped.c) in `lib` was compiled to: avx512_vnni,
+    avx512 or portable (see FAST_GROUPED_ISAS)."""
+    return lib.pagedserve_group_grouped_isa().decode()
+
+
+@dataclass(frozen=True, eq=False)
+class PackedMatrix:
+    """One weight matrix [out_features, in_features] as GGUF blocks `blocks` (uint8 [out_features, row_bytes])."""
+
+    qtype: str
+    blocks: torch.Tensor
+    in_features: int
+    bias: torch.Tensor | None = None  # fp32 [out_features]
+    lib: ctypes.CDLL | None = None  # None: build()
+    int8_max_rows: int = 0  # calls with up to this many rows round x to int8 per 32 values; more: exact fp32 x
+    row_group: int = 0  # 0: the file's layout; GROUP_ROWS: rows interleaved by `grouped()` (never int8 x)
+
+    def __post_init__(self) -> None:
+        if self.qtype not in FORMATS:
+            raise ValueError(f"qtype: {self.qtype!r} has no packed kernel; supported: {', '.join(FORMATS)}")
+        if self.row_group not in (0, GROUP_ROWS) or (self.row_group and not self.can_group(self.qtype, self.blocks)):
+            raise ValueError(f"row_group: {self.row_group} needs Q4_0/Q4_1/Q8_0 blocks with a multiple of {GROUP_ROWS} "
+                             f"rows (got {self.qtype}, {self.blocks.shape[0]} rows)")
+        code, per, size = FORMATS[self.qtype]
+        if self.in_features % per:
+            raise ValueError(f"in_features: {self.in_features} is not a multiple of {self.qtype}'s {per}-value blocks")
+        blocks = self.blocks
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != self.in_features // per * size:
+            raise ValueError(f"blocks: expected uint8 [out, {self.in_features // per * size}], "
+                             f"got {blocks.dtype} {tuple(blocks.shape)}")
+        if not blocks.is_contiguous():
+            raise ValueError("blocks: must be contiguous")
+        if self.bias is not None and (self.bias.dtype != torch.float32 or self.bias.shape != blocks.shape[:1]):
+            raise ValueError(f"bias: expected float32 [{blocks.shape[0]}]")
+        object.__setattr__(self, "lib", self.lib or build())
+        state = PackedState(code, 0, self.in_features, blocks.shape[0], blocks.data_ptr(), blocks.shape[1],
+                            self.bias.data_ptr() if self.bias is not None else None, self.int8_max_rows,
+                            self.row_group)
+        object.__setattr__(self, "state", state)
+
+    @staticmethod
+    def can_group(qtype: str, blocks: torch.Tensor) -> bool:
+        """Whether `grouped()` applies: Q4_0/Q4_1/Q8_0 with whole groups of GROUP_ROWS rows."""
+        return qtype in GROUPED_FORMATS and blocks.dim() == 2 and blocks.shape[0] % GROUP_ROWS == 0
+
+    def grouped(self) -> "PackedMatrix":
+        """The same matrix with its rows interleaved in groups (packed_grouped.c), rewritten in place: this
+        matrix's blocks then hold the grouped layout, so only the returned matrix reads them correctly."""
+        if self.row_group or not self.can_group(self.qtype, self.blocks):
+            raise ValueError(f"grouped: needs file-layout Q4_0/Q4_1/Q8_0 blocks with a multiple of {GROUP_ROWS} rows")
+        staging = torch.empty_like(self.blocks)
+        if self.lib.pagedserve_packed_group_rows(ctypes.byref(self.state), staging.data_ptr()) != 0:
+            raise ValueError("grouped: the kernel refused the matrix")
+        self.blocks.copy_(staging)
+        return PackedMatrix(self.qtype, self.blocks, self.in_features, self.bias, self.lib, 0, GROUP_ROWS)
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def state_address(self) -> int:
+        return ctypes.addressof(self.state)
+
+    @property
+    def linear_fn(self) -> int:
+        """Address of `pagedserve_packed_linear`, a `ps_linear_fn`."""
+        return ctypes.cast(self.lib.pagedserve_packed_linear, ctypes.c_void_p).value
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] fp32 contiguous -> fp32 [rows, out] = x @ W^T (+ bias)."""
+        assert x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2 and x.shape[1] == self.in_features
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        status = self.lib.pagedserve_packed_linear_threads(
+            ctypes.byref(self.state), x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise MemoryError(f"packed linear failed (status {status})")
+        return y
+
+    def dequantize(self, ids: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` (int64; None: all) of W as `dtype` (float32 or bfloat16; others are cast from fp32)."""
+        if ids is not None:
+            ids = ids.to(torch.int64).contiguous()
+        n = self.out_features if ids is None else ids.numel()
+        native = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+        out = torch.empty(n, self.in_features, dtype=native)
+        status = self.lib.pagedserve_packed_dequantize(
+            ctypes.byref(self.state), None if ids is None else ids.data_ptr(), n, out.data_ptr(),
+            int(native == torch.bfloat16), torch.get_num_threads())
+        if status == 3:
+            raise IndexError(f"row id out of range [0, {self.out_features})")
+        if status != 0:
+            raise ValueError(f"packed dequantize failed (status {status})")
+        return out.to(dtype)
