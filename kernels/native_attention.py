@@ -13,13 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, AttentionPlan
-from pagedserve.kernels.cpu.native import DecodeBatch, decode_attention, load_library, write_kv
+from pagedserve.kernels.cpu.native import COMPUTE_DTYPES, DecodeBatch, decode_attention, load_library, write_kv, write_kv_int8
 from pagedserve.kernels.cpu.prefill import PrefillBatch, prefill_attention_native
 from pagedserve.kernels.kv_cache import LayerKVCache
 from pagedserve.kernels.kv_quant import store_kv
 from pagedserve.kernels.prefill_attention import PrefillChunk, prefill_attention, prefill_chunks
 from pagedserve.kernels.requirements import Requirements
-from pagedserve.kernels.torch_attention import TorchAttention, TorchPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +26,6 @@ class NativePlan(AttentionPlan):
     decode: DecodeBatch | None  # None when no sequence decodes this step
     prefill: PrefillBatch | None  # None when no sequence prefills, or head_dim is not a multiple of 16
     prefill_sdpa: tuple[PrefillChunk, ...]  # the chunks of such head dims
-    torch_plan: TorchPlan | None = None  # caches the C kernels do not read (int8 rows): the torch path's plan
 
 
 def _decode_batch(meta: AttentionMetadata, starts: list[int], window: int | None) -> DecodeBatch | None:
@@ -79,9 +77,6 @@ def _heads_dense(*rows: torch.Tensor) -> bool:
     return all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in rows)
 
 
-_TORCH = TorchAttention()
-
-
 class NativeCpuAttention(AttentionImpl[NativePlan]):
     requirements = Requirements(cpu_only=True)
 
@@ -89,8 +84,6 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         load_library()  # asked for by name, a missing compiler is an error here, not a silent fallback
 
     def plan(self, meta: AttentionMetadata, cache: LayerKVCache, window: int | None = None) -> NativePlan:
-        if cache.dtype.has_row_scales:
-            return NativePlan(window, None, None, (), _TORCH.plan(meta, cache, window))
         starts = meta.query_starts()
         decode = _decode_batch(meta, starts, window)
         chunks = [i for i, q_len in enumerate(meta.query_lens_host) if q_len > 1]
@@ -101,7 +94,10 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
         k_storage = LayerKVCache.by_head(cache.k)
-        if cache.dtype.is_fp8 or cache.dtype.has_row_scales or key.dtype != k_storage.dtype or not _heads_dense(key, value):
+        if cache.dtype.has_row_scales and key.dtype in COMPUTE_DTYPES and _heads_dense(key, value):
+            write_kv_int8(key, value, cache, slot_mapping)
+        elif cache.dtype.is_fp8 or cache.dtype.has_row_scales or key.dtype != k_storage.dtype \
+                or not _heads_dense(key, value):
             store_kv(key, value, cache, slot_mapping)  # quantizes or converts
         else:
             write_kv(key, value, k_storage, LayerKVCache.by_head(cache.v), slot_mapping)
@@ -110,8 +106,6 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, plan: NativePlan, scale: float
     ) -> torch.Tensor:
         assert query.device.type == "cpu", "the native attention runs on CPU tensors only"
-        if plan.torch_plan is not None:
-            return _TORCH.attention(query, cache, meta, plan.torch_plan, scale)
         if not _heads_dense(query):
             query = query.contiguous()
         out = torch.empty(query.shape, dtype=query.dtype)
