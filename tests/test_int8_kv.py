@@ -12,6 +12,7 @@ from attention_cases import BATCHES, DEVICE, SCALE, TOLERANCE, assert_matches_to
     poison_stale_slots
 from pagedserve.engine import EngineConfig, LLM, SamplingParams
 from pagedserve.engine.errors import ConfigError
+from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.backends import ATTENTION_IMPLS, select_attention_impl
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype
 from pagedserve.kernels.kv_quant import quantize_rows_int8
@@ -159,6 +160,30 @@ def test_native_prefill_and_decode_agree_with_float64(query_dtype) -> None:
     assert (result.double() - exact).abs().max().item() <= (1e-5 if query_dtype == torch.float32 else 1.6e-2)
     poison_stale_slots(layer, meta)
     assert torch.equal(paged_attention(impl, query, layer, meta, SCALE), result)  # stale NaN rows never read
+
+
+@pytest.mark.parametrize("kv_dtype", [KVDtype.INT8, KVDtype.FP8_E4M3, KVDtype.FP8_E5M2])
+def test_native_kernels_widen_every_8_bit_value_exactly(kv_dtype: KVDtype) -> None:
+    """One cached token: decode attention's output is its V row, dequantized. Every byte value (finite FP8 ones,
+    subnormals included; -127..127 for int8) in one 256-wide row must come back exactly as torch converts it."""
+    layer = KVCache(KVCacheSpec(1, 1, 256, 16, kv_dtype), 2).layers[0]
+    raw = torch.arange(256, dtype=torch.int32)
+    if kv_dtype is KVDtype.INT8:
+        raw = raw.clamp(max=254) - 127
+        layer.v_row_scale.fill_(0.5)
+        layer.k_row_scale.fill_(1.0)
+    elif kv_dtype is KVDtype.FP8_E4M3:
+        raw = torch.where((raw & 0x7F) == 0x7F, 0, raw)  # NaN bytes: never stored
+    else:
+        raw = torch.where((raw & 0x7C) == 0x7C, 0, raw)  # inf and NaN bytes
+    layer.v.view(torch.uint8)[0, 0, 0] = raw.to(torch.uint8)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32), seq_lens=torch.tensor([1], dtype=torch.int32),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32), slot_mapping=torch.zeros(1, dtype=torch.int64),
+        max_query_len=1, max_seq_len=1, query_lens_host=(1,), seq_lens_host=(1,))
+    out = paged_attention(NativeCpuAttention(), torch.randn(1, 1, 256), layer, meta, SCALE)
+    expected = layer.v[0, 0, 0].float() * (0.5 if kv_dtype is KVDtype.INT8 else 1.0)
+    assert torch.equal(out[0, 0], expected)
 
 
 @pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16, torch.float16])
