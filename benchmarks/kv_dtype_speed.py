@@ -47,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(0)
     engines = {kv: LLMEngine(EngineConfig(kv_cache_dtype=kv, dtype=args.dtype, enable_prefix_caching=False,
-                                          kv_cache_memory=512 << 20)) for kv in args.kv}
+                                          kv_cache_memory=160 << 20)) for kv in args.kv}
     times: dict[str, list[tuple[float, float]]] = {kv: [] for kv in args.kv}
     for r in range(args.rounds + 1):  # round 0 warms up (FP8 calibrates on it)
         prompt = [rng.randrange(200, 20000) for _ in range(args.context)]

@@ -19,7 +19,7 @@ saturate. FP8 is floating point: its relative precision is the same at every mag
 range. The margin keeps a 3-token first prompt from clipping a later text (on SmolLM2-135M, 512-token texts reached
 1.7x the amax of a 44-token chat prompt) while e4m3 still keeps everything above amax / 7,000 normal. Over the
 selection texts of benchmarks/fp8_texts.json this cut the KL divergence from the 16-bit-KV logits by about a fifth
-against margin 1 without centring; docs/fp8-kv.md has the table of alternatives.
+against margin 1 without centring; docs/kv-cache-formats.md has the table of alternatives.
 """
 
 from __future__ import annotations
