@@ -1,4 +1,4 @@
-"""FP8 KV-cache accuracy on the default model (SmolLM2-135M-Instruct), text by text, with the worst text reported.
+"""8-bit KV-cache accuracy (FP8, int8) on the default model (SmolLM2-135M-Instruct), text by text, with the worst text reported.
 
 Each text of benchmarks/fp8_texts.json (prose, code, structured data, a chat transcript, a non-English text) runs
 as ONE sequence through the paged cache in --chunk-token prefill chunks, so every position's logits read all
@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fp8_texts beside this script, even under python -P
 import fp8_texts  # noqa: E402
 from contention import cpu_model  # noqa: E402
+from pagedserve.engine.host.cpu_features import cpu_flags  # noqa: E402
 from pagedserve.engine import EngineConfig, LLMEngine  # noqa: E402
 from pagedserve.engine.models.layers import ForwardContext
 import pagedserve.kernels as kernels_package  # noqa: E402
@@ -58,6 +59,8 @@ CHAT = "Hi! Can you help me write a short note to my neighbour?"
 REFERENCE_KV = {"float32": "fp16", "bfloat16": "bf16"}
 TARGETS = {"fp8_e4m3": 0.5, "fp8_e5m2": 1.5}  # max perplexity change, percent
 TOP1_TARGET = 97.0
+# int8 (per-token scales): its own, tighter bounds per compute dtype (ppl change %, lowest top-1 % or None)
+INT8_TARGETS = {"float32": (0.3, 98.5), "bfloat16": (0.6, None)}
 TOP_K = 32  # reference log-probabilities kept per position for the KL divergence
 
 
@@ -157,12 +160,16 @@ def measure(args, texts, all_ids: dict[str, list[int]], chat: list[int]) -> list
             engine = make_engine(compute, kv)
             inner = engine.runner.attn_impl
             inner = inner.inner if isinstance(inner, CalibratingAttention) else inner
-            for scheme in args.schemes:
+            fp8 = kv.startswith("fp8")
+            # int8 rows scale themselves and 16-bit caches have no scales: no scheme, no calibration case
+            schemes = args.schemes if fp8 else ["per-token" if kv == "int8" else "none"]
+            for scheme in schemes:
                 for i, text in enumerate(texts):
                     other = all_ids[names[(i + 1) % len(names)]]
-                    for case in args.calibrations:
+                    for case in args.calibrations if fp8 else ["none"]:
                         t0 = time.perf_counter()
-                        calibrate(engine, inner, scheme, calibration_batch(case, other, chat))
+                        if fp8:
+                            calibrate(engine, inner, scheme, calibration_batch(case, other, chat))
                         ref = refs[text.name]
                         run = score(engine, all_ids[text.name], args.chunk, ref["top_ids"])
                         nll, ref_nll = run["nll"], ref["nll"]
@@ -195,13 +202,27 @@ def worst(rows: list[dict]) -> list[dict]:
                     "worst_ppl_calibration": bad_ppl["calibration"], "mean_ppl_delta_pct": sum(means) / len(means),
                     "mean_kl": sum(r["kl"] for r in group) / len(group), "worst_kl": max(r["kl"] for r in group),
                     "worst_top1_pct": bad_top["top1_pct"], "worst_top1_text": bad_top["text"],
-                    "meets_targets": kv in TARGETS and bad_ppl["ppl_delta_pct"] <= TARGETS[kv] and bad_top["top1_pct"] >= TOP1_TARGET})
+                    "meets_targets": meets_targets(compute, kv, bad_ppl["ppl_delta_pct"], bad_top["top1_pct"])})
     return out
 
 
+def meets_targets(compute: str, kv: str, ppl_delta_pct: float, top1_pct: float) -> bool | None:
+    if kv == "int8":
+        ppl_bound, top1_bound = INT8_TARGETS[compute]
+        return ppl_delta_pct <= ppl_bound and (top1_bound is None or top1_pct >= top1_bound)
+    if kv in TARGETS:
+        return ppl_delta_pct <= TARGETS[kv] and top1_pct >= TOP1_TARGET
+    return None
+
+
 def host_info() -> dict:
+    """The host a figure was taken on: CPU model, its ISA tier (the vector extensions the kernels can use) and threads."""
+    flags = cpu_flags(Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").is_file() else frozenset()
     return {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu": cpu_model()}
+            "cpu": cpu_model(), "isa": sorted(flags & _ISA_FLAGS)}
+
+
+_ISA_FLAGS = frozenset({"avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16"})
 
 
 def load_texts(role: str, names: list[str] | None, max_tokens: int | None):
@@ -225,7 +246,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", choices=["selection", "evaluation", "all"], default="evaluation")
     parser.add_argument("--compute", nargs="+", default=["float32", "bfloat16"], choices=list(REFERENCE_KV))
-    parser.add_argument("--kv", nargs="+", default=list(TARGETS), choices=[*TARGETS, "bf16", "fp16"],
+    parser.add_argument("--kv", nargs="+", default=[*TARGETS, "int8"], choices=[*TARGETS, "int8", "bf16", "fp16"],
                         help="bf16/fp16: a 16-bit cache of the other kind, for scale (no targets)")
     parser.add_argument("--schemes", nargs="+", default=["default"], choices=list(SCHEMES))
     parser.add_argument("--calibrations", nargs="+", default=list(CALIBRATIONS), choices=CALIBRATIONS)

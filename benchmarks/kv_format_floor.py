@@ -44,6 +44,8 @@ class SimFormat:
     margin: float = 4.0  # head scales only: scale = margin x first-batch amax / element max
     quantize_k: bool = True
     quantize_v: bool = True
+    rotate_k: bool = True  # Hadamard-rotate K before quantizing (data-independent)
+    centre_k: bool = True  # subtract the first batch's per-channel K mean (needs a calibration batch)
 
     def __post_init__(self) -> None:
         if self.element not in ELEMENTS:
@@ -69,6 +71,9 @@ FORMATS = {
     "e5m2/head": SimFormat("e5m2", "head"),
     "int8/head": SimFormat("int8", "head", margin=1.0),
     "int8/token": SimFormat("int8", "token"),
+    # what the engine's int8 cache stores: no calibration batch, so no centring; with and without the rotation
+    "int8/token,no-centre": SimFormat("int8", "token", centre_k=False),
+    "int8/token,plain": SimFormat("int8", "token", rotate_k=False, centre_k=False),
     # nothing quantized: K only goes through the rotation and centring and back in fp32 (a change of ~1e-7 of the
     # row's size) and is stored in the compute dtype: how much the compute dtype itself amplifies the smallest change
     "round-trip-only": SimFormat("int8", "head", quantize_k=False, quantize_v=False),
@@ -104,10 +109,11 @@ class SimulatedKV(WriteObservingAttention):
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
         layer = self._index[id(cache)]
-        k = key.float() if self._rotation is None else key.float() @ self._rotation
+        rotation = self._rotation if self.fmt.rotate_k else None
+        k = key.float() if rotation is None else key.float() @ rotation
         v = value.float()
         if layer not in self._fixed:
-            offset = k.mean(dim=0)
+            offset = k.mean(dim=0) if self.fmt.centre_k else torch.zeros_like(k[0])
             factor = self.fmt.margin / ELEMENTS[self.fmt.element][1]  # kv_scales.ScaleRule's arithmetic
             head = lambda x: (x.abs().amax(dim=(0, 2)).clamp_min(1e-6) * factor).view(1, -1, 1)  # noqa: E731
             self._fixed[layer] = (offset, head(k - offset), head(v))
@@ -117,8 +123,8 @@ class SimulatedKV(WriteObservingAttention):
             k = fake_quantize(centred, self._scale(centred, k_scale), self.fmt.element) + offset
         if self.fmt.quantize_v:
             v = fake_quantize(v, self._scale(v, v_scale), self.fmt.element)
-        if self._rotation is not None:
-            k = k @ self._rotation.T
+        if rotation is not None:
+            k = k @ rotation.T
         self.inner.write_kv(k.to(key.dtype), v.to(value.dtype), cache, slot_mapping)
 
 

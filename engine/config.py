@@ -12,7 +12,7 @@ import torch
 from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.lora.config import LoraConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
-from pagedserve.kernels.kv_cache import KVDtype
+from pagedserve.kernels.kv_cache import ALIASES as KV_DTYPE_ALIASES, KVDtype
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
@@ -23,7 +23,7 @@ GGUF_WEIGHTS = ("auto", "packed", "dequantized")  # engine/loading/model_loader.
 
 def field_choices() -> dict[str, tuple[str, ...]]:
     """The names each named field that is not a backend accepts (backends: `engine/build.py: backend_choices`)."""
-    return {"kv_cache_dtype": ("auto", *(kv.value for kv in KVDtype)), "gguf_weights": GGUF_WEIGHTS}
+    return {"kv_cache_dtype": ("auto", *KV_DTYPE_ALIASES, *(kv.value for kv in KVDtype)), "gguf_weights": GGUF_WEIGHTS}
 
 
 def parse_dtype(name: str) -> torch.dtype | None:

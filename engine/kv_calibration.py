@@ -55,7 +55,10 @@ class KVCalibrationConfig:
         for path in self.texts:
             if not path.is_file():
                 raise ConfigError("texts", f"{path} is not a file")
-        if not KVDtype.parse(self.kv_cache_dtype, torch.float32).is_fp8:
+        kv = KVDtype.parse(self.kv_cache_dtype, torch.float32)
+        if kv.has_row_scales:
+            raise ConfigError("kv_cache_dtype", f"{self.kv_cache_dtype} rows carry their own scales: nothing to calibrate")
+        if not kv.is_fp8:
             raise ConfigError("kv_cache_dtype", f"{self.kv_cache_dtype} is not an fp8 dtype")
         if self.max_tokens < 1:
             raise ConfigError("max_tokens", f"must be >= 1, got {self.max_tokens}")

@@ -88,6 +88,7 @@ class EngineStats:
     num_aborted_requests: int  # unfinished requests stopped by abort_request (cancel, deadline, shutdown)
     block_size: int
     max_model_len: int
+    kv_cache_dtype: str = ""  # the cache's dtype as resolved (auto -> bf16, fp8 -> fp8_e4m3)
     constraints: ConstraintStats = ConstraintStats()  # structured outputs: requests, compiles, cache hits
     # LoRA (vllm:lora_requests_info): adapter names with a running / waiting request, in first-seen order
     max_loras: int = 0  # 0: LoRA off

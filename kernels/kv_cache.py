@@ -18,6 +18,7 @@ class KVDtype(enum.Enum):
     BF16 = "bf16"
     FP8_E4M3 = "fp8_e4m3"
     FP8_E5M2 = "fp8_e5m2"
+    INT8 = "int8"  # one fp16 scale per token and KV head beside each row, set when the row is written
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -32,6 +33,16 @@ class KVDtype(enum.Enum):
         return self in (KVDtype.FP8_E4M3, KVDtype.FP8_E5M2)
 
     @property
+    def has_row_scales(self) -> bool:
+        """Rows carry their own scale (int8): per-layer k/v scales are unused, nothing is calibrated."""
+        return self is KVDtype.INT8
+
+    @property
+    def row_bytes_extra(self) -> int:
+        """Bytes per row (token and KV head) beyond its elements: the fp16 row scale."""
+        return ROW_SCALE_DTYPE.itemsize if self.has_row_scales else 0
+
+    @property
     def fp8_max(self) -> float:
         """Largest finite value; stores clamp to it so CPU (saturating) and GPU agree."""
         if not self.is_fp8:
@@ -40,7 +51,9 @@ class KVDtype(enum.Enum):
 
     @classmethod
     def parse(cls, name: str, model_dtype: torch.dtype) -> "KVDtype":
-        """`auto` follows the model's dtype; anything else must be one of the listed names."""
+        """`auto` follows the model's dtype; `fp8` is vLLM's spelling of fp8_e4m3; anything else must be one of the
+        listed names."""
+        name = ALIASES.get(name, name)
         if name == "auto":
             for kv, td in _TORCH_DTYPES.items():
                 if td == model_dtype and not kv.is_fp8:
@@ -49,7 +62,7 @@ class KVDtype(enum.Enum):
         try:
             return cls(name)
         except ValueError:
-            supported = ", ".join(["auto"] + [k.value for k in cls])
+            supported = ", ".join(["auto", *ALIASES] + [k.value for k in cls])
             raise KVCacheConfigError("kv_cache_dtype", f"unknown {name!r}; supported: {supported}") from None
 
 
@@ -59,7 +72,11 @@ _TORCH_DTYPES = {
     KVDtype.BF16: torch.bfloat16,
     KVDtype.FP8_E4M3: torch.float8_e4m3fn,
     KVDtype.FP8_E5M2: torch.float8_e5m2,
+    KVDtype.INT8: torch.int8,
 }
+ALIASES = {"fp8": KVDtype.FP8_E4M3.value}  # vLLM's --kv-cache-dtype fp8
+ROW_SCALE_DTYPE = torch.float16  # int8 rows' scales: 2 bytes per row (a fp32 one would drop 64-dim heads below 1.9x)
+INT8_MAX = 127  # symmetric: -128 is never stored, so negation is exact
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +96,9 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """K and V of every layer; int8 rows count their fp16 scale."""
+        row = self.head_dim * self.dtype.itemsize + self.dtype.row_bytes_extra
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * row
 
     def num_blocks_for(self, memory_bytes: int) -> int:
         return memory_bytes // self.bytes_per_block
@@ -109,12 +128,23 @@ class LayerKVCache:
     dtype: KVDtype
     k_rotation: torch.Tensor | None = None
     k_offset: torch.Tensor | None = None
+    # int8 only: [num_blocks, block_size, num_kv_heads] fp16 row scales (a view of head-major
+    # [num_kv_heads, num_blocks, block_size] storage, like k/v); row (slot, head) holds q * scale.
+    k_row_scale: torch.Tensor | None = None
+    v_row_scale: torch.Tensor | None = None
 
     @staticmethod
     def by_head(cache_tensor: torch.Tensor) -> torch.Tensor:
         """k or v -> the head-major storage [num_kv_heads, num_blocks, block_size, head_dim] (no copy)."""
         storage = cache_tensor.permute(2, 0, 1, 3)
         assert storage.is_contiguous(), "KV cache tensors must come from KVCache (head-major storage)"
+        return storage
+
+    @staticmethod
+    def scales_by_head(row_scale: torch.Tensor) -> torch.Tensor:
+        """k_row_scale or v_row_scale -> the head-major storage [num_kv_heads, num_blocks, block_size] (no copy)."""
+        storage = row_scale.permute(2, 0, 1)
+        assert storage.is_contiguous(), "row scales must come from KVCache (head-major storage)"
         return storage
 
 
@@ -129,6 +159,12 @@ class KVCache:
         storage = (spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
         blocks = lambda: torch.zeros(storage, dtype=spec.dtype.torch_dtype, device=device).permute(1, 2, 0, 3)  # noqa: E731
         ones = lambda: torch.ones(spec.num_kv_heads, dtype=torch.float32, device=device)  # noqa: E731
+
+        def row_scales() -> torch.Tensor | None:
+            if not spec.dtype.has_row_scales:
+                return None
+            return torch.zeros(storage[:3], dtype=ROW_SCALE_DTYPE, device=device).permute(1, 2, 0)
+
         self.layers = [
             LayerKVCache(
                 k=blocks(),
@@ -136,9 +172,19 @@ class KVCache:
                 k_scale=ones(),
                 v_scale=ones(),
                 dtype=spec.dtype,
+                k_row_scale=row_scales(),
+                v_row_scale=row_scales(),
             )
             for _ in range(spec.num_layers)
         ]
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Block dst[i] of every layer becomes a copy of block src[i] (copy-on-write), row scales included."""
+        for layer in self.layers:
+            for cache in (layer.k, layer.v, layer.k_row_scale, layer.v_row_scale):
+                if cache is not None:
+                    raw = cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache
+                    raw[dst] = raw[src]
 
     def set_k_rotation(self, rotation: torch.Tensor | None) -> None:
         """Install one orthogonal [head_dim, head_dim] K rotation for every layer (None removes it)."""

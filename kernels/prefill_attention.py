@@ -1,5 +1,6 @@
 """Prefill chunks (sequences with more than one new token) through SDPA: the torch path's prefill, and the native
-path's for head dims that are not a multiple of 16 (kernels/cpu/prefill_attention.c takes every other case)."""
+path's for long chunks and for head dims that are not a multiple of 16 (kernels/cpu/prefill_attention.c takes short
+chunks)."""
 
 from __future__ import annotations
 
@@ -35,14 +36,16 @@ def _visible(past: int, ctx: int, first_key: int, window: int | None, device: to
 
 
 def prefill_chunks(
-    meta: AttentionMetadata, cache: LayerKVCache, starts: list[int], window: int | None = None
+    meta: AttentionMetadata, cache: LayerKVCache, starts: list[int], window: int | None = None,
+    picked: tuple[int, ...] | None = None,
 ) -> tuple[PrefillChunk, ...]:
-    """One chunk per sequence with more than one new token; `starts` from `meta.query_starts()`."""
+    """One chunk per sequence with more than one new token (of those in `picked`, when given); `starts` from
+    `meta.query_starts()`."""
     num_blocks, block_size, num_kv_heads, _ = cache.k.shape
     device = cache.k.device
     chunks = []
     for i, q_len in enumerate(meta.query_lens_host):
-        if q_len > 1:
+        if q_len > 1 and (picked is None or i in picked):
             ctx = meta.seq_lens_host[i]
             past = ctx - q_len
             # Blocks wholly before the first query's window hold no visible key (and may be freed): not read.

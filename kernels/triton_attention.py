@@ -4,7 +4,7 @@ Grid: (query blocks over all sequences, KV heads). A program owns BLOCK_Q consec
 sequence together with the NUM_QUERIES_PER_KV query heads that share its KV head (BLOCK_M rows = token x head),
 so each K/V tile is read once per GQA group. It walks the sequence's block table one cache block per iteration
 with an online softmax (exp2 domain); FP8 blocks are dequantized by their per-KV-head scale right after the load,
-so tl.dot only ever sees 16-bit (or fp32) operands. New tokens attend causally to each other and to the cached
+int8 blocks by each row's own scale (loaded beside the tile), so tl.dot only ever sees 16-bit (or fp32) operands. New tokens attend causally to each other and to the cached
 context before them; with a sliding window W a row at position p sees only keys p - W < k <= p, and the walk starts
 at the block of the program's first row's first visible key (earlier blocks may be freed: their table entries are
 -1). Offsets that are multiplied by strides are int64: a 40 GB cache overflows int32.
@@ -27,15 +27,17 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    k_row_scale_ptr, v_row_scale_ptr,  # int8: fp16 [num_blocks, block_size, Hkv] views; unused otherwise
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     qk_scale_log2,  # softmax scale * log2(e)
     num_seqs,
     window,  # sliding window; larger than any context when the layer has none
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_block, stride_c_pos, stride_c_head, stride_bt_seq,
+    stride_s_block, stride_s_pos, stride_s_head,
     NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    IS_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    IS_FP8: tl.constexpr, IS_INT8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     # Real GPUs need dot K >= 16 for 16-bit operands (>= 32 for 8-bit; never used: FP8 is dequantized first).
     # The interpreter accepts anything, so state it here.
@@ -100,6 +102,14 @@ def _paged_attention_kernel(
         if IS_FP8:
             k = (k.to(tl.float32) * k_scale).to(q_ptr.dtype.element_ty)
             v = (v.to(tl.float32) * v_scale).to(q_ptr.dtype.element_ty)
+        if IS_INT8:
+            # Each key's row scale; int8 x fp16 is exact in fp32, rounded once to the compute dtype as on the
+            # torch path. Masked keys read scale 0 (their stale slots may hold anything).
+            s_off = block * stride_s_block + offs_n.to(tl.int64) * stride_s_pos + kv_head.to(tl.int64) * stride_s_head
+            k_rs = tl.load(k_row_scale_ptr + s_off, mask=key_ok, other=0.0).to(tl.float32)
+            v_rs = tl.load(v_row_scale_ptr + s_off, mask=key_ok, other=0.0).to(tl.float32)
+            k = (k.to(tl.float32) * k_rs[None, :]).to(q_ptr.dtype.element_ty)
+            v = (v.to(tl.float32) * v_rs[:, None]).to(q_ptr.dtype.element_ty)
         k = k.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
         v = v.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale_log2
@@ -171,15 +181,18 @@ def triton_paged_attention(
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     out = torch.empty_like(query)
     grid = (num_tokens // block_q + meta.num_seqs, num_kv_heads)
+    is_int8 = cache.dtype.has_row_scales
+    k_rows, v_rows = (cache.k_row_scale, cache.v_row_scale) if is_int8 else (cache.k_scale, cache.v_scale)
     _paged_attention_kernel[grid](
-        out, query, cache.k, cache.v, cache.k_scale, cache.v_scale,
+        out, query, cache.k, cache.v, cache.k_scale, cache.v_scale, k_rows, v_rows,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
         scale * _LOG2E, meta.num_seqs, _NO_WINDOW if window is None else min(window, _NO_WINDOW),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         cache.k.stride(0), cache.k.stride(1), cache.k.stride(2), meta.block_tables.stride(0),
+        *(cache.k_row_scale.stride() if is_int8 else (0, 0, 0)),
         NUM_QUERIES_PER_KV=queries_per_kv, BLOCK_M=block_m, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
-        IS_FP8=cache.dtype.is_fp8, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        IS_FP8=cache.dtype.is_fp8, IS_INT8=is_int8, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DOT_DTYPE=_dot_dtype(query.dtype),
         num_stages=_num_stages(block_size, head_dim_pad, query.element_size()),
     )

@@ -32,6 +32,7 @@ QUERY_DTYPES = {
     KVDtype.FP8_E4M3: torch.float16,
     KVDtype.FP8_E5M2: torch.float16,
     KVDtype.FP32: torch.float32,
+    KVDtype.INT8: torch.float16,
 }
 # One output rounding step apart at |out| < 4: fp16's spacing there is 2^-9 ~ 1.95e-3, bf16's is 8x coarser.
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}
@@ -98,9 +99,10 @@ def float64_reference(
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
         blocks = meta.block_tables[i, : -(-seq_len // block_size)].long()
         k, v = (
-            dequantize_from_cache(c[blocks].flatten(0, 1)[:seq_len], s, layer.dtype, query.dtype)
+            dequantize_from_cache(c[blocks].flatten(0, 1)[:seq_len], s if rows is None else
+                                  rows[blocks].flatten(0, 1)[:seq_len], layer.dtype, query.dtype)
             .double().cpu().repeat_interleave(queries_per_kv, 1)
-            for c, s in ((layer.k, layer.k_scale), (layer.v, layer.v_scale))
+            for c, s, rows in ((layer.k, layer.k_scale, layer.k_row_scale), (layer.v, layer.v_scale, layer.v_row_scale))
         )
         q = query[start : start + q_len].double().cpu()
         scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
@@ -129,9 +131,18 @@ def poison_stale_slots(layer: LayerKVCache, meta: AttentionMetadata) -> None:
     for i, seq_len in enumerate(meta.seq_lens_host):
         pos = torch.arange(seq_len, device=layer.k.device)
         written[meta.block_tables[i, pos // block_size].long() * block_size + pos % block_size] = True
-    stale = ~written.view(num_blocks, block_size)
-    layer.k[stale] = float("nan")  # boolean indexing writes through the cache's strided view
-    layer.v[stale] = float("nan")
+    _poison(layer, ~written.view(num_blocks, block_size))
+
+
+def _poison(layer: LayerKVCache, where: torch.Tensor | int) -> None:
+    """NaN in the slots `where` (a [num_blocks, block_size] mask or a block index); int8 rows get NaN scales."""
+    if layer.k_row_scale is None:
+        layer.k[where] = float("nan")  # boolean indexing writes through the cache's strided view
+        layer.v[where] = float("nan")
+        return
+    for rows, scales in ((layer.k, layer.k_row_scale), (layer.v, layer.v_row_scale)):
+        rows[where] = 127
+        scales[where] = float("nan")
 
 
 def free_out_of_window(layer: LayerKVCache, meta: AttentionMetadata, window: int) -> AttentionMetadata:
@@ -140,8 +151,7 @@ def free_out_of_window(layer: LayerKVCache, meta: AttentionMetadata, window: int
     block_size = layer.k.shape[1]
     tables = meta.block_tables.clone()
     spare = sorted(set(range(layer.k.shape[0])) - set(tables.flatten().tolist()))[0]
-    layer.k[spare] = float("nan")
-    layer.v[spare] = float("nan")
+    _poison(layer, spare)
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
         dead = max(0, seq_len - q_len - window + 1) // block_size
         tables[i, :dead] = spare

@@ -110,6 +110,8 @@ def test_bad_inputs_name_the_field(tiny_llama, texts, tmp_path) -> None:
         KVCalibrationConfig(model=tiny_llama, output=tmp_path / "o", texts=(tmp_path / "missing.txt",))
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         KVCalibrationConfig(model=tiny_llama, output=tmp_path / "o", texts=tuple(texts), kv_cache_dtype="fp16")
+    with pytest.raises(ConfigError, match="kv_cache_dtype: int8 rows carry their own scales"):
+        KVCalibrationConfig(model=tiny_llama, output=tmp_path / "o", texts=tuple(texts), kv_cache_dtype="int8")
 
 
 def test_a_kv_only_compressed_tensors_config_loads_unquantized_weights() -> None:

@@ -20,7 +20,7 @@ NAMED_FIELDS = {
     "attention_backend": attention_backend_names,
     "layer_ops": layer_ops_names,
     "quantization": lambda: tuple(QUANT_METHODS.names()),
-    "kv_cache_dtype": lambda: ("auto", *(kv.value for kv in KVDtype)),
+    "kv_cache_dtype": lambda: ("auto", "fp8", *(kv.value for kv in KVDtype)),  # fp8: vLLM's name for fp8_e4m3
 }
 
 

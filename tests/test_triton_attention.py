@@ -94,7 +94,7 @@ def tiny_llama(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "int8"])
 def test_engine_generates_through_triton_like_the_torch_path(tiny_llama: str, kv_cache_dtype: str) -> None:
     """Greedy generation, token for token, with chunked prefills (16-token budget) mixed into decode steps."""
     from pagedserve.engine import LLM, SamplingParams

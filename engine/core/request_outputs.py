@@ -61,7 +61,7 @@ def _completion(seq: Sequence) -> CompletionOutput:
 
 
 def engine_stats(scheduler: Scheduler, spec: SpecCounters, constraints: ConstraintStats, max_model_len: int,
-                 max_loras: int, num_aborted_requests: int) -> EngineStats:
+                 kv_cache_dtype: str, max_loras: int, num_aborted_requests: int) -> EngineStats:
     bm = scheduler.block_manager
     return EngineStats(
         num_running=len(scheduler.running),
@@ -76,6 +76,7 @@ def engine_stats(scheduler: Scheduler, spec: SpecCounters, constraints: Constrai
         constraints=constraints,
         block_size=bm.block_size,
         max_model_len=max_model_len,
+        kv_cache_dtype=kv_cache_dtype,
         max_loras=max_loras,
         running_adapters=scheduler.running_adapters(),
         waiting_adapters=scheduler.waiting_adapters(),

@@ -155,7 +155,4 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
-        for layer in self.kv_cache.layers:
-            for cache in (layer.k, layer.v):
-                raw = cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache
-                raw[dst] = raw[src]
+        self.kv_cache.copy_blocks(src, dst)

@@ -24,7 +24,7 @@ from pagedserve.engine.runner.native_capacity import NativeCapacity
 from pagedserve.engine.runner.step_input import StepInput
 from pagedserve.kernels.attention import AttentionImpl
 from pagedserve.kernels.cpu.build import check_struct_sizes
-from pagedserve.kernels.cpu.native import dtype_code, load_library
+from pagedserve.kernels.cpu.native import dtype_code, load_library, row_scales_ptr
 from pagedserve.kernels.kv_cache import KVCache, LayerKVCache
 from pagedserve.kernels.kv_scales import CalibratingAttention
 from pagedserve.kernels.native_attention import NativeCpuAttention
@@ -39,8 +39,8 @@ class StepLayer(ctypes.Structure):
     # Field order and types mirror StepLayer in kernels/cpu/decode_step.c.
     _fields_ = [("qkv", PsLinear * 3), ("n_qkv", _i64), ("o", PsLinear), ("gate_up", PsLinear * 2),
                 ("n_gate_up", _i64), ("down", PsLinear), ("input_norm", _p), ("post_norm", _p), ("k_cache", _p),
-                ("v_cache", _p), ("k_scale", _p), ("v_scale", _p), ("k_rotation", _p), ("k_offset", _p),
-                ("window", _i64), ("q_norm", _p), ("k_norm", _p)]
+                ("v_cache", _p), ("k_scale", _p), ("v_scale", _p), ("k_row_scale", _p), ("v_row_scale", _p),
+                ("k_rotation", _p), ("k_offset", _p), ("window", _i64), ("q_norm", _p), ("k_norm", _p)]
 
 
 class StepModel(ctypes.Structure):
@@ -125,6 +125,7 @@ class NativeDecodeStep:
             _struct_array(qkv, 3), len(qkv), o.as_struct(), _struct_array(gate_up, 2), len(gate_up), down.as_struct(),
             layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), k.data_ptr(), v.data_ptr(),
             entry.k_scale.data_ptr(), entry.v_scale.data_ptr(),
+            row_scales_ptr(entry.k_row_scale), row_scales_ptr(entry.v_row_scale),
             None if self._rotation is None else self._rotation.data_ptr(), None, layer.window or 0,
             *((t.data_ptr() for t in head_norms) if head_norms else (None, None)),
         )

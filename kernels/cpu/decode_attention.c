@@ -96,9 +96,12 @@ INLINE void chunk_values(const DecodeArgs *a, const Keys *k, int64_t h, const fl
     for (int64_t t0 = k->k0 - k->k0 % bs; t0 < k->k1; t0 += bs) {
         const char *tile = (const char *)a->v_cache + (h * a->num_blocks + k->table[t0 / bs]) * bs * kv_row;
         const int64_t n = k->k1 - t0 < bs ? k->k1 - t0 : bs, tlo = t0 < k->k0 ? k->k0 - t0 : 0;
+        const _Float16 *rs = kv_dt == DT_I8 ? a->v_row_scale + (h * a->num_blocks + k->table[t0 / bs]) * bs : NULL;
         for (int64_t i = tlo; i < n; i++) {
             f32x16 v[chunks];
             for (int64_t c = 0; c < chunks; c++) v[c] = load16(tile + i * kv_row, c, kv_dt);
+            if (kv_dt == DT_I8)
+                for (int64_t c = 0; c < chunks; c++) v[c] *= (float)rs[i];
             for (int b = 0; b < nq; b++) {
                 const float pb = scores[(qq0 + b) * KEY_CHUNK + t0 + i - k->k0];
                 for (int64_t c = 0; c < chunks; c++) acc[b][c] += pb * v[c];
@@ -112,7 +115,7 @@ INLINE void chunk_values(const DecodeArgs *a, const Keys *k, int64_t h, const fl
  * fp32 once for all queries; each query's 16 dot vectors then stay in registers up to their lane sums (a
  * [query][key] buffer of them cost a store and a load each). The prefetches run ahead to `next_k` and this tile's V. */
 INLINE void score16(const char *tile, const char *next_k, const char *v_tile, int64_t i0, int64_t m, const f32x16 *q,
-                    int64_t nq, float *dst, const int64_t chunks, const int kv_dt) {
+                    int64_t nq, float *dst, const _Float16 *rs, const int64_t chunks, const int kv_dt) {
     const size_t kv_row = (size_t)16 * chunks * elem_size(kv_dt);
     f32x16 kf[16][chunks];
     for (int64_t i = 0; i < 16; i++) {
@@ -135,7 +138,8 @@ INLINE void score16(const char *tile, const char *next_k, const char *v_tile, in
             for (int64_t c = 1; c < chunks; c++) dot += q[qq * chunks + c] * kf[i][c];
             dots[i] = dot;
         }
-        const f32x16 sums = hsum16x16(dots);
+        f32x16 sums = hsum16x16(dots);
+        if (kv_dt == DT_I8) sums *= row_scales16(rs + i0, m);  /* int8 K: each key's dot times its row's scale */
         /* a constant size is one store; a variable one became `rep movsq` (~10% of the kernel) */
         if (m == 16) memcpy(dst + qq * KEY_CHUNK, &sums, sizeof sums);
         else memcpy(dst + qq * KEY_CHUNK, &sums, sizeof(float) * (size_t)m);
@@ -156,9 +160,10 @@ INLINE void chunk_scores(const DecodeArgs *a, const Keys *k, int64_t h, const f3
          * the probs x V loop then finds in cache. */
         const char *next_k = t0 + bs < k->hi
             ? (const char *)a->k_cache + (size_t)(h * a->num_blocks + k->table[t0 / bs + 1]) * tile_bytes : tile;
+        const _Float16 *rs = kv_dt == DT_I8 ? a->k_row_scale + (h * a->num_blocks + k->table[t0 / bs]) * bs : NULL;
         for (int64_t i0 = tlo; i0 < n; i0 += 16)
             score16(tile, next_k, (const char *)a->v_cache + offset, i0, n - i0 < 16 ? n - i0 : 16, q, nq,
-                    scores + t0 + i0 - k->k0, chunks, kv_dt);
+                    scores + t0 + i0 - k->k0, rs, chunks, kv_dt);
     }
 }
 
@@ -226,11 +231,13 @@ static void row_scalar(const DecodeArgs *a, int64_t s, int64_t h, Scratch *w) {
         for (int64_t d = 0; d < dim; d++) w->q[g * dim + d] = q[d] * q_factor;
     }
     for (int64_t t = first; t < len; t++) {
-        const float *k = row_f32(a->k_cache, (h * a->num_blocks + table[t / bs]) * bs + t % bs, dim, a->kv_dtype, w->row);
+        const int64_t slot = (h * a->num_blocks + table[t / bs]) * bs + t % bs;
+        const float *k = row_f32(a->k_cache, slot, dim, a->kv_dtype, w->row);
+        const float row_scale = a->kv_dtype == DT_I8 ? (float)a->k_row_scale[slot] : 1.0f;
         for (int64_t g = 0; g < group; g++) {
             float dot = 0.0f;
             for (int64_t d = 0; d < dim; d++) dot += w->q[g * dim + d] * k[d];
-            w->scores[g * keys + t - first] = dot;
+            w->scores[g * keys + t - first] = dot * row_scale;
         }
     }
     for (int64_t g = 0; g < group; g++) {
@@ -239,8 +246,10 @@ static void row_scalar(const DecodeArgs *a, int64_t s, int64_t h, Scratch *w) {
         float *acc = w->acc;
         memset(acc, 0, sizeof(float) * dim);
         for (int64_t t = first; t < len; t++) {
-            const float *v = row_f32(a->v_cache, (h * a->num_blocks + table[t / bs]) * bs + t % bs, dim, a->kv_dtype, w->row);
-            for (int64_t d = 0; d < dim; d++) acc[d] += w->scores[g * keys + t - first] * v[d];
+            const int64_t slot = (h * a->num_blocks + table[t / bs]) * bs + t % bs;
+            const float *v = row_f32(a->v_cache, slot, dim, a->kv_dtype, w->row);
+            const float p = w->scores[g * keys + t - first] * (a->kv_dtype == DT_I8 ? (float)a->v_row_scale[slot] : 1.0f);
+            for (int64_t d = 0; d < dim; d++) acc[d] += p * v[d];
         }
         store_row(a->out, first_head + g, dim, a->q_dtype, acc, factor);
     }
@@ -267,6 +276,9 @@ void decode_chunk(const DecodeArgs *a, const Span *sp, int64_t h, int64_t c, Scr
     SPECIALIZE_DIMS(DT_F16, DT_F32);
     SPECIALIZE_DIMS(DT_E4M3, DT_F32);
     SPECIALIZE_DIMS(DT_E5M2, DT_F32);
+    SPECIALIZE_DIMS(DT_I8, DT_BF16);
+    SPECIALIZE_DIMS(DT_I8, DT_F32);
+    SPECIALIZE_DIMS(DT_I8, DT_F16);
     chunk_task(a, sp, h, c, w, part, a->head_dim / 16, a->kv_dtype, a->q_dtype);
 }
 

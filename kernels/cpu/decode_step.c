@@ -25,6 +25,7 @@ typedef struct {
     const void *input_norm, *post_norm;         /* [hidden], norm_dtype */
     const void *k_cache, *v_cache;              /* head-major [Hkv, num_blocks, block_size, D], kv_dtype */
     const float *k_scale, *v_scale;             /* [Hkv] */
+    _Float16 *k_row_scale, *v_row_scale;        /* int8: [Hkv, num_blocks, block_size]; else NULL */
     const float *k_rotation;                    /* [D, D] fp32 or NULL: the cache holds K R, queries use Q R */
     const float *k_offset;                      /* [Hkv, D] fp32 or NULL: subtracted from K R before it is stored */
     int64_t window;                             /* 0: full attention */
@@ -77,8 +78,13 @@ static uint8_t f32_to_fp8(float x, int mant, int bias) {
 }
 
 /* One K or V row (fp32, already rotated for K) into its slot of head h's tiles, in the cache's dtype. */
-static void store_kv_row(const StepModel *m, void *cache, const float *row, float scale, int64_t h, int64_t slot) {
+static void store_kv_row(const StepModel *m, void *cache, _Float16 *row_scales, const float *row, float scale,
+                         int64_t h, int64_t slot) {
     const int64_t dim = m->head_dim, at = (h * m->num_blocks * m->block_size + slot) * dim;
+    if (m->kv_dtype == DT_I8) {
+        quantize_row_int8(row, dim, (int8_t *)cache + at, row_scales + at / dim);
+        return;
+    }
     if (m->kv_dtype == DT_E4M3 || m->kv_dtype == DT_E5M2) {
         const int mant = m->kv_dtype == DT_E4M3 ? 3 : 2, bias = m->kv_dtype == DT_E4M3 ? 7 : 15;
         for (int64_t d = 0; d < dim; d++) {
@@ -153,14 +159,14 @@ static int attention_block(const StepModel *m, const StepLayer *L, const StepBat
             for (int64_t d = 0; d < Hkv * D; d++) k[d] -= L->k_offset[d];
         memcpy(w->attn + r * H * D, q, sizeof(float) * H * D);  /* the query rows, dense for the kernel */
         for (int64_t h = 0; h < Hkv; h++) {
-            store_kv_row(m, (void *)L->k_cache, k + h * D, L->k_scale[h], h, b->slots[r]);
-            store_kv_row(m, (void *)L->v_cache, v + h * D, L->v_scale[h], h, b->slots[r]);
+            store_kv_row(m, (void *)L->k_cache, L->k_row_scale, k + h * D, L->k_scale[h], h, b->slots[r]);
+            store_kv_row(m, (void *)L->v_cache, L->v_row_scale, v + h * D, L->v_scale[h], h, b->slots[r]);
         }
     }
     DecodeArgs a = {
         .query = w->attn, .q_token_stride = H * D, .out = w->qkv, .q_dtype = DT_F32,
         .k_cache = L->k_cache, .v_cache = L->v_cache, .kv_dtype = m->kv_dtype,
-        .k_scale = L->k_scale, .v_scale = L->v_scale,
+        .k_scale = L->k_scale, .v_scale = L->v_scale, .k_row_scale = L->k_row_scale, .v_row_scale = L->v_row_scale,
         .block_tables = b->block_tables, .block_table_stride = b->block_table_stride,
         .seq_lens = b->seq_lens, .rows = b->rows,
         .num_heads = H, .num_kv_heads = Hkv, .head_dim = D, .num_blocks = m->num_blocks,

@@ -24,3 +24,28 @@ int pagedserve_write_kv(const char *key, int64_t key_stride, const char *value, 
     }
     return 0;
 }
+
+/* The same for an int8 cache: each row quantized (quantize_row_int8, bit for bit the torch path's) into its slot,
+ * its fp16 scale into the head-major [Hkv, slots] scale storage. key/value rows in the compute dtype src_dt. */
+int pagedserve_write_kv_int8(const char *key, int64_t key_stride, const char *value, int64_t value_stride, int src_dt,
+                             int8_t *k_storage, int8_t *v_storage, _Float16 *k_scales, _Float16 *v_scales,
+                             const int64_t *slot_mapping, int64_t num_tokens, int64_t num_kv_heads, int64_t num_slots,
+                             int64_t head_dim) {
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots) return -1;
+    float *row = malloc(sizeof(float) * (size_t)head_dim);
+    if (!row) return -2;
+    const int64_t elem = elem_size(src_dt);
+    for (int64_t t = 0; t < num_tokens; t++) {
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t at = h * num_slots + slot_mapping[t];
+            const char *k = key + (t * key_stride + h * head_dim) * elem, *v = value + (t * value_stride + h * head_dim) * elem;
+            for (int64_t d = 0; d < head_dim; d++) row[d] = load_at(k, d, src_dt);
+            quantize_row_int8(row, head_dim, k_storage + at * head_dim, k_scales + at);
+            for (int64_t d = 0; d < head_dim; d++) row[d] = load_at(v, d, src_dt);
+            quantize_row_int8(row, head_dim, v_storage + at * head_dim, v_scales + at);
+        }
+    }
+    free(row);
+    return 0;
+}

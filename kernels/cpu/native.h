@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_E4M3 = 3, DT_E5M2 = 4 };
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_E4M3 = 3, DT_E5M2 = 4, DT_I8 = 5 };  /* DT_I8: KV storage only */
 
 /* memcpy, not unions: gcc vectorizes loops over these. */
 static inline float bf16_to_f32(uint16_t x) {
@@ -35,7 +35,9 @@ static inline float f16_bits_to_f32(uint16_t bits) {
 
 #define INLINE static inline __attribute__((always_inline))
 
-static inline int64_t elem_size(int dt) { return dt == DT_F32 ? 4 : dt == DT_E4M3 || dt == DT_E5M2 ? 1 : 2; }
+static inline int64_t elem_size(int dt) {
+    return dt == DT_F32 ? 4 : dt == DT_E4M3 || dt == DT_E5M2 || dt == DT_I8 ? 1 : 2;
+}
 
 /* Element i of a tensor of dtype dt, as fp32. FP8 is exact: e5m2 is fp16's top byte, and e4m3 moved into fp16's
  * fields reads 2^-8 times its value. */
@@ -43,6 +45,7 @@ INLINE float load_at(const void *base, int64_t i, int dt) {
     if (dt == DT_F32) return ((const float *)base)[i];
     if (dt == DT_BF16) return bf16_to_f32(((const uint16_t *)base)[i]);
     if (dt == DT_F16) return (float)((const _Float16 *)base)[i];
+    if (dt == DT_I8) return (float)((const int8_t *)base)[i];  /* times its row's scale, by the caller */
     const uint16_t b = ((const uint8_t *)base)[i];
     if (dt == DT_E4M3) return f16_bits_to_f32((uint16_t)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7))) * 256.0f;
     return f16_bits_to_f32((uint16_t)(b << 8));  /* DT_E5M2 */
@@ -76,6 +79,8 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef int16_t i16x16 __attribute__((vector_size(32)));
 typedef _Float16 f16x16 __attribute__((vector_size(32)));
 
 INLINE float hsum16(f32x16 x) {  /* a tree, not a 16-long dependency chain */
@@ -104,16 +109,64 @@ INLINE f32x16 load16(const void *row, int64_t c, int dt) {
         f16x16 half;
         memcpy(&half, (const _Float16 *)row + 16 * c, sizeof half);
         out = __builtin_convertvector(half, f32x16);
+    } else if (dt == DT_I8) {  /* the integers; the caller multiplies by the row's scale */
+        i8x16 byte;
+        memcpy(&byte, (const int8_t *)row + 16 * c, sizeof byte);
+#if defined(PS_AVX512)
+        const __m512 wide = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)&byte)));
+        memcpy(&out, &wide, sizeof out);
+#else
+        /* Widened in two steps: gcc 12 turns a 4x widening convertvector into 16 scalar conversions (which made
+         * int8 decode attention 3x bf16's). */
+        out = __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(byte, i16x16), i32x16), f32x16);
+#endif
     } else {
         u8x16 byte;
         memcpy(&byte, (const uint8_t *)row + 16 * c, sizeof byte);
-        u16x16 b = __builtin_convertvector(byte, u16x16), bits;
-        bits = dt == DT_E4M3 ? (u16x16)(((b & 0x80) << 8) | ((b & 0x7f) << 7)) : (u16x16)(b << 8);
-        f16x16 half;
-        memcpy(&half, &bits, sizeof half);
-        out = __builtin_convertvector(half, f32x16) * (dt == DT_E4M3 ? 256.0f : 1.0f);
+#if defined(PS_AVX512)
+        u32x16 b;
+        const __m512i widened = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)&byte));
+        memcpy(&b, &widened, sizeof b);
+#else
+        const u32x16 b = __builtin_convertvector(__builtin_convertvector(byte, u16x16), u32x16);
+#endif
+        /* Sign, exponent and mantissa moved into fp32's fields read 2^-120 (e4m3) or 2^-112 (e5m2) times the value,
+         * subnormals included; the power-of-two multiply is exact. Not through fp16: with AVX512-FP16, gcc 12
+         * converts an fp16 vector to fp32 one lane at a time (FP8 decode attention was 3.5x bf16's). */
+        const u32x16 bits = ((b & 0x80) << 24) | ((b & 0x7f) << (dt == DT_E4M3 ? 20 : 21));
+        memcpy(&out, &bits, sizeof out);
+        out *= dt == DT_E4M3 ? 0x1p120f : 0x1p112f;
     }
     return out;
+}
+
+/* Row scales rs[0..n) of an int8 tile as fp32 lanes (lanes past n: 0); n <= 16. */
+INLINE f32x16 row_scales16(const _Float16 *rs, int64_t n) {
+    f32x16 out = {0};
+    if (n == 16) {
+        f16x16 half;
+        memcpy(&half, rs, sizeof half);
+        return __builtin_convertvector(half, f32x16);
+    }
+    for (int64_t i = 0; i < n; i++) out[i] = (float)rs[i];
+    return out;
+}
+
+/* One row of fp32 values -> int8 and its fp16 scale, bit for bit as kernels/kv_quant.py's quantize_rows_int8:
+ * scale = fp16(min(amax / 127, 65504)), stored = clamp(rint(x / scale), -127, 127) (IEEE division, ties to even);
+ * a zero scale stores zeros. */
+static inline void quantize_row_int8(const float *x, int64_t dim, int8_t *q, _Float16 *scale) {
+    float amax = 0.0f;
+    for (int64_t d = 0; d < dim; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+    const float s = amax / 127.0f;
+    const _Float16 half = (_Float16)(s > 65504.0f ? 65504.0f : s);
+    const float divisor = (float)half;
+    for (int64_t d = 0; d < dim; d++) {
+        float y = divisor > 0.0f ? rintf(x[d] / divisor) : 0.0f;
+        y = y > 127.0f ? 127.0f : y < -127.0f ? -127.0f : y;
+        q[d] = (int8_t)y;
+    }
+    *scale = half;
 }
 
 /* 16 fp32 lanes rounded to bf16 bits as f32_to_bf16 rounds each (nearest even, NaN stays NaN). */

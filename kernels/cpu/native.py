@@ -19,9 +19,9 @@ logger = logging.getLogger(__name__)
 
 # The DT_* codes of native.h.
 _DTYPE_CODES = {
-    torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4,
+    torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4, torch.int8: 5,
 }
-# Query, output and activation dtypes the C code computes in (the FP8 codes are KV-cache storage only).
+# Query, output and activation dtypes the C code computes in (the FP8 and int8 codes are KV-cache storage only).
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -49,6 +49,7 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.pagedserve_decode_key_chunk.restype = i64
     lib.pagedserve_prefill_attention.argtypes = [ctypes.c_void_p, i64, c_int]  # a PrefillArgs (prefill.py)
     lib.pagedserve_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+    lib.pagedserve_write_kv_int8.argtypes = [ptr, i64, ptr, i64, c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
     lib.pagedserve_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, c_int, c_int]
     lib.pagedserve_silu_and_mul.argtypes = [ptr, ptr, i64, i64, c_int, c_int]
     lib.pagedserve_rope.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, c_int, c_int]
@@ -64,7 +65,7 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.pagedserve_dense_grouped_isa.restype = ctypes.c_char_p
     lib.pagedserve_isa_tier.restype = ctypes.c_char_p
     for fn in (lib.pagedserve_decode_attention, lib.pagedserve_prefill_attention, lib.pagedserve_write_kv,
-               lib.pagedserve_rms_norm, lib.pagedserve_silu_and_mul, lib.pagedserve_rope,
+               lib.pagedserve_write_kv_int8, lib.pagedserve_rms_norm, lib.pagedserve_silu_and_mul, lib.pagedserve_rope,
                lib.pagedserve_row_max_argmax):
         fn.restype = c_int
 
@@ -125,7 +126,7 @@ def attention_fields(
 ) -> dict[str, Any]:
     """The DecodeArgs fields both native attention kernels read (PrefillArgs adds query_lens), checked once:
     query, out [T, H, D] CPU tensors of one dtype (query's heads contiguous, out dense); the cache's head-major
-    storage [Hkv, num_blocks, block_size, D] and its [Hkv] fp32 scales."""
+    storage [Hkv, num_blocks, block_size, D] and its [Hkv] fp32 scales (int8: and its row scales)."""
     k_storage, v_storage = LayerKVCache.by_head(cache.k), LayerKVCache.by_head(cache.v)
     k_scale, v_scale = cache.k_scale, cache.v_scale
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -139,11 +140,17 @@ def attention_fields(
         query=query.data_ptr(), q_token_stride=query.stride(0), out=out.data_ptr(), q_dtype=dtype_code(query.dtype),
         k_cache=k_storage.data_ptr(), v_cache=v_storage.data_ptr(), kv_dtype=dtype_code(k_storage.dtype),
         k_scale=k_scale.data_ptr(), v_scale=v_scale.data_ptr(),
+        k_row_scale=row_scales_ptr(cache.k_row_scale), v_row_scale=row_scales_ptr(cache.v_row_scale),
         block_tables=batch.block_tables.data_ptr(), block_table_stride=batch.block_tables.stride(0),
         seq_lens=batch.seq_lens.data_ptr(), rows=batch.rows.data_ptr(),
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, num_blocks=num_blocks,
         block_size=block_size, scale=scale, window=batch.window or 0,
     )
+
+
+def row_scales_ptr(row_scale: torch.Tensor | None) -> int | None:
+    """The address of an int8 cache's head-major row scales (LayerKVCache.k_row_scale / v_row_scale), None without."""
+    return None if row_scale is None else LayerKVCache.scales_by_head(row_scale).data_ptr()
 
 
 def decode_attention(
@@ -180,5 +187,27 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_storage: torch.Tensor, v_
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_storage.data_ptr(), v_storage.data_ptr(),
         slot_mapping.data_ptr(), key.shape[0], num_kv_heads, num_blocks * block_size, head_dim, key.element_size(),
     )
+    if status != 0:
+        raise IndexError(f"a KV slot is outside the cache's {num_blocks * block_size} slots")
+
+
+def write_kv_int8(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
+    """key, value [T, Hkv, D] in a compute dtype (token rows may be strided, heads dense) -> their slots of an int8
+    cache, each row with its own fp16 scale, byte for byte kv_quant.quantize_rows_int8. Raises IndexError for a slot
+    outside the storage."""
+    k_storage, v_storage = LayerKVCache.by_head(cache.k), LayerKVCache.by_head(cache.v)
+    num_kv_heads, num_blocks, block_size, head_dim = k_storage.shape
+    for x in (key, value):
+        assert x.dtype in COMPUTE_DTYPES and x.dtype == key.dtype and x.shape[1:] == (num_kv_heads, head_dim)
+        assert x.stride(2) == 1 and x.stride(1) == head_dim
+    assert k_storage.dtype == torch.int8 and cache.k_row_scale is not None and cache.v_row_scale is not None
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == key.shape[:1]
+    status = load_library().pagedserve_write_kv_int8(
+        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), dtype_code(key.dtype), k_storage.data_ptr(),
+        v_storage.data_ptr(), row_scales_ptr(cache.k_row_scale), row_scales_ptr(cache.v_row_scale),
+        slot_mapping.data_ptr(), key.shape[0], num_kv_heads, num_blocks * block_size, head_dim,
+    )
+    if status == -2:
+        raise MemoryError("native int8 KV write could not allocate a row")
     if status != 0:
         raise IndexError(f"a KV slot is outside the cache's {num_blocks * block_size} slots")

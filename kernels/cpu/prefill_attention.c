@@ -20,6 +20,7 @@ typedef struct {
     const void *query; int64_t q_token_stride; void *out; int q_dtype;  /* [T, H, D]; heads contiguous, out dense */
     const void *k_cache; const void *v_cache; int kv_dtype;  /* [Hkv, num_blocks, block_size, D] */
     const float *k_scale; const float *v_scale;         /* [Hkv] */
+    const _Float16 *k_row_scale, *v_row_scale;          /* int8: [Hkv, num_blocks, block_size]; else NULL */
     const int32_t *block_tables; int64_t block_table_stride;
     const int32_t *seq_lens; const int64_t *rows; const int32_t *query_lens;  /* per chunk; rows: its first row */
     int64_t num_heads, num_kv_heads, head_dim, num_blocks, block_size;
@@ -48,9 +49,10 @@ typedef struct { float *q, *k, *v, *p, *m, *l, *correction, *acc; } Tile;
 /* The part of a sequence's chunk one task owns. */
 typedef struct { int64_t s, h, j0, rows; } Task;
 
-/* K rows [i0, i0 + n) of one block, transposed into w->k; keys past n are zero. */
-INLINE void load_k_tile(const char *block, int64_t i0, int64_t n, const int64_t chunks, const int kv_dt, const int q_dt,
-                        Tile *w) {
+/* K rows [i0, i0 + n) of one block, transposed into w->k; keys past n are zero. int8 rows are multiplied by their
+ * scales rs[i] (the block's row scales) first: dequantized, then rounded to bf16 like the torch path's. */
+INLINE void load_k_tile(const char *block, const _Float16 *rs, int64_t i0, int64_t n, const int64_t chunks,
+                        const int kv_dt, const int q_dt, Tile *w) {
     const size_t kv_row = (size_t)16 * chunks * elem_size(kv_dt);
     if (DPBF16(kv_dt, q_dt)) {
         uint16_t *k = (uint16_t *)w->k;  /* [p][KT][2] */
@@ -61,15 +63,21 @@ INLINE void load_k_tile(const char *block, int64_t i0, int64_t n, const int64_t 
                 continue;
             }
             for (int64_t c = 0; c < chunks; c++) {
-                const f32x16 x = i < n ? load16(block + (i0 + i) * kv_row, c, kv_dt) : (f32x16){0};
-                for (int lane = 0; lane < 16; lane++) k[((16 * c + lane) / 2 * KT + i) * 2 + lane % 2] = f32_to_bf16(x[lane]);
+                f32x16 x = i < n ? load16(block + (i0 + i) * kv_row, c, kv_dt) : (f32x16){0};
+                if (kv_dt == DT_I8 && i < n) x *= (float)rs[i0 + i];
+                /* 16 lanes rounded at once (converting lane by lane made FP8 prefill 1.6x bf16's), stored as the
+                 * pairs (2p, 2p + 1) the dot product reads */
+                const u16x16 bits = bf16x16_bits(x);
+                for (int p = 0; p < 8; p++)
+                    ((uint32_t *)k)[(8 * c + p) * KT + i] = bits[2 * p] | (uint32_t)bits[2 * p + 1] << 16;
             }
         }
         return;
     }
     for (int64_t i = 0; i < KT; i++) {
         for (int64_t c = 0; c < chunks; c++) {
-            const f32x16 x = i < n ? load16(block + (i0 + i) * kv_row, c, kv_dt) : (f32x16){0};
+            f32x16 x = i < n ? load16(block + (i0 + i) * kv_row, c, kv_dt) : (f32x16){0};
+            if (kv_dt == DT_I8 && i < n) x *= (float)rs[i0 + i];
             for (int lane = 0; lane < 16; lane++) w->k[(16 * c + lane) * KT + i] = x[lane];
         }
     }
@@ -151,12 +159,15 @@ INLINE void accumulate_rows(float *acc, const float *p, const float *correction,
 
 /* V rows [i0, i0 + n) of one block as fp32 rows; rows past n are zero (their probabilities are zero, and a stale slot
  * may hold NaN, which times zero is still NaN). */
-INLINE void load_v_tile(const char *block, int64_t i0, int64_t n, const int64_t chunks, const int kv_dt, float *v) {
+INLINE void load_v_tile(const char *block, const _Float16 *rs, int64_t i0, int64_t n, const int64_t chunks,
+                        const int kv_dt, float *v) {
     const size_t kv_row = (size_t)16 * chunks * elem_size(kv_dt);
     f32x16 *out = (f32x16 *)v;
-    for (int64_t i = 0; i < KT; i++)
+    for (int64_t i = 0; i < KT; i++) {
+        const float row_scale = kv_dt == DT_I8 && i < n ? (float)rs[i0 + i] : 1.0f;
         for (int64_t c = 0; c < chunks; c++)
-            out[i * chunks + c] = i < n ? load16(block + (i0 + i) * kv_row, c, kv_dt) : (f32x16){0};
+            out[i * chunks + c] = i < n ? load16(block + (i0 + i) * kv_row, c, kv_dt) * row_scale : (f32x16){0};
+    }
 }
 
 /* Row r of a task is query position j0 + r / group of its chunk, head h * group + r % group. Returns the factor
@@ -192,11 +203,14 @@ INLINE void prefill_task(const PrefillArgs *a, const Task *t, Tile *w, const int
     const float factor = load_queries(a, t, w, chunks, kv_dt, q_dt);
     for (int64_t b = first / bs; b * bs < end; b++) {
         const size_t offset = (size_t)(t->h * a->num_blocks + table[b]) * block_bytes;
+        const size_t row0 = (size_t)(t->h * a->num_blocks + table[b]) * bs;  /* int8: the block's first row scale */
+        const _Float16 *krs = kv_dt == DT_I8 ? a->k_row_scale + row0 : NULL;
+        const _Float16 *vrs = kv_dt == DT_I8 ? a->v_row_scale + row0 : NULL;
         const int64_t lo = b == first / bs ? (first - b * bs) / KT * KT : 0, hi = end - b * bs < bs ? end - b * bs : bs;
         for (int64_t i0 = lo; i0 < hi; i0 += KT) {
             const int64_t n = hi - i0 < KT ? hi - i0 : KT;
-            load_k_tile((const char *)a->k_cache + offset, i0, n, chunks, kv_dt, q_dt, w);
-            load_v_tile((const char *)a->v_cache + offset, i0, n, chunks, kv_dt, w->v);
+            load_k_tile((const char *)a->k_cache + offset, krs, i0, n, chunks, kv_dt, q_dt, w);
+            load_v_tile((const char *)a->v_cache + offset, vrs, i0, n, chunks, kv_dt, w->v);
             score_rows(w, rows, dim, kv_dt, q_dt);
             for (int64_t r = 0; r < rows; r++)
                 w->correction[r] = softmax_tile(w->p + r * KT, w->m + r, w->l + r, factor, b * bs + i0, n,
@@ -220,6 +234,8 @@ static void prefill_dispatch(const PrefillArgs *a, const Task *t, Tile *w) {
     SPECIALIZE_DIMS(DT_F16, DT_F16);
     SPECIALIZE_DIMS(DT_E4M3, DT_BF16);
     SPECIALIZE_DIMS(DT_E5M2, DT_BF16);
+    SPECIALIZE_DIMS(DT_I8, DT_BF16);
+    SPECIALIZE_DIMS(DT_I8, DT_F32);
     prefill_task(a, t, w, a->head_dim / 16, a->kv_dtype, a->q_dtype);  /* the caller checked head_dim % 16 == 0 */
 }
 

@@ -14,7 +14,7 @@ class DecodeArgs(ctypes.Structure):
     _fields_ = [
         ("query", _p), ("q_token_stride", _i64), ("out", _p), ("q_dtype", _int),
         ("k_cache", _p), ("v_cache", _p), ("kv_dtype", _int), ("k_scale", _p), ("v_scale", _p),
-        ("block_tables", _p), ("block_table_stride", _i64), ("seq_lens", _p), ("rows", _p),
+        ("k_row_scale", _p), ("v_row_scale", _p), ("block_tables", _p), ("block_table_stride", _i64), ("seq_lens", _p), ("rows", _p),
         ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64), ("num_blocks", _i64), ("block_size", _i64),
         ("scale", _f32), ("window", _i64),
     ]

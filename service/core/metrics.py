@@ -85,8 +85,8 @@ class EngineStatsCollector(Collector):
                     s.kv_cache_usage)
         # vLLM's info-style gauge (value 1); the Gateway API Inference Extension's prefix scorer reads its labels.
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
-                                 labels=["block_size", "num_gpu_blocks"])
-        info.add_metric([str(s.block_size), str(s.num_kv_blocks)], 1.0)
+                                 labels=["block_size", "cache_dtype", "num_gpu_blocks"])
+        info.add_metric([str(s.block_size), s.kv_cache_dtype, str(s.num_kv_blocks)], 1.0)
         yield info
         yield gauge("pagedserve:kv_cache_blocks_total", "KV-cache blocks in the pool.", s.num_kv_blocks)
         yield gauge("pagedserve:kv_cache_blocks_free", "KV-cache blocks free (including evictable cached).",

@@ -1,0 +1,87 @@
+"""What the KV cache dtype buys on long prompts: one fixed KV budget, a workload of 2-8k-token prompts all submitted
+at once, and per cache dtype (same run, same prompts): tokens/s, time to first token, preemptions, the peak number of
+sequences running, and the blocks the budget gave. A 16-bit cache that holds one or two such prompts queues the rest
+(or preempts when decodes outgrow it); an 8-bit cache holds about twice as many.
+
+    python benchmarks/kv_long_context.py --kv-cache-memory 256MiB --json long.json   # bf16 vs int8 vs fp8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, even under python -P
+from fp8_kv_accuracy import host_info  # noqa: E402
+from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from pagedserve.service.cli import parse_bytes  # noqa: E402
+
+
+def workload(requests: int, shortest: int, longest: int, seed: int) -> list[list[int]]:
+    """Prompt lengths spread evenly over [shortest, longest], shuffled; token ids from the ordinary vocabulary."""
+    rng = random.Random(seed)
+    lengths = [shortest + (longest - shortest) * i // max(requests - 1, 1) for i in range(requests)]
+    rng.shuffle(lengths)
+    return [[rng.randrange(200, 20000) for _ in range(n)] for n in lengths]
+
+
+def run(kv: str, memory: int, prompts: list[list[int]], output_tokens: int, max_num_seqs: int) -> dict:
+    engine = LLMEngine(EngineConfig(kv_cache_dtype=kv, kv_cache_memory=memory, max_num_seqs=max_num_seqs))
+    params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    for n, prompt in enumerate(prompts):
+        engine.add_request(f"r{n}", prompt, params)
+    first_token: dict[str, float] = {}
+    peak = steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.outputs and out.outputs[0].token_ids and out.request_id not in first_token:
+                first_token[out.request_id] = time.perf_counter() - t0
+        steps += 1
+        peak = max(peak, engine.stats().num_running)
+    seconds = time.perf_counter() - t0
+    stats = engine.stats()
+    ttft = sorted(first_token.values())
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"kv_cache_dtype": stats.kv_cache_dtype, "kv_cache_memory": memory, "blocks": stats.num_kv_blocks,
+            "tokens_in_budget": stats.num_kv_blocks * stats.block_size, "requests": len(prompts),
+            "prompt_tokens": prompt_tokens, "output_tokens": len(prompts) * output_tokens, "seconds": seconds,
+            "steps": steps, "peak_running": peak, "preemptions": stats.num_preemptions,
+            "total_tokens_per_s": (prompt_tokens + len(prompts) * output_tokens) / seconds,
+            "output_tokens_per_s": len(prompts) * output_tokens / seconds,
+            "ttft_mean_s": statistics.fmean(ttft), "ttft_median_s": statistics.median(ttft), "ttft_max_s": ttft[-1]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=256 << 20)
+    parser.add_argument("--kv", nargs="+", default=["bf16", "int8", "fp8"])
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--shortest", type=int, default=2048)
+    parser.add_argument("--longest", type=int, default=8000)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--label", default="", help="e.g. 'noisy' when other jobs share the machine")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    prompts = workload(args.requests, args.shortest, args.longest, args.seed)
+    rows = []
+    for kv in args.kv:
+        rows.append(run(kv, args.kv_cache_memory, prompts, args.output_tokens, args.max_num_seqs))
+        print(json.dumps(rows[-1]), flush=True)
+    base = rows[0]["total_tokens_per_s"]
+    for row in rows:
+        row["tokens_per_s_vs_first"] = row["total_tokens_per_s"] / base
+    result = {**host_info(), "label": args.label, "args": vars(args), "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
