@@ -56,6 +56,16 @@ def group_rows_in_place(weight: torch.Tensor) -> None:
     weight.pagedserve_row_group = GROUP_ROWS
 
 
+def row_major(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` as a row-major [out, in] tensor: itself, or for a grouped one a temporary row-major copy (the torch
+    path's matmuls on a weight whose only copy the native kernel regrouped)."""
+    if not row_group(weight):
+        return weight
+    out, n_in = weight.shape
+    tiles = weight.view(out // GROUP_ROWS, n_in // 2, GROUP_ROWS, 2)
+    return tiles.permute(0, 2, 1, 3).reshape(out, n_in)
+
+
 def embedding_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` (1-D) of a [vocab, dim] table in either layout, as the row-major table holds them."""
     if not row_group(weight):
