@@ -22,7 +22,7 @@ _GROUPS_PER_STEP = 64
 
 
 def grouped_isa() -> str:
-    """What the grouped kernel was compiled to here: avx512, or portable (no grouped kernel: builds without AVX-512
+    """What the grouped kernel was compiled to here: avx512, avx2, or portable (no grouped kernel: builds without AVX2
     keep the row-major layout and its kernel)."""
     return load_library().pagedserve_dense_grouped_isa().decode()
 
@@ -34,10 +34,10 @@ def row_group(weight: torch.Tensor) -> int:
 
 def can_group(weight: torch.Tensor) -> bool:
     """Whether the grouped kernel reads this weight here: a contiguous bf16 [out, in] CPU matrix with out % 16 == 0
-    and in even, in an AVX-512 build; other matrices keep the row-major layout."""
+    and in even, in an AVX2 or AVX-512 build; other matrices keep the row-major layout."""
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
             and weight.is_contiguous() and weight.shape[0] % GROUP_ROWS == 0 and weight.shape[1] % 2 == 0
-            and grouped_isa() == "avx512")
+            and grouped_isa() in ("avx512", "avx2"))
 
 
 def group_rows_in_place(weight: torch.Tensor) -> None:
