@@ -41,6 +41,7 @@ from contention import cpu_model  # noqa: E402
 from pagedserve.engine.loading.model_store import resolve_model  # noqa: E402
 from pagedserve.kernels.cpu import packed as cpu_packed  # noqa: E402
 from pagedserve.kernels.cpu.build import library_tier  # noqa: E402
+from pagedserve.kernels.cpu.group_packed import FAST_GROUP_GROUPED_ISAS  # noqa: E402
 from pagedserve.quant.onednn_dense import can_pack, pack_weight, packed_linear  # noqa: E402
 
 # (name, GGUF tensors concatenated by rows, as the engine merges them)
@@ -117,7 +118,7 @@ def group_rows(path: Path, rows_list: list[int], repeats: int, tier: str | None)
                                              ("group_gptq8", 8, 128, True)):
             m = dataclasses.replace(repack(random_weight(in_features, out, bits, group, act_order), group_rows=False),
                                     lib=lib)
-            if out % cpu_packed.GROUP_ROWS == 0 and cpu_packed.group_grouped_isa(lib) in cpu_packed.FAST_GROUPED_ISAS:
+            if out % cpu_packed.GROUP_ROWS == 0 and cpu_packed.group_grouped_isa(lib) in FAST_GROUP_GROUPED_ISAS:
                 kernels[f"{kind}_rowwise"] = (m.matmul, m.nbytes())  # the layout before rows were grouped
                 m = m.grouped()  # what repack serves with this build
             kernels[kind] = (m.matmul, m.nbytes())

@@ -2,7 +2,7 @@
 
 The canonical GroupQuantWeight is repacked once into the kernel's layout (kernels/cpu/group_packed.py: input
 channels sorted by group, 32 per run, nibbles of a run side by side, per-row scales and zeros; then, where the build
-has AVX-512 and out_features % 16 == 0, output rows interleaved in groups of 16, kernels/cpu/group_grouped.c) and the
+has AVX2 or AVX-512 and out_features % 16 == 0, output rows interleaved in groups of 16, kernels/cpu/group_grouped.c) and the
 checkpoint's tensors are dropped, so the layer holds only those bytes. Calls of up to `NATIVE_MAX_ROWS` rows
 (decode) multiply in place with fp32 activations; more rows (prefill) expand the matrix per call into the compute
 dtype and take a dense GEMM, whose AMX/AVX-512 tiles win there. The same matrix is the layer's `NativeLinear`, so
@@ -16,9 +16,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.cpu.group_packed import GroupMatrix
+from pagedserve.kernels.cpu.group_packed import FAST_GROUP_GROUPED_ISAS, GroupMatrix
 from pagedserve.kernels.cpu.native import NativeBuildError
-from pagedserve.kernels.cpu.packed import FAST_GROUPED_ISAS, GROUP_ROWS, build, group_grouped_isa
+from pagedserve.kernels.cpu.packed import GROUP_ROWS, build, group_grouped_isa
 from pagedserve.quant.group_quant import GroupQuantWeight, QLinearKernel, sorted_groups
 from pagedserve.quant.native_linear import DEFAULT_NATIVE_MAX_BATCH, NativeLinear, grouped_native_max_batch
 from pagedserve.quant.packing import unpack_cols, unpack_rows
@@ -35,7 +35,7 @@ def _runs_in_groups(sorted_g: torch.Tensor) -> bool:
 def repack(w: GroupQuantWeight, bias: torch.Tensor | None = None, group_rows: bool = True) -> GroupMatrix:
     """The canonical weight in the kernel's layout (see kernels/cpu/group_linear.c), with its rows interleaved
     (kernels/cpu/group_grouped.c) when `group_rows`, out_features % GROUP_ROWS == 0 and the build's interleaved kernel is
-    AVX-512 (elsewhere it is slower than the row-after-row one); raises ValueError when it cannot be repacked."""
+    one of FAST_GROUP_GROUPED_ISAS (the portable one is slower than the row-after-row one); raises ValueError when it cannot be repacked."""
     if w.in_features % RUN:
         raise ValueError(f"in_features: {w.in_features} is not a multiple of {RUN}")
     perm, sorted_g = sorted_groups(w.g_idx)
@@ -55,7 +55,7 @@ def repack(w: GroupQuantWeight, bias: torch.Tensor | None = None, group_rows: bo
         run_group=sorted_g[::RUN].to(torch.int32).contiguous(),
         perm=None if perm is None else perm.to(torch.int32).contiguous(),
         bias=None if bias is None else bias.detach().float().contiguous())
-    if group_rows and w.out_features % GROUP_ROWS == 0 and group_grouped_isa(matrix.lib) in FAST_GROUPED_ISAS:
+    if group_rows and w.out_features % GROUP_ROWS == 0 and group_grouped_isa(matrix.lib) in FAST_GROUP_GROUPED_ISAS:
         return matrix.grouped()
     return matrix
 

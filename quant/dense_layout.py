@@ -22,7 +22,7 @@ _GROUPS_PER_STEP = 64
 
 
 def grouped_isa() -> str:
-    """What the grouped kernel was compiled to here: avx512, or portable (no grouped kernel: builds without AVX-512
+    """What the grouped kernel was compiled to here: avx512, avx2, or portable (no grouped kernel: builds without AVX2
     keep the row-major layout and its kernel)."""
     return load_library().pagedserve_dense_grouped_isa().decode()
 
@@ -34,10 +34,10 @@ def row_group(weight: torch.Tensor) -> int:
 
 def can_group(weight: torch.Tensor) -> bool:
     """Whether the grouped kernel reads this weight here: a contiguous bf16 [out, in] CPU matrix with out % 16 == 0
-    and in even, in an AVX-512 build; other matrices keep the row-major layout."""
+    and in even, in an AVX2 or AVX-512 build; other matrices keep the row-major layout."""
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
             and weight.is_contiguous() and weight.shape[0] % GROUP_ROWS == 0 and weight.shape[1] % 2 == 0
-            and grouped_isa() == "avx512")
+            and grouped_isa() in ("avx512", "avx2"))
 
 
 def group_rows_in_place(weight: torch.Tensor) -> None:
@@ -54,6 +54,16 @@ def group_rows_in_place(weight: torch.Tensor) -> None:
             tiles = rows.view(-1, GROUP_ROWS, n_in // 2, 2).permute(0, 2, 1, 3).contiguous()
             rows.copy_(tiles.view(rows.shape))
     weight.pagedserve_row_group = GROUP_ROWS
+
+
+def row_major(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` as a row-major [out, in] tensor: itself, or for a grouped one a temporary row-major copy (the torch
+    path's matmuls on a weight whose only copy the native kernel regrouped)."""
+    if not row_group(weight):
+        return weight
+    out, n_in = weight.shape
+    tiles = weight.view(out // GROUP_ROWS, n_in // 2, GROUP_ROWS, 2)
+    return tiles.permute(0, 2, 1, 3).reshape(out, n_in)
 
 
 def embedding_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,9 @@
 """Dense bf16/fp16/fp32 weights as a native linear (kernels/cpu/dense_linear.c) for the native small-batch step.
 
 The kernel reads W [out, in] row-major, or bf16 rows interleaved in groups of 16 (quant/dense_layout.py, read by
-kernels/cpu/dense_grouped.c); the torch path's oneDNN copy is blocked and opaque, so the step gets a plain copy
-(`plain_weight`): for unquantized layers the native step holds the weights twice (the oneDNN copy for prefill and
-large batches, this one for decode batches up to the crossover). A tied LM head is the exception: its plain weight
-is the embedding's own tensor, which it reads in place (`QuantLinear.weight_shared`).
+kernels/cpu/dense_grouped.c). A oneDNN copy is blocked and opaque, so the layer's weight is turned back into a
+plain tensor (`plain_weight`) that both the native step and the torch path then read (quant/unquantized.py): one
+copy of the weights. A tied LM head's plain weight is the embedding's own tensor (`QuantLinear.weight_shared`).
 """
 
 from __future__ import annotations

@@ -28,14 +28,18 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.packed_weight is not None:
             return packed_linear(x, layer.packed_weight, layer.bias)
-        return F.linear(x, layer.weight, layer.bias)
+        from pagedserve.quant.dense_layout import row_major
+
+        # a weight the native step regrouped (its only copy) is read row-major through a per-call temporary
+        return F.linear(x, row_major(layer.weight), layer.bias)
 
     def native_linear(self, layer: nn.Module) -> NativeLinear | None:
-        """The bf16/fp16/fp32 GEMV of kernels/cpu/dense_linear.c over a plain copy of the weight (see dense_native.py), or
-        over the plain weight itself where the layer kept it (a tied head reads the embedding's tensor: no copy);
-        None off CPU or where the native kernels do not build. bf16 weights are regrouped for the faster kernel
-        (quant/dense_layout.py) where nothing else reads them row-major: a private copy, or a tied head's table
-        when the torch path reads its oneDNN copy (the embedding reads either layout)."""
+        """The bf16/fp16/fp32 GEMV of kernels/cpu/dense_linear.c over the layer's one plain weight; None off CPU or
+        where the native kernels do not build. One copy of the weights: a oneDNN packed copy is turned back into
+        the plain weight, which then serves the torch path too (oneDNN reorders a plain weight per call, a small
+        cost beside a prefill's GEMM), and bf16 weights are regrouped in place for the faster kernel
+        (quant/dense_layout.py; `apply` and the embedding read that layout as well). A tied head's weight is the
+        embedding's own tensor."""
         from pagedserve.kernels.cpu.native import available
         from pagedserve.quant.dense_layout import can_group, group_rows_in_place
         from pagedserve.quant.dense_native import dense_native_linear, plain_weight
@@ -44,8 +48,11 @@ class UnquantizedLinearMethod(LinearMethod):
         if weight is None or weight.device.type != "cpu" or not available():
             return None
         plain = plain_weight(weight)
-        read_elsewhere = layer.weight is not None and not (layer.weight_shared and layer.packed_weight is not None)
-        if not read_elsewhere and can_group(plain):
+        if layer.weight is None:
+            layer.weight = nn.Parameter(plain, requires_grad=False)
+            plain = layer.weight  # the layout mark (group_rows_in_place) goes on the tensor the layer holds
+        layer.packed_weight = None
+        if can_group(plain):
             group_rows_in_place(plain)
         return dense_native_linear(plain, layer.bias)
 

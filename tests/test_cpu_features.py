@@ -37,9 +37,9 @@ def test_auto_is_bf16_on_a_native_bf16_cpu_whatever_the_checkpoint(checkpoint):
 
 
 @pytest.mark.parametrize("checkpoint,expected", [
-    ("float32", torch.float32), ("float16", torch.float32), ("bfloat16", torch.bfloat16), (None, torch.float32),
+    ("float32", torch.float32), ("float16", torch.float32), ("bfloat16", torch.float32), (None, torch.float32),
 ])
-def test_auto_follows_the_checkpoint_elsewhere(checkpoint, expected):
+def test_auto_computes_in_fp32_on_a_cpu_without_bf16_arithmetic(checkpoint, expected):
     assert resolve_dtype({"torch_dtype": checkpoint}, None, CPU, ()) == expected
 
 

@@ -1,7 +1,7 @@
 """The grouped-rows dense bf16 layout (quant/dense_layout.py, kernels/cpu/dense_grouped.c): the kernel against an
 fp64 reference, a row's logits bit-identical alone or beside others, lookups through the grouped table equal the
-row-major rows, the tied head regrouped in place (no second copy), and a build without AVX-512 keeping the
-row-major layout and kernel.
+row-major rows, the tied head regrouped in place (no second copy), the AVX2 build's grouped kernel equal to the
+AVX-512 one's bit for bit, and a portable build keeping the row-major layout and kernel.
 
 Reference: x rounded to bf16 (as the row-major kernel and the torch bf16 path round it), then an fp64 matmul;
 products are exact in fp32 and only the summation order differs, so the bound is a few fp32 ulps of sum |x_k w_k|.
@@ -20,8 +20,8 @@ from pagedserve.quant.dense_layout import (DenseEmbedding, can_group, embedding_
                                            grouped_isa, row_group)
 from pagedserve.quant.dense_native import call_native_linear, dense_native_linear
 
-HOST_GROUPS = grouped_isa() == "avx512"
-needs_avx512 = pytest.mark.skipif(not HOST_GROUPS, reason="the grouped kernel is built only with AVX-512")
+HOST_GROUPS = grouped_isa() in ("avx512", "avx2")
+needs_avx512 = pytest.mark.skipif(not HOST_GROUPS, reason="the grouped kernel is built only with AVX2 or AVX-512")
 # (out, in): SmolLM2's head and MLP widths, odd widths, and shapes the grouped layout does not take (out % 16,
 # odd in), which stay row-major.
 SHAPES = [(160, 576), (48, 1536), (16, 2), (64, 34), (32, 30), (20, 64), (48, 33)]
@@ -99,16 +99,23 @@ def test_portable_kernel_refuses_a_grouped_weight() -> None:
 
 
 @pytest.mark.parametrize("tier", cpu_tiers.params(("avx2", "portable")))
-def test_build_without_avx512_keeps_the_row_major_kernel(tier: str) -> None:
+def test_lower_tiers_row_major_and_grouped(tier: str) -> None:
     lib = load_library(tier)
-    assert lib.pagedserve_dense_grouped_isa() == b"portable"
+    assert lib.pagedserve_dense_grouped_isa() == (b"avx2" if tier == "avx2" else b"portable")
     w, bias = _weights(48, 576, 2)
-    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(9))
-    got = call_native_linear(dense_native_linear(w, bias, lib=lib), x).double()
-    xr = x.bfloat16().double()
-    want = xr @ w.double().T + bias.double()
-    bound = 4 * 576 * 2.0**-24 * (xr.abs() @ w.double().abs().T + bias.double().abs())
-    assert ((got - want).abs() <= bound).all()
+    gen = torch.Generator().manual_seed(9)
+    g = _grouped(w)
+    for rows in (1, 3, 5, 8, 11):
+        x = torch.randn(rows, 576, generator=gen)
+        xr = x.bfloat16().double()
+        want = xr @ w.double().T + bias.double()
+        bound = 4 * 576 * 2.0**-24 * (xr.abs() @ w.double().abs().T + bias.double().abs())
+        got = call_native_linear(dense_native_linear(w, bias, lib=lib), x).double()
+        assert ((got - want).abs() <= bound).all()
+        if tier == "avx2" and row_group(g):  # the same sums per lane as the AVX-512 form: equal bit for bit
+            grouped = call_native_linear(dense_native_linear(g, bias, lib=lib), x)
+            assert ((grouped.double() - want).abs() <= bound).all()
+            assert torch.equal(grouped, call_native_linear(dense_native_linear(g, bias), x)), rows
 
 
 @needs_avx512

@@ -3,8 +3,9 @@ dequantization (quant/group_quant.py, which tests/test_quant_fixtures.py checks 
 
 - Random weights of every supported bits x group combination, act-order or not, odd output counts and partial
   last groups, 1-17 activation rows, rows one after another and interleaved in groups of 16: the product within
-  the layout's stated fp32 error bound of x @ W^T, the expanded matrix bit for bit; each in the AVX-512 build and
-  in the portable builds (what a host without AVX-512 runs; the loader groups rows only in the AVX-512 one).
+  the layout's stated fp32 error bound of x @ W^T, the expanded matrix bit for bit; in every tier's build the host
+  runs (AVX-512 with and without VNNI, AVX2, portable; the loader groups rows in the AVX2 and AVX-512 ones). The
+  AVX2 interleaved kernel's outputs equal the fp32 AVX-512 one's bit for bit (the same sums per lane).
 - Every quantized linear of the committed tool checkpoints: the kernel's expanded weights hash to the tool's own.
 - The ps_linear pointer the native decode step calls, with a bias.
 - The fixtures through the engine with the native decode step: logits of every position equal transformers' on
@@ -31,8 +32,8 @@ from quant_fixtures import (FIXTURE_NAMES, build_linear, dequantized_reference, 
                             grouped_logits_atol, quant_linears, random_weight, reference_weight, tool_record)
 
 # The builds (kernels/cpu/isa.py tiers): avx512 is the AVX-512 build without VNNI (fp32 activations), what an AVX-512
-# host without VNNI runs; avx2 and portable what hosts without AVX-512 run.
-TIERS = ("native", "avx512", "avx2", "portable")
+# host without VNNI runs; avx2 and avx2_vnni (the same group kernels) what hosts without AVX-512 run; portable C.
+TIERS = ("native", "avx512", "avx2_vnni", "avx2", "portable")
 CASES = [
     # (K, N, bits, group, act_order)
     (256, 128, 4, 128, False),
@@ -51,6 +52,8 @@ ROWS = (1, 2, 3, 7, 8, 9, 17)
 def _expected_isas(tier: str) -> tuple[str, str]:
     """What the row-after-row and the interleaved-rows GPTQ/AWQ kernels compile to in a tier's build."""
     tier = isa.host_tier() if tier == "native" else tier
+    if tier.startswith("avx2"):
+        return "avx2", "avx2"
     grouped = tier if tier in ("avx512", "avx512_vnni") else "avx512_vnni" if tier == "avx512_bf16" else "portable"
     return ("avx512" if tier.startswith("avx512") else "portable"), grouped
 
@@ -128,11 +131,27 @@ def test_product_and_expansion_equal_the_reference(lib, k, n, bits, group, act_o
             assert torch.equal(m.matmul(many[:rows]), full[:rows]), (m.row_group, rows)
 
 
-def test_rows_are_grouped_where_the_build_has_avx512_and_whole_groups():
+def test_the_avx2_interleaved_kernel_sums_as_the_avx512_one():
+    have = isa.available_tiers()
+    if "avx512" not in have:
+        pytest.skip("this CPU has no avx512 tier to compare the avx2 build with")
+    libs = [cpu_packed.build(t) for t in ("avx2", "avx512")]
+    for k, n, bits, group, act_order in CASES:
+        if n % cpu_packed.GROUP_ROWS:
+            continue
+        rowwise = repack(random_weight(k, n, bits, group, act_order, seed=k), group_rows=False)
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        a, b = (dataclasses.replace(rowwise, lib=lib, bias=bias).grouped() for lib in libs)
+        for rows in ROWS:
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            assert torch.equal(a.matmul(x), b.matmul(x)), (k, n, bits, rows)
+
+
+def test_rows_are_grouped_where_the_build_has_avx2_or_avx512_and_whole_groups():
     for n in (64, 40):
-        avx512 = cpu_packed.group_grouped_isa(cpu_packed.build()).startswith("avx512")
+        fast = cpu_packed.group_grouped_isa(cpu_packed.build()).startswith(("avx512", "avx2"))
         m = repack(random_weight(256, n, 4, 64, True))
-        assert m.row_group == (cpu_packed.GROUP_ROWS if avx512 and n % 16 == 0 else 0)
+        assert m.row_group == (cpu_packed.GROUP_ROWS if fast and n % 16 == 0 else 0)
     rowwise = repack(random_weight(256, 40, 4, 64, True), group_rows=False)
     with pytest.raises(ValueError, match="grouped: needs a row-after-row matrix with a multiple of 16 rows, got 40"):
         rowwise.grouped()

@@ -120,6 +120,9 @@ def test_which_gguf_files_stay_packed():
     cpu = torch.device("cpu")
     assert packed_gguf_types("auto", None, cpu, torch.bfloat16) == frozenset(cpu_packed.FORMATS)
     assert packed_gguf_types("auto", None, cpu, torch.float32) == frozenset()  # fp32: the reference path
+    # --dtype auto computing in fp32 (a CPU without bf16 arithmetic): decode still reads the blocks
+    assert packed_gguf_types("auto", None, cpu, torch.float32, dtype_auto=True) == frozenset(cpu_packed.FORMATS)
+    assert packed_gguf_types("dequantized", None, cpu, torch.float32, dtype_auto=True) == frozenset()
     assert packed_gguf_types("auto", "gguf", cpu, torch.float32) == frozenset(cpu_packed.FORMATS)
     assert packed_gguf_types("packed", None, cpu, torch.float32) == frozenset(cpu_packed.FORMATS)
     assert packed_gguf_types("dequantized", None, cpu, torch.bfloat16) == frozenset()

@@ -4,6 +4,7 @@
  * Layout: group g = rows 16g..16g+15, stored in place of those rows; inside it, for each input pair p (inputs 2p,
  * 2p+1) one 64-byte tile whose 32-bit word l holds row 16g+l's two weights (input 2p in the low half). One load
  * gives both inputs for all 16 rows; a shift (even input) and a mask (odd input) widen them to fp32 exactly.
+ * AVX-512 builds take a tile in one register, AVX2 builds in two halves (the same sums per lane).
  */
 #include "isa.h"
 #include "dense_linear.h"
@@ -74,6 +75,54 @@ static void grouped_pass(const DenseLinear *s, const float *x, int R, float *y) 
     }
 }
 
+#elif defined(PS_AVX2)
+
+/* The AVX2 form: a group's 16 rows are two halves of 8 (one ymm each), R <= 4 activation rows per pass over a
+ * half (8 chains + 2 weight registers of the 16). Per lane the AVX-512 form's sums in its order (even and odd
+ * chains, added last), so this build's outputs equal that build's bit for bit. */
+enum { TILE_ROWS = 8, HALF_ROWS = 4, PREFETCH_PAIRS = 16 };
+
+INLINE void grouped_half(const uint32_t *w, int64_t pairs, int half, const float *x, int64_t in, float *y,
+                         int64_t out, const int R) {
+    __m256 even[HALF_ROWS], odd[HALF_ROWS];
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (int r = 0; r < R; r++) even[r] = odd[r] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const uint32_t *tile = w + p * DENSE_GROUP_ROWS + 8 * half;
+        if (half == 0) _mm_prefetch((const char *)(tile + PREFETCH_PAIRS * DENSE_GROUP_ROWS), _MM_HINT_T0);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)tile);
+        const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        const __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        for (int r = 0; r < R; r++) {
+            even[r] = _mm256_fmadd_ps(lo, _mm256_broadcast_ss(x + r * in + 2 * p), even[r]);
+            odd[r] = _mm256_fmadd_ps(hi, _mm256_broadcast_ss(x + r * in + 2 * p + 1), odd[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * out + 8 * half, _mm256_add_ps(even[r], odd[r]));
+}
+
+/* One pass of R <= TILE_ROWS activation rows (rounded to bf16, as fp32) over every group. */
+static void grouped_pass(const DenseLinear *s, const float *x, int R, float *y) {
+    const int64_t in = s->in_features, out = s->out_features, pairs = in / 2;
+    const int64_t groups = out / DENSE_GROUP_ROWS, gwords = pairs * DENSE_GROUP_ROWS;
+    const uint32_t *w = s->weight;
+#pragma omp parallel for schedule(static) if (groups > 8)
+    for (int64_t g = 0; g < groups; g++)
+        for (int half = 0; half < 2; half++)
+            for (int r0 = 0; r0 < R; r0 += HALF_ROWS) {
+                const float *xr = x + r0 * in;
+                float *yr = y + r0 * out + g * DENSE_GROUP_ROWS;
+                switch (R - r0 < HALF_ROWS ? R - r0 : HALF_ROWS) {
+                    case 1: grouped_half(w + g * gwords, pairs, half, xr, in, yr, out, 1); break;
+                    case 2: grouped_half(w + g * gwords, pairs, half, xr, in, yr, out, 2); break;
+                    case 3: grouped_half(w + g * gwords, pairs, half, xr, in, yr, out, 3); break;
+                    default: grouped_half(w + g * gwords, pairs, half, xr, in, yr, out, HALF_ROWS); break;
+                }
+            }
+}
+#endif
+
+#if defined(PS_AVX2)
 int ps_dense_grouped(const DenseLinear *s, const float *x, int64_t rows, float *y) {
     if (s->row_group != DENSE_GROUP_ROWS || s->w_dtype != DT_BF16 || s->in_features % 2 ||
         s->out_features % DENSE_GROUP_ROWS)
@@ -98,7 +147,11 @@ int ps_dense_grouped(const DenseLinear *s, const float *x, int64_t rows, float *
     return 0;
 }
 
+#if defined(PS_AVX512)
 const char *pagedserve_dense_grouped_isa(void) { return "avx512"; }
+#else
+const char *pagedserve_dense_grouped_isa(void) { return "avx2"; }
+#endif
 #else
 int ps_dense_grouped(const DenseLinear *s, const float *x, int64_t rows, float *y) {
     (void)s, (void)x, (void)rows, (void)y;

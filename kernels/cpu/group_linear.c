@@ -5,12 +5,13 @@
  * permutation `perm` is applied to x per call instead), so every run of 32 inputs lies in one group `run_group[j]`.
  * codes [out, in * bits / 8]: per output row, per run of 32, 16 bytes whose low nibbles are values 0-15 and high
  * nibbles values 16-31 (4-bit), or 32 bytes (8-bit); scales [out, groups] fp16 or fp32, zeros uint8 [out, groups].
- * Where the build has AVX-512 and out % 16 == 0 the loader interleaves rows in groups of 16 instead (row_group,
+ * Where the build has AVX2 or AVX-512 and out % 16 == 0 the loader interleaves rows in groups of 16 instead (row_group,
  * group_grouped.c, faster for 1-8 rows); the product and the expansion below hand such matrices over to it.
  *
  * Each run is dequantized in registers to fp32 as w = u * s + (-z * s) by one FMA; -z * s is exact in fp32 for
  * fp16 scales, so w is the reference's (q - z) * s bit for bit, and y is x @ W^T up to fp32 summation order.
- * 16 lanes per FMA where the compiler targets AVX-512; portable C elsewhere (the tests build both on any host).
+ * 16 lanes per FMA where the build has AVX-512, 8 where it has AVX2 (+FMA), portable C elsewhere (the tests build
+ * every tier the host runs).
  * Work splits over output rows (OpenMP on torch's pool); a weight run is dequantized once for up to 8 x rows. */
 #include "isa.h"
 #include <omp.h>
@@ -22,7 +23,15 @@
 
 #define GQ_EXPORT __attribute__((visibility("default")))
 #define GQ_INLINE static inline __attribute__((always_inline))
-#define GQ_TILE 8    /* x rows per dequantized run: 16 zmm accumulators + 2 weight registers */
+/* x rows per dequantized run: AVX-512, 16 zmm accumulators + 2 weight registers; AVX2 (16 ymm registers), 8
+ * accumulators + 4 weight registers. A row's sums never depend on the tile, so any value keeps rows independent. */
+#if defined(PS_AVX512)
+#define GQ_TILE 8
+#elif defined(PS_AVX2)
+#define GQ_TILE 4
+#else
+#define GQ_TILE 8
+#endif
 #define GQ_CHUNK 16  /* output rows per unit of parallel work */
 
 /* The 32 codes of run j of one output row, widened to fp32 weights (portable). */
@@ -48,6 +57,10 @@ GQ_INLINE void gq_row_dot(const ps_group_state *st, int64_t o, const float *x, i
 #if defined(PS_AVX512)
     __m512 lo[GQ_TILE], hi[GQ_TILE], vd = _mm512_setzero_ps(), vm = vd;
     for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_ps();
+#elif defined(PS_AVX2)
+    /* two chains per row (runs' quarters 0, 2 and 1, 3): the 4-cycle FMA latency half hidden at one row */
+    __m256 lo[GQ_TILE], hi[GQ_TILE], vd = _mm256_setzero_ps(), vm = vd;
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
 #else
     float acc[GQ_TILE] = {0};
 #endif
@@ -60,6 +73,9 @@ GQ_INLINE void gq_row_dot(const ps_group_state *st, int64_t o, const float *x, i
 #if defined(PS_AVX512)
             vd = _mm512_set1_ps(d);
             vm = _mm512_set1_ps(m);
+#elif defined(PS_AVX2)
+            vd = _mm256_set1_ps(d);
+            vm = _mm256_set1_ps(m);
 #endif
         }
 #if defined(PS_AVX512)
@@ -78,6 +94,28 @@ GQ_INLINE void gq_row_dot(const ps_group_state *st, int64_t o, const float *x, i
             lo[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * in + 32 * j), lo[r]);
             hi[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * in + 32 * j + 16), hi[r]);
         }
+#elif defined(PS_AVX2)
+        __m256i u[4];  /* inputs 8q..8q+7 of the run */
+        if (bits == 4) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(c + 16 * j));
+            const __m256i b0 = _mm256_cvtepu8_epi32(b), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+            const __m256i low = _mm256_set1_epi32(0xF);
+            u[0] = _mm256_and_si256(b0, low);
+            u[1] = _mm256_and_si256(b1, low);
+            u[2] = _mm256_srli_epi32(b0, 4);
+            u[3] = _mm256_srli_epi32(b1, 4);
+        } else {
+            for (int q = 0; q < 4; q++) u[q] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + 32 * j + 8 * q)));
+        }
+        /* the same exact weights as the AVX-512 and portable forms: u d + m by one FMA */
+        for (int q = 0; q < 4; q++) {
+            const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(u[q]), vd, vm);
+            for (int r = 0; r < R; r++) {
+                const __m256 xv = _mm256_loadu_ps(x + r * in + 32 * j + 8 * q);
+                if (q & 1) hi[r] = _mm256_fmadd_ps(w, xv, hi[r]);
+                else lo[r] = _mm256_fmadd_ps(w, xv, lo[r]);
+            }
+        }
 #else
         float w[32];
         gq_run_scalar(c, bits, j, d, m, w);
@@ -92,21 +130,32 @@ GQ_INLINE void gq_row_dot(const ps_group_state *st, int64_t o, const float *x, i
     for (int r = 0; r < R; r++) {
 #if defined(PS_AVX512)
         out[r] = _mm512_reduce_add_ps(_mm512_add_ps(lo[r], hi[r]));
+#elif defined(PS_AVX2)
+        const __m256 v = _mm256_add_ps(lo[r], hi[r]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        out[r] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 #else
         out[r] = acc[r];
 #endif
     }
 }
 
+/* R < GQ_TILE as a constant (the larger cases only where the tile holds them), else a full tile. */
+#if GQ_TILE > 4
+#define GQ_TILES_WIDE(B)                                         \
+    case 5: gq_row_dot(st, o, x, B, 5, out); return;             \
+    case 6: gq_row_dot(st, o, x, B, 6, out); return;             \
+    case 7: gq_row_dot(st, o, x, B, 7, out); return;
+#else
+#define GQ_TILES_WIDE(B)
+#endif
 #define GQ_TILES(B)                                              \
     switch (R) {                                                 \
     case 1: gq_row_dot(st, o, x, B, 1, out); return;             \
     case 2: gq_row_dot(st, o, x, B, 2, out); return;             \
     case 3: gq_row_dot(st, o, x, B, 3, out); return;             \
-    case 4: gq_row_dot(st, o, x, B, 4, out); return;             \
-    case 5: gq_row_dot(st, o, x, B, 5, out); return;             \
-    case 6: gq_row_dot(st, o, x, B, 6, out); return;             \
-    case 7: gq_row_dot(st, o, x, B, 7, out); return;             \
+    GQ_TILES_WIDE(B)                                             \
     default: gq_row_dot(st, o, x, B, GQ_TILE, out); return;      \
     }
 
@@ -191,6 +240,8 @@ GQ_EXPORT int pagedserve_group_dequantize(const ps_group_state *st, void *w_out,
 
 #if defined(PS_AVX512)
 GQ_EXPORT const char *pagedserve_group_isa(void) { return "avx512"; }
+#elif defined(PS_AVX2)
+GQ_EXPORT const char *pagedserve_group_isa(void) { return "avx2"; }
 #else
 GQ_EXPORT const char *pagedserve_group_isa(void) { return "portable"; }
 #endif

@@ -18,6 +18,11 @@ import torch
 from pagedserve.kernels.cpu.packed import GROUP_ROWS, build
 from pagedserve.kernels.cpu.structs import GroupState
 
+# The builds of the interleaved-rows GPTQ/AWQ kernel (group_grouped.c, `group_grouped_isa`) faster than the
+# row-after-row one: loaders group rows only there. avx2 (8 lanes) sums exactly as avx512 (16), measured 1.3-1.9x
+# the AVX2 row kernel at 1-8 rows on SmolLM2's shapes (benchmarks/group_quant_decode.py); portable is slower.
+FAST_GROUP_GROUPED_ISAS = ("avx512_vnni", "avx512", "avx2")
+
 
 @dataclass(frozen=True, eq=False)
 class GroupMatrix:

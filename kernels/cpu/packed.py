@@ -78,13 +78,13 @@ def grouped_isa(lib: ctypes.CDLL) -> str:
 
 
 def group_isa(lib: ctypes.CDLL) -> str:
-    """What the GPTQ/AWQ kernel (group_linear.c) in `lib` was compiled to: avx512 or portable."""
+    """What the GPTQ/AWQ kernel (group_linear.c) in `lib` was compiled to: avx512, avx2 or portable."""
     return lib.pagedserve_group_isa().decode()
 
 
 def group_grouped_isa(lib: ctypes.CDLL) -> str:
     """What the GPTQ/AWQ interleaved-rows kernel (group_grouped.c) in `lib` was compiled to: avx512_vnni,
-    avx512 or portable (see FAST_GROUPED_ISAS)."""
+    avx512, avx2 or portable (see group_packed.FAST_GROUP_GROUPED_ISAS)."""
     return lib.pagedserve_group_grouped_isa().decode()
 
 

@@ -1,0 +1,65 @@
+"""One copy of a dense checkpoint's weights (quant/unquantized.py's native_linear): with the native decode step
+built, every unquantized linear's native kernel reads the layer's own weight tensor (same storage, not a copy), no
+oneDNN packed copy is left beside it, and the torch path still computes with it (the greedy tokens equal
+transformers' in fp32; the native step's and the torch path's logits agree in bf16). Memory is checked by storage
+identity, not by a resident-set figure (benchmarks/dense_memory.py measures that)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from pagedserve.engine import LLM
+from pagedserve.quant.dense_layout import group_rows_in_place, grouped_isa, row_group, row_major
+from pagedserve.quant.linear import QuantLinear
+from pagedserve.quant.unquantized import UnquantizedLinearMethod
+
+
+def _dense_layers(model) -> dict[str, QuantLinear]:
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, QuantLinear) and isinstance(m.method, UnquantizedLinearMethod)}
+
+
+def _native_weights(step) -> set[int]:
+    """data_ptr of every tensor the native step's linears keep alive."""
+    return {t.data_ptr() for n in step._keep for t in getattr(n, "keepalive", ()) if isinstance(t, torch.Tensor)}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_native_step_reads_the_models_own_weights(tmp_path, dtype, tied):
+    path = make_tiny_model(tmp_path, "LlamaForCausalLM", initializer_range=0.1, tie_word_embeddings=tied)
+    engine = LLM(str(path), dtype=dtype, native_step_max_batch=8).engine
+    step = engine.runner.native_step
+    assert step is not None
+    layers = _dense_layers(engine.runner.model)
+    assert layers
+    native = _native_weights(step)
+    for name, layer in layers.items():
+        assert layer.packed_weight is None, name  # no oneDNN copy beside the plain weight
+        assert layer.weight is not None and layer.weight.data_ptr() in native, name
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    distinct = {p.data_ptr(): p.numel() * p.element_size() for p in engine.runner.model.parameters()}
+    assert sum(distinct.values()) == weight_bytes or tied  # a tied head's weight is the embedding's: counted once
+    if tied:
+        head = engine.runner.model.lm_head
+        assert head.weight.data_ptr() == engine.runner.model.model.embed_tokens.weight.data_ptr()
+
+
+def test_the_torch_path_reads_a_regrouped_weight_as_the_row_major_one(tmp_path):
+    path = make_tiny_model(tmp_path, "LlamaForCausalLM", initializer_range=0.1)
+    engine = LLM(str(path), dtype="bfloat16", native_step_max_batch=8).engine
+    assert engine.runner.native_step is not None
+    layers = _dense_layers(engine.runner.model)
+    assert any(row_group(layer.weight) for layer in layers.values()) == (grouped_isa() != "portable")
+    g = torch.Generator().manual_seed(0)
+    for name, layer in layers.items():
+        plain = row_major(layer.weight).clone()
+        if row_group(layer.weight):  # the temporary is the layout's inverse: regrouping it gives the weight back
+            group_rows_in_place(plain)
+            assert torch.equal(plain.view(torch.int16), layer.weight.view(torch.int16)), name
+            plain = row_major(layer.weight).clone()
+        x = torch.randn(5, layer.in_features, generator=g).bfloat16()
+        expected = torch.nn.functional.linear(x, plain, layer.bias)
+        assert torch.equal(layer.method.apply(layer, x), expected), name
