@@ -58,21 +58,6 @@ def _sdpa_wins(meta: AttentionMetadata, i: int) -> bool:
 _SDPA_MIN_WORK = 1 << 17  # queries x keys of one chunk: e.g. 362 x 362, 128 new tokens over 1,024
 
 
-def _prefill_batch(meta: AttentionMetadata, starts: list[int], window: int | None,
-                   picked: tuple[int, ...]) -> PrefillBatch | None:
-    """The native kernel's share of the step's chunks (`picked`), or None when it has none."""
-    if not picked:
-        return None
-    index = torch.tensor(picked, dtype=torch.long)
-    return PrefillBatch(
-        rows=torch.tensor([starts[i] for i in picked], dtype=torch.long),
-        query_lens=torch.tensor([meta.query_lens_host[i] for i in picked], dtype=torch.int32),
-        seq_lens=meta.seq_lens[index].contiguous(),
-        block_tables=meta.block_tables[index].contiguous(),
-        window=window,
-    )
-
-
 def _heads_dense(*rows: torch.Tensor) -> bool:
     return all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in rows)
 
@@ -89,7 +74,7 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         chunks = [i for i, q_len in enumerate(meta.query_lens_host) if q_len > 1]
         sdpa = tuple(i for i in chunks if cache.k.shape[3] % 16 or _sdpa_wins(meta, i))
         native = tuple(i for i in chunks if i not in sdpa)
-        return NativePlan(window, decode, _prefill_batch(meta, starts, window, native),
+        return NativePlan(window, decode, PrefillBatch.of(meta, starts, window, native),
                           prefill_chunks(meta, cache, starts, window, sdpa) if sdpa else ())
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:

@@ -133,11 +133,12 @@ def test_missing_compiler_falls_back_to_torch(monkeypatch, tmp_path) -> None:
 
 
 def test_native_backend_is_refused_off_cpu() -> None:
+    from pagedserve.engine.build import check_backends
     from pagedserve.engine.config import EngineConfig
     from pagedserve.engine.errors import ConfigError
 
     with pytest.raises(ConfigError, match="native runs on CPU") as info:
-        EngineConfig(attention_backend="native", device="cuda")
+        check_backends(EngineConfig(attention_backend="native", device="cuda"))
     assert info.value.field == "attention_backend"
 
 

@@ -37,9 +37,10 @@ class PrefillBatch:
         assert self.window is None or self.window >= 1
 
     @classmethod
-    def of(cls, meta: AttentionMetadata, starts: list[int], window: int | None) -> PrefillBatch | None:
-        """The chunks of a step (sequences with more than one new token), or None when there are none."""
-        picked = [i for i, q_len in enumerate(meta.query_lens_host) if q_len > 1]
+    def of(cls, meta: AttentionMetadata, starts: list[int], window: int | None,
+           picked: tuple[int, ...]) -> PrefillBatch | None:
+        """The step's chunks this kernel computes (`picked`: indices of sequences with more than one new token), or
+        None when there are none."""
         if not picked:
             return None
         index = torch.tensor(picked, dtype=torch.long)
