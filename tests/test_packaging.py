@@ -76,3 +76,20 @@ def test_the_scan_sees_what_it_looks_for():
     found = imports_reached_from_tests()
     assert "tests/test_spec_decode.py" in found["scipy"]  # a direct import
     assert "torch" in found and "os" not in found and "conftest" not in found  # stdlib and local modules are not
+
+
+def test_every_python_package_folder_is_installed():
+    """An editable install finds any subfolder, a wheel only the listed packages: a folder missing from
+    [tool.setuptools] packages imports in the tests and fails on a user's `pip install .`."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {f"pagedserve.{name}": folder for name, folder in
+               ((n.removeprefix("pagedserve."), f) for n, f in setuptools["package-dir"].items())}
+    listed = set(setuptools["packages"])
+    missing = []
+    for package, folder in folders.items():
+        for init in sorted((ROOT / folder).rglob("__init__.py")):
+            relative = init.parent.relative_to(ROOT / folder).parts
+            name = ".".join((package, *relative))
+            if name not in listed:
+                missing.append(name)
+    assert not missing, f"packages with an __init__.py that pyproject.toml does not install: {missing}"
