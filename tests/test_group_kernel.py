@@ -131,7 +131,9 @@ def test_product_and_expansion_equal_the_reference(lib, k, n, bits, group, act_o
             assert torch.equal(m.matmul(many[:rows]), full[:rows]), (m.row_group, rows)
 
 
-def test_the_avx2_interleaved_kernel_sums_as_the_avx512_one():
+def test_the_avx2_interleaved_kernel_agrees_with_the_avx512_one():
+    """Same exact weights and fp32 epilogue; the two builds may order a block's partial sums differently (the avx2
+    build sums int16 pair products in a fixed tree), so they agree to fp32 rounding of the sum, not bit for bit."""
     have = isa.available_tiers()
     if "avx512" not in have:
         pytest.skip("this CPU has no avx512 tier to compare the avx2 build with")
@@ -144,7 +146,9 @@ def test_the_avx2_interleaved_kernel_sums_as_the_avx512_one():
         a, b = (dataclasses.replace(rowwise, lib=lib, bias=bias).grouped() for lib in libs)
         for rows in ROWS:
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-            assert torch.equal(a.matmul(x), b.matmul(x)), (k, n, bits, rows)
+            got, want = a.matmul(x), b.matmul(x)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
+                                       msg=lambda m: f"{(k, n, bits, rows)}: {m}")
 
 
 def test_rows_are_grouped_where_the_build_has_avx2_or_avx512_and_whole_groups():
