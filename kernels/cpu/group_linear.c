@@ -131,10 +131,7 @@ GQ_INLINE void gq_row_dot(const ps_group_state *st, int64_t o, const float *x, i
 #if defined(PS_AVX512)
         out[r] = _mm512_reduce_add_ps(_mm512_add_ps(lo[r], hi[r]));
 #elif defined(PS_AVX2)
-        const __m256 v = _mm256_add_ps(lo[r], hi[r]);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        out[r] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+        out[r] = ps_hsum8(_mm256_add_ps(lo[r], hi[r]));
 #else
         out[r] = acc[r];
 #endif

@@ -47,6 +47,13 @@
 
 #if defined(PS_AVX2)
 #include <immintrin.h>
+
+/* The sum of 8 fp32 lanes, one fixed order (halves, pairs, then the last two) for every kernel that ends in one. */
+static inline float ps_hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
 #endif
 
 #include <stddef.h>

@@ -61,10 +61,7 @@ PK_INLINE void pk_f32_row_dot(int fmt, const uint8_t *w, int64_t nblocks, const 
 #if defined(PS_AVX512)
         out[r] = _mm512_reduce_add_ps(_mm512_add_ps(lo[r], hi[r]));
 #elif defined(PS_AVX2)
-        __m256 v = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3]));
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        out[r] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+        out[r] = ps_hsum8(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
 #else
         out[r] = acc[r];
 #endif

@@ -67,9 +67,7 @@ static inline float pk_fdot(const float *u, const float *v, int64_t n) {
 #if defined(PS_AVX2)
     __m256 acc = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(u + i), _mm256_loadu_ps(v + i), acc);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    sum = ps_hsum8(acc);
 #endif
     for (; i < n; i++) sum += u[i] * v[i];
     return sum;
@@ -118,10 +116,7 @@ PK_INLINE void pk_block(int fmt, const uint8_t *b, int64_t run, const pk_act *ac
 
 static inline float pk_acc_sum(pk_acc a, pk_acc b) {
 #if defined(PS_AVX2)
-    __m256 v = _mm256_add_ps(a, b);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    return ps_hsum8(_mm256_add_ps(a, b));
 #else
     return a + b;
 #endif
