@@ -131,6 +131,16 @@ def lark_json(schema: Any) -> str:
     return "%json " + json.dumps(schema)
 
 
+def json_call_rules(forced: ForcedCalls, arguments_key: str) -> list[str]:
+    """Lark rules `call` (one of the forced functions) and each function's `{"name": ..., "<arguments_key>": {...}}`,
+    its arguments matching the function's parameters schema."""
+    rules = ["call: " + " | ".join(f"call_{i}" for i in range(len(forced.functions)))]
+    for i, (name, schema) in enumerate(forced.functions):
+        head = json.dumps({"name": name})[:-1] + f', "{arguments_key}": '
+        rules += [f"call_{i}: {lark_literal(head)} args_{i} {lark_literal('}')}", f"args_{i}: {lark_json(schema)}"]
+    return rules
+
+
 def repeated(item: str, separator: str, forced: ForcedCalls) -> str:
     """Lark for min_calls..max_calls items joined by separator."""
     sep = lark_literal(separator)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from pagedserve.service.openai.tool_parsers.base import (
-    ForcedCalls, Parsed, ParsedCall, ToolParser, call_from_object, held_back, lark_json, lark_literal, repeated,
+    ForcedCalls, Parsed, ParsedCall, ToolParser, call_from_object, held_back, json_call_rules, lark_literal, repeated,
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -39,12 +39,8 @@ class HermesParser(ToolParser):
 
     def forced_grammar(self, forced: ForcedCalls) -> str:
         rules = [f"start: {repeated('block', chr(10), forced)}",
-                 f"block: {lark_literal(OPEN + chr(10))} call {lark_literal(chr(10) + CLOSE)}",
-                 "call: " + " | ".join(f"call_{i}" for i in range(len(forced.functions)))]
-        for i, (name, schema) in enumerate(forced.functions):
-            head = json.dumps({"name": name})[:-1] + ', "arguments": '
-            rules += [f"call_{i}: {lark_literal(head)} args_{i} {lark_literal('}')}", f"args_{i}: {lark_json(schema)}"]
-        return "\n".join(rules)
+                 f"block: {lark_literal(OPEN + chr(10))} call {lark_literal(chr(10) + CLOSE)}"]
+        return "\n".join(rules + json_call_rules(forced, "arguments"))
 
 
 def _call(body: str) -> ParsedCall | None:

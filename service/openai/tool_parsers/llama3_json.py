@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import json
-
 from pagedserve.service.openai.tool_parsers.base import (
-    ForcedCalls, Parsed, ParsedCall, ToolParser, call_from_object, decode_json, lark_json, lark_literal, repeated,
+    ForcedCalls, Parsed, ParsedCall, ToolParser, call_from_object, decode_json, json_call_rules, repeated,
     skip_space,
 )
 
@@ -32,12 +30,8 @@ class Llama3JsonParser(ToolParser):
         return Parsed("", tuple(calls))
 
     def forced_grammar(self, forced: ForcedCalls) -> str:
-        rules = [f"start: {repeated('call', SEPARATOR + ' ', forced)}",
-                 "call: " + " | ".join(f"call_{i}" for i in range(len(forced.functions)))]
-        for i, (name, schema) in enumerate(forced.functions):
-            head = json.dumps({"name": name})[:-1] + ', "parameters": '
-            rules += [f"call_{i}: {lark_literal(head)} args_{i} {lark_literal('}')}", f"args_{i}: {lark_json(schema)}"]
-        return "\n".join(rules)
+        rules = [f"start: {repeated('call', SEPARATOR + ' ', forced)}"]
+        return "\n".join(rules + json_call_rules(forced, "parameters"))
 
 
 def _calls(text: str, pos: int) -> tuple[list[ParsedCall], int]:

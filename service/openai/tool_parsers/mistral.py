@@ -4,13 +4,12 @@ Call ids are 9 letters and digits: Mistral's templates refuse others."""
 
 from __future__ import annotations
 
-import json
 import random
 import string
 
 from pagedserve.service.openai.tool_parsers.base import (
     ForcedCalls, Parsed, ParsedCall, ToolParser, arguments_text, call_from_object, decode_json, held_back,
-    lark_json, lark_literal, repeated, skip_space,
+    json_call_rules, lark_literal, repeated, skip_space,
 )
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -34,12 +33,8 @@ class MistralParser(ToolParser):
         return Parsed(text[:start] + text[end:].strip(), tuple(calls))
 
     def forced_grammar(self, forced: ForcedCalls) -> str:
-        rules = [f"start: {lark_literal(MARKER + '[')} {repeated('call', ', ', forced)} {lark_literal(']')}",
-                 "call: " + " | ".join(f"call_{i}" for i in range(len(forced.functions)))]
-        for i, (name, schema) in enumerate(forced.functions):
-            head = json.dumps({"name": name})[:-1] + ', "arguments": '
-            rules += [f"call_{i}: {lark_literal(head)} args_{i} {lark_literal('}')}", f"args_{i}: {lark_json(schema)}"]
-        return "\n".join(rules)
+        rules = [f"start: {lark_literal(MARKER + '[')} {repeated('call', ', ', forced)} {lark_literal(']')}"]
+        return "\n".join(rules + json_call_rules(forced, "arguments"))
 
     def call_id(self, index: int, random_hex: str) -> str:
         return "".join(random.Random(random_hex).choices(_ID_CHARS, k=9))
