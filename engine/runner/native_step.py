@@ -174,6 +174,8 @@ class NativeDecodeStep:
 
     def _rope_rows(self, step: StepInput) -> list[int]:
         """The cos/sin table row of every token: its position, shifted into LongRoPE's long table past the switch."""
+        if self._stack.long_rope_after is None:
+            return step.positions  # one table: the row is the position, no per-token work on the decode path
         lengths = [n for n, count in zip(step.rope_lengths, step.query_lens) for _ in range(count)]
         return [self._stack.rope_row(p, n) for p, n in zip(step.positions, lengths)]
 
