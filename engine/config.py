@@ -18,6 +18,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
+MAX_CUDA_GRAPH_SIZE = 512  # vLLM's largest default capture size
 GGUF_WEIGHTS = ("auto", "packed", "dequantized")  # engine/loading/model_loader.py's packed_gguf_types reads them
 
 
@@ -79,6 +80,13 @@ class EngineConfig:
     constraint_compile_timeout_s: float = 10.0  # a constraint still compiling after this is refused
     lora: LoraConfig | None = None  # None: LoRA adapters off (docs/lora.md)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding (docs/speculative-decoding.md)
+    # CUDA: decode-only steps replay CUDA graphs captured at start, one per size of cuda_graph_sizes
+    # (engine/runner/cuda_graphs.py); True runs every step eagerly. No effect on CPU.
+    enforce_eager: bool = False
+    # vLLM's --cuda-graph-sizes: () the default (as one value, max_num_seqs rounded up to a multiple of 8, at most
+    # MAX_CUDA_GRAPH_SIZE); one value N: 1, 2, 4 and the multiples of 8 up to N; several: exactly those sizes.
+    # Sizes past the first one that holds max_num_seqs are not captured. No effect on CPU.
+    cuda_graph_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -105,6 +113,7 @@ class EngineConfig:
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ConfigError("speculative",
                               f"must be a SpeculativeConfig or None, got {type(self.speculative).__name__}")
+        self._check_cuda_graphs()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -120,6 +129,18 @@ class EngineConfig:
                                                       f"device is {self.device!r}")
         if self.gguf_weights == "packed" and self.device != "cpu":
             raise ConfigError("gguf_weights", f"packed GGUF weights are computed on CPU only; device is {self.device!r}")
+
+    def _check_cuda_graphs(self) -> None:
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError("enforce_eager", f"must be true or false, got {self.enforce_eager!r}")
+        sizes = self.cuda_graph_sizes
+        if isinstance(sizes, list):  # a command line's or JSON's list; kept as a tuple so the config stays hashable
+            object.__setattr__(self, "cuda_graph_sizes", sizes := tuple(sizes))
+        if not isinstance(sizes, tuple) or not all(
+                isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= MAX_CUDA_GRAPH_SIZE for s in sizes):
+            raise ConfigError("cuda_graph_sizes", f"must be batch sizes from 1 to {MAX_CUDA_GRAPH_SIZE}, got {sizes!r}")
+        if len(set(sizes)) != len(sizes):
+            raise ConfigError("cuda_graph_sizes", f"lists a size twice: {sizes!r}")
 
     @property
     def layer_ops_choice(self) -> str:

@@ -44,7 +44,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: block * block_size + offset for each new token
     max_query_len: int
     max_seq_len: int
-    # Host copies: the torch path plans its work from these without device syncs.
+    # Host copies: the torch path plans its work from these without device syncs. A CUDA graph's metadata holds
+    # max_model_len in max_seq_len and seq_lens_host (upper bounds; seq_lens is exact): see AttentionImpl.cuda_graphs.
     query_lens_host: tuple[int, ...]
     seq_lens_host: tuple[int, ...]
 
@@ -89,6 +90,14 @@ class AttentionImpl(ABC, Generic[PlanT]):
     """
 
     requirements: ClassVar[Requirements] = Requirements()  # checked against the engine config at startup
+
+    def cuda_graphs(self) -> bool:
+        """Whether a one-token-per-sequence step through this implementation may be captured into a CUDA graph now
+        and replayed for later steps of the same number of sequences (engine/runner/cuda_graphs.py): no host sync,
+        launches sized only by num_seqs, num_tokens and max_query_len (a graph's metadata holds max_seq_len and
+        seq_lens_host as upper bounds: max_model_len), no state that a later write changes, and KV writes that skip
+        negative slots (padded rows). False unless an implementation says so."""
+        return False
 
     @abstractmethod
     def plan(self, meta: AttentionMetadata, cache: LayerKVCache, window: int | None = None) -> PlanT:

@@ -175,6 +175,10 @@ class CalibratingAttention(WriteObservingAttention):
     def calibrated(self) -> bool:
         return not self._pending
 
+    def cuda_graphs(self) -> bool:
+        # Before calibration a write sets scales (and K's offset) from its data: capture only once they are fixed.
+        return self.calibrated and self.inner.cuda_graphs()
+
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
         index = self._pending.pop(id(cache), None)
         if index is not None:

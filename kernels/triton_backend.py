@@ -65,6 +65,11 @@ class TritonAttention(AttentionImpl[AttentionPlan]):
                 "use kv_cache_dtype=fp8_e5m2 on this GPU"
             )
 
+    def cuda_graphs(self) -> bool:
+        # The grid is (num_tokens // BLOCK_Q + num_seqs, KV heads), BLOCK_Q from max_query_len: no host read of any
+        # length, and the KV write skips negative slots.
+        return True
+
     def plan(self, meta: AttentionMetadata, cache: LayerKVCache, window: int | None = None) -> AttentionPlan:
         # The kernel's grid reads query_start_loc on the device: nothing to prepare on the host but the window.
         return AttentionPlan(window)

@@ -67,6 +67,10 @@ _ENGINE_HELP = {
                             "trimmed to fit; 0: off",
     "max_queued_requests": "admitted requests waiting for a batch slot; beyond it: RESOURCE_EXHAUSTED",
     "chat_template": "jinja chat template file used instead of the model's own (for chat messages)",
+    "enforce_eager": "CUDA: run every step eagerly, without the decode steps' CUDA graphs (no effect on CPU)",
+    "cuda_graph_sizes": "CUDA: the decode batch sizes captured as CUDA graphs (a decode step pads to the next one, "
+                        "larger ones run eagerly); one value N: 1 2 4 and the multiples of 8 up to N; several: those "
+                        "sizes (default: max-num-seqs rounded up to a multiple of 8, at most 512; no effect on CPU)",
 }
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -99,6 +103,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + field.name.replace("_", "-")
         names = f"; one of {', '.join(choices[field.name])}" if field.name in choices else ""
         help_text = f"{_ENGINE_HELP.get(field.name, field.name)}{names} (default: {field.default})"
+        if str(field.type).startswith("tuple[int"):  # vLLM's space-separated lists (--cuda-graph-sizes 1 2 4)
+            group.add_argument(flag, type=int, nargs="+", default=None, help=help_text)
+            continue
         kind = _flag_type(field)
         if kind is None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)

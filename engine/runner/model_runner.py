@@ -1,6 +1,7 @@
 """One step: a SchedulerOutput in, each sampling sequence's tokens out (`execute`). The runner prepares the step's
-inputs once, runs them on the native C step or the torch forward (one rule, `NativeDecodeStep.accepts`), then
-verifies drafts and samples (grammar masks included) itself: logits never leave it."""
+inputs once, runs them on the native C step (CPU; one rule, `NativeDecodeStep.accepts`), a captured CUDA graph
+(CUDA decode steps; `engine/runner/cuda_graphs.py`) or the eager torch forward, then verifies drafts and samples
+(grammar masks included) itself: logits never leave it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 
 import torch
 
-from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.config import MAX_CUDA_GRAPH_SIZE, EngineConfig
 from pagedserve.engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from pagedserve.engine.core.sequence import Sequence
 from pagedserve.engine.core.step_output import StepOutput
@@ -16,6 +17,8 @@ from pagedserve.engine.loading.model_loader import LoadedModel
 from pagedserve.engine.lora.layers import StepAdapters, wrap_model
 from pagedserve.engine.lora.weights import LoraLayout, model_layout
 from pagedserve.engine.models.layers import ForwardContext
+from pagedserve.engine.runner.cuda_graphs import DecodeGraphs, GraphModel
+from pagedserve.engine.runner.graph_inputs import capture_sizes
 from pagedserve.engine.runner.native_capacity import NO_NATIVE_STEP, NativeCapacity
 from pagedserve.engine.runner.native_step import build_native_step
 from pagedserve.engine.runner.sampler import Sampler
@@ -61,6 +64,7 @@ class ModelRunner:
         if config.lora is not None:
             self.lora_layout = model_layout(self.model)
             wrap_model(self.model, self.lora_layout, self.step_adapters)
+        self.cuda_graphs = self._decode_graphs(config, device)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%s, %.1f MiB, attention=%s, layer ops=%s)",
             num_blocks, config.block_size, num_blocks * config.block_size, kv_dtype.value,
@@ -126,14 +130,33 @@ class ModelRunner:
             return self.native_step.run(step), step.sampling_seqs
         if step.adapter_spans or self.step_adapters.groups:
             self.step_adapters.set_spans(step.adapter_spans)
+        hidden = self.cuda_graphs.run(step) if self.cuda_graphs is not None else None
+        if hidden is None:
+            hidden = self._eager_forward(step)
+        if not step.sampling_seqs:
+            return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), ()
+        return self.model.compute_logits(hidden[self._tensor(step.logits_rows, torch.int64)]), step.sampling_seqs
+
+    def _eager_forward(self, step: StepInput) -> torch.Tensor:
         meta = self._metadata(step)
         # Once per step and window, shared by every layer with that window.
         plans = {window: self.attn_impl.plan(meta, self.kv_cache.layers[0], window) for window in self.windows}
         ctx = ForwardContext(meta, self.kv_cache, self.attn_impl, self.layer_ops, plans, step.rope_lengths)
-        hidden = self.model(self._tensor(step.token_ids, torch.int64), self._tensor(step.positions, torch.int64), ctx)
-        if not step.sampling_seqs:
-            return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), ()
-        return self.model.compute_logits(hidden[self._tensor(step.logits_rows, torch.int64)]), step.sampling_seqs
+        return self.model(self._tensor(step.token_ids, torch.int64), self._tensor(step.positions, torch.int64), ctx)
+
+    def _decode_graphs(self, config: EngineConfig, device: torch.device) -> DecodeGraphs | None:
+        """CUDA graphs of the decode step (engine/runner/cuda_graphs.py), captured now if the attention allows it
+        yet; None on CPU, with enforce_eager, and for models that pick RoPE tables by sequence length (LongRoPE: the
+        lengths are host data of each step)."""
+        long_rope = any(getattr(m, "long_after", None) is not None for m in self.model.modules())
+        if device.type != "cuda" or config.enforce_eager or long_rope:
+            return None
+        sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs, MAX_CUDA_GRAPH_SIZE)
+        target = GraphModel(self.model, self.kv_cache, self.attn_impl, self.layer_ops, self.windows)
+        graphs = DecodeGraphs(target, sizes, self.max_model_len, device)
+        if self.attn_impl.cuda_graphs():
+            graphs.capture()
+        return graphs
 
     def _metadata(self, step: StepInput) -> AttentionMetadata:
         qsl = [0]
