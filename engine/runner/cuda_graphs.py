@@ -126,6 +126,12 @@ class DecodeGraphs:
         self.replays[(padded.num_rows, padded.size)] += 1
         return self.outputs[padded.size][: padded.num_rows]
 
+    def forward_eagerly(self, padded: PaddedDecode) -> torch.Tensor:
+        """`padded` through the model without a graph, over the static buffers: the computation a capture records
+        (tests run it on CPU under Triton's interpreter). All `padded.size` rows."""
+        self._load(padded)
+        return self._forward(padded.size)
+
     def _load(self, padded: PaddedDecode) -> None:
         size, width = padded.size, padded.width
         for buffer, values in ((self.input_ids, padded.token_ids), (self.positions, padded.positions),
