@@ -40,43 +40,18 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent / "quant_tools")]
 from contention import cpu_model  # noqa: E402
+from rtn import quantization_config, quantized_tensors  # noqa: E402
 from smollm2_quality import head_bytes  # noqa: E402
 
 GROUP_GPTQ, GROUP_AWQ = 128, 64
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _rtn(w: torch.Tensor, g_idx: torch.Tensor, groups: int, sym: bool) -> tuple[torch.Tensor, ...]:
-    """w [out, in] fp32 -> q [in, out], zeros [groups, out], scales fp16 [groups, out] (4-bit)."""
-    wt = w.t()  # [in, out]
-    one_hot = torch.nn.functional.one_hot(g_idx.long(), groups).bool()  # [in, groups]
-    lo = torch.stack([wt[one_hot[:, g]].amin(0) for g in range(groups)])
-    hi = torch.stack([wt[one_hot[:, g]].amax(0) for g in range(groups)])
-    if sym:
-        scales = (torch.maximum(hi.abs(), lo.abs()) / 7.5).clamp_min(1e-8).half()
-        zeros = torch.full_like(scales, 8, dtype=torch.int32)
-    else:
-        scales = ((hi - lo) / 15).clamp_min(1e-8).half()
-        zeros = (-lo / scales.float()).round().clamp(0, 15).to(torch.int32)
-    s, z = scales.float()[g_idx.long()], zeros[g_idx.long()]
-    q = (wt / s).round().add(z).clamp(0, 15).to(torch.int32)
-    return q, zeros, scales
-
-
 def _quantized(name: str, w: torch.Tensor, kind: str, perm_seed: int) -> dict[str, torch.Tensor]:
-    from pagedserve.quant.packing import default_g_idx, pack_awq, pack_cols, pack_rows
-
-    out_f, in_f = w.shape
     if kind == "awq":
-        g_idx = default_g_idx(in_f, GROUP_AWQ)
-        q, zeros, scales = _rtn(w, g_idx, int(g_idx.max()) + 1, sym=False)
-        return {f"{name}.qweight": pack_awq(q), f"{name}.qzeros": pack_awq(zeros), f"{name}.scales": scales}
-    order = torch.randperm(in_f, generator=torch.Generator().manual_seed(perm_seed))
-    g_idx = torch.empty(in_f, dtype=torch.int32)
-    g_idx[order] = default_g_idx(in_f, GROUP_GPTQ)  # act-order: channel order[i] is in group i // 128
-    q, zeros, scales = _rtn(w, g_idx, int(g_idx.max()) + 1, sym=True)
-    return {f"{name}.qweight": pack_rows(q, 4), f"{name}.qzeros": pack_cols(zeros - 1, 4),  # v1 stores z - 1
-            f"{name}.scales": scales, f"{name}.g_idx": g_idx}
+        return quantized_tensors(name, w, kind, GROUP_AWQ)
+    order = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(perm_seed))
+    return quantized_tensors(name, w, kind, GROUP_GPTQ, order)
 
 
 def _perm_seed(base: str) -> int:
@@ -107,10 +82,8 @@ def make_checkpoint(kind: str, out: Path) -> Path:
         else:
             tensors[name] = values.to(torch.bfloat16).contiguous()
     config = dict(ckpt.hf_config, torch_dtype="bfloat16")
-    config["quantization_config"] = (
-        {"quant_method": "gptq", "bits": 4, "group_size": GROUP_GPTQ, "desc_act": True, "sym": True,
-         "checkpoint_format": "gptq"} if kind == "gptq" else
-        {"quant_method": "awq", "bits": 4, "group_size": GROUP_AWQ, "zero_point": True, "version": "gemm"})
+    config["quantization_config"] = (quantization_config(kind, GROUP_GPTQ, desc_act=True) if kind == "gptq" else
+                                     quantization_config(kind, GROUP_AWQ))
     out.mkdir(parents=True, exist_ok=True)
     for f in tokenizer_dir(gguf).iterdir():
         if f.is_file():
