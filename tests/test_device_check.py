@@ -86,6 +86,13 @@ def test_dry_run_stage_details(dry_report):
     assert set(checks) == SERVER_CHECKS and all(c["status"] == "passed" for c in checks.values())
     assert stages["server"]["details"]["exit_code_after_sigterm"] == 0
     assert any(step.startswith("install: pagedserve into") for step in stages["install"]["details"]["steps"])
+    decode = stages["decode"]["details"]
+    assert sorted((r["weights"], r["graphs"]) for r in decode["rows"]) == sorted(
+        (kind, graphs) for kind in ("fp16", "gptq", "awq") for graphs in (True, False))
+    assert all(run["decode_tokens"] > 0 for r in decode["rows"] for run in r["runs"])
+    ratios = dry_report["benchmarks"]["decode_1b"]
+    assert ratios["target_4bit_vs_fp16"] == 1.8 and all(
+        v is not None for key in ("gptq_vs_fp16", "awq_vs_fp16", "graphs_vs_eager") for v in ratios[key].values())
 
 
 def test_wheel_list_is_pinned_and_agrees_with_pyproject():

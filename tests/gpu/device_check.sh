@@ -8,6 +8,7 @@
 #   e2e      tests/gpu/e2e_check.py: tiny Llama / Gemma 3 / GPTQ / AWQ engines against transformers
 #   server   tests/gpu/server_check.py: pagedserve serve over gRPC and OpenAI HTTP, 64 streams, cancel
 #   bench    tests/gpu/bench_check.py: copy and decode-attention bandwidth, dequant-GEMM, tokens/s
+#   decode   tests/gpu/decode_bench.py: a 1B-shaped Llama built here, fp16 / GPTQ / AWQ decode tokens/s, graphs on/off
 # OUT_DIR gets report.json (always, also when stages fail) and one log per stage. Exit status 0 only when every
 # stage passed. DEVICE_CHECK_STAGES="kernels e2e" runs a subset (install always runs first).
 set -uo pipefail
@@ -68,6 +69,7 @@ main() {
     wanted server && stage server 75 "$py" tests/gpu/server_check.py --out "$work/server.json" \
       --pagedserve "$site/bin/pagedserve" --workdir "$work/server" "${flag[@]}"
     wanted bench && stage bench 60 "$py" tests/gpu/bench_check.py --out "$work/bench.json" "${flag[@]}"
+    wanted decode && stage decode 120 "$py" tests/gpu/decode_bench.py --out "$work/decode.json" "${flag[@]}"
   fi
   report_flag=()
   [ "$dry" = 1 ] && report_flag=(--dry-run)

@@ -18,13 +18,13 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-STAGES = ("install", "kernels", "e2e", "server", "bench")
+STAGES = ("install", "kernels", "e2e", "server", "bench", "decode")
 REPORT_FIELDS = ("schema", "dry_run", "created_utc", "total_s", "device", "versions", "stages", "benchmarks")
 DEVICE_FIELDS = ("name", "capability", "memory_gib", "multiprocessors", "driver")
 VERSION_FIELDS = ("python", "torch", "torch_cuda", "triton", "transformers", "grpcio", "protobuf", "pagedserve_from")
 STAGE_FIELDS = ("status", "exit_code", "duration_s", "budget_s", "log", "details")
 BENCH_FIELDS = ("copy_gb_s", "decode_attention", "decode_attention_best_fraction", "decode_attention_target",
-                "dequant_gemm", "e2e_tokens_per_s")
+                "dequant_gemm", "e2e_tokens_per_s", "decode_1b")
 TIMEOUT_CODES = (124, 137)  # timeout(1): budget reached; killed after the grace period
 LOG_TAIL_CHARS = 3000
 
@@ -124,8 +124,9 @@ def stage_entry(name: str, work: Path, out: Path) -> dict:
             "log": log.name, "details": details}
 
 
-def benchmarks(bench: dict) -> dict:
-    return {field: bench.get(field) for field in BENCH_FIELDS}
+def benchmarks(bench: dict, decode: dict) -> dict:
+    """bench.json's numbers, and decode.json's summary (the 1B-shaped model's ratios) as `decode_1b`."""
+    return {**{field: bench.get(field) for field in BENCH_FIELDS}, "decode_1b": decode.get("summary")}
 
 
 def assemble(work: Path, out: Path, dry_run: bool) -> dict:
@@ -140,7 +141,7 @@ def assemble(work: Path, out: Path, dry_run: bool) -> dict:
         "device": device(),
         "versions": versions(),
         "stages": stages,
-        "benchmarks": benchmarks(stages["bench"]["details"]),
+        "benchmarks": benchmarks(stages["bench"]["details"], stages["decode"]["details"]),
     }
     write_json(out / "report.json", report)
     return report
@@ -154,6 +155,9 @@ def summary(report: dict) -> str:
     lines.append(f"  copy {bench['copy_gb_s']} GB/s; decode attention best "
                  f"{bench['decode_attention_best_fraction']} of "
                  f"copy (target {bench['decode_attention_target']}); e2e {bench['e2e_tokens_per_s']} tokens/s")
+    decode = bench["decode_1b"] or {}
+    lines.append(f"  1B-shaped decode: GPTQ/fp16 {decode.get('gptq_vs_fp16')}, AWQ/fp16 {decode.get('awq_vs_fp16')} "
+                 f"(target {decode.get('target_4bit_vs_fp16')}); graphs on/off {decode.get('graphs_vs_eager')}")
     return "\n".join(lines)
 
 
