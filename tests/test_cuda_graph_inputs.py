@@ -132,3 +132,13 @@ def test_static_tables_keep_no_stale_block_ids(triton_llm):
     assert graphs.block_tables[:2, :3].tolist() == [[3, 4, 5], [6, 7, 8]]
     graphs._load(padded([[9]]))
     assert graphs.block_tables[0, 0] == 9 and int(graphs.block_tables.count_nonzero()) == 1
+
+
+def test_a_capture_that_fails_leaves_every_step_eager(triton_llm):
+    """Here the capture fails for want of CUDA; on a GPU an op that cannot be captured would: the engine keeps
+    serving eagerly and says why."""
+    runner = triton_llm.engine.runner
+    graphs = DecodeGraphs(GraphModel(runner.model, runner.kv_cache, runner.attn_impl, runner.layer_ops,
+                                     runner.windows), (1, 2, 4), runner.max_model_len, torch.device("cpu"))
+    assert graphs.capture() is None and graphs.error and not graphs.captured
+    assert graphs.run(_step([1], [[1]])) is None and not graphs.replays

@@ -68,6 +68,7 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays: Counter[tuple[int, int]] = Counter()  # (real rows, size) -> replays
         self.stats: CaptureStats | None = None
+        self.error: str | None = None  # why capture failed (every step then runs eagerly)
 
     @property
     def captured(self) -> bool:
@@ -88,8 +89,20 @@ class DecodeGraphs:
         return t.model(self.input_ids[:size], self.positions[:size], ctx)
 
     @torch.inference_mode()
-    def capture(self) -> CaptureStats:
-        """Every size, largest first (smaller graphs reuse the pool's blocks), into one pool."""
+    def capture(self) -> CaptureStats | None:
+        """Every size, largest first (smaller graphs reuse the pool's blocks), into one pool. A failure is logged
+        with its cause and leaves every step eager (`error` says why), rather than stopping the engine."""
+        try:
+            with torch.cuda.device(self.device):  # the capture stream is the current device's
+                return self._capture()
+        except Exception as exc:  # noqa: BLE001  any op that cannot be captured: eager still serves
+            self.graphs.clear()
+            self.outputs.clear()
+            self.error = f"{type(exc).__name__}: {exc}"
+            logger.exception("CUDA graph capture failed; every step runs eagerly")
+            return None
+
+    def _capture(self) -> CaptureStats:
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
@@ -114,13 +127,13 @@ class DecodeGraphs:
     def run(self, step: StepInput) -> torch.Tensor | None:
         """The final hidden states [rows, hidden] of a qualifying step, by replay; None: run it eagerly. Captures
         first if that had to wait for the attention implementation."""
-        if not self.captured and not self.target.attn_impl.cuda_graphs():
+        if not self.captured and (self.error is not None or not self.target.attn_impl.cuda_graphs()):
             return None
         padded = pad_decode(step, self.sizes, self.max_blocks)
         if padded is None:
             return None
-        if not self.captured:
-            self.capture()
+        if not self.captured and self.capture() is None:
+            return None
         self._load(padded)
         self.graphs[padded.size].replay()
         self.replays[(padded.num_rows, padded.size)] += 1

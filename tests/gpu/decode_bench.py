@@ -162,6 +162,7 @@ def measure(folder: Path, kind: str, graphs: bool, scale: Scale) -> dict:
     row = {"weights": kind, "graphs": graphs, "load_s": round(load_s, 2), "attention": type(runner.attn_impl).__name__,
            "quant_kernels": kernels, "capture_s": None if stats is None else round(stats.seconds, 3),
            "capture_mib": None if stats is None else round(stats.memory_bytes / 2**20, 1),
+           "capture_error": None if runner.cuda_graphs is None else runner.cuda_graphs.error,
            "runs": [decode_run(llm, scale, batch, f"{kind}-{graphs}") for batch in scale.batches]}
     del llm, runner
     gc.collect()

@@ -277,6 +277,7 @@ def graphs_case(model: Callable[[Scale, Path], Path], dtype: str) -> Callable[[S
                 record["replays"] = {} if graphs is None else {f"{rows}->{size}": n for (rows, size), n in
                                                                sorted(graphs.replays.items())}
                 record["capture_s"] = None if graphs is None or graphs.stats is None else round(graphs.stats.seconds, 2)
+                record["capture_error"] = None if graphs is None else graphs.error
             del llm
         mismatched = [i for i, (a, b) in enumerate(zip(tokens[True], tokens[False])) if a != b]
         padded_sizes = {key.split("->")[1] for key in record["replays"] if key.split("->")[0] != key.split("->")[1]}
