@@ -16,7 +16,8 @@ Cases (each a dict in the output with "status" passed / failed / skipped):
   dequantized weights;
 - cuda_graphs_fp16, cuda_graphs_bf16, cuda_graphs_gptq: the decode step's CUDA graphs (sizes 1-16) against
   enforce_eager on the same model, requests joining and finishing at different steps so graphs of several sizes
-  replay with padded rows: greedy tokens identical, every KV block free afterwards (on CPU both run eagerly);
+  replay with padded rows: greedy tokens identical, every KV block free afterwards (on CPU both run eagerly, and
+  with 5 requests);
 - smollm2: skipped, its 98 MB GGUF does not fit the device call's 64 MiB carry limit.
 --dry-run: CPU, Triton's interpreter (device_check.sh sets TRITON_INTERPRET=1), tiny sizes, the same fields.
 """
@@ -54,10 +55,11 @@ class Scale:
     max_tokens: int
     batched_tokens: int
     kv_memory: int
+    graph_prompts: int  # the cuda_graphs cases' requests (3 at first, the rest two steps later)
 
 
-GPU = Scale("cuda", 256, 8, 4, 32, (200, 3, 61, 129), 24, 64, 1 << 26)
-DRY = Scale("cpu", 64, 4, 2, 5, (21, 3), 3, 16, 1 << 22)
+GPU = Scale("cuda", 256, 8, 4, 32, (200, 3, 61, 129), 24, 64, 1 << 26, 13)
+DRY = Scale("cpu", 64, 4, 2, 5, (21, 3), 3, 16, 1 << 22, 5)
 
 
 def prompts(scale: Scale) -> list[list[int]]:
@@ -255,16 +257,18 @@ def staggered(llm, batch: list[list[int]], max_tokens: list[int], arrivals: list
 
 
 def graphs_case(model: Callable[[Scale, Path], Path], dtype: str) -> Callable[[Scale, Path], dict]:
-    """CUDA graphs on (sizes 1-16) vs enforce_eager: 3 requests, then 10 more two steps later, each with its own
-    length, so decode batches of 13 down to 1 replay graphs of 16, 8, 4, 2 and 1 with padded rows: greedy tokens
+    """CUDA graphs on (sizes 1-16) vs enforce_eager: 3 requests, then 10 more (2 in a dry run) two steps later,
+    each with its own length, so decode batches of 13 down to 1 replay graphs of 16, 8, 4, 2 and 1 with padded
+    rows: greedy tokens
     identical, every KV block free afterwards, and (on CUDA) graphs of several sizes replayed with padding."""
     def run(scale: Scale, tmp: Path) -> dict:
         path = model(scale, tmp)
         gen = torch.Generator().manual_seed(11)
+        count = scale.graph_prompts
         batch = [torch.randint(3, tiny_models.VOCAB, (int(n),), generator=gen).tolist()
-                 for n in torch.randint(2, 40, (13,), generator=gen)]
-        max_tokens = [max(1, scale.max_tokens - (5 * i) % scale.max_tokens) for i in range(13)]
-        arrivals = [0] * 3 + [2] * 10
+                 for n in torch.randint(2, 40, (count,), generator=gen)]
+        max_tokens = [max(1, scale.max_tokens - (5 * i) % scale.max_tokens) for i in range(count)]
+        arrivals = [0] * 3 + [2] * (count - 3)
         tokens, record = {}, {"dtype": dtype, "prompts": len(batch), "max_tokens": max_tokens}
         for eager in (True, False):
             llm = engine(path, scale, dtype=dtype, max_num_seqs=GRAPH_SIZES[-1], enforce_eager=eager)
