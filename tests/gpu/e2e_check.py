@@ -259,8 +259,8 @@ def staggered(llm, batch: list[list[int]], max_tokens: list[int], arrivals: list
 def graphs_case(model: Callable[[Scale, Path], Path], dtype: str) -> Callable[[Scale, Path], dict]:
     """CUDA graphs on (sizes 1-16) vs enforce_eager: 3 requests, then 10 more (2 in a dry run) two steps later,
     each with its own length, so decode batches of 13 down to 1 replay graphs of 16, 8, 4, 2 and 1 with padded
-    rows: greedy tokens
-    identical, every KV block free afterwards, and (on CUDA) graphs of several sizes replayed with padding."""
+    rows: greedy tokens identical, every KV block free afterwards, and (on CUDA) graphs of several sizes replayed
+    with padding."""
     def run(scale: Scale, tmp: Path) -> dict:
         path = model(scale, tmp)
         gen = torch.Generator().manual_seed(11)
