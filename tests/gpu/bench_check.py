@@ -7,7 +7,8 @@
   Llama-3-8B-shaped layers, and its fraction of copy_gb_s (target >= decode_attention_target);
 - dequant_gemm: the Triton GPTQ 4-bit dequant-GEMM against torch's fp16 matmul of the dense weight, at decode
   (M = 1, 16) and prefill (M = 512, 2048) shapes;
-- e2e_tokens_per_s: generated tokens per second of a tiny random Llama (64 prompts at once, bf16, Triton attention).
+- e2e_tokens_per_s: generated tokens per second of a tiny random Llama (64 prompts at once, bf16, Triton attention),
+  with the decode step's CUDA graphs; e2e_tokens_per_s_eager: the same with enforce_eager (the host-bound step).
 --dry-run: CPU, Triton's interpreter, tiny shapes and few repeats: the same fields, meaningless numbers.
 """
 
@@ -118,7 +119,7 @@ def dequant_gemm(scale: Scale) -> list[dict]:
     return rows
 
 
-def e2e_tokens_per_s(scale: Scale) -> float:
+def e2e_tokens_per_s(scale: Scale, enforce_eager: bool = False) -> float:
     from pagedserve.engine import LLM, SamplingParams
 
     count, length, new = scale.e2e
@@ -127,7 +128,7 @@ def e2e_tokens_per_s(scale: Scale) -> float:
         model = tiny_models.make_tiny(Path(tmp) / "llama", hidden_size=hidden, intermediate_size=2 * hidden,
                                       num_attention_heads=hidden // 32, num_key_value_heads=2, num_hidden_layers=layers)
         llm = LLM(str(model), device=scale.device, attention_backend="triton", dtype="bfloat16",
-                  kv_cache_memory=1 << 26, max_num_batched_tokens=2048)
+                  kv_cache_memory=1 << 26, max_num_batched_tokens=2048, enforce_eager=enforce_eager)
         gen = torch.Generator().manual_seed(3)
         prompts = [torch.randint(3, tiny_models.VOCAB, (length,), generator=gen).tolist() for _ in range(count)]
         params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
@@ -160,7 +161,9 @@ def main() -> int:
     for row in result["dequant_gemm"]:
         print("dequant gemm", row, flush=True)
     result["e2e_tokens_per_s"] = e2e_tokens_per_s(scale)
-    print(f"e2e: {result['e2e_tokens_per_s']} tokens/s", flush=True)
+    result["e2e_tokens_per_s_eager"] = e2e_tokens_per_s(scale, enforce_eager=True)
+    print(f"e2e: {result['e2e_tokens_per_s']} tokens/s ({result['e2e_tokens_per_s_eager']} with enforce_eager)",
+          flush=True)
     args.out.write_text(json.dumps(result, indent=1))
     return 0 if fractions and len(fractions) == len(result["decode_attention"]) else 1
 
