@@ -79,6 +79,15 @@ def emulate(x: torch.Tensor, values: torch.Tensor, group: int, sz: torch.Tensor)
     return x.float() @ w.t()
 
 
+def pack(values: torch.Tensor) -> torch.Tensor:
+    """tinygemm's packed weight on values' device. CPU (the dry run and tests) has its own op with the same
+    arithmetic and an int32 [N, K] input; the auto choice only ever picks this kernel on CUDA."""
+    k = values.shape[1]
+    if values.is_cuda:
+        return torch.ops.aten._convert_weight_to_int4pack(cuda_input(values), inner_k_tiles(k))
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, inner_k_tiles(k))
+
+
 class TinyGemmKernel(QLinearKernel):
     """4-bit weights in tinygemm's packed layout; every row count goes through the op (no dense copy kept)."""
 
@@ -90,9 +99,7 @@ class TinyGemmKernel(QLinearKernel):
         layout = w4a16_layout.repack(w)
         self.group, sz = scales_and_zeros(layout)
         self.register_buffer("perm", layout.perm)
-        packed = torch.ops.aten._convert_weight_to_int4pack(cuda_input(int4_values(layout)),
-                                                           inner_k_tiles(w.in_features))
-        self.register_buffer("packed", packed)
+        self.register_buffer("packed", pack(int4_values(layout)))
         self.register_buffer("scales_and_zeros", sz)
 
     @classmethod
@@ -112,6 +119,9 @@ class TinyGemmKernel(QLinearKernel):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(1, self.perm)
-        y = torch.ops.aten._weight_int4pack_mm(x.to(torch.bfloat16).contiguous(), self.packed, self.group,
-                                               self.scales_and_zeros)
+        xb = x.to(torch.bfloat16).contiguous()
+        if self.packed.is_cuda:
+            y = torch.ops.aten._weight_int4pack_mm(xb, self.packed, self.group, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group, self.scales_and_zeros)
         return y.to(x.dtype)

@@ -18,6 +18,7 @@ from pagedserve.quant.qlinear_kernels import auto_kernel_order
 from pagedserve.quant.w4a16_rule import W4A16Rule
 
 w4a16_kernel = pytest.importorskip("pagedserve.quant.w4a16_kernel", reason="triton is not installed")
+w4a16_triton = pytest.importorskip("pagedserve.quant.w4a16_triton", reason="triton is not installed")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -57,10 +58,9 @@ def test_split_k_partial_sums_and_dense_path():
     w = random_weight(384, 48, 4, 32, True, seed=4)
     x = torch.randn(3, 384, generator=torch.Generator().manual_seed(1))
     ref = x @ w.dequantize(torch.float32).t()
-    layout = w4a16_layout.repack(w)
-    from pagedserve.quant.w4a16_triton import decode_gemm
-
-    y = decode_gemm(x.index_select(1, layout.perm).contiguous(), layout, splits=3)  # 3 x 128 rows, 4 groups each
+    layout = w4a16_layout.repack(_on(w, DEVICE))
+    xs = x.index_select(1, layout.perm.cpu()).contiguous().to(DEVICE)
+    y = w4a16_triton.decode_gemm(xs, layout, splits=3).cpu()  # 3 splits of 128 rows, 4 groups each
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     _check(w, 3, torch.float32, "dense")
     _check(w, 3, torch.float16, "dense")
@@ -115,3 +115,13 @@ def test_tinygemm_refusals_and_rule():
     assert rule.cuda_order(torch.float16) == ("w4a16",)
     with pytest.raises(Exception, match="supported"):
         W4A16Rule(four_bit="marlin")
+
+
+def test_tinygemm_kernel_module_on_cpu_op():
+    """The kernel class end to end (act-order permutation, fp16 in and out) through the CPU variant of the op."""
+    w = random_weight(256, 48, 4, 128, True, seed=12)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(2)).half()
+    ref = x.float() @ w.dequantize(torch.float32).t()
+    y = tinygemm.TinyGemmKernel(w)(x)
+    assert y.dtype == torch.float16
+    assert (y.float() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
