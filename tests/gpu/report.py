@@ -24,7 +24,7 @@ DEVICE_FIELDS = ("name", "capability", "memory_gib", "multiprocessors", "driver"
 VERSION_FIELDS = ("python", "torch", "torch_cuda", "triton", "transformers", "grpcio", "protobuf", "pagedserve_from")
 STAGE_FIELDS = ("status", "exit_code", "duration_s", "budget_s", "log", "details")
 BENCH_FIELDS = ("copy_gb_s", "decode_attention", "decode_attention_best_fraction", "decode_attention_target",
-                "dequant_gemm", "e2e_tokens_per_s")
+                "dequant_gemm", "w4a16_gemm", "e2e_tokens_per_s")
 TIMEOUT_CODES = (124, 137)  # timeout(1): budget reached; killed after the grace period
 LOG_TAIL_CHARS = 3000
 
@@ -154,7 +154,18 @@ def summary(report: dict) -> str:
     lines.append(f"  copy {bench['copy_gb_s']} GB/s; decode attention best "
                  f"{bench['decode_attention_best_fraction']} of "
                  f"copy (target {bench['decode_attention_target']}); e2e {bench['e2e_tokens_per_s']} tokens/s")
+    lines.append(f"  w4a16 (rule) worst speedup vs fp16 by M: {w4a16_worst(bench.get('w4a16_gemm'))}")
     return "\n".join(lines)
+
+
+def w4a16_worst(rows: list[dict] | None) -> dict[int, float | None]:
+    """Per M, the lowest speedup_vs_fp16 of what the engine runs (w4a16_rule) over the benched shapes."""
+    worst: dict[int, float | None] = {}
+    for row in rows or ():
+        got = row["candidates"].get("w4a16_rule", {}).get("speedup_vs_fp16")
+        prev = worst.get(row["m"])
+        worst[row["m"]] = got if prev is None or got is None else min(prev, got)
+    return worst
 
 
 def main(argv: list[str]) -> int:

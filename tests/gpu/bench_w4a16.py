@@ -1,0 +1,96 @@
+"""bench_check.py's W4A16 section: every GPTQ/AWQ linear candidate at every size, against dense fp16, so the
+thresholds of quant/w4a16_rule.py can be set from one run.
+
+Per (format, K, N, M) row: `fp16_ms` (dense fp16 F.linear) and per candidate `ms`, `speedup_vs_fp16` (fp16_ms / ms;
+targets: >= 2.5 at M = 1 and 16, >= 0.8 at 512 and 2048), `packed_gb_s` (qweight + scales + zeros bytes over ms) and
+`fraction_of_copy` (of the device copy bandwidth; target >= 0.6 at M = 1, 16). Candidates:
+- w4a16_decode: the split-K Triton decode kernel forced at every M; w4a16_dense: dequantize once + cuBLAS;
+- w4a16_rule: what the engine runs (RULE decides between the two);
+- tinygemm_fp16: torch's int4 op with the fp16 activations cast to bf16 and back (what an fp16 model pays);
+  tinygemm_bf16: the same on bf16 activations (what a bf16 model pays, no casts);
+- triton_gemm: the previous per-element Triton kernel (quant/triton_gemm.py), for the record.
+On CUDA each candidate is timed as CUDA-graph replays (launch overhead excluded, as in a captured decode step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pagedserve.quant.group_quant import GroupQuantWeight
+from pagedserve.quant.packing import default_g_idx, pack_awq, pack_cols, pack_rows, unpack_awq
+
+CANDIDATES = ("w4a16_decode", "w4a16_dense", "w4a16_rule", "tinygemm_fp16", "tinygemm_bf16", "triton_gemm")
+
+
+def device_weight(k: int, n: int, group: int, fmt: str, device: str, seed: int) -> GroupQuantWeight:
+    """A random 4-bit weight made on the device (a 14336-wide one is slow to build on the CPU). AWQ goes through
+    its checkpoint packing (interleaved along N) and the converter's unpacking, as a loaded AWQ layer does; GPTQ uses
+    act-order (a random g_idx), the layout's worst case."""
+    gen = torch.Generator(device).manual_seed(seed)
+    groups = -(-k // group)
+    q = torch.randint(0, 16, (k, n), generator=gen, device=device, dtype=torch.int32)
+    z = torch.randint(0, 16, (groups, n), generator=gen, device=device, dtype=torch.int32)
+    s = (torch.rand(groups, n, generator=gen, device=device) * 0.02 + 0.002).half()
+    g_idx = default_g_idx(k, group, torch.device(device))
+    if fmt == "awq":
+        q, z = unpack_awq(pack_awq(q)), unpack_awq(pack_awq(z))
+    else:
+        g_idx = g_idx[torch.randperm(k, generator=gen, device=device)]
+    return GroupQuantWeight(pack_rows(q, 4), pack_cols(z, 4), s, g_idx, 4, k, n)
+
+
+def candidates(w: GroupQuantWeight) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    from pagedserve.quant import tinygemm, triton_gemm, w4a16_kernel
+
+    ours = w4a16_kernel.W4A16Kernel(w)
+    tg = tinygemm.TinyGemmKernel(w) if tinygemm.unsupported_reason(w) is None else None
+    fns = {"w4a16_decode": lambda x: ours(x, force="decode"), "w4a16_dense": lambda x: ours(x, force="dense"),
+           "w4a16_rule": ours, "triton_gemm": lambda x: triton_gemm.dequant_gemm(x, w)}
+    if tg is not None:
+        fns["tinygemm_fp16"] = tg
+        fns["tinygemm_bf16"] = tg  # given bf16 activations by bench_row: no cast
+    return fns
+
+
+def packed_bytes(w: GroupQuantWeight) -> int:
+    """What a decode kernel must read: 4-bit weights plus one scale and one zero per group and column."""
+    return w.qweight.numel() * 4 + 2 * w.scales.numel() * w.scales.element_size()
+
+
+def bench_row(fmt: str, w: GroupQuantWeight, prepared: tuple, m: int, copy: float, time_ms: Callable,
+              device: str) -> dict:
+    dense, fns = prepared
+    x = torch.randn(m, w.in_features, device=device, dtype=torch.float16)
+    x_bf16 = x.to(torch.bfloat16)
+    fp16_ms = time_ms(lambda: torch.nn.functional.linear(x, dense))
+    row: dict = {"format": fmt, "m": m, "k": w.in_features, "n": w.out_features, "bits": 4,
+                 "fp16_ms": round(fp16_ms, 4), "candidates": {}}
+    nbytes = packed_bytes(w)
+    for name, fn in fns.items():
+        arg = x_bf16 if name == "tinygemm_bf16" else x
+        try:
+            ms = time_ms(lambda: fn(arg))
+        except Exception as exc:  # a candidate that cannot run here is reported, the others still run
+            row["candidates"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            continue
+        gb_s = nbytes / (ms * 1e-3) / 1e9
+        row["candidates"][name] = {"ms": round(ms, 4), "speedup_vs_fp16": round(fp16_ms / ms, 3),
+                                   "packed_gb_s": round(gb_s, 1), "fraction_of_copy": round(gb_s / copy, 3)}
+    timed = {k: v["ms"] for k, v in row["candidates"].items() if "ms" in v}
+    row["fastest"] = min(timed, key=timed.get) if timed else None
+    return row
+
+
+def w4a16_gemm(shapes: tuple[tuple[int, int], ...], ms: tuple[int, ...], awq_shape: tuple[int, int], group: int,
+               copy: float, time_ms: Callable, device: str) -> list[dict]:
+    rows = []
+    for fmt, k, n in [("gptq", k, n) for k, n in shapes] + [("awq", *awq_shape)]:
+        w = device_weight(k, n, group, fmt, device, seed=k + n)
+        prepared = (w.dequantize(torch.float16), candidates(w))
+        rows += [bench_row(fmt, w, prepared, m, copy, time_ms, device) for m in ms]
+        del w, prepared
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
