@@ -28,6 +28,10 @@ class W4A16Kernel(QLinearKernel):
         self.in_features, self.out_features = layout.in_features, layout.out_features
         for field in ("qweight", "scales", "zeros", "perm"):
             self.register_buffer(field, getattr(layout, field))
+        # One counter per output tile of the serial split-K reduction; below dense_from_m rows a launch has one row
+        # of tiles, at most N / 16 of them (the narrowest tile). The kernel leaves them zero after every call.
+        locks = torch.zeros(-(-layout.out_features // 16), dtype=torch.int32, device=layout.qweight.device)
+        self.register_buffer("locks", locks, persistent=False)
 
     @classmethod
     def unsupported_reason(cls, w: GroupQuantWeight, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -46,11 +50,12 @@ class W4A16Kernel(QLinearKernel):
                             self.in_features, self.out_features)
 
     def forward(self, x: torch.Tensor, force: str | None = None) -> torch.Tensor:
-        """x [M, K] -> [M, N]; `force` ("decode" or "dense") overrides the rule (tests, bench)."""
+        """x [M, K] -> [M, N]; `force` ("decode", "decode_serial", "dense") overrides the rule (tests, bench)."""
         if self.perm is not None:
             x = x.index_select(1, self.perm)
         x = x.contiguous()
         path = force or ("dense" if x.shape[0] >= RULE.dense_from_m else "decode")
         if path == "dense":
             return torch.nn.functional.linear(x, dequantize(self.layout(), x.dtype))
-        return decode_gemm(x, self.layout())
+        serial = path == "decode_serial" or (path == "decode" and force is None and RULE.serial_reduce)
+        return decode_gemm(x, self.layout(), locks=self.locks if serial else None)

@@ -10,6 +10,9 @@
   and every row count through it since it keeps no other copy of the weight). 8-bit layers and layouts tinygemm
   refuses use w4a16.
 - `tinygemm_fp16`: whether tinygemm may serve fp16 models (activations cast to bf16 and back).
+- `serial_reduce`: the decode kernel's split-K partials summed by the last program of each tile (one launch, a
+  per-layer counter per tile) rather than by a second small kernel. Off until the device run shows it correct and
+  faster (bench candidate `w4a16_decode_serial`, test_w4a16_gpu.py).
 
 The values below are the starting point before a device run has measured the candidates (tests/gpu/bench_check.py
 prints every candidate at every size); docs/gpu.md says which are confirmed.
@@ -31,6 +34,7 @@ class W4A16Rule:
     dense_from_m: int = 64
     four_bit: str = "w4a16"
     tinygemm_fp16: bool = False
+    serial_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.dense_from_m < 1:

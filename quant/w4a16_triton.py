@@ -6,9 +6,10 @@ every word once: a [BLOCK_K / pf, BLOCK_N] tile of int32 words (coalesced along 
 [BLOCK_K, BLOCK_N] integers, multiplied with the activation as raw integers, and scaled once per group:
 acc += (x . q - sum(x) * z) * s. A K tile never straddles a group (BLOCK_K divides the group length). A narrow N
 still fills the SMs by splitting K; the fp32 partial sums go to a [splits, M, N] buffer summed by a second small
-kernel (deterministic, unlike atomics). Launch shapes come from a fixed table keyed by the row count, and the split
-count from K, N and the SM count only, so a given M always launches the same grid: CUDA graphs can capture it (no
-host sync, no autotune).
+kernel (deterministic, unlike atomics), or, with the serial reduction, by the last program to finish each tile (one
+launch, as Marlin does; a per-layer int32 counter per tile, reset by that program). Launch shapes come from a fixed
+table keyed by the row count, and the split count from K, N and the SM count only, so a given M always launches the
+same grid: CUDA graphs can capture it (no host sync, no autotune).
 """
 
 from __future__ import annotations
@@ -57,10 +58,10 @@ def block_k_for(layout: DecodeLayout, cap: int) -> int:
 
 
 @triton.jit
-def _decode_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, K_PER_SPLIT, GROUP,
+def _decode_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, out_ptr, lock_ptr, M, N, K, K_PER_SPLIT, GROUP,
                         stride_xm, stride_qk, stride_sg, stride_ys, stride_ym,
                         BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, DOT_16BIT: tl.constexpr):
+                        BLOCK_K: tl.constexpr, DOT_16BIT: tl.constexpr, SERIAL: tl.constexpr):
     PF: tl.constexpr = 32 // BITS
     BLOCK_KW: tl.constexpr = BLOCK_K // PF
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -91,8 +92,19 @@ def _decode_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, K_PER_SPLIT
             part = tl.dot(x.to(tl.float32), q.to(tl.float32), input_precision="ieee")
         xsum = tl.sum(x.to(tl.float32), axis=1)
         acc += (part - xsum[:, None] * z[None, :]) * s[None, :]
-    tl.store(y_ptr + pid_s * stride_ys + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tile_ok = m_ok[:, None] & n_ok[None, :]
+    tile = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptr + pid_s * stride_ys + tile, acc.to(y_ptr.dtype.element_ty), mask=tile_ok)
+    if SERIAL:  # the last split to arrive at this tile sums every split's partial, in split order
+        tl.debug_barrier()  # every thread's partial stored before the (release) atomic below
+        lock = lock_ptr + pid_m * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(2) - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for split in range(0, tl.num_programs(2)):
+                total += tl.load(y_ptr + split * stride_ys + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + tile, total.to(out_ptr.dtype.element_ty), mask=tile_ok)
+            tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")  # ready for the next call (and graph replay)
 
 
 @triton.jit
@@ -157,9 +169,12 @@ def split_count(cfg: LaunchConfig, tiles: int, k: int, block_k: int, device: tor
     return max(1, min(wanted, k // (4 * block_k)))
 
 
-def decode_gemm(x: torch.Tensor, layout: DecodeLayout, splits: int | None = None) -> torch.Tensor:
+def decode_gemm(x: torch.Tensor, layout: DecodeLayout, splits: int | None = None,
+                locks: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (already in the layout's K order) -> [M, N] in x.dtype through the split-K decode kernel.
-    `splits` forces the K split count (tests); None derives it from the device."""
+    `splits` forces the K split count (tests); None derives it from the device. `locks` (int32, zeros, one per
+    output tile, kept by the caller across calls: the kernel leaves them zero) selects the serial reduction: the
+    last split of each tile adds the partials, no second kernel; without enough locks the sum kernel runs."""
     m, n, k = x.shape[0], layout.out_features, layout.in_features
     cfg = launch_config(m)
     bk = block_k_for(layout, cfg.block_k)
@@ -169,13 +184,14 @@ def decode_gemm(x: torch.Tensor, layout: DecodeLayout, splits: int | None = None
     splits = triton.cdiv(k, k_per_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partial = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    serial = splits > 1 and locks is not None and locks.numel() >= tiles
     dot_16bit = x.dtype == torch.float16 or (x.dtype == torch.bfloat16 and not INTERPRETED)
     _decode_gemm_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)](
-        x, layout.qweight, layout.scales, layout.zeros, partial, m, n, k, k_per_split, _group_arg(layout, bk),
-        x.stride(0), layout.qweight.stride(0), layout.scales.stride(0), partial.stride(0) if splits > 1 else 0,
-        n, BITS=layout.bits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, DOT_16BIT=dot_16bit,
-        num_warps=cfg.num_warps)
-    if splits > 1:
+        x, layout.qweight, layout.scales, layout.zeros, partial, out, locks if serial else out, m, n, k, k_per_split,
+        _group_arg(layout, bk), x.stride(0), layout.qweight.stride(0), layout.scales.stride(0),
+        partial.stride(0) if splits > 1 else 0, n, BITS=layout.bits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=bk, DOT_16BIT=dot_16bit, SERIAL=serial, num_warps=cfg.num_warps)
+    if splits > 1 and not serial:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, splits, m * n, BLOCK=block)
     return out

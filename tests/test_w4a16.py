@@ -62,6 +62,11 @@ def test_split_k_partial_sums_and_dense_path():
     xs = x.index_select(1, layout.perm.cpu()).contiguous().to(DEVICE)
     y = w4a16_triton.decode_gemm(xs, layout, splits=3).cpu()  # 3 splits of 128 rows, 4 groups each
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    locks = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):  # the counters are reset by the kernel: a second call reduces again
+        y = w4a16_triton.decode_gemm(xs, layout, splits=3, locks=locks).cpu()
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        assert int(locks.abs().sum()) == 0
     _check(w, 3, torch.float32, "dense")
     _check(w, 3, torch.float16, "dense")
 

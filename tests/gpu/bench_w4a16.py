@@ -4,7 +4,9 @@ thresholds of quant/w4a16_rule.py can be set from one run.
 Per (format, K, N, M) row: `fp16_ms` (dense fp16 F.linear) and per candidate `ms`, `speedup_vs_fp16` (fp16_ms / ms;
 targets: >= 2.5 at M = 1 and 16, >= 0.8 at 512 and 2048), `packed_gb_s` (qweight + scales + zeros bytes over ms) and
 `fraction_of_copy` (of the device copy bandwidth; target >= 0.6 at M = 1, 16). Candidates:
-- w4a16_decode: the split-K Triton decode kernel forced at every M; w4a16_dense: dequantize once + cuBLAS;
+- w4a16_decode: the split-K Triton decode kernel forced at every M (partials summed by a second kernel);
+  w4a16_decode_serial: the same with the serial reduction (the last program per tile sums; below 64 rows only,
+  larger M falls back to the second kernel); w4a16_dense: dequantize once + cuBLAS;
 - w4a16_rule: what the engine runs (RULE decides between the two);
 - tinygemm_fp16: torch's int4 op with the fp16 activations cast to bf16 and back (what an fp16 model pays);
   tinygemm_bf16: the same on bf16 activations (what a bf16 model pays, no casts);
@@ -21,7 +23,8 @@ import torch
 from pagedserve.quant.group_quant import GroupQuantWeight
 from pagedserve.quant.packing import default_g_idx, pack_awq, pack_cols, pack_rows, unpack_awq
 
-CANDIDATES = ("w4a16_decode", "w4a16_dense", "w4a16_rule", "tinygemm_fp16", "tinygemm_bf16", "triton_gemm")
+CANDIDATES = ("w4a16_decode", "w4a16_decode_serial", "w4a16_dense", "w4a16_rule", "tinygemm_fp16", "tinygemm_bf16",
+              "triton_gemm")
 
 
 def device_weight(k: int, n: int, group: int, fmt: str, device: str, seed: int) -> GroupQuantWeight:
@@ -46,12 +49,13 @@ def candidates(w: GroupQuantWeight) -> dict[str, Callable[[torch.Tensor], torch.
 
     ours = w4a16_kernel.W4A16Kernel(w)
     tg = tinygemm.TinyGemmKernel(w) if tinygemm.unsupported_reason(w) is None else None
-    fns = {"w4a16_decode": lambda x: ours(x, force="decode"), "w4a16_dense": lambda x: ours(x, force="dense"),
-           "w4a16_rule": ours, "triton_gemm": lambda x: triton_gemm.dequant_gemm(x, w)}
+    fns = {"w4a16_decode": lambda x: ours(x, force="decode"),
+           "w4a16_decode_serial": lambda x: ours(x, force="decode_serial"),
+           "w4a16_dense": lambda x: ours(x, force="dense"), "w4a16_rule": ours, "triton_gemm": lambda x: triton_gemm.dequant_gemm(x, w)}
     if tg is not None:
         fns["tinygemm_fp16"] = tg
         fns["tinygemm_bf16"] = tg  # given bf16 activations by bench_row: no cast
-    return fns
+    return {name: fns[name] for name in CANDIDATES if name in fns}
 
 
 def packed_bytes(w: GroupQuantWeight) -> int:

@@ -64,6 +64,21 @@ def test_w4a16_down_projection_shape():
     check(w4a16_kernel.W4A16Kernel(w)(x), x.float() @ dense.half().float().t(), TOLERANCE[torch.float16])
 
 
+@pytest.mark.parametrize("m", [1, 16, 40])
+@pytest.mark.parametrize("bits,k,n,group", [(4, 4096, 4096, 128), (8, 4096, 1024, 64), (4, 4160, 96, 128)])
+def test_serial_split_k_reduction(bits, k, n, group, m):
+    """The last program of each tile sums the partials (counters in global memory): the same bits as the two-kernel
+    sum, over repeated calls (the counters must come back to zero)."""
+    w, dense = weight(bits, k, n, group, bits == 4)
+    kernel = w4a16_kernel.W4A16Kernel(w)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half().cuda()
+    two_kernels = kernel(x, force="decode")
+    for _ in range(3):
+        torch.testing.assert_close(kernel(x, force="decode_serial"), two_kernels, rtol=0, atol=0)
+    assert int(kernel.locks.abs().sum().item()) == 0
+    check(two_kernels, x.float() @ dense.half().float().t(), TOLERANCE[torch.float16])
+
+
 @pytest.mark.parametrize("group,k,n", [(128, 4096, 4096), (64, 4096, 1024), (-1, 2048, 512), (128, 4160, 96)])
 @pytest.mark.parametrize("m", [1, 16, 300])
 def test_tinygemm_matches_its_emulation_and_the_reference(group, k, n, m):
@@ -81,13 +96,16 @@ def test_tinygemm_matches_its_emulation_and_the_reference(group, k, n, m):
     check(got, x.float() @ dense.t(), 2e-2)
 
 
-@pytest.mark.parametrize("name", ["w4a16", "tinygemm"])
+@pytest.mark.parametrize("name", ["w4a16", "w4a16_serial", "tinygemm"])
 @pytest.mark.parametrize("m", [1, 16])
 def test_decode_launches_replay_under_a_cuda_graph(name, m):
     """Captured once, replayed with new activations in the same buffer: the same result as eager (no host sync, a
     fixed grid, workspaces from the graph's pool)."""
     w, _ = weight(4, 4096, 4096, 128, False)
-    kernel = w4a16_kernel.W4A16Kernel(w) if name == "w4a16" else tinygemm.TinyGemmKernel(w)
+    kernel = tinygemm.TinyGemmKernel(w) if name == "tinygemm" else w4a16_kernel.W4A16Kernel(w)
+    if name == "w4a16_serial":
+        plain = kernel
+        kernel = lambda x: plain(x, force="decode_serial")  # noqa: E731
     x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
