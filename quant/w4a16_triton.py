@@ -183,6 +183,8 @@ def decode_gemm(x: torch.Tensor, layout: DecodeLayout, splits: int | None = None
     k_per_split = triton.cdiv(triton.cdiv(k, splits), bk) * bk
     splits = triton.cdiv(k, k_per_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
     partial = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     serial = splits > 1 and locks is not None and locks.numel() >= tiles
     dot_16bit = x.dtype == torch.float16 or (x.dtype == torch.bfloat16 and not INTERPRETED)
