@@ -75,23 +75,30 @@ def _decode_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, out_ptr, lock_ptr, M
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_w = k0 // PF + tl.arange(0, BLOCK_KW)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
         words = tl.load(qw_ptr + offs_w.to(tl.int64)[:, None] * stride_qk + offs_n[None, :],
                         mask=(offs_w * PF < k_end)[:, None] & n_ok[None, :], other=0)
-        q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), (BLOCK_K, BLOCK_N))
-        x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_ok[:, None] & (offs_k < k_end)[None, :], other=0.0)
+        q3 = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [words, fields, N]: row pf*w + f
         g = k0 // GROUP
         s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        if BLOCK_M == 1:  # a GEMV: tensor cores would idle 15 of 16 rows
-            part = tl.sum(tl.trans(x.to(tl.float32)) * q.to(tl.float32), axis=0)[None, :]
-        elif DOT_16BIT:  # integers <= 255 are exact in fp16 and bf16; fp32 accumulation
-            part = tl.dot(x, q.to(x.dtype))
-        else:  # fp32, and bf16 under the interpreter (its bf16 tl.dot is wrong)
-            part = tl.dot(x.to(tl.float32), q.to(tl.float32), input_precision="ieee")
-        xsum = tl.sum(x.to(tl.float32), axis=1)
-        acc += (part - xsum[:, None] * z[None, :]) * s[None, :]
+        if BLOCK_M == 1:  # a GEMV: tensor cores would idle 15 of 16 rows; K stays [words, fields], no reshape
+            offs_k3 = k0 + tl.arange(0, BLOCK_KW)[:, None] * PF + tl.arange(0, PF)[None, :]
+            x3 = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + offs_k3, mask=offs_k3 < k_end,
+                         other=0.0).to(tl.float32)
+            part = tl.sum(tl.sum(x3[:, :, None] * q3.to(tl.float32), axis=1), axis=0)
+            xsum = tl.sum(tl.sum(x3, axis=1), axis=0)
+            acc += ((part - xsum * z) * s)[None, :]
+        else:
+            q = tl.reshape(q3, (BLOCK_K, BLOCK_N))
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_ok[:, None] & (offs_k < k_end)[None, :], other=0.0)
+            if DOT_16BIT:  # integers <= 255 are exact in fp16 and bf16; fp32 accumulation
+                part = tl.dot(x, q.to(x.dtype))
+            else:  # fp32, and bf16 under the interpreter (its bf16 tl.dot is wrong)
+                part = tl.dot(x.to(tl.float32), q.to(tl.float32), input_precision="ieee")
+            xsum = tl.sum(x.to(tl.float32), axis=1)
+            acc += (part - xsum[:, None] * z[None, :]) * s[None, :]
     tile_ok = m_ok[:, None] & n_ok[None, :]
     tile = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptr + pid_s * stride_ys + tile, acc.to(y_ptr.dtype.element_ty), mask=tile_ok)
