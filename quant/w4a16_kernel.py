@@ -13,7 +13,7 @@ from pagedserve.quant.group_quant import GroupQuantWeight, QLinearKernel
 from pagedserve.quant.w4a16_layout import DecodeLayout, repack
 from pagedserve.quant.w4a16_layout import unsupported_reason as layout_reason
 from pagedserve.quant.w4a16_rule import RULE
-from pagedserve.quant.w4a16_triton import decode_gemm, dequantize
+from pagedserve.quant.w4a16_triton import decode_gemm, dequantize_t
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -56,6 +56,6 @@ class W4A16Kernel(QLinearKernel):
         x = x.contiguous()
         path = force or ("dense" if x.shape[0] >= RULE.dense_from_m else "decode")
         if path == "dense":
-            return torch.nn.functional.linear(x, dequantize(self.layout(), x.dtype))
+            return torch.mm(x, dequantize_t(self.layout(), x.dtype))
         serial = path == "decode_serial" or (path == "decode" and force is None and RULE.serial_reduce)
         return decode_gemm(x, self.layout(), locks=self.locks if serial else None)

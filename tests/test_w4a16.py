@@ -69,6 +69,7 @@ def test_split_k_partial_sums_and_dense_path():
         assert int(locks.abs().sum()) == 0
     _check(w, 3, torch.float32, "dense")
     _check(w, 3, torch.float16, "dense")
+    _check(w, 70, torch.float16, "decode")  # the prefill-sized tile of the launch table (bench only)
 
 
 def test_awq_tool_checkpoint_through_decode_layout():

@@ -58,6 +58,14 @@ def test_w4a16_matches_dense_reference(bits, k, n, group, act_order, m, dtype):
     check(got, x.float() @ dense.t(), TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("m", [200, 2048])
+def test_fused_kernel_at_prefill_sizes(m):
+    """The launch table's prefill tile (the bench forces the fused kernel there; the rule runs cuBLAS)."""
+    w, dense = weight(4, 4096, 4096, 128, False)
+    x = torch.randn(m, 4096, generator=torch.Generator().manual_seed(m)).half().cuda()
+    check(w4a16_kernel.W4A16Kernel(w)(x, force="decode"), x.float() @ dense.t(), TOLERANCE[torch.float16])
+
+
 def test_w4a16_down_projection_shape():
     w, dense = weight(4, 14336, 4096, 128, True)
     x = torch.randn(1, 14336, generator=torch.Generator().manual_seed(1)).half().cuda()
