@@ -27,7 +27,7 @@ from pagedserve.quant import tinygemm  # noqa: E402
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=16)  # every shape of this module: GPU memory is plenty, rebuilding is slow
 def weight(bits: int, k: int, n: int, group: int, act_order: bool):
     w = random_weight(k, n, bits, group, act_order, seed=k + n + bits)
     on_cuda = type(w)(*(t.cuda() for t in (w.qweight, w.qzeros, w.scales, w.g_idx)), w.bits, k, n)
