@@ -32,6 +32,12 @@ class LaunchConfig:
     num_warps: int
     programs_per_sm: int  # split K until the grid has about this many programs per SM
 
+    def __post_init__(self) -> None:
+        pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_m, self.block_n, self.block_k, self.num_warps))
+        if not pow2 or self.block_m in (2, 4, 8) or min(self.block_n, self.block_k) < 16 or self.programs_per_sm < 1:
+            raise ValueError(f"{self} : tiles must be powers of two, block_m 1 or >= 16 (tl.dot), block_n and "
+                             "block_k >= 16, programs_per_sm >= 1")
+
 
 # By row count (the first bucket holding M). Unmeasured starting points, to be tuned from the device run's bench.
 LAUNCH_TABLE: tuple[tuple[int, LaunchConfig], ...] = (
