@@ -2,7 +2,8 @@
 
 This module is where kernels are registered (one line for a new one); kernel modules import only the interface in
 group_quant.py, never this module. The Triton kernel's module is imported on first lookup only, so that processes
-that never ask for it (every CPU process) never import triton.
+that never ask for it (every CPU process) never import triton. On CUDA the order between the decode kernels is
+w4a16_rule.RULE's.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from pagedserve.quant.base import QuantConfigError
 from pagedserve.quant.cpu_group_kernel import CpuGroupKernel
 from pagedserve.quant.cpu_int4 import CpuInt4Kernel
 from pagedserve.quant.group_quant import DequantKernel, GroupQuantWeight, QLinearKernel
+from pagedserve.quant.tinygemm import TinyGemmKernel
 from pagedserve.quant.vendor_kernels import AwqExtKernel
+from pagedserve.quant.w4a16_rule import RULE
 
 log = logging.getLogger("pagedserve.quant")
 
@@ -27,18 +30,25 @@ def _triton_kernel() -> type[QLinearKernel]:
     return importlib.import_module("pagedserve.quant.triton_gemm").TritonGemmKernel
 
 
+def _w4a16_kernel() -> type[QLinearKernel]:
+    return importlib.import_module("pagedserve.quant.w4a16_kernel").W4A16Kernel
+
+
 QLINEAR_KERNELS: Registry[type[QLinearKernel]] = Registry("quantized linear kernel")
 QLINEAR_KERNELS.register("dequant")(DequantKernel)
 QLINEAR_KERNELS.register("cpu_int4")(CpuInt4Kernel)
 QLINEAR_KERNELS.register("cpu_group")(CpuGroupKernel)
 QLINEAR_KERNELS.register("vendor")(AwqExtKernel)
+QLINEAR_KERNELS.register("tinygemm")(TinyGemmKernel)
 if importlib.util.find_spec("triton") is not None:  # without triton, the CUDA path falls back to dequant
     QLINEAR_KERNELS.register_lazy("triton", _triton_kernel)
+    QLINEAR_KERNELS.register_lazy("w4a16", _w4a16_kernel)
 
 
-def auto_kernel_order(device: torch.device) -> tuple[str, ...]:
+def auto_kernel_order(device: torch.device, dtype: torch.dtype = torch.float16) -> tuple[str, ...]:
     if device.type == "cuda":
-        return ("vendor", "triton", "dequant")
+        # triton (per-element group lookup) takes what the decode layout refuses: non-uniform hand-made g_idx.
+        return ("vendor", *RULE.cuda_order(dtype), "triton", "dequant")
     # cpu_group: any bits and dtype, the native decode step's kernel; cpu_int4 where a layer's groups don't fit it.
     return ("cpu_group", "cpu_int4", "dequant")
 
@@ -59,7 +69,7 @@ def select_kernel(requested: str, w: GroupQuantWeight, device: torch.device, dty
             raise QuantConfigError(prefix, f"kernel {requested!r} cannot run this layer: {reason}")
         return cls
     reasons = []
-    for name in auto_kernel_order(device):
+    for name in auto_kernel_order(device, dtype):
         if name not in QLINEAR_KERNELS:
             continue
         try:

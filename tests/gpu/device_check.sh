@@ -7,7 +7,7 @@
 #   kernels  pytest -m gpu tests/gpu: every Triton kernel against the torch reference
 #   e2e      tests/gpu/e2e_check.py: tiny Llama / Gemma 3 / GPTQ / AWQ engines against transformers
 #   server   tests/gpu/server_check.py: pagedserve serve over gRPC and OpenAI HTTP, 64 streams, cancel
-#   bench    tests/gpu/bench_check.py: copy and decode-attention bandwidth, dequant-GEMM, tokens/s
+#   bench    tests/gpu/bench_check.py: copy and decode-attention bandwidth, dequant-GEMM, W4A16 candidates, tokens/s
 #   decode   tests/gpu/decode_bench.py: a 1B-shaped Llama built here, fp16 / GPTQ / AWQ decode tokens/s, graphs on/off
 # OUT_DIR gets report.json (always, also when stages fail) and one log per stage. Exit status 0 only when every
 # stage passed. DEVICE_CHECK_STAGES="kernels e2e" runs a subset (install always runs first).
@@ -68,7 +68,7 @@ main() {
     wanted e2e && stage e2e 90 "$py" tests/gpu/e2e_check.py --out "$work/e2e.json" "${flag[@]}"
     wanted server && stage server 75 "$py" tests/gpu/server_check.py --out "$work/server.json" \
       --pagedserve "$site/bin/pagedserve" --workdir "$work/server" "${flag[@]}"
-    wanted bench && stage bench 60 "$py" tests/gpu/bench_check.py --out "$work/bench.json" "${flag[@]}"
+    wanted bench && stage bench 120 "$py" tests/gpu/bench_check.py --out "$work/bench.json" "${flag[@]}"
     wanted decode && stage decode 120 "$py" tests/gpu/decode_bench.py --out "$work/decode.json" "${flag[@]}"
   fi
   report_flag=()

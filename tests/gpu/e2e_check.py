@@ -11,8 +11,8 @@ Cases (each a dict in the output with "status" passed / failed / skipped):
 - lora: a LoRA adapter (PEFT's format, random non-zero A and B on every linear) beside base requests in the same
   batches: greedy tokens identical to transformers' fp32 model with the adapter merged in, and to the plain model's
   for the base rows;
-- gptq, awq: checkpoints made by the real tools (tests/fixtures/quant), served through the Triton dequant-GEMM (on
-  CUDA every quantized layer must use it), greedy tokens identical to transformers' fp32 model holding the
+- gptq, awq: checkpoints made by the real tools (tests/fixtures/quant), served through the w4a16 decode-layout
+  kernels (on CUDA every quantized layer must use them), greedy tokens identical to transformers' fp32 model holding the
   dequantized weights;
 - cuda_graphs_fp16, cuda_graphs_bf16, cuda_graphs_gptq: the decode step's CUDA graphs (sizes 1-16) against
   enforce_eager on the same model, requests joining and finishing at different steps so graphs of several sizes
@@ -233,8 +233,9 @@ def quant_case(name: str) -> Callable[[Scale, Path], dict]:
         theirs = [tiny_models.hf_greedy(reference, p, scale.max_tokens) for p in batch]
         mismatched = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
         attention = attention_impl(llm)
-        # On CPU the Triton GEMM refuses to run (it needs CUDA), so a dry run serves through the CPU kernels.
-        kernels_ok = scale.device != "cuda" or kernels == ["triton"]
+        # On CPU the CUDA kernels refuse to run, so a dry run serves through the CPU kernels. On CUDA every layer
+        # must take a decode-layout kernel (w4a16, or tinygemm where quant/w4a16_rule.py picks it).
+        kernels_ok = scale.device != "cuda" or set(kernels) <= {"w4a16", "tinygemm"}
         ok = not mismatched and kernels_ok and attention == "TritonAttention"
         return {"status": "passed" if ok else "failed", "fixture": name, "kernels": kernels, "attention": attention,
                 "mismatched_prompts": mismatched, "ours": ours, "transformers": theirs}

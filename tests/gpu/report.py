@@ -24,7 +24,7 @@ DEVICE_FIELDS = ("name", "capability", "memory_gib", "multiprocessors", "driver"
 VERSION_FIELDS = ("python", "torch", "torch_cuda", "triton", "transformers", "grpcio", "protobuf", "pagedserve_from")
 STAGE_FIELDS = ("status", "exit_code", "duration_s", "budget_s", "log", "details")
 BENCH_FIELDS = ("copy_gb_s", "decode_attention", "decode_attention_best_fraction", "decode_attention_target",
-                "dequant_gemm", "e2e_tokens_per_s", "e2e_tokens_per_s_eager", "decode_1b")
+                "dequant_gemm", "w4a16_gemm", "e2e_tokens_per_s", "e2e_tokens_per_s_eager", "decode_1b")
 TIMEOUT_CODES = (124, 137)  # timeout(1): budget reached; killed after the grace period
 LOG_TAIL_CHARS = 3000
 
@@ -159,7 +159,18 @@ def summary(report: dict) -> str:
     decode = bench["decode_1b"] or {}
     lines.append(f"  1B-shaped decode: GPTQ/fp16 {decode.get('gptq_vs_fp16')}, AWQ/fp16 {decode.get('awq_vs_fp16')} "
                  f"(target {decode.get('target_4bit_vs_fp16')}); graphs on/off {decode.get('graphs_vs_eager')}")
+    lines.append(f"  w4a16 (rule) worst speedup vs fp16 by M: {w4a16_worst(bench.get('w4a16_gemm'))}")
     return "\n".join(lines)
+
+
+def w4a16_worst(rows: list[dict] | None) -> dict[int, float | None]:
+    """Per M, the lowest speedup_vs_fp16 of what the engine runs (w4a16_rule) over the benched shapes."""
+    worst: dict[int, float | None] = {}
+    for row in rows or ():
+        got = row["candidates"].get("w4a16_rule", {}).get("speedup_vs_fp16")
+        prev = worst.get(row["m"])
+        worst[row["m"]] = got if prev is None or got is None else min(prev, got)
+    return worst
 
 
 def main(argv: list[str]) -> int:

@@ -1,6 +1,6 @@
 """The Triton interpreter suites' kernel cases, run compiled on the GPU.
 
-tests/test_triton_attention.py, test_triton_kv_write.py and test_quant_triton.py choose CUDA when it is present;
+tests/test_triton_attention.py, test_triton_kv_write.py, test_quant_triton.py and test_w4a16.py choose CUDA when it is present;
 importing their kernel tests here collects them under this module's `gpu` mark, so `pytest -m gpu tests/gpu` runs
 them on the device. (Their engine tests need the default model's tokenizer package, which the GPU machine lacks;
 test_triton_gpu.py and e2e_check.py cover the engine there.)
@@ -36,4 +36,10 @@ from test_triton_kv_write import (  # noqa: E402,F401
     test_negative_slots_are_padding_and_not_written,
     test_out_of_range_values_clamp_to_the_largest_finite_fp8,
     test_strided_inputs_from_a_fused_projection,
+)
+from test_w4a16 import (  # noqa: E402,F401
+    test_awq_tool_checkpoint_through_decode_layout,
+    test_decode_kernel_16bit_activations,
+    test_decode_kernel_matches_reference,
+    test_split_k_partial_sums_and_dense_path,
 )

@@ -1,0 +1,61 @@
+"""The `w4a16` quantized linear: GPTQ/AWQ (4 or 8 bits) on CUDA through the decode layout (w4a16_layout.py).
+
+Few rows go through the split-K decode kernel (w4a16_triton.py); from RULE.dense_from_m rows the weight is
+dequantized once per call into a transient dense tile and cuBLAS multiplies. Act-order weights were sorted by group
+at load, so the activation is permuted once per call (index_select; capturable in a CUDA graph like the rest).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.quant.group_quant import GroupQuantWeight, QLinearKernel
+from pagedserve.quant.w4a16_layout import DecodeLayout, repack
+from pagedserve.quant.w4a16_layout import unsupported_reason as layout_reason
+from pagedserve.quant.w4a16_rule import RULE
+from pagedserve.quant.w4a16_triton import decode_gemm, dequantize_t
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class W4A16Kernel(QLinearKernel):
+    name = "w4a16"
+
+    def __init__(self, w: GroupQuantWeight):
+        super().__init__()
+        layout = repack(w)
+        self.bits, self.group_size = layout.bits, layout.group_size
+        self.in_features, self.out_features = layout.in_features, layout.out_features
+        for field in ("qweight", "scales", "zeros", "perm"):
+            self.register_buffer(field, getattr(layout, field))
+        # One counter per output tile of the serial split-K reduction; below dense_from_m rows a launch has one row
+        # of tiles, at most N / 16 of them (the narrowest tile). The kernel leaves them zero after every call.
+        locks = torch.zeros(-(-layout.out_features // 16), dtype=torch.int32, device=layout.qweight.device)
+        self.register_buffer("locks", locks, persistent=False)
+
+    @classmethod
+    def unsupported_reason(cls, w: GroupQuantWeight, device: torch.device, dtype: torch.dtype) -> str | None:
+        if device.type != "cuda":
+            return f"needs a CUDA device, got {device.type}"
+        if dtype not in SUPPORTED_DTYPES:
+            return f"needs an activation dtype in {SUPPORTED_DTYPES}, got {dtype}"
+        return layout_reason(w)
+
+    @classmethod
+    def from_weight(cls, w: GroupQuantWeight, dtype: torch.dtype) -> "W4A16Kernel":
+        return cls(w)
+
+    def layout(self) -> DecodeLayout:
+        return DecodeLayout(self.qweight, self.scales, self.zeros, self.perm, self.bits, self.group_size,
+                            self.in_features, self.out_features)
+
+    def forward(self, x: torch.Tensor, force: str | None = None) -> torch.Tensor:
+        """x [M, K] -> [M, N]; `force` ("decode", "decode_serial", "dense") overrides the rule (tests, bench)."""
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
+        x = x.contiguous()
+        path = force or ("dense" if x.shape[0] >= RULE.dense_from_m else "decode")
+        if path == "dense":
+            return torch.mm(x, dequantize_t(self.layout(), x.dtype))
+        serial = path == "decode_serial" or (path == "decode" and force is None and RULE.serial_reduce)
+        return decode_gemm(x, self.layout(), locks=self.locks if serial else None)

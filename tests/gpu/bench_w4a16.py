@@ -1,0 +1,117 @@
+"""bench_check.py's W4A16 section: every GPTQ/AWQ linear candidate at every size, against dense fp16, so the
+thresholds of quant/w4a16_rule.py can be set from one run.
+
+Per (format, K, N, M) row: `fp16_ms` (dense fp16 F.linear) and per candidate `ms`, `speedup_vs_fp16` (fp16_ms / ms;
+targets: >= 2.5 at M = 1 and 16, >= 0.8 at 512 and 2048), `packed_gb_s` (qweight + scales + zeros bytes over ms) and
+`fraction_of_copy` (of the device copy bandwidth; target >= 0.6 at M = 1, 16). Candidates:
+- w4a16_decode: the split-K Triton decode kernel forced at every M (partials summed by a second kernel);
+  w4a16_decode_serial: the same with the serial reduction (the last program per tile sums; below 64 rows only,
+  larger M falls back to the second kernel); w4a16_dense: dequantize once + cuBLAS;
+- w4a16_rule: what the engine runs (RULE decides between the two);
+- tinygemm_fp16: torch's int4 op with the fp16 activations cast to bf16 and back (what an fp16 model pays);
+  tinygemm_bf16: the same on bf16 activations (what a bf16 model pays, no casts);
+- triton_gemm: the previous per-element Triton kernel (quant/triton_gemm.py), for the record.
+On CUDA each candidate is timed as CUDA-graph replays (launch overhead excluded, as in a captured decode step), each
+timed call cycling through `weight_copies` copies of the weight that together exceed twice the L2 cache, so every
+read comes from HBM as in a decode step over many layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pagedserve.quant.group_quant import GroupQuantWeight
+from pagedserve.quant.packing import default_g_idx, pack_awq, pack_cols, pack_rows, unpack_awq
+
+CANDIDATES = ("w4a16_decode", "w4a16_decode_serial", "w4a16_dense", "w4a16_rule", "tinygemm_fp16", "tinygemm_bf16",
+              "triton_gemm")
+
+
+def device_weight(k: int, n: int, group: int, fmt: str, device: str, seed: int) -> GroupQuantWeight:
+    """A random 4-bit weight made on the device (a 14336-wide one is slow to build on the CPU). AWQ goes through
+    its checkpoint packing (interleaved along N) and the converter's unpacking, as a loaded AWQ layer does; GPTQ uses
+    act-order (a random g_idx), the layout's worst case."""
+    gen = torch.Generator(device).manual_seed(seed)
+    groups = -(-k // group)
+    q = torch.randint(0, 16, (k, n), generator=gen, device=device, dtype=torch.int32)
+    z = torch.randint(0, 16, (groups, n), generator=gen, device=device, dtype=torch.int32)
+    s = (torch.rand(groups, n, generator=gen, device=device) * 0.02 + 0.002).half()
+    g_idx = default_g_idx(k, group, torch.device(device))
+    if fmt == "awq":
+        q, z = unpack_awq(pack_awq(q)), unpack_awq(pack_awq(z))
+    else:
+        g_idx = g_idx[torch.randperm(k, generator=gen, device=device)]
+    return GroupQuantWeight(pack_rows(q, 4), pack_cols(z, 4), s, g_idx, 4, k, n)
+
+
+def candidates(w: GroupQuantWeight) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    from pagedserve.quant import tinygemm, triton_gemm, w4a16_kernel
+
+    ours = w4a16_kernel.W4A16Kernel(w)
+    tg = tinygemm.TinyGemmKernel(w) if tinygemm.unsupported_reason(w) is None else None
+    fns = {"w4a16_decode": lambda x: ours(x, force="decode"),
+           "w4a16_decode_serial": lambda x: ours(x, force="decode_serial"),
+           "w4a16_dense": lambda x: ours(x, force="dense"), "w4a16_rule": ours, "triton_gemm": lambda x: triton_gemm.dequant_gemm(x, w)}
+    if tg is not None:
+        fns["tinygemm_fp16"] = tg
+        fns["tinygemm_bf16"] = tg  # given bf16 activations by bench_row: no cast
+    return {name: fns[name] for name in CANDIDATES if name in fns}
+
+
+def packed_bytes(w: GroupQuantWeight) -> int:
+    """What a decode kernel must read: 4-bit weights plus one scale and one zero per group and column."""
+    return w.qweight.numel() * 4 + 2 * w.scales.numel() * w.scales.element_size()
+
+
+def copies_past_l2(nbytes: int, device: str) -> int:
+    """Weight copies a timed call cycles through so that none is still in L2 when it is read again (a decode step
+    reads every layer once, far more than L2 holds); two on CPU, to run the same path."""
+    if device != "cuda":
+        return 2
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
+    return max(2, -(-2 * l2 // nbytes))
+
+
+def timed(time_ms: Callable, fns: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor) -> float:
+    """ms per call of one copy: each timed call runs every copy once."""
+    return time_ms(lambda: [fn(x) for fn in fns]) / len(fns)
+
+
+def bench_row(fmt: str, w: GroupQuantWeight, prepared: list[tuple], m: int, copy: float, time_ms: Callable,
+              device: str) -> dict:
+    x = torch.randn(m, w.in_features, device=device, dtype=torch.float16)
+    x_bf16 = x.to(torch.bfloat16)
+    fp16_ms = timed(time_ms, [lambda x, d=dense: torch.nn.functional.linear(x, d) for dense, _ in prepared], x)
+    row: dict = {"format": fmt, "m": m, "k": w.in_features, "n": w.out_features, "bits": 4,
+                 "fp16_ms": round(fp16_ms, 4), "weight_copies": len(prepared), "candidates": {}}
+    nbytes = packed_bytes(w)
+    for name in prepared[0][1]:
+        try:
+            ms = timed(time_ms, [fns[name] for _, fns in prepared], x_bf16 if name == "tinygemm_bf16" else x)
+        except Exception as exc:  # a candidate that cannot run here is reported, the others still run
+            row["candidates"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            continue
+        gb_s = nbytes / (ms * 1e-3) / 1e9
+        row["candidates"][name] = {"ms": round(ms, 4), "speedup_vs_fp16": round(fp16_ms / ms, 3),
+                                   "packed_gb_s": round(gb_s, 1), "fraction_of_copy": round(gb_s / copy, 3)}
+    times = {k: v["ms"] for k, v in row["candidates"].items() if "ms" in v}
+    row["fastest"] = min(times, key=times.get) if times else None
+    return row
+
+
+def w4a16_gemm(shapes: tuple[tuple[int, int], ...], ms: tuple[int, ...], awq_shape: tuple[int, int], group: int,
+               copy: float, time_ms: Callable, device: str) -> list[dict]:
+    rows = []
+    for fmt, k, n in [("gptq", k, n) for k, n in shapes] + [("awq", *awq_shape)]:
+        w = device_weight(k, n, group, fmt, device, seed=k + n)
+        prepared = []
+        for i in range(copies_past_l2(packed_bytes(w), device)):
+            wi = w if i == 0 else device_weight(k, n, group, fmt, device, seed=k + n + i)
+            prepared.append((wi.dequantize(torch.float16), candidates(wi)))
+        rows += [bench_row(fmt, w, prepared, m, copy, time_ms, device) for m in ms]
+        del w, prepared
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows

@@ -1,0 +1,133 @@
+"""The decode-layout repack and the w4a16 Triton kernels against the dequantized fp32 reference, and tinygemm's
+conversion (the CUDA op's arithmetic checked through torch's CPU int4 op and a torch emulation).
+
+Without CUDA, conftest sets TRITON_INTERPRET=1 and the kernels run under Triton's CPU interpreter; shapes are small
+and odd (partial last groups, N not a multiple of the tile) to keep the suite fast.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quant_fixtures import fixture_dir, random_weight, reference_weight
+
+from pagedserve.quant import tinygemm, w4a16_layout
+from pagedserve.quant.group_quant import GroupQuantWeight
+from pagedserve.quant.qlinear_kernels import auto_kernel_order
+from pagedserve.quant.w4a16_rule import W4A16Rule
+
+w4a16_kernel = pytest.importorskip("pagedserve.quant.w4a16_kernel", reason="triton is not installed")
+w4a16_triton = pytest.importorskip("pagedserve.quant.w4a16_triton", reason="triton is not installed")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _on(w: GroupQuantWeight, device: torch.device) -> GroupQuantWeight:
+    return type(w)(w.qweight.to(device), w.qzeros.to(device), w.scales.to(device), w.g_idx.to(device), w.bits,
+                   w.in_features, w.out_features)
+
+
+def _check(w: GroupQuantWeight, m: int, dtype: torch.dtype, force: str | None = None, seed: int = 0) -> None:
+    x = torch.randn(m, w.in_features, generator=torch.Generator().manual_seed(seed + m))
+    ref = x @ w.dequantize(torch.float32).t()
+    kernel = w4a16_kernel.W4A16Kernel(_on(w, DEVICE))
+    y = kernel(x.to(dtype).to(DEVICE), force=force).float().cpu()
+    assert y.shape == ref.shape
+    err = (y - ref).abs().max().item()
+    assert err <= TOLERANCE[dtype] * ref.abs().max().item(), f"max abs err {err}"
+
+
+@pytest.mark.parametrize("bits,k,n,group,act_order", [
+    (4, 320, 72, 64, True),   # act-order, partial last group (320 = 5 groups), N not a multiple of 64
+    (4, 200, 40, -1, False),  # one group, K not a multiple of the K tile
+    (8, 208, 96, 32, True),   # 8-bit act-order, partial last group
+])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_decode_kernel_matches_reference(bits, k, n, group, act_order, m):
+    _check(random_weight(k, n, bits, group, act_order, seed=k + n + bits), m, torch.float32, "decode")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 5])
+def test_decode_kernel_16bit_activations(dtype, m):
+    _check(random_weight(256, 64, 4, 128, True, seed=9), m, dtype, "decode")
+
+
+def test_split_k_partial_sums_and_dense_path():
+    w = random_weight(384, 48, 4, 32, True, seed=4)
+    x = torch.randn(3, 384, generator=torch.Generator().manual_seed(1))
+    ref = x @ w.dequantize(torch.float32).t()
+    layout = w4a16_layout.repack(_on(w, DEVICE))
+    xs = x.index_select(1, layout.perm.cpu()).contiguous().to(DEVICE)
+    y = w4a16_triton.decode_gemm(xs, layout, splits=3).cpu()  # 3 splits of 128 rows, 4 groups each
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    locks = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):  # the counters are reset by the kernel: a second call reduces again
+        y = w4a16_triton.decode_gemm(xs, layout, splits=3, locks=locks).cpu()
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        assert int(locks.abs().sum()) == 0
+    _check(w, 3, torch.float32, "dense")
+    _check(w, 3, torch.float16, "dense")
+    _check(w, 70, torch.float16, "decode")  # the prefill-sized tile of the launch table (bench only)
+
+
+def test_awq_tool_checkpoint_through_decode_layout():
+    w = reference_weight(fixture_dir("awq_4bit_g64"), "model.layers.0.self_attn.q_proj")
+    for m in (1, 3):
+        _check(w, m, torch.float32, "decode")
+
+
+def test_repack_keeps_the_weight_and_refuses_irregular_groups():
+    w = random_weight(96, 16, 4, 32, True, seed=2)
+    layout = w4a16_layout.repack(w)
+    assert layout.group_size == 32 and layout.perm is not None
+    dense = w.dequantize(torch.float32)
+    torch.testing.assert_close(layout.dequantize(torch.float32), dense.index_select(1, layout.perm), rtol=0, atol=0)
+    odd = GroupQuantWeight(w.qweight, w.qzeros, w.scales, torch.tensor([0] * 40 + [1] * 24 + [2] * 32,
+                                                                      dtype=torch.int32), 4, 96, 16)
+    assert "uniform" in w4a16_layout.unsupported_reason(odd)
+
+
+@pytest.mark.parametrize("group,k", [(64, 256), (-1, 512)])
+def test_tinygemm_conversion_matches_reference(group, k):
+    """Scale/zero conversion and packing order, through torch's CPU int4 op (same (q - 8) * s + zero formula as the
+    CUDA one) and a torch emulation; tolerance: bf16 scales, zeros and activations."""
+    w = random_weight(k, 32, 4, group, True, seed=k)
+    assert tinygemm.unsupported_reason(w) is None
+    layout = w4a16_layout.repack(w)
+    tg_group, sz = tinygemm.scales_and_zeros(layout)
+    values = tinygemm.int4_values(layout)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    xs = x if layout.perm is None else x.index_select(1, layout.perm)
+    ref = x.float() @ w.dequantize(torch.float32).t()
+    tol = 1e-2 * ref.abs().max().item()
+    assert (tinygemm.emulate(xs, values, tg_group, sz) - ref).abs().max().item() <= tol
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, tinygemm.inner_k_tiles(k))
+    got = torch.ops.aten._weight_int4pack_mm_for_cpu(xs, packed, tg_group, sz).float()
+    assert (got - ref).abs().max().item() <= tol
+    nibbles = tinygemm.cuda_input(values)
+    assert torch.equal(((nibbles.to(torch.int32) >> 4) & 15), values[:, ::2])
+    assert torch.equal(nibbles.to(torch.int32) & 15, values[:, 1::2])
+
+
+def test_tinygemm_refusals_and_rule():
+    assert "4-bit" in tinygemm.unsupported_reason(random_weight(256, 32, 8, 64, False))
+    assert "multiple of 32" in tinygemm.unsupported_reason(random_weight(200, 32, 4, -1, False))
+    assert "group size 48" in tinygemm.unsupported_reason(random_weight(192, 32, 4, 48, False))
+    assert auto_kernel_order(torch.device("cuda"), torch.float16)[:2] == ("vendor", "w4a16")
+    rule = W4A16Rule(four_bit="tinygemm")
+    assert rule.cuda_order(torch.bfloat16) == ("tinygemm", "w4a16")
+    assert rule.cuda_order(torch.float16) == ("w4a16",)
+    with pytest.raises(Exception, match="supported"):
+        W4A16Rule(four_bit="marlin")
+
+
+def test_tinygemm_kernel_module_on_cpu_op():
+    """The kernel class end to end (act-order permutation, fp16 in and out) through the CPU variant of the op."""
+    w = random_weight(256, 48, 4, 128, True, seed=12)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(2)).half()
+    ref = x.float() @ w.dequantize(torch.float32).t()
+    y = tinygemm.TinyGemmKernel(w)(x)
+    assert y.dtype == torch.float16
+    assert (y.float() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()

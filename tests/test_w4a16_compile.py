@@ -1,0 +1,82 @@
+"""The w4a16 Triton kernels compiled for an H100/H200 (sm_90) on this CPU host: Triton's own compiler and the ptxas it
+ships, no GPU needed. The interpreter tests check the arithmetic; this checks what only the compiler sees (layouts of
+the reshape and reductions, tl.dot shapes, shared memory, the serial reduction's scalar atomic taken by one thread
+after a CTA barrier) for one launch of each code path, so a device run is not spent on a kernel that does not build.
+
+The compile runs in a child process without TRITON_INTERPRET (conftest sets it for this one, and Triton decides at
+import whether its decorators interpret).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+DECODE_ARGS = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr", "out_ptr", "lock_ptr", "M", "N", "K", "K_PER_SPLIT",
+               "GROUP", "stride_xm", "stride_qk", "stride_sg", "stride_ys", "stride_ym")
+CASES = (  # activation dtype, rows, bits, 16-bit dot, serial reduction
+    ("fp16", 1, 4, True, True),    # the GEMV path
+    ("bf16", 16, 8, True, False),  # tensor-core dot, 8-bit
+    ("fp32", 64, 4, False, True),  # fp32 dot
+)
+
+
+def compile_all() -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pagedserve.quant import w4a16_triton as wt
+
+    target = GPUTarget("cuda", 90, 32)
+
+    def build(kernel, signature, constants, num_warps=4):
+        sig = {**signature, **{c: "constexpr" for c in constants}}
+        return triton.compile(ASTSource(kernel, sig, constants), target=target, options={"num_warps": num_warps})
+
+    out = {}
+    for x, rows, bits, dot16, serial in CASES:
+        cfg = wt.launch_config(rows)
+        types = [f"*{x}", "*i32", "*fp16", "*fp16", "*fp32" if serial else f"*{x}", f"*{x}", "*i32"] + ["i32"] * 10
+        k = build(wt._decode_gemm_kernel, dict(zip(DECODE_ARGS, types)),
+                  dict(BITS=bits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_16BIT=dot16,
+                       SERIAL=serial), cfg.num_warps)
+        ptx = k.asm["ptx"]
+        out[f"{x}-{rows}-{bits}"] = {"shared": k.metadata.shared, "serial": serial,
+                                     "one_thread_atomic": "@%p" in ptx.split("atom.global.gpu.acq_rel.add")[0][-40:]
+                                     if serial else None, "cg_loads": "ld.global.cg" in ptx}
+    build(wt._dequant_kernel, {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "w_ptr": "*bf16", "N": "i32",
+                               "K": "i32", "GROUP": "i32", "stride_qk": "i32", "stride_sg": "i32", "stride_wk": "i32"},
+          dict(BITS=4, BLOCK_N=64, BLOCK_K=64))
+    build(wt._sum_splits_kernel, {"p_ptr": "*fp32", "y_ptr": "*fp16", "SPLITS": "i32", "SIZE": "i32"}, dict(BLOCK=1024))
+    return out
+
+
+def test_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-P", str(Path(__file__).resolve())], env=env, capture_output=True,
+                          text=True, timeout=600)
+    if proc.returncode == 3:
+        pytest.skip(proc.stdout.strip())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == len(CASES)
+    for name, r in results.items():
+        assert r["shared"] <= 227 * 1024, name  # an H100's shared memory per block
+        if r["serial"]:  # one thread takes the ticket and reads the partials through L2
+            assert r["one_thread_atomic"] and r["cg_loads"], name
+
+
+if __name__ == "__main__":
+    try:
+        print(json.dumps(compile_all()))
+    except FileNotFoundError as exc:  # a triton without its bundled ptxas
+        print(f"cannot compile for sm_90 here: {exc}")
+        sys.exit(3)
