@@ -27,6 +27,7 @@ FORMATS: dict[str, tuple[int, int, int]] = {
 # (packed_grouped.c: Q4_0/Q4_1/Q8_0; packed_grouped_wide.c: the others).
 GROUP_ROWS = 16
 GROUPED_FORMATS = tuple(FORMATS)
+WIDE_GROUPED_FORMATS = ("Q5_0", "Q4_K", "Q5_K", "Q6_K")  # packed_grouped_wide.c's: 8 lanes in every build
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -83,6 +84,12 @@ def grouped_isa(lib: ctypes.CDLL, qtype: str = "Q4_0") -> str:
     if qtype not in FORMATS:
         raise ValueError(f"qtype: {qtype!r} has no packed kernel; supported: {', '.join(FORMATS)}")
     return lib.pagedserve_packed_grouped_isa_of(FORMATS[qtype][0]).decode()
+
+
+def grouped_isas(lib: ctypes.CDLL) -> dict[str, str]:
+    """Every format's interleaved-rows build in `lib` (grouped_isa per GGUF type): what a loader serves where it
+    is in FAST_GROUPED_ISAS, the file's layout elsewhere."""
+    return {qtype: grouped_isa(lib, qtype) for qtype in FORMATS}
 
 
 def group_isa(lib: ctypes.CDLL) -> str:
