@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--output", type=Path, help="also write the summary object here (JSON)")
+    parser.add_argument("--conditions", default="", help="recorded as is, e.g. 'noisy: other processes share the cores'")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     lib, portable = cpu_packed.build(), cpu_packed.build("portable")
@@ -85,7 +87,8 @@ def main() -> None:
             print(json.dumps(line), flush=True)
     summary = {"benchmark": "packed_grouped_formats", "cpu": cpu_model(), "tier": tier,
                "host_tier": isa.host_tier(), "forced_by": isa.ENV_VAR, "threads": args.threads,
-               "repeats": args.repeats, "results": lines}
+               "repeats": args.repeats, "conditions": args.conditions, "load_avg_1m": os.getloadavg()[0],
+               "results": lines}
     print(json.dumps({k: v for k, v in summary.items() if k != "results"}))
     if args.output:
         args.output.write_text(json.dumps(summary, indent=1) + "\n")

@@ -257,29 +257,40 @@ def test_real_tensors(model):
     assert seen == ({"Q4_1", "Q8_0"} if model == "smollm2" else {"Q5_0", "Q4_K", "Q6_K", "Q8_0"})
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("out", [45, 48])
-def test_the_ps_linear_fn_pointer_computes_the_same_product(out):
+def test_the_ps_linear_fn_pointer_computes_the_same_product(out, qtype):
     """What the native layer loop calls: kernels/cpu/linear.h's ps_linear_fn through the NativeLinear address. 48
-    rows are whole groups, so the loader interleaves them where the kernel has the AVX-512 path for that layout."""
+    rows are whole groups, so the loader interleaves them where the build has a fast kernel for the format's
+    layout (45: the file's layout, whatever the build), and the native step's batch limit follows that kernel."""
     rng = np.random.default_rng(3)
-    stored = blocks_for("Q4_1", out, 128, rng)
+    inn = 256
+    stored = blocks_for(qtype, out, inn, rng)
     layer = torch.nn.Module()
-    layer.in_features, layer.out_features = 128, out
-    method = GgufLinearMethod("Q4_1")
-    method.create_weights(layer, 128, out, True, torch.float32)
+    layer.in_features, layer.out_features = inn, out
+    method = GgufLinearMethod(qtype)
+    method.create_weights(layer, inn, out, True, torch.float32)
     layer.weight.data.copy_(torch.from_numpy(stored))
     layer.bias.data.copy_(torch.randn(out))
     method.process_weights_after_loading(layer)
-    fast = cpu_packed.grouped_isa(layer.packed.lib) in cpu_packed.FAST_GROUPED_ISAS
+    isa_of = cpu_packed.grouped_isa(layer.packed.lib, qtype)
+    fast = isa_of in cpu_packed.FAST_GROUPED_ISAS
     assert layer.packed.row_group == (cpu_packed.GROUP_ROWS if out % 16 == 0 and fast else 0)
     native = method.native_linear(layer)
+    wide = qtype in cpu_packed.WIDE_GROUPED_FORMATS
+    assert native.native_max_batch == (2 if not layer.packed.row_group else 8 if wide or isa_of != "avx512_vnni"
+                                       else 16)
     fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)(native.fn)
-    x = torch.randn(5, 128)
+    x = torch.randn(5, inn)
     y = torch.empty(5, out)
     assert fn(native.state, x.data_ptr(), 5, y.data_ptr()) == 0
     assert torch.equal(y, layer.packed.matmul(x))
     torch.testing.assert_close(method.apply(layer, x), y)  # decode rows: the packed kernel
-    # more rows than the int8 kernel takes: the dequantized tile and torch's matmul, the same function
-    big = torch.randn(gguf_method.PACKED_MAX_ROWS + 1, 128)
-    expected = big @ torch.from_numpy(dequantize(stored, T.Q4_1)).T + layer.bias
+    weights = dequantize(stored, T[qtype]).astype(np.float64)
+    bound = grouped_bound(layer.packed, stored, weights, x.numpy()) if layer.packed.row_group else \
+        1e-5 * (np.abs(x.numpy()).astype(np.float64) @ np.abs(weights).T) + 1e-5
+    np.testing.assert_array_less(np.abs(y.numpy() - layer.bias.numpy() - x.numpy() @ weights.T), bound)
+    # more rows than the packed kernel takes: the dequantized tile and torch's matmul, the same function
+    big = torch.randn(gguf_method.PACKED_MAX_ROWS + 1, inn)
+    expected = big @ torch.from_numpy(dequantize(stored, T[qtype])).T + layer.bias
     torch.testing.assert_close(method.apply(layer, big), expected, atol=1e-4, rtol=1e-4)
