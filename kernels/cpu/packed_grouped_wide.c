@@ -156,7 +156,7 @@ PKW_INLINE __m256i pkw_shift(__m256i v, int s) {
 }
 
 /* One run's integer dots: acc[4r + 2s + h] for activation row r, tile rows 8s..8s+7, input half h (Q6_K: inputs
- * 0-15 / 16-31; the others: two chains by p's parity, summed by the caller). Codes as two int16 per lane in
+ * 0-15 / 16-31; the others: up to 2 rows two chains by p's parity, summed by the caller). Codes as two int16 per lane in
  * act_q16.h's 4-bit order, Q6_K's centred (u - 32). */
 PKW_INLINE void pkw_dots(int fmt, const uint8_t *run, const int16_t *q, int64_t qstride, int R, __m256i *acc) {
     const __m256i low4 = _mm256_set1_epi32(0x000F000F);
@@ -180,7 +180,8 @@ PKW_INLINE void pkw_dots(int fmt, const uint8_t *run, const int16_t *q, int64_t 
                     u[s] = _mm256_sub_epi16(_mm256_or_si256(u[s], hi), _mm256_set1_epi16(32));
                 }
             }
-            const int h = fmt == PK_Q6_K ? c / 2 : p & 1;
+            /* a second chain only while few rows leave the dot latency exposed: from 3 rows on it spilled */
+            const int h = fmt == PK_Q6_K ? c / 2 : R <= 2 && (p & 1);
             for (int r = 0; r < R; r++) {
                 const __m256i pair = _mm256_set1_epi32(pq_pair(q + r * qstride + 8 * c + 2 * p));
                 for (int s = 0; s < 2; s++) acc[4 * r + 2 * s + h] = pkw_dp(acc[4 * r + 2 * s + h], u[s], pair);
