@@ -6,8 +6,9 @@ A layer whose type has no packed kernel (F16, BF16, Q5_1, Q2_K, Q3_K, ...) arriv
 
 Per call the kernel is chosen by the number of rows (measured: docs/quantization.md): up to `PACKED_MAX_ROWS` rows
 (decode) the packed kernel reads the blocks in place, dequantizing each run of 32 weights in registers and
-multiplying it with the fp32 activations (exact up to summation order); Q4_0/Q4_1/Q8_0 matrices are first rewritten
-in place into groups of 16 interleaved rows, which that kernel reads 2-2.5x faster (kernels/cpu/packed_grouped.c);
+multiplying it with the fp32 activations (exact up to summation order); where the build has a fast interleaved-rows
+kernel for the format, the matrix is first rewritten in place into groups of 16 interleaved rows, which that kernel
+reads 2-6x faster (kernels/cpu/packed_grouped.c: Q4_0/Q4_1/Q8_0; packed_grouped_wide.c: Q5_0 and the K formats);
 more rows (prefill, large decode batches)
 take a dense GEMM, whose AMX/AVX-512 tiles outrun the per-row kernel there. With `dense_batches` (the default,
 `--gguf-weights auto`) each layer also holds its weights expanded once at load in the compute dtype (oneDNN-packed,
@@ -28,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.cpu.packed import FAST_GROUPED_ISAS, FORMATS, PackedMatrix, grouped_isa
+from pagedserve.kernels.cpu.packed import FAST_GROUPED_ISAS, FORMATS, WIDE_GROUPED_FORMATS, PackedMatrix, grouped_isa
 from pagedserve.quant.base import LinearMethod, QuantConfig, QuantConfigError
-from pagedserve.quant.native_linear import DEFAULT_NATIVE_MAX_BATCH, NativeLinear, grouped_native_max_batch
+from pagedserve.quant.native_linear import (DEFAULT_NATIVE_MAX_BATCH, GROUPED_NATIVE_MAX_BATCH, NativeLinear,
+                                           grouped_native_max_batch)
 from pagedserve.quant.unquantized import UnquantizedLinearMethod
 
 PACKED_MAX_ROWS = 8
@@ -79,7 +81,7 @@ class GgufLinearMethod(LinearMethod):
 
     def native_linear(self, layer: nn.Module) -> NativeLinear:
         packed: PackedMatrix = layer.packed
-        limit = grouped_native_max_batch(grouped_isa(packed.lib)) if packed.row_group else DEFAULT_NATIVE_MAX_BATCH
+        limit = _grouped_native_limit(packed) if packed.row_group else DEFAULT_NATIVE_MAX_BATCH
         return NativeLinear(packed.linear_fn, packed.state_address, packed.in_features, packed.out_features, (packed,),
                             limit)
 
@@ -113,16 +115,25 @@ def row_group(weight: torch.Tensor) -> int:
 
 
 def _grouped_where_faster(packed: PackedMatrix, weight: torch.Tensor) -> PackedMatrix:
-    """Q4_0/Q4_1/Q8_0 rows interleaved in place (kernels/cpu/packed_grouped.c) where the build has that layout's
-    AVX-512 or AVX2 kernel (2-2.5x the file layout's at one row with AVX-512, 2-3x with AVX2); elsewhere (portable C)
-    the file's layout, whose kernel is then the faster."""
+    """Rows interleaved in place (kernels/cpu/packed_grouped.c, packed_grouped_wide.c) where the build has that
+    layout's AVX-512 or AVX2 kernel for the format (2-2.5x the file layout's at one row with AVX-512, 2-6x with AVX2:
+    docs/quantization.md); elsewhere (portable C) the file's layout, whose kernel is then the faster."""
     if packed.row_group or not packed.can_group(packed.qtype, packed.blocks):
         return packed
-    if grouped_isa(packed.lib) not in FAST_GROUPED_ISAS:
+    if grouped_isa(packed.lib, packed.qtype) not in FAST_GROUPED_ISAS:
         return packed
     grouped = packed.grouped()
     weight.pagedserve_row_group = grouped.row_group
     return grouped
+
+
+def _grouped_native_limit(packed: PackedMatrix) -> int:
+    """The native step's batch limit through `packed`'s interleaved-rows kernel. The wider formats' kernels
+    (packed_grouped_wide.c) run 8 lanes in every build: the 16-lane AVX512-VNNI figure was measured for the 4/8-bit
+    tiles only, so they keep the 8-lane builds' limit."""
+    if packed.qtype in WIDE_GROUPED_FORMATS:
+        return GROUPED_NATIVE_MAX_BATCH
+    return grouped_native_max_batch(grouped_isa(packed.lib, packed.qtype))
 
 
 def _dense_companion(layer: nn.Module) -> nn.Module:

@@ -133,3 +133,6 @@ def test_pagedserve_isa_probe_reports_the_forced_tier():
     assert "error" not in got
     if not got["tier"].startswith("unknown"):  # the ISA layer is present
         assert got["tier"] == "avx2"
+        # every GGUF type's interleaved-rows kernel is the AVX2 one, none the portable fallback
+        assert got["packed_kernels"]["grouped_isa_by_type"] == {q: "avx2" for q in
+                                                                ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}

@@ -83,11 +83,12 @@ def test_the_environment_variable_forces_the_tier_of_every_library():
     """A fresh process, as a server started with PAGEDSERVE_CPU_ISA=avx2: both libraries load the AVX2 build, and
     a tier this host lacks stops the first kernel build with the error naming the available ones."""
     code = ("from pagedserve.kernels.cpu import native, packed\nfrom pagedserve.kernels.cpu.build import library_tier\n"
-            "print(library_tier(native.load_library()), library_tier(packed.build()), packed.isa(packed.build()))")
+            "print(library_tier(native.load_library()), library_tier(packed.build()), packed.isa(packed.build()),\n"
+            "      *packed.grouped_isas(packed.build()).values())")
     env = {**os.environ, isa.ENV_VAR: "avx2"}
     out = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["avx2", "avx2", "avx2"]
+    assert out.stdout.split() == ["avx2"] * (3 + len(packed.FORMATS))  # every GGUF type's interleaved kernel too
     missing = next((t for t in isa.TIER_NAMES if t not in isa.available_tiers()), None)
     if missing:
         env[isa.ENV_VAR] = missing

@@ -23,7 +23,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
-from gguf.quants import dequantize, quantize
+from gguf.quants import Q4_K, dequantize, quantize
 
 import cpu_tiers
 from gguf_fixtures import random_k_blocks
@@ -38,6 +38,10 @@ EXPECTED_ISAS = {"portable": ("portable", "portable"), "avx2": ("avx2", "avx2"),
                  "avx2_vnni": ("avx2_vnni", "avx2_vnni"), "avx512": ("avx2", "avx512"),
                  "avx512_vnni": ("avx512_vnni", "avx512_vnni"), "avx512_bf16": ("avx512_vnni", "avx512_vnni")}
 FORMATS = tuple(cpu_packed.FORMATS)
+# tier -> what the interleaved-rows kernels of Q5_0 and the K formats compile to (packed_grouped_wide.c: the int16
+# builds share one 8-lane kernel; elsewhere portable C, so loaders keep the file's layout)
+EXPECTED_WIDE_ISAS = {"portable": "portable", "avx2": "avx2", "avx2_vnni": "avx2_vnni", "avx512": "portable",
+                      "avx512_vnni": "avx512_vnni", "avx512_bf16": "avx512_vnni"}
 ROWS = (1, 2, 3, 7, 16, 33)
 
 
@@ -46,6 +50,8 @@ def lib(request):
     built = cpu_packed.build(request.param)
     tier = isa.host_tier() if request.param == "native" else request.param
     assert (cpu_packed.isa(built), cpu_packed.grouped_isa(built)) == EXPECTED_ISAS[tier]
+    assert cpu_packed.grouped_isas(built) == {q: EXPECTED_WIDE_ISAS[tier] if q in cpu_packed.WIDE_GROUPED_FORMATS
+                                              else EXPECTED_ISAS[tier][1] for q in FORMATS}
     return built
 
 
@@ -84,18 +90,29 @@ def check_product(matrix: cpu_packed.PackedMatrix, weights: np.ndarray, x: torch
     np.testing.assert_array_less(np.abs(y - xn.astype(np.float64) @ w.T), rounding * 1.001 + summation)
 
 
+def run_offsets(qtype: str, stored: np.ndarray, rows: int) -> np.ndarray:
+    """Each 32-value run's offset m (w = d u + m) of `stored` [rows, bytes], as the int16 kernels split w: -8 d
+    (Q4_0), the stored m (Q4_1), -16 d (Q5_0), -dmin mn (Q4_K, Q5_K: gguf's own scale decoding), 0 for the signed
+    codes (Q8_0, Q6_K's u - 32)."""
+    _, per, size = cpu_packed.FORMATS[qtype]
+    raw = stored.view(np.uint8).reshape(rows, -1, size)
+    half = lambda at: raw[:, :, at:at + 2].copy().view(np.float16)[..., 0].astype(np.float64)  # noqa: E731
+    if qtype in ("Q4_K", "Q5_K"):
+        _, mins = Q4_K.get_scale_min(raw[:, :, 4:16].reshape(-1, 12))
+        return -(half(2)[..., None] * mins.reshape(rows, -1, 8)).reshape(rows, -1)
+    if qtype in ("Q8_0", "Q6_K"):
+        return np.zeros((rows, raw.shape[1] * per // 32))
+    return {"Q4_0": -8 * half(0), "Q4_1": half(2), "Q5_0": -16 * half(0)}[qtype]
+
+
 def grouped_bound(matrix: cpu_packed.PackedMatrix, stored: np.ndarray, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     """What the interleaved layout's product may differ from x @ W^T by, per output [rows, out]: fp32 summation
     error, and in the int16 builds (INT16_GROUPED_ISAS) the rounding of x, sum_k (a_k / 2) |d u_k| (with 0.1% for a's own
-    rounding), d u = w - m: m = -8 d (Q4_0), the stored m (Q4_1), 0 (Q8_0's signed codes)."""
+    rounding), d u = w - m per 32-value run (run_offsets)."""
     bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w).T) + 1e-5
-    if cpu_packed.grouped_isa(matrix.lib) not in cpu_packed.INT16_GROUPED_ISAS:
+    if cpu_packed.grouped_isa(matrix.lib, matrix.qtype) not in cpu_packed.INT16_GROUPED_ISAS:
         return bound
-    raw = stored.view(np.uint8).reshape(w.shape[0], w.shape[1] // 32, -1)
-    d = raw[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float64)
-    m = {"Q4_0": -8 * d, "Q4_1": raw[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64),
-         "Q8_0": 0 * d}[matrix.qtype]
-    code_terms = np.abs(w - np.repeat(m, 32, axis=1))
+    code_terms = np.abs(w - np.repeat(run_offsets(matrix.qtype, stored, w.shape[0]), 32, axis=1))
     _, scale = quantized_activations(x, 32767)
     return bound + 1.001 * ((scale.astype(np.float64) / 2) @ code_terms.T)
 
@@ -135,10 +152,11 @@ def test_product_on_odd_shapes(lib, qtype):
 
 @pytest.mark.parametrize("qtype", cpu_packed.GROUPED_FORMATS)
 def test_grouped_rows_equal_the_file_layout(lib, qtype):
-    """The interleaved layout (kernels/cpu/packed_grouped.c): same values as gguf's dequantizer, exactly, and the fp32
-    product within fp32 summation error, for every activation-row remainder of its 8-row passes, with a bias."""
+    """The interleaved layout (kernels/cpu/packed_grouped.c, packed_grouped_wide.c): same values as gguf's
+    dequantizer, exactly, and the product within grouped_bound, for every activation-row remainder of its 4- and
+    8-row passes, with a bias; one block, and many (K formats: several 256-value super-blocks)."""
     rng = np.random.default_rng(4)
-    for inn in (96, 2336):
+    for inn in ((256, 2304) if qtype.endswith("_K") else (96, 2336)):
         stored = blocks_for(qtype, 48, inn, rng)
         weights = dequantize(stored, T[qtype]).astype(np.float32)
         bias = torch.randn(48)
@@ -173,14 +191,15 @@ def test_int16_grouped_builds_agree_bit_for_bit(qtype):
     if len(tiers) < 2:
         pytest.skip(f"one int16 tier on this CPU ({tiers})")
     rng = np.random.default_rng(6)
-    stored = blocks_for(qtype, 64, 2336, rng)
-    x = torch.randn(9, 2336) * torch.rand(9, 1) * 3
+    inn = 2304 if qtype.endswith("_K") else 2336
+    stored = blocks_for(qtype, 64, inn, rng)
+    x = torch.randn(9, inn) * torch.rand(9, 1) * 3
     bias = torch.randn(64)
     results = {}
     for tier in tiers:
         lib = cpu_packed.build(tier)
-        assert cpu_packed.grouped_isa(lib) == tier
-        grouped = cpu_packed.PackedMatrix(qtype, torch.from_numpy(stored.copy()), 2336, bias, lib=lib).grouped()
+        assert cpu_packed.grouped_isa(lib, qtype) == tier
+        grouped = cpu_packed.PackedMatrix(qtype, torch.from_numpy(stored.copy()), inn, bias, lib=lib).grouped()
         results[tier] = [grouped.matmul(x[:rows]) for rows in (1, 2, 3, 4, 5, 9)]
     for tier in tiers[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[tier], results[tiers[0]], strict=True)), tier
@@ -191,9 +210,12 @@ def test_grouped_rows_refuse_what_they_cannot_hold(lib):
     odd = cpu_packed.PackedMatrix("Q4_1", torch.from_numpy(blocks_for("Q4_1", 40, 64, rng)), 64, lib=lib)
     with pytest.raises(ValueError, match="multiple of 16"):
         odd.grouped()
-    q5 = torch.from_numpy(blocks_for("Q5_0", 32, 64, rng))
+    q5 = torch.from_numpy(blocks_for("Q5_0", 40, 64, rng))
+    assert not cpu_packed.PackedMatrix.can_group("Q5_0", q5)
     with pytest.raises(ValueError, match="row_group"):
         cpu_packed.PackedMatrix("Q5_0", q5, 64, lib=lib, row_group=cpu_packed.GROUP_ROWS)
+    with pytest.raises(ValueError, match="qtype"):
+        cpu_packed.grouped_isa(lib, "Q2_K")
     grouped = cpu_packed.PackedMatrix("Q4_0", torch.from_numpy(blocks_for("Q4_0", 32, 64, rng)), 64, lib=lib).grouped()
     with pytest.raises(ValueError, match="file-layout"):
         grouped.grouped()
@@ -235,29 +257,40 @@ def test_real_tensors(model):
     assert seen == ({"Q4_1", "Q8_0"} if model == "smollm2" else {"Q5_0", "Q4_K", "Q6_K", "Q8_0"})
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("out", [45, 48])
-def test_the_ps_linear_fn_pointer_computes_the_same_product(out):
+def test_the_ps_linear_fn_pointer_computes_the_same_product(out, qtype):
     """What the native layer loop calls: kernels/cpu/linear.h's ps_linear_fn through the NativeLinear address. 48
-    rows are whole groups, so the loader interleaves them where the kernel has the AVX-512 path for that layout."""
+    rows are whole groups, so the loader interleaves them where the build has a fast kernel for the format's
+    layout (45: the file's layout, whatever the build), and the native step's batch limit follows that kernel."""
     rng = np.random.default_rng(3)
-    stored = blocks_for("Q4_1", out, 128, rng)
+    inn = 256
+    stored = blocks_for(qtype, out, inn, rng)
     layer = torch.nn.Module()
-    layer.in_features, layer.out_features = 128, out
-    method = GgufLinearMethod("Q4_1")
-    method.create_weights(layer, 128, out, True, torch.float32)
+    layer.in_features, layer.out_features = inn, out
+    method = GgufLinearMethod(qtype)
+    method.create_weights(layer, inn, out, True, torch.float32)
     layer.weight.data.copy_(torch.from_numpy(stored))
     layer.bias.data.copy_(torch.randn(out))
     method.process_weights_after_loading(layer)
-    fast = cpu_packed.grouped_isa(layer.packed.lib) in cpu_packed.FAST_GROUPED_ISAS
+    isa_of = cpu_packed.grouped_isa(layer.packed.lib, qtype)
+    fast = isa_of in cpu_packed.FAST_GROUPED_ISAS
     assert layer.packed.row_group == (cpu_packed.GROUP_ROWS if out % 16 == 0 and fast else 0)
     native = method.native_linear(layer)
+    wide = qtype in cpu_packed.WIDE_GROUPED_FORMATS
+    assert native.native_max_batch == (2 if not layer.packed.row_group else 8 if wide or isa_of != "avx512_vnni"
+                                       else 16)
     fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)(native.fn)
-    x = torch.randn(5, 128)
+    x = torch.randn(5, inn)
     y = torch.empty(5, out)
     assert fn(native.state, x.data_ptr(), 5, y.data_ptr()) == 0
     assert torch.equal(y, layer.packed.matmul(x))
     torch.testing.assert_close(method.apply(layer, x), y)  # decode rows: the packed kernel
-    # more rows than the int8 kernel takes: the dequantized tile and torch's matmul, the same function
-    big = torch.randn(gguf_method.PACKED_MAX_ROWS + 1, 128)
-    expected = big @ torch.from_numpy(dequantize(stored, T.Q4_1)).T + layer.bias
+    weights = dequantize(stored, T[qtype]).astype(np.float64)
+    bound = grouped_bound(layer.packed, stored, weights, x.numpy()) if layer.packed.row_group else \
+        1e-5 * (np.abs(x.numpy()).astype(np.float64) @ np.abs(weights).T) + 1e-5
+    np.testing.assert_array_less(np.abs(y.numpy() - layer.bias.numpy() - x.numpy() @ weights.T), bound)
+    # more rows than the packed kernel takes: the dequantized tile and torch's matmul, the same function
+    big = torch.randn(gguf_method.PACKED_MAX_ROWS + 1, inn)
+    expected = big @ torch.from_numpy(dequantize(stored, T[qtype])).T + layer.bias
     torch.testing.assert_close(method.apply(layer, big), expected, atol=1e-4, rtol=1e-4)

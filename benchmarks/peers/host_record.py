@@ -32,6 +32,8 @@ try:
     lib = cp.build()
     out["packed_kernels"] = {f: getattr(cp, f)(lib) for f in ("isa", "grouped_isa", "group_isa", "group_grouped_isa")
                              if hasattr(cp, f)}
+    if hasattr(cp, "grouped_isas"):  # per GGUF type: Q5_0 and the K formats have their own interleaved kernels
+        out["packed_kernels"]["grouped_isa_by_type"] = cp.grouped_isas(lib)
 except Exception as exc:
     out["packed_kernels"] = "unknown (%s: %s)" % (type(exc).__name__, exc)
 print(json.dumps(out))

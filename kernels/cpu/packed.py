@@ -23,9 +23,11 @@ FORMATS: dict[str, tuple[int, int, int]] = {
 }
 
 
-# The interleaved layout (ps_packed_state.row_group): rows per group, and the formats that have it.
+# The interleaved layout (ps_packed_state.row_group): rows per group, and the formats that have it
+# (packed_grouped.c: Q4_0/Q4_1/Q8_0; packed_grouped_wide.c: the others).
 GROUP_ROWS = 16
-GROUPED_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+GROUPED_FORMATS = tuple(FORMATS)
+WIDE_GROUPED_FORMATS = ("Q5_0", "Q4_K", "Q5_K", "Q6_K")  # packed_grouped_wide.c's: 8 lanes in every build
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -41,11 +43,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagedserve_packed_group_rows.restype = c_int
     lib.pagedserve_packed_isa.restype = lib.pagedserve_group_isa.restype = ctypes.c_char_p
     lib.pagedserve_packed_grouped_isa.restype = lib.pagedserve_group_grouped_isa.restype = ctypes.c_char_p
+    lib.pagedserve_packed_grouped_isa_of.argtypes = [c_int]
+    lib.pagedserve_packed_grouped_isa_of.restype = ctypes.c_char_p
 
 
 SPEC = LibrarySpec(
     name="packed",
-    sources=(*(f"packed_{name}.c" for name in ("linear", "f32", "grouped", "dequantize")), "group_linear.c",
+    sources=(*(f"packed_{name}.c" for name in ("linear", "f32", "grouped", "grouped_wide", "dequantize")),
+             "group_linear.c",
              "group_grouped.c"),
     structs=PACKED_STRUCTS,
     declare=_declare,
@@ -71,10 +76,20 @@ FAST_GROUPED_ISAS = ("avx512_vnni", "avx512", "avx2_vnni", "avx2")
 INT16_GROUPED_ISAS = ("avx512_vnni", "avx2_vnni", "avx2")
 
 
-def grouped_isa(lib: ctypes.CDLL) -> str:
-    """What the interleaved-rows kernel (packed_grouped.c) in `lib` was compiled to: avx512_vnni, avx512,
-    avx2_vnni, avx2 or portable (see FAST_GROUPED_ISAS)."""
-    return lib.pagedserve_packed_grouped_isa().decode()
+def grouped_isa(lib: ctypes.CDLL, qtype: str = "Q4_0") -> str:
+    """What `qtype`'s interleaved-rows kernel in `lib` was compiled to (see FAST_GROUPED_ISAS). Q4_0/Q4_1/Q8_0
+    (packed_grouped.c): avx512_vnni, avx512, avx2_vnni, avx2 or portable; Q5_0 and the K formats
+    (packed_grouped_wide.c, 8-lane int16 wherever the build rounds activations to int16): avx512_vnni, avx2_vnni,
+    avx2 or portable."""
+    if qtype not in FORMATS:
+        raise ValueError(f"qtype: {qtype!r} has no packed kernel; supported: {', '.join(FORMATS)}")
+    return lib.pagedserve_packed_grouped_isa_of(FORMATS[qtype][0]).decode()
+
+
+def grouped_isas(lib: ctypes.CDLL) -> dict[str, str]:
+    """Every format's interleaved-rows build in `lib` (grouped_isa per GGUF type): what a loader serves where it
+    is in FAST_GROUPED_ISAS, the file's layout elsewhere."""
+    return {qtype: grouped_isa(lib, qtype) for qtype in FORMATS}
 
 
 def group_isa(lib: ctypes.CDLL) -> str:
@@ -104,8 +119,8 @@ class PackedMatrix:
         if self.qtype not in FORMATS:
             raise ValueError(f"qtype: {self.qtype!r} has no packed kernel; supported: {', '.join(FORMATS)}")
         if self.row_group not in (0, GROUP_ROWS) or (self.row_group and not self.can_group(self.qtype, self.blocks)):
-            raise ValueError(f"row_group: {self.row_group} needs Q4_0/Q4_1/Q8_0 blocks with a multiple of {GROUP_ROWS} "
-                             f"rows (got {self.qtype}, {self.blocks.shape[0]} rows)")
+            raise ValueError(f"row_group: {self.row_group} needs a multiple of {GROUP_ROWS} rows "
+                             f"(got {self.qtype}, {self.blocks.shape[0]} rows)")
         code, per, size = FORMATS[self.qtype]
         if self.in_features % per:
             raise ValueError(f"in_features: {self.in_features} is not a multiple of {self.qtype}'s {per}-value blocks")
@@ -125,14 +140,14 @@ class PackedMatrix:
 
     @staticmethod
     def can_group(qtype: str, blocks: torch.Tensor) -> bool:
-        """Whether `grouped()` applies: Q4_0/Q4_1/Q8_0 with whole groups of GROUP_ROWS rows."""
+        """Whether `grouped()` applies: a packed format with whole groups of GROUP_ROWS rows."""
         return qtype in GROUPED_FORMATS and blocks.dim() == 2 and blocks.shape[0] % GROUP_ROWS == 0
 
     def grouped(self) -> "PackedMatrix":
         """The same matrix with its rows interleaved in groups (packed_grouped.c), rewritten in place: this
         matrix's blocks then hold the grouped layout, so only the returned matrix reads them correctly."""
         if self.row_group or not self.can_group(self.qtype, self.blocks):
-            raise ValueError(f"grouped: needs file-layout Q4_0/Q4_1/Q8_0 blocks with a multiple of {GROUP_ROWS} rows")
+            raise ValueError(f"grouped: needs file-layout blocks with a multiple of {GROUP_ROWS} rows")
         staging = torch.empty_like(self.blocks)
         if self.lib.pagedserve_packed_group_rows(ctypes.byref(self.state), staging.data_ptr()) != 0:
             raise ValueError("grouped: the kernel refused the matrix")

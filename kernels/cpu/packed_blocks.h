@@ -148,14 +148,15 @@ typedef struct {
     int64_t row_bytes;
     const float *bias;    /* [out_features] or NULL */
     int32_t int8_max_rows;  /* calls with up to this many rows round x to int8 blocks; more: fp32 (packed_f32.c) */
-    int32_t row_group;      /* 0: the file's layout; PK_GROUP_ROWS: Q4_0/Q4_1/Q8_0 rows interleaved (packed_grouped.c) */
+    int32_t row_group;      /* 0: the file's layout; PK_GROUP_ROWS: rows interleaved (packed_grouped.c, _wide.c) */
 } ps_packed_state;
 
 /* Output rows per group of the interleaved layout: one AVX-512 register holds one value of each. */
 #define PK_GROUP_ROWS 16
 
-/* The formats with an interleaved layout (packed_grouped.c). */
-static inline int pk_groupable(int fmt) { return fmt == PK_Q4_0 || fmt == PK_Q4_1 || fmt == PK_Q8_0; }
+/* The formats with an interleaved layout: all of them (packed_grouped.c: Q4_0/Q4_1/Q8_0; packed_grouped_wide.c:
+ * Q5_0 and the K formats). */
+static inline int pk_groupable(int fmt) { return fmt >= 0 && fmt < PK_NUM_FORMATS; }
 
 /* Nonzero when the state does not describe whole blocks. */
 static inline int pk_check(const ps_packed_state *st) {

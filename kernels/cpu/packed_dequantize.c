@@ -49,10 +49,9 @@ static void pk_dequantize_row(const ps_packed_state *st, int64_t row, void *dst,
     const int64_t nblocks = st->in_features / PK_BLOCK_VALUES[fmt];
     uint8_t u[32];
     if (st->row_group) {
-        for (int64_t b = 0; b < nblocks; b++, at += 32) {
+        for (int64_t run = 0; run < st->in_features / 32; run++, at += 32) {
             float d[2], m[2];
-            pk_grouped_row_run(st, row, b, u, d, m);
-            d[1] = d[0], m[1] = m[0];
+            pk_grouped_row_run(st, row, run, u, d, m);
             pk_store_run(u, d, m, dst, at, to_bf16);
         }
         return;

@@ -1,4 +1,4 @@
-/* Q4_0/Q4_1/Q8_0 matrices with their rows interleaved in groups of PK_GROUP_ROWS (ps_packed_state.row_group): the
+/* Q4_0/Q4_1/Q8_0 matrices (the other formats: packed_grouped_wide.c, called from here) with their rows interleaved in groups of PK_GROUP_ROWS (ps_packed_state.row_group): the
  * layout the one-to-eight-row product reads fastest, made once at load by pagedserve_packed_group_rows.
  *
  * Why: in the file's layout each 32-weight block of one row needs its scales converted and broadcast and its
@@ -37,6 +37,13 @@
 #endif
 #define PK_PREFETCH_TILES 8  /* software prefetch distance, in tiles */
 
+/* packed_grouped_wide.c: Q5_0, Q4_K, Q5_K, Q6_K */
+int pkw_is_wide(int fmt);
+void pkw_group_rows(const ps_packed_state *st, uint8_t *dst);
+void pkw_grouped_row_run(const ps_packed_state *st, int64_t row, int64_t run, uint8_t *u, float *d, float *m);
+int pkw_grouped_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads);
+const char *pkw_grouped_isa(void);
+
 static inline int64_t pk_tile_header(int fmt) { return fmt == PK_Q4_1 ? 64 : 32; }
 static inline int64_t pk_tile_bytes(int fmt) { return PK_GROUP_ROWS * PK_BLOCK_BYTES[fmt]; }
 
@@ -55,12 +62,16 @@ static inline void pk_grouped_scales(const uint8_t *tile, int fmt, int r, float 
     *m = fmt == PK_Q4_1 ? pk_half(tile + 32 + 2 * r) : (fmt == PK_Q8_0 ? -128.0f : -8.0f) * *d;
 }
 
-/* Rewrites a file-layout Q4_0/Q4_1/Q8_0 matrix (`st`, row_group 0) into the grouped layout at dst (row_bytes *
- * out_features bytes, not overlapping st->data). Returns nonzero when the matrix cannot be grouped. */
+/* Rewrites a file-layout matrix (`st`, row_group 0) into the grouped layout at dst (row_bytes * out_features
+ * bytes, not overlapping st->data). Returns nonzero when the matrix cannot be grouped. */
 PK_EXPORT int pagedserve_packed_group_rows(const ps_packed_state *st, uint8_t *dst) {
     if (pk_check(st) || st->row_group != 0 || !pk_groupable(st->format) || st->out_features % PK_GROUP_ROWS)
         return 1;
     const int fmt = st->format;
+    if (pkw_is_wide(fmt)) {
+        pkw_group_rows(st, dst);
+        return 0;
+    }
     const int64_t nb = st->in_features / 32, bb = PK_BLOCK_BYTES[fmt], hb = pk_tile_header(fmt);
     for (int64_t g = 0; g < st->out_features / PK_GROUP_ROWS; g++) {
         for (int64_t b = 0; b < nb; b++) {
@@ -89,13 +100,19 @@ PK_EXPORT int pagedserve_packed_group_rows(const ps_packed_state *st, uint8_t *d
     return 0;
 }
 
-/* Row `row` of the grouped matrix as 32-value runs: codes and per-run d, m for packed_dequantize.c. */
+/* Run b (of in / 32) of row `row` of the grouped matrix: codes and d, m per 16-value half for
+ * packed_dequantize.c. */
 void pk_grouped_row_run(const ps_packed_state *st, int64_t row, int64_t b, uint8_t *u, float *d, float *m) {
     const int fmt = st->format;
+    if (pkw_is_wide(fmt)) {
+        pkw_grouped_row_run(st, row, b, u, d, m);
+        return;
+    }
     const int64_t nb = st->in_features / 32, g = row / PK_GROUP_ROWS;
     const uint8_t *tile = st->data + (g * nb + b) * pk_tile_bytes(fmt);
     pk_grouped_codes(tile, fmt, (int)(row % PK_GROUP_ROWS), u);
     pk_grouped_scales(tile, fmt, (int)(row % PK_GROUP_ROWS), d, m);
+    d[1] = d[0], m[1] = m[0];
 }
 
 #if defined(PS_AVX512_VNNI)
@@ -256,6 +273,7 @@ static void pk_grouped_any(int fmt, const uint8_t *tiles, int64_t nb, const floa
 /* y = x @ W^T (+ bias) for a grouped matrix: the activations' block sums (and int16 blocks) once, then the groups
  * work-shared over the threads. Returns 0, or 2 when out of memory. */
 int pk_grouped_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads) {
+    if (pkw_is_wide(st->format)) return pkw_grouped_linear(st, x, rows, y, threads);
     const int64_t in = st->in_features, out = st->out_features, nb = in / 32, groups = out / PK_GROUP_ROWS;
     const int64_t group_bytes = nb * pk_tile_bytes(st->format);
     pq_act act;
@@ -278,3 +296,9 @@ int pk_grouped_linear(const ps_packed_state *st, const float *x, int64_t rows, f
 }
 
 PK_EXPORT const char *pagedserve_packed_grouped_isa(void) { return PK_GROUPED_ISA; }
+
+/* The build of format fmt's (PK_*) interleaved-rows kernel; NULL for an unknown format. */
+PK_EXPORT const char *pagedserve_packed_grouped_isa_of(int fmt) {
+    if (fmt < 0 || fmt >= PK_NUM_FORMATS) return NULL;
+    return pkw_is_wide(fmt) ? pkw_grouped_isa() : PK_GROUPED_ISA;
+}

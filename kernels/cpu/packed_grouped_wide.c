@@ -1,0 +1,320 @@
+/* The interleaved-rows layout (ps_packed_state.row_group, packed_grouped.c) of Q5_0, Q4_K, Q5_K and Q6_K: codes
+ * wider than 4 bits or scales per 32-value run of a 256-value super-block, which the 4/8-bit tiles cannot hold.
+ *
+ * Why: in the file's layout every 32 weights of one row need their scales decoded and broadcast and their codes
+ * gathered lane by lane (pk_codes_avx2), so on an AVX2 host (Zen 3: no AVX-512) a Q4_K_M model's linears ran
+ * bound by instructions, not by reading the weights. With 16 rows side by side, one 8-lane vector holds one input
+ * pair of 8 rows and a run's scales are decoded once per group as vectors.
+ *
+ * Builds (isa.h, act_q16.h): every one with int16 activations (avx2, avx2_vnni, avx512_vnni: PQ_INT16) runs the
+ * same 8-lane kernel, integer pair dots (vpmaddwd + vpaddd on plain AVX2, vpdpwssd with AVX-VNNI or AVX512-VNNI)
+ * and one float epilogue per run, so their results are equal bit for bit. The others (portable, avx512 without
+ * VNNI) run C loops on fp32 activations; loaders keep the file's layout there (packed.py's grouped_isa).
+ * Per run every build adds (d da) dot(u, q) + m sx with the exact fp32 block sum sx (Q6_K: signed codes u - 32,
+ * one scale per 16-value half, no offset term); act_q16.h states the int16 rounding's bound.
+ *
+ * Layout, same bytes as the file's, group g = rows 16g..16g+15 stored in place of those rows. Per storage block
+ * (32 inputs for Q5_0, 256 for the K formats) one tile: a header, then per 32-input run j a 4-bit plane (4 chunks
+ * of 64 bytes, chunk c's 32-bit word r = row r's low nibbles of inputs 8c..8c+7, input 8c+p in bits 4p..4p+3: the
+ * Q4_0 tile's) and for 5/6-bit codes a plane of high bits:
+ *   5-bit (Q5_0, Q5_K): 16 words, word r bit 4c + p = bit 4 of input 8c + p, bit 16 + 4c + p that of 8c + p + 4;
+ *   Q6_K: 2 x 16 words, word e r holds bits 4-5 of inputs 16e..16e+15: those of 8c + p at 2t, of 8c + p + 4 at
+ *   16 + 2t (t = 4 (c - 2e) + p).
+ * Shifted by a constant and masked, a high word thus lines up with the 4-bit word's (w >> 4p) & 0x000F000F, which
+ * holds inputs 8c + p and 8c + p + 4 as two int16: the order act_q16.h's pq_quantize stores activations in.
+ * Headers: Q5_0: the 16 rows' d (fp16, 32 bytes). Q4_K/Q5_K: d (32), dmin (32), then per run j 16 bytes
+ * sc | (mn >> 4) << 6 and per run pair 16 bytes mn & 15 (run 2i + 1 in the high nibble): 6-bit scale and min.
+ * Q6_K: d (32), then per 16-value half h (0..15) the 16 rows' int8 scales. */
+#include "isa.h"
+#include <omp.h>
+
+#include "act_q16.h"
+#include "packed_blocks.h"
+
+#define PKW_INLINE static inline __attribute__((always_inline))
+#define PKW_TILE 4          /* activation rows per pass over a group's weights */
+#define PKW_PREFETCH 2048   /* software prefetch distance, bytes */
+
+/* The bytes of the 4-bit plane + high plane of one run, and of a tile's header. */
+static inline int64_t pkw_high(int fmt) { return fmt == PK_Q6_K ? 128 : fmt == PK_Q4_K ? 0 : 64; }
+static inline int64_t pkw_run_bytes(int fmt) { return 256 + pkw_high(fmt); }
+static inline int64_t pkw_header(int fmt) { return fmt == PK_Q5_0 ? 32 : fmt == PK_Q6_K ? 288 : 256; }
+static inline int64_t pkw_tile_bytes(int fmt) { return PK_GROUP_ROWS * PK_BLOCK_BYTES[fmt]; }
+static inline int pkw_runs(int fmt) { return fmt == PK_Q5_0 ? 1 : 8; }
+
+int pkw_is_wide(int fmt) { return fmt == PK_Q5_0 || fmt == PK_Q4_K || fmt == PK_Q5_K || fmt == PK_Q6_K; }
+
+static inline void pkw_or32(uint8_t *at, uint32_t bits) {
+    uint32_t word;
+    memcpy(&word, at, 4);
+    word |= bits;
+    memcpy(at, &word, 4);
+}
+
+/* One row's storage block `blk` into its place r of `tile`. */
+static void pkw_put_row(int fmt, const uint8_t *blk, int r, uint8_t *tile) {
+    if (fmt == PK_Q6_K) {
+        memcpy(tile + 2 * r, blk + 208, 2);
+        for (int h = 0; h < 16; h++) tile[32 + 16 * h + r] = blk[192 + h];
+    } else {
+        memcpy(tile + 2 * r, blk, 2);
+    }
+    if (fmt == PK_Q4_K || fmt == PK_Q5_K) {
+        memcpy(tile + 32 + 2 * r, blk + 2, 2);
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            pk_scale_min_k4(blk + 4, j, &sc, &mn);
+            tile[64 + 16 * j + r] = (uint8_t)(sc | (mn >> 4) << 6);
+            tile[192 + 16 * (j / 2) + r] |= (uint8_t)((mn & 15) << 4 * (j & 1));
+        }
+    }
+    for (int j = 0; j < pkw_runs(fmt); j++) {
+        uint8_t u[32];
+        uint8_t *run = tile + pkw_header(fmt) + j * pkw_run_bytes(fmt);
+        pk_codes_scalar(fmt, blk, j, u);
+        for (int k = 0; k < 32; k++) {
+            const int c = k / 8, p = k % 4, h = k % 8 / 4;
+            pkw_or32(run + 64 * c + 4 * r, (uint32_t)(u[k] & 15) << 4 * (k % 8));
+            if (fmt == PK_Q6_K) {
+                const int e = c / 2, t = 4 * (c - 2 * e) + p;
+                pkw_or32(run + 256 + 64 * e + 4 * r, (uint32_t)(u[k] >> 4) << (16 * h + 2 * t));
+            } else if (fmt != PK_Q4_K) {
+                pkw_or32(run + 256 + 4 * r, (uint32_t)(u[k] >> 4) << (16 * h + 4 * c + p));
+            }
+        }
+    }
+}
+
+/* packed_grouped.c's pagedserve_packed_group_rows for these formats (checked there). */
+void pkw_group_rows(const ps_packed_state *st, uint8_t *dst) {
+    const int fmt = st->format;
+    const int64_t nb = st->in_features / PK_BLOCK_VALUES[fmt], tb = pkw_tile_bytes(fmt);
+    for (int64_t g = 0; g < st->out_features / PK_GROUP_ROWS; g++) {
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *tile = dst + (g * nb + b) * tb;
+            memset(tile, 0, (size_t)tb);
+            for (int r = 0; r < PK_GROUP_ROWS; r++)
+                pkw_put_row(fmt, st->data + (g * PK_GROUP_ROWS + r) * st->row_bytes + b * PK_BLOCK_BYTES[fmt], r,
+                            tile);
+        }
+    }
+}
+
+/* Row r's codes (0..31, Q6_K 0..63) and scales of run j of a tile: w = d u + m per 16-value half. */
+static void pkw_row_run(int fmt, const uint8_t *tile, int r, int j, uint8_t *u, float *d, float *m) {
+    const uint8_t *run = tile + pkw_header(fmt) + j * pkw_run_bytes(fmt);
+    pk_tile4_codes(run, r, u);
+    for (int k = 0; k < 32; k++) {
+        const int c = k / 8, p = k % 4, h = k % 8 / 4;
+        uint32_t word;
+        if (fmt == PK_Q6_K) {
+            const int e = c / 2, t = 4 * (c - 2 * e) + p;
+            memcpy(&word, run + 256 + 64 * e + 4 * r, 4);
+            u[k] |= (uint8_t)(((word >> (16 * h + 2 * t)) & 3) << 4);
+        } else if (fmt != PK_Q4_K) {
+            memcpy(&word, run + 256 + 4 * r, 4);
+            u[k] |= (uint8_t)(((word >> (16 * h + 4 * c + p)) & 1) << 4);
+        }
+    }
+    const float dr = pk_half(tile + 2 * r);
+    if (fmt == PK_Q5_0) {
+        d[0] = d[1] = dr, m[0] = m[1] = -16.0f * dr;
+    } else if (fmt == PK_Q6_K) {
+        for (int h = 0; h < 2; h++) d[h] = dr * (float)(int8_t)tile[32 + 16 * (2 * j + h) + r], m[h] = -32.0f * d[h];
+    } else {
+        const uint8_t a = tile[64 + 16 * j + r], lo = (tile[192 + 16 * (j / 2) + r] >> 4 * (j & 1)) & 15;
+        d[0] = d[1] = dr * (float)(a & 63);
+        m[0] = m[1] = -pk_half(tile + 32 + 2 * r) * (float)(lo | (a >> 6) << 4);
+    }
+}
+
+/* packed_grouped.c's pk_grouped_row_run: run `run` (of in / 32) of row `row`. */
+void pkw_grouped_row_run(const ps_packed_state *st, int64_t row, int64_t run, uint8_t *u, float *d, float *m) {
+    const int fmt = st->format, runs = pkw_runs(fmt);
+    const int64_t nb = st->in_features / PK_BLOCK_VALUES[fmt], g = row / PK_GROUP_ROWS;
+    const uint8_t *tile = st->data + (g * nb + run / runs) * pkw_tile_bytes(fmt);
+    pkw_row_run(fmt, tile, (int)(row % PK_GROUP_ROWS), (int)(run % runs), u, d, m);
+}
+
+#if defined(PQ_INT16)
+#define PKW_ISA PQ_INT16
+
+/* acc + the pairwise int16 products of u and pair per int32 lane: exact, whichever instruction. */
+PKW_INLINE __m256i pkw_dp(__m256i acc, __m256i u, __m256i pair) {
+#if defined(PS_AVX512_VNNI)
+    return _mm256_dpwssd_epi32(acc, u, pair);
+#elif defined(PS_AVX2_VNNI)
+    return _mm256_dpwssd_avx_epi32(acc, u, pair);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(u, pair));
+#endif
+}
+
+/* v shifted right by s bits (left when s < 0) in each 32-bit lane; s a constant after unrolling. */
+PKW_INLINE __m256i pkw_shift(__m256i v, int s) {
+    return s > 0 ? _mm256_srli_epi32(v, s) : s < 0 ? _mm256_slli_epi32(v, -s) : v;
+}
+
+/* One run's integer dots: acc[4r + 2s + h] for activation row r, tile rows 8s..8s+7, input half h (Q6_K: inputs
+ * 0-15 / 16-31; the others: up to 2 rows two chains by p's parity, summed by the caller). Codes as two int16 per lane in
+ * act_q16.h's 4-bit order, Q6_K's centred (u - 32). */
+PKW_INLINE void pkw_dots(int fmt, const uint8_t *run, const int16_t *q, int64_t qstride, int R, __m256i *acc) {
+    const __m256i low4 = _mm256_set1_epi32(0x000F000F);
+    for (int i = 0; i < 4 * R; i++) acc[i] = _mm256_setzero_si256();
+    __m256i hw[2][2];
+    for (int e = 0; e < (fmt == PK_Q6_K ? 2 : fmt == PK_Q4_K ? 0 : 1); e++)
+        for (int s = 0; s < 2; s++) hw[e][s] = _mm256_loadu_si256((const __m256i *)(run + 256 + 64 * e + 32 * s));
+    for (int c = 0; c < 4; c++) {
+        __m256i w[2];
+        for (int s = 0; s < 2; s++) w[s] = _mm256_loadu_si256((const __m256i *)(run + 64 * c + 32 * s));
+        for (int p = 0; p < 4; p++) {
+            __m256i u[2];
+            for (int s = 0; s < 2; s++) {
+                u[s] = _mm256_and_si256(pkw_shift(w[s], 4 * p), low4);
+                if (fmt == PK_Q5_0 || fmt == PK_Q5_K)
+                    u[s] = _mm256_or_si256(u[s], _mm256_and_si256(pkw_shift(hw[0][s], 4 * c + p - 4),
+                                                                  _mm256_set1_epi32(0x00100010)));
+                if (fmt == PK_Q6_K) {
+                    const __m256i hi = _mm256_and_si256(pkw_shift(hw[c / 2][s], 2 * (4 * (c & 1) + p) - 4),
+                                                        _mm256_set1_epi32(0x00300030));
+                    u[s] = _mm256_sub_epi16(_mm256_or_si256(u[s], hi), _mm256_set1_epi16(32));
+                }
+            }
+            /* a second chain only while few rows leave the dot latency exposed: from 3 rows on it spilled */
+            const int h = fmt == PK_Q6_K ? c / 2 : R <= 2 && (p & 1);
+            for (int r = 0; r < R; r++) {
+                const __m256i pair = _mm256_set1_epi32(pq_pair(q + r * qstride + 8 * c + 2 * p));
+                for (int s = 0; s < 2; s++) acc[4 * r + 2 * s + h] = pkw_dp(acc[4 * r + 2 * s + h], u[s], pair);
+            }
+        }
+    }
+}
+
+/* Run j's scales of tile rows 8s..8s+7: d[s] (Q6_K: d[2h + s] per input half h) and m[s]. */
+PKW_INLINE void pkw_scales(int fmt, const uint8_t *tile, int j, __m256 *d, __m256 *m) {
+    for (int s = 0; s < 2; s++) {
+        const __m256 dr = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 16 * s)));
+        if (fmt == PK_Q5_0) {
+            d[s] = dr, m[s] = _mm256_mul_ps(dr, _mm256_set1_ps(-16.0f));
+        } else if (fmt == PK_Q6_K) {
+            for (int h = 0; h < 2; h++) {
+                const __m128i sc = _mm_loadl_epi64((const __m128i *)(tile + 32 + 16 * (2 * j + h) + 8 * s));
+                d[2 * h + s] = _mm256_mul_ps(dr, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+            }
+        } else {
+            const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 64 + 16 * j + 8 * s)));
+            const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 192 + 16 * (j / 2) + 8 * s)));
+            const __m256i sc = _mm256_and_si256(a, _mm256_set1_epi32(63));
+            const __m256i mn = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(lo, 4 * (j & 1)), _mm256_set1_epi32(15)),
+                                               _mm256_slli_epi32(_mm256_srli_epi32(a, 6), 4));
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 32 + 16 * s)));
+            d[s] = _mm256_mul_ps(dr, _mm256_cvtepi32_ps(sc));
+            m[s] = _mm256_mul_ps(_mm256_xor_ps(dmin, _mm256_set1_ps(-0.0f)), _mm256_cvtepi32_ps(mn));
+        }
+    }
+}
+
+/* y[r][16 rows of group] for R activation rows; R and fmt are constants after inlining. */
+PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, pq_act act, int R,
+                         const float *bias, float *y, int64_t out) {
+    (void)x, (void)in;
+    const int64_t tb = pkw_tile_bytes(fmt), nruns = nb * pkw_runs(fmt);
+    __m256 tot[2 * PKW_TILE];
+    for (int r = 0; r < R; r++)
+        for (int s = 0; s < 2; s++) tot[2 * r + s] = bias ? _mm256_loadu_ps(bias + 8 * s) : _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tile = tiles + b * tb;
+        for (int j = 0; j < pkw_runs(fmt); j++) {
+            const uint8_t *run = tile + pkw_header(fmt) + j * pkw_run_bytes(fmt);
+            for (int64_t l = 0; l < pkw_run_bytes(fmt); l += 64)
+                _mm_prefetch((const char *)run + PKW_PREFETCH + l, _MM_HINT_T0);
+            const int64_t k = b * pkw_runs(fmt) + j;
+            __m256i acc[4 * PKW_TILE];
+            __m256 d[4], m[2];
+            pkw_dots(fmt, run, act.q + 32 * k, 32 * nruns, R, acc);
+            pkw_scales(fmt, tile, j, d, m);
+            for (int r = 0; r < R; r++) {
+                const __m256 da = _mm256_set1_ps(act.da[r * nruns + k]), sx = _mm256_set1_ps(act.sx[r * nruns + k]);
+                for (int s = 0; s < 2; s++) {
+                    __m256 t = tot[2 * r + s];
+                    if (fmt == PK_Q6_K) {
+                        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[4 * r + 2 * s]), _mm256_mul_ps(d[s], da), t);
+                        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[4 * r + 2 * s + 1]), _mm256_mul_ps(d[2 + s], da), t);
+                    } else {
+                        const __m256i dot = _mm256_add_epi32(acc[4 * r + 2 * s], acc[4 * r + 2 * s + 1]);
+                        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[s], da), t);
+                        t = _mm256_fmadd_ps(m[s], sx, t);
+                    }
+                    tot[2 * r + s] = t;
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int s = 0; s < 2; s++) _mm256_storeu_ps(y + r * out + 8 * s, tot[2 * r + s]);
+}
+#else
+#define PKW_ISA "portable"
+/* C loops on fp32 activations: per run d sum(u x) + m sx (Q6_K: per half, centred codes). */
+PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, pq_act act, int R,
+                         const float *bias, float *y, int64_t out) {
+    const int64_t nruns = nb * pkw_runs(fmt);
+    for (int r = 0; r < R; r++) {
+        for (int row = 0; row < PK_GROUP_ROWS; row++) {
+            float total = bias ? bias[row] : 0.0f;
+            for (int64_t k = 0; k < nruns; k++) {
+                const uint8_t *tile = tiles + k / pkw_runs(fmt) * pkw_tile_bytes(fmt);
+                const float *xk = x + r * in + 32 * k;
+                uint8_t u[32];
+                float d[2], m[2], acc[2] = {0.0f, 0.0f};
+                pkw_row_run(fmt, tile, row, (int)(k % pkw_runs(fmt)), u, d, m);
+                const int centre = fmt == PK_Q6_K ? 32 : 0;
+                for (int l = 0; l < 32; l++) acc[l / 16] += (float)(u[l] - centre) * xk[l];
+                if (fmt == PK_Q6_K) total += d[0] * acc[0] + d[1] * acc[1];
+                else total += d[0] * (acc[0] + acc[1]) + m[0] * act.sx[r * nruns + k];
+            }
+            y[r * out + row] = total;
+        }
+    }
+}
+#endif
+
+#define PKW_CASE(F, N) case N: pkw_rows(F, tiles, nb, x, in, act, N, bias, y, out); return;
+#define PKW_CASES(F) switch (R) { PKW_CASE(F, 1) PKW_CASE(F, 2) PKW_CASE(F, 3) default: PKW_CASE(F, PKW_TILE) }
+
+static void pkw_any(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, pq_act act, int R,
+                    const float *bias, float *y, int64_t out) {
+    switch (fmt) {
+    case PK_Q5_0: PKW_CASES(PK_Q5_0)
+    case PK_Q4_K: PKW_CASES(PK_Q4_K)
+    case PK_Q5_K: PKW_CASES(PK_Q5_K)
+    default: PKW_CASES(PK_Q6_K)
+    }
+}
+
+/* packed_grouped.c's pk_grouped_linear for these formats: activations rounded once (int16 per 32 inputs, 4-bit
+ * order), then the groups work-shared over the threads. Returns 0, or 2 when out of memory. */
+int pkw_grouped_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads) {
+    const int fmt = st->format;
+    const int64_t in = st->in_features, out = st->out_features, nruns = in / 32, groups = out / PK_GROUP_ROWS;
+    const int64_t nb = in / PK_BLOCK_VALUES[fmt], group_bytes = nb * pkw_tile_bytes(fmt);
+    pq_act act;
+    if (pq_alloc(&act, rows, nruns)) return 2;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) pq_quantize(x, nruns, r, r + 1, 1, &act);
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            for (int64_t r0 = 0; r0 < rows; r0 += PKW_TILE) {
+                const int R = rows - r0 < PKW_TILE ? (int)(rows - r0) : PKW_TILE;
+                pkw_any(fmt, st->data + g * group_bytes, nb, x + r0 * in, in, pq_rows(&act, r0, nruns), R,
+                        st->bias ? st->bias + g * PK_GROUP_ROWS : NULL, y + r0 * out + g * PK_GROUP_ROWS, out);
+            }
+        }
+    }
+    pq_free(&act);
+    return 0;
+}
+
+const char *pkw_grouped_isa(void) { return PKW_ISA; }
