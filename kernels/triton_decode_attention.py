@@ -1,0 +1,225 @@
+"""Triton decode attention: one new token per sequence, the context split into partitions (flash-decoding).
+
+Grid: (sequences, KV heads, partitions). A program owns the NUM_QUERIES_PER_KV query heads of one KV head (GQA: each
+K/V byte is read once per group) and one partition of its sequence's context, which it walks TILE_N tokens at a
+time: a tile spans several cache blocks, its rows gathered through the block table, so each iteration moves tens
+of KiB. The partition count is a launch constant (`decode_partitions`: from the batch size, the KV heads and the
+block table's width, never from per-step device data, so a captured CUDA graph replays one grid for every step);
+each sequence cuts its own context into that many partitions, rounded up to whole tiles, and programs past its end
+exit at once. With more than one partition, each program writes its unnormalized fp32 output, running max and sum
+to a workspace and `_reduce_kernel` merges them; with one it writes the output itself.
+
+Narrow caches are loaded as they are stored and converted in registers (FP8 and int8 convert exactly to fp16/bf16);
+their scales are folded in rather than applied per element: the per-KV-head FP8 scales into the score scale and
+the final output, int8's per-token row scales into the score columns (K) and the probabilities (V).
+A sliding window W shows the query at position L - 1 the keys L - W <= k < L; tiles start at the tile of the first
+visible key and masked loads never touch the blocks before it (their table entries may be -1).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels.attention import AttentionMetadata
+from pagedserve.kernels.kv_cache import LayerKVCache
+from pagedserve.kernels.triton_attention import (
+    _LOG2E, _NO_WINDOW, _dot_dtype, _num_stages, check_supported,
+)
+
+# The split rule (docs/gpu.md): enough programs to fill an H100/H200 several times over (132 SMs, two or three
+# resident programs each), partitions of at least MIN_PARTITION_TOKENS so each program's fixed cost (its query
+# load and partial store) stays small against its K/V reads, and at most MAX_PARTITIONS (the reduce loops over them).
+TARGET_PROGRAMS = 2048
+MIN_PARTITION_TOKENS = 256
+MAX_PARTITIONS = 64
+# K + V bytes one tile loads (before conversion): 64 tokens of fp16 at head_dim 128, 128 tokens of FP8/int8.
+_TILE_BYTES = 32 * 1024
+
+
+@triton.jit
+def _decode_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    k_row_scale_ptr, v_row_scale_ptr,  # int8: fp16 [num_blocks, block_size, Hkv] views; unused otherwise
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale_log2, window, num_heads,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+    stride_c_block, stride_c_pos, stride_c_head, stride_bt_seq,
+    stride_s_block, stride_s_pos, stride_s_head,
+    NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_PARTITIONS: tl.constexpr,
+    IS_FP8: tl.constexpr, IS_INT8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    tl.static_assert(HEAD_DIM_PAD >= 16, "tl.dot needs K = head_dim >= 16")
+    tl.static_assert(TILE_N >= 16, "tl.dot needs N = tile >= 16")
+    tl.static_assert(BLOCK_M >= 16, "tl.dot needs M >= 16")
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    q_row = tl.load(query_start_loc_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    part_tokens = tl.cdiv(tl.cdiv(seq_len, NUM_PARTITIONS), TILE_N) * TILE_N
+    start = part * part_tokens
+    end = tl.minimum(start + part_tokens, seq_len)
+    first_key = tl.maximum(seq_len - window, 0)
+    if (tl.load(query_start_loc_ptr + seq + 1) > q_row) & (start < end) & (first_key < end):
+        compute = q_ptr.dtype.element_ty
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        offs_n = tl.arange(0, TILE_N)
+        head = kv_head * NUM_QUERIES_PER_KV + offs_m
+        row_ok = offs_m < NUM_QUERIES_PER_KV
+        d_ok = offs_d < HEAD_DIM
+        q_off = q_row.to(tl.int64) * stride_q_tok + head.to(tl.int64)[:, None] * stride_q_head + offs_d[None, :]
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
+        score_scale = qk_scale_log2
+        if IS_FP8:
+            score_scale = score_scale * tl.load(k_scale_ptr + kv_head)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+        head_off = kv_head.to(tl.int64) * stride_c_head
+        bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+        lo = tl.maximum(start, first_key // TILE_N * TILE_N)
+        for tile_start in range(lo, end, TILE_N):
+            key_pos = tile_start + offs_n
+            key_ok = (key_pos < end) & (key_pos >= first_key)
+            block = tl.load(bt_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            rows = block * stride_c_block + (key_pos % BLOCK_SIZE).to(tl.int64) * stride_c_pos + head_off
+            if HEAD_DIM == HEAD_DIM_PAD:  # a mask constant along head_dim keeps the loads vectorized
+                kv_mask = key_ok[:, None]
+            else:
+                kv_mask = key_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = k.to(compute).to(DOT_DTYPE)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * score_scale
+            if IS_INT8:
+                # Masked keys read scale 0: their stale slots may hold anything, NaN scales included.
+                s_off = (block * stride_s_block + (key_pos % BLOCK_SIZE).to(tl.int64) * stride_s_pos
+                         + kv_head.to(tl.int64) * stride_s_head)
+                s = s * tl.load(k_row_scale_ptr + s_off, mask=key_ok, other=0.0).to(tl.float32)[None, :]
+            s = tl.where(key_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if IS_INT8:
+                p = p * tl.load(v_row_scale_ptr + s_off, mask=key_ok, other=0.0).to(tl.float32)[None, :]
+            v = v.to(compute).to(DOT_DTYPE)
+            acc = acc * alpha[:, None] + tl.dot(p.to(compute).to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        if IS_FP8:
+            acc = acc * tl.load(v_scale_ptr + kv_head)
+        if NUM_PARTITIONS == 1:
+            o_off = q_row.to(tl.int64) * stride_o_tok + head.to(tl.int64)[:, None] * stride_o_head + offs_d[None, :]
+            tl.store(out_ptr + o_off, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & d_ok[None, :])
+        else:
+            slot = (seq.to(tl.int64) * num_heads + head) * NUM_PARTITIONS + part  # [BLOCK_M]
+            tl.store(part_acc_ptr + slot[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+            tl.store(part_ml_ptr + 2 * slot, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + 2 * slot + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _reduce_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, query_start_loc_ptr, window, num_heads,
+    stride_o_tok, stride_o_head,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TILE_N: tl.constexpr, NUM_PARTITIONS: tl.constexpr,
+):
+    """One (sequence, query head): the partitions the decode kernel filled, merged by their maxima."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) > q_row:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        part_tokens = tl.cdiv(tl.cdiv(seq_len, NUM_PARTITIONS), TILE_N) * TILE_N
+        # The decode kernel's own test for a partition that ran: it starts before the end, ends after first_key.
+        first_part = tl.maximum(seq_len - window, 0) // part_tokens
+        last_part = tl.cdiv(seq_len, part_tokens)
+        offs_p = tl.arange(0, NUM_PARTITIONS)
+        ran = (offs_p >= first_part) & (offs_p < last_part)
+        base = (seq.to(tl.int64) * num_heads + head) * NUM_PARTITIONS
+        m_all = tl.load(part_ml_ptr + 2 * (base + offs_p), mask=ran, other=float("-inf"))
+        m_max = tl.max(m_all, axis=0)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+        total = tl.zeros([], dtype=tl.float32)
+        for p in range(first_part, last_part):
+            weight = tl.exp2(tl.load(part_ml_ptr + 2 * (base + p)) - m_max)
+            total += weight * tl.load(part_ml_ptr + 2 * (base + p) + 1)
+            acc += weight * tl.load(part_acc_ptr + (base + p) * HEAD_DIM_PAD + offs_d)
+        o_off = q_row.to(tl.int64) * stride_o_tok + head.to(tl.int64) * stride_o_head + offs_d
+        tl.store(out_ptr + o_off, (acc / total).to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def decode_partitions(num_seqs: int, num_kv_heads: int, table_tokens: int) -> int:
+    """How many partitions each sequence's context is cut into: a power of two, 1 = a single pass.
+
+    Only static values: the batch size, the KV heads and the block table's width in tokens (the longest context a
+    sequence of this step can have; a graph-captured step's table is as wide as its captured buffer)."""
+    wanted = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads)))
+    allowed = 1 << (max(1, table_tokens // MIN_PARTITION_TOKENS).bit_length() - 1)  # largest power of two <= it
+    return min(wanted, allowed, MAX_PARTITIONS)
+
+
+def decode_tile(block_size: int, head_dim_pad: int, itemsize: int) -> int:
+    """Tokens per iteration: _TILE_BYTES of K + V, at least one cache block (and 16, tl.dot's minimum)."""
+    return max(16, block_size, min(128, triton.next_power_of_2(_TILE_BYTES // (2 * head_dim_pad * itemsize))))
+
+
+def is_decode_step(meta: AttentionMetadata) -> bool:
+    return meta.max_query_len == 1
+
+
+def triton_decode_attention(
+    query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float, window: int | None = None,
+    *, num_partitions: int | None = None, tile_n: int | None = None, num_warps: int | None = None,
+) -> torch.Tensor:
+    """query [T, H, D] of a decode step (at most one token per sequence) -> [T, H, D]. num_partitions, tile_n and
+    num_warps override the rules above (benchmarks measure the alternatives)."""
+    check_supported(query, cache)
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = cache.k.shape
+    assert query.stride(2) == 1 and cache.k.stride(3) == 1, "last dims must be contiguous"
+    assert cache.k.stride() == cache.v.stride(), "K and V caches must share a layout"
+    assert meta.block_tables.stride(1) == 1
+    queries_per_kv = num_heads // num_kv_heads
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    itemsize = cache.k.element_size()
+    tile = tile_n or decode_tile(block_size, head_dim_pad, itemsize)
+    assert tile % block_size == 0 and tile & (tile - 1) == 0, "a tile is a power of two of whole blocks"
+    parts = num_partitions or decode_partitions(meta.num_seqs, num_kv_heads, meta.block_tables.shape[1] * block_size)
+    assert parts & (parts - 1) == 0, "the partition count is a power of two (the reduce loads them as one vector)"
+    out = torch.empty_like(query)
+    if parts > 1:
+        part_acc = torch.empty(meta.num_seqs * num_heads * parts, head_dim_pad, device=query.device, dtype=torch.float32)
+        part_ml = torch.empty(meta.num_seqs * num_heads * parts, 2, device=query.device, dtype=torch.float32)
+    else:
+        part_acc = part_ml = out  # never touched: the kernel writes the output itself
+    is_int8 = cache.dtype.has_row_scales
+    k_rows, v_rows = (cache.k_row_scale, cache.v_row_scale) if is_int8 else (cache.k_scale, cache.v_scale)
+    window_arg = _NO_WINDOW if window is None else min(window, _NO_WINDOW)
+    _decode_kernel[(meta.num_seqs, num_kv_heads, parts)](
+        out, part_acc, part_ml, query, cache.k, cache.v, cache.k_scale, cache.v_scale, k_rows, v_rows,
+        meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        scale * _LOG2E, window_arg, num_heads,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        cache.k.stride(0), cache.k.stride(1), cache.k.stride(2), meta.block_tables.stride(0),
+        *(cache.k_row_scale.stride() if is_int8 else (0, 0, 0)),
+        NUM_QUERIES_PER_KV=queries_per_kv, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE_N=tile, NUM_PARTITIONS=parts,
+        IS_FP8=cache.dtype.is_fp8, IS_INT8=is_int8, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_DTYPE=_dot_dtype(query.dtype),
+        num_warps=num_warps or (4 if tile * head_dim_pad <= 64 * 128 else 8),
+        num_stages=_num_stages(tile, head_dim_pad, itemsize),
+    )
+    if parts > 1:
+        _reduce_kernel[(meta.num_seqs, num_heads)](
+            out, part_acc, part_ml, meta.seq_lens, meta.query_start_loc, window_arg, num_heads,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, TILE_N=tile, NUM_PARTITIONS=parts,
+        )
+    return out
