@@ -34,8 +34,9 @@ from pagedserve.kernels.triton_attention import (
 TARGET_PROGRAMS = 2048
 MIN_PARTITION_TOKENS = 256
 MAX_PARTITIONS = 64
-# K + V bytes one tile loads (before conversion): 64 tokens of fp16 at head_dim 128, 128 tokens of FP8/int8.
-_TILE_BYTES = 32 * 1024
+# K + V bytes one tile loads (before conversion): 32 tokens of fp16 at head_dim 128, 64 of FP8/int8. Larger tiles
+# need more than 128 registers a thread at 8 warps (ptxas on sm_90), which halves the programs resident per SM.
+_TILE_BYTES = 16 * 1024
 
 
 @triton.jit
@@ -165,9 +166,14 @@ def decode_partitions(num_seqs: int, num_kv_heads: int, table_tokens: int) -> in
     return min(wanted, allowed, MAX_PARTITIONS)
 
 
-def decode_tile(block_size: int, head_dim_pad: int, itemsize: int) -> int:
-    """Tokens per iteration: _TILE_BYTES of K + V, at least one cache block (and 16, tl.dot's minimum)."""
-    return max(16, block_size, min(128, triton.next_power_of_2(_TILE_BYTES // (2 * head_dim_pad * itemsize))))
+def decode_tile(head_dim_pad: int, itemsize: int) -> int:
+    """Tokens per iteration: _TILE_BYTES of K + V, a power of two in [16 (tl.dot's minimum), 128]; a tile may cover
+    several cache blocks or part of one."""
+    return max(16, min(128, triton.next_power_of_2(_TILE_BYTES // (2 * head_dim_pad * itemsize))))
+
+
+def decode_warps(tile_n: int, head_dim_pad: int) -> int:
+    return 8 if tile_n * head_dim_pad >= 32 * 128 else 4
 
 
 def is_decode_step(meta: AttentionMetadata) -> bool:
@@ -189,8 +195,8 @@ def triton_decode_attention(
     queries_per_kv = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     itemsize = cache.k.element_size()
-    tile = tile_n or decode_tile(block_size, head_dim_pad, itemsize)
-    assert tile % block_size == 0 and tile & (tile - 1) == 0, "a tile is a power of two of whole blocks"
+    tile = tile_n or decode_tile(head_dim_pad, itemsize)
+    assert tile >= 16 and tile & (tile - 1) == 0, "a tile is a power of two of at least 16 tokens"
     parts = num_partitions or decode_partitions(meta.num_seqs, num_kv_heads, meta.block_tables.shape[1] * block_size)
     assert parts & (parts - 1) == 0, "the partition count is a power of two (the reduce loads them as one vector)"
     out = torch.empty_like(query)
@@ -213,7 +219,7 @@ def triton_decode_attention(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE_N=tile, NUM_PARTITIONS=parts,
         IS_FP8=cache.dtype.is_fp8, IS_INT8=is_int8, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DOT_DTYPE=_dot_dtype(query.dtype),
-        num_warps=num_warps or (4 if tile * head_dim_pad <= 64 * 128 else 8),
+        num_warps=num_warps or decode_warps(tile, head_dim_pad),
         num_stages=_num_stages(tile, head_dim_pad, itemsize),
     )
     if parts > 1:
