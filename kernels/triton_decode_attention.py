@@ -34,9 +34,11 @@ from pagedserve.kernels.triton_attention import (
 TARGET_PROGRAMS = 2048
 MIN_PARTITION_TOKENS = 256
 MAX_PARTITIONS = 64
-# K + V bytes one tile loads (before conversion): 32 tokens of fp16 at head_dim 128, 64 of FP8/int8. Larger tiles
-# need more than 128 registers a thread at 8 warps (ptxas on sm_90), which halves the programs resident per SM.
+# K + V bytes one tile loads (before conversion): 32 tokens of fp16 at head_dim 128, 64 of FP8/int8. At 8 warps such
+# a tile fits 128 registers a thread (ptxas for sm_90: no spills, FP8/int8 included), so two programs stay resident
+# per SM; ptxas left alone takes 150-170 and fits only one.
 _TILE_BYTES = 16 * 1024
+_MAX_REGISTERS = 128
 
 
 @triton.jit
@@ -44,12 +46,12 @@ def _decode_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     k_row_scale_ptr, v_row_scale_ptr,  # int8: fp16 [num_blocks, block_size, Hkv] views; unused otherwise
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale_log2, window, num_heads,
+    qk_scale_log2, window, num_heads, num_partitions,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_block, stride_c_pos, stride_c_head, stride_bt_seq,
     stride_s_block, stride_s_pos, stride_s_head,
     NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_PARTITIONS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
     IS_FP8: tl.constexpr, IS_INT8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     tl.static_assert(HEAD_DIM_PAD >= 16, "tl.dot needs K = head_dim >= 16")
@@ -60,7 +62,7 @@ def _decode_kernel(
     part = tl.program_id(2)
     q_row = tl.load(query_start_loc_ptr + seq)
     seq_len = tl.load(seq_lens_ptr + seq)
-    part_tokens = tl.cdiv(tl.cdiv(seq_len, NUM_PARTITIONS), TILE_N) * TILE_N
+    part_tokens = tl.cdiv(tl.cdiv(seq_len, num_partitions), TILE_N) * TILE_N
     start = part * part_tokens
     end = tl.minimum(start + part_tokens, seq_len)
     first_key = tl.maximum(seq_len - window, 0)
@@ -113,12 +115,12 @@ def _decode_kernel(
             m_i = m_new
         if IS_FP8:
             acc = acc * tl.load(v_scale_ptr + kv_head)
-        if NUM_PARTITIONS == 1:
+        if not SPLIT:
             o_off = q_row.to(tl.int64) * stride_o_tok + head.to(tl.int64)[:, None] * stride_o_head + offs_d[None, :]
             tl.store(out_ptr + o_off, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & d_ok[None, :])
         else:
-            slot = (seq.to(tl.int64) * num_heads + head) * NUM_PARTITIONS + part  # [BLOCK_M]
+            slot = (seq.to(tl.int64) * num_heads + head) * num_partitions + part  # [BLOCK_M]
             tl.store(part_acc_ptr + slot[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
             tl.store(part_ml_ptr + 2 * slot, m_i, mask=row_ok)
             tl.store(part_ml_ptr + 2 * slot + 1, l_i, mask=row_ok)
@@ -126,38 +128,39 @@ def _decode_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    out_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, query_start_loc_ptr, window, num_heads,
+    out_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, query_start_loc_ptr, window, num_heads, num_partitions,
     stride_o_tok, stride_o_head,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TILE_N: tl.constexpr, NUM_PARTITIONS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TILE_N: tl.constexpr,
 ):
-    """One (sequence, query head): the partitions the decode kernel filled, merged by their maxima."""
+    """One (sequence, query head): the partitions the decode kernel filled, merged by a running maximum."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) > q_row:
         seq_len = tl.load(seq_lens_ptr + seq)
-        part_tokens = tl.cdiv(tl.cdiv(seq_len, NUM_PARTITIONS), TILE_N) * TILE_N
-        # The decode kernel's own test for a partition that ran: it starts before the end, ends after first_key.
+        part_tokens = tl.cdiv(tl.cdiv(seq_len, num_partitions), TILE_N) * TILE_N
+        # The partitions the decode kernel ran: they start before the end and end after the first visible key.
         first_part = tl.maximum(seq_len - window, 0) // part_tokens
         last_part = tl.cdiv(seq_len, part_tokens)
-        offs_p = tl.arange(0, NUM_PARTITIONS)
-        ran = (offs_p >= first_part) & (offs_p < last_part)
-        base = (seq.to(tl.int64) * num_heads + head) * NUM_PARTITIONS
-        m_all = tl.load(part_ml_ptr + 2 * (base + offs_p), mask=ran, other=float("-inf"))
-        m_max = tl.max(m_all, axis=0)
+        base = (seq.to(tl.int64) * num_heads + head) * num_partitions
         offs_d = tl.arange(0, HEAD_DIM_PAD)
         acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
         total = tl.zeros([], dtype=tl.float32)
-        for p in range(first_part, last_part):
-            weight = tl.exp2(tl.load(part_ml_ptr + 2 * (base + p)) - m_max)
-            total += weight * tl.load(part_ml_ptr + 2 * (base + p) + 1)
-            acc += weight * tl.load(part_acc_ptr + (base + p) * HEAD_DIM_PAD + offs_d)
+        m_run = tl.full([], float("-inf"), dtype=tl.float32)
+        for p in range(first_part, last_part):  # every partition that ran has a finite maximum
+            m_p = tl.load(part_ml_ptr + 2 * (base + p))
+            m_new = tl.maximum(m_run, m_p)
+            keep = tl.exp2(m_run - m_new)
+            weight = tl.exp2(m_p - m_new)
+            total = total * keep + weight * tl.load(part_ml_ptr + 2 * (base + p) + 1)
+            acc = acc * keep + weight * tl.load(part_acc_ptr + (base + p) * HEAD_DIM_PAD + offs_d)
+            m_run = m_new
         o_off = q_row.to(tl.int64) * stride_o_tok + head.to(tl.int64) * stride_o_head + offs_d
         tl.store(out_ptr + o_off, (acc / total).to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 def decode_partitions(num_seqs: int, num_kv_heads: int, table_tokens: int) -> int:
-    """How many partitions each sequence's context is cut into: a power of two, 1 = a single pass.
+    """How many partitions each sequence's context is cut into (a power of two; 1 = a single pass, no reduce).
 
     Only static values: the batch size, the KV heads and the block table's width in tokens (the longest context a
     sequence of this step can have; a graph-captured step's table is as wide as its captured buffer)."""
@@ -197,8 +200,8 @@ def triton_decode_attention(
     itemsize = cache.k.element_size()
     tile = tile_n or decode_tile(head_dim_pad, itemsize)
     assert tile >= 16 and tile & (tile - 1) == 0, "a tile is a power of two of at least 16 tokens"
+    warps = num_warps or decode_warps(tile, head_dim_pad)
     parts = num_partitions or decode_partitions(meta.num_seqs, num_kv_heads, meta.block_tables.shape[1] * block_size)
-    assert parts & (parts - 1) == 0, "the partition count is a power of two (the reduce loads them as one vector)"
     out = torch.empty_like(query)
     if parts > 1:
         part_acc = torch.empty(meta.num_seqs * num_heads * parts, head_dim_pad, device=query.device, dtype=torch.float32)
@@ -211,21 +214,21 @@ def triton_decode_attention(
     _decode_kernel[(meta.num_seqs, num_kv_heads, parts)](
         out, part_acc, part_ml, query, cache.k, cache.v, cache.k_scale, cache.v_scale, k_rows, v_rows,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        scale * _LOG2E, window_arg, num_heads,
+        scale * _LOG2E, window_arg, num_heads, parts,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         cache.k.stride(0), cache.k.stride(1), cache.k.stride(2), meta.block_tables.stride(0),
         *(cache.k_row_scale.stride() if is_int8 else (0, 0, 0)),
         NUM_QUERIES_PER_KV=queries_per_kv, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE_N=tile, NUM_PARTITIONS=parts,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE_N=tile, SPLIT=parts > 1,
         IS_FP8=cache.dtype.is_fp8, IS_INT8=is_int8, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DOT_DTYPE=_dot_dtype(query.dtype),
-        num_warps=num_warps or decode_warps(tile, head_dim_pad),
-        num_stages=_num_stages(tile, head_dim_pad, itemsize),
+        num_warps=warps, num_stages=_num_stages(tile, head_dim_pad, itemsize),
+        **({"maxnreg": _MAX_REGISTERS} if warps == 8 else {}),
     )
     if parts > 1:
         _reduce_kernel[(meta.num_seqs, num_heads)](
-            out, part_acc, part_ml, meta.seq_lens, meta.query_start_loc, window_arg, num_heads,
+            out, part_acc, part_ml, meta.seq_lens, meta.query_start_loc, window_arg, num_heads, parts,
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, TILE_N=tile, NUM_PARTITIONS=parts,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, TILE_N=tile,
         )
     return out
