@@ -34,11 +34,59 @@ from pagedserve.kernels.triton_attention import (
 TARGET_PROGRAMS = 2048
 MIN_PARTITION_TOKENS = 256
 MAX_PARTITIONS = 64
-# K + V bytes one tile loads (before conversion): 32 tokens of fp16 at head_dim 128, 64 of FP8/int8. At 8 warps such
-# a tile fits 128 registers a thread (ptxas for sm_90: no spills, FP8/int8 included), so two programs stay resident
-# per SM; ptxas left alone takes 150-170 and fits only one.
+# K + V bytes of one tile in the compute dtype: 32 tokens at head_dim 128. With the next tile prefetched, 8 warps fit
+# that in 128 registers a thread (ptxas for sm_90, fp16/FP8/int8: no spills; 64-token tiles spill), so two programs
+# stay resident per SM; ptxas left alone takes 150-170 and fits only one.
 _TILE_BYTES = 16 * 1024
 _MAX_REGISTERS = 128
+
+
+@triton.jit
+def _load_tile(
+    k_cache_ptr, v_cache_ptr, k_row_scale_ptr, v_row_scale_ptr, bt_row, tile_start, end, first_key, head_off, kv_head,
+    stride_c_block, stride_c_pos, stride_s_block, stride_s_pos, stride_s_head, offs_n, offs_d,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_INT8: tl.constexpr,
+):
+    """Keys tile_start + offs_n as stored: K and V rows [TILE_N, HEAD_DIM_PAD] gathered through the block table, which
+    keys are visible, and int8's row scales (0 for masked keys: stale slots may hold anything, NaN scales included)."""
+    key_pos = tile_start + offs_n
+    key_ok = (key_pos < end) & (key_pos >= first_key)
+    block = tl.load(bt_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    slot = (key_pos % BLOCK_SIZE).to(tl.int64)
+    rows = block * stride_c_block + slot * stride_c_pos + head_off
+    if HEAD_DIM == HEAD_DIM_PAD:  # a mask constant along head_dim keeps the loads vectorized
+        kv_mask = key_ok[:, None]
+    else:
+        kv_mask = key_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if IS_INT8:
+        s_off = block * stride_s_block + slot * stride_s_pos + kv_head.to(tl.int64) * stride_s_head
+        k_rs = tl.load(k_row_scale_ptr + s_off, mask=key_ok, other=0.0).to(tl.float32)
+        v_rs = tl.load(v_row_scale_ptr + s_off, mask=key_ok, other=0.0).to(tl.float32)
+    else:
+        k_rs = tl.zeros(offs_n.shape, dtype=tl.float32)  # unused
+        v_rs = k_rs
+    return k, v, key_ok, k_rs, v_rs
+
+
+@triton.jit
+def _attend_tile(q, k, v, key_ok, k_rs, v_rs, m_i, l_i, acc, score_scale,
+                 compute: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, IS_INT8: tl.constexpr):
+    """One online-softmax step (exp2 domain). Narrow K/V convert exactly to the compute dtype; int8's row scales
+    multiply the score columns (K) and the probabilities (V) instead of every element."""
+    s = tl.dot(q, tl.trans(k.to(compute).to(DOT_DTYPE)), input_precision=DOT_PRECISION) * score_scale
+    if IS_INT8:
+        s = s * k_rs[None, :]
+    s = tl.where(key_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds a visible key
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IS_INT8:
+        p = p * v_rs[None, :]
+    pv = tl.dot(p.to(compute).to(DOT_DTYPE), v.to(compute).to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -51,7 +99,7 @@ def _decode_kernel(
     stride_c_block, stride_c_pos, stride_c_head, stride_bt_seq,
     stride_s_block, stride_s_pos, stride_s_head,
     NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
     IS_FP8: tl.constexpr, IS_INT8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     tl.static_assert(HEAD_DIM_PAD >= 16, "tl.dot needs K = head_dim >= 16")
@@ -85,34 +133,28 @@ def _decode_kernel(
         head_off = kv_head.to(tl.int64) * stride_c_head
         bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
         lo = tl.maximum(start, first_key // TILE_N * TILE_N)
+        if PREFETCH:
+            k, v, key_ok, k_rs, v_rs = _load_tile(
+                k_cache_ptr, v_cache_ptr, k_row_scale_ptr, v_row_scale_ptr, bt_row, lo, end, first_key, head_off,
+                kv_head, stride_c_block, stride_c_pos, stride_s_block, stride_s_pos, stride_s_head,
+                offs_n, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, IS_INT8)
         for tile_start in range(lo, end, TILE_N):
-            key_pos = tile_start + offs_n
-            key_ok = (key_pos < end) & (key_pos >= first_key)
-            block = tl.load(bt_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-            rows = block * stride_c_block + (key_pos % BLOCK_SIZE).to(tl.int64) * stride_c_pos + head_off
-            if HEAD_DIM == HEAD_DIM_PAD:  # a mask constant along head_dim keeps the loads vectorized
-                kv_mask = key_ok[:, None]
+            if PREFETCH:
+                # The next tile's loads are issued before this tile's math: one tile stays in flight while the
+                # program computes (Triton's pipeliner does not take these gathered loads). Past `end` all masked.
+                nk, nv, n_ok, nk_rs, nv_rs = _load_tile(
+                    k_cache_ptr, v_cache_ptr, k_row_scale_ptr, v_row_scale_ptr, bt_row, tile_start + TILE_N, end,
+                    first_key, head_off, kv_head, stride_c_block, stride_c_pos, stride_s_block, stride_s_pos,
+                    stride_s_head, offs_n, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, IS_INT8)
             else:
-                kv_mask = key_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            k = k.to(compute).to(DOT_DTYPE)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * score_scale
-            if IS_INT8:
-                # Masked keys read scale 0: their stale slots may hold anything, NaN scales included.
-                s_off = (block * stride_s_block + (key_pos % BLOCK_SIZE).to(tl.int64) * stride_s_pos
-                         + kv_head.to(tl.int64) * stride_s_head)
-                s = s * tl.load(k_row_scale_ptr + s_off, mask=key_ok, other=0.0).to(tl.float32)[None, :]
-            s = tl.where(key_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IS_INT8:
-                p = p * tl.load(v_row_scale_ptr + s_off, mask=key_ok, other=0.0).to(tl.float32)[None, :]
-            v = v.to(compute).to(DOT_DTYPE)
-            acc = acc * alpha[:, None] + tl.dot(p.to(compute).to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+                k, v, key_ok, k_rs, v_rs = _load_tile(
+                    k_cache_ptr, v_cache_ptr, k_row_scale_ptr, v_row_scale_ptr, bt_row, tile_start, end, first_key,
+                    head_off, kv_head, stride_c_block, stride_c_pos, stride_s_block, stride_s_pos, stride_s_head,
+                    offs_n, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, IS_INT8)
+            m_i, l_i, acc = _attend_tile(q, k, v, key_ok, k_rs, v_rs, m_i, l_i, acc, score_scale,
+                                         compute, DOT_PRECISION, DOT_DTYPE, IS_INT8)
+            if PREFETCH:
+                k, v, key_ok, k_rs, v_rs = nk, nv, n_ok, nk_rs, nv_rs
         if IS_FP8:
             acc = acc * tl.load(v_scale_ptr + kv_head)
         if not SPLIT:
@@ -169,10 +211,10 @@ def decode_partitions(num_seqs: int, num_kv_heads: int, table_tokens: int) -> in
     return min(wanted, allowed, MAX_PARTITIONS)
 
 
-def decode_tile(head_dim_pad: int, itemsize: int) -> int:
-    """Tokens per iteration: _TILE_BYTES of K + V, a power of two in [16 (tl.dot's minimum), 128]; a tile may cover
-    several cache blocks or part of one."""
-    return max(16, min(128, triton.next_power_of_2(_TILE_BYTES // (2 * head_dim_pad * itemsize))))
+def decode_tile(head_dim_pad: int, compute_itemsize: int) -> int:
+    """Tokens per iteration: _TILE_BYTES of K + V once converted, a power of two in [16 (tl.dot's minimum), 128]; a
+    tile may cover several cache blocks or part of one."""
+    return max(16, min(128, triton.next_power_of_2(_TILE_BYTES // (2 * head_dim_pad * compute_itemsize))))
 
 
 def decode_warps(tile_n: int, head_dim_pad: int) -> int:
@@ -186,9 +228,10 @@ def is_decode_step(meta: AttentionMetadata) -> bool:
 def triton_decode_attention(
     query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float, window: int | None = None,
     *, num_partitions: int | None = None, tile_n: int | None = None, num_warps: int | None = None,
+    prefetch: bool = True,
 ) -> torch.Tensor:
-    """query [T, H, D] of a decode step (at most one token per sequence) -> [T, H, D]. num_partitions, tile_n and
-    num_warps override the rules above (benchmarks measure the alternatives)."""
+    """query [T, H, D] of a decode step (at most one token per sequence) -> [T, H, D]. num_partitions, tile_n,
+    num_warps and prefetch override the rules above (benchmarks measure the alternatives)."""
     check_supported(query, cache)
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = cache.k.shape
@@ -198,7 +241,7 @@ def triton_decode_attention(
     queries_per_kv = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     itemsize = cache.k.element_size()
-    tile = tile_n or decode_tile(head_dim_pad, itemsize)
+    tile = tile_n or decode_tile(head_dim_pad, query.element_size())
     assert tile >= 16 and tile & (tile - 1) == 0, "a tile is a power of two of at least 16 tokens"
     warps = num_warps or decode_warps(tile, head_dim_pad)
     parts = num_partitions or decode_partitions(meta.num_seqs, num_kv_heads, meta.block_tables.shape[1] * block_size)
@@ -220,6 +263,7 @@ def triton_decode_attention(
         *(cache.k_row_scale.stride() if is_int8 else (0, 0, 0)),
         NUM_QUERIES_PER_KV=queries_per_kv, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE_N=tile, SPLIT=parts > 1,
+        PREFETCH=prefetch,
         IS_FP8=cache.dtype.is_fp8, IS_INT8=is_int8, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DOT_DTYPE=_dot_dtype(query.dtype),
         num_warps=warps, num_stages=_num_stages(tile, head_dim_pad, itemsize),

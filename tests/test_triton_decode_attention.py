@@ -53,9 +53,11 @@ def test_split_partitions_match_torch(kv_dtype: KVDtype, queries_per_kv: int) ->
 @pytest.mark.parametrize(("head_dim", "kv_dtype"), [(80, KVDtype.FP16), (128, KVDtype.FP8_E4M3), (128, KVDtype.INT8)])
 @pytest.mark.parametrize("num_partitions", [1, 2])
 def test_head_dims_single_pass_and_default_tiles(head_dim: int, kv_dtype: KVDtype, num_partitions: int) -> None:
-    """Head dims padded to a power of two; one partition writes the output without the reduce; default tiles."""
+    """Head dims padded to a power of two; one partition writes the output without the reduce; default tiles, with
+    and without the next tile's prefetch."""
     query, layer, meta = make_case(SEQ_LENS, DECODE, 16, 4, kv_dtype, head_dim=head_dim, seed=head_dim)
-    got = triton_decode_attention(query, layer, meta, SCALE, num_partitions=num_partitions)
+    got = triton_decode_attention(query, layer, meta, SCALE, num_partitions=num_partitions,
+                                  prefetch=num_partitions == 2)
     assert_close(got, torch_reference(query, layer, meta))
 
 

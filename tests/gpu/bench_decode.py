@@ -5,7 +5,8 @@ and byte count) is timed through
 - `unified`: the prefill/mixed kernel (kernels/triton_attention.py), one program per sequence and KV head;
 - `single_pass`: the decode kernel (kernels/triton_decode_attention.py) with one partition, no reduce;
 - `split`: the decode kernel with the engine's partition count (at least 2, so small shapes exercise the reduce);
-- at one shape, the split path with other tiles and warp counts (`split_tile<N>_w<W>`): what to set the rule by.
+- at one shape, the split path with other tiles, warp counts and without the prefetch
+  (`split_tile<N>_w<W>[_prefetch]`): what to set the defaults by.
 The row's own `ms`, `gb_s` and `fraction_of_copy` are the path the engine takes for that shape.
 """
 
@@ -18,7 +19,10 @@ import torch
 import attention_kernel
 
 SWEEP_SHAPE_INDEX = 0  # the sweep runs at the first (batch, context): 64 x 4k on the GPU
-SWEEP = {"fp16": ((16, 4), (32, 4), (64, 8)), "fp8": ((32, 8), (64, 4), (128, 8)), "int8": ()}
+# (tile tokens, warps, prefetch) beside the default (32 tokens at head_dim 128, 8 warps, prefetch): the 64-token tiles
+# fit 128 registers only without the prefetch.
+SWEEP = {"fp16": ((64, 8, False), (32, 8, False), (16, 4, True)),
+         "fp8": ((64, 8, False), (32, 8, False), (16, 4, True)), "int8": ((64, 8, False),)}
 
 
 def _path_row(ms: float, nbytes: int, copy: float) -> dict:
@@ -35,10 +39,11 @@ def _paths(query, layer, meta, scale: float, partitions: int, sweep: tuple) -> d
         "single_pass": lambda: triton_decode_attention(query, layer, meta, scale, num_partitions=1),
         "split": lambda: triton_decode_attention(query, layer, meta, scale, num_partitions=max(2, partitions)),
     }
-    for tile, warps in sweep:
-        paths[f"split_tile{tile}_w{warps}"] = (
-            lambda tile=tile, warps=warps: triton_decode_attention(
-                query, layer, meta, scale, num_partitions=max(2, partitions), tile_n=tile, num_warps=warps))
+    for tile, warps, prefetch in sweep:
+        paths[f"split_tile{tile}_w{warps}{'_prefetch' if prefetch else ''}"] = (
+            lambda tile=tile, warps=warps, prefetch=prefetch: triton_decode_attention(
+                query, layer, meta, scale, num_partitions=max(2, partitions), tile_n=tile, num_warps=warps,
+                prefetch=prefetch))
     return paths
 
 
