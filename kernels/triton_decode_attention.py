@@ -178,8 +178,9 @@ def _reduce_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) > q_row:
-        seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # A padded batch's dummy rows may carry no context (seq_len 0): the decode kernel skipped them, so does this.
+    if (tl.load(query_start_loc_ptr + seq + 1) > q_row) & (seq_len > 0):
         part_tokens = tl.cdiv(tl.cdiv(seq_len, num_partitions), TILE_N) * TILE_N
         # The partitions the decode kernel ran: they start before the end and end after the first visible key.
         first_part = tl.maximum(seq_len - window, 0) // part_tokens
