@@ -3,9 +3,9 @@
 Grid: (sequences, KV heads, partitions). A program owns the NUM_QUERIES_PER_KV query heads of one KV head (GQA: each
 K/V byte is read once per group) and one partition of its sequence's context, which it walks TILE_N tokens at a
 time (16 KiB of K + V once converted): a tile's rows are gathered through the block table, so it may span several
-cache blocks, and the next tile's loads are issued before this tile's math. The partition count is a launch constant (`decode_partitions`: from the batch size, the KV heads and the
-block table's width, never from per-step device data, so a captured CUDA graph replays one grid for every step);
-each sequence cuts its own context into that many partitions, rounded up to whole tiles, and programs past its end
+cache blocks, and the next tile's loads are issued before this tile's math. The partition count is a launch
+constant (`decode_partitions`: from the batch size, the KV heads and the block table's width, never from per-step
+device data, so a captured CUDA graph replays one grid for every step); each sequence cuts its own context into that many partitions, rounded up to whole tiles, and programs past its end
 exit at once. With more than one partition, each program writes its unnormalized fp32 output, running max and sum
 to a workspace and `_reduce_kernel` merges them; with one it writes the output itself.
 
