@@ -5,9 +5,10 @@ K/V byte is read once per group) and one partition of its sequence's context, wh
 time (16 KiB of K + V once converted): a tile's rows are gathered through the block table, so it may span several
 cache blocks, and the next tile's loads are issued before this tile's math. The partition count is a launch
 constant (`decode_partitions`: from the batch size, the KV heads and the block table's width, never from per-step
-device data, so a captured CUDA graph replays one grid for every step); each sequence cuts its own context into that many partitions, rounded up to whole tiles, and programs past its end
-exit at once. With more than one partition, each program writes its unnormalized fp32 output, running max and sum
-to a workspace and `_reduce_kernel` merges them; with one it writes the output itself.
+device data, so a captured CUDA graph replays one grid for every step); each sequence cuts its own context into
+that many partitions, rounded up to whole tiles, and programs past its end exit at once. With more than one
+partition, each program writes its unnormalized fp32 output, running max and sum to a workspace and
+`_reduce_kernel` merges them; with one it writes the output itself.
 
 Narrow caches are loaded as they are stored and converted in registers (FP8 and int8 convert exactly to fp16/bf16);
 their scales are folded in rather than applied per element: the per-KV-head FP8 scales into the score scale and
@@ -248,8 +249,9 @@ def triton_decode_attention(
     parts = num_partitions or decode_partitions(meta.num_seqs, num_kv_heads, meta.block_tables.shape[1] * block_size)
     out = torch.empty_like(query)
     if parts > 1:
-        part_acc = torch.empty(meta.num_seqs * num_heads * parts, head_dim_pad, device=query.device, dtype=torch.float32)
-        part_ml = torch.empty(meta.num_seqs * num_heads * parts, 2, device=query.device, dtype=torch.float32)
+        rows = meta.num_seqs * num_heads * parts
+        part_acc = torch.empty(rows, head_dim_pad, device=query.device, dtype=torch.float32)
+        part_ml = torch.empty(rows, 2, device=query.device, dtype=torch.float32)
     else:
         part_acc = part_ml = out  # never touched: the kernel writes the output itself
     is_int8 = cache.dtype.has_row_scales

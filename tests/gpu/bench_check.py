@@ -90,7 +90,8 @@ def decode_attention(scale: Scale, copy: float) -> list[dict]:
             return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
         return median_ms(fn, scale)
 
-    return bench_decode.decode_attention_rows(scale.device, scale.attention, scale.heads, fp8_name(scale), copy, time_ms)
+    return bench_decode.decode_attention_rows(scale.device, scale.attention, scale.heads, fp8_name(scale), copy,
+                                              time_ms)
 
 
 def dequant_gemm(scale: Scale) -> list[dict]:
