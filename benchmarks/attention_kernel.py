@@ -78,7 +78,9 @@ def build(case: Case, query_dtype: torch.dtype):
 
 
 def bytes_moved(case: Case, query: torch.Tensor, meta: AttentionMetadata) -> int:
-    kv = 2 * case.batch * case.context * case.num_kv_heads * case.head_dim * KVDtype(case.kv_dtype).itemsize
+    """Bytes a decode step must move: every K/V row (int8 rows with their fp16 scale), queries, outputs, tables."""
+    kv_dtype = KVDtype(case.kv_dtype)
+    kv = 2 * case.batch * case.context * case.num_kv_heads * (case.head_dim * kv_dtype.itemsize + kv_dtype.row_bytes_extra)
     return kv + 2 * query.numel() * query.element_size() + meta.block_tables.numel() * 4
 
 

@@ -46,9 +46,12 @@ class TritonAttention(AttentionImpl[AttentionPlan]):
     def __init__(self) -> None:
         # Deferred so that importing pagedserve.kernels never imports triton.
         from pagedserve.kernels.triton_attention import triton_paged_attention
+        from pagedserve.kernels.triton_decode_attention import is_decode_step, triton_decode_attention
         from pagedserve.kernels.triton_kv_write import triton_write_kv
 
         self._attention = triton_paged_attention
+        self._decode = triton_decode_attention
+        self._is_decode_step = is_decode_step
         self._write_kv = triton_write_kv
         self._interpreted = kernels_interpreted()
 
@@ -82,4 +85,7 @@ class TritonAttention(AttentionImpl[AttentionPlan]):
         self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, plan: AttentionPlan, scale: float
     ) -> torch.Tensor:
         self._check_device(query, cache)
-        return self._attention(query, cache, meta, scale, plan.window)
+        # Decode-only steps (the ones CUDA graphs capture) take the split-context kernel; prefill and mixed steps
+        # the one that tiles prompt chunks.
+        attention = self._decode if self._is_decode_step(meta) else self._attention
+        return attention(query, cache, meta, scale, plan.window)

@@ -3,8 +3,10 @@
     python3 tests/gpu/bench_check.py --out bench.json [--dry-run]
 
 - copy_gb_s: a device-to-device copy, bytes read + written per second: the bandwidth ceiling actually reachable;
-- decode_attention: the Triton decode kernel's achieved bandwidth (benchmarks/attention_kernel.py's byte count) on
-  Llama-3-8B-shaped layers, and its fraction of copy_gb_s (target >= decode_attention_target);
+- decode_attention: the Triton decode paths' achieved bandwidth (benchmarks/attention_kernel.py's byte count) on
+  Llama-3-8B-shaped layers with fp16, FP8 and int8 caches, and their fraction of copy_gb_s (target >=
+  decode_attention_target): the unified kernel, the decode kernel in one pass and split, a tile sweep
+  (tests/gpu/bench_decode.py);
 - dequant_gemm: the Triton GPTQ 4-bit dequant-GEMM against torch's fp16 matmul of the dense weight, at decode
   (M = 1, 16) and prefill (M = 512, 2048) shapes;
 - w4a16_gemm: every GPTQ/AWQ 4-bit linear candidate (the w4a16 decode kernel, dequantize + cuBLAS, tinygemm, the
@@ -32,7 +34,7 @@ import tiny_models
 from quant_fixtures import random_weight
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import attention_kernel  # noqa: E402
+import bench_decode  # noqa: E402  (imports benchmarks/attention_kernel.py)
 import bench_w4a16  # noqa: E402
 
 DECODE_TARGET = 0.8
@@ -54,12 +56,12 @@ class Scale:
     repeats: int
 
 
-GPU = Scale("cuda", 1 << 30, ((64, 4096), (16, 16384), (256, 1024)), (32, 8, 128), ((4096, 4096), (4096, 14336)),
+GPU = Scale("cuda", 1 << 30, ((64, 4096), (16, 16384), (1, 32768)), (32, 8, 128), ((4096, 4096), (4096, 14336)),
             (1, 16, 512, 2048), ((4096, 4096), (4096, 14336), (14336, 4096)), (4096, 14336), 128,
             (64, 32, 64), (256, 4), 50)
 # 96 x 64 with 32-row groups: act-order, and a K that splits; tinygemm runs on torch's CPU op.
-DRY = Scale("cpu", 1 << 23, ((2, 64),), (4, 2, 16), ((64, 64),), (1, 16), ((96, 64),), (64, 64), 32, (2, 8, 3),
-            (64, 2), 2)
+DRY = Scale("cpu", 1 << 23, ((2, 300), (1, 40)), (4, 2, 16), ((64, 64),), (1, 16), ((96, 64),), (64, 64), 32,
+            (2, 8, 3), (64, 2), 2)
 
 
 def median_ms(fn: Callable[[], object], scale: Scale) -> float:
@@ -102,21 +104,16 @@ def fp8_name(scale: Scale) -> str:
 
 
 def decode_attention(scale: Scale, copy: float) -> list[dict]:
-    rows = []
-    heads, kv_heads, head_dim = scale.heads
-    for kv in ("fp16", fp8_name(scale)):
-        for batch, context in scale.attention:
-            case = attention_kernel.Case("triton", scale.device, kv, batch, context, heads, kv_heads, head_dim, 16)
-            try:
-                result = attention_kernel.time_case(case, scale.repeats, torch.float16)
-            except Exception as exc:  # out of memory, an unsupported dtype: reported, the rest still run
-                rows.append({"kv_dtype": kv, "batch": batch, "context": context, "error": str(exc)[:300]})
-                continue
-            rows.append({"kv_dtype": kv, "batch": batch, "context": context, "ms": round(result.median_ms, 4),
-                         "gb_s": round(result.gb_per_s, 1), "fraction_of_copy": round(result.gb_per_s / copy, 3)})
-            if scale.device == "cuda":
-                torch.cuda.empty_cache()
-    return rows
+    """fp16, FP8 and int8 caches through every decode path (bench_decode.py)."""
+    def time_ms(fn: Callable[[], object]) -> float:
+        if scale.device == "cuda":  # shorter than median_ms's: 3 dtypes x 3 shapes x 3+ paths stay within ~40 s
+            import triton.testing
+
+            return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+        return median_ms(fn, scale)
+
+    return bench_decode.decode_attention_rows(scale.device, scale.attention, scale.heads, fp8_name(scale), copy,
+                                              time_ms)
 
 
 def dequant_gemm(scale: Scale) -> list[dict]:

@@ -1,7 +1,8 @@
 """The Triton interpreter suites' kernel cases, run compiled on the GPU.
 
-tests/test_triton_attention.py, test_triton_kv_write.py, test_quant_triton.py and test_w4a16.py choose CUDA when it is present;
-importing their kernel tests here collects them under this module's `gpu` mark, so `pytest -m gpu tests/gpu` runs
+tests/test_triton_attention.py, test_triton_decode_attention.py, test_triton_kv_write.py, test_quant_triton.py and
+test_w4a16.py choose CUDA when it is present; importing their kernel tests here collects them under this module's
+`gpu` mark, so `pytest -m gpu tests/gpu` runs
 them on the device. (Their engine tests need the default model's tokenizer package, which the GPU machine lacks;
 test_triton_gpu.py and e2e_check.py cover the engine there.)
 """
@@ -28,6 +29,13 @@ from test_triton_attention import (  # noqa: E402,F401
     test_matches_torch_path,
     test_never_reads_past_seq_len,
     test_with_hadamard_rotated_keys,
+)
+from test_triton_decode_attention import (  # noqa: E402,F401
+    test_head_dims_single_pass_and_default_tiles,
+    test_never_reads_past_seq_len_and_agrees_with_float64,
+    test_replays_with_new_lengths_and_a_wider_table_without_host_data,
+    test_sliding_window_never_reads_freed_blocks,
+    test_split_partitions_match_torch,
 )
 from test_triton_kv_write import (  # noqa: E402,F401
     test_16_and_32_bit_writes_are_bit_exact,

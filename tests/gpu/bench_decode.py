@@ -1,0 +1,83 @@
+"""bench_check.py's decode-attention section: every decode path on Llama-3-8B-shaped layers, and a tile sweep.
+
+For each KV dtype (fp16, FP8, int8) and (batch, context), one decode batch (benchmarks/attention_kernel.py's build
+and byte count) is timed through
+- `unified`: the prefill/mixed kernel (kernels/triton_attention.py), one program per sequence and KV head;
+- `single_pass`: the decode kernel (kernels/triton_decode_attention.py) with one partition, no reduce;
+- `split`: the decode kernel with the engine's partition count (at least 2, so small shapes exercise the reduce);
+- at one shape, the split path with other tiles, warp counts and without the prefetch
+  (`split_tile<N>_w<W>[_prefetch]`): what to set the defaults by.
+The row's own `ms`, `gb_s` and `fraction_of_copy` are the path the engine takes for that shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+import attention_kernel
+
+SWEEP_SHAPE_INDEX = 0  # the sweep runs at the first (batch, context): 64 x 4k on the GPU
+# (tile tokens, warps, prefetch) beside the default (32 tokens at head_dim 128, 8 warps, prefetch): the 64-token tiles
+# fit 128 registers only without the prefetch.
+SWEEP = {"fp16": ((64, 8, False), (32, 8, False), (16, 4, True)),
+         "fp8": ((64, 8, False), (32, 8, False), (16, 4, True)), "int8": ((64, 8, False),)}
+
+
+def _path_row(ms: float, nbytes: int, copy: float) -> dict:
+    gb_s = nbytes / (ms * 1e-3) / 1e9
+    return {"ms": round(ms, 4), "gb_s": round(gb_s, 1), "fraction_of_copy": round(gb_s / copy, 3)}
+
+
+def _paths(query, layer, meta, scale: float, partitions: int, sweep: tuple) -> dict[str, Callable[[], torch.Tensor]]:
+    from pagedserve.kernels.triton_attention import triton_paged_attention
+    from pagedserve.kernels.triton_decode_attention import triton_decode_attention
+
+    paths = {
+        "unified": lambda: triton_paged_attention(query, layer, meta, scale),
+        "single_pass": lambda: triton_decode_attention(query, layer, meta, scale, num_partitions=1),
+        "split": lambda: triton_decode_attention(query, layer, meta, scale, num_partitions=max(2, partitions)),
+    }
+    for tile, warps, prefetch in sweep:
+        paths[f"split_tile{tile}_w{warps}{'_prefetch' if prefetch else ''}"] = (
+            lambda tile=tile, warps=warps, prefetch=prefetch: triton_decode_attention(
+                query, layer, meta, scale, num_partitions=max(2, partitions), tile_n=tile, num_warps=warps,
+                prefetch=prefetch))
+    return paths
+
+
+def decode_case(case: attention_kernel.Case, copy: float, time_ms: Callable[[Callable], float], sweep: tuple) -> dict:
+    from pagedserve.kernels.triton_decode_attention import decode_partitions
+
+    query, layer, meta = attention_kernel.build(case, torch.float16)
+    nbytes = attention_kernel.bytes_moved(case, query, meta)
+    partitions = decode_partitions(case.batch, case.num_kv_heads, meta.block_tables.shape[1] * case.block_size)
+    paths = _paths(query, layer, meta, case.head_dim**-0.5, partitions, sweep)
+    reference = paths["unified"]().float()
+    row: dict = {"partitions": partitions, "engine_path": "split" if partitions > 1 else "single_pass", "paths": {}}
+    for name, run in paths.items():
+        timed = _path_row(time_ms(run), nbytes, copy)
+        timed["max_abs_diff_vs_unified"] = round((run().float() - reference).abs().max().item(), 5)
+        row["paths"][name] = timed
+    row.update({k: row["paths"][row["engine_path"]][k] for k in ("ms", "gb_s", "fraction_of_copy")})
+    return row
+
+
+def decode_attention_rows(device: str, shapes, heads: tuple[int, int, int], fp8: str, copy: float,
+                          time_ms: Callable[[Callable], float]) -> list[dict]:
+    """One row per KV dtype and (batch, context); failures (out of memory, ...) become rows with an `error`."""
+    rows = []
+    num_heads, kv_heads, head_dim = heads
+    for kv, sweep_key in (("fp16", "fp16"), (fp8, "fp8"), ("int8", "int8")):
+        for index, (batch, context) in enumerate(shapes):
+            case = attention_kernel.Case("triton", device, kv, batch, context, num_heads, kv_heads, head_dim, 16)
+            sweep = SWEEP[sweep_key] if index == SWEEP_SHAPE_INDEX else ()
+            head = {"kv_dtype": kv, "batch": batch, "context": context}
+            try:
+                rows.append({**head, **decode_case(case, copy, time_ms, sweep)})
+            except Exception as exc:  # out of memory, an unsupported dtype: reported, the rest still run
+                rows.append({**head, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
