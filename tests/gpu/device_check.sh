@@ -10,7 +10,8 @@
 #   bench    tests/gpu/bench_check.py: copy and decode-attention bandwidth, dequant-GEMM, W4A16 candidates, tokens/s
 #   decode   tests/gpu/decode_bench.py: a 1B-shaped Llama built here, fp16 / GPTQ / AWQ decode tokens/s, graphs on/off
 # OUT_DIR gets report.json (always, also when stages fail) and one log per stage. Exit status 0 only when every
-# stage passed. DEVICE_CHECK_STAGES="kernels e2e" runs a subset (install always runs first).
+# stage passed. DEVICE_CHECK_STAGES="kernels e2e" runs a subset (install always runs first); DEVICE_CHECK_DEADLINE_S=N
+# caps the whole run (stages that would not fit are not run, and the report is still written).
 set -uo pipefail
 
 # Everything in one function: bash parses it whole before running, so editing this file mid-run is harmless.
@@ -36,12 +37,20 @@ main() {
     flag=(--dry-run)
   fi
   "$py" -c "import json, time; print(json.dumps({'epoch': time.time()}))" > "$work/started.json"
+  started_s=$(date +%s)
 
   # stage NAME BUDGET_S COMMAND...: runs COMMAND under `timeout`, logs to OUT/NAME.log, records exit code and time.
   stage() {
     local name="$1" budget="$2"; shift 2
     local start end code
     budget=$((budget * slack))
+    # DEVICE_CHECK_DEADLINE_S: the whole command's limit (a device call's). A stage gets at most what is left of it
+    # less 20 s for the report, and none when under 20 s are left (not_run), so report.json is always written.
+    if [ -n "${DEVICE_CHECK_DEADLINE_S:-}" ]; then
+      local left=$(( DEVICE_CHECK_DEADLINE_S - 20 - ($(date +%s) - started_s) ))
+      if [ "$left" -lt 20 ]; then echo "== $name: not run, ${left}s left of DEVICE_CHECK_DEADLINE_S"; return 125; fi
+      [ "$left" -lt "$budget" ] && budget=$left
+    fi
     start=$(date +%s.%N)
     echo "== $name (budget ${budget}s): $*"
     timeout -k 10 "$budget" "$@" > "$out/$name.log" 2>&1
@@ -66,10 +75,10 @@ main() {
     wanted kernels && stage kernels 180 "$py" -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rfE \
       --junitxml "$work/kernels.xml" "${xdist[@]}"
     wanted e2e && stage e2e 90 "$py" tests/gpu/e2e_check.py --out "$work/e2e.json" "${flag[@]}"
-    wanted server && stage server 75 "$py" tests/gpu/server_check.py --out "$work/server.json" \
-      --pagedserve "$site/bin/pagedserve" --workdir "$work/server" "${flag[@]}"
     wanted bench && stage bench 120 "$py" tests/gpu/bench_check.py --out "$work/bench.json" "${flag[@]}"
     wanted decode && stage decode 120 "$py" tests/gpu/decode_bench.py --out "$work/decode.json" "${flag[@]}"
+    wanted server && stage server 75 "$py" tests/gpu/server_check.py --out "$work/server.json" \
+      --pagedserve "$site/bin/pagedserve" --workdir "$work/server" "${flag[@]}"
   fi
   report_flag=()
   [ "$dry" = 1 ] && report_flag=(--dry-run)
