@@ -35,10 +35,12 @@ from pagedserve.kernels.triton_attention import (
 TARGET_PROGRAMS = 2048
 MIN_PARTITION_TOKENS = 256
 MAX_PARTITIONS = 64
-# K + V bytes of one tile in the compute dtype: 32 tokens at head_dim 128. With the next tile prefetched, 8 warps fit
-# that in 128 registers a thread (ptxas for sm_90, fp16/FP8/int8: no spills; 64-token tiles spill), so two programs
-# stay resident per SM; ptxas left alone takes 150-170 and fits only one.
-_TILE_BYTES = 16 * 1024
+# K + V bytes of one tile in the compute dtype: 64 tokens at head_dim 128, 8 warps, no prefetch of the next tile.
+# Chosen on an H200 (benchmarks/results/gpu-check-h200-2026-11-28.json, batch 64 x 4k, Llama-3-8B-shaped layer):
+# 0.82 of copy bandwidth for fp16 against 0.56 for 32-token tiles with the prefetch and 0.70 for 16-token ones with
+# 4 warps; FP8 0.41 against 0.29, int8 0.33 against 0.22. The prefetch is kept as an option (it needs the smaller
+# tile to fit 128 registers a thread).
+_TILE_BYTES = 32 * 1024
 _MAX_REGISTERS = 128
 
 
@@ -230,7 +232,7 @@ def is_decode_step(meta: AttentionMetadata) -> bool:
 def triton_decode_attention(
     query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float, window: int | None = None,
     *, num_partitions: int | None = None, tile_n: int | None = None, num_warps: int | None = None,
-    prefetch: bool = True,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """query [T, H, D] of a decode step (at most one token per sequence) -> [T, H, D]. num_partitions, tile_n,
     num_warps and prefetch override the rules above (benchmarks measure the alternatives)."""

@@ -1,6 +1,7 @@
 """The `w4a16` quantized linear: GPTQ/AWQ (4 or 8 bits) on CUDA through the decode layout (w4a16_layout.py).
 
-Few rows go through the split-K decode kernel (w4a16_triton.py); from RULE.dense_from_m rows the weight is
+Up to RULE.gemv_max_m rows go through the GEMV (w4a16_gemv.py), then the split-K tile kernel (w4a16_triton.py);
+from RULE.dense_from_m rows the weight is
 dequantized once per call into a transient dense tile and cuBLAS multiplies. Act-order weights were sorted by group
 at load, so the activation is permuted once per call (index_select; capturable in a CUDA graph like the rest).
 """
@@ -13,6 +14,7 @@ from pagedserve.quant.group_quant import GroupQuantWeight, QLinearKernel
 from pagedserve.quant.w4a16_layout import DecodeLayout, repack
 from pagedserve.quant.w4a16_layout import unsupported_reason as layout_reason
 from pagedserve.quant.w4a16_rule import RULE
+from pagedserve.quant.w4a16_gemv import gemv
 from pagedserve.quant.w4a16_triton import decode_gemm, dequantize_t
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -50,11 +52,15 @@ class W4A16Kernel(QLinearKernel):
                             self.in_features, self.out_features)
 
     def forward(self, x: torch.Tensor, force: str | None = None) -> torch.Tensor:
-        """x [M, K] -> [M, N]; `force` ("decode", "decode_serial", "dense") overrides the rule (tests, bench)."""
+        """x [M, K] -> [M, N]; `force` ("gemv", "gemv_serial", "decode", "decode_serial", "dense") overrides the rule
+        (tests, bench)."""
+        path = force or RULE.path(x.shape[0])
+        if path in ("gemv", "gemv_serial"):  # gathers act-order's permutation itself
+            serial = path == "gemv_serial" or (force is None and RULE.serial_reduce)
+            return gemv(x, self.layout(), locks=self.locks if serial else None)
         if self.perm is not None:
             x = x.index_select(1, self.perm)
         x = x.contiguous()
-        path = force or ("dense" if x.shape[0] >= RULE.dense_from_m else "decode")
         if path == "dense":
             return torch.mm(x, dequantize_t(self.layout(), x.dtype))
         serial = path == "decode_serial" or (path == "decode" and force is None and RULE.serial_reduce)

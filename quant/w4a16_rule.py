@@ -1,5 +1,7 @@
 """Which CUDA kernel multiplies a GPTQ/AWQ layer at which row count: the one place the thresholds live.
 
+- Up to `gemv_max_m` rows the GEMV of w4a16_gemv.py (a register accumulator per K split, codes made floats without
+  a conversion instruction); up to `dense_from_m` the split-K tile kernel of w4a16_triton.py (tensor cores).
 - Below `dense_from_m` rows (decode, small batches) the packed weight is read once by a decode kernel: reading it is
   what the step is bound by, so 4-bit should approach 4x fewer bytes than fp16.
 - From `dense_from_m` rows the `w4a16` kernel dequantizes the weight once into a transient dense tile and cuBLAS
@@ -27,10 +29,12 @@ import torch
 from pagedserve.quant.base import QuantConfigError
 
 DECODE_KERNELS = ("w4a16", "tinygemm")
+GEMV_MAX_ROWS = 16  # the GEMV's register accumulator holds this many rows (w4a16_gemv.py)
 
 
 @dataclass(frozen=True, slots=True)
 class W4A16Rule:
+    gemv_max_m: int = 16
     dense_from_m: int = 64
     four_bit: str = "w4a16"
     tinygemm_fp16: bool = False
@@ -39,9 +43,17 @@ class W4A16Rule:
     def __post_init__(self) -> None:
         if self.dense_from_m < 1:
             raise QuantConfigError("w4a16_rule.dense_from_m", f"{self.dense_from_m} must be >= 1")
+        if not 0 <= self.gemv_max_m <= GEMV_MAX_ROWS:
+            raise QuantConfigError("w4a16_rule.gemv_max_m", f"{self.gemv_max_m} must be in 0..{GEMV_MAX_ROWS}")
         if self.four_bit not in DECODE_KERNELS:
             raise QuantConfigError("w4a16_rule.four_bit",
                                    f"{self.four_bit!r} is not supported; supported: {list(DECODE_KERNELS)}")
+
+    def path(self, m: int) -> str:
+        """The w4a16 kernel's path for M rows: "gemv", "decode" (the split-K tile kernel) or "dense"."""
+        if m <= self.gemv_max_m:
+            return "gemv"
+        return "dense" if m >= self.dense_from_m else "decode"
 
     def cuda_order(self, dtype: torch.dtype) -> tuple[str, ...]:
         """Kernel names in the order the auto choice tries them for a layer computing in `dtype`."""

@@ -48,6 +48,30 @@ def test_decode_kernel_matches_reference(bits, k, n, group, act_order, m):
     _check(random_weight(k, n, bits, group, act_order, seed=k + n + bits), m, torch.float32, "decode")
 
 
+@pytest.mark.parametrize("bits,k,n,group,act_order", [
+    (4, 320, 72, 64, True),   # act-order (gathered in the kernel), partial last group, N not a multiple of the tile
+    (4, 200, 40, -1, False),  # one group, K not a multiple of the K tile
+    (8, 208, 96, 32, True),   # 8-bit act-order, partial last group
+    (4, 1024, 24, 128, False),  # several K splits
+])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("path", ["gemv", "gemv_serial"])
+def test_gemv_matches_reference(bits, k, n, group, act_order, m, path):
+    _check(random_weight(k, n, bits, group, act_order, seed=k + n + bits), m, torch.float32, path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gemv_16bit_activations(dtype):
+    _check(random_weight(256, 64, 4, 128, True, seed=9), 2, dtype, "gemv")
+
+
+def test_gemv_refuses_more_rows_than_its_accumulator():
+    from pagedserve.quant import w4a16_gemv
+    w = w4a16_kernel.W4A16Kernel(_on(random_weight(64, 16, 4, 32, False, seed=1), DEVICE))
+    with pytest.raises(ValueError, match="rows"):
+        w4a16_gemv.gemv(torch.zeros(17, 64, device=DEVICE), w.layout())
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 5])
 def test_decode_kernel_16bit_activations(dtype, m):

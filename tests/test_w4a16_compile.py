@@ -26,6 +26,11 @@ CASES = (  # activation dtype, rows, bits, 16-bit dot, serial reduction
     ("bf16", 16, 8, True, False),  # tensor-core dot, 8-bit
     ("fp32", 64, 4, False, True),  # fp32 dot
 )
+GEMV_CASES = (  # activation dtype, rows, bits, act-order gather, serial reduction
+    ("fp16", 1, 4, True, True),
+    ("bf16", 4, 8, False, False),
+    ("fp16", 16, 4, True, False),
+)
 
 
 def compile_all() -> dict:
@@ -52,6 +57,22 @@ def compile_all() -> dict:
         out[f"{x}-{rows}-{bits}"] = {"shared": k.metadata.shared, "serial": serial,
                                      "one_thread_atomic": "@%p" in ptx.split("atom.global.gpu.acq_rel.add")[0][-40:]
                                      if serial else None, "cg_loads": "ld.global.cg" in ptx}
+    from pagedserve.quant import w4a16_gemv as wg
+
+    gemv_args = ("x_ptr", "perm_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr", "out_ptr", "lock_ptr", "M", "N", "K",
+                 "K_PER_SPLIT", "GROUP", "stride_xm", "stride_qk", "stride_sg", "stride_ys")
+    for x, rows, bits, permuted, serial in GEMV_CASES:
+        types = [f"*{x}", "*i64", "*i32", "*fp16", "*fp16", "*fp32" if serial else f"*{x}", f"*{x}", "*i32"] + \
+            ["i32"] * 9
+        cfg = wg.DEFAULT
+        k = build(wg._gemv_kernel, dict(zip(gemv_args, types)),
+                  dict(BITS=bits, BLOCK_M=rows, BLOCK_N=cfg.block_n, BLOCK_KW=max(1, min(cfg.block_kw, 32 // rows)), PERMUTED=permuted,
+                       SERIAL=serial), cfg.num_warps)
+        ptx = k.asm["ptx"]
+        out[f"gemv-{x}-{rows}-{bits}"] = {
+            "shared": k.metadata.shared, "serial": serial, "cg_loads": "ld.global.cg" in ptx,
+            "one_thread_atomic": "@%p" in ptx.split("atom.global.gpu.acq_rel.add")[0][-40:] if serial else None,
+            "int_to_float": "cvt.rn.f32.s32" in ptx or "cvt.rn.f32.u32" in ptx}
     build(wt._dequant_kernel, {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "w_ptr": "*bf16", "N": "i32",
                                "K": "i32", "GROUP": "i32", "stride_qk": "i32", "stride_sg": "i32", "stride_wk": "i32"},
           dict(BITS=4, BLOCK_N=64, BLOCK_K=64))
@@ -67,8 +88,10 @@ def test_kernels_compile_for_sm90():
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == len(CASES)
+    assert len(results) == len(CASES) + len(GEMV_CASES)
     for name, r in results.items():
+        if name.startswith("gemv"):  # codes become floats through the 2^23 mantissa trick, not a conversion
+            assert not r["int_to_float"], name
         assert r["shared"] <= 227 * 1024, name  # an H100's shared memory per block
         if r["serial"]:  # one thread takes the ticket and reads the partials through L2
             assert r["one_thread_atomic"] and r["cg_loads"], name

@@ -46,7 +46,7 @@ def check(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
     (8, 4096, 1024, 64, True),
     (8, 1056, 72, -1, False),     # one group, N not a multiple of 64
 ])
-@pytest.mark.parametrize("m", [1, 16, 32, 63, 200])  # each launch bucket; 200 takes the dense path (RULE)
+@pytest.mark.parametrize("m", [1, 5, 16, 32, 63, 200])  # each launch bucket: GEMV to 16, tile kernel, 200 dense (RULE)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_w4a16_matches_dense_reference(bits, k, n, group, act_order, m, dtype):
     w, dense = weight(bits, k, n, group, act_order)
@@ -104,16 +104,17 @@ def test_tinygemm_matches_its_emulation_and_the_reference(group, k, n, m):
     check(got, x.float() @ dense.t(), 2e-2)
 
 
-@pytest.mark.parametrize("name", ["w4a16", "w4a16_serial", "tinygemm"])
+@pytest.mark.parametrize("name", ["w4a16", "w4a16_serial", "gemv_serial", "tile", "tinygemm"])
 @pytest.mark.parametrize("m", [1, 16])
 def test_decode_launches_replay_under_a_cuda_graph(name, m):
     """Captured once, replayed with new activations in the same buffer: the same result as eager (no host sync, a
     fixed grid, workspaces from the graph's pool)."""
     w, _ = weight(4, 4096, 4096, 128, False)
     kernel = tinygemm.TinyGemmKernel(w) if name == "tinygemm" else w4a16_kernel.W4A16Kernel(w)
-    if name == "w4a16_serial":
+    forced = {"w4a16_serial": "decode_serial", "gemv_serial": "gemv_serial", "tile": "decode"}.get(name)
+    if forced:
         plain = kernel
-        kernel = lambda x: plain(x, force="decode_serial")  # noqa: E731
+        kernel = lambda x: plain(x, force=forced)  # noqa: E731
     x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
