@@ -21,7 +21,6 @@ from pagedserve.quant.cpu_int4 import CpuInt4Kernel
 from pagedserve.quant.group_quant import DequantKernel, GroupQuantWeight, QLinearKernel
 from pagedserve.quant.tinygemm import TinyGemmKernel
 from pagedserve.quant.vendor_kernels import AwqExtKernel
-from pagedserve.quant.w4a16_rule import RULE
 
 log = logging.getLogger("pagedserve.quant")
 
@@ -48,7 +47,7 @@ if importlib.util.find_spec("triton") is not None:  # without triton, the CUDA p
 def auto_kernel_order(device: torch.device, dtype: torch.dtype = torch.float16) -> tuple[str, ...]:
     if device.type == "cuda":
         # triton (per-element group lookup) takes what the decode layout refuses: non-uniform hand-made g_idx.
-        return ("vendor", *RULE.cuda_order(dtype), "triton", "dequant")
+        return ("vendor", "w4a16", "triton", "dequant")
     # cpu_group: any bits and dtype, the native decode step's kernel; cpu_int4 where a layer's groups don't fit it.
     return ("cpu_group", "cpu_int4", "dequant")
 

@@ -29,11 +29,11 @@ from pagedserve.quant.w4a16_triton import _multiprocessors, _sum_splits_kernel
 
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
-    block_n: int = 128
-    block_kw: int = 16  # packed words along K per step (x 8 codes at 4 bits)
+    block_n: int = 256
+    block_kw: int = 8  # packed words along K per step (x 8 codes at 4 bits)
     num_warps: int = 4
     programs_per_sm: int = 4
-    num_stages: int = 3
+    num_stages: int = 4
 
     def __post_init__(self) -> None:
         pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_n, self.block_kw, self.num_warps))

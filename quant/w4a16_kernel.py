@@ -1,8 +1,8 @@
 """The `w4a16` quantized linear: GPTQ/AWQ (4 or 8 bits) on CUDA through the decode layout (w4a16_layout.py).
 
-Up to RULE.gemv_max_m rows go through the GEMV (w4a16_gemv.py), then the split-K tile kernel (w4a16_triton.py);
-from RULE.dense_from_m rows the weight is
-dequantized once per call into a transient dense tile and cuBLAS multiplies. Act-order weights were sorted by group
+Which path serves M rows is RULE's (w4a16_rule.py, set from device runs): torch's int4 tinygemm for decode rows of
+4-bit layers it fits, else the weight dequantized once per call into a transient dense tile that cuBLAS multiplies;
+the GEMV (w4a16_gemv.py) and the split-K tile kernel (w4a16_triton.py) stay selectable. Act-order weights were sorted by group
 at load, so the activation is permuted once per call (index_select; capturable in a CUDA graph like the rest).
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.quant import tinygemm
 from pagedserve.quant.group_quant import GroupQuantWeight, QLinearKernel
 from pagedserve.quant.w4a16_layout import DecodeLayout, repack
 from pagedserve.quant.w4a16_layout import unsupported_reason as layout_reason
@@ -30,10 +31,16 @@ class W4A16Kernel(QLinearKernel):
         self.in_features, self.out_features = layout.in_features, layout.out_features
         for field in ("qweight", "scales", "zeros", "perm"):
             self.register_buffer(field, getattr(layout, field))
-        # One counter per output tile of the serial split-K reduction; below dense_from_m rows a launch has one row
-        # of tiles, at most N / 16 of them (the narrowest tile). The kernel leaves them zero after every call.
+        # One counter per output tile of the serial split-K reduction; below dense rows a launch has one row of
+        # tiles, at most N / 16 of them (the narrowest tile). The kernel leaves them zero after every call.
         locks = torch.zeros(-(-layout.out_features // 16), dtype=torch.int32, device=layout.qweight.device)
         self.register_buffer("locks", locks, persistent=False)
+        # Decode rows go through tinygemm where the layer fits it (w4a16_rule.py); the decode layout above stays for
+        # prefill's dequantize + cuBLAS, which tinygemm is 20x slower at: the packed weight is held twice (4 + 4 bits
+        # a weight, half of fp16).
+        fits = RULE.tinygemm_below_m > 0 and tinygemm.unsupported_reason(w) is None \
+            and (w.qweight.is_cuda or w.out_features % 16 == 0)  # torch's CPU op (tests) also wants N % 16
+        self.small = tinygemm.TinyGemmKernel(w) if fits else None
 
     @classmethod
     def unsupported_reason(cls, w: GroupQuantWeight, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -52,9 +59,11 @@ class W4A16Kernel(QLinearKernel):
                             self.in_features, self.out_features)
 
     def forward(self, x: torch.Tensor, force: str | None = None) -> torch.Tensor:
-        """x [M, K] -> [M, N]; `force` ("gemv", "gemv_serial", "decode", "decode_serial", "dense") overrides the rule
-        (tests, bench)."""
-        path = force or RULE.path(x.shape[0])
+        """x [M, K] -> [M, N]; `force` (a w4a16_rule.PATHS name, or "gemv_serial" / "decode_serial") overrides the
+        rule (tests, bench)."""
+        path = force or RULE.path(x.shape[0], x.dtype, self.small is not None)
+        if path == "tinygemm":
+            return self.small(x)
         if path in ("gemv", "gemv_serial"):  # gathers act-order's permutation itself
             serial = path == "gemv_serial" or (force is None and RULE.serial_reduce)
             return gemv(x, self.layout(), locks=self.locks if serial else None)
@@ -63,5 +72,5 @@ class W4A16Kernel(QLinearKernel):
         x = x.contiguous()
         if path == "dense":
             return torch.mm(x, dequantize_t(self.layout(), x.dtype))
-        serial = path == "decode_serial" or (path == "decode" and force is None and RULE.serial_reduce)
+        serial = path == "decode_serial" or (force is None and RULE.serial_reduce)
         return decode_gemm(x, self.layout(), locks=self.locks if serial else None)

@@ -1,66 +1,56 @@
 """Which CUDA kernel multiplies a GPTQ/AWQ layer at which row count: the one place the thresholds live.
 
-- Up to `gemv_max_m` rows the GEMV of w4a16_gemv.py (a register accumulator per K split, codes made floats without
-  a conversion instruction); up to `dense_from_m` the split-K tile kernel of w4a16_triton.py (tensor cores).
-- Below `dense_from_m` rows (decode, small batches) the packed weight is read once by a decode kernel: reading it is
-  what the step is bound by, so 4-bit should approach 4x fewer bytes than fp16.
-- From `dense_from_m` rows the `w4a16` kernel dequantizes the weight once into a transient dense tile and cuBLAS
-  multiplies: a prompt's GEMM is compute-bound and tensor-core GEMMs beat any fused dequant loop written here
-  (0.79-0.85x of dense fp16 at M = 2048 on H100/H200, docs/gpu.md).
-- `four_bit` names the decode kernel the auto choice tries first for 4-bit layers: "w4a16" (the Triton kernel of
-  w4a16_triton.py, any bits, exact fp16/fp32 scales) or "tinygemm" (torch's int4 op: bf16 scales and activations,
-  and every row count through it since it keeps no other copy of the weight). 8-bit layers and layouts tinygemm
-  refuses use w4a16.
-- `tinygemm_fp16`: whether tinygemm may serve fp16 models (activations cast to bf16 and back).
-- `serial_reduce`: the decode kernel's split-K partials summed by the last program of each tile (one launch, a
-  per-layer counter per tile) rather than by a second small kernel. Off until the device run shows it correct and
-  faster (bench candidate `w4a16_decode_serial`, test_w4a16_gpu.py).
-
-The values below are the starting point before a device run has measured the candidates (tests/gpu/bench_check.py
-prints every candidate at every size); docs/gpu.md says which are confirmed.
+Set from the H200 runs of tests/gpu/bench_check.py (benchmarks/results/gpu-check-h200-2026-11-28*.json, every
+candidate at M = 1, 16, 512, 2048 on Llama-3-8B-shaped layers, timed as CUDA-graph replays from HBM):
+- Below `tinygemm_below_m` rows, 4-bit layers whose groups tinygemm takes (32/64/128/256, the usual checkpoints) go
+  through torch's int4 tinygemm op: at M = 1 0.97-1.72x of dense fp16 on bf16 activations (1.25-1.27x on the
+  4096 x 14336 shapes) and 0.68-1.28x on fp16 ones (cast to bf16 and back, `tinygemm_fp16`), against at best
+  0.36-0.42x for everything written here on act-order GPTQ; at M = 16 0.42-0.49x against 0.36-0.45x.
+- Everything else (8-bit, other group lengths, fp32 activations, prefill) dequantizes the weight once into a transient
+  dense tile and cuBLAS multiplies: 0.53-0.71x of dense fp16 at M = 512, 0.69-0.86x at 2048; at M = 1 it also beat the
+  split-K tile kernel (0.36-0.42x against 0.20-0.25x) and tied it at M = 16.
+- `gemv_max_m` / `tile_max_m`: the GEMV (w4a16_gemv.py) and the split-K tile kernel (w4a16_triton.py) stay
+  selectable for rows up to these counts (0: off, as measured: both slower than the paths above).
+- `serial_reduce`: their split-K partials summed by the last program of each tile (one launch) rather than by a
+  second kernel (measured within 3% of each other).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import torch  # noqa: F401  (dtype annotations)
 
 from pagedserve.quant.base import QuantConfigError
 
-DECODE_KERNELS = ("w4a16", "tinygemm")
 GEMV_MAX_ROWS = 16  # the GEMV's register accumulator holds this many rows (w4a16_gemv.py)
+PATHS = ("tinygemm", "gemv", "decode", "dense")
 
 
 @dataclass(frozen=True, slots=True)
 class W4A16Rule:
-    gemv_max_m: int = 16
-    dense_from_m: int = 64
-    four_bit: str = "w4a16"
-    tinygemm_fp16: bool = False
+    tinygemm_below_m: int = 64
+    tinygemm_fp16: bool = True
+    gemv_max_m: int = 0
+    tile_max_m: int = 0
     serial_reduce: bool = False
 
     def __post_init__(self) -> None:
-        if self.dense_from_m < 1:
-            raise QuantConfigError("w4a16_rule.dense_from_m", f"{self.dense_from_m} must be >= 1")
+        if self.tinygemm_below_m < 0:
+            raise QuantConfigError("w4a16_rule.tinygemm_below_m", f"{self.tinygemm_below_m} must be >= 0")
         if not 0 <= self.gemv_max_m <= GEMV_MAX_ROWS:
             raise QuantConfigError("w4a16_rule.gemv_max_m", f"{self.gemv_max_m} must be in 0..{GEMV_MAX_ROWS}")
-        if self.four_bit not in DECODE_KERNELS:
-            raise QuantConfigError("w4a16_rule.four_bit",
-                                   f"{self.four_bit!r} is not supported; supported: {list(DECODE_KERNELS)}")
+        if self.tile_max_m < 0:
+            raise QuantConfigError("w4a16_rule.tile_max_m", f"{self.tile_max_m} must be >= 0")
 
-    def path(self, m: int) -> str:
-        """The w4a16 kernel's path for M rows: "gemv", "decode" (the split-K tile kernel) or "dense"."""
+    def path(self, m: int, dtype: torch.dtype, tinygemm_fits: bool) -> str:
+        """The path for M rows of `dtype` activations: one of PATHS."""
+        tinygemm_dtype = dtype == torch.bfloat16 or (dtype == torch.float16 and self.tinygemm_fp16)
+        if tinygemm_fits and tinygemm_dtype and m < self.tinygemm_below_m:
+            return "tinygemm"
         if m <= self.gemv_max_m:
             return "gemv"
-        return "dense" if m >= self.dense_from_m else "decode"
-
-    def cuda_order(self, dtype: torch.dtype) -> tuple[str, ...]:
-        """Kernel names in the order the auto choice tries them for a layer computing in `dtype`."""
-        first = self.four_bit
-        if first == "tinygemm" and dtype == torch.float16 and not self.tinygemm_fp16:
-            first = "w4a16"
-        return tuple(dict.fromkeys((first, "w4a16")))
+        return "decode" if m <= self.tile_max_m else "dense"
 
 
 RULE = W4A16Rule()

@@ -140,11 +140,31 @@ def test_tinygemm_refusals_and_rule():
     assert "multiple of 32" in tinygemm.unsupported_reason(random_weight(200, 32, 4, -1, False))
     assert "group size 48" in tinygemm.unsupported_reason(random_weight(192, 32, 4, 48, False))
     assert auto_kernel_order(torch.device("cuda"), torch.float16)[:2] == ("vendor", "w4a16")
-    rule = W4A16Rule(four_bit="tinygemm")
-    assert rule.cuda_order(torch.bfloat16) == ("tinygemm", "w4a16")
-    assert rule.cuda_order(torch.float16) == ("w4a16",)
-    with pytest.raises(Exception, match="supported"):
-        W4A16Rule(four_bit="marlin")
+    rule = W4A16Rule()
+    assert rule.path(1, torch.bfloat16, True) == "tinygemm" and rule.path(63, torch.float16, True) == "tinygemm"
+    assert rule.path(64, torch.bfloat16, True) == "dense" and rule.path(1, torch.float32, True) == "dense"
+    assert rule.path(1, torch.bfloat16, False) == "dense"
+    assert W4A16Rule(tinygemm_fp16=False).path(1, torch.float16, True) == "dense"
+    assert W4A16Rule(gemv_max_m=4, tile_max_m=32).path(8, torch.float16, False) == "decode"
+    with pytest.raises(Exception, match="gemv_max_m"):
+        W4A16Rule(gemv_max_m=17)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a16_serves_decode_rows_through_tinygemm_and_prefill_dense(dtype):
+    """The rule's default path on a 4-bit group-128 layer: tinygemm below 64 rows (torch's CPU op here), the decode
+    layout's dequantize + matmul from 64: both the layer's product."""
+    w = random_weight(256, 64, 4, 128, True, seed=5)
+    kernel = w4a16_kernel.W4A16Kernel(w)
+    assert kernel.small is not None
+    dense = w.dequantize(torch.float32)
+    for m in (1, 64):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(dtype)
+        y = kernel(x).float()
+        assert y.dtype == torch.float32 and y.shape == (m, 64)
+        ref = x.float() @ dense.t()
+        assert (y - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+    assert w4a16_kernel.W4A16Kernel(random_weight(256, 64, 8, 128, False, seed=5)).small is None  # 8-bit: dense
 
 
 def test_tinygemm_kernel_module_on_cpu_op():

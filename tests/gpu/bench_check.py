@@ -154,7 +154,23 @@ def e2e_tokens_per_s(scale: Scale, enforce_eager: bool = False) -> float:
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - t0
+        host_profile(llm, prompts, params, "eager" if enforce_eager else "graphs")
     return round(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed, 1)
+
+
+def host_profile(llm, prompts: list, params, label: str, top: int = 14) -> None:
+    """Where the host spends a run of this host-bound model (the log only): the functions with the most own time."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm.generate(prompts, params)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    print(f"host profile ({label}):", "\n".join(text.getvalue().splitlines()[:top + 12]), sep="\n", flush=True)
 
 
 def main() -> int:
