@@ -30,10 +30,11 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.packed_weight is not None:
             return packed_linear(x, layer.packed_weight, layer.bias)
-        from pagedserve.quant.dense_layout import row_major
+        from pagedserve.quant.dense_layout import grouped_linear, row_group
 
-        # a weight the native step regrouped (its only copy) is read row-major through a per-call temporary
-        return F.linear(x, row_major(layer.weight), layer.bias)
+        if row_group(layer.weight):  # regrouped by the native step (its only copy): row-major a slice at a time
+            return grouped_linear(x, layer.weight, layer.bias)
+        return F.linear(x, layer.weight, layer.bias)
 
     def native_linear(self, layer: nn.Module) -> NativeLinear | None:
         """The bf16/fp16/fp32 GEMV of kernels/cpu/dense_linear.c over the layer's one plain weight; None off CPU or

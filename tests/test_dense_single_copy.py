@@ -13,7 +13,7 @@ import transformers
 
 from conftest import hf_greedy, make_tiny_model
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.quant.dense_layout import group_rows_in_place, grouped_isa, row_group, row_major
+from pagedserve.quant.dense_layout import group_rows_in_place, grouped_isa, grouped_linear, row_group, row_major
 from pagedserve.quant.linear import QuantLinear
 from pagedserve.quant.unquantized import UnquantizedLinearMethod
 
@@ -82,3 +82,14 @@ def test_torch_path_holds_a_tied_head_once(tmp_path, dtype):
         out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
         assert list(out[0].outputs[0].token_ids) == hf_greedy(hf, prompt, 8)
+
+
+@pytest.mark.skipif(grouped_isa() == "portable", reason="this build keeps the row-major layout")
+def test_grouped_linear_makes_the_weight_row_major_a_slice_at_a_time():
+    g = torch.Generator().manual_seed(1)
+    plain = torch.randn(8208, 512, generator=g).bfloat16()  # 8.4 MB: two whole 4 MiB slices and a part
+    bias = torch.randn(8208, generator=g).bfloat16()
+    grouped = plain.clone()
+    group_rows_in_place(grouped)
+    x = torch.randn(3, 512, generator=g).bfloat16()
+    assert torch.equal(grouped_linear(x, grouped, bias), torch.nn.functional.linear(x, plain, bias))
