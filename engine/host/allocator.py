@@ -7,7 +7,7 @@ Raising both thresholds keeps that memory in the heap for reuse: +11-12% output 
 2 threads (docs/benchmarks.md). vLLM's CPU backend gets the same effect by preloading tcmalloc.
 
 The same thresholds would keep what loading a model freed (each checkpoint tensor converted, oneDNN packing, the
-native step turning packed weights back into plain ones): ~0.3-0.5x the weight bytes of a dense checkpoint left
+native step turning packed weights back into plain ones): ~0.3x the weight bytes of a dense checkpoint left
 resident for nothing. The entries return it once the engine is built (`release_freed_memory`).
 """
 
