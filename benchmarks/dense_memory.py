@@ -10,11 +10,12 @@ then builds the engine, generates, and reads the growth, as the process holds it
 - `weight_bytes`: the checkpoint's values times the dtype's size (what a checkpoint stored in that dtype holds).
 - `tensor_bytes`: the model's distinct parameter and buffer storages (a tied head counted once; RoPE tables
   included); `packed_bytes`: oneDNN packed copies the torch path keeps (0 when every weight is held once).
-- `served_anon_growth_bytes`: anonymous pages (the process's own data) gained, read as the process holds them (the
-  entry trimmed the heap once after loading; the allocator thresholds then keep the steps' freed temporaries);
-  the target is `(served anon growth - KV cache) / weight_bytes` <= 1.15 (`served_anon_minus_kv_over_weights`).
-- `anon_growth_bytes`: the same after the benchmark's own malloc_trim (`anon_minus_kv_over_weights`): the heap's
-  live data alone. What remains beside the tensors is the tokenizer (~16 MB) and Python objects.
+- `anon_growth_bytes`: anonymous pages (the process's own data) gained, after the benchmark's own malloc_trim: the
+  heap's live data. The target is `(anon growth - KV cache) / weight_bytes` <= 1.15 (`anon_minus_kv_over_weights`);
+  what remains beside the tensors is the tokenizer (~16 MB) and Python objects.
+- `served_anon_growth_bytes`: the same read before that trim, as the process holds it (the entry trimmed the heap
+  once after loading; the allocator thresholds then keep the steps' freed temporaries, so this part depends on
+  the workload and on where the heap placed them; `served_anon_minus_kv_over_weights`).
 - `rss_growth_bytes`: VmRSS gained, file-backed pages included: shared-library code first run while loading and
   generating (~14 MiB of libtorch_cpu), not data; `rss_minus_kv_over_weights` reports it as a ratio too.
 - `peak_growth_bytes`: VmHWM gained: the checkpoint file's mapped pages while it is read (file-backed, reclaimable)
