@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Sequence as SequenceABC
 
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.host.allocator import release_freed_memory
 from pagedserve.engine.host.tuning import tune_host
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule
@@ -19,6 +20,7 @@ class LLM:
         config = EngineConfig(model=model, **config_fields)
         # The offline entry: it tunes the host itself, before the engine is built (the engine core never does).
         self.engine = LLMEngine(config, governor=tune_host(config))
+        release_freed_memory()  # what loading freed, kept by the allocator's thresholds otherwise
         self._ids = itertools.count()
 
     @property

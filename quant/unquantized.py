@@ -20,18 +20,21 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.packed_weight = None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if can_pack(layer.weight):
+        # A shared weight (a tied LM head's is the embedding's table, which lookups read) is not packed: the packed
+        # copy would sit beside the table, the vocabulary's weights held twice (+0.21x a bf16 SmolLM2's weight bytes
+        # on the torch path: benchmarks/dense_memory.py), for a head ~1.4x faster at 1-16 rows (bf16, noisy host).
+        if can_pack(layer.weight) and not layer.weight_shared:
             layer.packed_weight = pack_weight(layer.weight)
-            if not layer.weight_shared:
-                layer.weight = None  # the packed copy replaces it: one copy of the weights in memory
+            layer.weight = None  # the packed copy replaces it: one copy of the weights in memory
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.packed_weight is not None:
             return packed_linear(x, layer.packed_weight, layer.bias)
-        from pagedserve.quant.dense_layout import row_major
+        from pagedserve.quant.dense_layout import grouped_linear, row_group
 
-        # a weight the native step regrouped (its only copy) is read row-major through a per-call temporary
-        return F.linear(x, row_major(layer.weight), layer.bias)
+        if row_group(layer.weight):  # regrouped by the native step (its only copy): row-major a slice at a time
+            return grouped_linear(x, layer.weight, layer.bias)
+        return F.linear(x, layer.weight, layer.bias)
 
     def native_linear(self, layer: nn.Module) -> NativeLinear | None:
         """The bf16/fp16/fp32 GEMV of kernels/cpu/dense_linear.c over the layer's one plain weight; None off CPU or

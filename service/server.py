@@ -17,6 +17,7 @@ from grpc_health.v1._async import HealthServicer
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import ConfigError
+from pagedserve.engine.host.allocator import release_freed_memory
 from pagedserve.engine.host.main_thread import MainThreadHost
 from pagedserve.engine.host.tuning import tune_host
 from pagedserve.engine.llm_engine import LLMEngine
@@ -83,7 +84,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
              http.port if http else None)
     try:
         # The host tuning runs where the engine is built and will compute (the main thread, through the host).
-        build = lambda: LLMEngine(engine_config, governor=tune_host(engine_config))  # noqa: E731
+        build = lambda: _built(LLMEngine(engine_config, governor=tune_host(engine_config)))  # noqa: E731
         engine = await stop.race(load_engine(engine_config, build, host))
     except BaseException:
         await server.stop(grace=None)  # a failed load must not leave the listener to the garbage collector
@@ -137,6 +138,11 @@ async def _until(work: Coroutine[Any, Any, T], cut: Coroutine[Any, Any, Any]) ->
         return task.result()
     task.cancel()
     return None
+
+
+def _built(engine: LLMEngine) -> LLMEngine:
+    release_freed_memory()  # what loading freed, kept by the allocator's thresholds otherwise (engine/host/allocator.py)
+    return engine
 
 
 def _bind(server: grpc.aio.Server, config: ServerConfig) -> int:

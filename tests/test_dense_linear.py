@@ -66,7 +66,7 @@ def test_activation_dtype_must_match_packed_weight() -> None:
         packed_linear(torch.randn(2, 8).bfloat16(), packed, None)
 
 
-def test_fused_projections_and_tied_head_are_packed(tmp_path) -> None:
+def test_fused_projections_are_packed_and_the_tied_head_reads_the_table(tmp_path) -> None:
     from pagedserve.engine.loading.model_loader import load_model
 
     loaded = load_model(make_tiny_model(tmp_path, tie_word_embeddings=True), torch.float32, None, torch.device("cpu"))
@@ -75,8 +75,8 @@ def test_fused_projections_and_tied_head_are_packed(tmp_path) -> None:
     assert layer.self_attn.qkv_proj.packed_weight is not None
     assert layer.mlp.gate_up_proj.packed_weight is not None
     hidden = torch.randn(3, model.args.hidden_size)
-    # The tied head is a packed copy; the embedding keeps its own plain table for lookups.
-    assert model.lm_head.packed_weight is not None and model.model.embed_tokens.weight is not None
+    # The tied head is the embedding's own table, not a packed copy beside it (one copy of the vocabulary's weights).
+    assert model.lm_head.packed_weight is None and model.lm_head.weight is model.model.embed_tokens.weight
     torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, model.model.embed_tokens.weight),
                                rtol=1e-5, atol=1e-4)
 
@@ -88,7 +88,7 @@ def test_tied_head_native_linear_reads_the_embedding_in_place(tmp_path) -> None:
     loaded = load_model(make_tiny_model(tmp_path, tie_word_embeddings=True), torch.float32, None, torch.device("cpu"))
     model = loaded.model
     table = model.model.embed_tokens.weight
-    assert model.lm_head.weight is table  # kept beside the oneDNN copy: dropping it would free nothing
+    assert model.lm_head.weight is table and model.lm_head.packed_weight is None
     native = model.lm_head.method.native_linear(model.lm_head)
     assert any(isinstance(t, torch.Tensor) and t.data_ptr() == table.data_ptr() for t in native.keepalive)
     hidden = torch.randn(2, model.args.hidden_size)

@@ -1,17 +1,19 @@
 """One copy of a dense checkpoint's weights (quant/unquantized.py's native_linear): with the native decode step
 built, every unquantized linear's native kernel reads the layer's own weight tensor (same storage, not a copy), no
 oneDNN packed copy is left beside it, and the torch path still computes with it (the greedy tokens equal
-transformers' in fp32; the native step's and the torch path's logits agree in bf16). Memory is checked by storage
-identity, not by a resident-set figure (benchmarks/dense_memory.py measures that)."""
+transformers' in fp32; the native step's and the torch path's logits agree in bf16). Without a native step, a tied
+head is the embedding's table too (never packed beside it). Memory is checked by storage identity, not by a
+resident-set figure (benchmarks/dense_memory.py measures that)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
-from conftest import make_tiny_model
-from pagedserve.engine import LLM
-from pagedserve.quant.dense_layout import group_rows_in_place, grouped_isa, row_group, row_major
+from conftest import hf_greedy, make_tiny_model
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.quant.dense_layout import group_rows_in_place, grouped_isa, grouped_linear, row_group, row_major
 from pagedserve.quant.linear import QuantLinear
 from pagedserve.quant.unquantized import UnquantizedLinearMethod
 
@@ -63,3 +65,31 @@ def test_the_torch_path_reads_a_regrouped_weight_as_the_row_major_one(tmp_path):
         x = torch.randn(5, layer.in_features, generator=g).bfloat16()
         expected = torch.nn.functional.linear(x, plain, layer.bias)
         assert torch.equal(layer.method.apply(layer, x), expected), name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_path_holds_a_tied_head_once(tmp_path, dtype):
+    path = make_tiny_model(tmp_path, "LlamaForCausalLM", initializer_range=0.1, tie_word_embeddings=True)
+    llm = LLM(str(path), dtype=dtype, native_step_max_batch=0)
+    model = llm.engine.runner.model
+    assert llm.engine.runner.native_step is None
+    table = model.model.embed_tokens.weight
+    assert model.lm_head.packed_weight is None and model.lm_head.weight.data_ptr() == table.data_ptr()
+    for name, layer in _dense_layers(model).items():  # every other linear: one copy, packed or plain
+        assert (layer.packed_weight is None) != (layer.weight is None) or layer is model.lm_head, name
+    if dtype == "float32":  # the head's plain matmul keeps transformers' greedy tokens
+        prompt = list(range(100, 120))
+        out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        assert list(out[0].outputs[0].token_ids) == hf_greedy(hf, prompt, 8)
+
+
+@pytest.mark.skipif(grouped_isa() == "portable", reason="this build keeps the row-major layout")
+def test_grouped_linear_makes_the_weight_row_major_a_slice_at_a_time():
+    g = torch.Generator().manual_seed(1)
+    plain = torch.randn(8208, 512, generator=g).bfloat16()  # 8.4 MB: two whole 4 MiB slices and a part
+    bias = torch.randn(8208, generator=g).bfloat16()
+    grouped = plain.clone()
+    group_rows_in_place(grouped)
+    x = torch.randn(3, 512, generator=g).bfloat16()
+    assert torch.equal(grouped_linear(x, grouped, bias), torch.nn.functional.linear(x, plain, bias))

@@ -116,9 +116,9 @@ def merge_linears(owner: nn.Module, parts: tuple[str, ...], merged: str) -> None
 
 
 def tied_lm_head(embedding: nn.Module) -> nn.Module:
-    """The LM head of a model with tied embeddings: a linear layer over the embedding's weight [vocab, hidden], so
-    it takes the packed matmul path (on CPU a packed copy; elsewhere the same tensor, shared). An embedding kept in
-    a checkpoint's own blocks (`as_linear`) serves the head from those blocks."""
+    """The LM head of a model with tied embeddings: a linear layer over the embedding's weight [vocab, hidden], the
+    same tensor (never a oneDNN packed copy beside it: `weight_shared`). An embedding kept in a checkpoint's own
+    blocks (`as_linear`) serves the head from those blocks."""
     if isinstance(embedding, PackedEmbedding):
         return embedding.as_linear()
     vocab, hidden = embedding.weight.shape
