@@ -25,7 +25,7 @@ import triton.language as tl
 
 from pagedserve.quant.w4a16_layout import DecodeLayout
 from pagedserve.quant.w4a16_rule import GEMV_MAX_ROWS as MAX_ROWS
-from pagedserve.quant.w4a16_triton import _multiprocessors, _sum_splits_kernel
+from pagedserve.quant.w4a16_triton import _multiprocessors, _sum_splits_kernel, serial_sum
 
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
@@ -83,16 +83,8 @@ def _gemv_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, out_ptr, lock_ptr
     tile_ok = m_ok[:, None] & n_ok[None, :]
     tile = offs_m[:, None] * N + offs_n[None, :]
     tl.store(y_ptr + pid_s * stride_ys + tile, total.to(y_ptr.dtype.element_ty), mask=tile_ok)
-    if SERIAL:  # the last split to reach this tile sums every split's partial, in split order
-        tl.debug_barrier()
-        lock = lock_ptr + pid_n
-        arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(1) - 1:
-            out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for split in range(0, tl.num_programs(1)):
-                out += tl.load(y_ptr + split * stride_ys + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + tile, out.to(out_ptr.dtype.element_ty), mask=tile_ok)
-            tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+    if SERIAL:
+        serial_sum(y_ptr, out_ptr, lock_ptr + pid_n, tile, tile_ok, stride_ys, tl.num_programs(1), BLOCK_M, BLOCK_N)
 
 
 def _block_kw(layout: DecodeLayout, cap: int) -> int:

@@ -110,16 +110,23 @@ def _decode_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, out_ptr, lock_ptr, M
     tile_ok = m_ok[:, None] & n_ok[None, :]
     tile = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptr + pid_s * stride_ys + tile, acc.to(y_ptr.dtype.element_ty), mask=tile_ok)
-    if SERIAL:  # the last split to arrive at this tile sums every split's partial, in split order
-        tl.debug_barrier()  # every thread's partial stored before the (release) atomic below
-        lock = lock_ptr + pid_m * tl.num_programs(1) + pid_n
-        arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(2) - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for split in range(0, tl.num_programs(2)):
-                total += tl.load(y_ptr + split * stride_ys + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + tile, total.to(out_ptr.dtype.element_ty), mask=tile_ok)
-            tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")  # ready for the next call (and graph replay)
+    if SERIAL:
+        serial_sum(y_ptr, out_ptr, lock_ptr + pid_m * tl.num_programs(1) + pid_n, tile, tile_ok, stride_ys,
+                   tl.num_programs(2), BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def serial_sum(y_ptr, out_ptr, lock, tile, tile_ok, stride_ys, splits, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The last of `splits` programs to arrive at this output tile sums every split's fp32 partial, in split order,
+    into `out_ptr`, and leaves the tile's counter zero for the next call (and a CUDA graph's replay)."""
+    tl.debug_barrier()  # every thread's partial stored before the (release) atomic below
+    arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+    if arrived == splits - 1:
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for split in range(0, splits):
+            total += tl.load(y_ptr + split * stride_ys + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + tile, total.to(out_ptr.dtype.element_ty), mask=tile_ok)
+        tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
