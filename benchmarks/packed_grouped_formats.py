@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from contention import cpu_model  # noqa: E402
 from gguf_fixtures import random_k_blocks  # noqa: E402
+from packed_gemv import best_us  # noqa: E402
 
 from pagedserve.kernels.cpu import isa  # noqa: E402
 from pagedserve.kernels.cpu import packed as cpu_packed  # noqa: E402
@@ -42,16 +42,6 @@ def blocks(qtype: str, out: int, inn: int, rng: np.random.Generator) -> np.ndarr
     if qtype.endswith("_K"):
         return random_k_blocks((out, inn), T[qtype], rng, scale=2e-3)
     return quantize(rng.standard_normal((out, inn)).astype(np.float32) * 0.02, T[qtype])
-
-
-def best_us(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e6
 
 
 def main() -> None:
