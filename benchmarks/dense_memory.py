@@ -33,8 +33,6 @@ host does not change the figures, but run it alone all the same.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import gc
 import importlib
 import json
@@ -52,9 +50,11 @@ _STATUS_FIELDS = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
 def _status(trim: bool = True) -> dict[str, int]:
     """/proc/self/status's memory fields in bytes, after a collection and (trim) malloc_trim: freed heap pages
     returned, where the engine's allocator thresholds (engine/host/allocator.py) would keep them."""
+    from pagedserve.engine.host.allocator import release_freed_memory
+
     gc.collect()
     if trim:
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+        release_freed_memory()
     out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         key = line.split(":", 1)[0]

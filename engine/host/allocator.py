@@ -28,16 +28,21 @@ KEEP_BYTES = 1 << 30
 _applied = False
 
 
+def _libc(symbol: str):
+    """The C library's `symbol` (a ctypes function), or None where the library or the symbol is missing."""
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), symbol) if name else None
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Sets the thresholds once per process; False where the C library has no mallopt (not glibc)."""
     global _applied
     if _applied:
         return True
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
+    mallopt = _libc("mallopt")
     if mallopt is None:
         logger.info("no glibc mallopt: allocator thresholds left as they are")
         return False
@@ -52,11 +57,7 @@ def keep_freed_memory() -> bool:
 def release_freed_memory() -> bool:
     """Returns the heap's free pages to the OS now (glibc malloc_trim(0); the thresholds above are unchanged):
     called once by the entries after the engine is built. False where the C library has no malloc_trim."""
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None
+    trim = _libc("malloc_trim")
     if trim is None:
         return False
     trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
