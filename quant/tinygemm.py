@@ -93,10 +93,11 @@ class TinyGemmKernel(QLinearKernel):
 
     name = "tinygemm"
 
-    def __init__(self, w: GroupQuantWeight):
+    def __init__(self, w: GroupQuantWeight, layout: DecodeLayout | None = None):
+        """`layout`: w's decode layout where the caller holds it already (w4a16 keeps one beside this kernel)."""
         super().__init__()
         self.in_features, self.out_features = w.in_features, w.out_features
-        layout = w4a16_layout.repack(w)
+        layout = layout if layout is not None else w4a16_layout.repack(w)
         self.group, sz = scales_and_zeros(layout)
         self.register_buffer("perm", layout.perm)
         self.register_buffer("packed", pack(int4_values(layout)))

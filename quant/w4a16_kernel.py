@@ -40,7 +40,7 @@ class W4A16Kernel(QLinearKernel):
         # a weight, half of fp16).
         fits = RULE.tinygemm_below_m > 0 and tinygemm.unsupported_reason(w) is None \
             and (w.qweight.is_cuda or w.out_features % 16 == 0)  # torch's CPU op (tests) also wants N % 16
-        self.small = tinygemm.TinyGemmKernel(w) if fits else None
+        self.small = tinygemm.TinyGemmKernel(w, layout) if fits else None
 
     @classmethod
     def unsupported_reason(cls, w: GroupQuantWeight, device: torch.device, dtype: torch.dtype) -> str | None:
