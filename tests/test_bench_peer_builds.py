@@ -53,6 +53,22 @@ def test_pagedserve_tier_environment(monkeypatch):
         servers.pagedserve_env("sse2")
 
 
+def test_vllm_avx2_tier_environment_hides_avx512_from_torch():
+    """The forced tier reaches every Python process of vLLM's environment: a child that imports torch sees no AVX-512,
+    no AVX512-BF16 and no AMX, and torch's own kernels run at AVX2 (a real interpreter and torch, on any x86 host)."""
+    import sys
+
+    env = servers.vllm_env(1, "0", tier="avx2")
+    assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    probe = ("import torch; c = torch.cpu; print(c._is_avx512_supported(), c._is_avx512_bf16_supported(), "
+             "c._is_amx_tile_supported(), torch.backends.cpu.get_cpu_capability())")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "False", "AVX2"]
+    assert "vllm_avx2" not in servers.vllm_env(1, "0").get("PYTHONPATH", "")
+    with pytest.raises(ValueError, match="native, avx2"):
+        servers.vllm_env(1, "0", tier="sse2")
+
+
 def test_system_info_is_the_last_start_in_the_log(tmp_path):
     log = tmp_path / "llama-server.log"
     log.write_text(f"main: loading\n{SYSTEM_INFO.replace('AVX512 = 1', 'AVX512 = 0')}\nold run\n"

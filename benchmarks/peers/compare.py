@@ -74,6 +74,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dump-workload", type=Path, default=None, metavar="F",
                    help="write the workload in the --workload-file format to F and exit")
     p.add_argument("--vllm-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND for vLLM")
+    p.add_argument("--tier", choices=servers.TIERS, default="native",
+                   help="avx2: pagedserve's AVX2 kernels (PAGEDSERVE_CPU_ISA), vLLM's AVX2 library with torch and "
+                        "oneDNN capped at AVX2, llama.cpp's avx2 build: an AVX2-only host measured on any host "
+                        "(the vLLM-http systems are not forced)")
     p.add_argument("--quick", action="store_true",
                    help="16 small requests, 1 repeat, no Poisson; writes under the log dir unless --out-* are given")
     p.add_argument("--no-low-concurrency", action="store_true",
@@ -103,11 +107,11 @@ log = phases.log
 _ISA = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
 
 
-def host_info() -> dict:
+def host_info(tier: str = "native") -> dict:
     """CPU model, the ISA flags that decide kernel paths, usable cores and the load average: ratios are only
     comparable within one run on one host, so every result file says which host that was."""
     info = {"cpu_model": "unknown", "isa": [], "usable_cores": len(os.sched_getaffinity(0)),
-            "load_avg_1m_start": os.getloadavg()[0], "tier": "native"}  # low_concurrency.py --tier avx2 for AVX2
+            "load_avg_1m_start": os.getloadavg()[0], "tier": tier}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
             info["cpu_model"] = line.split(":", 1)[1].strip()
@@ -115,16 +119,18 @@ def host_info() -> dict:
             flags = set(line.split(":", 1)[1].split())
             info["isa"] = [f for f in _ISA if f in flags]
             break
-    info["pagedserve_cpu_tier"] = pagedserve_tier()
+    info["pagedserve_cpu_tier"] = pagedserve_tier(tier)
     return info
 
 
-def pagedserve_tier() -> str:
-    """The ISA tier pagedserve's CPU kernels build for in this run: PAGEDSERVE_CPU_ISA's, else the host's own."""
+def pagedserve_tier(tier: str = "native") -> str:
+    """The ISA tier pagedserve's CPU kernels build for in this run: the forced one, else the host's own."""
     try:
         from pagedserve.kernels.cpu import isa
     except ImportError:
         return "unknown"
+    if tier != "native":
+        return tier
     forced = isa.requested_tier()
     return forced.name if forced else f"native ({isa.host_tier()})"
 
@@ -205,7 +211,7 @@ def main() -> None:
     flops = useful_flops(model_dir, workload)
     log("measuring the matmul peak (1 and 2 threads, fp32 and bf16)")
     peaks = measure_peaks((1, 2))
-    out = {"meta": {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model_dir, "host": host_info(),
+    out = {"meta": {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model_dir, "host": host_info(args.tier),
                     "pagedserve_version": source_version(),
                     "workload": workload.summary(), "repeats": plan.repeats, "threads": args.threads,
                     "vllm_bind": args.vllm_bind, "useful_tflop": flops / 1e12, "matmul_peak_gflops": peaks,
@@ -215,7 +221,7 @@ def main() -> None:
     for dtype in [] if args.low_concurrency_only else args.dtypes:
         spec = drivers.DriverSpec(model_dir, dtype, args.threads, args.log_dir, args.vllm_bind,
                                   slot_tokens=servers.slot_context(workload.requests + warmup.requests),
-                                  parallel=max(64, len(workload.requests)))
+                                  parallel=max(64, len(workload.requests)), tier=args.tier)
         out["results"][dtype] = run_dtype(args, spec, workload, plan, flops, peaks)
         args.out_json.write_text(json.dumps(out, indent=2))  # partial results survive a crash
     if not args.no_low_concurrency:
@@ -224,7 +230,8 @@ def main() -> None:
             model_dir, args.gguf or low_concurrency.model_file(args.lc_model_file)[0], lc_systems,
             (1, 2) if args.quick else tuple(args.lc_streams), args.lc_prompt_len,
             32 if args.quick else args.lc_output_len, 1 if args.quick else args.lc_repeats, args.threads,
-            args.log_dir, args.vllm_bind, prefill_lens=() if args.quick else tuple(args.lc_prefill_lens))
+            args.log_dir, args.vllm_bind, tier=args.tier,
+            prefill_lens=() if args.quick else tuple(args.lc_prefill_lens))
         args.out_json.write_text(json.dumps(out, indent=2))
     out["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     out["meta"]["host"]["load_avg_1m_end"] = os.getloadavg()[0]

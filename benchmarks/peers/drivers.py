@@ -107,7 +107,7 @@ def _vllm_offline(name: str, all_cores: bool, preload: bool) -> Callable[[Driver
         argv = [str(paths.vllm_python()), str(BENCH_DIR / "peers" / "vllm_worker.py"), "--model", spec.model_dir,
                 "--dtype", spec.dtype]
         bind = f"0-{spec.threads - 1}" if all_cores else spec.vllm_bind
-        env = servers.vllm_env(spec.vllm_kv_gib, bind, preload)
+        env = servers.vllm_env(spec.vllm_kv_gib, bind, preload, spec.tier)
         return WorkerDriver(name, argv, env, spec.log_dir / f"{name}-offline-{spec.dtype}.log")
     return make
 

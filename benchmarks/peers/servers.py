@@ -26,15 +26,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def vllm_env(kv_gib: int, bind: str, preload: bool = False) -> dict:
+def vllm_env(kv_gib: int, bind: str, preload: bool = False, tier: str = "native") -> dict:
     """bind: VLLM_CPU_OMP_THREADS_BIND ('auto' = vLLM's choice: on this 2-core machine
     it reserves one core for the frontend and computes on the other). preload: LD_PRELOAD tcmalloc and
-    Intel OpenMP, as vLLM's CPU install docs recommend (its worker warns when they are missing)."""
+    Intel OpenMP, as vLLM's CPU install docs recommend (its worker warns when they are missing). tier avx2: vLLM's
+    AVX2 kernel library and torch/oneDNN capped at AVX2 (vllm_avx2/sitecustomize.py), as on an AVX2-only host."""
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
                VLLM_CPU_OMP_THREADS_BIND=bind, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     if preload:
         env["LD_PRELOAD"] = ":".join(str(lib) for lib in vllm_preload_libs())
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; supported: {', '.join(TIERS)}")
+    if tier == "avx2":
+        site = str(Path(__file__).resolve().parent / "vllm_avx2")
+        env.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2",
+                   PYTHONPATH=os.pathsep.join(p for p in (site, env.get("PYTHONPATH", "")) if p))
     return env
 
 
