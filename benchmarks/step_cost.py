@@ -37,7 +37,7 @@ def cpu_model() -> str:
 def tiny_llama(folder: Path, max_positions: int) -> Path:
     import transformers
 
-    from pagedserve.engine.loading.model_store import ensure_default_model
+    from pagedserve.engine.loading.model_store import resolve_model
 
     config = transformers.LlamaConfig(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -45,7 +45,7 @@ def tiny_llama(folder: Path, max_positions: int) -> Path:
         bos_token_id=1)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).to(torch.float32).save_pretrained(folder, safe_serialization=True)
-    source = ensure_default_model()
+    source = resolve_model(None).tokenizer_dir
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_bytes((source / name).read_bytes())
     return folder
