@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.constraint import json_schema
-from pagedserve.engine import sampler as sampler_module
+from pagedserve.engine.runner import sampler as sampler_module
 from pagedserve.engine.structured_output import compiler as compiler_module
 from pagedserve.engine.structured_output import llguidance_backend
 
