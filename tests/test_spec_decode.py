@@ -286,9 +286,9 @@ def test_four_speculating_streams_share_the_native_step_within_its_row_budget(ti
 def test_preemption_and_many_rejections_keep_blocks_consistent(tiny, tiny_base):
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     block_bytes = LLM(tiny, dtype="float32", kv_cache_memory=1 << 20).engine.runner.kv_spec.bytes_per_block
-    # No row budget: all 5 drafts of every sequence, so many of them are rejected.
+    # No row budget and no adaptive length: all 5 drafts of every sequence, so many of them are rejected.
     small = LLM(tiny, dtype="float32", kv_cache_memory=16 * block_bytes, block_size=16,
-                speculative=spec(5, disable_by_batch_size=8), native_step_max_rows=0)
+                speculative=spec(5, disable_by_batch_size=8, adaptive_drafts=False), native_step_max_rows=0)
     got = run_checked(small, REPEATS * 2, params)
     assert got == [list(t) for t in ids(tiny_base.generate(REPEATS * 2, params))]
     s = small.engine.stats()
