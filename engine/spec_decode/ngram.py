@@ -37,27 +37,27 @@ class NgramMatch:
 def find_ngram(tokens: list[int], n_min: int, n_max: int, window: int = LOOKUP_WINDOW) -> NgramMatch | None:
     """The most recent earlier occurrence of the longest suffix n-gram (n_max down to n_min tokens), or None.
 
-    One pass over the window finds the earlier places of the last token; each further token of the suffix then
-    narrows those places, so the longest n costs one comparison of the window, not one per n."""
+    One comparison of the window finds the earlier places of the last token; one gather then measures how far back
+    each of them matches the sequence's end, so the cost does not grow with the lookup range."""
     if len(tokens) <= n_min:
         return None
     seq = np.asarray(tokens[-window:], dtype=np.int64)
     length = len(seq)
-    # ends[i]: the last token of a candidate occurrence; < length - 1, so a token follows it
+    # ends: the last token of each candidate occurrence; < length - 1, so a token follows it
     ends = np.flatnonzero(seq[: length - 1] == seq[-1])
-    best, n = None, 1
-    while ends.size and n <= min(n_max, length - 1):
-        if n >= n_min:
-            best = (int(ends[-1]), n)
-        ends = ends[ends >= n]
-        ends = ends[seq[ends - n] == seq[length - 1 - n]]
-        n += 1
-    if best is None:
+    depth = min(max(n_max, MATCH_CAP), length - 1)
+    if not ends.size or depth < n_min:
         return None
-    end, n = best
-    while n < MATCH_CAP and end - n >= 0 and seq[end - n] == seq[length - 1 - n]:
-        n += 1
-    return NgramMatch(seq, end + 1, n)
+    back = np.arange(depth)
+    places = ends[:, None] - back
+    same = (places >= 0) & (seq[np.maximum(places, 0)] == seq[length - 1 - back])
+    matched = np.where(same.all(axis=1), depth, same.argmin(axis=1))  # tokens matched before the first mismatch
+    n = np.minimum(matched, n_max)
+    best = int(n.max())
+    if best < n_min:
+        return None
+    chosen = int(np.flatnonzero(n == best)[-1])  # the most recent of the longest
+    return NgramMatch(seq, int(ends[chosen]) + 1, int(matched[chosen]))
 
 
 def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int, window: int = LOOKUP_WINDOW) -> tuple[int, ...]:
