@@ -1,7 +1,9 @@
 """Does n-gram speculative decoding pay on this CPU? (Never in CI.)
 
-    python benchmarks/spec_decode.py                       # default model, k=4, repeats 3
-    python benchmarks/spec_decode.py --k 4 --repeats 5 --max-tokens 192
+    python benchmarks/spec_decode.py                       # default model, k=8, lookup 2-16, adaptive drafts
+    python benchmarks/spec_decode.py --k 4 --lookup-max 4 --no-adaptive-drafts   # the earlier setting
+    python benchmarks/spec_decode.py --concurrency 1 --no-saturation \\
+        --also-spec '{"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4, "adaptive_drafts": false}'
     python benchmarks/spec_decode.py --quick               # a smoke run: shorter outputs, one repeat, no saturation
     python benchmarks/spec_decode.py --concurrency 1 2 4 8 16 --disable-by-batch-size 64 --no-saturation  # crossover
 
@@ -14,7 +16,7 @@ Three figures, printed as one JSON object with the machine (CPU model, usable co
   mostly wrong (what speculation costs a workload it does not suit).
 - saturation: the standard workload (benchmarks/workload.py defaults: 64 requests of random token ids, all at once),
   output tokens per second without and with speculation (auto-off above `disable_by_batch_size`); target >= 0.97.
-Runs alternate (A/B) on two engines loaded side by side; medians reported.
+Runs alternate (A/B) on two engines loaded side by side (three with --also-spec); medians reported.
 """
 
 from __future__ import annotations
@@ -89,22 +91,32 @@ def spec_counts(llm: LLM) -> dict:
             "accepted_per_position": list(s.spec_decode_accepted_per_position)}
 
 
-def copy_figures(base: LLM, spec: LLM, concurrency: int, max_tokens: int, repeats: int) -> dict:
+def copy_figures(engines: dict[str, LLM], concurrency: int, max_tokens: int, repeats: int) -> dict:
+    base, spec = engines["base"], engines["spec"]
     prompts = [edit_prompt(base, t) for t in license_chunks(base, concurrency)]
     params = [SamplingParams(temperature=0, max_tokens=max_tokens)] * concurrency
-    runs: dict[str, list[float]] = {"base": [], "spec": []}
+    runs: dict[str, list[float]] = {name: [] for name in engines}
     tokens = {}
-    before = spec_counts(spec)
+    before = {name: spec_counts(llm) for name, llm in engines.items() if name != "base"}
     for _ in range(repeats):
-        for name, llm in (("base", base), ("spec", spec)):
+        for name, llm in engines.items():
             itl, tokens[name] = run_timed(llm, prompts, params)
             runs[name].append(statistics.mean(itl))
-    after = spec_counts(spec)
     b, s = statistics.median(runs["base"]), statistics.median(runs["spec"])
-    return {"concurrency": concurrency, "prompt_tokens": [len(p) for p in prompts],
-            "output_tokens": tokens, "itl_ms_base": round(b * 1e3, 2), "itl_ms_spec": round(s * 1e3, 2),
-            "itl_ratio": round(b / s, 3), "runs_ms": {k: [round(v * 1e3, 2) for v in vs] for k, vs in runs.items()},
-            "acceptance": _difference(after, before)}
+    out = {"concurrency": concurrency, "prompt_tokens": [len(p) for p in prompts],
+           "output_tokens": tokens, "itl_ms_base": round(b * 1e3, 2), "itl_ms_spec": round(s * 1e3, 2),
+           "itl_ratio": round(b / s, 3), "runs_ms": {k: [round(v * 1e3, 2) for v in vs] for k, vs in runs.items()},
+           "acceptance": _difference(spec_counts(spec), before["spec"])}
+    return out | _second(engines, runs, before)
+
+
+def _second(engines: dict[str, LLM], runs: dict[str, list[float]], before: dict) -> dict:
+    """The figures of the second speculating engine (--also-spec), when there is one."""
+    if "spec_b" not in engines:
+        return {}
+    b, s = statistics.median(runs["base"]), statistics.median(runs["spec_b"])
+    return {"itl_ms_spec_b": round(s * 1e3, 2), "itl_ratio_b": round(b / s, 3),
+            "acceptance_b": _difference(spec_counts(engines["spec_b"]), before["spec_b"])}
 
 
 def _difference(after: dict, before: dict) -> dict:
@@ -121,19 +133,20 @@ def _difference(after: dict, before: dict) -> dict:
 FREE_ASK = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def free_figures(base: LLM, spec: LLM, max_tokens: int, repeats: int) -> dict:
+def free_figures(engines: dict[str, LLM], max_tokens: int, repeats: int) -> dict:
     """One stream writing new text (no source to copy): what speculation costs when its drafts are mostly wrong."""
+    base, spec = engines["base"], engines["spec"]
     prompt = base.tokenizer.apply_chat_template([{"role": "user", "content": FREE_ASK}])
     params = [SamplingParams(temperature=0, max_tokens=max_tokens)]
-    runs: dict[str, list[float]] = {"base": [], "spec": []}
-    before = spec_counts(spec)
+    runs: dict[str, list[float]] = {name: [] for name in engines}
+    before = {name: spec_counts(llm) for name, llm in engines.items() if name != "base"}
     for _ in range(repeats):
-        for name, llm in (("base", base), ("spec", spec)):
+        for name, llm in engines.items():
             itl, _ = run_timed(llm, [prompt], params)
             runs[name].append(itl[0])
     b, s = statistics.median(runs["base"]), statistics.median(runs["spec"])
     return {"itl_ms_base": round(b * 1e3, 2), "itl_ms_spec": round(s * 1e3, 2), "itl_ratio": round(b / s, 3),
-            "acceptance": _difference(spec_counts(spec), before)}
+            "acceptance": _difference(spec_counts(spec), before["spec"])} | _second(engines, runs, before)
 
 
 def saturation_figures(base: LLM, spec: LLM, repeats: int) -> dict:
@@ -155,9 +168,13 @@ def saturation_figures(base: LLM, spec: LLM, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct Q4_1 GGUF")
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     parser.add_argument("--lookup-min", type=int, default=2)
-    parser.add_argument("--lookup-max", type=int, default=4)
+    parser.add_argument("--lookup-max", type=int, default=16)
+    parser.add_argument("--no-adaptive-drafts", action="store_true", help="always k drafts (adaptive_drafts false)")
+    parser.add_argument("--also-spec", default=None, metavar="JSON",
+                        help="a second speculating engine with this --speculative-config, run interleaved with the "
+                             "others (an A/B of two settings in one run); its figures are the *_b keys")
     parser.add_argument("--disable-by-batch-size", type=int, default=None, help="default: SpeculativeConfig's")
     parser.add_argument("--native-step-max-rows", type=int, default=None,
                         help="the speculating engine's EngineConfig.native_step_max_rows (default: its default)")
@@ -172,7 +189,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     extra = {} if args.disable_by_batch_size is None else {"disable_by_batch_size": args.disable_by_batch_size}
-    config = SpeculativeConfig(args.k, prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max, **extra)
+    config = SpeculativeConfig(args.k, prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max,
+                               adaptive_drafts=not args.no_adaptive_drafts, **extra)
     common = {"num_threads": args.threads} if args.threads else {}
     if args.native_step_max_batch is not None:
         common["native_step_max_batch"] = args.native_step_max_batch
@@ -180,18 +198,24 @@ def main() -> None:
     base = LLM(args.model, **common)
     rows = {} if args.native_step_max_rows is None else {"native_step_max_rows": args.native_step_max_rows}
     spec = LLM(args.model, speculative=config, **common, **rows)
+    engines = {"base": base, "spec": spec}
+    if args.also_spec:
+        also = SpeculativeConfig.from_json(args.also_spec)
+        engines["spec_b"] = LLM(args.model, speculative=also, **common, **rows)
     max_tokens, repeats = (48, 1) if args.quick else (args.max_tokens, args.repeats)
     result = {
         "benchmark": "spec_decode", "cpu": cpu_model(), "usable_cores": len(os.sched_getaffinity(0)),
         "speculative_config": {"num_speculative_tokens": config.num_speculative_tokens,
                                "prompt_lookup_min": config.prompt_lookup_min,
                                "prompt_lookup_max": config.prompt_lookup_max,
+                               "adaptive_drafts": config.adaptive_drafts,
                                "disable_by_batch_size": spec.engine.scheduler.drafter.disable_by_batch_size},
         "native_step_max_rows": spec.engine.config.native_step_max_rows,
         "native_step_max_batch": spec.engine.config.native_step_max_batch,
         "max_tokens": max_tokens, "repeats": repeats,
-        "copy": [copy_figures(base, spec, c, max_tokens, repeats) for c in args.concurrency],
-        "free_writing": free_figures(base, spec, max_tokens, repeats),
+        "also_spec": args.also_spec,
+        "copy": [copy_figures(engines, c, max_tokens, repeats) for c in args.concurrency],
+        "free_writing": free_figures(engines, max_tokens, repeats),
     }
     if not (args.quick or args.no_saturation):
         result["saturation"] = saturation_figures(base, spec, repeats)

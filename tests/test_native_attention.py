@@ -216,3 +216,17 @@ def test_draft_rows_read_the_cache_once_and_equal_rows_alone(drafts, queries_per
     together, alone = _rows_alone_and_together(77, drafts, queries_per_kv, kv_dtype, head_dim, window)
     assert torch.isfinite(together).all()
     assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_draft_rows_over_several_key_chunks_equal_rows_alone(threads):
+    """One stream's span cut into parts of rows (few KV heads per thread) over a context of several key chunks, on
+    any thread count: still the bits of each row alone."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together, alone = _rows_alone_and_together(1300, 5, 3, KVDtype.BF16, 64, None)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.isfinite(together).all()
+    assert torch.equal(together, alone)

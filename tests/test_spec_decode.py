@@ -23,7 +23,7 @@ from pagedserve.engine.runner.native_capacity import NativeCapacity
 from pagedserve.engine.runner.sampler import Sampler, SeededSampling
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.engine.spec_decode.drafter import Drafter, SpecBackoff
-from pagedserve.engine.spec_decode.ngram import propose_ngram
+from pagedserve.engine.spec_decode.ngram import MATCH_CAP, draft_count, find_ngram, propose_ngram
 from pagedserve.engine.spec_decode.verifier import Verifier
 from pagedserve.service.spec_flags import add_speculative_flags, speculative_config
 from sampler_reference import assert_matches, expected_distribution
@@ -115,6 +115,47 @@ def test_ngram_proposals_match_a_brute_force_search():
         proposed += bool(got)
     assert 50 < proposed < 400
     assert propose_ngram([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2, 1, 3) == (7, 1)  # the most recent occurrence
+
+
+def brute_force_length(tokens, lo, hi):
+    """How far back the occurrence brute_force chose matches the sequence's end (at most max(n, MATCH_CAP))."""
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[-n:]:
+                end, m = start + n - 1, n
+                while m < MATCH_CAP and end - m >= 0 and tokens[end - m] == tokens[-1 - m]:
+                    m += 1
+                return m
+    return None
+
+
+def test_match_length_and_draft_count():
+    rng = np.random.default_rng(1)
+    for trial in range(400):
+        tokens = rng.integers(0, 1 + trial % 5, size=int(rng.integers(1, 60))).tolist()
+        lo = int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 20))
+        match = find_ngram(tokens, lo, hi)
+        assert (None if match is None else match.length) == brute_force_length(tokens, lo, hi), (tokens, lo, hi)
+    copied = list(range(100, 140))
+    match = find_ngram([7, *copied, 8, *copied[:30]], 2, 4)  # a 4-gram lookup that matches 30 tokens back
+    assert (match.length, match.continuation(3)) == (MATCH_CAP, (130, 131, 132))
+    assert [draft_count(m) for m in (1, 2, 3, 4, 5, 6, 16)] == [1, 1, 3, 4, 6, 7, 22]
+
+
+def test_adaptive_drafts_follow_the_match_length():
+    """A two-token repeat drafts one token, a long copy k; with adaptive_drafts off, k whenever there are k."""
+    metrics = SequenceMetrics(arrival_time=0.0)
+    short = [1, 2, 9, 9, 9, 5, 6, 7, 8, 3, 1, 2]  # "1 2" recurs, nothing before it
+    long = [*range(20, 40), 4, *range(20, 30)]
+    for tokens, adaptive, want in ((short, True, (9,)), (short, False, (9, 9, 9, 5)), (long, True, (30, 31, 32, 33)),
+                                   (long[:-7], True, (23, 24, 25))):  # 3 matched: 3 drafts
+        seq = Sequence("a", 0, tokens, len(tokens), SamplingParams(max_tokens=100), metrics)
+        seq.num_computed_tokens = len(tokens) - 1
+        assert Drafter(spec(4, lo=2, hi=4, adaptive_drafts=adaptive), 512).propose(seq, 10) == want
+    with pytest.raises(ConfigError) as info:
+        SpeculativeConfig.from_json('{"num_speculative_tokens": 2, "adaptive_drafts": 1}')
+    assert info.value.field == "speculative_config.adaptive_drafts"
 
 
 def test_drafter_backs_off_after_rejections_and_resets_on_acceptance():
@@ -245,9 +286,9 @@ def test_four_speculating_streams_share_the_native_step_within_its_row_budget(ti
 def test_preemption_and_many_rejections_keep_blocks_consistent(tiny, tiny_base):
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     block_bytes = LLM(tiny, dtype="float32", kv_cache_memory=1 << 20).engine.runner.kv_spec.bytes_per_block
-    # No row budget: all 5 drafts of every sequence, so many of them are rejected.
+    # No row budget and no adaptive length: all 5 drafts of every sequence, so many of them are rejected.
     small = LLM(tiny, dtype="float32", kv_cache_memory=16 * block_bytes, block_size=16,
-                speculative=spec(5, disable_by_batch_size=8), native_step_max_rows=0)
+                speculative=spec(5, disable_by_batch_size=8, adaptive_drafts=False), native_step_max_rows=0)
     got = run_checked(small, REPEATS * 2, params)
     assert got == [list(t) for t in ids(tiny_base.generate(REPEATS * 2, params))]
     s = small.engine.stats()

@@ -25,13 +25,16 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 1
 class SpeculativeConfig:
     """`num_speculative_tokens`: drafts per step (k); `prompt_lookup_min` / `prompt_lookup_max`: the shortest and
     longest suffix n-gram looked up (either alone sets both, none: 5 and 5, as vLLM does); `disable_by_batch_size`:
-    a step with more running sequences than this speculates for none of them (None: DEFAULT_DISABLE_BY_BATCH_SIZE)."""
+    a step with more running sequences than this speculates for none of them (None: DEFAULT_DISABLE_BY_BATCH_SIZE);
+    `adaptive_drafts` (pagedserve's own key): up to k drafts by the length of the n-gram match (`ngram.draft_count`),
+    else k whenever the text after the match has them."""
 
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
+    adaptive_drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -50,6 +53,8 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_max", hi)
         if self.disable_by_batch_size is not None:
             _positive("disable_by_batch_size", self.disable_by_batch_size)
+        if not isinstance(self.adaptive_drafts, bool):
+            raise ConfigError("speculative_config.adaptive_drafts", f"must be true or false, got {self.adaptive_drafts!r}")
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:

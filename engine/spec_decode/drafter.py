@@ -11,6 +11,10 @@ Row budget: past the native decode step's sequence limit, a step with drafts sti
 `EngineConfig.native_step_max_rows`; each sequence then drafts at most that budget's share, as the runner's own size
 rule says (`engine/runner/native_capacity.py`).
 
+Draft length: with `SpeculativeConfig.adaptive_drafts` (the default) a sequence drafts fewer than k tokens where its
+n-gram match is short (`ngram.draft_count`): a chance repeat of two tokens is rarely followed by what followed it
+before, and every rejected draft still costs its row.
+
 Back-off: drafts that are all rejected still cost their rows (in the native decode step, or on the torch path for
 batches too large for it), so they cost real time. After a verification that accepted nothing, the
 sequence proposes nothing for 1, 2, 4, ... up to `MAX_BACKOFF_STEPS` steps; any accepted draft resets it. This
@@ -25,7 +29,7 @@ from pagedserve.engine.core.seq_features import SeqFeature
 from pagedserve.engine.core.sequence import Sequence
 from pagedserve.engine.runner.native_capacity import NO_NATIVE_STEP, NativeCapacity
 from pagedserve.engine.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
-from pagedserve.engine.spec_decode.ngram import propose_ngram
+from pagedserve.engine.spec_decode.ngram import draft_count, find_ngram
 from pagedserve.engine.structured_output.backend import GrammarState
 
 MAX_BACKOFF_STEPS = 16
@@ -67,7 +71,10 @@ class Drafter:
             backoff.skip -= 1
             return ()
         c = self.config
-        return propose_ngram(seq.token_ids, limit, c.prompt_lookup_min, c.prompt_lookup_max)
+        match = find_ngram(seq.token_ids, c.prompt_lookup_min, c.prompt_lookup_max)
+        if match is None:
+            return ()
+        return match.continuation(min(limit, draft_count(match.length)) if c.adaptive_drafts else limit)
 
     @staticmethod
     def observe(seq: Sequence, num_accepted: int) -> None:

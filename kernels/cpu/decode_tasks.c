@@ -135,6 +135,29 @@ static int64_t find_spans(const DecodeArgs *a, int64_t num_seqs, Span *spans) {
     return count;
 }
 
+/* One stream's row and drafts make one span over a model's few KV heads: fewer pairs than threads balance (3 heads
+ * on 2 threads leave one thread idle a third of the attention), and cutting its keys into chunk pieces balances only
+ * contexts of several chunks. So while there are fewer than SPLIT_BELOW pairs per thread, spans of several rows are
+ * cut into spans of consecutive rows, as equal as they come: a row's result does not depend on the rows beside it,
+ * so the bits do not change, and each part rereads the span's keys from cache. Returns the new span count. */
+static int64_t split_spans(const DecodeArgs *a, Span *spans, int64_t count, int num_threads) {
+    const int64_t want = (SPLIT_BELOW * num_threads + a->num_kv_heads - 1) / a->num_kv_heads;
+    if (num_threads < 2 || count >= want) return count;
+    const int64_t parts = (want + count - 1) / count;
+    int64_t total = 0;
+    for (int64_t i = 0; i < count; i++) total += spans[i].m < parts ? spans[i].m : parts;
+    /* from the last span down, so every span is read before its slots are overwritten */
+    for (int64_t i = count - 1, at = total; i >= 0; i--) {
+        const Span sp = spans[i];
+        const int64_t g = sp.m < parts ? sp.m : parts;
+        for (int64_t j = g - 1; j >= 0; j--) {
+            const int64_t from = j * sp.m / g, to = (j + 1) * sp.m / g;
+            spans[--at] = (Span){sp.s + from, to - from};
+        }
+    }
+    return total;
+}
+
 /* The chunks a span's keys touch: [*c0, *c1); one pseudo-chunk for the scalar code, which does not chunk. */
 static void span_chunks(const DecodeArgs *a, const Span *sp, int64_t *c0, int64_t *c1) {
     int64_t lo, hi;
@@ -203,7 +226,7 @@ int pagedserve_decode_attention(const DecodeArgs *a, int64_t num_seqs, int64_t m
     const int64_t group = a->num_heads / a->num_kv_heads;
     Span *spans = reused(SPANS, sizeof(Span) * (size_t)(num_seqs > 0 ? num_seqs : 1));
     if (!spans) return -1;
-    const int64_t num_spans = find_spans(a, num_seqs, spans);
+    const int64_t num_spans = split_spans(a, spans, find_spans(a, num_seqs, spans), num_threads);
     /* few pairs per thread: about SPLIT_BELOW tasks per thread (the pieces of a chunk give less imbalance than
      * whole pairs, but each costs a cold start and its partials' trip to the merging core) */
     const int64_t pairs = num_spans * a->num_kv_heads;
