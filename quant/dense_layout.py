@@ -23,6 +23,12 @@ _GROUPS_PER_STEP = 64
 # second copy of the weight on every torch-path step, and the allocator keeps freed memory for the next step
 # (engine/host/allocator.py): the LM head's 56.6 MB stayed resident beside its table (+0.22x a bf16 SmolLM2).
 _LINEAR_CHUNK_BYTES = 4 << 20
+# The same for a 16-bit weight widened to fp32 (fp32 bytes): fewer, larger calls, since each widening and each GEMM
+# is a parallel region and a busy host makes every region wait on a descheduled thread. A 1B layer's prefill, 2
+# shared cores, against fp32 weights held whole: 0.45x / 0.61x (512 / 2048 tokens) in 4 MiB slices, 0.67x / 0.81x
+# in 16 MiB, 0.92x / 0.90x in 64 MiB (benchmarks/half_weights_prefill.py, noisy); 64 MiB is 2.6% of a 1B model's
+# bf16 bytes, held in the heap between steps (engine/host/allocator.py).
+_WIDEN_CHUNK_BYTES = 64 << 20
 
 
 def grouped_isa() -> str:
@@ -82,7 +88,8 @@ def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     F.linear computes over the whole matrix, and no whole-matrix temporary (a second copy of the weight, kept by the
     allocator) is ever made."""
     out_features, n_in = weight.shape
-    step = max(GROUP_ROWS, _LINEAR_CHUNK_BYTES // (n_in * x.element_size()) // GROUP_ROWS * GROUP_ROWS)
+    limit = _LINEAR_CHUNK_BYTES if weight.dtype == x.dtype else _WIDEN_CHUNK_BYTES
+    step = max(GROUP_ROWS, limit // (n_in * x.element_size()) // GROUP_ROWS * GROUP_ROWS)
     if step >= out_features:
         return F.linear(x, row_major(weight).to(x.dtype), bias)
     unpack = _ungrouped if row_group(weight) else (lambda rows: rows)
