@@ -224,7 +224,8 @@ def main() -> None:
             model_dir, args.gguf or low_concurrency.model_file(args.lc_model_file)[0], lc_systems,
             (1, 2) if args.quick else tuple(args.lc_streams), args.lc_prompt_len,
             32 if args.quick else args.lc_output_len, 1 if args.quick else args.lc_repeats, args.threads,
-            args.log_dir, args.vllm_bind, prefill_lens=() if args.quick else tuple(args.lc_prefill_lens))
+            args.log_dir, args.vllm_bind, prefill_lens=() if args.quick else tuple(args.lc_prefill_lens),
+            pagedserve_dtype=args.lc_pagedserve_dtype)
         args.out_json.write_text(json.dumps(out, indent=2))
     out["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     out["meta"]["host"]["load_avg_1m_end"] = os.getloadavg()[0]
