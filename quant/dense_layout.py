@@ -19,7 +19,7 @@ from pagedserve.kernels.cpu.native import load_library
 GROUP_ROWS = 16
 # Groups rewritten per step of `group_rows_in_place`: bounds its temporary copy (~1 MB for a 576-wide bf16 matrix).
 _GROUPS_PER_STEP = 64
-# Most bytes of a grouped weight `grouped_linear` turns back to row-major at once. A whole-matrix temporary would be a
+# Most bytes of a grouped weight `chunked_linear` turns back to row-major at once. A whole-matrix temporary would be a
 # second copy of the weight on every torch-path step, and the allocator keeps freed memory for the next step
 # (engine/host/allocator.py): the LM head's 56.6 MB stayed resident beside its table (+0.22x a bf16 SmolLM2).
 _LINEAR_CHUNK_BYTES = 4 << 20
