@@ -19,7 +19,9 @@ import torch.nn.functional as F
 import transformers
 
 import cpu_tiers
-from conftest import hf_greedy, make_tiny_model
+from conftest import hf_from_gguf, hf_greedy, make_tiny_model
+from gguf import GGMLQuantizationType
+from gguf_fixtures import write_tiny_llama
 from pagedserve.engine.host.cpu_features import tier_bf16_flags
 from pagedserve.kernels.cpu import isa
 from pagedserve.kernels.cpu.native import load_library
@@ -60,7 +62,7 @@ def _engine_run(path: Path, tier: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _check(path: Path, tier: str, dtype: torch.dtype) -> None:
+def _check(path: Path, tier: str, dtype: torch.dtype, hf=None) -> None:
     got = _engine_run(path, tier)
     forced = None if tier == isa.NATIVE else isa.tier(tier)
     if tier_bf16_flags(forced):  # this tier multiplies bf16 natively: bf16 throughout (test_cpu_features.py)
@@ -69,7 +71,7 @@ def _check(path: Path, tier: str, dtype: torch.dtype) -> None:
     name = str(dtype)
     assert (got["compute"], got["weights"], got["matrices"], got["table"]) == ("torch.float32", name, [name], name)
     assert got["native"]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    hf = hf or transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     assert got["tokens"] == [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
 
 
@@ -83,6 +85,16 @@ def test_fp16_and_tied_checkpoints_on_the_avx2_tier(tmp_path, dtype, tied):
     if "avx2" not in isa.available_tiers():
         pytest.skip("this CPU has no avx2 tier")
     _check(_half_checkpoint(tmp_path, dtype, tied), "avx2", dtype)
+
+
+def test_an_all_bf16_gguf_is_a_bf16_checkpoint(tmp_path):
+    """llama.cpp's bf16 files (matrices BF16, norms F32): the same plan, against transformers' own GGUF loader."""
+    if "avx2" not in isa.available_tiers():
+        pytest.skip("this CPU has no avx2 tier")
+    kinds = ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+             "blk.1.ffn_down")
+    path = write_tiny_llama(tmp_path / "tiny-bf16.gguf", types={k: GGMLQuantizationType.BF16 for k in kinds})
+    _check(path, "avx2", torch.bfloat16, hf=hf_from_gguf(path))
 
 
 @pytest.mark.parametrize("tier", cpu_tiers.params(cpu_tiers.CORE))
