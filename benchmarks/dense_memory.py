@@ -7,7 +7,9 @@ import overhead (torch, and transformers' configuration modules that AutoTokeniz
 ~240 MiB baseline) is the same whatever the checkpoint and is SUBTRACTED (reported as `import_anon_bytes`). It
 then builds the engine, generates, and reads the growth, as the process holds it and after malloc_trim.
 
-- `weight_bytes`: the checkpoint's values times the dtype's size (what a checkpoint stored in that dtype holds).
+- `weight_bytes`: the checkpoint's values times the size of the dtype the engine holds its matrices in (what a
+  checkpoint stored in that dtype holds); `auto`: the engine's choice for this host's kernel tier (a 16-bit
+  checkpoint on a tier without bf16 arithmetic: 16-bit weights under fp32 compute, `weight_dtype`).
 - `tensor_bytes`: the model's distinct parameter and buffer storages (a tied head counted once; RoPE tables
   included); `packed_bytes`: oneDNN packed copies the torch path keeps (0 when every weight is held once).
 - `anon_growth_bytes`: anonymous pages (the process's own data) gained, after the benchmark's own malloc_trim: the
@@ -28,6 +30,7 @@ host does not change the figures, but run it alone all the same.
     python benchmarks/dense_memory.py
     python benchmarks/dense_memory.py --dtypes bfloat16 float16 float32
     PAGEDSERVE_CPU_ISA=avx2 python benchmarks/dense_memory.py --dtypes bfloat16
+    PAGEDSERVE_CPU_ISA=avx2 python benchmarks/dense_memory.py --dtypes auto --model ~/.cache/pagedserve-peers/models/llama-1b-shape-smollm2-vocab
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ def _import_all(names: list[str]) -> None:
             pass
 
 
-def _weight_bytes(folder: Path, dtype: str) -> int:
+def _checkpoint_values(folder: Path) -> int:
     import torch
     from safetensors import safe_open
 
@@ -93,7 +96,7 @@ def _weight_bytes(folder: Path, dtype: str) -> int:
     for f in folder.glob("*.safetensors"):
         with safe_open(str(f), "pt") as st:
             values += sum(torch.Size(st.get_slice(key).get_shape()).numel() for key in st.keys())
-    return values * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    return values
 
 
 def _model_bytes(runner) -> tuple[int, int, int]:
@@ -120,15 +123,19 @@ def measure_child(folder: Path, dtype: str, max_batch: int | None, modules: list
 
     lib = native.load_library()
     packed.build()  # compiled objects mapped before the baseline
-    weight_bytes = _weight_bytes(folder, dtype)
+    values = _checkpoint_values(folder)
     before = _status()
     llm = _engine(folder, dtype, max_batch)
+    loaded = llm.engine.loaded
+    held = loaded.weight_dtype or loaded.dtype  # the matrices' dtype in memory
+    weight_bytes = values * held.itemsize
     served = _status(trim=False)
     after = _status()
     runner = llm.engine.runner
     tensor_bytes, packed_bytes, kv = _model_bytes(runner)
     grown = {key: after[key] - before[key] for key in _STATUS_FIELDS}
-    return {"kind": "dense_memory", "dtype": dtype, "native_step": runner.native_step is not None,
+    return {"kind": "dense_memory", "dtype": dtype, "compute_dtype": str(loaded.dtype).removeprefix("torch."),
+            "weight_dtype": str(held).removeprefix("torch."), "model": str(folder), "native_step": runner.native_step is not None,
             "native_step_max_batch": max_batch, "weight_bytes": weight_bytes, "tensor_bytes": tensor_bytes,
             "packed_bytes": packed_bytes, "kv_cache_bytes": kv, "import_anon_bytes": before["RssAnon"] - start["RssAnon"],
             "anon_growth_bytes": grown["RssAnon"], "rss_growth_bytes": grown["VmRSS"],
@@ -152,7 +159,8 @@ def _child(folder: Path, dtype: str, max_batch: int | None, modules: Path | None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtypes", nargs="+", default=["bfloat16"])
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16"], help="engine dtypes (auto included)")
+    parser.add_argument("--model", default=None, help="an HF folder (default: the default model's)")
     parser.add_argument("--native-step-max-batch", type=int, default=None,
                         help="EngineConfig.native_step_max_batch (0: no native step, the torch path alone)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -171,7 +179,7 @@ def main() -> None:
 
     from hf_folder import hf_folder
 
-    folder = hf_folder(None)
+    folder = hf_folder(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes:
             listing = Path(tmp) / f"{dtype}.json"

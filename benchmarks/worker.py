@@ -19,7 +19,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("system", choices=list(SYSTEMS))
     parser.add_argument("--model", required=True)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefix-caching", action="store_true")
     args = parser.parse_args()

@@ -97,6 +97,12 @@ class QuantConfig(ABC):
         as a tied head's native kernel may regroup it (quant/dense_layout.py)."""
         return DenseEmbedding(num_embeddings, embedding_dim, dtype)
 
+    def holding_weights_in(self, dtype: torch.dtype, compute_dtype: torch.dtype) -> "QuantConfig":
+        """This config with its plain (unquantized) matrices held in `dtype` while the model computes in
+        `compute_dtype` (16-bit weights on a CPU without 16-bit arithmetic: engine/loading/dtype_plan.py). Default:
+        itself, the method's storage being its own."""
+        return self
+
     def stores_tied_head(self) -> bool:
         """Whether the checkpoint holds the LM head's own quantized tensors although the model ties it to the
         embedding (GPTQModel's `lm_head: true` on a tied model): the model then builds a separate head from

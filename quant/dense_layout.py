@@ -19,10 +19,16 @@ from pagedserve.kernels.cpu.native import load_library
 GROUP_ROWS = 16
 # Groups rewritten per step of `group_rows_in_place`: bounds its temporary copy (~1 MB for a 576-wide bf16 matrix).
 _GROUPS_PER_STEP = 64
-# Most bytes of a grouped weight `grouped_linear` turns back to row-major at once. A whole-matrix temporary would be a
+# Most bytes of a grouped weight `chunked_linear` turns back to row-major at once. A whole-matrix temporary would be a
 # second copy of the weight on every torch-path step, and the allocator keeps freed memory for the next step
 # (engine/host/allocator.py): the LM head's 56.6 MB stayed resident beside its table (+0.22x a bf16 SmolLM2).
 _LINEAR_CHUNK_BYTES = 4 << 20
+# The same for a 16-bit weight widened to fp32 (fp32 bytes): fewer, larger calls, since each widening and each GEMM
+# is a parallel region and a busy host makes every region wait on a descheduled thread. A 1B layer's prefill, 2
+# shared cores, against fp32 weights held whole: 0.45x / 0.61x (512 / 2048 tokens) in 4 MiB slices, 0.67x / 0.81x
+# in 16 MiB, 0.92x / 0.90x in 64 MiB (benchmarks/half_weights_prefill.py, noisy); 64 MiB is 2.6% of a 1B model's
+# bf16 bytes, held in the heap between steps (engine/host/allocator.py).
+_WIDEN_CHUNK_BYTES = 64 << 20
 
 
 def grouped_isa() -> str:
@@ -76,14 +82,18 @@ def _ungrouped(rows: torch.Tensor) -> torch.Tensor:
     return rows.view(-1, n_in // 2, GROUP_ROWS, 2).permute(0, 2, 1, 3).reshape(rows.shape)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, row_major(weight), bias) for a grouped weight, made row-major at most _LINEAR_CHUNK_BYTES at a
-    time: each output column is the same dot product F.linear computes over the whole matrix."""
+def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, row_major(weight).to(x.dtype), bias) for a grouped weight or a 16-bit one under fp32 compute,
+    made row-major and x's dtype at most _LINEAR_CHUNK_BYTES at a time: each output column is the same dot product
+    F.linear computes over the whole matrix, and no whole-matrix temporary (a second copy of the weight, kept by the
+    allocator) is ever made."""
     out_features, n_in = weight.shape
-    step = max(GROUP_ROWS, _LINEAR_CHUNK_BYTES // (n_in * weight.element_size()) // GROUP_ROWS * GROUP_ROWS)
+    limit = _LINEAR_CHUNK_BYTES if weight.dtype == x.dtype else _WIDEN_CHUNK_BYTES
+    step = max(GROUP_ROWS, limit // (n_in * x.element_size()) // GROUP_ROWS * GROUP_ROWS)
     if step >= out_features:
-        return F.linear(x, row_major(weight), bias)
-    parts = [F.linear(x, _ungrouped(weight[r0:r0 + step]), None if bias is None else bias[r0:r0 + step])
+        return F.linear(x, row_major(weight).to(x.dtype), bias)
+    unpack = _ungrouped if row_group(weight) else (lambda rows: rows)
+    parts = [F.linear(x, unpack(weight[r0:r0 + step]).to(x.dtype), None if bias is None else bias[r0:r0 + step])
              for r0 in range(0, out_features, step)]
     return torch.cat(parts, dim=-1)
 
@@ -101,13 +111,16 @@ class DenseEmbedding(nn.Module):
     """A token embedding over a plain [vocab, dim] table, row-major or grouped (a tied head's native kernel may
     have grouped it since loading)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, table_dtype: torch.dtype | None = None):
+        """dtype: the rows' dtype out (the compute dtype); table_dtype: the table's in memory (default: dtype; a
+        16-bit checkpoint's own dtype where the model computes in fp32 without 16-bit arithmetic)."""
         super().__init__()
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False)
+        self.num_embeddings, self.embedding_dim, self.out_dtype = num_embeddings, embedding_dim, dtype
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=table_dtype or dtype),
+                                   requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = embedding_rows(self.weight, ids.reshape(-1))
+        rows = embedding_rows(self.weight, ids.reshape(-1)).to(self.out_dtype)
         return rows.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

@@ -15,7 +15,7 @@ import torch
 from pagedserve.kernels.cpu.native import COMPUTE_DTYPES, dtype_code, load_library
 from pagedserve.kernels.cpu.structs import DenseLinearState
 from pagedserve.quant.dense_layout import row_group
-from pagedserve.quant.native_linear import NativeLinear
+from pagedserve.quant.native_linear import DEFAULT_NATIVE_MAX_BATCH, NativeLinear
 
 
 def plain_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -24,10 +24,13 @@ def plain_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def dense_native_linear(weight: torch.Tensor, bias: torch.Tensor | None, portable: bool = False,
-                        lib: ctypes.CDLL | None = None) -> NativeLinear:
+                        lib: ctypes.CDLL | None = None, x_fp32: bool = False,
+                        native_max_batch: int = DEFAULT_NATIVE_MAX_BATCH) -> NativeLinear:
     """weight [out, in] (bf16, fp16 or fp32, CPU, contiguous; row-major or grouped: `row_group`), bias [out] or None
     -> the kernel and its state. portable: the code a host without AVX-512 runs, whatever this one has (for tests;
-    row-major weights only). lib: the build to run (tests pass one compiled with CPU features switched off)."""
+    row-major weights only). lib: the build to run (tests pass one compiled with CPU features switched off).
+    x_fp32: 16-bit weights of an fp32-compute model: activations are not rounded to the weight's dtype, the
+    weights are widened (exactly) in registers, so the products are the fp32 model's."""
     if weight.device.type != "cpu" or weight.dtype not in COMPUTE_DTYPES or weight.dim() != 2:
         raise ValueError(f"dense native linear: weight must be a 2-D CPU tensor in {COMPUTE_DTYPES}, got "
                          f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
@@ -41,13 +44,14 @@ def dense_native_linear(weight: torch.Tensor, bias: torch.Tensor | None, portabl
     out_features, in_features = weight.shape
     state = DenseLinearState(
         weight.data_ptr(), None if bias is None else bias.data_ptr(), dtype_code(weight.dtype),
-        dtype_code(bias.dtype) if bias is not None else 0, in_features, out_features, row_group(weight), 0,
+        dtype_code(bias.dtype) if bias is not None else 0, in_features, out_features, row_group(weight), int(x_fp32),
     )
     lib = lib or load_library()
     fn = lib.pagedserve_dense_linear_portable if portable else lib.pagedserve_dense_linear
     return NativeLinear(
         fn=ctypes.cast(fn, ctypes.c_void_p).value, state=ctypes.addressof(state),
         in_features=in_features, out_features=out_features, keepalive=(state, weight, bias),
+        native_max_batch=native_max_batch,
     )
 
 

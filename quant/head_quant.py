@@ -42,8 +42,9 @@ def quantized_head(head: nn.Module) -> nn.Module:
     weight = head.weight.detach().float().cpu().numpy()
     blocks = torch.from_numpy(np.ascontiguousarray(quantize(weight, GGMLQuantizationType.Q8_0)))
     method = GgufLinearMethod("Q8_0", dense_batches=True)
+    compute = getattr(head, "compute_dtype", head.weight.dtype)  # fp32 over a 16-bit head: UnquantizedLinearMethod
     with torch.device("meta"):
-        packed = QuantLinear(head.in_features, head.out_features, False, method, head.weight.dtype)
+        packed = QuantLinear(head.in_features, head.out_features, False, method, compute)
     packed.weight = nn.Parameter(blocks, requires_grad=False)
-    packed.compute_dtype = head.weight.dtype
+    packed.compute_dtype = compute
     return packed

@@ -1,4 +1,9 @@
-"""Plain FP32/FP16/BF16 weights; on CPU packed once for oneDNN (see onednn_dense.py)."""
+"""Plain FP32/FP16/BF16 weights; on CPU packed once for oneDNN (see onednn_dense.py).
+
+On a CPU without 16-bit arithmetic a 16-bit checkpoint's weights stay in its dtype (`weight_dtype`) while the model
+computes in fp32, as llama.cpp does: half the bytes of fp32 in memory and per decode step. The native GEMV widens
+them in registers; the torch path widens a few MB at a time (dense_layout.chunked_linear). bf16 -> fp32 and
+fp16 -> fp32 are exact, so the products are the fp32 model's."""
 
 from __future__ import annotations
 
@@ -9,31 +14,53 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.quant.base import LinearMethod, QuantConfig
+from pagedserve.quant.dense_layout import DenseEmbedding
 from pagedserve.quant.native_linear import NativeLinear
 from pagedserve.quant.onednn_dense import can_pack, pack_weight, packed_linear
 
 
+# Up to this many rows the torch path multiplies 16-bit weights under fp32 compute with the native GEMV (reading
+# them once per 8 rows, no temporaries) rather than widening them to fp32 slices for a GEMM: a prefill's logits
+# rows, decode batches past the native step's size.
+_GEMV_ROWS = 32
+
+
 class UnquantizedLinearMethod(LinearMethod):
+    def __init__(self, weight_dtype: torch.dtype | None = None):
+        """weight_dtype: the weight's dtype in memory when it differs from the compute dtype (16-bit weights of an
+        fp32-compute model); None: the compute dtype."""
+        self.weight_dtype = weight_dtype
+
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
-        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=self.weight_dtype or dtype),
+                                    requires_grad=False)
         layer.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         layer.packed_weight = None
+        layer.compute_dtype = dtype
+        layer.widening_gemv = None  # the native GEMV over 16-bit weights, once native_linear made it
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         # A shared weight (a tied LM head's is the embedding's table, which lookups read) is not packed: the packed
         # copy would sit beside the table, the vocabulary's weights held twice (+0.21x a bf16 SmolLM2's weight bytes
         # on the torch path: benchmarks/dense_memory.py), for a head ~1.4x faster at 1-16 rows (bf16, noisy host).
-        if can_pack(layer.weight) and not layer.weight_shared:
+        # 16-bit weights of an fp32 model stay as they are: a packed copy would be 16-bit math or twice the bytes.
+        if can_pack(layer.weight) and not layer.weight_shared and self.weight_dtype is None:
             layer.packed_weight = pack_weight(layer.weight)
             layer.weight = None  # the packed copy replaces it: one copy of the weights in memory
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.packed_weight is not None:
             return packed_linear(x, layer.packed_weight, layer.bias)
-        from pagedserve.quant.dense_layout import grouped_linear, row_group
+        from pagedserve.quant.dense_layout import chunked_linear, row_group
 
-        if row_group(layer.weight):  # regrouped by the native step (its only copy): row-major a slice at a time
-            return grouped_linear(x, layer.weight, layer.bias)
+        if layer.weight.dtype != x.dtype and layer.widening_gemv is not None and x.numel() <= _GEMV_ROWS * x.shape[-1]:
+            from pagedserve.quant.dense_native import call_native_linear
+
+            flat = call_native_linear(layer.widening_gemv, x.reshape(-1, x.shape[-1]))
+            return flat.view(*x.shape[:-1], flat.shape[-1])
+        # regrouped by the native step (its only copy), or 16-bit under fp32 compute: a slice at a time
+        if row_group(layer.weight) or layer.weight.dtype != x.dtype:
+            return chunked_linear(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
     def native_linear(self, layer: nn.Module) -> NativeLinear | None:
@@ -46,6 +73,7 @@ class UnquantizedLinearMethod(LinearMethod):
         from pagedserve.kernels.cpu.native import available
         from pagedserve.quant.dense_layout import can_group, group_rows_in_place
         from pagedserve.quant.dense_native import dense_native_linear, plain_weight
+        from pagedserve.quant.native_linear import GROUPED_NATIVE_MAX_BATCH
 
         weight = layer.weight if layer.weight is not None else layer.packed_weight
         if weight is None or weight.device.type != "cpu" or not available():
@@ -57,7 +85,13 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.packed_weight = None
         if can_group(plain):
             group_rows_in_place(plain)
-        return dense_native_linear(plain, layer.bias)
+        if self.weight_dtype is None:
+            return dense_native_linear(plain, layer.bias)
+        # 16-bit weights, fp32 compute: the torch path widens the whole matrix per call, so the GEMV, which reads
+        # it once for up to 8 rows, stays ahead through 8 sequences.
+        layer.widening_gemv = dense_native_linear(plain, layer.bias, x_fp32=True,
+                                                  native_max_batch=GROUPED_NATIVE_MAX_BATCH)
+        return layer.widening_gemv
 
     def merge(self, layers: list[nn.Module]) -> nn.Module | None:
         from pagedserve.quant.linear import QuantLinear
@@ -66,13 +100,16 @@ class UnquantizedLinearMethod(LinearMethod):
             return None
         weight = torch.cat([layer.weight for layer in layers])
         has_bias = any(layer.bias is not None for layer in layers)
-        merged = QuantLinear(layers[0].in_features, weight.shape[0], has_bias, UnquantizedLinearMethod(), weight.dtype)
+        compute = layers[0].compute_dtype
+        merged = QuantLinear(layers[0].in_features, weight.shape[0], has_bias,
+                             UnquantizedLinearMethod(self.weight_dtype), compute)
         merged.to(weight.device)
         with torch.no_grad():
             merged.weight.copy_(weight)
             if has_bias:
                 merged.bias.copy_(torch.cat([
-                    layer.bias if layer.bias is not None else weight.new_zeros(layer.out_features) for layer in layers
+                    layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features, dtype=compute)
+                    for layer in layers
                 ]))
         return merged
 
@@ -80,9 +117,18 @@ class UnquantizedLinearMethod(LinearMethod):
 class UnquantizedConfig(QuantConfig):
     name = "none"
 
+    def __init__(self, weight_dtype: torch.dtype | None = None):
+        self.weight_dtype = weight_dtype  # UnquantizedLinearMethod's: None, or 16-bit weights for fp32 compute
+
     @classmethod
     def from_hf(cls, quantization_config: dict[str, Any]) -> "UnquantizedConfig":
         return cls()
 
+    def holding_weights_in(self, dtype: torch.dtype, compute_dtype: torch.dtype) -> "UnquantizedConfig":
+        return UnquantizedConfig(None if dtype == compute_dtype else dtype)
+
     def linear_method(self, prefix: str) -> LinearMethod:
-        return UnquantizedLinearMethod()
+        return UnquantizedLinearMethod(self.weight_dtype)
+
+    def embedding(self, prefix: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> nn.Module:
+        return DenseEmbedding(num_embeddings, embedding_dim, dtype, self.weight_dtype)

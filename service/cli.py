@@ -37,7 +37,8 @@ _ENGINE_HELP = {
              "(SmolLM2-135M-Instruct, gemma-3-270m); default: the bundled SmolLM2-135M-Instruct GGUF",
     "tokenizer": "folder with the HF tokenizer files to use instead of the model's (for checkpoints saved "
                  "without one, as AutoGPTQ/AutoAWQ write them)",
-    "dtype": "compute dtype: auto (bfloat16 on CPUs with native bf16, else the checkpoint's), float32, bfloat16, float16",
+    "dtype": "compute dtype: auto (CPU: bfloat16 where the kernel tier has native bf16, else float32 over a 16-bit "
+             "checkpoint's own 16-bit weights; GPU: the checkpoint's), float32, bfloat16, float16",
     "kv_cache_dtype": "KV-cache dtype (auto: the model's)",
     "kv_cache_memory": "KV-cache memory budget, bytes or with a unit (512MiB, 2GiB)",
     "block_size": "tokens per KV block",

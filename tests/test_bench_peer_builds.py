@@ -49,6 +49,9 @@ def test_pagedserve_tier_environment(monkeypatch):
     monkeypatch.setenv(servers.ISA_ENV, "portable")
     assert servers.ISA_ENV not in servers.pagedserve_env("native")  # native: the host's best, whatever the shell
     assert servers.pagedserve_env("avx2")[servers.ISA_ENV] == "avx2"
+    assert servers.pagedserve_env("avx2")["ATEN_CPU_CAPABILITY"] == "avx2"  # torch's GEMMs capped too
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert "ONEDNN_MAX_CPU_ISA" not in servers.pagedserve_env("native")
     with pytest.raises(ValueError, match="native, avx2"):
         servers.pagedserve_env("sse2")
 

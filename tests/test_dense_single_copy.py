@@ -13,7 +13,7 @@ import transformers
 
 from conftest import hf_greedy, make_tiny_model
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.quant.dense_layout import group_rows_in_place, grouped_isa, grouped_linear, row_group, row_major
+from pagedserve.quant.dense_layout import chunked_linear, group_rows_in_place, grouped_isa, row_group, row_major
 from pagedserve.quant.linear import QuantLinear
 from pagedserve.quant.unquantized import UnquantizedLinearMethod
 
@@ -92,4 +92,4 @@ def test_grouped_linear_makes_the_weight_row_major_a_slice_at_a_time():
     grouped = plain.clone()
     group_rows_in_place(grouped)
     x = torch.randn(3, 512, generator=g).bfloat16()
-    assert torch.equal(grouped_linear(x, grouped, bias), torch.nn.functional.linear(x, plain, bias))
+    assert torch.equal(chunked_linear(x, grouped, bias), torch.nn.functional.linear(x, plain, bias))

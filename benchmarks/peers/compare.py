@@ -231,7 +231,7 @@ def main() -> None:
             (1, 2) if args.quick else tuple(args.lc_streams), args.lc_prompt_len,
             32 if args.quick else args.lc_output_len, 1 if args.quick else args.lc_repeats, args.threads,
             args.log_dir, args.vllm_bind, tier=args.tier,
-            prefill_lens=() if args.quick else tuple(args.lc_prefill_lens))
+            prefill_lens=() if args.quick else tuple(args.lc_prefill_lens), pagedserve_dtype=args.lc_pagedserve_dtype)
         args.out_json.write_text(json.dumps(out, indent=2))
     out["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     out["meta"]["host"]["load_avg_1m_end"] = os.getloadavg()[0]

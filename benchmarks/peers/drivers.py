@@ -38,6 +38,11 @@ class DriverSpec:
     parallel: int = 64  # llama-server's slots: the most concurrent requests
     gguf: str | None = None  # a GGUF file pagedserve and llama-server serve instead of model_dir's (low concurrency)
     tier: str = "native"  # servers.TIERS: llama-server's build and pagedserve's kernel tier
+    pagedserve_dtype: str | None = None  # pagedserve's --dtype where it differs from the peers' (auto); None: dtype
+
+    @property
+    def our_dtype(self) -> str:
+        return self.pagedserve_dtype or self.dtype
 
     def __post_init__(self) -> None:
         if self.tier not in servers.TIERS:
@@ -93,7 +98,7 @@ def _our_worker(system: str, own_threads: bool = False) -> Callable[[DriverSpec]
     def make(spec: DriverSpec) -> Driver:
         threads = 0 if own_threads and spec.threads == len(os.sched_getaffinity(0)) else spec.threads
         argv = [sys.executable, str(BENCH_DIR / "worker.py"), system, "--model", spec.gguf or spec.model_dir,
-                "--dtype", spec.dtype, "--threads", str(threads)]
+                "--dtype", spec.our_dtype if system == "pagedserve" else spec.dtype, "--threads", str(threads)]
         env = servers.pagedserve_env(spec.tier) if system == "pagedserve" else None
         return WorkerDriver(system, argv, env, spec.log_dir / f"{system}-{spec.dtype}.log")
     return make
@@ -131,15 +136,15 @@ def _llama_server(spec: DriverSpec) -> Driver:
 
 
 def _pagedserve_grpc(spec: DriverSpec) -> Driver:
-    server = servers.start_pagedserve(spec.gguf or spec.model_dir, spec.dtype, spec.log_dir, spec.threads,
+    server = servers.start_pagedserve(spec.gguf or spec.model_dir, spec.our_dtype, spec.log_dir, spec.threads,
                                       tier=spec.tier)
     return ServerDriver("pagedserve-grpc", server, lambda w: run_grpc(server.target, w))
 
 
 def _pagedserve_http(spec: DriverSpec) -> Driver:
     """Our OpenAI HTTP API driven by the very client and request body vLLM's server gets."""
-    server = servers.start_pagedserve(spec.gguf or spec.model_dir, spec.dtype, spec.log_dir, spec.threads, http=True,
-                                      tier=spec.tier)
+    server = servers.start_pagedserve(spec.gguf or spec.model_dir, spec.our_dtype, spec.log_dir, spec.threads,
+                                      http=True, tier=spec.tier)
     endpoint = Endpoint(server.target + "/v1/completions", "model", (("return_token_ids", True),))
     return ServerDriver("pagedserve-http", server, lambda w: run_http(endpoint, w))
 

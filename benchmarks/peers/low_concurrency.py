@@ -151,14 +151,15 @@ def bandwidth(gguf: str, results: dict, read_gb_s: float) -> dict:
 
 def run_section(model_dir: str, gguf: str, systems: list[str], streams: tuple[int, ...], prompt_len: int,
                 output_len: int, repeats: int, threads: int, log_dir: Path, vllm_bind: str = "auto", *,
-                tier: str = "native", prefill_lens: tuple[int, ...] = ()) -> dict:
+                tier: str = "native", prefill_lens: tuple[int, ...] = (), pagedserve_dtype: str = "auto") -> dict:
     """The section's JSON: per system and stream count, best tok/s and its ITL; per prefill length, the best
     prefill; llama-server's build; the bandwidth fractions; failures and skipped peers."""
     workloads = {str(n): streams_workload(n, prompt_len, output_len) for n in streams}
     workloads |= {f"prefill-{n}": prefill_workload(n) for n in prefill_lens}
     every = [r for w in workloads.values() for r in w.requests] + list(build_workload(drivers.WARMUP).requests)
     spec = drivers.DriverSpec(model_dir, "bfloat16", threads, log_dir, vllm_bind,
-                              slot_tokens=servers.slot_context(every), parallel=max(streams), gguf=gguf, tier=tier)
+                              slot_tokens=servers.slot_context(every), parallel=max(streams), gguf=gguf, tier=tier,
+                              pagedserve_dtype=pagedserve_dtype)
     skipped = {name: why for name in systems if (why := missing_peer(name, tier))}
     read_gb_s = host_record.read_bandwidth_gb_s(threads)
     failures: dict[str, str] = {}
@@ -174,7 +175,8 @@ def run_section(model_dir: str, gguf: str, systems: list[str], streams: tuple[in
                for name, per in runs.items()}
     prefill = {name: {k.removeprefix("prefill-"): prefill_row(rs) for k, rs in per.items()
                       if rs and k.startswith("prefill-")} for name, per in runs.items()}
-    return {"gguf": gguf, "hf_folder": model_dir, "tier": tier, "streams": list(streams), "prompt_len": prompt_len,
+    return {"gguf": gguf, "hf_folder": model_dir, "tier": tier, "pagedserve_dtype": pagedserve_dtype,
+            "streams": list(streams), "prompt_len": prompt_len,
             "output_len": output_len, "prefill_lens": list(prefill_lens), "repeats": repeats, "threads": threads,
             "llama_server": llama, "results": results, "prefill": prefill,
             "bandwidth": bandwidth(gguf, results, read_gb_s), "failures": failures, "skipped": skipped}
@@ -207,6 +209,9 @@ def add_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
     p.add_argument(f"--{prefix}prefill-lens", dest="lc_prefill_lens", type=int, nargs="*", default=list(PREFILL_LENS),
                    help="one-request prefill rows of these prompt lengths (none: skip)")
     p.add_argument(f"--{prefix}repeats", dest="lc_repeats", type=int, default=2, help="best of this many runs")
+    p.add_argument(f"--{prefix}pagedserve-dtype", dest="lc_pagedserve_dtype", default="auto",
+                   choices=("auto", "bfloat16", "float32"), help="pagedserve's --dtype (auto: what a user gets; the "
+                   "peers serve the file as it is, vLLM in bf16)")
 
 
 def main() -> None:
@@ -219,7 +224,8 @@ def main() -> None:
     host = host_record.host(args.tier, args.conditions)
     section = run_section(str(hf_folder(args.model or own_folder)), args.gguf or gguf, args.systems,
                           tuple(args.lc_streams), args.lc_prompt_len, args.lc_output_len, args.lc_repeats,
-                          args.threads, log_dir, tier=args.tier, prefill_lens=tuple(args.lc_prefill_lens))
+                          args.threads, log_dir, tier=args.tier, prefill_lens=tuple(args.lc_prefill_lens),
+                          pagedserve_dtype=args.lc_pagedserve_dtype)
     host["load_avg_1m_end"] = os.getloadavg()[0]
     out = json.dumps({"benchmark": "low_concurrency", "started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
                       "host": host, "model_file": args.lc_model_file if not args.gguf else "--gguf", **section},

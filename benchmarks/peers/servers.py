@@ -40,7 +40,7 @@ def vllm_env(kv_gib: int, bind: str, preload: bool = False, tier: str = "native"
         raise ValueError(f"unknown tier {tier!r}; supported: {', '.join(TIERS)}")
     if tier == "avx2":
         site = str(Path(__file__).resolve().parent / "vllm_avx2")
-        env.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2",
+        env.update(TORCH_TIER_ENV[tier],
                    PYTHONPATH=os.pathsep.join(p for p in (site, env.get("PYTHONPATH", "")) if p))
     return env
 
@@ -232,13 +232,19 @@ ISA_ENV = "PAGEDSERVE_CPU_ISA"  # pagedserve's kernels: build and load this tier
 TIERS = ("native", "avx2")  # the tiers the harness compares: llama.cpp builds and pagedserve kernel tiers alike
 
 
+# torch's own kernels and oneDNN's (prefill GEMMs, SDPA) follow these, so a forced tier caps them as well: an
+# AVX2-only host's prefill runs AVX2 GEMMs, and an AVX-512 host forced to avx2 must not flatter it.
+TORCH_TIER_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+
+
 def pagedserve_env(tier: str) -> dict[str, str]:
-    """The environment of a pagedserve process at `tier`: native drops any ISA_ENV the caller's shell holds (the
-    host's best tier, as shipped); another tier forces it."""
+    """The environment of a pagedserve process at `tier`: native drops any ISA_ENV (and torch cap) the caller's shell
+    holds (the host's best tier, as shipped); another tier forces it, torch's and oneDNN's kernels included."""
     if tier not in TIERS:
         raise ValueError(f"unknown tier {tier!r}; supported: {', '.join(TIERS)}")
-    env = {k: v for k, v in os.environ.items() if k != ISA_ENV}
-    return env if tier == "native" else {**env, ISA_ENV: tier}
+    capped = {ISA_ENV, *(k for caps in TORCH_TIER_ENV.values() for k in caps)}
+    env = {k: v for k, v in os.environ.items() if k not in capped}
+    return env if tier == "native" else {**env, ISA_ENV: tier, **TORCH_TIER_ENV.get(tier, {})}
 
 
 def start_pagedserve(model_dir: str, dtype: str, log_dir: Path, threads: int = 2,

@@ -25,6 +25,8 @@ _TOKENIZER_EXPORT_VERSION = "1"
 
 # HF names of the matrices a packed-weight method can serve: linear layers and the token embedding.
 _PACKABLE_SUFFIXES = ("_proj.weight", "lm_head.weight", "model.embed_tokens.weight")
+# The checkpoint dtype of a file whose matrices are all of one 16-bit type; any other file's is float32.
+_MATRIX_DTYPES = {frozenset({"BF16"}): "bfloat16", frozenset({"F16"}): "float16"}
 
 
 class GgufCheckpoint:
@@ -36,6 +38,8 @@ class GgufCheckpoint:
         self.hf_config: dict[str, Any] = hf_config(self.file.architecture, self.file.metadata, self.file.tensor_names,
                                                    self.file.tensor)
         self.packed: dict[str, str] = {}  # GGUF name -> HF name of the matrices handed over as blocks
+        # A file whose matrices are all bf16 (or all fp16) is a 16-bit checkpoint (engine/loading/dtype_plan.py)
+        self.hf_config["dtype"] = _MATRIX_DTYPES.get(frozenset(self.file.tensor_types().values()), "float32")
 
     def keep_packed(self, packed_types: frozenset[str], dense_batches: bool = False) -> None:
         """Matrices of `packed_types` stay in their blocks: the config then names the `gguf` method and lists them
@@ -52,9 +56,11 @@ class GgufCheckpoint:
             self.hf_config["quantization_config"] = {"quant_method": "gguf", "tensor_types": types,
                                                      "dense_batches": dense_batches}
 
-    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, dtype: torch.dtype, matrix_dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor under its HF name: packed matrices as their blocks, the rest dequantized once (fp32, where
-        the layout fixes happen), then cast."""
+        the layout fixes happen), then cast to `dtype`, matrices to `matrix_dtype` (default `dtype`: 16-bit matrices
+        of an fp32-compute model stay 16-bit, while the fp32 norms stay fp32)."""
+        matrix_dtype = matrix_dtype or dtype
         types = ", ".join(f"{name} x{count}" for name, count in self.file.type_counts().most_common())
         kept = f"{len(self.packed)} matrices kept in their blocks, the rest" if self.packed else "all"
         logger.info("%s: GGUF %s with tensor types %s; %s dequantized once into %s",
@@ -63,7 +69,7 @@ class GgufCheckpoint:
             if name in self.arch.config_tensors:
                 continue
             hf_name, values = hf_tensor(self.arch, name, values, self.hf_config)
-            yield hf_name, values if name in self.packed else values.to(dtype)
+            yield hf_name, values if name in self.packed else values.to(matrix_dtype if values.dim() == 2 else dtype)
 
 
 def tokenizer_dir(gguf_path: Path) -> Path:

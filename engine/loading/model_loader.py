@@ -14,11 +14,13 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from pagedserve.engine.errors import ModelLoadError
-from pagedserve.engine.host.cpu_features import native_bf16_flags
+from pagedserve.engine.host.cpu_features import effective_bf16_flags
+from pagedserve.engine.loading.dtype_plan import DtypePlan, resolve_dtype
 from pagedserve.engine.loading.gguf_checkpoint import GgufCheckpoint
 from pagedserve.engine.models.checkpoint_layout import PLAIN, CheckpointLayout
 from pagedserve.engine.models.registry import model_class_for
 from pagedserve.kernels.cpu import packed as cpu_packed
+from pagedserve.kernels.cpu.isa import IsaError
 from pagedserve.kernels.cpu.native import NativeBuildError
 from pagedserve.quant.base import QuantConfig, QuantConfigError
 from pagedserve.quant.head_quant import quantized_head
@@ -38,9 +40,10 @@ class LoadedModel:
     model: nn.Module
     path: Path  # the HF folder or the .gguf file
     hf_config: dict[str, Any]
-    dtype: torch.dtype
+    dtype: torch.dtype  # the compute dtype
     quant: QuantConfig
     kv_scale_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    weight_dtype: torch.dtype | None = None  # the plain matrices' in memory, where it differs from `dtype`
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
@@ -48,29 +51,6 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
         return json.loads((model_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"config.json in {model_dir}: {exc}") from None
-
-
-def resolve_dtype(
-    hf_config: dict[str, Any], requested: torch.dtype | None, device: torch.device, cpu_bf16: tuple[str, ...] = ()
-) -> torch.dtype:
-    """`requested`, or for `dtype=auto`: bfloat16 on a CPU with native bf16 (`cpu_bf16` names its features; vLLM's
-    CPU backend makes the same choice), else the checkpoint's dtype on GPUs; a CPU without bf16 arithmetic (an
-    AVX2 host: Zen 3, Haswell) computes 16-bit checkpoints in fp32, where torch would emulate bf16 math through
-    fp32 conversions (measured 0.27x llama.cpp at 8 streams on a Zen 3) and fp16 matmuls are slow."""
-    if requested is not None:
-        return requested
-    name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
-    if device.type != "cpu":
-        return dtype
-    if cpu_bf16:
-        logger.info("dtype=auto: computing in bfloat16 (this CPU has native bf16: %s; the checkpoint is %s); "
-                       "--dtype float32 gives transformers' fp32 results token for token", ", ".join(cpu_bf16), name)
-        return torch.bfloat16
-    if dtype != torch.float32:
-        logger.info("dtype=auto: checkpoint is %s; computing in float32 (this CPU has no bf16/fp16 arithmetic)", name)
-        return torch.float32
-    return dtype
 
 
 def is_gguf(path: Path) -> bool:
@@ -109,8 +89,8 @@ def load_model(path: Path, dtype: torch.dtype | None, quantization: str | None, 
     every tensor dequantized once at load)."""
     gguf = GgufCheckpoint(path) if is_gguf(path) else None
     hf_config = gguf.hf_config if gguf else read_hf_config(path)
-    cpu_bf16 = native_bf16_flags() if device.type == "cpu" and dtype is None else ()
-    compute_dtype = resolve_dtype(hf_config, dtype, device, cpu_bf16)
+    plan = resolve_dtype(hf_config, dtype, device, _cpu_bf16() if device.type == "cpu" and dtype is None else ())
+    compute_dtype = plan.compute
     if gguf is not None:
         # auto: the blocks for decode rows and the expanded weights for batches; packed: the blocks alone.
         gguf.keep_packed(packed_gguf_types(gguf_weights, quantization, device, compute_dtype, dtype is None),
@@ -121,16 +101,31 @@ def load_model(path: Path, dtype: torch.dtype | None, quantization: str | None, 
         quant = quant_config_for(hf_config, quantization, None if gguf else path)
     except QuantConfigError as exc:
         raise ModelLoadError(str(exc)) from None
+    quant = quant.holding_weights_in(plan.weights, compute_dtype)
     with torch.device(device):
         model = factory(hf_config, quant, compute_dtype)
-    kv_scales = _load_weights(model, gguf.tensors(compute_dtype) if gguf else _safetensors(path))
+    kv_scales = _load_weights(model, gguf.tensors(compute_dtype, plan.weights) if gguf else _safetensors(path))
     model.fuse_projections()
     if lm_head_quantization != "none":
         model.lm_head = _quantized_head(model.lm_head)
     _process_linear_layers(model)
     model.eval()
-    logger.info("loaded %s (%s, %s, quantization=%s)", path, type(model).__name__, compute_dtype, quant.describe())
-    return LoadedModel(model, path, hf_config, compute_dtype, quant, kv_scales)
+    logger.info("loaded %s (%s, %s, quantization=%s)", path, type(model).__name__, _describe(plan), quant.describe())
+    return LoadedModel(model, path, hf_config, compute_dtype, quant, kv_scales,
+                       None if plan.weights == compute_dtype else plan.weights)
+
+
+def _cpu_bf16() -> tuple[str, ...]:
+    try:
+        return effective_bf16_flags()
+    except IsaError as exc:  # PAGEDSERVE_CPU_ISA names a tier this host lacks
+        raise ModelLoadError(str(exc)) from None
+
+
+def _describe(plan: DtypePlan) -> str:
+    if plan.weights == plan.compute:
+        return str(plan.compute)
+    return f"{plan.compute} compute, {plan.weights} weights"
 
 
 def _safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

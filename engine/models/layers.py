@@ -122,8 +122,10 @@ def tied_lm_head(embedding: nn.Module) -> nn.Module:
     if isinstance(embedding, PackedEmbedding):
         return embedding.as_linear()
     vocab, hidden = embedding.weight.shape
+    table = embedding.weight.dtype
+    compute = getattr(embedding, "out_dtype", table)  # a 16-bit table of an fp32 model (DenseEmbedding)
     with torch.device("meta"):  # no throwaway allocation: the weight is replaced at once
-        head = QuantLinear(hidden, vocab, False, UnquantizedLinearMethod(), embedding.weight.dtype)
+        head = QuantLinear(hidden, vocab, False, UnquantizedLinearMethod(None if table == compute else table), compute)
     head.weight = embedding.weight
     head.weight_shared = True
     return head

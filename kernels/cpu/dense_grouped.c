@@ -128,6 +128,11 @@ int ps_dense_grouped(const DenseLinear *s, const float *x, int64_t rows, float *
         s->out_features % DENSE_GROUP_ROWS)
         return 1;
     const int64_t in = s->in_features, out = s->out_features;
+    if (s->x_fp32) {  /* fp32 compute: the weights are widened exactly in registers, x read as it is */
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS)
+            grouped_pass(s, x + r0 * in, rows - r0 < TILE_ROWS ? (int)(rows - r0) : TILE_ROWS, y + r0 * out);
+        return 0;
+    }
     float *xs = scratch(TILE_ROWS * in);
     if (!xs) return -2;
     for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {

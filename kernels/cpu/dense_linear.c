@@ -8,7 +8,8 @@
  * registers.
  *
  * Numerics: x is rounded to W's dtype first (as the torch path, whose activations are already in that dtype),
- * products are exact in fp32 and summed in fp32; only the order of the sums differs from oneDNN's. With
+ * unless the layer holds 16-bit weights for fp32 compute (x_fp32: a host without bf16 arithmetic, where the
+ * weights are only widened, exactly, in registers); products are exact in fp32 and summed in fp32; only the order of the sums differs from oneDNN's. With
  * AVX512-BF16, bf16 weights use vdpbf16ps (pairs of bf16 products into fp32 lanes); elsewhere the portable
  * 16-lane code computes the same products.
  *
@@ -98,7 +99,9 @@ static void block_bf16(const DenseLinear *s, const uint16_t *xb, int64_t m, int6
     }
 }
 
-static int bf16_fast(const DenseLinear *s) { return s->w_dtype == DT_BF16 && s->in_features % 32 == 0; }
+static int bf16_fast(const DenseLinear *s) {
+    return s->w_dtype == DT_BF16 && !s->x_fp32 && s->in_features % 32 == 0;
+}
 
 static void to_bf16_rows(const float *x, int64_t n, uint16_t *out) {
     int64_t i = 0;
@@ -158,7 +161,7 @@ int pagedserve_dense_linear(const void *state, const float *x, int64_t rows, flo
         if (fast) to_bf16_rows(x + r0 * in, m * in, xr);
         else
 #endif
-            round_rows(x + r0 * in, m * in, s->w_dtype, xr);
+            round_rows(x + r0 * in, m * in, s->x_fp32 ? DT_F32 : s->w_dtype, xr);
         pass(s, xr, m, y + r0 * out, fast);
     }
     free(xr);
@@ -175,7 +178,7 @@ int pagedserve_dense_linear_portable(const void *state, const float *x, int64_t 
     if (!xr) return -2;
     for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
         const int64_t m = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
-        round_rows(x + r0 * in, m * in, s->w_dtype, xr);
+        round_rows(x + r0 * in, m * in, s->x_fp32 ? DT_F32 : s->w_dtype, xr);
         pass(s, xr, m, y + r0 * out, 0);
     }
     free(xr);

@@ -39,7 +39,7 @@ class PsLinear(ctypes.Structure):
 class DenseLinearState(ctypes.Structure):
     # DenseLinear in dense_linear.h.
     _fields_ = [("weight", _p), ("bias", _p), ("w_dtype", _int), ("bias_dtype", _int), ("in_features", _i64),
-                ("out_features", _i64), ("row_group", _i32), ("reserved", _i32)]
+                ("out_features", _i64), ("row_group", _i32), ("x_fp32", _i32)]
 
 
 class PackedState(ctypes.Structure):
