@@ -6,28 +6,22 @@
  * bound by instructions, not by reading the weights. With 16 rows side by side, one 8-lane vector holds one input
  * pair of 8 rows and a run's scales are decoded once per group as vectors.
  *
- * Builds (isa.h): avx2, avx2_vnni and avx512_vnni (PQ_INT16 of act_q16.h) round the activations to int8 per
- * 32-input run, as llama.cpp's Q8 activations (pkw_quantize_run: da = max|x| / 127), and take each run's dots as
- * unsigned-code x signed-activation byte dots, 4 products per 32-bit lane: vpdpbusd zmm (avx512_vnni: a group's 16
- * rows in one register), vpdpbusd ymm (avx2_vnni), vpmaddubsw + vpmaddwd (avx2), in 8-row halves. The int16
- * activations these kernels took before needed one vpdpwssd (or vpmaddwd + vpaddd) per 2 products and 8 lanes on
- * every tier: bound by instructions at ~13-20 GB/s per core, so a 1B Q4_K_M step read its weights at ~0.7 of the
- * host's read bandwidth. The integer sums are exact on every tier and the float epilogue is the same lane by lane,
- * so the three builds' results are equal bit for bit. The others (portable, avx512 without VNNI) run C loops on fp32
- * activations; loaders keep the file's layout there (packed.py's grouped_isa).
- * Per run every build adds (d da) dot(u, q) + m sx with the exact fp32 run sum sx (Q6_K: signed codes u - 32, one
- * scale per 16-value half, no offset term; the centring is dot(u, q) - 32 sum(q) over the half, exact in int32).
- * The int8 rounding's reach: |y - x W^T| <= sum_k (da_k / 2) |d u_k|.
+ * Builds (isa.h, act_q16.h): every one with int16 activations (avx2, avx2_vnni, avx512_vnni: PQ_INT16) runs the
+ * same 8-lane kernel, integer pair dots (vpmaddwd + vpaddd on plain AVX2, vpdpwssd with AVX-VNNI or AVX512-VNNI)
+ * and one float epilogue per run, so their results are equal bit for bit. The others (portable, avx512 without
+ * VNNI) run C loops on fp32 activations; loaders keep the file's layout there (packed.py's grouped_isa).
+ * Per run every build adds (d da) dot(u, q) + m sx with the exact fp32 block sum sx (Q6_K: signed codes u - 32,
+ * one scale per 16-value half, no offset term); act_q16.h states the int16 rounding's bound.
  *
  * Layout, same bytes as the file's, group g = rows 16g..16g+15 stored in place of those rows. Per storage block
  * (32 inputs for Q5_0, 256 for the K formats) one tile: a header, then per 32-input run j a 4-bit plane (4 chunks
  * of 64 bytes, chunk c's 32-bit word r = row r's low nibbles of inputs 8c..8c+7, input 8c+p in bits 4p..4p+3: the
- * Q4_0 tile's) and for 5/6-bit codes a plane of high bits (pkw_high_word, pkw_high_bit):
- *   5-bit (Q5_0, Q5_K): 16 words; byte i of word r holds bit 4 of row r's inputs 8c + 2i + o at bit 2c + o;
- *   Q6_K: 2 x 16 words; byte i of word e r holds bits 4-5 of inputs 8c + 2i + o (c = 2e, 2e + 1) at 2 (2 (c - 2e) + o).
- * Byte i of the 4-bit word masked (w & 0x0F0F0F0F: o = 0) or shifted by 4 first (o = 1) holds input 8c + 2i + o, so
- * one shift and mask of the high word puts its bits beside those nibbles, and the activations are stored in the
- * same order (per 8 inputs: the even ones, then the odd ones).
+ * Q4_0 tile's) and for 5/6-bit codes a plane of high bits:
+ *   5-bit (Q5_0, Q5_K): 16 words, word r bit 4c + p = bit 4 of input 8c + p, bit 16 + 4c + p that of 8c + p + 4;
+ *   Q6_K: 2 x 16 words, word e r holds bits 4-5 of inputs 16e..16e+15: those of 8c + p at 2t, of 8c + p + 4 at
+ *   16 + 2t (t = 4 (c - 2e) + p).
+ * Shifted by a constant and masked, a high word thus lines up with the 4-bit word's (w >> 4p) & 0x000F000F, which
+ * holds inputs 8c + p and 8c + p + 4 as two int16: the order act_q16.h's pq_quantize stores activations in.
  * Headers: Q5_0: the 16 rows' d (fp16, 32 bytes). Q4_K/Q5_K: d (32), dmin (32), then per run j 16 bytes
  * sc | (mn >> 4) << 6 and per run pair 16 bytes mn & 15 (run 2i + 1 in the high nibble): 6-bit scale and min.
  * Q6_K: d (32), then per 16-value half h (0..15) the 16 rows' int8 scales. */
