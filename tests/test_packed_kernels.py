@@ -108,13 +108,12 @@ def run_offsets(qtype: str, stored: np.ndarray, rows: int) -> np.ndarray:
 def grouped_bound(matrix: cpu_packed.PackedMatrix, stored: np.ndarray, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     """What the interleaved layout's product may differ from x @ W^T by, per output [rows, out]: fp32 summation
     error, and in the int16 builds (INT16_GROUPED_ISAS) the rounding of x, sum_k (a_k / 2) |d u_k| (with 0.1% for a's own
-    rounding), d u = w - m per 32-value run (run_offsets); a = max|x| / 32767, or / 127 for the formats of
-    packed_grouped_wide.c, which round x to int8."""
+    rounding), d u = w - m per 32-value run (run_offsets)."""
     bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w).T) + 1e-5
     if cpu_packed.grouped_isa(matrix.lib, matrix.qtype) not in cpu_packed.INT16_GROUPED_ISAS:
         return bound
     code_terms = np.abs(w - np.repeat(run_offsets(matrix.qtype, stored, w.shape[0]), 32, axis=1))
-    _, scale = quantized_activations(x, 127 if matrix.qtype in cpu_packed.WIDE_GROUPED_FORMATS else 32767)
+    _, scale = quantized_activations(x, 32767)
     return bound + 1.001 * ((scale.astype(np.float64) / 2) @ code_terms.T)
 
 

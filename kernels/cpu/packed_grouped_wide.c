@@ -44,16 +44,6 @@ static inline int pkw_runs(int fmt) { return fmt == PK_Q5_0 ? 1 : 8; }
 
 int pkw_is_wide(int fmt) { return fmt == PK_Q5_0 || fmt == PK_Q4_K || fmt == PK_Q5_K || fmt == PK_Q6_K; }
 
-/* Where input k (0..31) of a run keeps its high bits (bit 4 for Q5_0/Q5_K, bits 4-5 for Q6_K): the byte offset of
- * its plane's words within the run, and the bit within row r's word there. Byte i of a word holds the inputs 8c + 2i
- * + o (o = 0, 1: the even and odd nibbles' byte i), at bit 2c + o (5-bit) or 2 (2 (c % 2) + o) (Q6_K, word c / 2),
- * so one shift of the word puts them at bit 4 of the bytes the nibble plane's (w >> 4o) & 0x0F0F0F0F gives. */
-static inline int64_t pkw_high_word(int fmt, int k) { return 256 + (fmt == PK_Q6_K ? 64 * (k / 16) : 0); }
-static inline int pkw_high_bit(int fmt, int k) {
-    const int c = k / 8, i = k % 8 / 2, o = k % 2;
-    return 8 * i + (fmt == PK_Q6_K ? 2 * (2 * (c % 2) + o) : 2 * c + o);
-}
-
 static inline void pkw_or32(uint8_t *at, uint32_t bits) {
     uint32_t word;
     memcpy(&word, at, 4);
@@ -83,9 +73,14 @@ static void pkw_put_row(int fmt, const uint8_t *blk, int r, uint8_t *tile) {
         uint8_t *run = tile + pkw_header(fmt) + j * pkw_run_bytes(fmt);
         pk_codes_scalar(fmt, blk, j, u);
         for (int k = 0; k < 32; k++) {
-            pkw_or32(run + 64 * (k / 8) + 4 * r, (uint32_t)(u[k] & 15) << 4 * (k % 8));
-            if (fmt != PK_Q4_K)
-                pkw_or32(run + pkw_high_word(fmt, k) + 4 * r, (uint32_t)(u[k] >> 4) << pkw_high_bit(fmt, k));
+            const int c = k / 8, p = k % 4, h = k % 8 / 4;
+            pkw_or32(run + 64 * c + 4 * r, (uint32_t)(u[k] & 15) << 4 * (k % 8));
+            if (fmt == PK_Q6_K) {
+                const int e = c / 2, t = 4 * (c - 2 * e) + p;
+                pkw_or32(run + 256 + 64 * e + 4 * r, (uint32_t)(u[k] >> 4) << (16 * h + 2 * t));
+            } else if (fmt != PK_Q4_K) {
+                pkw_or32(run + 256 + 4 * r, (uint32_t)(u[k] >> 4) << (16 * h + 4 * c + p));
+            }
         }
     }
 }
@@ -109,10 +104,17 @@ void pkw_group_rows(const ps_packed_state *st, uint8_t *dst) {
 static void pkw_row_run(int fmt, const uint8_t *tile, int r, int j, uint8_t *u, float *d, float *m) {
     const uint8_t *run = tile + pkw_header(fmt) + j * pkw_run_bytes(fmt);
     pk_tile4_codes(run, r, u);
-    for (int k = 0; fmt != PK_Q4_K && k < 32; k++) {
+    for (int k = 0; k < 32; k++) {
+        const int c = k / 8, p = k % 4, h = k % 8 / 4;
         uint32_t word;
-        memcpy(&word, run + pkw_high_word(fmt, k) + 4 * r, 4);
-        u[k] |= (uint8_t)(((word >> pkw_high_bit(fmt, k)) & (fmt == PK_Q6_K ? 3 : 1)) << 4);
+        if (fmt == PK_Q6_K) {
+            const int e = c / 2, t = 4 * (c - 2 * e) + p;
+            memcpy(&word, run + 256 + 64 * e + 4 * r, 4);
+            u[k] |= (uint8_t)(((word >> (16 * h + 2 * t)) & 3) << 4);
+        } else if (fmt != PK_Q4_K) {
+            memcpy(&word, run + 256 + 4 * r, 4);
+            u[k] |= (uint8_t)(((word >> (16 * h + 4 * c + p)) & 1) << 4);
+        }
     }
     const float dr = pk_half(tile + 2 * r);
     if (fmt == PK_Q5_0) {
@@ -134,100 +136,55 @@ void pkw_grouped_row_run(const ps_packed_state *st, int64_t row, int64_t run, ui
     pkw_row_run(fmt, tile, (int)(row % PK_GROUP_ROWS), (int)(run % runs), u, d, m);
 }
 
-/* One call's activations, rounded to int8 per 32-input run (x ~ da q, da = max|x| / 127, as llama.cpp's Q8
- * activations): q [rows, runs, 32] in the byte order the tiles' codes come out in (per 8 inputs 8c..8c+7: 8c, 8c+2,
- * 8c+4, 8c+6, then 8c+1, 8c+3, 8c+5, 8c+7), da and the exact fp32 sum sx per run, and sq per 16-input half: the
- * int sum of its q, which centres Q6_K's codes in one subtraction (dot(u - 32, q) = dot(u, q) - 32 sq). */
-typedef struct {
-    int8_t *q;
-    float *da, *sx;
-    int32_t *sq;
-} pkw_act;
-
-static int pkw_alloc(pkw_act *act, int64_t rows, int64_t nruns) {
-    const size_t n = (size_t)(rows * nruns);
-    char *mem = malloc(n * (32 + 4 + 4 + 8) + 64);
-    if (mem == NULL) return 1;
-    act->da = (float *)mem;
-    act->sx = act->da + n;
-    act->sq = (int32_t *)(act->sx + n);
-    act->q = (int8_t *)(act->sq + 2 * n);
-    return 0;
-}
-
-/* The arrays from activation row r0 on. */
-static inline pkw_act pkw_from(const pkw_act *act, int64_t r0, int64_t nruns) {
-    return (pkw_act){act->q + 32 * r0 * nruns, act->da + r0 * nruns, act->sx + r0 * nruns, act->sq + 2 * r0 * nruns};
-}
-
 #if defined(PQ_INT16)
 #define PKW_ISA PQ_INT16
 
-/* One run: the same maximum and sum tree as act_q16.h's blocks (so the 8- and 16-lane builds agree), rounding to
- * nearest even; a non-finite run gives q = 0 and da = NaN: its rows' outputs are NaN. */
-static void pkw_quantize_run(const float *v, int8_t *q, float *da, float *sx, int32_t *sq) {
-    const __m256 a0 = _mm256_loadu_ps(v), a1 = _mm256_loadu_ps(v + 8);
-    const __m256 b0 = _mm256_loadu_ps(v + 16), b1 = _mm256_loadu_ps(v + 24), sign = _mm256_set1_ps(-0.0f);
-    const __m256 m8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a0), _mm256_andnot_ps(sign, a1)),
-                                    _mm256_max_ps(_mm256_andnot_ps(sign, b0), _mm256_andnot_ps(sign, b1)));
-    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m8, 1), _mm256_castps256_ps128(m8));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
-    const float sum = pq_sum16(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1));
-    const int finite = isfinite(sum);
-    const __m256 inv = _mm256_set1_ps(finite && amax > 0.0f ? 127.0f / amax : 0.0f);
-    int32_t r[32];
-    _mm256_storeu_si256((__m256i *)r, _mm256_cvtps_epi32(_mm256_mul_ps(a0, inv)));
-    _mm256_storeu_si256((__m256i *)(r + 8), _mm256_cvtps_epi32(_mm256_mul_ps(a1, inv)));
-    _mm256_storeu_si256((__m256i *)(r + 16), _mm256_cvtps_epi32(_mm256_mul_ps(b0, inv)));
-    _mm256_storeu_si256((__m256i *)(r + 24), _mm256_cvtps_epi32(_mm256_mul_ps(b1, inv)));
-    sq[0] = sq[1] = 0;
-    for (int k = 0; k < 32; k++) {
-        const int32_t v8 = finite ? r[k] : 0;
-        q[8 * (k / 8) + 4 * (k % 2) + k % 8 / 2] = (int8_t)v8;
-        sq[k / 16] += v8;
+/* Each run's Q6_K codes are centred (u - 32) in the integer dot: dot(u - 32, q) = dot(u, q) - 32 sum(q) over each
+ * 16-input half, exact in int32, so the centring is one subtraction per half and activation row from these sums
+ * (made once per call) instead of one per code vector. sq[2 k + h] = sum of run k's int16 activations of half h. */
+static void pkw_half_sums(const int16_t *q, int64_t nruns, int32_t *sq) {
+    for (int64_t i = 0; i < 2 * nruns; i++) {
+        int32_t sum = 0;
+        for (int l = 0; l < 16; l++) sum += q[16 * i + l];  /* the 4-bit order permutes within 8 inputs only */
+        sq[i] = sum;
     }
-    *sx = sum;
-    *da = finite ? amax / 127.0f : NAN;
-}
-
-/* Row r's activations as the dword a byte dot broadcasts: inputs 8c + o, +2, +4, +6 of run q */
-PKW_INLINE int32_t pkw_quad(const int8_t *q, int c, int o) {
-    int32_t v;
-    memcpy(&v, q + 8 * c + 4 * o, 4);
-    return v;
-}
-
-/* High-bit shift of chunk c, nibble parity o (pkw_high_bit's position of byte 0 brought to bit 4): > 0 right. */
-PKW_INLINE int pkw_high_shift(int fmt, int c, int o) {
-    return (fmt == PK_Q6_K ? 2 * (2 * (c % 2) + o) : 2 * c + o) - 4;
 }
 
 #if defined(PS_AVX512_VNNI)
-/* A group's 16 rows in one register: per 8 inputs two vpdpbusd (u8 codes x s8 activations, 4 products per lane). */
+/* The 8-lane kernel of the other builds with a group's 16 rows in one register: the same exact integer dots and,
+ * lane by lane, the same float epilogue, so results equal theirs bit for bit with about half the instructions (the
+ * 8-lane form left these formats bound by instructions: ~14-22 GB/s per core against ~26 for Q4_0's 16 lanes). */
 
+/* v shifted right by s bits (left when s < 0) in each 32-bit lane; s a constant after unrolling. */
 PKW_INLINE __m512i pkw_shift(__m512i v, int s) {
     return s > 0 ? _mm512_srli_epi32(v, s) : s < 0 ? _mm512_slli_epi32(v, -s) : v;
 }
 
-/* One run's integer dots: acc[2r + h] for activation row r, chain h (Q6_K: input half h, uncentred; the others: two
- * chains by c's parity while R <= 2, summed by the caller). */
-PKW_INLINE void pkw_dots(int fmt, const uint8_t *run, const int8_t *q, int64_t qstride, int R, __m512i *acc) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    const __m512i hmask = _mm512_set1_epi8(fmt == PK_Q6_K ? 0x30 : 0x10);
+/* One run's integer dots: acc[2r + h] for activation row r, input half h (Q6_K: inputs 0-15 / 16-31, uncentred;
+ * the others: up to 2 rows two chains by p's parity, summed by the caller). Codes as two int16 per lane in
+ * act_q16.h's 4-bit order. */
+PKW_INLINE void pkw_dots(int fmt, const uint8_t *run, const int16_t *q, int64_t qstride, int R, __m512i *acc) {
+    const __m512i low4 = _mm512_set1_epi32(0x000F000F);
     for (int i = 0; i < 2 * R; i++) acc[i] = _mm512_setzero_si512();
+    __m512i hw[2];
+    for (int e = 0; e < (fmt == PK_Q6_K ? 2 : fmt == PK_Q4_K ? 0 : 1); e++)
+        hw[e] = _mm512_loadu_si512(run + 256 + 64 * e);
     for (int c = 0; c < 4; c++) {
         const __m512i w = _mm512_loadu_si512(run + 64 * c);
-        __m512i u[2] = {_mm512_and_si512(w, low4), _mm512_and_si512(_mm512_srli_epi16(w, 4), low4)};
-        if (fmt != PK_Q4_K) {
-            const __m512i hw = _mm512_loadu_si512(run + 256 + (fmt == PK_Q6_K ? 64 * (c / 2) : 0));
-            for (int o = 0; o < 2; o++)  /* u | (high & mask) */
-                u[o] = _mm512_ternarylogic_epi32(u[o], pkw_shift(hw, pkw_high_shift(fmt, c, o)), hmask, 0xF8);
+        for (int p = 0; p < 4; p++) {
+            /* p = 3: the top nibble of each int16 needs no mask */
+            __m512i u = p == 3 ? _mm512_srli_epi16(w, 12) : _mm512_and_si512(pkw_shift(w, 4 * p), low4);
+            if (fmt == PK_Q5_0 || fmt == PK_Q5_K)  /* u | (high & mask) */
+                u = _mm512_ternarylogic_epi32(u, pkw_shift(hw[0], 4 * c + p - 4), _mm512_set1_epi32(0x00100010), 0xF8);
+            if (fmt == PK_Q6_K)
+                u = _mm512_ternarylogic_epi32(u, pkw_shift(hw[c / 2], 2 * (4 * (c & 1) + p) - 4),
+                                              _mm512_set1_epi32(0x00300030), 0xF8);
+            const int h = fmt == PK_Q6_K ? c / 2 : R <= 2 && (p & 1);
+            for (int r = 0; r < R; r++) {
+                const __m512i pair = _mm512_set1_epi32(pq_pair(q + r * qstride + 8 * c + 2 * p));
+                acc[2 * r + h] = _mm512_dpwssd_epi32(acc[2 * r + h], u, pair);
+            }
         }
-        const int h = fmt == PK_Q6_K ? c / 2 : R <= 2 && (c & 1);
-        for (int r = 0; r < R; r++)
-            for (int o = 0; o < 2; o++)
-                acc[2 * r + h] = _mm512_dpbusd_epi32(acc[2 * r + h], u[o], _mm512_set1_epi32(pkw_quad(q + r * qstride, c, o)));
     }
 }
 
@@ -254,8 +211,8 @@ PKW_INLINE void pkw_scales(int fmt, const uint8_t *tile, int j, __m512 *d, __m51
 }
 
 /* y[r][16 rows of group] for R activation rows; R and fmt are constants after inlining. */
-PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, pkw_act act, int R,
-                         const float *bias, float *y, int64_t out) {
+PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, pq_act act,
+                         const int32_t *sq, int R, const float *bias, float *y, int64_t out) {
     (void)x, (void)in;
     const int64_t tb = pkw_tile_bytes(fmt), nruns = nb * pkw_runs(fmt);
     __m512 tot[PKW_TILE];
@@ -277,7 +234,7 @@ PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float 
                 if (fmt == PK_Q6_K) {
                     for (int h = 0; h < 2; h++) {
                         const __m512i dot = _mm512_sub_epi32(acc[2 * r + h],
-                                                             _mm512_set1_epi32(32 * act.sq[2 * (r * nruns + k) + h]));
+                                                             _mm512_set1_epi32(32 * sq[2 * (r * nruns + k) + h]));
                         t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d[h], da), t);
                     }
                 } else {
@@ -292,53 +249,49 @@ PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float 
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * out, tot[r]);
 }
 #else
-/* The same in two 8-row halves s. AVX-VNNI: vpdpbusd ymm. Plain AVX2: vpmaddubsw (pairs of u8 x s8 into int16:
- * at most 2 x 63 x 127, no saturation) summed in int16 over as many chunks as cannot overflow (Q4_K: a whole run,
- * <= 8 x 2 x 15 x 127; Q5: 2 chunks; Q6_K: 1), then vpmaddwd by ones into the int32 chains: the same exact sums. */
+/* acc + the pairwise int16 products of u and pair per int32 lane: exact, whichever instruction. */
+PKW_INLINE __m256i pkw_dp(__m256i acc, __m256i u, __m256i pair) {
+#if defined(PS_AVX2_VNNI)
+    return _mm256_dpwssd_avx_epi32(acc, u, pair);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(u, pair));
+#endif
+}
 
+/* v shifted right by s bits (left when s < 0) in each 32-bit lane; s a constant after unrolling. */
 PKW_INLINE __m256i pkw_shift(__m256i v, int s) {
     return s > 0 ? _mm256_srli_epi32(v, s) : s < 0 ? _mm256_slli_epi32(v, -s) : v;
 }
 
-/* Chunks summed in int16 before widening (plain AVX2). */
-PKW_INLINE int pkw_span(int fmt) { return fmt == PK_Q4_K ? 4 : fmt == PK_Q6_K ? 1 : 2; }
-
-/* One run's integer dots: acc[4r + 2s + h] for activation row r, tile rows 8s..8s+7, chain h (as the 16-lane form). */
-PKW_INLINE void pkw_dots(int fmt, const uint8_t *run, const int8_t *q, int64_t qstride, int R, __m256i *acc) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    const __m256i hmask = _mm256_set1_epi8(fmt == PK_Q6_K ? 0x30 : 0x10);
+/* One run's integer dots: acc[4r + 2s + h] for activation row r, tile rows 8s..8s+7, input half h (Q6_K: inputs
+ * 0-15 / 16-31, uncentred; the others: up to 2 rows two chains by p's parity, summed by the caller). Codes as two
+ * int16 per lane in act_q16.h's 4-bit order. */
+PKW_INLINE void pkw_dots(int fmt, const uint8_t *run, const int16_t *q, int64_t qstride, int R, __m256i *acc) {
+    const __m256i low4 = _mm256_set1_epi32(0x000F000F);
     for (int i = 0; i < 4 * R; i++) acc[i] = _mm256_setzero_si256();
-#if !defined(PS_AVX2_VNNI)
-    __m256i part[2 * PKW_TILE];
-#endif
+    __m256i hw[2][2];
+    for (int e = 0; e < (fmt == PK_Q6_K ? 2 : fmt == PK_Q4_K ? 0 : 1); e++)
+        for (int s = 0; s < 2; s++) hw[e][s] = _mm256_loadu_si256((const __m256i *)(run + 256 + 64 * e + 32 * s));
     for (int c = 0; c < 4; c++) {
-        __m256i u[2][2];
-        for (int s = 0; s < 2; s++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(run + 64 * c + 32 * s));
-            u[s][0] = _mm256_and_si256(w, low4);
-            u[s][1] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
-            if (fmt != PK_Q4_K) {
-                const __m256i hw = _mm256_loadu_si256((const __m256i *)(run + 256 + (fmt == PK_Q6_K ? 64 * (c / 2) : 0)
-                                                                        + 32 * s));
-                for (int o = 0; o < 2; o++)
-                    u[s][o] = _mm256_or_si256(u[s][o], _mm256_and_si256(pkw_shift(hw, pkw_high_shift(fmt, c, o)), hmask));
-            }
-        }
-        const int h = fmt == PK_Q6_K ? c / 2 : R <= 2 && (c & 1);
-        for (int r = 0; r < R; r++) {
-            const __m256i qe = _mm256_set1_epi32(pkw_quad(q + r * qstride, c, 0));
-            const __m256i qo = _mm256_set1_epi32(pkw_quad(q + r * qstride, c, 1));
+        __m256i w[2];
+        for (int s = 0; s < 2; s++) w[s] = _mm256_loadu_si256((const __m256i *)(run + 64 * c + 32 * s));
+        for (int p = 0; p < 4; p++) {
+            __m256i u[2];
             for (int s = 0; s < 2; s++) {
-#if defined(PS_AVX2_VNNI)
-                __m256i a = _mm256_dpbusd_avx_epi32(acc[4 * r + 2 * s + h], u[s][0], qe);
-                acc[4 * r + 2 * s + h] = _mm256_dpbusd_avx_epi32(a, u[s][1], qo);
-#else
-                const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(u[s][0], qe), _mm256_maddubs_epi16(u[s][1], qo));
-                part[2 * r + s] = c % pkw_span(fmt) ? _mm256_add_epi16(part[2 * r + s], p16) : p16;
-                if (c % pkw_span(fmt) == pkw_span(fmt) - 1)
-                    acc[4 * r + 2 * s + h] = _mm256_add_epi32(acc[4 * r + 2 * s + h],
-                                                              _mm256_madd_epi16(part[2 * r + s], _mm256_set1_epi16(1)));
-#endif
+                /* p = 3: the top nibble of each int16 needs no mask */
+                u[s] = p == 3 ? _mm256_srli_epi16(w[s], 12) : _mm256_and_si256(pkw_shift(w[s], 4 * p), low4);
+                if (fmt == PK_Q5_0 || fmt == PK_Q5_K)
+                    u[s] = _mm256_or_si256(u[s], _mm256_and_si256(pkw_shift(hw[0][s], 4 * c + p - 4),
+                                                                  _mm256_set1_epi32(0x00100010)));
+                if (fmt == PK_Q6_K)
+                    u[s] = _mm256_or_si256(u[s], _mm256_and_si256(pkw_shift(hw[c / 2][s], 2 * (4 * (c & 1) + p) - 4),
+                                                                  _mm256_set1_epi32(0x00300030)));
+            }
+            /* a second chain only while few rows leave the dot latency exposed: from 3 rows on it spilled */
+            const int h = fmt == PK_Q6_K ? c / 2 : R <= 2 && (p & 1);
+            for (int r = 0; r < R; r++) {
+                const __m256i pair = _mm256_set1_epi32(pq_pair(q + r * qstride + 8 * c + 2 * p));
+                for (int s = 0; s < 2; s++) acc[4 * r + 2 * s + h] = pkw_dp(acc[4 * r + 2 * s + h], u[s], pair);
             }
         }
     }
@@ -369,8 +322,8 @@ PKW_INLINE void pkw_scales(int fmt, const uint8_t *tile, int j, __m256 *d, __m25
 }
 
 /* y[r][16 rows of group] for R activation rows; R and fmt are constants after inlining. */
-PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, pkw_act act, int R,
-                         const float *bias, float *y, int64_t out) {
+PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, pq_act act,
+                         const int32_t *sq, int R, const float *bias, float *y, int64_t out) {
     (void)x, (void)in;
     const int64_t tb = pkw_tile_bytes(fmt), nruns = nb * pkw_runs(fmt);
     __m256 tot[2 * PKW_TILE];
@@ -394,7 +347,7 @@ PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float 
                     if (fmt == PK_Q6_K) {
                         for (int h = 0; h < 2; h++) {
                             const __m256i dot = _mm256_sub_epi32(acc[4 * r + 2 * s + h],
-                                                                 _mm256_set1_epi32(32 * act.sq[2 * (r * nruns + k) + h]));
+                                                                 _mm256_set1_epi32(32 * sq[2 * (r * nruns + k) + h]));
                             t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[2 * h + s], da), t);
                         }
                     } else {
@@ -414,16 +367,9 @@ PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float 
 #else
 #define PKW_ISA "portable"
 /* C loops on fp32 activations: per run d sum(u x) + m sx (Q6_K: per half, centred codes). */
-/* Only the run's fp32 sum, added in input order. */
-static void pkw_quantize_run(const float *v, int8_t *q, float *da, float *sx, int32_t *sq) {
-    (void)q, (void)da, (void)sq;
-    float sum = 0.0f;
-    for (int k = 0; k < 32; k++) sum += v[k];
-    *sx = sum;
-}
-
-PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, pkw_act act, int R,
-                         const float *bias, float *y, int64_t out) {
+PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, pq_act act,
+                         const int32_t *sq, int R, const float *bias, float *y, int64_t out) {
+    (void)sq;
     const int64_t nruns = nb * pkw_runs(fmt);
     for (int r = 0; r < R; r++) {
         for (int row = 0; row < PK_GROUP_ROWS; row++) {
@@ -445,11 +391,11 @@ PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float 
 }
 #endif
 
-#define PKW_CASE(F, N) case N: pkw_rows(F, tiles, nb, x, in, act, N, bias, y, out); return;
+#define PKW_CASE(F, N) case N: pkw_rows(F, tiles, nb, x, in, act, sq, N, bias, y, out); return;
 #define PKW_CASES(F) switch (R) { PKW_CASE(F, 1) PKW_CASE(F, 2) PKW_CASE(F, 3) default: PKW_CASE(F, PKW_TILE) }
 
-static void pkw_any(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, pkw_act act, int R,
-                    const float *bias, float *y, int64_t out) {
+static void pkw_any(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, pq_act act,
+                    const int32_t *sq, int R, const float *bias, float *y, int64_t out) {
     switch (fmt) {
     case PK_Q5_0: PKW_CASES(PK_Q5_0)
     case PK_Q4_K: PKW_CASES(PK_Q4_K)
@@ -458,29 +404,41 @@ static void pkw_any(int fmt, const uint8_t *tiles, int64_t nb, const float *x, i
     }
 }
 
-/* packed_grouped.c's pk_grouped_linear for these formats: activations rounded once (int8 per 32 inputs, the tiles'
- * byte order), then the groups work-shared over the threads. Returns 0, or 2 when out of memory. */
+/* packed_grouped.c's pk_grouped_linear for these formats: activations rounded once (int16 per 32 inputs, 4-bit
+ * order), then the groups work-shared over the threads. Returns 0, or 2 when out of memory. */
 int pkw_grouped_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads) {
     const int fmt = st->format;
     const int64_t in = st->in_features, out = st->out_features, nruns = in / 32, groups = out / PK_GROUP_ROWS;
     const int64_t nb = in / PK_BLOCK_VALUES[fmt], group_bytes = nb * pkw_tile_bytes(fmt);
-    pkw_act act;
-    if (pkw_alloc(&act, rows, nruns)) return 2;
+    pq_act act;
+    if (pq_alloc(&act, rows, nruns)) return 2;
+    int32_t *sq = NULL;  /* Q6_K's half sums (pkw_half_sums) */
+#if defined(PQ_INT16)
+    if (fmt == PK_Q6_K && (sq = malloc(sizeof(int32_t) * 2 * (size_t)(rows * nruns))) == NULL) {
+        pq_free(&act);
+        return 2;
+    }
+#endif
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < rows * nruns; i++)
-            pkw_quantize_run(x + 32 * i, act.q + 32 * i, act.da + i, act.sx + i, act.sq + 2 * i);
+        for (int64_t r = 0; r < rows; r++) {
+            pq_quantize(x, nruns, r, r + 1, 1, &act);
+#if defined(PQ_INT16)
+            if (sq) pkw_half_sums(act.q + 32 * r * nruns, nruns, sq + 2 * r * nruns);
+#endif
+        }
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             for (int64_t r0 = 0; r0 < rows; r0 += PKW_TILE) {
                 const int R = rows - r0 < PKW_TILE ? (int)(rows - r0) : PKW_TILE;
-                pkw_any(fmt, st->data + g * group_bytes, nb, x + r0 * in, in, pkw_from(&act, r0, nruns), R,
-                        st->bias ? st->bias + g * PK_GROUP_ROWS : NULL, y + r0 * out + g * PK_GROUP_ROWS, out);
+                pkw_any(fmt, st->data + g * group_bytes, nb, x + r0 * in, in, pq_rows(&act, r0, nruns),
+                        sq ? sq + 2 * r0 * nruns : NULL, R, st->bias ? st->bias + g * PK_GROUP_ROWS : NULL, y + r0 * out + g * PK_GROUP_ROWS, out);
             }
         }
     }
-    free(act.da);
+    free(sq);
+    pq_free(&act);
     return 0;
 }
 
