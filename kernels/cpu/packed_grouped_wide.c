@@ -171,10 +171,46 @@ PKW_INLINE __m256i pkw_shift(__m256i v, int s) {
     return s > 0 ? _mm256_srli_epi32(v, s) : s < 0 ? _mm256_slli_epi32(v, -s) : v;
 }
 
+/* Q4_K's dots for up to 2 activation rows with the nibbles masked in place, unshifted: code p of a word (inputs
+ * 8c + p, 8c + p + 4) is u 16^p in each int16 (p = 3 alone is shifted, as the top nibble needs no mask), so the
+ * products of p = 1 and 2 gather in chains of their own, scaled back at the run's end by exact arithmetic shifts
+ * (every term a multiple of 16^p; at most 4 x 2 x 3840 x 32767 < 2^31). Two shifts fewer per 8 inputs and the
+ * same integer sums: acc[4r + 2s] the dot, acc[4r + 2s + 1] zero. */
+PKW_INLINE void pkw_dots_q4k(const uint8_t *run, const int16_t *q, int64_t qstride, int R, __m256i *acc) {
+    __m256i part[12];  /* [6r + 3s + scale class] */
+    for (int i = 0; i < 6 * R; i++) part[i] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        __m256i w[2];
+        for (int s = 0; s < 2; s++) w[s] = _mm256_loadu_si256((const __m256i *)(run + 64 * c + 32 * s));
+        for (int p = 0; p < 4; p++) {
+            const int cls = p == 3 ? 0 : p;
+            for (int r = 0; r < R; r++) {
+                const __m256i pair = _mm256_set1_epi32(pq_pair(q + r * qstride + 8 * c + 2 * p));
+                for (int s = 0; s < 2; s++) {
+                    const __m256i u = p == 3 ? _mm256_srli_epi16(w[s], 12)
+                                             : _mm256_and_si256(w[s], _mm256_set1_epi32(0x000F000F << 4 * p));
+                    part[6 * r + 3 * s + cls] = pkw_dp(part[6 * r + 3 * s + cls], u, pair);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int s = 0; s < 2; s++) {
+            const __m256i *pt = part + 6 * r + 3 * s;
+            acc[4 * r + 2 * s] = _mm256_add_epi32(pt[0], _mm256_add_epi32(_mm256_srai_epi32(pt[1], 4),
+                                                                           _mm256_srai_epi32(pt[2], 8)));
+            acc[4 * r + 2 * s + 1] = _mm256_setzero_si256();
+        }
+}
+
 /* One run's integer dots: acc[4r + 2s + h] for activation row r, tile rows 8s..8s+7, input half h (Q6_K: inputs
  * 0-15 / 16-31, uncentred; the others: up to 2 rows two chains by p's parity, summed by the caller). Codes as two
  * int16 per lane in act_q16.h's 4-bit order. */
 PKW_INLINE void pkw_dots(int fmt, const uint8_t *run, const int16_t *q, int64_t qstride, int R, __m256i *acc) {
+    if (fmt == PK_Q4_K && R <= 2) {
+        pkw_dots_q4k(run, q, qstride, R, acc);
+        return;
+    }
     const __m256i low4 = _mm256_set1_epi32(0x000F000F);
     for (int i = 0; i < 4 * R; i++) acc[i] = _mm256_setzero_si256();
     __m256i hw[2][2];

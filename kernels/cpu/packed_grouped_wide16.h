@@ -14,10 +14,36 @@ PKW_INLINE __m512i pkw_shift(__m512i v, int s) {
     return s > 0 ? _mm512_srli_epi32(v, s) : s < 0 ? _mm512_slli_epi32(v, -s) : v;
 }
 
+/* Q4_K for up to 2 activation rows, nibbles masked in place (the 8-lane pkw_dots_q4k's reasoning): acc[2r] the
+ * dot, acc[2r + 1] zero. */
+PKW_INLINE void pkw_dots_q4k(const uint8_t *run, const int16_t *q, int64_t qstride, int R, __m512i *acc) {
+    __m512i part[6];  /* [3r + scale class] */
+    for (int i = 0; i < 3 * R; i++) part[i] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        const __m512i w = _mm512_loadu_si512(run + 64 * c);
+        for (int p = 0; p < 4; p++) {
+            const __m512i u = p == 3 ? _mm512_srli_epi16(w, 12) : _mm512_and_si512(w, _mm512_set1_epi32(0x000F000F << 4 * p));
+            for (int r = 0; r < R; r++) {
+                const int at = 3 * r + (p == 3 ? 0 : p);
+                part[at] = _mm512_dpwssd_epi32(part[at], u, _mm512_set1_epi32(pq_pair(q + r * qstride + 8 * c + 2 * p)));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m512i *pt = part + 3 * r;
+        acc[2 * r] = _mm512_add_epi32(pt[0], _mm512_add_epi32(_mm512_srai_epi32(pt[1], 4), _mm512_srai_epi32(pt[2], 8)));
+        acc[2 * r + 1] = _mm512_setzero_si512();
+    }
+}
+
 /* One run's integer dots: acc[2r + h] for activation row r, input half h (Q6_K: inputs 0-15 / 16-31, uncentred;
  * the others: up to 2 rows two chains by p's parity, summed by the caller). Codes as two int16 per lane in
  * act_q16.h's 4-bit order. */
 PKW_INLINE void pkw_dots(int fmt, const uint8_t *run, const int16_t *q, int64_t qstride, int R, __m512i *acc) {
+    if (fmt == PK_Q4_K && R <= 2) {
+        pkw_dots_q4k(run, q, qstride, R, acc);
+        return;
+    }
     const __m512i low4 = _mm512_set1_epi32(0x000F000F);
     for (int i = 0; i < 2 * R; i++) acc[i] = _mm512_setzero_si512();
     __m512i hw[2];
