@@ -84,29 +84,39 @@ typedef struct { int64_t k0, k1, hi; const int32_t *table; } Keys;
 
 /* probs x V for `nq` consecutive queries (qq0..) of a span over the chunk's keys: each V row is loaded once for all
  * of them (int8 rows as stored: their scales are in the probabilities, scale_probs). Every query's sums run over all
- * the chunk's keys in order, with zero probabilities outside its own range, so its partial is bit-identical to the query's computed alone (x + 0 * v == x). nq and chunks are constants after
- * inlining. */
+ * the chunk's keys in order, with zero probabilities outside its own range, so its partial is bit-identical to the
+ * query's computed alone (x + 0 * v == x). nq and CH (16-lane chunks of a row) are constants after inlining, and the
+ * arrays have constant sizes: as variable-length arrays gcc kept the accumulators in memory, a load, FMA and store
+ * per 16 lanes per key. */
+#define CHUNK_VALUES(CH)                                                                                             \
+    do {                                                                                                             \
+        f32x16 acc[4][CH];                                                                                           \
+        for (int b = 0; b < nq; b++)                                                                                 \
+            for (int64_t c = 0; c < CH; c++) acc[b][c] = (f32x16){0};                                                \
+        for (int64_t t0 = k->k0 - k->k0 % bs; t0 < k->k1; t0 += bs) {                                                \
+            const char *tile = (const char *)a->v_cache + (h * a->num_blocks + k->table[t0 / bs]) * bs * kv_row;     \
+            const int64_t n = k->k1 - t0 < bs ? k->k1 - t0 : bs, tlo = t0 < k->k0 ? k->k0 - t0 : 0;                  \
+            for (int64_t i = tlo; i < n; i++) {                                                                      \
+                f32x16 v[CH];                                                                                        \
+                for (int64_t c = 0; c < CH; c++) v[c] = load16(tile + i * kv_row, c, kv_dt);                         \
+                for (int b = 0; b < nq; b++) {                                                                       \
+                    const float pb = scores[(qq0 + b) * KEY_CHUNK + t0 + i - k->k0];                                 \
+                    for (int64_t c = 0; c < CH; c++) acc[b][c] += pb * v[c];                                         \
+                }                                                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int b = 0; b < nq; b++) memcpy(part + (qq0 + b) * stride, acc[b], sizeof(float) * (size_t)dim);         \
+    } while (0)
+
 INLINE void chunk_values(const DecodeArgs *a, const Keys *k, int64_t h, const float *scores, float *part,
                          int64_t qq0, const int nq, const int64_t chunks, const int kv_dt) {
     const int64_t bs = a->block_size, dim = 16 * chunks, stride = partial_stride(dim);
     const size_t kv_row = (size_t)dim * elem_size(kv_dt);
-    f32x16 acc[nq][chunks];
-    for (int b = 0; b < nq; b++)
-        for (int64_t c = 0; c < chunks; c++) acc[b][c] = (f32x16){0};
-    for (int64_t t0 = k->k0 - k->k0 % bs; t0 < k->k1; t0 += bs) {
-        const char *tile = (const char *)a->v_cache + (h * a->num_blocks + k->table[t0 / bs]) * bs * kv_row;
-        const int64_t n = k->k1 - t0 < bs ? k->k1 - t0 : bs, tlo = t0 < k->k0 ? k->k0 - t0 : 0;
-        for (int64_t i = tlo; i < n; i++) {
-            f32x16 v[chunks];
-            for (int64_t c = 0; c < chunks; c++) v[c] = load16(tile + i * kv_row, c, kv_dt);
-            for (int b = 0; b < nq; b++) {
-                const float pb = scores[(qq0 + b) * KEY_CHUNK + t0 + i - k->k0];
-                for (int64_t c = 0; c < chunks; c++) acc[b][c] += pb * v[c];
-            }
-        }
-    }
-    for (int b = 0; b < nq; b++) memcpy(part + (qq0 + b) * stride, acc[b], sizeof(float) * (size_t)dim);
+    if (chunks == 4) CHUNK_VALUES(4);          /* head_dim 64 */
+    else if (chunks == 8) CHUNK_VALUES(8);     /* head_dim 128 */
+    else CHUNK_VALUES(chunks);                 /* other multiples of 16: the runtime count */
 }
+#undef CHUNK_VALUES
 
 /* Scores of 16 keys (m of them real, from key row i0 of `tile`) for all the span's queries: the keys widened to
  * fp32 once for all queries; each query's 16 dot vectors then stay in registers up to their lane sums (a
