@@ -4,14 +4,15 @@ sequences running, and the blocks the budget gave. A 16-bit cache that holds one
 (or preempts when decodes outgrow it); an 8-bit cache holds about twice as many.
 
 Where the 16-bit cache is memory-bound (the case the 8-bit caches are for): every request (prompt + output) fits
-the 16-bit budget but fewer than two of the longest do, and output is at least 1/8 of the prompt tokens (decode
-then takes >= 75% of the 16-bit run's time at 0.5 ms per prompt token and ~15 ms per output token at 4k on 2 cores).
-The result records, per dtype, how many of the longest requests its budget holds, and the output share.
+the 16-bit budget but fewer than two of the longest do, and output is at least 1/3 of the prompt tokens (decode then
+takes >= 90% of the 16-bit run's time at ~0.5 ms per prompt token and ~15 ms per output token at 4k on 2 cores;
+docs/kv-cache-formats.md, "The long-context benefit", derives the rule). The result records, per dtype, how many of
+the longest requests its budget holds, and the output share.
 `--rounds N` runs the dtypes N times interleaved (A B C A B C ...) and reports each dtype's median.
 
     python benchmarks/kv_long_context.py --kv-cache-memory 256MiB --json long.json   # bf16 vs int8 vs fp8
     python benchmarks/kv_long_context.py --kv-cache-memory 128MiB --requests 4 --shortest 2048 --longest 4096 \
-        --output-tokens 512 --rounds 3 --json long.json                               # 16-bit memory-bound
+        --output-tokens 1024 --rounds 3 --json long.json                              # 16-bit memory-bound
 """
 
 from __future__ import annotations
