@@ -9,7 +9,10 @@ step's worth of layers (30 caches, so K/V come from memory as in a real step, no
 queries over a bf16 cache, as the native decode step calls it. A and B alternate `--pairs` times; prints one JSON
 object: per case the median us per layer of each and their ratio (base / this tree: > 1 means this tree is faster),
 with the CPU model and the load average before and after. Times are per call (one layer), median and 10th
-percentile over the calls.
+percentile over the calls. `--kv int8` (or fp8_e4m3) times that cache instead of bf16 and `--contexts` sets the
+context lengths, e.g. the 8-bit decode at 4k keys:
+
+    python benchmarks/decode_attention_ab.py --base main --kv int8 --contexts 4096 --rows 1 16
 """
 
 from __future__ import annotations
@@ -68,16 +71,31 @@ def _sources(rev: str | None) -> dict[str, str]:
     return out
 
 
-class Case:
-    """A step's decode rows over LAYERS scattered bf16 caches: `rows` rows, `spans` of them sharing a sequence."""
+KV_CODES = {"bf16": 1, "fp8_e4m3": 3, "int8": 5}  # DT_* in kernels/cpu/native.h
 
-    def __init__(self, rows: int, span: int, context: int, seed: int = 0) -> None:
+
+def _cache(kv: str, shape: tuple[int, ...], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """K/V storage of dtype kv and, for int8, its row scales; values spread like a calibrated cache's (FP8: std 28,
+    so that subnormals are as rare as in the engine's cache)."""
+    x = torch.randn(*shape, generator=gen)
+    if kv == "bf16":
+        return x.to(torch.bfloat16), None
+    if kv == "fp8_e4m3":
+        return (x * 28).to(torch.float8_e4m3fn).view(torch.uint8), None
+    scales = (torch.rand(*shape[:-1], generator=gen) * 0.02 + 0.01).to(torch.float16)
+    return (x * 40).round().clamp(-127, 127).to(torch.int8), scales
+
+
+class Case:
+    """A step's decode rows over LAYERS scattered caches: `rows` rows, `spans` of them sharing a sequence."""
+
+    def __init__(self, rows: int, span: int, context: int, seed: int = 0, kv: str = "bf16") -> None:
         gen = torch.Generator().manual_seed(seed)
         seqs = rows // span
         per_seq = -(-(context + span) // BLOCK)
         self.num_blocks = seqs * per_seq + 4
-        self.caches = [torch.randn(2, KV_HEADS, self.num_blocks, BLOCK, DIM, generator=gen).to(torch.bfloat16)
-                       for _ in range(LAYERS)]
+        self.kv = kv
+        self.caches = [_cache(kv, (2, KV_HEADS, self.num_blocks, BLOCK, DIM), gen) for _ in range(LAYERS)]
         order = torch.randperm(self.num_blocks, generator=gen).to(torch.int32)
         tables = torch.stack([order[s * per_seq : (s + 1) * per_seq] for s in range(seqs) for _ in range(span)])
         self.tables = tables.contiguous()
@@ -88,11 +106,14 @@ class Case:
         self.scales = torch.ones(KV_HEADS)
         self.args = [self._args(c) for c in self.caches]
 
-    def _args(self, cache: torch.Tensor) -> cpu_native.DecodeArgs:
+    def _args(self, cache: tuple[torch.Tensor, torch.Tensor | None]) -> cpu_native.DecodeArgs:
+        cache, row_scales = cache
         return cpu_native.DecodeArgs(
             query=self.query.data_ptr(), q_token_stride=HEADS * DIM, out=self.out.data_ptr(), q_dtype=0,
-            k_cache=cache[0].data_ptr(), v_cache=cache[1].data_ptr(), kv_dtype=1,
+            k_cache=cache[0].data_ptr(), v_cache=cache[1].data_ptr(), kv_dtype=KV_CODES[self.kv],
             k_scale=self.scales.data_ptr(), v_scale=self.scales.data_ptr(),
+            k_row_scale=None if row_scales is None else row_scales[0].data_ptr(),
+            v_row_scale=None if row_scales is None else row_scales[1].data_ptr(),
             block_tables=self.tables.data_ptr(), block_table_stride=self.tables.stride(0),
             seq_lens=self.lens.data_ptr(), rows=self.rows.data_ptr(),
             num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, num_blocks=self.num_blocks, block_size=BLOCK,
@@ -131,6 +152,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="steps per timing")
     parser.add_argument("--key-chunk", type=int, help="build this tree with -DKEY_CHUNK=N (kernels/cpu/decode_chunks.h)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 16], help="1: one row, 5: a span, 16: batch")
+    parser.add_argument("--kv", default="bf16", choices=sorted(KV_CODES), help="the cache dtype timed")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[300, 800, 1500])
     args = parser.parse_args()
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,8 +162,8 @@ def main() -> None:
         this = _build(_sources(None), Path(tmp), "this", defines)
         results = []
         for rows, span in [(r, 5 if r == 5 else 1) for r in args.rows]:
-            for context in (300, 800, 1500):
-                case = Case(rows, span, context)
+            for context in args.contexts:
+                case = Case(rows, span, context, kv=args.kv)
                 a, b = [], []
                 for _ in range(args.pairs):
                     a.append(case.time_us(base, args.threads, args.steps))
@@ -149,7 +172,7 @@ def main() -> None:
                 print(json.dumps(results[-1]), flush=True)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    print(json.dumps(dict(base=args.base, threads=args.threads, cpu=cpu, cores=os.cpu_count(),
+    print(json.dumps(dict(base=args.base, kv=args.kv, threads=args.threads, cpu=cpu, cores=os.cpu_count(),
                           load_before=load_before, load_after=os.getloadavg(), cases=results)))
 
 

@@ -1,6 +1,8 @@
 """Greedy continuations with an 8-bit KV cache against the 16-bit cache, on real chat prompts: how many are token
 for token identical, and where the others first differ. Default model and backends; each 8-bit cache is compared
-with the 16-bit cache of the same compute dtype (fp16 KV for fp32 compute, bf16 KV for bf16).
+with the 16-bit cache of the same compute dtype (fp16 KV for fp32 compute, bf16 KV for bf16). Both sides take the
+same attention path (`--attention-backend`, default native: the C kernels and the C decode step on CPU); each row
+records the implementation and whether the native decode step was on, for both sides.
 
     python benchmarks/kv_greedy_agreement.py --json greedy.json
 """
@@ -40,10 +42,15 @@ PROMPTS = (
 )
 
 
-def continuations(compute: str, kv: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    llm = LLM(dtype=compute, kv_cache_dtype=kv, kv_cache_memory=256 << 20)
+def continuations(compute: str, kv: str, backend: str, prompts: list[list[int]],
+                  max_tokens: int) -> tuple[list[list[int]], str]:
+    """The greedy continuations, and the path that produced them ("<attention impl>, native step on|off")."""
+    llm = LLM(dtype=compute, kv_cache_dtype=kv, kv_cache_memory=256 << 20, attention_backend=backend)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    runner = llm.engine.runner
+    impl = getattr(runner.attn_impl, "inner", runner.attn_impl)  # FP8 calibration wraps the implementation
+    path = f"{type(impl).__name__}, native step {'off' if runner.native_step is None else 'on'}"
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params)], path
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -55,17 +62,20 @@ def main() -> None:
     parser.add_argument("--compute", nargs="+", default=["float32", "bfloat16"], choices=list(REFERENCE_KV))
     parser.add_argument("--kv", nargs="+", default=["int8", "fp8_e4m3"])
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--attention-backend", default="native", help="the same for both sides")
     parser.add_argument("--json")
     args = parser.parse_args()
     tok = LLM(dtype="float32", kv_cache_memory=16 << 20).tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     rows = []
     for compute in args.compute:
-        reference = continuations(compute, REFERENCE_KV[compute], prompts, args.max_tokens)
+        reference, reference_path = continuations(compute, REFERENCE_KV[compute], args.attention_backend, prompts,
+                                                  args.max_tokens)
         for kv in args.kv:
-            got = continuations(compute, kv, prompts, args.max_tokens)
+            got, path = continuations(compute, kv, args.attention_backend, prompts, args.max_tokens)
             diffs = [first_difference(a, b) for a, b in zip(reference, got)]
             rows.append({"compute": compute, "kv_cache_dtype": kv, "reference_kv": REFERENCE_KV[compute],
+                         "path": path, "reference_path": reference_path,
                          "prompts": len(prompts), "identical": sum(d is None for d in diffs),
                          "first_difference_at": diffs, "max_tokens": args.max_tokens})
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "first_difference_at"}), flush=True)

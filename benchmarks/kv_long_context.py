@@ -3,7 +3,16 @@ at once, and per cache dtype (same run, same prompts): tokens/s, time to first t
 sequences running, and the blocks the budget gave. A 16-bit cache that holds one or two such prompts queues the rest
 (or preempts when decodes outgrow it); an 8-bit cache holds about twice as many.
 
+Where the 16-bit cache is memory-bound (the case the 8-bit caches are for): every request (prompt + output) fits
+the 16-bit budget but fewer than two of the longest do, and output is at least 1/3 of the prompt tokens (decode then
+takes >= 90% of the 16-bit run's time at ~0.5 ms per prompt token and ~15 ms per output token at 4k on 2 cores;
+docs/kv-cache-formats.md, "The long-context benefit", derives the rule). The result records, per dtype, how many of
+the longest requests its budget holds, and the output share.
+`--rounds N` runs the dtypes N times interleaved (A B C A B C ...) and reports each dtype's median.
+
     python benchmarks/kv_long_context.py --kv-cache-memory 256MiB --json long.json   # bf16 vs int8 vs fp8
+    python benchmarks/kv_long_context.py --kv-cache-memory 128MiB --requests 4 --shortest 2048 --longest 4096 \
+        --output-tokens 1024 --rounds 3 --json long.json                              # 16-bit memory-bound
 """
 
 from __future__ import annotations
@@ -67,20 +76,36 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1, help="dtypes interleaved round by round; medians reported")
     parser.add_argument("--label", default="", help="e.g. 'noisy' when other jobs share the machine")
     parser.add_argument("--json")
     args = parser.parse_args()
     prompts = workload(args.requests, args.shortest, args.longest, args.seed)
-    rows = []
-    for kv in args.kv:
-        rows.append(run(kv, args.kv_cache_memory, prompts, args.output_tokens, args.max_num_seqs))
-        print(json.dumps(rows[-1]), flush=True)
+    runs: dict[str, list[dict]] = {kv: [] for kv in args.kv}
+    for r in range(args.rounds):
+        for kv in args.kv:
+            runs[kv].append(run(kv, args.kv_cache_memory, prompts, args.output_tokens, args.max_num_seqs))
+            print(json.dumps({"round": r, **runs[kv][-1]}), flush=True)
+    rows = [median_row(runs[kv], max(len(p) for p in prompts) + args.output_tokens) for kv in args.kv]
     base = rows[0]["total_tokens_per_s"]
     for row in rows:
         row["tokens_per_s_vs_first"] = row["total_tokens_per_s"] / base
+        print(json.dumps({k: v for k, v in row.items() if k != "rounds"}), flush=True)
     result = {**host_info(), "label": args.label, "args": vars(args), "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def median_row(runs: list[dict], longest_request: int) -> dict:
+    """One dtype's rounds: the round of median total tokens/s, each round's figures kept; how many of the longest
+    requests (prompt + output) the budget holds, and the output tokens' share of all tokens."""
+    ordered = sorted(runs, key=lambda row: row["total_tokens_per_s"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    row["holds_longest_requests"] = row["tokens_in_budget"] // longest_request
+    row["output_share"] = row["output_tokens"] / (row["output_tokens"] + row["prompt_tokens"])
+    row["rounds"] = [{k: r[k] for k in ("total_tokens_per_s", "ttft_mean_s", "preemptions", "peak_running")}
+                     for r in runs]
+    return row
 
 
 if __name__ == "__main__":

@@ -83,33 +83,40 @@ void span_keys(const DecodeArgs *a, const Span *sp, int64_t *lo, int64_t *hi) {
 typedef struct { int64_t k0, k1, hi; const int32_t *table; } Keys;
 
 /* probs x V for `nq` consecutive queries (qq0..) of a span over the chunk's keys: each V row is loaded once for all
- * of them. Every query's sums run over all the chunk's keys in order, with zero probabilities outside its own range,
- * so its partial is bit-identical to the query's computed alone (x + 0 * v == x). nq and chunks are constants after
- * inlining. */
+ * of them (int8 rows as stored: their scales are in the probabilities, scale_probs). Every query's sums run over all
+ * the chunk's keys in order, with zero probabilities outside its own range, so its partial is bit-identical to the
+ * query's computed alone (x + 0 * v == x). nq and CH (16-lane chunks of a row) are constants after inlining, and the
+ * arrays have constant sizes: as variable-length arrays gcc kept the accumulators in memory, a load, FMA and store
+ * per 16 lanes per key. */
+#define CHUNK_VALUES(CH)                                                                                             \
+    do {                                                                                                             \
+        f32x16 acc[4][CH];                                                                                           \
+        for (int b = 0; b < nq; b++)                                                                                 \
+            for (int64_t c = 0; c < CH; c++) acc[b][c] = (f32x16){0};                                                \
+        for (int64_t t0 = k->k0 - k->k0 % bs; t0 < k->k1; t0 += bs) {                                                \
+            const char *tile = (const char *)a->v_cache + (h * a->num_blocks + k->table[t0 / bs]) * bs * kv_row;     \
+            const int64_t n = k->k1 - t0 < bs ? k->k1 - t0 : bs, tlo = t0 < k->k0 ? k->k0 - t0 : 0;                  \
+            for (int64_t i = tlo; i < n; i++) {                                                                      \
+                f32x16 v[CH];                                                                                        \
+                for (int64_t c = 0; c < CH; c++) v[c] = load16(tile + i * kv_row, c, kv_dt);                         \
+                for (int b = 0; b < nq; b++) {                                                                       \
+                    const float pb = scores[(qq0 + b) * KEY_CHUNK + t0 + i - k->k0];                                 \
+                    for (int64_t c = 0; c < CH; c++) acc[b][c] += pb * v[c];                                         \
+                }                                                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int b = 0; b < nq; b++) memcpy(part + (qq0 + b) * stride, acc[b], sizeof(float) * (size_t)dim);         \
+    } while (0)
+
 INLINE void chunk_values(const DecodeArgs *a, const Keys *k, int64_t h, const float *scores, float *part,
                          int64_t qq0, const int nq, const int64_t chunks, const int kv_dt) {
     const int64_t bs = a->block_size, dim = 16 * chunks, stride = partial_stride(dim);
     const size_t kv_row = (size_t)dim * elem_size(kv_dt);
-    f32x16 acc[nq][chunks];
-    for (int b = 0; b < nq; b++)
-        for (int64_t c = 0; c < chunks; c++) acc[b][c] = (f32x16){0};
-    for (int64_t t0 = k->k0 - k->k0 % bs; t0 < k->k1; t0 += bs) {
-        const char *tile = (const char *)a->v_cache + (h * a->num_blocks + k->table[t0 / bs]) * bs * kv_row;
-        const int64_t n = k->k1 - t0 < bs ? k->k1 - t0 : bs, tlo = t0 < k->k0 ? k->k0 - t0 : 0;
-        const _Float16 *rs = kv_dt == DT_I8 ? a->v_row_scale + (h * a->num_blocks + k->table[t0 / bs]) * bs : NULL;
-        for (int64_t i = tlo; i < n; i++) {
-            f32x16 v[chunks];
-            for (int64_t c = 0; c < chunks; c++) v[c] = load16(tile + i * kv_row, c, kv_dt);
-            if (kv_dt == DT_I8)
-                for (int64_t c = 0; c < chunks; c++) v[c] *= (float)rs[i];
-            for (int b = 0; b < nq; b++) {
-                const float pb = scores[(qq0 + b) * KEY_CHUNK + t0 + i - k->k0];
-                for (int64_t c = 0; c < chunks; c++) acc[b][c] += pb * v[c];
-            }
-        }
-    }
-    for (int b = 0; b < nq; b++) memcpy(part + (qq0 + b) * stride, acc[b], sizeof(float) * (size_t)dim);
+    if (chunks == 4) CHUNK_VALUES(4);          /* head_dim 64 */
+    else if (chunks == 8) CHUNK_VALUES(8);     /* head_dim 128 */
+    else CHUNK_VALUES(chunks);                 /* other multiples of 16: the runtime count */
 }
+#undef CHUNK_VALUES
 
 /* Scores of 16 keys (m of them real, from key row i0 of `tile`) for all the span's queries: the keys widened to
  * fp32 once for all queries; each query's 16 dot vectors then stay in registers up to their lane sums (a
@@ -151,15 +158,25 @@ INLINE void chunk_scores(const DecodeArgs *a, const Keys *k, int64_t h, const f3
                          const int64_t chunks, const int kv_dt) {
     const int64_t bs = a->block_size;
     const size_t tile_bytes = (size_t)bs * 16 * chunks * elem_size(kv_dt);
+    /* The K tile prefetched is about 2 KiB of keys ahead: an 8-bit tile is scored in half a 16-bit one's time, so one
+     * tile ahead left its loads waiting on memory (the top stall of int8 decode at 4k keys). */
+    const int64_t ahead = tile_bytes >= 2048 ? 1 : tile_bytes >= 512 ? (int64_t)(2048 / tile_bytes) : 4;
     for (int64_t t0 = k->k0 - k->k0 % bs; t0 < k->k1; t0 += bs) {
         const size_t offset = (size_t)(h * a->num_blocks + k->table[t0 / bs]) * tile_bytes;
         const char *tile = (const char *)a->k_cache + offset;
         const int64_t n = k->k1 - t0 < bs ? k->k1 - t0 : bs, tlo = t0 < k->k0 ? k->k0 - t0 : 0;
-        /* Blocks are scattered, so the hardware prefetcher stops at every tile boundary: ask for the next K tile
+        /* Blocks are scattered, so the hardware prefetcher stops at every tile boundary: ask for a later K tile
          * now (past the chunk's end too: the same thread usually takes the next chunk), and for this V tile, which
          * the probs x V loop then finds in cache. */
-        const char *next_k = t0 + bs < k->hi
-            ? (const char *)a->k_cache + (size_t)(h * a->num_blocks + k->table[t0 / bs + 1]) * tile_bytes : tile;
+        const char *next_k = tile;
+        if (t0 + ahead * bs < k->hi) {
+            const int64_t block = h * a->num_blocks + k->table[t0 / bs + ahead];
+            next_k = (const char *)a->k_cache + (size_t)block * tile_bytes;
+            if (kv_dt == DT_I8) {  /* the row scales live apart from the rows: a miss per tile each if not asked for */
+                __builtin_prefetch(a->k_row_scale + block * bs);
+                __builtin_prefetch(a->v_row_scale + block * bs);
+            }
+        }
         const _Float16 *rs = kv_dt == DT_I8 ? a->k_row_scale + (h * a->num_blocks + k->table[t0 / bs]) * bs : NULL;
         for (int64_t i0 = tlo; i0 < n; i0 += 16)
             score16(tile, next_k, (const char *)a->v_cache + offset, i0, n - i0 < 16 ? n - i0 : 16, q, nq,
@@ -187,6 +204,30 @@ static void chunk_softmax(const DecodeArgs *a, const Span *sp, const Keys *k, fl
     }
 }
 
+/* int8 V: each key's softmax numerator times its V row's scale (after the sums went to the partials), so that the
+ * probs x V loop reads V rows as stored instead of scaling every row (a multiply per 16 lanes and a scalar
+ * fp16 load per row). 16 keys at a time where a tile has them. */
+INLINE void scale_probs(const DecodeArgs *a, const Keys *k, int64_t h, float *scores, int64_t nq) {
+    const int64_t bs = a->block_size;
+    for (int64_t t0 = k->k0 - k->k0 % bs; t0 < k->k1; t0 += bs) {
+        const _Float16 *rs = a->v_row_scale + (h * a->num_blocks + k->table[t0 / bs]) * bs;
+        const int64_t n = k->k1 - t0 < bs ? k->k1 - t0 : bs, tlo = t0 < k->k0 ? k->k0 - t0 : 0;
+        int64_t i = tlo;
+        for (; i + 16 <= n; i += 16) {
+            const f32x16 r = row_scales16(rs + i, 16);
+            for (int64_t qq = 0; qq < nq; qq++) {
+                float *p = scores + qq * KEY_CHUNK + t0 + i - k->k0;
+                f32x16 v;
+                memcpy(&v, p, sizeof v);
+                v *= r;
+                memcpy(p, &v, sizeof v);
+            }
+        }
+        for (; i < n; i++)
+            for (int64_t qq = 0; qq < nq; qq++) scores[qq * KEY_CHUNK + t0 + i - k->k0] *= (float)rs[i];
+    }
+}
+
 /* One chunk of a span's queries that share KV head `h`. Always inlined into callers that pass a constant number of
  * 16-lane chunks (head_dim / 16) and constant dtypes: the row loops then have constant trip counts and the
  * accumulators stay in registers. */
@@ -206,6 +247,7 @@ INLINE void chunk_task(const DecodeArgs *a, const Span *sp, int64_t h, int64_t c
     }
     chunk_scores(a, &k, h, q, nq, w->scores, chunks, kv_dt);
     chunk_softmax(a, sp, &k, w->scores, part, dim);
+    if (kv_dt == DT_I8) scale_probs(a, &k, h, w->scores, nq);
     /* Up to 4 queries per pass over V (2 at head_dim 128: 16 accumulators and the V row stay in registers). */
     const int most = chunks <= 4 ? 4 : 2;
     for (int64_t qq0 = 0; qq0 < nq;) {
