@@ -16,11 +16,6 @@ import paths  # noqa: E402
 import servers  # noqa: E402
 from metrics import RequestTiming, summarize  # noqa: E402
 
-# As llama.cpp's llama-server prints it at start (from a build of the pinned sdist on an AVX-512 host).
-SYSTEM_INFO = ("system_info: n_threads = 2 (n_threads_batch = 2) / 2 | CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | "
-               "AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | AVX512 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 |")
-
-
 def test_no_repack_is_refused_before_anything_starts(tmp_path):
     with pytest.raises(ValueError, match="repacked kernels"):
         servers.start_llama_server("", "bfloat16", tmp_path, gguf=tmp_path / "absent.gguf",
@@ -70,15 +65,6 @@ def test_vllm_avx2_tier_environment_hides_avx512_from_torch():
     assert "vllm_avx2" not in servers.vllm_env(1, "0").get("PYTHONPATH", "")
     with pytest.raises(ValueError, match="native, avx2"):
         servers.vllm_env(1, "0", tier="sse2")
-
-
-def test_system_info_is_the_last_start_in_the_log(tmp_path):
-    log = tmp_path / "llama-server.log"
-    log.write_text(f"main: loading\n{SYSTEM_INFO.replace('AVX512 = 1', 'AVX512 = 0')}\nold run\n"
-                   f"build: 1 (x)\n{SYSTEM_INFO}\nsrv  load_model: loading model\n")
-    assert servers.system_info(log).startswith("n_threads = 2") and "AVX512 = 1" in servers.system_info(log)
-    log.write_text("no start yet\n")
-    assert servers.system_info(log) == "not found in the log"
 
 
 @pytest.mark.skipif(shutil.which("cc") is None or not Path("/proc/cpuinfo").exists(), reason="needs cc and Linux")

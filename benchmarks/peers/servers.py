@@ -163,10 +163,33 @@ def start_llama_server(model_dir: str, dtype: str, log_dir: Path, threads: int =
     argv = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-c", str(parallel * ctx_per_slot),
             "--cont-batching", "--no-webui", "-a", "model", *extra_args]
+    info = probe_system_info(binary, gguf, threads)  # before the measured server starts: it runs alone
     server = _start_llama(argv, gguf, log_dir, timeout, tier)
-    server.llama = LlamaBuild(tier, str(binary), paths.llama_build_info(tier), system_info(server.log_path),
-                              " ".join(argv[1:]))
+    server.llama = LlamaBuild(tier, str(binary), paths.llama_build_info(tier), info, " ".join(argv[1:]))
     return server
+
+
+def probe_system_info(binary: Path, gguf: Path, threads: int, timeout: float = 60) -> str:
+    """llama.cpp's `system_info:` line (its ISA features and REPACK) from a short-lived llama-server at trace
+    verbosity: current builds print it only at `-lv 4`, which the measured server must not run with (it logs per
+    token). The probe is stopped as soon as the line appears."""
+    import threading
+
+    argv = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(free_port()), "-t", str(threads),
+            "-np", "1", "-c", "512", "--no-webui", "-lv", "4"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                            start_new_session=True)
+    watchdog = threading.Timer(timeout, proc.kill)
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            if "system_info:" in line:
+                return line.split("system_info:", 1)[1].strip()
+        return f"not printed (llama-server exited {proc.poll()} or ran past {timeout:.0f} s)"
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.wait()
 
 
 NO_REPACK = "--no-repack"
@@ -182,12 +205,6 @@ class LlamaBuild:
     build: dict
     system_info: str
     args: str
-
-
-def system_info(log: Path) -> str:
-    """The last `system_info:` line in a llama-server log (logs are appended to across starts)."""
-    lines = [line for line in log.read_text(errors="replace").splitlines() if "system_info:" in line]
-    return lines[-1].split("system_info:", 1)[1].strip() if lines else "not found in the log"
 
 
 class LlamaIllegalInstruction(RuntimeError):
