@@ -24,7 +24,9 @@ from pagedserve.engine.errors import ConfigError, ModelLoadError
 from pagedserve.engine.loading.model_loader import load_model, packed_gguf_types
 from pagedserve.kernels.cpu import packed as cpu_packed
 from pagedserve.quant import gguf as gguf_method
-from pagedserve.quant.native_linear import grouped_native_max_batch
+from pagedserve.quant.dense_layout import grouped_isa as dense_grouped_isa
+from pagedserve.quant.dense_layout import row_group
+from pagedserve.quant.native_linear import GROUPED_NATIVE_MAX_BATCH, grouped_native_max_batch
 from quant_fixtures import full_logits
 
 HELD_OUT = Path(__file__).parent.parent / "docs" / "architecture.md"
@@ -64,7 +66,7 @@ def test_packed_engine_keeps_the_files_blocks(engines):
 
 def test_native_step_batch_limit_follows_the_kernels(engines):
     """Grouped Q4_1/Q8_0 blocks (AVX-512 and AVX2 builds) keep the native step up to 8 sequences, 16 with
-    AVX512-VNNI; bf16 weights up to 2."""
+    AVX512-VNNI; dequantized bf16 weights up to 8 where they are regrouped for the dense GEMV, else 2."""
     packed = engines["packed"].engine.loaded.model.lm_head.packed
     isa = cpu_packed.grouped_isa(packed.lib)
     grouped = isa in cpu_packed.FAST_GROUPED_ISAS
@@ -72,7 +74,11 @@ def test_native_step_batch_limit_follows_the_kernels(engines):
     limit = {"avx512_vnni": 16, "avx512": 8, "avx2_vnni": 8, "avx2": 8}.get(isa, 2)
     assert limit == (grouped_native_max_batch(isa) if grouped else 2)
     assert engines["packed"].engine.runner.native_step.capacity.max_batch == limit
-    assert engines["dequantized"].engine.runner.native_step.capacity.max_batch == 2
+    dequantized = engines["dequantized"].engine
+    proj = dequantized.loaded.model.model.layers[0].mlp.down_proj.weight
+    regrouped = row_group(proj) != 0
+    assert regrouped == (proj.dtype == torch.bfloat16 and dense_grouped_isa() in ("avx512", "avx2"))
+    assert dequantized.runner.native_step.capacity.max_batch == (GROUPED_NATIVE_MAX_BATCH if regrouped else 2)
 
 
 def test_teacher_forced_fp32_is_the_dequantized_function(default_model, held_out, monkeypatch):
