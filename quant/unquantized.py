@@ -90,7 +90,7 @@ class UnquantizedLinearMethod(LinearMethod):
             return dense_native_linear(plain, layer.bias)
         # Regrouped bf16 weights, or 16-bit weights under fp32 compute: the torch path would turn the whole matrix
         # row-major (or fp32) per call, so the GEMV, which reads it once for up to 8 rows, stays ahead through 8
-        # sequences (it gave bf16 1B-shaped decode 630 ms a step at 8 streams through the torch path).
+        # sequences (docs/benchmarks.md, the 1B bf16 rows).
         layer.small_batch_gemv = dense_native_linear(plain, layer.bias, x_fp32=self.weight_dtype is not None,
                                                      native_max_batch=GROUPED_NATIVE_MAX_BATCH)
         return layer.small_batch_gemv
