@@ -49,7 +49,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 SPEC = LibrarySpec(
     name="packed",
-    sources=(*(f"packed_{name}.c" for name in ("linear", "f32", "grouped", "grouped_wide", "dequantize")),
+    sources=(*(f"packed_{name}.c" for name in ("linear", "f32", "grouped", "grouped_wide", "grouped_panel", "dequantize")),
              "group_linear.c",
              "group_grouped.c"),
     structs=PACKED_STRUCTS,

@@ -33,18 +33,14 @@
 #include <omp.h>
 
 #include "act_q16.h"
-#include "packed_blocks.h"
+#include "packed_wide_layout.h"
 
-#define PKW_INLINE static inline __attribute__((always_inline))
 #define PKW_TILE 4          /* activation rows per pass over a group's weights */
 #define PKW_PREFETCH 2048   /* software prefetch distance, bytes */
+/* From this many activation rows on the 8-lane builds take packed_grouped_panel.c's kernel (the same bits) */
+#define PKW_PANEL_MIN_ROWS 8
 
-/* The bytes of the 4-bit plane + high plane of one run, and of a tile's header. */
-static inline int64_t pkw_high(int fmt) { return fmt == PK_Q6_K ? 128 : fmt == PK_Q4_K ? 0 : 64; }
-static inline int64_t pkw_run_bytes(int fmt) { return 256 + pkw_high(fmt); }
-static inline int64_t pkw_header(int fmt) { return fmt == PK_Q5_0 ? 32 : fmt == PK_Q6_K ? 288 : 256; }
-static inline int64_t pkw_tile_bytes(int fmt) { return PK_GROUP_ROWS * PK_BLOCK_BYTES[fmt]; }
-static inline int pkw_runs(int fmt) { return fmt == PK_Q5_0 ? 1 : 8; }
+int pkp_panel_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads);
 
 int pkw_is_wide(int fmt) { return fmt == PK_Q5_0 || fmt == PK_Q4_K || fmt == PK_Q5_K || fmt == PK_Q6_K; }
 
@@ -241,30 +237,6 @@ PKW_INLINE void pkw_dots(int fmt, const uint8_t *run, const int16_t *q, int64_t 
     }
 }
 
-/* Run j's scales of tile rows 8s..8s+7: d[s] (Q6_K: d[2h + s] per input half h) and m[s]. */
-PKW_INLINE void pkw_scales(int fmt, const uint8_t *tile, int j, __m256 *d, __m256 *m) {
-    for (int s = 0; s < 2; s++) {
-        const __m256 dr = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 16 * s)));
-        if (fmt == PK_Q5_0) {
-            d[s] = dr, m[s] = _mm256_mul_ps(dr, _mm256_set1_ps(-16.0f));
-        } else if (fmt == PK_Q6_K) {
-            for (int h = 0; h < 2; h++) {
-                const __m128i sc = _mm_loadl_epi64((const __m128i *)(tile + 32 + 16 * (2 * j + h) + 8 * s));
-                d[2 * h + s] = _mm256_mul_ps(dr, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-            }
-        } else {
-            const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 64 + 16 * j + 8 * s)));
-            const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 192 + 16 * (j / 2) + 8 * s)));
-            const __m256i sc = _mm256_and_si256(a, _mm256_set1_epi32(63));
-            const __m256i mn = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(lo, 4 * (j & 1)), _mm256_set1_epi32(15)),
-                                               _mm256_slli_epi32(_mm256_srli_epi32(a, 6), 4));
-            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 32 + 16 * s)));
-            d[s] = _mm256_mul_ps(dr, _mm256_cvtepi32_ps(sc));
-            m[s] = _mm256_mul_ps(_mm256_xor_ps(dmin, _mm256_set1_ps(-0.0f)), _mm256_cvtepi32_ps(mn));
-        }
-    }
-}
-
 /* y[r][16 rows of group] for R activation rows; R and fmt are constants after inlining. */
 PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, pq_act act,
                          const int32_t *sq, int R, const float *bias, float *y, int64_t out) {
@@ -351,6 +323,9 @@ static void pkw_any(int fmt, const uint8_t *tiles, int64_t nb, const float *x, i
 /* packed_grouped.c's pk_grouped_linear for these formats: activations rounded once (int16 per 32 inputs, 4-bit
  * order), then the groups work-shared over the threads. Returns 0, or 2 when out of memory. */
 int pkw_grouped_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads) {
+#if defined(PQ_LANES8)
+    if (rows >= PKW_PANEL_MIN_ROWS) return pkp_panel_linear(st, x, rows, y, threads);
+#endif
     const int fmt = st->format;
     const int64_t in = st->in_features, out = st->out_features, nruns = in / 32, groups = out / PK_GROUP_ROWS;
     const int64_t nb = in / PK_BLOCK_VALUES[fmt], group_bytes = nb * pkw_tile_bytes(fmt);

@@ -1,0 +1,183 @@
+/* Many activation rows (prefill, large batches) through the interleaved-rows layout of Q5_0, Q4_K, Q5_K and Q6_K
+ * (packed_grouped_wide.c describes it) in the 8-lane int16 builds (avx2, avx2_vnni: act_q16.h's PQ_LANES8).
+ *
+ * Why: packed_grouped_wide.c's kernel takes 4 activation rows per pass over a group's weights and widens the codes
+ * again on every pass, so its cost per row stays flat (~75 GFLOP/s per core for Q4_K, ~50 for Q6_K on a Sapphire
+ * Rapids core capped at AVX2) below the fp32 FMA GEMM of the dense copy (~95): prefill needed that copy, 4 bytes a
+ * weight. Here each run's codes (16 rows x 32 inputs) are widened once into int16 vectors in L1, then every row
+ * of a chunk of activations takes only the pair dots (vpmaddwd + vpaddd, 16 products per 2 instructions, or one
+ * vpdpwssd), 6 rows at a time with the 12 accumulators in registers.
+ *
+ * Numerics: the same as packed_grouped_wide.c's, bit for bit (tests/test_packed_kernels.py): the same int16
+ * activations (pq_quantize_block), exact int32 dots (Q6_K's codes centred before the dot instead of after: the
+ * same integer), and per run the same float epilogue in the same order, so a row's result does not depend on which
+ * kernel served it or on the rows beside it.
+ *
+ * Loop order: rows in chunks whose int16 activations stay in L2 (outer), groups work-shared over the threads, runs,
+ * then the chunk's rows; activations are stored run-major per chunk so that a group's sweep reads them in order. */
+#include "isa.h"
+#include <omp.h>
+
+#include "act_q16.h"
+#include "packed_wide_layout.h"
+
+#if defined(PQ_LANES8)
+#define PKP_TILE 6             /* activation rows per micro-kernel call: 12 accumulators + codes + pair */
+#define PKP_CHUNK 64           /* most activation rows per chunk */
+#define PKP_CHUNK_BYTES 262144 /* the int16 activations one chunk may hold */
+
+PKW_INLINE __m256i pkp_dp(__m256i acc, __m256i u, __m256i pair) {
+#if defined(PS_AVX2_VNNI)
+    return _mm256_dpwssd_avx_epi32(acc, u, pair);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(u, pair));
+#endif
+}
+
+PKW_INLINE __m256i pkp_shift(__m256i v, int s) {
+    return s > 0 ? _mm256_srli_epi32(v, s) : s < 0 ? _mm256_slli_epi32(v, -s) : v;
+}
+
+/* Run `run`'s codes of the 16 rows as u[2i + s]: pair i = 4c + p (inputs 8c + p, 8c + p + 4 as two int16, the
+ * order of the activations), tile rows 8s..8s+7; Q6_K's centred (u - 32). */
+PKW_INLINE void pkp_codes(int fmt, const uint8_t *run, __m256i *u) {
+    const __m256i low4 = _mm256_set1_epi32(0x000F000F);
+    __m256i hw[2][2];
+    for (int e = 0; e < (fmt == PK_Q6_K ? 2 : fmt == PK_Q4_K ? 0 : 1); e++)
+        for (int s = 0; s < 2; s++) hw[e][s] = _mm256_loadu_si256((const __m256i *)(run + 256 + 64 * e + 32 * s));
+    for (int c = 0; c < 4; c++)
+        for (int s = 0; s < 2; s++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(run + 64 * c + 32 * s));
+            for (int p = 0; p < 4; p++) {
+                __m256i v = p == 3 ? _mm256_srli_epi16(w, 12) : _mm256_and_si256(pkp_shift(w, 4 * p), low4);
+                if (fmt == PK_Q5_0 || fmt == PK_Q5_K)
+                    v = _mm256_or_si256(v, _mm256_and_si256(pkp_shift(hw[0][s], 4 * c + p - 4),
+                                                            _mm256_set1_epi32(0x00100010)));
+                if (fmt == PK_Q6_K) {
+                    v = _mm256_or_si256(v, _mm256_and_si256(pkp_shift(hw[c / 2][s], 2 * (4 * (c & 1) + p) - 4),
+                                                            _mm256_set1_epi32(0x00300030)));
+                    v = _mm256_sub_epi16(v, _mm256_set1_epi16(32));
+                }
+                _mm256_store_si256(u + 2 * (4 * c + p) + s, v);
+            }
+        }
+}
+
+/* tot[16 r ..] += per lane (d da) dot (+ m sx): packed_grouped_wide.c's epilogue, one input half (Q6_K) or the run,
+ * for R rows whose pairs i0..i1 of q (32 int16 per row, rows consecutive) meet the codes u. */
+PKW_INLINE void pkp_rows(const __m256i *u, int i0, int i1, const int16_t *q, const float *da, const float *sx,
+                         const __m256 *d, const __m256 *m, int R, float *tot) {
+    __m256i acc[2 * PKP_TILE];
+    for (int i = 0; i < 2 * R; i++) acc[i] = _mm256_setzero_si256();
+    for (int i = i0; i < i1; i++) {
+        const __m256i u0 = _mm256_load_si256(u + 2 * i), u1 = _mm256_load_si256(u + 2 * i + 1);
+        for (int r = 0; r < R; r++) {
+            const __m256i pair = _mm256_set1_epi32(pq_pair(q + 32 * r + 2 * i));
+            acc[2 * r] = pkp_dp(acc[2 * r], u0, pair);
+            acc[2 * r + 1] = pkp_dp(acc[2 * r + 1], u1, pair);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m256 dar = _mm256_set1_ps(da[r]);
+        for (int s = 0; s < 2; s++) {
+            __m256 t = _mm256_load_ps(tot + 16 * r + 8 * s);
+            t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[2 * r + s]), _mm256_mul_ps(d[s], dar), t);
+            if (m) t = _mm256_fmadd_ps(m[s], _mm256_set1_ps(sx[r]), t);
+            _mm256_store_ps(tot + 16 * r + 8 * s, t);
+        }
+    }
+}
+
+/* Run j of `tile` for R rows: the whole run, or Q6_K's two halves with a scale each. */
+PKW_INLINE void pkp_run(int fmt, const __m256i *u, const uint8_t *tile, int j, const int16_t *q, const float *da,
+                        const float *sx, int R, float *tot) {
+    __m256 d[4], m[2];
+    pkw_scales(fmt, tile, j, d, m);
+    if (fmt == PK_Q6_K) {
+        const __m256 d0[2] = {d[0], d[1]}, d1[2] = {d[2], d[3]};
+        pkp_rows(u, 0, 8, q, da, sx, d0, NULL, R, tot);
+        pkp_rows(u, 8, 16, q, da, sx, d1, NULL, R, tot);
+    } else {
+        pkp_rows(u, 0, 16, q, da, sx, d, m, R, tot);
+    }
+}
+
+#define PKP_CASE(F, N) case N: pkp_run(F, u, tile, j, q, da, sx, N, tot); return;
+#define PKP_CASES(F) switch (R) { PKP_CASE(F, 1) PKP_CASE(F, 2) PKP_CASE(F, 3) PKP_CASE(F, 4) PKP_CASE(F, 5) \
+                                  default: PKP_CASE(F, PKP_TILE) }
+
+static void pkp_any(int fmt, const __m256i *u, const uint8_t *tile, int j, const int16_t *q, const float *da,
+                    const float *sx, int R, float *tot) {
+    switch (fmt) {
+    case PK_Q5_0: PKP_CASES(PK_Q5_0)
+    case PK_Q4_K: PKP_CASES(PK_Q4_K)
+    case PK_Q5_K: PKP_CASES(PK_Q5_K)
+    default: PKP_CASES(PK_Q6_K)
+    }
+}
+
+static void pkp_codes_any(int fmt, const uint8_t *run, __m256i *u) {
+    switch (fmt) {
+    case PK_Q5_0: pkp_codes(PK_Q5_0, run, u); return;
+    case PK_Q4_K: pkp_codes(PK_Q4_K, run, u); return;
+    case PK_Q5_K: pkp_codes(PK_Q5_K, run, u); return;
+    default: pkp_codes(PK_Q6_K, run, u); return;
+    }
+}
+
+/* One group's 16 outputs for the mb rows of a chunk whose activations (run-major: [run][row][32]) start at q. */
+static void pkp_group(int fmt, const uint8_t *tiles, int64_t nb, const int16_t *q, const float *da, const float *sx,
+                      int64_t mb, const float *bias, float *y, int64_t out) {
+    __m256i u[32] __attribute__((aligned(32)));
+    float tot[16 * PKP_CHUNK] __attribute__((aligned(32)));
+    for (int64_t r = 0; r < mb; r++)
+        for (int l = 0; l < 16; l++) tot[16 * r + l] = bias ? bias[l] : 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tile = tiles + b * pkw_tile_bytes(fmt);
+        for (int j = 0; j < pkw_runs(fmt); j++) {
+            const int64_t k = b * pkw_runs(fmt) + j;
+            pkp_codes_any(fmt, tile + pkw_header(fmt) + j * pkw_run_bytes(fmt), u);
+            for (int64_t r0 = 0; r0 < mb; r0 += PKP_TILE) {
+                const int R = mb - r0 < PKP_TILE ? (int)(mb - r0) : PKP_TILE;
+                pkp_any(fmt, u, tile, j, q + 32 * (k * mb + r0), da + k * mb + r0, sx + k * mb + r0, R,
+                        tot + 16 * r0);
+            }
+        }
+    }
+    for (int64_t r = 0; r < mb; r++) memcpy(y + r * out, tot + 16 * r, 16 * sizeof(float));
+}
+
+/* pkw_grouped_linear for many rows (packed_grouped_wide.c calls it from PKW_PANEL_MIN_ROWS rows on). Returns 0,
+ * or 2 when out of memory. */
+int pkp_panel_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads) {
+    const int fmt = st->format;
+    const int64_t in = st->in_features, out = st->out_features, nruns = in / 32, groups = out / PK_GROUP_ROWS;
+    const int64_t nb = in / PK_BLOCK_VALUES[fmt], group_bytes = nb * pkw_tile_bytes(fmt);
+    int64_t chunk = PKP_CHUNK_BYTES / (2 * in);
+    chunk = chunk > PKP_CHUNK ? PKP_CHUNK : chunk < PKP_TILE ? PKP_TILE : chunk;
+    pq_act act;
+    if (pq_alloc(&act, rows, nruns)) return 2;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+        /* row r's run k at [chunk start * nruns + k * mb + r - chunk start]: each chunk run-major */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t m0 = r / chunk * chunk, mb = rows - m0 < chunk ? rows - m0 : chunk;
+            for (int64_t k = 0; k < nruns; k++) {
+                const int64_t at = m0 * nruns + k * mb + r - m0;
+                pq_quantize_block(x + r * in + 32 * k, 1, act.q + 32 * at, act.da + at, act.sx + at);
+            }
+        }
+        for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
+            const int64_t mb = rows - m0 < chunk ? rows - m0 : chunk;
+#pragma omp for schedule(static) nowait
+            for (int64_t g = 0; g < groups; g++)
+                pkp_group(fmt, st->data + g * group_bytes, nb, act.q + 32 * m0 * nruns, act.da + m0 * nruns,
+                          act.sx + m0 * nruns, mb, st->bias ? st->bias + g * PK_GROUP_ROWS : NULL,
+                          y + m0 * out + g * PK_GROUP_ROWS, out);
+        }
+    }
+    pq_free(&act);
+    return 0;
+}
+#endif
