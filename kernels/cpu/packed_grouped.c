@@ -43,6 +43,9 @@ void pkw_group_rows(const ps_packed_state *st, uint8_t *dst);
 void pkw_grouped_row_run(const ps_packed_state *st, int64_t row, int64_t run, uint8_t *u, float *d, float *m);
 int pkw_grouped_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads);
 const char *pkw_grouped_isa(void);
+/* packed_grouped_panel.c: every format from PKP_MIN_ROWS activation rows on, in the 8-lane builds (the same bits) */
+#define PKP_MIN_ROWS 8
+int pkp_panel_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads);
 
 static inline int64_t pk_tile_header(int fmt) { return fmt == PK_Q4_1 ? 64 : 32; }
 static inline int64_t pk_tile_bytes(int fmt) { return PK_GROUP_ROWS * PK_BLOCK_BYTES[fmt]; }
@@ -273,6 +276,9 @@ static void pk_grouped_any(int fmt, const uint8_t *tiles, int64_t nb, const floa
 /* y = x @ W^T (+ bias) for a grouped matrix: the activations' block sums (and int16 blocks) once, then the groups
  * work-shared over the threads. Returns 0, or 2 when out of memory. */
 int pk_grouped_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads) {
+#if defined(PQ_LANES8)
+    if (rows >= PKP_MIN_ROWS) return pkp_panel_linear(st, x, rows, y, threads);
+#endif
     if (pkw_is_wide(st->format)) return pkw_grouped_linear(st, x, rows, y, threads);
     const int64_t in = st->in_features, out = st->out_features, nb = in / 32, groups = out / PK_GROUP_ROWS;
     const int64_t group_bytes = nb * pk_tile_bytes(st->format);

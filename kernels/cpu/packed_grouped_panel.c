@@ -1,14 +1,15 @@
-/* Many activation rows (prefill, large batches) through the interleaved-rows layout of Q5_0, Q4_K, Q5_K and Q6_K
- * (packed_grouped_wide.c describes it) in the 8-lane int16 builds (avx2, avx2_vnni: act_q16.h's PQ_LANES8).
+/* Many activation rows (prefill, large batches) through the interleaved-rows layout of every GGUF format
+ * (packed_grouped.c: Q4_0, Q4_1, Q8_0; packed_grouped_wide.c: Q5_0 and the K formats) in the 8-lane int16 builds
+ * (avx2, avx2_vnni: act_q16.h's PQ_LANES8).
  *
- * Why: packed_grouped_wide.c's kernel takes 4 activation rows per pass over a group's weights and widens the codes
- * again on every pass, so its cost per row stays flat (~75 GFLOP/s per core for Q4_K, ~50 for Q6_K on a Sapphire
+ * Why: those kernels take 4 activation rows per pass over a group's weights and widen the codes again on every
+ * pass, so their cost per row stays flat (~75-85 GFLOP/s per core for Q4_K and Q4_0, ~50 for Q6_K on a Sapphire
  * Rapids core capped at AVX2) below the fp32 FMA GEMM of the dense copy (~95): prefill needed that copy, 4 bytes a
  * weight. Here each run's codes (16 rows x 32 inputs) are widened once into int16 vectors in L1, then every row
  * of a chunk of activations takes only the pair dots (vpmaddwd + vpaddd, 16 products per 2 instructions, or one
  * vpdpwssd), 6 rows at a time with the 12 accumulators in registers.
  *
- * Numerics: the same as packed_grouped_wide.c's, bit for bit (tests/test_packed_kernels.py): the same int16
+ * Numerics: the same as packed_grouped.c's and packed_grouped_wide.c's, bit for bit (tests/test_packed_kernels.py): the same int16
  * activations (pq_quantize_block), exact int32 dots (Q6_K's codes centred before the dot instead of after: the
  * same integer), and per run the same float epilogue in the same order, so a row's result does not depend on which
  * kernel served it or on the rows beside it.
@@ -21,8 +22,10 @@
 #include "act_q16.h"
 #include "packed_wide_layout.h"
 
+int pkw_is_wide(int fmt);
+
 #if defined(PQ_LANES8)
-#define PKP_TILE 4             /* activation rows per micro-kernel call: 12 accumulators + codes + pair */
+#define PKP_TILE 4             /* activation rows per micro-kernel call: 6 spilled two of 12 accumulators (measured) */
 #define PKP_CHUNK 128          /* most activation rows per chunk */
 #define PKP_CHUNK_BYTES 1048576 /* the int16 activations one chunk may hold */
 
@@ -38,12 +41,33 @@ PKW_INLINE __m256i pkp_shift(__m256i v, int s) {
     return s > 0 ? _mm256_srli_epi32(v, s) : s < 0 ? _mm256_slli_epi32(v, -s) : v;
 }
 
+/* A tile's runs of 32 inputs, and where run j's codes start: the 32-value formats' tiles are one run each. */
+static inline int pkp_runs(int fmt) { return pkw_is_wide(fmt) ? pkw_runs(fmt) : 1; }
+static inline int64_t pkp_run_at(int fmt, int j) {
+    return pkw_is_wide(fmt) ? pkw_header(fmt) + j * pkw_run_bytes(fmt) : fmt == PK_Q4_1 ? 64 : 32;
+}
+
+/* Q8_0's 32 inputs x 16 bytes (byte r of input k's 16 = row r's int8 code) as u[2i + s]: pair i = inputs 2i,
+ * 2i + 1 (the activations' natural order), rows 8s..8s+7 (act_q16.h's 8-lane pq_dots8 widens them alike). */
+PKW_INLINE void pkp_codes8(const uint8_t *codes, __m256i *u) {
+    for (int i = 0; i < 16; i++) {
+        const __m128i a = _mm_loadu_si128((const __m128i *)(codes + 32 * i));
+        const __m128i b = _mm_loadu_si128((const __m128i *)(codes + 32 * i + 16));
+        _mm256_store_si256(u + 2 * i, _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, b)));
+        _mm256_store_si256(u + 2 * i + 1, _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(a, b)));
+    }
+}
+
 /* Run `run`'s codes of the 16 rows as u[2i + s]: pair i = 4c + p (inputs 8c + p, 8c + p + 4 as two int16, the
  * order of the activations), tile rows 8s..8s+7; Q6_K's centred (u - 32). */
 PKW_INLINE void pkp_codes(int fmt, const uint8_t *run, __m256i *u) {
+    if (fmt == PK_Q8_0) {
+        pkp_codes8(run, u);
+        return;
+    }
     const __m256i low4 = _mm256_set1_epi32(0x000F000F);
     __m256i hw[2][2];
-    for (int e = 0; e < (fmt == PK_Q6_K ? 2 : fmt == PK_Q4_K ? 0 : 1); e++)
+    for (int e = 0; e < (fmt == PK_Q6_K ? 2 : fmt == PK_Q5_0 || fmt == PK_Q5_K ? 1 : 0); e++)
         for (int s = 0; s < 2; s++) hw[e][s] = _mm256_loadu_si256((const __m256i *)(run + 256 + 64 * e + 32 * s));
     for (int c = 0; c < 4; c++)
         for (int s = 0; s < 2; s++) {
@@ -95,8 +119,18 @@ PKW_INLINE void pkp_rows(const __m256i *u, int i0, int i1, const int16_t *q, con
 PKW_INLINE void pkp_run(int fmt, const __m256i *u, const uint8_t *tile, int j, const int16_t *q, const float *da,
                         const float *sx, int R, float *tot) {
     __m256 d[4], m[2];
-    pkw_scales(fmt, tile, j, d, m);
-    if (fmt == PK_Q6_K) {
+    if (pkw_is_wide(fmt)) {
+        pkw_scales(fmt, tile, j, d, m);
+    } else {  /* packed_grouped.c's: d, and m = Q4_1's own or -8 d (Q8_0: none) */
+        for (int s = 0; s < 2; s++) {
+            d[s] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 16 * s)));
+            m[s] = fmt == PK_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 32 + 16 * s)))
+                                  : _mm256_mul_ps(d[s], _mm256_set1_ps(-8.0f));
+        }
+    }
+    if (fmt == PK_Q8_0) {
+        pkp_rows(u, 0, 16, q, da, sx, d, NULL, R, tot);
+    } else if (fmt == PK_Q6_K) {
         const __m256 d0[2] = {d[0], d[1]}, d1[2] = {d[2], d[3]};
         pkp_rows(u, 0, 8, q, da, sx, d0, NULL, R, tot);
         pkp_rows(u, 8, 16, q, da, sx, d1, NULL, R, tot);
@@ -114,6 +148,9 @@ PKW_INLINE void pkp_run(int fmt, const __m256i *u, const uint8_t *tile, int j, c
 static void pkp_any(int fmt, const __m256i *u, const uint8_t *tile, int j, const int16_t *q, const float *da,
                     const float *sx, int R, float *tot) {
     switch (fmt) {
+    case PK_Q4_0: PKP_CASES(PK_Q4_0)
+    case PK_Q4_1: PKP_CASES(PK_Q4_1)
+    case PK_Q8_0: PKP_CASES(PK_Q8_0)
     case PK_Q5_0: PKP_CASES(PK_Q5_0)
     case PK_Q4_K: PKP_CASES(PK_Q4_K)
     case PK_Q5_K: PKP_CASES(PK_Q5_K)
@@ -123,8 +160,9 @@ static void pkp_any(int fmt, const __m256i *u, const uint8_t *tile, int j, const
 
 static void pkp_codes_any(int fmt, const uint8_t *run, __m256i *u) {
     switch (fmt) {
+    case PK_Q4_0: case PK_Q4_1: case PK_Q4_K: pkp_codes(PK_Q4_K, run, u); return;  /* the same 4-bit plane */
+    case PK_Q8_0: pkp_codes(PK_Q8_0, run, u); return;
     case PK_Q5_0: pkp_codes(PK_Q5_0, run, u); return;
-    case PK_Q4_K: pkp_codes(PK_Q4_K, run, u); return;
     case PK_Q5_K: pkp_codes(PK_Q5_K, run, u); return;
     default: pkp_codes(PK_Q6_K, run, u); return;
     }
@@ -139,9 +177,9 @@ static void pkp_group(int fmt, const uint8_t *tiles, int64_t nb, const int16_t *
         for (int l = 0; l < 16; l++) tot[16 * r + l] = bias ? bias[l] : 0.0f;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *tile = tiles + b * pkw_tile_bytes(fmt);
-        for (int j = 0; j < pkw_runs(fmt); j++) {
-            const int64_t k = b * pkw_runs(fmt) + j;
-            pkp_codes_any(fmt, tile + pkw_header(fmt) + j * pkw_run_bytes(fmt), u);
+        for (int j = 0; j < pkp_runs(fmt); j++) {
+            const int64_t k = b * pkp_runs(fmt) + j;
+            pkp_codes_any(fmt, tile + pkp_run_at(fmt, j), u);
             for (int64_t r0 = 0; r0 < mb; r0 += PKP_TILE) {
                 const int R = mb - r0 < PKP_TILE ? (int)(mb - r0) : PKP_TILE;
                 pkp_any(fmt, u, tile, j, q + 32 * (k * mb + r0), da + k * mb + r0, sx + k * mb + r0, R,
@@ -152,8 +190,8 @@ static void pkp_group(int fmt, const uint8_t *tiles, int64_t nb, const int16_t *
     for (int64_t r = 0; r < mb; r++) memcpy(y + r * out, tot + 16 * r, 16 * sizeof(float));
 }
 
-/* pkw_grouped_linear for many rows (packed_grouped_wide.c calls it from PKW_PANEL_MIN_ROWS rows on). Returns 0,
- * or 2 when out of memory. */
+/* pk_grouped_linear for many rows (packed_grouped.c calls it from PKP_MIN_ROWS rows on). Returns 0, or 2 when
+ * out of memory. */
 int pkp_panel_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads) {
     const int fmt = st->format;
     const int64_t in = st->in_features, out = st->out_features, nruns = in / 32, groups = out / PK_GROUP_ROWS;
@@ -170,7 +208,7 @@ int pkp_panel_linear(const ps_packed_state *st, const float *x, int64_t rows, fl
             const int64_t m0 = r / chunk * chunk, mb = rows - m0 < chunk ? rows - m0 : chunk;
             for (int64_t k = 0; k < nruns; k++) {
                 const int64_t at = m0 * nruns + k * mb + r - m0;
-                pq_quantize_block(x + r * in + 32 * k, 1, act.q + 32 * at, act.da + at, act.sx + at);
+                pq_quantize_block(x + r * in + 32 * k, fmt != PK_Q8_0, act.q + 32 * at, act.da + at, act.sx + at);
             }
         }
         for (int64_t m0 = 0; m0 < rows; m0 += chunk) {

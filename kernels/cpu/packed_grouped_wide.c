@@ -37,10 +37,6 @@
 
 #define PKW_TILE 4          /* activation rows per pass over a group's weights */
 #define PKW_PREFETCH 2048   /* software prefetch distance, bytes */
-/* From this many activation rows on the 8-lane builds take packed_grouped_panel.c's kernel (the same bits) */
-#define PKW_PANEL_MIN_ROWS 8
-
-int pkp_panel_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads);
 
 int pkw_is_wide(int fmt) { return fmt == PK_Q5_0 || fmt == PK_Q4_K || fmt == PK_Q5_K || fmt == PK_Q6_K; }
 
@@ -323,9 +319,6 @@ static void pkw_any(int fmt, const uint8_t *tiles, int64_t nb, const float *x, i
 /* packed_grouped.c's pk_grouped_linear for these formats: activations rounded once (int16 per 32 inputs, 4-bit
  * order), then the groups work-shared over the threads. Returns 0, or 2 when out of memory. */
 int pkw_grouped_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads) {
-#if defined(PQ_LANES8)
-    if (rows >= PKW_PANEL_MIN_ROWS) return pkp_panel_linear(st, x, rows, y, threads);
-#endif
     const int fmt = st->format;
     const int64_t in = st->in_features, out = st->out_features, nruns = in / 32, groups = out / PK_GROUP_ROWS;
     const int64_t nb = in / PK_BLOCK_VALUES[fmt], group_bytes = nb * pkw_tile_bytes(fmt);
