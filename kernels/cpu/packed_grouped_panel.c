@@ -22,7 +22,6 @@
 #include "act_q16.h"
 #include "packed_wide_layout.h"
 
-int pkw_is_wide(int fmt);
 
 #if defined(PQ_LANES8)
 #define PKP_TILE 4             /* activation rows per micro-kernel call: 6 spilled two of 12 accumulators (measured) */
@@ -41,10 +40,12 @@ PKW_INLINE __m256i pkp_shift(__m256i v, int s) {
     return s > 0 ? _mm256_srli_epi32(v, s) : s < 0 ? _mm256_slli_epi32(v, -s) : v;
 }
 
-/* A tile's runs of 32 inputs, and where run j's codes start: the 32-value formats' tiles are one run each. */
-static inline int pkp_runs(int fmt) { return pkw_is_wide(fmt) ? pkw_runs(fmt) : 1; }
+/* A tile's runs of 32 inputs, and where run j's codes start: the 32-value formats' tiles are one run each. (Not
+ * packed_grouped_wide.c's pkw_is_wide: an outside call in the row loop spilled every vector register.) */
+static inline int pkp_wide(int fmt) { return fmt == PK_Q5_0 || fmt == PK_Q4_K || fmt == PK_Q5_K || fmt == PK_Q6_K; }
+static inline int pkp_runs(int fmt) { return pkp_wide(fmt) ? pkw_runs(fmt) : 1; }
 static inline int64_t pkp_run_at(int fmt, int j) {
-    return pkw_is_wide(fmt) ? pkw_header(fmt) + j * pkw_run_bytes(fmt) : fmt == PK_Q4_1 ? 64 : 32;
+    return pkp_wide(fmt) ? pkw_header(fmt) + j * pkw_run_bytes(fmt) : fmt == PK_Q4_1 ? 64 : 32;
 }
 
 /* Q8_0's 32 inputs x 16 bytes (byte r of input k's 16 = row r's int8 code) as u[2i + s]: pair i = inputs 2i,
@@ -92,9 +93,14 @@ PKW_INLINE void pkp_codes(int fmt, const uint8_t *run, __m256i *u) {
 PKW_INLINE void pkp_rows(const __m256i *u, int i0, int i1, const int16_t *q, const float *da, const float *sx,
                          const __m256 *d, const __m256 *m, int R, float *tot) {
     __m256i acc[2 * PKP_TILE];
+    /* unrolled whole, so that the sums are registers, not an array on the stack (gcc left the loop rolled once
+     * the kernel served 7 formats, and ran ~1.7x slower) */
+#pragma GCC unroll 8
     for (int i = 0; i < 2 * R; i++) acc[i] = _mm256_setzero_si256();
+#pragma GCC unroll 16
     for (int i = i0; i < i1; i++) {
         const __m256i u0 = _mm256_load_si256(u + 2 * i), u1 = _mm256_load_si256(u + 2 * i + 1);
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const __m256i pair = _mm256_set1_epi32(pq_pair(q + 32 * r + 2 * i));
             acc[2 * r] = pkp_dp(acc[2 * r], u0, pair);
@@ -102,6 +108,7 @@ PKW_INLINE void pkp_rows(const __m256i *u, int i0, int i1, const int16_t *q, con
         }
         /* keeps each sum a register chain: left free, gcc reassociated the unrolled integer sums into trees of
          * products spilled to the stack (~1.6x slower) */
+#pragma GCC unroll 8
         for (int a = 0; a < 2 * R; a++) __asm__("" : "+x"(acc[a]));
     }
     for (int r = 0; r < R; r++) {
@@ -119,7 +126,7 @@ PKW_INLINE void pkp_rows(const __m256i *u, int i0, int i1, const int16_t *q, con
 PKW_INLINE void pkp_run(int fmt, const __m256i *u, const uint8_t *tile, int j, const int16_t *q, const float *da,
                         const float *sx, int R, float *tot) {
     __m256 d[4], m[2];
-    if (pkw_is_wide(fmt)) {
+    if (pkp_wide(fmt)) {
         pkw_scales(fmt, tile, j, d, m);
     } else {  /* packed_grouped.c's: d, and m = Q4_1's own or -8 d (Q8_0: none) */
         for (int s = 0; s < 2; s++) {
