@@ -8,12 +8,16 @@ Per call the kernel is chosen by the number of rows (measured: docs/quantization
 (decode) the packed kernel reads the blocks in place, dequantizing each run of 32 weights in registers and
 multiplying it with the fp32 activations (exact up to summation order); where the build has a fast interleaved-rows
 kernel for the format, the matrix is first rewritten in place into groups of 16 interleaved rows, which that kernel
-reads 2-6x faster (kernels/cpu/packed_grouped.c: Q4_0/Q4_1/Q8_0; packed_grouped_wide.c: Q5_0 and the K formats);
-more rows (prefill, large decode batches)
-take a dense GEMM, whose AMX/AVX-512 tiles outrun the per-row kernel there. With `dense_batches` (the default,
-`--gguf-weights auto`) each layer also holds its weights expanded once at load in the compute dtype (oneDNN-packed,
-as the dequantized path serves them), so a saturated server runs exactly as fast as the dequantized path; without it
-(`--gguf-weights packed`, the lean-memory choice) the matrix is dequantized per call.
+reads 2-6x faster (kernels/cpu/packed_grouped.c: Q4_0/Q4_1/Q8_0; packed_grouped_wide.c: Q5_0 and the K formats).
+More rows (prefill, large decode batches): where the interleaved kernel's build has a many-row form
+(`MANY_ROW_GROUPED_ISAS`: the AVX2 builds, kernels/cpu/packed_grouped_panel.c, which outruns the fp32 FMA GEMM of
+those hosts) the packed kernel serves every row count and the layer holds nothing else; elsewhere a dense GEMM,
+whose AMX/AVX-512 tiles outrun the packed kernel there. With `dense_batches` (the default, `--gguf-weights auto`)
+each such layer also holds its weights expanded once at load in the compute dtype (oneDNN-packed, as the
+dequantized path serves them), so a saturated server runs exactly as fast as the dequantized path; without it
+(`--gguf-weights packed`, the lean-memory choice) the matrix is dequantized per call. The rule is the packed
+library's tier's: a tier forced below the host's (PAGEDSERVE_CPU_ISA) should cap torch alike (docs/benchmarks.md),
+or the dense GEMM it is weighed against is the host's, not the tier's.
 The kernel's int8-activation variant (llama.cpp's scheme) measured ~12% faster at one row only, and its rounding
 of activations cost top-1 agreement (95.7% vs 97.5% for bf16 against fp32 on the held-out text), so it is off.
 """
@@ -29,13 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.cpu.packed import FAST_GROUPED_ISAS, FORMATS, WIDE_GROUPED_FORMATS, PackedMatrix, grouped_isa
+from pagedserve.kernels.cpu.packed import (FAST_GROUPED_ISAS, FORMATS, MANY_ROW_GROUPED_ISAS, WIDE_GROUPED_FORMATS,
+                                           PackedMatrix, grouped_isa)
 from pagedserve.quant.base import LinearMethod, QuantConfig, QuantConfigError
 from pagedserve.quant.native_linear import (DEFAULT_NATIVE_MAX_BATCH, GROUPED_NATIVE_MAX_BATCH, NativeLinear,
                                            grouped_native_max_batch)
 from pagedserve.quant.unquantized import UnquantizedLinearMethod
 
-PACKED_MAX_ROWS = 8
+PACKED_MAX_ROWS = 8  # rows the packed kernel serves where its build has no many-row form
 
 
 def row_bytes(qtype: str, in_features: int) -> int:
@@ -65,12 +70,13 @@ class GgufLinearMethod(LinearMethod):
             PackedMatrix(self.qtype, layer.weight.data, layer.in_features, bias, row_group=row_group(layer.weight)),
             layer.weight)
         # Kept out of the module tree (not a submodule): a second copy for many rows, never a checkpoint slot.
-        layer.__dict__["dense_copy"] = _dense_companion(layer) if self.dense_batches else None
+        layer.__dict__["dense_copy"] = _dense_companion(layer) if self.dense_batches and not serves_every_row_count(
+            layer.packed) else None
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         packed: PackedMatrix = layer.packed
         flat = x.reshape(-1, layer.in_features)
-        if flat.shape[0] <= PACKED_MAX_ROWS:
+        if flat.shape[0] <= PACKED_MAX_ROWS or serves_every_row_count(packed):
             y = packed.matmul(flat.float().contiguous())
         elif (dense := layer.__dict__.get("dense_copy")) is not None:
             return dense(x)
@@ -106,6 +112,12 @@ class GgufLinearMethod(LinearMethod):
                 for layer in layers]), requires_grad=False)
         merged.loaded_tensors = {"weight", "bias"} if has_bias else {"weight"}
         return merged
+
+
+def serves_every_row_count(packed: PackedMatrix) -> bool:
+    """Whether `packed`'s kernel serves prefill-sized calls too (its interleaved layout's build has a many-row form),
+    so that its layer needs no dense GEMM, nor a dense copy for one."""
+    return bool(packed.row_group) and grouped_isa(packed.lib, packed.qtype) in MANY_ROW_GROUPED_ISAS
 
 
 def row_group(weight: torch.Tensor) -> int:

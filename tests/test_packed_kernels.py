@@ -184,6 +184,25 @@ def test_grouped_rows_equal_the_file_layout(lib, qtype):
 
 
 @pytest.mark.parametrize("qtype", cpu_packed.GROUPED_FORMATS)
+def test_many_rows_equal_few_rows(lib, qtype):
+    """Prefill-sized calls (the AVX2 builds' many-row kernel, kernels/cpu/packed_grouped_panel.c, from 8 rows on:
+    chunks of rows, 4 rows per pass and the remainders) give each row exactly what a call of few rows gives it, and
+    stay within grouped_bound; two input widths, so two chunk sizes."""
+    rng = np.random.default_rng(7)
+    for inn, rows in ((256 if qtype.endswith("_K") else 96, 300), (8192, 70)):
+        stored = blocks_for(qtype, 32, inn, rng)
+        bias = torch.randn(32)
+        grouped = cpu_packed.PackedMatrix(qtype, torch.from_numpy(stored.copy()), inn, bias, lib=lib).grouped()
+        x = torch.randn(rows, inn) * torch.rand(rows, 1) * 3
+        y = grouped.matmul(x)
+        assert torch.equal(y, torch.cat([grouped.matmul(x[i:i + 7]) for i in range(0, rows, 7)]))
+        assert torch.equal(y[9:18], grouped.matmul(x[9:18]))
+        w = dequantize(stored, T[qtype]).astype(np.float64)
+        error = np.abs(y.numpy().astype(np.float64) - bias.numpy() - x.numpy().astype(np.float64) @ w.T)
+        np.testing.assert_array_less(error, grouped_bound(grouped, stored, w, x.numpy()))
+
+
+@pytest.mark.parametrize("qtype", cpu_packed.GROUPED_FORMATS)
 def test_int16_grouped_builds_agree_bit_for_bit(qtype):
     """avx2, avx2_vnni and avx512_vnni round, sum and scale the same way (kernels/cpu/act_q16.h): the interleaved
     rows' products are equal, so an AVX2 host serves exactly what an AVX-512 one does."""
@@ -200,7 +219,7 @@ def test_int16_grouped_builds_agree_bit_for_bit(qtype):
         lib = cpu_packed.build(tier)
         assert cpu_packed.grouped_isa(lib, qtype) == tier
         grouped = cpu_packed.PackedMatrix(qtype, torch.from_numpy(stored.copy()), inn, bias, lib=lib).grouped()
-        results[tier] = [grouped.matmul(x[:rows]) for rows in (1, 2, 3, 4, 5, 9)]
+        results[tier] = [grouped.matmul(x[:rows]) for rows in (1, 2, 3, 4, 5, 9)]  # 9: AVX2's many-row kernel
     for tier in tiers[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[tier], results[tiers[0]], strict=True)), tier
 
@@ -290,7 +309,18 @@ def test_the_ps_linear_fn_pointer_computes_the_same_product(out, qtype):
     bound = grouped_bound(layer.packed, stored, weights, x.numpy()) if layer.packed.row_group else \
         1e-5 * (np.abs(x.numpy()).astype(np.float64) @ np.abs(weights).T) + 1e-5
     np.testing.assert_array_less(np.abs(y.numpy() - layer.bias.numpy() - x.numpy() @ weights.T), bound)
-    # more rows than the packed kernel takes: the dequantized tile and torch's matmul, the same function
+    # more rows: the packed kernel still where its build has a many-row form (and no dense copy is made for it),
+    # else the dequantized tile and torch's matmul, the same function
     big = torch.randn(gguf_method.PACKED_MAX_ROWS + 1, inn)
+    many = cpu_packed.grouped_isa(layer.packed.lib, qtype) in cpu_packed.MANY_ROW_GROUPED_ISAS
+    assert gguf_method.serves_every_row_count(layer.packed) == (many and layer.packed.row_group != 0)
+    if gguf_method.serves_every_row_count(layer.packed):
+        assert torch.equal(method.apply(layer, big), layer.packed.matmul(big))
+        dense = GgufLinearMethod(qtype, dense_batches=True)
+        dense.create_weights(layer, inn, out, True, torch.float32)
+        layer.weight.data.copy_(torch.from_numpy(stored))
+        dense.process_weights_after_loading(layer)
+        assert layer.__dict__["dense_copy"] is None
+        return
     expected = big @ torch.from_numpy(dequantize(stored, T[qtype])).T + layer.bias
     torch.testing.assert_close(method.apply(layer, big), expected, atol=1e-4, rtol=1e-4)
