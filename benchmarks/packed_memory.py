@@ -67,9 +67,8 @@ def child(model: str | None, mode: str, dtype: str) -> dict:
 
     values = sum(int(t.n_elements) for t in GGUFReader(path).tensors)
     tensors = [*loaded.model.parameters(), *loaded.model.buffers()]
-    held = sum(t.numel() * t.element_size() for m in loaded.model.modules()
-               if (dense := m.__dict__.get("dense_copy")) is not None for t in dense.parameters())
-    return {"mode": mode, "dense_copy_bytes": held, "quantization": loaded.quant.describe(), "weights_rss_bytes": after - before,
+    copies = sum(m.__dict__.get("dense_copy") is not None for m in loaded.model.modules())
+    return {"mode": mode, "dense_copies": copies, "quantization": loaded.quant.describe(), "weights_rss_bytes": after - before,
             "weights_rss_bytes_trimmed": trimmed - before, "weights_rss_anon_bytes_trimmed": trimmed_anon - before_anon,
             "bf16_bytes": 2 * values,
             "tensor_bytes": sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())}
@@ -93,7 +92,7 @@ def main() -> None:
     bf16 = next(iter(rows.values()))["bf16_bytes"]
     print(json.dumps({
         "model": args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF)", "bf16_bytes": bf16, "dtype": args.dtype,
-        **{f"{mode}_dense_copy_bytes": row["dense_copy_bytes"] for mode, row in rows.items()},
+        **{f"{mode}_dense_copies": row["dense_copies"] for mode, row in rows.items()},  # layers holding one
         **{f"{mode}_weights_rss_bytes": row["weights_rss_bytes"] for mode, row in rows.items()},
         **{f"{mode}_weights_rss_bytes_trimmed": row["weights_rss_bytes_trimmed"] for mode, row in rows.items()},
         **{f"{mode}_weights_rss_anon_bytes_trimmed": row["weights_rss_anon_bytes_trimmed"] for mode, row in rows.items()},

@@ -202,6 +202,31 @@ def test_many_rows_equal_few_rows(lib, qtype):
         np.testing.assert_array_less(error, grouped_bound(grouped, stored, w, x.numpy()))
 
 
+@pytest.mark.parametrize("tier", cpu_tiers.params(("native", "avx2", "avx2_vnni", "avx512_vnni", "portable")))
+def test_auto_keeps_a_dense_copy_only_where_the_packed_kernel_loses(tier, monkeypatch):
+    """`--gguf-weights auto` (dense_batches): where the packed build has a many-row form (MANY_ROW_GROUPED_ISAS) the
+    layer serves prefill-sized calls from its blocks and holds no expanded copy; elsewhere the copy serves them."""
+    lib = cpu_packed.build(None if tier == "native" else tier)
+    monkeypatch.setattr(cpu_packed, "build", lambda tier=None: lib)  # what a host of this tier would load
+    rng = np.random.default_rng(8)
+    stored = blocks_for("Q4_K", 48, 256, rng)
+    layer = torch.nn.Module()
+    layer.in_features, layer.out_features = 256, 48
+    method = GgufLinearMethod("Q4_K", dense_batches=True)
+    method.create_weights(layer, 256, 48, False, torch.float32)
+    layer.weight.data.copy_(torch.from_numpy(stored))
+    method.process_weights_after_loading(layer)
+    many = cpu_packed.grouped_isa(lib, "Q4_K") in cpu_packed.MANY_ROW_GROUPED_ISAS
+    assert many == (tier in ("avx2", "avx2_vnni") or (tier == "native" and isa.host_tier() in ("avx2", "avx2_vnni")))
+    assert (layer.__dict__["dense_copy"] is None) == many
+    x = torch.randn(40, 256)
+    if many:
+        assert torch.equal(method.apply(layer, x), layer.packed.matmul(x))
+    else:
+        expected = x @ torch.from_numpy(dequantize(stored, T["Q4_K"])).T
+        torch.testing.assert_close(method.apply(layer, x), expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("qtype", cpu_packed.GROUPED_FORMATS)
 def test_int16_grouped_builds_agree_bit_for_bit(qtype):
     """avx2, avx2_vnni and avx512_vnni round, sum and scale the same way (kernels/cpu/act_q16.h): the interleaved
