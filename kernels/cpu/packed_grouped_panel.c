@@ -7,12 +7,12 @@
  * Rapids core capped at AVX2) below the fp32 FMA GEMM of the dense copy (~95): prefill needed that copy, 4 bytes a
  * weight. Here each run's codes (16 rows x 32 inputs) are widened once into int16 vectors in L1, then every row
  * of a chunk of activations takes only the pair dots (vpmaddwd + vpaddd, 16 products per 2 instructions, or one
- * vpdpwssd), 6 rows at a time with the 12 accumulators in registers.
+ * vpdpwssd), 4 rows at a time with their 8 accumulators in registers.
  *
- * Numerics: the same as packed_grouped.c's and packed_grouped_wide.c's, bit for bit (tests/test_packed_kernels.py): the same int16
- * activations (pq_quantize_block), exact int32 dots (Q6_K's codes centred before the dot instead of after: the
- * same integer), and per run the same float epilogue in the same order, so a row's result does not depend on which
- * kernel served it or on the rows beside it.
+ * Numerics: the same as packed_grouped.c's and packed_grouped_wide.c's, bit for bit (tests/test_packed_kernels.py):
+ * the same int16 activations (pq_quantize_block), exact int32 dots (Q6_K's codes centred before the dot instead
+ * of after: the same integer), and per run the same float epilogue in the same order, so a row's result does not
+ * depend on which kernel served it or on the rows beside it.
  *
  * Loop order: rows in chunks whose int16 activations stay in L2 (outer), groups work-shared over the threads, runs,
  * then the chunk's rows; activations are stored run-major per chunk so that a group's sweep reads them in order. */
@@ -22,9 +22,8 @@
 #include "act_q16.h"
 #include "packed_wide_layout.h"
 
-
 #if defined(PQ_LANES8)
-#define PKP_TILE 4             /* activation rows per micro-kernel call: 6 spilled two of 12 accumulators (measured) */
+#define PKP_TILE 4             /* activation rows per micro-kernel call (6 spilled 2 of 12 accumulators: slower) */
 #define PKP_CHUNK 128          /* most activation rows per chunk */
 #define PKP_CHUNK_BYTES 1048576 /* the int16 activations one chunk may hold */
 
@@ -146,10 +145,11 @@ PKW_INLINE void pkp_run(int fmt, const __m256i *u, const uint8_t *tile, int j, c
     }
 }
 
-/* R a constant in each instance; R never exceeds PKP_TILE (pkp_group tiles the rows by it) */
+/* R a constant in each instance, PKP_TILE's named too (left to the fall-through alone, gcc merged the instances
+ * into one with R a variable and its sums on the stack, ~1.5x slower); R never exceeds PKP_TILE */
 #define PKP_CASE(F, N) \
     if (R == N) { pkp_run(F, u, tile, j, q, da, sx, N < PKP_TILE ? N : PKP_TILE, tot); return; }
-#define PKP_CASES(F) { PKP_CASE(F, 1) PKP_CASE(F, 2) PKP_CASE(F, 3) PKP_CASE(F, 4) PKP_CASE(F, 5) \
+#define PKP_CASES(F) { PKP_CASE(F, 1) PKP_CASE(F, 2) PKP_CASE(F, 3) PKP_CASE(F, 4) \
                        pkp_run(F, u, tile, j, q, da, sx, PKP_TILE, tot); return; }
 
 static void pkp_any(int fmt, const __m256i *u, const uint8_t *tile, int j, const int16_t *q, const float *da,
