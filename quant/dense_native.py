@@ -77,6 +77,8 @@ def dense_gemm(linear: NativeLinear, x: torch.Tensor, lib: ctypes.CDLL | None = 
                          f"{tuple(x.shape)} {x.dtype}")
     x = x.contiguous()
     y = torch.empty(x.shape[0], linear.out_features, dtype=x.dtype)
+    if x.shape[0] == 0:
+        return y
     code = dtype_code(x.dtype)
     status = (lib or load_library()).pagedserve_dense_gemm(linear.state, x.data_ptr(), code, x.shape[0],
                                                            y.data_ptr(), code, int(allow_amx))

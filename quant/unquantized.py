@@ -20,9 +20,13 @@ from pagedserve.quant.onednn_dense import can_pack, pack_weight, packed_linear
 
 
 # Up to this many rows the torch path multiplies weights the GEMV owns (16-bit under fp32 compute, or regrouped
-# bf16) with the native GEMV (reading them once per 8 rows, no temporaries) rather than turning them into row-major
-# or fp32 slices for a GEMM: a prefill's logits rows, decode batches past the native step's size.
+# bf16) with the native GEMV (reading them once per 8 rows, no temporaries); past it a regrouped weight goes to the
+# grouped GEMM (kernels/cpu/dense_gemm.c: any row count, same layout) and a row-major 16-bit one to fp32 slices for
+# F.linear. Under fp32 compute the GEMM's sums are the GEMV's, bit for bit, so the limit is speed only.
 _GEMV_ROWS = 32
+# With AMX tiles the GEMM reads the weight once for a whole block of rows where the GEMV reads it once per 8: it
+# leads from 9 rows on (benchmarks/dense_gemm.py).
+_AMX_GEMV_ROWS = 8
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -38,6 +42,7 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.packed_weight = None
         layer.compute_dtype = dtype
         layer.small_batch_gemv = None  # the native GEMV over regrouped or widened weights, once native_linear made it
+        layer.gemv_rows = _GEMV_ROWS  # the most rows `apply` gives the GEMV (fewer where the GEMM has AMX)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         # A shared weight (a tied LM head's is the embedding's table, which lookups read) is not packed: the packed
@@ -53,12 +58,18 @@ class UnquantizedLinearMethod(LinearMethod):
             return packed_linear(x, layer.packed_weight, layer.bias)
         from pagedserve.quant.dense_layout import chunked_linear, row_group
 
-        if layer.small_batch_gemv is not None and x.numel() <= _GEMV_ROWS * x.shape[-1]:
+        native = layer.small_batch_gemv
+        if native is not None and x.numel() <= layer.gemv_rows * x.shape[-1]:
             from pagedserve.quant.dense_native import call_native_linear
 
-            flat = call_native_linear(layer.small_batch_gemv, x.reshape(-1, x.shape[-1]).float())
+            flat = call_native_linear(native, x.reshape(-1, x.shape[-1]).float())
             return flat.to(x.dtype).view(*x.shape[:-1], flat.shape[-1])
-        # regrouped by the native step (its only copy), or 16-bit under fp32 compute: a slice at a time
+        if native is not None and row_group(layer.weight) and x.dtype in (torch.float32, torch.bfloat16):
+            from pagedserve.quant.dense_native import dense_gemm
+
+            flat = dense_gemm(native, x.reshape(-1, x.shape[-1]))  # the regrouped weight as it is: no rewrite
+            return flat.view(*x.shape[:-1], flat.shape[-1])
+        # regrouped without a GEMM here, or 16-bit row-major weights under fp32 compute: a slice at a time
         if row_group(layer.weight) or layer.weight.dtype != x.dtype:
             return chunked_linear(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
@@ -72,7 +83,7 @@ class UnquantizedLinearMethod(LinearMethod):
         embedding's own tensor."""
         from pagedserve.kernels.cpu.native import available
         from pagedserve.quant.dense_layout import can_group, group_rows_in_place
-        from pagedserve.quant.dense_native import dense_native_linear, plain_weight
+        from pagedserve.quant.dense_native import dense_native_linear, gemm_isa, plain_weight
         from pagedserve.quant.native_linear import GROUPED_NATIVE_MAX_BATCH
 
         weight = layer.weight if layer.weight is not None else layer.packed_weight
@@ -93,6 +104,8 @@ class UnquantizedLinearMethod(LinearMethod):
         # sequences (docs/benchmarks.md, the 1B bf16 rows).
         layer.small_batch_gemv = dense_native_linear(plain, layer.bias, x_fp32=self.weight_dtype is not None,
                                                      native_max_batch=GROUPED_NATIVE_MAX_BATCH)
+        if grouped and gemm_isa(x_fp32=self.weight_dtype is not None) == "amx":
+            layer.gemv_rows = _AMX_GEMV_ROWS
         return layer.small_batch_gemv
 
     def merge(self, layers: list[nn.Module]) -> nn.Module | None:

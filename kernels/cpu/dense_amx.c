@@ -48,15 +48,15 @@ static void configure_tiles(void) {
 
 /* C tiles 0-3 (rows a0/a1 x groups b0/b1) over `steps` 32-input steps; a1 == a0 or b1 == b0 at the edges (their
  * duplicate results are not stored). */
-INLINE void steps_2x2(const uint16_t *a0, const uint16_t *a1, int64_t astride, const uint32_t *b0,
-                      const uint32_t *b1, int64_t steps) {
+INLINE void steps_2x2(const uint32_t *a0, const uint32_t *a1, const uint32_t *b0, const uint32_t *b1,
+                      int64_t steps) {
     for (int64_t k = 0; k < steps; k++) {
-        _tile_loadd(4, a0 + 32 * k, astride);
+        _tile_loadd(4, a0 + 256 * k, 64);
         _tile_loadd(6, b0 + 256 * k, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_loadd(7, b1 + 256 * k, 64);
         _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, a1 + 32 * k, astride);
+        _tile_loadd(5, a1 + 256 * k, 64);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
     }
@@ -64,8 +64,8 @@ INLINE void steps_2x2(const uint16_t *a0, const uint16_t *a1, int64_t astride, c
 
 typedef struct {
     const DenseLinear *s;
-    const uint16_t *xb;
-    int64_t kpad, rows;
+    const uint32_t *xp;
+    int64_t ksteps, rows;
     void *y;
     int y_dtype;
 } AmxCall;
@@ -77,14 +77,13 @@ static void amx_block(const AmxCall *c, int64_t g, int64_t g2, int64_t mt, int64
     const DenseLinear *s = c->s;
     const int64_t pairs = s->in_features / 2, gwords = pairs * DENSE_GROUP_ROWS, full = pairs / 16;
     const uint32_t *w = s->weight;
-    const uint16_t *a0 = c->xb + mt * 16 * c->kpad, *a1 = c->xb + mt2 * 16 * c->kpad;
-    const int64_t astride = c->kpad * 2;
+    const uint32_t *a0 = c->xp + mt * c->ksteps * 256, *a1 = c->xp + mt2 * c->ksteps * 256;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    steps_2x2(a0, a1, astride, w + g * gwords, w + g2 * gwords, full);
-    if (tails) steps_2x2(a0 + 32 * full, a1 + 32 * full, astride, tails, tails + 256, 1);
+    steps_2x2(a0, a1, w + g * gwords, w + g2 * gwords, full);
+    if (tails) steps_2x2(a0 + 256 * full, a1 + 256 * full, tails, tails + 256, 1);
     _tile_stored(0, out, 64);
     _tile_stored(1, out + 256, 64);
     _tile_stored(2, out + 512, 64);
@@ -107,12 +106,13 @@ static void load_tails(const DenseLinear *s, int64_t g, int64_t g2, uint32_t *ta
     memcpy(tails + 256, w + g2 * gwords + full * 256, rest * sizeof *tails);
 }
 
-int ps_dense_amx(const DenseLinear *s, const uint16_t *xb, int64_t kpad, int64_t rows, void *y, int y_dtype) {
+int ps_dense_amx(const DenseLinear *s, const uint32_t *xp, int64_t rows, void *y, int y_dtype) {
     if (!ps_amx_ready()) return 1;
-    const AmxCall call = {s, xb, kpad, rows, y, y_dtype};
+    const int64_t ksteps = (s->in_features / 2 + 15) / 16;
+    const AmxCall call = {s, xp, ksteps, rows, y, y_dtype};
     const int64_t groups = s->out_features / DENSE_GROUP_ROWS, units = (groups + 1) / 2;
     const int64_t mtiles = (rows + 15) / 16, has_tail = (s->in_features / 2) % 16 != 0;
-    int64_t block = A_BLOCK_BYTES / (16 * kpad * 2);  /* row tiles per block */
+    int64_t block = A_BLOCK_BYTES / (ksteps * 1024);  /* row tiles per block */
     block = block < 2 ? 2 : block & ~(int64_t)1;
 #pragma omp parallel
     {
@@ -137,8 +137,8 @@ int ps_dense_amx(const DenseLinear *s, const uint16_t *xb, int64_t kpad, int64_t
 #else
 int ps_amx_ready(void) { return 0; }
 
-int ps_dense_amx(const DenseLinear *s, const uint16_t *xb, int64_t kpad, int64_t rows, void *y, int y_dtype) {
-    (void)s, (void)xb, (void)kpad, (void)rows, (void)y, (void)y_dtype;
+int ps_dense_amx(const DenseLinear *s, const uint32_t *xp, int64_t rows, void *y, int y_dtype) {
+    (void)s, (void)xp, (void)rows, (void)y, (void)y_dtype;
     return 1;
 }
 #endif

@@ -32,8 +32,9 @@ void ps_dense_emit(const DenseLinear *s, const float *c, int64_t r0, int64_t n, 
 /* dense_amx.c: 1 when this build has AMX code and the OS granted this process the tile state (asked once). */
 int ps_amx_ready(void);
 
-/* dense_amx.c: the bf16 GEMM on AMX tiles; xb: bf16 [rows rounded up to 16, kpad] (kpad: in rounded up to 32),
- * zero beyond x. Returns nonzero without AMX. */
-int ps_dense_amx(const DenseLinear *s, const uint16_t *xb, int64_t kpad, int64_t rows, void *y, int y_dtype);
+/* dense_amx.c: the bf16 GEMM on AMX tiles. xp: x in bf16, packed in 1 KB tiles of 16 rows x 32 inputs (zero
+ * beyond x), the tiles of one 16-row block one after another (dense_gemm.c's pack_rows). Returns nonzero without
+ * AMX. */
+int ps_dense_amx(const DenseLinear *s, const uint32_t *xp, int64_t rows, void *y, int y_dtype);
 
 #endif
