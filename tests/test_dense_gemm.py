@@ -21,7 +21,7 @@ from pagedserve.quant.dense_native import call_native_linear, dense_gemm, dense_
 SHAPES = [(48, 576), (32, 30), (160, 2), (16, 2050), (80, 34)]
 ROWS = (1, 2, 9, 17, 33, 300)
 # The builds: the default (AMX where granted) and every forced tier (no AMX code), "portable" has no grouped GEMM.
-TIERS = cpu_tiers.params(("native", "avx2", "avx512", "avx512_bf16", "portable"))
+TIERS = cpu_tiers.params(("native", "avx2", "avx512_bf16", "portable"))
 
 
 def _grouped(out: int, n_in: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
