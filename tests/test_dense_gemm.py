@@ -17,8 +17,9 @@ from pagedserve.kernels.cpu.native import load_library
 from pagedserve.quant.dense_layout import group_rows_in_place
 from pagedserve.quant.dense_native import call_native_linear, dense_gemm, dense_native_linear, gemm_isa
 
-# (out, in): in a multiple of 32 or not (a partial last tile), one group, odd group counts, a wide input
-SHAPES = [(48, 576), (32, 30), (160, 2), (16, 2050), (80, 34)]
+# (out, in): in a multiple of 32 or not (a partial last tile), one group, odd group counts, an input past AMX's
+# 2048-input blocks (sums carried between blocks) with a partial last tile
+SHAPES = [(48, 576), (32, 30), (160, 2), (16, 4162), (80, 34)]
 ROWS = (1, 2, 9, 17, 33, 300)
 # The builds: the default (AMX where granted) and every forced tier (no AMX code), "portable" has no grouped GEMM.
 TIERS = cpu_tiers.params(("native", "avx2", "avx512_bf16", "portable"))
@@ -104,8 +105,8 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(tier: str) -> None:
     lib = _library(tier)
     if gemm_isa(lib=lib) == "portable":
         pytest.skip("no grouped layout in the portable build")
-    _, g, bias = _grouped(96, 2050, 5)
-    x = torch.randn(70, 2050, generator=torch.Generator().manual_seed(6)).bfloat16()
+    _, g, bias = _grouped(96, 4162, 5)
+    x = torch.randn(70, 4162, generator=torch.Generator().manual_seed(6)).bfloat16()
     for x_fp32 in (False, True):
         native = dense_native_linear(g, bias, lib=lib, x_fp32=x_fp32)
         xs = x.float() if x_fp32 else x

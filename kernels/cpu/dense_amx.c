@@ -18,7 +18,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18, A_BLOCK_BYTES = 1 << 20 };
+/* A_BLOCK_BYTES: packed x per row block (kept in L2); K_BLOCK_STEPS: 32-input steps per input block, so a row
+ * block is 256 rows whatever the width and each weight panel is read from memory once per 256 rows. */
+enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18, A_BLOCK_BYTES = 1 << 20, K_BLOCK_STEPS = 64 };
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -70,24 +72,36 @@ typedef struct {
     int y_dtype;
 } AmxCall;
 
-/* Groups g, g2 (g2 == g: one group) x row tiles mt, mt2 (mt2 == mt: one): accumulate, store, emit. `tails`: each
- * group's last partial step, zero-padded (in % 32 != 0), or NULL. */
-static void amx_block(const AmxCall *c, int64_t g, int64_t g2, int64_t mt, int64_t mt2, const uint32_t *tails,
-                      float *out) {
+/* Groups g, g2 (g2 == g: one group) x row tiles mt, mt2 (mt2 == mt: one) over input steps [k0, k1): the sums so
+ * far come from `partial` (none before step 0) and go back to it, or after the last step to y. `tails`: each
+ * group's last partial step, zero-padded (in % 32 != 0), or NULL. Loading and storing fp32 tiles is exact, so the
+ * input blocks change no bit of a sum. */
+static void amx_block(const AmxCall *c, int64_t g, int64_t g2, int64_t mt, int64_t mt2, int64_t k0, int64_t k1,
+                      const uint32_t *tails, float *partial, float *out) {
     const DenseLinear *s = c->s;
     const int64_t pairs = s->in_features / 2, gwords = pairs * DENSE_GROUP_ROWS, full = pairs / 16;
     const uint32_t *w = s->weight;
     const uint32_t *a0 = c->xp + mt * c->ksteps * 256, *a1 = c->xp + mt2 * c->ksteps * 256;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    steps_2x2(a0, a1, w + g * gwords, w + g2 * gwords, full);
-    if (tails) steps_2x2(a0 + 256 * full, a1 + 256 * full, tails, tails + 256, 1);
-    _tile_stored(0, out, 64);
-    _tile_stored(1, out + 256, 64);
-    _tile_stored(2, out + 512, 64);
-    _tile_stored(3, out + 768, 64);
+    if (k0 == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else {
+        _tile_loadd(0, partial, 64);
+        _tile_loadd(1, partial + 256, 64);
+        _tile_loadd(2, partial + 512, 64);
+        _tile_loadd(3, partial + 768, 64);
+    }
+    const int64_t kf = k1 < full ? k1 : full;
+    if (kf > k0) steps_2x2(a0 + 256 * k0, a1 + 256 * k0, w + g * gwords + 256 * k0, w + g2 * gwords + 256 * k0, kf - k0);
+    if (tails && k1 > full) steps_2x2(a0 + 256 * full, a1 + 256 * full, tails, tails + 256, 1);
+    float *to = k1 < c->ksteps ? partial : out;
+    _tile_stored(0, to, 64);
+    _tile_stored(1, to + 256, 64);
+    _tile_stored(2, to + 512, 64);
+    _tile_stored(3, to + 768, 64);
+    if (to == partial) return;
     for (int i = 0; i < 2; i++) {
         if (i == 1 && mt2 == mt) break;
         const int64_t r0 = (i ? mt2 : mt) * 16, n = c->rows - r0 < 16 ? c->rows - r0 : 16;
@@ -108,12 +122,15 @@ static void load_tails(const DenseLinear *s, int64_t g, int64_t g2, uint32_t *ta
 
 int ps_dense_amx(const DenseLinear *s, const uint32_t *xp, int64_t rows, void *y, int y_dtype) {
     if (!ps_amx_ready()) return 1;
-    const int64_t ksteps = (s->in_features / 2 + 15) / 16;
+    const int64_t ksteps = (s->in_features / 2 + 15) / 16, full = s->in_features / 2 / 16;
     const AmxCall call = {s, xp, ksteps, rows, y, y_dtype};
     const int64_t groups = s->out_features / DENSE_GROUP_ROWS, units = (groups + 1) / 2;
-    const int64_t mtiles = (rows + 15) / 16, has_tail = (s->in_features / 2) % 16 != 0;
-    int64_t block = A_BLOCK_BYTES / (ksteps * 1024);  /* row tiles per block */
+    const int64_t mtiles = (rows + 15) / 16, has_tail = ksteps > full;
+    const int64_t kblock = ksteps < K_BLOCK_STEPS ? ksteps : K_BLOCK_STEPS;
+    int64_t block = A_BLOCK_BYTES / (kblock * 1024);  /* row tiles per block: its input block's x fits in L2 */
     block = block < 2 ? 2 : block & ~(int64_t)1;
+    float *partials = NULL;  /* per (unit, pair of row tiles): 4 fp32 tiles between input blocks */
+    if (ksteps > kblock && !(partials = aligned_alloc(64, (size_t)units * (block / 2) * 4096))) return -2;
 #pragma omp parallel
     {
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
@@ -123,15 +140,20 @@ int ps_dense_amx(const DenseLinear *s, const uint32_t *xp, int64_t rows, void *y
         configure_tiles();
         for (int64_t m0 = 0; m0 < mtiles; m0 += block) {
             const int64_t m1 = m0 + block < mtiles ? m0 + block : mtiles;
-            for (int64_t u = u0; u < u1; u++) {
-                const int64_t g = 2 * u, g2 = g + 1 < groups ? g + 1 : g;
-                if (has_tail) load_tails(s, g, g2, tails);
-                for (int64_t mt = m0; mt < m1; mt += 2)
-                    amx_block(&call, g, g2, mt, mt + 1 < m1 ? mt + 1 : mt, has_tail ? tails : NULL, out);
+            for (int64_t k0 = 0; k0 < ksteps; k0 += kblock) {
+                const int64_t k1 = k0 + kblock < ksteps ? k0 + kblock : ksteps;
+                for (int64_t u = u0; u < u1; u++) {
+                    const int64_t g = 2 * u, g2 = g + 1 < groups ? g + 1 : g;
+                    if (has_tail && k1 > full) load_tails(s, g, g2, tails);
+                    for (int64_t mt = m0; mt < m1; mt += 2)
+                        amx_block(&call, g, g2, mt, mt + 1 < m1 ? mt + 1 : mt, k0, k1, has_tail ? tails : NULL,
+                                  partials ? partials + (u * (block / 2) + (mt - m0) / 2) * 1024 : NULL, out);
+                }
             }
         }
         _tile_release();
     }
+    free(partials);
     return 0;
 }
 #else
