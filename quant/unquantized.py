@@ -27,6 +27,10 @@ _GEMV_ROWS = 32
 # With AMX tiles the GEMM reads the weight once for a whole block of rows where the GEMV reads it once per 8: it
 # leads from 9 rows on (benchmarks/dense_gemm.py).
 _AMX_GEMV_ROWS = 8
+# Without AMX the GEMM's FMA and vdpbf16ps tiles lead `chunked_linear` (whose F.linear is oneDNN's GEMM, blocked
+# and tuned further) up to a few hundred rows but not at 2048 (1B shapes, SPR guest capped at AVX2 / AVX512-BF16,
+# noisy: docs/quantization.md): past this many rows a call takes the slices.
+_GEMM_ROWS = 256
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -43,6 +47,7 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.compute_dtype = dtype
         layer.small_batch_gemv = None  # the native GEMV over regrouped or widened weights, once native_linear made it
         layer.gemv_rows = _GEMV_ROWS  # the most rows `apply` gives the GEMV (fewer where the GEMM has AMX)
+        layer.gemm_rows = _GEMM_ROWS  # the most it gives the grouped GEMM (no limit with AMX)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         # A shared weight (a tied LM head's is the embedding's table, which lookups read) is not packed: the packed
@@ -64,12 +69,13 @@ class UnquantizedLinearMethod(LinearMethod):
 
             flat = call_native_linear(native, x.reshape(-1, x.shape[-1]).float())
             return flat.to(x.dtype).view(*x.shape[:-1], flat.shape[-1])
-        if native is not None and row_group(layer.weight) and x.dtype in (torch.float32, torch.bfloat16):
+        if (native is not None and row_group(layer.weight) and x.dtype in (torch.float32, torch.bfloat16)
+                and (layer.gemm_rows is None or x.numel() <= layer.gemm_rows * x.shape[-1])):
             from pagedserve.quant.dense_native import dense_gemm
 
             flat = dense_gemm(native, x.reshape(-1, x.shape[-1]))  # the regrouped weight as it is: no rewrite
             return flat.view(*x.shape[:-1], flat.shape[-1])
-        # regrouped without a GEMM here, or 16-bit row-major weights under fp32 compute: a slice at a time
+        # regrouped past the GEMM's rows (or without one), or 16-bit row-major under fp32 compute: slices
         if row_group(layer.weight) or layer.weight.dtype != x.dtype:
             return chunked_linear(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
@@ -105,7 +111,7 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.small_batch_gemv = dense_native_linear(plain, layer.bias, x_fp32=self.weight_dtype is not None,
                                                      native_max_batch=GROUPED_NATIVE_MAX_BATCH)
         if grouped and gemm_isa(x_fp32=self.weight_dtype is not None) == "amx":
-            layer.gemv_rows = _AMX_GEMV_ROWS
+            layer.gemv_rows, layer.gemm_rows = _AMX_GEMV_ROWS, None
         return layer.small_batch_gemv
 
     def merge(self, layers: list[nn.Module]) -> nn.Module | None:
