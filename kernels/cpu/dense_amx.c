@@ -3,11 +3,12 @@
  * tiles are exactly that, so one tileloadd (stride 64) takes 32 inputs x 16 outputs straight from the weight the
  * GEMV reads: no repacking per call and no second copy. A tile is 16 activation rows x 32 bf16 inputs.
  *
- * Blocking: each thread owns a contiguous run of group pairs; activation rows go in blocks of about 1 MB of bf16
- * (kept in L2 while the thread's pairs pass over it), each pair's panel stays in L2 across the block's row tiles,
- * and the 2 x 2 tiles of 32 rows x 32 outputs accumulate over the whole input in the tile registers. Every output
- * is one sum over the input tiles in order, whatever the number of rows (a row's result does not depend on the
- * rows beside it). Products of bf16 pairs are summed in fp32 by the hardware (its own order within a tile).
+ * Blocking: each thread owns a contiguous run of group pairs; activation rows go in blocks of 256 (x packed in
+ * 1 KB tiles by dense_gemm.c; one input block of it, ~1 MB, stays in L2 while the thread's pairs pass over it),
+ * inputs in blocks of 2048 (a pair's panel, 128 KB, stays in L2 across the row block's tiles), and 2 x 2 tiles of
+ * 32 rows x 32 outputs accumulate in the tile registers, carried in fp32 between input blocks. Every output is one
+ * sum over the input tiles in order, whatever the number of rows (a row's result does not depend on the rows
+ * beside it). Products of bf16 pairs are summed in fp32 by the hardware (its own order within a tile).
  */
 #include "isa.h"
 #include "dense_linear.h"
