@@ -24,9 +24,10 @@ from pagedserve.quant.onednn_dense import can_pack, pack_weight, packed_linear
 # grouped GEMM (kernels/cpu/dense_gemm.c: any row count, same layout) and a row-major 16-bit one to fp32 slices for
 # F.linear. Under fp32 compute the GEMM's sums are the GEMV's, bit for bit, so the limit is speed only.
 _GEMV_ROWS = 32
-# With AMX tiles the GEMM reads the weight once for a whole block of rows where the GEMV reads it once per 8: it
-# leads from 9 rows on (benchmarks/dense_gemm.py).
-_AMX_GEMV_ROWS = 8
+# The limit stays 32 with AMX too, though its GEMM reads the weight once per block of rows where the GEMV reads it
+# once per 8: AMX sums in its own order, and a speculative verify step of up to 32 rows then gets each row's bits
+# as the one-row decode steps computed them.
+
 # Without AMX the GEMM's FMA and vdpbf16ps tiles lead `chunked_linear` (whose F.linear is oneDNN's GEMM, blocked
 # and tuned further) up to a few hundred rows but not at 2048 (1B shapes, SPR guest capped at AVX2 / AVX512-BF16,
 # noisy: docs/quantization.md): past this many rows a call takes the slices.
@@ -46,8 +47,7 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.packed_weight = None
         layer.compute_dtype = dtype
         layer.small_batch_gemv = None  # the native GEMV over regrouped or widened weights, once native_linear made it
-        layer.gemv_rows = _GEMV_ROWS  # the most rows `apply` gives the GEMV (fewer where the GEMM has AMX)
-        layer.gemm_rows = _GEMM_ROWS  # the most it gives the grouped GEMM (no limit with AMX)
+        layer.gemm_rows = _GEMM_ROWS  # the most rows `apply` gives the grouped GEMM (no limit with AMX)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         # A shared weight (a tied LM head's is the embedding's table, which lookups read) is not packed: the packed
@@ -64,7 +64,7 @@ class UnquantizedLinearMethod(LinearMethod):
         from pagedserve.quant.dense_layout import chunked_linear, row_group
 
         native = layer.small_batch_gemv
-        if native is not None and x.numel() <= layer.gemv_rows * x.shape[-1]:
+        if native is not None and x.numel() <= _GEMV_ROWS * x.shape[-1]:
             from pagedserve.quant.dense_native import call_native_linear
 
             flat = call_native_linear(native, x.reshape(-1, x.shape[-1]).float())
@@ -111,7 +111,7 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.small_batch_gemv = dense_native_linear(plain, layer.bias, x_fp32=self.weight_dtype is not None,
                                                      native_max_batch=GROUPED_NATIVE_MAX_BATCH)
         if grouped and gemm_isa(x_fp32=self.weight_dtype is not None) == "amx":
-            layer.gemv_rows, layer.gemm_rows = _AMX_GEMV_ROWS, None
+            layer.gemm_rows = None
         return layer.small_batch_gemv
 
     def merge(self, layers: list[nn.Module]) -> nn.Module | None:
