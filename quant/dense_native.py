@@ -65,3 +65,31 @@ def call_native_linear(linear: NativeLinear, x: torch.Tensor) -> torch.Tensor:
     if status != 0:
         raise RuntimeError(f"native linear failed with status {status}")
     return y
+
+
+def dense_gemm(linear: NativeLinear, x: torch.Tensor, lib: ctypes.CDLL | None = None,
+               allow_amx: bool = True) -> torch.Tensor:
+    """x [rows, in] (fp32 or bf16, CPU) @ W^T + bias for a `dense_native_linear` over a grouped bf16 weight, at any
+    number of rows (kernels/cpu/dense_gemm.c), in x's dtype. lib: the build `linear` was made with (default: the
+    library's). allow_amx False: the AVX512-BF16 or fp32 code even where AMX is granted (tests)."""
+    if x.dim() != 2 or x.shape[1] != linear.in_features or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dense gemm: x must be [rows, {linear.in_features}] fp32 or bf16, got "
+                         f"{tuple(x.shape)} {x.dtype}")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], linear.out_features, dtype=x.dtype)
+    if x.shape[0] == 0:
+        return y
+    code = dtype_code(x.dtype)
+    status = (lib or load_library()).pagedserve_dense_gemm(linear.state, x.data_ptr(), code, x.shape[0],
+                                                           y.data_ptr(), code, int(allow_amx))
+    if status == -2:
+        raise MemoryError("dense gemm could not allocate its activation copy")
+    if status != 0:
+        raise RuntimeError(f"dense gemm failed with status {status} (not a grouped bf16 weight in this build?)")
+    return y
+
+
+def gemm_isa(x_fp32: bool = False, lib: ctypes.CDLL | None = None, allow_amx: bool = True) -> str:
+    """The code `dense_gemm` runs here: "amx" (tiles granted), "avx512_bf16", "avx512", "avx2" (fp32 compute, or
+    bf16 compute without 16-bit arithmetic) or "portable" (no grouped layout in this build)."""
+    return (lib or load_library()).pagedserve_dense_gemm_isa(int(x_fp32), int(allow_amx)).decode()

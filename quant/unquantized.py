@@ -20,9 +20,18 @@ from pagedserve.quant.onednn_dense import can_pack, pack_weight, packed_linear
 
 
 # Up to this many rows the torch path multiplies weights the GEMV owns (16-bit under fp32 compute, or regrouped
-# bf16) with the native GEMV (reading them once per 8 rows, no temporaries) rather than turning them into row-major
-# or fp32 slices for a GEMM: a prefill's logits rows, decode batches past the native step's size.
+# bf16) with the native GEMV (reading them once per 8 rows, no temporaries); past it a regrouped weight goes to the
+# grouped GEMM (kernels/cpu/dense_gemm.c: any row count, same layout) and a row-major 16-bit one to fp32 slices for
+# F.linear. Under fp32 compute the GEMM's sums are the GEMV's, bit for bit, so the limit is speed only.
 _GEMV_ROWS = 32
+# The limit stays 32 with AMX too, though its GEMM reads the weight once per block of rows where the GEMV reads it
+# once per 8: AMX sums in its own order, and a speculative verify step of up to 32 rows then gets each row's bits
+# as the one-row decode steps computed them.
+
+# Without AMX the GEMM's FMA and vdpbf16ps tiles lead `chunked_linear` (whose F.linear is oneDNN's GEMM, blocked
+# and tuned further) up to a few hundred rows but not at 2048 (1B shapes, SPR guest capped at AVX2 / AVX512-BF16,
+# noisy: docs/quantization.md): past this many rows a call takes the slices.
+_GEMM_ROWS = 256
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -38,6 +47,7 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.packed_weight = None
         layer.compute_dtype = dtype
         layer.small_batch_gemv = None  # the native GEMV over regrouped or widened weights, once native_linear made it
+        layer.gemm_rows = _GEMM_ROWS  # the most rows `apply` gives the grouped GEMM (no limit with AMX)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         # A shared weight (a tied LM head's is the embedding's table, which lookups read) is not packed: the packed
@@ -53,12 +63,19 @@ class UnquantizedLinearMethod(LinearMethod):
             return packed_linear(x, layer.packed_weight, layer.bias)
         from pagedserve.quant.dense_layout import chunked_linear, row_group
 
-        if layer.small_batch_gemv is not None and x.numel() <= _GEMV_ROWS * x.shape[-1]:
+        native = layer.small_batch_gemv
+        if native is not None and x.numel() <= _GEMV_ROWS * x.shape[-1]:
             from pagedserve.quant.dense_native import call_native_linear
 
-            flat = call_native_linear(layer.small_batch_gemv, x.reshape(-1, x.shape[-1]).float())
+            flat = call_native_linear(native, x.reshape(-1, x.shape[-1]).float())
             return flat.to(x.dtype).view(*x.shape[:-1], flat.shape[-1])
-        # regrouped by the native step (its only copy), or 16-bit under fp32 compute: a slice at a time
+        if (native is not None and row_group(layer.weight) and x.dtype in (torch.float32, torch.bfloat16)
+                and (layer.gemm_rows is None or x.numel() <= layer.gemm_rows * x.shape[-1])):
+            from pagedserve.quant.dense_native import dense_gemm
+
+            flat = dense_gemm(native, x.reshape(-1, x.shape[-1]))  # the regrouped weight as it is: no rewrite
+            return flat.view(*x.shape[:-1], flat.shape[-1])
+        # regrouped past the GEMM's rows (or without one), or 16-bit row-major under fp32 compute: slices
         if row_group(layer.weight) or layer.weight.dtype != x.dtype:
             return chunked_linear(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
@@ -72,7 +89,7 @@ class UnquantizedLinearMethod(LinearMethod):
         embedding's own tensor."""
         from pagedserve.kernels.cpu.native import available
         from pagedserve.quant.dense_layout import can_group, group_rows_in_place
-        from pagedserve.quant.dense_native import dense_native_linear, plain_weight
+        from pagedserve.quant.dense_native import dense_native_linear, gemm_isa, plain_weight
         from pagedserve.quant.native_linear import GROUPED_NATIVE_MAX_BATCH
 
         weight = layer.weight if layer.weight is not None else layer.packed_weight
@@ -93,6 +110,8 @@ class UnquantizedLinearMethod(LinearMethod):
         # sequences (docs/benchmarks.md, the 1B bf16 rows).
         layer.small_batch_gemv = dense_native_linear(plain, layer.bias, x_fp32=self.weight_dtype is not None,
                                                      native_max_batch=GROUPED_NATIVE_MAX_BATCH)
+        if grouped and gemm_isa(x_fp32=self.weight_dtype is not None) == "amx":
+            layer.gemm_rows = None
         return layer.small_batch_gemv
 
     def merge(self, layers: list[nn.Module]) -> nn.Module | None:

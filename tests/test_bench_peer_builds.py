@@ -141,3 +141,5 @@ def test_pagedserve_isa_probe_reports_the_forced_tier():
         # every GGUF type's interleaved-rows kernel is the AVX2 one, none the portable fallback
         assert got["packed_kernels"]["grouped_isa_by_type"] == {q: "avx2" for q in
                                                                 ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
+        # and the dense bf16 kernels too: no AMX under a forced tier
+        assert got["dense_kernels"] == {"grouped_gemv": "avx2", "gemm_bf16": "avx2", "gemm_fp32": "avx2"}

@@ -36,6 +36,12 @@ try:
         out["packed_kernels"]["grouped_isa_by_type"] = cp.grouped_isas(lib)
 except Exception as exc:
     out["packed_kernels"] = "unknown (%s: %s)" % (type(exc).__name__, exc)
+try:  # the dense bf16 kernels: the grouped GEMV, and the GEMM's path per compute dtype ("amx" where granted)
+    from pagedserve.quant.dense_layout import grouped_isa
+    from pagedserve.quant.dense_native import gemm_isa
+    out["dense_kernels"] = {"grouped_gemv": grouped_isa(), "gemm_bf16": gemm_isa(), "gemm_fp32": gemm_isa(True)}
+except Exception as exc:
+    out["dense_kernels"] = "unknown (%s: %s)" % (type(exc).__name__, exc)
 print(json.dumps(out))
 """
 

@@ -20,4 +20,21 @@ typedef struct {
  * Returns nonzero when this build has no grouped kernel or the state is not one it reads. */
 int ps_dense_grouped(const DenseLinear *s, const float *x, int64_t rows, float *y);
 
+/* The grouped layout at any row count (dense_gemm.c): y[rows, out] = x @ W^T + bias, x and y fp32 or bf16 (DT_*),
+ * x rounded to bf16 unless x_fp32. Each output is one fixed-order sum over the inputs, whatever `rows`. */
+int pagedserve_dense_gemm(const void *state, const void *x, int x_dtype, int64_t rows, void *y, int y_dtype,
+                          int allow_amx);
+
+/* The epilogue every GEMM path shares: rows [r0, r0 + n) of 16 outputs from column col0, `c` row r at c + 16 r
+ * (fp32 sums), plus the bias, stored in y's dtype. */
+void ps_dense_emit(const DenseLinear *s, const float *c, int64_t r0, int64_t n, int64_t col0, void *y, int y_dtype);
+
+/* dense_amx.c: 1 when this build has AMX code and the OS granted this process the tile state (asked once). */
+int ps_amx_ready(void);
+
+/* dense_amx.c: the bf16 GEMM on AMX tiles. xp: x in bf16, packed in 1 KB tiles of 16 rows x 32 inputs (zero
+ * beyond x), the tiles of one 16-row block one after another (dense_gemm.c's pack_rows). Returns nonzero without
+ * AMX. */
+int ps_dense_amx(const DenseLinear *s, const uint32_t *xp, int64_t rows, void *y, int y_dtype);
+
 #endif

@@ -8,6 +8,7 @@
  *   PS_AVX512       PS_AVX2 + AVX-512 F, BW, DQ, VL           tier "avx512" (Skylake-SP)
  *   PS_AVX512_VNNI  PS_AVX512 + AVX512-VNNI + AVX512-VBMI     tier "avx512_vnni" (Ice Lake, Zen 4)
  *   PS_AVX512_BF16  PS_AVX512_VNNI + AVX512-BF16              tier "avx512_bf16" (Sapphire Rapids, Zen 4)
+ *   PS_AMX          PS_AVX512_BF16 + AMX-TILE + AMX-BF16      native builds only (see below)
  *
  * The tiers are not one chain: Zen 4 has the AVX-512 ones but not AVX-VNNI. PS_ISA_TIER names the highest tier the
  * build's flags reach; pagedserve_isa_tier() (isa.c) returns it at run time. */
@@ -29,6 +30,13 @@
 #endif
 #if defined(PS_AVX512_VNNI) && defined(__AVX512BF16__)
 #define PS_AVX512_BF16 1
+#endif
+
+/* AMX tiles (tdpbf16ps) are no tier of their own: only a -march=native build on a CPU listing AMX-TILE and AMX-BF16
+ * compiles them (no forced tier's flags name them, so PAGEDSERVE_CPU_ISA turns AMX off), and even then the kernel
+ * asks the OS for the tile state at run time and keeps to AVX512-BF16 code where it is refused (dense_amx.c). */
+#if defined(PS_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PS_AMX 1
 #endif
 
 #if defined(PS_AVX512_BF16)

@@ -63,6 +63,11 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes = [ptr, ptr, i64, ptr]
         getattr(lib, name).restype = c_int
     lib.pagedserve_dense_grouped_isa.restype = ctypes.c_char_p
+    # state (DenseLinear), x, x dtype, rows, y, y dtype, allow AMX (quant/dense_native.py's dense_gemm)
+    lib.pagedserve_dense_gemm.argtypes = [ptr, ptr, c_int, i64, ptr, c_int, c_int]
+    lib.pagedserve_dense_gemm.restype = c_int
+    lib.pagedserve_dense_gemm_isa.argtypes = [c_int, c_int]
+    lib.pagedserve_dense_gemm_isa.restype = ctypes.c_char_p
     lib.pagedserve_isa_tier.restype = ctypes.c_char_p
     for fn in (lib.pagedserve_decode_attention, lib.pagedserve_prefill_attention, lib.pagedserve_write_kv,
                lib.pagedserve_write_kv_int8, lib.pagedserve_rms_norm, lib.pagedserve_silu_and_mul, lib.pagedserve_rope,
@@ -73,7 +78,8 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
 SPEC = LibrarySpec(
     name="native",
     sources=tuple(f"{name}.c" for name in ("decode_attention", "decode_tasks", "prefill_attention", "layer_ops",
-                                            "kv_write", "dense_linear", "dense_grouped", "decode_step", "lora")),
+                                            "kv_write", "dense_linear", "dense_grouped", "dense_gemm", "dense_amx",
+                                            "decode_step", "lora")),
     structs=NATIVE_STRUCTS,
     declare=_declare_signatures,
 )

