@@ -64,8 +64,8 @@ INT8_TARGETS = {"float32": (0.3, 98.5), "bfloat16": (0.6, None)}
 TOP_K = 32  # reference log-probabilities kept per position for the KL divergence
 
 
-def make_engine(compute: str, kv: str, kv_cache_memory: int = 64 << 20) -> LLMEngine:
-    return LLMEngine(EngineConfig(kv_cache_dtype=kv, kv_cache_memory=kv_cache_memory, attention_backend="torch",
+def make_engine(compute: str, kv: str, kv_cache_memory: int = 64 << 20, backend: str = "torch") -> LLMEngine:
+    return LLMEngine(EngineConfig(kv_cache_dtype=kv, kv_cache_memory=kv_cache_memory, attention_backend=backend,
                                   dtype=compute))
 
 
@@ -152,12 +152,14 @@ def measure(args, texts, all_ids: dict[str, list[int]], chat: list[int]) -> list
     cache_dir = Path(args.cache_dir)
     names = [t.name for t in texts]
     for compute in args.compute:
-        ref_engine = make_engine(compute, REFERENCE_KV[compute])
-        refs = {t.name: reference(ref_engine, all_ids[t.name], args.chunk, f"{compute}/{REFERENCE_KV[compute]}/{t.name}",
-                                  cache_dir) for t in texts}
+        backend = args.attention_backend
+        ref_engine = make_engine(compute, REFERENCE_KV[compute], backend=backend)
+        path = "" if backend == "torch" else f"/{backend}"
+        refs = {t.name: reference(ref_engine, all_ids[t.name], args.chunk,
+                                  f"{compute}/{REFERENCE_KV[compute]}/{t.name}{path}", cache_dir) for t in texts}
         del ref_engine
         for kv in args.kv:
-            engine = make_engine(compute, kv)
+            engine = make_engine(compute, kv, backend=backend)
             inner = engine.runner.attn_impl
             inner = inner.inner if isinstance(inner, CalibratingAttention) else inner
             fp8 = kv.startswith("fp8")
@@ -175,6 +177,7 @@ def measure(args, texts, all_ids: dict[str, list[int]], chat: list[int]) -> list
                         nll, ref_nll = run["nll"], ref["nll"]
                         delta = 100.0 * (torch.exp(nll.mean() - ref_nll.mean()).item() - 1.0)
                         row = {"text": text.name, "kind": text.kind, "role": text.role, "compute": compute,
+                               "attention_backend": backend, "chunk": args.chunk,
                                "kv_cache_dtype": kv, "reference_kv": REFERENCE_KV[compute], "scheme": scheme,
                                "calibration": case, "tokens": len(all_ids[text.name]),
                                "ppl": torch.exp(nll.mean()).item(), "ref_ppl": torch.exp(ref_nll.mean()).item(),
@@ -251,7 +254,9 @@ def main() -> None:
     parser.add_argument("--schemes", nargs="+", default=["default"], choices=list(SCHEMES))
     parser.add_argument("--calibrations", nargs="+", default=list(CALIBRATIONS), choices=CALIBRATIONS)
     parser.add_argument("--texts", nargs="*", default=None, help="only these text names")
-    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--chunk", type=int, default=256, help="tokens per forward; 1: every token a decode row")
+    parser.add_argument("--attention-backend", default="torch",
+                        help="both sides; native with --chunk 1 scores through the C decode attention")
     parser.add_argument("--max-tokens", type=int, default=None, help="cut every text shorter than the manifest's cap")
     parser.add_argument("--cache-dir", default=str(cache_root() / "fp8_kv_reference"))
     parser.add_argument("--json")

@@ -206,6 +206,8 @@ def _rows_alone_and_together(seq_len: int, drafts: int, queries_per_kv: int, kv_
     (4, 3, KVDtype.FP8_E4M3, 64, 20),
     (7, 4, KVDtype.FP32, 128, None),
     (15, 8, KVDtype.FP16, 64, None),  # more rows than one task holds: the span is split
+    (4, 3, KVDtype.INT8, 128, None),  # int8: each query rounded to int16 on its own (kv_dot.h)
+    (3, 2, KVDtype.INT8, 80, 20),  # int8 at a runtime chunk count with a half 32-lane group
     (2, 1, KVDtype.BF16, 48, 9),  # a head_dim without a specialization: a runtime chunk count
     (2, 3, KVDtype.BF16, 40, 9),  # head_dim off the vector code: row by row
 ])

@@ -16,6 +16,7 @@
  */
 #include "isa.h"
 #include "decode_chunks.h"
+#include "kv_dot.h"
 
 
 /* out[j] = the sum of v[j]'s 16 lanes, for 16 vectors at once: a transpose-add tree of 15 steps instead of 16
@@ -122,7 +123,7 @@ INLINE void chunk_values(const DecodeArgs *a, const Keys *k, int64_t h, const fl
  * fp32 once for all queries; each query's 16 dot vectors then stay in registers up to their lane sums (a
  * [query][key] buffer of them cost a store and a load each). The prefetches run ahead to `next_k` and this tile's V. */
 INLINE void score16(const char *tile, const char *next_k, const char *v_tile, int64_t i0, int64_t m, const f32x16 *q,
-                    int64_t nq, float *dst, const _Float16 *rs, const int64_t chunks, const int kv_dt) {
+                    int64_t nq, float *dst, const int64_t chunks, const int kv_dt) {
     const size_t kv_row = (size_t)16 * chunks * elem_size(kv_dt);
     f32x16 kf[16][chunks];
     for (int64_t i = 0; i < 16; i++) {
@@ -145,17 +146,55 @@ INLINE void score16(const char *tile, const char *next_k, const char *v_tile, in
             for (int64_t c = 1; c < chunks; c++) dot += q[qq * chunks + c] * kf[i][c];
             dots[i] = dot;
         }
-        f32x16 sums = hsum16x16(dots);
-        if (kv_dt == DT_I8) sums *= row_scales16(rs + i0, m);  /* int8 K: each key's dot times its row's scale */
+        const f32x16 sums = hsum16x16(dots);
         /* a constant size is one store; a variable one became `rep movsq` (~10% of the kernel) */
         if (m == 16) memcpy(dst + qq * KEY_CHUNK, &sums, sizeof sums);
         else memcpy(dst + qq * KEY_CHUNK, &sums, sizeof(float) * (size_t)m);
     }
 }
 
-/* Scores of all the span's queries over the chunk's keys: scores[qq * KEY_CHUNK + t - k0]. */
-INLINE void chunk_scores(const DecodeArgs *a, const Keys *k, int64_t h, const f32x16 *q, int64_t nq, float *scores,
-                         const int64_t chunks, const int kv_dt) {
+/* score16 for int8 K (kv_dot.h): each key's int32 dot with the int16 queries q16 ([nq][pairs]), times the query's
+ * scale qs[qq] and the key row's scale. Keys are widened per query from L1 rather than once into an array (two
+ * zmm per key at head_dim 64: 16 keys' would not stay in registers). */
+INLINE void score16_i8(const char *tile, const char *next_k, const char *v_tile, int64_t i0, int64_t m,
+                       const i16x32 *q16, const float *qs, int64_t nq, float *dst, const _Float16 *rs,
+                       const int64_t chunks) {
+    const size_t kv_row = (size_t)16 * chunks;
+    const int64_t pairs = (chunks + 1) / 2;
+    for (int64_t i = 0; i < m; i++)
+        for (size_t line = 0; line < kv_row; line += 64) {
+            __builtin_prefetch(next_k + (i0 + i) * kv_row + line);
+            __builtin_prefetch(v_tile + (i0 + i) * kv_row + line);
+        }
+    const int8_t *rows = (const int8_t *)tile + i0 * kv_row;
+    const f32x16 row_scale = row_scales16(rs + i0, m);
+    /* Many queries per key (drafts): widened once into L1 for all of them (per query cost a 5-row span 8%). A few
+     * (one row's query heads): widened per query from the rows, which spills nothing (once cost one row ~4%). */
+    const int once = nq > 4;
+    i16x32 kw[16][pairs];
+    for (int64_t i = 0; once && i < 16; i++)
+        for (int64_t p = 0; p < pairs; p++) kw[i][p] = i < m ? kv_dot_widen(rows + i * kv_row, p, chunks) : (i16x32){0};
+    for (int64_t qq = 0; qq < nq; qq++) {
+        i32x16 dots[16];
+        for (int64_t i = 0; i < 16; i++) {
+            i32x16 dot = {0};
+            if (once)
+                for (int64_t p = 0; p < pairs; p++) dot = kv_dot_pairs(dot, kw[i][p], q16[qq * pairs + p]);
+            else if (i < m)  /* keys past m: zero dots, never stored */
+                for (int64_t p = 0; p < pairs; p++)
+                    dot = kv_dot_pairs(dot, kv_dot_widen(rows + i * kv_row, p, chunks), q16[qq * pairs + p]);
+            dots[i] = dot;
+        }
+        const f32x16 sums = __builtin_convertvector(kv_dot_hsum16x16(dots), f32x16) * qs[qq] * row_scale;
+        if (m == 16) memcpy(dst + qq * KEY_CHUNK, &sums, sizeof sums);
+        else memcpy(dst + qq * KEY_CHUNK, &sums, sizeof(float) * (size_t)m);
+    }
+}
+
+/* Scores of all the span's queries over the chunk's keys: scores[qq * KEY_CHUNK + t - k0]. int8 K: q16 and qs are
+ * the queries rounded to int16 and their scales (kv_dot_quantize), q is not read. */
+INLINE void chunk_scores(const DecodeArgs *a, const Keys *k, int64_t h, const f32x16 *q, const i16x32 *q16,
+                         const float *qs, int64_t nq, float *scores, const int64_t chunks, const int kv_dt) {
     const int64_t bs = a->block_size;
     const size_t tile_bytes = (size_t)bs * 16 * chunks * elem_size(kv_dt);
     /* The K tile prefetched is about 2 KiB of keys ahead: an 8-bit tile is scored in half a 16-bit one's time, so one
@@ -178,9 +217,15 @@ INLINE void chunk_scores(const DecodeArgs *a, const Keys *k, int64_t h, const f3
             }
         }
         const _Float16 *rs = kv_dt == DT_I8 ? a->k_row_scale + (h * a->num_blocks + k->table[t0 / bs]) * bs : NULL;
-        for (int64_t i0 = tlo; i0 < n; i0 += 16)
-            score16(tile, next_k, (const char *)a->v_cache + offset, i0, n - i0 < 16 ? n - i0 : 16, q, nq,
-                    scores + t0 + i0 - k->k0, rs, chunks, kv_dt);
+        for (int64_t i0 = tlo; i0 < n; i0 += 16) {
+            const int64_t m = n - i0 < 16 ? n - i0 : 16;
+            if (kv_dt == DT_I8)
+                score16_i8(tile, next_k, (const char *)a->v_cache + offset, i0, m, q16, qs, nq,
+                           scores + t0 + i0 - k->k0, rs, chunks);
+            else
+                score16(tile, next_k, (const char *)a->v_cache + offset, i0, m, q, nq, scores + t0 + i0 - k->k0,
+                        chunks, kv_dt);
+        }
     }
 }
 
@@ -245,7 +290,12 @@ INLINE void chunk_task(const DecodeArgs *a, const Span *sp, int64_t h, int64_t c
                             (a->rows[sp->s + i] * a->q_token_stride + h * group * dim) * elem_size(q_dt);
         for (int64_t j = 0; j < group * chunks; j++) q[i * group * chunks + j] = load16(query, j, q_dt) * q_factor;
     }
-    chunk_scores(a, &k, h, q, nq, w->scores, chunks, kv_dt);
+    /* int8 K: the queries as int16 and their scales, after the fp32 ones (thread_scratch leaves room) */
+    i16x32 *q16 = (i16x32 *)(q + nq * chunks);
+    float *qs = (float *)(q16 + nq * ((chunks + 1) / 2));
+    if (kv_dt == DT_I8)
+        for (int64_t qq = 0; qq < nq; qq++) qs[qq] = kv_dot_quantize(q + qq * chunks, chunks, q16 + qq * ((chunks + 1) / 2));
+    chunk_scores(a, &k, h, q, q16, qs, nq, w->scores, chunks, kv_dt);
     chunk_softmax(a, sp, &k, w->scores, part, dim);
     if (kv_dt == DT_I8) scale_probs(a, &k, h, w->scores, nq);
     /* Up to 4 queries per pass over V (2 at head_dim 128: 16 accumulators and the V row stay in registers). */

@@ -1,0 +1,114 @@
+/* Integer score dots for int8 K in decode attention (decode_attention.c): each query head rounded once per call to
+ * int16 with one fp32 scale, each key row widened int8 -> int16, and q.k summed as exact int32 pair products
+ * (vpdpwssd on AVX512-VNNI and AVX-VNNI, vpmaddwd + vpaddd on AVX-512 and AVX2, plain vector code otherwise).
+ *
+ * Why: with fp32 queries every key cost head_dim / 16 FMAs per query after widening its bytes to fp32 (two
+ * conversions per 16 lanes); a pair dot does 32 lanes' products in one instruction from one widening, so the score
+ * half of int8 decode attention runs about half the instructions.
+ *
+ * Why int16 and not int8 queries (vpdpbusd, half again): the query's rounding adds to K's own int8 rounding in every
+ * score. At int16 (step max|q| / 32767) it is ~1/256 of K's step (max|k| / 127), far below the bf16 rounding the
+ * model's activations already carry; int8 queries would double the error int8 K costs (kernels/cpu/act_q16.h
+ * measured the same trade for weights: int8 activations lost 4-8 points of top-1 agreement, int16 none).
+ *
+ * Numerics: |q16| <= 32767 and |k| <= 127, so a row's int32 sum is exact up to head_dim 512; it is the same in every
+ * tier whatever the split or order of its pair sums, and the float epilogue (one conversion, two multiplies) is the
+ * same instructions everywhere: every tier gives the same bits. A query holding NaN or inf gets a NaN scale (NaN
+ * scores, as fp32 math gives). */
+#ifndef PAGEDSERVE_CPU_KV_DOT_H
+#define PAGEDSERVE_CPU_KV_DOT_H
+
+#include "native.h"
+
+typedef int16_t i16x32 __attribute__((vector_size(64)));
+typedef int8_t i8x32 __attribute__((vector_size(32)));
+
+/* One query's 16 * chunks fp32 lanes -> int16 in 32-lane groups (a last half group zero-padded) and the scale s
+ * with q ~ s * q16: q16 = rint(q * (32767 / max|q|)), ties to even. */
+INLINE float kv_dot_quantize(const f32x16 *q, int64_t chunks, i16x32 *q16) {
+    f32x16 peak = {0};
+    i32x16 finite = peak == peak;  /* all lanes set */
+    for (int64_t c = 0; c < chunks; c++) {
+        const f32x16 mag = select16(q[c] < 0.0f, -q[c], q[c]);
+        finite &= mag <= 3.4028234663852886e38f;  /* false for inf and NaN */
+        peak = select16(mag > peak, mag, peak);
+    }
+    int ok = 1;
+    for (int i = 0; i < 16; i++) ok &= finite[i] != 0;
+    const float amax = hmax16(peak), inv = ok && amax > 0.0f ? 32767.0f / amax : 0.0f;
+    const f32x16 magic = (f32x16){0} + 12582912.0f;  /* 1.5 * 2^23: adding and subtracting it rounds to even */
+    for (int64_t p = 0; p < (chunks + 1) / 2; p++) {
+        f32x16 lo = (q[2 * p] * inv + magic) - magic, hi = {0};
+        if (2 * p + 1 < chunks) hi = (q[2 * p + 1] * inv + magic) - magic;
+        const i16x16 a = __builtin_convertvector(__builtin_convertvector(lo, i32x16), i16x16);
+        const i16x16 b = __builtin_convertvector(__builtin_convertvector(hi, i32x16), i16x16);
+        q16[p] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
+                                         20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+    }
+    return ok ? amax / 32767.0f : NAN;
+}
+
+/* Lanes [32p, 32p + 32) of an int8 row widened to int16; past the row's 16 * chunks lanes, zeros (never read). */
+INLINE i16x32 kv_dot_widen(const int8_t *row, int64_t p, int64_t chunks) {
+    i8x32 bytes = {0};
+    memcpy(&bytes, row + 32 * p, 2 * p + 1 < chunks ? 32 : 16);
+#if defined(PS_AVX512)
+    const __m512i wide = _mm512_cvtepi8_epi16((__m256i)bytes);
+    return (i16x32)wide;
+#elif defined(PS_AVX2)
+    const __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128((__m256i)bytes));
+    const __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256((__m256i)bytes, 1));
+    i16x32 out;
+    memcpy(&out, &lo, 32);
+    memcpy((char *)&out + 32, &hi, 32);
+    return out;
+#else
+    return __builtin_convertvector(bytes, i16x32);
+#endif
+}
+
+/* acc + the pair sums of k * q: lane j gains k[2j] q[2j] + k[2j + 1] q[2j + 1] (exact in int32). */
+INLINE i32x16 kv_dot_pairs(i32x16 acc, i16x32 k, i16x32 q) {
+#if defined(PS_AVX512_VNNI)
+    return (i32x16)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)k, (__m512i)q);
+#elif defined(PS_AVX512)
+    return (i32x16)_mm512_add_epi32((__m512i)acc, _mm512_madd_epi16((__m512i)k, (__m512i)q));
+#elif defined(PS_AVX2)
+    __m256i a[2], kk[2], qq[2];
+    memcpy(a, &acc, 64), memcpy(kk, &k, 64), memcpy(qq, &q, 64);
+    for (int h = 0; h < 2; h++)
+#if defined(PS_AVX2_VNNI)
+        a[h] = _mm256_dpwssd_avx_epi32(a[h], kk[h], qq[h]);
+#else
+        a[h] = _mm256_add_epi32(a[h], _mm256_madd_epi16(kk[h], qq[h]));
+#endif
+    memcpy(&acc, a, 64);
+    return acc;
+#else
+    const i16x16 ke = __builtin_shufflevector(k, k, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const i16x16 ko = __builtin_shufflevector(k, k, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const i16x16 qe = __builtin_shufflevector(q, q, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const i16x16 qo = __builtin_shufflevector(q, q, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    return acc + __builtin_convertvector(ke, i32x16) * __builtin_convertvector(qe, i32x16) +
+           __builtin_convertvector(ko, i32x16) * __builtin_convertvector(qo, i32x16);
+#endif
+}
+
+/* out[j] = the sum of v[j]'s 16 lanes, for 16 vectors at once (decode_attention.c's hsum16x16 on int32: exact, so
+ * any tree gives the same sums). */
+INLINE i32x16 kv_dot_hsum16x16(const i32x16 *v) {
+    i32x16 c[8], d[4], e[2];
+    for (int j = 0; j < 8; j++)
+        c[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(v[2 * j], v[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int j = 0; j < 4; j++)
+        d[j] = __builtin_shufflevector(c[2 * j], c[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(c[2 * j], c[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int j = 0; j < 2; j++)
+        e[j] = __builtin_shufflevector(d[2 * j], d[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(d[2 * j], d[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+#endif
