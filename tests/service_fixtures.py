@@ -192,6 +192,18 @@ def engine_idle(channel: grpc.Channel) -> bool:
             and info.kv_cache.used_blocks == 0)
 
 
+def settled_metric_value(server: ServerProcess, name: str, want: float, timeout: float = 5.0) -> float:
+    """metric_value once it reaches `want` or `timeout` passes: a request is counted when its handler returns, which
+    can be just after the client has read the whole response (a stream's last chunk), so a scrape right after the
+    call may still see the old count."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = metric_value(server, name)
+        if value >= want or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
 def metric_value(server: ServerProcess, name: str) -> float:
     """Sum of a Prometheus metric's samples (all label sets) scraped from the server's metrics port."""
     import urllib.request

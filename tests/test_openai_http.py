@@ -9,7 +9,7 @@ import urllib.request
 
 import openai
 import pytest
-from service_fixtures import metric_value, off_main_thread, shared_server  # noqa: F401 - fixtures by name
+from service_fixtures import metric_value, off_main_thread, settled_metric_value, shared_server  # noqa: F401 - fixtures by name
 
 from pagedserve.client import Client, Message
 from pagedserve.engine import LLM, SamplingParams
@@ -203,6 +203,6 @@ def test_http_requests_are_counted_with_vllm_metric_names(oai, shared_server):  
                                 extra_body={"ignore_eos": True}))
     with pytest.raises(openai.BadRequestError):
         oai.completions.create(model=MODEL, prompt=PROMPTS[0], temperature=-1)
-    assert metric_value(shared_server, "http_server_handled_total") == handled + 2
-    assert metric_value(shared_server, "vllm:inter_token_latency_seconds_count") >= gaps + 5
-    assert metric_value(shared_server, "vllm:request_success_total") == finished + 1
+    assert settled_metric_value(shared_server, "http_server_handled_total", handled + 2) == handled + 2
+    assert settled_metric_value(shared_server, "vllm:inter_token_latency_seconds_count", gaps + 5) >= gaps + 5
+    assert settled_metric_value(shared_server, "vllm:request_success_total", finished + 1) == finished + 1

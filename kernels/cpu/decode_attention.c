@@ -14,6 +14,10 @@
  * blocks are never read (the block manager may have freed them; their block-table entries are then -1).
  * Storage layout: the head-major [Hkv, num_blocks, block_size, D] tensors behind LayerKVCache's logical view.
  */
+/* RTL GCSE (PRE and load CSE after reload) spends ~100 of gcc 12's 118 s on this file at -O3 (-ftime-report, AVX2
+ * tier), once per tier on every cold build, CI's included; without it the file compiles in ~12 s, and the kernel's
+ * time is unchanged within noise (benchmarks/decode_attention_ab.py against the file without this line). */
+#pragma GCC optimize("no-gcse", "no-gcse-after-reload")
 #include "isa.h"
 #include "decode_chunks.h"
 #include "kv_dot.h"
