@@ -43,6 +43,8 @@ from contention import cpu_model  # noqa: E402
 from rtn import quantization_config, quantized_tensors  # noqa: E402
 from smollm2_quality import head_bytes  # noqa: E402
 
+from pagedserve.kernels.cpu import isa  # noqa: E402
+
 GROUP_GPTQ, GROUP_AWQ = 128, 64
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -191,7 +193,8 @@ def main() -> None:
                           "tok_s": round(best[name], 2),
                           "vs_gguf": round(best[name] / best["gguf_q4_1"], 3), "tokens": args.tokens,
                           "repeats": args.repeats, "dtype": args.dtype, "threads": torch.get_num_threads(),
-                          "cpu": cpu_model()}), flush=True)
+                          "cpu": cpu_model(), "host_tier": isa.host_tier(),
+                          "forced_tier": isa.requested_tier().name if isa.requested_tier() else None}), flush=True)
 
 
 if __name__ == "__main__":
