@@ -156,7 +156,8 @@ def main() -> None:
                         help="also GPTQ and AWQ with their 16-bit LM head quantized to Q8_0 at load "
                              "(--lm-head-quantization q8_0)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/pagedserve-group-quant-bench"))
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float32"],
+                        help="auto: what the host (or a forced PAGEDSERVE_CPU_ISA tier) gets by default")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()

@@ -20,6 +20,7 @@ from torch import nn
 
 from pagedserve.quant.base import LinearMethod, QuantConfig, QuantConfigError
 from pagedserve.quant.config_fields import get_bool, get_choice, get_int
+from pagedserve.quant.dense_layout import DenseEmbedding
 from pagedserve.quant.group_quant import GroupQuantWeight
 from pagedserve.quant.packed_linear import PackedLinearMethod
 from pagedserve.quant.packing import default_g_idx, pack_cols, pack_factor, unpack_cols
@@ -55,6 +56,9 @@ class GPTQConfig(QuantConfig):
     # GPTQModel "dynamic": regex -> overrides; a "-:" prefix means "leave this module unquantized".
     dynamic: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
     kernel: str = "auto"
+    # the layers it leaves unquantized (embedding, head) held in this 16-bit dtype under fp32 compute, None: in
+    # the compute dtype (engine/loading/dtype_plan.py: a CPU without 16-bit arithmetic)
+    plain_weights: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
@@ -96,8 +100,14 @@ class GPTQConfig(QuantConfig):
     def linear_method(self, prefix: str) -> LinearMethod:
         spec = self.spec_for(prefix)
         if spec is None:
-            return UnquantizedLinearMethod()
+            return UnquantizedLinearMethod(self.plain_weights)
         return GPTQLinearMethod(prefix, spec, self.checkpoint_format, self.kernel)
+
+    def holding_weights_in(self, dtype: torch.dtype, compute_dtype: torch.dtype) -> "GPTQConfig":
+        return replace(self, plain_weights=None if dtype == compute_dtype else dtype)
+
+    def embedding(self, prefix: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> nn.Module:
+        return DenseEmbedding(num_embeddings, embedding_dim, dtype, self.plain_weights)
 
     def describe(self) -> str:
         s = self.spec

@@ -20,6 +20,7 @@ import transformers
 
 import cpu_tiers
 from conftest import hf_from_gguf, hf_greedy, make_tiny_model
+from family_fixtures import write_group_quant
 from gguf import GGMLQuantizationType
 from gguf_fixtures import write_tiny_llama
 from pagedserve.engine.host.cpu_features import tier_bf16_flags
@@ -38,7 +39,8 @@ from pagedserve.engine import LLM, SamplingParams
 from pagedserve.quant.linear import QuantLinear
 llm = LLM(sys.argv[1], kv_cache_memory=1 << 24)
 e = llm.engine
-mats = {str(m.weight.dtype) for m in e.runner.model.modules() if isinstance(m, QuantLinear) and m.weight is not None}
+mats = {str(m.weight.dtype) for m in e.runner.model.modules()
+        if isinstance(m, QuantLinear) and getattr(m, "weight", None) is not None}
 params = SamplingParams(max_tokens=int(sys.argv[3]), temperature=0.0, ignore_eos=True)
 prompts = json.loads(sys.argv[2])
 outs = llm.generate(prompts[:2], params) + llm.generate(prompts[2:], params)
@@ -95,6 +97,24 @@ def test_an_all_bf16_gguf_is_a_bf16_checkpoint(tmp_path):
              "blk.1.ffn_down")
     path = write_tiny_llama(tmp_path / "tiny-bf16.gguf", types={k: GGMLQuantizationType.BF16 for k in kinds})
     _check(path, "avx2", torch.bfloat16, hf=hf_from_gguf(path))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_gptq_and_awq_keep_their_unquantized_layers_16_bit_on_the_avx2_tier(tmp_path, method):
+    """The layers a GPTQ/AWQ checkpoint leaves unquantized (embedding, LM head) are held in its 16-bit dtype like a
+    plain checkpoint's (in fp32 a SmolLM2 head alone read 113 MB a token instead of 57), and the greedy tokens are
+    transformers' fp32 ones over the dequantized weights."""
+    if "avx2" not in isa.available_tiers():
+        pytest.skip("this CPU has no avx2 tier")
+    plain = _half_checkpoint(tmp_path, torch.bfloat16, tied=False)
+    reference = write_group_quant(plain, tmp_path / method, method)
+    got = _engine_run(tmp_path / method, "avx2")
+    assert (got["compute"], got["weights"], got["matrices"], got["table"]) == \
+        ("torch.float32", "torch.bfloat16", ["torch.bfloat16"], "torch.bfloat16")
+    assert got["native"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(plain), dtype=torch.float32).eval()
+    hf.load_state_dict({k: v.float() for k, v in reference.items()}, strict=False)
+    assert got["tokens"] == [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("tier", cpu_tiers.params(cpu_tiers.CORE))

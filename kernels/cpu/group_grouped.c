@@ -14,8 +14,10 @@
  *
  * Builds (compile time, as packed_grouped.c's): "avx512_vnni" rounds the activations to int16 per run and takes
  * the integer dots with vpdpwssd (act_q16.h: extra activation rows cost about half the fp32 FMA path's; its
- * header states the rounding's bound, where d u is s u here); "avx512", "avx2" (the same sums per lane, 8 lanes
- * wide: bit for bit the avx512 build's outputs) and "portable" keep fp32 activations:
+ * header states the rounding's bound, where d u is s u here); "avx2_vnni" and "avx2" (Zen 1-3, Haswell to Skylake
+ * client) take the same int16 runs and integer dots in two 8-row halves (vpdpwssd ymm with AVX-VNNI, vpmaddwd +
+ * vpaddd without) with the same float epilogue: bit for bit the avx512_vnni build's outputs. "avx512" (no VNNI)
+ * and "portable" keep fp32 activations:
  *
  * Numerics (fp32 builds): per run the codes are summed against fp32 activations as integers and scaled once,
  * y = sum over runs of s * sum(u x) + (-z s) * sum(x), as packed_grouped.c does for Q4_1 (forming each weight
@@ -143,91 +145,56 @@ GQ_INLINE void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, c
     const __m512 bias = st->bias ? _mm512_loadu_ps(st->bias + h * GQ_ROWS) : _mm512_setzero_ps();
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * out + h * GQ_ROWS, _mm512_add_ps(tot[r], bias));
 }
-#elif defined(PS_AVX2)
-#define GQ_GROUPED_ISA "avx2"
-#define GQ_HALF 8        /* rows per ymm register: a row group is two halves */
-#define GQ_AVX2_ROWS 4   /* activation rows per pass over a half: 4 totals + 8 chains + codes in 16 registers */
+#elif defined(PQ_LANES8)
+#define GQ_GROUPED_ISA PQ_INT16
+#undef GQ_GTILE
+#define GQ_GTILE 4  /* 16 ymm registers: 2 R totals + 2 R (or 4 R at R <= 2) integer sums, R <= 4 */
 
 /* Half `half` (rows 8 half .. 8 half + 7) of group g of row group h: its scale s and offset -z s, as the AVX-512
  * form's (exact for fp16 scales). */
 GQ_INLINE void gq_half_scales(const ps_group_state *st, int64_t h, int32_t g, int half, __m256 *s, __m256 *m) {
-    const int64_t at = (h * st->groups + g) * GQ_ROWS + GQ_HALF * half;
+    const int64_t at = (h * st->groups + g) * GQ_ROWS + 8 * half;
     *s = st->scale_f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)st->scales + at)))
                        : _mm256_loadu_ps((const float *)st->scales + at);
     const __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(st->zeros + at))));
     *m = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), z), *s);
 }
 
-/* tot[r] += one half's 8 rows' dots with activation rows r < R: per lane the AVX-512 form's instructions in its
- * order (two chains over even and odd inputs of each chunk, then s * sum(u x) + (-z s) * sum(x) per run), so this
- * build's outputs are that build's bit for bit; a 4-bit code is widened by a shift and a mask (AVX2's vpermps
- * indexes 8 entries, not the 16 of the AVX-512 table). */
-GQ_INLINE void gq_half_rows(const ps_group_state *st, int bits, int64_t h, int half, const float *x, const float *sx,
-                            int R, __m256 *tot) {
-    const int64_t in = st->in_features, runs = in / 32, tb = gq_tile_bytes(bits);
-    const uint8_t *tiles = st->codes + h * runs * tb;
-    const __m256i low4 = _mm256_set1_epi32(0xF);
-    int32_t cur = -1;
-    __m256 s = _mm256_setzero_ps(), m = s;
-    for (int64_t j = 0; j < runs; j++) {
-        if (st->run_group[j] != cur) gq_half_scales(st, h, cur = st->run_group[j], half, &s, &m);
-        const uint8_t *tile = tiles + j * tb;
-        if (half == 0)
-            for (int64_t l = 0; l <= tb; l += 64) _mm_prefetch((const char *)tile + GQ_PREFETCH_TILES * tb + l, _MM_HINT_T0);
-        const float *xb = x + 32 * j;
-        __m256 acc[2 * GQ_AVX2_ROWS];
-        for (int a = 0; a < 2 * R; a++) acc[a] = _mm256_setzero_ps();
-        for (int c = 0; c < 4; c++) {
-            const __m256i word = bits == 4 ? _mm256_loadu_si256((const __m256i *)(tile + 64 * c + 32 * half))
-                                           : _mm256_setzero_si256();
-#pragma GCC unroll 8
-            for (int p = 0; p < 8; p++) {
-                const int k = 8 * c + p;
-                const __m256 u = bits == 4
-                    ? _mm256_cvtepi32_ps(p == 7 ? _mm256_srli_epi32(word, 28)
-                                                : _mm256_and_si256(_mm256_srli_epi32(word, 4 * p), low4))
-                    : _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                          _mm_loadl_epi64((const __m128i *)(tile + GQ_ROWS * k + GQ_HALF * half))));
-                for (int r = 0; r < R; r++) {
-                    const int a = (p % 2) * R + r;
-                    acc[a] = _mm256_fmadd_ps(u, _mm256_broadcast_ss(xb + r * in + k), acc[a]);
-                }
-            }
-        }
-        for (int r = 0; r < R; r++) {
-            tot[r] = _mm256_fmadd_ps(_mm256_add_ps(acc[r], acc[R + r]), s, tot[r]);
-            tot[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * runs + j]), tot[r]);
-        }
-    }
-}
-
-GQ_INLINE void gq_half_store(const ps_group_state *st, int bits, int64_t h, int half, const float *x,
-                             const float *sx, int R, float *y) {
-    const int64_t out = st->out_features;
-    __m256 tot[GQ_AVX2_ROWS];
-    for (int r = 0; r < R; r++) tot[r] = _mm256_setzero_ps();
-    gq_half_rows(st, bits, h, half, x, sx, R, tot);
-    const int64_t o = h * GQ_ROWS + GQ_HALF * half;
-    const __m256 bias = st->bias ? _mm256_loadu_ps(st->bias + o) : _mm256_setzero_ps();
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * out + o, _mm256_add_ps(tot[r], bias));
-}
-
-/* The 16 rows of row group h for R <= GQ_GTILE activation rows: per half, passes of up to GQ_AVX2_ROWS rows (the
- * half's weights, 128 bytes a run, stay in L1 between passes). */
+/* The avx512_vnni form in two 8-lane halves (rows 0-7: tot[2r], rows 8-15: tot[2r + 1]) with the same integer dots
+ * and float epilogue per lane, so its outputs are that build's bit for bit. It replaced an fp32 FMA form (a shift,
+ * mask, conversion and FMA per 8 codes and row) that ran the GPTQ/AWQ layers slower than Q4_1's int16 kernel. */
 GQ_INLINE void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, const float *x, pq_act act, int R,
                                 float *y) {
-    const int64_t in = st->in_features, runs = in / 32, out = st->out_features;
-    for (int half = 0; half < 2; half++)
-        for (int r0 = 0; r0 < R; r0 += GQ_AVX2_ROWS) {
-            const float *xr = x + r0 * in, *sx = act.sx + r0 * runs;
-            float *yr = y + r0 * out;
-            switch (R - r0 < GQ_AVX2_ROWS ? R - r0 : GQ_AVX2_ROWS) {
-                case 1: gq_half_store(st, bits, h, half, xr, sx, 1, yr); break;
-                case 2: gq_half_store(st, bits, h, half, xr, sx, 2, yr); break;
-                case 3: gq_half_store(st, bits, h, half, xr, sx, 3, yr); break;
-                default: gq_half_store(st, bits, h, half, xr, sx, GQ_AVX2_ROWS, yr); break;
-            }
+    (void)x;
+    const int64_t runs = st->in_features / 32, tb = gq_tile_bytes(bits);
+    const uint8_t *tiles = st->codes + h * runs * tb;
+    __m256 tot[2 * GQ_GTILE], s0 = _mm256_setzero_ps(), m0 = s0, s1 = s0, m1 = s0;
+    for (int r = 0; r < 2 * R; r++) tot[r] = _mm256_setzero_ps();
+    int32_t cur = -1;
+    for (int64_t j = 0; j < runs; j++) {
+        if (st->run_group[j] != cur) {
+            cur = st->run_group[j];
+            gq_half_scales(st, h, cur, 0, &s0, &m0);
+            gq_half_scales(st, h, cur, 1, &s1, &m1);
         }
+        const uint8_t *tile = tiles + j * tb;
+        for (int64_t l = 0; l <= tb; l += 64) _mm_prefetch((const char *)tile + GQ_PREFETCH_TILES * tb + l, _MM_HINT_T0);
+        __m256i acc[4 * GQ_GTILE];
+        if (bits == 4) pq_dots4(tile, act.q + 32 * j, 32 * runs, R, acc);
+        else pq_dots8(tile, 0, act.q + 32 * j, 32 * runs, R, acc);
+        for (int r = 0; r < R; r++) {
+            const float da = act.da[r * runs + j], sx = act.sx[r * runs + j];
+            tot[2 * r] = pq_block_total8(tot[2 * r], acc[2 * r], s0, m0, da, sx, 1);
+            tot[2 * r + 1] = pq_block_total8(tot[2 * r + 1], acc[2 * r + 1], s1, m1, da, sx, 1);
+        }
+    }
+    const int64_t o = h * GQ_ROWS;
+    const __m256 b0 = st->bias ? _mm256_loadu_ps(st->bias + o) : _mm256_setzero_ps();
+    const __m256 b1 = st->bias ? _mm256_loadu_ps(st->bias + o + 8) : _mm256_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(y + r * st->out_features + o, _mm256_add_ps(tot[2 * r], b0));
+        _mm256_storeu_ps(y + r * st->out_features + o + 8, _mm256_add_ps(tot[2 * r + 1], b1));
+    }
 }
 #else
 #define GQ_GROUPED_ISA "portable"
@@ -252,6 +219,16 @@ static void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, cons
 }
 #endif
 
+/* R <= GQ_GTILE; each R its own instance (constant loop bounds keep the sums in registers) */
+#if GQ_GTILE == 4
+#define GQ_GROUPED_CASES(B)                                                                    \
+    switch (R) {                                                                               \
+    case 1: gq_grouped_store(st, B, h, x, act, 1, y); return;                                  \
+    case 2: gq_grouped_store(st, B, h, x, act, 2, y); return;                                  \
+    case 3: gq_grouped_store(st, B, h, x, act, 3, y); return;                                  \
+    default: gq_grouped_store(st, B, h, x, act, GQ_GTILE, y); return;                          \
+    }
+#else
 #define GQ_GROUPED_CASES(B)                                                                    \
     switch (R) {                                                                               \
     case 1: gq_grouped_store(st, B, h, x, act, 1, y); return;                                  \
@@ -263,6 +240,7 @@ static void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, cons
     case 7: gq_grouped_store(st, B, h, x, act, 7, y); return;                                  \
     default: gq_grouped_store(st, B, h, x, act, GQ_GTILE, y); return;                          \
     }
+#endif
 
 static void gq_grouped_any(const ps_group_state *st, int64_t h, const float *x, pq_act act, int R, float *y) {
     if (st->bits == 4) GQ_GROUPED_CASES(4)

@@ -19,9 +19,9 @@ from pagedserve.kernels.cpu.packed import GROUP_ROWS, build
 from pagedserve.kernels.cpu.structs import GroupState
 
 # The builds of the interleaved-rows GPTQ/AWQ kernel (group_grouped.c, `group_grouped_isa`) faster than the
-# row-after-row one: loaders group rows only there. avx2 (8 lanes) sums exactly as avx512 (16), measured 1.3-1.9x
-# the AVX2 row kernel at 1-8 rows on SmolLM2's shapes (benchmarks/group_quant_decode.py); portable is slower.
-FAST_GROUP_GROUPED_ISAS = ("avx512_vnni", "avx512", "avx2")
+# row-after-row one: loaders group rows only there. avx2 and avx2_vnni (8 lanes, int16 dots) sum exactly as
+# avx512_vnni (16); portable is slower.
+FAST_GROUP_GROUPED_ISAS = ("avx512_vnni", "avx512", "avx2_vnni", "avx2")
 
 
 @dataclass(frozen=True, eq=False)
