@@ -43,7 +43,7 @@ void pkw_group_rows(const ps_packed_state *st, uint8_t *dst);
 void pkw_grouped_row_run(const ps_packed_state *st, int64_t row, int64_t run, uint8_t *u, float *d, float *m);
 int pkw_grouped_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads);
 const char *pkw_grouped_isa(void);
-/* packed_grouped_panel.c: every format from PKP_MIN_ROWS activation rows on, in the 8-lane builds (the same bits) */
+/* packed_grouped_panel.c: every format from PKP_MIN_ROWS activation rows on, in the int16 builds (the same bits) */
 #define PKP_MIN_ROWS 8
 int pkp_panel_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads);
 
@@ -276,7 +276,7 @@ static void pk_grouped_any(int fmt, const uint8_t *tiles, int64_t nb, const floa
 /* y = x @ W^T (+ bias) for a grouped matrix: the activations' block sums (and int16 blocks) once, then the groups
  * work-shared over the threads. Returns 0, or 2 when out of memory. */
 int pk_grouped_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads) {
-#if defined(PQ_LANES8)
+#if defined(PQ_INT16)
     if (rows >= PKP_MIN_ROWS) return pkp_panel_linear(st, x, rows, y, threads);
 #endif
     if (pkw_is_wide(st->format)) return pkw_grouped_linear(st, x, rows, y, threads);
