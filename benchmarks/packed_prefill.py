@@ -7,8 +7,11 @@ real file's matrices: microseconds per call, interleaved A/B, one JSON line per 
 Kernels, on layer 0's matrices as the engine merges them (gate/up as one; q, k, v, o, down alone):
   packed  the interleaved-rows kernel over the file's blocks (packed_grouped.c / packed_grouped_wide.c: what
           quant/gguf.py serves up to its packed row limit),
-  dense   the dense companion `--gguf-weights auto` keeps: the matrix expanded at load in the tier's compute dtype
-          (fp32 where the host has no 16-bit arithmetic, bf16 with --dense-dtype bfloat16), oneDNN-packed.
+  dense   the dense companion `--gguf-weights dequantized` keeps: the matrix expanded at load in the tier's compute
+          dtype (fp32 where the host has no 16-bit arithmetic, bf16 with --dense-dtype bfloat16), oneDNN-packed,
+  percall (--per-call) nothing held: the matrix dequantized per call into a bf16 scratch in the grouped layout that
+          kernels/cpu/dense_gemm.c reads (AMX where granted, else vdpbf16ps), then that GEMM,
+  linear  (--per-call) the lean path before it: dequantized per call to row-major bf16, then F.linear (oneDNN).
 Best of --repeats per kernel, the two taking turns so a noisy host's drift hits both alike; `ratio` = packed / dense.
 With --threads 1 (the default) the time is also taken on the calling thread's CPU clock (`*_cpu_us`: both kernels
 run on that thread then), which leaves out the time other processes held the core: the figure to compare on a
@@ -50,12 +53,20 @@ def load(path: Path, name: str) -> tuple[str, torch.Tensor, int]:
     return qtypes.pop(), blocks.contiguous(), int(parts[0].shape[0])
 
 
+def per_call_gemm(matrix: cpu_packed.PackedMatrix, x: torch.Tensor) -> torch.Tensor:
+    """quant/gguf.py's many-row path where it holds nothing: the matrix dequantized into a grouped bf16 scratch."""
+    from pagedserve.quant.gguf_prefill import dequantized_gemm
+
+    return dequantized_gemm(matrix, x)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", type=Path, required=True)
     parser.add_argument("--matrices", nargs="+", default=["q", "down"], choices=list(MATRICES))
     parser.add_argument("--rows", nargs="+", type=int, default=[16, 64, 512])
     parser.add_argument("--dense-dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--per-call", action="store_true", help="also time the per-call dequantizing kernels")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output", type=Path)
@@ -75,11 +86,17 @@ def main() -> None:
         for rows in args.rows:
             x = torch.randn(rows, inn)
             xd = x.to(dtype)
-            matrix.matmul(x), dense(xd)
+            kernels = {"packed": lambda: matrix.matmul(x), "dense": lambda: dense(xd)}
+            if args.per_call:
+                xb = x.to(torch.bfloat16)
+                kernels["percall"] = lambda: per_call_gemm(matrix, xb)
+                kernels["linear"] = lambda: torch.nn.functional.linear(xb, matrix.dequantize(dtype=torch.bfloat16))
+            for fn in kernels.values():
+                fn()
             clocks = {"": time.perf_counter, "_cpu": time.thread_time} if args.threads == 1 else {"": time.perf_counter}
-            best = {f"{k}{c}_us": float("inf") for k in ("packed", "dense") for c in clocks}
+            best = {f"{k}{c}_us": float("inf") for k in kernels for c in clocks}
             for _ in range(args.repeats):
-                for kernel, fn in (("packed", lambda: matrix.matmul(x)), ("dense", lambda: dense(xd))):
+                for kernel, fn in kernels.items():
                     wall, cpu = time.perf_counter(), time.thread_time()
                     fn()
                     for c, clock in clocks.items():
@@ -90,7 +107,8 @@ def main() -> None:
                     **{k: round(v, 1) for k, v in best.items()},
                     "ratio": round(best[f"packed{key}"] / best[f"dense{key}"], 3),
                     "packed_gflops": round(2 * rows * blocks.shape[0] * inn / best[f"packed{key}"] / 1e3, 1),
-                    "dense_gflops": round(2 * rows * blocks.shape[0] * inn / best[f"dense{key}"] / 1e3, 1),
+                    **{f"{k}_gflops": round(2 * rows * blocks.shape[0] * inn / best[f"{k}{key}"] / 1e3, 1)
+                       for k in kernels if k != "packed"},
                     "grouped_isa": cpu_packed.grouped_isa(lib, qtype), "dense_dtype": args.dense_dtype}
             lines.append(line)
             print(json.dumps(line), flush=True)

@@ -26,14 +26,6 @@
 #define PKP_CHUNK 128          /* most activation rows per chunk */
 #define PKP_CHUNK_BYTES 1048576 /* the int16 activations one chunk may hold */
 
-/* A tile's runs of 32 inputs, and where run j's codes start: the 32-value formats' tiles are one run each. (Not
- * packed_grouped_wide.c's pkw_is_wide: an outside call in the row loop spilled every vector register.) */
-static inline int pkp_wide(int fmt) { return fmt == PK_Q5_0 || fmt == PK_Q4_K || fmt == PK_Q5_K || fmt == PK_Q6_K; }
-static inline int pkp_runs(int fmt) { return pkp_wide(fmt) ? pkw_runs(fmt) : 1; }
-static inline int64_t pkp_run_at(int fmt, int j) {
-    return pkp_wide(fmt) ? pkw_header(fmt) + j * pkw_run_bytes(fmt) : fmt == PK_Q4_1 ? 64 : 32;
-}
-
 #if defined(PS_AVX512_VNNI)
 #include "packed_grouped_panel16.h"
 #else

@@ -1,5 +1,6 @@
 /* The 16-lane AVX512-VNNI form of packed_grouped_panel.c's many-row kernel, included there under PS_AVX512_VNNI
- * after the shared helpers (pkp_wide, pkp_runs, pkp_run_at) and before the generic driver it serves.
+ * after the layout helpers (packed_wide_layout.h) and before the generic driver it serves; packed_grouped_bf16.c
+ * reads its code widening (pkp_codes).
  *
  * Why: on the AVX-512 tiers the few-row kernels (packed_grouped.c, packed_grouped_wide16.h) widen a group's codes
  * again for every 8 (4-bit tiles) or 4 (the wide formats) activation rows, so a prefill chunk paid the widening

@@ -1,5 +1,6 @@
 /* The sizes of the interleaved-rows layout of Q5_0, Q4_K, Q5_K and Q6_K (packed_grouped_wide.c describes the
- * layout), shared by its kernels: packed_grouped_wide.c (few activation rows) and packed_grouped_panel.c (many). */
+ * layout) and their scale decoding, shared by its kernels: packed_grouped_wide.c (few activation rows),
+ * packed_grouped_panel.c (many) and packed_grouped_bf16.c (dequantized into the dense grouped bf16 layout). */
 #ifndef PAGEDSERVE_CPU_PACKED_WIDE_LAYOUT_H
 #define PAGEDSERVE_CPU_PACKED_WIDE_LAYOUT_H
 
@@ -14,6 +15,15 @@ static inline int64_t pkw_run_bytes(int fmt) { return 256 + pkw_high(fmt); }
 static inline int64_t pkw_header(int fmt) { return fmt == PK_Q5_0 ? 32 : fmt == PK_Q6_K ? 288 : 256; }
 static inline int64_t pkw_tile_bytes(int fmt) { return PK_GROUP_ROWS * PK_BLOCK_BYTES[fmt]; }
 static inline int pkw_runs(int fmt) { return fmt == PK_Q5_0 ? 1 : 8; }
+
+/* Any grouped format's tile: its runs of 32 inputs, and where run j's codes start (the 32-value formats' tiles are
+ * one run each). Inline, not packed_grouped_wide.c's pkw_is_wide: an outside call in a row loop spilled every
+ * vector register. */
+static inline int pkp_wide(int fmt) { return fmt == PK_Q5_0 || fmt == PK_Q4_K || fmt == PK_Q5_K || fmt == PK_Q6_K; }
+static inline int pkp_runs(int fmt) { return pkp_wide(fmt) ? pkw_runs(fmt) : 1; }
+static inline int64_t pkp_run_at(int fmt, int j) {
+    return pkp_wide(fmt) ? pkw_header(fmt) + j * pkw_run_bytes(fmt) : fmt == PK_Q4_1 ? 64 : 32;
+}
 
 #if defined(PQ_LANES8)
 /* Run j's scales of tile rows 8s..8s+7: d[s] (Q6_K: d[2h + s] per input half h) and m[s]. */
