@@ -43,7 +43,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagedserve_packed_group_rows.restype = c_int
     lib.pagedserve_packed_isa.restype = lib.pagedserve_group_isa.restype = ctypes.c_char_p
     lib.pagedserve_packed_grouped_isa.restype = lib.pagedserve_group_grouped_isa.restype = ctypes.c_char_p
-    lib.pagedserve_packed_grouped_bf16.argtypes = [state, i64, i64, ptr, c_int]
+    lib.pagedserve_packed_grouped_bf16.argtypes = [state, i64, i64, ptr, c_int, c_int]
     lib.pagedserve_packed_grouped_bf16.restype = c_int
     lib.pagedserve_packed_grouped_isa_of.argtypes = [c_int]
     lib.pagedserve_packed_grouped_isa_of.restype = ctypes.c_char_p
@@ -95,7 +95,7 @@ def grouped_isa(lib: ctypes.CDLL, qtype: str = "Q4_0") -> str:
 
 def grouped_bf16_available(lib: ctypes.CDLL) -> bool:
     """Whether `lib` dequantizes grouped matrices into the dense bf16 grouped layout (AVX512-BF16 builds)."""
-    return lib.pagedserve_packed_grouped_bf16(None, 0, 0, None, 1) != 2
+    return lib.pagedserve_packed_grouped_bf16(None, 0, 0, None, 0, 1) != 2
 
 
 def grouped_isas(lib: ctypes.CDLL) -> dict[str, str]:
@@ -189,16 +189,18 @@ class PackedMatrix:
             raise MemoryError(f"packed linear failed (status {status})")
         return y
 
-    def dequantize_grouped_bf16(self, first: int, stop: int, out: torch.Tensor) -> None:
+    def dequantize_grouped_bf16(self, first: int, stop: int, out: torch.Tensor, row_major: bool = False) -> None:
         """Rows [first, stop) (whole groups) of a grouped matrix as bf16 into `out` ([stop - first, in] bf16,
-        contiguous) in the dense grouped layout quant/dense_layout.py describes (packed_grouped_bf16.c). Raises
-        ValueError for a bad request or a build without AVX512-BF16 (`grouped_bf16_available`)."""
+        contiguous): in the dense grouped layout quant/dense_layout.py describes, or row-major
+        (packed_grouped_bf16.c). Raises ValueError for a bad request or a build without AVX512-BF16
+        (`grouped_bf16_available`)."""
         if (out.dtype != torch.bfloat16 or not out.is_contiguous() or out.shape != (stop - first, self.in_features)
                 or first % GROUP_ROWS or stop % GROUP_ROWS):
             raise ValueError(f"out: expected bf16 [{stop - first}, {self.in_features}] for whole groups "
                              f"[{first}, {stop}), got {out.dtype} {tuple(out.shape)}")
         status = self.lib.pagedserve_packed_grouped_bf16(ctypes.byref(self.state), first // GROUP_ROWS,
-                                                         stop // GROUP_ROWS, out.data_ptr(), torch.get_num_threads())
+                                                         stop // GROUP_ROWS, out.data_ptr(), int(row_major),
+                                                         torch.get_num_threads())
         if status != 0:
             raise ValueError(f"grouped bf16 dequantize refused (status {status}: 1 a bad request or layout, "
                              "2 no AVX512-BF16 form in this build)")
