@@ -35,6 +35,7 @@ from torch import nn
 
 from pagedserve.kernels.cpu.packed import (FAST_GROUPED_ISAS, FORMATS, MANY_ROW_GROUPED_ISAS, WIDE_GROUPED_FORMATS,
                                            PackedMatrix, grouped_isa)
+from pagedserve.quant import gguf_prefill
 from pagedserve.quant.base import LinearMethod, QuantConfig, QuantConfigError
 from pagedserve.quant.native_linear import (DEFAULT_NATIVE_MAX_BATCH, GROUPED_NATIVE_MAX_BATCH, NativeLinear,
                                            grouped_native_max_batch)
@@ -76,7 +77,9 @@ class GgufLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         packed: PackedMatrix = layer.packed
         flat = x.reshape(-1, layer.in_features)
-        if flat.shape[0] <= PACKED_MAX_ROWS or serves_every_row_count(packed):
+        if gguf_prefill.takes(packed, flat.shape[0], x.dtype):
+            y = gguf_prefill.dequantized_linear(packed, flat.contiguous())
+        elif flat.shape[0] <= PACKED_MAX_ROWS or serves_every_row_count(packed):
             y = packed.matmul(flat.float().contiguous())
         elif (dense := layer.__dict__.get("dense_copy")) is not None:
             return dense(x)

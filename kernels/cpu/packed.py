@@ -78,9 +78,10 @@ FAST_GROUPED_ISAS = ("avx512_vnni", "avx512", "avx2_vnni", "avx2")
 # The builds whose interleaved-rows kernels round activations to int16 per block (act_q16.h states the bound).
 INT16_GROUPED_ISAS = ("avx512_vnni", "avx2_vnni", "avx2")
 # The builds whose interleaved-rows kernels have a many-row form (packed_grouped_panel.c, every format, from 8 rows
-# on): codes widened once per 32-input run for all rows, so prefill runs at the pair dots' rate, at least that of an
-# fp32 FMA GEMM on the same tier (docs/quantization.md).
-MANY_ROW_GROUPED_ISAS = ("avx2_vnni", "avx2")
+# on; 16 lanes in packed_grouped_panel16.h): codes widened once per 32-input run for all rows, so prefill runs at the
+# pair dots' rate, at least that of an fp32 FMA GEMM on the AVX2 tiers and of oneDNN's AVX512-BF16 one where AMX is
+# not granted (docs/quantization.md). With AMX, long chunks go to quant/gguf_prefill.py instead.
+MANY_ROW_GROUPED_ISAS = ("avx512_vnni", "avx2_vnni", "avx2")
 
 
 def grouped_isa(lib: ctypes.CDLL, qtype: str = "Q4_0") -> str:

@@ -157,9 +157,11 @@ static inline int pkp_tile_rows(int64_t n) { return n < PKP_TILE ? (int)n : PKP_
 static void pkp_any(int fmt, const pkp_vec *u, const uint8_t *tile, int j, const int16_t *q, const float *da,
                     const float *sx, int R, float *tot) {
     switch (fmt) {
+#if defined(PQ_LANES8)  /* the 16-lane build serves these tiles with packed_grouped.c's own kernel at any row count */
     case PK_Q4_0: PKP_CASES(PK_Q4_0)
     case PK_Q4_1: PKP_CASES(PK_Q4_1)
     case PK_Q8_0: PKP_CASES(PK_Q8_0)
+#endif
     case PK_Q5_0: PKP_CASES(PK_Q5_0)
     case PK_Q4_K: PKP_CASES(PK_Q4_K)
     case PK_Q5_K: PKP_CASES(PK_Q5_K)

@@ -2,11 +2,13 @@
  * after the layout helpers (packed_wide_layout.h) and before the generic driver it serves; packed_grouped_bf16.c
  * reads its code widening (pkp_codes).
  *
- * Why: on the AVX-512 tiers the few-row kernels (packed_grouped.c, packed_grouped_wide16.h) widen a group's codes
- * again for every 8 (4-bit tiles) or 4 (the wide formats) activation rows, so a prefill chunk paid the widening
- * ~16-64 times per weight and those layers kept a dense copy for it. Here one register holds a 32-input run's
- * pair of codes for all 16 rows (16 registers for the run, widened once into L1), and every activation row then
- * takes one vpdpwssd per pair with the activations broadcast from memory.
+ * Why: on the AVX-512 tiers the wide formats' few-row kernel (packed_grouped_wide16.h) widens a group's codes again
+ * for every 4 activation rows (Q6_K: 2 shifts, 2 ternary-logic ops and a subtraction per pair), so a prefill chunk
+ * paid that ~16-64 times per weight and those layers kept a dense copy for it. Here one register holds a 32-input
+ * run's pair of codes for all 16 rows (16 registers for the run, widened once into L1), and every activation row
+ * then takes one vpdpwssd per pair with the activations broadcast from memory: ~2x the few-row kernel for Q6_K,
+ * level for Q4_K. (The 4/8-bit tiles' kernel in packed_grouped.c takes 8 rows per pass with one and per code
+ * pair, and stayed ~1.2-1.35x ahead of this at every row count measured: it serves them.)
  *
  * Numerics: the codes (Q6_K's centred before the dot: the same integer as the few-row kernel's sq correction), the
  * int16 activations, the exact int32 sums and, lane by lane, the float epilogue of the few-row avx512_vnni kernels,
@@ -87,20 +89,13 @@ PKW_INLINE void pkp_rows(const __m512i *u, int i0, int i1, const int16_t *q, con
     }
 }
 
-/* Run j of `tile` for R rows: the whole run, or Q6_K's two halves with a scale each. */
+/* Run j of `tile` for R rows: the whole run, or Q6_K's two halves with a scale each. Q5_0 and the K formats only:
+ * packed_grouped.c's own 16-lane kernel serves the 4/8-bit tiles at every row count. */
 PKW_INLINE void pkp_run(int fmt, const __m512i *u, const uint8_t *tile, int j, const int16_t *q, const float *da,
                         const float *sx, int R, float *tot) {
     __m512 d[2], m[1];
-    if (pkp_wide(fmt)) {
-        pkw_scales(fmt, tile, j, d, m);
-    } else {  /* packed_grouped.c's: d, and m = Q4_1's own or -8 d (Q8_0: none) */
-        d[0] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tile));
-        m[0] = fmt == PK_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 32)))
-                              : _mm512_mul_ps(d[0], _mm512_set1_ps(-8.0f));
-    }
-    if (fmt == PK_Q8_0) {
-        pkp_rows(u, 0, 16, q, da, sx, d[0], NULL, R, tot);
-    } else if (fmt == PK_Q6_K) {
+    pkw_scales(fmt, tile, j, d, m);
+    if (fmt == PK_Q6_K) {
         pkp_rows(u, 0, 8, q, da, sx, d[0], NULL, R, tot);
         pkp_rows(u, 8, 16, q, da, sx, d[1], NULL, R, tot);
     } else {
