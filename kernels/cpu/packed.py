@@ -51,8 +51,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 SPEC = LibrarySpec(
     name="packed",
-    sources=(*(f"packed_{name}.c" for name in ("linear", "f32", "grouped", "grouped_wide", "grouped_panel", "grouped_bf16",
-                                                  "dequantize")),
+    sources=(*(f"packed_{name}.c" for name in ("linear", "f32", "grouped", "grouped_wide", "grouped_panel",
+                                                  "grouped_bf16", "dequantize")),
              "group_linear.c",
              "group_grouped.c"),
     structs=PACKED_STRUCTS,

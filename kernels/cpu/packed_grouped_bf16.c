@@ -74,8 +74,8 @@ static void pkb_group(int fmt, const uint8_t *tiles, int64_t nb, uint32_t *out, 
 #endif
 
 /* Groups [g0, g1) of a grouped matrix (row_group set) into dst: (g1 - g0) * 16 * in_features bf16 values in the
- * dense grouped layout, or row-major (row_major 1: what torch's GEMMs read). Returns 0; 2 where the build has no AVX512-BF16 form (whatever the arguments); 1 for a
- * bad request. */
+ * dense grouped layout, or row-major (row_major 1: what torch's GEMMs read). Returns 0; 2 where the build has no
+ * AVX512-BF16 form (whatever the arguments); 1 for a bad request. */
 PK_EXPORT int pagedserve_packed_grouped_bf16(const ps_packed_state *st, int64_t g0, int64_t g1, uint32_t *dst,
                                              int row_major, int threads) {
 #if defined(PS_AVX512_BF16)

@@ -1,6 +1,6 @@
 /* The 16-lane AVX512-VNNI form of packed_grouped_wide.c's interleaved-rows kernel (Q5_0, Q4_K, Q5_K, Q6_K), included
- * there under PS_AVX512_VNNI, after the layout's helpers (pkw_header, pkw_run_bytes, pkw_tile_bytes, pkw_runs, pkw_scales,
- * PKW_TILE, PKW_PREFETCH, PKW_INLINE) it reads.
+ * there under PS_AVX512_VNNI, after the layout's helpers (pkw_header, pkw_run_bytes, pkw_tile_bytes, pkw_runs,
+ * pkw_scales, PKW_TILE, PKW_PREFETCH, PKW_INLINE) it reads.
  *
  * Why: the 8-lane kernel of the other int16 builds took a group's 16 rows in two halves, so on AVX-512 hosts these
  * formats ran at ~13-20 GB/s per core against ~26 for Q4_0's 16 lanes, bound by instructions. Here one register
