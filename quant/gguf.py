@@ -10,14 +10,17 @@ multiplying it with the fp32 activations (exact up to summation order); where th
 kernel for the format, the matrix is first rewritten in place into groups of 16 interleaved rows, which that kernel
 reads 2-6x faster (kernels/cpu/packed_grouped.c: Q4_0/Q4_1/Q8_0; packed_grouped_wide.c: Q5_0 and the K formats).
 More rows (prefill, large decode batches): where the interleaved kernel's build has a many-row form
-(`MANY_ROW_GROUPED_ISAS`: the AVX2 builds, kernels/cpu/packed_grouped_panel.c, which outruns the fp32 FMA GEMM of
-those hosts) the packed kernel serves every row count and the layer holds nothing else; elsewhere a dense GEMM,
-whose AMX/AVX-512 tiles outrun the packed kernel there. With `dense_batches` (the default, `--gguf-weights auto`)
-each such layer also holds its weights expanded once at load in the compute dtype (oneDNN-packed, as the
-dequantized path serves them), so a saturated server runs exactly as fast as the dequantized path; without it
-(`--gguf-weights packed`, the lean-memory choice) the matrix is dequantized per call. The rule is the packed
-library's tier's: a tier forced below the host's (PAGEDSERVE_CPU_ISA) should cap torch alike (docs/benchmarks.md),
-or the dense GEMM it is weighed against is the host's, not the tier's.
+(`MANY_ROW_GROUPED_ISAS`: the int16 builds, avx2, avx2_vnni and avx512_vnni; kernels/cpu/packed_grouped_panel.c) the
+packed kernel serves every row count and the layer holds nothing else. On hosts that grant AMX tiles, bf16 calls of
+`gguf_prefill.MIN_ROWS` rows or more (long prefill chunks) instead expand the matrix per call into a bf16 scratch
+for torch's AMX GEMM (quant/gguf_prefill.py): faster there than the int16 dots, and not held. Elsewhere (the
+portable and avx512 builds, a matrix left in the file's layout) with `dense_batches` (the default, `--gguf-weights
+auto`) each such layer also holds its weights expanded once at load in the compute dtype (oneDNN-packed); without it
+(`--gguf-weights packed`) the matrix is dequantized per call. `--gguf-weights dequantized` expands the whole model
+at load: the fastest long prefill on an AMX host (its GEMMs 1.0-2.0x the per-call expansion's at 256-1024 rows, a
+512-token prefill ~1.1-1.2x; noisy) for ~3x the resident weights. The rule is the packed library's tier's: a tier
+forced below the host's (PAGEDSERVE_CPU_ISA) should cap torch alike (docs/benchmarks.md), or the dense GEMM it is
+weighed against is the host's, not the tier's.
 The kernel's int8-activation variant (llama.cpp's scheme) measured ~12% faster at one row only, and its rounding
 of activations cost top-1 agreement (95.7% vs 97.5% for bf16 against fp32 on the held-out text), so it is off.
 """
@@ -35,6 +38,7 @@ from torch import nn
 
 from pagedserve.kernels.cpu.packed import (FAST_GROUPED_ISAS, FORMATS, MANY_ROW_GROUPED_ISAS, WIDE_GROUPED_FORMATS,
                                            PackedMatrix, grouped_isa)
+from pagedserve.quant import gguf_prefill
 from pagedserve.quant.base import LinearMethod, QuantConfig, QuantConfigError
 from pagedserve.quant.native_linear import (DEFAULT_NATIVE_MAX_BATCH, GROUPED_NATIVE_MAX_BATCH, NativeLinear,
                                            grouped_native_max_batch)
@@ -76,7 +80,9 @@ class GgufLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         packed: PackedMatrix = layer.packed
         flat = x.reshape(-1, layer.in_features)
-        if flat.shape[0] <= PACKED_MAX_ROWS or serves_every_row_count(packed):
+        if gguf_prefill.takes(packed, flat.shape[0], x.dtype):
+            y = gguf_prefill.dequantized_linear(packed, flat.contiguous())
+        elif flat.shape[0] <= PACKED_MAX_ROWS or serves_every_row_count(packed):
             y = packed.matmul(flat.float().contiguous())
         elif (dense := layer.__dict__.get("dense_copy")) is not None:
             return dense(x)

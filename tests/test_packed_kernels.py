@@ -185,9 +185,10 @@ def test_grouped_rows_equal_the_file_layout(lib, qtype):
 
 @pytest.mark.parametrize("qtype", cpu_packed.GROUPED_FORMATS)
 def test_many_rows_equal_few_rows(lib, qtype):
-    """Prefill-sized calls (the AVX2 builds' many-row kernel, kernels/cpu/packed_grouped_panel.c, from 8 rows on:
-    chunks of rows, 4 rows per pass and the remainders) give each row exactly what a call of few rows gives it, and
-    stay within grouped_bound; two input widths, so two chunk sizes."""
+    """Prefill-sized calls (the many-row kernel, kernels/cpu/packed_grouped_panel.c, from 8 rows on: every format in
+    the AVX2 builds, 4 rows per pass; Q5_0 and the K formats in the avx512_vnni build, packed_grouped_panel16.h, 8,
+    4, 2 and 1 rows per pass; chunks of rows and their remainders) give each row exactly what a call of few rows
+    gives it, and stay within grouped_bound; two input widths, so two chunk sizes."""
     rng = np.random.default_rng(7)
     for inn, rows in ((256 if qtype.endswith("_K") else 96, 300), (8192, 70)):
         stored = blocks_for(qtype, 32, inn, rng)
@@ -204,8 +205,9 @@ def test_many_rows_equal_few_rows(lib, qtype):
 
 @pytest.mark.parametrize("tier", cpu_tiers.params(("native", "avx2", "avx2_vnni", "avx512_vnni", "portable")))
 def test_auto_keeps_a_dense_copy_only_where_the_packed_kernel_loses(tier, monkeypatch):
-    """`--gguf-weights auto` (dense_batches): where the packed build has a many-row form (MANY_ROW_GROUPED_ISAS) the
-    layer serves prefill-sized calls from its blocks and holds no expanded copy; elsewhere the copy serves them."""
+    """`--gguf-weights auto` (dense_batches): where the packed build has a many-row form (MANY_ROW_GROUPED_ISAS: the
+    AVX2 and AVX-512 int16 builds) the layer serves prefill-sized calls from its blocks and holds no expanded copy;
+    elsewhere the copy serves them."""
     lib = cpu_packed.build(None if tier == "native" else tier)
     monkeypatch.setattr(cpu_packed, "build", lambda tier=None: lib)  # what a host of this tier would load
     rng = np.random.default_rng(8)
@@ -217,7 +219,8 @@ def test_auto_keeps_a_dense_copy_only_where_the_packed_kernel_loses(tier, monkey
     layer.weight.data.copy_(torch.from_numpy(stored))
     method.process_weights_after_loading(layer)
     many = cpu_packed.grouped_isa(lib, "Q4_K") in cpu_packed.MANY_ROW_GROUPED_ISAS
-    assert many == (tier in ("avx2", "avx2_vnni") or (tier == "native" and isa.host_tier() in ("avx2", "avx2_vnni")))
+    int16 = ("avx2", "avx2_vnni", "avx512_vnni", "avx512_bf16")
+    assert many == (tier in int16 or (tier == "native" and isa.host_tier() in int16))
     assert (layer.__dict__["dense_copy"] is None) == many
     x = torch.randn(40, 256)
     if many:
@@ -349,3 +352,63 @@ def test_the_ps_linear_fn_pointer_computes_the_same_product(out, qtype):
         return
     expected = big @ torch.from_numpy(dequantize(stored, T[qtype])).T + layer.bias
     torch.testing.assert_close(method.apply(layer, big), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", cpu_packed.GROUPED_FORMATS)
+def test_grouped_bf16_scratch_equals_the_bf16_rows(lib, qtype):
+    """kernels/cpu/packed_grouped_bf16.c (the per-call scratch of quant/gguf_prefill.py): a grouped matrix's groups
+    as bf16, in the dense grouped layout and row-major, are packed_dequantize.c's bf16 rows bit for bit, which are
+    gguf's dequantization rounded to bf16 (up to the sign of a zero); builds without AVX512-BF16 refuse it."""
+    rng = np.random.default_rng(11)
+    inn = 512 if qtype.endswith("_K") else 96
+    stored = blocks_for(qtype, 64, inn, rng)
+    matrix = cpu_packed.PackedMatrix(qtype, torch.from_numpy(stored.copy()), inn, lib=lib)
+    out = torch.empty(32, inn, dtype=torch.bfloat16)
+    if not cpu_packed.grouped_bf16_available(lib):
+        with pytest.raises(ValueError, match="AVX512-BF16"):
+            matrix.grouped().dequantize_grouped_bf16(16, 48, out)
+        return
+    rows = matrix.dequantize(dtype=torch.bfloat16)
+    assert torch.equal(rows, torch.from_numpy(dequantize(stored, T[qtype])).to(torch.bfloat16))  # -0 == +0 here
+    expected = rows
+    grouped = matrix.grouped()
+    grouped.dequantize_grouped_bf16(16, 48, out, row_major=True)
+    assert torch.equal(out.view(torch.int16), expected[16:48].view(torch.int16))
+    grouped.dequantize_grouped_bf16(16, 48, out)
+    pairs = expected[16:48].view(2, 16, inn // 2, 2).permute(0, 2, 1, 3).reshape(32, inn)  # dense_layout.py's order
+    assert torch.equal(out.view(torch.int16), pairs.contiguous().view(torch.int16))
+    with pytest.raises(ValueError, match="whole groups"):
+        grouped.dequantize_grouped_bf16(8, 40, out)
+
+
+def test_long_chunks_are_dequantized_per_call_where_amx_is_granted(monkeypatch):
+    """quant/gguf_prefill.py: from MIN_ROWS bf16 rows, where the packed build has the bf16 scratch and AMX tiles are
+    granted, a layer multiplies a per-call bf16 expansion of its blocks (whole or in slabs) with torch's GEMM: the
+    dequantized layer's product, and nothing held; fewer rows or fp32 compute stay on the packed kernel."""
+    from pagedserve.quant import gguf_prefill
+
+    lib = cpu_packed.build()
+    if not gguf_prefill.takes(cpu_packed.PackedMatrix("Q4_K", torch.zeros(16, 144, dtype=torch.uint8), 256,
+                                                      lib=lib, row_group=cpu_packed.GROUP_ROWS), 64, torch.bfloat16):
+        pytest.skip(f"no AMX tiles or no AVX512-BF16 build here ({isa.host_tier()})")
+    rng = np.random.default_rng(12)
+    stored = blocks_for("Q6_K", 96, 512, rng)
+    layer = torch.nn.Module()
+    layer.in_features, layer.out_features = 512, 96
+    method = GgufLinearMethod("Q6_K", dense_batches=True)
+    method.create_weights(layer, 512, 96, True, torch.bfloat16)
+    layer.weight.data.copy_(torch.from_numpy(stored))
+    layer.bias.data.copy_(torch.randn(96))
+    method.process_weights_after_loading(layer)
+    assert layer.__dict__["dense_copy"] is None
+    w = torch.from_numpy(dequantize(stored, T["Q6_K"])).to(torch.bfloat16)
+    x = torch.randn(gguf_prefill.MIN_ROWS + 5, 512).to(torch.bfloat16)
+    expected = torch.nn.functional.linear(x, w, layer.bias.detach())
+    assert torch.equal(method.apply(layer, x), expected)
+    monkeypatch.setattr(gguf_prefill, "SLAB_BYTES", 32 * 512 * 2)  # three slabs of 32 rows
+    bias = layer.bias.detach()
+    slabs = [torch.nn.functional.linear(x, w[i:i + 32], bias[i:i + 32]) for i in range(0, 96, 32)]
+    assert torch.equal(method.apply(layer, x), torch.cat(slabs, dim=1))
+    few = x[:gguf_prefill.MIN_ROWS - 1]
+    assert torch.equal(method.apply(layer, few), layer.packed.matmul(few.float()).to(torch.bfloat16))
+    assert torch.equal(method.apply(layer, x.float()), layer.packed.matmul(x.float()))  # fp32 compute: packed

@@ -43,13 +43,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagedserve_packed_group_rows.restype = c_int
     lib.pagedserve_packed_isa.restype = lib.pagedserve_group_isa.restype = ctypes.c_char_p
     lib.pagedserve_packed_grouped_isa.restype = lib.pagedserve_group_grouped_isa.restype = ctypes.c_char_p
+    lib.pagedserve_packed_grouped_bf16.argtypes = [state, i64, i64, ptr, c_int, c_int]
+    lib.pagedserve_packed_grouped_bf16.restype = c_int
     lib.pagedserve_packed_grouped_isa_of.argtypes = [c_int]
     lib.pagedserve_packed_grouped_isa_of.restype = ctypes.c_char_p
 
 
 SPEC = LibrarySpec(
     name="packed",
-    sources=(*(f"packed_{name}.c" for name in ("linear", "f32", "grouped", "grouped_wide", "grouped_panel", "dequantize")),
+    sources=(*(f"packed_{name}.c" for name in ("linear", "f32", "grouped", "grouped_wide", "grouped_panel",
+                                                  "grouped_bf16", "dequantize")),
              "group_linear.c",
              "group_grouped.c"),
     structs=PACKED_STRUCTS,
@@ -75,9 +78,10 @@ FAST_GROUPED_ISAS = ("avx512_vnni", "avx512", "avx2_vnni", "avx2")
 # The builds whose interleaved-rows kernels round activations to int16 per block (act_q16.h states the bound).
 INT16_GROUPED_ISAS = ("avx512_vnni", "avx2_vnni", "avx2")
 # The builds whose interleaved-rows kernels have a many-row form (packed_grouped_panel.c, every format, from 8 rows
-# on): codes widened once per 32-input run for all rows, so prefill runs at the pair dots' rate, at least that of an
-# fp32 FMA GEMM on the same tier (docs/quantization.md).
-MANY_ROW_GROUPED_ISAS = ("avx2_vnni", "avx2")
+# on; 16 lanes in packed_grouped_panel16.h): codes widened once per 32-input run for all rows, so prefill runs at the
+# pair dots' rate, at least that of an fp32 FMA GEMM on the AVX2 tiers and of oneDNN's AVX512-BF16 one where AMX is
+# not granted (docs/quantization.md). With AMX, long chunks go to quant/gguf_prefill.py instead.
+MANY_ROW_GROUPED_ISAS = ("avx512_vnni", "avx2_vnni", "avx2")
 
 
 def grouped_isa(lib: ctypes.CDLL, qtype: str = "Q4_0") -> str:
@@ -88,6 +92,11 @@ def grouped_isa(lib: ctypes.CDLL, qtype: str = "Q4_0") -> str:
     if qtype not in FORMATS:
         raise ValueError(f"qtype: {qtype!r} has no packed kernel; supported: {', '.join(FORMATS)}")
     return lib.pagedserve_packed_grouped_isa_of(FORMATS[qtype][0]).decode()
+
+
+def grouped_bf16_available(lib: ctypes.CDLL) -> bool:
+    """Whether `lib` dequantizes grouped matrices into the dense bf16 grouped layout (AVX512-BF16 builds)."""
+    return lib.pagedserve_packed_grouped_bf16(None, 0, 0, None, 0, 1) != 2
 
 
 def grouped_isas(lib: ctypes.CDLL) -> dict[str, str]:
@@ -180,6 +189,22 @@ class PackedMatrix:
         if status != 0:
             raise MemoryError(f"packed linear failed (status {status})")
         return y
+
+    def dequantize_grouped_bf16(self, first: int, stop: int, out: torch.Tensor, row_major: bool = False) -> None:
+        """Rows [first, stop) (whole groups) of a grouped matrix as bf16 into `out` ([stop - first, in] bf16,
+        contiguous): in the dense grouped layout quant/dense_layout.py describes, or row-major
+        (packed_grouped_bf16.c). Raises ValueError for a bad request or a build without AVX512-BF16
+        (`grouped_bf16_available`)."""
+        if (out.dtype != torch.bfloat16 or not out.is_contiguous() or out.shape != (stop - first, self.in_features)
+                or first % GROUP_ROWS or stop % GROUP_ROWS):
+            raise ValueError(f"out: expected bf16 [{stop - first}, {self.in_features}] for whole groups "
+                             f"[{first}, {stop}), got {out.dtype} {tuple(out.shape)}")
+        status = self.lib.pagedserve_packed_grouped_bf16(ctypes.byref(self.state), first // GROUP_ROWS,
+                                                         stop // GROUP_ROWS, out.data_ptr(), int(row_major),
+                                                         torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"grouped bf16 dequantize refused (status {status}: 1 a bad request or layout, "
+                             "2 no AVX512-BF16 form in this build)")
 
     def dequantize(self, ids: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `ids` (int64; None: all) of W as `dtype` (float32 or bfloat16; others are cast from fp32)."""

@@ -43,7 +43,8 @@ void pkw_group_rows(const ps_packed_state *st, uint8_t *dst);
 void pkw_grouped_row_run(const ps_packed_state *st, int64_t row, int64_t run, uint8_t *u, float *d, float *m);
 int pkw_grouped_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads);
 const char *pkw_grouped_isa(void);
-/* packed_grouped_panel.c: every format from PKP_MIN_ROWS activation rows on, in the 8-lane builds (the same bits) */
+/* packed_grouped_panel.c: from PKP_MIN_ROWS activation rows on, every format in the 8-lane builds, Q5_0 and the K
+ * formats in the 16-lane one (the same bits) */
 #define PKP_MIN_ROWS 8
 int pkp_panel_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads);
 
@@ -278,6 +279,11 @@ static void pk_grouped_any(int fmt, const uint8_t *tiles, int64_t nb, const floa
 int pk_grouped_linear(const ps_packed_state *st, const float *x, int64_t rows, float *y, int threads) {
 #if defined(PQ_LANES8)
     if (rows >= PKP_MIN_ROWS) return pkp_panel_linear(st, x, rows, y, threads);
+#elif defined(PS_AVX512_VNNI)
+    /* 16 lanes: the 4/8-bit tiles' own kernel below (8 rows per pass, one and per code pair) ran ~1.2-1.35x the
+     * panel's speed at 8 to 64 rows (Q4_0, Q4_1, Q8_0 on 1B and SmolLM2 shapes, noisy); the wide formats' 4-row
+     * kernel ran at half the panel's for Q6_K and level for Q4_K */
+    if (rows >= PKP_MIN_ROWS && pkw_is_wide(st->format)) return pkp_panel_linear(st, x, rows, y, threads);
 #endif
     if (pkw_is_wide(st->format)) return pkw_grouped_linear(st, x, rows, y, threads);
     const int64_t in = st->in_features, out = st->out_features, nb = in / 32, groups = out / PK_GROUP_ROWS;

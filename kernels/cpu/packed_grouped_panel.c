@@ -22,10 +22,17 @@
 #include "act_q16.h"
 #include "packed_wide_layout.h"
 
-#if defined(PQ_LANES8)
-#define PKP_TILE 4             /* activation rows per micro-kernel call (6 spilled 2 of 12 accumulators: slower) */
+#if defined(PQ_LANES8) || defined(PS_AVX512_VNNI)
 #define PKP_CHUNK 128          /* most activation rows per chunk */
 #define PKP_CHUNK_BYTES 1048576 /* the int16 activations one chunk may hold */
+
+#if defined(PS_AVX512_VNNI)
+#include "packed_grouped_panel16.h"
+#else
+#define PKP_TILE 4             /* activation rows per micro-kernel call (6 spilled 2 of 12 accumulators: slower) */
+#define PKP_VECS 32            /* code registers per run: a pair of inputs in two 8-row halves */
+#define PKP_ALIGN 32
+typedef __m256i pkp_vec;
 
 PKW_INLINE __m256i pkp_dp(__m256i acc, __m256i u, __m256i pair) {
 #if defined(PS_AVX2_VNNI)
@@ -37,14 +44,6 @@ PKW_INLINE __m256i pkp_dp(__m256i acc, __m256i u, __m256i pair) {
 
 PKW_INLINE __m256i pkp_shift(__m256i v, int s) {
     return s > 0 ? _mm256_srli_epi32(v, s) : s < 0 ? _mm256_slli_epi32(v, -s) : v;
-}
-
-/* A tile's runs of 32 inputs, and where run j's codes start: the 32-value formats' tiles are one run each. (Not
- * packed_grouped_wide.c's pkw_is_wide: an outside call in the row loop spilled every vector register.) */
-static inline int pkp_wide(int fmt) { return fmt == PK_Q5_0 || fmt == PK_Q4_K || fmt == PK_Q5_K || fmt == PK_Q6_K; }
-static inline int pkp_runs(int fmt) { return pkp_wide(fmt) ? pkw_runs(fmt) : 1; }
-static inline int64_t pkp_run_at(int fmt, int j) {
-    return pkp_wide(fmt) ? pkw_header(fmt) + j * pkw_run_bytes(fmt) : fmt == PK_Q4_1 ? 64 : 32;
 }
 
 /* Q8_0's 32 inputs x 16 bytes (byte r of input k's 16 = row r's int8 code) as u[2i + s]: pair i = inputs 2i,
@@ -152,12 +151,17 @@ PKW_INLINE void pkp_run(int fmt, const __m256i *u, const uint8_t *tile, int j, c
 #define PKP_CASES(F) { PKP_CASE(F, 1) PKP_CASE(F, 2) PKP_CASE(F, 3) PKP_CASE(F, 4) \
                        pkp_run(F, u, tile, j, q, da, sx, PKP_TILE, tot); return; }
 
-static void pkp_any(int fmt, const __m256i *u, const uint8_t *tile, int j, const int16_t *q, const float *da,
+static inline int pkp_tile_rows(int64_t n) { return n < PKP_TILE ? (int)n : PKP_TILE; }
+#endif
+
+static void pkp_any(int fmt, const pkp_vec *u, const uint8_t *tile, int j, const int16_t *q, const float *da,
                     const float *sx, int R, float *tot) {
     switch (fmt) {
+#if defined(PQ_LANES8)  /* the 16-lane build serves these tiles with packed_grouped.c's own kernel at any row count */
     case PK_Q4_0: PKP_CASES(PK_Q4_0)
     case PK_Q4_1: PKP_CASES(PK_Q4_1)
     case PK_Q8_0: PKP_CASES(PK_Q8_0)
+#endif
     case PK_Q5_0: PKP_CASES(PK_Q5_0)
     case PK_Q4_K: PKP_CASES(PK_Q4_K)
     case PK_Q5_K: PKP_CASES(PK_Q5_K)
@@ -165,7 +169,7 @@ static void pkp_any(int fmt, const __m256i *u, const uint8_t *tile, int j, const
     }
 }
 
-static void pkp_codes_any(int fmt, const uint8_t *run, __m256i *u) {
+static void pkp_codes_any(int fmt, const uint8_t *run, pkp_vec *u) {
     switch (fmt) {
     case PK_Q4_0: case PK_Q4_1: case PK_Q4_K: pkp_codes(PK_Q4_K, run, u); return;  /* the same 4-bit plane */
     case PK_Q8_0: pkp_codes(PK_Q8_0, run, u); return;
@@ -178,8 +182,8 @@ static void pkp_codes_any(int fmt, const uint8_t *run, __m256i *u) {
 /* One group's 16 outputs for the mb rows of a chunk whose activations (run-major: [run][row][32]) start at q. */
 static void pkp_group(int fmt, const uint8_t *tiles, int64_t nb, const int16_t *q, const float *da, const float *sx,
                       int64_t mb, const float *bias, float *y, int64_t out) {
-    __m256i u[32] __attribute__((aligned(32)));
-    float tot[16 * PKP_CHUNK] __attribute__((aligned(32)));
+    pkp_vec u[PKP_VECS] __attribute__((aligned(PKP_ALIGN)));
+    float tot[16 * PKP_CHUNK] __attribute__((aligned(PKP_ALIGN)));
     for (int64_t r = 0; r < mb; r++)
         for (int l = 0; l < 16; l++) tot[16 * r + l] = bias ? bias[l] : 0.0f;
     for (int64_t b = 0; b < nb; b++) {
@@ -187,9 +191,9 @@ static void pkp_group(int fmt, const uint8_t *tiles, int64_t nb, const int16_t *
         for (int j = 0; j < pkp_runs(fmt); j++) {
             const int64_t k = b * pkp_runs(fmt) + j;
             pkp_codes_any(fmt, tile + pkp_run_at(fmt, j), u);
-            for (int64_t r0 = 0; r0 < mb; r0 += PKP_TILE) {
-                const int R = mb - r0 < PKP_TILE ? (int)(mb - r0) : PKP_TILE;
-                pkp_any(fmt, u, tile, j, q + 32 * (k * mb + r0), da + k * mb + r0, sx + k * mb + r0, R,
+            for (int64_t r0 = 0, R; r0 < mb; r0 += R) {
+                R = pkp_tile_rows(mb - r0);
+                pkp_any(fmt, u, tile, j, q + 32 * (k * mb + r0), da + k * mb + r0, sx + k * mb + r0, (int)R,
                         tot + 16 * r0);
             }
         }

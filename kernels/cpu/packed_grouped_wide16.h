@@ -1,6 +1,6 @@
 /* The 16-lane AVX512-VNNI form of packed_grouped_wide.c's interleaved-rows kernel (Q5_0, Q4_K, Q5_K, Q6_K), included
  * there under PS_AVX512_VNNI, after the layout's helpers (pkw_header, pkw_run_bytes, pkw_tile_bytes, pkw_runs,
- * PKW_TILE, PKW_PREFETCH, PKW_INLINE) it reads.
+ * pkw_scales, PKW_TILE, PKW_PREFETCH, PKW_INLINE) it reads.
  *
  * Why: the 8-lane kernel of the other int16 builds took a group's 16 rows in two halves, so on AVX-512 hosts these
  * formats ran at ~13-20 GB/s per core against ~26 for Q4_0's 16 lanes, bound by instructions. Here one register
@@ -65,28 +65,6 @@ PKW_INLINE void pkw_dots(int fmt, const uint8_t *run, const int16_t *q, int64_t 
                 acc[2 * r + h] = _mm512_dpwssd_epi32(acc[2 * r + h], u, pair);
             }
         }
-    }
-}
-
-/* Run j's scales of the tile's 16 rows: d[0] (Q6_K: d[h] per input half h) and m[0]. */
-PKW_INLINE void pkw_scales(int fmt, const uint8_t *tile, int j, __m512 *d, __m512 *m) {
-    const __m512 dr = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tile));
-    if (fmt == PK_Q5_0) {
-        d[0] = dr, m[0] = _mm512_mul_ps(dr, _mm512_set1_ps(-16.0f));
-    } else if (fmt == PK_Q6_K) {
-        for (int h = 0; h < 2; h++) {
-            const __m128i sc = _mm_loadu_si128((const __m128i *)(tile + 32 + 16 * (2 * j + h)));
-            d[h] = _mm512_mul_ps(dr, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
-        }
-    } else {
-        const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + 64 + 16 * j)));
-        const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + 192 + 16 * (j / 2))));
-        const __m512i sc = _mm512_and_si512(a, _mm512_set1_epi32(63));
-        const __m512i mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(lo, 4 * (j & 1)), _mm512_set1_epi32(15)),
-                                           _mm512_slli_epi32(_mm512_srli_epi32(a, 6), 4));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 32)));
-        d[0] = _mm512_mul_ps(dr, _mm512_cvtepi32_ps(sc));
-        m[0] = _mm512_mul_ps(_mm512_xor_ps(dmin, _mm512_set1_ps(-0.0f)), _mm512_cvtepi32_ps(mn));
     }
 }
 
