@@ -5,6 +5,8 @@ JSON object (medians over --repeats; every run listed).
 
     python benchmarks/batch_budget.py                                   # default model's HF folder, bf16, 2048 4096
     python benchmarks/batch_budget.py --budgets 2048 4096 8192 --threads 1 --conditions noisy
+    OMP_NUM_THREADS=1 python benchmarks/batch_budget.py --budgets 2048 --threads 1   # cpu_s: one build's CPU
+        # seconds for the workload, comparable between two checkouts on a host shared with other work
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,14 +52,18 @@ def main() -> None:
     runs = {b: [] for b in args.budgets}
     for i in range(args.repeats):
         for budget in args.budgets if i % 2 == 0 else args.budgets[::-1]:
+            cpu0 = time.process_time()
             result = run_engine(engines[budget], workload)
+            cpu = time.process_time() - cpu0  # the process's CPU seconds: with --threads 1, others' load adds none
             r = summarize(f"pagedserve@{budget}", args.dtype, result.timings, workload.summary()["prompt_tokens"])
-            runs[budget].append({f: round(getattr(r, f), 3) for f in FIELDS} | {"steps": result.extra["steps"]})
+            runs[budget].append({f: round(getattr(r, f), 3) for f in FIELDS} | {"cpu_s": round(cpu, 2),
+                                                                                "steps": result.extra["steps"]})
             print(json.dumps({"budget": budget, **runs[budget][-1]}), file=sys.stderr)
     print(json.dumps({"benchmark": "batch_budget", "cpu": cpu_model(), "isa_tier": library_tier(load_library()),
                       "model": model, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
                       "conditions": args.conditions, "workload": workload.summary(),
-                      "median": {b: {f: statistics.median(r[f] for r in rs) for f in FIELDS} for b, rs in runs.items()},
+                      "median": {b: {f: statistics.median(r[f] for r in rs) for f in (*FIELDS, "cpu_s")}
+                                 for b, rs in runs.items()},
                       "runs": runs}, indent=1))
 
 
