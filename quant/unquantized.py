@@ -26,7 +26,9 @@ from pagedserve.quant.onednn_dense import can_pack, pack_weight, packed_linear
 _GEMV_ROWS = 32
 # The limit stays 32 with AMX too, though its GEMM reads the weight once per block of rows where the GEMV reads it
 # once per 8: AMX sums in its own order, and a speculative verify step of up to 32 rows then gets each row's bits
-# as the one-row decode steps computed them.
+# as the one-row decode steps computed them. Without speculative decoding (`free_row_bits`) AMX takes calls from
+# this many rows on: 2-7x the GEMV at 9-32 rows on the default model's shapes (one thread, noisy: docs/quantization.md).
+_GEMV_ROWS_FREE = 8
 
 # Without AMX the GEMM's FMA and vdpbf16ps tiles lead `chunked_linear` (whose F.linear is oneDNN's GEMM, blocked
 # and tuned further) up to a few hundred rows but not at 2048 (1B shapes, SPR guest capped at AVX2 / AVX512-BF16,
@@ -48,6 +50,7 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.compute_dtype = dtype
         layer.small_batch_gemv = None  # the native GEMV over regrouped or widened weights, once native_linear made it
         layer.gemm_rows = _GEMM_ROWS  # the most rows `apply` gives the grouped GEMM (no limit with AMX)
+        layer.gemv_rows = _GEMV_ROWS  # the most rows `apply` gives the GEMV (fewer once free_row_bits allows it)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         # A shared weight (a tied LM head's is the embedding's table, which lookups read) is not packed: the packed
@@ -64,7 +67,7 @@ class UnquantizedLinearMethod(LinearMethod):
         from pagedserve.quant.dense_layout import chunked_linear, row_group
 
         native = layer.small_batch_gemv
-        if native is not None and x.numel() <= _GEMV_ROWS * x.shape[-1]:
+        if native is not None and x.numel() <= layer.gemv_rows * x.shape[-1]:
             from pagedserve.quant.dense_native import call_native_linear
 
             flat = call_native_linear(native, x.reshape(-1, x.shape[-1]).float())
@@ -113,6 +116,10 @@ class UnquantizedLinearMethod(LinearMethod):
         if grouped and gemm_isa(x_fp32=self.weight_dtype is not None) == "amx":
             layer.gemm_rows = None
         return layer.small_batch_gemv
+
+    def free_row_bits(self, layer: nn.Module) -> None:
+        if layer.small_batch_gemv is not None and layer.gemm_rows is None:  # AMX's GEMM over a grouped weight
+            layer.gemv_rows = _GEMV_ROWS_FREE
 
     def merge(self, layers: list[nn.Module]) -> nn.Module | None:
         from pagedserve.quant.linear import QuantLinear

@@ -18,8 +18,9 @@ from pagedserve.quant.dense_layout import group_rows_in_place
 from pagedserve.quant.dense_native import call_native_linear, dense_gemm, dense_native_linear, gemm_isa
 
 # (out, in): in a multiple of 32 or not (a partial last tile), one group, odd group counts, an input past AMX's
-# 2048-input blocks (sums carried between blocks) with a partial last tile
-SHAPES = [(48, 576), (32, 30), (160, 2), (16, 4162), (80, 34)]
+# 2048-input blocks (sums carried between blocks) with a partial last tile, the default model's fused q/k/v (960 x
+# 576: past one AMX weight block of group pairs, so row tiles meet several blocks)
+SHAPES = [(48, 576), (32, 30), (160, 2), (16, 4162), (80, 34), (960, 576)]
 ROWS = (1, 2, 9, 17, 33, 300)
 # The builds: the default (AMX where granted) and every forced tier (no AMX code), "portable" has no grouped GEMM.
 TIERS = cpu_tiers.params(("native", "avx2", "avx512_bf16", "portable"))
@@ -105,14 +106,15 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(tier: str) -> None:
     lib = _library(tier)
     if gemm_isa(lib=lib) == "portable":
         pytest.skip("no grouped layout in the portable build")
-    _, g, bias = _grouped(96, 4162, 5)
-    x = torch.randn(70, 4162, generator=torch.Generator().manual_seed(6)).bfloat16()
+    # 336 outputs x 4162 inputs x 300 rows: under AMX several weight blocks, row blocks and input blocks at once
+    _, g, bias = _grouped(336, 4162, 5)
+    x = torch.randn(300, 4162, generator=torch.Generator().manual_seed(6)).bfloat16()
     for x_fp32 in (False, True):
         native = dense_native_linear(g, bias, lib=lib, x_fp32=x_fp32)
         xs = x.float() if x_fp32 else x
         for amx in _paths(tier):
             full = dense_gemm(native, xs, lib=lib, allow_amx=amx)
-            for r0, r1 in ((0, 1), (5, 6), (69, 70), (3, 20), (17, 50), (1, 70)):
+            for r0, r1 in ((0, 1), (5, 6), (69, 70), (3, 20), (17, 50), (1, 70), (130, 300), (299, 300)):
                 part = dense_gemm(native, xs[r0:r1], lib=lib, allow_amx=amx)
                 assert torch.equal(part, full[r0:r1]), f"{tier} x_fp32={x_fp32} amx={amx} rows {r0}:{r1}"
 

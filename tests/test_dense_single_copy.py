@@ -74,6 +74,31 @@ def test_the_torch_path_reads_a_regrouped_weight_as_the_row_major_one(tmp_path):
             torch.testing.assert_close(got.float(), reference[:rows], rtol=1e-2, atol=1e-2, msg=name)
 
 
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_small_calls_keep_the_gemvs_bits_only_where_drafts_are_verified(tmp_path, speculative):
+    """9-32 rows: with speculative decoding the GEMV (a verify step's rows then equal the one-row steps'), without
+    it AMX's GEMM where granted (faster; each row still independent of its neighbours), else the GEMV."""
+    from pagedserve.engine.spec_decode.config import SpeculativeConfig
+    from pagedserve.quant.dense_native import call_native_linear, dense_gemm, gemm_isa
+
+    path = make_tiny_model(tmp_path, "LlamaForCausalLM", initializer_range=0.1)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2) if speculative else None
+    engine = LLM(str(path), dtype="bfloat16", native_step_max_batch=8, speculative=spec).engine
+    layers = [layer for layer in _dense_layers(engine.runner.model).values() if layer.small_batch_gemv is not None]
+    assert layers
+    amx = not speculative and gemm_isa() == "amx"
+    g = torch.Generator().manual_seed(2)
+    for layer in layers:
+        x = torch.randn(16, layer.in_features, generator=g).bfloat16()
+        got = layer.method.apply(layer, x)
+        gemv = call_native_linear(layer.small_batch_gemv, x.float()).bfloat16()
+        want = dense_gemm(layer.small_batch_gemv, x) if amx else gemv
+        assert torch.equal(got, want)
+        assert torch.equal(layer.method.apply(layer, x[:8]), gemv[:8])  # up to 8 rows: the GEMV on every path
+        if amx:  # one row's result whatever rows are beside it
+            assert torch.equal(layer.method.apply(layer, x[3:12]), got[3:12])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_torch_path_holds_a_tied_head_once(tmp_path, dtype):
     path = make_tiny_model(tmp_path, "LlamaForCausalLM", initializer_range=0.1, tie_word_embeddings=True)

@@ -29,6 +29,7 @@ from pagedserve.kernels.backends import select_attention_impl, select_layer_ops
 from pagedserve.kernels.cpu.native import available
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype
 from pagedserve.kernels.kv_scales import setup_kv_scales
+from pagedserve.quant.linear import QuantLinear
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,10 @@ class ModelRunner:
         self.native_step = build_native_step(
             self.model, self.kv_cache, self.attn_impl, config.native_step_max_batch, device, config.native_step_max_rows
         )
+        if config.speculative is None:  # no verify step compares rows with one-row steps: faster small calls
+            for module in self.model.modules():
+                if isinstance(module, QuantLinear):
+                    module.method.free_row_bits(module)
         # LoRA: the adaptable linears get wrapped after the native step took the bare ones (it serves base steps).
         self.step_adapters = StepAdapters(native=device.type == "cpu" and config.lora is not None and available())
         self.lora_layout: LoraLayout | None = None

@@ -153,6 +153,25 @@ static int64_t row_block(int64_t in, int64_t bytes, int64_t tile) {
     return rows < 4 * tile ? 4 * tile : rows;
 }
 
+/* pack_rows for bf16 x into bf16 pairs: each run of a row is a copy of up to `run` 32-bit words (one pair each),
+ * zero past the input and in the padding rows. Decode-sized copies stay on one thread: a parallel region costs
+ * more than they do. */
+static void copy_runs(const void *x, int64_t rows, int64_t in, int64_t tile, int64_t run, void *buf) {
+    const int64_t tiles = (rows + tile - 1) / tile, runs = (in / 2 + run - 1) / run, pairs = in / 2;
+    const uint32_t *xw = x;
+    uint32_t *out = buf;
+#pragma omp parallel for schedule(static) if (tiles * tile * in >= (1 << 18))
+    for (int64_t tr = 0; tr < tiles * tile; tr++) {
+        const int64_t t = tr / tile, r = tr % tile;
+        for (int64_t q = 0; q < runs; q++) {
+            uint32_t *to = out + ((t * runs + q) * tile + r) * run;
+            const uint32_t *from = xw + tr * pairs + q * run;
+            const int64_t n = tr < rows ? (pairs - q * run < run ? pairs - q * run : run) : 0;
+            for (int64_t i = 0; i < run; i++) to[i] = i < n ? from[i] : 0;
+        }
+    }
+}
+
 /* x packed for the tiles: tiles of `tile` rows (the last padded with zero rows), in each, runs of `run` input pairs
  * (the input padded with zero pairs to a multiple of `run`) with the tile's rows one after another: pair p of row r
  * of tile t at ((t * runs + p / run) * tile + r) * run + p % run. A pair is two bf16 (want DT_BF16) or two fp32,
@@ -163,6 +182,10 @@ static void *pack_rows(const void *x, int x_dtype, int64_t rows, int64_t in, int
     const int64_t tiles = (rows + tile - 1) / tile, runs = (in / 2 + run - 1) / run, pairs = runs * run;
     void *buf = aligned_alloc(64, (size_t)((tiles * tile * pairs * 2 * elem_size(want) + 63) / 64) * 64);
     if (!buf) return NULL;
+    if (x_dtype == DT_BF16 && want == DT_BF16) {  /* a run of a row is whole bf16 pairs of x as they are */
+        copy_runs(x, rows, in, tile, run, buf);
+        return buf;
+    }
 #pragma omp parallel for schedule(static)
     for (int64_t tr = 0; tr < tiles * tile; tr++) {
         const int64_t t = tr / tile, r = tr % tile;
