@@ -38,8 +38,8 @@
 /* Software prefetch distance, in tiles (~1-2 KiB: 4 x 288-544 bytes). The hardware prefetcher alone left a stream
  * at 7-12 GB/s per matrix. 8 tiles ahead (chosen on SmolLM2's shapes) read a 1B model's Q8_0 linears from memory at
  * 10.9 GB/s on one core of the SPR host, AVX2 build; 2-4 tiles ahead at 13.0, the AVX512-VNNI build 11.9 -> 13.8
- * and Q4_0 9.7 -> 10.2 (benchmarks/packed_token_sweep.py; 5, 6, 12, 16 ahead and the L2 hint were slower). A
- * distance in bytes, not cache-sized: it holds on Zen 3's smaller L1/L2. */
+ * and Q4_0 9.7 -> 10.2 (benchmarks/packed_token_sweep.py; 5 or more ahead and the L2 hint were slower). 1-2 KiB is
+ * far inside any L1 (Zen 3: 32 KiB), so the choice is not tied to this host's caches (not yet measured on Zen 3). */
 #define PK_PREFETCH_TILES 4
 
 /* packed_grouped_wide.c: Q5_0, Q4_K, Q5_K, Q6_K */
