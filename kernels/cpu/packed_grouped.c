@@ -35,7 +35,12 @@
 #else
 #define PK_GROUP_TILE 8
 #endif
-#define PK_PREFETCH_TILES 8  /* software prefetch distance, in tiles */
+/* Software prefetch distance, in tiles (~1-2 KiB: 4 x 288-544 bytes). The hardware prefetcher alone left a stream
+ * at 7-12 GB/s per matrix. 8 tiles ahead (chosen on SmolLM2's shapes) read a 1B model's Q8_0 linears from memory at
+ * 10.9 GB/s on one core of the SPR host, AVX2 build; 2-4 tiles ahead at 13.0, the AVX512-VNNI build 11.9 -> 13.8
+ * and Q4_0 9.7 -> 10.2 (benchmarks/packed_token_sweep.py; 5 or more ahead and the L2 hint were slower). 1-2 KiB is
+ * far inside any L1 (Zen 3: 32 KiB), so the choice is not tied to this host's caches (not yet measured on Zen 3). */
+#define PK_PREFETCH_TILES 4
 
 /* packed_grouped_wide.c: Q5_0, Q4_K, Q5_K, Q6_K */
 int pkw_is_wide(int fmt);
@@ -189,8 +194,7 @@ PK_INLINE void pk_grouped_tile(int fmt, const uint8_t *tiles, int64_t nb, const 
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *tile = tiles + b * tb;
         const float *xb = x + 32 * b;
-        /* The hardware prefetcher alone left a stream at 7-12 GB/s per matrix; fetching PK_PREFETCH_TILES ahead
-         * gave 5-35% on SmolLM2's shapes (chosen among 2-16 tiles ahead). Past the end it is only a hint. */
+        /* past the end of the matrix a prefetch is only a hint */
         for (int64_t l = 0; l <= tb; l += 64) _mm_prefetch((const char *)tile + PK_PREFETCH_TILES * tb + l, _MM_HINT_T0);
         __m512 acc0[PK_GROUP_TILE], acc1[PK_GROUP_TILE];
         for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
