@@ -206,7 +206,9 @@ def head_bytes(model, dtype: torch.dtype) -> int:
         return head.qkernel.weight_nbytes()
     if getattr(head, "packed", None) is not None:
         return head.packed.blocks.numel()
-    return head.in_features * head.out_features * dtype.itemsize
+    weight = getattr(head, "weight", None)  # 16-bit weights under fp32 compute are held (and read) 16-bit
+    itemsize = weight.element_size() if weight is not None else dtype.itemsize
+    return head.in_features * head.out_features * itemsize
 
 
 def decode_tokens_per_s(model_dir: Path, dtype: str, prompts: list[list[int]], new_tokens: int) -> float:
