@@ -232,3 +232,27 @@ def test_draft_rows_over_several_key_chunks_equal_rows_alone(threads):
         torch.set_num_threads(previous)
     assert torch.isfinite(together).all()
     assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("kv_dtype", [KVDtype.INT8, KVDtype.FP8_E4M3, KVDtype.FP8_E5M2])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_native_8_bit_gather_equals_torch(kv_dtype: KVDtype, out_dtype: torch.dtype) -> None:
+    """The long prefill's native gather of an 8-bit cache (int8 row scales, FP8 head scales) returns kv_quant.gather_kv's
+    values bit for bit, tiles in any order and repeated, head dim 80 (five 16-lane groups); a tile outside the
+    cache is refused."""
+    from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec
+    from pagedserve.kernels.kv_quant import gather_kv, head_tiles, store_kv
+
+    gen = torch.Generator().manual_seed(5)
+    cache = KVCache(KVCacheSpec(1, 3, 80, 8, kv_dtype), 7, CPU).layers[0]
+    cache.k_scale.copy_(torch.tensor([0.02, 0.5, 3.0]))
+    cache.v_scale.copy_(torch.tensor([1.0, 0.07, 0.3]))
+    rows = torch.randn(56, 3, 80, generator=gen) * torch.logspace(-3, 2, 56)[:, None, None]
+    store_kv(rows, -2 * rows, cache, torch.randperm(56, generator=gen))
+    tiles = head_tiles(torch.tensor([4, 0, 6, 4, 2]), 3, 7)
+    reference = gather_kv(cache, tiles, out_dtype)
+    native = cpu_native.gather_kv_8bit(cache, tiles, out_dtype)
+    for ref, got in zip(reference, native):
+        assert got.shape == ref.shape and got.dtype == out_dtype and torch.equal(got, ref)
+    with pytest.raises(IndexError, match="outside the cache's 21 tiles"):
+        cpu_native.gather_kv_8bit(cache, torch.tensor([0, 21, 3], dtype=torch.int64), out_dtype)

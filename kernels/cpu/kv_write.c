@@ -49,3 +49,29 @@ int pagedserve_write_kv_int8(const char *key, int64_t key_stride, const char *va
     free(row);
     return 0;
 }
+
+/* The prefill's SDPA path reads an 8-bit cache back: tiles[j] (j = h * per_head + i, rows of the storage viewed as
+ * [Hkv * num_blocks, block_size, D]) dequantized into out [Hkv, per_head * block_size, D] of a compute dtype, each
+ * value times its row's scale (int8) or its head's (FP8) in fp32 and rounded once, bit for bit kv_quant.gather_kv.
+ * One pass where torch took five (index_select, widen, scale, multiply, narrow), each a trip over memory and an
+ * allocation: at 4k keys that was most of an 8-bit cache's extra prefill time. head_dim a multiple of 16. */
+int pagedserve_gather_kv(const char *storage, int kv_dt, const _Float16 *row_scales, const float *head_scales,
+                         const int64_t *tiles, int64_t per_head, int64_t num_kv_heads, int64_t num_tiles,
+                         int64_t block_size, int64_t head_dim, char *out, int out_dt, int num_threads) {
+    const int64_t count = per_head * num_kv_heads, chunks = head_dim / 16;
+    for (int64_t j = 0; j < count; j++)
+        if (tiles[j] < 0 || tiles[j] >= num_tiles) return -1;
+    const size_t in_row = (size_t)head_dim * elem_size(kv_dt), out_row = (size_t)head_dim * elem_size(out_dt);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t j = 0; j < count; j++) {
+        const float head = kv_dt == DT_I8 ? 1.0f : head_scales[j / per_head];
+        for (int64_t r = 0; r < block_size; r++) {
+            const int64_t slot = tiles[j] * block_size + r;
+            const char *row = storage + (size_t)slot * in_row;
+            char *dst = out + (size_t)(j * block_size + r) * out_row;
+            const float scale = kv_dt == DT_I8 ? (float)row_scales[slot] : head;
+            for (int64_t c = 0; c < chunks; c++) store16(dst, c, out_dt, load16(row, c, kv_dt) * scale);
+        }
+    }
+    return 0;
+}
