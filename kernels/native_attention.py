@@ -14,7 +14,7 @@ import torch
 
 from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, AttentionPlan
 from pagedserve.kernels.cpu.native import (COMPUTE_DTYPES, DecodeBatch, decode_attention, gather_kv_8bit, load_library,
-                                          write_kv, write_kv_int8)
+                                          write_kv, write_kv_fp8, write_kv_int8)
 from pagedserve.kernels.cpu.prefill import PrefillBatch, prefill_attention_native
 from pagedserve.kernels.kv_cache import LayerKVCache
 from pagedserve.kernels.kv_quant import gather_kv, store_kv
@@ -82,6 +82,8 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         k_storage = LayerKVCache.by_head(cache.k)
         if cache.dtype.has_row_scales and key.dtype in COMPUTE_DTYPES and _heads_dense(key, value):
             write_kv_int8(key, value, cache, slot_mapping)
+        elif cache.dtype.is_fp8 and key.dtype in COMPUTE_DTYPES and _heads_dense(key, value):
+            write_kv_fp8(key, value, cache, slot_mapping)
         elif cache.dtype.is_fp8 or cache.dtype.has_row_scales or key.dtype != k_storage.dtype \
                 or not _heads_dense(key, value):
             store_kv(key, value, cache, slot_mapping)  # quantizes or converts

@@ -75,3 +75,47 @@ int pagedserve_gather_kv(const char *storage, int kv_dt, const _Float16 *row_sca
     }
     return 0;
 }
+
+/* |x| <= the format's largest finite value (the caller clamps), rounded to nearest even as torch's fp32 -> FP8 cast
+ * rounds: normals by rounding fp32's mantissa to `mant` bits, subnormals (below 2^(1 - bias)) as a multiple of their
+ * step. e4m3: bias 7, 3 mantissa bits; e5m2: bias 15, 2 bits. */
+static inline uint8_t fp8_bits(float x, int e4m3) {
+    const int mant = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    u &= 0x7fffffffu;
+    if (u > 0x7f800000u) return sign | 0x7f;  /* NaN, as torch casts it to either format */
+    if (u < (uint32_t)(128 - bias) << 23)  /* subnormal (or rounds up to the smallest normal: m == 2^mant) */
+        return sign | (uint8_t)rintf(fabsf(x) * (e4m3 ? 0x1p9f : 0x1p16f));
+    const int drop = 23 - mant;
+    u += (1u << (drop - 1)) - 1 + ((u >> drop) & 1u);
+    return sign | (uint8_t)((((u >> 23) - 127 + bias) << mant) | ((u >> drop) & ((1u << mant) - 1)));
+}
+
+/* The KV write of an FP8 cache: each value divided by its head's scale (IEEE division), clamped to the finite range
+ * and rounded to nearest even, byte for byte kv_quant.quantize_for_cache + the torch store (which took five passes
+ * and an index_put per tensor: an FP8 prefill's largest extra cost after the gather). */
+int pagedserve_write_kv_fp8(const char *key, int64_t key_stride, const char *value, int64_t value_stride, int src_dt,
+                            int kv_dt, uint8_t *k_storage, uint8_t *v_storage, const float *k_scale,
+                            const float *v_scale, const int64_t *slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
+                            int64_t num_slots, int64_t head_dim) {
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots) return -1;
+    const int e4m3 = kv_dt == DT_E4M3;
+    const float limit = e4m3 ? 448.0f : 57344.0f;
+    const int64_t elem = elem_size(src_dt);
+    for (int64_t t = 0; t < num_tokens; t++)
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t at = (h * num_slots + slot_mapping[t]) * head_dim;
+            const char *k = key + (t * key_stride + h * head_dim) * elem, *v = value + (t * value_stride + h * head_dim) * elem;
+            for (int64_t d = 0; d < head_dim; d++) {
+                float a = load_at(k, d, src_dt) / k_scale[h], b = load_at(v, d, src_dt) / v_scale[h];
+                a = a > limit ? limit : a < -limit ? -limit : a;
+                b = b > limit ? limit : b < -limit ? -limit : b;
+                k_storage[at + d] = fp8_bits(a, e4m3);
+                v_storage[at + d] = fp8_bits(b, e4m3);
+            }
+        }
+    return 0;
+}

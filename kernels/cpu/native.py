@@ -50,6 +50,7 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.pagedserve_prefill_attention.argtypes = [ctypes.c_void_p, i64, c_int]  # a PrefillArgs (prefill.py)
     lib.pagedserve_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.pagedserve_write_kv_int8.argtypes = [ptr, i64, ptr, i64, c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
+    lib.pagedserve_write_kv_fp8.argtypes = [ptr, i64, ptr, i64, c_int, c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
     lib.pagedserve_gather_kv.argtypes = [ptr, c_int, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, c_int, c_int]
     lib.pagedserve_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, c_int, c_int]
     lib.pagedserve_silu_and_mul.argtypes = [ptr, ptr, i64, i64, c_int, c_int]
@@ -71,7 +72,7 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.pagedserve_dense_gemm_isa.restype = ctypes.c_char_p
     lib.pagedserve_isa_tier.restype = ctypes.c_char_p
     for fn in (lib.pagedserve_decode_attention, lib.pagedserve_prefill_attention, lib.pagedserve_write_kv,
-               lib.pagedserve_write_kv_int8, lib.pagedserve_gather_kv, lib.pagedserve_rms_norm, lib.pagedserve_silu_and_mul, lib.pagedserve_rope,
+               lib.pagedserve_write_kv_int8, lib.pagedserve_write_kv_fp8, lib.pagedserve_gather_kv, lib.pagedserve_rms_norm, lib.pagedserve_silu_and_mul, lib.pagedserve_rope,
                lib.pagedserve_row_max_argmax):
         fn.restype = c_int
 
@@ -216,6 +217,27 @@ def write_kv_int8(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, s
     )
     if status == -2:
         raise MemoryError("native int8 KV write could not allocate a row")
+    if status != 0:
+        raise IndexError(f"a KV slot is outside the cache's {num_blocks * block_size} slots")
+
+
+def write_kv_fp8(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
+    """key, value [T, Hkv, D] in a compute dtype (token rows may be strided, heads dense) -> their slots of an FP8
+    cache, byte for byte kv_quant.store_kv (divided by the head's scale, clamped, rounded to nearest even). Raises
+    IndexError for a slot outside the storage."""
+    k_storage, v_storage = LayerKVCache.by_head(cache.k), LayerKVCache.by_head(cache.v)
+    num_kv_heads, num_blocks, block_size, head_dim = k_storage.shape
+    for x in (key, value):
+        assert x.dtype in COMPUTE_DTYPES and x.dtype == key.dtype and x.shape[1:] == (num_kv_heads, head_dim)
+        assert x.stride(2) == 1 and x.stride(1) == head_dim
+    assert cache.dtype.is_fp8
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == key.shape[:1]
+    k_scale, v_scale = (s.to(torch.float32).contiguous() for s in (cache.k_scale, cache.v_scale))
+    status = load_library().pagedserve_write_kv_fp8(
+        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), dtype_code(key.dtype),
+        dtype_code(k_storage.dtype), k_storage.data_ptr(), v_storage.data_ptr(), k_scale.data_ptr(),
+        v_scale.data_ptr(), slot_mapping.data_ptr(), key.shape[0], num_kv_heads, num_blocks * block_size, head_dim,
+    )
     if status != 0:
         raise IndexError(f"a KV slot is outside the cache's {num_blocks * block_size} slots")
 
