@@ -4,9 +4,10 @@ run once per dtype with every step timed by wrapping this engine's runner.execut
 Per dtype: the time in steps that prefill (any sequence with more than one new token; the decode rows riding along
 counted with them) and in decode-only steps; the prompt tokens computed, and of them those computed again after a
 preemption (`reprefilled_tokens`: every token prefilled minus the prompts); and decode attention's share of the
-decode-only steps, from a least-squares fit of each step's time to W + w_n * rows + a * (keys its rows read): the
-weights and per-row work do not grow with the context, attention does (a * keys), so the fit splits one from the
-other without timing inside the C decode step.
+decode-only steps, measured by replaying it: after every `--replay-every`-th native decode step, the same rows
+(contexts, block tables) go through the native decode attention of all layers' caches once more with fp32 queries,
+as the C decode step calls it, timed apart from the step (`attention_seconds` scales the sample up to all decode
+steps). A fit of step time to rows and keys was tried and is ill-conditioned here (rows and keys move together).
 
     python benchmarks/kv_long_context_profile.py --kv-cache-memory 128MiB --requests 4 --shortest 2048 \
         --longest 4096 --output-tokens 1024 --json profile.json
@@ -26,20 +27,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, even under
 from fp8_kv_accuracy import host_info  # noqa: E402
 from kv_long_context import workload  # noqa: E402
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from pagedserve.kernels.cpu import native as cpu_native  # noqa: E402
 from pagedserve.service.cli import parse_bytes  # noqa: E402
 
 
-def timed_steps(engine: LLMEngine) -> list[dict]:
-    """Wraps this engine's runner.execute: one record per step (kind, seconds, rows, keys, prefill tokens)."""
+def timed_steps(engine: LLMEngine, replays: list[float]) -> list[dict]:
+    """Wraps this engine's runner.execute: one record per step (kind, seconds, rows, keys, prefill tokens); the time
+    of attention replays made inside the step (`replays`) is not counted."""
     records: list[dict] = []
     execute = engine.runner.execute
 
     def wrapped(batch):
         prefill = [s for s in batch.scheduled if s.num_new_tokens > 1]
         decode = [s for s in batch.scheduled if s.num_new_tokens == 1]
-        t0 = time.perf_counter()
+        t0, replayed = time.perf_counter(), sum(replays)
         out = execute(batch)
-        records.append({"prefill": bool(prefill), "seconds": time.perf_counter() - t0, "rows": len(decode),
+        seconds = time.perf_counter() - t0 - (sum(replays) - replayed)
+        records.append({"prefill": bool(prefill), "seconds": seconds, "rows": len(decode),
                         "keys": sum(s.seq.num_computed_tokens + 1 for s in decode),
                         "prefill_tokens": sum(s.num_new_tokens for s in prefill),
                         "prefill_keys": sum(s.seq.num_computed_tokens + s.num_new_tokens for s in prefill)})
@@ -49,29 +53,47 @@ def timed_steps(engine: LLMEngine) -> list[dict]:
     return records
 
 
-def decode_fit(steps: list[dict]) -> dict:
-    """t = W + w_n * rows + a * keys over the decode-only steps; attention = a * keys summed."""
-    if len(steps) < 3:
-        return {}
-    x = torch.tensor([[1.0, s["rows"], s["keys"]] for s in steps], dtype=torch.float64)
-    t = torch.tensor([s["seconds"] for s in steps], dtype=torch.float64)
-    w, w_n, a = torch.linalg.lstsq(x, t[:, None]).solution[:, 0].tolist()
-    keys = float(x[:, 2].sum())
-    return {"fixed_ms_per_step": w * 1e3, "ms_per_row": w_n * 1e3, "attention_us_per_1k_keys": a * 1e6 * 1e3,
-            "attention_seconds": a * keys, "attention_share_of_decode": a * keys / float(t.sum()),
-            "mean_rows_per_step": float(x[:, 1].mean()), "mean_keys_per_row": keys / float(x[:, 1].sum())}
+def replay_attention(engine: LLMEngine, every: int) -> list[float]:
+    """Wraps the native decode step: every `every`-th call, the step's decode attention replayed over all layers
+    (seconds appended); the step's own result is untouched (the replay writes a scratch output)."""
+    samples: list[float] = []
+    native, cache = engine.runner.native_step, engine.runner.kv_cache
+    if native is None:
+        return samples
+    run, calls = native.run, [0]
+    heads, dim = engine.runner.model.args.num_heads, engine.runner.kv_spec.head_dim
+
+    def wrapped(step):
+        out = run(step)
+        calls[0] += 1
+        if calls[0] % every == 0:
+            rows = len(step.seq_lens)
+            batch = cpu_native.DecodeBatch(torch.arange(rows), torch.tensor(step.seq_lens, dtype=torch.int32),
+                                           torch.tensor(step.row_block_tables, dtype=torch.int32),
+                                           max(step.seq_lens))
+            query = torch.randn(rows, heads, dim)
+            scratch = torch.empty_like(query)
+            t0 = time.perf_counter()
+            for layer in cache.layers:
+                cpu_native.decode_attention(query, scratch, layer, batch, dim**-0.5)
+            samples.append(time.perf_counter() - t0)
+        return out
+
+    native.run = wrapped
+    return samples
 
 
-def profile(kv: str, memory: int, prompts: list[list[int]], output_tokens: int) -> dict:
+def profile(kv: str, memory: int, prompts: list[list[int]], output_tokens: int, every: int) -> dict:
     engine = LLMEngine(EngineConfig(kv_cache_dtype=kv, kv_cache_memory=memory))
-    steps = timed_steps(engine)
+    replays = replay_attention(engine, every)
+    steps = timed_steps(engine, replays)
     params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     for n, prompt in enumerate(prompts):
         engine.add_request(f"r{n}", prompt, params)
     while engine.has_unfinished_requests():
         engine.step()
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0 - sum(replays)  # the replays' own time is not the run's
     stats = engine.stats()
     prefill = [s for s in steps if s["prefill"]]
     decode = [s for s in steps if not s["prefill"]]
@@ -85,7 +107,15 @@ def profile(kv: str, memory: int, prompts: list[list[int]], output_tokens: int) 
             "prefill_seconds": prefill_s, "prefill_ms_per_token": prefill_s / max(prefilled, 1) * 1e3,
             "decode_rows_in_prefill_steps": sum(s["rows"] for s in prefill), "decode_steps": len(decode),
             "decode_seconds": decode_s, "decode_ms_per_row": decode_s / max(sum(s["rows"] for s in decode), 1) * 1e3,
-            "outside_steps_seconds": seconds - prefill_s - decode_s, **decode_fit(decode)}
+            "outside_steps_seconds": seconds - prefill_s - decode_s,
+            "attention_replays": len(replays), "attention_seconds": _scaled(replays, len(decode)),
+            "attention_share_of_decode": _scaled(replays, len(decode)) / max(decode_s, 1e-9),
+            "mean_rows_per_step": sum(s["rows"] for s in decode) / max(len(decode), 1),
+            "mean_keys_per_row": sum(s["keys"] for s in decode) / max(sum(s["rows"] for s in decode), 1)}
+
+
+def _scaled(samples: list[float], steps: int) -> float:
+    return sum(samples) / len(samples) * steps if samples else float("nan")
 
 
 def main() -> None:
@@ -97,13 +127,14 @@ def main() -> None:
     parser.add_argument("--longest", type=int, default=4096)
     parser.add_argument("--output-tokens", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--replay-every", type=int, default=4, help="decode steps per replayed attention sample")
     parser.add_argument("--label", default="", help="e.g. 'noisy' when other jobs share the machine")
     parser.add_argument("--json")
     args = parser.parse_args()
     prompts = workload(args.requests, args.shortest, args.longest, args.seed)
     rows = []
     for kv in args.kv:
-        rows.append(profile(kv, args.kv_cache_memory, prompts, args.output_tokens))
+        rows.append(profile(kv, args.kv_cache_memory, prompts, args.output_tokens, args.replay_every))
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({**host_info(), "label": args.label, "args": vars(args),
