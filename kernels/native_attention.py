@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, AttentionPlan
-from pagedserve.kernels.cpu.native import COMPUTE_DTYPES, DecodeBatch, decode_attention, load_library, write_kv, write_kv_int8
+from pagedserve.kernels.cpu.native import (COMPUTE_DTYPES, DecodeBatch, decode_attention, gather_kv_8bit, load_library,
+                                          write_kv, write_kv_fp8, write_kv_int8)
 from pagedserve.kernels.cpu.prefill import PrefillBatch, prefill_attention_native
 from pagedserve.kernels.kv_cache import LayerKVCache
-from pagedserve.kernels.kv_quant import store_kv
+from pagedserve.kernels.kv_quant import gather_kv, store_kv
 from pagedserve.kernels.prefill_attention import PrefillChunk, prefill_attention, prefill_chunks
 from pagedserve.kernels.requirements import Requirements
 
@@ -81,6 +82,8 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         k_storage = LayerKVCache.by_head(cache.k)
         if cache.dtype.has_row_scales and key.dtype in COMPUTE_DTYPES and _heads_dense(key, value):
             write_kv_int8(key, value, cache, slot_mapping)
+        elif cache.dtype.is_fp8 and key.dtype in COMPUTE_DTYPES and _heads_dense(key, value):
+            write_kv_fp8(key, value, cache, slot_mapping)
         elif cache.dtype.is_fp8 or cache.dtype.has_row_scales or key.dtype != k_storage.dtype \
                 or not _heads_dense(key, value):
             store_kv(key, value, cache, slot_mapping)  # quantizes or converts
@@ -98,6 +101,8 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
             decode_attention(query, out, cache, plan.decode, scale)
         if plan.prefill is not None:
             prefill_attention_native(query, out, cache, plan.prefill, scale)
+        # 8-bit tiles dequantized in one native pass (torch's five passes were most of the 8-bit prefill's extra time)
+        eight_bit = (cache.dtype.is_fp8 or cache.dtype.has_row_scales) and cache.k.shape[3] % 16 == 0
         for chunk in plan.prefill_sdpa:
-            prefill_attention(query, out, cache, scale, chunk)
+            prefill_attention(query, out, cache, scale, chunk, gather_kv_8bit if eight_bit else gather_kv)
         return out

@@ -19,13 +19,19 @@ def _check_kv(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_
     assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64
 
 
+def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] @ R as one [T * heads, D] x [D, D] product: `x @ R` on the 3-D view (strided, as the qkv
+    projection's slices are) became a batched matmul of T tiny products, ~2x the time of the one GEMM."""
+    return (x.reshape(-1, x.shape[-1]) @ rotation.to(x.dtype)).view(x.shape)
+
+
 def write_kv(
     impl: AttentionImpl, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor
 ) -> None:
     """Store new K/V ([T, Hkv, D] each) into their cache slots, quantizing when the cache is FP8."""
     _check_kv(key, value, cache, slot_mapping)
     if cache.k_rotation is not None:
-        key = key @ cache.k_rotation.to(key.dtype)
+        key = rotate(key, cache.k_rotation)
     if cache.k_offset is not None:
         key = key - cache.k_offset.to(key.dtype)  # softmax ignores the per-query shift Q.m (kv_cache.py)
     impl.write_kv(key, value, cache, slot_mapping)
@@ -52,7 +58,7 @@ def paged_attention(
     assert num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads} KV heads"
     assert cache.k.shape[3] == head_dim, f"cache head_dim {cache.k.shape[3]} != query head_dim {head_dim}"
     if cache.k_rotation is not None:
-        query = query @ cache.k_rotation.to(query.dtype)  # (Q R).(K R) = Q.K: the cache holds K R
+        query = rotate(query, cache.k_rotation)  # (Q R).(K R) = Q.K: the cache holds K R
     check_window(window)
     if plan is None:
         plan = impl.plan(meta, cache, window)

@@ -4,6 +4,7 @@ chunks)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,11 +60,16 @@ def prefill_chunks(
     return tuple(chunks)
 
 
+Gather = Callable[[LayerKVCache, torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+
+
 def prefill_attention(
-    query: torch.Tensor, out: torch.Tensor, cache: LayerKVCache, scale: float, chunk: PrefillChunk
+    query: torch.Tensor, out: torch.Tensor, cache: LayerKVCache, scale: float, chunk: PrefillChunk,
+    gather: Gather = gather_kv,
 ) -> None:
-    """out[chunk rows] = attention of the chunk's queries over its visible cached context and itself."""
-    k, v = gather_kv(cache, chunk.tiles, query.dtype)
+    """out[chunk rows] = attention of the chunk's queries over its visible cached context and itself. `gather`:
+    kv_quant.gather_kv or a native one that returns the same values."""
+    k, v = gather(cache, chunk.tiles, query.dtype)
     k, v = k[:, : chunk.keys].unsqueeze(0), v[:, : chunk.keys].unsqueeze(0)  # [1, Hkv, keys, D]
     q = query[chunk.start : chunk.start + chunk.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
     if chunk.mask is None:

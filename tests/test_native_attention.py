@@ -232,3 +232,53 @@ def test_draft_rows_over_several_key_chunks_equal_rows_alone(threads):
         torch.set_num_threads(previous)
     assert torch.isfinite(together).all()
     assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("kv_dtype", [KVDtype.INT8, KVDtype.FP8_E4M3, KVDtype.FP8_E5M2])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_native_8_bit_gather_equals_torch(kv_dtype: KVDtype, out_dtype: torch.dtype) -> None:
+    """The long prefill's native gather of an 8-bit cache (int8 row scales, FP8 head scales) returns kv_quant.gather_kv's
+    values bit for bit, tiles in any order and repeated, head dim 80 (five 16-lane groups); a tile outside the
+    cache is refused."""
+    from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec
+    from pagedserve.kernels.kv_quant import gather_kv, head_tiles, store_kv
+
+    gen = torch.Generator().manual_seed(5)
+    cache = KVCache(KVCacheSpec(1, 3, 80, 8, kv_dtype), 7, CPU).layers[0]
+    cache.k_scale.copy_(torch.tensor([0.02, 0.5, 3.0]))
+    cache.v_scale.copy_(torch.tensor([1.0, 0.07, 0.3]))
+    rows = torch.randn(56, 3, 80, generator=gen) * torch.logspace(-3, 2, 56)[:, None, None]
+    store_kv(rows, -2 * rows, cache, torch.randperm(56, generator=gen))
+    tiles = head_tiles(torch.tensor([4, 0, 6, 4, 2]), 3, 7)
+    reference = gather_kv(cache, tiles, out_dtype)
+    native = cpu_native.gather_kv_8bit(cache, tiles, out_dtype)
+    for ref, got in zip(reference, native):
+        assert got.shape == ref.shape and got.dtype == out_dtype and torch.equal(got, ref)
+    with pytest.raises(IndexError, match="outside the cache's 21 tiles"):
+        cpu_native.gather_kv_8bit(cache, torch.tensor([0, 21, 3], dtype=torch.int64), out_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", [KVDtype.FP8_E4M3, KVDtype.FP8_E5M2])
+def test_native_fp8_write_rounds_every_tie_like_torch(kv_dtype: KVDtype) -> None:
+    """The native FP8 write against the torch store byte for byte: every finite value of the format, the midpoints
+    between neighbours (ties to even), subnormals, values past the range (saturated), zeros and NaN; fp32 rows
+    with scale 1 (exact ties) and bf16 rows over a head scale that is not a power of two."""
+    from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec
+
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(kv_dtype.torch_dtype).float()
+    finite = values[values.isfinite()].unique()  # sorted
+    mids = (finite[1:] + finite[:-1]) / 2
+    extra = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 5e4, -5e4, 1e6, -1e6, float("nan"), float("inf"), -float("inf")])
+    flat = torch.cat([finite, mids, mids * 1.0000001, extra])
+    rows = torch.nn.functional.pad(flat, (0, -flat.numel() % 128)).view(-1, 2, 64)
+    for dtype, head_scale in ((torch.float32, 1.0), (torch.bfloat16, 0.37)):
+        x = rows.to(dtype) * (head_scale if dtype == torch.bfloat16 else 1.0)
+        slots = torch.arange(x.shape[0], dtype=torch.int64)
+        caches = []
+        for impl in (select_attention_impl("torch", CPU), NativeCpuAttention()):
+            cache = KVCache(KVCacheSpec(1, 2, 64, 16, kv_dtype), -(-x.shape[0] // 16), CPU).layers[0]
+            cache.k_scale.fill_(head_scale), cache.v_scale.fill_(head_scale / 3)
+            impl.write_kv(x, -x, cache, slots)
+            caches.append(cache)
+        assert torch.equal(caches[0].k.view(torch.uint8), caches[1].k.view(torch.uint8))
+        assert torch.equal(caches[0].v.view(torch.uint8), caches[1].v.view(torch.uint8))

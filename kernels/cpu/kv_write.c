@@ -25,6 +25,35 @@ int pagedserve_write_kv(const char *key, int64_t key_stride, const char *value, 
     return 0;
 }
 
+/* quantize_row_int8 on 16 lanes at a time, the same bits: the amax is exact, the scale computed once as there, each
+ * value divided (IEEE, as the scalar division) and rounded to nearest even by adding and subtracting 1.5 * 2^23
+ * (exact for |y| < 2^22; larger quotients, only when the scale saturates, clamp to 127 either way). The scalar loop
+ * (a conversion, division and rintf per value) was a few percent of an int8 prefill layer. */
+static void quantize_row_int8_x16(const char *src, int src_dt, int64_t chunks, int8_t *q, _Float16 *scale) {
+    f32x16 x[16], peak = {0};
+    for (int64_t c = 0; c < chunks; c++) {
+        x[c] = load16(src, c, src_dt);
+        i32x16 bits;
+        memcpy(&bits, &x[c], sizeof bits);
+        bits &= 0x7fffffff;
+        f32x16 mag;
+        memcpy(&mag, &bits, sizeof mag);
+        peak = select16(mag > peak, mag, peak);  /* NaN lanes compare false: skipped, as by the scalar max */
+    }
+    const float amax = hmax16(peak), s = amax / 127.0f;
+    const _Float16 half = (_Float16)(s > 65504.0f ? 65504.0f : s);
+    const float divisor = (float)half;
+    for (int64_t c = 0; c < chunks; c++) {
+        f32x16 y = divisor > 0.0f ? x[c] / divisor : (f32x16){0};
+        y = (y + 0x1.8p23f) - 0x1.8p23f;
+        y = select16(y > 127.0f, (f32x16){0} + 127.0f, y);
+        y = select16(y < -127.0f, (f32x16){0} - 127.0f, y);
+        const i32x16 n = __builtin_convertvector(y, i32x16);
+        for (int i = 0; i < 16; i++) q[16 * c + i] = (int8_t)n[i];
+    }
+    *scale = half;
+}
+
 /* The same for an int8 cache: each row quantized (quantize_row_int8, bit for bit the torch path's) into its slot,
  * its fp16 scale into the head-major [Hkv, slots] scale storage. key/value rows in the compute dtype src_dt. */
 int pagedserve_write_kv_int8(const char *key, int64_t key_stride, const char *value, int64_t value_stride, int src_dt,
@@ -40,6 +69,11 @@ int pagedserve_write_kv_int8(const char *key, int64_t key_stride, const char *va
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t at = h * num_slots + slot_mapping[t];
             const char *k = key + (t * key_stride + h * head_dim) * elem, *v = value + (t * value_stride + h * head_dim) * elem;
+            if (head_dim % 16 == 0 && head_dim <= 256) {
+                quantize_row_int8_x16(k, src_dt, head_dim / 16, k_storage + at * head_dim, k_scales + at);
+                quantize_row_int8_x16(v, src_dt, head_dim / 16, v_storage + at * head_dim, v_scales + at);
+                continue;
+            }
             for (int64_t d = 0; d < head_dim; d++) row[d] = load_at(k, d, src_dt);
             quantize_row_int8(row, head_dim, k_storage + at * head_dim, k_scales + at);
             for (int64_t d = 0; d < head_dim; d++) row[d] = load_at(v, d, src_dt);
@@ -47,5 +81,75 @@ int pagedserve_write_kv_int8(const char *key, int64_t key_stride, const char *va
         }
     }
     free(row);
+    return 0;
+}
+
+/* The prefill's SDPA path reads an 8-bit cache back: tiles[j] (j = h * per_head + i, rows of the storage viewed as
+ * [Hkv * num_blocks, block_size, D]) dequantized into out [Hkv, per_head * block_size, D] of a compute dtype, each
+ * value times its row's scale (int8) or its head's (FP8) in fp32 and rounded once, bit for bit kv_quant.gather_kv.
+ * One pass where torch took five (index_select, widen, scale, multiply, narrow), each a trip over memory and an
+ * allocation: at 4k keys that was most of an 8-bit cache's extra prefill time. head_dim a multiple of 16. */
+int pagedserve_gather_kv(const char *storage, int kv_dt, const _Float16 *row_scales, const float *head_scales,
+                         const int64_t *tiles, int64_t per_head, int64_t num_kv_heads, int64_t num_tiles,
+                         int64_t block_size, int64_t head_dim, char *out, int out_dt, int num_threads) {
+    const int64_t count = per_head * num_kv_heads, chunks = head_dim / 16;
+    for (int64_t j = 0; j < count; j++)
+        if (tiles[j] < 0 || tiles[j] >= num_tiles) return -1;
+    const size_t in_row = (size_t)head_dim * elem_size(kv_dt), out_row = (size_t)head_dim * elem_size(out_dt);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t j = 0; j < count; j++) {
+        const float head = kv_dt == DT_I8 ? 1.0f : head_scales[j / per_head];
+        for (int64_t r = 0; r < block_size; r++) {
+            const int64_t slot = tiles[j] * block_size + r;
+            const char *row = storage + (size_t)slot * in_row;
+            char *dst = out + (size_t)(j * block_size + r) * out_row;
+            const float scale = kv_dt == DT_I8 ? (float)row_scales[slot] : head;
+            for (int64_t c = 0; c < chunks; c++) store16(dst, c, out_dt, load16(row, c, kv_dt) * scale);
+        }
+    }
+    return 0;
+}
+
+/* |x| <= the format's largest finite value (the caller clamps), rounded to nearest even as torch's fp32 -> FP8 cast
+ * rounds: normals by rounding fp32's mantissa to `mant` bits, subnormals (below 2^(1 - bias)) as a multiple of their
+ * step. e4m3: bias 7, 3 mantissa bits; e5m2: bias 15, 2 bits. */
+static inline uint8_t fp8_bits(float x, int e4m3) {
+    const int mant = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    u &= 0x7fffffffu;
+    if (u > 0x7f800000u) return sign | 0x7f;  /* NaN, as torch casts it to either format */
+    if (u < (uint32_t)(128 - bias) << 23)  /* subnormal (or rounds up to the smallest normal: m == 2^mant) */
+        return sign | (uint8_t)rintf(fabsf(x) * (e4m3 ? 0x1p9f : 0x1p16f));
+    const int drop = 23 - mant;
+    u += (1u << (drop - 1)) - 1 + ((u >> drop) & 1u);
+    return sign | (uint8_t)((((u >> 23) - 127 + bias) << mant) | ((u >> drop) & ((1u << mant) - 1)));
+}
+
+/* The KV write of an FP8 cache: each value divided by its head's scale (IEEE division), clamped to the finite range
+ * and rounded to nearest even, byte for byte kv_quant.quantize_for_cache + the torch store (which took five passes
+ * and an index_put per tensor: an FP8 prefill's largest extra cost after the gather). */
+int pagedserve_write_kv_fp8(const char *key, int64_t key_stride, const char *value, int64_t value_stride, int src_dt,
+                            int kv_dt, uint8_t *k_storage, uint8_t *v_storage, const float *k_scale,
+                            const float *v_scale, const int64_t *slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
+                            int64_t num_slots, int64_t head_dim) {
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots) return -1;
+    const int e4m3 = kv_dt == DT_E4M3;
+    const float limit = e4m3 ? 448.0f : 57344.0f;
+    const int64_t elem = elem_size(src_dt);
+    for (int64_t t = 0; t < num_tokens; t++)
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t at = (h * num_slots + slot_mapping[t]) * head_dim;
+            const char *k = key + (t * key_stride + h * head_dim) * elem, *v = value + (t * value_stride + h * head_dim) * elem;
+            for (int64_t d = 0; d < head_dim; d++) {
+                float a = load_at(k, d, src_dt) / k_scale[h], b = load_at(v, d, src_dt) / v_scale[h];
+                a = a > limit ? limit : a < -limit ? -limit : a;
+                b = b > limit ? limit : b < -limit ? -limit : b;
+                k_storage[at + d] = fp8_bits(a, e4m3);
+                v_storage[at + d] = fp8_bits(b, e4m3);
+            }
+        }
     return 0;
 }

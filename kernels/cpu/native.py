@@ -50,6 +50,8 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.pagedserve_prefill_attention.argtypes = [ctypes.c_void_p, i64, c_int]  # a PrefillArgs (prefill.py)
     lib.pagedserve_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.pagedserve_write_kv_int8.argtypes = [ptr, i64, ptr, i64, c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
+    lib.pagedserve_write_kv_fp8.argtypes = [ptr, i64, ptr, i64, c_int, c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
+    lib.pagedserve_gather_kv.argtypes = [ptr, c_int, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, c_int, c_int]
     lib.pagedserve_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, c_int, c_int]
     lib.pagedserve_silu_and_mul.argtypes = [ptr, ptr, i64, i64, c_int, c_int]
     lib.pagedserve_rope.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, c_int, c_int]
@@ -70,7 +72,7 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.pagedserve_dense_gemm_isa.restype = ctypes.c_char_p
     lib.pagedserve_isa_tier.restype = ctypes.c_char_p
     for fn in (lib.pagedserve_decode_attention, lib.pagedserve_prefill_attention, lib.pagedserve_write_kv,
-               lib.pagedserve_write_kv_int8, lib.pagedserve_rms_norm, lib.pagedserve_silu_and_mul, lib.pagedserve_rope,
+               lib.pagedserve_write_kv_int8, lib.pagedserve_write_kv_fp8, lib.pagedserve_gather_kv, lib.pagedserve_rms_norm, lib.pagedserve_silu_and_mul, lib.pagedserve_rope,
                lib.pagedserve_row_max_argmax):
         fn.restype = c_int
 
@@ -217,3 +219,49 @@ def write_kv_int8(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, s
         raise MemoryError("native int8 KV write could not allocate a row")
     if status != 0:
         raise IndexError(f"a KV slot is outside the cache's {num_blocks * block_size} slots")
+
+
+def write_kv_fp8(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
+    """key, value [T, Hkv, D] in a compute dtype (token rows may be strided, heads dense) -> their slots of an FP8
+    cache, byte for byte kv_quant.store_kv (divided by the head's scale, clamped, rounded to nearest even). Raises
+    IndexError for a slot outside the storage."""
+    k_storage, v_storage = LayerKVCache.by_head(cache.k), LayerKVCache.by_head(cache.v)
+    num_kv_heads, num_blocks, block_size, head_dim = k_storage.shape
+    for x in (key, value):
+        assert x.dtype in COMPUTE_DTYPES and x.dtype == key.dtype and x.shape[1:] == (num_kv_heads, head_dim)
+        assert x.stride(2) == 1 and x.stride(1) == head_dim
+    assert cache.dtype.is_fp8
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == key.shape[:1]
+    k_scale, v_scale = (s.to(torch.float32).contiguous() for s in (cache.k_scale, cache.v_scale))
+    status = load_library().pagedserve_write_kv_fp8(
+        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), dtype_code(key.dtype),
+        dtype_code(k_storage.dtype), k_storage.data_ptr(), v_storage.data_ptr(), k_scale.data_ptr(),
+        v_scale.data_ptr(), slot_mapping.data_ptr(), key.shape[0], num_kv_heads, num_blocks * block_size, head_dim,
+    )
+    if status != 0:
+        raise IndexError(f"a KV slot is outside the cache's {num_blocks * block_size} slots")
+
+
+def gather_kv_8bit(cache: LayerKVCache, tiles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_quant.gather_kv for an 8-bit cache (int8 or FP8; head_dim a multiple of 16), in one native pass per tensor:
+    the same values, bit for bit. tiles: [Hkv * N] int64 (kv_quant.head_tiles)."""
+    assert cache.dtype.is_fp8 or cache.dtype.has_row_scales, "16-bit caches gather with index_select"
+    assert dtype in COMPUTE_DTYPES and tiles.dtype == torch.int64 and tiles.is_contiguous()
+    out = []
+    for tensor, head_scale, row_scale in ((cache.k, cache.k_scale, cache.k_row_scale),
+                                          (cache.v, cache.v_scale, cache.v_row_scale)):
+        storage = LayerKVCache.by_head(tensor)
+        num_kv_heads, num_blocks, block_size, head_dim = storage.shape
+        assert head_dim % 16 == 0 and tiles.shape[0] % num_kv_heads == 0
+        per_head = tiles.shape[0] // num_kv_heads
+        result = torch.empty(num_kv_heads, per_head * block_size, head_dim, dtype=dtype)
+        head_scale = head_scale.to(torch.float32).contiguous()
+        status = load_library().pagedserve_gather_kv(
+            storage.data_ptr(), dtype_code(storage.dtype), row_scales_ptr(row_scale), head_scale.data_ptr(),
+            tiles.data_ptr(), per_head, num_kv_heads, num_kv_heads * num_blocks, block_size, head_dim,
+            result.data_ptr(), dtype_code(dtype), torch.get_num_threads(),
+        )
+        if status != 0:
+            raise IndexError(f"a KV tile is outside the cache's {num_kv_heads * num_blocks} tiles")
+        out.append(result)
+    return out[0], out[1]
