@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,11 +18,10 @@ from torch import nn
 
 from pagedserve.quant.base import LinearMethod, QuantConfig, QuantConfigError
 from pagedserve.quant.config_fields import get_bool, get_choice, get_int
-from pagedserve.quant.dense_layout import DenseEmbedding
 from pagedserve.quant.group_quant import GroupQuantWeight
 from pagedserve.quant.packed_linear import PackedLinearMethod
 from pagedserve.quant.packing import default_g_idx, pack_cols, pack_rows, unpack_awq
-from pagedserve.quant.unquantized import UnquantizedLinearMethod
+from pagedserve.quant.unquantized import PlainLayersIn16Bit
 
 log = logging.getLogger("pagedserve.quant")
 
@@ -32,16 +31,14 @@ KNOWN_OTHER_VERSIONS = ("gemv", "gemv_fast", "marlin", "exllama", "ipex", "llm-a
 
 
 @dataclass(frozen=True, slots=True)
-class AWQConfig(QuantConfig):
+class AWQConfig(PlainLayersIn16Bit, QuantConfig):
     name = "awq"
     bits: int
     group_size: int
     zero_point: bool = True
     modules_to_not_convert: tuple[str, ...] = ()
     kernel: str = "auto"
-    # the layers it leaves unquantized (embedding, head) held in this 16-bit dtype under fp32 compute, None: in
-    # the compute dtype (engine/loading/dtype_plan.py: a CPU without 16-bit arithmetic)
-    plain_weights: torch.dtype | None = None
+    plain_weights: torch.dtype | None = None  # PlainLayersIn16Bit: None, or 16-bit under fp32 compute
 
     def __post_init__(self) -> None:
         if self.bits != 4:
@@ -68,14 +65,8 @@ class AWQConfig(QuantConfig):
     def linear_method(self, prefix: str) -> LinearMethod:
         # AutoAWQ's rule: a module stays fp16 when any listed name is a substring of its name.
         if prefix == "lm_head" or prefix.endswith(".lm_head") or any(s in prefix for s in self.modules_to_not_convert):
-            return UnquantizedLinearMethod(self.plain_weights)
+            return self.plain_linear_method()
         return AWQLinearMethod(prefix, self, self.kernel)
-
-    def holding_weights_in(self, dtype: torch.dtype, compute_dtype: torch.dtype) -> "AWQConfig":
-        return replace(self, plain_weights=None if dtype == compute_dtype else dtype)
-
-    def embedding(self, prefix: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> nn.Module:
-        return DenseEmbedding(num_embeddings, embedding_dim, dtype, self.plain_weights)
 
     def describe(self) -> str:
         return f"awq {self.bits}-bit group {self.group_size} zero_point={self.zero_point}"

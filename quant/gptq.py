@@ -20,11 +20,10 @@ from torch import nn
 
 from pagedserve.quant.base import LinearMethod, QuantConfig, QuantConfigError
 from pagedserve.quant.config_fields import get_bool, get_choice, get_int
-from pagedserve.quant.dense_layout import DenseEmbedding
 from pagedserve.quant.group_quant import GroupQuantWeight
 from pagedserve.quant.packed_linear import PackedLinearMethod
 from pagedserve.quant.packing import default_g_idx, pack_cols, pack_factor, unpack_cols
-from pagedserve.quant.unquantized import UnquantizedLinearMethod
+from pagedserve.quant.unquantized import PlainLayersIn16Bit
 
 log = logging.getLogger("pagedserve.quant")
 
@@ -48,7 +47,7 @@ class GPTQLayerSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class GPTQConfig(QuantConfig):
+class GPTQConfig(PlainLayersIn16Bit, QuantConfig):
     name = "gptq"
     spec: GPTQLayerSpec
     checkpoint_format: str = "gptq"
@@ -56,9 +55,7 @@ class GPTQConfig(QuantConfig):
     # GPTQModel "dynamic": regex -> overrides; a "-:" prefix means "leave this module unquantized".
     dynamic: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
     kernel: str = "auto"
-    # the layers it leaves unquantized (embedding, head) held in this 16-bit dtype under fp32 compute, None: in
-    # the compute dtype (engine/loading/dtype_plan.py: a CPU without 16-bit arithmetic)
-    plain_weights: torch.dtype | None = None
+    plain_weights: torch.dtype | None = None  # PlainLayersIn16Bit: None, or 16-bit under fp32 compute
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
@@ -100,14 +97,8 @@ class GPTQConfig(QuantConfig):
     def linear_method(self, prefix: str) -> LinearMethod:
         spec = self.spec_for(prefix)
         if spec is None:
-            return UnquantizedLinearMethod(self.plain_weights)
+            return self.plain_linear_method()
         return GPTQLinearMethod(prefix, spec, self.checkpoint_format, self.kernel)
-
-    def holding_weights_in(self, dtype: torch.dtype, compute_dtype: torch.dtype) -> "GPTQConfig":
-        return replace(self, plain_weights=None if dtype == compute_dtype else dtype)
-
-    def embedding(self, prefix: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> nn.Module:
-        return DenseEmbedding(num_embeddings, embedding_dim, dtype, self.plain_weights)
 
     def describe(self) -> str:
         s = self.spec

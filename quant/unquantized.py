@@ -7,6 +7,7 @@ fp16 -> fp32 are exact, so the products are the fp32 model's."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -160,3 +161,23 @@ class UnquantizedConfig(QuantConfig):
 
     def embedding(self, prefix: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> nn.Module:
         return DenseEmbedding(num_embeddings, embedding_dim, dtype, self.weight_dtype)
+
+
+class PlainLayersIn16Bit:
+    """Mixed into a quantization method's config (a frozen dataclass with a `plain_weights` field) whose checkpoints
+    leave some layers unquantized (GPTQ/AWQ: the embedding, a 16-bit head): those layers are held as
+    UnquantizedConfig holds a plain checkpoint's, in its 16-bit dtype under fp32 compute (engine/loading/
+    dtype_plan.py), not expanded to fp32."""
+
+    __slots__ = ()
+    plain_weights: torch.dtype | None
+
+    def holding_weights_in(self, dtype: torch.dtype, compute_dtype: torch.dtype) -> "PlainLayersIn16Bit":
+        return dataclasses.replace(self, plain_weights=None if dtype == compute_dtype else dtype)
+
+    def embedding(self, prefix: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> nn.Module:
+        return DenseEmbedding(num_embeddings, embedding_dim, dtype, self.plain_weights)
+
+    def plain_linear_method(self) -> LinearMethod:
+        """The method of a linear the checkpoint leaves unquantized."""
+        return UnquantizedLinearMethod(self.plain_weights)

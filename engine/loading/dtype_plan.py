@@ -6,8 +6,9 @@ or the tier PAGEDSERVE_CPU_ISA / `--cpu-isa` forces):
   makes the same choice);
 - none (an AVX2 host: Zen 3, Haswell): fp32 compute, where torch would emulate bf16 math through fp32 conversions
   (measured 0.27x llama.cpp at 8 streams on a Zen 3) and fp16 matmuls are slow; a 16-bit checkpoint's matrices
-  (and the embedding and head a GPTQ/AWQ checkpoint leaves unquantized: `holding_weights_in`) stay in its dtype, widened to fp32 in registers (the native GEMV) or a few MB at a time (prefill), as llama.cpp
-  does: half the bytes of fp32 read per token and held in memory, and the products are exactly the fp32 model's;
+  (and the embedding and head a GPTQ/AWQ checkpoint leaves unquantized: `holding_weights_in`) stay in its dtype,
+  widened to fp32 in registers (the native GEMV) or a few MB at a time (prefill), as llama.cpp does: half the
+  bytes of fp32 read per token and held in memory, and the products are exactly the fp32 model's;
 - GPUs: the checkpoint's dtype.
 An explicit dtype is both: `--dtype float32` the reference path (weights expanded at load), `--dtype bfloat16` bf16
 throughout.
