@@ -17,11 +17,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.cpu.packed import PackedMatrix, grouped_bf16_available
+from pagedserve.kernels.cpu.packed import GROUP_ROWS, PackedMatrix, grouped_bf16_available
 
 MIN_ROWS = 64  # rows from which the per-call expansion beat the packed kernel on the 1B and SmolLM2 shapes
 SLAB_BYTES = 64 << 20  # most bf16 scratch per GEMM: a 1B model's gate_up whole, an LM head in slabs
-_GROUP_ROWS = 16
 
 
 @functools.cache
@@ -45,7 +44,7 @@ def takes(packed: PackedMatrix, rows: int, dtype: torch.dtype) -> bool:
 def dequantized_linear(packed: PackedMatrix, x: torch.Tensor) -> torch.Tensor:
     """x [rows, in] bf16 @ W^T + bias in bf16, W (a grouped matrix) dequantized per call, slab by slab."""
     out, inn = packed.out_features, packed.in_features
-    slab = min(out, max(_GROUP_ROWS, SLAB_BYTES // (2 * inn) // _GROUP_ROWS * _GROUP_ROWS))
+    slab = min(out, max(GROUP_ROWS, SLAB_BYTES // (2 * inn) // GROUP_ROWS * GROUP_ROWS))
     scratch = torch.empty(slab, inn, dtype=torch.bfloat16)
     bias = None if packed.bias is None else packed.bias.to(x.dtype)
     if slab == out:

@@ -33,9 +33,13 @@
 #include "act_q16.h"
 #include "group_state.h"
 
-#define GQ_PREFETCH_TILES 8  /* software prefetch distance, in tiles (packed_grouped.c's choice) */
+#define GQ_PREFETCH_TILES 8  /* software prefetch distance, in tiles (packed_grouped.c's former choice; its 4 not measured here) */
 #define GQ_INLINE static inline __attribute__((always_inline))
+#if defined(PQ_LANES8)
+#define GQ_GTILE 4  /* activation rows per pass: 16 ymm registers hold 2 R totals + 2 R (4 R at R <= 2) integer sums */
+#else
 #define GQ_GTILE 8  /* activation rows per pass over a row group's weights */
+#endif
 
 static inline int64_t gq_tile_bytes(int bits) { return 32 * GQ_ROWS * bits / 8; }
 
@@ -147,8 +151,6 @@ GQ_INLINE void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, c
 }
 #elif defined(PQ_LANES8)
 #define GQ_GROUPED_ISA PQ_INT16
-#undef GQ_GTILE
-#define GQ_GTILE 4  /* 16 ymm registers: 2 R totals + 2 R (or 4 R at R <= 2) integer sums, R <= 4 */
 
 /* Half `half` (rows 8 half .. 8 half + 7) of group g of row group h: its scale s and offset -z s, as the AVX-512
  * form's (exact for fp16 scales). */
@@ -220,27 +222,17 @@ static void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, cons
 #endif
 
 /* R <= GQ_GTILE; each R its own instance (constant loop bounds keep the sums in registers) */
-#if GQ_GTILE == 4
-#define GQ_GROUPED_CASES(B)                                                                    \
-    switch (R) {                                                                               \
-    case 1: gq_grouped_store(st, B, h, x, act, 1, y); return;                                  \
-    case 2: gq_grouped_store(st, B, h, x, act, 2, y); return;                                  \
-    case 3: gq_grouped_store(st, B, h, x, act, 3, y); return;                                  \
-    default: gq_grouped_store(st, B, h, x, act, GQ_GTILE, y); return;                          \
-    }
+#define GQ_CASE(B, R_) case R_: gq_grouped_store(st, B, h, x, act, R_, y); return;
+#if GQ_GTILE > 4
+#define GQ_MORE_CASES(B) GQ_CASE(B, 4) GQ_CASE(B, 5) GQ_CASE(B, 6) GQ_CASE(B, 7)
 #else
+#define GQ_MORE_CASES(B)
+#endif
 #define GQ_GROUPED_CASES(B)                                                                    \
     switch (R) {                                                                               \
-    case 1: gq_grouped_store(st, B, h, x, act, 1, y); return;                                  \
-    case 2: gq_grouped_store(st, B, h, x, act, 2, y); return;                                  \
-    case 3: gq_grouped_store(st, B, h, x, act, 3, y); return;                                  \
-    case 4: gq_grouped_store(st, B, h, x, act, 4, y); return;                                  \
-    case 5: gq_grouped_store(st, B, h, x, act, 5, y); return;                                  \
-    case 6: gq_grouped_store(st, B, h, x, act, 6, y); return;                                  \
-    case 7: gq_grouped_store(st, B, h, x, act, 7, y); return;                                  \
+    GQ_CASE(B, 1) GQ_CASE(B, 2) GQ_CASE(B, 3) GQ_MORE_CASES(B)                                 \
     default: gq_grouped_store(st, B, h, x, act, GQ_GTILE, y); return;                          \
     }
-#endif
 
 static void gq_grouped_any(const ps_group_state *st, int64_t h, const float *x, pq_act act, int R, float *y) {
     if (st->bits == 4) GQ_GROUPED_CASES(4)

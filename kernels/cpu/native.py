@@ -72,8 +72,8 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.pagedserve_dense_gemm_isa.restype = ctypes.c_char_p
     lib.pagedserve_isa_tier.restype = ctypes.c_char_p
     for fn in (lib.pagedserve_decode_attention, lib.pagedserve_prefill_attention, lib.pagedserve_write_kv,
-               lib.pagedserve_write_kv_int8, lib.pagedserve_write_kv_fp8, lib.pagedserve_gather_kv, lib.pagedserve_rms_norm, lib.pagedserve_silu_and_mul, lib.pagedserve_rope,
-               lib.pagedserve_row_max_argmax):
+               lib.pagedserve_write_kv_int8, lib.pagedserve_write_kv_fp8, lib.pagedserve_gather_kv,
+               lib.pagedserve_rms_norm, lib.pagedserve_silu_and_mul, lib.pagedserve_rope, lib.pagedserve_row_max_argmax):
         fn.restype = c_int
 
 

@@ -65,10 +65,9 @@ static void pkb_group(int fmt, const uint8_t *tiles, int64_t nb, uint32_t *out, 
                 stride); return;
     switch (fmt) {
     PKB_CASE(PK_Q4_0) PKB_CASE(PK_Q4_1) PKB_CASE(PK_Q8_0) PKB_CASE(PK_Q5_0) PKB_CASE(PK_Q4_K) PKB_CASE(PK_Q5_K)
-    default: break;
+    PKB_CASE(PK_Q6_K)
+    default: return;  /* pk_check admitted only the formats above */
     }
-    for (int64_t k = 0; k < nb * pkp_runs(PK_Q6_K); k++)
-        pkb_run(PK_Q6_K, tiles + k / 8 * pkw_tile_bytes(PK_Q6_K), (int)(k % 8), out + (stride ? 16 : 256) * k, stride);
 #undef PKB_CASE
 }
 #endif
