@@ -117,6 +117,19 @@ def grouped_bound(matrix: cpu_packed.PackedMatrix, stored: np.ndarray, w: np.nda
     return bound + 1.001 * ((scale.astype(np.float64) / 2) @ code_terms.T)
 
 
+def gguf_layer(method: GgufLinearMethod, stored: np.ndarray, out: int, inn: int, dtype: torch.dtype,
+               bias: torch.Tensor | None = None) -> torch.nn.Module:
+    """A layer `method` loaded with the file's blocks `stored` ([out, row bytes]), as the model loader does."""
+    layer = torch.nn.Module()
+    layer.in_features, layer.out_features = inn, out
+    method.create_weights(layer, inn, out, bias is not None, dtype)
+    layer.weight.data.copy_(torch.from_numpy(stored))
+    if bias is not None:
+        layer.bias.data.copy_(bias)
+    method.process_weights_after_loading(layer)
+    return layer
+
+
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_dequantized_rows_equal_gguf(lib, qtype):
     rng = np.random.default_rng(1)
@@ -212,12 +225,8 @@ def test_auto_keeps_a_dense_copy_only_where_the_packed_kernel_loses(tier, monkey
     monkeypatch.setattr(cpu_packed, "build", lambda tier=None: lib)  # what a host of this tier would load
     rng = np.random.default_rng(8)
     stored = blocks_for("Q4_K", 48, 256, rng)
-    layer = torch.nn.Module()
-    layer.in_features, layer.out_features = 256, 48
     method = GgufLinearMethod("Q4_K", dense_batches=True)
-    method.create_weights(layer, 256, 48, False, torch.float32)
-    layer.weight.data.copy_(torch.from_numpy(stored))
-    method.process_weights_after_loading(layer)
+    layer = gguf_layer(method, stored, 48, 256, torch.float32)
     many = cpu_packed.grouped_isa(lib, "Q4_K") in cpu_packed.MANY_ROW_GROUPED_ISAS
     int16 = ("avx2", "avx2_vnni", "avx512_vnni", "avx512_bf16")
     assert many == (tier in int16 or (tier == "native" and isa.host_tier() in int16))
@@ -313,13 +322,8 @@ def test_the_ps_linear_fn_pointer_computes_the_same_product(out, qtype):
     rng = np.random.default_rng(3)
     inn = 256
     stored = blocks_for(qtype, out, inn, rng)
-    layer = torch.nn.Module()
-    layer.in_features, layer.out_features = inn, out
     method = GgufLinearMethod(qtype)
-    method.create_weights(layer, inn, out, True, torch.float32)
-    layer.weight.data.copy_(torch.from_numpy(stored))
-    layer.bias.data.copy_(torch.randn(out))
-    method.process_weights_after_loading(layer)
+    layer = gguf_layer(method, stored, out, inn, torch.float32, bias=torch.randn(out))
     isa_of = cpu_packed.grouped_isa(layer.packed.lib, qtype)
     fast = isa_of in cpu_packed.FAST_GROUPED_ISAS
     assert layer.packed.row_group == (cpu_packed.GROUP_ROWS if out % 16 == 0 and fast else 0)
@@ -393,13 +397,8 @@ def test_long_chunks_are_dequantized_per_call_where_amx_is_granted(monkeypatch):
         pytest.skip(f"no AMX tiles or no AVX512-BF16 build here ({isa.host_tier()})")
     rng = np.random.default_rng(12)
     stored = blocks_for("Q6_K", 96, 512, rng)
-    layer = torch.nn.Module()
-    layer.in_features, layer.out_features = 512, 96
     method = GgufLinearMethod("Q6_K", dense_batches=True)
-    method.create_weights(layer, 512, 96, True, torch.bfloat16)
-    layer.weight.data.copy_(torch.from_numpy(stored))
-    layer.bias.data.copy_(torch.randn(96))
-    method.process_weights_after_loading(layer)
+    layer = gguf_layer(method, stored, 96, 512, torch.bfloat16, bias=torch.randn(96))
     assert layer.__dict__["dense_copy"] is None
     w = torch.from_numpy(dequantize(stored, T["Q6_K"])).to(torch.bfloat16)
     x = torch.randn(gguf_prefill.MIN_ROWS + 5, 512).to(torch.bfloat16)
