@@ -64,23 +64,27 @@ PKW_INLINE void pkp_codes(int fmt, const uint8_t *run, __m256i *u) {
         pkp_codes8(run, u);
         return;
     }
+    if (fmt == PK_Q6_K) {
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 2; s++) {
+                __m256i v[8];
+                pkw_q6_codes(run + 192 * h + 32 * s, v);
+                for (int m = 0; m < 8; m++) _mm256_store_si256(u + 2 * (8 * h + m) + s, _mm256_sub_epi16(v[m], _mm256_set1_epi16(32)));
+            }
+        return;
+    }
     const __m256i low4 = _mm256_set1_epi32(0x000F000F);
-    __m256i hw[2][2];
-    for (int e = 0; e < (fmt == PK_Q6_K ? 2 : fmt == PK_Q5_0 || fmt == PK_Q5_K ? 1 : 0); e++)
-        for (int s = 0; s < 2; s++) hw[e][s] = _mm256_loadu_si256((const __m256i *)(run + 256 + 64 * e + 32 * s));
+    __m256i hw[2];
+    for (int s = 0; s < (fmt == PK_Q5_0 || fmt == PK_Q5_K ? 2 : 0); s++)
+        hw[s] = _mm256_loadu_si256((const __m256i *)(run + 256 + 32 * s));
     for (int c = 0; c < 4; c++)
         for (int s = 0; s < 2; s++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(run + 64 * c + 32 * s));
             for (int p = 0; p < 4; p++) {
                 __m256i v = p == 3 ? _mm256_srli_epi16(w, 12) : _mm256_and_si256(pkp_shift(w, 4 * p), low4);
                 if (fmt == PK_Q5_0 || fmt == PK_Q5_K)
-                    v = _mm256_or_si256(v, _mm256_and_si256(pkp_shift(hw[0][s], 4 * c + p - 4),
+                    v = _mm256_or_si256(v, _mm256_and_si256(pkp_shift(hw[s], 4 * c + p - 4),
                                                             _mm256_set1_epi32(0x00100010)));
-                if (fmt == PK_Q6_K) {
-                    v = _mm256_or_si256(v, _mm256_and_si256(pkp_shift(hw[c / 2][s], 2 * (4 * (c & 1) + p) - 4),
-                                                            _mm256_set1_epi32(0x00300030)));
-                    v = _mm256_sub_epi16(v, _mm256_set1_epi16(32));
-                }
                 _mm256_store_si256(u + 2 * (4 * c + p) + s, v);
             }
         }

@@ -43,21 +43,22 @@ PKW_INLINE void pkp_codes(int fmt, const uint8_t *run, __m512i *u) {
         pkp_codes8(run, u);
         return;
     }
+    if (fmt == PK_Q6_K) {
+        for (int h = 0; h < 2; h++) {
+            __m512i v[8];
+            pkw_q6_codes(run + 192 * h, v);
+            for (int m = 0; m < 8; m++) _mm512_store_si512(u + 8 * h + m, _mm512_sub_epi16(v[m], _mm512_set1_epi16(32)));
+        }
+        return;
+    }
     const __m512i low4 = _mm512_set1_epi32(0x000F000F);
-    __m512i hw[2];
-    for (int e = 0; e < (fmt == PK_Q6_K ? 2 : fmt == PK_Q5_0 || fmt == PK_Q5_K ? 1 : 0); e++)
-        hw[e] = _mm512_loadu_si512(run + 256 + 64 * e);
+    const __m512i hw = fmt == PK_Q5_0 || fmt == PK_Q5_K ? _mm512_loadu_si512(run + 256) : _mm512_setzero_si512();
     for (int c = 0; c < 4; c++) {
         const __m512i w = _mm512_loadu_si512(run + 64 * c);
         for (int p = 0; p < 4; p++) {
             __m512i v = p == 3 ? _mm512_srli_epi16(w, 12) : _mm512_and_si512(pkp_shift(w, 4 * p), low4);
             if (fmt == PK_Q5_0 || fmt == PK_Q5_K)  /* v | (high & mask) */
-                v = _mm512_ternarylogic_epi32(v, pkp_shift(hw[0], 4 * c + p - 4), _mm512_set1_epi32(0x00100010), 0xF8);
-            if (fmt == PK_Q6_K) {
-                v = _mm512_ternarylogic_epi32(v, pkp_shift(hw[c / 2], 2 * (4 * (c & 1) + p) - 4),
-                                              _mm512_set1_epi32(0x00300030), 0xF8);
-                v = _mm512_sub_epi16(v, _mm512_set1_epi16(32));
-            }
+                v = _mm512_ternarylogic_epi32(v, pkp_shift(hw, 4 * c + p - 4), _mm512_set1_epi32(0x00100010), 0xF8);
             _mm512_store_si512(u + 4 * c + p, v);
         }
     }

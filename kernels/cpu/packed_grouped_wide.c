@@ -13,19 +13,18 @@
  * VNNI) run C loops on fp32 activations; loaders keep the file's layout there (packed.py's grouped_isa).
  * Per run every build adds (d da) dot(u, q) + m sx with the exact fp32 block sum sx (Q6_K: signed codes u - 32,
  * one scale per 16-value half, no offset term, the centring taken from the activations' integer half sums:
- * pkw_half_sums); act_q16.h states the int16 rounding's bound. (int8 activations with u8 x s8 byte dots, as
+ * pkw_centring); act_q16.h states the int16 rounding's bound. (int8 activations with u8 x s8 byte dots, as
  * llama.cpp's Q8, ran these kernels 1.5-2.5x faster per core but agreed with the dequantized Gemma 3 270M Q4_K_M
  * on 91% of teacher-forced top-1 tokens, against 100% with int16.)
  *
  * Layout, same bytes as the file's, group g = rows 16g..16g+15 stored in place of those rows. Per storage block
  * (32 inputs for Q5_0, 256 for the K formats) one tile: a header, then per 32-input run j a 4-bit plane (4 chunks
  * of 64 bytes, chunk c's 32-bit word r = row r's low nibbles of inputs 8c..8c+7, input 8c+p in bits 4p..4p+3: the
- * Q4_0 tile's) and for 5/6-bit codes a plane of high bits:
- *   5-bit (Q5_0, Q5_K): 16 words, word r bit 4c + p = bit 4 of input 8c + p, bit 16 + 4c + p that of 8c + p + 4;
- *   Q6_K: 2 x 16 words, word e r holds bits 4-5 of inputs 16e..16e+15: those of 8c + p at 2t, of 8c + p + 4 at
- *   16 + 2t (t = 4 (c - 2e) + p).
- * Shifted by a constant and masked, a high word thus lines up with the 4-bit word's (w >> 4p) & 0x000F000F, which
- * holds inputs 8c + p and 8c + p + 4 as two int16: the order act_q16.h's pq_quantize stores activations in.
+ * Q4_0 tile's) and for 5-bit codes (Q5_0, Q5_K) a plane of high bits: 16 words, word r bit 4c + p = bit 4 of input
+ * 8c + p, bit 16 + 4c + p that of 8c + p + 4. Shifted by a constant and masked, a high word thus lines up with the
+ * 4-bit word's (w >> 4p) & 0x000F000F, which holds inputs 8c + p and 8c + p + 4 as two int16: the order act_q16.h's
+ * pq_quantize stores activations in. Q6_K's run is 6 planes of whole 6-bit codes in that order instead
+ * (packed_wide_layout.h's pkw_q6_put), as the shifted high plane cost ~2x Q4_K's instructions per byte.
  * Headers: Q5_0: the 16 rows' d (fp16, 32 bytes). Q4_K/Q5_K: d (32), dmin (32), then per run j 16 bytes
  * sc | (mn >> 4) << 6 and per run pair 16 bytes mn & 15 (run 2i + 1 in the high nibble): 6-bit scale and min.
  * Q6_K: d (32), then per 16-value half h (0..15) the 16 rows' int8 scales. */
@@ -70,13 +69,12 @@ static void pkw_put_row(int fmt, const uint8_t *blk, int r, uint8_t *tile) {
         pk_codes_scalar(fmt, blk, j, u);
         for (int k = 0; k < 32; k++) {
             const int c = k / 8, p = k % 4, h = k % 8 / 4;
-            pkw_or32(run + 64 * c + 4 * r, (uint32_t)(u[k] & 15) << 4 * (k % 8));
             if (fmt == PK_Q6_K) {
-                const int e = c / 2, t = 4 * (c - 2 * e) + p;
-                pkw_or32(run + 256 + 64 * e + 4 * r, (uint32_t)(u[k] >> 4) << (16 * h + 2 * t));
-            } else if (fmt != PK_Q4_K) {
-                pkw_or32(run + 256 + 4 * r, (uint32_t)(u[k] >> 4) << (16 * h + 4 * c + p));
+                pkw_q6_put(run, r, k, u[k]);
+                continue;
             }
+            pkw_or32(run + 64 * c + 4 * r, (uint32_t)(u[k] & 15) << 4 * (k % 8));
+            if (fmt != PK_Q4_K) pkw_or32(run + 256 + 4 * r, (uint32_t)(u[k] >> 4) << (16 * h + 4 * c + p));
         }
     }
 }
@@ -99,14 +97,12 @@ void pkw_group_rows(const ps_packed_state *st, uint8_t *dst) {
 /* Row r's codes (0..31, Q6_K 0..63) and scales of run j of a tile: w = d u + m per 16-value half. */
 static void pkw_row_run(int fmt, const uint8_t *tile, int r, int j, uint8_t *u, float *d, float *m) {
     const uint8_t *run = tile + pkw_header(fmt) + j * pkw_run_bytes(fmt);
-    pk_tile4_codes(run, r, u);
+    if (fmt != PK_Q6_K) pk_tile4_codes(run, r, u);
     for (int k = 0; k < 32; k++) {
         const int c = k / 8, p = k % 4, h = k % 8 / 4;
         uint32_t word;
         if (fmt == PK_Q6_K) {
-            const int e = c / 2, t = 4 * (c - 2 * e) + p;
-            memcpy(&word, run + 256 + 64 * e + 4 * r, 4);
-            u[k] |= (uint8_t)(((word >> (16 * h + 2 * t)) & 3) << 4);
+            u[k] = (uint8_t)pkw_q6_get(run, r, k);
         } else if (fmt != PK_Q4_K) {
             memcpy(&word, run + 256 + 4 * r, 4);
             u[k] |= (uint8_t)(((word >> (16 * h + 4 * c + p)) & 1) << 4);
@@ -136,13 +132,13 @@ void pkw_grouped_row_run(const ps_packed_state *st, int64_t row, int64_t run, ui
 #define PKW_ISA PQ_INT16
 
 /* Each run's Q6_K codes are centred (u - 32) in the integer dot: dot(u - 32, q) = dot(u, q) - 32 sum(q) over each
- * 16-input half, exact in int32, so the centring is one subtraction per half and activation row from these sums
- * (made once per call) instead of one per code vector. sq[2 k + h] = sum of run k's int16 activations of half h. */
-static void pkw_half_sums(const int16_t *q, int64_t nruns, int32_t *sq) {
+ * 16-input half, exact in int32, so the centring is where each half's dot starts, made once per call, instead of
+ * a subtraction per code vector. sq[2 k + h] = -32 x the sum of run k's int16 activations of half h. */
+static void pkw_centring(const int16_t *q, int64_t nruns, int32_t *sq) {
     for (int64_t i = 0; i < 2 * nruns; i++) {
         int32_t sum = 0;
         for (int l = 0; l < 16; l++) sum += q[16 * i + l];  /* the 4-bit order permutes within 8 inputs only */
-        sq[i] = sum;
+        sq[i] = -32 * sum;
     }
 }
 
@@ -195,9 +191,29 @@ PKW_INLINE void pkw_dots_q4k(const uint8_t *run, const int16_t *q, int64_t qstri
         }
 }
 
-/* One run's integer dots: acc[4r + 2s + h] for activation row r, tile rows 8s..8s+7, input half h (Q6_K: inputs
- * 0-15 / 16-31, uncentred; the others: up to 2 rows two chains by p's parity, summed by the caller). Codes as two
- * int16 per lane in act_q16.h's 4-bit order. */
+/* Q6_K's dots: acc[4r + 2s + h] = dot(u - 32, q) of input half h (inputs 0-15 / 16-31), tile rows 8s..8s+7, each
+ * started at its centring sq (pkw_centring; row r's at sq + r sstride). Up to 2 rows a second chain per sum by
+ * the pair's parity: one chain of 8 dots left vpdpwssd's latency exposed. */
+PKW_INLINE void pkw_dots_q6k(const uint8_t *run, const int16_t *q, int64_t qstride, const int32_t *sq,
+                             int64_t sstride, int R, __m256i *acc) {
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 2; s++) {
+            __m256i u[8];
+            pkw_q6_codes(run + 192 * h + 32 * s, u);
+            for (int r = 0; r < R; r++) {
+                __m256i a = _mm256_set1_epi32(sq[r * sstride + h]), b = _mm256_setzero_si256();
+                for (int m = 0; m < 8; m++) {
+                    const __m256i pair = _mm256_set1_epi32(pq_pair(q + r * qstride + 16 * h + 2 * m));
+                    if (R <= 2 && (m & 1)) b = pkw_dp(b, u[m], pair);
+                    else a = pkw_dp(a, u[m], pair);
+                }
+                acc[4 * r + 2 * s + h] = R <= 2 ? _mm256_add_epi32(a, b) : a;
+            }
+        }
+}
+
+/* One run's integer dots (Q5_0, Q4_K, Q5_K): acc[4r + 2s + h] for activation row r, tile rows 8s..8s+7 (up to 2
+ * rows two chains h by p's parity, summed by the caller). Codes as two int16 per lane in act_q16.h's 4-bit order. */
 PKW_INLINE void pkw_dots(int fmt, const uint8_t *run, const int16_t *q, int64_t qstride, int R, __m256i *acc) {
     if (fmt == PK_Q4_K && R <= 2) {
         pkw_dots_q4k(run, q, qstride, R, acc);
@@ -205,9 +221,8 @@ PKW_INLINE void pkw_dots(int fmt, const uint8_t *run, const int16_t *q, int64_t 
     }
     const __m256i low4 = _mm256_set1_epi32(0x000F000F);
     for (int i = 0; i < 4 * R; i++) acc[i] = _mm256_setzero_si256();
-    __m256i hw[2][2];
-    for (int e = 0; e < (fmt == PK_Q6_K ? 2 : fmt == PK_Q4_K ? 0 : 1); e++)
-        for (int s = 0; s < 2; s++) hw[e][s] = _mm256_loadu_si256((const __m256i *)(run + 256 + 64 * e + 32 * s));
+    __m256i hw[2];
+    for (int s = 0; s < (fmt == PK_Q4_K ? 0 : 2); s++) hw[s] = _mm256_loadu_si256((const __m256i *)(run + 256 + 32 * s));
     for (int c = 0; c < 4; c++) {
         __m256i w[2];
         for (int s = 0; s < 2; s++) w[s] = _mm256_loadu_si256((const __m256i *)(run + 64 * c + 32 * s));
@@ -216,15 +231,12 @@ PKW_INLINE void pkw_dots(int fmt, const uint8_t *run, const int16_t *q, int64_t 
             for (int s = 0; s < 2; s++) {
                 /* p = 3: the top nibble of each int16 needs no mask */
                 u[s] = p == 3 ? _mm256_srli_epi16(w[s], 12) : _mm256_and_si256(pkw_shift(w[s], 4 * p), low4);
-                if (fmt == PK_Q5_0 || fmt == PK_Q5_K)
-                    u[s] = _mm256_or_si256(u[s], _mm256_and_si256(pkw_shift(hw[0][s], 4 * c + p - 4),
+                if (fmt != PK_Q4_K)
+                    u[s] = _mm256_or_si256(u[s], _mm256_and_si256(pkw_shift(hw[s], 4 * c + p - 4),
                                                                   _mm256_set1_epi32(0x00100010)));
-                if (fmt == PK_Q6_K)
-                    u[s] = _mm256_or_si256(u[s], _mm256_and_si256(pkw_shift(hw[c / 2][s], 2 * (4 * (c & 1) + p) - 4),
-                                                                  _mm256_set1_epi32(0x00300030)));
             }
             /* a second chain only while few rows leave the dot latency exposed: from 3 rows on it spilled */
-            const int h = fmt == PK_Q6_K ? c / 2 : R <= 2 && (p & 1);
+            const int h = R <= 2 && (p & 1);
             for (int r = 0; r < R; r++) {
                 const __m256i pair = _mm256_set1_epi32(pq_pair(q + r * qstride + 8 * c + 2 * p));
                 for (int s = 0; s < 2; s++) acc[4 * r + 2 * s + h] = pkw_dp(acc[4 * r + 2 * s + h], u[s], pair);
@@ -250,18 +262,16 @@ PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float 
             const int64_t k = b * pkw_runs(fmt) + j;
             __m256i acc[4 * PKW_TILE];
             __m256 d[4], m[2];
-            pkw_dots(fmt, run, act.q + 32 * k, 32 * nruns, R, acc);
+            if (fmt == PK_Q6_K) pkw_dots_q6k(run, act.q + 32 * k, 32 * nruns, sq + 2 * k, 2 * nruns, R, acc);
+            else pkw_dots(fmt, run, act.q + 32 * k, 32 * nruns, R, acc);
             pkw_scales(fmt, tile, j, d, m);
             for (int r = 0; r < R; r++) {
                 const __m256 da = _mm256_set1_ps(act.da[r * nruns + k]), sx = _mm256_set1_ps(act.sx[r * nruns + k]);
                 for (int s = 0; s < 2; s++) {
                     __m256 t = tot[2 * r + s];
                     if (fmt == PK_Q6_K) {
-                        for (int h = 0; h < 2; h++) {
-                            const __m256i dot = _mm256_sub_epi32(acc[4 * r + 2 * s + h],
-                                                                 _mm256_set1_epi32(32 * sq[2 * (r * nruns + k) + h]));
-                            t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[2 * h + s], da), t);
-                        }
+                        for (int h = 0; h < 2; h++)
+                            t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[4 * r + 2 * s + h]), _mm256_mul_ps(d[2 * h + s], da), t);
                     } else {
                         const __m256i dot = _mm256_add_epi32(acc[4 * r + 2 * s], acc[4 * r + 2 * s + 1]);
                         t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[s], da), t);
@@ -324,7 +334,7 @@ int pkw_grouped_linear(const ps_packed_state *st, const float *x, int64_t rows, 
     const int64_t nb = in / PK_BLOCK_VALUES[fmt], group_bytes = nb * pkw_tile_bytes(fmt);
     pq_act act;
     if (pq_alloc(&act, rows, nruns)) return 2;
-    int32_t *sq = NULL;  /* Q6_K's half sums (pkw_half_sums) */
+    int32_t *sq = NULL;  /* Q6_K's centring (pkw_centring) */
 #if defined(PQ_INT16)
     if (fmt == PK_Q6_K && (sq = malloc(sizeof(int32_t) * 2 * (size_t)(rows * nruns))) == NULL) {
         pq_free(&act);
@@ -337,7 +347,7 @@ int pkw_grouped_linear(const ps_packed_state *st, const float *x, int64_t rows, 
         for (int64_t r = 0; r < rows; r++) {
             pq_quantize(x, nruns, r, r + 1, 1, &act);
 #if defined(PQ_INT16)
-            if (sq) pkw_half_sums(act.q + 32 * r * nruns, nruns, sq + 2 * r * nruns);
+            if (sq) pkw_centring(act.q + 32 * r * nruns, nruns, sq + 2 * r * nruns);
 #endif
         }
 #pragma omp for schedule(static)

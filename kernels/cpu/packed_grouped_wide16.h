@@ -36,9 +36,26 @@ PKW_INLINE void pkw_dots_q4k(const uint8_t *run, const int16_t *q, int64_t qstri
     }
 }
 
-/* One run's integer dots: acc[2r + h] for activation row r, input half h (Q6_K: inputs 0-15 / 16-31, uncentred;
- * the others: up to 2 rows two chains by p's parity, summed by the caller). Codes as two int16 per lane in
- * act_q16.h's 4-bit order. */
+/* Q6_K: acc[2r + h] = dot(u - 32, q) of input half h, started at its centring (the 8-lane pkw_dots_q6k's). */
+PKW_INLINE void pkw_dots_q6k(const uint8_t *run, const int16_t *q, int64_t qstride, const int32_t *sq,
+                             int64_t sstride, int R, __m512i *acc) {
+    for (int h = 0; h < 2; h++) {
+        __m512i u[8];
+        pkw_q6_codes(run + 192 * h, u);
+        for (int r = 0; r < R; r++) {
+            __m512i a = _mm512_set1_epi32(sq[r * sstride + h]), b = _mm512_setzero_si512();
+            for (int m = 0; m < 8; m++) {
+                const __m512i pair = _mm512_set1_epi32(pq_pair(q + r * qstride + 16 * h + 2 * m));
+                if (R <= 2 && (m & 1)) b = _mm512_dpwssd_epi32(b, u[m], pair);
+                else a = _mm512_dpwssd_epi32(a, u[m], pair);
+            }
+            acc[2 * r + h] = R <= 2 ? _mm512_add_epi32(a, b) : a;
+        }
+    }
+}
+
+/* One run's integer dots (Q5_0, Q4_K, Q5_K): acc[2r + h] for activation row r (up to 2 rows two chains h by p's
+ * parity, summed by the caller). Codes as two int16 per lane in act_q16.h's 4-bit order. */
 PKW_INLINE void pkw_dots(int fmt, const uint8_t *run, const int16_t *q, int64_t qstride, int R, __m512i *acc) {
     if (fmt == PK_Q4_K && R <= 2) {
         pkw_dots_q4k(run, q, qstride, R, acc);
@@ -46,20 +63,15 @@ PKW_INLINE void pkw_dots(int fmt, const uint8_t *run, const int16_t *q, int64_t 
     }
     const __m512i low4 = _mm512_set1_epi32(0x000F000F);
     for (int i = 0; i < 2 * R; i++) acc[i] = _mm512_setzero_si512();
-    __m512i hw[2];
-    for (int e = 0; e < (fmt == PK_Q6_K ? 2 : fmt == PK_Q4_K ? 0 : 1); e++)
-        hw[e] = _mm512_loadu_si512(run + 256 + 64 * e);
+    const __m512i hw = fmt == PK_Q4_K ? _mm512_setzero_si512() : _mm512_loadu_si512(run + 256);
     for (int c = 0; c < 4; c++) {
         const __m512i w = _mm512_loadu_si512(run + 64 * c);
         for (int p = 0; p < 4; p++) {
             /* p = 3: the top nibble of each int16 needs no mask */
             __m512i u = p == 3 ? _mm512_srli_epi16(w, 12) : _mm512_and_si512(pkw_shift(w, 4 * p), low4);
-            if (fmt == PK_Q5_0 || fmt == PK_Q5_K)  /* u | (high & mask) */
-                u = _mm512_ternarylogic_epi32(u, pkw_shift(hw[0], 4 * c + p - 4), _mm512_set1_epi32(0x00100010), 0xF8);
-            if (fmt == PK_Q6_K)
-                u = _mm512_ternarylogic_epi32(u, pkw_shift(hw[c / 2], 2 * (4 * (c & 1) + p) - 4),
-                                              _mm512_set1_epi32(0x00300030), 0xF8);
-            const int h = fmt == PK_Q6_K ? c / 2 : R <= 2 && (p & 1);
+            if (fmt != PK_Q4_K)  /* u | (high & mask) */
+                u = _mm512_ternarylogic_epi32(u, pkw_shift(hw, 4 * c + p - 4), _mm512_set1_epi32(0x00100010), 0xF8);
+            const int h = R <= 2 && (p & 1);
             for (int r = 0; r < R; r++) {
                 const __m512i pair = _mm512_set1_epi32(pq_pair(q + r * qstride + 8 * c + 2 * p));
                 acc[2 * r + h] = _mm512_dpwssd_epi32(acc[2 * r + h], u, pair);
@@ -84,17 +96,15 @@ PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float 
             const int64_t k = b * pkw_runs(fmt) + j;
             __m512i acc[2 * PKW_TILE];
             __m512 d[2], m[1];
-            pkw_dots(fmt, run, act.q + 32 * k, 32 * nruns, R, acc);
+            if (fmt == PK_Q6_K) pkw_dots_q6k(run, act.q + 32 * k, 32 * nruns, sq + 2 * k, 2 * nruns, R, acc);
+            else pkw_dots(fmt, run, act.q + 32 * k, 32 * nruns, R, acc);
             pkw_scales(fmt, tile, j, d, m);
             for (int r = 0; r < R; r++) {
                 const __m512 da = _mm512_set1_ps(act.da[r * nruns + k]);
                 __m512 t = tot[r];
                 if (fmt == PK_Q6_K) {
-                    for (int h = 0; h < 2; h++) {
-                        const __m512i dot = _mm512_sub_epi32(acc[2 * r + h],
-                                                             _mm512_set1_epi32(32 * sq[2 * (r * nruns + k) + h]));
-                        t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d[h], da), t);
-                    }
+                    for (int h = 0; h < 2; h++)
+                        t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[2 * r + h]), _mm512_mul_ps(d[h], da), t);
                 } else {
                     const __m512i dot = _mm512_add_epi32(acc[2 * r], acc[2 * r + 1]);
                     t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d[0], da), t);

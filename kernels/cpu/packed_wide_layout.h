@@ -25,7 +25,58 @@ static inline int64_t pkp_run_at(int fmt, int j) {
     return pkp_wide(fmt) ? pkw_header(fmt) + j * pkw_run_bytes(fmt) : fmt == PK_Q4_1 ? 64 : 32;
 }
 
+/* Q6_K's run: 6 planes of 16 words (word r: tile row r), planes 3h..3h+2 (X0, X1, X2) for input half h. Half h
+ * holds the run's input pairs 8h + m (m = 0..7; pair 4c + p = inputs 8c + p and 8c + p + 4, act_q16.h's order), a
+ * pair's two codes as the two 16-bit halves of a word: pair 2k at bits 0-5 and pair 2k + 1 at bits 10-15 of X_k
+ * (k = 0, 1, 2), and the pairs 6, 7 as v = u6 | u7 << 6 in the spare bits 6-9: v's bits 0-3 in X1, 4-7 in X0,
+ * 8-11 in X2. So six pairs take one and or one shift each and the last two ten operations (pkw_q6_codes), where
+ * a plane of high bits beside the 4-bit plane took a shift, two masks and an or per pair on top of the nibble's. */
+PKW_INLINE int pkw_q6_spare(int nibble) { return nibble == 0 ? 1 : nibble == 1 ? 0 : 2; }
+
+/* Code u (0..63) of input k (0..31) of a Q6_K run into row r's words (`run`: the run's 6 planes), and back. */
+static inline void pkw_q6_put(uint8_t *run, int r, int k, int u) {
+    const int i = 4 * (k / 8) + k % 4, h = i / 8, m = i % 8, lane = 16 * (k % 8 / 4);
+    uint32_t *word[3], w;
+    for (int x = 0; x < 3; x++) word[x] = (uint32_t *)(run + 64 * (3 * h + x) + 4 * r);
+    if (m < 6) {
+        memcpy(&w, word[m / 2], 4);
+        w |= (uint32_t)u << (lane + (m & 1 ? 10 : 0));
+        memcpy(word[m / 2], &w, 4);
+        return;
+    }
+    const int v = u << 6 * (m - 6);
+    for (int n = 0; n < 3; n++) {
+        memcpy(&w, word[pkw_q6_spare(n)], 4);
+        w |= (uint32_t)(v >> 4 * n & 15) << (lane + 6);
+        memcpy(word[pkw_q6_spare(n)], &w, 4);
+    }
+}
+
+static inline int pkw_q6_get(const uint8_t *run, int r, int k) {
+    const int i = 4 * (k / 8) + k % 4, h = i / 8, m = i % 8, lane = 16 * (k % 8 / 4);
+    uint32_t w[3];
+    for (int x = 0; x < 3; x++) memcpy(&w[x], run + 64 * (3 * h + x) + 4 * r, 4);
+    if (m < 6) return (int)(w[m / 2] >> (lane + (m & 1 ? 10 : 0)) & 63);
+    int v = 0;
+    for (int n = 0; n < 3; n++) v |= (int)(w[pkw_q6_spare(n)] >> (lane + 6) & 15) << 4 * n;
+    return v >> 6 * (m - 6) & 63;
+}
+
 #if defined(PQ_LANES8)
+/* Q6_K: the codes of one input half's 8 pairs (run + 192 h + 32 s: tile rows 8s..8s+7) as u[m], uncentred. */
+PKW_INLINE void pkw_q6_codes(const uint8_t *at, __m256i *u) {
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)at), x1 = _mm256_loadu_si256((const __m256i *)(at + 64));
+    const __m256i x2 = _mm256_loadu_si256((const __m256i *)(at + 128)), low6 = _mm256_set1_epi32(0x003F003F);
+    u[0] = _mm256_and_si256(x0, low6), u[1] = _mm256_srli_epi16(x0, 10);
+    u[2] = _mm256_and_si256(x1, low6), u[3] = _mm256_srli_epi16(x1, 10);
+    u[4] = _mm256_and_si256(x2, low6), u[5] = _mm256_srli_epi16(x2, 10);
+    const __m256i v = _mm256_or_si256(
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(x1, 6), _mm256_set1_epi32(0x000F000F)),
+                        _mm256_and_si256(_mm256_srli_epi16(x0, 2), _mm256_set1_epi32(0x00F000F0))),
+        _mm256_and_si256(_mm256_slli_epi16(x2, 2), _mm256_set1_epi32(0x0F000F00)));
+    u[6] = _mm256_and_si256(v, low6), u[7] = _mm256_srli_epi16(v, 6);
+}
+
 /* Run j's scales of tile rows 8s..8s+7: d[s] (Q6_K: d[2h + s] per input half h) and m[s]. */
 PKW_INLINE void pkw_scales(int fmt, const uint8_t *tile, int j, __m256 *d, __m256 *m) {
     for (int s = 0; s < 2; s++) {
@@ -50,6 +101,20 @@ PKW_INLINE void pkw_scales(int fmt, const uint8_t *tile, int j, __m256 *d, __m25
     }
 }
 #elif defined(PS_AVX512_VNNI)
+/* pkw_q6_codes for the 16 rows (run + 192 h), v's three parts merged by bit selects. */
+PKW_INLINE void pkw_q6_codes(const uint8_t *at, __m512i *u) {
+    const __m512i x0 = _mm512_loadu_si512(at), x1 = _mm512_loadu_si512(at + 64), x2 = _mm512_loadu_si512(at + 128);
+    const __m512i low6 = _mm512_set1_epi32(0x003F003F);
+    u[0] = _mm512_and_si512(x0, low6), u[1] = _mm512_srli_epi16(x0, 10);
+    u[2] = _mm512_and_si512(x1, low6), u[3] = _mm512_srli_epi16(x1, 10);
+    u[4] = _mm512_and_si512(x2, low6), u[5] = _mm512_srli_epi16(x2, 10);
+    /* 0xE4: c ? a : b per bit */
+    __m512i v = _mm512_ternarylogic_epi32(_mm512_srli_epi16(x1, 6), _mm512_srli_epi16(x0, 2),
+                                          _mm512_set1_epi32(0x000F000F), 0xE4);
+    v = _mm512_ternarylogic_epi32(_mm512_slli_epi16(x2, 2), v, _mm512_set1_epi32(0x0F000F00), 0xE4);
+    u[6] = _mm512_and_si512(v, low6), u[7] = _mm512_and_si512(_mm512_srli_epi16(v, 6), low6);
+}
+
 /* Run j's scales of the tile's 16 rows: d[0] (Q6_K: d[h] per input half h) and m[0]. */
 PKW_INLINE void pkw_scales(int fmt, const uint8_t *tile, int j, __m512 *d, __m512 *m) {
     const __m512 dr = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tile));
