@@ -253,8 +253,17 @@ PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float 
     __m256 tot[2 * PKW_TILE];
     for (int r = 0; r < R; r++)
         for (int s = 0; s < 2; s++) tot[2 * r + s] = bias ? _mm256_loadu_ps(bias + 8 * s) : _mm256_setzero_ps();
+    const int kfmt = fmt == PK_Q4_K || fmt == PK_Q5_K;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *tile = tiles + b * tb;
+        uint8_t sc[128], mn[128];  /* K formats: pkw_k_bytes */
+        __m256 dr[2], nd[2];       /* and their d, -dmin */
+        for (int s = 0; s < 2 * kfmt; s++) {
+            dr[s] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 16 * s)));
+            nd[s] = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 32 + 16 * s))),
+                                  _mm256_set1_ps(-0.0f));
+        }
+        if (kfmt) pkw_k_bytes(tile, sc, mn);
         for (int j = 0; j < pkw_runs(fmt); j++) {
             const uint8_t *run = tile + pkw_header(fmt) + j * pkw_run_bytes(fmt);
             for (int64_t l = 0; l < pkw_run_bytes(fmt); l += 64)
@@ -264,7 +273,11 @@ PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float 
             __m256 d[4], m[2];
             if (fmt == PK_Q6_K) pkw_dots_q6k(run, act.q + 32 * k, 32 * nruns, sq + 2 * k, 2 * nruns, R, acc);
             else pkw_dots(fmt, run, act.q + 32 * k, 32 * nruns, R, acc);
-            pkw_scales(fmt, tile, j, d, m);
+            for (int s = 0; s < 2 * kfmt; s++) {  /* pkw_scales' products from the tile's bytes */
+                d[s] = _mm256_mul_ps(dr[s], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 16 * j + 8 * s)))));
+                m[s] = _mm256_mul_ps(nd[s], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + 16 * j + 8 * s)))));
+            }
+            if (!kfmt) pkw_scales(fmt, tile, j, d, m);
             for (int r = 0; r < R; r++) {
                 const __m256 da = _mm256_set1_ps(act.da[r * nruns + k]), sx = _mm256_set1_ps(act.sx[r * nruns + k]);
                 for (int s = 0; s < 2; s++) {

@@ -87,8 +87,14 @@ PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float 
     const int64_t tb = pkw_tile_bytes(fmt), nruns = nb * pkw_runs(fmt);
     __m512 tot[PKW_TILE];
     for (int r = 0; r < R; r++) tot[r] = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    const int kfmt = fmt == PK_Q4_K || fmt == PK_Q5_K;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *tile = tiles + b * tb;
+        uint8_t sc[128], mn[128];  /* K formats: pkw_k_bytes, and d, -dmin (the 8-lane kernel's reason) */
+        const __m512 dr = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tile));
+        const __m512 nd = _mm512_xor_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 32))),
+                                        _mm512_set1_ps(-0.0f));
+        if (kfmt) pkw_k_bytes(tile, sc, mn);
         for (int j = 0; j < pkw_runs(fmt); j++) {
             const uint8_t *run = tile + pkw_header(fmt) + j * pkw_run_bytes(fmt);
             for (int64_t l = 0; l < pkw_run_bytes(fmt); l += 64)
@@ -98,7 +104,12 @@ PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float 
             __m512 d[2], m[1];
             if (fmt == PK_Q6_K) pkw_dots_q6k(run, act.q + 32 * k, 32 * nruns, sq + 2 * k, 2 * nruns, R, acc);
             else pkw_dots(fmt, run, act.q + 32 * k, 32 * nruns, R, acc);
-            pkw_scales(fmt, tile, j, d, m);
+            if (kfmt) {
+                d[0] = _mm512_mul_ps(dr, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * j)))));
+                m[0] = _mm512_mul_ps(nd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mn + 16 * j)))));
+            } else {
+                pkw_scales(fmt, tile, j, d, m);
+            }
             for (int r = 0; r < R; r++) {
                 const __m512 da = _mm512_set1_ps(act.da[r * nruns + k]);
                 __m512 t = tot[r];
