@@ -3,7 +3,8 @@
  * reads its code widening (pkp_codes).
  *
  * Why: on the AVX-512 tiers the wide formats' few-row kernel (packed_grouped_wide16.h) widens a group's codes again
- * for every 4 activation rows (Q6_K: 2 shifts, 2 ternary-logic ops and a subtraction per pair), so a prefill chunk
+ * for every 4 activation rows (Q6_K, in the layout it had then: 2 shifts, 2 ternary-logic ops and a subtraction
+ * per pair), so a prefill chunk
  * paid that ~16-64 times per weight and those layers kept a dense copy for it. Here one register holds a 32-input
  * run's pair of codes for all 16 rows (16 registers for the run, widened once into L1), and every activation row
  * then takes one vpdpwssd per pair with the activations broadcast from memory: ~2x the few-row kernel for Q6_K,
