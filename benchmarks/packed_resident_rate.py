@@ -2,8 +2,9 @@
 small enough to stay in L2, per build, the builds interleaved: JSON lines.
 
 A one-stream decode step reads its weights from memory (benchmarks/packed_token_sweep.py measures that); here the
-slice (--kb, default 900 KiB: inside a 1 MiB or larger L2 of the hosts seen so far) is read again and again, so the
-rate is what the kernel's instructions allow, the ceiling it brings to the memory-bound step. Each slice is the
+slice (--kb, default 900 KiB: inside the 2 MiB L2 of the Sapphire Rapids guest it was written on; on a 512 KiB L2,
+Zen 3's, pass --kb 448) is read again and again, so the rate is what the kernel's instructions allow, the ceiling
+it brings to the memory-bound step. Each slice is the
 first rows of the named tensor (whole groups of 16), rows grouped as the loaders serve them. Per build: the best
 over --repeats of the mean call time of --calls calls, on the calling thread's CPU clock (one thread: a shared
 host's time slicing does not inflate it), and GB/s of the slice's bytes. Every build's outputs for 1-5 and 9
