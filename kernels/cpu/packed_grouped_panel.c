@@ -69,7 +69,8 @@ PKW_INLINE void pkp_codes(int fmt, const uint8_t *run, __m256i *u) {
             for (int s = 0; s < 2; s++) {
                 __m256i v[8];
                 pkw_q6_codes(run + 192 * h + 32 * s, v);
-                for (int m = 0; m < 8; m++) _mm256_store_si256(u + 2 * (8 * h + m) + s, _mm256_sub_epi16(v[m], _mm256_set1_epi16(32)));
+                for (int m = 0; m < 8; m++)
+                    _mm256_store_si256(u + 2 * (8 * h + m) + s, _mm256_sub_epi16(v[m], _mm256_set1_epi16(32)));
             }
         return;
     }

@@ -48,7 +48,8 @@ PKW_INLINE void pkp_codes(int fmt, const uint8_t *run, __m512i *u) {
         for (int h = 0; h < 2; h++) {
             __m512i v[8];
             pkw_q6_codes(run + 192 * h, v);
-            for (int m = 0; m < 8; m++) _mm512_store_si512(u + 8 * h + m, _mm512_sub_epi16(v[m], _mm512_set1_epi16(32)));
+            for (int m = 0; m < 8; m++)
+                _mm512_store_si512(u + 8 * h + m, _mm512_sub_epi16(v[m], _mm512_set1_epi16(32)));
         }
         return;
     }

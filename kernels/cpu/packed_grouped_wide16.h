@@ -105,8 +105,10 @@ PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float 
             if (fmt == PK_Q6_K) pkw_dots_q6k(run, act.q + 32 * k, 32 * nruns, sq + 2 * k, 2 * nruns, R, acc);
             else pkw_dots(fmt, run, act.q + 32 * k, 32 * nruns, R, acc);
             if (kfmt) {
-                d[0] = _mm512_mul_ps(dr, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * j)))));
-                m[0] = _mm512_mul_ps(nd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mn + 16 * j)))));
+                const __m128i scj = _mm_loadu_si128((const __m128i *)(sc + 16 * j));
+                const __m128i mnj = _mm_loadu_si128((const __m128i *)(mn + 16 * j));
+                d[0] = _mm512_mul_ps(dr, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scj)));
+                m[0] = _mm512_mul_ps(nd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mnj)));
             } else {
                 pkw_scales(fmt, tile, j, d, m);
             }
