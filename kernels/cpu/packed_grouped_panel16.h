@@ -11,7 +11,7 @@
  * level for Q4_K. (The 4/8-bit tiles' kernel in packed_grouped.c takes 8 rows per pass with one and per code
  * pair, and stayed ~1.2-1.35x ahead of this at every row count measured: it serves them.)
  *
- * Numerics: the codes (Q6_K's centred before the dot: the same integer as the few-row kernel's sq correction), the
+ * Numerics: the codes (Q6_K's centred before the dot: the same integer as the few-row kernel's centring), the
  * int16 activations, the exact int32 sums and, lane by lane, the float epilogue of the few-row avx512_vnni kernels,
  * in the same order per run: a row's result is theirs bit for bit (tests/test_packed_kernels.py). */
 #ifndef PAGEDSERVE_CPU_PACKED_GROUPED_PANEL16_H
