@@ -36,8 +36,9 @@ PKW_INLINE int pkw_q6_spare(int nibble) { return nibble == 0 ? 1 : nibble == 1 ?
 /* Code u (0..63) of input k (0..31) of a Q6_K run into row r's words (`run`: the run's 6 planes), and back. */
 static inline void pkw_q6_put(uint8_t *run, int r, int k, int u) {
     const int i = 4 * (k / 8) + k % 4, h = i / 8, m = i % 8, lane = 16 * (k % 8 / 4);
-    uint32_t *word[3], w;
-    for (int x = 0; x < 3; x++) word[x] = (uint32_t *)(run + 64 * (3 * h + x) + 4 * r);
+    uint8_t *word[3];
+    uint32_t w;
+    for (int x = 0; x < 3; x++) word[x] = run + 64 * (3 * h + x) + 4 * r;
     if (m < 6) {
         memcpy(&w, word[m / 2], 4);
         w |= (uint32_t)u << (lane + (m & 1 ? 10 : 0));
