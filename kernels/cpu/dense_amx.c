@@ -169,32 +169,35 @@ static int amx_run(const AmxCall *c) {
     block = block < 2 ? 2 : block & ~(int64_t)1;
     int64_t ublock = B_BLOCK_BYTES / (kblock * 2048);  /* group pairs per weight block: its panels fit in L2 */
     ublock = ublock < 1 ? 1 : ublock;
-    float *partials = NULL;  /* per (unit, pair of row tiles): 4 fp32 tiles between input blocks */
-    if (ksteps > kblock && !(partials = aligned_alloc(64, (size_t)units * (block / 2) * 4096))) return -2;
+    /* per thread, per (group pair of the weight block, pair of row tiles): 4 fp32 tiles between input blocks */
+    const int64_t per_thread = ublock * (block / 2) * 1024;
+    float *partials = NULL;
+    if (ksteps > kblock && !(partials = aligned_alloc(64, (size_t)omp_get_max_threads() * per_thread * 4))) return -2;
 #pragma omp parallel
     {
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
         float out[2][4 * 256] __attribute__((aligned(64)));  /* the pending block's and the next one's */
+        float *mine = partials ? partials + t * per_thread : NULL;
         Pending pending = {out[1], 0, 0, 0, 0, 1};
         int next = 0;
         uint32_t tails[512] __attribute__((aligned(64)));
         configure_tiles();
         for (int64_t m0 = 0; m0 < mtiles; m0 += block) {
             const int64_t m1 = m0 + block < mtiles ? m0 + block : mtiles;
-            for (int64_t k0 = 0; k0 < ksteps; k0 += kblock) {
-                const int64_t k1 = k0 + kblock < ksteps ? k0 + kblock : ksteps;
-                for (int64_t ub = u0; ub < u1; ub += ublock)
+            for (int64_t ub = u0; ub < u1; ub += ublock)
+                for (int64_t k0 = 0; k0 < ksteps; k0 += kblock) {
+                    const int64_t k1 = k0 + kblock < ksteps ? k0 + kblock : ksteps;
                     for (int64_t mt = m0; mt < m1; mt += 2)
                         for (int64_t u = ub; u < u1 && u < ub + ublock; u++) {
                             const int64_t g = 2 * u, g2 = g + 1 < groups ? g + 1 : g;
                             if (has_tail && k1 > full) load_tails(s, g, g2, tails);
                             amx_block(c, g, g2, mt, mt + 1 < m1 ? mt + 1 : mt, k0, k1, has_tail ? tails : NULL,
-                                      partials ? partials + (u * (block / 2) + (mt - m0) / 2) * 1024 : NULL,
+                                      mine ? mine + ((u - ub) * (block / 2) + (mt - m0) / 2) * 1024 : NULL,
                                       out[next], &pending);
                             if (pending.c == out[next]) next ^= 1;
                         }
-            }
+                }
         }
         emit_rows(c, &pending, 32);
         _tile_release();
