@@ -97,9 +97,14 @@ INLINE void emit_rows(const AmxCall *c, Pending *p, int upto) {
  * duplicate results are not stored). The weight is loaded with the streaming hint (tileloaddt1): it passes once
  * per row pair, and kept out of L1 it leaves the row pair's tiles there (1.1-1.3x at 2048 rows, one thread). */
 INLINE void steps_2x2(const uint32_t *a0, const uint32_t *a1, const uint32_t *b0, const uint32_t *b1,
-                      int64_t steps, const AmxCall *c, Pending *p) {
+                      int64_t steps, const AmxCall *c, Pending *p, const char *ahead) {
     const int64_t as = c->a_step, lda = c->lda;
     for (int64_t k = 0; k < steps; k++) {
+        if (ahead)  /* the next group pair's tiles of this step, into L2 */
+            for (int l = 0; l < 1024; l += 64) {
+                _mm_prefetch(ahead + 1024 * k + l, _MM_HINT_T1);
+                _mm_prefetch(ahead + 32 * c->s->in_features + 1024 * k + l, _MM_HINT_T1);
+            }
         _tile_loadd(4, a0 + as * k, lda);
         _tile_stream_loadd(6, b0 + 256 * k, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -117,7 +122,7 @@ INLINE void steps_2x2(const uint32_t *a0, const uint32_t *a1, const uint32_t *b0
  * the pending block (`p`'s own buffer is written first). `tails`: each group's last partial step, zero-padded
  * (in % 32 != 0), or NULL. Loading and storing fp32 tiles is exact, so the input blocks change no bit of a sum. */
 static void amx_block(const AmxCall *c, int64_t g, int64_t g2, int64_t mt, int64_t mt2, int64_t k0, int64_t k1,
-                      const uint32_t *tails, float *partial, float *out, Pending *p) {
+                      const uint32_t *tails, float *partial, float *out, Pending *p, int ahead) {
     const DenseLinear *s = c->s;
     const int64_t pairs = s->in_features / 2, gwords = pairs * DENSE_GROUP_ROWS, full = pairs / 16;
     const uint32_t *w = s->weight;
@@ -135,9 +140,10 @@ static void amx_block(const AmxCall *c, int64_t g, int64_t g2, int64_t mt, int64
     }
     const int64_t kf = k1 < full ? k1 : full;
     if (kf > k0)
-        steps_2x2(a0, a1, w + g * gwords + 256 * k0, w + g2 * gwords + 256 * k0, kf - k0, c, p);
+        steps_2x2(a0, a1, w + g * gwords + 256 * k0, w + g2 * gwords + 256 * k0, kf - k0, c, p,
+                  ahead && g + 3 < s->out_features / 16 ? (const char *)(w + (g + 2) * gwords + 256 * k0) : NULL);
     if (tails && k1 > full)
-        steps_2x2(a0 + (full - k0) * c->a_step, a1 + (full - k0) * c->a_step, tails, tails + 256, 1, c, p);
+        steps_2x2(a0 + (full - k0) * c->a_step, a1 + (full - k0) * c->a_step, tails, tails + 256, 1, c, p, NULL);
     emit_rows(c, p, 32);
     float *to = k1 < c->ksteps ? partial : out;
     _tile_stored(0, to, 64);
@@ -164,7 +170,9 @@ static int amx_run(const AmxCall *c) {
     const int64_t ksteps = c->ksteps, full = s->in_features / 2 / 16, rows = c->rows;
     const int64_t groups = s->out_features / DENSE_GROUP_ROWS, units = (groups + 1) / 2;
     const int64_t mtiles = (rows + 15) / 16, has_tail = ksteps > full;
-    const int64_t kblocks = (ksteps + K_BLOCK_MAX - 1) / K_BLOCK_MAX, kblock = (ksteps + kblocks - 1) / kblocks;
+    /* one pair of row tiles: the weight streams from memory once whatever the blocks; input blocks only add trips */
+    const int64_t kblocks = mtiles <= 2 ? 1 : (ksteps + K_BLOCK_MAX - 1) / K_BLOCK_MAX;
+    const int64_t kblock = (ksteps + kblocks - 1) / kblocks;
     int64_t block = A_BLOCK_BYTES / (kblock * 1024);  /* row tiles per block: its input block's x fits in L2 */
     block = block < 2 ? 2 : block & ~(int64_t)1;
     int64_t ublock = B_BLOCK_BYTES / (kblock * 2048);  /* group pairs per weight block: its panels fit in L2 */
@@ -194,7 +202,7 @@ static int amx_run(const AmxCall *c) {
                             if (has_tail && k1 > full) load_tails(s, g, g2, tails);
                             amx_block(c, g, g2, mt, mt + 1 < m1 ? mt + 1 : mt, k0, k1, has_tail ? tails : NULL,
                                       mine ? mine + ((u - ub) * (block / 2) + (mt - m0) / 2) * 1024 : NULL,
-                                      out[next], &pending);
+                                      out[next], &pending, mt == m0);
                             if (pending.c == out[next]) next ^= 1;
                         }
                 }
