@@ -3,12 +3,17 @@
  * tiles are exactly that, so one tileloadd (stride 64) takes 32 inputs x 16 outputs straight from the weight the
  * GEMV reads: no repacking per call and no second copy. A tile is 16 activation rows x 32 bf16 inputs.
  *
- * Blocking: each thread owns a contiguous run of group pairs; activation rows go in blocks of about 512 KB of
- * packed x (dense_gemm.c packs it in 1 KB tiles; the block stays in L2), inputs in blocks of 2048 (64 steps),
- * and the thread's pairs in blocks of about 512 KB of panels (in L2 beside the rows). Within those, a pair of row
- * tiles (32 rows, in L1) meets every pair of groups of the weight block in turn, so the output is written 32 rows x
- * the block's columns at a time: a 2048-row prefill of a wide layer otherwise wrote 16 columns down every row,
- * one page per row (a TLB miss per row: 0.68x of the blocked rate on a 3072 x 576 layer, single thread, noisy).
+ * x: bf16 rows read in place (tileloadd with x's row stride; only a partial last row tile is copied, zero-padded)
+ * or, for fp32 x, inputs not a multiple of 32 or rows 4 KB apart, packed by dense_gemm.c in 1 KB tiles.
+ * Blocking: each thread owns a contiguous run of group pairs, in blocks of about 512 KB of panels (kept in L2);
+ * activation rows go in blocks of about 512 KB of x (in L2 beside them), inputs in blocks of at most 20 steps once
+ * there is more than one pair of row tiles, so that a pair of row tiles (32 rows, up to 40 KB) stays in L1 while the
+ * weight block's panels stream past it from L2 (loaded with tileloaddt1, which keeps them out of L1). A pair of row
+ * tiles meets every group pair of the weight block in turn, so the output is written 32 rows x the block's columns
+ * at a time: a 2048-row prefill of a wide layer otherwise wrote 16 columns down every row, one page per row (a TLB
+ * miss per row: 0.68x of the blocked rate on a 3072 x 576 layer, single thread, noisy). Each block's sums reach y
+ * while the next block multiplies (see Pending), and while a block's first row pair multiplies the next group
+ * pair's panels are prefetched into L2 (a layer's weights come from L3 or memory at each call in a model).
  * 2 x 2 tiles of 32 rows x 32 outputs accumulate in the tile registers, carried in fp32 between input blocks.
  * Every output is one sum over the input tiles in order, whatever the number of rows (a row's result does not
  * depend on the rows beside it). Products of bf16 pairs are summed in fp32 by the hardware (its own order within a tile).
@@ -25,7 +30,7 @@
 /* A_BLOCK_BYTES: packed x per row block (kept in L2). K_BLOCK_MAX: 32-input steps per input block at most: a
  * pair of row tiles' block (up to 40 KB) then stays in L1 while the weight streams past it from L2. */
 enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18, A_BLOCK_BYTES = 1 << 19, B_BLOCK_BYTES = 1 << 19,
-       K_BLOCK_MAX = 20 };
+       K_BLOCK_MAX = 20, PREFETCH_MIN_BYTES = 4 << 20 };
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -177,6 +182,8 @@ static int amx_run(const AmxCall *c) {
     block = block < 2 ? 2 : block & ~(int64_t)1;
     int64_t ublock = B_BLOCK_BYTES / (kblock * 2048);  /* group pairs per weight block: its panels fit in L2 */
     ublock = ublock < 1 ? 1 : ublock;
+    /* Prefetching costs fill buffers the tile loads want; it pays only on a weight that cannot stay in L2. */
+    const int wide = s->out_features * s->in_features * 2 >= PREFETCH_MIN_BYTES;
     /* per thread, per (group pair of the weight block, pair of row tiles): 4 fp32 tiles between input blocks */
     const int64_t per_thread = ublock * (block / 2) * 1024;
     float *partials = NULL;
@@ -202,7 +209,7 @@ static int amx_run(const AmxCall *c) {
                             if (has_tail && k1 > full) load_tails(s, g, g2, tails);
                             amx_block(c, g, g2, mt, mt + 1 < m1 ? mt + 1 : mt, k0, k1, has_tail ? tails : NULL,
                                       mine ? mine + ((u - ub) * (block / 2) + (mt - m0) / 2) * 1024 : NULL,
-                                      out[next], &pending, mt == m0);
+                                      out[next], &pending, mt == m0 && wide);
                             if (pending.c == out[next]) next ^= 1;
                         }
                 }
