@@ -185,7 +185,8 @@ static int amx_run(const AmxCall *c) {
     /* Prefetching costs fill buffers the tile loads want; it pays only on a weight that cannot stay in L2. */
     const int wide = s->out_features * s->in_features * 2 >= PREFETCH_MIN_BYTES;
     /* per thread, per (group pair of the weight block, pair of row tiles): 4 fp32 tiles between input blocks */
-    const int64_t per_thread = ublock * (block / 2) * 1024;
+    const int64_t pairs_used = (mtiles + 1) / 2 < block / 2 ? (mtiles + 1) / 2 : block / 2;
+    const int64_t per_thread = (ublock < units ? ublock : units) * pairs_used * 1024;
     float *partials = NULL;
     if (ksteps > kblock && !(partials = aligned_alloc(64, (size_t)omp_get_max_threads() * per_thread * 4))) return -2;
 #pragma omp parallel
@@ -208,7 +209,7 @@ static int amx_run(const AmxCall *c) {
                             const int64_t g = 2 * u, g2 = g + 1 < groups ? g + 1 : g;
                             if (has_tail && k1 > full) load_tails(s, g, g2, tails);
                             amx_block(c, g, g2, mt, mt + 1 < m1 ? mt + 1 : mt, k0, k1, has_tail ? tails : NULL,
-                                      mine ? mine + ((u - ub) * (block / 2) + (mt - m0) / 2) * 1024 : NULL,
+                                      mine ? mine + ((u - ub) * pairs_used + (mt - m0) / 2) * 1024 : NULL,
                                       out[next], &pending, mt == m0 && wide);
                             if (pending.c == out[next]) next ^= 1;
                         }
