@@ -198,14 +198,17 @@ static int amx_run(const AmxCall *c) {
         Pending pending = {out[1], 0, 0, 0, 0, 1};
         int next = 0;
         uint32_t tails[512] __attribute__((aligned(64)));
+        /* blocks of equal size: a last block of a few units or row tiles would reuse its tiles a few times only */
+        const int64_t nub = (u1 - u0 + ublock - 1) / ublock, ubsize = nub ? (u1 - u0 + nub - 1) / nub : 1;
+        const int64_t nmb = (mtiles + block - 1) / block, msize = ((mtiles + nmb - 1) / nmb + 1) & ~(int64_t)1;
         configure_tiles();
-        for (int64_t m0 = 0; m0 < mtiles; m0 += block) {
-            const int64_t m1 = m0 + block < mtiles ? m0 + block : mtiles;
-            for (int64_t ub = u0; ub < u1; ub += ublock)
+        for (int64_t m0 = 0; m0 < mtiles; m0 += msize) {
+            const int64_t m1 = m0 + msize < mtiles ? m0 + msize : mtiles;
+            for (int64_t ub = u0; ub < u1; ub += ubsize)
                 for (int64_t k0 = 0; k0 < ksteps; k0 += kblock) {
                     const int64_t k1 = k0 + kblock < ksteps ? k0 + kblock : ksteps;
                     for (int64_t mt = m0; mt < m1; mt += 2)
-                        for (int64_t u = ub; u < u1 && u < ub + ublock; u++) {
+                        for (int64_t u = ub; u < u1 && u < ub + ubsize; u++) {
                             const int64_t g = 2 * u, g2 = g + 1 < groups ? g + 1 : g;
                             if (has_tail && k1 > full) load_tails(s, g, g2, tails);
                             amx_block(c, g, g2, mt, mt + 1 < m1 ? mt + 1 : mt, k0, k1, has_tail ? tails : NULL,
