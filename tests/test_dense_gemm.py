@@ -18,7 +18,7 @@ from pagedserve.quant.dense_layout import group_rows_in_place
 from pagedserve.quant.dense_native import call_native_linear, dense_gemm, dense_native_linear, gemm_isa
 
 # (out, in): in a multiple of 32 or not (a partial last tile), one group, odd group counts, an input past AMX's
-# 2048-input blocks (sums carried between blocks) with a partial last tile, the default model's fused q/k/v (960 x
+# input blocks (sums carried between blocks) with a partial last tile, the default model's fused q/k/v (960 x
 # 576: past one AMX weight block of group pairs, so row tiles meet several blocks)
 SHAPES = [(48, 576), (32, 30), (160, 2), (16, 4162), (80, 34), (960, 576)]
 ROWS = (1, 2, 9, 17, 33, 300)
@@ -117,6 +117,23 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(tier: str) -> None:
             for r0, r1 in ((0, 1), (5, 6), (69, 70), (3, 20), (17, 50), (1, 70), (130, 300), (299, 300)):
                 part = dense_gemm(native, xs[r0:r1], lib=lib, allow_amx=amx)
                 assert torch.equal(part, full[r0:r1]), f"{tier} x_fp32={x_fp32} amx={amx} rows {r0}:{r1}"
+
+
+@pytest.mark.parametrize("out,n_in", [(192, 1536), (96, 576), (32, 2048)])
+def test_amx_reads_bf16_x_in_place_as_it_reads_the_packed_copy(out: int, n_in: int) -> None:
+    """bf16 x with in % 32 == 0 is read in place (a zero-padded copy of the last row tile only) unless its row
+    stride is a multiple of 4 KB (2048 inputs: packed); fp32 x holding the same values is always packed: the same
+    tiles, so the same bits. 530 rows: past one row block, a partial last tile, input blocks (1536 inputs)."""
+    lib = _library("native")
+    if gemm_isa(lib=lib) != "amx":
+        pytest.skip("AMX tiles not granted here")
+    _, g, bias = _grouped(out, n_in, 7)
+    native = dense_native_linear(g, bias, lib=lib)
+    x = torch.randn(530, n_in, generator=torch.Generator().manual_seed(8)).bfloat16()
+    full = dense_gemm(native, x, lib=lib)
+    assert torch.equal(full, dense_gemm(native, x.float(), lib=lib).bfloat16()), f"{out}x{n_in}"
+    for r0, r1 in ((0, 1), (3, 20), (500, 530), (17, 529)):
+        assert torch.equal(dense_gemm(native, x[r0:r1], lib=lib), full[r0:r1]), f"{out}x{n_in} rows {r0}:{r1}"
 
 
 def test_bad_operands_are_refused() -> None:

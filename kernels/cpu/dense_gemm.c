@@ -215,6 +215,8 @@ int pagedserve_dense_gemm(const void *state, const void *x, int x_dtype, int64_t
     void *xp;
     if (rows == 0) return 0;
     if (!s->x_fp32 && allow_amx && ps_amx_ready()) {
+        const int direct = x_dtype == DT_BF16 ? ps_dense_amx_rows(s, x, rows, y, y_dtype) : 1;
+        if (direct != 1) return direct;
         if (!(xp = pack_rows(x, x_dtype, rows, in, 16, 16, DT_BF16, 0))) return -2;
         const int status = ps_dense_amx(s, xp, rows, y, y_dtype);
         free(xp);

@@ -37,4 +37,9 @@ int ps_amx_ready(void);
  * AMX. */
 int ps_dense_amx(const DenseLinear *s, const uint32_t *xp, int64_t rows, void *y, int y_dtype);
 
+/* dense_amx.c: the same over bf16 x as it is (row-major [rows, in]), its tiles loaded in place: no packed copy.
+ * Returns 1 (nothing done) without AMX, where in % 32 != 0 or where x's row stride would make a tile's rows share
+ * an L1 set (in a multiple of 2048): pack it then. */
+int ps_dense_amx_rows(const DenseLinear *s, const uint16_t *x, int64_t rows, void *y, int y_dtype);
+
 #endif
