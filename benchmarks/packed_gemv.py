@@ -19,7 +19,7 @@ best of --e2e-repeats, output tokens per second.
 
     python benchmarks/packed_gemv.py                  # kernels, all usable threads
     python benchmarks/packed_gemv.py --e2e            # and the end-to-end single stream
-    python benchmarks/packed_gemv.py --grouped-ab --rows 1 2 4 8 16   # interleaved rows: VNNI vs fp32 build
+    python benchmarks/packed_gemv.py --grouped-ab --rows 1 2 4 8 16   # interleaved rows: 16-lane VNNI vs 8-lane build
     PAGEDSERVE_CPU_ISA=avx2 python benchmarks/packed_gemv.py          # the AVX2 tier on any AVX2 host
 """
 
@@ -134,7 +134,7 @@ def group_rows(path: Path, rows_list: list[int], repeats: int, tier: str | None)
 
 def grouped_ab(path: Path, rows_list: list[int], repeats: int, tier: str) -> None:
     """The interleaved-rows kernels of two builds, -march=native (A) and ISA tier `tier` (B; default avx512: the
-    fp32 AVX-512 kernel), at every shape (LM head included) and row count, A and B calls
+    8-lane int16 kernel), at every shape (LM head included) and row count, A and B calls
     interleaved and the best of each kept: noise on a shared machine hits both alike. The GGUF matrices are the
     file's; GPTQ/AWQ ones random at the same shape (4-bit g128 act-order, 8-bit g128)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -200,7 +200,7 @@ def main() -> None:
     parser.add_argument("--group-tier", default=None, help="ISA tier of the --group build (default: as served)")
     parser.add_argument("--grouped-ab", nargs="?", const="avx512", metavar="TIER",
                         help="only the interleaved-rows kernels: -march=native against this ISA tier's build "
-                             "(none given: avx512, the fp32 AVX-512 kernel)")
+                             "(none given: avx512, the 8-lane int16 kernel)")
     args = parser.parse_args()
     if args.grouped_ab is not None:
         grouped_ab(resolve_model(None).weights, args.rows, args.repeats, args.grouped_ab)

@@ -10,11 +10,11 @@ multiplying it with the fp32 activations (exact up to summation order); where th
 kernel for the format, the matrix is first rewritten in place into groups of 16 interleaved rows, which that kernel
 reads 2-6x faster (kernels/cpu/packed_grouped.c: Q4_0/Q4_1/Q8_0; packed_grouped_wide.c: Q5_0 and the K formats).
 More rows (prefill, large decode batches): where the interleaved kernel's build has a many-row form
-(`MANY_ROW_GROUPED_ISAS`: the int16 builds, avx2, avx2_vnni and avx512_vnni; kernels/cpu/packed_grouped_panel.c) the
+(`MANY_ROW_GROUPED_ISAS`: the int16 builds, every tier with AVX2; kernels/cpu/packed_grouped_panel.c) the
 packed kernel serves every row count and the layer holds nothing else. On hosts that grant AMX tiles, bf16 calls of
 `gguf_prefill.MIN_ROWS` rows or more (long prefill chunks) instead expand the matrix per call into a bf16 scratch
 for torch's AMX GEMM (quant/gguf_prefill.py): faster there than the int16 dots, and not held. Elsewhere (the
-portable and avx512 builds, a matrix left in the file's layout) with `dense_batches` (the default, `--gguf-weights
+portable build, a matrix left in the file's layout) with `dense_batches` (the default, `--gguf-weights
 auto`) each such layer also holds its weights expanded once at load in the compute dtype (oneDNN-packed); without it
 (`--gguf-weights packed`) the matrix is dequantized per call. `--gguf-weights dequantized` expands the whole model
 at load: the fastest long prefill on an AMX host (its GEMMs 1.0-2.0x the per-call expansion's at 256-1024 rows, a

@@ -31,10 +31,10 @@ from pagedserve.quant.packing import unpack_cols, unpack_rows
 from quant_fixtures import (FIXTURE_NAMES, build_linear, dequantized_reference, fixture_dir, fp16_sha256,
                             grouped_logits_atol, quant_linears, random_weight, reference_weight, tool_record)
 
-# The builds (kernels/cpu/isa.py tiers): avx512 is the AVX-512 build without VNNI (fp32 activations), what an AVX-512
-# host without VNNI runs; avx2 and avx2_vnni (the same group kernels) what hosts without AVX-512 run; portable C.
+# The builds (kernels/cpu/isa.py tiers): avx512 is the AVX-512 build without VNNI+VBMI, what Skylake-SP and Cascade
+# Lake run; avx2 and avx2_vnni what hosts without AVX-512 run; portable C.
 TIERS = ("native", "avx512", "avx2_vnni", "avx2", "portable")
-INT16_ISAS = ("avx512_vnni", "avx2_vnni", "avx2")  # builds that round activations to int16 per run (act_q16.h)
+INT16_ISAS = ("avx512_vnni", "avx512", "avx2_vnni", "avx2")  # builds that round activations to int16 per run (act_q16.h)
 CASES = [
     # (K, N, bits, group, act_order)
     (256, 128, 4, 128, False),
@@ -133,9 +133,9 @@ def test_product_and_expansion_equal_the_reference(lib, k, n, bits, group, act_o
 
 
 def test_the_8_lane_interleaved_kernels_equal_the_avx512_vnni_one_bit_for_bit():
-    """Same int16 runs, integer dots and float epilogue per lane (act_q16.h), so the avx2 and avx2_vnni builds give
+    """Same int16 runs, integer dots and float epilogue per lane (act_q16.h), so the avx512, avx2 and avx2_vnni builds give
     the avx512_vnni build's outputs exactly, whichever of them this CPU runs (at least two are needed)."""
-    tiers = [t for t in ("avx512_vnni", "avx2_vnni", "avx2") if t in isa.available_tiers()]
+    tiers = [t for t in ("avx512_vnni", "avx512", "avx2_vnni", "avx2") if t in isa.available_tiers()]
     if len(tiers) < 2:
         pytest.skip(f"this CPU builds only {tiers} of the int16 tiers")
     libs = [cpu_packed.build(t) for t in tiers]

@@ -38,9 +38,9 @@ EXPECTED_ISAS = {"portable": ("portable", "portable"), "avx2": ("avx2", "avx2"),
                  "avx2_vnni": ("avx2_vnni", "avx2_vnni"), "avx512": ("avx2", "avx512"),
                  "avx512_vnni": ("avx512_vnni", "avx512_vnni"), "avx512_bf16": ("avx512_vnni", "avx512_vnni")}
 FORMATS = tuple(cpu_packed.FORMATS)
-# tier -> what the interleaved-rows kernels of Q5_0 and the K formats compile to (packed_grouped_wide.c: the int16
-# builds share one 8-lane kernel; elsewhere portable C, so loaders keep the file's layout)
-EXPECTED_WIDE_ISAS = {"portable": "portable", "avx2": "avx2", "avx2_vnni": "avx2_vnni", "avx512": "portable",
+# tier -> what the interleaved-rows kernels of Q5_0 and the K formats compile to (packed_grouped_wide.c: the 8-lane
+# int16 builds share one kernel; portable C where there is no AVX2, so loaders keep the file's layout)
+EXPECTED_WIDE_ISAS = {"portable": "portable", "avx2": "avx2", "avx2_vnni": "avx2_vnni", "avx512": "avx512",
                       "avx512_vnni": "avx512_vnni", "avx512_bf16": "avx512_vnni"}
 ROWS = (1, 2, 3, 7, 16, 33)
 
@@ -241,9 +241,9 @@ def test_auto_keeps_a_dense_copy_only_where_the_packed_kernel_loses(tier, monkey
 
 @pytest.mark.parametrize("qtype", cpu_packed.GROUPED_FORMATS)
 def test_int16_grouped_builds_agree_bit_for_bit(qtype):
-    """avx2, avx2_vnni and avx512_vnni round, sum and scale the same way (kernels/cpu/act_q16.h): the interleaved
+    """avx2, avx2_vnni, avx512 and avx512_vnni round, sum and scale the same way (kernels/cpu/act_q16.h): the interleaved
     rows' products are equal, so an AVX2 host serves exactly what an AVX-512 one does."""
-    tiers = [t for t in ("avx512_vnni", "avx2_vnni", "avx2") if t in isa.available_tiers()]
+    tiers = [t for t in ("avx512_vnni", "avx512", "avx2_vnni", "avx2") if t in isa.available_tiers()]
     if len(tiers) < 2:
         pytest.skip(f"one int16 tier on this CPU ({tiers})")
     rng = np.random.default_rng(6)

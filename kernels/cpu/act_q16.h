@@ -64,16 +64,20 @@ static inline pq_act pq_rows(const pq_act *act, int64_t r0, int64_t blocks) {
     return (pq_act){act->q + 32 * r0 * blocks, act->da + r0 * blocks, act->sx + r0 * blocks};
 }
 
-/* Builds whose interleaved-rows kernels take these int16 activations: AVX512-VNNI (vpdpwssd, 16 lanes) and AVX2 with
- * or without AVX-VNNI (8 lanes: vpdpwssd there, vpmaddwd + vpaddd on plain AVX2, the same exact int32 sums). The
- * AVX-512 build without VNNI keeps fp32 activations. Every one of them rounds, sums and scales alike, so a grouped
- * kernel's AVX2 result equals its AVX512-VNNI result bit for bit (tests/test_packed_kernels.py). */
+/* Every build with AVX2 takes these int16 activations in its interleaved-rows kernels: AVX512-VNNI (vpdpwssd, 16
+ * lanes) and the rest in 8 lanes: AVX2 with AVX-VNNI (vpdpwssd), plain AVX2 and the AVX-512 tier without VNNI+VBMI
+ * (Skylake-SP, Cascade Lake: vpmaddwd + vpaddd), the same exact int32 sums. Every one of them rounds, sums and
+ * scales alike, so a grouped kernel's result is the same bit for bit on every tier (tests/test_packed_kernels.py),
+ * and each has the many-row panel kernel, so no tier needs a dense copy of a GGUF matrix for prefill. */
 #if defined(PS_AVX512_VNNI)
 #define PQ_INT16 "avx512_vnni"
-#elif defined(PS_AVX2_VNNI) && !defined(PS_AVX512)
+#elif defined(PS_AVX512)
+#define PQ_INT16 "avx512"
+#define PQ_LANES8 1
+#elif defined(PS_AVX2_VNNI)
 #define PQ_INT16 "avx2_vnni"
 #define PQ_LANES8 1
-#elif defined(PS_AVX2) && !defined(PS_AVX512)
+#elif defined(PS_AVX2)
 #define PQ_INT16 "avx2"
 #define PQ_LANES8 1
 #endif

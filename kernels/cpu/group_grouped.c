@@ -13,18 +13,17 @@
  * bytes, byte r of the 16 for input k is row r's code. Scales and zeros [out / 16, groups, 16].
  *
  * Builds (compile time, as packed_grouped.c's): "avx512_vnni" rounds the activations to int16 per run and takes
- * the integer dots with vpdpwssd (act_q16.h: extra activation rows cost about half the fp32 FMA path's; its
- * header states the rounding's bound, where d u is s u here); "avx2_vnni" and "avx2" (Zen 1-3, Haswell to Skylake
- * client) take the same int16 runs and integer dots in two 8-row halves (vpdpwssd ymm with AVX-VNNI, vpmaddwd +
- * vpaddd without) with the same float epilogue: bit for bit the avx512_vnni build's outputs. "avx512" (no VNNI)
- * and "portable" keep fp32 activations:
+ * the integer dots with vpdpwssd (act_q16.h: extra activation rows cost about half an fp32 FMA path's; its
+ * header states the rounding's bound, where d u is s u here); "avx512" (no VNNI+VBMI: Skylake-SP, Cascade Lake),
+ * "avx2_vnni" and "avx2" (Zen 1-3, Haswell to Skylake client) take the same int16 runs and integer dots in two
+ * 8-row halves (vpdpwssd ymm with AVX-VNNI, vpmaddwd + vpaddd without) with the same float epilogue: bit for bit
+ * the avx512_vnni build's outputs. "portable" keeps fp32 activations:
  *
- * Numerics (fp32 builds): per run the codes are summed against fp32 activations as integers and scaled once,
- * y = sum over runs of s * sum(u x) + (-z s) * sum(x), as packed_grouped.c does for Q4_1 (forming each weight
- * u s - z s first was measured 10-20% slower at one row). The weights (u - z) s are never rounded, but the two parts
- * are summed separately, so the fp32 error is relative to their magnitudes: |y - x W^T| <= (in / 32 + 40) 2^-24
- * sum_k (u_k + z_k) s_k |x_k| per output (tests/test_group_kernel.py checks this bound; in practice the error is far
- * below it and within the row kernel's "fp32 summation order"). The expansion (dequantize) stays bit exact.
+ * Numerics (portable): per run the codes are summed against fp32 activations as integers and scaled once,
+ * y = sum over runs of s * sum(u x) + (-z s) * sum(x), as packed_grouped.c does for Q4_1. The weights (u - z) s
+ * are never rounded, but the two parts are summed separately, so the fp32 error is relative to their magnitudes:
+ * |y - x W^T| <= (in / 32 + 40) 2^-24 sum_k (u_k + z_k) s_k |x_k| per output (tests/test_group_kernel.py checks
+ * this bound). The expansion (dequantize) stays bit exact.
  */
 #include "isa.h"
 #include <omp.h>
@@ -55,7 +54,7 @@ void gq_grouped_codes(const ps_group_state *st, int64_t o, int64_t j, uint8_t *u
     for (int k = 0; k < 32; k++) u[k] = tile[GQ_ROWS * k + r];
 }
 
-#if defined(PS_AVX512)
+#if defined(PS_AVX512_VNNI)
 /* The group's scale s and offset -z s (16 rows) for group g of row group h. -z s is exact for fp16 scales
  * (8 x 11 significant bits), as group_linear.c's offset. */
 GQ_INLINE void gq_group_scales(const ps_group_state *st, int64_t h, int32_t g, __m512 *s, __m512 *m) {
@@ -66,9 +65,7 @@ GQ_INLINE void gq_group_scales(const ps_group_state *st, int64_t h, int32_t g, _
     const __m128i z8 = _mm_loadu_si128((const __m128i *)(st->zeros + at));
     *m = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(z8))), *s);
 }
-#endif
 
-#if defined(PS_AVX512_VNNI)
 #define GQ_GROUPED_ISA "avx512_vnni"
 
 /* The 16 rows of row group h for R activation rows from their int16 runs: per run the integer dots (act_q16.h),
@@ -93,61 +90,6 @@ GQ_INLINE void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, c
     }
     const __m512 bias = st->bias ? _mm512_loadu_ps(st->bias + h * GQ_ROWS) : _mm512_setzero_ps();
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * st->out_features + h * GQ_ROWS, _mm512_add_ps(tot[r], bias));
-}
-#elif defined(PS_AVX512)
-#define GQ_GROUPED_ISA "avx512"
-/* tot[r] += the 16 rows' dots with activation row r, for R rows. Per run the codes are multiplied with the
- * activations as integers u and scaled after: tot += s * sum(u x) + (-z s) * sum(x) (bits and R constants). */
-GQ_INLINE void gq_grouped_rows(const ps_group_state *st, int bits, int64_t h, const float *x, const float *sx, int R,
-                               __m512 *tot) {
-    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const int64_t in = st->in_features, runs = in / 32, tb = gq_tile_bytes(bits);
-    const uint8_t *tiles = st->codes + h * runs * tb;
-    /* Two FMA chains per row whatever R: a row's sums then do not depend on the rows beside it, so a speculating
-     * step's rows give exactly the logits one-row steps give (4 chains at 1-2 rows measured ~5% faster). */
-    const int chains = 2;
-    int32_t cur = -1;
-    __m512 s = _mm512_setzero_ps(), m = s;
-    for (int64_t j = 0; j < runs; j++) {
-        if (st->run_group[j] != cur) gq_group_scales(st, h, cur = st->run_group[j], &s, &m);
-        const uint8_t *tile = tiles + j * tb;
-        /* as the grouped GGUF kernel: the hardware prefetcher alone leaves the stream well under the read bound */
-        for (int64_t l = 0; l <= tb; l += 64) _mm_prefetch((const char *)tile + GQ_PREFETCH_TILES * tb + l, _MM_HINT_T0);
-        const float *xb = x + 32 * j;
-        __m512 acc[2 * GQ_GTILE];
-        for (int a = 0; a < chains * R; a++) acc[a] = _mm512_setzero_ps();
-        for (int c = 0; c < 4; c++) {
-            const __m512i word = bits == 4 ? _mm512_loadu_si512(tile + 64 * c) : _mm512_setzero_si512();
-#pragma GCC unroll 8
-            for (int p = 0; p < 8; p++) {
-                const int k = 8 * c + p;
-                __m512 u = bits == 4 ? _mm512_permutexvar_ps(p ? _mm512_srli_epi32(word, 4 * p) : word, table)
-                                     : _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                           _mm_loadu_si128((const __m128i *)(tile + GQ_ROWS * k))));
-                for (int r = 0; r < R; r++) {
-                    const int a = (p % chains) * R + r;
-                    acc[a] = _mm512_fmadd_ps(u, _mm512_set1_ps(xb[r * in + k]), acc[a]);
-                }
-            }
-        }
-        for (int r = 0; r < R; r++) {
-            __m512 sum = acc[r];
-            for (int c = 1; c < chains; c++) sum = _mm512_add_ps(sum, acc[c * R + r]);
-            tot[r] = _mm512_fmadd_ps(sum, s, tot[r]);
-            tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * runs + j]), tot[r]);
-        }
-    }
-}
-
-GQ_INLINE void gq_grouped_store(const ps_group_state *st, int bits, int64_t h, const float *x, pq_act act, int R,
-                                float *y) {
-    const int64_t out = st->out_features;
-    __m512 tot[GQ_GTILE];
-    for (int r = 0; r < R; r++) tot[r] = _mm512_setzero_ps();
-    gq_grouped_rows(st, bits, h, x, act.sx, R, tot);
-    /* the bias last, as group_linear.c adds it: y = (x @ W^T) + bias, rounded once more */
-    const __m512 bias = st->bias ? _mm512_loadu_ps(st->bias + h * GQ_ROWS) : _mm512_setzero_ps();
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * out + h * GQ_ROWS, _mm512_add_ps(tot[r], bias));
 }
 #elif defined(PQ_LANES8)
 #define GQ_GROUPED_ISA PQ_INT16

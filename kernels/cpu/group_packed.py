@@ -19,8 +19,8 @@ from pagedserve.kernels.cpu.packed import GROUP_ROWS, build
 from pagedserve.kernels.cpu.structs import GroupState
 
 # The builds of the interleaved-rows GPTQ/AWQ kernel (group_grouped.c, `group_grouped_isa`) faster than the
-# row-after-row one: loaders group rows only there. avx2 and avx2_vnni (8 lanes, int16 dots) sum exactly as
-# avx512_vnni (16); portable is slower.
+# row-after-row one: loaders group rows only there. avx512 (without VNNI+VBMI), avx2_vnni and avx2 (8 lanes, int16
+# dots) sum exactly as avx512_vnni (16); portable is slower.
 FAST_GROUP_GROUPED_ISAS = ("avx512_vnni", "avx512", "avx2_vnni", "avx2")
 
 

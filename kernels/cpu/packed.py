@@ -72,23 +72,22 @@ def isa(lib: ctypes.CDLL) -> str:
 
 
 # The interleaved-rows kernels' builds faster than the file layout's / row-after-row kernels: loaders group rows
-# only where the build is one of these. avx512_vnni, avx2_vnni, avx2: int16 activations and integer pair dots
-# (act_q16.h; the three give the same results bit for bit); avx512: fp32.
+# only where the build is one of these: every build with AVX2, all with int16 activations and integer pair dots
+# (act_q16.h; they give the same results bit for bit), in 16 lanes (avx512_vnni) or 8 (the others).
 FAST_GROUPED_ISAS = ("avx512_vnni", "avx512", "avx2_vnni", "avx2")
 # The builds whose interleaved-rows kernels round activations to int16 per block (act_q16.h states the bound).
-INT16_GROUPED_ISAS = ("avx512_vnni", "avx2_vnni", "avx2")
+INT16_GROUPED_ISAS = FAST_GROUPED_ISAS
 # The builds whose interleaved-rows kernels have a many-row form (packed_grouped_panel.c, every format, from 8 rows
 # on; 16 lanes in packed_grouped_panel16.h): codes widened once per 32-input run for all rows, so prefill runs at the
 # pair dots' rate, at least that of an fp32 FMA GEMM on the AVX2 tiers and of oneDNN's AVX512-BF16 one where AMX is
 # not granted (docs/quantization.md). With AMX, long chunks go to quant/gguf_prefill.py instead.
-MANY_ROW_GROUPED_ISAS = ("avx512_vnni", "avx2_vnni", "avx2")
+MANY_ROW_GROUPED_ISAS = FAST_GROUPED_ISAS
 
 
 def grouped_isa(lib: ctypes.CDLL, qtype: str = "Q4_0") -> str:
     """What `qtype`'s interleaved-rows kernel in `lib` was compiled to (see FAST_GROUPED_ISAS). Q4_0/Q4_1/Q8_0
-    (packed_grouped.c): avx512_vnni, avx512, avx2_vnni, avx2 or portable; Q5_0 and the K formats
-    (packed_grouped_wide.c, 8-lane int16 wherever the build rounds activations to int16): avx512_vnni, avx2_vnni,
-    avx2 or portable."""
+    (packed_grouped.c) and Q5_0 and the K formats (packed_grouped_wide.c): avx512_vnni, avx512, avx2_vnni, avx2 or
+    portable."""
     if qtype not in FORMATS:
         raise ValueError(f"qtype: {qtype!r} has no packed kernel; supported: {', '.join(FORMATS)}")
     return lib.pagedserve_packed_grouped_isa_of(FORMATS[qtype][0]).decode()
@@ -112,7 +111,7 @@ def group_isa(lib: ctypes.CDLL) -> str:
 
 def group_grouped_isa(lib: ctypes.CDLL) -> str:
     """What the GPTQ/AWQ interleaved-rows kernel (group_grouped.c) in `lib` was compiled to: avx512_vnni,
-    avx512, avx2 or portable (see group_packed.FAST_GROUP_GROUPED_ISAS)."""
+    avx512, avx2_vnni, avx2 or portable (see group_packed.FAST_GROUP_GROUPED_ISAS)."""
     return lib.pagedserve_group_grouped_isa().decode()
 
 

@@ -12,10 +12,9 @@
  * instructions per block each instead of ~36, and the codes are widened with half the instructions. "avx2_vnni"
  * and "avx2" take the same int16 activations and the same integer dots in two 8-row halves (vpdpwssd ymm with
  * AVX-VNNI, vpmaddwd + vpaddd without: Zen 1-3, Haswell to Skylake client), with the same float epilogue, so
- * their results equal the avx512_vnni build's bit for bit. "avx512"
- * keeps fp32 activations: a shift and a vpermps (16-entry table) make one input's 16 fp32 codes, one FMA per
- * activation row accumulates them; results equal the file layout's fp32 kernel up to summation order.
- * "portable": C loops, fp32. Per block every build adds d * sum(u x) + m * sum(x) with the exact fp32 sum(x);
+ * their results equal the avx512_vnni build's bit for bit; so does "avx512" (AVX-512 without VNNI+VBMI: Skylake-SP,
+ * Cascade Lake), which runs the 8-lane kernel too (it beat the 16-lane fp32 FMA kernel it replaced, noisy, and
+ * serves every format). "portable": C loops, fp32. Per block every build adds d * sum(u x) + m * sum(x) with the exact fp32 sum(x);
  * act_q16.h states the int16 rounding's bound.
  *
  * Layout, same bytes as the file's: group g = rows 16g..16g+15, stored in place of those rows. Per block b (32
@@ -182,61 +181,6 @@ PK_INLINE void pk_grouped_rows(int fmt, const uint8_t *tiles, int64_t nb, const 
         _mm256_storeu_ps(y + r * out, tot[2 * r]);
         _mm256_storeu_ps(y + r * out + 8, tot[2 * r + 1]);
     }
-}
-#elif defined(PS_AVX512)
-#define PK_GROUPED_ISA "avx512"
-/* y[r][16 rows of group] for R activation rows: per block, 32 inputs x 16 rows of FMAs on fp32 codes, then
- * tot += d * acc + m * sum(x over the block). R and fmt are constants after inlining. */
-PK_INLINE void pk_grouped_tile(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, const float *sx,
-                               int R, __m512 *tot) {
-    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const int64_t hb = pk_tile_header(fmt), tb = pk_tile_bytes(fmt);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *tile = tiles + b * tb;
-        const float *xb = x + 32 * b;
-        /* past the end of the matrix a prefetch is only a hint */
-        for (int64_t l = 0; l <= tb; l += 64) _mm_prefetch((const char *)tile + PK_PREFETCH_TILES * tb + l, _MM_HINT_T0);
-        __m512 acc0[PK_GROUP_TILE], acc1[PK_GROUP_TILE];
-        for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
-        for (int k = 0; fmt == PK_Q8_0 && k < 32; k++) {
-            const __m128i q = _mm_loadu_si128((const __m128i *)(tile + 32 + 16 * k));
-            const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
-            for (int r = 0; r < R; r++) {
-                const __m512 xv = _mm512_set1_ps(xb[r * in + k]);
-                if (k & 1) acc1[r] = _mm512_fmadd_ps(u, xv, acc1[r]);
-                else acc0[r] = _mm512_fmadd_ps(u, xv, acc0[r]);
-            }
-        }
-        for (int c = 0; fmt != PK_Q8_0 && c < 4; c++) {
-            const __m512i word = _mm512_loadu_si512(tile + hb + 64 * c);
-            for (int p = 0; p < 8; p++) {
-                const __m512 u = _mm512_permutexvar_ps(p ? _mm512_srli_epi32(word, 4 * p) : word, codes);
-                for (int r = 0; r < R; r++) {
-                    const __m512 xv = _mm512_set1_ps(xb[r * in + 8 * c + p]);
-                    /* two chains per row, whatever R: a row's sums then do not depend on the rows beside it,
-                     * so a speculating step's rows give exactly the logits one-row decode steps give */
-                    if (p & 1) acc1[r] = _mm512_fmadd_ps(u, xv, acc1[r]);
-                    else acc0[r] = _mm512_fmadd_ps(u, xv, acc0[r]);
-                }
-            }
-        }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tile));
-        const __m512 m = fmt == PK_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 32)))
-                                        : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-        for (int r = 0; r < R; r++) {
-            tot[r] = _mm512_fmadd_ps(_mm512_add_ps(acc0[r], acc1[r]), d, tot[r]);
-            /* Q8_0's signed codes need no offset */
-            if (fmt != PK_Q8_0) tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * nb + b]), tot[r]);
-        }
-    }
-}
-
-PK_INLINE void pk_grouped_rows(int fmt, const uint8_t *tiles, int64_t nb, const float *x, int64_t in, pq_act act,
-                               int R, const float *bias, float *y, int64_t out) {
-    __m512 tot[PK_GROUP_TILE];
-    for (int r = 0; r < R; r++) tot[r] = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    pk_grouped_tile(fmt, tiles, nb, x, in, act.sx, R, tot);
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * out, tot[r]);
 }
 #else
 #define PK_GROUPED_ISA "portable"

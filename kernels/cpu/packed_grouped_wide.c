@@ -6,11 +6,11 @@
  * bound by instructions, not by reading the weights. With 16 rows side by side, one 8-lane vector holds one input
  * pair of 8 rows and a run's scales are decoded once per group as vectors.
  *
- * Builds (isa.h, act_q16.h): every one with int16 activations (avx2, avx2_vnni, avx512_vnni: PQ_INT16) takes the
+ * Builds (isa.h, act_q16.h): every one with int16 activations (all with AVX2: PQ_INT16) takes the
  * same integer pair dots (vpmaddwd + vpaddd on plain AVX2, vpdpwssd with AVX-VNNI or AVX512-VNNI) and one float
- * epilogue per run, in two 8-row halves (avx2, avx2_vnni: packed_grouped_wide8.h) or one 16-lane register
- * (avx512_vnni: packed_grouped_wide16.h), so their results are equal bit for bit. The others (portable, avx512
- * without VNNI) run C loops on fp32 activations; loaders keep the file's layout there (packed.py's grouped_isa).
+ * epilogue per run, in two 8-row halves (avx2, avx2_vnni, avx512: packed_grouped_wide8.h) or one 16-lane register
+ * (avx512_vnni: packed_grouped_wide16.h), so their results are equal bit for bit. The portable build runs C loops
+ * on fp32 activations; loaders keep the file's layout there (packed.py's grouped_isa).
  * Per run every build adds (d da) dot(u, q) + m sx with the exact fp32 block sum sx (Q6_K: signed codes u - 32,
  * one scale per 16-value half, no offset term, the centring taken from the activations' integer half sums:
  * pkw_centring); act_q16.h states the int16 rounding's bound. (int8 activations with u8 x s8 byte dots, as
