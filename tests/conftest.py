@@ -41,6 +41,16 @@ def hf_reference(default_model):
     return hf_from_gguf(default_model.weights), tok
 
 
+@pytest.fixture(scope="session")
+def hf_gemma3():
+    """Gemma 3 270M's GGUF file and transformers' fp32 model from it, loaded once (a ~30 s dequantization in
+    Python): the oracle of the Gemma 3 end-to-end and loader tests."""
+    from pagedserve.engine.loading.model_store import gemma3_270m_gguf
+
+    path = gemma3_270m_gguf()
+    return path, hf_from_gguf(path)
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
     ids = torch.tensor([prompt_ids])
     with torch.inference_mode():

