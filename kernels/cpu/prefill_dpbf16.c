@@ -178,6 +178,8 @@ static void configure_tiles(void) {
     struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } __attribute__((packed))
         config = {.palette = 1};
     for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
+    config.colsb[5] = 32;  /* V^T: 16 dimensions x 16 keys */
+    config.rows[6] = 8;    /* P: 8 key pairs x 16 row lanes */
     _tile_loadconfig(&config);
 }
 
@@ -195,6 +197,30 @@ static void scores_amx(const uint16_t *k, const uint32_t *q, float *s, const int
             AMX_SCORES(0) AMX_SCORES(1) AMX_SCORES(2)
         }
         AMX_STORE(0); AMX_STORE(1); AMX_STORE(2);
+    }
+}
+
+/* acc^T = acc^T * correction + V^T P^T on AMX tiles (K = the tile's 16 keys): A = V^T, 16 dimensions x 16 keys,
+ * the V pairs transposed as 32-bit words into vt (tile 5); B = 8 P pairs x 16 row lanes (tile 6); C = acc^T (tile 7),
+ * scaled beforehand where a lane's correction is not 1. Pairs at or past `pairs` (n < 16 keys) have zero V and P
+ * (the score rows there may hold -inf, and -inf times zero is NaN). */
+static void accumulate_amx(float *acc, uint32_t *p, const uint32_t *v, const __m512 *correction, uint32_t *vt,
+                           const int64_t rp, const int64_t dim, int64_t pairs) {
+    for (int64_t i2 = pairs; i2 < KT / 2; i2++) memset(p + i2 * rp, 0, sizeof(uint32_t) * (size_t)rp);
+    for (int64_t b = 0; b < rp / 16; b++)
+        if (_mm512_cmp_ps_mask(correction[b], _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
+            for (int64_t d = 0; d < dim; d++)
+                _mm512_store_ps(acc + d * rp + 16 * b, _mm512_mul_ps(_mm512_load_ps(acc + d * rp + 16 * b), correction[b]));
+    for (int64_t d = 0; d < dim; d++)
+        for (int64_t i2 = 0; i2 < KT / 2; i2++) vt[d * 8 + i2] = i2 < pairs ? v[i2 * dim + d] : 0;
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+        _tile_loadd(5, vt + d0 * 8, 32);
+        for (int64_t b = 0; b < rp / 16; b++) {
+            _tile_loadd(6, p + 16 * b, rp * 4);
+            _tile_loadd(7, acc + d0 * rp + 16 * b, rp * 4);
+            _tile_dpbf16ps(7, 5, 6);
+            _tile_stored(7, acc + d0 * rp + 16 * b, rp * 4);
+        }
     }
 }
 #endif
@@ -216,6 +242,9 @@ INLINE void tile_step(Tile *w, const uint16_t *k, float factor, int64_t k0, int6
     for (int64_t b = 0; b < rp / 16; b++)
         correction[b] = softmax_block(s + 16 * b, w->m + 16 * b, w->l + 16 * b, (const int32_t *)w->correction + 16 * b,
                                       factor, k0, n, window, rp);
+#if defined(PS_AMX)
+    if (amx) return accumulate_amx(w->acc, (uint32_t *)s, v, correction, (uint32_t *)w->k, rp, dim, (n + 1) / 2);
+#endif
 #define ACCUMULATE(nrb) accumulate_block(w->acc + 16 * b0, p + 16 * b0, v, correction + b0, rp, dim, (n + 1) / 2, nrb)
     ROW_BLOCKS(rp, b0, ACCUMULATE)
 #undef ACCUMULATE
