@@ -24,7 +24,7 @@ from attention_cases import (
 )
 from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.kernels.cpu.build import load
-from pagedserve.kernels.cpu.prefill import PrefillBatch
+from pagedserve.kernels.cpu.prefill import PrefillBatch, amx_prefill
 from pagedserve.kernels.cpu.structs import PrefillArgs
 from pagedserve.kernels.kv_cache import KVDtype
 from pagedserve.kernels.native_attention import NativeCpuAttention
@@ -322,3 +322,16 @@ def test_bf16_prefill_at_each_tier_agrees_with_float64_math(tier, kv_dtype, quer
         poison_stale_slots(layer, meta)
     result = _prefill_with(cpu_native.load_library(None if tier == "native" else tier), query, layer, meta, window)
     assert (result.double() - exact).abs().max().item() <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("kv_dtype", [KVDtype.BF16, KVDtype.INT8])
+def test_long_bf16_chunks_stay_native_where_the_kernel_has_amx(kv_dtype) -> None:
+    """A chunk long enough for SDPA (kernels/native_attention.py) runs the AMX kernel instead for bf16 queries."""
+    seq_lens, query_lens = (700, 45), (400, 30)
+    query, layer, meta = make_case(seq_lens, query_lens, 16, 3, kv_dtype, seed=12)
+    query = query.to(torch.bfloat16)
+    impl = NativeCpuAttention()
+    plan = impl.plan(meta, layer)
+    assert len(plan.prefill_sdpa) == 1 and (plan.prefill_long is not None) == amx_prefill(layer)
+    result = impl.attention(query, layer, meta, plan, SCALE)
+    assert (result.double() - float64_reference(query, layer, meta)).abs().max().item() <= TOLERANCE[torch.bfloat16]

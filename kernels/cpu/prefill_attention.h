@@ -29,6 +29,7 @@ typedef struct { int64_t s, h, j0, rows; } Task;
 
 /* bf16 queries against bf16, FP8 or int8 keys (each widens or dequantizes to bf16 as the torch path's gather
  * rounds it) take prefill_dpbf16.c where the build targets AVX512-BF16. */
+int pagedserve_prefill_amx(int64_t head_dim);
 #if defined(PS_AVX512_BF16)
 #define PREFILL_DPBF16(kv_dt, q_dt) ((q_dt) == DT_BF16 && (kv_dt) != DT_F32 && (kv_dt) != DT_F16)
 void prefill_task_dpbf16(const PrefillArgs *a, const Task *t, Tile *w);

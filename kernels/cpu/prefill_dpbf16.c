@@ -14,6 +14,16 @@
  */
 #include "prefill_attention.h"
 
+/* Whether bf16 queries of this head dim take AMX tiles here (the build has them, the OS granted the tile state). */
+int pagedserve_prefill_amx(int64_t head_dim) {
+#if defined(PS_AMX)
+    return head_dim % 32 == 0 && ps_amx_ready();
+#else
+    (void)head_dim;
+    return 0;
+#endif
+}
+
 #if defined(PS_AVX512_BF16)
 
 /* The task's queries as dimension pairs over rows, q[p * rp + r], rows padded to rp (a multiple of 16) with zero
@@ -259,7 +269,7 @@ INLINE void task(const PrefillArgs *a, const Task *t, Tile *w, const int64_t dim
     const float factor = a->scale * a->k_scale[t->h];
     const int64_t rp = load_queries(a, t, w, dim);
 #if defined(PS_AMX)
-    const int amx = dim % 32 == 0 && ps_amx_ready();
+    const int amx = pagedserve_prefill_amx(dim);
     if (amx) configure_tiles();
 #else
     const int amx = 0;
