@@ -3,7 +3,7 @@
 Every decode row of a step goes through kernels/cpu/decode_attention.c and short prefill chunks through
 kernels/cpu/prefill_attention.c; both read K/V blocks in place instead of gathering and upcasting them. Long chunks
 (and every chunk when the head dim is not a multiple of 16) go to the shared SDPA path (prefill_attention.py), except
-bf16 queries where the prefill kernel has AMX tiles (kernels/cpu/prefill_dpbf16.c), which beat SDPA at any length. `auto`
+bf16 queries over a bf16 cache where the prefill kernel has AMX tiles (kernels/cpu/prefill_dpbf16.c). `auto`
 picks this on CPU whenever the C files build here, and falls back to pure torch (logging why) when they cannot.
 """
 
@@ -55,7 +55,7 @@ def _sdpa_wins(meta: AttentionMetadata, i: int) -> bool:
     2 threads: 1,024 tokens 26 ms vs 71 ms; a 2,911-token chunked prefill's second chunk 137 ms vs 274 ms; FP8, whose
     K tiles the C kernel widens lane by lane, 21 ms vs 114 ms and 121 ms vs 480 ms). Short chunks, where SDPA's
     per-chunk dispatch dominates, stay native (16 sequences of 32 tokens: 3.3 ms vs 7.8 ms). Measured before the bf16
-    kernel had AMX tiles; with them it wins at every length and takes long chunks too (`amx_prefill`)."""
+    kernel had AMX tiles; with them it is about even on long chunks over a bf16 cache and takes them (`amx_prefill`)."""
     return meta.query_lens_host[i] * meta.seq_lens_host[i] >= _SDPA_MIN_WORK
 
 

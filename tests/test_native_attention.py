@@ -326,12 +326,15 @@ def test_bf16_prefill_at_each_tier_agrees_with_float64_math(tier, kv_dtype, quer
 
 @pytest.mark.parametrize("kv_dtype", [KVDtype.BF16, KVDtype.INT8])
 def test_long_bf16_chunks_stay_native_where_the_kernel_has_amx(kv_dtype) -> None:
-    """A chunk long enough for SDPA (kernels/native_attention.py) runs the AMX kernel instead for bf16 queries."""
+    """A chunk long enough for SDPA (kernels/native_attention.py) runs the AMX kernel instead for bf16 queries over a
+    bf16 cache; over an 8-bit one it stays on SDPA."""
     seq_lens, query_lens = (700, 45), (400, 30)
     query, layer, meta = make_case(seq_lens, query_lens, 16, 3, kv_dtype, seed=12)
     query = query.to(torch.bfloat16)
     impl = NativeCpuAttention()
     plan = impl.plan(meta, layer)
     assert len(plan.prefill_sdpa) == 1 and (plan.prefill_long is not None) == amx_prefill(layer)
+    assert amx_prefill(layer) == (kv_dtype is KVDtype.BF16 and layer.k.dtype == torch.bfloat16
+                                  and bool(cpu_native.load_library().pagedserve_prefill_amx(64)))
     result = impl.attention(query, layer, meta, plan, SCALE)
     assert (result.double() - float64_reference(query, layer, meta)).abs().max().item() <= TOLERANCE[torch.bfloat16]
