@@ -67,20 +67,7 @@ INLINE float silu(float g) {
 
 INLINE f32x16 silu16(f32x16 g) {
     const f32x16 e = exp16_nonpositive((f32x16)((i32x16)g | (i32x16){0} + INT32_MIN)), one = (f32x16){0} + 1.0f;
-#if defined(PS_AVX512)
-    /* 1 / (1 + e) by vrcp14ps and one Newton step: within 2 ulp of fp32's division (whose throughput bounded this
-     * loop), before the bf16 or fp16 rounding that follows */
-    __m512 d, r;
-    const f32x16 den = one + e;
-    memcpy(&d, &den, sizeof d);
-    r = _mm512_rcp14_ps(d);
-    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
-    f32x16 inv;
-    memcpy(&inv, &r, sizeof inv);
-    return g * select16(g >= 0.0f, one, e) * inv;
-#else
     return g * select16(g >= 0.0f, one, e) / (one + e);
-#endif
 }
 
 /* out [n] = dtype(silu(gate)) * up for one row of gate_up [2n] = [gate | up] (the merged projection's output). */
