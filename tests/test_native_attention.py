@@ -290,13 +290,13 @@ def test_native_fp8_write_rounds_every_tie_like_torch(kv_dtype: KVDtype) -> None
         assert torch.equal(caches[0].v.view(torch.uint8), caches[1].v.view(torch.uint8))
 
 
-def _prefill_with(lib, query, layer, meta, window: int | None) -> torch.Tensor:
-    """Every chunk of `meta` through `lib`'s prefill kernel (one build of one tier), one thread."""
+def _prefill_with(lib, query, layer, meta, window: int | None, threads: int = 1) -> torch.Tensor:
+    """Every chunk of `meta` through `lib`'s prefill kernel (one build of one tier)."""
     batch = PrefillBatch.of(meta, meta.query_starts(), window, tuple(range(meta.num_seqs)))
     out = torch.empty(query.shape, dtype=query.dtype)
     args = PrefillArgs(**cpu_native.attention_fields(query, out, layer, batch, SCALE),
                        query_lens=batch.query_lens.data_ptr())
-    assert lib.pagedserve_prefill_attention(ctypes.addressof(args), meta.num_seqs, 1) == 0
+    assert lib.pagedserve_prefill_attention(ctypes.addressof(args), meta.num_seqs, threads) == 0
     return out
 
 
@@ -320,8 +320,10 @@ def test_bf16_prefill_at_each_tier_agrees_with_float64_math(tier, kv_dtype, quer
     exact = float64_reference(query, layer, meta, window)
     if not kv_dtype.is_fp8:
         poison_stale_slots(layer, meta)
-    result = _prefill_with(cpu_native.load_library(None if tier == "native" else tier), query, layer, meta, window)
+    lib = cpu_native.load_library(None if tier == "native" else tier)
+    result = _prefill_with(lib, query, layer, meta, window)
     assert (result.double() - exact).abs().max().item() <= TOLERANCE[torch.bfloat16]
+    assert torch.equal(_prefill_with(lib, query, layer, meta, window, threads=3), result)  # tasks are independent
 
 
 @pytest.mark.parametrize("kv_dtype", [KVDtype.BF16, KVDtype.INT8])
