@@ -2,7 +2,8 @@
 
 Every decode row of a step goes through kernels/cpu/decode_attention.c and short prefill chunks through
 kernels/cpu/prefill_attention.c; both read K/V blocks in place instead of gathering and upcasting them. Long chunks
-(and every chunk when the head dim is not a multiple of 16) go to the shared SDPA path (prefill_attention.py). `auto`
+(and every chunk when the head dim is not a multiple of 16) go to the shared SDPA path (prefill_attention.py), except
+bf16 queries over a bf16 cache where the prefill kernel has AMX tiles (kernels/cpu/prefill_dpbf16.c). `auto`
 picks this on CPU whenever the C files build here, and falls back to pure torch (logging why) when they cannot.
 """
 
@@ -15,7 +16,7 @@ import torch
 from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, AttentionPlan
 from pagedserve.kernels.cpu.native import (COMPUTE_DTYPES, DecodeBatch, decode_attention, gather_kv_8bit, load_library,
                                           write_kv, write_kv_fp8, write_kv_int8)
-from pagedserve.kernels.cpu.prefill import PrefillBatch, prefill_attention_native
+from pagedserve.kernels.cpu.prefill import PrefillBatch, amx_prefill, prefill_attention_native
 from pagedserve.kernels.kv_cache import LayerKVCache
 from pagedserve.kernels.kv_quant import gather_kv, store_kv
 from pagedserve.kernels.prefill_attention import PrefillChunk, prefill_attention, prefill_chunks
@@ -26,7 +27,8 @@ from pagedserve.kernels.requirements import Requirements
 class NativePlan(AttentionPlan):
     decode: DecodeBatch | None  # None when no sequence decodes this step
     prefill: PrefillBatch | None  # None when no sequence prefills, or head_dim is not a multiple of 16
-    prefill_sdpa: tuple[PrefillChunk, ...]  # the chunks of such head dims
+    prefill_sdpa: tuple[PrefillChunk, ...]  # the chunks of such head dims, and long ones
+    prefill_long: PrefillBatch | None = None  # the long ones again, for bf16 queries where the kernel has AMX tiles
 
 
 def _decode_batch(meta: AttentionMetadata, starts: list[int], window: int | None) -> DecodeBatch | None:
@@ -52,7 +54,8 @@ def _sdpa_wins(meta: AttentionMetadata, i: int) -> bool:
     and from about 256 x 256 it wins for every cache dtype, even after gathering and upcasting the blocks (bf16,
     2 threads: 1,024 tokens 26 ms vs 71 ms; a 2,911-token chunked prefill's second chunk 137 ms vs 274 ms; FP8, whose
     K tiles the C kernel widens lane by lane, 21 ms vs 114 ms and 121 ms vs 480 ms). Short chunks, where SDPA's
-    per-chunk dispatch dominates, stay native (16 sequences of 32 tokens: 3.3 ms vs 7.8 ms)."""
+    per-chunk dispatch dominates, stay native (16 sequences of 32 tokens: 3.3 ms vs 7.8 ms). Measured before the bf16
+    kernel had AMX tiles; with them it is about even on long chunks over a bf16 cache and takes them (`amx_prefill`)."""
     return meta.query_lens_host[i] * meta.seq_lens_host[i] >= _SDPA_MIN_WORK
 
 
@@ -75,8 +78,10 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         chunks = [i for i, q_len in enumerate(meta.query_lens_host) if q_len > 1]
         sdpa = tuple(i for i in chunks if cache.k.shape[3] % 16 or _sdpa_wins(meta, i))
         native = tuple(i for i in chunks if i not in sdpa)
+        # The query dtype is the layer's to know: the long chunks both ways, and the attention call picks one.
+        long = PrefillBatch.of(meta, starts, window, sdpa) if sdpa and amx_prefill(cache) else None
         return NativePlan(window, decode, PrefillBatch.of(meta, starts, window, native),
-                          prefill_chunks(meta, cache, starts, window, sdpa) if sdpa else ())
+                          prefill_chunks(meta, cache, starts, window, sdpa) if sdpa else (), long)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
         k_storage = LayerKVCache.by_head(cache.k)
@@ -101,6 +106,9 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
             decode_attention(query, out, cache, plan.decode, scale)
         if plan.prefill is not None:
             prefill_attention_native(query, out, cache, plan.prefill, scale)
+        if plan.prefill_long is not None and query.dtype == torch.bfloat16:
+            prefill_attention_native(query, out, cache, plan.prefill_long, scale)
+            return out
         # 8-bit tiles dequantized in one native pass (torch's five passes were most of the 8-bit prefill's extra time)
         eight_bit = (cache.dtype.is_fp8 or cache.dtype.has_row_scales) and cache.k.shape[3] % 16 == 0
         for chunk in plan.prefill_sdpa:

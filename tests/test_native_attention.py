@@ -6,8 +6,12 @@ fails these tests rather than skipping them, because `auto` would silently serve
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
+
+import cpu_tiers
 
 from attention_cases import (
     BATCHES,
@@ -20,6 +24,8 @@ from attention_cases import (
 )
 from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.kernels.cpu.build import load
+from pagedserve.kernels.cpu.prefill import PrefillBatch, amx_prefill
+from pagedserve.kernels.cpu.structs import PrefillArgs
 from pagedserve.kernels.kv_cache import KVDtype
 from pagedserve.kernels.native_attention import NativeCpuAttention
 from pagedserve.kernels.backends import select_attention_impl
@@ -282,3 +288,55 @@ def test_native_fp8_write_rounds_every_tie_like_torch(kv_dtype: KVDtype) -> None
             caches.append(cache)
         assert torch.equal(caches[0].k.view(torch.uint8), caches[1].k.view(torch.uint8))
         assert torch.equal(caches[0].v.view(torch.uint8), caches[1].v.view(torch.uint8))
+
+
+def _prefill_with(lib, query, layer, meta, window: int | None, threads: int = 1) -> torch.Tensor:
+    """Every chunk of `meta` through `lib`'s prefill kernel (one build of one tier)."""
+    batch = PrefillBatch.of(meta, meta.query_starts(), window, tuple(range(meta.num_seqs)))
+    out = torch.empty(query.shape, dtype=query.dtype)
+    args = PrefillArgs(**cpu_native.attention_fields(query, out, layer, batch, SCALE),
+                       query_lens=batch.query_lens.data_ptr())
+    assert lib.pagedserve_prefill_attention(ctypes.addressof(args), meta.num_seqs, threads) == 0
+    return out
+
+
+# (KV heads' query heads, block size, window, head dim): 3 and 4 heads make 48 and 64 rows a task (3 and 4 blocks
+# of 16 lanes), block size 8 gives tiles of 8 keys, head dim 80 is not a multiple of 32 (AMX tiles take 32).
+PREFILL_SHAPES = [(3, 16, None, 64), (4, 8, 40, 128), (1, 32, None, 80)]
+
+
+@pytest.mark.parametrize("tier", cpu_tiers.params(("native", "avx512_bf16", "avx2")))
+@pytest.mark.parametrize("kv_dtype", [KVDtype.BF16, KVDtype.INT8, KVDtype.FP8_E4M3])
+@pytest.mark.parametrize(("queries_per_kv", "block_size", "window", "head_dim"), PREFILL_SHAPES)
+def test_bf16_prefill_at_each_tier_agrees_with_float64_math(tier, kv_dtype, queries_per_kv, block_size, window,
+                                                           head_dim) -> None:
+    """bf16 queries over 16- and 8-bit caches: AMX scores where granted (native), AVX512-BF16 dot products
+    (forced avx512_bf16), fp32 FMAs (avx2); chunks after cached context starting mid-block, NaN in stale slots
+    (poison_stale_slots writes no FP8)."""
+    seq_lens, query_lens = (300, 77, 129, 41), (300, 50, 2, 37)
+    query, layer, meta = make_case(seq_lens, query_lens, block_size, queries_per_kv, kv_dtype, head_dim=head_dim,
+                                   seed=11)
+    query = query.to(torch.bfloat16)
+    exact = float64_reference(query, layer, meta, window)
+    if not kv_dtype.is_fp8:
+        poison_stale_slots(layer, meta)
+    lib = cpu_native.load_library(None if tier == "native" else tier)
+    result = _prefill_with(lib, query, layer, meta, window)
+    assert (result.double() - exact).abs().max().item() <= TOLERANCE[torch.bfloat16]
+    assert torch.equal(_prefill_with(lib, query, layer, meta, window, threads=3), result)  # tasks are independent
+
+
+@pytest.mark.parametrize("kv_dtype", [KVDtype.BF16, KVDtype.INT8])
+def test_long_bf16_chunks_stay_native_where_the_kernel_has_amx(kv_dtype) -> None:
+    """A chunk long enough for SDPA (kernels/native_attention.py) runs the AMX kernel instead for bf16 queries over a
+    bf16 cache; over an 8-bit one it stays on SDPA."""
+    seq_lens, query_lens = (700, 45), (400, 30)
+    query, layer, meta = make_case(seq_lens, query_lens, 16, 3, kv_dtype, seed=12)
+    query = query.to(torch.bfloat16)
+    impl = NativeCpuAttention()
+    plan = impl.plan(meta, layer)
+    assert len(plan.prefill_sdpa) == 1 and (plan.prefill_long is not None) == amx_prefill(layer)
+    assert amx_prefill(layer) == (kv_dtype is KVDtype.BF16 and layer.k.dtype == torch.bfloat16
+                                  and bool(cpu_native.load_library().pagedserve_prefill_amx(64)))
+    result = impl.attention(query, layer, meta, plan, SCALE)
+    assert (result.double() - float64_reference(query, layer, meta)).abs().max().item() <= TOLERANCE[torch.bfloat16]

@@ -101,9 +101,14 @@ INLINE f32x16 load16(const void *row, int64_t c, int dt) {
     if (dt == DT_F32) {
         memcpy(&out, (const float *)row + 16 * c, sizeof out);
     } else if (dt == DT_BF16) {
+#if defined(PS_AVX512)
+        /* one vpmovzxwd: gcc 12 widens a u16x16 convertvector in two 8-lane halves plus an insert */
+        const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)row + c)), 16);
+#else
         u16x16 bits;
         memcpy(&bits, (const uint16_t *)row + 16 * c, sizeof bits);
-        u32x16 wide = __builtin_convertvector(bits, u32x16) << 16;
+        const u32x16 wide = __builtin_convertvector(bits, u32x16) << 16;
+#endif
         memcpy(&out, &wide, sizeof out);
     } else if (dt == DT_F16) {
         f16x16 half;
@@ -197,7 +202,14 @@ INLINE u16x16 bf16x16_bits(f32x16 x) { return bf16x16_portable(x); }
 /* Each lane rounded to what dtype `dt` stores, as fp32 (round_to on 16 lanes; fp32 unchanged). */
 INLINE f32x16 round16(f32x16 x, int dt) {
     if (dt == DT_BF16) {
+#if defined(PS_AVX512)
+        const u16x16 bits = bf16x16_bits(x);
+        __m256i narrow;
+        memcpy(&narrow, &bits, sizeof narrow);
+        const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow), 16);  /* as in load16 */
+#else
         const u32x16 wide = __builtin_convertvector(bf16x16_bits(x), u32x16) << 16;
+#endif
         memcpy(&x, &wide, sizeof x);
     } else if (dt == DT_F16) {
         x = __builtin_convertvector(__builtin_convertvector(x, f16x16), f32x16);

@@ -48,6 +48,7 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.pagedserve_decode_attention.argtypes = [ctypes.POINTER(DecodeArgs), i64, i64, c_int]
     lib.pagedserve_decode_key_chunk.restype = i64
     lib.pagedserve_prefill_attention.argtypes = [ctypes.c_void_p, i64, c_int]  # a PrefillArgs (prefill.py)
+    lib.pagedserve_prefill_amx.argtypes = [i64]
     lib.pagedserve_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.pagedserve_write_kv_int8.argtypes = [ptr, i64, ptr, i64, c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
     lib.pagedserve_write_kv_fp8.argtypes = [ptr, i64, ptr, i64, c_int, c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
@@ -79,8 +80,8 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
 
 SPEC = LibrarySpec(
     name="native",
-    sources=tuple(f"{name}.c" for name in ("decode_attention", "decode_tasks", "prefill_attention", "layer_ops",
-                                            "kv_write", "dense_linear", "dense_grouped", "dense_gemm", "dense_amx",
+    sources=tuple(f"{name}.c" for name in ("decode_attention", "decode_tasks", "prefill_attention", "prefill_dpbf16",
+                                            "layer_ops", "kv_write", "dense_linear", "dense_grouped", "dense_gemm", "dense_amx",
                                             "decode_step", "lora")),
     structs=NATIVE_STRUCTS,
     declare=_declare_signatures,

@@ -3,7 +3,8 @@ new token, in one call per layer, reading K/V blocks in place.
 
 The torch path (prefill_attention.py) gathers and upcasts each chunk's blocks and runs SDPA once per sequence and
 layer; the native kernel replaces both with one parallel region over (sequence, KV head, 16 query positions).
-Head dims that are not a multiple of 16 keep the SDPA path (NativeCpuAttention.plan decides).
+Head dims that are not a multiple of 16 keep the SDPA path (NativeCpuAttention.plan decides), and so do long chunks
+unless bf16 queries over a bf16 cache take AMX tiles here (`amx_prefill`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,15 @@ class PrefillBatch:
             block_tables=meta.block_tables[index].contiguous(),
             window=window,
         )
+
+
+def amx_prefill(cache: LayerKVCache) -> bool:
+    """Whether long chunks of bf16 queries over this cache are worth the kernel's AMX tiles here: a bf16 cache, a head
+    dim that is a multiple of 32, a build with AMX and the OS's grant of the tile state. Then the kernel is 0.9-1.4x
+    SDPA's speed on long chunks (1.2-1.4x on short ones). Over 8-bit caches it dequantizes each tile once per 16 query
+    positions, where SDPA's path dequantizes the chunk's blocks once: long chunks stay there (int8 0.5-0.65x, FP8
+    0.7-1.0x of SDPA's speed in the kernel; benchmarks/prefill_attention_ab.py, one thread, noisy)."""
+    return cache.k.dtype == torch.bfloat16 and load_library().pagedserve_prefill_amx(cache.k.shape[3]) == 1
 
 
 def prefill_attention_native(

@@ -5,7 +5,8 @@
  * layer; at the benchmark's prompt lengths (32-256) SDPA ran at ~40 GFLOP/s and the whole path was 10% of bf16 step
  * time. Here a task is (sequence, KV head, tile of 16 query positions): the query heads sharing that KV head are
  * scored against 16 keys at a time with K transposed into L1 (one FMA per head, dimension and 16 keys, no
- * horizontal sums), under an online softmax (flash attention), reading blocks in place.
+ * horizontal sums), under an online softmax (flash attention), reading blocks in place. bf16 queries over bf16 or
+ * 8-bit caches take prefill_dpbf16.c instead where the build targets AVX512-BF16 (the same tasks, another layout).
  *
  * Semantics are those of the torch path (kernels/torch_attention.py): fp32 scores and softmax, FP8 K/V times their
  * per-head scale, output rounded once to the query dtype; only the summation order differs.
@@ -13,67 +14,15 @@
  * k <= past + j and, with a sliding window W, k > past + j - W. Blocks wholly before the first visible key are never
  * read (their block-table entries may be -1).
  */
-#include "isa.h"
-#include "native.h"
-
-typedef struct {
-    const void *query; int64_t q_token_stride; void *out; int q_dtype;  /* [T, H, D]; heads contiguous, out dense */
-    const void *k_cache; const void *v_cache; int kv_dtype;  /* [Hkv, num_blocks, block_size, D] */
-    const float *k_scale; const float *v_scale;         /* [Hkv] */
-    const _Float16 *k_row_scale, *v_row_scale;          /* int8: [Hkv, num_blocks, block_size]; else NULL */
-    const int32_t *block_tables; int64_t block_table_stride;
-    const int32_t *seq_lens; const int64_t *rows; const int32_t *query_lens;  /* per chunk; rows: its first row */
-    int64_t num_heads, num_kv_heads, head_dim, num_blocks, block_size;
-    float scale;
-    int64_t window;                                     /* sliding window; 0: none */
-} PrefillArgs;
+#include "prefill_attention.h"
 
 PS_SIZEOF(prefill_args, PrefillArgs)
-
-enum { QT = 16, KT = 16 };  /* query positions per task, keys per score tile */
-
-/* bf16 queries against bf16 or FP8 keys (FP8 widens to bf16 exactly) score with AVX512-BF16's pairwise dot product
- * where the compiler targets it: products of bf16 values are exact in fp32, so only the summation order differs from
- * the fp32 FMA path, at twice its rate. */
-#if defined(PS_AVX512_BF16)
-#define HAVE_DPBF16 1
-#else
-#define HAVE_DPBF16 0
-#endif
-#define DPBF16(kv_dt, q_dt) (HAVE_DPBF16 && (q_dt) == DT_BF16 && (kv_dt) != DT_F32 && (kv_dt) != DT_F16)
-
-/* Per thread. q: the task's queries transposed, q[d * rows + r] (fp32, pre-scaled) or, on the DPBF16 path,
- * q[p * rows + r] = the bf16 pair (2p, 2p + 1) as 32 bits; k likewise [d][KT] or [p][KT]. */
-typedef struct { float *q, *k, *v, *p, *m, *l, *correction, *acc; } Tile;
-
-/* The part of a sequence's chunk one task owns. */
-typedef struct { int64_t s, h, j0, rows; } Task;
 
 /* K rows [i0, i0 + n) of one block, transposed into w->k; keys past n are zero. int8 rows are multiplied by their
  * scales rs[i] (the block's row scales) first: dequantized, then rounded to bf16 like the torch path's. */
 INLINE void load_k_tile(const char *block, const _Float16 *rs, int64_t i0, int64_t n, const int64_t chunks,
-                        const int kv_dt, const int q_dt, Tile *w) {
+                        const int kv_dt, Tile *w) {
     const size_t kv_row = (size_t)16 * chunks * elem_size(kv_dt);
-    if (DPBF16(kv_dt, q_dt)) {
-        uint16_t *k = (uint16_t *)w->k;  /* [p][KT][2] */
-        for (int64_t i = 0; i < KT; i++) {
-            if (kv_dt == DT_BF16 && i < n) {
-                const uint32_t *pairs = (const uint32_t *)(block + (i0 + i) * kv_row);
-                for (int64_t p = 0; p < 8 * chunks; p++) ((uint32_t *)k)[p * KT + i] = pairs[p];
-                continue;
-            }
-            for (int64_t c = 0; c < chunks; c++) {
-                f32x16 x = i < n ? load16(block + (i0 + i) * kv_row, c, kv_dt) : (f32x16){0};
-                if (kv_dt == DT_I8 && i < n) x *= (float)rs[i0 + i];
-                /* 16 lanes rounded at once (converting lane by lane made FP8 prefill 1.6x bf16's), stored as the
-                 * pairs (2p, 2p + 1) the dot product reads */
-                const u16x16 bits = bf16x16_bits(x);
-                for (int p = 0; p < 8; p++)
-                    ((uint32_t *)k)[(8 * c + p) * KT + i] = bits[2 * p] | (uint32_t)bits[2 * p + 1] << 16;
-            }
-        }
-        return;
-    }
     for (int64_t i = 0; i < KT; i++) {
         for (int64_t c = 0; c < chunks; c++) {
             f32x16 x = i < n ? load16(block + (i0 + i) * kv_row, c, kv_dt) : (f32x16){0};
@@ -85,35 +34,23 @@ INLINE void load_k_tile(const char *block, const _Float16 *rs, int64_t i0, int64
 
 /* Scores of `rows` query rows against the transposed tile: p[r * KT + i]. Eight rows at a time, so that eight
  * accumulator chains run side by side and each K column is loaded once per eight rows. */
-INLINE void score_rows(const Tile *w, int64_t rows, const int64_t dim, const int kv_dt, const int q_dt) {
+INLINE void score_rows(const Tile *w, int64_t rows, const int64_t dim) {
     for (int64_t r0 = 0; r0 < rows; r0 += 8) {
         const int64_t m = rows - r0 < 8 ? rows - r0 : 8;
         f32x16 acc[8] = {0};
-#if HAVE_DPBF16
-        if (DPBF16(kv_dt, q_dt)) {
-            const uint32_t *q = (const uint32_t *)w->q + r0;
-            for (int64_t p = 0; p < dim / 2; p++) {
-                const __m512bh k = (__m512bh)_mm512_load_si512(w->k + p * KT);
-                for (int64_t j = 0; j < m; j++)
-                    acc[j] = (f32x16)_mm512_dpbf16_ps((__m512)acc[j], k, (__m512bh)_mm512_set1_epi32((int)q[p * rows + j]));
-            }
-        } else
-#endif
-        {
-            const float *q = w->q + r0;
-            for (int64_t d = 0; d < dim; d++) {
-                const f32x16 k = ((const f32x16 *)w->k)[d];
-                for (int64_t j = 0; j < m; j++) acc[j] += q[d * rows + j] * k;
-            }
+        const float *q = w->q + r0;
+        for (int64_t d = 0; d < dim; d++) {
+            const f32x16 k = ((const f32x16 *)w->k)[d];
+            for (int64_t j = 0; j < m; j++) acc[j] += q[d * rows + j] * k;
         }
         for (int64_t j = 0; j < m; j++) memcpy(w->p + (r0 + j) * KT, &acc[j], sizeof acc[j]);
     }
 }
 
-/* Online-softmax update of one row for keys at positions [k0, k0 + KT): scales its raw scores by `factor`, masks what
- * `position` may not see, turns the rest into probabilities against the running max, and returns the factor the
+/* Online-softmax update of one row for keys at positions [k0, k0 + KT): masks what `position` may not see in its
+ * (pre-scaled) scores, turns the rest into probabilities against the running max, and returns the factor the
  * row's accumulator must be scaled by (1 when the tile holds no visible key: its probabilities are then zero). */
-INLINE float softmax_tile(float *p, float *m, float *l, float factor, int64_t k0, int64_t n, int64_t position,
+INLINE float softmax_tile(float *p, float *m, float *l, int64_t k0, int64_t n, int64_t position,
                           int64_t window) {
     const int64_t lo = window > 0 ? position - window + 1 : 0;
     const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, neg_inf = (f32x16){0} - INFINITY;
@@ -126,7 +63,7 @@ INLINE float softmax_tile(float *p, float *m, float *l, float factor, int64_t k0
     f32x16 scores;
     memcpy(&scores, p, sizeof scores);
     const i32x16 visible = (lane >= first) & (lane <= last);
-    scores = select16(visible, scores * factor, neg_inf);
+    scores = select16(visible, scores, neg_inf);
     const float peak = hmax16(scores), new_max = peak > *m ? peak : *m;
     const float correction = exp_nonpositive(*m - new_max);
     const f32x16 probs = select16(visible, exp16_nonpositive(scores - new_max), (f32x16){0});
@@ -170,25 +107,20 @@ INLINE void load_v_tile(const char *block, const _Float16 *rs, int64_t i0, int64
     }
 }
 
-/* Row r of a task is query position j0 + r / group of its chunk, head h * group + r % group. Returns the factor
- * its raw scores take: the softmax scale (times FP8 K's scale) is folded into fp32 queries, not into bf16 ones. */
-INLINE float load_queries(const PrefillArgs *a, const Task *t, Tile *w, const int64_t chunks, const int kv_dt,
+/* Row r of a task is query position j0 + r / group of its chunk, head h * group + r % group; the softmax scale
+ * (times FP8 K's scale) is folded into the fp32 queries. */
+INLINE void load_queries(const PrefillArgs *a, const Task *t, Tile *w, const int64_t chunks, const int kv_dt,
                           const int q_dt) {
     const int64_t group = a->num_heads / a->num_kv_heads, dim = 16 * chunks, rows = t->rows * group;
     const float q_factor = a->scale * a->k_scale[t->h];
     for (int64_t r = 0; r < rows; r++) {
         const int64_t row = a->rows[t->s] + t->j0 + r / group, head = t->h * group + r % group;
         const char *src = (const char *)a->query + (row * a->q_token_stride + head * dim) * elem_size(q_dt);
-        if (DPBF16(kv_dt, q_dt)) {
-            for (int64_t p = 0; p < dim / 2; p++) ((uint32_t *)w->q)[p * rows + r] = ((const uint32_t *)src)[p];
-        } else {
-            for (int64_t d = 0; d < dim; d++) w->q[d * rows + r] = load_at(src, d, q_dt) * q_factor;
-        }
+        for (int64_t d = 0; d < dim; d++) w->q[d * rows + r] = load_at(src, d, q_dt) * q_factor;
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
         memset(w->acc + r * dim, 0, sizeof(float) * dim);
     }
-    return DPBF16(kv_dt, q_dt) ? q_factor : 1.0f;
 }
 
 /* One task: its rows against every key tile any of them can see, then the normalized rows into `out`. */
@@ -200,7 +132,7 @@ INLINE void prefill_task(const PrefillArgs *a, const Task *t, Tile *w, const int
     const int64_t first = a->window > 0 && first_pos >= a->window ? first_pos - a->window + 1 : 0;
     const int32_t *table = a->block_tables + t->s * a->block_table_stride;
     const size_t block_bytes = (size_t)bs * dim * elem_size(kv_dt);
-    const float factor = load_queries(a, t, w, chunks, kv_dt, q_dt);
+    load_queries(a, t, w, chunks, kv_dt, q_dt);
     for (int64_t b = first / bs; b * bs < end; b++) {
         const size_t offset = (size_t)(t->h * a->num_blocks + table[b]) * block_bytes;
         const size_t row0 = (size_t)(t->h * a->num_blocks + table[b]) * bs;  /* int8: the block's first row scale */
@@ -209,11 +141,11 @@ INLINE void prefill_task(const PrefillArgs *a, const Task *t, Tile *w, const int
         const int64_t lo = b == first / bs ? (first - b * bs) / KT * KT : 0, hi = end - b * bs < bs ? end - b * bs : bs;
         for (int64_t i0 = lo; i0 < hi; i0 += KT) {
             const int64_t n = hi - i0 < KT ? hi - i0 : KT;
-            load_k_tile((const char *)a->k_cache + offset, krs, i0, n, chunks, kv_dt, q_dt, w);
+            load_k_tile((const char *)a->k_cache + offset, krs, i0, n, chunks, kv_dt, w);
             load_v_tile((const char *)a->v_cache + offset, vrs, i0, n, chunks, kv_dt, w->v);
-            score_rows(w, rows, dim, kv_dt, q_dt);
+            score_rows(w, rows, dim);
             for (int64_t r = 0; r < rows; r++)
-                w->correction[r] = softmax_tile(w->p + r * KT, w->m + r, w->l + r, factor, b * bs + i0, n,
+                w->correction[r] = softmax_tile(w->p + r * KT, w->m + r, w->l + r, b * bs + i0, n,
                                                 first_pos + r / group, a->window);
             accumulate_rows(w->acc, w->p, w->correction, rows, w->v, chunks);
         }
@@ -229,6 +161,9 @@ INLINE void prefill_task(const PrefillArgs *a, const Task *t, Tile *w, const int
 #define SPECIALIZE_DIMS(KV, Q) SPECIALIZE(64, KV, Q); SPECIALIZE(128, KV, Q)
 
 static void prefill_dispatch(const PrefillArgs *a, const Task *t, Tile *w) {
+#if defined(PS_AVX512_BF16)
+    if (PREFILL_DPBF16(a->kv_dtype, a->q_dtype)) return prefill_task_dpbf16(a, t, w);
+#endif
     SPECIALIZE_DIMS(DT_BF16, DT_BF16);
     SPECIALIZE_DIMS(DT_F32, DT_F32);
     SPECIALIZE_DIMS(DT_F16, DT_F16);

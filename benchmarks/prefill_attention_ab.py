@@ -1,0 +1,107 @@
+"""The native prefill attention kernel of this tree against another commit's and against the SDPA path, one thread,
+CPU time, interleaved in one process (never in CI).
+
+SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, blocks of 16), bf16 queries, per cache dtype: the
+default saturation workload's prefill step (9 prompts of 224 tokens), a 1,024-token prompt, and the two chunks of a
+3,000-token prompt (2,048 new tokens, then 952 at 3,000). `--against COMMIT` compiles that commit's
+kernels/cpu/prefill_attention.c (with its headers) with this tree's flags for the host; the SDPA column is the
+gather + torch SDPA path long chunks took before (kernels/prefill_attention.py). Prints one JSON object: median ms
+per call of each, the ratios, and the largest difference of each kernel's output from SDPA's.
+
+    OMP_NUM_THREADS=1 python benchmarks/prefill_attention_ab.py --against 14c20d1 --kv bf16 int8 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, even under python -P
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import attention_cases  # noqa: E402
+from fp8_kv_accuracy import host_info  # noqa: E402
+from pagedserve.kernels.cpu import isa, native as cpu_native  # noqa: E402
+from pagedserve.kernels.cpu.build import COMMON_FLAGS  # noqa: E402
+from pagedserve.kernels.cpu.prefill import PrefillBatch  # noqa: E402
+from pagedserve.kernels.cpu.structs import PrefillArgs  # noqa: E402
+from pagedserve.kernels.kv_cache import KVDtype  # noqa: E402
+from pagedserve.kernels.prefill_attention import prefill_attention, prefill_chunks  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = {"9x224": ((224,) * 9, (224,) * 9), "1024": ((1024,), (1024,)), "2048@2048": ((2048,), (2048,)),
+         "952@3000": ((3000,), (952,))}
+SCALE = 0.125
+
+
+def build_other(commit: str, tmp: Path) -> ctypes.CDLL:
+    """`commit`'s prefill kernel alone, as a shared object."""
+    for name in ("prefill_attention.c", "native.h", "isa.h", "prefill_attention.h"):
+        shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:kernels/cpu/{name}"], capture_output=True)
+        if shown.returncode == 0:
+            (tmp / name).write_bytes(shown.stdout)
+    target = tmp / "prefill_other.so"
+    subprocess.run(["gcc", *COMMON_FLAGS, *isa.compile_flags(None), str(tmp / "prefill_attention.c"), "-o",
+                    str(target), "-lm"], check=True)
+    lib = ctypes.CDLL(str(target))
+    lib.pagedserve_prefill_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    return lib
+
+
+def kernel_call(lib, query, layer, batch, count: int):
+    out = torch.empty(query.shape, dtype=query.dtype)
+    args = PrefillArgs(**cpu_native.attention_fields(query, out, layer, batch, SCALE),
+                       query_lens=batch.query_lens.data_ptr())
+    return out, lambda: lib.pagedserve_prefill_attention(ctypes.addressof(args), count, 1)
+
+
+def one_case(libs: dict, kv: KVDtype, seq_lens, query_lens, repeats: int) -> dict:
+    query, layer, meta = attention_cases.make_case(seq_lens, query_lens, 16, 3, kv, seed=1)
+    query = query.to(torch.bfloat16)
+    picked = tuple(range(len(seq_lens)))
+    batch = PrefillBatch.of(meta, meta.query_starts(), None, picked)
+    runs = {name: kernel_call(lib, query, layer, batch, len(seq_lens)) for name, lib in libs.items()}
+    chunks, sdpa_out = prefill_chunks(meta, layer, meta.query_starts(), None, picked), torch.empty_like(query)
+    gather = cpu_native.gather_kv_8bit if kv is not KVDtype.BF16 else None
+    runs["sdpa"] = sdpa_out, lambda: [prefill_attention(query, sdpa_out, layer, SCALE, c, *(gather,) * bool(gather))
+                                      for c in chunks]
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats + 1):  # the first round warms up
+        for name, (_, call) in runs.items():
+            t0 = time.process_time()
+            call()
+            times[name].append((time.process_time() - t0) * 1e3)
+    ms = {name: round(statistics.median(t[1:]), 2) for name, t in times.items()}
+    diff = {name: (out.float() - sdpa_out.float()).abs().max().item() for name, (out, _) in runs.items()}
+    return {"ms": ms, "ratios_vs_this": {n: round(v / ms["this"], 2) for n, v in ms.items()}, "max_diff_vs_sdpa": diff}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--against", default=None, help="a commit whose prefill_attention.c to time beside this tree's")
+    p.add_argument("--kv", nargs="+", default=["bf16"], choices=["bf16", "int8", "fp8_e4m3"])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--conditions", default="unstated", help="e.g. quiet, or noisy (other work on the cores)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    attention_cases.NUM_KV_HEADS = 3
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"this": cpu_native.load_library()}
+        if args.against:
+            libs[args.against] = build_other(args.against, Path(tmp))
+        results = {kv: {name: one_case(libs, KVDtype.parse(kv, torch.bfloat16), *case, args.repeats)
+                        for name, case in CASES.items()} for kv in args.kv}
+    print(json.dumps({"benchmark": "prefill_attention_ab", "host": host_info(), "conditions": args.conditions,
+                      "amx_prefill": bool(libs["this"].pagedserve_prefill_amx(64)), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
