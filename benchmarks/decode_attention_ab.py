@@ -13,6 +13,11 @@ percentile over the calls. `--kv int8` (or fp8_e4m3) times that cache instead of
 context lengths, e.g. the 8-bit decode at 4k keys:
 
     python benchmarks/decode_attention_ab.py --base main --kv int8 --contexts 4096 --rows 1 16
+
+`--dtypes bf16 int8 fp8_e4m3` times this tree alone over each cache dtype instead (no base), dtypes alternated, and
+prints per case each one's 10th-percentile us per call, us per row over the 30 layers and ratio to the first dtype:
+
+    python benchmarks/decode_attention_ab.py --dtypes bf16 int8 fp8_e4m3 --contexts 3600 --rows 1 2 4 --threads 1
 """
 
 from __future__ import annotations
@@ -145,6 +150,24 @@ def _summary(rows: int, span: int, context: int, a: list, b: list) -> dict:
                 base_p10_us=round(least_a, 1), this_p10_us=round(least_b, 1), p10_ratio=round(least_a / least_b, 3))
 
 
+def compare_dtypes(lib: ctypes.CDLL, args: argparse.Namespace) -> list[dict]:
+    """This tree over each of args.dtypes, alternated `--pairs` times per case; the least 10th percentile of each."""
+    results = []
+    for rows in args.rows:
+        for context in args.contexts:
+            cases = {kv: Case(rows, 1, context, kv=kv) for kv in args.dtypes}
+            best = {kv: float("inf") for kv in args.dtypes}
+            for _ in range(args.pairs):
+                for kv, case in cases.items():
+                    best[kv] = min(best[kv], case.time_us(lib, args.threads, args.steps)[1])
+            first = best[args.dtypes[0]]
+            results.append(dict(rows=rows, context=context, p10_us={kv: round(t, 1) for kv, t in best.items()},
+                                us_per_row_all_layers={kv: round(LAYERS * t / rows) for kv, t in best.items()},
+                                vs_first={kv: round(t / first, 3) for kv, t in best.items()}))
+            print(json.dumps(results[-1]), flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="main", help="git revision to compare against")
@@ -155,8 +178,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 16], help="1: one row, 5: a span, 16: batch")
     parser.add_argument("--kv", default="bf16", choices=sorted(KV_CODES), help="the cache dtype timed")
     parser.add_argument("--contexts", type=int, nargs="+", default=[300, 800, 1500])
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(KV_CODES), help="this tree over these caches, no base")
     args = parser.parse_args()
     load_before = os.getloadavg()
+    if args.dtypes:
+        with tempfile.TemporaryDirectory() as tmp:
+            results = compare_dtypes(_build(_sources(None), Path(tmp), "this"), args)
+        print(json.dumps(dict(dtypes=args.dtypes, threads=args.threads, cpu=_cpu(), cores=os.cpu_count(),
+                              load_before=load_before, load_after=os.getloadavg(), cases=results)))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         base = _build(_sources(args.base), Path(tmp), "base")
         defines = (f"-DKEY_CHUNK={args.key_chunk}",) if args.key_chunk else ()
@@ -171,10 +201,13 @@ def main() -> None:
                     b.append(case.time_us(this, args.threads, args.steps))
                 results.append(_summary(rows, span, context, a, b))
                 print(json.dumps(results[-1]), flush=True)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    print(json.dumps(dict(base=args.base, kv=args.kv, threads=args.threads, cpu=cpu, cores=os.cpu_count(),
+    print(json.dumps(dict(base=args.base, kv=args.kv, threads=args.threads, cpu=_cpu(), cores=os.cpu_count(),
                           load_before=load_before, load_after=os.getloadavg(), cases=results)))
+
+
+def _cpu() -> str:
+    return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), platform.processor())
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ typedef struct { int64_t k0, k1, hi; const int32_t *table; } Keys;
             const int64_t n = k->k1 - t0 < bs ? k->k1 - t0 : bs, tlo = t0 < k->k0 ? k->k0 - t0 : 0;                  \
             for (int64_t i = tlo; i < n; i++) {                                                                      \
                 f32x16 v[CH];                                                                                        \
-                for (int64_t c = 0; c < CH; c++) v[c] = load16(tile + i * kv_row, c, kv_dt);                         \
+                for (int64_t c = 0; c < CH; c++) v[c] = kv_row16(tile + i * kv_row, c, kv_dt);                      \
                 for (int b = 0; b < nq; b++) {                                                                       \
                     const float pb = scores[(qq0 + b) * KEY_CHUNK + t0 + i - k->k0];                                 \
                     for (int64_t c = 0; c < CH; c++) acc[b][c] += pb * v[c];                                         \
@@ -142,7 +142,7 @@ INLINE void score16(const char *tile, const char *next_k, const char *v_tile, in
             __builtin_prefetch(next_k + (i0 + i) * kv_row + line);
             __builtin_prefetch(v_tile + (i0 + i) * kv_row + line);
         }
-        for (int64_t c = 0; c < chunks; c++) kf[i][c] = load16(tile + (i0 + i) * kv_row, c, kv_dt);
+        for (int64_t c = 0; c < chunks; c++) kf[i][c] = kv_row16(tile + (i0 + i) * kv_row, c, kv_dt);
     }
     for (int64_t qq = 0; qq < nq; qq++) {
         f32x16 dots[16];
@@ -288,7 +288,8 @@ INLINE void chunk_task(const DecodeArgs *a, const Span *sp, int64_t h, int64_t c
     span_keys(a, sp, &lo, &hi);
     const Keys k = {lo > c * KEY_CHUNK ? lo : c * KEY_CHUNK, hi < (c + 1) * KEY_CHUNK ? hi : (c + 1) * KEY_CHUNK, hi,
                     a->block_tables + sp->s * a->block_table_stride};
-    const float q_factor = a->scale * a->k_scale[h];  /* FP8 K's scale folded into the query once */
+    /* FP8 K's scale (and kv_row16's power of two) folded into the query once */
+    const float q_factor = a->scale * a->k_scale[h] * kv_row16_factor(kv_dt);
     f32x16 *q = (f32x16 *)w->q;  /* [nq][chunks]: query qq = row qq / group of the span, head h * group + qq % group */
     for (int64_t i = 0; i < sp->m; i++) {
         const char *query = (const char *)a->query +

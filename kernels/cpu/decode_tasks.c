@@ -11,6 +11,7 @@
 #include <pthread.h>
 
 #include "decode_chunks.h"
+#include "kv_dot.h"
 
 #ifndef SPLIT_BELOW
 #define SPLIT_BELOW 4  /* split the pairs into chunk tasks when there are fewer than this many per thread */
@@ -83,7 +84,8 @@ __attribute__((noinline)) static void store_outputs(const DecodeArgs *a, const S
     for (int64_t qq = 0; qq < sp->m * group; qq++) {
         const float *s = state + qq * stride;
         const int64_t row = a->rows[sp->s + qq / group];
-        store_row(a->out, row * a->num_heads + h * group + qq % group, dim, a->q_dtype, s, a->v_scale[h] / s[dim + 1]);
+        store_row(a->out, row * a->num_heads + h * group + qq % group, dim, a->q_dtype, s,
+                  a->v_scale[h] * kv_row16_factor(a->kv_dtype) / s[dim + 1]);  /* FP8 V: kv_row16 */
     }
 }
 
