@@ -27,7 +27,7 @@ PKW_INLINE __m256i pkw_shift(__m256i v, int s) {
  * same integer sums: acc[4r + 2s] the dot, acc[4r + 2s + 1] zero. The run's software prefetch (PKW_PREFETCH
  * ahead) is issued here, one line per 64-byte chunk beside that chunk's loads: as a burst of 4 at the run's start
  * (pkw_rows' loop) the AVX2 build read a 1B model's Q4_K gate/up from memory ~10% slower on one core (10.1 against
- * 11.2 GB/s, benchmarks/packed_token_sweep.py, noisy), at 0.52 of its L2-resident rate where Q8_0 reached ~0.59. */
+ * 11.2 GB/s, benchmarks/packed_token_sweep.py, noisy), at 0.52 of its L2-resident rate where Q8_0 reached ~0.58. */
 PKW_INLINE void pkw_dots_q4k(const uint8_t *run, const int16_t *q, int64_t qstride, int R, __m256i *acc) {
     __m256i part[12];  /* [6r + 3s + scale class] */
     for (int i = 0; i < 6 * R; i++) part[i] = _mm256_setzero_si256();
