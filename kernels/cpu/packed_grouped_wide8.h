@@ -24,13 +24,17 @@ PKW_INLINE __m256i pkw_shift(__m256i v, int s) {
  * 8c + p, 8c + p + 4) is u 16^p in each int16 (p = 3 alone is shifted, as the top nibble needs no mask), so the
  * products of p = 1 and 2 gather in chains of their own, scaled back at the run's end by exact arithmetic shifts
  * (every term a multiple of 16^p; at most 4 x 2 x 3840 x 32767 < 2^31). Two shifts fewer per 8 inputs and the
- * same integer sums: acc[4r + 2s] the dot, acc[4r + 2s + 1] zero. */
+ * same integer sums: acc[4r + 2s] the dot, acc[4r + 2s + 1] zero. The run's software prefetch (PKW_PREFETCH
+ * ahead) is issued here, one line per 64-byte chunk beside that chunk's loads: as a burst of 4 at the run's start
+ * (pkw_rows' loop) the AVX2 build read a 1B model's Q4_K gate/up from memory ~10% slower on one core (10.1 against
+ * 11.2 GB/s, benchmarks/packed_token_sweep.py, noisy), at 0.52 of its L2-resident rate where Q8_0 reached ~0.58. */
 PKW_INLINE void pkw_dots_q4k(const uint8_t *run, const int16_t *q, int64_t qstride, int R, __m256i *acc) {
     __m256i part[12];  /* [6r + 3s + scale class] */
     for (int i = 0; i < 6 * R; i++) part[i] = _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) {
         __m256i w[2];
         for (int s = 0; s < 2; s++) w[s] = _mm256_loadu_si256((const __m256i *)(run + 64 * c + 32 * s));
+        _mm_prefetch((const char *)run + PKW_PREFETCH + 64 * c, _MM_HINT_T0);
         for (int p = 0; p < 4; p++) {
             const int cls = p == 3 ? 0 : p;
             for (int r = 0; r < R; r++) {
@@ -54,13 +58,17 @@ PKW_INLINE void pkw_dots_q4k(const uint8_t *run, const int16_t *q, int64_t qstri
 
 /* Q6_K's dots: acc[4r + 2s + h] = dot(u - 32, q) of input half h (inputs 0-15 / 16-31), tile rows 8s..8s+7, each
  * started at its centring sq (pkw_centring; row r's at sq + r sstride). Up to 2 rows a second chain per sum by
- * the pair's parity: one chain of 8 dots left vpdpwssd's latency exposed. */
+ * the pair's parity: one chain of 8 dots left vpdpwssd's latency exposed. The run's 6 lines are prefetched 2 per
+ * half and tile half, beside their loads, as pkw_dots_q4k does (1B ffn_down in memory, one thread, noisy: 19.8 ->
+ * 18.6 ms a token on avx2 and avx2_vnni, the head 6.0 -> 5.7). */
 PKW_INLINE void pkw_dots_q6k(const uint8_t *run, const int16_t *q, int64_t qstride, const int32_t *sq,
                              int64_t sstride, int R, __m256i *acc) {
     for (int h = 0; h < 2; h++)
         for (int s = 0; s < 2; s++) {
             __m256i u[8];
             pkw_q6_codes(run + 192 * h + 32 * s, u);
+            for (int l = 0; l < 128; l += 64)
+                _mm_prefetch((const char *)run + PKW_PREFETCH + 192 * h + 96 * s + l, _MM_HINT_T0);
             for (int r = 0; r < R; r++) {
                 __m256i a = _mm256_set1_epi32(sq[r * sstride + h]), b = _mm256_setzero_si256();
                 for (int m = 0; m < 8; m++) {
@@ -127,7 +135,8 @@ PKW_INLINE void pkw_rows(int fmt, const uint8_t *tiles, int64_t nb, const float 
         if (kfmt) pkw_k_bytes(tile, sc, mn);
         for (int j = 0; j < pkw_runs(fmt); j++) {
             const uint8_t *run = tile + pkw_header(fmt) + j * pkw_run_bytes(fmt);
-            for (int64_t l = 0; l < pkw_run_bytes(fmt); l += 64)
+            const int spread = (fmt == PK_Q4_K && R <= 2) || fmt == PK_Q6_K;  /* the dots prefetch as they load */
+            for (int64_t l = 0; l < (spread ? 0 : pkw_run_bytes(fmt)); l += 64)
                 _mm_prefetch((const char *)run + PKW_PREFETCH + l, _MM_HINT_T0);
             const int64_t k = b * pkw_runs(fmt) + j;
             __m256i acc[4 * PKW_TILE];
