@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -73,17 +74,28 @@ def llama_permute(weights: np.ndarray, heads: int) -> np.ndarray:
         weights.shape)
 
 
+@functools.cache
+def _default_tokenizer_fields() -> dict[str, object]:
+    """The default GGUF's tokenizer metadata, read once per process: gguf's reader parses the 49k-token vocabulary
+    and merges in Python (~4-6 s), and most GGUF tests write a tiny model with it."""
+    fields = GGUFReader(resolve_model(None).weights).fields
+    names = ("model", "pre", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id")
+    values = {name: fields[f"tokenizer.ggml.{name}"].contents() for name in names}
+    values["chat_template"] = fields["tokenizer.chat_template"].contents()
+    return values
+
+
 def copy_default_tokenizer(writer: GGUFWriter) -> None:
     """The default model's GGUF vocabulary (BPE, SmolLM2's pre-tokenizer, special ids and chat template)."""
-    fields = GGUFReader(resolve_model(None).weights).fields
-    writer.add_tokenizer_model(fields["tokenizer.ggml.model"].contents())
-    writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"].contents())
-    writer.add_token_list(fields["tokenizer.ggml.tokens"].contents())
-    writer.add_token_types(fields["tokenizer.ggml.token_type"].contents())
-    writer.add_token_merges(fields["tokenizer.ggml.merges"].contents())
-    writer.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"].contents())
-    writer.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"].contents())
-    writer.add_chat_template(fields["tokenizer.chat_template"].contents())
+    fields = _default_tokenizer_fields()
+    writer.add_tokenizer_model(fields["model"])
+    writer.add_tokenizer_pre(fields["pre"])
+    writer.add_token_list(fields["tokens"])
+    writer.add_token_types(fields["token_type"])
+    writer.add_token_merges(fields["merges"])
+    writer.add_bos_token_id(fields["bos_token_id"])
+    writer.add_eos_token_id(fields["eos_token_id"])
+    writer.add_chat_template(fields["chat_template"])
 
 
 def write_tiny_llama(path: Path, seed: int = 0, types: dict[str, T] | None = None, arch: str = "llama",
