@@ -3,7 +3,8 @@
 Every decode row of a step goes through kernels/cpu/decode_attention.c and short prefill chunks through
 kernels/cpu/prefill_attention.c; both read K/V blocks in place instead of gathering and upcasting them. Long chunks
 (and every chunk when the head dim is not a multiple of 16) go to the shared SDPA path (prefill_attention.py), except
-bf16 queries over a bf16 cache where the prefill kernel has AMX tiles (kernels/cpu/prefill_dpbf16.c). `auto`
+bf16 queries where the prefill kernel has AMX tiles (kernels/cpu/prefill_dpbf16.c): over a bf16 cache it reads the
+blocks in place, over an 8-bit one the chunk's blocks dequantized once into bf16 (cpu/prefill.py). `auto`
 picks this on CPU whenever the C files build here, and falls back to pure torch (logging why) when they cannot.
 """
 
@@ -16,7 +17,8 @@ import torch
 from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, AttentionPlan
 from pagedserve.kernels.cpu.native import (COMPUTE_DTYPES, DecodeBatch, decode_attention, gather_kv_8bit, load_library,
                                           write_kv, write_kv_fp8, write_kv_int8)
-from pagedserve.kernels.cpu.prefill import PrefillBatch, amx_prefill, prefill_attention_native
+from pagedserve.kernels.cpu.prefill import (LongPrefill, PrefillBatch, amx_prefill, long_prefill_native,
+                                            prefill_attention_native)
 from pagedserve.kernels.kv_cache import LayerKVCache
 from pagedserve.kernels.kv_quant import gather_kv, store_kv
 from pagedserve.kernels.prefill_attention import PrefillChunk, prefill_attention, prefill_chunks
@@ -28,7 +30,7 @@ class NativePlan(AttentionPlan):
     decode: DecodeBatch | None  # None when no sequence decodes this step
     prefill: PrefillBatch | None  # None when no sequence prefills, or head_dim is not a multiple of 16
     prefill_sdpa: tuple[PrefillChunk, ...]  # the chunks of such head dims, and long ones
-    prefill_long: PrefillBatch | None = None  # the long ones again, for bf16 queries where the kernel has AMX tiles
+    prefill_long: LongPrefill | None = None  # the long ones again, for bf16 queries where the kernel has AMX tiles
 
 
 def _decode_batch(meta: AttentionMetadata, starts: list[int], window: int | None) -> DecodeBatch | None:
@@ -79,7 +81,9 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         sdpa = tuple(i for i in chunks if cache.k.shape[3] % 16 or _sdpa_wins(meta, i))
         native = tuple(i for i in chunks if i not in sdpa)
         # The query dtype is the layer's to know: the long chunks both ways, and the attention call picks one.
-        long = PrefillBatch.of(meta, starts, window, sdpa) if sdpa and amx_prefill(cache) else None
+        long = None
+        if sdpa and amx_prefill(cache):
+            long = LongPrefill.of(cache, PrefillBatch.of(meta, starts, window, sdpa))
         return NativePlan(window, decode, PrefillBatch.of(meta, starts, window, native),
                           prefill_chunks(meta, cache, starts, window, sdpa) if sdpa else (), long)
 
@@ -107,7 +111,7 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         if plan.prefill is not None:
             prefill_attention_native(query, out, cache, plan.prefill, scale)
         if plan.prefill_long is not None and query.dtype == torch.bfloat16:
-            prefill_attention_native(query, out, cache, plan.prefill_long, scale)
+            long_prefill_native(query, out, cache, plan.prefill_long, scale)
             return out
         # 8-bit tiles dequantized in one native pass (torch's five passes were most of the 8-bit prefill's extra time)
         eight_bit = (cache.dtype.is_fp8 or cache.dtype.has_row_scales) and cache.k.shape[3] % 16 == 0

@@ -326,17 +326,53 @@ def test_bf16_prefill_at_each_tier_agrees_with_float64_math(tier, kv_dtype, quer
     assert torch.equal(_prefill_with(lib, query, layer, meta, window, threads=3), result)  # tasks are independent
 
 
-@pytest.mark.parametrize("kv_dtype", [KVDtype.BF16, KVDtype.INT8])
-def test_long_bf16_chunks_stay_native_where_the_kernel_has_amx(kv_dtype) -> None:
-    """A chunk long enough for SDPA (kernels/native_attention.py) runs the AMX kernel instead for bf16 queries over a
-    bf16 cache; over an 8-bit one it stays on SDPA."""
-    seq_lens, query_lens = (700, 45), (400, 30)
+@pytest.mark.parametrize("kv_dtype", [KVDtype.BF16, KVDtype.INT8, KVDtype.FP8_E4M3])
+@pytest.mark.parametrize("window", [None, 250])
+def test_long_bf16_chunks_stay_native_where_the_kernel_has_amx(kv_dtype, window) -> None:
+    """Chunks long enough for SDPA (kernels/native_attention.py) run the AMX kernel instead for bf16 queries: over a
+    bf16 cache reading blocks in place, over an 8-bit one reading them dequantized once into contiguous bf16 (two
+    long chunks side by side in that buffer; with a window the blocks before it are neither gathered nor read)."""
+    seq_lens, query_lens = (700, 45, 600), (400, 30, 600)
     query, layer, meta = make_case(seq_lens, query_lens, 16, 3, kv_dtype, seed=12)
     query = query.to(torch.bfloat16)
     impl = NativeCpuAttention()
-    plan = impl.plan(meta, layer)
-    assert len(plan.prefill_sdpa) == 1 and (plan.prefill_long is not None) == amx_prefill(layer)
-    assert amx_prefill(layer) == (kv_dtype is KVDtype.BF16 and layer.k.dtype == torch.bfloat16
-                                  and bool(cpu_native.load_library().pagedserve_prefill_amx(64)))
+    plan = impl.plan(meta, layer, window)
+    assert len(plan.prefill_sdpa) == 2 and (plan.prefill_long is not None) == amx_prefill(layer)
+    assert amx_prefill(layer) == bool(cpu_native.load_library().pagedserve_prefill_amx(64))
+    if plan.prefill_long is not None:
+        assert (plan.prefill_long.tiles is None) == (kv_dtype is KVDtype.BF16)
     result = impl.attention(query, layer, meta, plan, SCALE)
-    assert (result.double() - float64_reference(query, layer, meta)).abs().max().item() <= TOLERANCE[torch.bfloat16]
+    exact = float64_reference(query, layer, meta, window)
+    assert (result.double() - exact).abs().max().item() <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("kv_dtype", [KVDtype.INT8, KVDtype.FP8_E5M2])
+@pytest.mark.parametrize(("window", "block_size"), [(None, 16), (90, 8)])
+def test_long_prefill_over_gathered_8_bit_blocks(kv_dtype, window, block_size) -> None:
+    """An 8-bit cache's chunks through the bf16 kernel over their blocks dequantized into one bf16 buffer, on any
+    host (the kernel's tier is whatever this one builds): the gathered blocks are exactly the chunks' visible ones,
+    the remapped tables index them, and the output agrees with float64 math, on one thread and on three."""
+    from pagedserve.kernels.cpu.prefill import LongPrefill, long_prefill_native
+
+    seq_lens, query_lens = (300, 77, 129), (300, 50, 2)
+    query, layer, meta = make_case(seq_lens, query_lens, block_size, 3, kv_dtype, seed=13)
+    query = query.to(torch.bfloat16)
+    batch = PrefillBatch.of(meta, meta.query_starts(), window, (0, 1, 2))
+    long = LongPrefill.of(layer, batch)
+    firsts = [max(0, s - q - (window or s) + 1) // block_size for s, q in zip(seq_lens, query_lens)]
+    used = sum(-(-s // block_size) - f for s, f in zip(seq_lens, firsts))
+    assert long.tiles is not None and long.tiles.shape == (layer.k.shape[2] * used,)
+    for i, first in enumerate(firsts):
+        assert (long.batch.block_tables[i, :first] == -1).all()
+    outs, previous = [], torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            out = torch.full_like(query, float("nan"))
+            torch.set_num_threads(threads)
+            long_prefill_native(query, out, layer, long, SCALE)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(previous)
+    exact = float64_reference(query, layer, meta, window)
+    assert (outs[0].double() - exact).abs().max().item() <= TOLERANCE[torch.bfloat16]
+    assert torch.equal(outs[0], outs[1])
