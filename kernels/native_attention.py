@@ -3,9 +3,9 @@
 Every decode row of a step goes through kernels/cpu/decode_attention.c and short prefill chunks through
 kernels/cpu/prefill_attention.c; both read K/V blocks in place instead of gathering and upcasting them. Long chunks
 (and every chunk when the head dim is not a multiple of 16) go to the shared SDPA path (prefill_attention.py), except
-bf16 queries where the prefill kernel has AMX tiles (kernels/cpu/prefill_dpbf16.c): over a bf16 cache it reads the
-blocks in place, over an 8-bit one the chunk's blocks dequantized once into bf16 (cpu/prefill.py). `auto`
-picks this on CPU whenever the C files build here, and falls back to pure torch (logging why) when they cannot.
+long chunks after cached context for bf16 queries where the prefill kernel has AMX tiles (kernels/cpu/prefill_dpbf16.c;
+`_kernel_wins`): over a bf16 cache it reads the blocks in place, over an 8-bit one the chunks' blocks dequantized
+once into bf16 (cpu/prefill.py). `auto` picks this on CPU whenever the C files build here, and falls back to pure torch (logging why) when they cannot.
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ from pagedserve.kernels.requirements import Requirements
 class NativePlan(AttentionPlan):
     decode: DecodeBatch | None  # None when no sequence decodes this step
     prefill: PrefillBatch | None  # None when no sequence prefills, or head_dim is not a multiple of 16
-    prefill_sdpa: tuple[PrefillChunk, ...]  # the chunks of such head dims, and long ones
-    prefill_long: LongPrefill | None = None  # the long ones again, for bf16 queries where the kernel has AMX tiles
+    prefill_sdpa: tuple[PrefillChunk, ...]  # the chunks of such head dims, and long ones SDPA takes for every query
+    # Long chunks after cached context where the kernel has AMX tiles: for bf16 queries, and again for SDPA (others).
+    prefill_long: LongPrefill | None = None
+    prefill_long_sdpa: tuple[PrefillChunk, ...] = ()
 
 
 def _decode_batch(meta: AttentionMetadata, starts: list[int], window: int | None) -> DecodeBatch | None:
@@ -57,8 +59,19 @@ def _sdpa_wins(meta: AttentionMetadata, i: int) -> bool:
     2 threads: 1,024 tokens 26 ms vs 71 ms; a 2,911-token chunked prefill's second chunk 137 ms vs 274 ms; FP8, whose
     K tiles the C kernel widens lane by lane, 21 ms vs 114 ms and 121 ms vs 480 ms). Short chunks, where SDPA's
     per-chunk dispatch dominates, stay native (16 sequences of 32 tokens: 3.3 ms vs 7.8 ms). Measured before the bf16
-    kernel had AMX tiles; with them it is about even on long chunks over a bf16 cache and takes them (`amx_prefill`)."""
+    kernel had AMX tiles; with them it takes long chunks after cached context (`_kernel_wins`)."""
     return meta.query_lens_host[i] * meta.seq_lens_host[i] >= _SDPA_MIN_WORK
+
+
+def _kernel_wins(meta: AttentionMetadata, i: int, window: int | None) -> bool:
+    """Whether the AMX kernel beats SDPA on a long chunk: where SDPA needs an explicit mask (the chunk follows cached
+    context, or a window cuts it) and so computes every query against every key, while the kernel stops each row at
+    its position: 1.0-1.36x SDPA's speed (2,048 new tokens over 4,096: 1.25-1.36x; 512 over 4,096 even). A chunk
+    from position 0 takes SDPA's causal path, which skips the masked half as the kernel does and runs it faster
+    (2,048 tokens: the kernel 0.85-0.89x, 1,536: 0.83-0.99x), for every cache dtype (benchmarks/prefill_attention_ab.py,
+    one thread, noisy)."""
+    ctx = meta.seq_lens_host[i]
+    return meta.query_lens_host[i] < ctx or (window is not None and window < ctx)
 
 
 _SDPA_MIN_WORK = 1 << 17  # queries x keys of one chunk: e.g. 362 x 362, 128 new tokens over 1,024
@@ -80,12 +93,13 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         chunks = [i for i, q_len in enumerate(meta.query_lens_host) if q_len > 1]
         sdpa = tuple(i for i in chunks if cache.k.shape[3] % 16 or _sdpa_wins(meta, i))
         native = tuple(i for i in chunks if i not in sdpa)
-        # The query dtype is the layer's to know: the long chunks both ways, and the attention call picks one.
-        long = None
-        if sdpa and amx_prefill(cache):
-            long = LongPrefill.of(cache, PrefillBatch.of(meta, starts, window, sdpa))
+        kernel = tuple(i for i in sdpa if _kernel_wins(meta, i, window)) if sdpa and amx_prefill(cache) else ()
+        sdpa = tuple(i for i in sdpa if i not in kernel)
+        # The query dtype is the layer's to know: those long chunks both ways, and the attention call picks one.
+        long = LongPrefill.of(cache, PrefillBatch.of(meta, starts, window, kernel)) if kernel else None
         return NativePlan(window, decode, PrefillBatch.of(meta, starts, window, native),
-                          prefill_chunks(meta, cache, starts, window, sdpa) if sdpa else (), long)
+                          prefill_chunks(meta, cache, starts, window, sdpa) if sdpa else (), long,
+                          prefill_chunks(meta, cache, starts, window, kernel) if kernel else ())
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
         k_storage = LayerKVCache.by_head(cache.k)
@@ -110,11 +124,13 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
             decode_attention(query, out, cache, plan.decode, scale)
         if plan.prefill is not None:
             prefill_attention_native(query, out, cache, plan.prefill, scale)
+        sdpa = plan.prefill_sdpa
         if plan.prefill_long is not None and query.dtype == torch.bfloat16:
             long_prefill_native(query, out, cache, plan.prefill_long, scale)
-            return out
+        else:
+            sdpa += plan.prefill_long_sdpa
         # 8-bit tiles dequantized in one native pass (torch's five passes were most of the 8-bit prefill's extra time)
         eight_bit = (cache.dtype.is_fp8 or cache.dtype.has_row_scales) and cache.k.shape[3] % 16 == 0
-        for chunk in plan.prefill_sdpa:
+        for chunk in sdpa:
             prefill_attention(query, out, cache, scale, chunk, gather_kv_8bit if eight_bit else gather_kv)
         return out

@@ -57,12 +57,11 @@ class PrefillBatch:
 
 
 def amx_prefill(cache: LayerKVCache) -> bool:
-    """Whether long chunks of bf16 queries over this cache are worth the kernel's AMX tiles here: a bf16 or 8-bit
-    cache, a head dim that is a multiple of 32, a build with AMX and the OS's grant of the tile state. Then the kernel
-    is 0.9-1.4x SDPA's speed on long chunks over a bf16 cache (1.2-1.4x on short ones). An 8-bit cache's tiles,
-    dequantized in each task (once per 16 query positions), made it 0.5-1.0x SDPA's; dequantized once per chunk
-    and layer, as SDPA's path does, the kernel wins there too (`LongPrefill`; benchmarks/prefill_attention_ab.py,
-    one thread, noisy)."""
+    """Whether long chunks of bf16 queries over this cache may take the kernel's AMX tiles here: a bf16 or 8-bit
+    cache, a head dim that is a multiple of 32, a build with AMX and the OS's grant of the tile state
+    (native_attention._kernel_wins picks the chunks). An 8-bit cache's tiles dequantized in each task (once per 16
+    query positions) made the kernel 0.5-1.0x SDPA's speed; dequantized once per chunk and layer, as SDPA's path
+    does (`LongPrefill`), it runs at the bf16 cache's speed plus the gather (benchmarks/prefill_attention_ab.py)."""
     eight_bit = cache.dtype.is_fp8 or cache.dtype.has_row_scales
     amx = load_library().pagedserve_prefill_amx(cache.k.shape[3]) == 1
     return (cache.k.dtype == torch.bfloat16 or eight_bit) and amx
