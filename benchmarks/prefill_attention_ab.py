@@ -2,8 +2,8 @@
 CPU time, interleaved in one process (never in CI).
 
 SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, blocks of 16), bf16 queries, per cache dtype: the
-default saturation workload's prefill step (9 prompts of 224 tokens), a 1,024-token prompt, and the two chunks of a
-3,000-token prompt (2,048 new tokens, then 952 at 3,000). `--against COMMIT` compiles that commit's
+default saturation workload's prefill step (9 prompts of 224 tokens), a 1,024-token prompt, the two chunks of a
+3,000-token prompt (2,048 new tokens, then 952 at 3,000) and the second chunk of a 4,096-token one. `--against COMMIT` compiles that commit's
 kernels/cpu/prefill_attention.c (with its headers) with this tree's flags for the host; the SDPA column is the
 gather + torch SDPA path (kernels/prefill_attention.py); over 8-bit caches the "gathered" column is the same native
 gather followed by this tree's kernel over the contiguous bf16 blocks (cpu/prefill.py's LongPrefill), where "this"
@@ -40,7 +40,7 @@ from pagedserve.kernels.prefill_attention import prefill_attention, prefill_chun
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {"9x224": ((224,) * 9, (224,) * 9), "1024": ((1024,), (1024,)), "2048@2048": ((2048,), (2048,)),
-         "952@3000": ((3000,), (952,))}
+         "952@3000": ((3000,), (952,)), "2048@4096": ((4096,), (2048,))}
 SCALE = 0.125
 
 
