@@ -3,9 +3,10 @@
 Every decode row of a step goes through kernels/cpu/decode_attention.c and short prefill chunks through
 kernels/cpu/prefill_attention.c; both read K/V blocks in place instead of gathering and upcasting them. Long chunks
 (and every chunk when the head dim is not a multiple of 16) go to the shared SDPA path (prefill_attention.py), except
-long chunks after cached context for bf16 queries where the prefill kernel has AMX tiles (kernels/cpu/prefill_dpbf16.c;
-`_kernel_wins`): over a bf16 cache it reads the blocks in place, over an 8-bit one the chunks' blocks dequantized
-once into bf16 (cpu/prefill.py). `auto` picks this on CPU whenever the C files build here, and falls back to pure torch (logging why) when they cannot.
+long chunks after cached context (and up to ~1,448 tokens from position 0) for bf16 queries where the prefill kernel
+has AMX tiles (kernels/cpu/prefill_dpbf16.c; `_kernel_wins`): over a bf16 cache it reads the blocks in place, over an
+8-bit one the chunks' blocks dequantized once into bf16 (cpu/prefill.py). `auto` picks this on CPU whenever the C
+files build here, and falls back to pure torch (logging why) when they cannot.
 """
 
 from __future__ import annotations
@@ -59,22 +60,25 @@ def _sdpa_wins(meta: AttentionMetadata, i: int) -> bool:
     2 threads: 1,024 tokens 26 ms vs 71 ms; a 2,911-token chunked prefill's second chunk 137 ms vs 274 ms; FP8, whose
     K tiles the C kernel widens lane by lane, 21 ms vs 114 ms and 121 ms vs 480 ms). Short chunks, where SDPA's
     per-chunk dispatch dominates, stay native (16 sequences of 32 tokens: 3.3 ms vs 7.8 ms). Measured before the bf16
-    kernel had AMX tiles; with them it takes long chunks after cached context (`_kernel_wins`)."""
+    kernel had AMX tiles; with them it takes long chunks after cached context and shorter ones from position 0
+    (`_kernel_wins`)."""
     return meta.query_lens_host[i] * meta.seq_lens_host[i] >= _SDPA_MIN_WORK
 
 
 def _kernel_wins(meta: AttentionMetadata, i: int, window: int | None) -> bool:
     """Whether the AMX kernel beats SDPA on a long chunk: where SDPA needs an explicit mask (the chunk follows cached
     context, or a window cuts it) and so computes every query against every key, while the kernel stops each row at
-    its position: 1.0-1.36x SDPA's speed (2,048 new tokens over 4,096: 1.25-1.36x; 512 over 4,096 even). A chunk
-    from position 0 takes SDPA's causal path, which skips the masked half as the kernel does and runs it faster
-    (2,048 tokens: the kernel 0.85-0.89x, 1,536: 0.83-0.99x), for every cache dtype (benchmarks/prefill_attention_ab.py,
-    one thread, noisy)."""
+    its position: 1.2-1.4x SDPA's speed (952 new tokens over 3,000, 2,048 over 4,096). From position 0 SDPA's causal
+    path skips the masked half as the kernel does and runs faster per product past about 1,448 tokens (2,048: the
+    kernel 0.85-0.90x, 1,536: 0.83-0.99x; 1,024: 1.02-1.06x), for every cache dtype
+    (benchmarks/prefill_attention_ab.py, one thread, noisy)."""
     ctx = meta.seq_lens_host[i]
-    return meta.query_lens_host[i] < ctx or (window is not None and window < ctx)
+    after_context = meta.query_lens_host[i] < ctx or (window is not None and window < ctx)
+    return after_context or meta.query_lens_host[i] * ctx <= _KERNEL_MAX_CAUSAL_WORK
 
 
 _SDPA_MIN_WORK = 1 << 17  # queries x keys of one chunk: e.g. 362 x 362, 128 new tokens over 1,024
+_KERNEL_MAX_CAUSAL_WORK = 1 << 21  # queries x keys of a chunk from position 0: about 1,448 x 1,448
 
 
 def _heads_dense(*rows: torch.Tensor) -> bool:

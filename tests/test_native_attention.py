@@ -332,21 +332,22 @@ def test_long_bf16_chunks_stay_native_where_the_kernel_has_amx(kv_dtype, window)
     """Chunks long enough for SDPA (kernels/native_attention.py) that follow cached context, or that a window cuts,
     run the AMX kernel instead for bf16 queries: over a bf16 cache reading blocks in place, over an 8-bit one reading
     them dequantized once into contiguous bf16 (with a window, two chunks side by side in that buffer and the blocks
-    before it neither gathered nor read). A long chunk from position 0 stays on SDPA's causal path; other query
-    dtypes take SDPA for all of them."""
-    seq_lens, query_lens = (700, 45, 600), (400, 30, 600)
+    before it neither gathered nor read), and so do chunks from position 0 up to 2^21 queries x keys. A longer one
+    from position 0 stays on SDPA's causal path; other query dtypes take SDPA for all of them."""
+    seq_lens, query_lens = (700, 45, 1500, 600), (400, 30, 1500, 600)
     query, layer, meta = make_case(seq_lens, query_lens, 16, 3, kv_dtype, seed=12)
     impl = NativeCpuAttention()
     plan = impl.plan(meta, layer, window)
     amx = bool(cpu_native.load_library().pagedserve_prefill_amx(64))
     assert amx_prefill(layer) == amx
-    kernel = (0,) if window is None else (0, 2)
+    kernel = (0, 3) if window is None else (0, 2, 3)
     if amx:
-        assert plan.prefill_long is not None and plan.prefill_long.batch.rows.tolist() == [{0: 0, 2: 430}[i] for i in kernel]
+        starts = {0: 0, 2: 430, 3: 1930}
+        assert plan.prefill_long is not None and plan.prefill_long.batch.rows.tolist() == [starts[i] for i in kernel]
         assert (plan.prefill_long.tiles is None) == (kv_dtype is KVDtype.BF16)
-        assert len(plan.prefill_sdpa) == 2 - len(kernel) and len(plan.prefill_long_sdpa) == len(kernel)
+        assert len(plan.prefill_sdpa) == 3 - len(kernel) and len(plan.prefill_long_sdpa) == len(kernel)
     else:
-        assert plan.prefill_long is None and len(plan.prefill_sdpa) == 2
+        assert plan.prefill_long is None and len(plan.prefill_sdpa) == 3
     for dtype in (torch.bfloat16, torch.float16):  # fp16 queries take SDPA for every chunk
         result = impl.attention(query.to(dtype), layer, meta, plan, SCALE)
         exact = float64_reference(query.to(dtype), layer, meta, window)
