@@ -72,8 +72,9 @@ def one_case(libs: dict, kv: KVDtype, seq_lens, query_lens, repeats: int) -> dic
     batch = PrefillBatch.of(meta, meta.query_starts(), None, picked)
     runs = {name: kernel_call(lib, query, layer, batch, len(seq_lens)) for name, lib in libs.items()}
     if kv is not KVDtype.BF16:
-        long, gathered_out = LongPrefill.of(layer, batch), torch.empty_like(query)
-        runs["gathered"] = gathered_out, lambda: long_prefill_native(query, gathered_out, layer, long, SCALE)
+        parts, gathered_out = LongPrefill.of(layer, batch), torch.empty_like(query)
+        runs["gathered"] = gathered_out, lambda: [long_prefill_native(query, gathered_out, layer, part, SCALE)
+                                                  for part in parts]
     chunks, sdpa_out = prefill_chunks(meta, layer, meta.query_starts(), None, picked), torch.empty_like(query)
     gather = cpu_native.gather_kv_8bit if kv is not KVDtype.BF16 else None
     runs["sdpa"] = sdpa_out, lambda: [prefill_attention(query, sdpa_out, layer, SCALE, c, *(gather,) * bool(gather))

@@ -32,7 +32,7 @@ class NativePlan(AttentionPlan):
     prefill: PrefillBatch | None  # None when no sequence prefills, or head_dim is not a multiple of 16
     prefill_sdpa: tuple[PrefillChunk, ...]  # the chunks of such head dims, and long ones SDPA takes for every query
     # Long chunks after cached context where the kernel has AMX tiles: for bf16 queries, and again for SDPA (others).
-    prefill_long: LongPrefill | None = None
+    prefill_long: tuple[LongPrefill, ...] = ()
     prefill_long_sdpa: tuple[PrefillChunk, ...] = ()
 
 
@@ -100,7 +100,7 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         kernel = tuple(i for i in sdpa if _kernel_wins(meta, i, window)) if sdpa and amx_prefill(cache) else ()
         sdpa = tuple(i for i in sdpa if i not in kernel)
         # The query dtype is the layer's to know: those long chunks both ways, and the attention call picks one.
-        long = LongPrefill.of(cache, PrefillBatch.of(meta, starts, window, kernel)) if kernel else None
+        long = LongPrefill.of(cache, PrefillBatch.of(meta, starts, window, kernel)) if kernel else ()
         return NativePlan(window, decode, PrefillBatch.of(meta, starts, window, native),
                           prefill_chunks(meta, cache, starts, window, sdpa) if sdpa else (), long,
                           prefill_chunks(meta, cache, starts, window, kernel) if kernel else ())
@@ -129,8 +129,9 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         if plan.prefill is not None:
             prefill_attention_native(query, out, cache, plan.prefill, scale)
         sdpa = plan.prefill_sdpa
-        if plan.prefill_long is not None and query.dtype == torch.bfloat16:
-            long_prefill_native(query, out, cache, plan.prefill_long, scale)
+        if plan.prefill_long and query.dtype == torch.bfloat16:
+            for part in plan.prefill_long:
+                long_prefill_native(query, out, cache, part, scale)
         else:
             sdpa += plan.prefill_long_sdpa
         # 8-bit tiles dequantized in one native pass (torch's five passes were most of the 8-bit prefill's extra time)

@@ -343,11 +343,12 @@ def test_long_bf16_chunks_stay_native_where_the_kernel_has_amx(kv_dtype, window)
     kernel = (0, 3) if window is None else (0, 2, 3)
     if amx:
         starts = {0: 0, 2: 430, 3: 1930}
-        assert plan.prefill_long is not None and plan.prefill_long.batch.rows.tolist() == [starts[i] for i in kernel]
-        assert (plan.prefill_long.tiles is None) == (kv_dtype is KVDtype.BF16)
+        (long,) = plan.prefill_long  # one gathered buffer: 2,800 keys at most
+        assert long.batch.rows.tolist() == [starts[i] for i in kernel]
+        assert (long.tiles is None) == (kv_dtype is KVDtype.BF16)
         assert len(plan.prefill_sdpa) == 3 - len(kernel) and len(plan.prefill_long_sdpa) == len(kernel)
     else:
-        assert plan.prefill_long is None and len(plan.prefill_sdpa) == 3
+        assert plan.prefill_long == () and len(plan.prefill_sdpa) == 3
     for dtype in (torch.bfloat16, torch.float16):  # fp16 queries take SDPA for every chunk
         result = impl.attention(query.to(dtype), layer, meta, plan, SCALE)
         exact = float64_reference(query.to(dtype), layer, meta, window)
@@ -355,29 +356,36 @@ def test_long_bf16_chunks_stay_native_where_the_kernel_has_amx(kv_dtype, window)
 
 
 @pytest.mark.parametrize("kv_dtype", [KVDtype.INT8, KVDtype.FP8_E5M2])
-@pytest.mark.parametrize(("window", "block_size"), [(None, 16), (90, 8)])
-def test_long_prefill_over_gathered_8_bit_blocks(kv_dtype, window, block_size) -> None:
-    """An 8-bit cache's chunks through the bf16 kernel over their blocks dequantized into one bf16 buffer, on any
-    host (the kernel's tier is whatever this one builds): the gathered blocks are exactly the chunks' visible ones,
-    the remapped tables index them, and the output agrees with float64 math, on one thread and on three."""
-    from pagedserve.kernels.cpu.prefill import LongPrefill, long_prefill_native
+@pytest.mark.parametrize(("window", "block_size", "gather_tokens"),
+                         [(None, 16, 16384), (90, 8, 16384), (None, 16, 320)])
+def test_long_prefill_over_gathered_8_bit_blocks(kv_dtype, window, block_size, gather_tokens, monkeypatch) -> None:
+    """An 8-bit cache's chunks through the bf16 kernel over their blocks dequantized into bf16 buffers, on any host
+    (the kernel's tier is whatever this one builds): the gathered blocks are exactly the chunks' visible ones, the
+    remapped tables index them, a cap on a buffer's keys splits the chunks into parts (one chunk past the cap alone),
+    and the output agrees with float64 math, on one thread and on three."""
+    from pagedserve.kernels.cpu import prefill as cpu_prefill
 
+    monkeypatch.setattr(cpu_prefill, "GATHER_TOKENS", gather_tokens)
     seq_lens, query_lens = (300, 77, 129), (300, 50, 2)
     query, layer, meta = make_case(seq_lens, query_lens, block_size, 3, kv_dtype, seed=13)
     query = query.to(torch.bfloat16)
     batch = PrefillBatch.of(meta, meta.query_starts(), window, (0, 1, 2))
-    long = LongPrefill.of(layer, batch)
+    parts = cpu_prefill.LongPrefill.of(layer, batch)
     firsts = [max(0, s - q - (window or s) + 1) // block_size for s, q in zip(seq_lens, query_lens)]
-    used = sum(-(-s // block_size) - f for s, f in zip(seq_lens, firsts))
-    assert long.tiles is not None and long.tiles.shape == (layer.k.shape[2] * used,)
-    for i, first in enumerate(firsts):
-        assert (long.batch.block_tables[i, :first] == -1).all()
+    blocks = [-(-s // block_size) - f for s, f in zip(seq_lens, firsts)]
+    chunks = [[0, 1, 2]] if gather_tokens > 1000 else [[0], [1, 2]]  # 304 keys, then 80 + 144
+    assert [p.batch.rows.tolist() for p in parts] == [[[0, 300, 350][i] for i in c] for c in chunks]
+    for part, c in zip(parts, chunks):
+        assert part.tiles is not None and part.tiles.shape == (layer.k.shape[2] * sum(blocks[i] for i in c),)
+        for row, i in enumerate(c):
+            assert (part.batch.block_tables[row, : firsts[i]] == -1).all()
     outs, previous = [], torch.get_num_threads()
     try:
         for threads in (1, 3):
             out = torch.full_like(query, float("nan"))
             torch.set_num_threads(threads)
-            long_prefill_native(query, out, layer, long, SCALE)
+            for part in parts:
+                cpu_prefill.long_prefill_native(query, out, layer, part, SCALE)
             outs.append(out)
     finally:
         torch.set_num_threads(previous)

@@ -69,7 +69,7 @@ def amx_prefill(cache: LayerKVCache) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class LongPrefill:
-    """The long chunks of a step for the bf16 kernel. Over a bf16 cache it reads the blocks in place (`tiles` None);
+    """Long chunks of a step for the bf16 kernel. Over a bf16 cache it reads the blocks in place (`tiles` None);
     over an 8-bit one `tiles` lists every block the chunks read, chunk after chunk, which each layer dequantizes
     into one contiguous bf16 buffer, and `batch`'s block tables index that buffer's blocks."""
 
@@ -77,20 +77,38 @@ class LongPrefill:
     tiles: torch.Tensor | None = None  # [Hkv * N] int64 (kv_quant.head_tiles) of the cache's storage
 
     @classmethod
-    def of(cls, cache: LayerKVCache, batch: PrefillBatch) -> LongPrefill:
+    def of(cls, cache: LayerKVCache, batch: PrefillBatch) -> tuple[LongPrefill, ...]:
+        """One part for a bf16 cache; for an 8-bit one, parts whose buffers hold at most GATHER_TOKENS keys (or one
+        chunk each past that): many short chunks over long contexts must not gather every context at once."""
         if not (cache.dtype.is_fp8 or cache.dtype.has_row_scales):
-            return cls(batch)
-        num_blocks, block_size, num_kv_heads, _ = cache.k.shape
-        tables = torch.full_like(batch.block_tables, -1)  # entries before a chunk's first visible block: never read
-        picked, used = [], 0
+            return (cls(batch),)
+        block_size = cache.k.shape[1]
+        spans = []  # (chunk, first block, end block)
         for i, (q_len, ctx) in enumerate(zip(batch.query_lens.tolist(), batch.seq_lens.tolist())):
-            first, end = first_visible_key(ctx - q_len, batch.window) // block_size, -(-ctx // block_size)
+            spans.append((i, first_visible_key(ctx - q_len, batch.window) // block_size, -(-ctx // block_size)))
+        parts, part = [], []
+        for span in spans:
+            if part and (sum(e - f for _, f, e in part) + span[2] - span[1]) * block_size > GATHER_TOKENS:
+                parts.append(part)
+                part = []
+            part.append(span)
+        return tuple(cls._gathered(cache, batch, p) for p in (*parts, part))
+
+    @classmethod
+    def _gathered(cls, cache: LayerKVCache, batch: PrefillBatch, spans: list[tuple[int, int, int]]) -> LongPrefill:
+        num_blocks, _, num_kv_heads, _ = cache.k.shape
+        index = torch.tensor([i for i, _, _ in spans], dtype=torch.long)
+        tables = torch.full_like(batch.block_tables[index], -1)  # entries before a chunk's first visible block
+        picked, used = [], 0
+        for row, (i, first, end) in enumerate(spans):
             picked.append(batch.block_tables[i, first:end])
-            tables[i, first:end] = torch.arange(used, used + end - first, dtype=torch.int32)
+            tables[row, first:end] = torch.arange(used, used + end - first, dtype=torch.int32)
             used += end - first
-        ids = torch.cat(picked).long()
-        gathered = PrefillBatch(batch.rows, batch.query_lens, batch.seq_lens, tables, batch.window)
-        return cls(gathered, head_tiles(ids, num_kv_heads, num_blocks))
+        part = PrefillBatch(batch.rows[index], batch.query_lens[index], batch.seq_lens[index], tables, batch.window)
+        return cls(part, head_tiles(torch.cat(picked).long(), num_kv_heads, num_blocks))
+
+
+GATHER_TOKENS = 16384  # keys per gathered buffer: 12 MiB of K and V at 3 KV heads x 64
 
 
 def long_prefill_native(
