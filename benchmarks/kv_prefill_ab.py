@@ -3,7 +3,8 @@ replaced, alternated in one process (never in CI).
 
 A layer's prefill work that depends on the cache dtype, on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head
 dim 64, Hadamard-rotated K as 8-bit caches store it): the KV write of `--new` tokens and the attention of those
-tokens over `--context` keys (SDPA over the gathered blocks), through the entry points. `torch` swaps in what the
+tokens over `--context` keys (the path the native backend picks: where AMX is granted, the bf16 kernel over the
+gathered blocks for a chunk after cached context, else SDPA over them), through the entry points. `torch` swaps in what the
 native path ran before: the torch gather and dequantize (kv_quant.gather_kv), the torch FP8 write
 (kv_quant.store_kv) and the rotation as a 3-D matmul; `native` is this tree. A and B alternate `--pairs` times;
 prints one JSON object per cache dtype: median ms per layer of each, and torch / native.
@@ -26,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, even under python -P
 from fp8_kv_accuracy import host_info  # noqa: E402
 from pagedserve.kernels import native_attention, paged_attention as entry  # noqa: E402
+from pagedserve.kernels.cpu import prefill as cpu_prefill  # noqa: E402
 from pagedserve.kernels.attention import AttentionMetadata  # noqa: E402
 from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec, KVDtype  # noqa: E402
 from pagedserve.kernels.kv_quant import gather_kv, store_kv  # noqa: E402
@@ -39,6 +41,7 @@ TORCH = (lambda cache, tiles, dtype: gather_kv(cache, tiles, dtype), store_kv,
 
 def use(pieces: tuple) -> None:
     native_attention.gather_kv_8bit, native_attention.write_kv_fp8, entry.rotate = pieces
+    cpu_prefill.gather_kv_8bit = pieces[0]  # the long chunks' gather before the AMX kernel
 
 
 def layer_case(kv: str, context: int, new: int) -> tuple:

@@ -2,11 +2,13 @@
 CPU time, interleaved in one process (never in CI).
 
 SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, blocks of 16), bf16 queries, per cache dtype: the
-default saturation workload's prefill step (9 prompts of 224 tokens), a 1,024-token prompt, and the two chunks of a
-3,000-token prompt (2,048 new tokens, then 952 at 3,000). `--against COMMIT` compiles that commit's
+default saturation workload's prefill step (9 prompts of 224 tokens), a 1,024-token prompt, the two chunks of a
+3,000-token prompt (2,048 new tokens, then 952 at 3,000) and the second chunk of a 4,096-token one. `--against COMMIT` compiles that commit's
 kernels/cpu/prefill_attention.c (with its headers) with this tree's flags for the host; the SDPA column is the
-gather + torch SDPA path long chunks took before (kernels/prefill_attention.py). Prints one JSON object: median ms
-per call of each, the ratios, and the largest difference of each kernel's output from SDPA's.
+gather + torch SDPA path (kernels/prefill_attention.py); over 8-bit caches the "gathered" column is the same native
+gather followed by this tree's kernel over the contiguous bf16 blocks (cpu/prefill.py's LongPrefill), where "this"
+dequantizes the cache's tiles inside each task. Prints one JSON object: median ms per call of each, the ratios, and
+the largest difference of each kernel's output from SDPA's.
 
     OMP_NUM_THREADS=1 python benchmarks/prefill_attention_ab.py --against 14c20d1 --kv bf16 int8 --repeats 5
 """
@@ -31,14 +33,14 @@ import attention_cases  # noqa: E402
 from fp8_kv_accuracy import host_info  # noqa: E402
 from pagedserve.kernels.cpu import isa, native as cpu_native  # noqa: E402
 from pagedserve.kernels.cpu.build import COMMON_FLAGS  # noqa: E402
-from pagedserve.kernels.cpu.prefill import PrefillBatch  # noqa: E402
+from pagedserve.kernels.cpu.prefill import LongPrefill, PrefillBatch, long_prefill_native  # noqa: E402
 from pagedserve.kernels.cpu.structs import PrefillArgs  # noqa: E402
 from pagedserve.kernels.kv_cache import KVDtype  # noqa: E402
 from pagedserve.kernels.prefill_attention import prefill_attention, prefill_chunks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {"9x224": ((224,) * 9, (224,) * 9), "1024": ((1024,), (1024,)), "2048@2048": ((2048,), (2048,)),
-         "952@3000": ((3000,), (952,))}
+         "952@3000": ((3000,), (952,)), "2048@4096": ((4096,), (2048,))}
 SCALE = 0.125
 
 
@@ -69,6 +71,10 @@ def one_case(libs: dict, kv: KVDtype, seq_lens, query_lens, repeats: int) -> dic
     picked = tuple(range(len(seq_lens)))
     batch = PrefillBatch.of(meta, meta.query_starts(), None, picked)
     runs = {name: kernel_call(lib, query, layer, batch, len(seq_lens)) for name, lib in libs.items()}
+    if kv is not KVDtype.BF16:
+        parts, gathered_out = LongPrefill.of(layer, batch), torch.empty_like(query)
+        runs["gathered"] = gathered_out, lambda: [long_prefill_native(query, gathered_out, layer, part, SCALE)
+                                                  for part in parts]
     chunks, sdpa_out = prefill_chunks(meta, layer, meta.query_starts(), None, picked), torch.empty_like(query)
     gather = cpu_native.gather_kv_8bit if kv is not KVDtype.BF16 else None
     runs["sdpa"] = sdpa_out, lambda: [prefill_attention(query, sdpa_out, layer, SCALE, c, *(gather,) * bool(gather))

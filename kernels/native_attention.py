@@ -3,8 +3,10 @@
 Every decode row of a step goes through kernels/cpu/decode_attention.c and short prefill chunks through
 kernels/cpu/prefill_attention.c; both read K/V blocks in place instead of gathering and upcasting them. Long chunks
 (and every chunk when the head dim is not a multiple of 16) go to the shared SDPA path (prefill_attention.py), except
-bf16 queries over a bf16 cache where the prefill kernel has AMX tiles (kernels/cpu/prefill_dpbf16.c). `auto`
-picks this on CPU whenever the C files build here, and falls back to pure torch (logging why) when they cannot.
+long chunks after cached context (and up to ~1,448 tokens from position 0) for bf16 queries where the prefill kernel
+has AMX tiles (kernels/cpu/prefill_dpbf16.c; `_kernel_wins`): over a bf16 cache it reads the blocks in place, over an
+8-bit one the chunks' blocks dequantized once into bf16 (cpu/prefill.py). `auto` picks this on CPU whenever the C
+files build here, and falls back to pure torch (logging why) when they cannot.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, AttentionPlan
 from pagedserve.kernels.cpu.native import (COMPUTE_DTYPES, DecodeBatch, decode_attention, gather_kv_8bit, load_library,
                                           write_kv, write_kv_fp8, write_kv_int8)
-from pagedserve.kernels.cpu.prefill import PrefillBatch, amx_prefill, prefill_attention_native
+from pagedserve.kernels.cpu.prefill import (LongPrefill, PrefillBatch, amx_prefill, long_prefill_native,
+                                            prefill_attention_native)
 from pagedserve.kernels.kv_cache import LayerKVCache
 from pagedserve.kernels.kv_quant import gather_kv, store_kv
 from pagedserve.kernels.prefill_attention import PrefillChunk, prefill_attention, prefill_chunks
@@ -27,8 +30,10 @@ from pagedserve.kernels.requirements import Requirements
 class NativePlan(AttentionPlan):
     decode: DecodeBatch | None  # None when no sequence decodes this step
     prefill: PrefillBatch | None  # None when no sequence prefills, or head_dim is not a multiple of 16
-    prefill_sdpa: tuple[PrefillChunk, ...]  # the chunks of such head dims, and long ones
-    prefill_long: PrefillBatch | None = None  # the long ones again, for bf16 queries where the kernel has AMX tiles
+    prefill_sdpa: tuple[PrefillChunk, ...]  # the chunks of such head dims, and long ones SDPA takes for every query
+    # Long chunks after cached context where the kernel has AMX tiles: for bf16 queries, and again for SDPA (others).
+    prefill_long: tuple[LongPrefill, ...] = ()
+    prefill_long_sdpa: tuple[PrefillChunk, ...] = ()
 
 
 def _decode_batch(meta: AttentionMetadata, starts: list[int], window: int | None) -> DecodeBatch | None:
@@ -55,11 +60,25 @@ def _sdpa_wins(meta: AttentionMetadata, i: int) -> bool:
     2 threads: 1,024 tokens 26 ms vs 71 ms; a 2,911-token chunked prefill's second chunk 137 ms vs 274 ms; FP8, whose
     K tiles the C kernel widens lane by lane, 21 ms vs 114 ms and 121 ms vs 480 ms). Short chunks, where SDPA's
     per-chunk dispatch dominates, stay native (16 sequences of 32 tokens: 3.3 ms vs 7.8 ms). Measured before the bf16
-    kernel had AMX tiles; with them it is about even on long chunks over a bf16 cache and takes them (`amx_prefill`)."""
+    kernel had AMX tiles; with them it takes long chunks after cached context and shorter ones from position 0
+    (`_kernel_wins`)."""
     return meta.query_lens_host[i] * meta.seq_lens_host[i] >= _SDPA_MIN_WORK
 
 
+def _kernel_wins(meta: AttentionMetadata, i: int, window: int | None) -> bool:
+    """Whether the AMX kernel beats SDPA on a long chunk: where SDPA needs an explicit mask (the chunk follows cached
+    context, or a window cuts it) and so computes every query against every key, while the kernel stops each row at
+    its position: 1.2-1.4x SDPA's speed (952 new tokens over 3,000, 2,048 over 4,096). From position 0 SDPA's causal
+    path skips the masked half as the kernel does and runs faster per product past about 1,448 tokens (2,048: the
+    kernel 0.85-0.90x, 1,536: 0.83-0.99x; 1,024: 1.02-1.06x), for every cache dtype
+    (benchmarks/prefill_attention_ab.py, one thread, noisy)."""
+    ctx = meta.seq_lens_host[i]
+    after_context = meta.query_lens_host[i] < ctx or (window is not None and window < ctx)
+    return after_context or meta.query_lens_host[i] * ctx <= _KERNEL_MAX_CAUSAL_WORK
+
+
 _SDPA_MIN_WORK = 1 << 17  # queries x keys of one chunk: e.g. 362 x 362, 128 new tokens over 1,024
+_KERNEL_MAX_CAUSAL_WORK = 1 << 21  # queries x keys of a chunk from position 0: about 1,448 x 1,448
 
 
 def _heads_dense(*rows: torch.Tensor) -> bool:
@@ -78,10 +97,13 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         chunks = [i for i, q_len in enumerate(meta.query_lens_host) if q_len > 1]
         sdpa = tuple(i for i in chunks if cache.k.shape[3] % 16 or _sdpa_wins(meta, i))
         native = tuple(i for i in chunks if i not in sdpa)
-        # The query dtype is the layer's to know: the long chunks both ways, and the attention call picks one.
-        long = PrefillBatch.of(meta, starts, window, sdpa) if sdpa and amx_prefill(cache) else None
+        kernel = tuple(i for i in sdpa if _kernel_wins(meta, i, window)) if sdpa and amx_prefill(cache) else ()
+        sdpa = tuple(i for i in sdpa if i not in kernel)
+        # The query dtype is the layer's to know: those long chunks both ways, and the attention call picks one.
+        long = LongPrefill.of(cache, PrefillBatch.of(meta, starts, window, kernel)) if kernel else ()
         return NativePlan(window, decode, PrefillBatch.of(meta, starts, window, native),
-                          prefill_chunks(meta, cache, starts, window, sdpa) if sdpa else (), long)
+                          prefill_chunks(meta, cache, starts, window, sdpa) if sdpa else (), long,
+                          prefill_chunks(meta, cache, starts, window, kernel) if kernel else ())
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
         k_storage = LayerKVCache.by_head(cache.k)
@@ -106,11 +128,14 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
             decode_attention(query, out, cache, plan.decode, scale)
         if plan.prefill is not None:
             prefill_attention_native(query, out, cache, plan.prefill, scale)
-        if plan.prefill_long is not None and query.dtype == torch.bfloat16:
-            prefill_attention_native(query, out, cache, plan.prefill_long, scale)
-            return out
+        sdpa = plan.prefill_sdpa
+        if plan.prefill_long and query.dtype == torch.bfloat16:
+            for part in plan.prefill_long:
+                long_prefill_native(query, out, cache, part, scale)
+        else:
+            sdpa += plan.prefill_long_sdpa
         # 8-bit tiles dequantized in one native pass (torch's five passes were most of the 8-bit prefill's extra time)
         eight_bit = (cache.dtype.is_fp8 or cache.dtype.has_row_scales) and cache.k.shape[3] % 16 == 0
-        for chunk in plan.prefill_sdpa:
+        for chunk in sdpa:
             prefill_attention(query, out, cache, scale, chunk, gather_kv_8bit if eight_bit else gather_kv)
         return out

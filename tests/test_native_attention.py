@@ -326,17 +326,69 @@ def test_bf16_prefill_at_each_tier_agrees_with_float64_math(tier, kv_dtype, quer
     assert torch.equal(_prefill_with(lib, query, layer, meta, window, threads=3), result)  # tasks are independent
 
 
-@pytest.mark.parametrize("kv_dtype", [KVDtype.BF16, KVDtype.INT8])
-def test_long_bf16_chunks_stay_native_where_the_kernel_has_amx(kv_dtype) -> None:
-    """A chunk long enough for SDPA (kernels/native_attention.py) runs the AMX kernel instead for bf16 queries over a
-    bf16 cache; over an 8-bit one it stays on SDPA."""
-    seq_lens, query_lens = (700, 45), (400, 30)
+@pytest.mark.parametrize("kv_dtype", [KVDtype.BF16, KVDtype.INT8, KVDtype.FP8_E4M3])
+@pytest.mark.parametrize("window", [None, 250])
+def test_long_bf16_chunks_stay_native_where_the_kernel_has_amx(kv_dtype, window) -> None:
+    """Chunks long enough for SDPA (kernels/native_attention.py) that follow cached context, or that a window cuts,
+    run the AMX kernel instead for bf16 queries: over a bf16 cache reading blocks in place, over an 8-bit one reading
+    them dequantized once into contiguous bf16 (with a window, two chunks side by side in that buffer and the blocks
+    before it neither gathered nor read), and so do chunks from position 0 up to 2^21 queries x keys. A longer one
+    from position 0 stays on SDPA's causal path; other query dtypes take SDPA for all of them."""
+    seq_lens, query_lens = (700, 45, 1500, 600), (400, 30, 1500, 600)
     query, layer, meta = make_case(seq_lens, query_lens, 16, 3, kv_dtype, seed=12)
-    query = query.to(torch.bfloat16)
     impl = NativeCpuAttention()
-    plan = impl.plan(meta, layer)
-    assert len(plan.prefill_sdpa) == 1 and (plan.prefill_long is not None) == amx_prefill(layer)
-    assert amx_prefill(layer) == (kv_dtype is KVDtype.BF16 and layer.k.dtype == torch.bfloat16
-                                  and bool(cpu_native.load_library().pagedserve_prefill_amx(64)))
-    result = impl.attention(query, layer, meta, plan, SCALE)
-    assert (result.double() - float64_reference(query, layer, meta)).abs().max().item() <= TOLERANCE[torch.bfloat16]
+    plan = impl.plan(meta, layer, window)
+    amx = bool(cpu_native.load_library().pagedserve_prefill_amx(64))
+    assert amx_prefill(layer) == amx
+    kernel = (0, 3) if window is None else (0, 2, 3)
+    if amx:
+        starts = {0: 0, 2: 430, 3: 1930}
+        (long,) = plan.prefill_long  # one gathered buffer: 2,800 keys at most
+        assert long.batch.rows.tolist() == [starts[i] for i in kernel]
+        assert (long.tiles is None) == (kv_dtype is KVDtype.BF16)
+        assert len(plan.prefill_sdpa) == 3 - len(kernel) and len(plan.prefill_long_sdpa) == len(kernel)
+    else:
+        assert plan.prefill_long == () and len(plan.prefill_sdpa) == 3
+    for dtype in (torch.bfloat16, torch.float16):  # fp16 queries take SDPA for every chunk
+        result = impl.attention(query.to(dtype), layer, meta, plan, SCALE)
+        exact = float64_reference(query.to(dtype), layer, meta, window)
+        assert (result.double() - exact).abs().max().item() <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("kv_dtype", [KVDtype.INT8, KVDtype.FP8_E5M2])
+@pytest.mark.parametrize(("window", "block_size", "gather_tokens"),
+                         [(None, 16, 16384), (90, 8, 16384), (None, 16, 320)])
+def test_long_prefill_over_gathered_8_bit_blocks(kv_dtype, window, block_size, gather_tokens, monkeypatch) -> None:
+    """An 8-bit cache's chunks through the bf16 kernel over their blocks dequantized into bf16 buffers, on any host
+    (the kernel's tier is whatever this one builds): the gathered blocks are exactly the chunks' visible ones, the
+    remapped tables index them, a cap on a buffer's keys splits the chunks into parts (one chunk past the cap alone),
+    and the output agrees with float64 math, on one thread and on three."""
+    from pagedserve.kernels.cpu import prefill as cpu_prefill
+
+    monkeypatch.setattr(cpu_prefill, "GATHER_TOKENS", gather_tokens)
+    seq_lens, query_lens = (300, 77, 129), (300, 50, 2)
+    query, layer, meta = make_case(seq_lens, query_lens, block_size, 3, kv_dtype, seed=13)
+    query = query.to(torch.bfloat16)
+    batch = PrefillBatch.of(meta, meta.query_starts(), window, (0, 1, 2))
+    parts = cpu_prefill.LongPrefill.of(layer, batch)
+    firsts = [max(0, s - q - (window or s) + 1) // block_size for s, q in zip(seq_lens, query_lens)]
+    blocks = [-(-s // block_size) - f for s, f in zip(seq_lens, firsts)]
+    chunks = [[0, 1, 2]] if gather_tokens > 1000 else [[0], [1, 2]]  # 304 keys, then 80 + 144
+    assert [p.batch.rows.tolist() for p in parts] == [[[0, 300, 350][i] for i in c] for c in chunks]
+    for part, c in zip(parts, chunks):
+        assert part.tiles is not None and part.tiles.shape == (layer.k.shape[2] * sum(blocks[i] for i in c),)
+        for row, i in enumerate(c):
+            assert (part.batch.block_tables[row, : firsts[i]] == -1).all()
+    outs, previous = [], torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            out = torch.full_like(query, float("nan"))
+            torch.set_num_threads(threads)
+            for part in parts:
+                cpu_prefill.long_prefill_native(query, out, layer, part, SCALE)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(previous)
+    exact = float64_reference(query, layer, meta, window)
+    assert (outs[0].double() - exact).abs().max().item() <= TOLERANCE[torch.bfloat16]
+    assert torch.equal(outs[0], outs[1])

@@ -4,7 +4,8 @@ new token, in one call per layer, reading K/V blocks in place.
 The torch path (prefill_attention.py) gathers and upcasts each chunk's blocks and runs SDPA once per sequence and
 layer; the native kernel replaces both with one parallel region over (sequence, KV head, 16 query positions).
 Head dims that are not a multiple of 16 keep the SDPA path (NativeCpuAttention.plan decides), and so do long chunks
-unless bf16 queries over a bf16 cache take AMX tiles here (`amx_prefill`).
+unless the kernel has AMX tiles here (`amx_prefill`); then long chunks over an 8-bit cache read their blocks
+dequantized once per layer into contiguous bf16 (`LongPrefill`), not tile by tile in each task.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels.attention import AttentionMetadata
-from pagedserve.kernels.cpu.native import attention_fields, load_library
+from pagedserve.kernels.attention import AttentionMetadata, first_visible_key
+from pagedserve.kernels.cpu.native import attention_fields, gather_kv_8bit, load_library
 from pagedserve.kernels.cpu.structs import PrefillArgs
-from pagedserve.kernels.kv_cache import LayerKVCache
+from pagedserve.kernels.kv_cache import KVDtype, LayerKVCache
+from pagedserve.kernels.kv_quant import head_tiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +57,73 @@ class PrefillBatch:
 
 
 def amx_prefill(cache: LayerKVCache) -> bool:
-    """Whether long chunks of bf16 queries over this cache are worth the kernel's AMX tiles here: a bf16 cache, a head
-    dim that is a multiple of 32, a build with AMX and the OS's grant of the tile state. Then the kernel is 0.9-1.4x
-    SDPA's speed on long chunks (1.2-1.4x on short ones). Over 8-bit caches it dequantizes each tile once per 16 query
-    positions, where SDPA's path dequantizes the chunk's blocks once: long chunks stay there (int8 0.5-0.65x, FP8
-    0.7-1.0x of SDPA's speed in the kernel; benchmarks/prefill_attention_ab.py, one thread, noisy)."""
-    return cache.k.dtype == torch.bfloat16 and load_library().pagedserve_prefill_amx(cache.k.shape[3]) == 1
+    """Whether long chunks of bf16 queries over this cache may take the kernel's AMX tiles here: a bf16 or 8-bit
+    cache, a head dim that is a multiple of 32, a build with AMX and the OS's grant of the tile state
+    (native_attention._kernel_wins picks the chunks). An 8-bit cache's tiles dequantized in each task (once per 16
+    query positions) made the kernel 0.5-1.0x SDPA's speed; dequantized once per chunk and layer, as SDPA's path
+    does (`LongPrefill`), it runs at the bf16 cache's speed plus the gather (benchmarks/prefill_attention_ab.py)."""
+    eight_bit = cache.dtype.is_fp8 or cache.dtype.has_row_scales
+    amx = load_library().pagedserve_prefill_amx(cache.k.shape[3]) == 1
+    return (cache.k.dtype == torch.bfloat16 or eight_bit) and amx
+
+
+@dataclass(frozen=True, slots=True)
+class LongPrefill:
+    """Long chunks of a step for the bf16 kernel. Over a bf16 cache it reads the blocks in place (`tiles` None);
+    over an 8-bit one `tiles` lists every block the chunks read, chunk after chunk, which each layer dequantizes
+    into one contiguous bf16 buffer, and `batch`'s block tables index that buffer's blocks."""
+
+    batch: PrefillBatch
+    tiles: torch.Tensor | None = None  # [Hkv * N] int64 (kv_quant.head_tiles) of the cache's storage
+
+    @classmethod
+    def of(cls, cache: LayerKVCache, batch: PrefillBatch) -> tuple[LongPrefill, ...]:
+        """One part for a bf16 cache; for an 8-bit one, parts whose buffers hold at most GATHER_TOKENS keys (or one
+        chunk each past that): many short chunks over long contexts must not gather every context at once."""
+        if not (cache.dtype.is_fp8 or cache.dtype.has_row_scales):
+            return (cls(batch),)
+        block_size = cache.k.shape[1]
+        spans = []  # (chunk, first block, end block)
+        for i, (q_len, ctx) in enumerate(zip(batch.query_lens.tolist(), batch.seq_lens.tolist())):
+            spans.append((i, first_visible_key(ctx - q_len, batch.window) // block_size, -(-ctx // block_size)))
+        parts, part = [], []
+        for span in spans:
+            if part and (sum(e - f for _, f, e in part) + span[2] - span[1]) * block_size > GATHER_TOKENS:
+                parts.append(part)
+                part = []
+            part.append(span)
+        return tuple(cls._gathered(cache, batch, p) for p in (*parts, part))
+
+    @classmethod
+    def _gathered(cls, cache: LayerKVCache, batch: PrefillBatch, spans: list[tuple[int, int, int]]) -> LongPrefill:
+        num_blocks, _, num_kv_heads, _ = cache.k.shape
+        index = torch.tensor([i for i, _, _ in spans], dtype=torch.long)
+        tables = torch.full_like(batch.block_tables[index], -1)  # entries before a chunk's first visible block
+        picked, used = [], 0
+        for row, (i, first, end) in enumerate(spans):
+            picked.append(batch.block_tables[i, first:end])
+            tables[row, first:end] = torch.arange(used, used + end - first, dtype=torch.int32)
+            used += end - first
+        part = PrefillBatch(batch.rows[index], batch.query_lens[index], batch.seq_lens[index], tables, batch.window)
+        return cls(part, head_tiles(torch.cat(picked).long(), num_kv_heads, num_blocks))
+
+
+GATHER_TOKENS = 16384  # keys per gathered buffer: 12 MiB of K and V at 3 KV heads x 64
+
+
+def long_prefill_native(
+    query: torch.Tensor, out: torch.Tensor, cache: LayerKVCache, long: LongPrefill, scale: float
+) -> None:
+    """out[long chunks' rows] through the bf16 kernel; query bf16 (`amx_prefill` held when `long` was planned)."""
+    if long.tiles is None:
+        return prefill_attention_native(query, out, cache, long.batch, scale)
+    num_kv_heads, block_size, head_dim = cache.k.shape[2], cache.k.shape[1], cache.k.shape[3]
+    k, v = gather_kv_8bit(cache, long.tiles, torch.bfloat16)  # scales applied: the buffer is a plain bf16 cache
+    blocks = (num_kv_heads, long.tiles.shape[0] // num_kv_heads, block_size, head_dim)
+    ones = torch.ones(num_kv_heads, dtype=torch.float32)
+    gathered = LayerKVCache(k.view(blocks).permute(1, 2, 0, 3), v.view(blocks).permute(1, 2, 0, 3), ones, ones,
+                            KVDtype.BF16)
+    prefill_attention_native(query, out, gathered, long.batch, scale)
 
 
 def prefill_attention_native(
