@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -53,6 +54,27 @@ def busy_core():
     finally:
         busy.kill()
         busy.wait()
+
+
+def wait_for_quiet_cpus(busy_below: float, max_wait_s: float = 20.0, window_s: float = 0.5) -> tuple[float, float]:
+    """Wait until the usable CPUs are idle (other processes busy below `busy_below` CPUs over one `window_s`), at
+    most `max_wait_s`; returns (seconds waited, busy CPUs in the last window). Why: a system that just finished a run
+    keeps its threads spinning for a while (OpenMP spin-waits, a peer's busy-polling engine loop), and the next
+    system measured would start beside them: pagedserve's thread governor (engine/host/thread_governor.py) then
+    steps down to one thread for its first prefill steps, and a peer without one shares its cores. Each run starts
+    on quiet cores, as each would in its own deployment."""
+    from pagedserve.engine.host.thread_governor import read_sample
+
+    cpus = frozenset(os.sched_getaffinity(0))
+    start = time.monotonic()
+    while True:
+        before = read_sample(cpus)
+        time.sleep(window_s)
+        after = read_sample(cpus)
+        busy = ((after.busy_s - before.busy_s) - (after.own_s - before.own_s)) / (after.wall_s - before.wall_s)
+        waited = time.monotonic() - start
+        if busy < busy_below or waited >= max_wait_s:
+            return waited, busy
 
 
 PERIOD_US = 100_000

@@ -1,6 +1,7 @@
 """One dtype of the comparison: every selected system (in-process workers and servers alike) is started
 together and warmed up, then the repeats rotate over all of them (so load drift on a shared machine spreads
-over every system), then the Poisson runs, then, with --contention, the repeats again beside a busy core.
+over every system; each run starts once the cores are quiet, so none starts beside the previous one's spinning
+threads), then the Poisson runs, then, with --contention, the repeats again beside a busy core.
 When they do not all fit in memory they run in waves of systems that do (start_wave).
 Every driver started here is closed in a `finally`, also on SIGTERM (compare.py turns it into SystemExit).
 A system that fails to start or to run (a crash, a server error, truncated output) is closed and its rows end
@@ -13,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from contention import busy_core
+from contention import busy_core, wait_for_quiet_cpus
 from metrics import RunResult, median_result, summarize
 from workload import Workload, with_poisson_arrivals
 
@@ -25,6 +26,8 @@ NO_ARRIVALS = ("hf_static",)  # one padded batch has no notion of arrivals
 # MARGIN_GIB to spare; the rest run in a later wave, so a large --systems list never swaps or OOMs.
 FOOTPRINT_GIB = {"vllm": 4.5, "pagedserve": 2.0, "hf": 2.0, "llama-server": 1.0}
 MARGIN_GIB = 2.0
+# Other processes' CPUs below which a run may start (contention.wait_for_quiet_cpus): an idle host reads ~0.01-0.05.
+QUIET_CPUS = 0.15
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +96,12 @@ def check_token_counts(name: str, timings: list, workload: Workload) -> None:
                          f"{len(workload.requests)} / {expected}; its results would not be comparable")
 
 
-def run_one(driver, name: str, dtype: str, workload: Workload) -> tuple[RunResult, list]:
+def run_one(driver, name: str, dtype: str, workload: Workload, busy_by_design: float = 0.0) -> tuple[RunResult, list]:
+    """One measured run, started once the cores are as quiet as the phase means them to be (`busy_by_design`: the
+    CPUs a contention run's busy process takes)."""
+    waited, busy = wait_for_quiet_cpus(busy_below=busy_by_design + QUIET_CPUS)
+    if busy >= busy_by_design + QUIET_CPUS:
+        log(f"{name}: the cores were not quiet after {waited:.0f} s (others busy {busy:.2f} CPUs); measuring anyway")
     timings, peak, extra = driver.run(workload)
     check_token_counts(name, timings, workload)
     return summarize(name, dtype, timings, workload.num_prompt_tokens, peak, extra), timings
@@ -117,7 +125,7 @@ def guarded(live: dict, failures: dict[str, str], name: str, action, *args):
 
 
 def run_repeats(live: dict, workload: Workload, repeats: int, dtype: str, tag: str = "",
-                failures: dict[str, str] | None = None) -> tuple[dict, dict]:
+                failures: dict[str, str] | None = None, busy_by_design: float = 0.0) -> tuple[dict, dict]:
     failures = {} if failures is None else failures
     runs: dict[str, list[RunResult]] = {n: [] for n in live}
     timings: dict[str, list] = {}
@@ -125,7 +133,7 @@ def run_repeats(live: dict, workload: Workload, repeats: int, dtype: str, tag: s
         for name in rotation(list(live), rep):
             if name not in live:
                 continue
-            done = guarded(live, failures, name, run_one, live[name], name, dtype, workload)
+            done = guarded(live, failures, name, run_one, live[name], name, dtype, workload, busy_by_design)
             if done is None:
                 continue
             res, timings[name] = done
@@ -206,7 +214,7 @@ def _measure_wave(live: dict, workload: Workload, plan: PhasePlan, dtype: str, r
     if plan.contention:
         with busy_core() as core:
             log(f"[{dtype}] contention: one busy process pinned to core {core}")
-            contended = run_repeats(live, workload, plan.repeats, dtype, " contended", res.failures)[0]
+            contended = run_repeats(live, workload, plan.repeats, dtype, " contended", res.failures, 1.0)[0]
             res.contended.update({n: rs for n, rs in contended.items() if rs and n in res.runs})
 
 
