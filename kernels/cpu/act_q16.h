@@ -181,6 +181,12 @@ PQ_INLINE int32_t pq_pair(const int16_t *q) {
  * Any split of exact int32 sums gives the same total, so a row's result does not depend on R. */
 #define PQ_CHAINS(R) ((R) <= 4 ? 2 : 1)
 
+/* v shifted right by s bits (left when s < 0) in each 32-bit lane; s a constant after unrolling (the 4-bit
+ * tiles' code extraction in every 16-lane kernel). */
+PQ_INLINE __m512i pq_shift32(__m512i v, int s) {
+    return s > 0 ? _mm512_srli_epi32(v, s) : s < 0 ? _mm512_slli_epi32(v, -s) : v;
+}
+
 /* tot + (d da) dot + m sx: one block's 16 rows for one activation row, scaled back from its integer dot (the same
  * instructions for every row, whatever R). with_offset 0: signed codes, no offset term (Q8_0). */
 PQ_INLINE __m512 pq_block_total(__m512 tot, __m512i dot, __m512 d, __m512 m, float da, float sx, int with_offset) {
@@ -236,6 +242,12 @@ PQ_INLINE void pq_dots8(const uint8_t *codes, int is_signed, const int16_t *q, i
 /* A tile's 16 rows in two 8-lane halves: acc[2r] rows 0-7 and acc[2r + 1] rows 8-15 of activation row r. Two
  * chains per half while few rows leave vpdpwssd's latency exposed (AVX-VNNI), one from 3 rows on (16 registers). */
 #define PQ_CHAINS(R) ((R) <= 2 ? 2 : 1)
+
+/* v shifted right by s bits (left when s < 0) in each 32-bit lane; s a constant after unrolling (the 4-bit
+ * tiles' code extraction in every 8-lane kernel). */
+PQ_INLINE __m256i pq_shift32(__m256i v, int s) {
+    return s > 0 ? _mm256_srli_epi32(v, s) : s < 0 ? _mm256_slli_epi32(v, -s) : v;
+}
 
 /* acc + the pairwise int16 products of u and pair, summed per int32 lane: exact, whichever instruction. */
 PQ_INLINE __m256i pq_dpwssd(__m256i acc, __m256i u, __m256i pair) {

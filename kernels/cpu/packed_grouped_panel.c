@@ -34,18 +34,6 @@
 #define PKP_ALIGN 32
 typedef __m256i pkp_vec;
 
-PKW_INLINE __m256i pkp_dp(__m256i acc, __m256i u, __m256i pair) {
-#if defined(PS_AVX2_VNNI)
-    return _mm256_dpwssd_avx_epi32(acc, u, pair);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(u, pair));
-#endif
-}
-
-PKW_INLINE __m256i pkp_shift(__m256i v, int s) {
-    return s > 0 ? _mm256_srli_epi32(v, s) : s < 0 ? _mm256_slli_epi32(v, -s) : v;
-}
-
 /* Q8_0's 32 inputs x 16 bytes (byte r of input k's 16 = row r's int8 code) as u[2i + s]: pair i = inputs 2i,
  * 2i + 1 (the activations' natural order), rows 8s..8s+7 (act_q16.h's 8-lane pq_dots8 widens them alike). */
 PKW_INLINE void pkp_codes8(const uint8_t *codes, __m256i *u) {
@@ -82,9 +70,9 @@ PKW_INLINE void pkp_codes(int fmt, const uint8_t *run, __m256i *u) {
         for (int s = 0; s < 2; s++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(run + 64 * c + 32 * s));
             for (int p = 0; p < 4; p++) {
-                __m256i v = p == 3 ? _mm256_srli_epi16(w, 12) : _mm256_and_si256(pkp_shift(w, 4 * p), low4);
+                __m256i v = p == 3 ? _mm256_srli_epi16(w, 12) : _mm256_and_si256(pq_shift32(w, 4 * p), low4);
                 if (fmt == PK_Q5_0 || fmt == PK_Q5_K)
-                    v = _mm256_or_si256(v, _mm256_and_si256(pkp_shift(hw[s], 4 * c + p - 4),
+                    v = _mm256_or_si256(v, _mm256_and_si256(pq_shift32(hw[s], 4 * c + p - 4),
                                                             _mm256_set1_epi32(0x00100010)));
                 _mm256_store_si256(u + 2 * (4 * c + p) + s, v);
             }
@@ -106,8 +94,8 @@ PKW_INLINE void pkp_rows(const __m256i *u, int i0, int i1, const int16_t *q, con
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const __m256i pair = _mm256_set1_epi32(pq_pair(q + 32 * r + 2 * i));
-            acc[2 * r] = pkp_dp(acc[2 * r], u0, pair);
-            acc[2 * r + 1] = pkp_dp(acc[2 * r + 1], u1, pair);
+            acc[2 * r] = pq_dpwssd(acc[2 * r], u0, pair);
+            acc[2 * r + 1] = pq_dpwssd(acc[2 * r + 1], u1, pair);
         }
         /* keeps each sum a register chain: left free, gcc reassociated the unrolled integer sums into trees of
          * products spilled to the stack (~1.6x slower) */

@@ -22,10 +22,6 @@
 #define PKP_ALIGN 64
 typedef __m512i pkp_vec;
 
-PKW_INLINE __m512i pkp_shift(__m512i v, int s) {
-    return s > 0 ? _mm512_srli_epi32(v, s) : s < 0 ? _mm512_slli_epi32(v, -s) : v;
-}
-
 /* Q8_0's 32 inputs x 16 bytes (byte r of input k's 16 = row r's int8 code) as u[i]: lane r = row r's codes of
  * inputs 2i, 2i + 1 (the activations' natural order), as two int16. */
 PKW_INLINE void pkp_codes8(const uint8_t *codes, __m512i *u) {
@@ -58,9 +54,9 @@ PKW_INLINE void pkp_codes(int fmt, const uint8_t *run, __m512i *u) {
     for (int c = 0; c < 4; c++) {
         const __m512i w = _mm512_loadu_si512(run + 64 * c);
         for (int p = 0; p < 4; p++) {
-            __m512i v = p == 3 ? _mm512_srli_epi16(w, 12) : _mm512_and_si512(pkp_shift(w, 4 * p), low4);
+            __m512i v = p == 3 ? _mm512_srli_epi16(w, 12) : _mm512_and_si512(pq_shift32(w, 4 * p), low4);
             if (fmt == PK_Q5_0 || fmt == PK_Q5_K)  /* v | (high & mask) */
-                v = _mm512_ternarylogic_epi32(v, pkp_shift(hw, 4 * c + p - 4), _mm512_set1_epi32(0x00100010), 0xF8);
+                v = _mm512_ternarylogic_epi32(v, pq_shift32(hw, 4 * c + p - 4), _mm512_set1_epi32(0x00100010), 0xF8);
             _mm512_store_si512(u + 4 * c + p, v);
         }
     }

@@ -9,11 +9,6 @@
 #ifndef PAGEDSERVE_CPU_PACKED_GROUPED_WIDE16_H
 #define PAGEDSERVE_CPU_PACKED_GROUPED_WIDE16_H
 
-/* v shifted right by s bits (left when s < 0) in each 32-bit lane; s a constant after unrolling. */
-PKW_INLINE __m512i pkw_shift(__m512i v, int s) {
-    return s > 0 ? _mm512_srli_epi32(v, s) : s < 0 ? _mm512_slli_epi32(v, -s) : v;
-}
-
 /* Q4_K for up to 2 activation rows, nibbles masked in place (the 8-lane pkw_dots_q4k's reasoning): acc[2r] the
  * dot, acc[2r + 1] zero. */
 PKW_INLINE void pkw_dots_q4k(const uint8_t *run, const int16_t *q, int64_t qstride, int R, __m512i *acc) {
@@ -68,9 +63,9 @@ PKW_INLINE void pkw_dots(int fmt, const uint8_t *run, const int16_t *q, int64_t 
         const __m512i w = _mm512_loadu_si512(run + 64 * c);
         for (int p = 0; p < 4; p++) {
             /* p = 3: the top nibble of each int16 needs no mask */
-            __m512i u = p == 3 ? _mm512_srli_epi16(w, 12) : _mm512_and_si512(pkw_shift(w, 4 * p), low4);
+            __m512i u = p == 3 ? _mm512_srli_epi16(w, 12) : _mm512_and_si512(pq_shift32(w, 4 * p), low4);
             if (fmt != PK_Q4_K)  /* u | (high & mask) */
-                u = _mm512_ternarylogic_epi32(u, pkw_shift(hw, 4 * c + p - 4), _mm512_set1_epi32(0x00100010), 0xF8);
+                u = _mm512_ternarylogic_epi32(u, pq_shift32(hw, 4 * c + p - 4), _mm512_set1_epi32(0x00100010), 0xF8);
             const int h = R <= 2 && (p & 1);
             for (int r = 0; r < R; r++) {
                 const __m512i pair = _mm512_set1_epi32(pq_pair(q + r * qstride + 8 * c + 2 * p));

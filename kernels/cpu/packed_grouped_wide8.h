@@ -1,4 +1,4 @@
-/* The 8-lane form (avx2, avx2_vnni) of packed_grouped_wide.c's interleaved-rows kernel (Q5_0, Q4_K, Q5_K, Q6_K),
+/* The 8-lane form (avx2, avx2_vnni, avx512) of packed_grouped_wide.c's interleaved-rows kernel (Q5_0, Q4_K, Q5_K, Q6_K),
  * included there under PQ_LANES8 after the layout's helpers (pkw_header, pkw_run_bytes, pkw_tile_bytes, pkw_runs,
  * pkw_scales, pkw_k_bytes, pkw_q6_codes, PKW_TILE, PKW_PREFETCH, PKW_INLINE) it reads: a group's 16 rows in two
  * 8-row halves s, vpmaddwd + vpaddd (vpdpwssd with AVX-VNNI) on act_q16.h's int16 activations, the same integer
@@ -6,19 +6,6 @@
  * (tests/test_packed_kernels.py). */
 #ifndef PAGEDSERVE_CPU_PACKED_GROUPED_WIDE8_H
 #define PAGEDSERVE_CPU_PACKED_GROUPED_WIDE8_H
-/* acc + the pairwise int16 products of u and pair per int32 lane: exact, whichever instruction. */
-PKW_INLINE __m256i pkw_dp(__m256i acc, __m256i u, __m256i pair) {
-#if defined(PS_AVX2_VNNI)
-    return _mm256_dpwssd_avx_epi32(acc, u, pair);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(u, pair));
-#endif
-}
-
-/* v shifted right by s bits (left when s < 0) in each 32-bit lane; s a constant after unrolling. */
-PKW_INLINE __m256i pkw_shift(__m256i v, int s) {
-    return s > 0 ? _mm256_srli_epi32(v, s) : s < 0 ? _mm256_slli_epi32(v, -s) : v;
-}
 
 /* Q4_K's dots for up to 2 activation rows with the nibbles masked in place, unshifted: code p of a word (inputs
  * 8c + p, 8c + p + 4) is u 16^p in each int16 (p = 3 alone is shifted, as the top nibble needs no mask), so the
@@ -42,7 +29,7 @@ PKW_INLINE void pkw_dots_q4k(const uint8_t *run, const int16_t *q, int64_t qstri
                 for (int s = 0; s < 2; s++) {
                     const __m256i u = p == 3 ? _mm256_srli_epi16(w[s], 12)
                                              : _mm256_and_si256(w[s], _mm256_set1_epi32(0x000F000F << 4 * p));
-                    part[6 * r + 3 * s + cls] = pkw_dp(part[6 * r + 3 * s + cls], u, pair);
+                    part[6 * r + 3 * s + cls] = pq_dpwssd(part[6 * r + 3 * s + cls], u, pair);
                 }
             }
         }
@@ -73,8 +60,8 @@ PKW_INLINE void pkw_dots_q6k(const uint8_t *run, const int16_t *q, int64_t qstri
                 __m256i a = _mm256_set1_epi32(sq[r * sstride + h]), b = _mm256_setzero_si256();
                 for (int m = 0; m < 8; m++) {
                     const __m256i pair = _mm256_set1_epi32(pq_pair(q + r * qstride + 16 * h + 2 * m));
-                    if (R <= 2 && (m & 1)) b = pkw_dp(b, u[m], pair);
-                    else a = pkw_dp(a, u[m], pair);
+                    if (R <= 2 && (m & 1)) b = pq_dpwssd(b, u[m], pair);
+                    else a = pq_dpwssd(a, u[m], pair);
                 }
                 acc[4 * r + 2 * s + h] = R <= 2 ? _mm256_add_epi32(a, b) : a;
             }
@@ -99,16 +86,16 @@ PKW_INLINE void pkw_dots(int fmt, const uint8_t *run, const int16_t *q, int64_t 
             __m256i u[2];
             for (int s = 0; s < 2; s++) {
                 /* p = 3: the top nibble of each int16 needs no mask */
-                u[s] = p == 3 ? _mm256_srli_epi16(w[s], 12) : _mm256_and_si256(pkw_shift(w[s], 4 * p), low4);
+                u[s] = p == 3 ? _mm256_srli_epi16(w[s], 12) : _mm256_and_si256(pq_shift32(w[s], 4 * p), low4);
                 if (fmt != PK_Q4_K)
-                    u[s] = _mm256_or_si256(u[s], _mm256_and_si256(pkw_shift(hw[s], 4 * c + p - 4),
+                    u[s] = _mm256_or_si256(u[s], _mm256_and_si256(pq_shift32(hw[s], 4 * c + p - 4),
                                                                   _mm256_set1_epi32(0x00100010)));
             }
             /* a second chain only while few rows leave the dot latency exposed: from 3 rows on it spilled */
             const int h = R <= 2 && (p & 1);
             for (int r = 0; r < R; r++) {
                 const __m256i pair = _mm256_set1_epi32(pq_pair(q + r * qstride + 8 * c + 2 * p));
-                for (int s = 0; s < 2; s++) acc[4 * r + 2 * s + h] = pkw_dp(acc[4 * r + 2 * s + h], u[s], pair);
+                for (int s = 0; s < 2; s++) acc[4 * r + 2 * s + h] = pq_dpwssd(acc[4 * r + 2 * s + h], u[s], pair);
             }
         }
     }
