@@ -48,7 +48,7 @@ def layer_case(kv: str, context: int, new: int) -> tuple:
     dtype = KVDtype.parse(kv, torch.bfloat16)
     blocks = -(-context // BLOCK)
     cache = KVCache(KVCacheSpec(1, KV_HEADS, DIM, BLOCK, dtype), blocks + 1)
-    if dtype.is_fp8 or dtype.has_row_scales:
+    if dtype.is_8bit:
         cache.set_k_rotation(hadamard(DIM))
     layer = cache.layers[0]
     gen = torch.Generator().manual_seed(0)

@@ -38,6 +38,11 @@ class KVDtype(enum.Enum):
         return self is KVDtype.INT8
 
     @property
+    def is_8bit(self) -> bool:
+        """Stored in 8 bits (FP8 or int8) and dequantized on every read, unlike the 16-bit caches."""
+        return self.is_fp8 or self.has_row_scales
+
+    @property
     def row_bytes_extra(self) -> int:
         """Bytes per row (token and KV head) beyond its elements: the fp16 row scale."""
         return ROW_SCALE_DTYPE.itemsize if self.has_row_scales else 0

@@ -111,7 +111,7 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
             write_kv_int8(key, value, cache, slot_mapping)
         elif cache.dtype.is_fp8 and key.dtype in COMPUTE_DTYPES and _heads_dense(key, value):
             write_kv_fp8(key, value, cache, slot_mapping)
-        elif cache.dtype.is_fp8 or cache.dtype.has_row_scales or key.dtype != k_storage.dtype \
+        elif cache.dtype.is_8bit or key.dtype != k_storage.dtype \
                 or not _heads_dense(key, value):
             store_kv(key, value, cache, slot_mapping)  # quantizes or converts
         else:
@@ -135,7 +135,7 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         else:
             sdpa += plan.prefill_long_sdpa
         # 8-bit tiles dequantized in one native pass (torch's five passes were most of the 8-bit prefill's extra time)
-        eight_bit = (cache.dtype.is_fp8 or cache.dtype.has_row_scales) and cache.k.shape[3] % 16 == 0
+        eight_bit = cache.dtype.is_8bit and cache.k.shape[3] % 16 == 0
         for chunk in sdpa:
             prefill_attention(query, out, cache, scale, chunk, gather_kv_8bit if eight_bit else gather_kv)
         return out

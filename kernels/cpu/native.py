@@ -246,7 +246,7 @@ def write_kv_fp8(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, sl
 def gather_kv_8bit(cache: LayerKVCache, tiles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """kv_quant.gather_kv for an 8-bit cache (int8 or FP8; head_dim a multiple of 16), in one native pass per tensor:
     the same values, bit for bit. tiles: [Hkv * N] int64 (kv_quant.head_tiles)."""
-    assert cache.dtype.is_fp8 or cache.dtype.has_row_scales, "16-bit caches gather with index_select"
+    assert cache.dtype.is_8bit, "16-bit caches gather with index_select"
     assert dtype in COMPUTE_DTYPES and tiles.dtype == torch.int64 and tiles.is_contiguous()
     out = []
     for tensor, head_scale, row_scale in ((cache.k, cache.k_scale, cache.k_row_scale),

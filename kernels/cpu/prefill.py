@@ -62,9 +62,8 @@ def amx_prefill(cache: LayerKVCache) -> bool:
     (native_attention._kernel_wins picks the chunks). An 8-bit cache's tiles dequantized in each task (once per 16
     query positions) made the kernel 0.5-1.0x SDPA's speed; dequantized once per chunk and layer, as SDPA's path
     does (`LongPrefill`), it runs at the bf16 cache's speed plus the gather (benchmarks/prefill_attention_ab.py)."""
-    eight_bit = cache.dtype.is_fp8 or cache.dtype.has_row_scales
     amx = load_library().pagedserve_prefill_amx(cache.k.shape[3]) == 1
-    return (cache.k.dtype == torch.bfloat16 or eight_bit) and amx
+    return (cache.k.dtype == torch.bfloat16 or cache.dtype.is_8bit) and amx
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +79,7 @@ class LongPrefill:
     def of(cls, cache: LayerKVCache, batch: PrefillBatch) -> tuple[LongPrefill, ...]:
         """One part for a bf16 cache; for an 8-bit one, parts whose buffers hold at most GATHER_TOKENS keys (or one
         chunk each past that): many short chunks over long contexts must not gather every context at once."""
-        if not (cache.dtype.is_fp8 or cache.dtype.has_row_scales):
+        if not cache.dtype.is_8bit:
             return (cls(batch),)
         block_size = cache.k.shape[1]
         spans = []  # (chunk, first block, end block)
