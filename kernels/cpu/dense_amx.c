@@ -32,12 +32,6 @@
 enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18, A_BLOCK_BYTES = 1 << 19, B_BLOCK_BYTES = 1 << 19,
        K_BLOCK_MAX = 20, PREFETCH_MIN_BYTES = 4 << 20 };
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) TileConfig;
-
 static int amx_state;  /* 0: not asked yet; 1: granted; -1: refused */
 
 /* Linux hands a process the 8 KB tile state only after it asks; some VMs list AMX in cpuid and refuse. */
@@ -51,10 +45,7 @@ int ps_amx_ready(void) {
 }
 
 static void configure_tiles(void) {
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
+    const TileConfig config = ps_amx_full_tiles();
     _tile_loadconfig(&config);
 }
 

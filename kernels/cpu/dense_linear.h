@@ -32,6 +32,23 @@ void ps_dense_emit(const DenseLinear *s, const float *c, int64_t r0, int64_t n, 
 /* dense_amx.c: 1 when this build has AMX code and the OS granted this process the tile state (asked once). */
 int ps_amx_ready(void);
 
+#if defined(PS_AMX)
+/* An AMX tile configuration (ldtilecfg's 64-byte layout). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) TileConfig;
+
+/* Tiles 0-7 at their largest, 16 rows x 64 bytes: what the GEMM loads; the prefill kernel narrows two before
+ * loading it. */
+static inline TileConfig ps_amx_full_tiles(void) {
+    TileConfig config = {.palette = 1};
+    for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
+    return config;
+}
+#endif
+
 /* dense_amx.c: the bf16 GEMM on AMX tiles. xp: x in bf16, packed in 1 KB tiles of 16 rows x 32 inputs (zero
  * beyond x), the tiles of one 16-row block one after another (dense_gemm.c's pack_rows). Returns nonzero without
  * AMX. */

@@ -33,7 +33,6 @@ int pagedserve_prefill_amx(int64_t head_dim);
 #if defined(PS_AVX512_BF16)
 #define PREFILL_DPBF16(kv_dt, q_dt) ((q_dt) == DT_BF16 && (kv_dt) != DT_F32 && (kv_dt) != DT_F16)
 void prefill_task_dpbf16(const PrefillArgs *a, const Task *t, Tile *w);
-int ps_amx_ready(void);  /* dense_amx.c: whether the OS granted this process AMX tile state */
 #else
 #define PREFILL_DPBF16(kv_dt, q_dt) 0
 #endif

@@ -16,6 +16,7 @@
  * the torch path (kernels/torch_attention.py).
  */
 #include "prefill_attention.h"
+#include "dense_linear.h"  /* ps_amx_ready, TileConfig */
 
 /* Whether bf16 queries of this head dim take AMX tiles here (the build has them, the OS granted the tile state). */
 int pagedserve_prefill_amx(int64_t head_dim) {
@@ -189,9 +190,7 @@ INLINE void accumulate_block(float *acc, const uint32_t *p, const uint32_t *v, c
 
 #if defined(PS_AMX)
 static void configure_tiles(void) {
-    struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } __attribute__((packed))
-        config = {.palette = 1};
-    for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
+    TileConfig config = ps_amx_full_tiles();
     config.colsb[5] = 32;  /* V^T: 16 dimensions x 16 keys */
     config.rows[6] = 8;    /* P: 8 key pairs x 16 row lanes */
     _tile_loadconfig(&config);
