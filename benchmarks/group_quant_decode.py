@@ -5,6 +5,9 @@
     python benchmarks/group_quant_decode.py --tool-checkpoints     # the SmolLM2 tool checkpoints, 3 systems
     python benchmarks/group_quant_decode.py --tool-checkpoints --head-q8-0   # + GPTQ/AWQ with a Q8_0 head made at load
 
+The plain GPTQ/AWQ rows keep their 16-bit head (`--lm-head-quantization none`); the `_head_q8_0` rows are what the
+default (`auto`) serves on CPU.
+
 --tool-checkpoints takes GPTQModel 7.3.6's SmolLM2-135M checkpoints from the tools cache (made by
 `python benchmarks/quant_tools/smollm2_quality.py --recipes gptq_4bit_g128 awq_4bit_g64 gptq_4bit_g128_lmhead4
 --skip-throughput`, minutes each; never in git): GPTQ 4-bit g128 act-order sym, AWQ 4-bit g64, and GPTQ 4-bit
@@ -142,7 +145,8 @@ def grouped_share(llm) -> float | None:
 def _engine_options(name: str, path: str | None) -> dict:
     if path is None:
         return {"gguf_weights": "packed"}
-    return {"lm_head_quantization": "q8_0"} if name.endswith("_head_q8_0") else {}
+    # the plain GPTQ/AWQ rows keep the head as stored (the default, auto, would make it Q8_0 on CPU)
+    return {"lm_head_quantization": "q8_0" if name.endswith("_head_q8_0") else "none"}
 
 
 def main() -> None:

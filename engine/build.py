@@ -122,7 +122,8 @@ def _describe(config: EngineConfig, source: ModelSource, loaded: LoadedModel, ru
     architectures = loaded.hf_config.get("architectures") or [type(loaded.model).__name__]
     return ModelDescription(
         architecture=architectures[0],
-        quantization=loaded.quant.describe(),
+        quantization=loaded.quant.describe() + ("" if loaded.lm_head_quantization == "none"
+                                                else f", lm_head {loaded.lm_head_quantization}"),
         dtype=str(loaded.dtype).removeprefix("torch."),
         kv_cache_dtype=runner.kv_spec.dtype.value,
         block_size=config.block_size,

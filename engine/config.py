@@ -53,9 +53,10 @@ class EngineConfig:
     # GGUF files: "packed" keeps the file's 4/5/6/8-bit blocks and multiplies from them (CPU); "dequantized" expands
     # every weight into the compute dtype at load; "auto": packed on CPU where the packed kernels build
     gguf_weights: str = "auto"
-    # "q8_0": an unquantized LM head is multiplied from int8 blocks made at load (quant/head_quant.py; CPU, opt-in
-    # since it rounds the head's weights; lookups keep the embedding as stored)
-    lm_head_quantization: str = "none"
+    # "q8_0": an unquantized LM head is multiplied from int8 blocks made at load (quant/head_quant.py; CPU; it
+    # rounds the head's weights, lookups keep the embedding as stored). "auto": q8_0 for GPTQ/AWQ checkpoints on
+    # CPU, whose 16-bit head would be a large share of each token's reads; "none" everywhere else
+    lm_head_quantization: str = "auto"
     attention_backend: str = "auto"
     # auto: native fused C for 16-bit models on CPU, torch otherwise; and torch whenever attention_backend is
     # "torch", which asks for the pure-torch reference path (see layer_ops_choice).
@@ -124,7 +125,7 @@ class EngineConfig:
             raise ConfigError("tokenizer", f"not a folder: {self.tokenizer}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ConfigError("chat_template", f"file not found: {self.chat_template}")
-        if self.lm_head_quantization != "none" and self.device != "cpu":
+        if self.lm_head_quantization not in ("auto", "none") and self.device != "cpu":
             raise ConfigError("lm_head_quantization", f"a {self.lm_head_quantization} head is computed on CPU only; "
                                                       f"device is {self.device!r}")
         if self.gguf_weights == "packed" and self.device != "cpu":

@@ -33,6 +33,7 @@ KNOWN_OTHER_VERSIONS = ("gemv", "gemv_fast", "marlin", "exllama", "ipex", "llm-a
 @dataclass(frozen=True, slots=True)
 class AWQConfig(PlainLayersIn16Bit, QuantConfig):
     name = "awq"
+    auto_lm_head_quantization = "q8_0"  # a 16-bit head is a large share of a 4-bit model's bytes a token
     bits: int
     group_size: int
     zero_point: bool = True

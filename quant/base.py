@@ -87,6 +87,9 @@ class QuantConfig(ABC):
     """One quantization method's settings, parsed from config.json's `quantization_config`."""
 
     name: ClassVar[str]
+    # What `lm_head_quantization="auto"` makes of this method's unquantized LM head on CPU: "none" keeps it as
+    # stored; "q8_0" for methods whose layers read fewer bytes than a 16-bit head (GPTQ/AWQ: quant/head_quant.py)
+    auto_lm_head_quantization: ClassVar[str] = "none"
 
     @classmethod
     @abstractmethod

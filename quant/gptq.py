@@ -49,6 +49,7 @@ class GPTQLayerSpec:
 @dataclass(frozen=True, slots=True)
 class GPTQConfig(PlainLayersIn16Bit, QuantConfig):
     name = "gptq"
+    auto_lm_head_quantization = "q8_0"  # a 16-bit head is a large share of a 4-bit model's bytes a token
     spec: GPTQLayerSpec
     checkpoint_format: str = "gptq"
     lm_head: bool = False

@@ -49,9 +49,9 @@ _ENGINE_HELP = {
     "quantization": "force a quantization method (default: what the checkpoint says)",
     "gguf_weights": "GGUF files: packed keeps the file's quantized blocks and computes from them (CPU), dequantized "
                     "expands them into the compute dtype at load (auto: packed on CPU)",
-    "lm_head_quantization": "CPU: q8_0 multiplies an unquantized LM head (GPTQ/AWQ exports, 16-bit models) from int8 "
-                            "blocks made at load, as a GGUF file holds it: ~half the head's bytes per token, its "
-                            "weights rounded (opt-in)",
+    "lm_head_quantization": "CPU: q8_0 multiplies an unquantized LM head from int8 blocks made at load, as a GGUF "
+                            "file holds it: ~half the head's bytes per token, its weights rounded; auto (default): "
+                            "q8_0 for GPTQ/AWQ checkpoints on CPU, none otherwise; none: the head as stored",
     "attention_backend": "attention implementation (native: CPU only)",
     "layer_ops": "norm/SiLU/RoPE math (auto: native C for 16-bit CPU models; torch with --attention-backend torch)",
     "device": "cpu, cuda or cuda:N",

@@ -37,7 +37,7 @@ _ENGINE = """
 import json, sys, torch
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.quant.linear import QuantLinear
-llm = LLM(sys.argv[1], kv_cache_memory=1 << 24)
+llm = LLM(sys.argv[1], kv_cache_memory=1 << 24, lm_head_quantization="none")
 e = llm.engine
 mats = {str(m.weight.dtype) for m in e.runner.model.modules()
         if isinstance(m, QuantLinear) and getattr(m, "weight", None) is not None}

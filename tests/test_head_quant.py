@@ -1,4 +1,4 @@
-"""`lm_head_quantization="q8_0"` (quant/head_quant.py): an unquantized LM head multiplied from Q8_0 blocks made at
+"""`lm_head_quantization="q8_0"` and its `auto` default (quant/head_quant.py): an unquantized LM head multiplied from Q8_0 blocks made at
 load, against gguf's own quantize/dequantize of the same weights; tied (the default model with its blocks expanded)
 and untied (an AWQ tool fixture, whose head is 16-bit); lookups keep the embedding as stored; bad uses refused
 with the field named."""
@@ -19,6 +19,7 @@ from pagedserve.engine.errors import ConfigError, ModelLoadError
 from pagedserve.engine.loading.model_loader import load_model
 from pagedserve.engine.loading.model_store import resolve_model
 from pagedserve.quant.gguf import GgufLinearMethod
+from pagedserve.quant.head_quant import resolve_head_quantization
 from quant_fixtures import fixture_dir
 
 CPU = torch.device("cpu")
@@ -47,12 +48,12 @@ def tied_pair():
     source = resolve_model(None)
     plain = load_model(source.weights, None, None, CPU, "dequantized")
     quantized = load_model(source.weights, None, None, CPU, "dequantized", "q8_0")
-    return plain.model, quantized.model
+    return plain, quantized
 
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_tied_head_is_gguf_q8_0_of_the_embedding(tied_pair, rows: int) -> None:
-    plain, quantized = tied_pair
+    plain, quantized = (loaded.model for loaded in tied_pair)
     table = plain.model.embed_tokens.weight
     assert isinstance(quantized.lm_head.method, GgufLinearMethod) and quantized.lm_head.method.qtype == "Q8_0"
     assert torch.equal(quantized.model.embed_tokens.weight, table)  # lookups read the table as stored
@@ -69,13 +70,31 @@ def test_untied_16_bit_head_of_an_awq_checkpoint() -> None:
 
 
 def test_the_native_step_reads_the_packed_head() -> None:
-    llm = LLM(str(fixture_dir("awq_4bit_g64")), lm_head_quantization="q8_0", dtype="bfloat16")
+    """`auto`, the default, makes an AWQ checkpoint's 16-bit head Q8_0 on CPU, and says so in the description."""
+    llm = LLM(str(fixture_dir("awq_4bit_g64")), dtype="bfloat16")
     step = llm.engine.runner.native_step
     assert step is not None and isinstance(llm.engine.loaded.model.lm_head.method, GgufLinearMethod)
+    assert llm.engine.loaded.lm_head_quantization == "q8_0"
+    assert llm.engine.describe().quantization.endswith(", lm_head q8_0")
+
+
+def test_auto_keeps_every_other_head_as_stored(tied_pair) -> None:
+    plain, _ = tied_pair  # a 16-bit model: its head is not rounded unless asked
+    assert plain.lm_head_quantization == "none"
+    assert resolve_head_quantization("auto", plain.quant, plain.model.lm_head, CPU, lambda: True) == "none"
+    awq = load_model(fixture_dir("awq_4bit_g64"), torch.bfloat16, None, CPU, lm_head_quantization="none")
+    head = awq.model.lm_head
+    assert resolve_head_quantization("auto", awq.quant, head, CPU, lambda: True) == "q8_0"
+    assert resolve_head_quantization("auto", awq.quant, head, torch.device("cuda"), lambda: True) == "none"
+    assert resolve_head_quantization("auto", awq.quant, head, CPU, lambda: False) == "none"  # no packed kernels
+    assert resolve_head_quantization("none", awq.quant, head, CPU, lambda: True) == "none"
+    tool_head = load_model(fixture_dir("gptq_4bit_g128_lm_head"), None, None, CPU, lm_head_quantization="auto")
+    assert tool_head.lm_head_quantization == "none"  # the tool quantized it: kept as the checkpoint has it
+    assert not isinstance(tool_head.model.lm_head.method, GgufLinearMethod)
 
 
 def test_refusals_name_the_field() -> None:
-    with pytest.raises(ConfigError, match="lm_head_quantization.*supported: none, q8_0"):
+    with pytest.raises(ConfigError, match="lm_head_quantization.*supported: auto, none, q8_0"):
         check_backends(EngineConfig(lm_head_quantization="q4_0"))  # names are checked where backends are built
     with pytest.raises(ConfigError, match="lm_head_quantization.*CPU only"):
         EngineConfig(lm_head_quantization="q8_0", device="cuda")

@@ -33,7 +33,8 @@ def _engine(path, hf, kv_cache_dtype: str, kv_blocks: int) -> LLMEngine:
     block_bytes = 2 * cfg.num_hidden_layers * BLOCK * cfg.num_key_value_heads * head_dim * 4  # K and V, float32
     return LLMEngine(EngineConfig(
         model=str(path), dtype="float32", kv_cache_dtype=kv_cache_dtype, block_size=BLOCK,
-        kv_cache_memory=kv_blocks * block_bytes, max_num_batched_tokens=7))
+        kv_cache_memory=kv_blocks * block_bytes, max_num_batched_tokens=7,
+        lm_head_quantization="none"))  # the head as stored, as transformers' reference multiplies it
 
 
 def run_and_compare(path, hf, prompts: dict[str, list[int]], kv_cache_dtype: str, kv_blocks: int, monkeypatch):

@@ -23,7 +23,7 @@ from pagedserve.kernels.cpu import packed as cpu_packed
 from pagedserve.kernels.cpu.isa import IsaError
 from pagedserve.kernels.cpu.native import NativeBuildError
 from pagedserve.quant.base import QuantConfig, QuantConfigError
-from pagedserve.quant.head_quant import quantized_head
+from pagedserve.quant.head_quant import quantized_head, resolve_head_quantization
 from pagedserve.quant.linear import QuantLinear
 from pagedserve.quant.registry import quant_config_for
 
@@ -44,6 +44,7 @@ class LoadedModel:
     quant: QuantConfig
     kv_scale_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     weight_dtype: torch.dtype | None = None  # the plain matrices' in memory, where it differs from `dtype`
+    lm_head_quantization: str = "none"  # what `auto` resolved to: "none" (the head as stored) or "q8_0"
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
@@ -106,13 +107,17 @@ def load_model(path: Path, dtype: torch.dtype | None, quantization: str | None, 
         model = factory(hf_config, quant, compute_dtype)
     kv_scales = _load_weights(model, gguf.tensors(compute_dtype, plan.weights) if gguf else _safetensors(path))
     model.fuse_projections()
-    if lm_head_quantization != "none":
+    head_format = resolve_head_quantization(lm_head_quantization, quant, getattr(model, "lm_head", None), device,
+                                            _packed_kernels_build)
+    if head_format != "none":
         model.lm_head = _quantized_head(model.lm_head)
+        logger.info("LM head multiplied from %s blocks made at load (lm_head_quantization=%s; none keeps it as "
+                    "stored)", head_format, lm_head_quantization)
     _process_linear_layers(model)
     model.eval()
     logger.info("loaded %s (%s, %s, quantization=%s)", path, type(model).__name__, _describe(plan), quant.describe())
     return LoadedModel(model, path, hf_config, compute_dtype, quant, kv_scales,
-                       None if plan.weights == compute_dtype else plan.weights)
+                       None if plan.weights == compute_dtype else plan.weights, head_format)
 
 
 def _cpu_bf16() -> tuple[str, ...]:
@@ -178,6 +183,15 @@ def _load_fused(modules: dict[str, nn.Module], parts: tuple[str, ...], key: str,
         raise ModelLoadError(f"tensor {key}: {exc}") from None
     for part, piece in zip(parts, pieces, strict=True):
         _load_one(modules, f"{part}.{attr}", piece.contiguous(), loaded)
+
+
+def _packed_kernels_build() -> bool:
+    try:
+        cpu_packed.build()
+        return True
+    except NativeBuildError as exc:
+        logger.warning("lm_head_quantization=auto keeps the head as stored: the packed kernels do not build (%s)", exc)
+        return False
 
 
 def _quantized_head(head: nn.Module) -> nn.Module:
