@@ -68,11 +68,14 @@ def _step(governor: ThreadGovernor, script: Script, taken: float) -> int:
     return threads
 
 
-def test_steps_down_at_once_and_back_after_calm_windows():
+def test_steps_down_after_busy_windows_and_back_after_calm_windows():
     script, applied = Script(), []
     governor = _governor(script, applied)
     assert _step(governor, script, taken=0.9) == 2 and applied == []  # within the first window: no sample yet
-    assert _step(governor, script, taken=0.0) == 1 and applied == [1]  # the window with 0.9 taken: down at once
+    assert _step(governor, script, taken=0.0) == 2 and applied == []  # one busy window (0.9 taken) is a burst
+    assert _step(governor, script, taken=0.9) == 2  # a calm one between: the busy count starts over
+    assert _step(governor, script, taken=0.9) == 2
+    assert _step(governor, script, taken=0.0) == 1 and applied == [1]  # the second busy window in a row: down
     assert _step(governor, script, taken=0.8) == 1  # one calm window is not enough
     assert _step(governor, script, taken=0.0) == 1  # contention again: the calm count starts over
     assert _step(governor, script, taken=0.0) == 1

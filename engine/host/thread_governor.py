@@ -9,8 +9,10 @@ but pay a wake-up per region on a quiet machine; the governor lets the pool spin
 How: every `window_s` of wall time spent stepping, the engine's step loop compares the busy time of the CPUs in its
 affinity mask (/proc/stat, all processes) with its own CPU time; the difference is what others took, in CPUs. A
 window restarts when the engine comes back from idle: a neighbour busy while it had nothing to do took nothing from
-it. Threads drop as soon as others take more than `taken_at` of a CPU, and come back only after `calm_windows` quiet
-windows, so a competitor that comes and goes cannot make the count flap every window. Where /proc/stat cannot be
+it. Threads drop once others take more than `taken_at` of a CPU for `busy_windows` windows in a row, and come back
+only after `calm_windows` quiet windows, so a competitor that comes and goes cannot make the count flap every window,
+and a neighbour's burst shorter than a window or two (a sidecar's start, a previous benchmark's spinning threads
+winding down) does not halve the engine for the second it takes to come back. Where /proc/stat cannot be
 read (not Linux), there is no governor.
 """
 
@@ -48,10 +50,12 @@ class GovernorConfig:
     # CPUs' worth of time other processes take before a thread steps aside: a CPU-bound process on one core
     # measured 0.9 beside a spinning 2-thread engine; a light neighbour (a sidecar, a load generator) far less.
     taken_at: float = 0.5
+    busy_windows: int = 2
     calm_windows: int = 2
 
     def __post_init__(self) -> None:
-        if self.max_threads < 1 or self.window_s <= 0 or not 0 < self.taken_at < 1 or self.calm_windows < 1:
+        if self.max_threads < 1 or self.window_s <= 0 or not 0 < self.taken_at < 1 or self.calm_windows < 1 \
+                or self.busy_windows < 1:
             raise ConfigError("adapt_threads", f"invalid thread governor settings: {self}")
 
 
@@ -94,7 +98,7 @@ class ThreadGovernor:
         self._last = self._sample()
         self._idle_since = clock()
         self.threads = config.max_threads
-        self._calm = 0
+        self._calm = self._busy = 0
 
     def step_done(self) -> None:
         """Called when an engine step ends: from here until the next tick the engine is idle."""
@@ -111,14 +115,10 @@ class ThreadGovernor:
             return self.threads
         taken, self._last = others_cpus(self._last, now), now
         wanted = threads_for(self.config.max_threads, taken, self.config.taken_at)
-        if wanted < self.threads:
+        self._busy = self._busy + 1 if wanted < self.threads else 0
+        self._calm = self._calm + 1 if wanted > self.threads else 0
+        if self._busy >= self.config.busy_windows or self._calm >= self.config.calm_windows:
             self._change(wanted, taken)
-        elif wanted > self.threads:
-            self._calm += 1
-            if self._calm >= self.config.calm_windows:
-                self._change(wanted, taken)
-        else:
-            self._calm = 0
         return self.threads
 
     def _due(self) -> bool:
@@ -129,7 +129,7 @@ class ThreadGovernor:
         level = logging.WARNING if threads < self.threads else logging.INFO
         logger.log(level, "compute threads %d -> %d (other processes took %.2f of this process's CPUs)",
                    self.threads, threads, taken)
-        self.threads, self._calm = threads, 0
+        self.threads, self._calm, self._busy = threads, 0, 0
         self._set_threads(threads)
 
 
