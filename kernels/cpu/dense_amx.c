@@ -90,21 +90,41 @@ INLINE void silu_mul_store(char *y, const f32x16 *v, const int dt) {
     store16(y, 0, dt, act * round16(v[1], dt));
 }
 
-INLINE void emit_rows(const AmxCall *c, Pending *p, int upto) {
+/* The silu epilogue's rows: gate tile beside up tile, [rows, out / 2] written. */
+static void emit_silu_rows(const AmxCall *c, Pending *p, int upto) {
     const DenseLinear *s = c->s;
     const int dt = c->y_dtype;
-    const int64_t out = c->silu ? s->out_features / 2 : s->out_features, esize = elem_size(dt);
+    const int64_t out = s->out_features / 2, esize = elem_size(dt);
     for (; p->done < p->rows && p->done < upto; p->done++) {
         const int r = p->done;
-        char *y = (char *)c->y + ((p->r0 + r) * out + p->col[0]) * esize;
         f32x16 v[2];
-        for (int h = 0; h < p->wide; h++) {
+        for (int h = 0; h < 2; h++) {
             memcpy(&v[h], p->c + 512 * (r / 16) + 256 * h + 16 * (r % 16), sizeof v[h]);
             if (s->bias) v[h] += load16((const char *)s->bias + p->col[h] * elem_size(s->bias_dtype), 0, s->bias_dtype);
-            if (!c->silu) store16(y, h, dt, v[h]);
         }
-        if (c->silu && dt == DT_BF16) silu_mul_store(y, v, DT_BF16);
-        else if (c->silu) silu_mul_store(y, v, DT_F32);
+        char *y = (char *)c->y + ((p->r0 + r) * out + p->col[0]) * esize;
+        if (dt == DT_BF16) silu_mul_store(y, v, DT_BF16);
+        else silu_mul_store(y, v, DT_F32);
+    }
+}
+
+INLINE void emit_rows(const AmxCall *c, Pending *p, int upto) {
+    if (c->silu) {
+        if (p->done < p->rows && p->done < upto) emit_silu_rows(c, p, upto);
+        return;
+    }
+    const DenseLinear *s = c->s;
+    const int64_t out = s->out_features, esize = elem_size(c->y_dtype), col0 = p->col[0];
+    for (; p->done < p->rows && p->done < upto; p->done++) {
+        const int r = p->done;
+        char *y = (char *)c->y + ((p->r0 + r) * out + col0) * esize;
+        for (int h = 0; h < p->wide; h++) {
+            f32x16 v;
+            memcpy(&v, p->c + 512 * (r / 16) + 256 * h + 16 * (r % 16), sizeof v);
+            if (s->bias) v += load16((const char *)s->bias + (col0 + 16 * h) * elem_size(s->bias_dtype), 0,
+                                     s->bias_dtype);
+            store16(y, h, c->y_dtype, v);
+        }
     }
 }
 
