@@ -20,9 +20,6 @@ class LayerOps(ABC):
     """What a model layer calls for its elementwise math; one instance serves every layer of a model."""
 
     requirements: ClassVar[Requirements] = Requirements()  # checked against the engine config at startup
-    # Whether a linear may fuse this object's silu_and_mul into its GEMM (QuantLinear.silu_and_mul): that kernel
-    # gives the native pass's bits, not torch's.
-    gemm_fuses_silu: ClassVar[bool] = False
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -64,12 +64,6 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features]."""
 
-    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """For a merged [gate | up] layer: silu(gate) * up [T, out / 2] of x [T, in] in one kernel, with the bits
-        the native SiLU-and-mul (kernels/cpu/layer_ops.py) gives over `apply`'s output; None where this method has no
-        such kernel for x (the caller then runs `apply` and the separate pass)."""
-        return None
-
     def native_linear(self, layer: nn.Module) -> NativeLinear | None:
         """The layer as a C function for the native small-batch step (kernels/cpu/linear.h), or None where this
         method has no native kernel here; the step then keeps the layer on the torch path."""

@@ -23,9 +23,5 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up of this [gate | up] layer's output, fused into its kernel; None where it is not."""
-        return self.method.apply_silu_and_mul(self, x)
-
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, method={type(self.method).__name__}"

@@ -84,17 +84,6 @@ class UnquantizedLinearMethod(LinearMethod):
             return chunked_linear(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
-    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        # Only where `apply` takes the AMX GEMM (gemm_rows None), so the fused result is the separate pass's over
-        # what `apply` returns, bit for bit, at every row count; the GEMV's calls keep the separate pass.
-        native = layer.small_batch_gemv
-        if (native is None or layer.gemm_rows is not None or x.dim() != 2 or x.shape[0] <= layer.gemv_rows
-                or x.dtype not in (torch.float32, torch.bfloat16) or layer.out_features % 32):
-            return None
-        from pagedserve.quant.dense_native import dense_gemm
-
-        return dense_gemm(native, x, silu_and_mul=True)
-
     def native_linear(self, layer: nn.Module) -> NativeLinear | None:
         """The bf16/fp16/fp32 GEMV of kernels/cpu/dense_linear.c over the layer's one plain weight; None off CPU or
         where the native kernels do not build. One copy of the weights: a oneDNN packed copy is turned back into

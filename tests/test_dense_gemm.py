@@ -136,33 +136,6 @@ def test_amx_reads_bf16_x_in_place_as_it_reads_the_packed_copy(out: int, n_in: i
         assert torch.equal(dense_gemm(native, x[r0:r1], lib=lib), full[r0:r1]), f"{out}x{n_in} rows {r0}:{r1}"
 
 
-@pytest.mark.parametrize("out,n_in", [(3072, 576), (192, 576), (64, 40), (32, 1536)])
-def test_fused_silu_and_mul_is_the_separate_pass_bit_for_bit(out: int, n_in: int) -> None:
-    """A [gate | up] weight with SiLU-and-mul in the AMX epilogue (gate group g beside up group g + groups / 2) gives
-    the bits of the native pass over the plain GEMM's output: the default model's gate/up (3072 x 576), a bias, a
-    partial input tile (40), input blocks (1536); bf16 and fp32 x; a row's result independent of its neighbours."""
-    from pagedserve.kernels.cpu.layer_ops import silu_and_mul
-
-    lib = _library("native")
-    _, g, bias = _grouped(out, n_in, 11)
-    native = dense_native_linear(g, bias if out != 3072 else None, lib=lib)
-    x = torch.randn(300, n_in, generator=torch.Generator().manual_seed(12)).bfloat16()
-    if gemm_isa(lib=lib) != "amx":
-        with pytest.raises(RuntimeError, match="AMX tiles only"):
-            dense_gemm(native, x, lib=lib, silu_and_mul=True)
-        return
-    with pytest.raises(RuntimeError, match="AMX tiles only"):
-        dense_gemm(native, x, lib=lib, allow_amx=False, silu_and_mul=True)
-    for dtype in (torch.bfloat16, torch.float32):
-        xs = x.to(dtype)
-        full = dense_gemm(native, xs, lib=lib, silu_and_mul=True)
-        assert full.shape == (300, out // 2) and full.dtype == dtype
-        assert torch.equal(full, silu_and_mul(dense_gemm(native, xs, lib=lib))), f"{out}x{n_in} {dtype}"
-        for r0, r1 in ((0, 1), (5, 14), (17, 50), (290, 300)):
-            part = dense_gemm(native, xs[r0:r1], lib=lib, silu_and_mul=True)
-            assert torch.equal(part, full[r0:r1]), f"{out}x{n_in} {dtype} rows {r0}:{r1}"
-
-
 def test_bad_operands_are_refused() -> None:
     _, g, _ = _grouped(32, 64, 1)
     native = dense_native_linear(g, None)

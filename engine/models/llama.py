@@ -149,12 +149,9 @@ class MLP(nn.Module):
         merge_linears(self, ("gate_proj", "up_proj"), "gate_up_proj")
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        if self.gate_up_proj is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        # Fused into the GEMM's output where its kernel can (a LoRA-wrapped layer is no QuantLinear: separate pass).
-        fused = (self.gate_up_proj.silu_and_mul(x)
-                 if ops.gemm_fuses_silu and isinstance(self.gate_up_proj, QuantLinear) else None)
-        return self.down_proj(fused if fused is not None else ops.silu_and_mul(self.gate_up_proj(x)))
+        if self.gate_up_proj is not None:
+            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

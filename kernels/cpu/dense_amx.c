@@ -17,9 +17,6 @@
  * 2 x 2 tiles of 32 rows x 32 outputs accumulate in the tile registers, carried in fp32 between input blocks.
  * Every output is one sum over the input tiles in order, whatever the number of rows (a row's result does not
  * depend on the rows beside it). Products of bf16 pairs are summed in fp32 by the hardware (its own order within a tile).
- * SiLU-and-mul fused (`silu`, a [gate | up] weight): a block pairs gate group g with up group g + groups / 2, and
- * its epilogue writes silu(gate) * up, each rounded where the separate pass (layer_ops.c) rounds its inputs and
- * results, so the bits are that pass's over this GEMM's output: no [rows, 2I] output and no second pass over it.
  */
 #include "isa.h"
 #include "dense_linear.h"
@@ -60,15 +57,8 @@ typedef struct {
     const uint32_t *a, *tail;
     int64_t a_tile, a_step, lda, tail_from, ksteps, rows;
     void *y;
-    int y_dtype, silu;
+    int y_dtype;
 } AmxCall;
-
-/* Unit u's two groups: (2u, 2u + 1); with `silu`, gate group u and its up group u + groups / 2. */
-INLINE void unit_groups(const AmxCall *c, int64_t u, int64_t *g, int64_t *g2) {
-    const int64_t groups = c->s->out_features / DENSE_GROUP_ROWS;
-    *g = c->silu ? u : 2 * u;
-    *g2 = c->silu ? u + groups / 2 : (2 * u + 1 < groups ? 2 * u + 1 : 2 * u);
-}
 
 INLINE const uint32_t *a_tiles(const AmxCall *c, int64_t mt) {
     return mt >= c->tail_from ? c->tail : c->a + mt * c->a_tile;
@@ -79,49 +69,20 @@ INLINE const uint32_t *a_tiles(const AmxCall *c, int64_t mt) {
  * tile unit multiplies (written after the block, they had cost 20-30% of a 2048-row call). */
 typedef struct {
     const float *c;
-    int64_t r0, col[2];  /* the two groups' first output columns */
+    int64_t r0, col0;
     int rows, done, wide;  /* rows to write, rows written, 2 when g2 != g */
 } Pending;
 
-/* dt a constant at each call. bf16 looks silu up (ps_silu_bf16): silu16's exp and division on the vector ports
- * the tile unit shares made the fused GEMM slower than the GEMM plus the separate pass. */
-INLINE void silu_mul_store(char *y, const f32x16 *v, const int dt) {
-    const f32x16 act = dt == DT_BF16 ? silu16_bf16(bf16x16_bits(v[0])) : silu16(v[0]);
-    store16(y, 0, dt, act * round16(v[1], dt));
-}
-
-/* The silu epilogue's rows: gate tile beside up tile, [rows, out / 2] written. */
-static void emit_silu_rows(const AmxCall *c, Pending *p, int upto) {
-    const DenseLinear *s = c->s;
-    const int dt = c->y_dtype;
-    const int64_t out = s->out_features / 2, esize = elem_size(dt);
-    for (; p->done < p->rows && p->done < upto; p->done++) {
-        const int r = p->done;
-        f32x16 v[2];
-        for (int h = 0; h < 2; h++) {
-            memcpy(&v[h], p->c + 512 * (r / 16) + 256 * h + 16 * (r % 16), sizeof v[h]);
-            if (s->bias) v[h] += load16((const char *)s->bias + p->col[h] * elem_size(s->bias_dtype), 0, s->bias_dtype);
-        }
-        char *y = (char *)c->y + ((p->r0 + r) * out + p->col[0]) * esize;
-        if (dt == DT_BF16) silu_mul_store(y, v, DT_BF16);
-        else silu_mul_store(y, v, DT_F32);
-    }
-}
-
 INLINE void emit_rows(const AmxCall *c, Pending *p, int upto) {
-    if (c->silu) {
-        if (p->done < p->rows && p->done < upto) emit_silu_rows(c, p, upto);
-        return;
-    }
     const DenseLinear *s = c->s;
-    const int64_t out = s->out_features, esize = elem_size(c->y_dtype), col0 = p->col[0];
+    const int64_t out = s->out_features, esize = elem_size(c->y_dtype);
     for (; p->done < p->rows && p->done < upto; p->done++) {
         const int r = p->done;
-        char *y = (char *)c->y + ((p->r0 + r) * out + col0) * esize;
+        char *y = (char *)c->y + ((p->r0 + r) * out + p->col0) * esize;
         for (int h = 0; h < p->wide; h++) {
             f32x16 v;
             memcpy(&v, p->c + 512 * (r / 16) + 256 * h + 16 * (r % 16), sizeof v);
-            if (s->bias) v += load16((const char *)s->bias + (col0 + 16 * h) * elem_size(s->bias_dtype), 0,
+            if (s->bias) v += load16((const char *)s->bias + (p->col0 + 16 * h) * elem_size(s->bias_dtype), 0,
                                      s->bias_dtype);
             store16(y, h, c->y_dtype, v);
         }
@@ -132,13 +93,13 @@ INLINE void emit_rows(const AmxCall *c, Pending *p, int upto) {
  * duplicate results are not stored). The weight is loaded with the streaming hint (tileloaddt1): it passes once
  * per row pair, and kept out of L1 it leaves the row pair's tiles there (1.1-1.3x at 2048 rows, one thread). */
 INLINE void steps_2x2(const uint32_t *a0, const uint32_t *a1, const uint32_t *b0, const uint32_t *b1,
-                      int64_t steps, const AmxCall *c, Pending *p, const char *ahead, const char *ahead2) {
+                      int64_t steps, const AmxCall *c, Pending *p, const char *ahead) {
     const int64_t as = c->a_step, lda = c->lda;
     for (int64_t k = 0; k < steps; k++) {
-        if (ahead)  /* the next unit's group tiles of this step, into L2 */
+        if (ahead)  /* the next group pair's tiles of this step, into L2 */
             for (int l = 0; l < 1024; l += 64) {
                 _mm_prefetch(ahead + 1024 * k + l, _MM_HINT_T1);
-                _mm_prefetch(ahead2 + 1024 * k + l, _MM_HINT_T1);
+                _mm_prefetch(ahead + 32 * c->s->in_features + 1024 * k + l, _MM_HINT_T1);
             }
         _tile_loadd(4, a0 + as * k, lda);
         _tile_stream_loadd(6, b0 + 256 * k, 64);
@@ -152,19 +113,15 @@ INLINE void steps_2x2(const uint32_t *a0, const uint32_t *a1, const uint32_t *b0
     }
 }
 
-/* Unit u's groups g, g2 (g2 == g: one group) x row tiles mt, mt2 (mt2 == mt: one) over input steps [k0, k1): the sums so
+/* Groups g, g2 (g2 == g: one group) x row tiles mt, mt2 (mt2 == mt: one) over input steps [k0, k1): the sums so
  * far come from `partial` (none before step 0) and go back to it, or after the last step to `out`, which becomes
  * the pending block (`p`'s own buffer is written first). `tails`: each group's last partial step, zero-padded
  * (in % 32 != 0), or NULL. Loading and storing fp32 tiles is exact, so the input blocks change no bit of a sum. */
-static void amx_block(const AmxCall *c, int64_t u, int64_t mt, int64_t mt2, int64_t k0, int64_t k1,
+static void amx_block(const AmxCall *c, int64_t g, int64_t g2, int64_t mt, int64_t mt2, int64_t k0, int64_t k1,
                       const uint32_t *tails, float *partial, float *out, Pending *p, int ahead) {
     const DenseLinear *s = c->s;
     const int64_t pairs = s->in_features / 2, gwords = pairs * DENSE_GROUP_ROWS, full = pairs / 16;
     const uint32_t *w = s->weight;
-    int64_t g, g2, gn = -1, gn2 = -1;
-    unit_groups(c, u, &g, &g2);
-    if (ahead && (c->silu ? u + 1 < s->out_features / 32 : g + 3 < s->out_features / 16))
-        unit_groups(c, u + 1, &gn, &gn2);
     const uint32_t *a0 = a_tiles(c, mt) + k0 * c->a_step, *a1 = a_tiles(c, mt2) + k0 * c->a_step;
     if (k0 == 0) {
         _tile_zero(0);
@@ -180,10 +137,9 @@ static void amx_block(const AmxCall *c, int64_t u, int64_t mt, int64_t mt2, int6
     const int64_t kf = k1 < full ? k1 : full;
     if (kf > k0)
         steps_2x2(a0, a1, w + g * gwords + 256 * k0, w + g2 * gwords + 256 * k0, kf - k0, c, p,
-                  gn < 0 ? NULL : (const char *)(w + gn * gwords + 256 * k0),
-                  gn < 0 ? NULL : (const char *)(w + gn2 * gwords + 256 * k0));
+                  ahead && g + 3 < s->out_features / 16 ? (const char *)(w + (g + 2) * gwords + 256 * k0) : NULL);
     if (tails && k1 > full)
-        steps_2x2(a0 + (full - k0) * c->a_step, a1 + (full - k0) * c->a_step, tails, tails + 256, 1, c, p, NULL, NULL);
+        steps_2x2(a0 + (full - k0) * c->a_step, a1 + (full - k0) * c->a_step, tails, tails + 256, 1, c, p, NULL);
     emit_rows(c, p, 32);
     float *to = k1 < c->ksteps ? partial : out;
     _tile_stored(0, to, 64);
@@ -192,7 +148,7 @@ static void amx_block(const AmxCall *c, int64_t u, int64_t mt, int64_t mt2, int6
     _tile_stored(3, to + 768, 64);
     if (to == partial) return;
     const int64_t r0 = mt * 16, left = c->rows - r0, most = mt2 == mt ? 16 : 32;
-    *p = (Pending){out, r0, {g * 16, g2 * 16}, (int)(left < most ? left : most), 0, g2 == g ? 1 : 2};
+    *p = (Pending){out, r0, g * 16, (int)(left < most ? left : most), 0, g2 == g ? 1 : 2};
 }
 
 /* Copies groups g, g2's last partial input step into `tails` (two 1 KB tiles, zero beyond the input). */
@@ -208,7 +164,7 @@ static void load_tails(const DenseLinear *s, int64_t g, int64_t g2, uint32_t *ta
 static int amx_run(const AmxCall *c) {
     const DenseLinear *s = c->s;
     const int64_t ksteps = c->ksteps, full = s->in_features / 2 / 16, rows = c->rows;
-    const int64_t groups = s->out_features / DENSE_GROUP_ROWS, units = (groups + 1) / 2;  /* `silu`: groups even */
+    const int64_t groups = s->out_features / DENSE_GROUP_ROWS, units = (groups + 1) / 2;
     const int64_t mtiles = (rows + 15) / 16, has_tail = ksteps > full;
     /* one pair of row tiles: the weight streams from memory once whatever the blocks; input blocks only add trips */
     const int64_t kblocks = mtiles <= 2 ? 1 : (ksteps + K_BLOCK_MAX - 1) / K_BLOCK_MAX;
@@ -230,7 +186,7 @@ static int amx_run(const AmxCall *c) {
         const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
         float out[2][4 * 256] __attribute__((aligned(64)));  /* the pending block's and the next one's */
         float *mine = partials ? partials + t * per_thread : NULL;
-        Pending pending = {out[1], 0, {0, 0}, 0, 0, 1};
+        Pending pending = {out[1], 0, 0, 0, 0, 1};
         int next = 0;
         uint32_t tails[512] __attribute__((aligned(64)));
         /* blocks of equal size: a last block of a few units or row tiles would reuse its tiles a few times only */
@@ -244,10 +200,9 @@ static int amx_run(const AmxCall *c) {
                     const int64_t k1 = k0 + kblock < ksteps ? k0 + kblock : ksteps;
                     for (int64_t mt = m0; mt < m1; mt += 2)
                         for (int64_t u = ub; u < u1 && u < ub + ubsize; u++) {
-                            int64_t g, g2;
-                            unit_groups(c, u, &g, &g2);
+                            const int64_t g = 2 * u, g2 = g + 1 < groups ? g + 1 : g;
                             if (has_tail && k1 > full) load_tails(s, g, g2, tails);
-                            amx_block(c, u, mt, mt + 1 < m1 ? mt + 1 : mt, k0, k1, has_tail ? tails : NULL,
+                            amx_block(c, g, g2, mt, mt + 1 < m1 ? mt + 1 : mt, k0, k1, has_tail ? tails : NULL,
                                       mine ? mine + ((u - ub) * pairs_used + (mt - m0) / 2) * 1024 : NULL,
                                       out[next], &pending, mt == m0 && wide);
                             if (pending.c == out[next]) next ^= 1;
@@ -261,10 +216,10 @@ static int amx_run(const AmxCall *c) {
     return 0;
 }
 
-int ps_dense_amx(const DenseLinear *s, const uint32_t *xp, int64_t rows, void *y, int y_dtype, int silu) {
+int ps_dense_amx(const DenseLinear *s, const uint32_t *xp, int64_t rows, void *y, int y_dtype) {
     if (!ps_amx_ready()) return 1;
     const int64_t ksteps = (s->in_features / 2 + 15) / 16;
-    const AmxCall call = {s, xp, NULL, ksteps * 256, 256, 64, INT64_MAX, ksteps, rows, y, y_dtype, silu};
+    const AmxCall call = {s, xp, NULL, ksteps * 256, 256, 64, INT64_MAX, ksteps, rows, y, y_dtype};
     return amx_run(&call);
 }
 
@@ -272,7 +227,7 @@ int ps_dense_amx(const DenseLinear *s, const uint32_t *xp, int64_t rows, void *y
  * tiles: past it, a tile pair's rows evict each other and x is packed instead. */
 enum { SET_SHARERS_MAX = 8 };
 
-int ps_dense_amx_rows(const DenseLinear *s, const uint16_t *x, int64_t rows, void *y, int y_dtype, int silu) {
+int ps_dense_amx_rows(const DenseLinear *s, const uint16_t *x, int64_t rows, void *y, int y_dtype) {
     const int64_t in = s->in_features, stride = 2 * in;
     int64_t a = stride, b = 4096;
     while (b) { const int64_t t = a % b; a = b, b = t; }
@@ -286,7 +241,7 @@ int ps_dense_amx_rows(const DenseLinear *s, const uint16_t *x, int64_t rows, voi
         memset(tail + left * in, 0, (size_t)((16 - left) * stride));
     }
     const AmxCall call = {s, (const uint32_t *)x, (const uint32_t *)tail, 8 * in, 16, stride,
-                          tail ? tail_from : INT64_MAX, in / 32, rows, y, y_dtype, silu};
+                          tail ? tail_from : INT64_MAX, in / 32, rows, y, y_dtype};
     const int status = amx_run(&call);
     free(tail);
     return status;
@@ -294,13 +249,13 @@ int ps_dense_amx_rows(const DenseLinear *s, const uint16_t *x, int64_t rows, voi
 #else
 int ps_amx_ready(void) { return 0; }
 
-int ps_dense_amx(const DenseLinear *s, const uint32_t *xp, int64_t rows, void *y, int y_dtype, int silu) {
-    (void)s, (void)xp, (void)rows, (void)y, (void)y_dtype, (void)silu;
+int ps_dense_amx(const DenseLinear *s, const uint32_t *xp, int64_t rows, void *y, int y_dtype) {
+    (void)s, (void)xp, (void)rows, (void)y, (void)y_dtype;
     return 1;
 }
 
-int ps_dense_amx_rows(const DenseLinear *s, const uint16_t *x, int64_t rows, void *y, int y_dtype, int silu) {
-    (void)s, (void)x, (void)rows, (void)y, (void)y_dtype, (void)silu;
+int ps_dense_amx_rows(const DenseLinear *s, const uint16_t *x, int64_t rows, void *y, int y_dtype) {
+    (void)s, (void)x, (void)rows, (void)y, (void)y_dtype;
     return 1;
 }
 #endif

@@ -202,27 +202,26 @@ static void *pack_rows(const void *x, int x_dtype, int64_t rows, int64_t in, int
 #endif
 
 int pagedserve_dense_gemm(const void *state, const void *x, int x_dtype, int64_t rows, void *y, int y_dtype,
-                          int allow_amx, int silu) {
+                          int allow_amx) {
     const DenseLinear *s = state;
     if (!s || !x || !y || rows < 0 || (x_dtype != DT_F32 && x_dtype != DT_BF16) ||
         (y_dtype != DT_F32 && y_dtype != DT_BF16))
         return -1;
     if (s->row_group != DENSE_GROUP_ROWS || s->w_dtype != DT_BF16 || s->in_features % 2 ||
-        s->out_features % (silu ? 2 * DENSE_GROUP_ROWS : DENSE_GROUP_ROWS))
+        s->out_features % DENSE_GROUP_ROWS)
         return -3;
 #if defined(PS_AVX2)
     const int64_t in = s->in_features;
     void *xp;
     if (rows == 0) return 0;
     if (!s->x_fp32 && allow_amx && ps_amx_ready()) {
-        const int direct = x_dtype == DT_BF16 ? ps_dense_amx_rows(s, x, rows, y, y_dtype, silu) : 1;
+        const int direct = x_dtype == DT_BF16 ? ps_dense_amx_rows(s, x, rows, y, y_dtype) : 1;
         if (direct != 1) return direct;
         if (!(xp = pack_rows(x, x_dtype, rows, in, 16, 16, DT_BF16, 0))) return -2;
-        const int status = ps_dense_amx(s, xp, rows, y, y_dtype, silu);
+        const int status = ps_dense_amx(s, xp, rows, y, y_dtype);
         free(xp);
         return status;
     }
-    if (silu) return -4;  /* fused SiLU-and-mul on AMX only: the caller runs the separate pass */
 #if defined(PS_AVX512_BF16)
     if (!s->x_fp32) {
         if (!(xp = pack_rows(x, x_dtype, rows, in, BR, 1, DT_BF16, 0))) return -2;
@@ -236,7 +235,7 @@ int pagedserve_dense_gemm(const void *state, const void *x, int x_dtype, int64_t
     free(xp);
     return 0;
 #else
-    (void)allow_amx, (void)silu;
+    (void)allow_amx;
     return rows == 0 ? 0 : 1;  /* no grouped layout in builds without AVX2 */
 #endif
 }

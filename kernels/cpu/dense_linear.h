@@ -21,10 +21,9 @@ typedef struct {
 int ps_dense_grouped(const DenseLinear *s, const float *x, int64_t rows, float *y);
 
 /* The grouped layout at any row count (dense_gemm.c): y[rows, out] = x @ W^T + bias, x and y fp32 or bf16 (DT_*),
- * x rounded to bf16 unless x_fp32. Each output is one fixed-order sum over the inputs, whatever `rows`.
- * silu: W is [gate | up] and y [rows, out / 2] gets silu(gate) * up (dense_amx.c; AMX only, else -4). */
+ * x rounded to bf16 unless x_fp32. Each output is one fixed-order sum over the inputs, whatever `rows`. */
 int pagedserve_dense_gemm(const void *state, const void *x, int x_dtype, int64_t rows, void *y, int y_dtype,
-                          int allow_amx, int silu);
+                          int allow_amx);
 
 /* The epilogue every GEMM path shares: rows [r0, r0 + n) of 16 outputs from column col0, `c` row r at c + 16 r
  * (fp32 sums), plus the bias, stored in y's dtype. */
@@ -53,11 +52,11 @@ static inline TileConfig ps_amx_full_tiles(void) {
 /* dense_amx.c: the bf16 GEMM on AMX tiles. xp: x in bf16, packed in 1 KB tiles of 16 rows x 32 inputs (zero
  * beyond x), the tiles of one 16-row block one after another (dense_gemm.c's pack_rows). Returns nonzero without
  * AMX. */
-int ps_dense_amx(const DenseLinear *s, const uint32_t *xp, int64_t rows, void *y, int y_dtype, int silu);
+int ps_dense_amx(const DenseLinear *s, const uint32_t *xp, int64_t rows, void *y, int y_dtype);
 
 /* dense_amx.c: the same over bf16 x as it is (row-major [rows, in]), its tiles loaded in place: no packed copy.
  * Returns 1 (nothing done) without AMX, where in % 32 != 0 or where x's row stride would make a tile's rows share
  * an L1 set (in a multiple of 2048): pack it then. */
-int ps_dense_amx_rows(const DenseLinear *s, const uint16_t *x, int64_t rows, void *y, int y_dtype, int silu);
+int ps_dense_amx_rows(const DenseLinear *s, const uint16_t *x, int64_t rows, void *y, int y_dtype);
 
 #endif

@@ -114,7 +114,6 @@ class NativeLayerOps(LayerOps):
     devices) takes the torch ops."""
 
     requirements = Requirements(cpu_only=True)
-    gemm_fuses_silu = True
 
     def __init__(self, split: SplitThresholds | None = None) -> None:
         load_library()  # asked for by name, a missing compiler is an error, not a silent fallback

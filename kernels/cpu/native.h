@@ -283,8 +283,7 @@ INLINE f32x16 exp16_nonpositive(f32x16 x) {
     return select16(underflow, (f32x16){0}, p * (f32x16)bits);
 }
 
-/* silu(g) = g / (1 + e^-g) from e^-|g|, which never overflows. One definition for SiLU-and-mul (layer_ops.c) and
- * the GEMM's fused epilogue (dense_amx.c), so both round alike. */
+/* silu(g) = g / (1 + e^-g) from e^-|g|, which never overflows (SiLU-and-mul: layer_ops.c). */
 INLINE float silu(float g) {
     const float e = exp_nonpositive(-fabsf(g));
     return g * (g >= 0.0f ? 1.0f : e) / (1.0f + e);
@@ -296,8 +295,8 @@ INLINE f32x16 silu16(f32x16 g) {
 }
 
 /* silu(g) rounded to bf16 for every bf16 g, indexed by g's bits (layer_ops.c fills it at load from silu16, so a
- * lookup gives round16(silu16(g)) bit for bit). One entry more, so a 32-bit gather of the last stays inside. A
- * gather runs on the load ports where silu16's exp and division take the vector ports, which the AMX GEMM shares. */
+ * lookup gives round16(silu16(g)) bit for bit, at 2x silu16's rate). One entry more, so a 32-bit gather of the
+ * last stays inside. */
 extern uint16_t ps_silu_bf16[65536 + 2];
 
 /* silu of 16 bf16 gates (their bits), through ps_silu_bf16, as fp32. */

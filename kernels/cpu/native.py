@@ -66,8 +66,8 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes = [ptr, ptr, i64, ptr]
         getattr(lib, name).restype = c_int
     lib.pagedserve_dense_grouped_isa.restype = ctypes.c_char_p
-    # state (DenseLinear), x, x dtype, rows, y, y dtype, allow AMX, fused SiLU-and-mul (quant/dense_native.py)
-    lib.pagedserve_dense_gemm.argtypes = [ptr, ptr, c_int, i64, ptr, c_int, c_int, c_int]
+    # state (DenseLinear), x, x dtype, rows, y, y dtype, allow AMX (quant/dense_native.py's dense_gemm)
+    lib.pagedserve_dense_gemm.argtypes = [ptr, ptr, c_int, i64, ptr, c_int, c_int]
     lib.pagedserve_dense_gemm.restype = c_int
     lib.pagedserve_dense_gemm_isa.argtypes = [c_int, c_int]
     lib.pagedserve_dense_gemm_isa.restype = ctypes.c_char_p
