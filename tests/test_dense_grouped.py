@@ -82,6 +82,7 @@ def test_grouping_is_in_place_and_lookups_read_the_original_rows() -> None:
     assert table.data_ptr() == address and row_group(table) == 16 and not torch.equal(table, w)
     ids = torch.tensor([0, 95, 17, 16, 15, 17, 48])
     assert torch.equal(embedding_rows(table, ids), w[ids])
+    assert torch.equal(embedding_rows(table, ids.int()), w[ids]) and embedding_rows(table, ids[:0]).shape == (0, 40)
     assert torch.equal(embedding(ids.view(7, 1)), w[ids].view(7, 1, 40))
 
 

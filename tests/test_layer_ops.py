@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import cpu_tiers
 from pagedserve.kernels.backends import select_layer_ops
+from pagedserve.kernels.cpu.native import load_library
 from pagedserve.kernels.cpu.layer_ops import NativeLayerOps
 from pagedserve.kernels.layer_ops import TorchLayerOps
 from pagedserve.kernels.cpu import layer_ops as cpu_layer_ops
@@ -56,6 +58,22 @@ def test_add_rms_norm_updates_the_residual_in_place(dtype: torch.dtype) -> None:
 def test_silu_and_mul(dtype: torch.dtype) -> None:
     gate_up = _inputs(64, 2 * 1536, dtype) * 4  # gates far into both tails of the sigmoid
     _close(cpu_layer_ops.silu_and_mul(gate_up), TORCH.silu_and_mul(gate_up), dtype)
+
+
+@pytest.mark.parametrize("tier", cpu_tiers.params(("native", "avx2", "avx512", "portable")))
+def test_silu_of_every_bf16_gate(tier: str) -> None:
+    """bf16 SiLU is a lookup in a table of every bf16 input's result (layer_ops.c, ps_silu_bf16): all 65,536 gates,
+    NaN and infinities included, within one bf16 unit of torch's, at every tier (AVX-512 gathers, others index)."""
+    gates = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(64, 1024)
+    ups = _inputs(64, 1024, torch.bfloat16, seed=3)
+    gate_up = torch.cat([gates, ups], dim=1).contiguous()
+    got = cpu_layer_ops.silu_and_mul(gate_up, lib=load_library(None if tier == "native" else tier)).float()
+    want = TORCH.silu_and_mul(gate_up).float()
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = want.isfinite() & got.isfinite()
+    assert torch.equal(got[~finite & ~want.isnan()], want[~finite & ~want.isnan()])
+    # e^g flushes to 0 below g = -87 (exp16_nonpositive), where silu(g) is under 1e-35 anyway
+    assert ((got - want)[finite].abs() <= torch.maximum(want[finite].abs() * 2.0**-7, torch.tensor(1e-35))).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

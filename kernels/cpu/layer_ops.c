@@ -60,14 +60,24 @@ INLINE void rms_norm_row(void *x, const void *delta, void *out, const void *weig
     for (int64_t d = 0; d < dim; d++) store_at(out, d, dt, round_to(row[d] * inv, dt) * load_at(weight, d, dt));
 }
 
-INLINE float silu(float g) {
-    const float e = exp_nonpositive(-fabsf(g));  /* e^-|g|: never overflows */
-    return g * (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+uint16_t ps_silu_bf16[65536 + 2] __attribute__((aligned(64)));
+
+__attribute__((constructor)) static void fill_silu_bf16(void) {
+    for (uint32_t g = 0; g < 65536; g += 16) {
+        u32x16 bits;
+        for (int i = 0; i < 16; i++) bits[i] = (g + i) << 16;
+        f32x16 x;
+        memcpy(&x, &bits, sizeof x);
+        store16(ps_silu_bf16, g / 16, DT_BF16, silu16(x));
+    }
 }
 
-INLINE f32x16 silu16(f32x16 g) {
-    const f32x16 e = exp16_nonpositive((f32x16)((i32x16)g | (i32x16){0} + INT32_MIN)), one = (f32x16){0} + 1.0f;
-    return g * select16(g >= 0.0f, one, e) / (one + e);
+/* dtype(silu(gate)) for lanes [16c, 16c + 16) of a row of gates: a lookup in bf16 (1.7x the rate of silu16). */
+INLINE f32x16 silu16_dt(const void *gates, int64_t c, const int dt) {
+    if (dt != DT_BF16) return round16(silu16(load16(gates, c, dt)), dt);
+    u16x16 bits;
+    memcpy(&bits, (const uint16_t *)gates + 16 * c, sizeof bits);
+    return silu16_bf16(bits);
 }
 
 /* out [n] = dtype(silu(gate)) * up for one row of gate_up [2n] = [gate | up] (the merged projection's output). */
@@ -75,7 +85,7 @@ INLINE void silu_and_mul_row(const void *gate_up, void *out, int64_t n, const in
     const void *up = (const char *)gate_up + n * elem_size(dt);
     const int64_t chunks = n / 16;
     for (int64_t c = 0; c < chunks; c++)
-        store16(out, c, dt, round16(silu16(load16(gate_up, c, dt)), dt) * load16(up, c, dt));
+        store16(out, c, dt, silu16_dt(gate_up, c, dt) * load16(up, c, dt));
     for (int64_t i = 16 * chunks; i < n; i++)
         store_at(out, i, dt, round_to(silu(load_at(gate_up, i, dt)), dt) * load_at(up, i, dt));
 }

@@ -79,13 +79,13 @@ def rms_norm(
     return out
 
 
-def silu_and_mul(gate_up: torch.Tensor, split: SplitThresholds = SPINNING) -> torch.Tensor:
-    """gate_up [T, 2I] contiguous ([gate | up]) -> silu(gate) * up [T, I]."""
+def silu_and_mul(gate_up: torch.Tensor, split: SplitThresholds = SPINNING, lib=None) -> torch.Tensor:
+    """gate_up [T, 2I] contiguous ([gate | up]) -> silu(gate) * up [T, I]. lib: another build (tests)."""
     _check(gate_up)
     rows, width = gate_up.shape
     assert gate_up.is_contiguous() and width % 2 == 0
     out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-    load_library().pagedserve_silu_and_mul(
+    (lib or load_library()).pagedserve_silu_and_mul(
         gate_up.data_ptr(), out.data_ptr(), rows, width // 2, dtype_code(gate_up.dtype),
         _threads(rows * width // 2, split.silu_and_mul),
     )

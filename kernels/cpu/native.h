@@ -283,4 +283,35 @@ INLINE f32x16 exp16_nonpositive(f32x16 x) {
     return select16(underflow, (f32x16){0}, p * (f32x16)bits);
 }
 
+/* silu(g) = g / (1 + e^-g) from e^-|g|, which never overflows (SiLU-and-mul: layer_ops.c). */
+INLINE float silu(float g) {
+    const float e = exp_nonpositive(-fabsf(g));
+    return g * (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+}
+
+INLINE f32x16 silu16(f32x16 g) {
+    const f32x16 e = exp16_nonpositive((f32x16)((i32x16)g | (i32x16){0} + INT32_MIN)), one = (f32x16){0} + 1.0f;
+    return g * select16(g >= 0.0f, one, e) / (one + e);
+}
+
+/* silu(g) rounded to bf16 for every bf16 g, indexed by g's bits (layer_ops.c fills it at load from silu16, so a
+ * lookup gives round16(silu16(g)) bit for bit, at 2x silu16's rate). One entry more, so a 32-bit gather of the
+ * last stays inside. */
+extern uint16_t ps_silu_bf16[65536 + 2];
+
+/* silu of 16 bf16 gates (their bits), through ps_silu_bf16, as fp32. */
+INLINE f32x16 silu16_bf16(u16x16 gates) {
+    f32x16 out;
+#if defined(PS_AVX512)
+    __m256i g;
+    memcpy(&g, &gates, sizeof g);
+    const __m512i idx = _mm512_cvtepu16_epi32(g);
+    const __m512i bits = _mm512_slli_epi32(_mm512_i32gather_epi32(idx, (const void *)ps_silu_bf16, 2), 16);
+    memcpy(&out, &bits, sizeof out);
+#else
+    for (int i = 0; i < 16; i++) out[i] = bf16_to_f32(ps_silu_bf16[gates[i]]);
+#endif
+    return out;
+}
+
 #endif
