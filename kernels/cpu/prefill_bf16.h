@@ -42,11 +42,25 @@ INLINE void bf16_row(const char *row, float rs, const int64_t dim, const int kv_
     }
 }
 
-/* Online-softmax update of 16 row lanes for keys [k0, k0 + n): raw scores s[i * rp] times `factor`, masked by each
- * lane's position (and window) unless `whole` (every lane sees every key), become bf16 probabilities stored in
+/* e^x for x <= 0 as 2^(x log2 e) = 2^f * 2^n with |f| <= 1/2 (a degree-5 polynomial, ~1e-6 relative: the result is
+ * rounded to bf16) and vscalefps for 2^n; x below -87 or NaN gives e^-87 (callers zero those lanes). */
+INLINE __m512 exp_bf16(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.3333558e-3f), f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Online-softmax update of 16 row lanes for keys [k0, k0 + n): raw scores s[i * rp] times `factor` (> 0), masked by
+ * each lane's position (and window) unless `whole` (every lane sees every key), become bf16 probabilities stored in
  * place as pairs (key 2 i2 low, 2 i2 + 1 high) at s[i2 * rp]. Returns the factor the lanes' accumulators must be
  * scaled by. P is rounded to bf16 before P x V, as torch's own CPU flash attention rounds it, and the row sums add
- * the rounded values, so each output row stays a convex combination of V rows. */
+ * the rounded values (one vdpbf16ps against pairs of ones), so each output row stays a convex combination of V
+ * rows. The running max m is in scaled units. */
 INLINE __m512 softmax_block(float *s, float *m, float *l, const int32_t *pos, float factor, int64_t k0, int64_t n,
                             int64_t window, const int64_t rp, int whole) {
     const __m512i position = _mm512_loadu_si512(pos);
@@ -55,33 +69,36 @@ INLINE __m512 softmax_block(float *s, float *m, float *l, const int32_t *pos, fl
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY), scale = _mm512_set1_ps(factor);
     __m512 peak = neg_inf;
     for (int64_t i = 0; i < n; i++) {
-        const __m512i key = _mm512_set1_epi32((int)(k0 + i));
-        const __mmask16 visible = whole ? 0xffff
-                                        : _mm512_cmple_epi32_mask(key, position) & _mm512_cmpge_epi32_mask(key, lo);
-        const __m512 x = _mm512_mask_mul_ps(neg_inf, visible, _mm512_load_ps(s + i * rp), scale);
-        _mm512_store_ps(s + i * rp, x);
+        __m512 x = _mm512_load_ps(s + i * rp);
+        if (!whole) {
+            const __m512i key = _mm512_set1_epi32((int)(k0 + i));
+            x = _mm512_mask_mov_ps(neg_inf, _mm512_cmple_epi32_mask(key, position) & _mm512_cmpge_epi32_mask(key, lo),
+                                   x);
+            _mm512_store_ps(s + i * rp, x);
+        }
         peak = _mm512_max_ps(peak, x);
     }
-    const __m512 old_max = _mm512_load_ps(m), new_max = _mm512_max_ps(old_max, peak);
+    const __m512 old_max = _mm512_load_ps(m), new_max = _mm512_max_ps(old_max, _mm512_mul_ps(peak, scale));
     f32x16 diff;
     _mm512_storeu_ps((float *)&diff, _mm512_sub_ps(old_max, new_max));
     /* 1 where the max stayed (also -inf to -inf, whose difference is NaN) */
     const __m512 correction = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(old_max, new_max, _CMP_EQ_OQ),
                                                    (__m512)exp16_nonpositive(diff), _mm512_set1_ps(1.0f));
+    const __m512 shift = _mm512_sub_ps(_mm512_setzero_ps(), new_max);
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i ones = _mm512_set1_epi32(0x3f803f80);  /* (1.0, 1.0) in bf16 */
     __m512 sum = _mm512_setzero_ps();
     for (int64_t i2 = 0; 2 * i2 < n; i2++) {
-        __m512i pair = _mm512_setzero_si512();
+        __m512 p[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int64_t e = 0; e < 2 && 2 * i2 + e < n; e++) {
             const __m512 x = _mm512_load_ps(s + (2 * i2 + e) * rp);
-            f32x16 d;
-            _mm512_storeu_ps((float *)&d, _mm512_sub_ps(x, new_max));
             /* masked lanes are -inf: zero, also where new_max is -inf too */
-            const __m512 p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ),
-                                                 (__m512)exp16_nonpositive(d));
-            const __m512i bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p));
-            sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
-            pair = _mm512_or_si512(pair, e ? _mm512_slli_epi32(bits, 16) : bits);
+            p[e] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ),
+                                       exp_bf16(_mm512_fmadd_ps(x, scale, shift)));
         }
+        const __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+        sum = _mm512_dpbf16_ps(sum, (__m512bh)pair, (__m512bh)ones);
         _mm512_store_si512(s + i2 * rp, pair);
     }
     _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), correction, sum));
