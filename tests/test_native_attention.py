@@ -331,16 +331,15 @@ def test_bf16_prefill_at_each_tier_agrees_with_float64_math(tier, kv_dtype, quer
 def test_long_bf16_chunks_stay_native_where_the_kernel_has_amx(kv_dtype, window) -> None:
     """Chunks long enough for SDPA (kernels/native_attention.py) that follow cached context, or that a window cuts,
     run the AMX kernel instead for bf16 queries: over a bf16 cache reading blocks in place, over an 8-bit one reading
-    them dequantized once into contiguous bf16 (with a window, two chunks side by side in that buffer and the blocks
-    before it neither gathered nor read), and so do chunks from position 0 up to 2^21 queries x keys. A longer one
-    from position 0 stays on SDPA's causal path; other query dtypes take SDPA for all of them."""
+    them dequantized once into contiguous bf16 (with a window, the blocks before it neither gathered nor read), and
+    so do chunks from position 0 of any length; other query dtypes take SDPA for all of them."""
     seq_lens, query_lens = (700, 45, 1500, 600), (400, 30, 1500, 600)
     query, layer, meta = make_case(seq_lens, query_lens, 16, 3, kv_dtype, seed=12)
     impl = NativeCpuAttention()
     plan = impl.plan(meta, layer, window)
     amx = bool(cpu_native.load_library().pagedserve_prefill_amx(64))
     assert amx_prefill(layer) == amx
-    kernel = (0, 3) if window is None else (0, 2, 3)
+    kernel = (0, 2, 3)
     if amx:
         starts = {0: 0, 2: 430, 3: 1930}
         (long,) = plan.prefill_long  # one gathered buffer: 2,800 keys at most

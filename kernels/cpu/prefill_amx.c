@@ -1,6 +1,6 @@
 /* Prefill attention for bf16 queries on AMX tiles (prefill_attention.c's tasks, where the build has AMX and the OS
  * grants the tile state): 16 query positions times the query heads of one KV head as row lanes (prefill_bf16.h),
- * against 64 keys a step.
+ * against 128 keys a step.
  *  - scores S^T = K Q^T: A = 16 K rows x 32 dimensions as they lie in the cache (a bf16 cache's full tiles in place),
  *    B = the queries' dimension pairs over 16 row lanes, C = S^T[key][16 lanes], so that the softmax is lane-wise;
  *  - O^T += V^T P^T: A = V^T, 16 dimensions x 32 keys, B = 16 P pairs x 16 row lanes, C = O^T, four dimension
@@ -27,7 +27,7 @@ int pagedserve_prefill_amx(int64_t head_dim) {
 
 #if defined(PS_AMX)
 
-enum { KS = 64 };  /* keys a step: the P x V tiles' accumulators are loaded and stored once per 64 keys */
+enum { KS = 128 };  /* keys a step: the P x V tiles' accumulators are loaded and stored once per 128 keys */
 
 /* Key pairs a row of a chunk's V^T holds: its context, then a step's worth of zeros (a step may start at any
  * multiple of 16 keys and read KS keys). */
@@ -117,36 +117,38 @@ static void scores_amx(const uint16_t *k, const uint32_t *q, float *s, const int
     }
 }
 
-/* acc^T = acc^T * correction + V^T P^T for KS keys: per 16 row lanes, P's two 16-pair halves in tiles 4-5, acc^T
- * of up to 4 dimension blocks in tiles 0-3 (independent chains), V^T's two 32-key halves in 6-7; acc scaled
- * beforehand where a lane's correction is not 1. P pairs at or past `pairs` are zeroed (their scores may be -inf or
- * stale). */
+/* acc^T = acc^T * correction + V^T P^T for up to KS keys: per 16 row lanes and 64 dimensions, acc^T in tiles 0-3
+ * (four independent chains, loaded and stored once a step), then per 32 key pairs P's two 16-pair halves in tiles
+ * 4-5 and V^T's 32-key halves in 6-7; acc scaled beforehand where a lane's correction is not 1. P pairs from
+ * `pairs` to the next 16 are zeroed (their scores may be -inf or stale). */
 static void accumulate_amx(float *acc, uint32_t *p, const uint32_t *vt, int64_t stride, const __m512 *correction,
                            const int64_t rp, const int64_t dim, int64_t pairs) {
-    for (int64_t i2 = pairs; i2 < KS / 2; i2++) memset(p + i2 * rp, 0, sizeof(uint32_t) * (size_t)rp);
+    for (int64_t i2 = pairs; i2 % 16; i2++) memset(p + i2 * rp, 0, sizeof(uint32_t) * (size_t)rp);
     for (int64_t b = 0; b < rp / 16; b++)
         if (_mm512_cmp_ps_mask(correction[b], _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
             for (int64_t d = 0; d < dim; d++) {
                 float *x = acc + d * rp + 16 * b;
                 _mm512_store_ps(x, _mm512_mul_ps(_mm512_load_ps(x), correction[b]));
             }
-    const int two = pairs > 16;
-    for (int64_t b = 0; b < rp / 16; b++) {
-        _tile_loadd(4, p + 16 * b, rp * 4);
-        if (two) _tile_loadd(5, p + 16 * rp + 16 * b, rp * 4);
+    for (int64_t b = 0; b < rp / 16; b++)
         for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+            float *c = acc + d0 * rp + 16 * b;
+            _tile_loadd(0, c, rp * 4); _tile_loadd(1, c + 16 * rp, rp * 4);
+            _tile_loadd(2, c + 32 * rp, rp * 4); _tile_loadd(3, c + 48 * rp, rp * 4);
+            for (int64_t i2 = 0; i2 < pairs; i2 += 32) {
+                const int two = pairs > i2 + 16;
+                const uint32_t *v = vt + d0 * stride + i2;
+                _tile_loadd(4, p + i2 * rp + 16 * b, rp * 4);
+                if (two) _tile_loadd(5, p + (i2 + 16) * rp + 16 * b, rp * 4);
 #define PV(T) \
-            _tile_loadd(T, acc + (d0 + 16 * T) * rp + 16 * b, rp * 4); \
-            _tile_loadd(6, vt + (d0 + 16 * T) * stride, stride * 4); \
-            _tile_dpbf16ps(T, 6, 4); \
-            if (two) { _tile_loadd(7, vt + (d0 + 16 * T) * stride + 16, stride * 4); _tile_dpbf16ps(T, 7, 5); }
-#define PV_STORE(T) _tile_stored(T, acc + (d0 + 16 * T) * rp + 16 * b, rp * 4)
-            PV(0) PV(1) PV(2) PV(3)
-            PV_STORE(0); PV_STORE(1); PV_STORE(2); PV_STORE(3);
+                _tile_loadd(6, v + 16 * T * stride, stride * 4); _tile_dpbf16ps(T, 6, 4); \
+                if (two) { _tile_loadd(7, v + 16 * T * stride + 16, stride * 4); _tile_dpbf16ps(T, 7, 5); }
+                PV(0) PV(1) PV(2) PV(3)
 #undef PV
-#undef PV_STORE
+            }
+            _tile_stored(0, c, rp * 4); _tile_stored(1, c + 16 * rp, rp * 4);
+            _tile_stored(2, c + 32 * rp, rp * 4); _tile_stored(3, c + 48 * rp, rp * 4);
         }
-    }
 }
 
 INLINE void task(const PrefillArgs *a, const Task *t, Tile *w, const int64_t dim, const int kv_dt) {

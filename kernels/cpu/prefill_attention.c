@@ -222,7 +222,7 @@ int pagedserve_prefill_attention(const PrefillArgs *a, int64_t num_chunks, int n
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        Tile w = {scratch(rows * dim), scratch(dim * KT), scratch(KT * dim), scratch(rows * 4 * KT),
+        Tile w = {scratch(rows * dim), scratch(dim * KT), scratch(KT * dim), scratch(rows * 8 * KT),
                   scratch(rows), scratch(rows), scratch(rows), scratch(rows * dim)};
         failed = !w.q || !w.k || !w.v || !w.p || !w.m || !w.l || !w.correction || !w.acc;
 #pragma omp for schedule(dynamic, 1)
