@@ -50,10 +50,13 @@ INLINE const uint16_t *key_rows(const PrefillArgs *a, int64_t s, int64_t h, int6
     if (kv_dt == DT_BF16 && bs % 16 == 0 && k0 >= lo && k0 + 16 <= end)
         return (const uint16_t *)cache + ((h * a->num_blocks + table[k0 / bs]) * bs + k0 % bs) * dim;
     for (int64_t i = 0; i < 16; i++) {
-        const int64_t key = k0 + i, slot = (h * a->num_blocks + table[key / bs]) * bs + key % bs;
-        if (key < lo || key >= end) memset(buf + i * dim, 0, sizeof(uint16_t) * (size_t)dim);
-        else bf16_row(cache + slot * dim * elem_size(kv_dt), scales ? (float)scales[slot] : 1.0f, dim, kv_dt,
-                      buf + i * dim);
+        const int64_t key = k0 + i;
+        if (key < lo || key >= end) {  /* the table may not reach this key's block */
+            memset(buf + i * dim, 0, sizeof(uint16_t) * (size_t)dim);
+            continue;
+        }
+        const int64_t slot = (h * a->num_blocks + table[key / bs]) * bs + key % bs;
+        bf16_row(cache + slot * dim * elem_size(kv_dt), scales ? (float)scales[slot] : 1.0f, dim, kv_dt, buf + i * dim);
     }
     return buf;
 }
