@@ -4,9 +4,9 @@
  *  - scores S^T = K Q^T: A = 16 K rows x 32 dimensions as they lie in the cache (a bf16 cache's full tiles in place),
  *    B = the queries' dimension pairs over 16 row lanes, C = S^T[key][16 lanes], so that the softmax is lane-wise;
  *  - O^T += V^T P^T: A = V^T, 16 dimensions x 32 keys, B = 16 P pairs x 16 row lanes, C = O^T, four dimension
- *    blocks side by side so that the tile products overlap. V^T (key pairs
- *    along a row) is built once per chunk and KV head (`values`) and shared by every task of the chunk: transposed
- *    per task and 16-key tile it cost more than the products.
+ *    blocks side by side so that the tile products overlap. V^T (key pairs along a row) is built once per chunk and
+ *    KV head (prefill_values_amx) and shared by every task of the chunk: transposed per task and 16-key tile it
+ *    cost more than the products.
  * Rows of a step with every key visible skip the mask (only the diagonal steps and a window's edge compute it).
  * Products of bf16 values are exact in fp32: besides P's rounding to bf16, only the summation order differs from
  * the torch path (kernels/torch_attention.py).
