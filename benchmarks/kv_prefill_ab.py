@@ -3,8 +3,8 @@ replaced, alternated in one process (never in CI).
 
 A layer's prefill work that depends on the cache dtype, on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head
 dim 64, Hadamard-rotated K as 8-bit caches store it): the KV write of `--new` tokens and the attention of those
-tokens over `--context` keys (the path the native backend picks: where AMX is granted, the bf16 kernel over the
-gathered blocks for a chunk after cached context, else SDPA over them), through the entry points. `torch` swaps in what the
+tokens over `--context` keys (the path the native backend picks: where AMX is granted, the bf16 kernel, over the
+gathered blocks for an 8-bit cache, else SDPA over them), through the entry points. `torch` swaps in what the
 native path ran before: the torch gather and dequantize (kv_quant.gather_kv), the torch FP8 write
 (kv_quant.store_kv) and the rotation as a 3-D matmul; `native` is this tree. A and B alternate `--pairs` times;
 prints one JSON object per cache dtype: median ms per layer of each, and torch / native.

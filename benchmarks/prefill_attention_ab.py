@@ -45,14 +45,17 @@ SCALE = 0.125
 
 
 def build_other(commit: str, tmp: Path) -> ctypes.CDLL:
-    """`commit`'s prefill kernel alone, as a shared object."""
-    for name in ("prefill_attention.c", "native.h", "isa.h", "prefill_attention.h"):
+    """`commit`'s prefill kernels (every prefill_*.c, with the tile grant of dense_amx.c) as a shared object."""
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", commit, "kernels/cpu/"],
+                            capture_output=True, text=True, check=True).stdout.split()
+    names = [Path(n).name for n in listed if n.endswith(".h") or Path(n).name.startswith(("prefill_", "isa.c"))
+             or Path(n).name == "dense_amx.c"]
+    for name in names:
         shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:kernels/cpu/{name}"], capture_output=True)
-        if shown.returncode == 0:
-            (tmp / name).write_bytes(shown.stdout)
+        (tmp / name).write_bytes(shown.stdout)
     target = tmp / "prefill_other.so"
-    subprocess.run(["gcc", *COMMON_FLAGS, *isa.compile_flags(None), str(tmp / "prefill_attention.c"), "-o",
-                    str(target), "-lm"], check=True)
+    sources = [str(tmp / n) for n in names if n.endswith(".c")]
+    subprocess.run(["gcc", *COMMON_FLAGS, *isa.compile_flags(None), *sources, "-o", str(target), "-lm"], check=True)
     lib = ctypes.CDLL(str(target))
     lib.pagedserve_prefill_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     return lib
@@ -95,6 +98,7 @@ def main() -> None:
     p.add_argument("--against", default=None, help="a commit whose prefill_attention.c to time beside this tree's")
     p.add_argument("--kv", nargs="+", default=["bf16"], choices=["bf16", "int8", "fp8_e4m3"])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--conditions", default="unstated", help="e.g. quiet, or noisy (other work on the cores)")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -104,7 +108,7 @@ def main() -> None:
         if args.against:
             libs[args.against] = build_other(args.against, Path(tmp))
         results = {kv: {name: one_case(libs, KVDtype.parse(kv, torch.bfloat16), *case, args.repeats)
-                        for name, case in CASES.items()} for kv in args.kv}
+                        for name, case in CASES.items() if name in args.cases} for kv in args.kv}
     print(json.dumps({"benchmark": "prefill_attention_ab", "host": host_info(), "conditions": args.conditions,
                       "amx_prefill": bool(libs["this"].pagedserve_prefill_amx(64)), "results": results}, indent=1))
 

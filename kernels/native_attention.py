@@ -3,10 +3,11 @@
 Every decode row of a step goes through kernels/cpu/decode_attention.c and short prefill chunks through
 kernels/cpu/prefill_attention.c; both read K/V blocks in place instead of gathering and upcasting them. Long chunks
 (and every chunk when the head dim is not a multiple of 16) go to the shared SDPA path (prefill_attention.py), except
-long chunks after cached context (and up to ~1,448 tokens from position 0) for bf16 queries where the prefill kernel
-has AMX tiles (kernels/cpu/prefill_dpbf16.c; `_kernel_wins`): over a bf16 cache it reads the blocks in place, over an
-8-bit one the chunks' blocks dequantized once into bf16 (cpu/prefill.py). `auto` picks this on CPU whenever the C
-files build here, and falls back to pure torch (logging why) when they cannot.
+that for bf16 queries where the prefill kernel has AMX tiles (kernels/cpu/prefill_amx.c) every long chunk takes the
+kernel: over a bf16 cache it reads the blocks in place, over an 8-bit one the chunks' blocks dequantized once into
+bf16 (cpu/prefill.py). SDPA stays for other query dtypes, on hosts without AMX or its tile state, and for head dims
+that are not a multiple of 64. `auto` picks this on CPU whenever the C files build here, and falls back to pure torch
+(logging why) when they cannot.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class NativePlan(AttentionPlan):
     decode: DecodeBatch | None  # None when no sequence decodes this step
     prefill: PrefillBatch | None  # None when no sequence prefills, or head_dim is not a multiple of 16
     prefill_sdpa: tuple[PrefillChunk, ...]  # the chunks of such head dims, and long ones SDPA takes for every query
-    # Long chunks after cached context where the kernel has AMX tiles: for bf16 queries, and again for SDPA (others).
+    # Long chunks where the kernel has AMX tiles: for bf16 queries, and again for SDPA (other query dtypes).
     prefill_long: tuple[LongPrefill, ...] = ()
     prefill_long_sdpa: tuple[PrefillChunk, ...] = ()
 
@@ -60,25 +61,12 @@ def _sdpa_wins(meta: AttentionMetadata, i: int) -> bool:
     2 threads: 1,024 tokens 26 ms vs 71 ms; a 2,911-token chunked prefill's second chunk 137 ms vs 274 ms; FP8, whose
     K tiles the C kernel widens lane by lane, 21 ms vs 114 ms and 121 ms vs 480 ms). Short chunks, where SDPA's
     per-chunk dispatch dominates, stay native (16 sequences of 32 tokens: 3.3 ms vs 7.8 ms). Measured before the bf16
-    kernel had AMX tiles; with them it takes long chunks after cached context and shorter ones from position 0
-    (`_kernel_wins`)."""
+    kernel had AMX tiles; where it has them it takes every long chunk of bf16 queries (prefill_amx.c: 1.5x SDPA from
+    position 0 at 2,048 tokens, 2x after 2,048 cached ones, every cache dtype; benchmarks/prefill_attention_ab.py)."""
     return meta.query_lens_host[i] * meta.seq_lens_host[i] >= _SDPA_MIN_WORK
 
 
-def _kernel_wins(meta: AttentionMetadata, i: int, window: int | None) -> bool:
-    """Whether the AMX kernel beats SDPA on a long chunk: where SDPA needs an explicit mask (the chunk follows cached
-    context, or a window cuts it) and so computes every query against every key, while the kernel stops each row at
-    its position: 1.2-1.4x SDPA's speed (952 new tokens over 3,000, 2,048 over 4,096). From position 0 SDPA's causal
-    path skips the masked half as the kernel does and runs faster per product past about 1,448 tokens (2,048: the
-    kernel 0.85-0.90x, 1,536: 0.83-0.99x; 1,024: 1.02-1.06x), for every cache dtype
-    (benchmarks/prefill_attention_ab.py, one thread, noisy)."""
-    ctx = meta.seq_lens_host[i]
-    after_context = meta.query_lens_host[i] < ctx or (window is not None and window < ctx)
-    return after_context or meta.query_lens_host[i] * ctx <= _KERNEL_MAX_CAUSAL_WORK
-
-
 _SDPA_MIN_WORK = 1 << 17  # queries x keys of one chunk: e.g. 362 x 362, 128 new tokens over 1,024
-_KERNEL_MAX_CAUSAL_WORK = 1 << 21  # queries x keys of a chunk from position 0: about 1,448 x 1,448
 
 
 def _heads_dense(*rows: torch.Tensor) -> bool:
@@ -97,8 +85,7 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         chunks = [i for i, q_len in enumerate(meta.query_lens_host) if q_len > 1]
         sdpa = tuple(i for i in chunks if cache.k.shape[3] % 16 or _sdpa_wins(meta, i))
         native = tuple(i for i in chunks if i not in sdpa)
-        kernel = tuple(i for i in sdpa if _kernel_wins(meta, i, window)) if sdpa and amx_prefill(cache) else ()
-        sdpa = tuple(i for i in sdpa if i not in kernel)
+        kernel, sdpa = (sdpa, ()) if sdpa and amx_prefill(cache) else ((), sdpa)
         # The query dtype is the layer's to know: those long chunks both ways, and the attention call picks one.
         long = LongPrefill.of(cache, PrefillBatch.of(meta, starts, window, kernel)) if kernel else ()
         return NativePlan(window, decode, PrefillBatch.of(meta, starts, window, native),

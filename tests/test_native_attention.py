@@ -19,6 +19,7 @@ from attention_cases import (
     TOLERANCE,
     assert_matches_torch,
     float64_reference,
+    free_out_of_window,
     make_case,
     poison_stale_slots,
 )
@@ -326,21 +327,39 @@ def test_bf16_prefill_at_each_tier_agrees_with_float64_math(tier, kv_dtype, quer
     assert torch.equal(_prefill_with(lib, query, layer, meta, window, threads=3), result)  # tasks are independent
 
 
+@pytest.mark.parametrize("tier", cpu_tiers.params(("native", "avx512_bf16")))
+@pytest.mark.parametrize(("kv_dtype", "block_size", "window"),
+                         [(KVDtype.BF16, 16, 37), (KVDtype.BF16, 8, 200), (KVDtype.INT8, 16, 130)])
+def test_bf16_prefill_skips_freed_blocks_over_many_key_steps(tier, kv_dtype, block_size, window) -> None:
+    """Chunks whose rows see several of the AMX kernel's 128-key steps, with a window whose edge falls inside a step
+    and the blocks behind it freed (their table entries point at NaN): V^T built once per chunk skips them, the
+    steps where every row sees every key drop the mask, and the output agrees with float64 math (head dim 64:
+    AMX tiles where granted; the forced tier runs vdpbf16ps)."""
+    seq_lens, query_lens = (600, 333, 290), (600, 140, 3)
+    query, layer, meta = make_case(seq_lens, query_lens, block_size, 3, kv_dtype, seed=14)
+    query = query.to(torch.bfloat16)
+    exact = float64_reference(query, layer, meta, window)
+    freed = free_out_of_window(layer, meta, window)
+    assert not torch.equal(freed.block_tables, meta.block_tables)  # some blocks really were left behind
+    lib = cpu_native.load_library(None if tier == "native" else tier)
+    result = _prefill_with(lib, query, layer, freed, window, threads=2)
+    assert (result.double() - exact).abs().max().item() <= TOLERANCE[torch.bfloat16]
+
+
 @pytest.mark.parametrize("kv_dtype", [KVDtype.BF16, KVDtype.INT8, KVDtype.FP8_E4M3])
 @pytest.mark.parametrize("window", [None, 250])
 def test_long_bf16_chunks_stay_native_where_the_kernel_has_amx(kv_dtype, window) -> None:
     """Chunks long enough for SDPA (kernels/native_attention.py) that follow cached context, or that a window cuts,
     run the AMX kernel instead for bf16 queries: over a bf16 cache reading blocks in place, over an 8-bit one reading
-    them dequantized once into contiguous bf16 (with a window, two chunks side by side in that buffer and the blocks
-    before it neither gathered nor read), and so do chunks from position 0 up to 2^21 queries x keys. A longer one
-    from position 0 stays on SDPA's causal path; other query dtypes take SDPA for all of them."""
+    them dequantized once into contiguous bf16 (with a window, the blocks before it neither gathered nor read), and
+    so do chunks from position 0 of any length; other query dtypes take SDPA for all of them."""
     seq_lens, query_lens = (700, 45, 1500, 600), (400, 30, 1500, 600)
     query, layer, meta = make_case(seq_lens, query_lens, 16, 3, kv_dtype, seed=12)
     impl = NativeCpuAttention()
     plan = impl.plan(meta, layer, window)
     amx = bool(cpu_native.load_library().pagedserve_prefill_amx(64))
     assert amx_prefill(layer) == amx
-    kernel = (0, 3) if window is None else (0, 2, 3)
+    kernel = (0, 2, 3)
     if amx:
         starts = {0: 0, 2: 430, 3: 1930}
         (long,) = plan.prefill_long  # one gathered buffer: 2,800 keys at most

@@ -81,7 +81,7 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
 SPEC = LibrarySpec(
     name="native",
     sources=tuple(f"{name}.c" for name in ("decode_attention", "decode_tasks", "prefill_attention", "prefill_dpbf16",
-                                            "layer_ops", "kv_write", "dense_linear", "dense_grouped", "dense_gemm", "dense_amx",
+                                            "prefill_amx", "layer_ops", "kv_write", "dense_linear", "dense_grouped", "dense_gemm", "dense_amx",
                                             "decode_step", "lora")),
     structs=NATIVE_STRUCTS,
     declare=_declare_signatures,

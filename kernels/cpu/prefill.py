@@ -57,11 +57,11 @@ class PrefillBatch:
 
 
 def amx_prefill(cache: LayerKVCache) -> bool:
-    """Whether long chunks of bf16 queries over this cache may take the kernel's AMX tiles here: a bf16 or 8-bit
-    cache, a head dim that is a multiple of 32, a build with AMX and the OS's grant of the tile state
-    (native_attention._kernel_wins picks the chunks). An 8-bit cache's tiles dequantized in each task (once per 16
-    query positions) made the kernel 0.5-1.0x SDPA's speed; dequantized once per chunk and layer, as SDPA's path
-    does (`LongPrefill`), it runs at the bf16 cache's speed plus the gather (benchmarks/prefill_attention_ab.py)."""
+    """Whether long chunks of bf16 queries over this cache take the kernel's AMX tiles here (then all of them do:
+    native_attention.NativeCpuAttention.plan): a bf16 or 8-bit cache, a head dim that is a multiple of 64, a build
+    with AMX and the OS's grant of the tile state. An 8-bit cache's K tiles dequantized in each task (once per 16
+    query positions) cost the kernel 10-20% on chunks of 1,000 tokens and more; dequantized once per chunk and
+    layer (`LongPrefill`), it runs at the bf16 cache's speed plus the gather (benchmarks/prefill_attention_ab.py)."""
     amx = load_library().pagedserve_prefill_amx(cache.k.shape[3]) == 1
     return (cache.k.dtype == torch.bfloat16 or cache.dtype.is_8bit) and amx
 

@@ -161,6 +161,9 @@ INLINE void prefill_task(const PrefillArgs *a, const Task *t, Tile *w, const int
 #define SPECIALIZE_DIMS(KV, Q) SPECIALIZE(64, KV, Q); SPECIALIZE(128, KV, Q)
 
 static void prefill_dispatch(const PrefillArgs *a, const Task *t, Tile *w) {
+#if defined(PS_AMX)
+    if (t->vt) return prefill_task_amx(a, t, w);
+#endif
 #if defined(PS_AVX512_BF16)
     if (PREFILL_DPBF16(a->kv_dtype, a->q_dtype)) return prefill_task_dpbf16(a, t, w);
 #endif
@@ -196,7 +199,7 @@ static Task *make_tasks(const PrefillArgs *a, int64_t num_chunks, int64_t *count
     for (int64_t s = 0; s < num_chunks; s++)
         for (int64_t j0 = 0; j0 < a->query_lens[s]; j0 += QT)
             for (int64_t h = 0; h < a->num_kv_heads; h++)
-                tasks[n++] = (Task){s, h, j0, a->query_lens[s] - j0 < QT ? a->query_lens[s] - j0 : QT};
+                tasks[n++] = (Task){s, h, j0, a->query_lens[s] - j0 < QT ? a->query_lens[s] - j0 : QT, NULL, 0};
     sort_args = a;
     qsort(tasks, (size_t)n, sizeof(Task), more_keys_first);
     *count = n;
@@ -209,10 +212,17 @@ int pagedserve_prefill_attention(const PrefillArgs *a, int64_t num_chunks, int n
     int64_t count = 0;
     Task *tasks = make_tasks(a, num_chunks, &count);
     if (!tasks) return -1;
+    uint32_t *values = NULL;
+#if defined(PS_AMX)
+    if (PREFILL_DPBF16(a->kv_dtype, a->q_dtype) && pagedserve_prefill_amx(dim)) {
+        values = prefill_values_amx(a, num_chunks, tasks, count, num_threads);
+        if (!values) return free(tasks), -1;
+    }
+#endif
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        Tile w = {scratch(rows * dim), scratch(dim * KT), scratch(KT * dim), scratch(rows * KT),
+        Tile w = {scratch(rows * dim), scratch(dim * KT), scratch(KT * dim), scratch(rows * 8 * KT),
                   scratch(rows), scratch(rows), scratch(rows), scratch(rows * dim)};
         failed = !w.q || !w.k || !w.v || !w.p || !w.m || !w.l || !w.correction || !w.acc;
 #pragma omp for schedule(dynamic, 1)
@@ -221,5 +231,6 @@ int pagedserve_prefill_attention(const PrefillArgs *a, int64_t num_chunks, int n
         free(w.q); free(w.k); free(w.v); free(w.p); free(w.m); free(w.l); free(w.correction); free(w.acc);
     }
     free(tasks);
+    free(values);
     return failed ? -1 : 0;
 }
