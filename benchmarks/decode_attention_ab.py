@@ -95,14 +95,18 @@ def _cache(kv: str, shape: tuple[int, ...], gen: torch.Generator) -> tuple[torch
 class Case:
     """A step's decode rows over LAYERS scattered caches: `rows` rows, `spans` of them sharing a sequence."""
 
-    def __init__(self, rows: int, span: int, context: int, seed: int = 0, kv: str = "bf16") -> None:
+    def __init__(self, rows: int, span: int, context: int, seed: int = 0, kv: str = "bf16",
+                 layout: str = "scattered") -> None:
         gen = torch.Generator().manual_seed(seed)
         seqs = rows // span
         per_seq = -(-(context + span) // BLOCK)
         self.num_blocks = seqs * per_seq + 4
         self.kv = kv
         self.caches = [_cache(kv, (2, KV_HEADS, self.num_blocks, BLOCK, DIM), gen) for _ in range(LAYERS)]
-        order = torch.randperm(self.num_blocks, generator=gen).to(torch.int32)
+        # scattered: every block anywhere; contiguous: each sequence's blocks in order, as a prefill takes them from
+        # the block manager's free list
+        order = (torch.randperm(self.num_blocks, generator=gen) if layout == "scattered"
+                 else torch.arange(self.num_blocks)).to(torch.int32)
         tables = torch.stack([order[s * per_seq : (s + 1) * per_seq] for s in range(seqs) for _ in range(span)])
         self.tables = tables.contiguous()
         self.lens = torch.tensor([context + i % span for i in range(rows)], dtype=torch.int32)
@@ -155,7 +159,7 @@ def compare_dtypes(lib: ctypes.CDLL, args: argparse.Namespace) -> list[dict]:
     results = []
     for rows in args.rows:
         for context in args.contexts:
-            cases = {kv: Case(rows, 1, context, kv=kv) for kv in args.dtypes}
+            cases = {kv: Case(rows, 1, context, kv=kv, layout=args.layout) for kv in args.dtypes}
             best = {kv: float("inf") for kv in args.dtypes}
             for _ in range(args.pairs):
                 for kv, case in cases.items():
@@ -178,13 +182,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 16], help="1: one row, 5: a span, 16: batch")
     parser.add_argument("--kv", default="bf16", choices=sorted(KV_CODES), help="the cache dtype timed")
     parser.add_argument("--contexts", type=int, nargs="+", default=[300, 800, 1500])
+    parser.add_argument("--layout", default="scattered", choices=["scattered", "contiguous"],
+                        help="blocks of a sequence at random places, or in order")
     parser.add_argument("--dtypes", nargs="+", choices=sorted(KV_CODES), help="this tree over these caches, no base")
     args = parser.parse_args()
     load_before = os.getloadavg()
     if args.dtypes:
         with tempfile.TemporaryDirectory() as tmp:
             results = compare_dtypes(_build(_sources(None), Path(tmp), "this"), args)
-        print(json.dumps(dict(dtypes=args.dtypes, threads=args.threads, cpu=_cpu(), cores=os.cpu_count(),
+        print(json.dumps(dict(dtypes=args.dtypes, threads=args.threads, layout=args.layout, cpu=_cpu(), cores=os.cpu_count(),
                               load_before=load_before, load_after=os.getloadavg(), cases=results)))
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -194,14 +200,14 @@ def main() -> None:
         results = []
         for rows, span in [(r, 5 if r == 5 else 1) for r in args.rows]:
             for context in args.contexts:
-                case = Case(rows, span, context, kv=args.kv)
+                case = Case(rows, span, context, kv=args.kv, layout=args.layout)
                 a, b = [], []
                 for _ in range(args.pairs):
                     a.append(case.time_us(base, args.threads, args.steps))
                     b.append(case.time_us(this, args.threads, args.steps))
                 results.append(_summary(rows, span, context, a, b))
                 print(json.dumps(results[-1]), flush=True)
-    print(json.dumps(dict(base=args.base, kv=args.kv, threads=args.threads, cpu=_cpu(), cores=os.cpu_count(),
+    print(json.dumps(dict(base=args.base, kv=args.kv, threads=args.threads, layout=args.layout, cpu=_cpu(), cores=os.cpu_count(),
                           load_before=load_before, load_after=os.getloadavg(), cases=results)))
 
 

@@ -173,21 +173,17 @@ INLINE void score16_i8(const char *tile, const char *next_k, const char *v_tile,
         }
     const int8_t *rows = (const int8_t *)tile + i0 * kv_row;
     const f32x16 row_scale = row_scales16(rs + i0, m);
-    /* Many queries per key (drafts): widened once into L1 for all of them (per query cost a 5-row span 8%). A few
-     * (one row's query heads): widened per query from the rows, which spills nothing (once cost one row ~4%). */
-    const int once = nq > 4;
+    /* The 16 keys widened once into L1 for all the queries, which then read them as memory operands of the pair
+     * dots: widening per query from the rows put three times the widening on port 5 at a row's 3 queries per KV
+     * head (1.15x the int8 kernel's time with the data in cache, 1 thread), more at a span's 15. */
     i16x32 kw[16][pairs];
-    for (int64_t i = 0; once && i < 16; i++)
+    for (int64_t i = 0; i < 16; i++)
         for (int64_t p = 0; p < pairs; p++) kw[i][p] = i < m ? kv_dot_widen(rows + i * kv_row, p, chunks) : (i16x32){0};
     for (int64_t qq = 0; qq < nq; qq++) {
         i32x16 dots[16];
         for (int64_t i = 0; i < 16; i++) {
             i32x16 dot = {0};
-            if (once)
-                for (int64_t p = 0; p < pairs; p++) dot = kv_dot_pairs(dot, kw[i][p], q16[qq * pairs + p]);
-            else if (i < m)  /* keys past m: zero dots, never stored */
-                for (int64_t p = 0; p < pairs; p++)
-                    dot = kv_dot_pairs(dot, kv_dot_widen(rows + i * kv_row, p, chunks), q16[qq * pairs + p]);
+            for (int64_t p = 0; p < pairs; p++) dot = kv_dot_pairs(dot, kw[i][p], q16[qq * pairs + p]);
             dots[i] = dot;
         }
         const f32x16 sums = __builtin_convertvector(kv_dot_hsum16x16(dots), f32x16) * qs[qq] * row_scale;
