@@ -1,6 +1,8 @@
-"""Native decode attention over an int8 cache scores with integer dots (kernels/cpu/kv_dot.h): each query head rounded
-to int16 with one scale, q.k summed exactly in int32. Every ISA tier (each has its own dot instructions) against a
-float64 model of that rule, against the unrounded math within the rule's stated bound, and a query holding NaN."""
+"""Native decode attention over an int8 cache computes with integer dots: scores (kernels/cpu/kv_dot.h), each query
+head rounded to int16 with one scale, q.k summed exactly in int32; and values (kernels/cpu/kv_values.h), each query's
+probabilities times the V row scales rounded to int16 with one scale per key chunk. Every ISA tier (each has its own
+dot instructions) against a float64 model of those rules, against the unrounded math within the rules' stated
+bounds, and a query holding NaN."""
 
 from __future__ import annotations
 
@@ -47,6 +49,21 @@ def int16_queries(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q16.double(), (amax / torch.tensor(32767.0)).double()
 
 
+def rounded_values(scores: torch.Tensor, v: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+    """The values rule: per chunk of KEY_CHUNK keys, softmax numerators under the chunk's max times the V row scales,
+    rounded to int16 steps of the chunk's largest / 32767; the chunks merged under the global max."""
+    chunk, peak = cpu_native.decode_key_chunk(), scores.amax(-1, keepdim=True)
+    num, total = torch.zeros(scores.shape[0], v.shape[-1], dtype=torch.float64), 0.0
+    for c0 in range(0, scores.shape[1], chunk):
+        part = scores[:, c0 : c0 + chunk]
+        local = part.amax(-1, keepdim=True)
+        w = (part - local).exp() * vs[c0 : c0 + chunk].T
+        step = w.amax(-1, keepdim=True) / 32767
+        num += torch.einsum("hk,khd->hd", torch.round(w / step) * step, v[c0 : c0 + chunk]) * (local - peak).exp()
+        total = total + (part - peak).exp().sum(-1, keepdim=True)
+    return num / total
+
+
 def reference(query, layer, meta, integer: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 attention over the dequantized cache, with the int16 queries (integer) or the exact ones; and per row
     and head the rule's bound on any score's error, max_t (s / 2) sum_d |k_td|."""
@@ -60,7 +77,8 @@ def reference(query, layer, meta, integer: bool) -> tuple[torch.Tensor, torch.Te
             scores = torch.einsum("hd,khd->hk", q16[i], k) * s[i] * ks.T
         else:
             scores = torch.einsum("hd,khd->hk", query[i].double() * SCALE, k * ks[..., None])
-        out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v * vs[..., None])
+        out[i] = rounded_values(scores, v, vs) if integer else torch.einsum("hk,khd->hd", scores.softmax(-1),
+                                                                               v * vs[..., None])
         bound[i] = (s[i, :, 0, None] / 2 * (k * ks[..., None]).abs().sum(-1).T).amax(-1)
     return out, bound
 

@@ -22,6 +22,7 @@
 #include "isa.h"
 #include "decode_chunks.h"
 #include "kv_dot.h"
+#include "kv_values.h"
 
 
 /* out[j] = the sum of v[j]'s 16 lanes, for 16 vectors at once: a transpose-add tree of 15 steps instead of 16
@@ -85,8 +86,6 @@ void span_keys(const DecodeArgs *a, const Span *sp, int64_t *lo, int64_t *hi) {
     }
 }
 
-/* The keys [k0, k1) of one chunk of a task (k0 and k1 within the span's [lo, hi)). */
-typedef struct { int64_t k0, k1, hi; const int32_t *table; } Keys;
 
 /* probs x V for `nq` consecutive queries (qq0..) of a span over the chunk's keys: each V row is loaded once for all
  * of them (int8 rows as stored: their scales are in the probabilities, scale_probs). Every query's sums run over all
@@ -299,12 +298,21 @@ INLINE void chunk_task(const DecodeArgs *a, const Span *sp, int64_t h, int64_t c
         for (int64_t qq = 0; qq < nq; qq++) qs[qq] = kv_dot_quantize(q + qq * chunks, chunks, q16 + qq * ((chunks + 1) / 2));
     chunk_scores(a, &k, h, q, q16, qs, nq, w->scores, chunks, kv_dt);
     chunk_softmax(a, sp, &k, w->scores, part, dim);
-    if (kv_dt == DT_I8) scale_probs(a, &k, h, w->scores, nq);
+    float ps[nq];  /* int8 V: each query's probabilities as int16 in place of its scores, and their scale */
+    if (kv_dt == DT_I8) {
+        scale_probs(a, &k, h, w->scores, nq);
+        for (int64_t qq = 0; qq < nq; qq++) ps[qq] = values_quantize(w->scores + qq * KEY_CHUNK, k.k1 - k.k0, k.k0 % 2);
+    }
     /* Up to 4 queries per pass over V (2 at head_dim 128: 16 accumulators and the V row stay in registers). */
     const int most = chunks <= 4 ? 4 : 2;
     for (int64_t qq0 = 0; qq0 < nq;) {
         const int64_t left = nq - qq0, take = left < most ? left : most;
-        if (take == 4) chunk_values(a, &k, h, w->scores, part, qq0, 4, chunks, kv_dt);
+        if (kv_dt == DT_I8) {
+            if (take == 4) values_i8(a, &k, h, w->scores, ps, part, qq0, 4, chunks);
+            else if (take == 3) values_i8(a, &k, h, w->scores, ps, part, qq0, 3, chunks);
+            else if (take == 2) values_i8(a, &k, h, w->scores, ps, part, qq0, 2, chunks);
+            else values_i8(a, &k, h, w->scores, ps, part, qq0, 1, chunks);
+        } else if (take == 4) chunk_values(a, &k, h, w->scores, part, qq0, 4, chunks, kv_dt);
         else if (take == 3) chunk_values(a, &k, h, w->scores, part, qq0, 3, chunks, kv_dt);
         else if (take == 2) chunk_values(a, &k, h, w->scores, part, qq0, 2, chunks, kv_dt);
         else chunk_values(a, &k, h, w->scores, part, qq0, 1, chunks, kv_dt);

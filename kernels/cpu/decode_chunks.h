@@ -18,6 +18,9 @@
  * rows (each a row of its own, its context ending at its own position). */
 typedef struct { int64_t s, m; } Span;
 
+/* The keys [k0, k1) of one chunk of a task (k0 and k1 within the span's [lo, hi)). */
+typedef struct { int64_t k0, k1, hi; const int32_t *table; } Keys;
+
 /* One thread's buffers, reused across calls (decode_tasks.c): queries, scores of one chunk (of all keys for
  * the scalar code), one chunk's partials, the merged state, and the scalar code's rows. */
 typedef struct { float *q, *scores, *part, *state, *acc, *row; } Scratch;
