@@ -1,15 +1,16 @@
 """The native prefill attention kernel of this tree against another commit's and against the SDPA path, one thread,
 CPU time, interleaved in one process (never in CI).
 
-SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, blocks of 16), bf16 queries, per cache dtype: steps
-of short prompts (16 x 32, 9 x 96, 9 x 160, 9 x 192 tokens), 4 chunks of 32 or 64 tokens over 1,024,, the default saturation workload's prefill step (9 prompts of 224 tokens), a 512- and a 1,024-token prompt, the two
-chunks of a 3,000-token prompt (2,048 new tokens, then 952 at 3,000) and the second chunk of a 4,096-token one.
-`--against COMMIT` compiles that commit's kernels/cpu/prefill_attention.c (with its headers) with this tree's flags
-(the tier PAGEDSERVE_CPU_ISA forces, or the host's); the SDPA column is the
-gather + torch SDPA path (kernels/prefill_attention.py); over 8-bit caches the "gathered" column is the same native
-gather followed by this tree's kernel over the contiguous bf16 blocks (cpu/prefill.py's LongPrefill), where "this"
-dequantizes the cache's tiles inside each task. Prints one JSON object: median ms per call of each, the ratios, and
-the largest difference of each kernel's output from SDPA's.
+SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, blocks of 16), bf16 queries, per cache dtype: steps of
+short prompts (16 x 32, 9 x 96, 9 x 160, 9 x 192 tokens), 4 chunks of 16, 32 or 64 tokens over 1,024, the default
+saturation workload's prefill step (9 prompts of 224 tokens), a 512- and a 1,024-token prompt, the two chunks of a
+3,000-token prompt (2,048 new tokens, then 952 at 3,000) and the second chunk of a 4,096-token one. `--against COMMIT`
+compiles that commit's kernels/cpu/prefill_attention.c (with its headers) with this tree's flags (the tier
+PAGEDSERVE_CPU_ISA forces, or the host's); the SDPA column is the gather + torch SDPA path
+(kernels/prefill_attention.py); over 8-bit caches the "gathered" column is the same native gather followed by this
+tree's kernel over the contiguous bf16 blocks (cpu/prefill.py's LongPrefill), where "this" dequantizes the cache's
+tiles inside each task. Prints one JSON object: median ms per call of each, the ratios, and the largest difference of
+each kernel's output from SDPA's.
 
     OMP_NUM_THREADS=1 python benchmarks/prefill_attention_ab.py --against 14c20d1 --kv bf16 int8 --repeats 5
 
@@ -48,7 +49,8 @@ from pagedserve.kernels.prefill_attention import prefill_attention, prefill_chun
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {"16x32": ((32,) * 16, (32,) * 16), "9x96": ((96,) * 9, (96,) * 9), "9x160": ((160,) * 9, (160,) * 9),
-         "9x192": ((192,) * 9, (192,) * 9), "9x224": ((224,) * 9, (224,) * 9), "4x32@1024": ((1024,) * 4, (32,) * 4),
+         "9x192": ((192,) * 9, (192,) * 9), "9x224": ((224,) * 9, (224,) * 9), "4x16@1024": ((1024,) * 4, (16,) * 4),
+         "4x32@1024": ((1024,) * 4, (32,) * 4),
          "4x64@1024": ((1024,) * 4, (64,) * 4), "512": ((512,), (512,)), "1024": ((1024,), (1024,)),
          "2048@2048": ((2048,), (2048,)), "952@3000": ((3000,), (952,)), "2048@4096": ((4096,), (2048,))}
 SCALE = 0.125

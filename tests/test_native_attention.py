@@ -377,10 +377,10 @@ def test_long_bf16_chunks_stay_native_where_the_kernel_has_amx(kv_dtype, window)
 @pytest.mark.parametrize("tier", cpu_tiers.params(("native", "avx512_bf16")))
 @pytest.mark.parametrize("kv_dtype", [KVDtype.BF16, KVDtype.INT8])
 def test_medium_bf16_chunks_take_sdpa_where_the_kernel_runs_vdpbf16ps(tier, kv_dtype, monkeypatch) -> None:
-    """Where bf16 queries over a bf16 cache run the vdpbf16ps kernel (no AMX tiles: a Zen 4, or the forced
-    avx512_bf16 tier here), chunks from 2^15 queries x keys take SDPA for bf16 queries and stay native for fp32 ones;
-    short chunks stay native, long ones take SDPA as everywhere without AMX, and an 8-bit cache keeps the kernel.
-    The tier's own library plans and computes (the prefill kernel's loader is the one the plan asks)."""
+    """Where bf16 queries run the vdpbf16ps kernel (no AMX tiles: a Zen 4, or the forced avx512_bf16 tier here),
+    chunks from 2^15 queries x keys take SDPA for bf16 queries and stay native for fp32 ones; short chunks stay
+    native, and long ones take SDPA as everywhere without AMX. The tier's own library plans and computes (the
+    prefill kernel's loader is the one the plan asks)."""
     from pagedserve.kernels.cpu import prefill as cpu_prefill
 
     lib = cpu_native.load_library(tier)
@@ -389,7 +389,7 @@ def test_medium_bf16_chunks_take_sdpa_where_the_kernel_runs_vdpbf16ps(tier, kv_d
     query, layer, meta = make_case(seq_lens, query_lens, 16, 3, kv_dtype, seed=15)
     impl = NativeCpuAttention()
     plan = impl.plan(meta, layer)
-    vdpbf16ps = kv_dtype is KVDtype.BF16 and lib.pagedserve_isa_tier() == b"avx512_bf16" and not amx_prefill(layer)
+    vdpbf16ps = lib.pagedserve_isa_tier() == b"avx512_bf16" and not amx_prefill(layer)
     assert cpu_prefill.dpbf16_prefill(layer) == vdpbf16ps
     starts = meta.query_starts()
     assert plan.prefill.rows.tolist() == [starts[i] for i in (0, 1, 2)]
