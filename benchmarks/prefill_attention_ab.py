@@ -1,16 +1,24 @@
 """The native prefill attention kernel of this tree against another commit's and against the SDPA path, one thread,
 CPU time, interleaved in one process (never in CI).
 
-SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, blocks of 16), bf16 queries, per cache dtype: the
-default saturation workload's prefill step (9 prompts of 224 tokens), a 1,024-token prompt, the two chunks of a
-3,000-token prompt (2,048 new tokens, then 952 at 3,000) and the second chunk of a 4,096-token one. `--against COMMIT` compiles that commit's
-kernels/cpu/prefill_attention.c (with its headers) with this tree's flags for the host; the SDPA column is the
-gather + torch SDPA path (kernels/prefill_attention.py); over 8-bit caches the "gathered" column is the same native
-gather followed by this tree's kernel over the contiguous bf16 blocks (cpu/prefill.py's LongPrefill), where "this"
-dequantizes the cache's tiles inside each task. Prints one JSON object: median ms per call of each, the ratios, and
-the largest difference of each kernel's output from SDPA's.
+SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, blocks of 16), bf16 queries, per cache dtype: steps of
+short prompts (16 x 32, 9 x 96, 9 x 160, 9 x 192 tokens), 4 chunks of 16, 32 or 64 tokens over 1,024, the default
+saturation workload's prefill step (9 prompts of 224 tokens), a 512- and a 1,024-token prompt, the two chunks of a
+3,000-token prompt (2,048 new tokens, then 952 at 3,000) and the second chunk of a 4,096-token one. `--against COMMIT`
+compiles that commit's kernels/cpu/prefill_attention.c (with its headers) with this tree's flags (the tier
+PAGEDSERVE_CPU_ISA forces, or the host's); the SDPA column is the gather + torch SDPA path
+(kernels/prefill_attention.py); over 8-bit caches the "gathered" column is the same native gather followed by this
+tree's kernel over the contiguous bf16 blocks (cpu/prefill.py's LongPrefill), where "this" dequantizes the cache's
+tiles inside each task. Prints one JSON object: median ms per call of each, the ratios, and the largest difference of
+each kernel's output from SDPA's.
 
     OMP_NUM_THREADS=1 python benchmarks/prefill_attention_ab.py --against 14c20d1 --kv bf16 int8 --repeats 5
+
+A Zen 4's bf16 tier (AVX512-BF16, no AMX) on an AMX host: the kernels forced to it, and oneDNN (SDPA's products)
+kept off AMX too, or the SDPA column is an AMX one:
+
+    PAGEDSERVE_CPU_ISA=avx512_bf16 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 OMP_NUM_THREADS=1 \
+        python benchmarks/prefill_attention_ab.py --kv bf16 --cases 9x224 512 1024 952@3000 --repeats 9
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -39,13 +48,17 @@ from pagedserve.kernels.kv_cache import KVDtype  # noqa: E402
 from pagedserve.kernels.prefill_attention import prefill_attention, prefill_chunks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-CASES = {"9x224": ((224,) * 9, (224,) * 9), "1024": ((1024,), (1024,)), "2048@2048": ((2048,), (2048,)),
-         "952@3000": ((3000,), (952,)), "2048@4096": ((4096,), (2048,))}
+CASES = {"16x32": ((32,) * 16, (32,) * 16), "9x96": ((96,) * 9, (96,) * 9), "9x160": ((160,) * 9, (160,) * 9),
+         "9x192": ((192,) * 9, (192,) * 9), "9x224": ((224,) * 9, (224,) * 9), "4x16@1024": ((1024,) * 4, (16,) * 4),
+         "4x32@1024": ((1024,) * 4, (32,) * 4),
+         "4x64@1024": ((1024,) * 4, (64,) * 4), "512": ((512,), (512,)), "1024": ((1024,), (1024,)),
+         "2048@2048": ((2048,), (2048,)), "952@3000": ((3000,), (952,)), "2048@4096": ((4096,), (2048,))}
 SCALE = 0.125
 
 
 def build_other(commit: str, tmp: Path) -> ctypes.CDLL:
-    """`commit`'s prefill kernels (every prefill_*.c, with the tile grant of dense_amx.c) as a shared object."""
+    """`commit`'s prefill kernels (every prefill_*.c, with the tile grant of dense_amx.c) as a shared object, for the
+    tier PAGEDSERVE_CPU_ISA forces (as this tree's library is built), -march=native when unset."""
     listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", commit, "kernels/cpu/"],
                             capture_output=True, text=True, check=True).stdout.split()
     names = [Path(n).name for n in listed if n.endswith(".h") or Path(n).name.startswith(("prefill_", "isa.c"))
@@ -55,7 +68,7 @@ def build_other(commit: str, tmp: Path) -> ctypes.CDLL:
         (tmp / name).write_bytes(shown.stdout)
     target = tmp / "prefill_other.so"
     sources = [str(tmp / n) for n in names if n.endswith(".c")]
-    subprocess.run(["gcc", *COMMON_FLAGS, *isa.compile_flags(None), *sources, "-o", str(target), "-lm"], check=True)
+    subprocess.run(["gcc", *COMMON_FLAGS, *isa.compile_flags(isa.requested_tier()), *sources, "-o", str(target), "-lm"], check=True)
     lib = ctypes.CDLL(str(target))
     lib.pagedserve_prefill_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     return lib
@@ -109,7 +122,12 @@ def main() -> None:
             libs[args.against] = build_other(args.against, Path(tmp))
         results = {kv: {name: one_case(libs, KVDtype.parse(kv, torch.bfloat16), *case, args.repeats)
                         for name, case in CASES.items() if name in args.cases} for kv in args.kv}
+    forced = isa.requested_tier()
+    # SDPA's bf16 products go through oneDNN, which takes AMX where the host has it whatever tier the kernels are
+    # forced to: ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 is what makes the SDPA column a Zen 4's (no AMX) on such a host.
     print(json.dumps({"benchmark": "prefill_attention_ab", "host": host_info(), "conditions": args.conditions,
+                      "kernel_tier": forced.name if forced else isa.NATIVE,
+                      "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "unset"),
                       "amx_prefill": bool(libs["this"].pagedserve_prefill_amx(64)), "results": results}, indent=1))
 
 

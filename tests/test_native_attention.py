@@ -374,6 +374,36 @@ def test_long_bf16_chunks_stay_native_where_the_kernel_has_amx(kv_dtype, window)
         assert (result.double() - exact).abs().max().item() <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("tier", cpu_tiers.params(("native", "avx512_bf16")))
+@pytest.mark.parametrize("kv_dtype", [KVDtype.BF16, KVDtype.INT8])
+def test_medium_bf16_chunks_take_sdpa_where_the_kernel_runs_vdpbf16ps(tier, kv_dtype, monkeypatch) -> None:
+    """Where bf16 queries run the vdpbf16ps kernel (no AMX tiles: a Zen 4, or the forced avx512_bf16 tier here),
+    chunks from 2^15 queries x keys take SDPA for bf16 queries and stay native for fp32 ones; short chunks stay
+    native, and long ones take SDPA as everywhere without AMX. The tier's own library plans and computes (the
+    prefill kernel's loader is the one the plan asks)."""
+    from pagedserve.kernels.cpu import prefill as cpu_prefill
+
+    lib = cpu_native.load_library(tier)
+    monkeypatch.setattr(cpu_prefill, "load_library", lambda: lib)
+    seq_lens, query_lens = (40, 200, 1100, 700, 90), (40, 200, 50, 400, 1)  # work 1.6k, 40k, 55k, 280k; a decode
+    query, layer, meta = make_case(seq_lens, query_lens, 16, 3, kv_dtype, seed=15)
+    impl = NativeCpuAttention()
+    plan = impl.plan(meta, layer)
+    vdpbf16ps = lib.pagedserve_isa_tier() == b"avx512_bf16" and not amx_prefill(layer)
+    assert cpu_prefill.dpbf16_prefill(layer) == vdpbf16ps
+    starts = meta.query_starts()
+    assert plan.prefill.rows.tolist() == [starts[i] for i in (0, 1, 2)]
+    if vdpbf16ps:
+        assert plan.prefill_bf16.rows.tolist() == [starts[0]]
+        assert [c.start for c in plan.prefill_bf16_sdpa] == [starts[1], starts[2]]
+    else:
+        assert plan.prefill_bf16 is None and plan.prefill_bf16_sdpa == ()
+    for dtype in (torch.bfloat16, torch.float32)[: 2 if kv_dtype is KVDtype.BF16 else 1]:
+        result = impl.attention(query.to(dtype), layer, meta, plan, SCALE)
+        exact = float64_reference(query.to(dtype), layer, meta, None)
+        assert (result.double() - exact).abs().max().item() <= TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("kv_dtype", [KVDtype.INT8, KVDtype.FP8_E5M2])
 @pytest.mark.parametrize(("window", "block_size", "gather_tokens"),
                          [(None, 16, 16384), (90, 8, 16384), (None, 16, 320)])

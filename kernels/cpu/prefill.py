@@ -66,6 +66,16 @@ def amx_prefill(cache: LayerKVCache) -> bool:
     return (cache.k.dtype == torch.bfloat16 or cache.dtype.is_8bit) and amx
 
 
+def dpbf16_prefill(cache: LayerKVCache) -> bool:
+    """Whether bf16 queries over this cache take the kernel's vdpbf16ps loop (prefill_dpbf16.c) rather than AMX
+    tiles: an AVX512-BF16 build (a Zen 4, an SPR VM that refuses the tile state, or the forced avx512_bf16 tier) over
+    a bf16 or 8-bit cache. There the torch SDPA path's bf16 GEMMs (oneDNN's AVX512-BF16 kernels) beat it from medium
+    chunks on (NativeCpuAttention.plan)."""
+    lib = load_library()
+    bf16_keys = cache.k.dtype == torch.bfloat16 or cache.dtype.is_8bit
+    return bf16_keys and lib.pagedserve_isa_tier() == b"avx512_bf16" and not amx_prefill(cache)
+
+
 @dataclass(frozen=True, slots=True)
 class LongPrefill:
     """Long chunks of a step for the bf16 kernel. Over a bf16 cache it reads the blocks in place (`tiles` None);
