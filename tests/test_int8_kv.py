@@ -157,7 +157,15 @@ def test_native_prefill_and_decode_agree_with_float64(query_dtype) -> None:
     assert impl.plan(meta, layer).prefill is not None  # the C kernel, not SDPA
     exact = float64_reference(query, layer, meta)
     result = paged_attention(impl, query, layer, meta, SCALE)
-    assert (result.double() - exact).abs().max().item() <= (1e-5 if query_dtype == torch.float32 else 1.6e-2)
+    # fp32: prefill rows within fp32 noise; decode rows also round each probability times its V row scale to int16
+    # (2^-16 of a key chunk's largest, kernels/cpu/kv_values.h; modelled exactly in tests/test_int8_decode_dots.py):
+    # a few 1e-5 here, against int8's own ~4e-3 of each V row
+    decode = torch.repeat_interleave(torch.tensor([q == 1 for q in query_lens]), torch.tensor(query_lens))
+    error = (result.double() - exact).abs()
+    if query_dtype == torch.float32:
+        assert error[~decode].max().item() <= 1e-5 and error[decode].max().item() <= 1e-4
+    else:
+        assert error.max().item() <= 1.6e-2
     poison_stale_slots(layer, meta)
     assert torch.equal(paged_attention(impl, query, layer, meta, SCALE), result)  # stale NaN rows never read
 
