@@ -39,8 +39,10 @@ def workload(requests: int, shortest: int, longest: int, seed: int) -> list[list
     return [[rng.randrange(200, 20000) for _ in range(n)] for n in lengths]
 
 
-def run(kv: str, memory: int, prompts: list[list[int]], output_tokens: int, max_num_seqs: int) -> dict:
-    engine = LLMEngine(EngineConfig(kv_cache_dtype=kv, kv_cache_memory=memory, max_num_seqs=max_num_seqs))
+def run(kv: str, memory: int, prompts: list[list[int]], output_tokens: int, max_num_seqs: int,
+        block_size: int = 16) -> dict:
+    engine = LLMEngine(EngineConfig(kv_cache_dtype=kv, kv_cache_memory=memory, max_num_seqs=max_num_seqs,
+                                    block_size=block_size))
     params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     for n, prompt in enumerate(prompts):
@@ -76,6 +78,7 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the engine's default: 16)")
     parser.add_argument("--rounds", type=int, default=1, help="dtypes interleaved round by round; medians reported")
     parser.add_argument("--label", default="", help="e.g. 'noisy' when other jobs share the machine")
     parser.add_argument("--json")
@@ -84,7 +87,8 @@ def main() -> None:
     runs: dict[str, list[dict]] = {kv: [] for kv in args.kv}
     for r in range(args.rounds):
         for kv in args.kv:
-            runs[kv].append(run(kv, args.kv_cache_memory, prompts, args.output_tokens, args.max_num_seqs))
+            runs[kv].append(run(kv, args.kv_cache_memory, prompts, args.output_tokens, args.max_num_seqs,
+                                args.block_size))
             print(json.dumps({"round": r, **runs[kv][-1]}), flush=True)
     rows = [median_row(runs[kv], max(len(p) for p in prompts) + args.output_tokens) for kv in args.kv]
     base = rows[0]["total_tokens_per_s"]
