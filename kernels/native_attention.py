@@ -7,8 +7,8 @@ that for bf16 queries where the prefill kernel has AMX tiles (kernels/cpu/prefil
 kernel: over a bf16 cache it reads the blocks in place, over an 8-bit one the chunks' blocks dequantized once into
 bf16 (cpu/prefill.py). SDPA stays for other query dtypes, on hosts without AMX or its tile state, and for head dims
 that are not a multiple of 64; where bf16 queries run the kernel's vdpbf16ps loop instead of AMX tiles (a Zen 4),
-SDPA also takes their medium chunks (`_bf16_sdpa_wins`). `auto` picks this on CPU whenever the C files build here, and falls back to pure torch
-(logging why) when they cannot.
+SDPA also takes their medium chunks (`_bf16_sdpa_wins`). `auto` picks this on CPU whenever the C files build here,
+and falls back to pure torch (logging why) when they cannot.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _bf16_sdpa_wins(meta: AttentionMetadata, i: int) -> bool:
     AVX512-BF16 (a Zen 4's GEMMs), one layer, one thread, ms, noisy; bf16 cache: steps of 9 prompts of 160 tokens
     3.9 vs 4.3, of 192 tokens 5.2 vs 4.3, of 224 tokens 7.0 vs 5.9; 4 chunks of 32 tokens over 1,024 3.4 vs 2.5; a
     512-token prompt 3.7 vs 2.9; an int8 cache alike (benchmarks/prefill_attention_ab.py; raw:
-    benchmarks/results/prefill-attention-zen4-tier-*)."""
+    benchmarks/results/2026-11-29-spr-prefill-attention-zen4-tier-*)."""
     return meta.query_lens_host[i] * meta.seq_lens_host[i] >= _BF16_SDPA_MIN_WORK
 
 

@@ -182,11 +182,8 @@ static int mlp_block(const StepModel *m, const StepLayer *L, int64_t n, Buffers 
     int status = concat_linears(L->gate_up, L->n_gate_up, w->h, n, w->gate_up, w->tmp);
     if (status) return status;
     for (int64_t r = 0; r < n; r++)
-        for (int64_t i = 0; i < inter; i++) {
-            const float g = w->gate_up[r * 2 * inter + i];
-            const float e = exp_nonpositive(-fabsf(g));  /* silu(g) = g / (1 + e^-g), never overflowing */
-            w->act[r * inter + i] = g * (g >= 0.0f ? 1.0f : e) / (1.0f + e) * w->gate_up[r * 2 * inter + inter + i];
-        }
+        for (int64_t i = 0; i < inter; i++)
+            w->act[r * inter + i] = silu(w->gate_up[r * 2 * inter + i]) * w->gate_up[r * 2 * inter + inter + i];
     return ps_linear_apply(&L->down, w->act, n, w->delta);
 }
 

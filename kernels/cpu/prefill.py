@@ -62,8 +62,7 @@ def amx_prefill(cache: LayerKVCache) -> bool:
     with AMX and the OS's grant of the tile state. An 8-bit cache's K tiles dequantized in each task (once per 16
     query positions) cost the kernel 10-20% on chunks of 1,000 tokens and more; dequantized once per chunk and
     layer (`LongPrefill`), it runs at the bf16 cache's speed plus the gather (benchmarks/prefill_attention_ab.py)."""
-    amx = load_library().pagedserve_prefill_amx(cache.k.shape[3]) == 1
-    return (cache.k.dtype == torch.bfloat16 or cache.dtype.is_8bit) and amx
+    return _bf16_keys(cache) and load_library().pagedserve_prefill_amx(cache.k.shape[3]) == 1
 
 
 def dpbf16_prefill(cache: LayerKVCache) -> bool:
@@ -71,9 +70,12 @@ def dpbf16_prefill(cache: LayerKVCache) -> bool:
     tiles: an AVX512-BF16 build (a Zen 4, an SPR VM that refuses the tile state, or the forced avx512_bf16 tier) over
     a bf16 or 8-bit cache. There the torch SDPA path's bf16 GEMMs (oneDNN's AVX512-BF16 kernels) beat it from medium
     chunks on (NativeCpuAttention.plan)."""
-    lib = load_library()
-    bf16_keys = cache.k.dtype == torch.bfloat16 or cache.dtype.is_8bit
-    return bf16_keys and lib.pagedserve_isa_tier() == b"avx512_bf16" and not amx_prefill(cache)
+    return _bf16_keys(cache) and load_library().pagedserve_isa_tier() == b"avx512_bf16" and not amx_prefill(cache)
+
+
+def _bf16_keys(cache: LayerKVCache) -> bool:
+    """Keys the bf16 kernel reads as bf16: a bf16 cache in place, an 8-bit one widened (prefill_bf16.h)."""
+    return cache.k.dtype == torch.bfloat16 or cache.dtype.is_8bit
 
 
 @dataclass(frozen=True, slots=True)
