@@ -8,9 +8,12 @@ checkpoint's numerics: each 32-weight block rounded to int8 with one fp16 scale 
 blocks are what a GGUF file would hold); measured on held-out text that costs +0.02% perplexity and 99.6% top-1
 agreement in bf16 (docs/quantization.md), far inside what the 4-bit layers already cost. So `auto` takes it where
 the layers are 4/8-bit groups (`QuantConfig.auto_lm_head_quantization`: GPTQ, AWQ) and the host computes on CPU,
-and nowhere else: a 16-bit model keeps its head unless asked, and `none` keeps any head as stored. Only the head's matmul reads the blocks: token lookups keep reading the
-embedding as stored, and batches past the packed kernel's rows multiply the blocks expanded once (the GGUF
-`auto` mode's companion), so every batch size computes with the same rounded weights.
+and nowhere else: a 16-bit model keeps its head unless asked, and `none` keeps any head as stored. A tied head's
+embedding becomes the same blocks (`PackedEmbedding`, as a GGUF file's Q8_0 `token_embd` is read): one table, not a
+16-bit one for lookups beside the head's blocks, so the resident set shrinks instead of growing; lookups then read
+rows rounded as the head's are (measured with the head: docs/quantization.md). Batches past the packed kernel's
+rows multiply the blocks expanded once (the GGUF `auto` mode's companion, where the build has no many-row form),
+so every batch size computes with the same rounded weights.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from gguf.quants import quantize
 from torch import nn
 
 from pagedserve.quant.base import QuantConfig, QuantConfigError
-from pagedserve.quant.gguf import GgufLinearMethod
+from pagedserve.quant.gguf import GgufLinearMethod, PackedEmbedding
 from pagedserve.quant.unquantized import UnquantizedLinearMethod
 
 HEAD_QUANTIZATIONS = ("auto", "none", "q8_0")
@@ -56,10 +59,37 @@ def _unfit_reason(head: nn.Module | None) -> str | None:
     return None
 
 
+def quantize_lm_head(model: nn.Module) -> None:
+    """`model.lm_head` multiplied from Q8_0 blocks; with a tied head the embedding becomes a `PackedEmbedding` over
+    the same blocks (looked up as the head rounds them), so the 16-bit table is dropped, not kept beside them."""
+    head = model.lm_head
+    owner = _tied_embedding(model, head)
+    packed = quantized_head(head)
+    if owner is None:
+        model.lm_head = packed
+        return
+    parent, name, embedding = owner
+    table = PackedEmbedding("Q8_0", head.out_features, head.in_features,
+                            getattr(embedding, "out_dtype", embedding.weight.dtype), dense_batches=True)
+    table.weight = packed.weight
+    setattr(parent, name, table)
+    model.lm_head = table.as_linear()
+
+
+def _tied_embedding(model: nn.Module, head: nn.Module) -> tuple[nn.Module, str, nn.Module] | None:
+    """(parent, attribute, module) of the embedding whose table `head` reads (a tied head), or None."""
+    if not getattr(head, "weight_shared", False):
+        return None
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if child is not head and getattr(child, "weight", None) is head.weight:
+                return parent, name, child
+    return None
+
+
 def quantized_head(head: nn.Module) -> nn.Module:
-    """A Q8_0 copy of an unquantized head [vocab, hidden] (tied or not); the head is left as it is for the caller
-    (a tied head's weight is the embedding's, which lookups keep reading). Raises QuantConfigError when the head
-    is not an unquantized linear or its width is not whole blocks."""
+    """A Q8_0 copy of an unquantized head [vocab, hidden] (tied or not); the head is left as it is for the caller.
+    Raises QuantConfigError when the head is not an unquantized linear or its width is not whole blocks."""
     from pagedserve.quant.linear import QuantLinear
 
     if (reason := _unfit_reason(head)) is not None:

@@ -1,7 +1,7 @@
 """`lm_head_quantization="q8_0"` and its `auto` default (quant/head_quant.py): an unquantized LM head multiplied from Q8_0 blocks made at
 load, against gguf's own quantize/dequantize of the same weights; tied (the default model with its blocks expanded)
-and untied (an AWQ tool fixture, whose head is 16-bit); lookups keep the embedding as stored; bad uses refused
-with the field named."""
+and untied (an AWQ tool fixture, whose head is 16-bit); a tied model looks tokens up in the same blocks and holds no
+16-bit table; bad uses refused with the field named."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import ConfigError, ModelLoadError
 from pagedserve.engine.loading.model_loader import load_model
 from pagedserve.engine.loading.model_store import resolve_model
-from pagedserve.quant.gguf import GgufLinearMethod
+from pagedserve.quant.gguf import GgufLinearMethod, PackedEmbedding
 from pagedserve.quant.head_quant import resolve_head_quantization
 from quant_fixtures import fixture_dir
 
@@ -56,8 +56,19 @@ def test_tied_head_is_gguf_q8_0_of_the_embedding(tied_pair, rows: int) -> None:
     plain, quantized = (loaded.model for loaded in tied_pair)
     table = plain.model.embed_tokens.weight
     assert isinstance(quantized.lm_head.method, GgufLinearMethod) and quantized.lm_head.method.qtype == "Q8_0"
-    assert torch.equal(quantized.model.embed_tokens.weight, table)  # lookups read the table as stored
     _check_head(quantized.lm_head, _q8_0_reference(table), rows)
+
+
+def test_a_tied_model_looks_tokens_up_in_the_heads_blocks(tied_pair) -> None:
+    plain, quantized = (loaded.model for loaded in tied_pair)
+    table = plain.model.embed_tokens.weight
+    embedding = quantized.model.embed_tokens
+    assert isinstance(embedding, PackedEmbedding) and embedding.weight is quantized.lm_head.weight  # one table
+    ids = torch.tensor([0, 1, 17, 4096, table.shape[0] - 1, 17])
+    want = _q8_0_reference(table)[ids].to(plain.model.embed_tokens(ids).dtype)
+    assert torch.equal(embedding(ids), want)  # rows as gguf rounds them, in the compute dtype
+    vocab_sized = [p for p in quantized.parameters() if p.shape[0] == table.shape[0]]
+    assert vocab_sized and all(p.dtype == torch.uint8 for p in vocab_sized)  # no 16-bit table held beside them
 
 
 def test_untied_16_bit_head_of_an_awq_checkpoint() -> None:

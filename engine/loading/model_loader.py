@@ -23,7 +23,7 @@ from pagedserve.kernels.cpu import packed as cpu_packed
 from pagedserve.kernels.cpu.isa import IsaError
 from pagedserve.kernels.cpu.native import NativeBuildError
 from pagedserve.quant.base import QuantConfig, QuantConfigError
-from pagedserve.quant.head_quant import quantized_head, resolve_head_quantization
+from pagedserve.quant.head_quant import quantize_lm_head, resolve_head_quantization
 from pagedserve.quant.linear import QuantLinear
 from pagedserve.quant.registry import quant_config_for
 
@@ -110,7 +110,7 @@ def load_model(path: Path, dtype: torch.dtype | None, quantization: str | None, 
     head_format = resolve_head_quantization(lm_head_quantization, quant, getattr(model, "lm_head", None), device,
                                             _packed_kernels_build)
     if head_format != "none":
-        model.lm_head = _quantized_head(model.lm_head)
+        _quantize_lm_head(model)
         logger.info("LM head multiplied from %s blocks made at load (lm_head_quantization=%s; none keeps it as "
                     "stored)", head_format, lm_head_quantization)
     _process_linear_layers(model)
@@ -194,10 +194,10 @@ def _packed_kernels_build() -> bool:
         return False
 
 
-def _quantized_head(head: nn.Module) -> nn.Module:
+def _quantize_lm_head(model: nn.Module) -> None:
     try:
         cpu_packed.build()
-        return quantized_head(head)
+        quantize_lm_head(model)
     except NativeBuildError as exc:
         raise ModelLoadError(f"lm_head_quantization: the packed kernels do not build here ({exc})") from None
     except QuantConfigError as exc:
