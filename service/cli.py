@@ -50,7 +50,8 @@ _ENGINE_HELP = {
     "gguf_weights": "GGUF files: packed keeps the file's quantized blocks and computes from them (CPU), dequantized "
                     "expands them into the compute dtype at load (auto: packed on CPU)",
     "lm_head_quantization": "CPU: q8_0 multiplies an unquantized LM head from int8 blocks made at load, as a GGUF "
-                            "file holds it: ~half the head's bytes per token, its weights rounded; auto (default): "
+                            "file holds it: ~half the head's bytes per token, its weights rounded (a tied model looks tokens up in "
+                            "the same blocks); auto (default): "
                             "q8_0 for GPTQ/AWQ checkpoints on CPU, none otherwise; none: the head as stored",
     "attention_backend": "attention implementation (native: CPU only)",
     "layer_ops": "norm/SiLU/RoPE math (auto: native C for 16-bit CPU models; torch with --attention-backend torch)",
