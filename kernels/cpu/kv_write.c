@@ -2,10 +2,12 @@
  * kernels/native_attention.py): each new token's K and V rows copied into their slots of the head-major storage.
  *
  * Why C: torch's advanced-index assignment (storage[:, slots] = rows) costs ~26 us per tensor and layer at decode
- * sizes, most of it dispatch and index checking, for a few KB of copies. FP8 caches, which quantize, keep the torch
- * path. Slots are checked against the storage here, so a bad slot is an error, not a stray write.
+ * sizes, most of it dispatch and index checking, for a few KB of copies. int8 and FP8 caches quantize here too (and
+ * the 8-bit gather of long prefill chunks reads them back). Slots are checked against the storage here, so a bad
+ * slot is an error, not a stray write.
  */
 #include "isa.h"
+#include "kv_fp8.h"
 #include "native.h"
 
 /* key/value: [T, Hkv, D] rows with the given token strides (elements), heads dense; storage: [Hkv, slots, D]. */
@@ -112,7 +114,8 @@ int pagedserve_gather_kv(const char *storage, int kv_dt, const _Float16 *row_sca
 
 /* |x| <= the format's largest finite value (the caller clamps), rounded to nearest even as torch's fp32 -> FP8 cast
  * rounds: normals by rounding fp32's mantissa to `mant` bits, subnormals (below 2^(1 - bias)) as a multiple of their
- * step. e4m3: bias 7, 3 mantissa bits; e5m2: bias 15, 2 bits. */
+ * step. e4m3: bias 7, 3 mantissa bits; e5m2: bias 15, 2 bits. The lanes past a multiple of 16 (kv_fp8.h has the
+ * 16-lane form). */
 static inline uint8_t fp8_bits(float x, int e4m3) {
     const int mant = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
     uint32_t u;
@@ -127,9 +130,20 @@ static inline uint8_t fp8_bits(float x, int e4m3) {
     return sign | (uint8_t)((((u >> 23) - 127 + bias) << mant) | ((u >> drop) & ((1u << mant) - 1)));
 }
 
-/* The KV write of an FP8 cache: each value divided by its head's scale (IEEE division), clamped to the finite range
- * and rounded to nearest even, byte for byte kv_quant.quantize_for_cache + the torch store (which took five passes
- * and an index_put per tensor: an FP8 prefill's largest extra cost after the gather). */
+/* One row of head_dim values of dtype src_dt divided by `scale` (IEEE division), clamped and rounded into dst. */
+static void fp8_row(const char *src, int src_dt, float scale, int64_t head_dim, int e4m3, uint8_t *dst) {
+    const float limit = e4m3 ? 448.0f : 57344.0f;
+    int64_t d = 0;
+    for (; d + 16 <= head_dim; d += 16) fp8_store16(load16(src, d / 16, src_dt) / scale, e4m3, dst + d);
+    for (; d < head_dim; d++) {
+        const float a = load_at(src, d, src_dt) / scale;
+        dst[d] = fp8_bits(a > limit ? limit : a < -limit ? -limit : a, e4m3);
+    }
+}
+
+/* The KV write of an FP8 cache: each value divided by its head's scale, clamped to the finite range and rounded to
+ * nearest even, byte for byte kv_quant.quantize_for_cache + the torch store (which took five passes and an
+ * index_put per tensor: an FP8 prefill's largest extra cost after the gather). */
 int pagedserve_write_kv_fp8(const char *key, int64_t key_stride, const char *value, int64_t value_stride, int src_dt,
                             int kv_dt, uint8_t *k_storage, uint8_t *v_storage, const float *k_scale,
                             const float *v_scale, const int64_t *slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
@@ -137,19 +151,13 @@ int pagedserve_write_kv_fp8(const char *key, int64_t key_stride, const char *val
     for (int64_t t = 0; t < num_tokens; t++)
         if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots) return -1;
     const int e4m3 = kv_dt == DT_E4M3;
-    const float limit = e4m3 ? 448.0f : 57344.0f;
     const int64_t elem = elem_size(src_dt);
     for (int64_t t = 0; t < num_tokens; t++)
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t at = (h * num_slots + slot_mapping[t]) * head_dim;
-            const char *k = key + (t * key_stride + h * head_dim) * elem, *v = value + (t * value_stride + h * head_dim) * elem;
-            for (int64_t d = 0; d < head_dim; d++) {
-                float a = load_at(k, d, src_dt) / k_scale[h], b = load_at(v, d, src_dt) / v_scale[h];
-                a = a > limit ? limit : a < -limit ? -limit : a;
-                b = b > limit ? limit : b < -limit ? -limit : b;
-                k_storage[at + d] = fp8_bits(a, e4m3);
-                v_storage[at + d] = fp8_bits(b, e4m3);
-            }
+            fp8_row(key + (t * key_stride + h * head_dim) * elem, src_dt, k_scale[h], head_dim, e4m3, k_storage + at);
+            fp8_row(value + (t * value_stride + h * head_dim) * elem, src_dt, v_scale[h], head_dim, e4m3,
+                    v_storage + at);
         }
     return 0;
 }
