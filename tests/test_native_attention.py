@@ -241,14 +241,18 @@ def test_draft_rows_over_several_key_chunks_equal_rows_alone(threads):
     assert torch.equal(together, alone)
 
 
+@pytest.mark.parametrize("tier", cpu_tiers.params(cpu_tiers.CORE))
 @pytest.mark.parametrize("kv_dtype", [KVDtype.INT8, KVDtype.FP8_E4M3, KVDtype.FP8_E5M2])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_native_8_bit_gather_equals_torch(kv_dtype: KVDtype, out_dtype: torch.dtype) -> None:
-    """The long prefill's native gather of an 8-bit cache (int8 row scales, FP8 head scales) returns kv_quant.gather_kv's
-    values bit for bit, tiles in any order and repeated, head dim 80 (five 16-lane groups); a tile outside the
-    cache is refused."""
+def test_native_8_bit_gather_equals_torch(kv_dtype: KVDtype, out_dtype: torch.dtype, tier: str, monkeypatch) -> None:
+    """The long prefill's native gather of an 8-bit cache (int8 row scales, FP8 head scales, FP8 widened through
+    fp16 bits) returns kv_quant.gather_kv's values bit for bit at each ISA tier, tiles in any order and repeated,
+    head dim 80 (five 16-lane groups); a tile outside the cache is refused."""
     from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec
     from pagedserve.kernels.kv_quant import gather_kv, head_tiles, store_kv
+
+    tier_library = cpu_native.load_library(tier)
+    monkeypatch.setattr(cpu_native, "load_library", lambda *_: tier_library)
 
     gen = torch.Generator().manual_seed(5)
     cache = KVCache(KVCacheSpec(1, 3, 80, 8, kv_dtype), 7, CPU).layers[0]

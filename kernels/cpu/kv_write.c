@@ -7,6 +7,7 @@
  * slot is an error, not a stray write.
  */
 #include "isa.h"
+#include "kv_dot.h"
 #include "kv_fp8.h"
 #include "native.h"
 
@@ -100,13 +101,24 @@ int pagedserve_gather_kv(const char *storage, int kv_dt, const _Float16 *row_sca
     const size_t in_row = (size_t)head_dim * elem_size(kv_dt), out_row = (size_t)head_dim * elem_size(out_dt);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t j = 0; j < count; j++) {
-        const float head = kv_dt == DT_I8 ? 1.0f : head_scales[j / per_head];
+        if (kv_dt == DT_I8) {
+            for (int64_t r = 0; r < block_size; r++) {
+                const int64_t slot = tiles[j] * block_size + r;
+                const char *row = storage + (size_t)slot * in_row;
+                char *dst = out + (size_t)(j * block_size + r) * out_row;
+                const float scale = (float)row_scales[slot];
+                for (int64_t c = 0; c < chunks; c++) store16(dst, c, out_dt, load16(row, c, kv_dt) * scale);
+            }
+            continue;
+        }
+        /* FP8 through fp16 bits (kv_row16: one conversion per 16 lanes where load16 takes a shift, a mask and a
+         * multiply more), its power of two folded into the head's scale: 2^8 x scale is exact, so each value is
+         * still rounded once, to the same bits. */
+        const float head = head_scales[j / per_head] * kv_row16_factor(kv_dt);
         for (int64_t r = 0; r < block_size; r++) {
-            const int64_t slot = tiles[j] * block_size + r;
-            const char *row = storage + (size_t)slot * in_row;
+            const char *row = storage + (size_t)(tiles[j] * block_size + r) * in_row;
             char *dst = out + (size_t)(j * block_size + r) * out_row;
-            const float scale = kv_dt == DT_I8 ? (float)row_scales[slot] : head;
-            for (int64_t c = 0; c < chunks; c++) store16(dst, c, out_dt, load16(row, c, kv_dt) * scale);
+            for (int64_t c = 0; c < chunks; c++) store16(dst, c, out_dt, kv_row16(row, c, kv_dt) * head);
         }
     }
     return 0;
