@@ -87,7 +87,28 @@ int pagedserve_write_kv_int8(const char *key, int64_t key_stride, const char *va
     return 0;
 }
 
-/* The prefill's SDPA path reads an 8-bit cache back: tiles[j] (j = h * per_head + i, rows of the storage viewed as
+/* One tile's rows dequantized into dst: int8 times each row's scale; FP8 through fp16 bits (kv_row16: one
+ * conversion per 16 lanes, where load16 takes a shift, a mask and a multiply more, and an fp32 subnormal, which costs
+ * the multiply a microcode assist, for each e4m3 subnormal), its power of two folded into the head's scale: 2^8 x
+ * scale is exact, so each value is still rounded once, to the same bits. Inlined with constant dtypes for the long
+ * prefill's bf16: its loads and stores then carry no dtype branches (benchmarks/kv_write_ab.py). */
+INLINE void gather_tile(const char *storage, const _Float16 *row_scales, float head, int64_t tile, int64_t block_size,
+                        int64_t chunks, char *dst, const int kv_dt, const int out_dt) {
+    const size_t in_row = (size_t)16 * chunks * elem_size(kv_dt), out_row = (size_t)16 * chunks * elem_size(out_dt);
+    for (int64_t r = 0; r < block_size; r++) {
+        const int64_t slot = tile * block_size + r;
+        const char *row = storage + (size_t)slot * in_row;
+        char *out = dst + (size_t)r * out_row;
+        if (kv_dt == DT_I8) {
+            const float scale = (float)row_scales[slot];
+            for (int64_t c = 0; c < chunks; c++) store16(out, c, out_dt, load16(row, c, kv_dt) * scale);
+        } else {
+            for (int64_t c = 0; c < chunks; c++) store16(out, c, out_dt, kv_row16(row, c, kv_dt) * head);
+        }
+    }
+}
+
+/* The prefill reads an 8-bit cache back for long chunks: tiles[j] (j = h * per_head + i, rows of the storage viewed as
  * [Hkv * num_blocks, block_size, D]) dequantized into out [Hkv, per_head * block_size, D] of a compute dtype, each
  * value times its row's scale (int8) or its head's (FP8) in fp32 and rounded once, bit for bit kv_quant.gather_kv.
  * One pass where torch took five (index_select, widen, scale, multiply, narrow), each a trip over memory and an
@@ -98,28 +119,17 @@ int pagedserve_gather_kv(const char *storage, int kv_dt, const _Float16 *row_sca
     const int64_t count = per_head * num_kv_heads, chunks = head_dim / 16;
     for (int64_t j = 0; j < count; j++)
         if (tiles[j] < 0 || tiles[j] >= num_tiles) return -1;
-    const size_t in_row = (size_t)head_dim * elem_size(kv_dt), out_row = (size_t)head_dim * elem_size(out_dt);
+    const size_t out_tile = (size_t)block_size * head_dim * elem_size(out_dt);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t j = 0; j < count; j++) {
-        if (kv_dt == DT_I8) {
-            for (int64_t r = 0; r < block_size; r++) {
-                const int64_t slot = tiles[j] * block_size + r;
-                const char *row = storage + (size_t)slot * in_row;
-                char *dst = out + (size_t)(j * block_size + r) * out_row;
-                const float scale = (float)row_scales[slot];
-                for (int64_t c = 0; c < chunks; c++) store16(dst, c, out_dt, load16(row, c, kv_dt) * scale);
-            }
-            continue;
-        }
-        /* FP8 through fp16 bits (kv_row16: one conversion per 16 lanes where load16 takes a shift, a mask and a
-         * multiply more), its power of two folded into the head's scale: 2^8 x scale is exact, so each value is
-         * still rounded once, to the same bits. */
-        const float head = head_scales[j / per_head] * kv_row16_factor(kv_dt);
-        for (int64_t r = 0; r < block_size; r++) {
-            const char *row = storage + (size_t)(tiles[j] * block_size + r) * in_row;
-            char *dst = out + (size_t)(j * block_size + r) * out_row;
-            for (int64_t c = 0; c < chunks; c++) store16(dst, c, out_dt, kv_row16(row, c, kv_dt) * head);
-        }
+        const float head = kv_dt == DT_I8 ? 1.0f : head_scales[j / per_head] * kv_row16_factor(kv_dt);
+        char *dst = out + (size_t)j * out_tile;
+        if (out_dt == DT_BF16 && kv_dt == DT_I8)
+            gather_tile(storage, row_scales, head, tiles[j], block_size, chunks, dst, DT_I8, DT_BF16);
+        else if (out_dt == DT_BF16 && kv_dt == DT_E4M3)
+            gather_tile(storage, row_scales, head, tiles[j], block_size, chunks, dst, DT_E4M3, DT_BF16);
+        else
+            gather_tile(storage, row_scales, head, tiles[j], block_size, chunks, dst, kv_dt, out_dt);
     }
     return 0;
 }
