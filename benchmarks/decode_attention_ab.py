@@ -60,8 +60,8 @@ def _build(sources: dict[str, str], folder: Path, name: str, defines: tuple[str,
 def _sources(rev: str | None) -> dict[str, str]:
     """The decode attention's C files and the headers they include, at `rev` (None: this tree), under the names they
     include each other by (kernels/cpu/NAME; revisions before that folder: kernels/cpu_NAME)."""
-    names = ("isa.h", "native.h", "kv_dot.h", "decode_attention.h", "decode_attention.c", "decode_chunks.h",
-             "decode_tasks.c")
+    names = ("isa.h", "native.h", "kv_dot.h", "kv_values.h", "decode_attention.h", "decode_attention.c",
+             "decode_chunks.h", "decode_tasks.c")
     out = {}
     for name in names:
         if rev is None:

@@ -241,14 +241,18 @@ def test_draft_rows_over_several_key_chunks_equal_rows_alone(threads):
     assert torch.equal(together, alone)
 
 
+@pytest.mark.parametrize("tier", cpu_tiers.params(cpu_tiers.CORE))
 @pytest.mark.parametrize("kv_dtype", [KVDtype.INT8, KVDtype.FP8_E4M3, KVDtype.FP8_E5M2])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_native_8_bit_gather_equals_torch(kv_dtype: KVDtype, out_dtype: torch.dtype) -> None:
-    """The long prefill's native gather of an 8-bit cache (int8 row scales, FP8 head scales) returns kv_quant.gather_kv's
-    values bit for bit, tiles in any order and repeated, head dim 80 (five 16-lane groups); a tile outside the
-    cache is refused."""
+def test_native_8_bit_gather_equals_torch(kv_dtype: KVDtype, out_dtype: torch.dtype, tier: str, monkeypatch) -> None:
+    """The long prefill's native gather of an 8-bit cache (int8 row scales, FP8 head scales, FP8 widened through
+    fp16 bits) returns kv_quant.gather_kv's values bit for bit at each ISA tier, tiles in any order and repeated,
+    head dim 80 (five 16-lane groups); a tile outside the cache is refused."""
     from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec
     from pagedserve.kernels.kv_quant import gather_kv, head_tiles, store_kv
+
+    tier_library = cpu_native.load_library(tier)
+    monkeypatch.setattr(cpu_native, "load_library", lambda *_: tier_library)
 
     gen = torch.Generator().manual_seed(5)
     cache = KVCache(KVCacheSpec(1, 3, 80, 8, kv_dtype), 7, CPU).layers[0]
@@ -265,25 +269,31 @@ def test_native_8_bit_gather_equals_torch(kv_dtype: KVDtype, out_dtype: torch.dt
         cpu_native.gather_kv_8bit(cache, torch.tensor([0, 21, 3], dtype=torch.int64), out_dtype)
 
 
+@pytest.mark.parametrize("tier", cpu_tiers.params(cpu_tiers.CORE))
+@pytest.mark.parametrize("head_dim", [64, 72])
 @pytest.mark.parametrize("kv_dtype", [KVDtype.FP8_E4M3, KVDtype.FP8_E5M2])
-def test_native_fp8_write_rounds_every_tie_like_torch(kv_dtype: KVDtype) -> None:
-    """The native FP8 write against the torch store byte for byte: every finite value of the format, the midpoints
-    between neighbours (ties to even), subnormals, values past the range (saturated), zeros and NaN; fp32 rows
-    with scale 1 (exact ties) and bf16 rows over a head scale that is not a power of two."""
+def test_native_fp8_write_rounds_every_tie_like_torch(kv_dtype: KVDtype, head_dim: int, tier: str,
+                                                      monkeypatch) -> None:
+    """The native FP8 write (16 lanes at a time, head dim 72's last 8 lanes one by one) against the torch store byte
+    for byte at each ISA tier: every finite value of the format, the midpoints between neighbours (ties to even),
+    subnormals, values past the range (saturated), zeros and NaN; fp32 rows with scale 1 (exact ties) and bf16 rows
+    over a head scale that is not a power of two."""
     from pagedserve.kernels.kv_cache import KVCache, KVCacheSpec
 
+    tier_library = cpu_native.load_library(tier)
+    monkeypatch.setattr(cpu_native, "load_library", lambda *_: tier_library)
     values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(kv_dtype.torch_dtype).float()
     finite = values[values.isfinite()].unique()  # sorted
     mids = (finite[1:] + finite[:-1]) / 2
     extra = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 5e4, -5e4, 1e6, -1e6, float("nan"), float("inf"), -float("inf")])
     flat = torch.cat([finite, mids, mids * 1.0000001, extra])
-    rows = torch.nn.functional.pad(flat, (0, -flat.numel() % 128)).view(-1, 2, 64)
+    rows = torch.nn.functional.pad(flat, (0, -flat.numel() % (2 * head_dim))).view(-1, 2, head_dim)
     for dtype, head_scale in ((torch.float32, 1.0), (torch.bfloat16, 0.37)):
         x = rows.to(dtype) * (head_scale if dtype == torch.bfloat16 else 1.0)
         slots = torch.arange(x.shape[0], dtype=torch.int64)
         caches = []
         for impl in (select_attention_impl("torch", CPU), NativeCpuAttention()):
-            cache = KVCache(KVCacheSpec(1, 2, 64, 16, kv_dtype), -(-x.shape[0] // 16), CPU).layers[0]
+            cache = KVCache(KVCacheSpec(1, 2, head_dim, 16, kv_dtype), -(-x.shape[0] // 16), CPU).layers[0]
             cache.k_scale.fill_(head_scale), cache.v_scale.fill_(head_scale / 3)
             impl.write_kv(x, -x, cache, slots)
             caches.append(cache)

@@ -138,6 +138,21 @@ INLINE f32x16 kv_row16(const void *row, int64_t c, int dt) {
 #endif
 }
 
+/* Lanes [32p, 32p + 32) of an FP8 row as two kv_row16 results: with AVX-512 one 32-lane sign extension, shift and
+ * mask for both halves (then two conversions), where two kv_row16 calls take two of each. */
+INLINE void kv_row32(const void *row, int64_t p, int dt, f32x16 *lo, f32x16 *hi) {
+#if defined(PS_AVX512)
+    const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)((const int8_t *)row + 32 * p)));
+    const __m512i half = dt == DT_E4M3 ? _mm512_and_si512(_mm512_slli_epi16(w, 7), _mm512_set1_epi16((short)0xBF80))
+                                       : _mm512_slli_epi16(w, 8);
+    *lo = (f32x16)_mm512_cvtph_ps(_mm512_castsi512_si256(half));
+    *hi = (f32x16)_mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
+#else
+    *lo = kv_row16(row, 2 * p, dt);
+    *hi = kv_row16(row, 2 * p + 1, dt);
+#endif
+}
+
 /* The power of two kv_row16 takes out of an FP8 row's values. */
 INLINE float kv_row16_factor(int dt) { return dt == DT_E4M3 ? 256.0f : 1.0f; }
 

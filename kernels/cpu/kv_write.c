@@ -2,10 +2,13 @@
  * kernels/native_attention.py): each new token's K and V rows copied into their slots of the head-major storage.
  *
  * Why C: torch's advanced-index assignment (storage[:, slots] = rows) costs ~26 us per tensor and layer at decode
- * sizes, most of it dispatch and index checking, for a few KB of copies. FP8 caches, which quantize, keep the torch
- * path. Slots are checked against the storage here, so a bad slot is an error, not a stray write.
+ * sizes, most of it dispatch and index checking, for a few KB of copies. int8 and FP8 caches quantize here too (and
+ * the 8-bit gather of long prefill chunks reads them back). Slots are checked against the storage here, so a bad
+ * slot is an error, not a stray write.
  */
 #include "isa.h"
+#include "kv_dot.h"
+#include "kv_fp8.h"
 #include "native.h"
 
 /* key/value: [T, Hkv, D] rows with the given token strides (elements), heads dense; storage: [Hkv, slots, D]. */
@@ -84,7 +87,28 @@ int pagedserve_write_kv_int8(const char *key, int64_t key_stride, const char *va
     return 0;
 }
 
-/* The prefill's SDPA path reads an 8-bit cache back: tiles[j] (j = h * per_head + i, rows of the storage viewed as
+/* One tile's rows dequantized into dst: int8 times each row's scale; FP8 through fp16 bits (kv_row16: one
+ * conversion per 16 lanes, where load16 takes a shift, a mask and a multiply more, and an fp32 subnormal, which costs
+ * the multiply a microcode assist, for each e4m3 subnormal), its power of two folded into the head's scale: 2^8 x
+ * scale is exact, so each value is still rounded once, to the same bits. Inlined with constant dtypes for the long
+ * prefill's bf16: its loads and stores then carry no dtype branches (benchmarks/kv_write_ab.py). */
+INLINE void gather_tile(const char *storage, const _Float16 *row_scales, float head, int64_t tile, int64_t block_size,
+                        int64_t chunks, char *dst, const int kv_dt, const int out_dt) {
+    const size_t in_row = (size_t)16 * chunks * elem_size(kv_dt), out_row = (size_t)16 * chunks * elem_size(out_dt);
+    for (int64_t r = 0; r < block_size; r++) {
+        const int64_t slot = tile * block_size + r;
+        const char *row = storage + (size_t)slot * in_row;
+        char *out = dst + (size_t)r * out_row;
+        if (kv_dt == DT_I8) {
+            const float scale = (float)row_scales[slot];
+            for (int64_t c = 0; c < chunks; c++) store16(out, c, out_dt, load16(row, c, kv_dt) * scale);
+        } else {
+            for (int64_t c = 0; c < chunks; c++) store16(out, c, out_dt, kv_row16(row, c, kv_dt) * head);
+        }
+    }
+}
+
+/* The prefill reads an 8-bit cache back for long chunks: tiles[j] (j = h * per_head + i, rows of the storage viewed as
  * [Hkv * num_blocks, block_size, D]) dequantized into out [Hkv, per_head * block_size, D] of a compute dtype, each
  * value times its row's scale (int8) or its head's (FP8) in fp32 and rounded once, bit for bit kv_quant.gather_kv.
  * One pass where torch took five (index_select, widen, scale, multiply, narrow), each a trip over memory and an
@@ -95,24 +119,25 @@ int pagedserve_gather_kv(const char *storage, int kv_dt, const _Float16 *row_sca
     const int64_t count = per_head * num_kv_heads, chunks = head_dim / 16;
     for (int64_t j = 0; j < count; j++)
         if (tiles[j] < 0 || tiles[j] >= num_tiles) return -1;
-    const size_t in_row = (size_t)head_dim * elem_size(kv_dt), out_row = (size_t)head_dim * elem_size(out_dt);
+    const size_t out_tile = (size_t)block_size * head_dim * elem_size(out_dt);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t j = 0; j < count; j++) {
-        const float head = kv_dt == DT_I8 ? 1.0f : head_scales[j / per_head];
-        for (int64_t r = 0; r < block_size; r++) {
-            const int64_t slot = tiles[j] * block_size + r;
-            const char *row = storage + (size_t)slot * in_row;
-            char *dst = out + (size_t)(j * block_size + r) * out_row;
-            const float scale = kv_dt == DT_I8 ? (float)row_scales[slot] : head;
-            for (int64_t c = 0; c < chunks; c++) store16(dst, c, out_dt, load16(row, c, kv_dt) * scale);
-        }
+        const float head = kv_dt == DT_I8 ? 1.0f : head_scales[j / per_head] * kv_row16_factor(kv_dt);
+        char *dst = out + (size_t)j * out_tile;
+        if (out_dt == DT_BF16 && kv_dt == DT_I8)
+            gather_tile(storage, row_scales, head, tiles[j], block_size, chunks, dst, DT_I8, DT_BF16);
+        else if (out_dt == DT_BF16 && kv_dt == DT_E4M3)
+            gather_tile(storage, row_scales, head, tiles[j], block_size, chunks, dst, DT_E4M3, DT_BF16);
+        else
+            gather_tile(storage, row_scales, head, tiles[j], block_size, chunks, dst, kv_dt, out_dt);
     }
     return 0;
 }
 
 /* |x| <= the format's largest finite value (the caller clamps), rounded to nearest even as torch's fp32 -> FP8 cast
  * rounds: normals by rounding fp32's mantissa to `mant` bits, subnormals (below 2^(1 - bias)) as a multiple of their
- * step. e4m3: bias 7, 3 mantissa bits; e5m2: bias 15, 2 bits. */
+ * step. e4m3: bias 7, 3 mantissa bits; e5m2: bias 15, 2 bits. The lanes past a multiple of 16 (kv_fp8.h has the
+ * 16-lane form). */
 static inline uint8_t fp8_bits(float x, int e4m3) {
     const int mant = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
     uint32_t u;
@@ -127,9 +152,20 @@ static inline uint8_t fp8_bits(float x, int e4m3) {
     return sign | (uint8_t)((((u >> 23) - 127 + bias) << mant) | ((u >> drop) & ((1u << mant) - 1)));
 }
 
-/* The KV write of an FP8 cache: each value divided by its head's scale (IEEE division), clamped to the finite range
- * and rounded to nearest even, byte for byte kv_quant.quantize_for_cache + the torch store (which took five passes
- * and an index_put per tensor: an FP8 prefill's largest extra cost after the gather). */
+/* One row of head_dim values of dtype src_dt divided by `scale` (IEEE division), clamped and rounded into dst. */
+static void fp8_row(const char *src, int src_dt, float scale, int64_t head_dim, int e4m3, uint8_t *dst) {
+    const float limit = e4m3 ? 448.0f : 57344.0f;
+    int64_t d = 0;
+    for (; d + 16 <= head_dim; d += 16) fp8_store16(load16(src, d / 16, src_dt) / scale, e4m3, dst + d);
+    for (; d < head_dim; d++) {
+        const float a = load_at(src, d, src_dt) / scale;
+        dst[d] = fp8_bits(a > limit ? limit : a < -limit ? -limit : a, e4m3);
+    }
+}
+
+/* The KV write of an FP8 cache: each value divided by its head's scale, clamped to the finite range and rounded to
+ * nearest even, byte for byte kv_quant.quantize_for_cache + the torch store (which took five passes and an
+ * index_put per tensor: an FP8 prefill's largest extra cost after the gather). */
 int pagedserve_write_kv_fp8(const char *key, int64_t key_stride, const char *value, int64_t value_stride, int src_dt,
                             int kv_dt, uint8_t *k_storage, uint8_t *v_storage, const float *k_scale,
                             const float *v_scale, const int64_t *slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
@@ -137,19 +173,13 @@ int pagedserve_write_kv_fp8(const char *key, int64_t key_stride, const char *val
     for (int64_t t = 0; t < num_tokens; t++)
         if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots) return -1;
     const int e4m3 = kv_dt == DT_E4M3;
-    const float limit = e4m3 ? 448.0f : 57344.0f;
     const int64_t elem = elem_size(src_dt);
     for (int64_t t = 0; t < num_tokens; t++)
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t at = (h * num_slots + slot_mapping[t]) * head_dim;
-            const char *k = key + (t * key_stride + h * head_dim) * elem, *v = value + (t * value_stride + h * head_dim) * elem;
-            for (int64_t d = 0; d < head_dim; d++) {
-                float a = load_at(k, d, src_dt) / k_scale[h], b = load_at(v, d, src_dt) / v_scale[h];
-                a = a > limit ? limit : a < -limit ? -limit : a;
-                b = b > limit ? limit : b < -limit ? -limit : b;
-                k_storage[at + d] = fp8_bits(a, e4m3);
-                v_storage[at + d] = fp8_bits(b, e4m3);
-            }
+            fp8_row(key + (t * key_stride + h * head_dim) * elem, src_dt, k_scale[h], head_dim, e4m3, k_storage + at);
+            fp8_row(value + (t * value_stride + h * head_dim) * elem, src_dt, v_scale[h], head_dim, e4m3,
+                    v_storage + at);
         }
     return 0;
 }
