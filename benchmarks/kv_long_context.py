@@ -92,8 +92,13 @@ def main() -> None:
             print(json.dumps({"round": r, **runs[kv][-1]}), flush=True)
     rows = [median_row(runs[kv], max(len(p) for p in prompts) + args.output_tokens) for kv in args.kv]
     base = rows[0]["total_tokens_per_s"]
-    for row in rows:
+    first = runs[args.kv[0]]
+    for kv, row in zip(args.kv, rows):
         row["tokens_per_s_vs_first"] = row["total_tokens_per_s"] / base
+        # Each round against the first dtype's run of the same round: the VM's rate drifts by tens of percent over
+        # minutes, which a ratio of medians taken from different rounds carries and these do not.
+        row["vs_first_per_round"] = [r["total_tokens_per_s"] / f["total_tokens_per_s"] for r, f in zip(runs[kv], first)]
+        row["vs_first_median_of_rounds"] = statistics.median(row["vs_first_per_round"])
         print(json.dumps({k: v for k, v in row.items() if k != "rounds"}), flush=True)
     result = {**host_info(), "label": args.label, "args": vars(args), "rows": rows}
     if args.json:
