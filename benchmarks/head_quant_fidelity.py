@@ -12,8 +12,7 @@ hold `token_embd` in Q8_0), so rounding it again changes nothing; this option wr
 the default model's fp32 checkpoint with each embedding value moved by a seeded uniform offset within half its
 block's Q8_0 step: a table whose Q8_0 rounding error is what an HF checkpoint's would be. Prints one JSON line per
 variant: top-1 agreement with the 16-bit head, perplexity and its relative change, the mean KL divergence from the
-16-bit head's distribution, the largest logit difference,
-the CPU model.
+16-bit head's distribution, the largest logit difference, the CPU model.
 """
 
 from __future__ import annotations
