@@ -46,7 +46,7 @@ class StepLayer(ctypes.Structure):
 class StepModel(ctypes.Structure):
     _fields_ = [(name, _i64) for name in ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads",
                                           "head_dim", "num_blocks", "block_size", "vocab", "max_positions")] + [
-        ("eps", _f32), ("attn_scale", _f32), ("fp8_max", _f32), ("norm_dtype", _int),
+        ("eps", _f32), ("attn_scale", _f32), ("norm_dtype", _int),
         ("kv_dtype", _int), ("cos", _p), ("signed_sin", _p), ("final_norm", _p), ("layers", _p),
         ("lm_head", PsLinear)]
 
@@ -92,7 +92,7 @@ class NativeDecodeStep:
         self._model = StepModel(
             len(stack.layers), stack.hidden_size, stack.intermediate_size, stack.num_heads, stack.num_kv_heads,
             stack.head_dim, cache.num_blocks, spec.block_size, self.vocab, stack.cos.shape[0],
-            stack.eps, stack.head_dim**-0.5, spec.dtype.fp8_max if spec.dtype.is_fp8 else 0.0,
+            stack.eps, stack.head_dim**-0.5,
             dtype_code(stack.final_norm.dtype), dtype_code(spec.dtype.torch_dtype), stack.cos.data_ptr(), stack.signed_sin.data_ptr(), stack.final_norm.data_ptr(),
             ctypes.addressof(self._layers), head.as_struct(),
         )

@@ -103,10 +103,7 @@ void span_keys(const DecodeArgs *a, const Span *sp, int64_t *lo, int64_t *hi) {
             const int64_t n = k->k1 - t0 < bs ? k->k1 - t0 : bs, tlo = t0 < k->k0 ? k->k0 - t0 : 0;                  \
             for (int64_t i = tlo; i < n; i++) {                                                                      \
                 f32x16 v[CH];                                                                                        \
-                if (fp8_pairs)                                                                                       \
-                    for (int64_t c = 0; c < CH; c += 2) kv_row32(tile + i * kv_row, c / 2, kv_dt, &v[c], &v[c + 1]); \
-                else                                                                                                 \
-                    for (int64_t c = 0; c < CH; c++) v[c] = kv_row16(tile + i * kv_row, c, kv_dt);                  \
+                kv_widen_row(tile + i * kv_row, CH, kv_dt, v);                                                       \
                 for (int b = 0; b < nq; b++) {                                                                       \
                     const float pb = scores[(qq0 + b) * KEY_CHUNK + t0 + i - k->k0];                                 \
                     for (int64_t c = 0; c < CH; c++) acc[b][c] += pb * v[c];                                         \
@@ -120,7 +117,6 @@ INLINE void chunk_values(const DecodeArgs *a, const Keys *k, int64_t h, const fl
                          int64_t qq0, const int nq, const int64_t chunks, const int kv_dt) {
     const int64_t bs = a->block_size, dim = 16 * chunks, stride = partial_stride(dim);
     const size_t kv_row = (size_t)dim * elem_size(kv_dt);
-    const int fp8_pairs = (kv_dt == DT_E4M3 || kv_dt == DT_E5M2) && chunks % 2 == 0;  /* FP8 rows 32 lanes at a time */
     if (chunks == 4) CHUNK_VALUES(4);          /* head_dim 64 */
     else if (chunks == 8) CHUNK_VALUES(8);     /* head_dim 128 */
     else CHUNK_VALUES(chunks);                 /* other multiples of 16: the runtime count */
@@ -145,11 +141,7 @@ INLINE void score16(const char *tile, const char *next_k, const char *v_tile, in
             __builtin_prefetch(next_k + (i0 + i) * kv_row + line);
             __builtin_prefetch(v_tile + (i0 + i) * kv_row + line);
         }
-        const char *row = tile + (i0 + i) * kv_row;
-        if ((kv_dt == DT_E4M3 || kv_dt == DT_E5M2) && chunks % 2 == 0)  /* FP8 rows 32 lanes at a time */
-            for (int64_t c = 0; c < chunks; c += 2) kv_row32(row, c / 2, kv_dt, &kf[i][c], &kf[i][c + 1]);
-        else
-            for (int64_t c = 0; c < chunks; c++) kf[i][c] = kv_row16(tile + (i0 + i) * kv_row, c, kv_dt);
+        kv_widen_row(tile + (i0 + i) * kv_row, chunks, kv_dt, kf[i]);
     }
     for (int64_t qq = 0; qq < nq; qq++) {
         f32x16 dots[16];

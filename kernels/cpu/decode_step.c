@@ -37,7 +37,7 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, num_blocks, block_size, vocab;
     int64_t max_positions;
-    float eps, attn_scale, fp8_max;
+    float eps, attn_scale;
     int norm_dtype, kv_dtype;
     const float *cos, *signed_sin;              /* [max_positions, D] fp32, sin's first half negated */
     const void *final_norm;
@@ -59,52 +59,19 @@ PS_SIZEOF(step_model, StepModel)
 PS_SIZEOF(step_batch, StepBatch)
 PS_SIZEOF(linear, ps_linear)
 
-/* fp32 -> FP8 bits, rounding to nearest even as torch's cast does; |x| must already be clamped to the format's
- * finite range (quantize_for_cache clamps too). mant: mantissa bits (3: e4m3fn, 2: e5m2), bias: exponent bias. */
-static uint8_t f32_to_fp8(float x, int mant, int bias) {
-    const uint8_t sign = signbit(x) ? 0x80 : 0;
-    const float a = fabsf(x);
-    const float min_normal = ldexpf(1.0f, 1 - bias);
-    uint32_t bits;
-    if (a < min_normal) {
-        bits = (uint32_t)nearbyintf(a / ldexpf(1.0f, 1 - bias - mant));  /* == 1 << mant rounds up to the min normal */
-    } else {
-        int e;
-        const float m = frexpf(a, &e) * 2.0f;  /* a = m 2^(e-1), m in [1, 2) */
-        uint32_t q = (uint32_t)nearbyintf((m - 1.0f) * (float)(1 << mant));
-        int exponent = e - 1 + bias;
-        if (q == (1u << mant)) q = 0, exponent++;
-        bits = ((uint32_t)exponent << mant) | q;
-    }
-    return sign | (uint8_t)bits;
-}
-
 /* One K or V row (fp32, already rotated for K) into its slot of head h's tiles, in the cache's dtype. */
 static void store_kv_row(const StepModel *m, void *cache, _Float16 *row_scales, const float *row, float scale,
                          int64_t h, int64_t slot) {
     const int64_t dim = m->head_dim, at = (h * m->num_blocks * m->block_size + slot) * dim;
-    if (m->kv_dtype == DT_I8) {  /* 16 lanes at a time where whole chunks fit its registers: the same bits */
-        if (dim % 16 == 0 && dim <= 256)
+    if (m->kv_dtype == DT_I8) {  /* kv_int8.h / kv_fp8.h: the prefill write's forms, the same bytes */
+        if (int8_row_fits_x16(dim))
             quantize_row_int8_x16((const char *)row, DT_F32, dim / 16, (int8_t *)cache + at, row_scales + at / dim);
         else
             quantize_row_int8(row, dim, (int8_t *)cache + at, row_scales + at / dim);
         return;
     }
     if (m->kv_dtype == DT_E4M3 || m->kv_dtype == DT_E5M2) {
-        /* fp8_store16 is the scalar rounding below on 16 lanes (same bytes): one value at a time through frexpf
-         * and ldexpf cost ~0.07 ms a step per row more than int8's store */
-        const int mant = m->kv_dtype == DT_E4M3 ? 3 : 2, bias = m->kv_dtype == DT_E4M3 ? 7 : 15;
-        int64_t d = 0;
-        for (; d + 16 <= dim; d += 16) {
-            f32x16 x;
-            memcpy(&x, row + d, sizeof x);
-            fp8_store16(x / scale, m->kv_dtype == DT_E4M3, (uint8_t *)cache + at + d);
-        }
-        for (; d < dim; d++) {
-            float v = row[d] / scale;
-            v = v > m->fp8_max ? m->fp8_max : v < -m->fp8_max ? -m->fp8_max : v;
-            ((uint8_t *)cache)[at + d] = f32_to_fp8(v, mant, bias);
-        }
+        fp8_row((const char *)row, DT_F32, scale, dim, m->kv_dtype == DT_E4M3, (uint8_t *)cache + at);
         return;
     }
     for (int64_t d = 0; d < dim; d++) store_at(cache, at + d, m->kv_dtype, row[d]);

@@ -153,6 +153,14 @@ INLINE void kv_row32(const void *row, int64_t p, int dt, f32x16 *lo, f32x16 *hi)
 #endif
 }
 
+/* A whole row of `chunks` 16-lane vectors widened to fp32 (kv_row16's values), FP8 rows two vectors at a time. */
+INLINE void kv_widen_row(const void *row, int64_t chunks, int dt, f32x16 *out) {
+    if ((dt == DT_E4M3 || dt == DT_E5M2) && chunks % 2 == 0)
+        for (int64_t c = 0; c < chunks; c += 2) kv_row32(row, c / 2, dt, &out[c], &out[c + 1]);
+    else
+        for (int64_t c = 0; c < chunks; c++) out[c] = kv_row16(row, c, dt);
+}
+
 /* The power of two kv_row16 takes out of an FP8 row's values. */
 INLINE float kv_row16_factor(int dt) { return dt == DT_E4M3 ? 256.0f : 1.0f; }
 

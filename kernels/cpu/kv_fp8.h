@@ -1,5 +1,5 @@
 /* fp32 -> FP8 (e4m3fn, e5m2) on 16 lanes at once, rounding to nearest even as torch's cast does: the FP8 KV write
- * (kv_write.c), and the one the C decode step can share.
+ * (kv_write.c) and the C decode step's row store (decode_step.c), with the scalar form for a row's last lanes.
  *
  * Why: the scalar rounding (a branch, a rint and field arithmetic per value) made an FP8 cache's write of a
  * 2,048-token prefill chunk 3.5x an int8 cache's (whose rows were already quantized 16 lanes at a time): ~1.4 ms a
@@ -38,6 +38,36 @@ INLINE void fp8_store16(f32x16 x, int e4m3, uint8_t *dst) {
     out = (nan & 0x7fu) | (~nan & out);
     const u8x16 bytes = __builtin_convertvector(out | sign, u8x16);
     memcpy(dst, &bytes, sizeof bytes);
+}
+
+/* |x| <= the format's largest finite value (the caller clamps), rounded to nearest even as torch's fp32 -> FP8 cast
+ * rounds: normals by rounding fp32's mantissa to `mant` bits, subnormals (below 2^(1 - bias)) as a multiple of their
+ * step. e4m3: bias 7, 3 mantissa bits; e5m2: bias 15, 2 bits. The lanes past a multiple of 16 (fp8_store16 above is the
+ * 16-lane form). */
+INLINE uint8_t fp8_bits(float x, int e4m3) {
+    const int mant = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    u &= 0x7fffffffu;
+    if (u > 0x7f800000u) return sign | 0x7f;  /* NaN, as torch casts it to either format */
+    if (u < (uint32_t)(128 - bias) << 23)  /* subnormal (or rounds up to the smallest normal: m == 2^mant) */
+        return sign | (uint8_t)rintf(fabsf(x) * (e4m3 ? 0x1p9f : 0x1p16f));
+    const int drop = 23 - mant;
+    u += (1u << (drop - 1)) - 1 + ((u >> drop) & 1u);
+    return sign | (uint8_t)((((u >> 23) - 127 + bias) << mant) | ((u >> drop) & ((1u << mant) - 1)));
+}
+
+/* One row of head_dim values of dtype src_dt divided by `scale` (IEEE division), clamped and rounded into dst: the
+ * prefill write (kv_write.c) and the C decode step's row store (decode_step.c, fp32 rows). */
+INLINE void fp8_row(const char *src, int src_dt, float scale, int64_t head_dim, int e4m3, uint8_t *dst) {
+    const float limit = e4m3 ? 448.0f : 57344.0f;
+    int64_t d = 0;
+    for (; d + 16 <= head_dim; d += 16) fp8_store16(load16(src, d / 16, src_dt) / scale, e4m3, dst + d);
+    for (; d < head_dim; d++) {
+        const float a = load_at(src, d, src_dt) / scale;
+        dst[d] = fp8_bits(a > limit ? limit : a < -limit ? -limit : a, e4m3);
+    }
 }
 
 #endif

@@ -5,6 +5,9 @@
 
 #include "native.h"
 
+/* Whether a row of `dim` values takes quantize_row_int8_x16: whole 16-lane chunks, at most its 16 registers' worth. */
+INLINE int int8_row_fits_x16(int64_t dim) { return dim % 16 == 0 && dim <= 256; }
+
 /* quantize_row_int8 on 16 lanes at a time, the same bits: the amax is exact, the scale computed once as there, each
  * value divided (IEEE, as the scalar division) and rounded to nearest even by adding and subtracting 1.5 * 2^23
  * (exact for |y| < 2^22; larger quotients, only when the scale saturates, clamp to 127 either way). The scalar loop

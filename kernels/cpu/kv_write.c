@@ -44,7 +44,7 @@ int pagedserve_write_kv_int8(const char *key, int64_t key_stride, const char *va
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t at = h * num_slots + slot_mapping[t];
             const char *k = key + (t * key_stride + h * head_dim) * elem, *v = value + (t * value_stride + h * head_dim) * elem;
-            if (head_dim % 16 == 0 && head_dim <= 256) {
+            if (int8_row_fits_x16(head_dim)) {
                 quantize_row_int8_x16(k, src_dt, head_dim / 16, k_storage + at * head_dim, k_scales + at);
                 quantize_row_int8_x16(v, src_dt, head_dim / 16, v_storage + at * head_dim, v_scales + at);
                 continue;
@@ -104,35 +104,6 @@ int pagedserve_gather_kv(const char *storage, int kv_dt, const _Float16 *row_sca
             gather_tile(storage, row_scales, head, tiles[j], block_size, chunks, dst, kv_dt, out_dt);
     }
     return 0;
-}
-
-/* |x| <= the format's largest finite value (the caller clamps), rounded to nearest even as torch's fp32 -> FP8 cast
- * rounds: normals by rounding fp32's mantissa to `mant` bits, subnormals (below 2^(1 - bias)) as a multiple of their
- * step. e4m3: bias 7, 3 mantissa bits; e5m2: bias 15, 2 bits. The lanes past a multiple of 16 (kv_fp8.h has the
- * 16-lane form). */
-static inline uint8_t fp8_bits(float x, int e4m3) {
-    const int mant = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
-    u &= 0x7fffffffu;
-    if (u > 0x7f800000u) return sign | 0x7f;  /* NaN, as torch casts it to either format */
-    if (u < (uint32_t)(128 - bias) << 23)  /* subnormal (or rounds up to the smallest normal: m == 2^mant) */
-        return sign | (uint8_t)rintf(fabsf(x) * (e4m3 ? 0x1p9f : 0x1p16f));
-    const int drop = 23 - mant;
-    u += (1u << (drop - 1)) - 1 + ((u >> drop) & 1u);
-    return sign | (uint8_t)((((u >> 23) - 127 + bias) << mant) | ((u >> drop) & ((1u << mant) - 1)));
-}
-
-/* One row of head_dim values of dtype src_dt divided by `scale` (IEEE division), clamped and rounded into dst. */
-static void fp8_row(const char *src, int src_dt, float scale, int64_t head_dim, int e4m3, uint8_t *dst) {
-    const float limit = e4m3 ? 448.0f : 57344.0f;
-    int64_t d = 0;
-    for (; d + 16 <= head_dim; d += 16) fp8_store16(load16(src, d / 16, src_dt) / scale, e4m3, dst + d);
-    for (; d < head_dim; d++) {
-        const float a = load_at(src, d, src_dt) / scale;
-        dst[d] = fp8_bits(a > limit ? limit : a < -limit ? -limit : a, e4m3);
-    }
 }
 
 /* The KV write of an FP8 cache: each value divided by its head's scale, clamped to the finite range and rounded to
