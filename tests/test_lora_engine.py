@@ -66,9 +66,11 @@ def test_the_adapter_cap_holds_per_step_and_everyone_finishes(tiny, monkeypatch)
 
 
 def test_chunked_prefill_and_preemption_with_adapters(tiny):
-    # 7-token steps chunk every prompt; a cache of 4 blocks cannot hold all ten requests at once.
+    # 21-token steps split the 30-token prompt and the prompts that share a step with others; a cache of 4 blocks
+    # cannot hold the growth of all the requests it admits, so one is preempted as they decode. (Smaller steps
+    # preempt nobody: a prompt longer than a step starts only when all of it fits beside the running ones.)
     block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, float32
-    engine = _engine(tiny, max_loras=3, max_num_batched_tokens=7, kv_cache_memory=4 * block_bytes)
+    engine = _engine(tiny, max_loras=3, max_num_batched_tokens=21, kv_cache_memory=4 * block_bytes)
     outputs = generate(engine, tiny["requests"])
     assert [outputs[f"r{i}"][0] for i in range(len(tiny["requests"]))] == tiny["expected"]
     assert engine.stats().num_preemptions > 0

@@ -73,6 +73,52 @@ def test_preempted_sequence_goes_back_to_the_front_of_the_queue():
     assert [s.request_id for s in sched.waiting] == ["b", "c"]
 
 
+def test_a_long_prompt_waits_until_all_of_it_fits_instead_of_starting_and_being_preempted():
+    """Its first chunk fits but the rest does not: started, it would be preempted at its next chunk and its prefill
+    computed twice. It waits, nobody is preempted, and it prefills in chunks once the running request ends."""
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=8)
+    running, long = seq(7, "running"), seq(24, "long")  # 2 blocks, then 6: 8 in all, while running grows
+    sched.add(running)
+    assert run_step(sched) == {"running": 7}
+    sched.add(long)
+    for _ in range(3):
+        assert run_step(sched) == {"running": 1}  # 6 blocks free: room for long's first chunk, not for all of it
+    assert long.status is SeqStatus.WAITING and long.num_computed_tokens == 0
+    sched.finish(running)
+    assert [run_step(sched) for _ in range(3)] == [{"long": 8}] * 3
+    assert sched.num_preemptions == 0 and long.num_output_tokens == 1
+
+
+def test_a_long_prompt_starts_beside_running_requests_when_it_fits_with_their_growth():
+    bm = BlockManager(16, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=9)
+    running, long = seq(8, "running"), seq(32, "long")  # 2 blocks + 8 blocks + 1 for running's growth: 11 <= 16
+    sched.add(running)
+    run_step(sched)
+    sched.add(long)
+    assert run_step(sched) == {"running": 1, "long": 8}
+    while long.num_computed_tokens < 32:
+        run_step(sched)
+    assert sched.num_preemptions == 0
+
+
+def test_a_preempted_request_resumes_only_when_all_it_recomputes_fits():
+    bm = BlockManager(6, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=4)
+    old, new = seq(8, "old"), seq(8, "new")
+    sched.add(old)
+    sched.add(new)
+    while new.metrics.num_preemptions == 0:
+        run_step(sched)
+    computed = []
+    while old.status is SeqStatus.RUNNING and len(computed) < 40:
+        run_step(sched)
+        computed.append(new.num_computed_tokens)
+    assert set(computed) == {0}  # never restarted on a chunk beside `old`, so never preempted again
+    assert new.metrics.num_preemptions == 1
+
+
 def test_a_windowed_sequence_outgrows_the_pool_without_preemption():
     """Every layer sliding (window 4): blocks behind the window go back to the pool at each commit, so a sequence
     ten times longer than 4 blocks of 4 tokens runs through without ever waiting."""

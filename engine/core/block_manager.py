@@ -170,8 +170,10 @@ class BlockManager:
         return count
 
     # -- allocation -----------------------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
-        return self._blocks_to_take(seq, num_new_tokens, hit) <= len(self._free)
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None,
+                     spare_blocks: int = 0) -> bool:
+        """Whether `seq` can take blocks for `num_new_tokens` more tokens and leave `spare_blocks` free."""
+        return self._blocks_to_take(seq, num_new_tokens, hit) + spare_blocks <= len(self._free)
 
     def _blocks_to_take(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None) -> int:
         hit_ids = hit.block_ids if hit else ()

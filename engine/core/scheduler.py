@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedserve.engine.core.block_manager import BlockManager
+from pagedserve.engine.core.block_manager import BlockManager, PrefixHit
 from pagedserve.engine.core.sequence import FinishReason, Sequence, SeqStatus, TokenLogprob, now
 from pagedserve.engine.core.step_output import SeqSample, StepOutput
 from pagedserve.engine.core.stopping import StopRules
@@ -142,7 +142,8 @@ class Scheduler:
             hit = self.block_manager.lookup_prefix(seq) if fresh else None
             hit_tokens = len(hit.block_ids) * self.block_manager.block_size if hit else 0
             num_new = min(seq.num_tokens - seq.num_computed_tokens - hit_tokens, budget)
-            if not self.block_manager.can_allocate(seq, num_new, hit):
+            if not self.block_manager.can_allocate(seq, num_new, hit) or \
+                    not self._prefill_can_finish(seq, num_new, hit, hit_tokens):
                 break
             del self.waiting[index]
             self._passed_steps.pop(seq, None)
@@ -160,6 +161,18 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return budget
+
+    def _prefill_can_finish(self, seq: Sequence, num_new: int, hit: PrefixHit | None, hit_tokens: int) -> bool:
+        """A prompt longer than one step's chunk starts only when the free blocks hold all of it and what the running
+        sequences add meanwhile. Started on its first chunk's room alone (as vLLM v1 does), it is the newest
+        sequence when its next chunk finds no room, so it is preempted and every token it computed is computed again
+        later (a 4k prompt beside three long decodes threw away 2k tokens of prefill that way)."""
+        rest = seq.num_tokens - seq.num_computed_tokens - hit_tokens
+        if rest <= num_new or not self.running or self.block_manager.window is not None:
+            return True  # one chunk; or nobody to wait for; or windowed, where a prompt never holds all its blocks
+        steps = -(-rest // max(1, self.max_num_batched_tokens - len(self.running)))
+        growth = len(self.running) * self.block_manager.blocks_needed(steps)
+        return self.block_manager.can_allocate(seq, rest, hit, spare_blocks=growth)
 
     def _over_adapter_cap(self, seq: Sequence, running: set[int]) -> bool:
         """By id, not name: a name unloaded and loaded again from another folder is another adapter."""
