@@ -61,7 +61,7 @@ def _sources(rev: str | None) -> dict[str, str]:
     """The decode attention's C files and the headers they include, at `rev` (None: this tree), under the names they
     include each other by (kernels/cpu/NAME; revisions before that folder: kernels/cpu_NAME)."""
     names = ("isa.h", "native.h", "kv_dot.h", "kv_values.h", "decode_attention.h", "decode_attention.c",
-             "decode_chunks.h", "decode_tasks.c")
+             "decode_scores.h", "decode_chunks.h", "decode_tasks.c")
     out = {}
     for name in names:
         if rev is None:
