@@ -61,6 +61,24 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> li
     return out[0, len(prompt_ids):].tolist()
 
 
+def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """hf_greedy for many prompts in one left-padded generate call (the attention mask hides the padding, and
+    positions count from each row's first real token). Decoding a batch reads the weights once per step instead of
+    once per prompt: several times faster on CPU. Its tokens equal one-prompt-at-a-time generation on the suite's
+    prompts (checked for SmolLM2 and Gemma 3 270M, fp32), so the oracle is the same function."""
+    width = max(len(p) for p in prompts)
+    pad = model.config.eos_token_id
+    pad = pad[0] if isinstance(pad, list) else pad
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+            min_new_tokens=max_new_tokens, pad_token_id=pad,
+        )
+    return out[:, width:].tolist()
+
+
 def make_tiny_model(tmp_path: Path, architecture: str = "LlamaForCausalLM", seed: int = 0, **overrides) -> Path:
     """A small random-weight HF model saved as safetensors, with the default model's tokenizer files."""
     import transformers
