@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,7 +32,32 @@ def hf_from_gguf(path: Path):
     """transformers' own GGUF loader (dequantized, fp32): the oracle for every GGUF test."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    with _gguf_parsed_once():
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """During one transformers GGUF load, gguf's GGUFReader and get_tensor_name_map answer repeated calls from a
+    cache. transformers parses the file twice (config, then tensors; ~5 s each for a 49k-token vocabulary in Python)
+    and builds the same TensorNameMap once per submodule (~400 times). Both are pure functions of their arguments
+    and transformers only reads the results: the loaded weights are bit-identical, at about half the time."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], object] = {}
+
+    def read_once(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read_once, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 @pytest.fixture(scope="session")
@@ -37,8 +65,9 @@ def hf_reference(default_model):
     """transformers' own fp32 model and tokenizer for the default model: the oracle for greedy outputs."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(default_model.weights.parent), gguf_file=default_model.weights.name)
-    return hf_from_gguf(default_model.weights), tok
+    with _gguf_parsed_once():  # the tokenizer and the model from one parse of the file
+        tok = AutoTokenizer.from_pretrained(str(default_model.weights.parent), gguf_file=default_model.weights.name)
+        return hf_from_gguf(default_model.weights), tok
 
 
 @pytest.fixture(scope="session")
