@@ -3,6 +3,7 @@ report header, cache paths (benchmarks/peers/)."""
 
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -160,7 +161,24 @@ class _Driver:
         self.closed = True
 
 
-def test_one_peer_failure_ends_only_its_rows():
+@pytest.fixture
+def quiet_cpus(monkeypatch):
+    """run_one waits for quiet cores before each run (0.5 s on an idle host, up to 20 s beside the suite's own
+    servers); the failure bookkeeping under test does not depend on it. test_quiet_wait_* checks the wait itself."""
+    monkeypatch.setattr(phases, "wait_for_quiet_cpus", lambda busy_below: (0.0, 0.0))
+
+
+def test_quiet_wait_returns_once_busy_is_below_the_bound_or_at_the_limit():
+    import contention
+
+    t0 = time.monotonic()
+    waited, busy = contention.wait_for_quiet_cpus(busy_below=float("inf"), window_s=0.05)
+    assert 0.05 <= waited < 5 and time.monotonic() - t0 < 5  # any load is below infinity: one window
+    waited, busy = contention.wait_for_quiet_cpus(busy_below=-1.0, max_wait_s=0.2, window_s=0.05)
+    assert 0.2 <= waited < 5 and busy > -1.0  # never below -1 CPUs: it gives up at max_wait_s
+
+
+def test_one_peer_failure_ends_only_its_rows(quiet_cpus):
     w = build_workload(QUICK)
     live = {"pagedserve": _Driver("pagedserve", None), "llama-server": _Driver("llama-server", 2)}
     failing = live["llama-server"]
@@ -174,7 +192,7 @@ def test_one_peer_failure_ends_only_its_rows():
     assert "- llama.cpp llama-server (HTTP): RuntimeError: HTTP 500 from the server" in text
 
 
-def test_truncated_output_is_a_peer_failure_not_the_end_of_the_run():
+def test_truncated_output_is_a_peer_failure_not_the_end_of_the_run(quiet_cpus):
     w = build_workload(QUICK)
 
     class Truncating(_Driver):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import hf_greedy
+from conftest import hf_greedy_batch
 from pagedserve.engine import LLM, SamplingParams
 
 PROMPTS = [
@@ -42,14 +42,14 @@ SHARED_PREFIX = (
 def references(hf_reference):
     model, tok = hf_reference
     ids = [tok.encode(p) for p in PROMPTS]
-    return ids, [hf_greedy(model, p, MAX_NEW) for p in ids]
+    return ids, hf_greedy_batch(model, ids, MAX_NEW)
 
 
 @pytest.fixture(scope="module")
 def prefix_references(hf_reference):
     model, tok = hf_reference
     ids = [tok.encode(SHARED_PREFIX + p) for p in PROMPTS[:8]]
-    return ids, [hf_greedy(model, p, MAX_NEW) for p in ids]
+    return ids, hf_greedy_batch(model, ids, MAX_NEW)
 
 
 def _run(llm: LLM, prompt_ids: list[list[int]]) -> list[list[int]]:

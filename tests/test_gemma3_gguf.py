@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import hf_greedy
+from conftest import hf_greedy_batch
 from test_engine_vs_transformers import PROMPTS
 from pagedserve.engine import LLM, SamplingParams
 
@@ -20,7 +20,7 @@ def gemma3_references(hf_gemma3):
     path, model = hf_gemma3
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     ids = [tokenizer.encode(p) for p in PROMPTS[:20]]
-    return ids, [hf_greedy(model, p, MAX_NEW) for p in ids]
+    return ids, hf_greedy_batch(model, ids, MAX_NEW)
 
 
 def test_gemma3_270m_gguf_greedy_matches_transformers(gemma3_references):
