@@ -8,7 +8,10 @@ the 16-bit budget but fewer than two of the longest do, and output is at least 1
 takes >= 90% of the 16-bit run's time at ~0.5 ms per prompt token and ~15 ms per output token at 4k on 2 cores;
 docs/kv-cache-formats.md, "The long-context benefit", derives the rule). The result records, per dtype, how many of
 the longest requests its budget holds, and the output share.
-`--rounds N` runs the dtypes N times interleaved (A B C A B C ...) and reports each dtype's median.
+`--rounds N` runs the dtypes N times interleaved (A B C A B C ...) and reports each dtype's median; `--alternate`
+reverses every other round (A B C C B A ...). Every run is also compared with the first dtype's rate interpolated in
+time between its nearest runs on either side (`vs_first_bracketed`): a VM whose rate drifts steadily by tens of
+percent over minutes (seen on the SPR guest) moves every other figure here, not that one.
 
     python benchmarks/kv_long_context.py --kv-cache-memory 256MiB --json long.json   # bf16 vs int8 vs fp8
     python benchmarks/kv_long_context.py --kv-cache-memory 128MiB --requests 4 --shortest 2048 --longest 4096 \
@@ -80,15 +83,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the engine's default: 16)")
     parser.add_argument("--rounds", type=int, default=1, help="dtypes interleaved round by round; medians reported")
+    parser.add_argument("--alternate", action="store_true",
+                        help="every other round runs the dtypes in reverse order (A B C, C B A, ...): each later "
+                             "dtype then has a first-dtype run on both sides, and the bracketed ratios use both")
     parser.add_argument("--label", default="", help="e.g. 'noisy' when other jobs share the machine")
     parser.add_argument("--json")
     args = parser.parse_args()
     prompts = workload(args.requests, args.shortest, args.longest, args.seed)
     runs: dict[str, list[dict]] = {kv: [] for kv in args.kv}
+    sequence: list[tuple[str, dict, float]] = []  # every run in the order it ran, with its midpoint in time
     for r in range(args.rounds):
-        for kv in args.kv:
+        for kv in (args.kv[::-1] if args.alternate and r % 2 else args.kv):
+            start = time.monotonic()
             runs[kv].append(run(kv, args.kv_cache_memory, prompts, args.output_tokens, args.max_num_seqs,
                                 args.block_size))
+            sequence.append((kv, runs[kv][-1], (start + time.monotonic()) / 2))
             print(json.dumps({"round": r, **runs[kv][-1]}), flush=True)
     rows = [median_row(runs[kv], max(len(p) for p in prompts) + args.output_tokens) for kv in args.kv]
     base = rows[0]["total_tokens_per_s"]
@@ -99,10 +108,33 @@ def main() -> None:
         # minutes, which a ratio of medians taken from different rounds carries and these do not.
         row["vs_first_per_round"] = [r["total_tokens_per_s"] / f["total_tokens_per_s"] for r, f in zip(runs[kv], first)]
         row["vs_first_median_of_rounds"] = statistics.median(row["vs_first_per_round"])
+        row["vs_first_bracketed"] = bracketed_ratios(sequence, kv, args.kv[0])
+        if row["vs_first_bracketed"]:
+            row["vs_first_median_bracketed"] = statistics.median(row["vs_first_bracketed"])
         print(json.dumps({k: v for k, v in row.items() if k != "rounds"}), flush=True)
     result = {**host_info(), "label": args.label, "args": vars(args), "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def bracketed_ratios(sequence: list[tuple[str, dict, float]], kv: str, first: str) -> list[float]:
+    """Each run of `kv` against the `first` dtype's rate at the same moment, interpolated in time between the
+    nearest `first` runs before and after it (the one side only at an end): a rate that drifts steadily over
+    minutes cancels out, which a same-round ratio keeps part of."""
+    ratios = []
+    for i, (name, row, t) in enumerate(sequence):
+        if name != kv or kv == first:
+            continue
+        before = next(((r, u) for n, r, u in reversed(sequence[:i]) if n == first), None)
+        after = next(((r, u) for n, r, u in sequence[i + 1:] if n == first), None)
+        if before and after:
+            (rb, tb), (ra, ta) = before, after
+            low, high = rb["total_tokens_per_s"], ra["total_tokens_per_s"]
+            rate = low + (high - low) * (t - tb) / (ta - tb)
+        else:
+            rate = (before or after)[0]["total_tokens_per_s"]
+        ratios.append(row["total_tokens_per_s"] / rate)
+    return ratios
 
 
 def median_row(runs: list[dict], longest_request: int) -> dict:
