@@ -129,9 +129,12 @@ def make_tiny_gemma(path, case: str):
     return path
 
 
-def run_engine_vs_transformers(path, arch: str, backend: str, kv_blocks: int, monkeypatch) -> LLM:
+def run_engine_vs_transformers(path, arch: str, backend: str, kv_blocks: int, monkeypatch,
+                               new_tokens: int = 16) -> LLM:
     """Prompts sharing a 3-block prefix, a cache too small for all of them (preemption), 11-token steps (prefill
-    chunks crossing window edges): logits at every computed position and greedy tokens equal transformers'."""
+    chunks crossing window edges): logits at every computed position and greedy tokens equal transformers'.
+    Without a sliding window a prompt starts only when all of it fits, so the preemption comes from decoding
+    sequences outgrowing the cache: `new_tokens` must be long enough for that."""
     import transformers
 
     hf = getattr(transformers, arch).from_pretrained(str(path), dtype=torch.float32).eval()
@@ -145,14 +148,15 @@ def run_engine_vs_transformers(path, arch: str, backend: str, kv_blocks: int, mo
     engine_probe.attach(engine, run, monkeypatch)
     prefix = list(range(300, 300 + 3 * BLOCK))
     prompts = {f"p{i}": prefix + list(range(1000 + 50 * i, 1007 + 55 * i)) for i in range(4)}
-    engine_probe.generate(engine, {"p0": prompts["p0"]}, 16, run)  # warms the prefix cache
-    engine_probe.generate(engine, {k: v for k, v in prompts.items() if k != "p0"}, 16, run)
+    engine_probe.generate(engine, {"p0": prompts["p0"]}, new_tokens, run)  # warms the prefix cache
+    engine_probe.generate(engine, {k: v for k, v in prompts.items() if k != "p0"}, new_tokens, run)
     stats = engine.stats()
     assert stats.num_preemptions > 0 and run.cached["p1"] == len(prefix)  # p0's blocks were all still cached
     assert stats.num_free_kv_blocks == stats.num_kv_blocks  # nothing leaked, FREED entries included
     engine_probe.assert_matches(run, hf)
     for request_id, prompt in prompts.items():
-        assert run.tokens[request_id][len(prompt):] == engine_probe.hf_greedy_tokens(hf, prompt, 16), request_id
+        assert run.tokens[request_id][len(prompt):] == engine_probe.hf_greedy_tokens(hf, prompt, new_tokens), \
+            request_id
     return llm
 
 
@@ -160,7 +164,7 @@ def run_engine_vs_transformers(path, arch: str, backend: str, kv_blocks: int, mo
 @pytest.mark.parametrize("case", sorted(GEMMA_CASES))
 def test_gemma3_matches_transformers_through_the_paged_engine(tmp_path, monkeypatch, case, backend):
     path = make_tiny_gemma(tmp_path, case)
-    llm = run_engine_vs_transformers(path, "Gemma3ForCausalLM", backend, 12, monkeypatch)
+    llm = run_engine_vs_transformers(path, "Gemma3ForCausalLM", backend, 12, monkeypatch, new_tokens=32)
     args = llm.engine.runner.model.args
     assert None in args.layer_windows and len(set(args.layer_windows)) == 2  # global and sliding layers
     assert llm.engine.block_manager.window is None  # global layers need every block: nothing is freed

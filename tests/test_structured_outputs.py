@@ -278,8 +278,10 @@ def test_preemption_and_chunked_prefill_replay_without_re_advancing(tiny, tiny_m
     prompts, params = _tiny_requests()
     reference = [o.outputs[0].token_ids for o in tiny.generate(prompts, params)]
     block_bytes = 2 * 2 * 2 * 16 * 16 * 4  # layers x (K, V) x kv heads x head dim x block x fp32
-    # 8 blocks (128 tokens) for six requests of up to 6 blocks each: preemptions; 16-token budget: chunked prompts.
-    small = LLM(str(tiny_model), dtype="float32", kv_cache_memory=8 * block_bytes, max_num_batched_tokens=16)
+    # 8 blocks (128 tokens) for six requests of up to 6 blocks each: decoding requests outgrow the cache and are
+    # preempted; 24-token steps: the two longest prompts, and those sharing a step, prefill in chunks. (At 16-token
+    # steps most prompts are longer than a step and start only when all of them fit: nobody is preempted.)
+    small = LLM(str(tiny_model), dtype="float32", kv_cache_memory=8 * block_bytes, max_num_batched_tokens=24)
     outs = small.generate(prompts, params)
     assert small.engine.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == reference
