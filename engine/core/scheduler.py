@@ -141,9 +141,10 @@ class Scheduler:
             fresh = not seq.block_table
             hit = self.block_manager.lookup_prefix(seq) if fresh else None
             hit_tokens = len(hit.block_ids) * self.block_manager.block_size if hit else 0
-            num_new = min(seq.num_tokens - seq.num_computed_tokens - hit_tokens, budget)
+            uncomputed = seq.num_tokens - seq.num_computed_tokens - hit_tokens
+            num_new = min(uncomputed, budget)
             if not self.block_manager.can_allocate(seq, num_new, hit) or \
-                    not self._prefill_can_finish(seq, num_new, hit, hit_tokens):
+                    not self._prefill_can_finish(seq, num_new, uncomputed, hit):
                 break
             del self.waiting[index]
             self._passed_steps.pop(seq, None)
@@ -162,17 +163,16 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _prefill_can_finish(self, seq: Sequence, num_new: int, hit: PrefixHit | None, hit_tokens: int) -> bool:
+    def _prefill_can_finish(self, seq: Sequence, num_new: int, uncomputed: int, hit: PrefixHit | None) -> bool:
         """A prompt longer than one step's chunk starts only when the free blocks hold all of it and what the running
         sequences add meanwhile. Started on its first chunk's room alone (as vLLM v1 does), it is the newest
         sequence when its next chunk finds no room, so it is preempted and every token it computed is computed again
         later (a 4k prompt beside three long decodes threw away 2k tokens of prefill that way)."""
-        rest = seq.num_tokens - seq.num_computed_tokens - hit_tokens
-        if rest <= num_new or not self.running or self.block_manager.window is not None:
+        if uncomputed <= num_new or not self.running or self.block_manager.window is not None:
             return True  # one chunk; or nobody to wait for; or windowed, where a prompt never holds all its blocks
-        steps = -(-rest // max(1, self.max_num_batched_tokens - len(self.running)))
+        steps = -(-uncomputed // max(1, self.max_num_batched_tokens - len(self.running)))
         growth = len(self.running) * self.block_manager.blocks_needed(steps)
-        return self.block_manager.can_allocate(seq, rest, hit, spare_blocks=growth)
+        return self.block_manager.can_allocate(seq, uncomputed, hit, spare_blocks=growth)
 
     def _over_adapter_cap(self, seq: Sequence, running: set[int]) -> bool:
         """By id, not name: a name unloaded and loaded again from another folder is another adapter."""
