@@ -13,7 +13,6 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagedserve.engine.admission import AdmittedRequest, GenerationRequest
@@ -22,6 +21,9 @@ from pagedserve.engine.errors import (
     EngineDeadError, InvalidRequestError, PagedServeError, QueueFullError, RequestFailedError,
 )
 from pagedserve.engine.kv_events import KvEvent
+from pagedserve.engine.loop_commands import (
+    Abort, AdapterCall, Add, ResetPrefixCache, Sink, put_all, settle,
+)
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
@@ -29,75 +31,6 @@ from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.core.sequence import now
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class _Add:
-    request: AdmittedRequest
-    arrival_time: float
-    sink: "_Sink"
-
-
-@dataclass(frozen=True, slots=True)
-class _Abort:
-    sink: "_Sink"
-    # True when the request's own stream gave up (it already released the id and reads nothing more); False
-    # for an abort on the server's behalf, whose stream still wants its final output.
-    released: bool
-
-
-@dataclass(frozen=True, slots=True)
-class _ResetPrefixCache:
-    done: asyncio.Future  # the number of cached blocks dropped, set on the caller's loop
-
-
-@dataclass(frozen=True, slots=True)
-class _AdapterCall:
-    """An adapter registration or unload, applied on the loop thread between steps; its result (or error) goes to
-    `done` on the caller's loop."""
-
-    apply: Callable[[], Any]
-    done: asyncio.Future
-
-
-@dataclass(frozen=True, slots=True)
-class _Sink:
-    """Delivers outputs (or an exception) from the loop thread into the request's asyncio queue.
-
-    engine_id is unique per submission, so a client id reused right after a cancel can never receive the
-    old request's outputs or abort the new one."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    request_id: str
-    engine_id: str
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
-    for queue_, item in items:
-        queue_.put_nowait(item)
-
-
-def _settle(call: _AdapterCall) -> None:
-    try:
-        result = call.apply()
-    except Exception as exc:  # the caller gets the error; the loop goes on
-        call.done.get_loop().call_soon_threadsafe(_set_exception, call.done, exc)
-        return
-    call.done.get_loop().call_soon_threadsafe(_set_result, call.done, result)
-
-
-def _set_result(future: asyncio.Future, result: Any) -> None:
-    if not future.done():
-        future.set_result(result)
-
-
-def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
 
 
 # How often the idle step loop wakes: on a main-thread host that lets Python run pending signal handlers.
@@ -130,8 +63,8 @@ class AsyncEngine:
         self._host_loop: asyncio.Future | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._sinks: dict[str, _Sink] = {}  # client request id -> its stream, while the client waits on it
-        self._by_engine_id: dict[str, _Sink] = {}  # engine id -> stream, until the engine is done with it
+        self._sinks: dict[str, Sink] = {}  # client request id -> its stream, while the client waits on it
+        self._by_engine_id: dict[str, Sink] = {}  # engine id -> stream, until the engine is done with it
         self._submissions = itertools.count()
         self._pending_adds = 0
         self._lock = threading.Lock()
@@ -204,7 +137,7 @@ class AsyncEngine:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         done = asyncio.get_running_loop().create_future()
-        self._send(_AdapterCall(apply, done))
+        self._send(AdapterCall(apply, done))
         return await done
 
     async def generate(
@@ -227,9 +160,9 @@ class AsyncEngine:
         """Yields outputs as they are produced; leaving the loop early (or cancellation) aborts the request."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), request_id, f"{request_id}#{next(self._submissions)}")
+        sink = Sink(asyncio.get_running_loop(), asyncio.Queue(), request_id, f"{request_id}#{next(self._submissions)}")
         self._register(sink)
-        self._send(_Add(request, now(), sink))
+        self._send(Add(request, now(), sink))
         finished = False
         try:
             while True:
@@ -246,9 +179,9 @@ class AsyncEngine:
                 # end may retry with the same id at once. Commands run in order, so the engine drops this
                 # request before it adds the retry.
                 self._release(sink)
-                self._send(_Abort(sink, released=True))
+                self._send(Abort(sink, released=True))
 
-    def _register(self, sink: _Sink) -> None:
+    def _register(self, sink: Sink) -> None:
         request_id = sink.request_id
         with self._lock:
             if request_id in self._sinks:
@@ -265,15 +198,15 @@ class AsyncEngine:
         with self._lock:
             sink = self._sinks.get(request_id)
         if sink is not None:
-            self._send(_Abort(sink, released=False))
+            self._send(Abort(sink, released=False))
 
     async def reset_prefix_cache(self) -> int:
         """Drops the prefix cache between two steps without touching running requests; returns the blocks dropped."""
         done = asyncio.get_running_loop().create_future()
-        self._send(_ResetPrefixCache(done))
+        self._send(ResetPrefixCache(done))
         return await done
 
-    def _send(self, command: _Add | _Abort | _ResetPrefixCache | _AdapterCall) -> None:
+    def _send(self, command: Add | Abort | ResetPrefixCache | AdapterCall) -> None:
         self._commands.put(command)
         self._wakeup.set()
 
@@ -315,14 +248,14 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(command, _Add):
+            if isinstance(command, Add):
                 applied_adds += 1
                 self._apply_add(command)
-            elif isinstance(command, _ResetPrefixCache):
+            elif isinstance(command, ResetPrefixCache):
                 dropped = self.engine.block_manager.reset_prefix_cache()
                 command.done.get_loop().call_soon_threadsafe(command.done.set_result, dropped)
-            elif isinstance(command, _AdapterCall):
-                _settle(command)
+            elif isinstance(command, AdapterCall):
+                settle(command)
             else:
                 out = self.engine.abort_request(command.sink.engine_id)
                 if self._forget(command.sink) and not command.released and out is not None:
@@ -355,7 +288,7 @@ class AsyncEngine:
         except Exception:  # a broken listener must not stop the engine
             logger.exception("step listener failed")
 
-    def _apply_add(self, command: _Add) -> None:
+    def _apply_add(self, command: Add) -> None:
         sink = command.sink
         with self._lock:
             if self._by_engine_id.get(sink.engine_id) is not sink:  # aborted before it reached the loop
@@ -380,19 +313,19 @@ class AsyncEngine:
                 item = RequestFailedError(out.error) if out.error is not None else out
                 batches.setdefault(sink.loop, []).append((sink.queue, item))
         for loop, items in batches.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(put_all, items)
 
-    def _release(self, sink: _Sink) -> None:
+    def _release(self, sink: Sink) -> None:
         """The client stopped waiting: its id is free at once; the engine side goes when the abort is applied."""
         with self._lock:
             if self._sinks.get(sink.request_id) is sink:
                 del self._sinks[sink.request_id]
 
-    def _forget(self, sink: _Sink) -> bool:
+    def _forget(self, sink: Sink) -> bool:
         with self._lock:
             return self._forget_locked(sink)
 
-    def _forget_locked(self, sink: _Sink) -> bool:
+    def _forget_locked(self, sink: Sink) -> bool:
         """Drops the stream from both maps; False if it was already gone (finished or failed meanwhile)."""
         if self._sinks.get(sink.request_id) is sink:
             del self._sinks[sink.request_id]
