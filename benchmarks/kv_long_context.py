@@ -11,7 +11,9 @@ the longest requests its budget holds, and the output share.
 `--rounds N` runs the dtypes N times interleaved (A B C A B C ...) and reports each dtype's median; `--alternate`
 reverses every other round (A B C C B A ...). Every run is also compared with the first dtype's rate interpolated in
 time between its nearest runs on either side (`vs_first_bracketed`): a VM whose rate drifts steadily by tens of
-percent over minutes (seen on the SPR guest) moves every other figure here, not that one.
+percent over minutes (seen on the SPR guest) moves every other figure here, not that one. Before every run (and
+after the last) the read bandwidth of a 1 GiB buffer is recorded (`read_gbs_before`, `read_gbs_after`), so that a
+slow stretch of the VM shows in the raw file beside the runs it slowed.
 
     python benchmarks/kv_long_context.py --kv-cache-memory 256MiB --json long.json   # bf16 vs int8 vs fp8
     python benchmarks/kv_long_context.py --kv-cache-memory 128MiB --requests 4 --shortest 2048 --longest 4096 \
@@ -32,6 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, even under
 from fp8_kv_accuracy import host_info  # noqa: E402
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from pagedserve.service.cli import parse_bytes  # noqa: E402
+from read_bandwidth import read_bandwidth  # noqa: E402
+
+
+def read_gbs() -> float:
+    """GB/s that torch's threads read from a 1 GiB buffer, best of 3 (half a second): a probe of the host's rate
+    at that moment, not a peak."""
+    return read_bandwidth(1.0, 3) / 1e9
 
 
 def workload(requests: int, shortest: int, longest: int, seed: int) -> list[list[int]]:
@@ -94,9 +103,11 @@ def main() -> None:
     sequence: list[tuple[str, dict, float]] = []  # every run in the order it ran, with its midpoint in time
     for r in range(args.rounds):
         for kv in (args.kv[::-1] if args.alternate and r % 2 else args.kv):
+            probe = read_gbs()
             start = time.monotonic()
             runs[kv].append(run(kv, args.kv_cache_memory, prompts, args.output_tokens, args.max_num_seqs,
                                 args.block_size))
+            runs[kv][-1]["read_gbs_before"] = probe
             sequence.append((kv, runs[kv][-1], (start + time.monotonic()) / 2))
             print(json.dumps({"round": r, **runs[kv][-1]}), flush=True)
     rows = [median_row(runs[kv], max(len(p) for p in prompts) + args.output_tokens) for kv in args.kv]
@@ -112,7 +123,8 @@ def main() -> None:
         if row["vs_first_bracketed"]:
             row["vs_first_median_bracketed"] = statistics.median(row["vs_first_bracketed"])
         print(json.dumps({k: v for k, v in row.items() if k != "rounds"}), flush=True)
-    result = {**host_info(), "label": args.label, "args": vars(args), "rows": rows}
+    result = {**host_info(), "label": args.label, "args": vars(args), "rows": rows,
+              "read_gbs_after": read_gbs()}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
@@ -144,7 +156,8 @@ def median_row(runs: list[dict], longest_request: int) -> dict:
     row = dict(ordered[(len(ordered) - 1) // 2])
     row["holds_longest_requests"] = row["tokens_in_budget"] // longest_request
     row["output_share"] = row["output_tokens"] / (row["output_tokens"] + row["prompt_tokens"])
-    row["rounds"] = [{k: r[k] for k in ("total_tokens_per_s", "ttft_mean_s", "preemptions", "peak_running")}
+    row["rounds"] = [{k: r[k] for k in ("total_tokens_per_s", "ttft_mean_s", "preemptions", "peak_running",
+                                        "read_gbs_before")}
                      for r in runs]
     return row
 
