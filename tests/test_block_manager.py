@@ -39,6 +39,18 @@ def test_blocks_are_allocated_on_demand_and_freed():
     assert bm.num_free_blocks == 8 and not refcounts(bm)
 
 
+def test_reused_blocks_are_handed_out_in_address_order():
+    # A freed sequence's blocks go back tail first; the next one to take them all gets the same blocks, ascending.
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = seq(list(range(16)), "a")
+    compute(bm, a, 16)
+    assert a.block_table == [0, 1, 2, 3]
+    bm.free(a)
+    b = seq(list(range(100, 116)), "b")
+    compute(bm, b, 16)
+    assert b.block_table == [0, 1, 2, 3] and not bm.lookup_prefix(seq(list(range(16)))).block_ids
+
+
 def test_prefix_blocks_are_shared_by_hash_chain():
     bm = BlockManager(num_blocks=16, block_size=4)
     a = seq(list(range(13)), "a")
