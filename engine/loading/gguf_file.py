@@ -30,7 +30,7 @@ class GgufFile:
     def __init__(self, path: Path):
         self.path = path
         try:
-            self.reader = _reader(path)
+            self.reader = gguf_reader(path)
             self.metadata = {key: _value(key, field) for key, field in self.reader.fields.items()}
         except Exception as exc:  # gguf raises ValueError, IndexError, struct errors... for a damaged file
             raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
@@ -86,7 +86,7 @@ class GgufFile:
             yield tensor.name, torch.from_numpy(values)
 
 
-def _reader(path: Path) -> Any:
+def gguf_reader(path: Path) -> Any:
     """gguf's GGUFReader, reading its header from a plain ndarray view of the memory map. gguf 0.19 reads every
     value (each of a 49k-token vocabulary's strings and lengths) as a slice of the np.memmap, and a memmap slice
     costs a Python-level __array_finalize__: 3 s of a 3.5 s open for the default model, paid by every server start.
@@ -94,7 +94,7 @@ def _reader(path: Path) -> Any:
     (tests/test_gguf_types.py compares them with the stock reader's); tensor data are then ndarray views of the map
     rather than memmap ones."""
     import numpy.typing as npt
-    from gguf import GGUFReader
+    from gguf.gguf_reader import GGUFReader  # its defining module: a caller may have replaced gguf.GGUFReader
 
     class PlainViewReader(GGUFReader):
         def _get(self, offset: int, dtype: npt.DTypeLike, count: int = 1,
