@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import hf_greedy_batch
+from conftest import gguf_parsed_once, hf_greedy_batch
 from test_engine_vs_transformers import PROMPTS
 from pagedserve.engine import LLM, SamplingParams
 
@@ -18,7 +18,8 @@ def gemma3_references(hf_gemma3):
     from transformers import AutoTokenizer
 
     path, model = hf_gemma3
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     ids = [tokenizer.encode(p) for p in PROMPTS[:20]]
     return ids, hf_greedy_batch(model, ids, MAX_NEW)
 

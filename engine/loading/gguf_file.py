@@ -28,11 +28,9 @@ class GgufFile:
     """Metadata as plain Python values (`tokenizer.ggml.tokens` as its length) and the tensors by GGUF name."""
 
     def __init__(self, path: Path):
-        from gguf import GGUFReader
-
         self.path = path
         try:
-            self.reader = GGUFReader(path)
+            self.reader = gguf_reader(path)
             self.metadata = {key: _value(key, field) for key, field in self.reader.fields.items()}
         except Exception as exc:  # gguf raises ValueError, IndexError, struct errors... for a damaged file
             raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
@@ -86,6 +84,30 @@ class GgufFile:
             if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map
                 values = values.copy()
             yield tensor.name, torch.from_numpy(values)
+
+
+def gguf_reader(path: Path) -> Any:
+    """gguf's GGUFReader, reading its header from a plain ndarray view of the memory map. gguf 0.19 reads every
+    value (each of a 49k-token vocabulary's strings and lengths) as a slice of the np.memmap, and a memmap slice
+    costs a Python-level __array_finalize__: 3 s of a 3.5 s open for the default model, paid by every server start.
+    The plain view reads the same bytes with the same dtypes and byte order, so fields and tensors are unchanged
+    (tests/test_gguf_types.py compares them with the stock reader's); tensor data are then ndarray views of the map
+    rather than memmap ones."""
+    import numpy.typing as npt
+    from gguf.gguf_reader import GGUFReader  # its defining module: a caller may have replaced gguf.GGUFReader
+
+    class PlainViewReader(GGUFReader):
+        def _get(self, offset: int, dtype: npt.DTypeLike, count: int = 1,
+                 override_order: str | None = None) -> npt.NDArray[Any]:
+            plain = self.__dict__.get("_plain")
+            if plain is None:  # self.data is set first thing in GGUFReader.__init__, before any _get
+                plain = self._plain = self.data.view(np.ndarray)
+            dtype, count = np.dtype(dtype), int(count)
+            values = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return values if order == "I" else values.view(values.dtype.newbyteorder(order))
+
+    return PlainViewReader(path)
 
 
 def _read_only_view(blocks: np.ndarray) -> torch.Tensor:
