@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, even under python -P
 from kv_long_context import workload  # noqa: E402
 from pagedserve.engine.core.block_manager import BlockManager  # noqa: E402
-from pagedserve.engine.core.scheduler import Scheduler  # noqa: E402
+from pagedserve.engine.core.scheduler import Scheduler, SchedulerOutput  # noqa: E402
 from pagedserve.engine.core.sequence import Sequence, SequenceMetrics, SeqStatus  # noqa: E402
 from pagedserve.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -34,26 +35,35 @@ class FirstChunkScheduler(Scheduler):
         return True
 
 
-def replay(scheduler_type: type[Scheduler], blocks: int, prompts: list[list[int]], output_tokens: int) -> dict:
-    sched = scheduler_type(BlockManager(blocks, BLOCK_SIZE), 256, MAX_NUM_BATCHED_TOKENS)
+def replay_steps(sched: Scheduler, prompts: list[list[int]], output_tokens: int) -> Iterator[SchedulerOutput]:
+    """Runs the prompts through `sched` to the end with every scheduled token counted as computed (no model): yields
+    each step's output once committed, before its rows that reached their end take the next token (a decode row's
+    `seq.num_tokens` is then its context, the new token included)."""
     seqs = [Sequence(f"r{i}", 0, list(p), len(p), SamplingParams(max_tokens=output_tokens), SequenceMetrics(0.0))
             for i, p in enumerate(prompts)]
     for seq in seqs:
         sched.add(seq)
-    steps = computed = 0
     while any(seq.status is not SeqStatus.FINISHED for seq in seqs):
         out = sched.schedule()
         if out.is_empty:
-            raise RuntimeError(f"nothing schedulable with {blocks} blocks: a request cannot fit the cache")
+            raise RuntimeError(f"nothing schedulable with {sched.block_manager.num_blocks} blocks: a request cannot "
+                               "fit the cache")
         sched.commit(out)
-        steps += 1
+        yield out
         for item in out.scheduled:
-            computed += item.num_new_tokens
             seq = item.seq
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.token_ids.append(200)
                 if seq.num_tokens - seq.num_prompt_tokens >= output_tokens:
                     sched.finish(seq)
+
+
+def replay(scheduler_type: type[Scheduler], blocks: int, prompts: list[list[int]], output_tokens: int) -> dict:
+    sched = scheduler_type(BlockManager(blocks, BLOCK_SIZE), 256, MAX_NUM_BATCHED_TOKENS)
+    steps = computed = 0
+    for out in replay_steps(sched, prompts, output_tokens):
+        steps += 1
+        computed += sum(item.num_new_tokens for item in out.scheduled)
     # every request computes its prompt and all but its last output token once; the rest was computed again
     once = sum(len(p) + output_tokens - 1 for p in prompts)
     return {"steps": steps, "preemptions": sched.num_preemptions, "recomputed_tokens": computed - once}

@@ -1,5 +1,5 @@
 """The long-context benchmark's tokens/s ratio predicted for workloads not run: the engine's Scheduler and
-BlockManager replay a workload step by step (exact, as in admission_replay.py) for each cache dtype's block count,
+BlockManager replay a workload step by step (exact: admission_replay.py's replay_steps) for each cache dtype's block count,
 and each step is priced with costs measured by kv_long_context_profile.py: a fixed cost per step and one per decode
 row (the weights' read and the linears' arithmetic, the same for every cache), and per dtype, prefill per token and
 decode attention per cached key of every decode row. Prints, per workload seed, the predicted
@@ -23,12 +23,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, even under python -P
-from admission_replay import BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS  # noqa: E402
+from admission_replay import BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS, replay_steps  # noqa: E402
 from kv_long_context import workload  # noqa: E402
 from pagedserve.engine.core.block_manager import BlockManager  # noqa: E402
 from pagedserve.engine.core.scheduler import Scheduler  # noqa: E402
-from pagedserve.engine.core.sequence import Sequence, SequenceMetrics, SeqStatus  # noqa: E402
-from pagedserve.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def predicted_seconds(blocks: int, prompts: list[list[int]], output_tokens: int, step_ms: float, row_ms: float,
@@ -36,27 +34,14 @@ def predicted_seconds(blocks: int, prompts: list[list[int]], output_tokens: int,
     """The workload's time on `blocks` blocks: every step's fixed cost, its prefill tokens, its decode rows and
     their keys (context length including the new token), priced as given."""
     sched = Scheduler(BlockManager(blocks, BLOCK_SIZE), 256, MAX_NUM_BATCHED_TOKENS)
-    seqs = [Sequence(f"r{i}", 0, list(p), len(p), SamplingParams(max_tokens=output_tokens), SequenceMetrics(0.0))
-            for i, p in enumerate(prompts)]
-    for seq in seqs:
-        sched.add(seq)
     ms = 0.0
-    while any(seq.status is not SeqStatus.FINISHED for seq in seqs):
-        out = sched.schedule()
-        if out.is_empty:
-            raise RuntimeError(f"nothing schedulable with {blocks} blocks: a request cannot fit the cache")
-        sched.commit(out)
+    for out in replay_steps(sched, prompts, output_tokens):
         ms += step_ms
         for item in out.scheduled:
-            seq = item.seq
             if item.num_new_tokens > 1:
                 ms += prefill_ms_per_token * item.num_new_tokens
             else:
-                ms += row_ms + attention_us_per_key * 1e-3 * seq.num_tokens
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(200)
-                if seq.num_tokens - seq.num_prompt_tokens >= output_tokens:
-                    sched.finish(seq)
+                ms += row_ms + attention_us_per_key * 1e-3 * item.seq.num_tokens
     return ms / 1e3
 
 
