@@ -11,7 +11,7 @@ from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
-from pagedserve.engine.loading.gguf_file import GgufFile
+from pagedserve.engine.loading.gguf_file import gguf_reader
 from pagedserve.engine.loading.model_store import resolve_model
 
 # gguf can dequantize the K types but not quantize them: their test blocks are random bytes with small, finite fp16
@@ -79,7 +79,7 @@ def llama_permute(weights: np.ndarray, heads: int) -> np.ndarray:
 def _default_tokenizer_fields() -> dict[str, object]:
     """The default GGUF's tokenizer metadata, read once per process (most GGUF tests write a tiny model with it),
     with the loader's reader: 0.5 s where gguf's stock reader takes 3-6 s over the 49k-token vocabulary."""
-    fields = GgufFile(resolve_model(None).weights).reader.fields
+    fields = gguf_reader(resolve_model(None).weights).fields
     names = ("model", "pre", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id")
     values = {name: fields[f"tokenizer.ggml.{name}"].contents() for name in names}
     values["chat_template"] = fields["tokenizer.chat_template"].contents()
