@@ -22,6 +22,23 @@ from pagedserve.engine.loading.model_store import ModelSource, resolve_model
 from service_fixtures import server_factory, shared_server  # noqa: F401  (real server processes)
 
 
+# Session fixtures slow enough that the files using them should share one pytest-xdist worker (each worker builds its
+# own copy of a session fixture).
+WORKER_SHARED_FIXTURES = ("hf_gemma3",)  # ~30 s of transformers dequantizing Gemma 3 in Python
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook turns the marks into the nodeids' group suffixes
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `--dist loadgroup` (tests/run.sh) each test file is one group, so a file's module fixtures (servers,
+    engines) start once; files that use one of WORKER_SHARED_FIXTURES form a single group."""
+    shared = {item.path: name for item in items for name in WORKER_SHARED_FIXTURES
+              if name in getattr(item, "fixturenames", ())}
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = shared.get(item.path) or item.path.relative_to(config.rootpath).as_posix()
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def default_model() -> ModelSource:
     """The embedded default: SmolLM2-135M-Instruct's Q4_1 GGUF, served as it is, and its exported tokenizer."""
