@@ -15,9 +15,12 @@ context lengths, e.g. the 8-bit decode at 4k keys:
     python benchmarks/decode_attention_ab.py --base main --kv int8 --contexts 4096 --rows 1 16
 
 `--dtypes bf16 int8 fp8_e4m3` times this tree alone over each cache dtype instead (no base), dtypes alternated, and
-prints per case each one's 10th-percentile us per call, us per row over the 30 layers and ratio to the first dtype:
+prints per case each one's 10th-percentile us per call, us per row over the 30 layers and ratio to the first dtype;
+`--block-sizes` and `--pages huge 4k` add those settings to the alternation (the caches are on huge pages as the
+engine's are, kernels/huge_pages.py, unless `4k` is asked for):
 
     python benchmarks/decode_attention_ab.py --dtypes bf16 int8 fp8_e4m3 --contexts 3600 --rows 1 2 4 --threads 1
+    python benchmarks/decode_attention_ab.py --dtypes bf16 int8 --pages 4k huge --contexts 1500 4096 --rows 4 16
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.kernels import huge_pages
 from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.kernels.cpu.build import COMMON_FLAGS
 from pagedserve.kernels.cpu.structs import DecodeArgs
@@ -92,17 +96,26 @@ def _cache(kv: str, shape: tuple[int, ...], gen: torch.Generator) -> tuple[torch
     return (x * 40).round().clamp(-127, 127).to(torch.int8), scales
 
 
+def _on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t in memory on huge pages, as the engine's KV cache (kernels/huge_pages.py)."""
+    out = huge_pages.carve(huge_pages.zeroed_bytes(t.numel() * t.element_size()), 0, tuple(t.shape), t.dtype)
+    return out.copy_(t)
+
+
 class Case:
     """A step's decode rows over LAYERS scattered caches: `rows` rows, `spans` of them sharing a sequence."""
 
     def __init__(self, rows: int, span: int, context: int, seed: int = 0, kv: str = "bf16",
-                 layout: str = "scattered") -> None:
+                 layout: str = "scattered", block: int = BLOCK, huge: bool = False) -> None:
         gen = torch.Generator().manual_seed(seed)
         seqs = rows // span
-        per_seq = -(-(context + span) // BLOCK)
+        per_seq = -(-(context + span) // block)
+        self.block = block
         self.num_blocks = seqs * per_seq + 4
         self.kv = kv
-        self.caches = [_cache(kv, (2, KV_HEADS, self.num_blocks, BLOCK, DIM), gen) for _ in range(LAYERS)]
+        self.caches = [_cache(kv, (2, KV_HEADS, self.num_blocks, block, DIM), gen) for _ in range(LAYERS)]
+        if huge:
+            self.caches = [(_on_huge_pages(c), s if s is None else _on_huge_pages(s)) for c, s in self.caches]
         # scattered: every block anywhere; contiguous: each sequence's blocks in order, as a prefill takes them from
         # the block manager's free list
         order = (torch.randperm(self.num_blocks, generator=gen) if layout == "scattered"
@@ -126,7 +139,7 @@ class Case:
             v_row_scale=None if row_scales is None else row_scales[1].data_ptr(),
             block_tables=self.tables.data_ptr(), block_table_stride=self.tables.stride(0),
             seq_lens=self.lens.data_ptr(), rows=self.rows.data_ptr(),
-            num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, num_blocks=self.num_blocks, block_size=BLOCK,
+            num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, num_blocks=self.num_blocks, block_size=self.block,
             scale=DIM**-0.5, window=0,
         )
 
@@ -155,16 +168,23 @@ def _summary(rows: int, span: int, context: int, a: list, b: list) -> dict:
 
 
 def compare_dtypes(lib: ctypes.CDLL, args: argparse.Namespace) -> list[dict]:
-    """This tree over each of args.dtypes, alternated `--pairs` times per case; the least 10th percentile of each."""
+    """This tree over each of args.dtypes (and each of args.block_sizes and args.pages: keys "dtype/block/pages"),
+    alternated `--pairs` times per case; the least 10th percentile of each."""
     results = []
     for rows in args.rows:
         for context in args.contexts:
-            cases = {kv: Case(rows, 1, context, kv=kv, layout=args.layout) for kv in args.dtypes}
-            best = {kv: float("inf") for kv in args.dtypes}
+            cases = {}
+            for kv in args.dtypes:
+                for bs in args.block_sizes:
+                    for pages in args.pages:
+                        parts = [kv, str(bs) if len(args.block_sizes) > 1 else "", pages if len(args.pages) > 1 else ""]
+                        name = "/".join(p for p in parts if p)
+                        cases[name] = Case(rows, 1, context, kv=kv, layout=args.layout, block=bs, huge=pages == "huge")
+            best = {kv: float("inf") for kv in cases}
             for _ in range(args.pairs):
                 for kv, case in cases.items():
                     best[kv] = min(best[kv], case.time_us(lib, args.threads, args.steps)[1])
-            first = best[args.dtypes[0]]
+            first = next(iter(best.values()))
             results.append(dict(rows=rows, context=context, p10_us={kv: round(t, 1) for kv, t in best.items()},
                                 us_per_row_all_layers={kv: round(LAYERS * t / rows) for kv, t in best.items()},
                                 vs_first={kv: round(t / first, 3) for kv, t in best.items()}))
@@ -185,12 +205,16 @@ def main() -> None:
     parser.add_argument("--layout", default="scattered", choices=["scattered", "contiguous"],
                         help="blocks of a sequence at random places, or in order")
     parser.add_argument("--dtypes", nargs="+", choices=sorted(KV_CODES), help="this tree over these caches, no base")
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[BLOCK],
+                        help="with --dtypes: each cache dtype at each of these tokens per block")
+    parser.add_argument("--pages", nargs="+", choices=["huge", "4k"], default=["huge"],
+                        help="with --dtypes: caches on huge pages (as the engine allocates them) and/or 4 KiB pages")
     args = parser.parse_args()
     load_before = os.getloadavg()
     if args.dtypes:
         with tempfile.TemporaryDirectory() as tmp:
             results = compare_dtypes(_build(_sources(None), Path(tmp), "this"), args)
-        print(json.dumps(dict(dtypes=args.dtypes, threads=args.threads, layout=args.layout, cpu=_cpu(), cores=os.cpu_count(),
+        print(json.dumps(dict(dtypes=args.dtypes, block_sizes=args.block_sizes, pages=args.pages, threads=args.threads, layout=args.layout, cpu=_cpu(), cores=os.cpu_count(),
                               load_before=load_before, load_after=os.getloadavg(), cases=results)))
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -200,7 +224,7 @@ def main() -> None:
         results = []
         for rows, span in [(r, 5 if r == 5 else 1) for r in args.rows]:
             for context in args.contexts:
-                case = Case(rows, span, context, kv=args.kv, layout=args.layout)
+                case = Case(rows, span, context, kv=args.kv, layout=args.layout, huge=args.pages[0] == "huge")
                 a, b = [], []
                 for _ in range(args.pairs):
                     a.append(case.time_us(base, args.threads, args.steps))

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.kernels import huge_pages
+
 
 class KVCacheConfigError(ValueError):
     """A KV-cache setting is invalid; the message names the field."""
@@ -153,6 +155,23 @@ class LayerKVCache:
         return storage
 
 
+def _line_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of shape and dtype, rounded up to whole 64-byte lines."""
+    count = dtype.itemsize
+    for n in shape:
+        count *= n
+    return -(-count // 64) * 64
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    """Start of each piece when pieces of these sizes are laid end to end."""
+    starts, at = [], 0
+    for size in sizes:
+        starts.append(at)
+        at += size
+    return starts
+
+
 class KVCache:
     """All layers' blocks, allocated once from the spec."""
 
@@ -162,26 +181,26 @@ class KVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         storage = (spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
-        blocks = lambda: torch.zeros(storage, dtype=spec.dtype.torch_dtype, device=device).permute(1, 2, 0, 3)  # noqa: E731
+        scales = storage[:3] if spec.dtype.has_row_scales else None
+        # One buffer for every layer's K, V (and row scales), each piece on a 64-byte line: on CPU it is on huge
+        # pages (kernels/huge_pages.py), which decode attention's scattered tile reads need.
+        pieces = [(storage, spec.dtype.torch_dtype)] * 2 + ([(scales, ROW_SCALE_DTYPE)] * 2 if scales else [])
+        sizes = [_line_bytes(shape, dtype) for shape, dtype in pieces]
+        arena = huge_pages.zeroed_bytes(sum(sizes) * spec.num_layers, device)
+        offsets = iter(_offsets(sizes * spec.num_layers))
         ones = lambda: torch.ones(spec.num_kv_heads, dtype=torch.float32, device=device)  # noqa: E731
 
-        def row_scales() -> torch.Tensor | None:
-            if not spec.dtype.has_row_scales:
-                return None
-            return torch.zeros(storage[:3], dtype=ROW_SCALE_DTYPE, device=device).permute(1, 2, 0)
+        def piece(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            view = huge_pages.carve(arena, next(offsets), shape, dtype)
+            return view.permute(1, 2, 0, 3) if len(shape) == 4 else view.permute(1, 2, 0)
 
-        self.layers = [
-            LayerKVCache(
-                k=blocks(),
-                v=blocks(),
-                k_scale=ones(),
-                v_scale=ones(),
-                dtype=spec.dtype,
-                k_row_scale=row_scales(),
-                v_row_scale=row_scales(),
-            )
-            for _ in range(spec.num_layers)
-        ]
+        self.layers = []
+        for _ in range(spec.num_layers):
+            k, v = piece(storage, spec.dtype.torch_dtype), piece(storage, spec.dtype.torch_dtype)
+            k_rows = piece(scales, ROW_SCALE_DTYPE) if scales else None
+            v_rows = piece(scales, ROW_SCALE_DTYPE) if scales else None
+            self.layers.append(LayerKVCache(k=k, v=v, k_scale=ones(), v_scale=ones(), dtype=spec.dtype,
+                                            k_row_scale=k_rows, v_row_scale=v_rows))
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Block dst[i] of every layer becomes a copy of block src[i] (copy-on-write), row scales included."""
