@@ -22,7 +22,7 @@ from pagedserve.engine.errors import (
 )
 from pagedserve.engine.kv_events import KvEvent
 from pagedserve.engine.loop_commands import (
-    Abort, AdapterCall, Add, ResetPrefixCache, Sink, put_all, settle,
+    Abort, AdapterCall, Add, ResetPrefixCache, Sink, put_all, resolve, settle,
 )
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule
@@ -253,7 +253,7 @@ class AsyncEngine:
                 self._apply_add(command)
             elif isinstance(command, ResetPrefixCache):
                 dropped = self.engine.block_manager.reset_prefix_cache()
-                command.done.get_loop().call_soon_threadsafe(command.done.set_result, dropped)
+                resolve(command.done, dropped)
             elif isinstance(command, AdapterCall):
                 settle(command)
             else:

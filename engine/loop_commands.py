@@ -68,7 +68,13 @@ def settle(call: AdapterCall) -> None:
     except Exception as exc:  # the caller gets the error; the loop goes on
         call.done.get_loop().call_soon_threadsafe(_set_exception, call.done, exc)
         return
-    call.done.get_loop().call_soon_threadsafe(_set_result, call.done, result)
+    resolve(call.done, result)
+
+
+def resolve(future: asyncio.Future, result: Any) -> None:
+    """From the engine thread: sets future's result on its own loop, unless its caller has given up on it (a
+    cancelled future cannot take a result, and setting one would be an error on the caller's loop)."""
+    future.get_loop().call_soon_threadsafe(_set_result, future, result)
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:

@@ -134,3 +134,30 @@ def test_a_slow_subscriber_is_dropped_and_never_blocks_the_publisher():
         return str(err.value)
 
     assert "fell 4 batches behind" in asyncio.run(slow())
+
+
+def test_a_reset_its_caller_cancelled_leaves_no_error_on_the_callers_loop(tiny_engine):
+    """A client that stops waiting for reset_prefix_cache cancels its future; the engine thread's answer then finds
+    it done and is dropped, instead of raising InvalidStateError in a callback on the caller's loop."""
+    config, llm = tiny_engine
+
+    async def run() -> tuple[list[dict], int]:
+        errors: list[dict] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+        engine = AsyncEngine(config, engine=llm)
+        await engine.start()
+        try:
+            for i in range(40):
+                waiting = asyncio.ensure_future(engine.reset_prefix_cache())
+                await asyncio.sleep(0)  # the command is on its way to the engine thread
+                if i % 2:
+                    await asyncio.sleep(0.0005 * (i % 5))  # cancelled before, while or after it answers
+                waiting.cancel()
+            dropped = await engine.reset_prefix_cache()  # the loop goes on serving resets
+            await asyncio.sleep(0.05)  # every answer scheduled on this loop has run
+        finally:
+            await engine.shutdown()
+        return errors, dropped
+
+    errors, dropped = off_main_thread(asyncio.run, run())
+    assert errors == [] and dropped == 0
