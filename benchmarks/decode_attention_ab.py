@@ -214,8 +214,9 @@ def main() -> None:
     if args.dtypes:
         with tempfile.TemporaryDirectory() as tmp:
             results = compare_dtypes(_build(_sources(None), Path(tmp), "this"), args)
-        print(json.dumps(dict(dtypes=args.dtypes, block_sizes=args.block_sizes, pages=args.pages, threads=args.threads, layout=args.layout, cpu=_cpu(), cores=os.cpu_count(),
-                              load_before=load_before, load_after=os.getloadavg(), cases=results)))
+        print(json.dumps(dict(dtypes=args.dtypes, block_sizes=args.block_sizes, pages=args.pages, threads=args.threads,
+                              layout=args.layout, cpu=_cpu(), cores=os.cpu_count(), load_before=load_before,
+                              load_after=os.getloadavg(), cases=results)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         base = _build(_sources(args.base), Path(tmp), "base")

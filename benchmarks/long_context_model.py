@@ -1,8 +1,8 @@
 """The long-context benchmark's tokens/s ratio predicted for workloads not run: the engine's Scheduler and
-BlockManager replay a workload step by step (exact: admission_replay.py's replay_steps) for each cache dtype's block count,
-and each step is priced with costs measured by kv_long_context_profile.py: a fixed cost per step and one per decode
-row (the weights' read and the linears' arithmetic, the same for every cache), and per dtype, prefill per token and
-decode attention per cached key of every decode row. Prints, per workload seed, the predicted
+BlockManager replay a workload step by step (exact: admission_replay.py's replay_steps) for each cache dtype's block
+count, and each step is priced with costs measured by kv_long_context_profile.py: a fixed cost per step and one per
+decode row (the weights' read and the linears' arithmetic, the same for every cache), and per dtype, prefill per
+token and decode attention per cached key of every decode row. Prints, per workload seed, the predicted
 tokens/s of each dtype and its ratio to the first, then the worst, median and best ratio over the seeds.
 
 What it is for: the measured ratio is one workload (one seed's prompt lengths and order) on one host at one moment;

@@ -2,8 +2,8 @@
 
 Why: decode attention reads each sequence's K/V as 1-4 KiB tiles scattered over the whole cache, so on 4 KiB pages
 nearly every tile costs a TLB miss, and in a virtual machine each miss is a two-level (guest and host) page walk.
-On the KVM guest of docs/tested-hosts.md the native decode attention over scattered 16-bit blocks ran 1.15-1.35x
-faster from a cache on 2 MiB pages (benchmarks/decode_attention_ab.py --huge-pages; docs/kv-cache-formats.md).
+On the KVM guest of docs/tested-hosts.md native decode attention over scattered bf16 blocks ran 1.01-1.45x faster
+from a cache on 2 MiB pages (benchmarks/decode_attention_ab.py --pages 4k huge; docs/kv-cache-formats.md).
 
 Linux gives huge pages to anonymous memory only where asked (transparent_hugepage "madvise", the usual default) or
 everywhere ("always"), and only to 2 MiB-aligned ranges first touched after the advice. So the buffer is reserved
@@ -14,6 +14,7 @@ kernel refuses it (THP "never", no such call, not Linux) the tensor is the same,
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 
 import torch
@@ -51,10 +52,7 @@ def zeroed_bytes(nbytes: int, device: torch.device | str = "cpu") -> torch.Tenso
 
 def carve(buffer: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A contiguous view of `shape` and `dtype` on buffer's bytes [offset, offset + its size)."""
-    count = 1
-    for n in shape:
-        count *= n
-    nbytes = count * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if offset % dtype.itemsize or offset + nbytes > buffer.numel():
         raise ValueError(f"{nbytes} bytes at {offset} do not fit a {buffer.numel()}-byte buffer as {dtype}")
     return buffer[offset:offset + nbytes].view(dtype).view(shape)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -157,19 +159,7 @@ class LayerKVCache:
 
 def _line_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """Bytes of a tensor of shape and dtype, rounded up to whole 64-byte lines."""
-    count = dtype.itemsize
-    for n in shape:
-        count *= n
-    return -(-count // 64) * 64
-
-
-def _offsets(sizes: list[int]) -> list[int]:
-    """Start of each piece when pieces of these sizes are laid end to end."""
-    starts, at = [], 0
-    for size in sizes:
-        starts.append(at)
-        at += size
-    return starts
+    return -(-math.prod(shape) * dtype.itemsize // 64) * 64
 
 
 class KVCache:
@@ -187,7 +177,7 @@ class KVCache:
         pieces = [(storage, spec.dtype.torch_dtype)] * 2 + ([(scales, ROW_SCALE_DTYPE)] * 2 if scales else [])
         sizes = [_line_bytes(shape, dtype) for shape, dtype in pieces]
         arena = huge_pages.zeroed_bytes(sum(sizes) * spec.num_layers, device)
-        offsets = iter(_offsets(sizes * spec.num_layers))
+        offsets = itertools.accumulate([0] + sizes * spec.num_layers)  # each piece's start, end to end
         ones = lambda: torch.ones(spec.num_kv_heads, dtype=torch.float32, device=device)  # noqa: E731
 
         def piece(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
