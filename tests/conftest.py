@@ -22,21 +22,47 @@ from pagedserve.engine.loading.model_store import ModelSource, resolve_model
 from service_fixtures import server_factory, shared_server  # noqa: F401  (real server processes)
 
 
-# Session fixtures slow enough that the files using them should share one pytest-xdist worker (each worker builds its
-# own copy of a session fixture).
-WORKER_SHARED_FIXTURES = ("hf_gemma3",)  # ~30 s of transformers dequantizing Gemma 3 in Python
+# pytest-xdist (tests/run.sh) gives each worker whole test files, so a file's module fixtures (servers, engines)
+# start once. Files that share a session fixture too slow to build once per worker run on one worker together.
+ONE_WORKER_FILES = {"tests/test_gemma3_gguf.py": "hf_gemma3", "tests/test_gguf_models.py": "hf_gemma3"}
+# The files that take longest (1.5-5 min each on 2 cores), handed out first so that neither worker is left alone with
+# one of them at the end; the rest follow in collection order.
+LONG_FILES = ("tests/test_device_check.py", "tests/test_gemma3_gguf.py", "tests/test_gguf_models.py",
+              "tests/test_tool_calling.py", "tests/test_engine_vs_transformers.py", "tests/test_half_weights.py",
+              "tests/test_mesh_envoy.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook turns the marks into the nodeids' group suffixes
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile` (tests/run.sh) with ONE_WORKER_FILES as one unit and the files in collection order. (xdist's
+    `--dist loadgroup` with a group mark per file cannot: it renames `item._nodeid`, which pytest 9's `nodeid` no
+    longer reads, so every test became a unit of its own and a file's module fixtures started on both workers.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return ONE_WORKER_FILES.get(_file_of(nodeid), _file_of(nodeid))
+
+    config.option.loadscopereorder = False  # keep pytest_collection_modifyitems' order: LONG_FILES first
+    return FileScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under `--dist loadgroup` (tests/run.sh) each test file is one group, so a file's module fixtures (servers,
-    engines) start once; files that use one of WORKER_SHARED_FIXTURES form a single group."""
-    shared = {item.path: name for item in items for name in WORKER_SHARED_FIXTURES
-              if name in getattr(item, "fixturenames", ())}
+    """LONG_FILES first (a stable sort: each file's own order is kept); and a file that uses a fixture named in
+    ONE_WORKER_FILES must be listed there, or each worker would build that fixture."""
+    shared = set(ONE_WORKER_FILES.values())
     for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            group = shared.get(item.path) or item.path.relative_to(config.rootpath).as_posix()
-            item.add_marker(pytest.mark.xdist_group(group))
+        path = _file_of(item.nodeid)
+        if shared & set(getattr(item, "fixturenames", ())) and path not in ONE_WORKER_FILES:
+            raise pytest.UsageError(f"{path} uses {sorted(shared)}: add it to ONE_WORKER_FILES in tests/conftest.py")
+    rank = {path: i for i, path in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(_file_of(item.nodeid), len(rank)))
 
 
 @pytest.fixture(scope="session")

@@ -45,8 +45,9 @@ if [ -x clients/build.sh ]; then
 fi
 # Two pytest-xdist workers where there are two CPUs: one worker waiting on a server it started, or in a single-
 # threaded import or parse, left the other core idle for most of the suite (user time ~ wall time). A file's tests stay
-# on one worker (--dist loadgroup, tests/conftest.py names each file's group), so module fixtures start once.
+# on one worker (--dist loadfile; tests/conftest.py's scheduler also keeps the Gemma 3 files together and hands the
+# longest files out first), so module fixtures start once.
 # PAGEDSERVE_TEST_WORKERS=N sets the count (0: no workers, the tests run in this process); later -n arguments win.
 workers="${PAGEDSERVE_TEST_WORKERS:-$("$py" -c 'import os; print(2 if len(os.sched_getaffinity(0)) >= 2 else 0)')}"
 # -P: the repo root must not be on sys.path, or its folders would shadow PyPI packages named kernels, engine, ...
-exec "$py" -P -m pytest -q -p no:cacheprovider --rootdir=. -n "$workers" --dist loadgroup tests "$@"
+exec "$py" -P -m pytest -q -p no:cacheprovider --rootdir=. -n "$workers" --dist loadfile tests "$@"
