@@ -167,11 +167,12 @@ INLINE void chunk_task(const DecodeArgs *a, const Span *sp, int64_t h, int64_t c
                             (a->rows[sp->s + i] * a->q_token_stride + h * group * dim) * elem_size(q_dt);
         for (int64_t j = 0; j < group * chunks; j++) q[i * group * chunks + j] = load16(query, j, q_dt) * q_factor;
     }
-    /* int8 K: the queries as int16 and their scales, after the fp32 ones (thread_scratch leaves room) */
+    /* int8 K: the queries as int16 (each chunk twice) and their scales, after the fp32 ones (thread_scratch leaves
+     * room) */
     i16x32 *q16 = (i16x32 *)(q + nq * chunks);
-    float *qs = (float *)(q16 + nq * ((chunks + 1) / 2));
+    float *qs = (float *)(q16 + nq * chunks);
     if (kv_dt == DT_I8)
-        for (int64_t qq = 0; qq < nq; qq++) qs[qq] = kv_dot_quantize(q + qq * chunks, chunks, q16 + qq * ((chunks + 1) / 2));
+        for (int64_t qq = 0; qq < nq; qq++) qs[qq] = kv_dot_quantize(q + qq * chunks, chunks, q16 + qq * chunks);
     chunk_scores(a, &k, h, q, q16, qs, nq, w->scores, chunks, kv_dt);
     chunk_softmax(a, sp, &k, w->scores, part, dim);
     float ps[nq];  /* int8 V: each query's probabilities as int16 in place of its scores, and their scale */

@@ -212,8 +212,9 @@ static int make_plan(const DecodeArgs *a, const Span *spans, int64_t num_spans, 
 static int thread_scratch(const DecodeArgs *a, int64_t queries, int64_t max_seq_len, Scratch *w) {
     const int64_t dim = a->head_dim, group = a->num_heads / a->num_kv_heads;
     const int64_t scores = dim % 16 ? group * (max_seq_len > 0 ? max_seq_len : 1) : queries * KEY_CHUNK;
-    /* queries: fp32, then for int8 K as int16 in 32-lane groups and their scales (decode_attention.c) */
-    const int64_t sizes[6] = {queries * (dim + (dim + 31) / 32 * 16 + 16), scores, queries * partial_stride(dim), queries * partial_stride(dim),
+    /* queries: fp32, then for int8 K as int16 (each 16-lane chunk twice: dim floats' bytes) and their scales
+     * (decode_attention.c) */
+    const int64_t sizes[6] = {queries * (2 * dim + 16), scores, queries * partial_stride(dim), queries * partial_stride(dim),
                               dim, dim};
     int64_t total = 0;
     for (int i = 0; i < 6; i++) total += (sizes[i] + 15) / 16 * 16;

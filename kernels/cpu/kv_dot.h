@@ -23,8 +23,9 @@
 typedef int16_t i16x32 __attribute__((vector_size(64)));
 typedef int8_t i8x32 __attribute__((vector_size(32)));
 
-/* One query's 16 * chunks fp32 lanes -> int16 in 32-lane groups (a last half group zero-padded) and the scale s
- * with q ~ s * q16: q16 = rint(q * (32767 / max|q|)), ties to even. */
+/* One query's 16 * chunks fp32 lanes -> int16, each 16-lane chunk c twice in q16[c] (lanes 0-15 and 16-31: one
+ * copy per key of the key pairs kv_dot_widen_pair builds), and the scale s with q ~ s * q16:
+ * q16 = rint(q * (32767 / max|q|)), ties to even. */
 INLINE float kv_dot_quantize(const f32x16 *q, int64_t chunks, i16x32 *q16) {
     f32x16 peak = {0};
     i32x16 finite = peak == peak;  /* all lanes set */
@@ -37,15 +38,42 @@ INLINE float kv_dot_quantize(const f32x16 *q, int64_t chunks, i16x32 *q16) {
     for (int i = 0; i < 16; i++) ok &= finite[i] != 0;
     const float amax = hmax16(peak), inv = ok && amax > 0.0f ? 32767.0f / amax : 0.0f;
     const f32x16 magic = (f32x16){0} + 12582912.0f;  /* 1.5 * 2^23: adding and subtracting it rounds to even */
-    for (int64_t p = 0; p < (chunks + 1) / 2; p++) {
-        f32x16 lo = (q[2 * p] * inv + magic) - magic, hi = {0};
-        if (2 * p + 1 < chunks) hi = (q[2 * p + 1] * inv + magic) - magic;
-        const i16x16 a = __builtin_convertvector(__builtin_convertvector(lo, i32x16), i16x16);
-        const i16x16 b = __builtin_convertvector(__builtin_convertvector(hi, i32x16), i16x16);
-        q16[p] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
-                                         20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int64_t c = 0; c < chunks; c++) {
+        const f32x16 r = (q[c] * inv + magic) - magic;
+        const i16x16 a = __builtin_convertvector(__builtin_convertvector(r, i32x16), i16x16);
+        q16[c] = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5,
+                                         6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     }
     return ok ? amax / 32767.0f : NAN;
+}
+
+/* Lanes [16c, 16c + 16) of two int8 key rows widened to int16, row a's in lanes 0-15 and row b's in 16-31 (zeros for
+ * a NULL row): a pair dot with kv_dot_quantize's q16[c] then sums a's products in int32 lanes 0-7 and b's in 8-15,
+ * the layout the first level of a 16-vector transpose-add tree makes, so kv_dot_hsum_key_pairs starts one level
+ * later (half the shuffles of a tree over one key per vector; every sum exact, so the same bits). */
+INLINE i16x32 kv_dot_widen_pair(const int8_t *a, const int8_t *b, int64_t c) {
+#if defined(PS_AVX2)
+    /* two 16-byte loads into the halves of one register: assembling the 32 bytes in memory stalled every load on
+     * two narrower stores (store forwarding fails), which made the whole kernel 2x slower */
+    const __m128i ka = a ? _mm_loadu_si128((const __m128i *)(a + 16 * c)) : _mm_setzero_si128();
+    const __m128i kb = b ? _mm_loadu_si128((const __m128i *)(b + 16 * c)) : _mm_setzero_si128();
+#if defined(PS_AVX512)
+    return (i16x32)_mm512_cvtepi8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(ka), kb, 1));
+#else
+    const __m256i lo = _mm256_cvtepi8_epi16(ka), hi = _mm256_cvtepi8_epi16(kb);
+    i16x32 out;
+    memcpy(&out, &lo, 32);
+    memcpy((char *)&out + 32, &hi, 32);
+    return out;
+#endif
+#else
+    i8x16 ka = {0}, kb = {0};
+    if (a) memcpy(&ka, a + 16 * c, 16);
+    if (b) memcpy(&kb, b + 16 * c, 16);
+    const i8x32 bytes = __builtin_shufflevector(ka, kb, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17,
+                                                18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+    return __builtin_convertvector(bytes, i16x32);
+#endif
 }
 
 /* Lanes [32p, 32p + 32) of an int8 row widened to int16; past the row's 16 * chunks lanes, zeros (never read). */
@@ -94,13 +122,11 @@ INLINE i32x16 kv_dot_pairs(i32x16 acc, i16x32 k, i16x32 q) {
 #endif
 }
 
-/* out[j] = the sum of v[j]'s 16 lanes, for 16 vectors at once (decode_attention.c's hsum16x16 on int32: exact, so
- * any tree gives the same sums). */
-INLINE i32x16 kv_dot_hsum16x16(const i32x16 *v) {
-    i32x16 c[8], d[4], e[2];
-    for (int j = 0; j < 8; j++)
-        c[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-               __builtin_shufflevector(v[2 * j], v[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+/* out[2j] = the sum of c[j]'s lanes 0-7 and out[2j + 1] of its lanes 8-15, for 8 vectors (16 keys' int32 dots from
+ * kv_dot_widen_pair's key pairs): decode_scores.h's hsum16x16 from its second level on (exact, so any tree gives the
+ * same sums). */
+INLINE i32x16 kv_dot_hsum_key_pairs(const i32x16 *c) {
+    i32x16 d[4], e[2];
     for (int j = 0; j < 4; j++)
         d[j] = __builtin_shufflevector(c[2 * j], c[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
                __builtin_shufflevector(c[2 * j], c[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
