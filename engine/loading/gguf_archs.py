@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pagedserve.engine.errors import ModelLoadError
+from pagedserve.engine.loading.config_defaults import filled_config
 from pagedserve.kernels.registry import Registry, UnknownImplementationError
 
 _CONFIG_KEYS = {
@@ -129,10 +130,8 @@ def gguf_arch(name: str) -> GgufArch:
 
 def hf_config(arch_name: str, metadata: Mapping[str, Any], tensor_names: tuple[str, ...],
               read_tensor: Callable[[str], torch.Tensor] | None = None) -> dict[str, Any]:
-    """The HF config dict transformers would build for this file (its config class fills the defaults), plus
-    `architectures` and dtype float32: the dequantized values are exact in fp32."""
-    from transformers import AutoConfig
-
+    """The HF config dict transformers would build for this file (its config class fills the defaults, through the
+    cache of config_defaults.py), plus `architectures` and dtype float32: the dequantized values are exact in fp32."""
     arch = gguf_arch(arch_name)
     fields = {hf: metadata[f"{arch_name}.{key}"] for key, hf in arch.config_keys.items()
               if f"{arch_name}.{key}" in metadata}
@@ -148,7 +147,7 @@ def hf_config(arch_name: str, metadata: Mapping[str, Any], tensor_names: tuple[s
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if not fields.get(k)]
     if missing:
         raise ModelLoadError(f"GGUF metadata: {missing[0]} missing ({arch_name}.* keys)")
-    config = AutoConfig.for_model(arch.model_type, **fields).to_dict()
+    config = filled_config(arch.model_type, fields)
     return config | {"architectures": [arch.hf_architecture], "dtype": "float32"}
 
 
