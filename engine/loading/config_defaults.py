@@ -3,8 +3,8 @@ transformers version) and kept in pagedserve's cache as JSON.
 
 Why a cache: importing a transformers config class (LlamaConfig, Gemma3TextConfig, ...) imports its validators,
 which import transformers' activations, kernel hub and model-loading stack and with them torch.distributed.tensor:
-~2 s of every `pagedserve serve` start on a GGUF file (py-spy and -X importtime, 2-core SPR guest), where nothing
-else at start-up needs them (the tokenizer loads without them). The JSON holds exactly what the class produced:
+~2-4 s of every `pagedserve serve` start on a GGUF file (py-spy, -X importtime and cold/warm loads, 2-core SPR
+guest), where nothing else at start-up needs them (the tokenizer loads without them). The JSON holds exactly what the class produced:
 a dict that does not survive a JSON round trip unchanged is not cached.
 """
 
