@@ -72,6 +72,87 @@ def test_gemv_refuses_more_rows_than_its_accumulator():
         w4a16_gemv.gemv(torch.zeros(17, 64, device=DEVICE), w.layout())
 
 
+@pytest.mark.parametrize("bits,k,n,group,act_order", [
+    (4, 320, 72, 64, True),   # act-order (gathered in the kernel), partial last group, N not a multiple of the tile
+    (4, 200, 40, -1, False),  # one group, K not a multiple of the span
+    (8, 208, 96, 48, True),   # 8-bit act-order, a group length that is no power of two: 16-row spans
+    (4, 1024, 24, 128, False),  # many spans adding into one tile
+])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("path", ["splitk_last", "splitk_atomic"])
+def test_splitk_gemv_matches_reference(bits, k, n, group, act_order, m, path):
+    _check(random_weight(k, n, bits, group, act_order, seed=k + n + bits), m, torch.float32, path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 6])
+@pytest.mark.parametrize("path", ["splitk_last", "splitk_atomic"])  # bf16 takes "last" either way
+def test_splitk_gemv_16bit_activations(dtype, m, path):
+    _check(random_weight(256, 64, 4, 128, True, seed=9), m, dtype, path)
+
+
+def _sweep_configs():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+    import bench_w4a16
+    from pagedserve.quant import w4a16_splitk
+
+    return [w4a16_splitk.SplitKConfig(*c) for c in bench_w4a16.SPLITK_SWEEP]
+
+
+@pytest.mark.parametrize("index", range(15))
+def test_every_benched_splitk_launch_matches_reference(index):
+    """Each launch setting the device bench times computes the layer's product (and leaves its workspace zero), so
+    the fastest can become the default without a correctness question."""
+    configs = _sweep_configs()
+    assert len(configs) == 15, "keep this test's range equal to the sweep's length"
+    cfg = configs[index]
+    w = random_weight(512, 80, 4, 128, True, seed=21)
+    kernel = w4a16_kernel.W4A16Kernel(_on(w, DEVICE))
+    dense = w.dequantize(torch.float32)
+    for m, dtype in ((1, torch.float16), (1, torch.float32), (5, torch.float16)):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(dtype)
+        ref = x.float() @ dense.t()
+        y = kernel.splitk(x.to(DEVICE), cfg).float().cpu()
+        assert (y - ref).abs().max().item() <= TOLERANCE[dtype] * ref.abs().max().item(), (cfg.name, m, dtype)
+    if kernel.splitk_workspace is not None:
+        assert not kernel.splitk_workspace.sums.any() and not kernel.splitk_workspace.counts.any()
+
+
+def test_splitk_last_reduction_leaves_workspace_zero_and_rule():
+    from pagedserve.quant import w4a16_splitk
+
+    w = random_weight(1024, 40, 4, 128, False, seed=3)
+    kernel = w4a16_kernel.W4A16Kernel(_on(w, DEVICE))
+    x = torch.randn(2, 1024, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    first = kernel(x, force="splitk_last")
+    ws = kernel.splitk_workspace
+    assert not ws.sums.any() and not ws.counts.any()  # the next call (or graph replay) starts clean
+    torch.testing.assert_close(kernel(x, force="splitk_last"), first, rtol=1e-6, atol=1e-6)
+    assert w4a16_splitk.span_for(kernel.layout(), w4a16_splitk.SplitKConfig(block_k=32, k_steps=8)) == (32, 4)
+    with pytest.raises(ValueError, match="rows"):
+        w4a16_splitk.splitk_gemv(torch.zeros(17, 1024, device=DEVICE), kernel.layout(), ws)
+    with pytest.raises(ValueError, match="SplitKWorkspace"):
+        w4a16_splitk.splitk_gemv(x, kernel.layout(), None)
+    with pytest.raises(ValueError, match="reduce"):
+        w4a16_splitk.SplitKConfig(reduce="tree")
+    rule = W4A16Rule(splitk_max_m=16)
+    assert rule.path(16, torch.float16, True) == "splitk" and rule.path(17, torch.float16, True) == "tinygemm"
+    assert rule.path(1, torch.float32, True) == "splitk"  # fp32: one row on the CUDA cores, more through fp32 dots
+    from pagedserve.quant import w4a16_rule
+
+    default = w4a16_rule.RULE
+    with w4a16_rule.rule_in_effect(rule):
+        assert w4a16_rule.RULE is rule and w4a16_kernel.W4A16Kernel(_on(w, DEVICE)).splitk_workspace is not None
+    assert w4a16_rule.RULE is default and w4a16_kernel.W4A16Kernel(_on(w, DEVICE)).splitk_workspace is None
+    with pytest.raises(Exception, match="splitk_max_m"):
+        W4A16Rule(splitk_max_m=17)
+    with pytest.raises(Exception, match="splitk_reduce"):
+        W4A16Rule(splitk_reduce="tree")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 5])
 def test_decode_kernel_16bit_activations(dtype, m):

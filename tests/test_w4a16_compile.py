@@ -26,6 +26,14 @@ CASES = (  # activation dtype, rows, bits, 16-bit dot, serial reduction
     ("bf16", 16, 8, True, False),  # tensor-core dot, 8-bit
     ("fp32", 64, 4, False, True),  # fp32 dot
 )
+SPLITK_CASES = (  # activation dtype, rows, bits, act-order gather, SplitKConfig fields
+    ("fp16", 1, 4, True, {}),  # the default: repeated word loads, "last" reduction
+    ("fp16", 16, 4, True, {}),  # tl.dot
+    ("bf16", 16, 8, False, {}),
+    ("fp16", 1, 4, True, {"reduce": "atomic"}),
+    ("fp16", 1, 4, False, {"unpack": True, "block_n": 512}),
+    ("fp16", 1, 4, True, {"one_row_dot": True}),
+)
 GEMV_CASES = (  # activation dtype, rows, bits, act-order gather, serial reduction
     ("fp16", 1, 4, True, True),
     ("bf16", 4, 8, False, False),
@@ -73,10 +81,35 @@ def compile_all() -> dict:
             "shared": k.metadata.shared, "serial": serial, "cg_loads": "ld.global.cg" in ptx,
             "one_thread_atomic": "@%p" in ptx.split("atom.global.gpu.acq_rel.add")[0][-40:] if serial else None,
             "int_to_float": "cvt.rn.f32.s32" in ptx or "cvt.rn.f32.u32" in ptx}
+    out.update(compile_splitk(build))
     build(wt._dequant_kernel, {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "w_ptr": "*bf16", "N": "i32",
                                "K": "i32", "GROUP": "i32", "stride_qk": "i32", "stride_sg": "i32", "stride_wk": "i32"},
           dict(BITS=4, BLOCK_N=64, BLOCK_K=64))
     build(wt._sum_splits_kernel, {"p_ptr": "*fp32", "y_ptr": "*fp16", "SPLITS": "i32", "SIZE": "i32"}, dict(BLOCK=1024))
+    return out
+
+
+def compile_splitk(build) -> dict:
+    import torch
+
+    from pagedserve.quant import w4a16_splitk as sk
+
+    args = ("x_ptr", "perm_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "ws_ptr", "count_ptr", "M", "N", "K", "GROUP",
+            "stride_xm", "stride_qk", "stride_sg")
+    out = {}
+    for x, rows, bits, permuted, fields in SPLITK_CASES:
+        cfg = sk.SplitKConfig(**fields)
+        last = sk.sums_last(cfg, {"fp16": torch.float16, "bf16": torch.bfloat16}[x])
+        types = [f"*{x}", "*i64", "*i32", "*fp16", "*fp16", f"*{x}", "*fp32", "*i32"] + ["i32"] * 7
+        block_m = 1 if rows == 1 and not cfg.one_row_dot else sk.MAX_ROWS
+        k = build(sk._splitk_kernel, dict(zip(args, types)),
+                  dict(BITS=bits, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_STEPS=cfg.k_steps,
+                       PERMUTED=permuted, DOT_16BIT=True, UNPACK=cfg.unpack, LAST=last), cfg.num_warps)
+        ptx = k.asm["ptx"]
+        out[f"splitk-{cfg.name}-{x}-{rows}-{bits}"] = {
+            "shared": k.metadata.shared, "serial": False, "mma": "mma.sync" in ptx,
+            "one_thread_atomic": "@%p" in ptx.split("atom.global.gpu.acq_rel.add")[0][-40:] if last else None,
+            "int_to_float": "cvt.rn.f32.s32" in ptx or "cvt.rn.f32.u32" in ptx, "block_m": block_m}
     return out
 
 
@@ -88,10 +121,13 @@ def test_kernels_compile_for_sm90():
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == len(CASES) + len(GEMV_CASES)
+    assert len(results) == len(CASES) + len(GEMV_CASES) + len(SPLITK_CASES)
     for name, r in results.items():
-        if name.startswith("gemv"):  # codes become floats through the 2^23 mantissa trick, not a conversion
+        if name.startswith(("gemv", "splitk")):  # codes become floats through the 2^23 mantissa trick
             assert not r["int_to_float"], name
+        if name.startswith("splitk"):  # 16 rows (and one, padded, where asked) on the tensor cores
+            assert r["mma"] == (r["block_m"] > 1), name
+            assert r["one_thread_atomic"] in (None, True), name
         assert r["shared"] <= 227 * 1024, name  # an H100's shared memory per block
         if r["serial"]:  # one thread takes the ticket and reads the partials through L2
             assert r["one_thread_atomic"] and r["cg_loads"], name

@@ -4,8 +4,10 @@ thresholds of quant/w4a16_rule.py can be set from one run.
 Per (format, K, N, M) row: `fp16_ms` (dense fp16 F.linear) and per candidate `ms`, `speedup_vs_fp16` (fp16_ms / ms;
 targets: >= 2.5 at M = 1 and 16, >= 0.8 at 512 and 2048), `packed_gb_s` (qweight + scales + zeros bytes over ms) and
 `fraction_of_copy` (of the device copy bandwidth; target >= 0.6 at M = 1, 16). Candidates:
-- gemv / gemv_serial: the GEMV of quant/w4a16_gemv.py (up to 16 rows; partials summed by a second kernel / by the
-  last program per tile), and at M = 1 the launch settings of GEMV_SWEEP as gemv_<settings>;
+- gemv / gemv_serial: the looped GEMV of quant/w4a16_gemv.py (up to 16 rows; partials summed by a second kernel / by
+  the last program per tile);
+- splitk_<settings>: the wide split-K GEMV of quant/w4a16_splitk.py (up to 16 rows) with each launch setting of
+  SPLITK_SWEEP (block_n, block_k, k_steps, num_warps, num_stages, reduce[, _dot: one row through tl.dot]);
 - w4a16_decode: the split-K Triton tile kernel forced at every M (partials summed by a second kernel);
   w4a16_decode_serial: the same with the serial reduction (the last program per tile sums; below 64 rows only,
   larger M falls back to the second kernel); w4a16_dense: dequantize once + cuBLAS;
@@ -25,15 +27,22 @@ from collections.abc import Callable
 import torch
 
 from pagedserve.quant.group_quant import GroupQuantWeight
-from pagedserve.quant.w4a16_rule import GEMV_MAX_ROWS
+from pagedserve.quant.w4a16_rule import GEMV_MAX_ROWS, SPLITK_MAX_ROWS
 from pagedserve.quant.packing import default_g_idx, pack_awq, pack_cols, pack_rows, unpack_awq
 
-CANDIDATES = ("gemv", "gemv_serial", "w4a16_decode", "w4a16_decode_serial", "w4a16_dense", "w4a16_rule",
+CANDIDATES = ("gemv", "w4a16_decode", "w4a16_decode_serial", "w4a16_dense", "w4a16_rule",
               "tinygemm_fp16", "tinygemm_bf16", "triton_gemm")
-# GEMV launch settings timed at M = 1 beside the default (block_n, block_kw, num_warps, programs_per_sm, num_stages),
-# named gemv_<values>: what w4a16_gemv.DEFAULT is chosen from.
-GEMV_SWEEP = ((64, 16, 4, 4, 3), (256, 16, 8, 4, 3), (128, 32, 4, 4, 3), (128, 8, 4, 8, 3), (128, 16, 4, 8, 4),
-              (128, 16, 4, 2, 2), (256, 8, 4, 4, 4), (128, 16, 8, 4, 3))
+# The split-K GEMV's launch settings, timed at M = 1 and 16 (quant/w4a16_splitk.py's DEFAULT is the first):
+# block_n, block_k, k_steps, num_warps, num_stages, reduce, one_row_dot, unpack, gather. The _dot and _unpack ones
+# change only the one-row path, so they run at M = 1 only.
+SPLITK_SWEEP = ((256, 32, 2, 2, 1, "last", False, False, True), (256, 32, 2, 2, 1, "atomic", False, False, True),
+                (256, 16, 2, 2, 1, "atomic", False, False, True), (128, 32, 4, 4, 1, "last", False, False, True),
+                (512, 32, 2, 4, 1, "last", False, False, True), (256, 64, 2, 4, 1, "last", False, False, True),
+                (256, 32, 4, 4, 2, "last", False, False, True), (128, 128, 1, 4, 1, "last", False, False, True),
+                (256, 32, 2, 2, 1, "last", False, False, False), (256, 32, 2, 2, 1, "last", True, False, True),
+                (256, 32, 2, 2, 1, "last", False, True, True), (256, 64, 2, 4, 1, "last", False, True, True),
+                (512, 32, 2, 2, 1, "last", False, True, True), (1024, 32, 2, 4, 1, "last", False, True, False),
+                (128, 128, 1, 4, 1, "atomic", False, True, True))
 
 
 def device_weight(k: int, n: int, group: int, fmt: str, device: str, seed: int) -> GroupQuantWeight:
@@ -54,16 +63,17 @@ def device_weight(k: int, n: int, group: int, fmt: str, device: str, seed: int) 
 
 
 def candidates(w: GroupQuantWeight) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    from pagedserve.quant import tinygemm, triton_gemm, w4a16_gemv, w4a16_kernel
+    from pagedserve.quant import tinygemm, triton_gemm, w4a16_kernel, w4a16_splitk
 
     ours = w4a16_kernel.W4A16Kernel(w)
-    sweep = {"gemv_" + "_".join(map(str, c)): lambda x, c=c: w4a16_gemv.gemv(x, ours.layout(), w4a16_gemv.GemvConfig(*c),
-                                                                            locks=ours.locks) for c in GEMV_SWEEP}
+    configs = [w4a16_splitk.SplitKConfig(*c) for c in SPLITK_SWEEP]
+    sweep = {c.name: lambda x, c=c: ours.splitk(x, c) for c in configs}
     tg = tinygemm.TinyGemmKernel(w) if tinygemm.unsupported_reason(w) is None else None
-    fns = {"gemv": lambda x: ours(x, force="gemv"), "gemv_serial": lambda x: ours(x, force="gemv_serial"),
+    fns = {"gemv": lambda x: ours(x, force="gemv"),
            "w4a16_decode": lambda x: ours(x, force="decode"),
            "w4a16_decode_serial": lambda x: ours(x, force="decode_serial"),
-           "w4a16_dense": lambda x: ours(x, force="dense"), "w4a16_rule": ours, "triton_gemm": lambda x: triton_gemm.dequant_gemm(x, w)}
+           "w4a16_dense": lambda x: ours(x, force="dense"), "w4a16_rule": ours,
+           "triton_gemm": lambda x: triton_gemm.dequant_gemm(x, w)}
     if tg is not None:
         fns["tinygemm_fp16"] = tg
         fns["tinygemm_bf16"] = tg  # given bf16 activations by bench_row: no cast
@@ -98,8 +108,10 @@ def bench_row(fmt: str, w: GroupQuantWeight, prepared: list[tuple], m: int, copy
                  "fp16_ms": round(fp16_ms, 4), "weight_copies": len(prepared), "candidates": {}}
     nbytes = packed_bytes(w)
     for name in prepared[0][1]:
-        if name.startswith("gemv") and (m > GEMV_MAX_ROWS or (name.count("_") > 1 and m > 1)):
-            continue  # the GEMV's accumulator holds GEMV_MAX_ROWS rows; the sweep runs at M = 1
+        if (name.startswith("gemv") and m > GEMV_MAX_ROWS) or (name.startswith("splitk") and m > SPLITK_MAX_ROWS):
+            continue  # both GEMVs hold at most 16 rows
+        if ("_dot" in name or "_unpack" in name) and m > 1 or name == "triton_gemm" and m <= SPLITK_MAX_ROWS:
+            continue  # the same launch as without _dot above one row; triton_gemm's decode rows: 0.03-0.05x twice
         try:
             ms = timed(time_ms, [fns[name] for _, fns in prepared], x_bf16 if name == "tinygemm_bf16" else x)
         except Exception as exc:  # a candidate that cannot run here is reported, the others still run

@@ -50,4 +50,7 @@ from test_w4a16 import (  # noqa: E402,F401
     test_decode_kernel_16bit_activations,
     test_decode_kernel_matches_reference,
     test_split_k_partial_sums_and_dense_path,
+    test_splitk_gemv_16bit_activations,
+    test_splitk_gemv_matches_reference,
+    test_splitk_last_reduction_leaves_workspace_zero_and_rule,
 )

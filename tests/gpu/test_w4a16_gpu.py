@@ -104,14 +104,44 @@ def test_tinygemm_matches_its_emulation_and_the_reference(group, k, n, m):
     check(got, x.float() @ dense.t(), 2e-2)
 
 
-@pytest.mark.parametrize("name", ["w4a16", "w4a16_serial", "gemv_serial", "tile", "tinygemm"])
+SPLITK_SHAPES = ((4, 4096, 14336, 128, True), (4, 4160, 96, 128, True), (8, 1056, 72, -1, False),
+                 (4, 14336, 4096, 128, False))
+
+
+@pytest.mark.parametrize("index", range(15))
+@pytest.mark.parametrize("m", [1, 16])
+def test_every_benched_splitk_launch_matches_reference(index, m):
+    """Each split-K launch the bench times, compiled, at model sizes and odd ones (partial last group, act-order,
+    8-bit, one group, N under one tile), fp16 (and bf16 for the default): the product of the dense weight."""
+    import bench_w4a16
+    from pagedserve.quant import w4a16_splitk
+
+    assert len(bench_w4a16.SPLITK_SWEEP) == 15, "keep this test's range equal to the sweep's length"
+    cfg = w4a16_splitk.SplitKConfig(*bench_w4a16.SPLITK_SWEEP[index])
+    if m > 1 and (cfg.one_row_dot or cfg.unpack):
+        pytest.skip("the same launch as another setting's above one row")
+    for shape in SPLITK_SHAPES:
+        w, dense = weight(*shape)
+        kernel = w4a16_kernel.W4A16Kernel(w)
+        for dtype in (torch.float16, torch.bfloat16) if index == 0 else (torch.float16,):
+            x = torch.randn(m, w.in_features, generator=torch.Generator().manual_seed(m)).to(dtype).cuda()
+            want = x.float() @ (dense.half().float() if dtype == torch.float16 else dense).t()
+            # fp16 atomics round every span's partial sum into the fp16 output (up to 112 of them here)
+            tol = TOLERANCE[dtype] * (3 if w4a16_splitk.sums_last(cfg, dtype) is False else 1)
+            for _ in range(2):  # the second call finds the workspace the first left
+                check(kernel.splitk(x, cfg), want, tol)
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a16_serial", "gemv_serial", "tile", "tinygemm", "splitk_last",
+                                  "splitk_atomic"])
 @pytest.mark.parametrize("m", [1, 16])
 def test_decode_launches_replay_under_a_cuda_graph(name, m):
     """Captured once, replayed with new activations in the same buffer: the same result as eager (no host sync, a
     fixed grid, workspaces from the graph's pool)."""
     w, _ = weight(4, 4096, 4096, 128, False)
     kernel = tinygemm.TinyGemmKernel(w) if name == "tinygemm" else w4a16_kernel.W4A16Kernel(w)
-    forced = {"w4a16_serial": "decode_serial", "gemv_serial": "gemv_serial", "tile": "decode"}.get(name)
+    forced = {"w4a16_serial": "decode_serial", "gemv_serial": "gemv_serial", "tile": "decode",
+              "splitk_last": "splitk_last", "splitk_atomic": "splitk_atomic"}.get(name)
     if forced:
         plain = kernel
         kernel = lambda x: plain(x, force=forced)  # noqa: E731

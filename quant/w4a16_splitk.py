@@ -1,0 +1,239 @@
+"""A wide split-K GEMV over the decode layout (w4a16_layout.py): every program reads one short K span of one column
+tile, once, and adds its partial sum into the output.
+
+The looped GEMV (w4a16_gemv.py) and the split-K tile kernel (w4a16_triton.py) read packed weights at 4-18% of copy
+bandwidth on an H200 (docs/gpu.md): each program walks a long K range with few loads in flight. Here a grid of
+(column tiles x K spans) programs, thousands at decode widths, each issues its whole K span's loads at once and
+exits, so the SMs keep many independent loads in flight (gemlite's reversed split-K GEMV works the same way):
+- one row reads its words in one of two ways (`unpack`): a [BLOCK_K, BLOCK_N] code tile whose word addresses repeat
+  for the pf codes each holds (the repeats hit L1; no cross-thread unpacking), or each word once, its codes taken
+  field by field into a [words, BLOCK_N] accumulator;
+- a code becomes a float without a conversion instruction: OR-ing it into the mantissa of 2^23 gives 2^23 + q
+  exactly, and subtracting 2^23 + z (one per column) leaves q - z: the zero point costs nothing per weight;
+- one K span lies inside one group, so the scale multiplies the span's sum once;
+- one row multiplies and sums on the CUDA cores in fp32 (or pads to 16 rows, `one_row_dot`); more rows pad to 16
+  and go through tl.dot with the integer weights exact in the activation's 16-bit type;
+- act-order's permutation is a gather of the activation inside the kernel (or an index_select before it, `gather`).
+Partial sums meet in one of two ways (`reduce`): "atomic" adds them into the zeroed output in its own type, fp16
+or fp32 (as exllama's GPTQ kernels do; the summation order varies between runs; bf16 takes "last"), "last" adds
+them into an fp32 workspace and the last program of each column tile (a per-layer counter) writes the output and
+leaves workspace and counter zero for the next call, in one launch. The grid depends on M, N, K only, so CUDA graphs capture it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.quant.w4a16_layout import DecodeLayout
+from pagedserve.quant.w4a16_rule import SPLITK_MAX_ROWS as MAX_ROWS  # the tl.dot tile's rows
+from pagedserve.quant.w4a16_triton import INTERPRETED
+
+REDUCES = ("atomic", "last")
+
+
+@dataclass(frozen=True, slots=True)
+class SplitKConfig:
+    block_n: int = 256
+    block_k: int = 32  # codes along K per load
+    k_steps: int = 2  # loads per program: a program covers block_k * k_steps rows, inside one group
+    num_warps: int = 2
+    num_stages: int = 1
+    reduce: str = "last"
+    one_row_dot: bool = False  # one row through tl.dot too (padded to 16 rows, as Marlin pads), not the CUDA cores
+    unpack: bool = False  # one row: each word loaded once, its codes taken field by field (not repeated loads)
+    gather: bool = True  # act-order: gather the activation in the kernel (False: index_select it first, a launch)
+
+    def __post_init__(self) -> None:
+        pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_n, self.block_k, self.k_steps, self.num_warps))
+        if not pow2 or self.block_n < 16 or self.block_k < 16 or self.num_stages < 1:
+            raise ValueError(f"{self}: block_n, block_k, k_steps and num_warps must be powers of two, "
+                             "block_n and block_k >= 16")
+        if self.reduce not in REDUCES:
+            raise ValueError(f"reduce {self.reduce!r} is not one of {REDUCES}")
+
+    @property
+    def name(self) -> str:
+        tail = ("_dot" if self.one_row_dot else "") + ("_unpack" if self.unpack else "") \
+            + ("" if self.gather else "_presorted")
+        sizes = f"{self.block_n}_{self.block_k}_{self.k_steps}_{self.num_warps}_{self.num_stages}"
+        return f"splitk_{sizes}_{self.reduce}{tail}"
+
+
+DEFAULT = SplitKConfig()
+
+
+@triton.jit
+def _codes_minus_zero(words, shift, bias, BITS: tl.constexpr):
+    """q - z as exact fp32 integers: the code OR-ed into the mantissa of 2^23 is 2^23 + q, and bias is 2^23 + z."""
+    bits = ((words >> shift) & ((1 << BITS) - 1)) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True) - bias
+
+
+@triton.jit
+def _x_at(x_ptr, perm_ptr, k, ok, PERMUTED: tl.constexpr):
+    """The activation at the weight's sorted rows k (act-order: gathered through the permutation)."""
+    src = tl.load(perm_ptr + k, mask=ok, other=0) if PERMUTED else k
+    return tl.load(x_ptr + src, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _one_row_repeated(x_ptr, perm_ptr, qw_ptr, bias, offs_n, n_ok, k_first, K, stride_qk, BITS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, PERMUTED: tl.constexpr):
+    """One row, each word loaded once per code it holds (the repeats hit L1): a [BLOCK_K, BLOCK_N] tile per load."""
+    PF: tl.constexpr = 32 // BITS
+    offs_k = tl.arange(0, BLOCK_K)
+    shift = ((offs_k % PF) * BITS)[:, None]
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for step in tl.static_range(K_STEPS):
+        k = k_first + step * BLOCK_K + offs_k
+        k_ok = k < K
+        words = tl.load(qw_ptr + (k // PF).to(tl.int64)[:, None] * stride_qk + offs_n[None, :],
+                        mask=k_ok[:, None] & n_ok[None, :], other=0, eviction_policy="evict_first")
+        x = _x_at(x_ptr, perm_ptr, k, k_ok, PERMUTED)
+        acc += tl.sum(x[:, None] * _codes_minus_zero(words, shift, bias[None, :], BITS), axis=0)
+    return acc
+
+
+@triton.jit
+def _one_row_unpacked(x_ptr, perm_ptr, qw_ptr, bias, offs_n, n_ok, k_first, K, stride_qk, BITS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, PERMUTED: tl.constexpr):
+    """One row, each word loaded once and its codes taken field by field into a [words, BLOCK_N] accumulator."""
+    PF: tl.constexpr = 32 // BITS
+    KW: tl.constexpr = BLOCK_K // PF
+    offs_w = tl.arange(0, KW)
+    part = tl.zeros((KW, BLOCK_N), dtype=tl.float32)
+    for step in tl.static_range(K_STEPS):
+        rows = k_first // PF + step * KW + offs_w
+        w_ok = rows < K // PF
+        words = tl.load(qw_ptr + rows.to(tl.int64)[:, None] * stride_qk + offs_n[None, :],
+                        mask=w_ok[:, None] & n_ok[None, :], other=0, eviction_policy="evict_first")
+        for f in tl.static_range(PF):
+            x = _x_at(x_ptr, perm_ptr, rows * PF + f, w_ok, PERMUTED)
+            part += x[:, None] * _codes_minus_zero(words, f * BITS, bias[None, :], BITS)
+    return tl.sum(part, axis=0)
+
+
+@triton.jit
+def _rows_dot(x_ptr, perm_ptr, qw_ptr, bias, offs_n, n_ok, k_first, M, K, stride_xm, stride_qk, BITS: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr,
+              PERMUTED: tl.constexpr, DOT_16BIT: tl.constexpr):
+    """Up to BLOCK_M rows through tl.dot, the integer weights exact in the activation's 16-bit type."""
+    PF: tl.constexpr = 32 // BITS
+    offs_k = tl.arange(0, BLOCK_K)
+    shift = ((offs_k % PF) * BITS)[:, None]
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in tl.static_range(K_STEPS):
+        k = k_first + step * BLOCK_K + offs_k
+        k_ok = k < K
+        words = tl.load(qw_ptr + (k // PF).to(tl.int64)[:, None] * stride_qk + offs_n[None, :],
+                        mask=k_ok[:, None] & n_ok[None, :], other=0, eviction_policy="evict_first")
+        src = tl.load(perm_ptr + k, mask=k_ok, other=0) if PERMUTED else k
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + src[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w = _codes_minus_zero(words, shift, bias[None, :], BITS)
+        if DOT_16BIT:  # q - z within +-255: exact in fp16 and bf16; fp32 accumulation
+            acc += tl.dot(x, w.to(x.dtype))
+        else:  # fp32, and bf16 under the interpreter (its bf16 tl.dot is wrong)
+            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _splitk_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, GROUP,
+                   stride_xm, stride_qk, stride_sg, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, PERMUTED: tl.constexpr,
+                   DOT_16BIT: tl.constexpr, UNPACK: tl.constexpr, LAST: tl.constexpr):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    k_first = pid_k * (BLOCK_K * K_STEPS)
+    g = k_first // GROUP
+    s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    bias = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32) + 8388608.0
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    if BLOCK_M > 1:
+        acc = _rows_dot(x_ptr, perm_ptr, qw_ptr, bias, offs_n, n_ok, k_first, M, K, stride_xm, stride_qk, BITS,
+                        BLOCK_M, BLOCK_N, BLOCK_K, K_STEPS, PERMUTED, DOT_16BIT)
+    elif UNPACK:
+        acc = _one_row_unpacked(x_ptr, perm_ptr, qw_ptr, bias, offs_n, n_ok, k_first, K, stride_qk, BITS, BLOCK_N,
+                                BLOCK_K, K_STEPS, PERMUTED)[None, :]
+    else:
+        acc = _one_row_repeated(x_ptr, perm_ptr, qw_ptr, bias, offs_n, n_ok, k_first, K, stride_qk, BITS, BLOCK_N,
+                                BLOCK_K, K_STEPS, PERMUTED)[None, :]
+    part = acc * s[None, :]
+    tile_ok = m_ok[:, None] & n_ok[None, :]
+    tile = offs_m[:, None] * N + offs_n[None, :]
+    if LAST:
+        tl.atomic_add(ws_ptr + tile, part, mask=tile_ok, sem="relaxed", scope="gpu")
+        tl.debug_barrier()  # every thread's add issued before the (release) count below
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(1) - 1:
+            # An atomic read: the sums live in L2, where the other programs' adds landed (L1 may hold none).
+            total = tl.atomic_add(ws_ptr + tile, tl.zeros_like(part), mask=tile_ok, sem="relaxed", scope="gpu")
+            tl.store(out_ptr + tile, total.to(out_ptr.dtype.element_ty), mask=tile_ok)
+            tl.store(ws_ptr + tile, tl.zeros_like(part), mask=tile_ok)  # clean for the next call
+            tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    else:
+        tl.atomic_add(out_ptr + tile, part.to(out_ptr.dtype.element_ty), mask=tile_ok, sem="relaxed", scope="gpu")
+
+
+def span_for(layout: DecodeLayout, cfg: SplitKConfig) -> tuple[int, int]:
+    """(block_k, k_steps): the configured span shrunk to the largest power of two dividing the group length (a span
+    never straddles two groups); one group takes any span."""
+    span = cfg.block_k * cfg.k_steps
+    if layout.group_size < layout.in_features:
+        while span > 16 and layout.group_size % span:
+            span //= 2
+    block_k = min(cfg.block_k, span)
+    return block_k, span // block_k
+
+
+def sums_last(cfg: SplitKConfig, dtype: torch.dtype) -> bool:
+    """Whether partial sums meet in the workspace: "last", and bf16 always (its atomics are Hopper-only and not in
+    Triton's interpreter)."""
+    return cfg.reduce == "last" or dtype == torch.bfloat16
+
+
+class SplitKWorkspace:
+    """The "last" reduction's fp32 sums and per-tile counters for one layer, zero between calls (the kernel leaves
+    them so); sized for MAX_ROWS rows and the narrowest tile."""
+
+    def __init__(self, out_features: int, device: torch.device):
+        self.sums = torch.zeros(MAX_ROWS * out_features, dtype=torch.float32, device=device)
+        self.counts = torch.zeros(-(-out_features // 16), dtype=torch.int32, device=device)
+
+
+def splitk_gemv(x: torch.Tensor, layout: DecodeLayout, workspace: SplitKWorkspace | None,
+                cfg: SplitKConfig = DEFAULT) -> torch.Tensor:
+    """x [M <= MAX_ROWS, K] (fp16, bf16 or fp32) in the checkpoint's K order -> [M, N] in x.dtype.
+    The "last" reduction needs the layer's `workspace`."""
+    m, n, k = x.shape[0], layout.out_features, layout.in_features
+    if not 0 < m <= MAX_ROWS:
+        raise ValueError(f"splitk_gemv takes 1..{MAX_ROWS} rows, got {m}")
+    last = sums_last(cfg, x.dtype)
+    if last and workspace is None:
+        raise ValueError("the 'last' reduction needs the layer's SplitKWorkspace")
+    perm = layout.perm
+    if perm is not None and not cfg.gather:
+        x, perm = x.index_select(1, perm), None
+    x = x.contiguous()
+    block_k, k_steps = span_for(layout, cfg)
+    block_m = 1 if m == 1 and not cfg.one_row_dot else MAX_ROWS
+    group = layout.group_size if layout.group_size < k else k
+    out = (torch.empty if last else torch.zeros)(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(k, block_k * k_steps))
+    dot_16bit = x.dtype == torch.float16 or (x.dtype == torch.bfloat16 and not INTERPRETED)
+    _splitk_kernel[grid](
+        x, perm if perm is not None else x, layout.qweight, layout.scales, layout.zeros, out,
+        workspace.sums if last else out, workspace.counts if last else out, m, n, k, group, x.stride(0),
+        layout.qweight.stride(0), layout.scales.stride(0), BITS=layout.bits, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=block_k, K_STEPS=k_steps, PERMUTED=perm is not None, DOT_16BIT=dot_16bit, UNPACK=cfg.unpack,
+        LAST=last, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
