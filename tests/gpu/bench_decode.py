@@ -5,7 +5,7 @@ and byte count) is timed through
 - `unified`: the prefill/mixed kernel (kernels/triton_attention.py), one program per sequence and KV head;
 - `single_pass`: the decode kernel (kernels/triton_decode_attention.py) with one partition, no reduce;
 - `split`: the decode kernel with the engine's partition count (at least 2, so small shapes exercise the reduce);
-- at one shape, the split path with other tiles, warp counts and without the prefetch
+- at two shapes, the split path with other tiles, warp counts and without the prefetch
   (`split_tile<N>_w<W>[_prefetch]`): what to set the defaults by.
 The row's own `ms`, `gb_s` and `fraction_of_copy` are the path the engine takes for that shape.
 """
@@ -18,7 +18,7 @@ import torch
 
 import attention_kernel
 
-SWEEP_SHAPE_INDEX = 0  # the sweep runs at the first (batch, context): 64 x 4k on the GPU
+SWEEP_SHAPES = (0, 1)  # the sweep runs at the first two (batch, context): 64 x 4k and 16 x 16k on the GPU
 # (tile tokens, warps, prefetch) beside the default (64 tokens at head_dim 128, 8 warps, no prefetch): the 32-token
 # tile with the prefetch was the default before the first device run; 16-token tiles fit 4 warps.
 SWEEP = {"fp16": ((32, 8, True), (128, 8, False), (64, 4, False), (16, 4, True)),
@@ -72,7 +72,7 @@ def decode_attention_rows(device: str, shapes, heads: tuple[int, int, int], fp8:
     for kv, sweep_key in (("fp16", "fp16"), (fp8, "fp8"), ("int8", "int8")):
         for index, (batch, context) in enumerate(shapes):
             case = attention_kernel.Case("triton", device, kv, batch, context, num_heads, kv_heads, head_dim, 16)
-            sweep = SWEEP[sweep_key] if index == SWEEP_SHAPE_INDEX else ()
+            sweep = SWEEP[sweep_key] if index in SWEEP_SHAPES else ()
             head = {"kv_dtype": kv, "batch": batch, "context": context}
             try:
                 rows.append({**head, **decode_case(case, copy, time_ms, sweep)})
