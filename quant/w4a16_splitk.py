@@ -63,7 +63,19 @@ class SplitKConfig:
         return f"splitk_{sizes}_{self.reduce}{tail}"
 
 
-DEFAULT = SplitKConfig()
+# The launches the rule runs, from the H200 run of 2026-11-30 (benchmarks/results/gpu-check-h200-2026-11-30.json,
+# 15 settings at M = 1 and 16): chosen on the GPTQ act-order 4096 x 4096 and 4096 x 14336 layers by the worse of the
+# two, confirmed on 14336 x 4096 and the AWQ 4096 x 14336 one. One row: 1.30-1.47x of dense fp16 (worst 1.295;
+# torch's int4 tinygemm 0.68-1.29x with fp16 activations); 2-16 rows (padded to 16): 0.62-0.72x (tinygemm
+# 0.38-0.41x). Fp16 atomics ("atomic") were up to 1.3x faster at 16 rows but sum 64-448 partials in fp16 (3x the
+# error of the workspace's fp32 sums, and an order that varies run to run), so the deterministic "last" is used.
+ONE_ROW = SplitKConfig(block_n=512, block_k=32, k_steps=2, num_warps=2, num_stages=1, reduce="last", unpack=True)
+ROWS = SplitKConfig(block_n=256, block_k=32, k_steps=4, num_warps=4, num_stages=2, reduce="last")
+DEFAULT = ONE_ROW
+
+
+def config_for(m: int) -> SplitKConfig:
+    return ONE_ROW if m == 1 else ROWS
 
 
 @triton.jit
@@ -202,21 +214,38 @@ def sums_last(cfg: SplitKConfig, dtype: torch.dtype) -> bool:
 
 
 class SplitKWorkspace:
-    """The "last" reduction's fp32 sums and per-tile counters for one layer, zero between calls (the kernel leaves
-    them so); sized for MAX_ROWS rows and the narrowest tile."""
+    """The "last" reduction's fp32 sums and per-tile counters, zero between calls (the kernel leaves them so); sized
+    for MAX_ROWS rows and the narrowest tile of `columns` outputs."""
 
-    def __init__(self, out_features: int, device: torch.device):
-        self.sums = torch.zeros(MAX_ROWS * out_features, dtype=torch.float32, device=device)
-        self.counts = torch.zeros(-(-out_features // 16), dtype=torch.int32, device=device)
+    def __init__(self, columns: int, device: torch.device):
+        self.columns = columns
+        self.sums = torch.zeros(MAX_ROWS * columns, dtype=torch.float32, device=device)
+        self.counts = torch.zeros(-(-columns // 16), dtype=torch.int32, device=device)
+
+
+_SHARED: dict[tuple[str, int | None], SplitKWorkspace] = {}
+
+
+def shared_workspace(columns: int, device: torch.device) -> SplitKWorkspace:
+    """The device's one workspace, grown to `columns` if narrower. Layers run one after another on one stream and
+    each call leaves the workspace zero, so all of a model's layers share it (64 bytes a column of the widest: 0.9 MB
+    for a 14336-wide layer, where one per layer would take 88 MB on a 4-bit Llama-3-8B). Layers call this at load
+    with their width, so a forward (and a CUDA graph capture) never allocates."""
+    key = (device.type, device.index)
+    ws = _SHARED.get(key)
+    if ws is None or ws.columns < columns:
+        ws = _SHARED[key] = SplitKWorkspace(columns, device)
+    return ws
 
 
 def splitk_gemv(x: torch.Tensor, layout: DecodeLayout, workspace: SplitKWorkspace | None,
-                cfg: SplitKConfig = DEFAULT) -> torch.Tensor:
-    """x [M <= MAX_ROWS, K] (fp16, bf16 or fp32) in the checkpoint's K order -> [M, N] in x.dtype.
-    The "last" reduction needs the layer's `workspace`."""
+                cfg: SplitKConfig | None = None) -> torch.Tensor:
+    """x [M <= MAX_ROWS, K] (fp16, bf16 or fp32) in the checkpoint's K order -> [M, N] in x.dtype, with `cfg` or
+    the measured launch for M rows. The "last" reduction needs the layer's `workspace`."""
     m, n, k = x.shape[0], layout.out_features, layout.in_features
     if not 0 < m <= MAX_ROWS:
         raise ValueError(f"splitk_gemv takes 1..{MAX_ROWS} rows, got {m}")
+    cfg = cfg or config_for(m)
     last = sums_last(cfg, x.dtype)
     if last and workspace is None:
         raise ValueError("the 'last' reduction needs the layer's SplitKWorkspace")

@@ -20,15 +20,19 @@ PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel carries no ptxas")
-def test_decode_kernels_build_for_sm90_in_128_registers_without_spills() -> None:
+def test_decode_kernels_build_for_sm90_within_their_register_budgets() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("triton_sm90_build.py")
     out = subprocess.run([sys.executable, "-P", str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     built = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(built) == {"decode_fp16_split", "decode_bf16_int8_split", "decode_fp16_fp8_single", "reduce"}
+    # (registers, spill bytes) each default launch may use: two programs per SM need <= 65536 / (32 x warps)
+    # registers a thread. The fp16 launch (4 warps, 64-token tile) may take 255 and spilled 64 bytes under Triton
+    # 3.8's ptxas; FP8's 128-token tile at 8 warps spills 768 (a few cache lines a thread) and was still 1.12x faster
+    # than 64 tokens on an H200 (docs/gpu.md). Past these, a tile or layout change needs a new device measurement.
+    budget = {"decode_fp16_split": (255, 64), "decode_bf16_int8_split": (128, 64),
+              "decode_fp16_fp8_single": (128, 1024), "reduce": (128, 0)}
     for name, use in built.items():
-        # Two 8-warp programs per SM need <= 128 registers a thread (65536 per SM). The default 64-token tile spills
-        # a few words under Triton 3.8's ptxas (24 bytes) and was still the fastest tile on an H200 (docs/gpu.md);
-        # a spill past a few cache lines would mean a tile or a layout change that needs a new measurement.
-        assert use["registers"] <= 128 and use["spill_bytes"] <= 64, (name, use)
+        registers, spills = budget[name]
+        assert use["registers"] <= registers and use["spill_bytes"] <= spills, (name, use)

@@ -117,8 +117,7 @@ def test_every_benched_splitk_launch_matches_reference(index):
         ref = x.float() @ dense.t()
         y = kernel.splitk(x.to(DEVICE), cfg).float().cpu()
         assert (y - ref).abs().max().item() <= TOLERANCE[dtype] * ref.abs().max().item(), (cfg.name, m, dtype)
-    if kernel.splitk_workspace is not None:
-        assert not kernel.splitk_workspace.sums.any() and not kernel.splitk_workspace.counts.any()
+    assert not kernel.workspace().sums.any() and not kernel.workspace().counts.any()
 
 
 def test_splitk_last_reduction_leaves_workspace_zero_and_rule():
@@ -128,7 +127,7 @@ def test_splitk_last_reduction_leaves_workspace_zero_and_rule():
     kernel = w4a16_kernel.W4A16Kernel(_on(w, DEVICE))
     x = torch.randn(2, 1024, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     first = kernel(x, force="splitk_last")
-    ws = kernel.splitk_workspace
+    ws = kernel.workspace()
     assert not ws.sums.any() and not ws.counts.any()  # the next call (or graph replay) starts clean
     torch.testing.assert_close(kernel(x, force="splitk_last"), first, rtol=1e-6, atol=1e-6)
     assert w4a16_splitk.span_for(kernel.layout(), w4a16_splitk.SplitKConfig(block_k=32, k_steps=8)) == (32, 4)
@@ -139,18 +138,12 @@ def test_splitk_last_reduction_leaves_workspace_zero_and_rule():
     with pytest.raises(ValueError, match="reduce"):
         w4a16_splitk.SplitKConfig(reduce="tree")
     rule = W4A16Rule(splitk_max_m=16)
-    assert rule.path(16, torch.float16, True) == "splitk" and rule.path(17, torch.float16, True) == "tinygemm"
+    assert rule.path(16, torch.float16, True) == "splitk" and rule.path(17, torch.bfloat16, True) == "tinygemm"
     assert rule.path(1, torch.float32, True) == "splitk"  # fp32: one row on the CUDA cores, more through fp32 dots
-    from pagedserve.quant import w4a16_rule
-
-    default = w4a16_rule.RULE
-    with w4a16_rule.rule_in_effect(rule):
-        assert w4a16_rule.RULE is rule and w4a16_kernel.W4A16Kernel(_on(w, DEVICE)).splitk_workspace is not None
-    assert w4a16_rule.RULE is default and w4a16_kernel.W4A16Kernel(_on(w, DEVICE)).splitk_workspace is None
+    wider = w4a16_kernel.W4A16Kernel(_on(random_weight(64, 72, 4, 32, False, seed=1), DEVICE))
+    assert kernel.workspace() is wider.workspace() and wider.workspace().columns >= 72  # one, grown to the widest
     with pytest.raises(Exception, match="splitk_max_m"):
         W4A16Rule(splitk_max_m=17)
-    with pytest.raises(Exception, match="splitk_reduce"):
-        W4A16Rule(splitk_reduce="tree")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -222,24 +215,29 @@ def test_tinygemm_refusals_and_rule():
     assert "group size 48" in tinygemm.unsupported_reason(random_weight(192, 32, 4, 48, False))
     assert auto_kernel_order(torch.device("cuda"), torch.float16)[:2] == ("vendor", "w4a16")
     rule = W4A16Rule()
-    assert rule.path(1, torch.bfloat16, True) == "tinygemm" and rule.path(63, torch.float16, True) == "tinygemm"
-    assert rule.path(64, torch.bfloat16, True) == "dense" and rule.path(1, torch.float32, True) == "dense"
-    assert rule.path(1, torch.bfloat16, False) == "dense"
-    assert W4A16Rule(tinygemm_fp16=False).path(1, torch.float16, True) == "dense"
-    assert W4A16Rule(gemv_max_m=4, tile_max_m=32).path(8, torch.float16, False) == "decode"
+    assert rule.path(1, torch.float16, True) == rule.path(16, torch.bfloat16, False) == "splitk"
+    assert rule.path(17, torch.bfloat16, True) == "tinygemm" and rule.path(63, torch.bfloat16, True) == "tinygemm"
+    assert rule.path(17, torch.float16, True) == "dense"  # fp16 is not cast to bf16 for tinygemm
+    assert rule.path(64, torch.bfloat16, True) == "dense" and rule.path(17, torch.float32, True) == "dense"
+    assert rule.path(17, torch.bfloat16, False) == "dense"
+    assert W4A16Rule(tinygemm_fp16=True, splitk_max_m=0).path(1, torch.float16, True) == "tinygemm"
+    assert W4A16Rule(splitk_max_m=0, gemv_max_m=4, tile_max_m=32).path(8, torch.float16, False) == "decode"
     with pytest.raises(Exception, match="gemv_max_m"):
         W4A16Rule(gemv_max_m=17)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_w4a16_serves_decode_rows_through_tinygemm_and_prefill_dense(dtype):
-    """The rule's default path on a 4-bit group-128 layer: tinygemm below 64 rows (torch's CPU op here), the decode
-    layout's dequantize + matmul from 64: both the layer's product."""
+    """The rule's default paths on a 4-bit group-128 layer: the split-K GEMV to 16 rows, tinygemm for bf16 to 63
+    (torch's CPU op here), the decode layout's dequantize + matmul from 64 (fp16 from 17): each the layer's
+    product; tinygemm's copy of the weight is kept only for a model dtype the rule gives it to."""
     w = random_weight(256, 64, 4, 128, True, seed=5)
     kernel = w4a16_kernel.W4A16Kernel(w)
     assert kernel.small is not None
+    assert w4a16_kernel.W4A16Kernel(w, torch.float16).small is None
+    assert w4a16_kernel.W4A16Kernel(w, torch.bfloat16).small is not None
     dense = w.dequantize(torch.float32)
-    for m in (1, 64):
+    for m in (1, 5, 20, 64):
         x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(dtype)
         y = kernel(x).float()
         assert y.dtype == torch.float32 and y.shape == (m, 64)

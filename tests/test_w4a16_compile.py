@@ -26,12 +26,12 @@ CASES = (  # activation dtype, rows, bits, 16-bit dot, serial reduction
     ("bf16", 16, 8, True, False),  # tensor-core dot, 8-bit
     ("fp32", 64, 4, False, True),  # fp32 dot
 )
-SPLITK_CASES = (  # activation dtype, rows, bits, act-order gather, SplitKConfig fields
-    ("fp16", 1, 4, True, {}),  # the default: repeated word loads, "last" reduction
-    ("fp16", 16, 4, True, {}),  # tl.dot
-    ("bf16", 16, 8, False, {}),
+SPLITK_CASES = (  # activation dtype, rows, bits, act-order gather, SplitKConfig fields (None: the rule's launch)
+    ("fp16", 1, 4, True, None),  # one row: words loaded once, fields unpacked, the "last" reduction
+    ("fp16", 16, 4, True, None),  # tl.dot
+    ("bf16", 16, 8, False, None),
     ("fp16", 1, 4, True, {"reduce": "atomic"}),
-    ("fp16", 1, 4, False, {"unpack": True, "block_n": 512}),
+    ("fp16", 1, 4, False, {"unpack": True, "block_k": 64, "num_warps": 4}),
     ("fp16", 1, 4, True, {"one_row_dot": True}),
 )
 GEMV_CASES = (  # activation dtype, rows, bits, act-order gather, serial reduction
@@ -98,7 +98,7 @@ def compile_splitk(build) -> dict:
             "stride_xm", "stride_qk", "stride_sg")
     out = {}
     for x, rows, bits, permuted, fields in SPLITK_CASES:
-        cfg = sk.SplitKConfig(**fields)
+        cfg = sk.config_for(rows) if fields is None else sk.SplitKConfig(**fields)
         last = sk.sums_last(cfg, {"fp16": torch.float16, "bf16": torch.bfloat16}[x])
         types = [f"*{x}", "*i64", "*i32", "*fp16", "*fp16", f"*{x}", "*fp32", "*i32"] + ["i32"] * 7
         block_m = 1 if rows == 1 and not cfg.one_row_dot else sk.MAX_ROWS

@@ -32,17 +32,17 @@ from pagedserve.quant.packing import default_g_idx, pack_awq, pack_cols, pack_ro
 
 CANDIDATES = ("gemv", "w4a16_decode", "w4a16_decode_serial", "w4a16_dense", "w4a16_rule",
               "tinygemm_fp16", "tinygemm_bf16", "triton_gemm")
-# The split-K GEMV's launch settings, timed at M = 1 and 16 (quant/w4a16_splitk.py's DEFAULT is the first):
-# block_n, block_k, k_steps, num_warps, num_stages, reduce, one_row_dot, unpack, gather. The _dot and _unpack ones
-# change only the one-row path, so they run at M = 1 only.
-SPLITK_SWEEP = ((256, 32, 2, 2, 1, "last", False, False, True), (256, 32, 2, 2, 1, "atomic", False, False, True),
-                (256, 16, 2, 2, 1, "atomic", False, False, True), (128, 32, 4, 4, 1, "last", False, False, True),
-                (512, 32, 2, 4, 1, "last", False, False, True), (256, 64, 2, 4, 1, "last", False, False, True),
-                (256, 32, 4, 4, 2, "last", False, False, True), (128, 128, 1, 4, 1, "last", False, False, True),
-                (256, 32, 2, 2, 1, "last", False, False, False), (256, 32, 2, 2, 1, "last", True, False, True),
-                (256, 32, 2, 2, 1, "last", False, True, True), (256, 64, 2, 4, 1, "last", False, True, True),
-                (512, 32, 2, 2, 1, "last", False, True, True), (1024, 32, 2, 4, 1, "last", False, True, False),
-                (128, 128, 1, 4, 1, "atomic", False, True, True))
+# The split-K GEMV's launch settings, timed at M = 1 and 16: block_n, block_k, k_steps, num_warps, num_stages,
+# reduce, one_row_dot, unpack, gather. The _unpack ones change only the one-row path, so they run at M = 1 only.
+# quant/w4a16_splitk.py's ONE_ROW and ROWS are the first and the tenth (chosen from the first device run's 15).
+SPLITK_SWEEP = ((512, 32, 2, 2, 1, "last", False, True, True), (256, 64, 2, 4, 1, "last", False, True, True),
+                (256, 32, 2, 2, 1, "last", False, True, True), (512, 64, 2, 4, 1, "last", False, True, True),
+                (512, 32, 4, 2, 1, "last", False, True, True), (1024, 32, 2, 4, 1, "last", False, True, True),
+                (512, 32, 2, 1, 1, "last", False, True, True), (256, 32, 2, 2, 1, "atomic", False, True, True),
+                (256, 32, 2, 2, 1, "atomic", False, False, True), (256, 32, 4, 4, 2, "last", False, False, True),
+                (512, 32, 4, 4, 2, "last", False, False, True), (256, 64, 4, 4, 2, "last", False, False, True),
+                (128, 32, 4, 4, 2, "last", False, False, True), (256, 32, 4, 8, 2, "last", False, False, True),
+                (256, 32, 8, 4, 3, "last", False, False, True))
 
 
 def device_weight(k: int, n: int, group: int, fmt: str, device: str, seed: int) -> GroupQuantWeight:

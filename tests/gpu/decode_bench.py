@@ -146,17 +146,6 @@ def decode_run(llm, scale: Scale, batch: int, tag: str) -> dict:
 
 
 def measure(folder: Path, kind: str, graphs: bool, scale: Scale) -> dict:
-    """One engine's row. A kind ending in `_splitk` is its checkpoint served with the split-K GEMV for every decode
-    row (quant/w4a16_splitk.py), whatever quant/w4a16_rule.py's RULE says, so one run compares both rules."""
-    from pagedserve.quant import w4a16_rule
-
-    rule = w4a16_rule.W4A16Rule(splitk_max_m=w4a16_rule.SPLITK_MAX_ROWS) if kind.endswith("_splitk") \
-        else w4a16_rule.RULE
-    with w4a16_rule.rule_in_effect(rule):
-        return measure_engine(folder, kind, graphs, scale)
-
-
-def measure_engine(folder: Path, kind: str, graphs: bool, scale: Scale) -> dict:
     from pagedserve.engine import LLM, SamplingParams
     from quant_fixtures import quant_linears
 
@@ -190,7 +179,7 @@ def summary(rows: list[dict], scale: Scale) -> dict:
         return round(speed[a] / speed[b], 3) if a in speed and b in speed else None
 
     out = {"target_4bit_vs_fp16": TARGET_4BIT_VS_FP16, "batches": list(scale.batches), "layers": scale.layers}
-    for kind in ("gptq", "awq", "gptq_splitk", "awq_splitk"):
+    for kind in ("gptq", "awq"):
         out[f"{kind}_vs_fp16"] = {f"{'graphs' if g else 'eager'}_batch{b}": ratio((kind, g, b), ("fp16", g, b))
                                   for g in (True, False) for b in scale.batches}
     out["graphs_vs_eager"] = {f"{kind}_batch{b}": ratio((kind, True, b), (kind, False, b))
@@ -218,9 +207,9 @@ def main() -> int:
         result["build_s"] = round(time.perf_counter() - start, 1)
         print(f"checkpoints built in {result['build_s']} s", flush=True)
         # The ratios the issue asks for first, so a budget that runs out still leaves them.
-        for kind, graphs in (("fp16", True), ("gptq", True), ("awq", True), ("gptq_splitk", True),
-                             ("awq_splitk", True), ("fp16", False), ("gptq", False), ("awq", False)):
-            result["rows"].append(measure(folders[kind.removesuffix("_splitk")], kind, graphs, scale))
+        for kind, graphs in (("fp16", True), ("gptq", True), ("awq", True), ("fp16", False), ("gptq", False),
+                             ("awq", False)):
+            result["rows"].append(measure(folders[kind], kind, graphs, scale))
             result["summary"] = summary(result["rows"], scale)
             args.out.write_text(json.dumps(result, indent=1))
             print(json.dumps(result["rows"][-1]), flush=True)

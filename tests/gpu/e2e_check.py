@@ -13,8 +13,7 @@ Cases (each a dict in the output with "status" passed / failed / skipped):
   for the base rows;
 - gptq, awq: checkpoints made by the real tools (tests/fixtures/quant), served through the w4a16 decode-layout
   kernels (on CUDA every quantized layer must use them), greedy tokens identical to transformers' fp32 model holding the
-  dequantized weights; gptq_splitk, awq_splitk: the same with every decode row through the split-K GEMV
-  (quant/w4a16_splitk.py) whatever quant/w4a16_rule.py's RULE says;
+  dequantized weights;
 - cuda_graphs_fp16, cuda_graphs_bf16, cuda_graphs_gptq: the decode step's CUDA graphs (sizes 1-16) against
   enforce_eager on the same model, requests joining and finishing at different steps so graphs of several sizes
   replay with padded rows: greedy tokens identical, every KV block free afterwards (on CPU both run eagerly, and
@@ -224,32 +223,23 @@ def greedy_params(max_tokens: int):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def quant_case(name: str, splitk: bool = False) -> Callable[[Scale, Path], dict]:
+def quant_case(name: str) -> Callable[[Scale, Path], dict]:
     def run(scale: Scale, tmp: Path) -> dict:
-        from pagedserve.quant import w4a16_rule
-
-        rule = w4a16_rule.W4A16Rule(splitk_max_m=w4a16_rule.SPLITK_MAX_ROWS) if splitk else w4a16_rule.RULE
-        with w4a16_rule.rule_in_effect(rule):
-            return served(name, scale)
+        llm = engine(fixture_dir(name), scale)
+        kernels = sorted({type(m.qkernel).name for m in quant_linears(llm.engine.runner.model).values()})
+        batch = tool_outputs(name)["input_ids"].tolist()
+        ours = greedy(llm, batch, scale.max_tokens)
+        reference = tiny_models.dequantized_reference(name, torch.device(scale.device))
+        theirs = [tiny_models.hf_greedy(reference, p, scale.max_tokens) for p in batch]
+        mismatched = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
+        attention = attention_impl(llm)
+        # On CPU the CUDA kernels refuse to run, so a dry run serves through the CPU kernels. On CUDA every layer
+        # must take a decode-layout kernel (w4a16, or tinygemm where quant/w4a16_rule.py picks it).
+        kernels_ok = scale.device != "cuda" or set(kernels) <= {"w4a16", "tinygemm"}
+        ok = not mismatched and kernels_ok and attention == "TritonAttention"
+        return {"status": "passed" if ok else "failed", "fixture": name, "kernels": kernels, "attention": attention,
+                "mismatched_prompts": mismatched, "ours": ours, "transformers": theirs}
     return run
-
-
-def served(name: str, scale: Scale) -> dict:
-    """The fixture served by the engine against transformers holding its dequantized weights."""
-    llm = engine(fixture_dir(name), scale)
-    kernels = sorted({type(m.qkernel).name for m in quant_linears(llm.engine.runner.model).values()})
-    batch = tool_outputs(name)["input_ids"].tolist()
-    ours = greedy(llm, batch, scale.max_tokens)
-    reference = tiny_models.dequantized_reference(name, torch.device(scale.device))
-    theirs = [tiny_models.hf_greedy(reference, p, scale.max_tokens) for p in batch]
-    mismatched = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
-    attention = attention_impl(llm)
-    # On CPU the CUDA kernels refuse to run, so a dry run serves through the CPU kernels. On CUDA every layer
-    # must take a decode-layout kernel (w4a16, or tinygemm where quant/w4a16_rule.py picks it).
-    kernels_ok = scale.device != "cuda" or set(kernels) <= {"w4a16", "tinygemm"}
-    ok = not mismatched and kernels_ok and attention == "TritonAttention"
-    return {"status": "passed" if ok else "failed", "fixture": name, "kernels": kernels, "attention": attention,
-            "mismatched_prompts": mismatched, "ours": ours, "transformers": theirs}
 
 
 GRAPH_SIZES = (1, 2, 4, 8, 16)  # vLLM's rule for max_num_seqs 16
@@ -321,8 +311,6 @@ CASES: dict[str, Callable[[Scale, Path], dict]] = {
     "lora": case_lora,
     "gptq": quant_case("gptq_4bit_g128_actorder_sym"),
     "awq": quant_case("awq_4bit_g64"),
-    "gptq_splitk": quant_case("gptq_4bit_g128_actorder_sym", splitk=True),
-    "awq_splitk": quant_case("awq_4bit_g64", splitk=True),
     "cuda_graphs_fp16": graphs_case(llama, "float16"),
     "cuda_graphs_bf16": graphs_case(llama, "bfloat16"),
     "cuda_graphs_gptq": graphs_case(lambda scale, tmp: fixture_dir("gptq_4bit_g128_actorder_sym"), "float16"),

@@ -126,8 +126,9 @@ def test_every_benched_splitk_launch_matches_reference(index, m):
         for dtype in (torch.float16, torch.bfloat16) if index == 0 else (torch.float16,):
             x = torch.randn(m, w.in_features, generator=torch.Generator().manual_seed(m)).to(dtype).cuda()
             want = x.float() @ (dense.half().float() if dtype == torch.float16 else dense).t()
-            # fp16 atomics round every span's partial sum into the fp16 output (up to 112 of them here)
-            tol = TOLERANCE[dtype] * (3 if w4a16_splitk.sums_last(cfg, dtype) is False else 1)
+            # fp16 atomics round every span's partial sum into the fp16 output (up to 224 of them here): the H200
+            # run of 2026-11-30 saw 3.2x the fp16 bound
+            tol = TOLERANCE[dtype] * (5 if not w4a16_splitk.sums_last(cfg, dtype) else 1)
             for _ in range(2):  # the second call finds the workspace the first left
                 check(kernel.splitk(x, cfg), want, tol)
 
@@ -157,4 +158,7 @@ def test_decode_launches_replay_under_a_cuda_graph(name, m):
     x.copy_(torch.randn(m, 4096, generator=torch.Generator().manual_seed(3)).half().cuda())
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(y, kernel(x))
+    if name == "splitk_atomic":  # fp16 atomics add the partial sums in an order that varies between runs
+        check(y, kernel(x).float(), 1e-2)
+    else:
+        torch.testing.assert_close(y, kernel(x))
