@@ -1,13 +1,14 @@
 """Where a decode step's wall time goes, for decode_bench.py: the device's share and the host's, per step.
 
 At batch 1 a Llama-3.2-1B-shaped fp16 model's captured forward reads 2.5 GB of weights (~0.6 ms on an H200), yet a
-graphed decode step took 2.2 ms: the rest is host work outside the graph. `split_run` times a short decode run with
-CUDA events around the step's two big pieces of device work, the graph's replay and the LM head (outside the graph),
-read after the run, so no step waits for them; the engine's phases (schedule, execute, update) get host wall clocks.
-host_ms_per_step is the step's wall time less that device time (the graph's launch and the sampler's kernels count
-as host: at batch 1 they are microseconds). Without CUDA (--dry-run) the device time is the runner's forward on the
-host clock, the same fields. `profile_run` prints a cProfile of another short run (top functions by own and by
-cumulative time) and returns its top own-time functions per step.
+graphed decode step took 2.2 ms, which leaves ~1.5 ms for the host or for a slower graph. `split_run` times a short
+decode run with CUDA events around the step's two big pieces of device work, the graph's replay and the LM head
+(outside the graph), read after the run, so no step waits for them; the engine's phases (schedule, execute, update)
+get host wall clocks. host_ms_per_step is the step's wall time less that device time: the time the device idles
+while the host schedules, prepares, samples and updates (host work enqueued while the graph runs overlaps it and is
+not counted; the sampler's few small kernels count as host). Without CUDA (--dry-run) the device time is the
+runner's forward on the host clock, the same fields. `profile_run` prints a cProfile of another short run (top
+functions by own and by cumulative time) and returns its top own-time functions per step.
 """
 
 from __future__ import annotations
