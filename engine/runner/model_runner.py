@@ -140,7 +140,14 @@ class ModelRunner:
             hidden = self._eager_forward(step)
         if not step.sampling_seqs:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), ()
-        return self.model.compute_logits(hidden[self._tensor(step.logits_rows, torch.int64)]), step.sampling_seqs
+        return self.model.compute_logits(self._logits_hidden(hidden, step.logits_rows)), step.sampling_seqs
+
+    def _logits_hidden(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The hidden states of the rows that sample. In a decode step that is every row, in order: then the index
+        (a host-to-device copy the host waits for, and a gather kernel) is skipped."""
+        if len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1:  # rows ascend: these are 0 .. n-1
+            return hidden
+        return hidden[self._tensor(rows, torch.int64)]
 
     def _eager_forward(self, step: StepInput) -> torch.Tensor:
         meta = self._metadata(step)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+import step_split
 import tiny_models
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "quant_tools"))
@@ -52,10 +53,11 @@ class Scale:
     prompt_len: int
     new_tokens: int
     batches: tuple[int, ...]
+    split_steps: int  # decode steps of the host/device split and of the profile (step_split.py), batch 1
 
 
-GPU = Scale("cuda", "float16", 2048, 8192, 32, 8, 64, 128256, 16, 128, 128, (1, 16))
-DRY = Scale("cpu", "bfloat16", 256, 512, 4, 2, 64, 256, 2, 8, 4, (1, 2))
+GPU = Scale("cuda", "float16", 2048, 8192, 32, 8, 64, 128256, 16, 128, 128, (1, 16), 30)
+DRY = Scale("cpu", "bfloat16", 256, 512, 4, 2, 64, 256, 2, 8, 4, (1, 2), 4)
 KINDS = ("fp16", "gptq", "awq")
 MAX_NUM_SEQS = 16
 
@@ -164,6 +166,14 @@ def measure(folder: Path, kind: str, graphs: bool, scale: Scale) -> dict:
            "capture_mib": None if stats is None else round(stats.memory_bytes / 2**20, 1),
            "capture_error": None if runner.cuda_graphs is None else runner.cuda_graphs.error,
            "runs": [decode_run(llm, scale, batch, f"{kind}-{graphs}") for batch in scale.batches]}
+    if graphs:  # where a graphed step's time goes, after the timed runs (the hooks and profiler cost a little)
+        gen = torch.Generator().manual_seed(7)
+        prompt = [torch.randint(3, tiny_models.VOCAB, (scale.prompt_len,), generator=gen).tolist()]
+        row["host_split_batch1"] = step_split.split_run(llm.engine, prompt, scale.split_steps, f"{kind}-split")
+        print(f"{kind} graphs batch 1 split: {json.dumps(row['host_split_batch1'])}", flush=True)
+        if kind in ("fp16", "gptq"):
+            row["host_profile_batch1"] = step_split.profile_run(llm.engine, prompt, scale.split_steps,
+                                                                f"{kind}-profile", f"{kind}, graphs, batch 1")
     del llm, runner
     gc.collect()
     if scale.device == "cuda":
@@ -185,6 +195,10 @@ def summary(rows: list[dict], scale: Scale) -> dict:
     out["graphs_vs_eager"] = {f"{kind}_batch{b}": ratio((kind, True, b), (kind, False, b))
                               for kind in KINDS for b in scale.batches}
     out["tokens_per_s"] = {f"{k}_{'graphs' if g else 'eager'}_batch{b}": v for (k, g, b), v in speed.items()}
+    out["host_split_batch1"] = {
+        f"{r['weights']}_graphs": {k: r["host_split_batch1"][k] for k in ("step_ms", "host_ms_per_step",
+                                                                          "device_ms_per_step")}
+        for r in rows if "host_split_batch1" in r}
     out["fp16_itl_ms_batch1"] = {"graphs": itl.get(("fp16", True, 1)), "eager": itl.get(("fp16", False, 1))}
     return out
 
