@@ -36,10 +36,10 @@ TARGET_PROGRAMS = 2048
 MIN_PARTITION_TOKENS = 256
 MAX_PARTITIONS = 64
 # K + V bytes of one tile in the compute dtype: 64 tokens at head_dim 128, no prefetch of the next tile; FP8 caches
-# take twice the tokens (decode_tile) and 4 or 8 warps by tile size (decode_warps). Chosen on an H200
+# take twice the tokens (decode_tile); 4 warps but for int8 (decode_warps). Chosen on an H200
 # (benchmarks/results/gpu-check-h200-2026-11-28.json, batch 64 x 4k, Llama-3-8B-shaped layer): 0.82 of copy bandwidth
 # for fp16 against 0.56 for 32-token tiles with the prefetch and 0.70 for 16-token ones with 4 warps; FP8 0.41
-# against 0.29, int8 0.33 against 0.22; then 4 warps and FP8's 128 tokens (gpu-check-h200-2026-11-30.json). The
+# against 0.29, int8 0.33 against 0.22; then 4 warps and FP8's 128 tokens (gpu-check-h200-2026-11-30*.json). The
 # prefetch is kept as an option (it needs the smaller tile to fit 128 registers a thread).
 _TILE_BYTES = 32 * 1024
 _MAX_REGISTERS = 128
@@ -219,16 +219,17 @@ def decode_partitions(num_seqs: int, num_kv_heads: int, table_tokens: int) -> in
 def decode_tile(head_dim_pad: int, compute_itemsize: int, fp8_cache: bool = False) -> int:
     """Tokens per iteration: _TILE_BYTES of K + V once converted (FP8 caches: as stored, twice the tokens), a power of
     two in [16 (tl.dot's minimum), 128]; a tile may cover several cache blocks or part of one. On an H200 at head
-    dim 128 FP8's 128-token tile read 0.455 of copy bandwidth against 0.41 for 64 (batch 64 x 4k and 16 x 16k);
-    int8 read 0.33 either way and keeps 64 (fewer spills)."""
+    dim 128 FP8's 128-token tile read 0.455 of copy bandwidth against 0.41 for 64 (8 warps; batch 64 x 4k and
+    16 x 16k); int8 read 0.33 either way and keeps 64 (fewer spills)."""
     tile = _TILE_BYTES // (2 * head_dim_pad * compute_itemsize) * (2 if fp8_cache else 1)
     return max(16, min(128, triton.next_power_of_2(tile)))
 
 
-def decode_warps(tile_n: int, head_dim_pad: int, cache_itemsize: int = 2) -> int:
-    """16-bit caches: 4 warps up to a 64 x 128 tile, 0.938 of copy bandwidth against 0.818 with 8 (H200, fp16 cache,
-    batch 64 x 4k, where it was chosen, and 16 x 16k). 8-bit caches keep 8 (what their tiles were measured with)."""
-    return 8 if cache_itemsize == 1 or tile_n * head_dim_pad > 64 * 128 else 4
+def decode_warps(tile_n: int, head_dim_pad: int, cache_itemsize: int = 2, fp8_cache: bool = False) -> int:
+    """4 warps for 16-bit caches and FP8: fp16 0.96 of copy bandwidth against 0.83 with 8 (64-token tiles), FP8
+    0.54 against 0.46 (128-token tiles; H200, batch 64 x 4k and 16 x 16k, gpu-check-h200-2026-11-30.json). int8
+    keeps 8: 0.33 against 0.30 with 4."""
+    return 8 if cache_itemsize == 1 and not fp8_cache else 4
 
 
 def is_decode_step(meta: AttentionMetadata) -> bool:
@@ -253,7 +254,7 @@ def triton_decode_attention(
     itemsize = cache.k.element_size()
     tile = tile_n or decode_tile(head_dim_pad, query.element_size(), cache.dtype.is_fp8)
     assert tile >= 16 and tile & (tile - 1) == 0, "a tile is a power of two of at least 16 tokens"
-    warps = num_warps or decode_warps(tile, head_dim_pad, itemsize)
+    warps = num_warps or decode_warps(tile, head_dim_pad, itemsize, cache.dtype.is_fp8)
     parts = num_partitions or decode_partitions(meta.num_seqs, num_kv_heads, meta.block_tables.shape[1] * block_size)
     out = torch.empty_like(query)
     if parts > 1:

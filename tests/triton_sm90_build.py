@@ -62,7 +62,7 @@ def decode_case(query: str, cache: str, queries_per_kv: int, head_dim: int, spli
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     itemsize = 1 if cache in ("fp8e4nv", "fp8e5", "i8") else 2
     tile = decode.decode_tile(head_dim_pad, 2, cache.startswith("fp8"))
-    warps = decode.decode_warps(tile, head_dim_pad, itemsize)
+    warps = decode.decode_warps(tile, head_dim_pad, itemsize, cache.startswith("fp8"))
     constexprs = dict(
         NUM_QUERIES_PER_KV=queries_per_kv, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=16, TILE_N=tile, SPLIT=split, PREFETCH=False,
