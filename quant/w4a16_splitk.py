@@ -65,7 +65,7 @@ class SplitKConfig:
 
 # The launches the rule runs, from the H200 run of 2026-11-30 (benchmarks/results/gpu-check-h200-2026-11-30.json,
 # 15 settings at M = 1 and 16): chosen on the GPTQ act-order 4096 x 4096 and 4096 x 14336 layers by the worse of the
-# two, confirmed on 14336 x 4096 and the AWQ 4096 x 14336 one. One row: 1.30-1.47x of dense fp16 (worst 1.295;
+# two, confirmed on 14336 x 4096 and the AWQ 4096 x 14336 one. One row: 1.29-1.47x of dense fp16 (worst 1.295;
 # torch's int4 tinygemm 0.68-1.29x with fp16 activations); 2-16 rows (padded to 16): 0.62-0.72x (tinygemm
 # 0.38-0.41x). Fp16 atomics ("atomic") were up to 1.3x faster at 16 rows but sum 64-448 partials in fp16 (3x the
 # error of the workspace's fp32 sums, and an order that varies run to run), so the deterministic "last" is used.
