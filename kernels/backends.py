@@ -7,6 +7,8 @@ validates its names against these registries, and each implementation's `require
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from pagedserve.kernels.cpu import native as cpu_native
@@ -28,6 +30,9 @@ if triton_available():  # CPU installs without triton never see the name
 LAYER_OPS: Registry[type[LayerOps]] = Registry("layer ops")
 LAYER_OPS.register("torch")(TorchLayerOps)
 LAYER_OPS.register("native")(NativeLayerOps)
+if triton_available():  # imported on first lookup: CPU processes that never ask never import triton
+    LAYER_OPS.register_lazy("triton", lambda: importlib.import_module("pagedserve.kernels.triton_layer_ops")
+                            .TritonLayerOps)
 
 AUTO = "auto"
 
@@ -61,8 +66,12 @@ def select_attention_impl(name: str, device: torch.device) -> AttentionImpl:
 
 
 def select_layer_ops(name: str, device: torch.device, dtype: torch.dtype) -> LayerOps:
-    """`auto`: native for CPU models (fp32, bf16, fp16) when the C kernels build here, torch otherwise."""
+    """`auto`: native for CPU models (fp32, bf16, fp16) when the C kernels build here; Triton for 16-bit CUDA models
+    (fp32 keeps torch's ops, bit for bit with transformers); torch otherwise."""
     if name == AUTO:
-        wanted = device.type == "cpu" and dtype in NATIVE_DTYPES
-        name = "native" if wanted and cpu_native.available() else "torch"
+        if device.type == "cuda":
+            name = "triton" if dtype in (torch.float16, torch.bfloat16) and "triton" in LAYER_OPS else "torch"
+        else:
+            wanted = device.type == "cpu" and dtype in NATIVE_DTYPES
+            name = "native" if wanted and cpu_native.available() else "torch"
     return LAYER_OPS.get(name)()

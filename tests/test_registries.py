@@ -38,7 +38,8 @@ def test_config_accepts_exactly_the_registered_names(field):
 def test_backend_names_are_the_registries():
     assert attention_backend_names() == ("auto", *ATTENTION_IMPLS.names())
     assert {"torch", "native"} <= set(ATTENTION_IMPLS.names())
-    assert layer_ops_names() == ("auto", "native", "torch") == ("auto", *LAYER_OPS.names())
+    assert layer_ops_names() == ("auto", *LAYER_OPS.names())
+    assert {"native", "torch"} <= set(LAYER_OPS.names()) <= {"native", "torch", "triton"}  # triton where installed
 
 
 def test_layer_ops_follow_the_torch_reference_path_only_when_left_on_auto():

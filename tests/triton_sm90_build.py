@@ -1,4 +1,4 @@
-"""Build the Triton decode kernels for sm_90 on a host without a GPU and print ptxas's resource use as JSON.
+"""Build the Triton decode kernels (and the layer ops) for sm_90 on a host without a GPU and print ptxas's resource use as JSON.
 
     python tests/triton_sm90_build.py      # in a process where TRITON_INTERPRET is unset
 
@@ -22,11 +22,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from pagedserve.kernels import triton_decode_attention as decode
+from pagedserve.kernels import triton_layer_ops as layer_ops
 from pagedserve.kernels.triton_attention import _num_stages
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 _TL = {"fp16": tl.float16, "bf16": tl.bfloat16}
-_FLOATS = {"qk_scale_log2"}
+_FLOATS = {"qk_scale_log2", "eps"}
 
 
 def _signature(fn, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
@@ -81,6 +82,13 @@ def main() -> int:
         "decode_fp16_fp8_single": decode_case("fp16", "fp8e4nv", 8, 128, False),
         "reduce": build(decode._reduce_kernel, {"out_ptr": "fp16", "seq_lens_ptr": "i32", "query_start_loc_ptr": "i32"},
                         dict(HEAD_DIM=128, HEAD_DIM_PAD=128, TILE_N=32), 4, 1, None),
+        # The layer ops at Llama-3-8B widths (hidden 4096, intermediate 14336, head dim 128), as launched.
+        "add_rms_norm_bf16": build(layer_ops._rms_norm_kernel, {n: "bf16" for n in ("x_ptr", "delta_ptr", "w_ptr",
+                                   "out_ptr")}, dict(ADD=True, BLOCK=4096), layer_ops._warps(4096), 1, None),
+        "silu_and_mul_fp16": build(layer_ops._silu_and_mul_kernel, {"gate_up_ptr": "fp16", "out_ptr": "fp16"},
+                                   dict(BLOCK=2048), layer_ops._warps(2048), 1, None),
+        "rope_fp16": build(layer_ops._rope_kernel, {n: "fp16" for n in ("x_ptr", "cos_ptr", "sin_ptr", "out_ptr")},
+                           dict(DIM=128, BLOCK=128), 1, 1, None),
     }
     print(json.dumps(result))
     return 0

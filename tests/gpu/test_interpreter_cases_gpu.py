@@ -45,6 +45,13 @@ from test_triton_kv_write import (  # noqa: E402,F401
     test_out_of_range_values_clamp_to_the_largest_finite_fp8,
     test_strided_inputs_from_a_fused_projection,
 )
+from test_triton_layer_ops import (  # noqa: E402,F401
+    test_engine_with_triton_layer_ops_generates_torch_ops_tokens,
+    test_rms_norm_and_the_residual_add_match_torch,
+    test_rope_matches_torch_on_dense_and_strided_heads,
+    test_silu_and_mul_matches_torch,
+    test_what_the_kernels_do_not_take_goes_to_torch_and_auto_picks_them_for_16_bit_cuda,
+)
 from test_w4a16 import (  # noqa: E402,F401
     test_awq_tool_checkpoint_through_decode_layout,
     test_decode_kernel_16bit_activations,
