@@ -90,6 +90,12 @@ def test_dry_run_stage_details(dry_report):
     assert sorted((r["weights"], r["graphs"]) for r in decode["rows"]) == sorted(
         (kind, graphs) for kind in ("fp16", "gptq", "awq") for graphs in (True, False))
     assert all(run["decode_tokens"] > 0 for r in decode["rows"] for run in r["runs"])
+    graphed = {r["weights"]: r for r in decode["rows"] if r["graphs"]}
+    assert all(graphed[kind]["host_split_batch1"]["steps"] > 0 for kind in ("fp16", "gptq", "awq"))
+    for kind in ("fp16", "gptq"):  # the step's profile and its kernels (CPU ops in a dry run)
+        kernels = graphed[kind]["kernels_batch1"]
+        assert kernels["steps"] > 0 and kernels["launches_per_step"] > 0 and kernels["top"], kernels
+        assert graphed[kind]["host_profile_batch1"]
     ratios = dry_report["benchmarks"]["decode_1b"]
     assert ratios["target_4bit_vs_fp16"] == 1.8 and all(
         v is not None for key in ("gptq_vs_fp16", "awq_vs_fp16", "graphs_vs_eager") for v in ratios[key].values())

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+import kernel_timeline
 import step_split
 import tiny_models
 
@@ -54,10 +55,11 @@ class Scale:
     new_tokens: int
     batches: tuple[int, ...]
     split_steps: int  # decode steps of the host/device split and of the profile (step_split.py), batch 1
+    kernel_steps: int  # decode steps recorded by torch.profiler (kernel_timeline.py), batch 1
 
 
-GPU = Scale("cuda", "float16", 2048, 8192, 32, 8, 64, 128256, 16, 128, 128, (1, 16), 30)
-DRY = Scale("cpu", "bfloat16", 256, 512, 4, 2, 64, 256, 2, 8, 4, (1, 2), 4)
+GPU = Scale("cuda", "float16", 2048, 8192, 32, 8, 64, 128256, 16, 128, 128, (1, 16), 30, 5)
+DRY = Scale("cpu", "bfloat16", 256, 512, 4, 2, 64, 256, 2, 8, 4, (1, 2), 4, 2)
 KINDS = ("fp16", "gptq", "awq")
 MAX_NUM_SEQS = 16
 
@@ -174,6 +176,8 @@ def measure(folder: Path, kind: str, graphs: bool, scale: Scale) -> dict:
         if kind in ("fp16", "gptq"):
             row["host_profile_batch1"] = step_split.profile_run(llm.engine, prompt, scale.split_steps,
                                                                 f"{kind}-profile", f"{kind}, graphs, batch 1")
+            row["kernels_batch1"] = kernel_timeline.kernel_run(llm.engine, prompt, scale.kernel_steps,
+                                                               f"{kind}-kernels", f"{kind}, graphs, batch 1")
     del llm, runner
     gc.collect()
     if scale.device == "cuda":
