@@ -1,4 +1,4 @@
-"""Build the Triton decode kernels (and the layer ops) for sm_90 on a host without a GPU and print ptxas's resource use as JSON.
+"""Build the Triton decode kernels and the layer ops for sm_90 on a host without a GPU; print ptxas's use as JSON.
 
     python tests/triton_sm90_build.py      # in a process where TRITON_INTERPRET is unset
 
