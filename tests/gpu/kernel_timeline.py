@@ -13,16 +13,9 @@ from __future__ import annotations
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from step_split import queue_decodes
+
 TOP = 25  # kernels printed and kept, by device time
-
-
-def _step_decodes(engine, prompts: list[list[int]], steps: int, tag: str) -> None:
-    from pagedserve.engine import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", prompt, params)
-    engine.step()  # the prefill, outside the recording
 
 
 def _rows(events, cuda: bool, steps: int) -> list[dict]:
@@ -39,7 +32,7 @@ def _rows(events, cuda: bool, steps: int) -> list[dict]:
 def kernel_run(engine, prompts: list[list[int]], steps: int, tag: str, label: str) -> dict:
     """`steps` decode steps under the profiler: kernels per step, their summed device time, the top TOP."""
     cuda = engine.runner.device.type == "cuda"
-    _step_decodes(engine, prompts, steps, tag)
+    queue_decodes(engine, prompts, steps, tag)
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     done = 0
     with profile(activities=activities) as prof:

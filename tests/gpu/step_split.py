@@ -102,7 +102,7 @@ def _hooks(engine, device_clock: Clock, host_clock: Clock):
             graphs.graphs.update(saved_graphs)
 
 
-def _decode_steps(engine, prompts: list[list[int]], steps: int, tag: str) -> None:
+def queue_decodes(engine, prompts: list[list[int]], steps: int, tag: str) -> None:
     """Queues `prompts` for steps + 1 tokens each and runs their prefill step (the caller times the rest)."""
     from pagedserve.engine import SamplingParams
 
@@ -116,7 +116,7 @@ def split_run(engine, prompts: list[list[int]], steps: int, tag: str) -> dict:
     """Per decode step: wall, device (graph replay + LM head) and host (the rest) milliseconds, and the phases'."""
     cuda = engine.runner.device.type == "cuda"
     device_clock, host_clock = Clock(cuda), Clock(False)
-    _decode_steps(engine, prompts, steps, tag)
+    queue_decodes(engine, prompts, steps, tag)
     done = 0
     with _hooks(engine, device_clock, host_clock):
         start = time.perf_counter()
@@ -140,7 +140,7 @@ def split_run(engine, prompts: list[list[int]], steps: int, tag: str) -> dict:
 def profile_run(engine, prompts: list[list[int]], steps: int, tag: str, label: str) -> list[dict]:
     """cProfile of `steps` decode steps, printed (top PROFILE_TOP by tottime, then by cumtime); returns the
     top JSON_TOP by own time, in milliseconds per step."""
-    _decode_steps(engine, prompts, steps, tag)
+    queue_decodes(engine, prompts, steps, tag)
     profiler = cProfile.Profile()
     done = 0
     profiler.enable()
