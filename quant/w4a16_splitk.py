@@ -16,8 +16,8 @@ exits, so the SMs keep many independent loads in flight (gemlite's reversed spli
 - act-order's permutation is a gather of the activation inside the kernel (or an index_select before it, `gather`).
 Partial sums meet in one of two ways (`reduce`): "atomic" adds them into the zeroed output in its own type, fp16
 or fp32 (as exllama's GPTQ kernels do; the summation order varies between runs; bf16 takes "last"), "last" adds
-them into an fp32 workspace and the last program of each column tile (a per-layer counter) writes the output and
-leaves workspace and counter zero for the next call, in one launch. The grid depends on M, N, K only, so CUDA graphs capture it.
+them into an fp32 workspace and the last program of each column tile (a counter per tile) writes the output and
+leaves workspace and counter zero for the next call, in one launch; one workspace per device serves every layer. The grid depends on M, N, K only, so CUDA graphs capture it.
 """
 
 from __future__ import annotations
@@ -71,7 +71,6 @@ class SplitKConfig:
 # error of the workspace's fp32 sums, and an order that varies run to run), so the deterministic "last" is used.
 ONE_ROW = SplitKConfig(block_n=512, block_k=32, k_steps=2, num_warps=2, num_stages=1, reduce="last", unpack=True)
 ROWS = SplitKConfig(block_n=256, block_k=32, k_steps=4, num_warps=4, num_stages=2, reduce="last")
-DEFAULT = ONE_ROW
 
 
 def config_for(m: int) -> SplitKConfig:
@@ -241,14 +240,14 @@ def shared_workspace(columns: int, device: torch.device) -> SplitKWorkspace:
 def splitk_gemv(x: torch.Tensor, layout: DecodeLayout, workspace: SplitKWorkspace | None,
                 cfg: SplitKConfig | None = None) -> torch.Tensor:
     """x [M <= MAX_ROWS, K] (fp16, bf16 or fp32) in the checkpoint's K order -> [M, N] in x.dtype, with `cfg` or
-    the measured launch for M rows. The "last" reduction needs the layer's `workspace`."""
+    the measured launch for M rows. The "last" reduction needs a `workspace` at least N wide (shared_workspace)."""
     m, n, k = x.shape[0], layout.out_features, layout.in_features
     if not 0 < m <= MAX_ROWS:
         raise ValueError(f"splitk_gemv takes 1..{MAX_ROWS} rows, got {m}")
     cfg = cfg or config_for(m)
     last = sums_last(cfg, x.dtype)
-    if last and workspace is None:
-        raise ValueError("the 'last' reduction needs the layer's SplitKWorkspace")
+    if last and (workspace is None or workspace.columns < n):
+        raise ValueError(f"the 'last' reduction needs a SplitKWorkspace of at least {n} columns")
     perm = layout.perm
     if perm is not None and not cfg.gather:
         x, perm = x.index_select(1, perm), None

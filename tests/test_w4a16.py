@@ -135,6 +135,8 @@ def test_splitk_last_reduction_leaves_workspace_zero_and_rule():
         w4a16_splitk.splitk_gemv(torch.zeros(17, 1024, device=DEVICE), kernel.layout(), ws)
     with pytest.raises(ValueError, match="SplitKWorkspace"):
         w4a16_splitk.splitk_gemv(x, kernel.layout(), None)
+    with pytest.raises(ValueError, match="at least 40 columns"):  # a workspace narrower than the layer
+        w4a16_splitk.splitk_gemv(x, kernel.layout(), w4a16_splitk.SplitKWorkspace(16, DEVICE))
     with pytest.raises(ValueError, match="reduce"):
         w4a16_splitk.SplitKConfig(reduce="tree")
     rule = W4A16Rule(splitk_max_m=16)
