@@ -84,6 +84,22 @@ def test_splitk_gemv_matches_reference(bits, k, n, group, act_order, m, path):
     _check(random_weight(k, n, bits, group, act_order, seed=k + n + bits), m, torch.float32, path)
 
 
+@pytest.mark.parametrize("bits,k,n,group,act_order", [
+    (4, 320, 72, 64, True), (4, 200, 40, -1, False), (8, 208, 96, 48, True), (4, 1024, 24, 128, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_splitk_fields_masked_in_place_match_reference(bits, k, n, group, act_order, dtype):
+    """The one-row variant that masks each field where it lies (the fields past the mantissa from the word shifted
+    once, the zero point per span): 4 and 8 bits, act-order, partial and odd groups, one group."""
+    from pagedserve.quant import w4a16_splitk
+
+    w = random_weight(k, n, bits, group, act_order, seed=k + n + bits)
+    kernel = w4a16_kernel.W4A16Kernel(_on(w, DEVICE))
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(7)).to(dtype)
+    ref = x.float() @ w.dequantize(torch.float32).t()
+    y = kernel.splitk(x.to(DEVICE), w4a16_splitk.SplitKConfig(block_n=32, unpack=True, in_place=True)).float().cpu()
+    assert (y - ref).abs().max().item() <= TOLERANCE[dtype] * ref.abs().max().item()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 6])
 @pytest.mark.parametrize("path", ["splitk_last", "splitk_atomic"])  # bf16 takes "last" either way

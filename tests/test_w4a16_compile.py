@@ -33,6 +33,8 @@ SPLITK_CASES = (  # activation dtype, rows, bits, act-order gather, SplitKConfig
     ("fp16", 1, 4, True, {"reduce": "atomic"}),
     ("fp16", 1, 4, False, {"unpack": True, "block_k": 64, "num_warps": 4}),
     ("fp16", 1, 4, True, {"one_row_dot": True}),
+    ("fp16", 1, 4, True, {"in_place": True, "block_n": 512}),
+    ("bf16", 1, 8, False, {"in_place": True}),
 )
 GEMV_CASES = (  # activation dtype, rows, bits, act-order gather, serial reduction
     ("fp16", 1, 4, True, True),
@@ -104,7 +106,8 @@ def compile_splitk(build) -> dict:
         block_m = 1 if rows == 1 and not cfg.one_row_dot else sk.MAX_ROWS
         k = build(sk._splitk_kernel, dict(zip(args, types)),
                   dict(BITS=bits, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_STEPS=cfg.k_steps,
-                       PERMUTED=permuted, DOT_16BIT=True, UNPACK=cfg.unpack, LAST=last), cfg.num_warps)
+                       PERMUTED=permuted, DOT_16BIT=True, UNPACK=cfg.unpack, IN_PLACE=cfg.in_place, LAST=last),
+                  cfg.num_warps)
         ptx = k.asm["ptx"]
         out[f"splitk-{cfg.name}-{x}-{rows}-{bits}"] = {
             "shared": k.metadata.shared, "serial": False, "mma": "mma.sync" in ptx,

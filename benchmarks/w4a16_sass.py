@@ -1,0 +1,82 @@
+"""The split-K GEMV's machine code for an H100/H200, counted on a host without a GPU: instructions per 4-bit code.
+
+    python benchmarks/w4a16_sass.py        # TRITON_INTERPRET unset; needs the ptxas/cuobjdump Triton's wheel carries
+
+A decode GEMV that reads weights at copy speed must also issue its instructions within that time: an H200's 132
+SMs issue 4 warp-instructions a cycle each (~1.75 GHz), so at 4.2 TB/s and half a byte a code there is room for
+about 3.5 instructions per code per thread-lane... only if nothing else stalls. This compiles quant/w4a16_splitk.py's
+launches (as the rule runs them: fp16, 4-bit, act-order gather on and off) for sm_90, disassembles them with
+cuobjdump and prints JSON: per launch, the SASS instructions, the 4-bit codes one thread handles, their ratio and the
+most frequent opcodes. Static counts of the straight-line kernel (a program runs its K span unrolled, no loop), so
+they are what each program executes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from pagedserve.quant import w4a16_splitk as splitk
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+ARGS = ("x_ptr", "perm_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "ws_ptr", "count_ptr", "M", "N", "K", "GROUP",
+        "stride_xm", "stride_qk", "stride_sg")
+TYPES = ("*fp16", "*i64", "*i32", "*fp16", "*fp16", "*fp16", "*fp32", "*i32") + ("i32",) * 7
+
+
+def compile_launch(cfg: splitk.SplitKConfig, rows: int, permuted: bool):
+    block_m = 1 if rows == 1 and not cfg.one_row_dot else splitk.MAX_ROWS
+    constants = dict(BITS=4, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_STEPS=cfg.k_steps,
+                     PERMUTED=permuted, DOT_16BIT=True, UNPACK=cfg.unpack, IN_PLACE=cfg.in_place,
+                     LAST=cfg.reduce == "last")
+    signature = {**dict(zip(ARGS, TYPES)), **{name: "constexpr" for name in constants}}
+    # The runtime specializes pointers and 16-divisible ints (every stride and width here) as divisible by 16.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(ARGS) if name != "M"}
+    return triton.compile(ASTSource(splitk._splitk_kernel, signature, constants, attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps,
+                                                                      "num_stages": cfg.num_stages})
+
+
+def opcodes(cubin: bytes) -> collections.Counter:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", str(path)], capture_output=True, text=True,
+                              check=True).stdout
+    found = re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass)
+    return collections.Counter(match.group(1) for match in found)
+
+
+def launch_row(name: str, cfg: splitk.SplitKConfig, rows: int, permuted: bool) -> dict:
+    counts = opcodes(compile_launch(cfg, rows, permuted).asm["cubin"])
+    codes = cfg.block_k * cfg.k_steps * cfg.block_n // (32 * cfg.num_warps)  # one K span x column tile, per thread
+    total = sum(counts.values())
+    return {"launch": name, "config": cfg.name, "rows": rows, "act_order_gather": permuted,
+            "instructions_per_thread": total, "codes_per_thread": codes,
+            "instructions_per_code": round(total / codes, 2), "top": dict(counts.most_common(12))}
+
+
+def main() -> int:
+    if not (BIN / "cuobjdump").exists():
+        print("this triton wheel carries no cuobjdump", file=sys.stderr)
+        return 3
+    in_place = dataclasses.replace(splitk.ONE_ROW, in_place=True)
+    launches = [("one_row", splitk.ONE_ROW, 1, True), ("one_row", splitk.ONE_ROW, 1, False),
+                ("one_row_in_place", in_place, 1, True), ("one_row_in_place", in_place, 1, False),
+                ("rows", splitk.ROWS, 16, True)]
+    print(json.dumps([launch_row(*launch) for launch in launches], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
