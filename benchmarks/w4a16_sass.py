@@ -2,13 +2,13 @@
 
     python benchmarks/w4a16_sass.py        # TRITON_INTERPRET unset; needs the ptxas/cuobjdump Triton's wheel carries
 
-A decode GEMV that reads weights at copy speed must also issue its instructions within that time: an H200's 132
-SMs issue 4 warp-instructions a cycle each (~1.75 GHz), so at 4.2 TB/s and half a byte a code there is room for
-about 3.5 instructions per code per thread-lane... only if nothing else stalls. This compiles quant/w4a16_splitk.py's
-launches (as the rule runs them: fp16, 4-bit, act-order gather on and off) for sm_90, disassembles them with
-cuobjdump and prints JSON: per launch, the SASS instructions, the 4-bit codes one thread handles, their ratio and the
-most frequent opcodes. Static counts of the straight-line kernel (a program runs its K span unrolled, no loop), so
-they are what each program executes.
+A decode GEMV that reads weights at copy speed must also issue its instructions in that time: an H200 issues about
+30 T lane-instructions a second (132 SMs x 4 schedulers x 32 lanes x ~1.75 GHz) while copy bandwidth (4.2 TB/s)
+brings 8.4 T 4-bit codes, so about 3.5 instructions a code, and less where anything else stalls. This compiles
+quant/w4a16_splitk.py's launches (as the rule runs them, fp16 and 4-bit, with and without the act-order gather, and
+the `in_place` variant) for sm_90, disassembles them with cuobjdump and prints JSON: per launch, the SASS
+instructions, the 4-bit codes one thread handles, their ratio and the most frequent opcodes. Static counts of the
+straight-line kernel (a program runs its K span unrolled, no loop), so they are what each program executes.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ exits, so the SMs keep many independent loads in flight (gemlite's reversed spli
 Partial sums meet in one of two ways (`reduce`): "atomic" adds them into the zeroed output in its own type, fp16
 or fp32 (as exllama's GPTQ kernels do; the summation order varies between runs; bf16 takes "last"), "last" adds
 them into an fp32 workspace and the last program of each column tile (a counter per tile) writes the output and
-leaves workspace and counter zero for the next call, in one launch; one workspace per device serves every layer. The grid depends on M, N, K only, so CUDA graphs capture it.
+leaves workspace and counter zero for the next call, in one launch; one workspace per device serves every layer.
+The grid depends on M, N, K only, so CUDA graphs capture it.
 """
 
 from __future__ import annotations

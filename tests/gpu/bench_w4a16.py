@@ -119,8 +119,9 @@ def bench_row(fmt: str, w: GroupQuantWeight, prepared: list[tuple], m: int, copy
     for name in prepared[0][1]:
         if (name.startswith("gemv") and m > GEMV_MAX_ROWS) or (name.startswith("splitk") and m > SPLITK_MAX_ROWS):
             continue  # both GEMVs hold at most 16 rows
-        if ("_dot" in name or "_unpack" in name or "_inplace" in name) and m > 1 or name == "triton_gemm" and m <= SPLITK_MAX_ROWS:
-            continue  # the same launch as without _dot above one row; triton_gemm's decode rows: 0.03-0.05x twice
+        one_row_only = "_dot" in name or "_unpack" in name or "_inplace" in name
+        if one_row_only and m > 1 or name == "triton_gemm" and m <= SPLITK_MAX_ROWS:
+            continue  # the same launch as another above one row; triton_gemm's decode rows: 0.03-0.05x twice
         try:
             ms = timed(time_ms, [fns[name] for _, fns in prepared], x_bf16 if name == "tinygemm_bf16" else x)
         except Exception as exc:  # a candidate that cannot run here is reported, the others still run
