@@ -30,8 +30,8 @@ from pagedserve.quant import w4a16_splitk as splitk
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 ARGS = ("x_ptr", "perm_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "ws_ptr", "count_ptr", "M", "N", "K", "GROUP",
-        "stride_xm", "stride_qk", "stride_sg")
-TYPES = ("*fp16", "*i64", "*i32", "*fp16", "*fp16", "*fp16", "*fp32", "*i32") + ("i32",) * 7
+        "stride_xm", "stride_qk", "stride_sg", "magic")
+TYPES = ("*fp16", "*i64", "*i32", "*fp16", "*fp16", "*fp16", "*fp32", "*i32") + ("i32",) * 8
 
 
 def compile_launch(cfg: splitk.SplitKConfig, rows: int, permuted: bool):
@@ -53,7 +53,7 @@ def opcodes(cubin: bytes) -> collections.Counter:
         path.write_bytes(cubin)
         sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", str(path)], capture_output=True, text=True,
                               check=True).stdout
-    found = re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass)
+    found = re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass)
     return collections.Counter(match.group(1) for match in found)
 
 

@@ -97,12 +97,12 @@ def compile_splitk(build) -> dict:
     from pagedserve.quant import w4a16_splitk as sk
 
     args = ("x_ptr", "perm_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "ws_ptr", "count_ptr", "M", "N", "K", "GROUP",
-            "stride_xm", "stride_qk", "stride_sg")
+            "stride_xm", "stride_qk", "stride_sg", "magic")
     out = {}
     for x, rows, bits, permuted, fields in SPLITK_CASES:
         cfg = sk.config_for(rows) if fields is None else sk.SplitKConfig(**fields)
         last = sk.sums_last(cfg, {"fp16": torch.float16, "bf16": torch.bfloat16}[x])
-        types = [f"*{x}", "*i64", "*i32", "*fp16", "*fp16", f"*{x}", "*fp32", "*i32"] + ["i32"] * 7
+        types = [f"*{x}", "*i64", "*i32", "*fp16", "*fp16", f"*{x}", "*fp32", "*i32"] + ["i32"] * 8
         block_m = 1 if rows == 1 and not cfg.one_row_dot else sk.MAX_ROWS
         k = build(sk._splitk_kernel, dict(zip(args, types)),
                   dict(BITS=bits, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_STEPS=cfg.k_steps,

@@ -36,21 +36,22 @@ CANDIDATES = ("gemv", "w4a16_decode", "w4a16_decode_serial", "w4a16_dense", "w4a
 # The split-K GEMV's launch settings, timed at M = 1 and 16: block_n, block_k, k_steps, num_warps, num_stages,
 # reduce, one_row_dot, unpack, gather, in_place. The _unpack and _inplace ones change only the one-row path, so they
 # run at M = 1 only. quant/w4a16_splitk.py's ONE_ROW and ROWS are the first and the tenth (chosen from the first
-# device run's 15); the _inplace ones mask each field where it lies (3 instructions a code against 5).
+# device run's 15); the _inplace ones mask each field where it lies (4.5-5.5 instructions a code against 5.9-6.3 for
+# ONE_ROW in sm_90 code, benchmarks/w4a16_sass.py).
 SPLITK_SWEEP = ((512, 32, 2, 2, 1, "last", False, True, True, False),
                 (256, 64, 2, 4, 1, "last", False, True, True, False),
                 (256, 32, 2, 2, 1, "last", False, True, True, False),
                 (512, 64, 2, 4, 1, "last", False, True, True, False),
                 (512, 32, 2, 2, 1, "last", False, True, True, True),
                 (1024, 32, 2, 4, 1, "last", False, True, True, False),
-                (256, 64, 2, 4, 1, "last", False, True, True, True),
+                (1024, 32, 2, 2, 1, "last", False, True, True, True),
                 (256, 32, 2, 2, 1, "atomic", False, True, True, False),
                 (256, 32, 2, 2, 1, "atomic", False, False, True, False),
                 (256, 32, 4, 4, 2, "last", False, False, True, False),
                 (512, 32, 4, 4, 2, "last", False, False, True, False),
                 (256, 64, 4, 4, 2, "last", False, False, True, False),
                 (128, 32, 4, 4, 2, "last", False, False, True, False),
-                (1024, 32, 2, 4, 1, "last", False, True, True, True),
+                (512, 32, 2, 1, 1, "last", False, True, True, True),
                 (256, 32, 8, 4, 3, "last", False, False, True, False))
 
 
