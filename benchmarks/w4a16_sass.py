@@ -35,7 +35,7 @@ TYPES = ("*fp16", "*i64", "*i32", "*fp16", "*fp16", "*fp16", "*fp32", "*i32") + 
 
 
 def compile_launch(cfg: splitk.SplitKConfig, rows: int, permuted: bool):
-    block_m = 1 if rows == 1 and not cfg.one_row_dot else splitk.MAX_ROWS
+    block_m = 1 if rows == 1 else splitk.MAX_ROWS
     constants = dict(BITS=4, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_STEPS=cfg.k_steps,
                      PERMUTED=permuted, DOT_16BIT=True, UNPACK=cfg.unpack, IN_PLACE=cfg.in_place,
                      LAST=cfg.reduce == "last")

@@ -11,9 +11,9 @@ exits, so the SMs keep many independent loads in flight (gemlite's reversed spli
 - a code becomes a float without a conversion instruction: OR-ing it into the mantissa of 2^23 gives 2^23 + q
   exactly, and subtracting 2^23 + z (one per column) leaves q - z: the zero point costs nothing per weight;
 - one K span lies inside one group, so the scale multiplies the span's sum once;
-- one row multiplies and sums on the CUDA cores in fp32 (or pads to 16 rows, `one_row_dot`); more rows pad to 16
+- one row multiplies and sums on the CUDA cores in fp32; more rows pad to 16
   and go through tl.dot with the integer weights exact in the activation's 16-bit type;
-- act-order's permutation is a gather of the activation inside the kernel (or an index_select before it, `gather`).
+- act-order's permutation is a gather of the activation inside the kernel.
 Partial sums meet in one of two ways (`reduce`): "atomic" adds them into the zeroed output in its own type, fp16
 or fp32 (as exllama's GPTQ kernels do; the summation order varies between runs; bf16 takes "last"), "last" adds
 them into an fp32 workspace and the last program of each column tile (a counter per tile) writes the output and
@@ -47,9 +47,7 @@ class SplitKConfig:
     num_warps: int = 2
     num_stages: int = 1
     reduce: str = "last"
-    one_row_dot: bool = False  # one row through tl.dot too (padded to 16 rows, as Marlin pads), not the CUDA cores
     unpack: bool = False  # one row: each word loaded once, its codes taken field by field (not repeated loads)
-    gather: bool = True  # act-order: gather the activation in the kernel (False: index_select it first, a launch)
     in_place: bool = False  # one row: fields masked in place, the activation scaled instead (_one_row_in_place)
 
     def __post_init__(self) -> None:
@@ -62,8 +60,7 @@ class SplitKConfig:
 
     @property
     def name(self) -> str:
-        tail = ("_dot" if self.one_row_dot else "") + ("_unpack" if self.unpack else "") \
-            + ("" if self.gather else "_presorted") + ("_inplace" if self.in_place else "")
+        tail = ("_unpack" if self.unpack else "") + ("_inplace" if self.in_place else "")
         sizes = f"{self.block_n}_{self.block_k}_{self.k_steps}_{self.num_warps}_{self.num_stages}"
         return f"splitk_{sizes}_{self.reduce}{tail}"
 
@@ -292,11 +289,9 @@ def splitk_gemv(x: torch.Tensor, layout: DecodeLayout, workspace: SplitKWorkspac
     if last and (workspace is None or workspace.columns < n):
         raise ValueError(f"the 'last' reduction needs a SplitKWorkspace of at least {n} columns")
     perm = layout.perm
-    if perm is not None and not cfg.gather:
-        x, perm = x.index_select(1, perm), None
     x = x.contiguous()
     block_k, k_steps = span_for(layout, cfg)
-    block_m = 1 if m == 1 and not cfg.one_row_dot else MAX_ROWS
+    block_m = 1 if m == 1 else MAX_ROWS
     group = layout.group_size if layout.group_size < k else k
     out = (torch.empty if last else torch.zeros)(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(k, block_k * k_steps))

@@ -32,7 +32,6 @@ SPLITK_CASES = (  # activation dtype, rows, bits, act-order gather, SplitKConfig
     ("bf16", 16, 8, False, None),
     ("fp16", 1, 4, True, {"reduce": "atomic"}),
     ("fp16", 1, 4, False, {"unpack": True, "block_k": 64, "num_warps": 4}),
-    ("fp16", 1, 4, True, {"one_row_dot": True}),
     ("fp16", 1, 4, True, {"in_place": True, "block_n": 512}),
     ("bf16", 1, 8, False, {"in_place": True}),
 )
@@ -103,7 +102,7 @@ def compile_splitk(build) -> dict:
         cfg = sk.config_for(rows) if fields is None else sk.SplitKConfig(**fields)
         last = sk.sums_last(cfg, {"fp16": torch.float16, "bf16": torch.bfloat16}[x])
         types = [f"*{x}", "*i64", "*i32", "*fp16", "*fp16", f"*{x}", "*fp32", "*i32"] + ["i32"] * 8
-        block_m = 1 if rows == 1 and not cfg.one_row_dot else sk.MAX_ROWS
+        block_m = 1 if rows == 1 else sk.MAX_ROWS
         k = build(sk._splitk_kernel, dict(zip(args, types)),
                   dict(BITS=bits, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_STEPS=cfg.k_steps,
                        PERMUTED=permuted, DOT_16BIT=True, UNPACK=cfg.unpack, IN_PLACE=cfg.in_place, LAST=last),
