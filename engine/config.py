@@ -88,6 +88,9 @@ class EngineConfig:
     # MAX_CUDA_GRAPH_SIZE); one value N: 1, 2, 4 and the multiples of 8 up to N; several: exactly those sizes.
     # Sizes past the first one that holds max_num_seqs are not captured. No effect on CPU.
     cuda_graph_sizes: tuple[int, ...] = ()
+    # vLLM's --async-scheduling: a decode step is launched before the step in flight's tokens are read, so the host's
+    # per-step work overlaps the device's (engine/core/lookahead.py). Steps that sample on the host stay synchronous.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -115,6 +118,7 @@ class EngineConfig:
             raise ConfigError("speculative",
                               f"must be a SpeculativeConfig or None, got {type(self.speculative).__name__}")
         self._check_cuda_graphs()
+        self._check_async_scheduling()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -142,6 +146,16 @@ class EngineConfig:
             raise ConfigError("cuda_graph_sizes", f"must be batch sizes from 1 to {MAX_CUDA_GRAPH_SIZE}, got {sizes!r}")
         if len(set(sizes)) != len(sizes):
             raise ConfigError("cuda_graph_sizes", f"lists a size twice: {sizes!r}")
+
+    def _check_async_scheduling(self) -> None:
+        if not isinstance(self.async_scheduling, bool):
+            raise ConfigError("async_scheduling", f"must be true or false, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.speculative is not None:
+            raise ConfigError("async_scheduling", "does not combine with speculative decoding: the drafter proposes "
+                                                  "from tokens on the host, which a look-ahead step does not wait for")
+        if self.async_scheduling and self.lora is not None:
+            raise ConfigError("async_scheduling", "does not combine with LoRA: adapters are registered and unloaded "
+                                                  "between steps, and a look-ahead step would still be running")
 
     @property
     def layer_ops_choice(self) -> str:

@@ -9,6 +9,7 @@ from typing import Protocol
 from pagedserve.engine.admission import TOKENS_FIELD, AdmittedRequest, GenerationRequest, TextPrompt, TokensPrompt, renamed
 from pagedserve.engine.build import EngineParts, build_engine
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.core.lookahead import schedule_ahead
 from pagedserve.engine.core.request_outputs import RequestState, engine_stats, request_output
 from pagedserve.engine.core.scheduler import StepUpdate
 from pagedserve.engine.core.sequence import FinishReason, now
@@ -16,6 +17,7 @@ from pagedserve.engine.errors import AdapterLoadError, AdapterNotFoundError, Inv
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule
 from pagedserve.engine.lora.manager import require
 from pagedserve.engine.lora.weights import LoraWeights
+from pagedserve.engine.runner.launched_step import LaunchedStep
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 
@@ -43,6 +45,8 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.requests: dict[str, RequestState] = {}
         self.num_aborted_requests = 0
+        self.inflight: LaunchedStep | None = None  # async scheduling: the step launched ahead, tokens not yet read
+        self.num_lookahead_steps = 0  # steps launched ahead of the previous one's tokens
 
     # -- admission ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -110,10 +114,29 @@ class LLMEngine:
             self.thread_governor.step_done()
 
     def _step(self) -> list[RequestOutput]:
+        if self.config.async_scheduling:
+            return self._step_ahead()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
         return self._outputs(self.scheduler.update(batch, self.runner.execute(batch)))
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Async scheduling: the next step is launched (`schedule_ahead`) before this one's tokens are read, so the
+        device computes it while the host applies them; this call's outputs are the step launched before."""
+        current, self.inflight = self.inflight, None
+        if current is None:
+            batch = self.scheduler.schedule()
+            if batch.is_empty:
+                return []
+            current = self.runner.launch(batch)
+        ahead = schedule_ahead(self.scheduler, current.batch, self.runner.sampler.picks_on_device) \
+            if current.on_device else None
+        if ahead is not None:
+            self.inflight = self.runner.launch(ahead, current)
+            self.num_lookahead_steps += 1
+        update = self.scheduler.update(current.batch, self.runner.collect(current), committed=ahead is not None)
+        return self._outputs(update)
 
     def _outputs(self, update: StepUpdate) -> list[RequestOutput]:
         for child in update.forked:

@@ -6,6 +6,8 @@ enforce_eager on the device."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import make_tiny_model
@@ -13,6 +15,7 @@ from conftest import make_tiny_model
 from pagedserve.engine.config import MAX_CUDA_GRAPH_SIZE, EngineConfig
 from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.runner.cuda_graphs import DecodeGraphs, GraphModel
+from pagedserve.engine.runner.launched_step import DevicePicks, PendingFill
 from pagedserve.engine.runner.graph_inputs import PAD_SLOT, PaddedDecode, capture_sizes, pad_decode, padded_size
 from pagedserve.engine.runner.step_input import StepInput
 from pagedserve.kernels.backends import ATTENTION_IMPLS
@@ -116,6 +119,36 @@ def test_padded_step_over_the_static_buffers_gives_the_eager_rows(triton_llm):
             untouched[real] = False
             assert torch.equal(flat(old)[:, untouched], flat(new)[:, untouched])  # padded rows wrote nothing
             torch.testing.assert_close(flat(old)[:, real], flat(new)[:, real], rtol=1e-5, atol=1e-5)
+
+
+def test_pending_input_tokens_are_copied_into_the_static_buffer(triton_llm):
+    """Async scheduling: a step launched before the step in flight's tokens are read takes them on the device
+    (`PendingFill`), in the static buffer a graph replays; the rows equal the step with those tokens known."""
+    from pagedserve.engine import SamplingParams
+
+    engine, runner = triton_llm.engine, triton_llm.engine.runner
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for request_id in list(engine.requests):  # an earlier test's decode step, left scheduled
+        engine.abort_request(request_id)
+    for i, length in enumerate((7, 23, 12)):
+        engine.add_request(f"fill{i}", list(range(5, 5 + length)), params)
+    engine.step()
+    known = runner.prepare(engine.scheduler.schedule())
+    seqs = list(known.sampling_seqs)
+    pending = replace(known, token_ids=[0, known.token_ids[1], 0], pending=((0, seqs[0]), (2, seqs[2])))
+    picks = torch.tensor([99, 98, known.token_ids[2], known.token_ids[0]])  # the step in flight's rows, any order
+    inflight = DevicePicks((seqs[1], object(), seqs[2], seqs[0]), picks, picks, torch.ones(4, dtype=torch.bool), None)
+    graphs = DecodeGraphs(GraphModel(runner.model, runner.kv_cache, runner.attn_impl, runner.layer_ops,
+                                     runner.windows), (1, 2, 4), runner.max_model_len, torch.device("cpu"))
+    with torch.inference_mode():
+        expected = graphs.forward_eagerly(pad_decode(known, graphs.sizes, graphs.max_blocks))[:3]
+        filled = graphs.forward_eagerly(pad_decode(pending, graphs.sizes, graphs.max_blocks),
+                                        PendingFill.of(pending, inflight))[:3]
+    assert graphs.input_ids[:3].tolist() == known.token_ids
+    torch.testing.assert_close(filled, expected, rtol=0, atol=0)
+    assert pending.resolved({seqs[0]: known.token_ids[0], seqs[2]: known.token_ids[2]}).token_ids == known.token_ids
+    for i in range(3):
+        engine.abort_request(f"fill{i}")
 
 
 def test_static_tables_keep_no_stale_block_ids(triton_llm):

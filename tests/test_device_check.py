@@ -87,10 +87,11 @@ def test_dry_run_stage_details(dry_report):
     assert stages["server"]["details"]["exit_code_after_sigterm"] == 0
     assert any(step.startswith("install: pagedserve into") for step in stages["install"]["details"]["steps"])
     decode = stages["decode"]["details"]
-    assert sorted((r["weights"], r["graphs"]) for r in decode["rows"]) == sorted(
-        (kind, graphs) for kind in ("fp16", "gptq", "awq") for graphs in (True, False))
+    assert sorted((r["weights"], r["mode"]) for r in decode["rows"]) == sorted(
+        (kind, mode) for kind in ("fp16", "gptq", "awq") for mode in ("graphs", "async", "eager"))
     assert all(run["decode_tokens"] > 0 for r in decode["rows"] for run in r["runs"])
-    graphed = {r["weights"]: r for r in decode["rows"] if r["graphs"]}
+    assert all(r["lookahead_steps"] > 0 for r in decode["rows"] if r["mode"] == "async")
+    graphed = {r["weights"]: r for r in decode["rows"] if r["mode"] == "graphs"}
     assert all(graphed[kind]["host_split_batch1"]["steps"] > 0 for kind in ("fp16", "gptq", "awq"))
     for kind in ("fp16", "gptq"):  # the step's profile and its kernels (CPU ops in a dry run)
         kernels = graphed[kind]["kernels_batch1"]
@@ -98,7 +99,8 @@ def test_dry_run_stage_details(dry_report):
         assert graphed[kind]["host_profile_batch1"]
     ratios = dry_report["benchmarks"]["decode_1b"]
     assert ratios["target_4bit_vs_fp16"] == 1.8 and all(
-        v is not None for key in ("gptq_vs_fp16", "awq_vs_fp16", "graphs_vs_eager") for v in ratios[key].values())
+        v is not None for key in ("gptq_vs_fp16", "awq_vs_fp16", "graphs_vs_eager", "async_vs_graphs")
+        for v in ratios[key].values())
     one_row = [r for r in dry_report["benchmarks"]["w4a16_gemm"] if r["m"] == 1]
     for row in one_row:  # every split-K launch of the sweep ran (under the interpreter), none raised
         splitk = {name: c for name, c in row["candidates"].items() if name.startswith("splitk")}

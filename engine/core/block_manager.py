@@ -175,6 +175,10 @@ class BlockManager:
         """Whether `seq` can take blocks for `num_new_tokens` more tokens and leave `spare_blocks` free."""
         return self._blocks_to_take(seq, num_new_tokens, hit) + spare_blocks <= len(self._free)
 
+    def blocks_to_take(self, seq: Sequence, num_new_tokens: int) -> int:
+        """The free blocks `seq` takes for `num_new_tokens` more tokens (fresh ones and a copy-on-write)."""
+        return self._blocks_to_take(seq, num_new_tokens, None)
+
     def _blocks_to_take(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None) -> int:
         hit_ids = hit.block_ids if hit else ()
         held = len(seq.block_table) + len(hit_ids)

@@ -35,6 +35,9 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # positions computed this step, the draft tokens included
     draft_tokens: tuple[int, ...] = ()  # speculative tokens after the sequence's last one (not in seq.token_ids)
+    # Async scheduling (engine/core/lookahead.py): the one position computed is the token the step in flight samples,
+    # not yet in seq.token_ids; the runner takes it from that step's device tokens.
+    input_pending: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +212,7 @@ class Scheduler:
         """The forward for `output` ran: its tokens are now computed, full blocks become shareable, and blocks that
         fell out of every sliding window go back to the pool (after being published: their contents stay valid)."""
         for item in output.scheduled:
-            if not item.draft_tokens:  # a speculating one is committed by commit_verified once its drafts are checked
+            if not item.draft_tokens and not item.seq.is_finished:  # a speculating one is committed by commit_verified once its drafts are checked
                 self._advance(item.seq, item.num_new_tokens)
 
     def commit_verified(self, seq: Sequence, num_accepted: int) -> None:
@@ -223,12 +226,17 @@ class Scheduler:
         self.block_manager.commit_full_blocks(seq)
         self.block_manager.release_out_of_window(seq)
 
-    def update(self, batch: SchedulerOutput, output: StepOutput) -> StepUpdate:
-        """Applies the runner's step: commits `batch`, then each sequence's tokens, in the runner's order."""
-        self.commit(batch)
+    def update(self, batch: SchedulerOutput, output: StepOutput, committed: bool = False) -> StepUpdate:
+        """Applies the runner's step: commits `batch` (unless the look-ahead already did: `committed`), then each
+        sequence's tokens, in the runner's order. A sequence that ended while its row was in flight (async
+        scheduling: stopped by the step before, or aborted) takes nothing."""
+        if not committed:
+            self.commit(batch)
         update = StepUpdate()
         for sample in output.samples:
             seq = sample.seq
+            if seq.is_finished:
+                continue
             update.touched[seq.request_id] = None
             if sample.error is not None:
                 update.failed[seq.request_id] = sample.error

@@ -22,6 +22,7 @@ from torch import nn
 
 from pagedserve.engine.models.layers import ForwardContext
 from pagedserve.engine.runner.graph_inputs import PAD_SLOT, PaddedDecode, pad_decode
+from pagedserve.engine.runner.launched_step import PendingFill
 from pagedserve.engine.runner.step_input import StepInput
 from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata
 from pagedserve.kernels.kv_cache import KVCache
@@ -124,9 +125,10 @@ class DecodeGraphs:
                     self.stats.memory_bytes / 2**20)
         return self.stats
 
-    def run(self, step: StepInput) -> torch.Tensor | None:
+    def run(self, step: StepInput, fill: PendingFill | None = None) -> torch.Tensor | None:
         """The final hidden states [rows, hidden] of a qualifying step, by replay; None: run it eagerly. Captures
-        first if that had to wait for the attention implementation."""
+        first if that had to wait for the attention implementation. `fill`: input tokens the step in flight is
+        picking (async scheduling), copied into the static buffer on the device."""
         if not self.captured and (self.error is not None or not self.target.attn_impl.cuda_graphs()):
             return None
         padded = pad_decode(step, self.sizes, self.max_blocks)
@@ -135,14 +137,18 @@ class DecodeGraphs:
         if not self.captured and self.capture() is None:
             return None
         self._load(padded)
+        if fill is not None:
+            fill.apply(self.input_ids)
         self.graphs[padded.size].replay()
         self.replays[(padded.num_rows, padded.size)] += 1
         return self.outputs[padded.size][: padded.num_rows]
 
-    def forward_eagerly(self, padded: PaddedDecode) -> torch.Tensor:
+    def forward_eagerly(self, padded: PaddedDecode, fill: PendingFill | None = None) -> torch.Tensor:
         """`padded` through the model without a graph, over the static buffers: the computation a capture records
         (tests run it on CPU under Triton's interpreter). All `padded.size` rows."""
         self._load(padded)
+        if fill is not None:
+            fill.apply(self.input_ids)
         return self._forward(padded.size)
 
     def _load(self, padded: PaddedDecode) -> None:

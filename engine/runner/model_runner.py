@@ -19,6 +19,7 @@ from pagedserve.engine.lora.weights import LoraLayout, model_layout
 from pagedserve.engine.models.layers import ForwardContext
 from pagedserve.engine.runner.cuda_graphs import DecodeGraphs, GraphModel
 from pagedserve.engine.runner.graph_inputs import capture_sizes
+from pagedserve.engine.runner.launched_step import DevicePicks, LaunchedStep, PendingFill
 from pagedserve.engine.runner.native_capacity import NO_NATIVE_STEP, NativeCapacity
 from pagedserve.engine.runner.native_step import build_native_step
 from pagedserve.engine.runner.sampler import Sampler
@@ -108,7 +109,36 @@ class ModelRunner:
     def execute(self, batch: SchedulerOutput) -> StepOutput:
         """Runs one step: the sampling sequences' tokens (verified drafts first, then the plainly sampled rows)."""
         self.copy_blocks(batch.block_copies)
-        logits, seqs = self.forward(batch)
+        return self._sample(batch, *self.forward(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: SchedulerOutput, inflight: LaunchedStep | None = None) -> LaunchedStep:
+        """Async scheduling: starts one step without waiting for its tokens where they are picked on the device
+        (every row greedy with nothing on the host deciding it); otherwise runs and samples it as `execute` does.
+        `inflight`: the step whose tokens are this one's pending inputs (`ScheduledSeq.input_pending`)."""
+        self.copy_blocks(batch.block_copies)
+        step = self.prepare(batch)
+        device_picks = not any(item.draft_tokens for item in batch.scheduled) and \
+            all(self.sampler.picks_on_device(seq) for seq in step.sampling_seqs)
+        fill = None
+        if step.pending and device_picks and not self._runs_natively(batch):
+            fill = PendingFill.of(step, inflight.picks)
+        elif step.pending:  # a path that takes host ids (the native step has its picks on the host already)
+            tokens, _ = inflight.picks.read()
+            step = step.resolved(dict(zip(inflight.picks.seqs, tokens)))
+        logits, seqs = self._forward(batch, step, fill)
+        if not device_picks or not seqs:
+            return LaunchedStep(batch, output=self._sample(batch, logits, seqs))
+        return LaunchedStep(batch, picks=DevicePicks.start(seqs, *self.sampler.device_picks(logits)))
+
+    def collect(self, launched: LaunchedStep) -> StepOutput:
+        """A launched step's tokens, once they are on the host."""
+        if launched.picks is None:
+            return launched.output
+        tokens, finite = launched.picks.read()
+        return StepOutput(tuple(self.sampler.greedy_samples(launched.picks.seqs, tokens, finite)))
+
+    def _sample(self, batch: SchedulerOutput, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> StepOutput:
         if not seqs:
             return StepOutput.empty()
         drafts = {item.seq: item.draft_tokens for item in batch.scheduled if item.draft_tokens}
@@ -130,17 +160,23 @@ class ModelRunner:
     def forward(self, batch: SchedulerOutput) -> tuple[torch.Tensor, tuple[Sequence, ...]]:
         """fp32 logits [R, vocab] for the sequences that sample now (one row each, 1 + drafts rows for a
         speculating one, consecutive), and those sequences."""
-        step = self.prepare(batch)
-        if self.native_step is not None and self.native_step.accepts(batch):
+        return self._forward(batch, self.prepare(batch))
+
+    def _forward(self, batch: SchedulerOutput, step: StepInput,
+                 fill: PendingFill | None = None) -> tuple[torch.Tensor, tuple[Sequence, ...]]:
+        if self._runs_natively(batch):
             return self.native_step.run(step), step.sampling_seqs
         if step.adapter_spans or self.step_adapters.groups:
             self.step_adapters.set_spans(step.adapter_spans)
-        hidden = self.cuda_graphs.run(step) if self.cuda_graphs is not None else None
+        hidden = self.cuda_graphs.run(step, fill) if self.cuda_graphs is not None else None
         if hidden is None:
-            hidden = self._eager_forward(step)
+            hidden = self._eager_forward(step, fill)
         if not step.sampling_seqs:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), ()
         return self.model.compute_logits(self._logits_hidden(hidden, step.logits_rows)), step.sampling_seqs
+
+    def _runs_natively(self, batch: SchedulerOutput) -> bool:
+        return self.native_step is not None and self.native_step.accepts(batch)
 
     def _logits_hidden(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """The hidden states of the rows that sample. In a decode step that is every row, in order: then the index
@@ -149,12 +185,15 @@ class ModelRunner:
             return hidden
         return hidden[self._tensor(rows, torch.int64)]
 
-    def _eager_forward(self, step: StepInput) -> torch.Tensor:
+    def _eager_forward(self, step: StepInput, fill: PendingFill | None = None) -> torch.Tensor:
         meta = self._metadata(step)
         # Once per step and window, shared by every layer with that window.
         plans = {window: self.attn_impl.plan(meta, self.kv_cache.layers[0], window) for window in self.windows}
         ctx = ForwardContext(meta, self.kv_cache, self.attn_impl, self.layer_ops, plans, step.rope_lengths)
-        return self.model(self._tensor(step.token_ids, torch.int64), self._tensor(step.positions, torch.int64), ctx)
+        token_ids = self._tensor(step.token_ids, torch.int64)
+        if fill is not None:
+            fill.apply(token_ids)
+        return self.model(token_ids, self._tensor(step.positions, torch.int64), ctx)
 
     def _decode_graphs(self, config: EngineConfig, device: torch.device) -> DecodeGraphs | None:
         """CUDA graphs of the decode step (engine/runner/cuda_graphs.py), captured now if the attention allows it

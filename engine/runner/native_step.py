@@ -143,8 +143,9 @@ class NativeDecodeStep:
             return False
         if isinstance(self._attn, CalibratingAttention) and not self._attn.calibrated:
             return False
-        return all(i.num_new_tokens == 1 + len(i.draft_tokens) and i.seq.num_computed_tokens + 1 == i.seq.num_tokens
-                   for i in items)
+        # A row whose input token is still pending (async scheduling) decodes the sequence's next position too.
+        return all(i.num_new_tokens == 1 + len(i.draft_tokens)
+                   and i.seq.num_computed_tokens + 1 == i.seq.num_tokens + i.input_pending for i in items)
 
     def run(self, step: StepInput) -> torch.Tensor:
         """fp32 logits [rows, vocab] of the step's sequences (every one samples), in schedule order: one row per

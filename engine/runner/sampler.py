@@ -123,6 +123,26 @@ class Sampler:
             for row, seq in enumerate(seqs)
         ]
 
+    def picks_on_device(self, seq: Sequence) -> bool:
+        """Whether `seq`'s next token is its row's argmax with nothing on the host deciding it (what async
+        scheduling needs: `device_picks`): greedy, with no logprobs, grammar, bias, penalty, min_tokens, token
+        restriction or samples to fork. Sequences where this holds get the same tokens from `__call__`."""
+        p = seq.params
+        return p.greedy and p.logprobs is None and not p.logit_bias and not p.needs_penalties and \
+            not p.restricts_tokens and seq.num_output_tokens >= p.min_tokens and seq.pending_forks == 0 and \
+            GrammarState not in seq.features
+
+    def device_picks(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's argmax and whether its maximum is finite, left where the logits are (no wait for the host)."""
+        row_max, argmax = self.max_argmax(logits)
+        return argmax, torch.isfinite(row_max)
+
+    @staticmethod
+    def greedy_samples(seqs: tuple[Sequence, ...], picks: list[int], finite: list[bool]) -> list[SeqSample]:
+        """`device_picks`' host copies as `__call__` reports them for sequences that pick on the device."""
+        return [SeqSample(seq, ((pick, None),)) if ok else SeqSample(seq, (), error=NON_FINITE)
+                for seq, pick, ok in zip(seqs, picks, finite)]
+
     def process(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> torch.Tensor:
         """Bias, penalties and min_tokens applied to each row (a copy when any row needs one)."""
         needs = [

@@ -4,7 +4,7 @@ logits rows that sample."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagedserve.engine.core.scheduler import ScheduledSeq
 from pagedserve.engine.core.sequence import Sequence
@@ -24,11 +24,21 @@ class StepInput:
     sampling_seqs: tuple[Sequence, ...]  # the sequences, in logits-row order (a speculating one has 1 + drafts rows)
     adapter_spans: list[tuple[LoraWeights, int, int]]  # (adapter, first token, end) of each adapter row's tokens
     rope_lengths: list[int]  # [S]: each sequence's length as LongRoPE sees it (its factors switch on it)
+    # Async scheduling: (index in token_ids, sequence) of each input token the step in flight is still sampling;
+    # token_ids holds 0 there until the runner fills it from that step's device tokens.
+    pending: tuple[tuple[int, Sequence], ...] = ()
 
     @property
     def row_block_tables(self) -> list[list[int]]:
         """[T]: every token's sequence table (a draft is a decode row of its own over its sequence's table)."""
         return [table for table, count in zip(self.block_tables, self.query_lens) for _ in range(count)]
+
+    def resolved(self, tokens: dict[Sequence, int]) -> StepInput:
+        """This step with its pending input tokens filled in from the host (for the paths that take host ids)."""
+        ids = list(self.token_ids)
+        for index, seq in self.pending:
+            ids[index] = tokens[seq]
+        return replace(self, token_ids=ids, pending=())
 
 
 def prepare_step(scheduled: tuple[ScheduledSeq, ...], block_size: int) -> StepInput:
@@ -41,24 +51,32 @@ def prepare_step(scheduled: tuple[ScheduledSeq, ...], block_size: int) -> StepIn
     rows: list[int] = []
     sampling: list[Sequence] = []
     spans: list[tuple[LoraWeights, int, int]] = []
+    pending: list[tuple[int, Sequence]] = []
     for item in scheduled:
         seq, start = item.seq, item.seq.num_computed_tokens
         end = start + item.num_new_tokens
         if seq.adapter is not None:
             spans.append((seq.features[LoraWeights], len(ids), len(ids) + item.num_new_tokens))
         drafts = item.draft_tokens
-        ids += seq.token_ids[start : end - len(drafts)]
+        known = seq.num_tokens  # plus the one token still being sampled, for a row whose input is pending
+        if item.input_pending:
+            pending.append((len(ids), seq))
+            ids.append(0)
+            known += 1
+        else:
+            ids += seq.token_ids[start : end - len(drafts)]
         ids += drafts
         positions += range(start, end)
         table = seq.block_table
         slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
         query_lens.append(item.num_new_tokens)
         seq_lens.append(end)
-        rope_lengths.append(max(seq.num_tokens, end))
-        if end - len(drafts) == seq.num_tokens:
+        rope_lengths.append(max(known, end))
+        if end - len(drafts) == known:
             # A speculating sequence samples at its last token and after each draft: 1 + len(drafts) rows.
             rows += range(len(ids) - 1 - len(drafts), len(ids))
             sampling.append(seq)
     width = max(len(item.seq.block_table) for item in scheduled)
     tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in scheduled]
-    return StepInput(ids, positions, slots, query_lens, seq_lens, tables, rows, tuple(sampling), spans, rope_lengths)
+    return StepInput(ids, positions, slots, query_lens, seq_lens, tables, rows, tuple(sampling), spans, rope_lengths,
+                     tuple(pending))

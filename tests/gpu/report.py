@@ -158,7 +158,8 @@ def summary(report: dict) -> str:
                  f"({bench['e2e_tokens_per_s_eager']} eager)")
     decode = bench["decode_1b"] or {}
     lines.append(f"  1B-shaped decode: GPTQ/fp16 {decode.get('gptq_vs_fp16')}, AWQ/fp16 {decode.get('awq_vs_fp16')} "
-                 f"(target {decode.get('target_4bit_vs_fp16')}); graphs on/off {decode.get('graphs_vs_eager')}")
+                 f"(target {decode.get('target_4bit_vs_fp16')}); graphs on/off {decode.get('graphs_vs_eager')}; "
+                 f"async scheduling on/off {decode.get('async_vs_graphs')}")
     lines.append(f"  1B-shaped batch-1 graphed step, ms (wall, host, device): {decode.get('host_split_batch1')}")
     lines.append(f"  w4a16 (rule) worst speedup vs fp16 by M: {w4a16_worst(bench.get('w4a16_gemm'))}")
     return "\n".join(lines)
