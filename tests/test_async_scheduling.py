@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 
+import openai
 import pytest
 
 from conftest import make_tiny_model
+from service_fixtures import server_factory, shared_server  # noqa: F401  (real server processes)
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.block_manager import BlockManager
@@ -20,6 +22,7 @@ from pagedserve.engine.lora.config import LoraConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.service.cli import add_engine_flags
 
+MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = ["The capital of France is", "Write a haiku about the sea", "1, 2, 3, 4,", "Explain gravity to a child"]
 
 
@@ -190,3 +193,27 @@ def test_the_config_and_the_cli_name_the_field():
     add_engine_flags(parser)
     assert parser.parse_args(["--async-scheduling"]).async_scheduling is True
     assert parser.parse_args([]).async_scheduling is None
+
+
+def test_a_server_with_async_scheduling_answers_as_the_default_one(server_factory, shared_server):  # noqa: F811
+    """A real server process with --async-scheduling: completions (streamed and not, a stop string) equal the
+    default server's, and a stream the client drops mid-way leaves the next request unharmed."""
+    server = server_factory("--async-scheduling", "--http-port", "0", name="async")
+    requests = [dict(prompt=PROMPTS[0], temperature=0, max_tokens=32),
+                dict(prompt=PROMPTS[1], temperature=0, max_tokens=40, stop=[" the"]),
+                dict(prompt=PROMPTS[2], temperature=0, max_tokens=24, logprobs=1)]
+
+    def answers(target) -> list[tuple]:
+        with openai.OpenAI(base_url=f"{target.http_url}/v1", api_key="unused", max_retries=0, timeout=120) as oai:
+            done = [oai.completions.create(model=MODEL, **body).choices[0] for body in requests]
+            streamed = "".join(c.choices[0].text for c in oai.completions.create(model=MODEL, stream=True,
+                                                                                 **requests[0]))
+        return [(c.text, c.finish_reason) for c in done] + [streamed]
+
+    expected = answers(shared_server)
+    with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0, timeout=120) as oai:
+        dropped = oai.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=200, temperature=0, stream=True)
+        for _ in zip(range(5), dropped):
+            pass
+        dropped.close()
+    assert answers(server) == expected
