@@ -22,31 +22,47 @@ from pagedserve.engine.structured_output.bitmask import mask_constrained_rows
 from pagedserve.kernels.cpu.layer_ops import row_max_argmax
 
 
-def generator_for(seed: int, index: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed((seed + 0x9E3779B97F4A7C15 * index) % 2**63)
+def _stream_seed(seed: int, index: int) -> int:
+    return (seed + 0x9E3779B97F4A7C15 * index) % 2**63
+
+
+def generator_for(seed: int, index: int, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(_stream_seed(seed, index))
     return g
 
 
 @dataclass(slots=True)
 class SeededSampling(SeqFeature):
-    """A seeded request's per-sample generator: sample `index` draws from its own stream of the seed."""
+    """A seeded request's per-sample generator: sample `index` draws from its own stream of the seed. Logits on a
+    GPU draw from a generator of that device, made from the same stream's seed on first use (a CPU generator cannot
+    drive a CUDA multinomial)."""
 
     seed: int
     generator: torch.Generator
+    index: int = 0
+    device_generator: torch.Generator | None = None
 
     @classmethod
     def start(cls, seed: int) -> SeededSampling:
         return cls(seed, generator_for(seed, 0))
 
     def fork(self, index: int) -> SeededSampling:
-        return SeededSampling(self.seed, generator_for(self.seed, index))
+        return SeededSampling(self.seed, generator_for(self.seed, index), index)
+
+    def on(self, device: torch.device) -> torch.Generator:
+        if device.type == "cpu":
+            return self.generator
+        if self.device_generator is None or self.device_generator.device != device:
+            self.device_generator = generator_for(self.seed, self.index, device)
+        return self.device_generator
 
 
-def generator_of(seq: Sequence) -> torch.Generator | None:
-    """The sequence's own generator, or None (torch's global one) when its request has no seed."""
+def generator_of(seq: Sequence, device: torch.device = torch.device("cpu")) -> torch.Generator | None:
+    """The sequence's own generator on `device` (where the probabilities it samples from are), or None (that
+    device's default generator) when its request has no seed."""
     state = seq.features.get(SeededSampling)
-    return None if state is None else state.generator
+    return None if state is None else state.on(device)
 
 
 _ARGMAX_CHUNK = 512
@@ -159,20 +175,21 @@ class Sampler:
 
     def _process_row(self, row: torch.Tensor, seq: Sequence) -> None:
         p = seq.params
+        ids = dict(dtype=torch.long, device=row.device)  # every index and value where the logits are (CPU or GPU)
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-            row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
+            row[torch.tensor(list(p.logit_bias), **ids)] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype,
+                                                                         device=row.device)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+            seen = torch.tensor(sorted(set(seq.token_ids)), **ids)
             scores = row[seen]
             row[seen] = torch.where(scores < 0, scores * p.repetition_penalty, scores / p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
-            counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.long), minlength=row.shape[0])
+            counts = torch.bincount(torch.tensor(seq.output_token_ids, **ids), minlength=row.shape[0])
             row -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty * (counts > 0).to(row.dtype)
         if seq.num_output_tokens < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
             if banned:
-                _ban(row, torch.tensor(sorted(banned), dtype=torch.long), keep_one=GrammarState in seq.features)
+                _ban(row, torch.tensor(sorted(banned), **ids), keep_one=GrammarState in seq.features)
         if p.restricts_tokens:
             _restrict(row, seq)
 
@@ -184,7 +201,7 @@ class Sampler:
         for i, row in enumerate(rows):
             seq = seqs[row]
             count = 1 + seq.pending_forks if seq.num_output_tokens == 0 else 1
-            picks = torch.multinomial(probs[i], count, replacement=True, generator=generator_of(seq))
+            picks = torch.multinomial(probs[i], count, replacement=True, generator=generator_of(seq, probs.device))
             out[row] = order[i, picks].tolist()
         return out
 
@@ -194,22 +211,23 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The distribution each of `rows` samples from, after temperature, top-k, min-p and top-p: (probabilities
         sorted best first [len(rows), vocab], the token id at each sorted place)."""
-        temps = torch.tensor([seqs[r].params.temperature for r in rows], dtype=torch.float32).unsqueeze(1)
+        device = logits.device
+        temps = torch.tensor([seqs[r].params.temperature for r in rows], dtype=torch.float32, device=device).unsqueeze(1)
         # Shifted rows are <= 0 with the best logit exactly 0, so dividing by any temperature (a denormal one
         # included) gives 0 or a negative number, never inf or 0/0; the softmax is unchanged by the shift.
         scaled = (logits[rows] - row_max[rows].unsqueeze(1)) / temps.clamp(min=torch.finfo(torch.float32).tiny)
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        ranks = torch.arange(sorted_logits.shape[1]).unsqueeze(0)
+        ranks = torch.arange(sorted_logits.shape[1], device=device).unsqueeze(0)
         vocab = sorted_logits.shape[1]
-        top_k = torch.tensor([min(seqs[r].params.top_k or vocab, vocab) for r in rows]).unsqueeze(1)
+        top_k = torch.tensor([min(seqs[r].params.top_k or vocab, vocab) for r in rows], device=device).unsqueeze(1)
         if bool((top_k < vocab).any()):
             # Tokens tied with the k-th are kept with it (as transformers and vLLM do): which of equal logits the
             # sort puts first must not decide what can be sampled.
             kth = sorted_logits.gather(1, top_k - 1)
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
-        top_p = torch.tensor([seqs[r].params.top_p for r in rows]).unsqueeze(1)
-        min_p = torch.tensor([seqs[r].params.min_p for r in rows]).unsqueeze(1)
+        top_p = torch.tensor([seqs[r].params.top_p for r in rows], device=device).unsqueeze(1)
+        min_p = torch.tensor([seqs[r].params.min_p for r in rows], device=device).unsqueeze(1)
         drop = probs < min_p * probs[:, :1]
         if bool((top_p < 1).any()):
             drop |= (_mass_strictly_above(probs, ranks) >= top_p) & (top_p < 1)
@@ -241,7 +259,7 @@ def _restrict(row: torch.Tensor, seq: Sequence) -> None:
     with the word's other tokens (a one-token word is always out)."""
     p = seq.params
     if p.allowed_token_ids is not None:
-        keep = torch.tensor(p.allowed_token_ids, dtype=torch.long)
+        keep = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)
         kept = row[keep].clone()
         row.fill_(float("-inf"))
         row[keep] = kept
@@ -250,7 +268,7 @@ def _restrict(row: torch.Tensor, seq: Sequence) -> None:
         banned = {ids[-1] for ids in p.bad_words_ids
                   if len(ids) == 1 or (len(ids) - 1 <= len(output) and tuple(output[len(output) - len(ids) + 1:]) == ids[:-1])}
         if banned:
-            row[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
+            row[torch.tensor(sorted(banned), dtype=torch.long, device=row.device)] = float("-inf")
 
 
 def _mass_strictly_above(probs: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,7 @@ class Verifier:
         else:
             probs, order = self.sampler.filtered_probs(processed, row_max, rows, list(range(len(rows))))
             probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p and top-p drop mass: p(d) is of what is left
-            picks = self._rejection(probs, order, drafts, generator_of(seq))
+            picks = self._rejection(probs, order, drafts, generator_of(seq, probs.device))
         raw = torch.log_softmax(logits, dim=-1) if seq.params.logprobs is not None else None
         tokens = tuple((tok, self.sampler.logprob(raw, row, tok, seq)) for row, tok in enumerate(picks))
         accepted = len(picks) - 1
@@ -81,7 +81,7 @@ class Verifier:
         for row, draft in enumerate(drafts):
             place = torch.nonzero(order[row] == draft).flatten()
             p_draft = float(probs[row, place[0]]) if place.numel() else 0.0
-            if float(torch.rand((), generator=generator)) < p_draft:
+            if float(torch.rand((), generator=generator, device=probs.device)) < p_draft:
                 picks.append(draft)
                 continue
             residual = probs[row].clone()

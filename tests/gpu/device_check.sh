@@ -74,7 +74,7 @@ main() {
     if [ "$dry" = 0 ] && "$py" -c "import xdist" 2>/dev/null; then xdist=(-n 8); fi
     wanted kernels && stage kernels 180 "$py" -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rfE \
       --junitxml "$work/kernels.xml" "${xdist[@]}"
-    wanted e2e && stage e2e 90 "$py" tests/gpu/e2e_check.py --out "$work/e2e.json" "${flag[@]}"
+    wanted e2e && stage e2e 120 "$py" tests/gpu/e2e_check.py --out "$work/e2e.json" "${flag[@]}"
     wanted bench && stage bench 180 "$py" tests/gpu/bench_check.py --out "$work/bench.json" "${flag[@]}"
     wanted decode && stage decode 150 "$py" tests/gpu/decode_bench.py --out "$work/decode.json" "${flag[@]}"
     wanted server && stage server 75 "$py" tests/gpu/server_check.py --out "$work/server.json" \

