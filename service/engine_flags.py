@@ -1,0 +1,102 @@
+"""The engine's command-line flags: one per EngineConfig field (a new field shows up as a flag without touching
+this file), vLLM's spellings, byte sizes with units, and the help text of each."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+
+from pagedserve.engine.build import backend_choices
+from pagedserve.engine.config import EngineConfig, field_choices
+from pagedserve.service.lora_flags import add_lora_flags
+from pagedserve.service.spec_flags import add_speculative_flags
+
+# EngineConfig fields with their own flag group instead of one flag each.
+GROUPED_FIELDS = {"lora": add_lora_flags, "speculative": add_speculative_flags}
+
+# Help for EngineConfig fields; every field becomes a flag (a new field shows up without touching this file).
+_ENGINE_HELP = {
+    "model": "HF folder (safetensors), .gguf file (or a folder holding one), or an embedded model "
+             "(SmolLM2-135M-Instruct, gemma-3-270m); default: the bundled SmolLM2-135M-Instruct GGUF",
+    "tokenizer": "folder with the HF tokenizer files to use instead of the model's (for checkpoints saved "
+                 "without one, as AutoGPTQ/AutoAWQ write them)",
+    "dtype": "compute dtype: auto (CPU: bfloat16 where the kernel tier has native bf16, else float32 over a 16-bit "
+             "checkpoint's own 16-bit weights; GPU: the checkpoint's), float32, bfloat16, float16",
+    "kv_cache_dtype": "KV-cache dtype (auto: the model's)",
+    "kv_cache_memory": "KV-cache memory budget, bytes or with a unit (512MiB, 2GiB)",
+    "block_size": "tokens per KV block",
+    "max_num_seqs": "sequences decoded together in one step",
+    "max_num_batched_tokens": "tokens processed per engine step (prefill chunks included)",
+    "max_model_len": "context length limit (default: the model's)",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "quantization": "force a quantization method (default: what the checkpoint says)",
+    "gguf_weights": "GGUF files: packed keeps the file's quantized blocks and computes from them (CPU), dequantized "
+                    "expands them into the compute dtype at load (auto: packed on CPU)",
+    "lm_head_quantization": "CPU: q8_0 multiplies an unquantized LM head from int8 blocks made at load, as a GGUF "
+                            "file holds it: ~half the head's bytes per token, its weights rounded (a tied model looks tokens up in "
+                            "the same blocks); auto (default): "
+                            "q8_0 for GPTQ/AWQ checkpoints on CPU, none otherwise; none: the head as stored",
+    "attention_backend": "attention implementation (native: CPU only)",
+    "layer_ops": "norm/SiLU/RoPE math (auto: native C for 16-bit CPU models; torch with --attention-backend torch)",
+    "device": "cpu, cuda or cuda:N",
+    "num_threads": "torch intra-op threads (default: torch's choice)",
+    "adapt_threads": "CPU: run fewer compute threads while other processes take some of this process's cores, all "
+                     "again when they leave (only without --num-threads and with a spinning OpenMP pool)",
+    "native_step_max_batch": "CPU: decode-only steps of up to this many sequences run the whole layer stack in one "
+                             "native call (Llama-family models, native attention, every linear with a native "
+                             "kernel); 0: always the per-op torch path (default: where each weight kernel measured "
+                             "it faster: 16 for grouped 4/8-bit rows (GGUF Q4_0/Q4_1/Q8_0, GPTQ/AWQ) with "
+                             "int16/VNNI dots, 8 with fp32 ones, 2 otherwise)",
+    "native_step_max_rows": "CPU, speculative decoding: a step with drafts runs natively past "
+                            "--native-step-max-batch sequences while its rows (1 + drafts each) fit this, drafts "
+                            "trimmed to fit; 0: off",
+    "max_queued_requests": "admitted requests waiting for a batch slot; beyond it: RESOURCE_EXHAUSTED",
+    "chat_template": "jinja chat template file used instead of the model's own (for chat messages)",
+    "enforce_eager": "CUDA: run every step eagerly, without the decode steps' CUDA graphs (no effect on CPU)",
+    "async_scheduling": "launch each decode step before the previous one's tokens are read, so the host's work per "
+                        "step overlaps the device's (greedy rows without logprobs, grammar, penalties or bias; other "
+                        "steps wait as usual); not with speculative decoding or LoRA",
+    "cuda_graph_sizes": "CUDA: the decode batch sizes captured as CUDA graphs (a decode step pads to the next one, "
+                        "larger ones run eagerly); one value N: 1 2 4 and the multiples of 8 up to N; several: those "
+                        "sizes (default: max-num-seqs rounded up to a multiple of 8, at most 512; no effect on CPU)",
+}
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 1073741824, 512MiB, 2GiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _flag_type(field: dataclasses.Field) -> type | None:
+    annotation = str(field.type)
+    if field.name.endswith("_memory"):
+        return parse_bytes
+    for name, kind in (("bool", None), ("int", int), ("float", float), ("str", str)):
+        if annotation.startswith(name):
+            return kind
+    raise TypeError(f"EngineConfig.{field.name}: no CLI mapping for {annotation}")
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    choices = {**field_choices(), **backend_choices()}
+    for field in dataclasses.fields(EngineConfig):
+        if field.name in GROUPED_FIELDS:
+            GROUPED_FIELDS[field.name](parser)
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        names = f"; one of {', '.join(choices[field.name])}" if field.name in choices else ""
+        help_text = f"{_ENGINE_HELP.get(field.name, field.name)}{names} (default: {field.default})"
+        if str(field.type).startswith("tuple[int"):  # vLLM's space-separated lists (--cuda-graph-sizes 1 2 4)
+            group.add_argument(flag, type=int, nargs="+", default=None, help=help_text)
+            continue
+        kind = _flag_type(field)
+        if kind is None:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            group.add_argument(flag, type=kind, default=None, help=help_text)
