@@ -139,7 +139,7 @@ def dequant_gemm(scale: Scale) -> list[dict]:
     return rows
 
 
-def e2e_tokens_per_s(scale: Scale, enforce_eager: bool = False) -> float:
+def e2e_tokens_per_s(scale: Scale, enforce_eager: bool = False, async_scheduling: bool = False) -> float:
     from pagedserve.engine import LLM, SamplingParams
 
     count, length, new = scale.e2e
@@ -148,7 +148,8 @@ def e2e_tokens_per_s(scale: Scale, enforce_eager: bool = False) -> float:
         model = tiny_models.make_tiny(Path(tmp) / "llama", hidden_size=hidden, intermediate_size=2 * hidden,
                                       num_attention_heads=hidden // 32, num_key_value_heads=2, num_hidden_layers=layers)
         llm = LLM(str(model), device=scale.device, attention_backend="triton", dtype="bfloat16",
-                  kv_cache_memory=1 << 26, max_num_batched_tokens=2048, enforce_eager=enforce_eager)
+                  kv_cache_memory=1 << 26, max_num_batched_tokens=2048, enforce_eager=enforce_eager,
+                  async_scheduling=async_scheduling)
         gen = torch.Generator().manual_seed(3)
         prompts = [torch.randint(3, tiny_models.VOCAB, (length,), generator=gen).tolist() for _ in range(count)]
         params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
@@ -159,7 +160,7 @@ def e2e_tokens_per_s(scale: Scale, enforce_eager: bool = False) -> float:
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - t0
-        host_profile(llm, prompts, params, "eager" if enforce_eager else "graphs")
+        host_profile(llm, prompts, params, "eager" if enforce_eager else "async" if async_scheduling else "graphs")
     return round(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed, 1)
 
 
@@ -207,8 +208,9 @@ def main() -> int:
         print("w4a16 gemm", json.dumps(row), flush=True)
     result["e2e_tokens_per_s"] = e2e_tokens_per_s(scale)
     result["e2e_tokens_per_s_eager"] = e2e_tokens_per_s(scale, enforce_eager=True)
-    print(f"e2e: {result['e2e_tokens_per_s']} tokens/s ({result['e2e_tokens_per_s_eager']} with enforce_eager)",
-          flush=True)
+    result["e2e_tokens_per_s_async"] = e2e_tokens_per_s(scale, async_scheduling=True)
+    print(f"e2e: {result['e2e_tokens_per_s']} tokens/s ({result['e2e_tokens_per_s_eager']} with enforce_eager, "
+          f"{result['e2e_tokens_per_s_async']} with async scheduling)", flush=True)
     args.out.write_text(json.dumps(result, indent=1))
     return 0 if fractions and len(fractions) == len(result["decode_attention"]) else 1
 

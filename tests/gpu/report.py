@@ -24,7 +24,8 @@ DEVICE_FIELDS = ("name", "capability", "memory_gib", "multiprocessors", "driver"
 VERSION_FIELDS = ("python", "torch", "torch_cuda", "triton", "transformers", "grpcio", "protobuf", "pagedserve_from")
 STAGE_FIELDS = ("status", "exit_code", "duration_s", "budget_s", "log", "details")
 BENCH_FIELDS = ("copy_gb_s", "decode_attention", "decode_attention_best_fraction", "decode_attention_target",
-                "dequant_gemm", "w4a16_gemm", "e2e_tokens_per_s", "e2e_tokens_per_s_eager", "decode_1b")
+                "dequant_gemm", "w4a16_gemm", "e2e_tokens_per_s", "e2e_tokens_per_s_eager", "e2e_tokens_per_s_async",
+                "decode_1b")
 TIMEOUT_CODES = (124, 137)  # timeout(1): budget reached; killed after the grace period
 LOG_TAIL_CHARS = 3000
 
@@ -155,7 +156,7 @@ def summary(report: dict) -> str:
     lines.append(f"  copy {bench['copy_gb_s']} GB/s; decode attention best "
                  f"{bench['decode_attention_best_fraction']} of "
                  f"copy (target {bench['decode_attention_target']}); e2e {bench['e2e_tokens_per_s']} tokens/s "
-                 f"({bench['e2e_tokens_per_s_eager']} eager)")
+                 f"({bench['e2e_tokens_per_s_eager']} eager, {bench.get('e2e_tokens_per_s_async')} async scheduling)")
     decode = bench["decode_1b"] or {}
     lines.append(f"  1B-shaped decode: GPTQ/fp16 {decode.get('gptq_vs_fp16')}, AWQ/fp16 {decode.get('awq_vs_fp16')} "
                  f"(target {decode.get('target_4bit_vs_fp16')}); graphs on/off {decode.get('graphs_vs_eager')}; "
