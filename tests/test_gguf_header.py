@@ -122,12 +122,17 @@ def test_a_file_cut_anywhere_fails_by_name(tmp_path):
             GgufFile(path)
 
 
-def test_bad_magic_version_and_alignment_are_refused(tmp_path):
+def test_bad_magic_version_count_and_alignment_are_refused(tmp_path):
     data = bytearray(_write_mixed(tmp_path / "whole.gguf").read_bytes())
     with pytest.raises(ValueError, match="magic"):
         read_header(memoryview(b"GGML" + data[4:]))
     with pytest.raises(ValueError, match="version 1 is not supported"):
         read_header(memoryview(data[:4] + (1).to_bytes(4, "little") + data[8:]))
+    count_at = data.index(b"tokenizer.ggml.tokens") + len("tokenizer.ggml.tokens") + 8  # after two type fields
+    assert int.from_bytes(data[count_at:count_at + 8], "little") == 6
+    with pytest.raises(ValueError, match="past the end of the file"):  # a damaged vocabulary length
+        read_header(memoryview(data[:count_at] + (2**40).to_bytes(8, "little") + data[count_at + 8:]),
+                    frozenset({"tokenizer.ggml.tokens"}))
     writer = GGUFWriter(str(tmp_path / "align.gguf"), "llama")
     writer.add_uint32("general.alignment", 48)
     finish(writer)

@@ -70,6 +70,7 @@ class _Cursor:
 
     def skip_strings(self, count: int) -> None:
         """Walks `count` strings without decoding them: each length leads to the next (no vectorizing that)."""
+        self.need(8 * count)  # a damaged count fails at once, not after a walk to the end of the file
         length, buf, pos = struct.Struct(self.order + "Q").unpack_from, self.buf, self.pos
         for _ in range(count):
             pos += 8 + length(buf, pos)[0]  # struct.error past the end; the check below catches a long last one
