@@ -85,12 +85,12 @@ def gguf_parsed_once() -> Iterator[None]:
     cache. transformers parses the file twice (config, then tensors) and builds the same TensorNameMap once per
     submodule (~400 times). Both are pure functions of their arguments and transformers only reads the results: the
     loaded weights are bit-identical, at about half the time. The one parse is gguf's reader over a plain view of
-    the memory map (engine/loading/gguf_file.py gguf_reader: the same fields and tensors as the stock reader, which
-    tests/test_gguf_types.py checks), 0.5 s where the stock reader takes 3 s for SmolLM2's 49k-token vocabulary and
+    the memory map (tests/gguf_plain_reader.py: the same fields and tensors as the stock reader, which
+    tests/test_gguf_header.py checks), 0.5 s where the stock reader takes 3 s for SmolLM2's 49k-token vocabulary and
     11 s for Gemma 3's 262k."""
     import gguf
 
-    from pagedserve.engine.loading.gguf_file import gguf_reader
+    from gguf_plain_reader import gguf_reader
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[tuple[str, str], object] = {}

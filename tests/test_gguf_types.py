@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFWriter
 
 from gguf_fixtures import add_tensor, finish, quantized, reference_values, write_tiny_llama
 from pagedserve.engine import LLM
@@ -33,39 +33,6 @@ def test_dequantized_values_equal_gguf_quants(tmp_path, type_name):
     [(name, ours)] = GgufFile(_write_one(tmp_path / "one.gguf", "blk.0.ffn_up.weight", stored, qtype)).tensors()
     assert name == "blk.0.ffn_up.weight" and ours.dtype == torch.float32
     assert torch.equal(ours, expected)
-
-
-def test_the_reader_reads_what_ggufs_own_reader_reads(tmp_path):
-    """GgufFile reads the header from a plain view of the memory map (engine/loading/gguf_file.py): every field and
-    tensor of a file with scalars, strings, string/integer/float arrays and every supported tensor type equals the
-    stock GGUFReader's."""
-    rng = np.random.default_rng(0)
-    writer = GGUFWriter(str(tmp_path / "mixed.gguf"), "llama")
-    writer.add_block_count(2)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_name("mixed ünïcode")
-    writer.add_token_list(["<s>", "a", "ab", "Ġthe", "日本"])
-    writer.add_token_scores([0.0, -1.5, -2.25, 3.0, 1e-3])
-    writer.add_token_types([3, 1, 1, 1, 1])
-    writer.add_bos_token_id(0)
-    for qtype in (T[name] for name in SUPPORTED_TYPES):
-        stored = quantized(rng.normal(0, 1, (2, 256)).astype(np.float32), qtype, rng)
-        add_tensor(writer, f"blk.0.{qtype.name.lower()}.weight", stored, qtype)
-    finish(writer)
-    ours, stock = GgufFile(tmp_path / "mixed.gguf").reader, GGUFReader(tmp_path / "mixed.gguf")
-    assert list(ours.fields) == list(stock.fields) and len(ours.fields) == 11
-    for name, field in stock.fields.items():
-        mine = ours.fields[name]
-        assert (mine.offset, mine.data, mine.types) == (field.offset, field.data, field.types), name
-        assert [(p.dtype, p.tolist()) for p in mine.parts] == [(p.dtype, p.tolist()) for p in field.parts], name
-        assert mine.contents() == field.contents(), name
-    assert ours.data_offset == stock.data_offset and len(ours.tensors) == len(SUPPORTED_TYPES)
-    for mine, tensor in zip(ours.tensors, stock.tensors, strict=True):
-        assert mine.field.name == tensor.field.name and mine.data_offset == tensor.data_offset
-        assert (mine.name, mine.tensor_type, mine.n_elements, mine.n_bytes) == \
-            (tensor.name, tensor.tensor_type, tensor.n_elements, tensor.n_bytes)
-        assert mine.shape.tolist() == tensor.shape.tolist() and mine.data.dtype == tensor.data.dtype
-        assert np.array_equal(mine.data, tensor.data) and not mine.data.flags.writeable
 
 
 def test_an_unsupported_tensor_type_is_refused_listing_the_supported(tmp_path):
