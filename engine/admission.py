@@ -21,7 +21,7 @@ from pagedserve.engine.core.sequence import Sequence, SequenceMetrics
 from pagedserve.engine.errors import AdapterNotFoundError, CapacityError, InvalidRequestError
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions, check_messages
 from pagedserve.engine.loading.tokenizer import start_detok
-from pagedserve.engine.runner.sampler import SeededSampling
+from pagedserve.engine.runner.seeded_sampling import SeededSampling
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.structured_output.backend import CompiledConstraint, GrammarState
 

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from pagedserve.engine import SamplingParams
-from pagedserve.engine.runner.sampler import Sampler, SeededSampling
+from pagedserve.engine.runner.sampler import Sampler
+from pagedserve.engine.runner.seeded_sampling import SeededSampling
 from pagedserve.engine.core.sequence import Sequence, SequenceMetrics
 
 # The value of each option that turns it off: a sampler that "ignores" an option reads this instead.

@@ -54,11 +54,26 @@ def test_greedy_outputs_equal_the_synchronous_engine_with_every_kind_of_stop(llm
     assert llm_async.engine.block_manager.num_used_blocks == 0 and not llm_async.engine.has_unfinished_requests()
 
 
-def test_rows_sampled_on_the_host_keep_their_steps_synchronous_and_their_tokens(llm_fp32, llm_async):
-    """Seeded sampling, logprobs, penalties, n > 1 and min_tokens beside greedy rows: same outputs as the
+def test_sampled_rows_with_bias_and_allowed_tokens_decode_ahead_with_the_same_draws(llm_fp32, llm_async):
+    """Seeded temperature with top-k/top-p/min-p, a logit bias and allowed tokens are picked on the device: the
+    steps are launched ahead, and every seed draws the tokens the synchronous engine draws."""
+    ids = llm_fp32.engine.tokenizer.encode(" the sea and the sky were blue")
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, seed=3, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=20, logit_bias={ids[1]: 3.0}),
+        SamplingParams(temperature=0.7, seed=5, max_tokens=20, allowed_token_ids=ids, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+    ]
+    before = llm_async.engine.num_lookahead_steps
+    assert outcome(llm_async.generate(PROMPTS, params)) == outcome(llm_fp32.generate(PROMPTS, params))
+    assert llm_async.engine.num_lookahead_steps - before >= 15
+
+
+def test_rows_the_host_decides_keep_their_steps_synchronous_and_their_tokens(llm_fp32, llm_async):
+    """Logprobs, penalties, bad words, n > 1 and min_tokens read what the host holds: same outputs as the
     synchronous engine, and no step is launched ahead while any of them decodes."""
     params = [
-        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=10),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=10, bad_words=["the"]),
         SamplingParams(temperature=0, max_tokens=10, logprobs=2),
         SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3),
         SamplingParams(temperature=0.7, n=2, seed=11, max_tokens=6, min_tokens=6, ignore_eos=True),

@@ -11,7 +11,8 @@ import torch
 
 from pagedserve.engine import SamplingParams
 from pagedserve.engine.core.sequence import Sequence, SequenceMetrics
-from pagedserve.engine.runner.sampler import Sampler, SeededSampling, generator_for
+from pagedserve.engine.runner.sampler import Sampler
+from pagedserve.engine.runner.seeded_sampling import SeededSampling, generator_for
 from pagedserve.engine.spec_decode.verifier import Verifier
 
 VOCAB = 64
@@ -68,3 +69,34 @@ def test_a_seeded_stream_gets_a_generator_of_the_logits_device_from_its_own_seed
     assert cpu is state.generator
     assert torch.equal(torch.rand(3, generator=cpu), torch.rand(3, generator=generator_for(21, index)))
     assert state.fork(5).index == 5 and state.fork(5).device_generator is None
+
+
+def test_device_picks_draw_what_the_sampler_draws_and_survive_a_nan_row():
+    """Async scheduling's picks (`Sampler.device_picks`) for the rows nothing on the host decides: the same tokens
+    as `__call__` for every seed, made where the logits are, and a NaN row reported without reaching multinomial."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=3),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=1.0, logit_bias={4: 5.0}, allowed_token_ids=[1, 4, 11, 30], seed=7),
+              SamplingParams(temperature=0.5, seed=8)]
+
+    def seqs() -> tuple[Sequence, ...]:
+        out = tuple(Sequence(f"d{i}", 0, [5, 6, 7], 3, p, SequenceMetrics(0.0)) for i, p in enumerate(params))
+        for seq in out:
+            if seq.params.seed is not None:
+                seq.features.attach(SeededSampling.start(seq.params.seed))
+        return out
+
+    logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(4)) * 3
+    sampler = Sampler(frozenset({EOS}))
+    assert all(sampler.picks_on_device(seq) for seq in seqs())
+    expected = [s.tokens[0][0] for s in sampler(logits.clone(), seqs())]
+    with torch.device("meta"):
+        tokens, finite = sampler.device_picks(logits.clone(), seqs())
+    assert tokens.tolist() == expected and finite.all()
+    poisoned = logits.clone()
+    poisoned[3, 2] = float("nan")
+    tokens, finite = sampler.device_picks(poisoned, seqs())
+    assert finite.tolist() == [True, True, True, False] and tokens[:3].tolist() == expected[:3]
+    host = [SamplingParams(temperature=0, logprobs=1), SamplingParams(temperature=0.5, repetition_penalty=1.2),
+            SamplingParams(temperature=0.5, bad_words_ids=[[4]]), SamplingParams(temperature=0, min_tokens=2)]
+    assert not any(sampler.picks_on_device(Sequence("h", 0, [5, 6, 7], 3, p, SequenceMetrics(0.0))) for p in host)

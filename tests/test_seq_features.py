@@ -13,7 +13,7 @@ from pagedserve.engine.core.sequence import Sequence, SequenceMetrics
 from pagedserve.engine.loading.tokenizer import DetokState
 from pagedserve.engine.lora.config import AdapterInfo
 from pagedserve.engine.lora.weights import LoraWeights
-from pagedserve.engine.runner.sampler import SeededSampling, generator_for
+from pagedserve.engine.runner.seeded_sampling import SeededSampling, generator_for
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.spec_decode.drafter import SpecBackoff
 from pagedserve.engine.structured_output.backend import ConstraintMatcher, GrammarState

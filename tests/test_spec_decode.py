@@ -20,7 +20,8 @@ from pagedserve.engine.core.block_manager import FREED, chain_hash
 from pagedserve.engine.errors import ConfigError, InvalidRequestError
 from pagedserve.engine.core.sequence import Sequence, SequenceMetrics
 from pagedserve.engine.runner.native_capacity import NativeCapacity
-from pagedserve.engine.runner.sampler import Sampler, SeededSampling
+from pagedserve.engine.runner.sampler import Sampler
+from pagedserve.engine.runner.seeded_sampling import SeededSampling
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.engine.spec_decode.drafter import Drafter, SpecBackoff
 from pagedserve.engine.spec_decode.ngram import MATCH_CAP, draft_count, find_ngram, propose_ngram

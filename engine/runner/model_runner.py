@@ -114,7 +114,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: SchedulerOutput, inflight: LaunchedStep | None = None) -> LaunchedStep:
         """Async scheduling: starts one step without waiting for its tokens where they are picked on the device
-        (every row greedy with nothing on the host deciding it); otherwise runs and samples it as `execute` does.
+        (nothing on the host decides any row's token: `Sampler.picks_on_device`); otherwise runs and samples it as
+        `execute` does.
         `inflight`: the step whose tokens are this one's pending inputs (`ScheduledSeq.input_pending`)."""
         self.copy_blocks(batch.block_copies)
         step = self.prepare(batch)
@@ -129,14 +130,14 @@ class ModelRunner:
         logits, seqs = self._forward(batch, step, fill)
         if not device_picks or not seqs:
             return LaunchedStep(batch, output=self._sample(batch, logits, seqs))
-        return LaunchedStep(batch, picks=DevicePicks.start(seqs, *self.sampler.device_picks(logits)))
+        return LaunchedStep(batch, picks=DevicePicks.start(seqs, *self.sampler.device_picks(logits, seqs)))
 
     def collect(self, launched: LaunchedStep) -> StepOutput:
         """A launched step's tokens, once they are on the host."""
         if launched.picks is None:
             return launched.output
         tokens, finite = launched.picks.read()
-        return StepOutput(tuple(self.sampler.greedy_samples(launched.picks.seqs, tokens, finite)))
+        return StepOutput(tuple(self.sampler.device_samples(launched.picks.seqs, tokens, finite)))
 
     def _sample(self, batch: SchedulerOutput, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> StepOutput:
         if not seqs:

@@ -10,59 +10,15 @@ temperature overflows a row to inf/NaN), and a row that is still not finite fail
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine.core.seq_features import SeqFeature
 from pagedserve.engine.core.sequence import Sequence, TokenLogprob
 from pagedserve.engine.core.step_output import SeqSample
+from pagedserve.engine.runner.seeded_sampling import generator_of
 from pagedserve.engine.structured_output.backend import GrammarState
 from pagedserve.engine.structured_output.bitmask import mask_constrained_rows
 from pagedserve.kernels.cpu.layer_ops import row_max_argmax
-
-
-def _stream_seed(seed: int, index: int) -> int:
-    return (seed + 0x9E3779B97F4A7C15 * index) % 2**63
-
-
-def generator_for(seed: int, index: int, device: torch.device | str = "cpu") -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed(_stream_seed(seed, index))
-    return g
-
-
-@dataclass(slots=True)
-class SeededSampling(SeqFeature):
-    """A seeded request's per-sample generator: sample `index` draws from its own stream of the seed. Logits on a
-    GPU draw from a generator of that device, made from the same stream's seed on first use (a CPU generator cannot
-    drive a CUDA multinomial)."""
-
-    seed: int
-    generator: torch.Generator
-    index: int = 0
-    device_generator: torch.Generator | None = None
-
-    @classmethod
-    def start(cls, seed: int) -> SeededSampling:
-        return cls(seed, generator_for(seed, 0))
-
-    def fork(self, index: int) -> SeededSampling:
-        return SeededSampling(self.seed, generator_for(self.seed, index), index)
-
-    def on(self, device: torch.device) -> torch.Generator:
-        if device.type == "cpu":
-            return self.generator
-        if self.device_generator is None or self.device_generator.device != device:
-            self.device_generator = generator_for(self.seed, self.index, device)
-        return self.device_generator
-
-
-def generator_of(seq: Sequence, device: torch.device = torch.device("cpu")) -> torch.Generator | None:
-    """The sequence's own generator on `device` (where the probabilities it samples from are), or None (that
-    device's default generator) when its request has no seed."""
-    state = seq.features.get(SeededSampling)
-    return None if state is None else state.on(device)
 
 
 _ARGMAX_CHUNK = 512
@@ -140,22 +96,38 @@ class Sampler:
         ]
 
     def picks_on_device(self, seq: Sequence) -> bool:
-        """Whether `seq`'s next token is its row's argmax with nothing on the host deciding it (what async
-        scheduling needs: `device_picks`): greedy, with no logprobs, grammar, bias, penalty, min_tokens, token
-        restriction or samples to fork. Sequences where this holds get the same tokens from `__call__`."""
+        """Whether nothing on the host decides `seq`'s next token (what async scheduling needs: `device_picks`):
+        no logprobs, grammar, penalty, bad words (those read the tokens so far, and the token in flight is not on the
+        host yet), min_tokens still to reach, or samples to fork. Greedy or sampled, with bias and allowed tokens:
+        `device_picks` gives these sequences the tokens `__call__` would."""
         p = seq.params
-        return p.greedy and p.logprobs is None and not p.logit_bias and not p.needs_penalties and \
-            not p.restricts_tokens and seq.num_output_tokens >= p.min_tokens and seq.pending_forks == 0 and \
-            GrammarState not in seq.features
+        return p.logprobs is None and not p.needs_penalties and not p.bad_words_ids and \
+            seq.num_output_tokens >= p.min_tokens and seq.pending_forks == 0 and GrammarState not in seq.features
 
-    def device_picks(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's argmax and whether its maximum is finite, left where the logits are (no wait for the host)."""
-        row_max, argmax = self.max_argmax(logits)
-        return argmax, torch.isfinite(row_max)
+    def device_picks(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's token and whether its maximum is finite, left where the logits are (nothing waits for the
+        host): the argmax for greedy rows, one draw from the filtered distribution for the others."""
+        processed = self.process(logits, seqs)
+        row_max, tokens = self.max_argmax(processed)
+        finite = torch.isfinite(row_max)
+        rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+        if not rows:
+            return tokens, finite
+        probs, order = self.filtered_probs(processed, row_max, seqs, rows)
+        # A non-finite row's token is discarded (its request fails), but its NaNs must not reach multinomial, which
+        # asserts on the device: it draws from a one-hot row instead.
+        bad = ~finite[torch.tensor(rows, device=logits.device)]
+        probs = probs.masked_fill(bad.unsqueeze(1), 0.0)
+        probs[:, 0] += bad.to(probs.dtype)
+        tokens = tokens.clone()
+        for i, row in enumerate(rows):
+            pick = torch.multinomial(probs[i], 1, replacement=True, generator=generator_of(seqs[row], probs.device))
+            tokens[row : row + 1] = order[i, pick]
+        return tokens, finite
 
     @staticmethod
-    def greedy_samples(seqs: tuple[Sequence, ...], picks: list[int], finite: list[bool]) -> list[SeqSample]:
-        """`device_picks`' host copies as `__call__` reports them for sequences that pick on the device."""
+    def device_samples(seqs: tuple[Sequence, ...], picks: list[int], finite: list[bool]) -> list[SeqSample]:
+        """`device_picks`' host copies as `__call__` reports them."""
         return [SeqSample(seq, ((pick, None),)) if ok else SeqSample(seq, (), error=NON_FINITE)
                 for seq, pick, ok in zip(seqs, picks, finite)]
 
@@ -219,17 +191,19 @@ class Sampler:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         ranks = torch.arange(sorted_logits.shape[1], device=device).unsqueeze(0)
         vocab = sorted_logits.shape[1]
-        top_k = torch.tensor([min(seqs[r].params.top_k or vocab, vocab) for r in rows], device=device).unsqueeze(1)
-        if bool((top_k < vocab).any()):
+        ks = [min(seqs[r].params.top_k or vocab, vocab) for r in rows]  # checked on the host: no wait for a GPU
+        top_k = torch.tensor(ks, device=device).unsqueeze(1)
+        if any(k < vocab for k in ks):
             # Tokens tied with the k-th are kept with it (as transformers and vLLM do): which of equal logits the
             # sort puts first must not decide what can be sampled.
             kth = sorted_logits.gather(1, top_k - 1)
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
-        top_p = torch.tensor([seqs[r].params.top_p for r in rows], device=device).unsqueeze(1)
+        ps = [seqs[r].params.top_p for r in rows]
+        top_p = torch.tensor(ps, device=device).unsqueeze(1)
         min_p = torch.tensor([seqs[r].params.min_p for r in rows], device=device).unsqueeze(1)
         drop = probs < min_p * probs[:, :1]
-        if bool((top_p < 1).any()):
+        if any(p < 1 for p in ps):
             drop |= (_mass_strictly_above(probs, ranks) >= top_p) & (top_p < 1)
         return probs.masked_fill(drop, 0.0), order
 
@@ -277,7 +251,7 @@ def _mass_strictly_above(probs: torch.Tensor, ranks: torch.Tensor) -> torch.Tens
     value, so equal tokens are kept or dropped together; the best token (mass 0) always survives."""
     before = probs.cumsum(dim=-1) - probs
     tied = (probs[:, 1:] == probs[:, :-1]) & (probs[:, 1:] > 0)  # tokens of probability 0 are dropped anyway
-    if not bool(tied.any()):
+    if probs.device.type == "cpu" and not bool(tied.any()):  # a shortcut on CPU; on a GPU the check would wait
         return before
     starts = torch.ones_like(probs, dtype=torch.bool)
     starts[:, 1:] = ~tied
