@@ -239,10 +239,10 @@ def is_decode_step(meta: AttentionMetadata) -> bool:
 def triton_decode_attention(
     query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float, window: int | None = None,
     *, num_partitions: int | None = None, tile_n: int | None = None, num_warps: int | None = None,
-    prefetch: bool = False,
+    prefetch: bool = False, num_stages: int | None = None,
 ) -> torch.Tensor:
     """query [T, H, D] of a decode step (at most one token per sequence) -> [T, H, D]. num_partitions, tile_n,
-    num_warps and prefetch override the rules above (benchmarks measure the alternatives)."""
+    num_warps, prefetch and num_stages override the rules above (benchmarks measure the alternatives)."""
     check_supported(query, cache)
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = cache.k.shape
@@ -278,7 +278,7 @@ def triton_decode_attention(
         PREFETCH=prefetch,
         IS_FP8=cache.dtype.is_fp8, IS_INT8=is_int8, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DOT_DTYPE=_dot_dtype(query.dtype),
-        num_warps=warps, num_stages=_num_stages(tile, head_dim_pad, itemsize),
+        num_warps=warps, num_stages=num_stages or _num_stages(tile, head_dim_pad, itemsize),
         **({"maxnreg": _MAX_REGISTERS} if warps == 8 else {}),
     )
     if parts > 1:

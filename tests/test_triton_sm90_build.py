@@ -38,3 +38,20 @@ def test_decode_kernels_build_for_sm90_within_their_register_budgets() -> None:
     for name, use in built.items():
         registers, spills = budget[name]
         assert use["registers"] <= registers and use["spill_bytes"] <= spills, (name, use)
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel carries no ptxas")
+def test_the_8bit_decode_tile_is_read_back_a_byte_at_a_time() -> None:
+    """benchmarks/decode_attention_sass.py's finding (docs/gpu.md): the FP8 default loop spends more than twice
+    fp16's instructions a KV byte, reading its K tile back from shared memory one byte a load. A Triton that stops
+    doing so fails this, and the docs' table and the FP8/int8 launch defaults need a new look."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).parents[1] / "benchmarks" / "decode_attention_sass.py"
+    out = subprocess.run([sys.executable, "-P", str(script), "fp16", "fp8"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {row["cache"]: row for row in map(json.loads, out.stdout.strip().splitlines())}
+    fp16, fp8 = rows["fp16"], rows["fp8"]
+    assert fp16["loop_instructions_per_thread"] > 0 and "HMMA.16816.F32" in fp16["top_opcodes"]
+    assert "LDS.U8" not in fp16["top_opcodes"] and fp8["top_opcodes"].get("LDS.U8", 0) >= fp8["tile"]
+    assert fp8["lane_instructions_per_kv_byte"] > 2 * fp16["lane_instructions_per_kv_byte"]

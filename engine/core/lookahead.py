@@ -55,4 +55,5 @@ def _decodes_one(item: ScheduledSeq, picks_on_device: Callable[[Sequence], bool]
 
 def _ends_after_this_token(seq: Sequence, max_model_len: int) -> bool:
     """The token in flight is its last whatever it is: max_tokens or the context limit (`stopping.py`)."""
-    return seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= max_model_len
+    max_tokens = seq.params.max_tokens  # None only before admission sets it
+    return (max_tokens is not None and seq.num_output_tokens + 1 >= max_tokens) or seq.num_tokens + 1 >= max_model_len

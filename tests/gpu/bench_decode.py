@@ -5,8 +5,8 @@ and byte count) is timed through
 - `unified`: the prefill/mixed kernel (kernels/triton_attention.py), one program per sequence and KV head;
 - `single_pass`: the decode kernel (kernels/triton_decode_attention.py) with one partition, no reduce;
 - `split`: the decode kernel with the engine's partition count (at least 2, so small shapes exercise the reduce);
-- at two shapes, the split path with other tiles, warp counts and without the prefetch
-  (`split_tile<N>_w<W>[_prefetch]`): what to set the defaults by.
+- at two shapes, the split path with other tiles, warp counts, pipeline stages and the prefetch
+  (`split_tile<N>_w<W>[_s<S>][_prefetch]`): what to set the defaults by.
 The row's own `ms`, `gb_s` and `fraction_of_copy` are the path the engine takes for that shape.
 """
 
@@ -19,10 +19,13 @@ import torch
 import attention_kernel
 
 SWEEP_SHAPES = (0, 1)  # the sweep runs at the first two (batch, context): 64 x 4k and 16 x 16k on the GPU
-# (tile tokens, warps, prefetch) beside the default (no prefetch; at head_dim 128: fp16 64 tokens and 4 warps, FP8
-# 128 and 4, int8 64 and 8): the previous defaults and their neighbours.
-SWEEP = {"fp16": ((64, 8, False), (128, 4, False), (32, 4, False)),
-         "fp8": ((128, 8, False), (64, 4, False), (64, 8, False)), "int8": ((64, 4, False), (128, 8, False))}
+# (tile tokens, warps, prefetch, pipeline stages or None for the rule's) beside the default (no prefetch; at head_dim
+# 128: fp16 64 tokens and 4 warps, FP8 128 and 4, int8 64 and 8): the previous defaults and their neighbours, and
+# one stage for the 8-bit caches, whose sm_90 code has 12-14% fewer instructions a KV byte without the async-copy
+# pipeline (benchmarks/decode_attention_sass.py: an 8-bit tile is read back from shared memory a byte at a time).
+SWEEP = {"fp16": ((64, 8, False, None), (128, 4, False, None), (32, 4, False, None), (64, 4, False, 1)),
+         "fp8": ((128, 8, False, None), (64, 4, False, None), (128, 4, False, 1), (64, 4, False, 1)),
+         "int8": ((64, 4, False, None), (128, 8, False, None), (64, 8, False, 1), (128, 4, False, 1))}
 
 
 def _path_row(ms: float, nbytes: int, copy: float) -> dict:
@@ -39,11 +42,12 @@ def _paths(query, layer, meta, scale: float, partitions: int, sweep: tuple) -> d
         "single_pass": lambda: triton_decode_attention(query, layer, meta, scale, num_partitions=1),
         "split": lambda: triton_decode_attention(query, layer, meta, scale, num_partitions=max(2, partitions)),
     }
-    for tile, warps, prefetch in sweep:
-        paths[f"split_tile{tile}_w{warps}{'_prefetch' if prefetch else ''}"] = (
-            lambda tile=tile, warps=warps, prefetch=prefetch: triton_decode_attention(
+    for tile, warps, prefetch, stages in sweep:
+        name = f"split_tile{tile}_w{warps}{f'_s{stages}' if stages else ''}{'_prefetch' if prefetch else ''}"
+        paths[name] = (
+            lambda tile=tile, warps=warps, prefetch=prefetch, stages=stages: triton_decode_attention(
                 query, layer, meta, scale, num_partitions=max(2, partitions), tile_n=tile, num_warps=warps,
-                prefetch=prefetch))
+                prefetch=prefetch, num_stages=stages))
     return paths
 
 

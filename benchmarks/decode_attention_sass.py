@@ -1,0 +1,125 @@
+"""The decode-attention kernel's machine code for an H100/H200, counted on a host without a GPU: lane-instructions
+per KV-cache byte in the kernel's tile loop, per cache dtype and launch setting.
+
+    python benchmarks/decode_attention_sass.py [fp16 fp8 int8]   # TRITON_INTERPRET unset; ptxas/cuobjdump from
+                                                                 # Triton's wheel; names: only their default launch
+
+A decode kernel reads each KV byte once, so what it may spend per byte is bounded: an H200 issues about 30 T
+lane-instructions a second against ~4.2 TB/s of copy bandwidth (~7 a byte), and far less where shared-memory loads
+queue behind each other. The 2026-11-30 H200 runs measured fp16 at 0.96 of copy bandwidth, FP8 at 0.54 and int8 at
+0.33; this prints why before any device time: the loop's static instruction count (the body between the tile
+loop's label and its backward branch, executed once per tile by every thread) times the threads, over the KV bytes a
+tile brings, with the most frequent opcodes and ptxas's registers and spills. The launch is compiled as the runtime
+specializes it (pointers and the 16-divisible strides marked divisible by 16), for a Llama-3-8B-shaped layer
+(head dim 128, 4 query heads per KV head, 16-token blocks), split path.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from pagedserve.kernels import triton_decode_attention as decode
+from pagedserve.kernels.triton_attention import _num_stages
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+HEAD_DIM, QUERIES_PER_KV, BLOCK_SIZE = 128, 4, 16
+# Strides the runtime sees as multiples of 16 at these shapes (cache [blocks, 16, Hkv, 128], query [T, H, 128]).
+DIVISIBLE = {"stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head", "stride_c_block", "stride_c_pos",
+             "stride_c_head"}
+CACHES = {"fp16": ("fp16", 2), "fp8": ("fp8e4nv", 1), "int8": ("i8", 1)}
+# (cache, tile tokens, warps, stages or None for the rule's): each dtype's default, and the candidates the device
+# check's sweep times (tests/gpu/bench_decode.py).
+LAUNCHES = (("fp16", None, None, None), ("fp16", 64, 4, 1),
+            ("fp8", None, None, None), ("fp8", 128, 4, 1), ("fp8", 64, 4, 1), ("fp8", 128, 8, None),
+            ("int8", None, None, None), ("int8", 64, 8, 1), ("int8", 128, 4, 1), ("int8", 64, 4, None))
+
+
+def _signature(cache: str) -> tuple[dict, dict]:
+    fn = decode._decode_kernel
+    pointers = {"out_ptr": "fp16", "q_ptr": "fp16", "k_cache_ptr": cache, "v_cache_ptr": cache,
+                "k_row_scale_ptr": "fp16", "v_row_scale_ptr": "fp16", "block_tables_ptr": "i32",
+                "seq_lens_ptr": "i32", "query_start_loc_ptr": "i32"}
+    sig = {}
+    for name in fn.arg_names:
+        if name.endswith("_ptr"):
+            sig[name] = "*" + pointers.get(name, "fp32")
+        else:
+            sig[name] = "fp32" if name == "qk_scale_log2" else "i32"
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+             if t.startswith("*") or n in DIVISIBLE}
+    return sig, attrs
+
+
+def compile_launch(dtype: str, tile: int | None, warps: int | None, stages: int | None):
+    cache, itemsize = CACHES[dtype]
+    tile = tile or decode.decode_tile(HEAD_DIM, 2, dtype == "fp8")
+    warps = warps or decode.decode_warps(tile, HEAD_DIM, itemsize, dtype == "fp8")
+    stages = stages or _num_stages(tile, HEAD_DIM, itemsize)
+    constants = dict(NUM_QUERIES_PER_KV=QUERIES_PER_KV, BLOCK_M=16, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM,
+                     BLOCK_SIZE=BLOCK_SIZE, TILE_N=tile, SPLIT=True, PREFETCH=False, IS_FP8=dtype == "fp8",
+                     IS_INT8=dtype == "int8", DOT_PRECISION="tf32", DOT_DTYPE=tl.float16)
+    sig, attrs = _signature(cache)
+    sig.update({name: "constexpr" for name in constants})
+    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": decode._MAX_REGISTERS} if warps == 8 else {})}
+    kernel = triton.compile(ASTSource(decode._decode_kernel, sig, constants, attrs),
+                            target=GPUTarget("cuda", 90, 32), options=options)
+    return kernel, tile, warps, stages
+
+
+def _tool(name: str, *args: str, stderr: bool = False) -> str:
+    done = subprocess.run([str(BIN / name), *args], capture_output=True, text=True, check=True)
+    return done.stderr if stderr else done.stdout
+
+
+def loop_opcodes(sass: str) -> collections.Counter:
+    """Opcodes between the innermost backward branch's target and the branch: the tile loop's body."""
+    lines = [(int(m.group(1), 16), m.group(2), m.group(3))
+             for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass)]
+    loops = [(int(t.group(1), 16), addr) for addr, op, rest in lines if op.startswith("BRA")
+             for t in [re.search(r"0x([0-9a-f]+)", rest)] if t and int(t.group(1), 16) < addr]
+    if not loops:
+        return collections.Counter()
+    start, end = min(loops, key=lambda span: span[1] - span[0])
+    return collections.Counter(op for addr, op, _ in lines if start <= addr <= end)
+
+
+def launch_row(dtype: str, tile: int | None, warps: int | None, stages: int | None) -> dict:
+    kernel, tile, warps, stages = compile_launch(dtype, tile, warps, stages)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        ptx.write_text(kernel.asm["ptx"])
+        report = _tool("ptxas", "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(cubin), stderr=True)
+        body = loop_opcodes(_tool("cuobjdump", "-sass", str(cubin)))
+    kv_bytes = 2 * tile * HEAD_DIM * CACHES[dtype][1]  # K and V of one tile, one KV head
+    lane_instructions = sum(body.values()) * warps * 32
+    return {"cache": dtype, "tile": tile, "warps": warps, "stages": stages,
+            "loop_instructions_per_thread": sum(body.values()),
+            "lane_instructions_per_kv_byte": round(lane_instructions / kv_bytes, 2),
+            "registers": int(re.search(r"Used (\d+) registers", report).group(1)),
+            "spill_bytes": int(re.search(r"(\d+) bytes spill stores", report).group(1)),
+            "top_opcodes": dict(body.most_common(8))}
+
+
+def main() -> int:
+    only = set(sys.argv[1:])  # cache names: just their default launches (tests); none: every launch
+    launches = [launch for launch in LAUNCHES if launch[0] in only and launch[1:] == (None, None, None)] if only \
+        else LAUNCHES
+    rows = [launch_row(*launch) for launch in launches]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
