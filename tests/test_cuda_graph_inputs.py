@@ -15,6 +15,7 @@ from conftest import make_tiny_model
 from pagedserve.engine.config import MAX_CUDA_GRAPH_SIZE, EngineConfig
 from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.runner.cuda_graphs import DecodeGraphs, GraphModel
+from pagedserve.engine.runner.device_rows import DeviceRows
 from pagedserve.engine.runner.launched_step import DevicePicks, PendingFill
 from pagedserve.engine.runner.graph_inputs import PAD_SLOT, PaddedDecode, capture_sizes, pad_decode, padded_size
 from pagedserve.engine.runner.step_input import StepInput
@@ -137,7 +138,8 @@ def test_pending_input_tokens_are_copied_into_the_static_buffer(triton_llm):
     seqs = list(known.sampling_seqs)
     pending = replace(known, token_ids=[0, known.token_ids[1], 0], pending=((0, seqs[0]), (2, seqs[2])))
     picks = torch.tensor([99, 98, known.token_ids[2], known.token_ids[0]])  # the step in flight's rows, any order
-    inflight = DevicePicks((seqs[1], object(), seqs[2], seqs[0]), picks, picks, torch.ones(4, dtype=torch.bool), None)
+    inflight = DevicePicks((seqs[1], object(), seqs[2], seqs[0]), picks,
+                           DeviceRows(picks, torch.ones(4, dtype=torch.bool)), None)
     graphs = DecodeGraphs(GraphModel(runner.model, runner.kv_cache, runner.attn_impl, runner.layer_ops,
                                      runner.windows), (1, 2, 4), runner.max_model_len, torch.device("cpu"))
     with torch.inference_mode():

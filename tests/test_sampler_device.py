@@ -73,11 +73,12 @@ def test_a_seeded_stream_gets_a_generator_of_the_logits_device_from_its_own_seed
 
 def test_device_picks_draw_what_the_sampler_draws_and_survive_a_nan_row():
     """Async scheduling's picks (`Sampler.device_picks`) for the rows nothing on the host decides: the same tokens
-    as `__call__` for every seed, made where the logits are, and a NaN row reported without reaching multinomial."""
-    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=3),
-              SamplingParams(temperature=0),
+    and logprobs as `__call__` for every seed, made where the logits are, and a NaN row reported without reaching
+    multinomial."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=3, logprobs=3),
+              SamplingParams(temperature=0, logprobs=0),
               SamplingParams(temperature=1.0, logit_bias={4: 5.0}, allowed_token_ids=[1, 4, 11, 30], seed=7),
-              SamplingParams(temperature=0.5, seed=8)]
+              SamplingParams(temperature=0.5, seed=8, logprobs=1)]
 
     def seqs() -> tuple[Sequence, ...]:
         out = tuple(Sequence(f"d{i}", 0, [5, 6, 7], 3, p, SequenceMetrics(0.0)) for i, p in enumerate(params))
@@ -89,14 +90,16 @@ def test_device_picks_draw_what_the_sampler_draws_and_survive_a_nan_row():
     logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(4)) * 3
     sampler = Sampler(frozenset({EOS}))
     assert all(sampler.picks_on_device(seq) for seq in seqs())
-    expected = [s.tokens[0][0] for s in sampler(logits.clone(), seqs())]
+    expected = [s.tokens[0] for s in sampler(logits.clone(), seqs())]
     with torch.device("meta"):
-        tokens, finite = sampler.device_picks(logits.clone(), seqs())
-    assert tokens.tolist() == expected and finite.all()
+        rows = sampler.device_picks(logits.clone(), seqs())
+    on_device = [s.tokens[0] for s in Sampler.device_samples(seqs(), rows.to_host().read())]
+    assert on_device == expected and rows.finite.all()
+    assert [lp is None for _, lp in expected] == [False, False, True, False] and len(expected[0][1].top) == 3
     poisoned = logits.clone()
     poisoned[3, 2] = float("nan")
-    tokens, finite = sampler.device_picks(poisoned, seqs())
-    assert finite.tolist() == [True, True, True, False] and tokens[:3].tolist() == expected[:3]
-    host = [SamplingParams(temperature=0, logprobs=1), SamplingParams(temperature=0.5, repetition_penalty=1.2),
-            SamplingParams(temperature=0.5, bad_words_ids=[[4]]), SamplingParams(temperature=0, min_tokens=2)]
+    rows = sampler.device_picks(poisoned, seqs())
+    assert rows.finite.tolist() == [True, True, True, False] and rows.tokens[:3].tolist() == [t for t, _ in expected[:3]]
+    host = [SamplingParams(temperature=0.5, repetition_penalty=1.2), SamplingParams(temperature=0.5, bad_words_ids=[[4]]),
+            SamplingParams(temperature=0, min_tokens=2)]
     assert not any(sampler.picks_on_device(Sequence("h", 0, [5, 6, 7], 3, p, SequenceMetrics(0.0))) for p in host)

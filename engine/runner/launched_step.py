@@ -15,34 +15,31 @@ import torch
 from pagedserve.engine.core.scheduler import SchedulerOutput
 from pagedserve.engine.core.sequence import Sequence
 from pagedserve.engine.core.step_output import StepOutput
+from pagedserve.engine.runner.device_rows import DeviceRows, HostRows
 from pagedserve.engine.runner.step_input import StepInput
 
 
 @dataclass(frozen=True, slots=True)
 class DevicePicks:
     seqs: tuple[Sequence, ...]  # the sampling sequences, in row order
-    tokens: torch.Tensor  # [R] int64 where the logits are: each row's argmax
-    host_tokens: torch.Tensor  # [R] the same on the host (pinned on CUDA; copied without waiting)
-    host_finite: torch.Tensor  # [R] bool: whether each row's maximum is finite
+    tokens: torch.Tensor  # [R] int64 where the logits are: each row's token (the next step's pending inputs)
+    host: DeviceRows  # the rows' host copies (pinned on CUDA; copied without waiting)
     copied: torch.cuda.Event | None  # recorded after the copies (None on CPU)
 
     @staticmethod
-    def start(seqs: tuple[Sequence, ...], tokens: torch.Tensor, finite: torch.Tensor) -> DevicePicks:
-        if tokens.device.type != "cuda":
-            return DevicePicks(seqs, tokens, tokens, finite, None)
-        host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host_finite = torch.empty(finite.shape, dtype=finite.dtype, pin_memory=True)
-        host_tokens.copy_(tokens, non_blocking=True)
-        host_finite.copy_(finite, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return DevicePicks(seqs, tokens, host_tokens, host_finite, copied)
+    def start(seqs: tuple[Sequence, ...], rows: DeviceRows) -> DevicePicks:
+        host = rows.to_host()
+        copied = None
+        if rows.tokens.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
+        return DevicePicks(seqs, rows.tokens, host, copied)
 
-    def read(self) -> tuple[list[int], list[bool]]:
-        """The tokens and finiteness on the host: waits for the copies (and so for the step's forward)."""
+    def read(self) -> HostRows:
+        """The rows on the host: waits for the copies (and so for the step's forward)."""
         if self.copied is not None:
             self.copied.synchronize()
-        return self.host_tokens.tolist(), self.host_finite.tolist()
+        return self.host.read()
 
 
 @dataclass(frozen=True, slots=True)

@@ -125,19 +125,17 @@ class ModelRunner:
         if step.pending and device_picks and not self._runs_natively(batch):
             fill = PendingFill.of(step, inflight.picks)
         elif step.pending:  # a path that takes host ids (the native step has its picks on the host already)
-            tokens, _ = inflight.picks.read()
-            step = step.resolved(dict(zip(inflight.picks.seqs, tokens)))
+            step = step.resolved(dict(zip(inflight.picks.seqs, inflight.picks.read().tokens)))
         logits, seqs = self._forward(batch, step, fill)
         if not device_picks or not seqs:
             return LaunchedStep(batch, output=self._sample(batch, logits, seqs))
-        return LaunchedStep(batch, picks=DevicePicks.start(seqs, *self.sampler.device_picks(logits, seqs)))
+        return LaunchedStep(batch, picks=DevicePicks.start(seqs, self.sampler.device_picks(logits, seqs)))
 
     def collect(self, launched: LaunchedStep) -> StepOutput:
         """A launched step's tokens, once they are on the host."""
         if launched.picks is None:
             return launched.output
-        tokens, finite = launched.picks.read()
-        return StepOutput(tuple(self.sampler.device_samples(launched.picks.seqs, tokens, finite)))
+        return StepOutput(tuple(self.sampler.device_samples(launched.picks.seqs, launched.picks.read())))
 
     def _sample(self, batch: SchedulerOutput, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> StepOutput:
         if not seqs:

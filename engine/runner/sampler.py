@@ -15,6 +15,7 @@ import torch
 
 from pagedserve.engine.core.sequence import Sequence, TokenLogprob
 from pagedserve.engine.core.step_output import SeqSample
+from pagedserve.engine.runner.device_rows import DeviceRows, HostRows
 from pagedserve.engine.runner.seeded_sampling import generator_of
 from pagedserve.engine.structured_output.backend import GrammarState
 from pagedserve.engine.structured_output.bitmask import mask_constrained_rows
@@ -97,39 +98,51 @@ class Sampler:
 
     def picks_on_device(self, seq: Sequence) -> bool:
         """Whether nothing on the host decides `seq`'s next token (what async scheduling needs: `device_picks`):
-        no logprobs, grammar, penalty, bad words (those read the tokens so far, and the token in flight is not on the
-        host yet), min_tokens still to reach, or samples to fork. Greedy or sampled, with bias and allowed tokens:
-        `device_picks` gives these sequences the tokens `__call__` would."""
+        no grammar, penalty, bad words (those read the tokens so far, and the token in flight is not on the host
+        yet), min_tokens still to reach, or samples to fork. Greedy or sampled, with bias, allowed tokens and
+        logprobs: `device_picks` gives these sequences the tokens and logprobs `__call__` would."""
         p = seq.params
-        return p.logprobs is None and not p.needs_penalties and not p.bad_words_ids and \
-            seq.num_output_tokens >= p.min_tokens and seq.pending_forks == 0 and GrammarState not in seq.features
+        return not p.needs_penalties and not p.bad_words_ids and seq.num_output_tokens >= p.min_tokens and \
+            seq.pending_forks == 0 and GrammarState not in seq.features
 
-    def device_picks(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's token and whether its maximum is finite, left where the logits are (nothing waits for the
-        host): the argmax for greedy rows, one draw from the filtered distribution for the others."""
+    def device_picks(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> DeviceRows:
+        """Each row's token, whether its maximum is finite and its logprobs, left where the logits are (nothing
+        waits for the host): the argmax for greedy rows, one draw from the filtered distribution for the others."""
+        raw = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         processed = self.process(logits, seqs)
         row_max, tokens = self.max_argmax(processed)
         finite = torch.isfinite(row_max)
         rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
-        if not rows:
-            return tokens, finite
-        probs, order = self.filtered_probs(processed, row_max, seqs, rows)
-        # A non-finite row's token is discarded (its request fails), but its NaNs must not reach multinomial, which
-        # asserts on the device: it draws from a one-hot row instead.
-        bad = ~finite[torch.tensor(rows, device=logits.device)]
-        probs = probs.masked_fill(bad.unsqueeze(1), 0.0)
-        probs[:, 0] += bad.to(probs.dtype)
-        tokens = tokens.clone()
-        for i, row in enumerate(rows):
-            pick = torch.multinomial(probs[i], 1, replacement=True, generator=generator_of(seqs[row], probs.device))
-            tokens[row : row + 1] = order[i, pick]
-        return tokens, finite
+        if rows:
+            probs, order = self.filtered_probs(processed, row_max, seqs, rows)
+            # A non-finite row's token is discarded (its request fails), but its NaNs must not reach multinomial,
+            # which asserts on the device: it draws from a one-hot row instead.
+            bad = ~finite[torch.tensor(rows, device=logits.device)]
+            probs = probs.masked_fill(bad.unsqueeze(1), 0.0)
+            probs[:, 0] += bad.to(probs.dtype)
+            tokens = tokens.clone()
+            for i, row in enumerate(rows):
+                pick = torch.multinomial(probs[i], 1, replacement=True, generator=generator_of(seqs[row], probs.device))
+                tokens[row : row + 1] = order[i, pick]
+        if raw is None:
+            return DeviceRows(tokens, finite)
+        top = torch.topk(raw, max(s.params.logprobs or 0 for s in seqs), dim=-1)
+        return DeviceRows(tokens, finite, raw.gather(1, tokens.unsqueeze(1)).squeeze(1), top.values, top.indices)
 
     @staticmethod
-    def device_samples(seqs: tuple[Sequence, ...], picks: list[int], finite: list[bool]) -> list[SeqSample]:
-        """`device_picks`' host copies as `__call__` reports them."""
-        return [SeqSample(seq, ((pick, None),)) if ok else SeqSample(seq, (), error=NON_FINITE)
-                for seq, pick, ok in zip(seqs, picks, finite)]
+    def device_samples(seqs: tuple[Sequence, ...], rows: HostRows) -> list[SeqSample]:
+        """`device_picks`' rows, read on the host, as `__call__` reports them."""
+        samples = []
+        for row, seq in enumerate(seqs):
+            if not rows.finite[row]:
+                samples.append(SeqSample(seq, (), error=NON_FINITE))
+                continue
+            logprob, k = None, seq.params.logprobs
+            if k is not None:
+                top = tuple(zip(rows.top_ids[row][:k], rows.top_values[row][:k])) if k else ()
+                logprob = TokenLogprob(rows.tokens[row], rows.chosen[row], top)
+            samples.append(SeqSample(seq, ((rows.tokens[row], logprob),)))
+        return samples
 
     def process(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> torch.Tensor:
         """Bias, penalties and min_tokens applied to each row (a copy when any row needs one)."""
