@@ -79,17 +79,30 @@ def test_sampled_rows_with_bias_allowed_tokens_and_logprobs_decode_ahead_with_th
         assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
 
 
-def test_rows_the_host_decides_keep_their_steps_synchronous_and_their_tokens(llm_fp32, llm_async):
-    """Penalties, bad words, n > 1 and min_tokens read what the host holds: same outputs as the synchronous
-    engine, and no step is launched ahead while any of them decodes."""
+def test_penalties_and_min_tokens_count_the_token_in_flight(llm_fp32, llm_async):
+    """Repetition, presence and frequency penalties and min_tokens read the output so far, whose last token is still
+    on the device when a look-ahead step samples: they count it, and every output equals the synchronous engine's."""
     params = [
-        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=10, bad_words=["the"]),
-        SamplingParams(temperature=0, max_tokens=10, presence_penalty=0.5, logprobs=1),
-        SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3),
-        SamplingParams(temperature=0.7, n=2, seed=11, max_tokens=6, min_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=6, max_tokens=24, presence_penalty=0.8, frequency_penalty=0.6),
+        SamplingParams(temperature=0, max_tokens=24, min_tokens=12, frequency_penalty=1.5),
+        SamplingParams(temperature=0.9, seed=8, max_tokens=24, min_tokens=20, repetition_penalty=1.1, logprobs=1),
     ]
     before = llm_async.engine.num_lookahead_steps
     assert outcome(llm_async.generate(PROMPTS, params)) == outcome(llm_fp32.generate(PROMPTS, params))
+    assert llm_async.engine.num_lookahead_steps - before >= 15
+
+
+def test_rows_the_host_decides_keep_their_steps_synchronous_and_their_tokens(llm_fp32, llm_async):
+    """Bad words and n > 1 read what only the host holds: same outputs as the synchronous engine, and no step is
+    launched ahead while any of them decodes."""
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=10, bad_words=["the"]),
+        SamplingParams(temperature=0, max_tokens=10, presence_penalty=0.5, logprobs=1),
+        SamplingParams(temperature=0.7, n=2, seed=11, max_tokens=6, min_tokens=6, ignore_eos=True),
+    ]
+    before = llm_async.engine.num_lookahead_steps
+    assert outcome(llm_async.generate(PROMPTS[:3], params)) == outcome(llm_fp32.generate(PROMPTS[:3], params))
     assert llm_async.engine.num_lookahead_steps == before
 
 

@@ -100,6 +100,23 @@ def test_device_picks_draw_what_the_sampler_draws_and_survive_a_nan_row():
     poisoned[3, 2] = float("nan")
     rows = sampler.device_picks(poisoned, seqs())
     assert rows.finite.tolist() == [True, True, True, False] and rows.tokens[:3].tolist() == [t for t, _ in expected[:3]]
-    host = [SamplingParams(temperature=0.5, repetition_penalty=1.2), SamplingParams(temperature=0.5, bad_words_ids=[[4]]),
-            SamplingParams(temperature=0, min_tokens=2)]
-    assert not any(sampler.picks_on_device(Sequence("h", 0, [5, 6, 7], 3, p, SequenceMetrics(0.0))) for p in host)
+    assert not sampler.picks_on_device(Sequence("h", 0, [5, 6, 7], 3, SamplingParams(temperature=0.5,
+                                                                                     bad_words_ids=[[4]]),
+                                                SequenceMetrics(0.0)))
+
+
+def test_a_token_in_flight_counts_for_penalties_and_min_tokens():
+    """`pending` (async scheduling): a sequence's last token still on the device is penalised and counted toward
+    min_tokens as if it were in its token ids."""
+    params = SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=0.7, frequency_penalty=0.4,
+                            min_tokens=3, ignore_eos=False)
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(9)) * 3
+    sampler = Sampler(frozenset({EOS}))
+    known = Sequence("k", 0, [5, 6, 7, 40, 21], 3, params, SequenceMetrics(0.0))  # outputs 40, 21 on the host
+    in_flight = Sequence("p", 0, [5, 6, 7, 40], 3, params, SequenceMetrics(0.0))  # 21 still on the device
+    expected = sampler.process(logits.clone(), (known,))
+    token = torch.tensor([21])
+    with torch.device("meta"):
+        got = sampler.process(logits.clone(), (in_flight,), {in_flight: token})
+    assert torch.equal(got, expected)
+    assert not torch.equal(sampler.process(logits.clone(), (in_flight,)), expected)  # without it: not the same

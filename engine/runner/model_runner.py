@@ -22,7 +22,7 @@ from pagedserve.engine.runner.graph_inputs import capture_sizes
 from pagedserve.engine.runner.launched_step import DevicePicks, LaunchedStep, PendingFill
 from pagedserve.engine.runner.native_capacity import NO_NATIVE_STEP, NativeCapacity
 from pagedserve.engine.runner.native_step import build_native_step
-from pagedserve.engine.runner.sampler import Sampler
+from pagedserve.engine.runner.sampler import Pending, Sampler
 from pagedserve.engine.runner.step_input import StepInput, prepare_step
 from pagedserve.engine.spec_decode.verifier import Verifier
 from pagedserve.kernels.attention import AttentionMetadata
@@ -121,15 +121,18 @@ class ModelRunner:
         step = self.prepare(batch)
         device_picks = not any(item.draft_tokens for item in batch.scheduled) and \
             all(self.sampler.picks_on_device(seq) for seq in step.sampling_seqs)
-        fill = None
+        fill, pending = None, None
         if step.pending and device_picks and not self._runs_natively(batch):
             fill = PendingFill.of(step, inflight.picks)
+            pending = {seq: fill.tokens[i : i + 1] for i, (_, seq) in enumerate(step.pending)}
         elif step.pending:  # a path that takes host ids (the native step has its picks on the host already)
-            step = step.resolved(dict(zip(inflight.picks.seqs, inflight.picks.read().tokens)))
+            tokens = dict(zip(inflight.picks.seqs, inflight.picks.read().tokens))
+            pending = {seq: torch.tensor([tokens[seq]], device=self.device) for _, seq in step.pending}
+            step = step.resolved(tokens)
         logits, seqs = self._forward(batch, step, fill)
         if not device_picks or not seqs:
-            return LaunchedStep(batch, output=self._sample(batch, logits, seqs))
-        return LaunchedStep(batch, picks=DevicePicks.start(seqs, self.sampler.device_picks(logits, seqs)))
+            return LaunchedStep(batch, output=self._sample(batch, logits, seqs, pending))
+        return LaunchedStep(batch, picks=DevicePicks.start(seqs, self.sampler.device_picks(logits, seqs, pending)))
 
     def collect(self, launched: LaunchedStep) -> StepOutput:
         """A launched step's tokens, once they are on the host."""
@@ -137,12 +140,13 @@ class ModelRunner:
             return launched.output
         return StepOutput(tuple(self.sampler.device_samples(launched.picks.seqs, launched.picks.read())))
 
-    def _sample(self, batch: SchedulerOutput, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> StepOutput:
+    def _sample(self, batch: SchedulerOutput, logits: torch.Tensor, seqs: tuple[Sequence, ...],
+                pending: Pending | None = None) -> StepOutput:
         if not seqs:
             return StepOutput.empty()
         drafts = {item.seq: item.draft_tokens for item in batch.scheduled if item.draft_tokens}
         if not drafts:
-            return StepOutput(tuple(self.sampler(logits, seqs)))
+            return StepOutput(tuple(self.sampler(logits, seqs, pending)))
         verified, plain_rows, plain = [], [], []
         row = 0
         for seq in seqs:

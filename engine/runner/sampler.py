@@ -9,7 +9,7 @@ temperature overflows a row to inf/NaN), and a row that is still not finite fail
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -65,6 +65,7 @@ def picks_and_finite(row_max: torch.Tensor, argmax: torch.Tensor) -> tuple[list[
 
 
 MaxArgmax = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Pending = Mapping[Sequence, torch.Tensor]  # a sequence's token in flight, one int64 where the logits are
 
 NON_FINITE = "the model's logits for this request are not finite (NaN or inf); no token can be sampled"
 
@@ -74,12 +75,13 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self.max_argmax = max_argmax  # greedy picks and the finiteness check; native_max_argmax where it builds
 
-    def __call__(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> list[SeqSample]:
+    def __call__(self, logits: torch.Tensor, seqs: tuple[Sequence, ...], pending: Pending | None = None
+                 ) -> list[SeqSample]:
         """logits [S, vocab] fp32, one row per sequence in `seqs`."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs) and logits.dtype == torch.float32
         dead = mask_constrained_rows(logits, seqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
-        processed = self.process(logits, seqs)
+        processed = self.process(logits, seqs, pending)
         # A NaN or +inf anywhere, or no finite logit at all, makes the row's maximum non-finite (NaN for a NaN).
         row_max, argmax = self.max_argmax(processed)
         picks, finite = picks_and_finite(row_max, argmax)
@@ -97,19 +99,19 @@ class Sampler:
         ]
 
     def picks_on_device(self, seq: Sequence) -> bool:
-        """Whether nothing on the host decides `seq`'s next token (what async scheduling needs: `device_picks`):
-        no grammar, penalty, bad words (those read the tokens so far, and the token in flight is not on the host
-        yet), min_tokens still to reach, or samples to fork. Greedy or sampled, with bias, allowed tokens and
-        logprobs: `device_picks` gives these sequences the tokens and logprobs `__call__` would."""
+        """Whether nothing on the host decides `seq`'s next token (what async scheduling needs: `device_picks`): no
+        grammar or bad words (they read the tokens so far, and the token in flight is not on the host yet) and no
+        samples to fork. Penalties and min_tokens count the token in flight (`pending`). `device_picks` gives these
+        sequences the tokens and logprobs `__call__` would."""
         p = seq.params
-        return not p.needs_penalties and not p.bad_words_ids and seq.num_output_tokens >= p.min_tokens and \
-            seq.pending_forks == 0 and GrammarState not in seq.features
+        return not p.bad_words_ids and seq.pending_forks == 0 and GrammarState not in seq.features
 
-    def device_picks(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> DeviceRows:
+    def device_picks(self, logits: torch.Tensor, seqs: tuple[Sequence, ...], pending: Pending | None = None
+                     ) -> DeviceRows:
         """Each row's token, whether its maximum is finite and its logprobs, left where the logits are (nothing
         waits for the host): the argmax for greedy rows, one draw from the filtered distribution for the others."""
         raw = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
-        processed = self.process(logits, seqs)
+        processed = self.process(logits, seqs, pending)
         row_max, tokens = self.max_argmax(processed)
         finite = torch.isfinite(row_max)
         rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
@@ -144,34 +146,37 @@ class Sampler:
             samples.append(SeqSample(seq, ((rows.tokens[row], logprob),)))
         return samples
 
-    def process(self, logits: torch.Tensor, seqs: tuple[Sequence, ...]) -> torch.Tensor:
-        """Bias, penalties and min_tokens applied to each row (a copy when any row needs one)."""
+    def process(self, logits: torch.Tensor, seqs: tuple[Sequence, ...], pending: Pending | None = None) -> torch.Tensor:
+        """Bias, penalties and min_tokens applied to each row (a copy when any row needs one). `pending`: a sequence's
+        token still in flight (async scheduling: on the device, not yet in its token ids), counted as its last."""
+        pending = pending or {}
         needs = [
             i for i, s in enumerate(seqs)
-            if s.params.logit_bias or s.params.needs_penalties or s.num_output_tokens < s.params.min_tokens
+            if s.params.logit_bias or s.params.needs_penalties or s.num_output_tokens + (s in pending) < s.params.min_tokens
             or s.params.restricts_tokens
         ]
         if not needs:
             return logits
         out = logits.clone()
         for row in needs:
-            self._process_row(out[row], seqs[row])
+            self._process_row(out[row], seqs[row], pending.get(seqs[row]))
         return out
 
-    def _process_row(self, row: torch.Tensor, seq: Sequence) -> None:
+    def _process_row(self, row: torch.Tensor, seq: Sequence, in_flight: torch.Tensor | None) -> None:
         p = seq.params
         ids = dict(dtype=torch.long, device=row.device)  # every index and value where the logits are (CPU or GPU)
+        outputs = seq.num_output_tokens + (in_flight is not None)
         if p.logit_bias:
             row[torch.tensor(list(p.logit_bias), **ids)] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype,
                                                                          device=row.device)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), **ids)
+            seen = _with(torch.tensor(sorted(set(seq.token_ids)), **ids), in_flight)  # a repeated id: same value
             scores = row[seen]
             row[seen] = torch.where(scores < 0, scores * p.repetition_penalty, scores / p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
-            counts = torch.bincount(torch.tensor(seq.output_token_ids, **ids), minlength=row.shape[0])
+        if (p.presence_penalty or p.frequency_penalty) and outputs:
+            counts = torch.bincount(_with(torch.tensor(seq.output_token_ids, **ids), in_flight), minlength=row.shape[0])
             row -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty * (counts > 0).to(row.dtype)
-        if seq.num_output_tokens < p.min_tokens:
+        if outputs < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
             if banned:
                 _ban(row, torch.tensor(sorted(banned), **ids), keep_one=GrammarState in seq.features)
@@ -230,6 +235,10 @@ class Sampler:
             best = torch.topk(values, seq.params.logprobs)
             top = tuple(zip(best.indices.tolist(), best.values.tolist()))
         return TokenLogprob(token, float(values[token]), top)
+
+
+def _with(ids: torch.Tensor, in_flight: torch.Tensor | None) -> torch.Tensor:
+    return ids if in_flight is None else torch.cat([ids, in_flight.to(ids.device)])
 
 
 def _ban(row: torch.Tensor, ids: torch.Tensor, keep_one: bool) -> None:
