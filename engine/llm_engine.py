@@ -47,6 +47,9 @@ class LLMEngine:
         self.num_aborted_requests = 0
         self.inflight: LaunchedStep | None = None  # async scheduling: the step launched ahead, tokens not yet read
         self.num_lookahead_steps = 0  # steps launched ahead of the previous one's tokens
+        if config.async_scheduling and self.runner.device.type == "cpu":
+            logger.warning("async scheduling on CPU: the forward runs when launched, so nothing overlaps and each "
+                           "decode token reaches its stream one step later; it is meant for CUDA")
 
     # -- admission ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,

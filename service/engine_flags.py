@@ -54,9 +54,10 @@ _ENGINE_HELP = {
     "max_queued_requests": "admitted requests waiting for a batch slot; beyond it: RESOURCE_EXHAUSTED",
     "chat_template": "jinja chat template file used instead of the model's own (for chat messages)",
     "enforce_eager": "CUDA: run every step eagerly, without the decode steps' CUDA graphs (no effect on CPU)",
-    "async_scheduling": "launch each decode step before the previous one's tokens are read, so the host's work per "
-                        "step overlaps the device's (rows greedy or sampled, penalties and logprobs too, without grammar "
-                        "or bad words; other steps wait as usual); not with speculative decoding or LoRA",
+    "async_scheduling": "CUDA: launch each decode step before the previous one's tokens are read, so the host's "
+                        "work per step overlaps the device's (rows greedy or sampled, penalties and logprobs too, "
+                        "without grammar or bad words; other steps wait as usual); not with speculative decoding or "
+                        "LoRA; on CPU nothing overlaps and each token arrives one step later",
     "cuda_graph_sizes": "CUDA: the decode batch sizes captured as CUDA graphs (a decode step pads to the next one, "
                         "larger ones run eagerly); one value N: 1 2 4 and the multiples of 8 up to N; several: those "
                         "sizes (default: max-num-seqs rounded up to a multiple of 8, at most 512; no effect on CPU)",
