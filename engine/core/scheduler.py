@@ -212,7 +212,9 @@ class Scheduler:
         """The forward for `output` ran: its tokens are now computed, full blocks become shareable, and blocks that
         fell out of every sliding window go back to the pool (after being published: their contents stay valid)."""
         for item in output.scheduled:
-            if not item.draft_tokens and not item.seq.is_finished:  # a speculating one is committed by commit_verified once its drafts are checked
+            # A speculating one is committed by commit_verified once its drafts are checked; a finished one (async
+            # scheduling: stopped while its look-ahead row ran) holds no blocks any more.
+            if not item.draft_tokens and not item.seq.is_finished:
                 self._advance(item.seq, item.num_new_tokens)
 
     def commit_verified(self, seq: Sequence, num_accepted: int) -> None:

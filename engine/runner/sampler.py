@@ -152,8 +152,8 @@ class Sampler:
         pending = pending or {}
         needs = [
             i for i, s in enumerate(seqs)
-            if s.params.logit_bias or s.params.needs_penalties or s.num_output_tokens + (s in pending) < s.params.min_tokens
-            or s.params.restricts_tokens
+            if s.params.logit_bias or s.params.needs_penalties or s.params.restricts_tokens
+            or s.num_output_tokens + (s in pending) < s.params.min_tokens
         ]
         if not needs:
             return logits
@@ -202,7 +202,8 @@ class Sampler:
         """The distribution each of `rows` samples from, after temperature, top-k, min-p and top-p: (probabilities
         sorted best first [len(rows), vocab], the token id at each sorted place)."""
         device = logits.device
-        temps = torch.tensor([seqs[r].params.temperature for r in rows], dtype=torch.float32, device=device).unsqueeze(1)
+        temps = torch.tensor([seqs[r].params.temperature for r in rows], dtype=torch.float32, device=device)
+        temps = temps.unsqueeze(1)
         # Shifted rows are <= 0 with the best logit exactly 0, so dividing by any temperature (a denormal one
         # included) gives 0 or a negative number, never inf or 0/0; the softmax is unchanged by the shift.
         scaled = (logits[rows] - row_max[rows].unsqueeze(1)) / temps.clamp(min=torch.finfo(torch.float32).tiny)
