@@ -169,7 +169,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         lora = self.config.lora
         return engine_stats(self.scheduler, self.runner.verifier.counters, self.constraints.stats(),
-                            self.max_model_len, self.runner.kv_spec.dtype.value, 0 if lora is None else lora.max_loras, self.num_aborted_requests)
+                            self.max_model_len, self.runner.kv_spec.dtype.value, 0 if lora is None else lora.max_loras,
+                            self.num_aborted_requests, self.num_lookahead_steps)
 
 
 def _offline_field(field: str) -> str:

@@ -100,6 +100,7 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_position: tuple[int, ...] = ()
+    num_lookahead_steps: int = 0  # async scheduling: steps launched before the previous step's tokens were read
 
     @property
     def kv_cache_usage(self) -> float:

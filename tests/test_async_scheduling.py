@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from conftest import make_tiny_model
-from service_fixtures import server_factory, shared_server  # noqa: F401  (real server processes)
+from service_fixtures import metric_value, server_factory, shared_server  # noqa: F401  (real server processes)
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.block_manager import BlockManager
@@ -253,3 +253,5 @@ def test_a_server_with_async_scheduling_answers_as_the_default_one(server_factor
             pass
         dropped.close()
     assert answers(server) == expected
+    assert metric_value(server, "pagedserve:async_lookahead_steps_total") > 20  # its decode steps looked ahead
+    assert metric_value(shared_server, "pagedserve:async_lookahead_steps_total") == 0

@@ -61,7 +61,8 @@ def _completion(seq: Sequence) -> CompletionOutput:
 
 
 def engine_stats(scheduler: Scheduler, spec: SpecCounters, constraints: ConstraintStats, max_model_len: int,
-                 kv_cache_dtype: str, max_loras: int, num_aborted_requests: int) -> EngineStats:
+                 kv_cache_dtype: str, max_loras: int, num_aborted_requests: int,
+                 num_lookahead_steps: int = 0) -> EngineStats:
     bm = scheduler.block_manager
     return EngineStats(
         num_running=len(scheduler.running),
@@ -84,4 +85,5 @@ def engine_stats(scheduler: Scheduler, spec: SpecCounters, constraints: Constrai
         spec_decode_num_draft_tokens=spec.num_draft_tokens,
         spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
         spec_decode_accepted_per_position=tuple(spec.accepted_per_position),
+        num_lookahead_steps=num_lookahead_steps,
     )

@@ -100,6 +100,8 @@ class EngineStatsCollector(Collector):
                       s.num_preemptions)
         yield counter("pagedserve:requests_aborted", "Unfinished requests aborted in the engine (cancel, deadline).",
                       s.num_aborted_requests)
+        yield counter("pagedserve:async_lookahead_steps", "Steps launched before the previous step's tokens were read "
+                      "(--async-scheduling).", s.num_lookahead_steps)
         yield from _constraint_metrics(s.constraints, labels, counter)
         if s.max_loras > 0:
             yield lora_requests_info(s.max_loras, s.running_adapters, s.waiting_adapters)
