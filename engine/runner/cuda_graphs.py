@@ -136,9 +136,7 @@ class DecodeGraphs:
             return None
         if not self.captured and self.capture() is None:
             return None
-        self._load(padded)
-        if fill is not None:
-            fill.apply(self.input_ids)
+        self._load(padded, fill)
         self.graphs[padded.size].replay()
         self.replays[(padded.num_rows, padded.size)] += 1
         return self.outputs[padded.size][: padded.num_rows]
@@ -146,12 +144,10 @@ class DecodeGraphs:
     def forward_eagerly(self, padded: PaddedDecode, fill: PendingFill | None = None) -> torch.Tensor:
         """`padded` through the model without a graph, over the static buffers: the computation a capture records
         (tests run it on CPU under Triton's interpreter). All `padded.size` rows."""
-        self._load(padded)
-        if fill is not None:
-            fill.apply(self.input_ids)
+        self._load(padded, fill)
         return self._forward(padded.size)
 
-    def _load(self, padded: PaddedDecode) -> None:
+    def _load(self, padded: PaddedDecode, fill: PendingFill | None = None) -> None:
         size, width = padded.size, padded.width
         for buffer, values in ((self.input_ids, padded.token_ids), (self.positions, padded.positions),
                                (self.slots, padded.slots)):
@@ -162,3 +158,5 @@ class DecodeGraphs:
         if width < self._table_width:  # columns an earlier, longer step wrote: no stale block id stays behind
             self.block_tables[:, width : self._table_width].zero_()
         self._table_width = width
+        if fill is not None:  # input tokens the step in flight is still picking, copied on the device
+            fill.apply(self.input_ids)

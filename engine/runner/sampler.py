@@ -123,9 +123,8 @@ class Sampler:
             probs = probs.masked_fill(bad.unsqueeze(1), 0.0)
             probs[:, 0] += bad.to(probs.dtype)
             tokens = tokens.clone()
-            for i, row in enumerate(rows):
-                pick = torch.multinomial(probs[i], 1, replacement=True, generator=generator_of(seqs[row], probs.device))
-                tokens[row : row + 1] = order[i, pick]
+            for row, drawn in zip(rows, self._draws(probs, order, seqs, rows, [1] * len(rows))):
+                tokens[row : row + 1] = drawn
         if raw is None:
             return DeviceRows(tokens, finite)
         top = torch.topk(raw, max(s.params.logprobs or 0 for s in seqs), dim=-1)
@@ -187,13 +186,18 @@ class Sampler:
         self, logits: torch.Tensor, row_max: torch.Tensor, seqs: tuple[Sequence, ...], rows: list[int]
     ) -> dict[int, list[int]]:
         probs, order = self.filtered_probs(logits, row_max, seqs, rows)
-        out: dict[int, list[int]] = {}
-        for i, row in enumerate(rows):
-            seq = seqs[row]
-            count = 1 + seq.pending_forks if seq.num_output_tokens == 0 else 1
-            picks = torch.multinomial(probs[i], count, replacement=True, generator=generator_of(seq, probs.device))
-            out[row] = order[i, picks].tolist()
-        return out
+        counts = [1 + seqs[row].pending_forks if seqs[row].num_output_tokens == 0 else 1 for row in rows]
+        return {row: drawn.tolist() for row, drawn in zip(rows, self._draws(probs, order, seqs, rows, counts))}
+
+    @staticmethod
+    def _draws(probs: torch.Tensor, order: torch.Tensor, seqs: tuple[Sequence, ...], rows: list[int],
+               counts: list[int]) -> list[torch.Tensor]:
+        """Each of `rows`' `counts` draws from its own generator (`filtered_probs`' rows), as token ids on the
+        probabilities' device: the one draw both the host sampler and `device_picks` make, so a seed gives both the
+        same tokens."""
+        return [order[i, torch.multinomial(probs[i], count, replacement=True,
+                                           generator=generator_of(seqs[row], probs.device))]
+                for i, (row, count) in enumerate(zip(rows, counts))]
 
     @staticmethod
     def filtered_probs(
