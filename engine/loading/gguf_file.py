@@ -81,25 +81,26 @@ class GgufFile:
 
     def tensor(self, name: str) -> torch.Tensor:
         """One tensor's float32 values by GGUF name (KeyError when the file has none)."""
-        qtype = self._types[name]
-        return torch.from_numpy(np.array(dequantize(self._data[name], qtype), dtype=np.float32))
+        return self._float32(name, self._types[name])
 
     def tensors(self, packed: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """(GGUF name, float32 values in HF layout [out, in]) one tensor at a time, so only one is ever
         dequantized at once; tensors named in `packed` come as their blocks instead, uint8 [rows, row_bytes]."""
         for info in self.infos:
-            data = self._data[info.name]
             if info.name in packed:
-                yield info.name, _read_only_view(data)
-                continue
-            try:
-                values = dequantize(data, info.qtype)
-            except Exception as exc:  # a broken block surfaces here
-                raise ModelLoadError(f"{self.path}: tensor {info.name}: cannot dequantize ({exc})") from None
-            values = np.asarray(values, dtype=np.float32)
-            if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map
-                values = values.copy()
-            yield info.name, torch.from_numpy(values)
+                yield info.name, _read_only_view(self._data[info.name])
+            else:
+                yield info.name, self._float32(info.name, info.qtype)
+
+    def _float32(self, name: str, qtype: int) -> torch.Tensor:
+        try:
+            values = dequantize(self._data[name], qtype)
+        except Exception as exc:  # a broken block surfaces here
+            raise ModelLoadError(f"{self.path}: tensor {name}: cannot dequantize ({exc})") from None
+        values = np.asarray(values, dtype=np.float32)
+        if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map
+            values = values.copy()
+        return torch.from_numpy(values)
 
     def _view(self, info: TensorInfo, byte_order: str) -> np.ndarray:
         """The tensor's bytes as GGUFReader shapes them: dims reversed (rows first), quantized rows as bytes."""
