@@ -17,9 +17,7 @@ from typing import Any, Protocol
 
 from pagedserve.engine.admission import AdmittedRequest, GenerationRequest
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.errors import (
-    EngineDeadError, InvalidRequestError, PagedServeError, QueueFullError, RequestFailedError,
-)
+from pagedserve.engine.errors import EngineDeadError, PagedServeError
 from pagedserve.engine.kv_events import KvEvent
 from pagedserve.engine.loop_commands import (
     Abort, AdapterCall, Add, ResetPrefixCache, Sink, put_all, resolve, settle,
@@ -28,6 +26,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.stream_table import StreamTable
 from pagedserve.engine.core.sequence import now
 
 logger = logging.getLogger(__name__)
@@ -63,11 +62,8 @@ class AsyncEngine:
         self._host_loop: asyncio.Future | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._sinks: dict[str, Sink] = {}  # client request id -> its stream, while the client waits on it
-        self._by_engine_id: dict[str, Sink] = {}  # engine id -> stream, until the engine is done with it
+        self._streams = StreamTable(config.max_queued_requests)
         self._submissions = itertools.count()
-        self._pending_adds = 0
-        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stats: EngineStats | None = None
@@ -112,8 +108,7 @@ class AsyncEngine:
 
     @property
     def num_unfinished(self) -> int:
-        with self._lock:
-            return len(self._sinks)
+        return len(self._streams)
 
     def admit(self, request: GenerationRequest) -> AdmittedRequest:
         """Checks a request once, in the caller's thread (front ends send long prompts and constrained requests, whose
@@ -161,7 +156,7 @@ class AsyncEngine:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue(), request_id, f"{request_id}#{next(self._submissions)}")
-        self._register(sink)
+        self._streams.register(sink, self._stats.num_waiting if self._stats else 0)
         self._send(Add(request, now(), sink))
         finished = False
         try:
@@ -178,25 +173,12 @@ class AsyncEngine:
                 # Release the id now, not when the loop thread gets to the abort: a client that saw its stream
                 # end may retry with the same id at once. Commands run in order, so the engine drops this
                 # request before it adds the retry.
-                self._release(sink)
+                self._streams.release(sink)
                 self._send(Abort(sink, released=True))
-
-    def _register(self, sink: Sink) -> None:
-        request_id = sink.request_id
-        with self._lock:
-            if request_id in self._sinks:
-                raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-            waiting = self._pending_adds + (self._stats.num_waiting if self._stats else 0)
-            if waiting >= self.config.max_queued_requests:
-                raise QueueFullError(f"admission queue is full ({self.config.max_queued_requests} requests waiting)")
-            self._sinks[request_id] = sink
-            self._by_engine_id[sink.engine_id] = sink
-            self._pending_adds += 1
 
     async def abort(self, request_id: str) -> None:
         """Aborts the request now in flight under this client id (if any); its stream gets the final output."""
-        with self._lock:
-            sink = self._sinks.get(request_id)
+        sink = self._streams.of_client(request_id)
         if sink is not None:
             self._send(Abort(sink, released=False))
 
@@ -258,12 +240,11 @@ class AsyncEngine:
                 settle(command)
             else:
                 out = self.engine.abort_request(command.sink.engine_id)
-                if self._forget(command.sink) and not command.released and out is not None:
+                if self._streams.forget(command.sink) and not command.released and out is not None:
                     command.sink.put(out)
         # Refresh the waiting count before un-counting the adds, so admission never sees a request twice-missed.
         self._stats = self.engine.stats()
-        with self._lock:
-            self._pending_adds -= applied_adds
+        self._streams.adds_applied(applied_adds)
 
     def _flush_kv_events(self) -> None:
         if self._kv_sink is None:
@@ -290,51 +271,20 @@ class AsyncEngine:
 
     def _apply_add(self, command: Add) -> None:
         sink = command.sink
-        with self._lock:
-            if self._by_engine_id.get(sink.engine_id) is not sink:  # aborted before it reached the loop
-                return
+        if not self._streams.is_live(sink):  # aborted before it reached the loop
+            return
         try:
             self.engine.submit(sink.engine_id, command.request, command.arrival_time)
         except PagedServeError as exc:
-            self._forget(sink)
+            self._streams.forget(sink)
             sink.put(exc)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        # One wake-up of each event loop per step, not one per request: with 64 streams, 64 cross-thread
-        # wake-ups per step cost the compute threads a core's worth of interruptions.
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
-        with self._lock:
-            for out in outputs:
-                sink = self._by_engine_id.get(out.request_id)
-                if sink is None:
-                    continue
-                if out.finished:
-                    self._forget_locked(sink)
-                item = RequestFailedError(out.error) if out.error is not None else out
-                batches.setdefault(sink.loop, []).append((sink.queue, item))
-        for loop, items in batches.items():
+        for loop, items in self._streams.route(outputs).items():
             loop.call_soon_threadsafe(put_all, items)
 
-    def _release(self, sink: Sink) -> None:
-        """The client stopped waiting: its id is free at once; the engine side goes when the abort is applied."""
-        with self._lock:
-            if self._sinks.get(sink.request_id) is sink:
-                del self._sinks[sink.request_id]
-
-    def _forget(self, sink: Sink) -> bool:
-        with self._lock:
-            return self._forget_locked(sink)
-
-    def _forget_locked(self, sink: Sink) -> bool:
-        """Drops the stream from both maps; False if it was already gone (finished or failed meanwhile)."""
-        if self._sinks.get(sink.request_id) is sink:
-            del self._sinks[sink.request_id]
-        return self._by_engine_id.pop(sink.engine_id, None) is sink
-
     def _fail_all(self, exc: BaseException) -> None:
-        with self._lock:
-            sinks, self._by_engine_id, self._sinks = list(self._by_engine_id.values()), {}, {}
-        for sink in sinks:
+        for sink in self._streams.take_all():
             self.engine.abort_request(sink.engine_id)
             sink.put(EngineDeadError(f"request failed inside the engine: {exc}"))
         self._stats = self.engine.stats()
