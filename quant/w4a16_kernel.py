@@ -21,9 +21,13 @@ from pagedserve.quant.w4a16_layout import unsupported_reason as layout_reason
 from pagedserve.quant.w4a16_rule import RULE
 from pagedserve.quant.w4a16_gemv import gemv
 from pagedserve.quant.w4a16_splitk import SplitKConfig, SplitKWorkspace, config_for, shared_workspace, splitk_gemv
-from pagedserve.quant.w4a16_triton import decode_gemm, dequantize_t
+from pagedserve.quant.w4a16_triton import decode_gemm, dequantize_t, dequantize_t_into
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The dense tile of `dense_chunked`: at most this share of the device's L2 of columns at a time, so a chunk is still
+# in L2 when cuBLAS reads it, where the whole tile (117 MiB at 4096 x 14336 fp16) goes to HBM and back: on the H200
+# that round trip (~54 us at copy bandwidth) is what the dense path lost at M = 512 (149 us against fp16's 94.5).
+DENSE_CHUNK_L2_SHARE = 0.5
 
 
 class W4A16Kernel(QLinearKernel):
@@ -76,7 +80,7 @@ class W4A16Kernel(QLinearKernel):
 
     def forward(self, x: torch.Tensor, force: str | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N]; `force` (a w4a16_rule.PATHS name, or "gemv_serial" / "decode_serial" /
-        "splitk_last" / "splitk_atomic") overrides the rule (tests, bench)."""
+        "splitk_last" / "splitk_atomic" / "dense_chunked[_<percent of L2>]") overrides the rule (tests, bench)."""
         path = force or RULE.path(x.shape[0], x.dtype, self.small is not None)
         if path == "tinygemm":
             return self.small(x)
@@ -91,5 +95,31 @@ class W4A16Kernel(QLinearKernel):
         x = x.contiguous()
         if path == "dense":
             return torch.mm(x, dequantize_t(self.layout(), x.dtype))
+        if path.startswith("dense_chunked"):  # "dense_chunked" or "dense_chunked_<percent of L2>" (bench)
+            percent = path.removeprefix("dense_chunked").lstrip("_")
+            share = int(percent) / 100 if percent else DENSE_CHUNK_L2_SHARE
+            return dense_by_chunks(x, self.layout(), chunk_bytes(x.device, share))
         serial = path == "decode_serial" or (force is None and RULE.serial_reduce)
         return decode_gemm(x, self.layout(), locks=self.locks if serial else None)
+
+
+def chunk_bytes(device: torch.device, l2_share: float) -> int:
+    """`l2_share` of the device's L2 (24 MiB where there is none to ask: CPU tests)."""
+    if device.type != "cuda":
+        return 24 << 20
+    return int(l2_share * torch.cuda.get_device_properties(device).L2_cache_size)
+
+
+def dense_by_chunks(x: torch.Tensor, layout: DecodeLayout, max_bytes: int) -> torch.Tensor:
+    """x [M, K] (in the layout's K order) @ the dense weight, dequantized and multiplied a column chunk of at most
+    `max_bytes` at a time through one reused buffer (whole 64-column tiles; one chunk: the plain dense path)."""
+    m, k, n = x.shape[0], layout.in_features, layout.out_features
+    cols = max(64, max_bytes // (k * x.element_size()) // 64 * 64)
+    if cols >= n:
+        return torch.mm(x, dequantize_t(layout, x.dtype))
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    buffer = torch.empty(k, cols, dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, cols):
+        width = min(cols, n - n0)
+        torch.mm(x, dequantize_t_into(layout, n0, buffer[:, :width]), out=out[:, n0:n0 + width])
+    return out

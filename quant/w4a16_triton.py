@@ -170,11 +170,18 @@ def _group_arg(layout: DecodeLayout, block_k: int) -> int:
 
 def dequantize_t(layout: DecodeLayout, dtype: torch.dtype) -> torch.Tensor:
     """The dense weight transposed, [K (sorted order), N], in `dtype` (x @ it is the layer's output)."""
-    n, k = layout.out_features, layout.in_features
+    dense = torch.empty(layout.in_features, layout.out_features, dtype=dtype, device=layout.qweight.device)
+    return dequantize_t_into(layout, 0, dense)
+
+
+def dequantize_t_into(layout: DecodeLayout, n0: int, dense: torch.Tensor) -> torch.Tensor:
+    """Columns [n0, n0 + dense.shape[1]) of the dense weight transposed into `dense` ([K, width], unit column
+    stride: a column slice of a wider buffer will do)."""
+    k, n = layout.in_features, dense.shape[1]
     bk, bn = block_k_for(layout, 64), 64
-    dense = torch.empty(k, n, dtype=dtype, device=layout.qweight.device)
+    cols = slice(n0, n0 + n)
     _dequant_kernel[(triton.cdiv(k, bk), triton.cdiv(n, bn))](
-        layout.qweight, layout.scales, layout.zeros, dense, n, k, _group_arg(layout, bk),
+        layout.qweight[:, cols], layout.scales[:, cols], layout.zeros[:, cols], dense, n, k, _group_arg(layout, bk),
         layout.qweight.stride(0), layout.scales.stride(0), dense.stride(0), BITS=layout.bits, BLOCK_N=bn, BLOCK_K=bk)
     return dense
 

@@ -188,6 +188,24 @@ def test_split_k_partial_sums_and_dense_path():
     _check(w, 70, torch.float16, "decode")  # the prefill-sized tile of the launch table (bench only)
 
 
+@pytest.mark.parametrize("bits,group,act_order,dtype", [(4, 64, True, torch.float32), (8, 32, False, torch.float16)])
+def test_dense_path_by_column_chunks(bits, group, act_order, dtype):
+    """Dequantized and multiplied 64 columns at a time through one buffer (a partial last chunk: N = 200), every
+    chunk written into its slice of the output: the reference, and the whole-tile path's values."""
+    w = random_weight(320, 200, bits, group, act_order, seed=11)
+    layout = w4a16_layout.repack(_on(w, DEVICE))
+    x = torch.randn(5, 320, generator=torch.Generator().manual_seed(2))
+    ref = x @ w.dequantize(torch.float32).t()
+    xs = (x if layout.perm is None else x.index_select(1, layout.perm.cpu())).contiguous().to(DEVICE, dtype)
+    chunked = w4a16_kernel.dense_by_chunks(xs, layout, 320 * xs.element_size() * 64).float().cpu()
+    whole = w4a16_kernel.dense_by_chunks(xs, layout, 1 << 30).float().cpu()
+    scale = ref.abs().max().item()
+    assert (chunked - ref).abs().max().item() <= TOLERANCE[dtype] * scale
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=TOLERANCE[dtype] * scale / 4)
+    _check(w, 5, dtype, "dense_chunked")
+    _check(w, 5, dtype, "dense_chunked_75")
+
+
 def test_awq_tool_checkpoint_through_decode_layout():
     w = reference_weight(fixture_dir("awq_4bit_g64"), "model.layers.0.self_attn.q_proj")
     for m in (1, 3):

@@ -11,7 +11,9 @@ targets: >= 2.5 at M = 1 and 16, >= 0.8 at 512 and 2048), `packed_gb_s` (qweight
   fields masked where they lie]);
 - w4a16_decode: the split-K Triton tile kernel forced at every M (partials summed by a second kernel);
   w4a16_decode_serial: the same with the serial reduction (the last program per tile sums; below 64 rows only,
-  larger M falls back to the second kernel); w4a16_dense: dequantize once + cuBLAS;
+  larger M falls back to the second kernel); w4a16_dense: dequantize once + cuBLAS; w4a16_dense_chunked: the same
+  in column chunks of at most half the L2 through one buffer, each multiplied while still in L2 (above 16 rows);
+  w4a16_dense_chunked_75: chunks of three quarters of the L2 (fewer, wider GEMMs);
 - w4a16_rule: what the engine runs (RULE decides between the two);
 - tinygemm_fp16: torch's int4 op with the fp16 activations cast to bf16 and back (what an fp16 model pays);
   tinygemm_bf16: the same on bf16 activations (what a bf16 model pays, no casts);
@@ -31,8 +33,8 @@ from pagedserve.quant.group_quant import GroupQuantWeight
 from pagedserve.quant.w4a16_rule import GEMV_MAX_ROWS, SPLITK_MAX_ROWS
 from pagedserve.quant.packing import default_g_idx, pack_awq, pack_cols, pack_rows, unpack_awq
 
-CANDIDATES = ("gemv", "w4a16_decode", "w4a16_decode_serial", "w4a16_dense", "w4a16_rule",
-              "tinygemm_fp16", "tinygemm_bf16", "triton_gemm")
+CANDIDATES = ("gemv", "w4a16_decode", "w4a16_decode_serial", "w4a16_dense", "w4a16_dense_chunked",
+              "w4a16_dense_chunked_75", "w4a16_rule", "tinygemm_fp16", "tinygemm_bf16", "triton_gemm")
 # The split-K GEMV's launch settings, timed at M = 1 and 16: block_n, block_k, k_steps, num_warps, num_stages,
 # reduce, unpack, in_place. The _unpack and _inplace ones change only the one-row path, so they run at M = 1 only.
 # quant/w4a16_splitk.py's ONE_ROW and ROWS are the first and the tenth (chosen from the first device run's 15, where
@@ -84,6 +86,8 @@ def candidates(w: GroupQuantWeight) -> dict[str, Callable[[torch.Tensor], torch.
            "w4a16_decode": lambda x: ours(x, force="decode"),
            "w4a16_decode_serial": lambda x: ours(x, force="decode_serial"),
            "w4a16_dense": lambda x: ours(x, force="dense"), "w4a16_rule": ours,
+           "w4a16_dense_chunked": lambda x: ours(x, force="dense_chunked"),
+           "w4a16_dense_chunked_75": lambda x: ours(x, force="dense_chunked_75"),
            "triton_gemm": lambda x: triton_gemm.dequant_gemm(x, w)}
     if tg is not None:
         fns["tinygemm_fp16"] = tg
@@ -122,7 +126,8 @@ def bench_row(fmt: str, w: GroupQuantWeight, prepared: list[tuple], m: int, copy
         if (name.startswith("gemv") and m > GEMV_MAX_ROWS) or (name.startswith("splitk") and m > SPLITK_MAX_ROWS):
             continue  # both GEMVs hold at most 16 rows
         one_row_only = "_unpack" in name or "_inplace" in name
-        if one_row_only and m > 1 or name == "triton_gemm" and m <= SPLITK_MAX_ROWS:
+        prefill_only = name == "triton_gemm" or name.startswith("w4a16_dense_chunked")
+        if one_row_only and m > 1 or prefill_only and m <= SPLITK_MAX_ROWS:
             continue  # the same launch as another above one row; triton_gemm's decode rows: 0.03-0.05x twice
         try:
             ms = timed(time_ms, [fns[name] for _, fns in prepared], x_bf16 if name == "tinygemm_bf16" else x)
