@@ -26,8 +26,9 @@ import triton.language as tl
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.kv_cache import LayerKVCache
 from pagedserve.kernels.triton_attention import (
-    _LOG2E, _NO_WINDOW, _dot_dtype, _num_stages, check_supported,
+    _LOG2E, _NO_WINDOW, INTERPRETED, _dot_dtype, _num_stages, check_supported,
 )
+from pagedserve.kernels.triton_decode_words import WORD_FORMATS, check_word_tiles, load_words
 
 # The split rule (docs/gpu.md): enough programs to fill an H100/H200 several times over (132 SMs, two or three
 # resident programs each), partitions of at least MIN_PARTITION_TOKENS so each program's fixed cost (its query
@@ -50,20 +51,25 @@ def _load_tile(
     k_cache_ptr, v_cache_ptr, k_row_scale_ptr, v_row_scale_ptr, bt_row, tile_start, end, first_key, head_off, kv_head,
     stride_c_block, stride_c_pos, stride_s_block, stride_s_pos, stride_s_head, offs_n, offs_d,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_INT8: tl.constexpr,
+    WORDS: tl.constexpr, WORDS_PTX: tl.constexpr,
 ):
-    """Keys tile_start + offs_n as stored: K and V rows [TILE_N, HEAD_DIM_PAD] gathered through the block table, which
+    """Keys tile_start + offs_n: K and V rows [TILE_N, HEAD_DIM_PAD] gathered through the block table (as stored, or
+    for WORDS ("e4m3", "e5m2", "int8") loaded as words and widened to fp16: kernels/triton_decode_words.py), which
     keys are visible, and int8's row scales (0 for masked keys: stale slots may hold anything, NaN scales included)."""
     key_pos = tile_start + offs_n
     key_ok = (key_pos < end) & (key_pos >= first_key)
     block = tl.load(bt_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
     slot = (key_pos % BLOCK_SIZE).to(tl.int64)
     rows = block * stride_c_block + slot * stride_c_pos + head_off
-    if HEAD_DIM == HEAD_DIM_PAD:  # a mask constant along head_dim keeps the loads vectorized
-        kv_mask = key_ok[:, None]
+    if WORDS != "":
+        k, v = load_words(k_cache_ptr, v_cache_ptr, rows, key_ok, HEAD_DIM, HEAD_DIM_PAD, WORDS, WORDS_PTX)
     else:
-        kv_mask = key_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if HEAD_DIM == HEAD_DIM_PAD:  # a mask constant along head_dim keeps the loads vectorized
+            kv_mask = key_ok[:, None]
+        else:
+            kv_mask = key_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     if IS_INT8:
         s_off = block * stride_s_block + slot * stride_s_pos + kv_head.to(tl.int64) * stride_s_head
         k_rs = tl.load(k_row_scale_ptr + s_off, mask=key_ok, other=0.0).to(tl.float32)
@@ -105,6 +111,7 @@ def _decode_kernel(
     NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
     IS_FP8: tl.constexpr, IS_INT8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    WORDS: tl.constexpr, WORDS_PTX: tl.constexpr,
 ):
     tl.static_assert(HEAD_DIM_PAD >= 16, "tl.dot needs K = head_dim >= 16")
     tl.static_assert(TILE_N >= 16, "tl.dot needs N = tile >= 16")
@@ -141,7 +148,7 @@ def _decode_kernel(
             k, v, key_ok, k_rs, v_rs = _load_tile(
                 k_cache_ptr, v_cache_ptr, k_row_scale_ptr, v_row_scale_ptr, bt_row, lo, end, first_key, head_off,
                 kv_head, stride_c_block, stride_c_pos, stride_s_block, stride_s_pos, stride_s_head,
-                offs_n, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, IS_INT8)
+                offs_n, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, IS_INT8, WORDS, WORDS_PTX)
         for tile_start in range(lo, end, TILE_N):
             if PREFETCH:
                 # The next tile's loads are issued before this tile's math: one tile stays in flight while the
@@ -149,12 +156,12 @@ def _decode_kernel(
                 nk, nv, n_ok, nk_rs, nv_rs = _load_tile(
                     k_cache_ptr, v_cache_ptr, k_row_scale_ptr, v_row_scale_ptr, bt_row, tile_start + TILE_N, end,
                     first_key, head_off, kv_head, stride_c_block, stride_c_pos, stride_s_block, stride_s_pos,
-                    stride_s_head, offs_n, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, IS_INT8)
+                    stride_s_head, offs_n, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, IS_INT8, WORDS, WORDS_PTX)
             else:
                 k, v, key_ok, k_rs, v_rs = _load_tile(
                     k_cache_ptr, v_cache_ptr, k_row_scale_ptr, v_row_scale_ptr, bt_row, tile_start, end, first_key,
                     head_off, kv_head, stride_c_block, stride_c_pos, stride_s_block, stride_s_pos, stride_s_head,
-                    offs_n, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, IS_INT8)
+                    offs_n, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, IS_INT8, WORDS, WORDS_PTX)
             m_i, l_i, acc = _attend_tile(q, k, v, key_ok, k_rs, v_rs, m_i, l_i, acc, score_scale,
                                          compute, DOT_PRECISION, DOT_DTYPE, IS_INT8)
             if PREFETCH:
@@ -239,11 +246,15 @@ def is_decode_step(meta: AttentionMetadata) -> bool:
 def triton_decode_attention(
     query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float, window: int | None = None,
     *, num_partitions: int | None = None, tile_n: int | None = None, num_warps: int | None = None,
-    prefetch: bool = False, num_stages: int | None = None,
+    prefetch: bool = False, num_stages: int | None = None, word_tiles: bool = False,
 ) -> torch.Tensor:
     """query [T, H, D] of a decode step (at most one token per sequence) -> [T, H, D]. num_partitions, tile_n,
-    num_warps, prefetch and num_stages override the rules above (benchmarks measure the alternatives)."""
+    num_warps, prefetch and num_stages override the rules above (benchmarks measure the alternatives); word_tiles
+    loads an 8-bit cache's tiles as 32-bit words widened to fp16 before tl.dot (kernels/triton_decode_words.py)."""
     check_supported(query, cache)
+    if word_tiles:
+        check_word_tiles(cache)
+    words = WORD_FORMATS[cache.dtype] if word_tiles else ""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = cache.k.shape
     assert query.stride(2) == 1 and cache.k.stride(3) == 1, "last dims must be contiguous"
@@ -277,7 +288,7 @@ def triton_decode_attention(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE_N=tile, SPLIT=parts > 1,
         PREFETCH=prefetch,
         IS_FP8=cache.dtype.is_fp8, IS_INT8=is_int8, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        DOT_DTYPE=_dot_dtype(query.dtype),
+        DOT_DTYPE=_dot_dtype(query.dtype), WORDS=words, WORDS_PTX=not INTERPRETED,
         num_warps=warps, num_stages=num_stages or _num_stages(tile, head_dim_pad, itemsize),
         **({"maxnreg": _MAX_REGISTERS} if warps == 8 else {}),
     )

@@ -67,7 +67,8 @@ def decode_case(query: str, cache: str, queries_per_kv: int, head_dim: int, spli
     constexprs = dict(
         NUM_QUERIES_PER_KV=queries_per_kv, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=16, TILE_N=tile, SPLIT=split, PREFETCH=False,
-        IS_FP8=cache.startswith("fp8"), IS_INT8=cache == "i8", DOT_PRECISION="tf32", DOT_DTYPE=_TL[query])
+        IS_FP8=cache.startswith("fp8"), IS_INT8=cache == "i8", DOT_PRECISION="tf32", DOT_DTYPE=_TL[query],
+        WORDS="", WORDS_PTX=True)
     pointers = {"out_ptr": query, "q_ptr": query, "k_cache_ptr": cache, "v_cache_ptr": cache,
                 "k_row_scale_ptr": "fp16", "v_row_scale_ptr": "fp16", "block_tables_ptr": "i32",
                 "seq_lens_ptr": "i32", "query_start_loc_ptr": "i32"}
