@@ -1,5 +1,6 @@
-"""The decode kernel's word tiles (kernels/triton_decode_words.py): 8-bit K/V rows loaded as 32-bit words and widened
-to fp16 before tl.dot, against the torch implementation and against the kernel's byte path on identical caches.
+"""The decode kernel's word tiles (kernels/triton_decode_words.py: 8-bit K/V rows loaded as 32-bit words and widened
+to fp16 before tl.dot) and keys-major tile step (kernels/triton_decode_keys_major.py: S^T = K Q^T, the query group
+padded to 8), against the torch implementation and against the kernel's default path on identical caches.
 
 Without CUDA the kernel runs under Triton's interpreter, which widens with Triton ops; with CUDA (tests/gpu collects
 these cases) the words are widened by the PTX the launch compiles, so there every byte value of every format is
@@ -57,18 +58,32 @@ def test_every_byte_widens_to_its_fp16_value(kv_dtype: KVDtype) -> None:
     assert torch.equal(got[~nan], want[~nan])
 
 
+@pytest.mark.parametrize("keys_major", [False, True])
 @pytest.mark.parametrize("kv_dtype", EIGHT_BIT)
 @pytest.mark.parametrize(("queries_per_kv", "block_size", "num_partitions", "tile_n"), [
     (1, 16, 4, 16), (4, 32, 4, 16), (8, 16, 1, 16), (4, 16, 2, None), (5, 16, 1, 32),
 ])
 def test_word_tiles_match_torch_and_the_byte_path(
     kv_dtype: KVDtype, queries_per_kv: int, block_size: int, num_partitions: int, tile_n: int | None,
+    keys_major: bool,
 ) -> None:
     """GQA groups of 1 to 8 (5: a padded group), 16- and 32-token blocks, split and single pass, small and default
-    tiles (a tile spans several blocks or part of one)."""
+    tiles (a tile spans several blocks or part of one), with either tile step."""
     query, layer, meta = make_case(SEQ_LENS, DECODE, block_size, queries_per_kv, kv_dtype, seed=queries_per_kv)
     launch = dict(num_partitions=num_partitions, tile_n=tile_n)
-    got = triton_decode_attention(query, layer, meta, SCALE, word_tiles=True, **launch)
+    got = triton_decode_attention(query, layer, meta, SCALE, word_tiles=True, keys_major=keys_major, **launch)
+    assert_close(got, torch_reference(query, layer, meta))
+    assert_same_as_byte_path(got, triton_decode_attention(query, layer, meta, SCALE, **launch))
+
+
+@pytest.mark.parametrize(("kv_dtype", "queries_per_kv"), [
+    (KVDtype.FP16, 1), (KVDtype.FP16, 16), (KVDtype.BF16, 4), (KVDtype.FP8_E4M3, 8), (KVDtype.INT8, 16),
+])
+def test_keys_major_over_bytes_and_16_bit_caches(kv_dtype: KVDtype, queries_per_kv: int) -> None:
+    """The keys-major step takes any cache as the default loads it (16 query heads: a group of 16, not 8)."""
+    query, layer, meta = make_case(SEQ_LENS, DECODE, 16, queries_per_kv, kv_dtype, seed=20 + queries_per_kv)
+    launch = dict(num_partitions=4, tile_n=16)
+    got = triton_decode_attention(query, layer, meta, SCALE, keys_major=True, **launch)
     assert_close(got, torch_reference(query, layer, meta))
     assert_same_as_byte_path(got, triton_decode_attention(query, layer, meta, SCALE, **launch))
 
@@ -83,34 +98,39 @@ def test_head_dims_padded_to_a_power_of_two_and_the_prefetch(head_dim: int, kv_d
     want = torch_reference(query, layer, meta)
     for prefetch in (False, True):
         got = triton_decode_attention(query, layer, meta, SCALE, num_partitions=2, tile_n=16, prefetch=prefetch,
-                                      word_tiles=True)
+                                      word_tiles=True, keys_major=prefetch)
         assert_close(got, want)
 
 
 @pytest.mark.parametrize("kv_dtype", EIGHT_BIT)
-@pytest.mark.parametrize("window", [5, 70])
-def test_sliding_window_and_stale_slots_are_never_read(kv_dtype: KVDtype, window: int) -> None:
+@pytest.mark.parametrize(("window", "keys_major"), [(5, False), (70, False), (5, True), (70, True)])
+def test_sliding_window_and_stale_slots_are_never_read(kv_dtype: KVDtype, window: int, keys_major: bool) -> None:
     """NaN in every slot past each sequence's end and in the blocks behind the window (freed): masked words read 0."""
     query, layer, meta = make_case(SEQ_LENS, DECODE, 16, 4, kv_dtype, seed=7)
     want = torch_reference(query, layer, meta, window)
     freed = free_out_of_window(layer, meta, window)
     poison_stale_slots(layer, freed)
-    got = triton_decode_attention(query, layer, freed, SCALE, window, num_partitions=4, tile_n=16, word_tiles=True)
+    got = triton_decode_attention(query, layer, freed, SCALE, window, num_partitions=4, tile_n=16, word_tiles=True,
+                                  keys_major=keys_major)
     assert torch.isfinite(got).all()
     assert_close(got, want)
 
 
-@pytest.mark.parametrize("kv_dtype", [KVDtype.INT8, KVDtype.FP8_E4M3])
-def test_bf16_queries(kv_dtype: KVDtype) -> None:
-    """The widened fp16 values become bf16 operands exactly: every FP8 and int8 value is a bf16 value. Outputs of
-    int8 rows reach |4| (a 1-token context returns its V row), where one bf16 rounding step is 2^-5: the bound
-    scales with the output. The byte path is compared compiled only: the interpreter turns int8 into bf16 by
+@pytest.mark.parametrize("keys_major", [False, True])
+@pytest.mark.parametrize(("kv_dtype", "query_dtype"), [
+    (KVDtype.INT8, torch.bfloat16), (KVDtype.FP8_E4M3, torch.bfloat16), (KVDtype.INT8, torch.float32),
+])
+def test_bf16_and_fp32_queries(kv_dtype: KVDtype, query_dtype: torch.dtype, keys_major: bool) -> None:
+    """The widened fp16 values become bf16 (fp32) operands exactly: every FP8 and int8 value is a bf16 value.
+    Outputs of int8 rows reach |4| (a 1-token context returns its V row), where one bf16 rounding step is 2^-5: the
+    bound scales with the output. The byte path is compared compiled only: the interpreter turns int8 into bf16 by
     reinterpreting the bits (1 -> 0, -1 -> NaN)."""
     query, layer, meta = make_case(SEQ_LENS, DECODE, 16, 4, kv_dtype, seed=11)
-    query = query.to(torch.bfloat16)
-    got = triton_decode_attention(query, layer, meta, SCALE, num_partitions=2, tile_n=16, word_tiles=True)
+    query = query.to(query_dtype)
+    got = triton_decode_attention(query, layer, meta, SCALE, num_partitions=2, tile_n=16, word_tiles=True,
+                                  keys_major=keys_major)
     want = torch_reference(query, layer, meta).float()
-    assert ((got.float() - want).abs() <= TOLERANCE[torch.bfloat16] * want.abs().clamp(min=1)).all()
+    assert ((got.float() - want).abs() <= TOLERANCE[query_dtype] * want.abs().clamp(min=1)).all()
     if not INTERPRETED:
         assert_same_as_byte_path(got, triton_decode_attention(query, layer, meta, SCALE, num_partitions=2,
                                                               tile_n=16))

@@ -61,8 +61,9 @@ def test_the_8bit_decode_tile_is_read_back_a_byte_at_a_time() -> None:
 def test_word_tiles_reach_shared_memory_16_bit_and_cost_less_a_byte() -> None:
     """Word tiles (kernels/triton_decode_words.py): no one-byte shared-memory read left in the loop, the tile stored
     to shared memory 128 bits at a time, and the counts measured with Triton 3.8 (benchmarks/decode_attention_sass.py,
-    docs/gpu.md: FP8 2.41 lane-instructions a KV byte at 128 tokens and 4 warps, against 4.42 for its default; int8
-    3.47 against 10.06) held within a few percent, without spills."""
+    docs/gpu.md; 128 tokens, 4 warps, one stage) held within a few percent, without spills: FP8 2.41 lane-instructions
+    a KV byte against 4.42 for its default, 2.07 with the keys-major step (kernels/triton_decode_keys_major.py, which
+    must issue Hopper's warpgroup MMA); int8 3.47 and 3.10 against 10.06."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).parents[1] / "benchmarks" / "decode_attention_sass.py"
     out = subprocess.run([sys.executable, "-P", str(script), "fp8", "int8", "words"], env=env, capture_output=True,
@@ -70,15 +71,19 @@ def test_word_tiles_reach_shared_memory_16_bit_and_cost_less_a_byte() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     rows = list(map(json.loads, out.stdout.strip().splitlines()))
     default = {row["cache"]: row for row in rows if not row["word_tiles"]}
-    words = {(row["cache"], row["tile"], row["warps"], row["stages"]): row for row in rows if row["word_tiles"]}
-    assert set(default) == {"fp8", "int8"} and len(words) == 5
+    words = {(row["cache"], row["tile"], row["warps"], row["stages"], row["keys_major"]): row
+             for row in rows if row["word_tiles"]}
+    assert set(default) == {"fp8", "int8"} and len(words) == 9
     for row in words.values():
         assert row["byte_loads"] == 0 and row["wide_stores"] > 0, row
         assert row["spill_bytes"] == 0 and row["registers"] <= 255, row
-    bound = {("fp8", 128, 4, 1): 2.5, ("e5m2", 128, 4, 1): 2.5, ("int8", 128, 4, 1): 3.6}
+    bound = {("fp8", 128, 4, 1, False): 2.5, ("fp8", 128, 4, 1, True): 2.15, ("e5m2", 128, 4, 1, True): 2.15,
+             ("int8", 128, 4, 1, False): 3.6, ("int8", 128, 4, 1, True): 3.2}
     for launch, most in bound.items():
         assert words[launch]["lane_instructions_per_kv_byte"] <= most, words[launch]
+    for launch, row in words.items():
+        assert (row["warpgroup_mmas"] > 0) == launch[4], row  # keys major: the warpgroup MMA
     assert default["fp8"]["byte_loads"] > 0 and default["int8"]["byte_loads"] > 0  # what word tiles remove
     per_byte = "lane_instructions_per_kv_byte"
-    assert words["fp8", 128, 4, 1][per_byte] < 0.6 * default["fp8"][per_byte]
-    assert words["int8", 128, 4, 1][per_byte] < 0.4 * default["int8"][per_byte]
+    assert words["fp8", 128, 4, 1, True][per_byte] < 0.5 * default["fp8"][per_byte]
+    assert words["int8", 128, 4, 1, True][per_byte] < 0.35 * default["int8"][per_byte]

@@ -23,10 +23,11 @@ from test_quant_triton import (  # noqa: E402,F401
     test_triton_gemm_on_tool_checkpoints,
 )
 from test_decode_word_tiles import (  # noqa: E402,F401
-    test_bf16_queries,
+    test_bf16_and_fp32_queries,
     test_caches_word_tiles_do_not_take_are_refused,
     test_every_byte_widens_to_its_fp16_value,
     test_head_dims_padded_to_a_power_of_two_and_the_prefetch,
+    test_keys_major_over_bytes_and_16_bit_caches,
     test_sliding_window_and_stale_slots_are_never_read,
     test_word_tiles_match_torch_and_the_byte_path,
 )
