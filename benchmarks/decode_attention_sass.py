@@ -47,11 +47,13 @@ WORD_FORMATS = {"fp8": "e4m3", "e5m2": "e5m2", "int8": "int8"}
 LAUNCHES = (("fp16", None, None, None, False, False), ("fp16", 64, 4, 1, False, False),
             ("fp8", None, None, None, False, False), ("fp8", 128, 4, 1, False, False), ("fp8", 64, 4, 1, False, False),
             ("fp8", 128, 8, None, False, False), ("fp8", 128, 4, 1, True, False), ("fp8", 128, 4, None, True, False),
-            ("fp8", 128, 4, 1, True, True), ("fp8", 64, 4, 1, True, True), ("fp8", 128, 4, 1, False, True),
+            ("fp8", 128, 4, 1, True, True), ("fp8", 128, 4, None, True, True), ("fp8", 64, 4, 1, True, True),
+            ("fp8", 128, 4, 1, False, True),
             ("e5m2", 128, 4, 1, True, True),
             ("int8", None, None, None, False, False), ("int8", 64, 8, 1, False, False),
             ("int8", 128, 4, 1, False, False), ("int8", 64, 4, None, False, False), ("int8", 128, 4, 1, True, False),
-            ("int8", 64, 8, 1, True, False), ("int8", 128, 4, 1, True, True), ("int8", 64, 4, 1, True, True))
+            ("int8", 64, 8, 1, True, False), ("int8", 128, 4, 1, True, True), ("int8", 128, 4, None, True, True),
+            ("int8", 64, 4, 1, True, True))
 DEFAULT = (None, None, None, False, False)
 
 

@@ -73,7 +73,7 @@ def test_word_tiles_reach_shared_memory_16_bit_and_cost_less_a_byte() -> None:
     default = {row["cache"]: row for row in rows if not row["word_tiles"]}
     words = {(row["cache"], row["tile"], row["warps"], row["stages"], row["keys_major"]): row
              for row in rows if row["word_tiles"]}
-    assert set(default) == {"fp8", "int8"} and len(words) == 9
+    assert set(default) == {"fp8", "int8"} and len(words) == 11
     for row in words.values():
         assert row["byte_loads"] == 0 and row["wide_stores"] > 0, row
         assert row["spill_bytes"] == 0 and row["registers"] <= 255, row

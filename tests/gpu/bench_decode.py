@@ -26,15 +26,18 @@ SWEEP_SHAPES = (0, 1)  # the sweep runs at the first two (batch, context): 64 x 
 # without the async-copy pipeline (benchmarks/decode_attention_sass.py: an 8-bit tile is read back from shared memory
 # a byte at a time); word tiles (kernels/triton_decode_words.py), which avoid those byte reads, alone and with the
 # keys-major step (kernels/triton_decode_keys_major.py): lane-instructions a KV byte at 128 tokens, 4 warps, one
-# stage FP8 2.41 and 2.07 (default 4.42), int8 3.47 and 3.10 (default 10.06).
+# stage FP8 2.41 and 2.07 (default 4.42), int8 3.47 and 3.10 (default 10.06); with the rule's stages the words are
+# copied ahead asynchronously (FP8 2.42, int8 3.43, with keys major).
 SWEEP = {"fp16": ((64, 8, False, None, False, False), (128, 4, False, None, False, False),
                   (32, 4, False, None, False, False), (64, 4, False, 1, False, False)),
          "fp8": ((128, 8, False, None, False, False), (64, 4, False, None, False, False),
                  (128, 4, False, 1, False, False), (64, 4, False, 1, False, False), (128, 4, False, 1, True, False),
-                 (128, 4, False, None, True, False), (128, 4, False, 1, True, True), (64, 4, False, 1, True, True)),
+                 (128, 4, False, None, True, False), (128, 4, False, 1, True, True), (128, 4, False, None, True, True),
+                 (64, 4, False, 1, True, True)),
          "int8": ((64, 4, False, None, False, False), (128, 8, False, None, False, False),
                   (64, 8, False, 1, False, False), (128, 4, False, 1, False, False), (128, 4, False, 1, True, False),
-                  (64, 8, False, 1, True, False), (128, 4, False, 1, True, True), (64, 4, False, 1, True, True))}
+                  (64, 8, False, 1, True, False), (128, 4, False, 1, True, True), (128, 4, False, None, True, True),
+                  (64, 4, False, 1, True, True))}
 
 
 def _path_row(ms: float, nbytes: int, copy: float) -> dict:
