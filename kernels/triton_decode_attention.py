@@ -8,11 +8,13 @@ constant (`decode_partitions`: from the batch size, the KV heads and the block t
 device data, so a captured CUDA graph replays one grid for every step); each sequence cuts its own context into
 that many partitions, rounded up to whole tiles, and programs past its end exit at once. With more than one
 partition, each program writes its unnormalized fp32 output, running max and sum to a workspace and
-`_reduce_kernel` merges them; with one it writes the output itself.
+`reduce_kernel` (kernels/triton_decode_reduce.py) merges them; with one it writes the output itself.
 
-Narrow caches are loaded as they are stored and converted in registers (FP8 and int8 convert exactly to fp16/bf16);
+Narrow caches are loaded as they are stored and converted in registers (FP8 and int8 convert exactly to fp16/bf16;
+the launch option `word_tiles` loads them as 32-bit words widened before the dot: kernels/triton_decode_words.py);
 their scales are folded in rather than applied per element: the per-KV-head FP8 scales into the score scale and
-the final output, int8's per-token row scales into the score columns (K) and the probabilities (V).
+the final output, int8's per-token row scales into the score columns (K) and the probabilities (V). The option
+`keys_major` computes a tile with the keys along the MMA's M (kernels/triton_decode_keys_major.py).
 A sliding window W shows the query at position L - 1 the keys L - W <= k < L; tiles start at the tile of the first
 visible key and masked loads never touch the blocks before it (their table entries may be -1).
 """
@@ -26,8 +28,11 @@ import triton.language as tl
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.kv_cache import LayerKVCache
 from pagedserve.kernels.triton_attention import (
-    _LOG2E, _NO_WINDOW, _dot_dtype, _num_stages, check_supported,
+    _LOG2E, _NO_WINDOW, INTERPRETED, _dot_dtype, _num_stages, check_supported,
 )
+from pagedserve.kernels.triton_decode_keys_major import attend_tile_keys_major
+from pagedserve.kernels.triton_decode_reduce import reduce_kernel
+from pagedserve.kernels.triton_decode_words import WORD_FORMATS, check_word_tiles, load_words
 
 # The split rule (docs/gpu.md): enough programs to fill an H100/H200 several times over (132 SMs, two or three
 # resident programs each), partitions of at least MIN_PARTITION_TOKENS so each program's fixed cost (its query
@@ -50,20 +55,25 @@ def _load_tile(
     k_cache_ptr, v_cache_ptr, k_row_scale_ptr, v_row_scale_ptr, bt_row, tile_start, end, first_key, head_off, kv_head,
     stride_c_block, stride_c_pos, stride_s_block, stride_s_pos, stride_s_head, offs_n, offs_d,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_INT8: tl.constexpr,
+    WORDS: tl.constexpr, WORDS_PTX: tl.constexpr,
 ):
-    """Keys tile_start + offs_n as stored: K and V rows [TILE_N, HEAD_DIM_PAD] gathered through the block table, which
+    """Keys tile_start + offs_n: K and V rows [TILE_N, HEAD_DIM_PAD] gathered through the block table (as stored, or
+    for WORDS ("e4m3", "e5m2", "int8") loaded as words and widened to fp16: kernels/triton_decode_words.py), which
     keys are visible, and int8's row scales (0 for masked keys: stale slots may hold anything, NaN scales included)."""
     key_pos = tile_start + offs_n
     key_ok = (key_pos < end) & (key_pos >= first_key)
     block = tl.load(bt_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
     slot = (key_pos % BLOCK_SIZE).to(tl.int64)
     rows = block * stride_c_block + slot * stride_c_pos + head_off
-    if HEAD_DIM == HEAD_DIM_PAD:  # a mask constant along head_dim keeps the loads vectorized
-        kv_mask = key_ok[:, None]
+    if WORDS != "":
+        k, v = load_words(k_cache_ptr, v_cache_ptr, rows, key_ok, HEAD_DIM, HEAD_DIM_PAD, WORDS, WORDS_PTX)
     else:
-        kv_mask = key_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if HEAD_DIM == HEAD_DIM_PAD:  # a mask constant along head_dim keeps the loads vectorized
+            kv_mask = key_ok[:, None]
+        else:
+            kv_mask = key_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     if IS_INT8:
         s_off = block * stride_s_block + slot * stride_s_pos + kv_head.to(tl.int64) * stride_s_head
         k_rs = tl.load(k_row_scale_ptr + s_off, mask=key_ok, other=0.0).to(tl.float32)
@@ -105,10 +115,11 @@ def _decode_kernel(
     NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
     IS_FP8: tl.constexpr, IS_INT8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    WORDS: tl.constexpr, WORDS_PTX: tl.constexpr, KEYS_MAJOR: tl.constexpr,
 ):
     tl.static_assert(HEAD_DIM_PAD >= 16, "tl.dot needs K = head_dim >= 16")
     tl.static_assert(TILE_N >= 16, "tl.dot needs N = tile >= 16")
-    tl.static_assert(BLOCK_M >= 16, "tl.dot needs M >= 16")
+    tl.static_assert(BLOCK_M >= (8 if KEYS_MAJOR else 16), "the query group is padded to 16 (keys_major: 8)")
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -133,7 +144,11 @@ def _decode_kernel(
             score_scale = score_scale * tl.load(k_scale_ptr + kv_head)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+        if KEYS_MAJOR:  # kernels/triton_decode_keys_major.py: q and the accumulator transposed
+            q = tl.trans(q)
+            acc = tl.zeros([HEAD_DIM_PAD, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
         head_off = kv_head.to(tl.int64) * stride_c_head
         bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
         lo = tl.maximum(start, first_key // TILE_N * TILE_N)
@@ -141,7 +156,7 @@ def _decode_kernel(
             k, v, key_ok, k_rs, v_rs = _load_tile(
                 k_cache_ptr, v_cache_ptr, k_row_scale_ptr, v_row_scale_ptr, bt_row, lo, end, first_key, head_off,
                 kv_head, stride_c_block, stride_c_pos, stride_s_block, stride_s_pos, stride_s_head,
-                offs_n, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, IS_INT8)
+                offs_n, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, IS_INT8, WORDS, WORDS_PTX)
         for tile_start in range(lo, end, TILE_N):
             if PREFETCH:
                 # The next tile's loads are issued before this tile's math: one tile stays in flight while the
@@ -149,16 +164,22 @@ def _decode_kernel(
                 nk, nv, n_ok, nk_rs, nv_rs = _load_tile(
                     k_cache_ptr, v_cache_ptr, k_row_scale_ptr, v_row_scale_ptr, bt_row, tile_start + TILE_N, end,
                     first_key, head_off, kv_head, stride_c_block, stride_c_pos, stride_s_block, stride_s_pos,
-                    stride_s_head, offs_n, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, IS_INT8)
+                    stride_s_head, offs_n, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, IS_INT8, WORDS, WORDS_PTX)
             else:
                 k, v, key_ok, k_rs, v_rs = _load_tile(
                     k_cache_ptr, v_cache_ptr, k_row_scale_ptr, v_row_scale_ptr, bt_row, tile_start, end, first_key,
                     head_off, kv_head, stride_c_block, stride_c_pos, stride_s_block, stride_s_pos, stride_s_head,
-                    offs_n, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, IS_INT8)
-            m_i, l_i, acc = _attend_tile(q, k, v, key_ok, k_rs, v_rs, m_i, l_i, acc, score_scale,
-                                         compute, DOT_PRECISION, DOT_DTYPE, IS_INT8)
+                    offs_n, offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, IS_INT8, WORDS, WORDS_PTX)
+            if KEYS_MAJOR:
+                m_i, l_i, acc = attend_tile_keys_major(q, k, v, key_ok, k_rs, v_rs, m_i, l_i, acc, score_scale,
+                                                       compute, DOT_PRECISION, DOT_DTYPE, IS_INT8)
+            else:
+                m_i, l_i, acc = _attend_tile(q, k, v, key_ok, k_rs, v_rs, m_i, l_i, acc, score_scale,
+                                             compute, DOT_PRECISION, DOT_DTYPE, IS_INT8)
             if PREFETCH:
                 k, v, key_ok, k_rs, v_rs = nk, nv, n_ok, nk_rs, nv_rs
+        if KEYS_MAJOR:
+            acc = tl.trans(acc)
         if IS_FP8:
             acc = acc * tl.load(v_scale_ptr + kv_head)
         if not SPLIT:
@@ -170,40 +191,6 @@ def _decode_kernel(
             tl.store(part_acc_ptr + slot[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
             tl.store(part_ml_ptr + 2 * slot, m_i, mask=row_ok)
             tl.store(part_ml_ptr + 2 * slot + 1, l_i, mask=row_ok)
-
-
-@triton.jit
-def _reduce_kernel(
-    out_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, query_start_loc_ptr, window, num_heads, num_partitions,
-    stride_o_tok, stride_o_head,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TILE_N: tl.constexpr,
-):
-    """One (sequence, query head): the partitions the decode kernel filled, merged by a running maximum."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    q_row = tl.load(query_start_loc_ptr + seq)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    # A padded batch's dummy rows may carry no context (seq_len 0): the decode kernel skipped them, so does this.
-    if (tl.load(query_start_loc_ptr + seq + 1) > q_row) & (seq_len > 0):
-        part_tokens = tl.cdiv(tl.cdiv(seq_len, num_partitions), TILE_N) * TILE_N
-        # The partitions the decode kernel ran: they start before the end and end after the first visible key.
-        first_part = tl.maximum(seq_len - window, 0) // part_tokens
-        last_part = tl.cdiv(seq_len, part_tokens)
-        base = (seq.to(tl.int64) * num_heads + head) * num_partitions
-        offs_d = tl.arange(0, HEAD_DIM_PAD)
-        acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
-        total = tl.zeros([], dtype=tl.float32)
-        m_run = tl.full([], float("-inf"), dtype=tl.float32)
-        for p in range(first_part, last_part):  # every partition that ran has a finite maximum
-            m_p = tl.load(part_ml_ptr + 2 * (base + p))
-            m_new = tl.maximum(m_run, m_p)
-            keep = tl.exp2(m_run - m_new)
-            weight = tl.exp2(m_p - m_new)
-            total = total * keep + weight * tl.load(part_ml_ptr + 2 * (base + p) + 1)
-            acc = acc * keep + weight * tl.load(part_acc_ptr + (base + p) * HEAD_DIM_PAD + offs_d)
-            m_run = m_new
-        o_off = q_row.to(tl.int64) * stride_o_tok + head.to(tl.int64) * stride_o_head + offs_d
-        tl.store(out_ptr + o_off, (acc / total).to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 def decode_partitions(num_seqs: int, num_kv_heads: int, table_tokens: int) -> int:
@@ -239,11 +226,16 @@ def is_decode_step(meta: AttentionMetadata) -> bool:
 def triton_decode_attention(
     query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float, window: int | None = None,
     *, num_partitions: int | None = None, tile_n: int | None = None, num_warps: int | None = None,
-    prefetch: bool = False, num_stages: int | None = None,
+    prefetch: bool = False, num_stages: int | None = None, word_tiles: bool = False, keys_major: bool = False,
 ) -> torch.Tensor:
     """query [T, H, D] of a decode step (at most one token per sequence) -> [T, H, D]. num_partitions, tile_n,
-    num_warps, prefetch and num_stages override the rules above (benchmarks measure the alternatives)."""
+    num_warps, prefetch and num_stages override the rules above (benchmarks measure the alternatives); word_tiles
+    loads an 8-bit cache's tiles as 32-bit words widened to fp16 before tl.dot (kernels/triton_decode_words.py);
+    keys_major computes the tile with keys along the MMA's M (kernels/triton_decode_keys_major.py)."""
     check_supported(query, cache)
+    if word_tiles:
+        check_word_tiles(cache)
+    words = WORD_FORMATS[cache.dtype] if word_tiles else ""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = cache.k.shape
     assert query.stride(2) == 1 and cache.k.stride(3) == 1, "last dims must be contiguous"
@@ -273,16 +265,16 @@ def triton_decode_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         cache.k.stride(0), cache.k.stride(1), cache.k.stride(2), meta.block_tables.stride(0),
         *(cache.k_row_scale.stride() if is_int8 else (0, 0, 0)),
-        NUM_QUERIES_PER_KV=queries_per_kv, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)),
+        NUM_QUERIES_PER_KV=queries_per_kv, BLOCK_M=max(8 if keys_major else 16, triton.next_power_of_2(queries_per_kv)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE_N=tile, SPLIT=parts > 1,
         PREFETCH=prefetch,
         IS_FP8=cache.dtype.is_fp8, IS_INT8=is_int8, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        DOT_DTYPE=_dot_dtype(query.dtype),
+        DOT_DTYPE=_dot_dtype(query.dtype), WORDS=words, WORDS_PTX=not INTERPRETED, KEYS_MAJOR=keys_major,
         num_warps=warps, num_stages=num_stages or _num_stages(tile, head_dim_pad, itemsize),
         **({"maxnreg": _MAX_REGISTERS} if warps == 8 else {}),
     )
     if parts > 1:
-        _reduce_kernel[(meta.num_seqs, num_heads)](
+        reduce_kernel[(meta.num_seqs, num_heads)](
             out, part_acc, part_ml, meta.seq_lens, meta.query_start_loc, window_arg, num_heads, parts,
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, TILE_N=tile,

@@ -136,6 +136,10 @@ def poison_stale_slots(layer: LayerKVCache, meta: AttentionMetadata) -> None:
 
 def _poison(layer: LayerKVCache, where: torch.Tensor | int) -> None:
     """NaN in the slots `where` (a [num_blocks, block_size] mask or a block index); int8 rows get NaN scales."""
+    if layer.k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # torch has no masked_fill for FP8: 0x7F is NaN
+        layer.k.view(torch.uint8)[where] = 0x7F  # in both formats
+        layer.v.view(torch.uint8)[where] = 0x7F
+        return
     if layer.k_row_scale is None:
         layer.k[where] = float("nan")  # boolean indexing writes through the cache's strided view
         layer.v[where] = float("nan")

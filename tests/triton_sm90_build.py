@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from pagedserve.kernels import triton_decode_attention as decode
+from pagedserve.kernels import triton_decode_reduce as reduce
 from pagedserve.kernels import triton_layer_ops as layer_ops
 from pagedserve.kernels.triton_attention import _num_stages
 
@@ -67,7 +68,8 @@ def decode_case(query: str, cache: str, queries_per_kv: int, head_dim: int, spli
     constexprs = dict(
         NUM_QUERIES_PER_KV=queries_per_kv, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=16, TILE_N=tile, SPLIT=split, PREFETCH=False,
-        IS_FP8=cache.startswith("fp8"), IS_INT8=cache == "i8", DOT_PRECISION="tf32", DOT_DTYPE=_TL[query])
+        IS_FP8=cache.startswith("fp8"), IS_INT8=cache == "i8", DOT_PRECISION="tf32", DOT_DTYPE=_TL[query],
+        WORDS="", WORDS_PTX=True, KEYS_MAJOR=False)
     pointers = {"out_ptr": query, "q_ptr": query, "k_cache_ptr": cache, "v_cache_ptr": cache,
                 "k_row_scale_ptr": "fp16", "v_row_scale_ptr": "fp16", "block_tables_ptr": "i32",
                 "seq_lens_ptr": "i32", "query_start_loc_ptr": "i32"}
@@ -80,7 +82,7 @@ def main() -> int:
         "decode_fp16_split": decode_case("fp16", "fp16", 4, 128, True),
         "decode_bf16_int8_split": decode_case("bf16", "i8", 4, 128, True),
         "decode_fp16_fp8_single": decode_case("fp16", "fp8e4nv", 8, 128, False),
-        "reduce": build(decode._reduce_kernel, {"out_ptr": "fp16", "seq_lens_ptr": "i32", "query_start_loc_ptr": "i32"},
+        "reduce": build(reduce.reduce_kernel, {"out_ptr": "fp16", "seq_lens_ptr": "i32", "query_start_loc_ptr": "i32"},
                         dict(HEAD_DIM=128, HEAD_DIM_PAD=128, TILE_N=32), 4, 1, None),
         # The layer ops at Llama-3-8B widths (hidden 4096, intermediate 14336, head dim 128), as launched.
         "add_rms_norm_bf16": build(layer_ops._rms_norm_kernel, {n: "bf16" for n in ("x_ptr", "delta_ptr", "w_ptr",

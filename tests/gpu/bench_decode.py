@@ -5,8 +5,9 @@ and byte count) is timed through
 - `unified`: the prefill/mixed kernel (kernels/triton_attention.py), one program per sequence and KV head;
 - `single_pass`: the decode kernel (kernels/triton_decode_attention.py) with one partition, no reduce;
 - `split`: the decode kernel with the engine's partition count (at least 2, so small shapes exercise the reduce);
-- at two shapes, the split path with other tiles, warp counts, pipeline stages and the prefetch
-  (`split_tile<N>_w<W>[_s<S>][_prefetch]`): what to set the defaults by.
+- at two shapes, the split path with other tiles, warp counts, pipeline stages, the prefetch and, for the 8-bit
+  caches, word tiles and the keys-major step (`split_tile<N>_w<W>[_s<S>][_prefetch][_words][_kmajor]`): what to set
+  the defaults by.
 The row's own `ms`, `gb_s` and `fraction_of_copy` are the path the engine takes for that shape.
 """
 
@@ -19,13 +20,24 @@ import torch
 import attention_kernel
 
 SWEEP_SHAPES = (0, 1)  # the sweep runs at the first two (batch, context): 64 x 4k and 16 x 16k on the GPU
-# (tile tokens, warps, prefetch, pipeline stages or None for the rule's) beside the default (no prefetch; at head_dim
-# 128: fp16 64 tokens and 4 warps, FP8 128 and 4, int8 64 and 8): the previous defaults and their neighbours, and
-# one stage for the 8-bit caches, whose sm_90 code has 12-14% fewer instructions a KV byte without the async-copy
-# pipeline (benchmarks/decode_attention_sass.py: an 8-bit tile is read back from shared memory a byte at a time).
-SWEEP = {"fp16": ((64, 8, False, None), (128, 4, False, None), (32, 4, False, None), (64, 4, False, 1)),
-         "fp8": ((128, 8, False, None), (64, 4, False, None), (128, 4, False, 1), (64, 4, False, 1)),
-         "int8": ((64, 4, False, None), (128, 8, False, None), (64, 8, False, 1), (128, 4, False, 1))}
+# (tile tokens, warps, prefetch, pipeline stages or None for the rule's, word tiles, keys major) beside the default
+# (no prefetch; at head_dim 128: fp16 64 tokens and 4 warps, FP8 128 and 4, int8 64 and 8): the previous defaults and
+# their neighbours, and one stage for the 8-bit caches, whose sm_90 code has 12-14% fewer instructions a KV byte
+# without the async-copy pipeline (benchmarks/decode_attention_sass.py: an 8-bit tile is read back from shared memory
+# a byte at a time); word tiles (kernels/triton_decode_words.py), which avoid those byte reads, alone and with the
+# keys-major step (kernels/triton_decode_keys_major.py): lane-instructions a KV byte at 128 tokens, 4 warps, one
+# stage FP8 2.41 and 2.07 (default 4.42), int8 3.47 and 3.10 (default 10.06); with the rule's stages the words are
+# copied ahead asynchronously (FP8 2.42, int8 3.43, with keys major).
+SWEEP = {"fp16": ((64, 8, False, None, False, False), (128, 4, False, None, False, False),
+                  (32, 4, False, None, False, False), (64, 4, False, 1, False, False)),
+         "fp8": ((128, 8, False, None, False, False), (64, 4, False, None, False, False),
+                 (128, 4, False, 1, False, False), (64, 4, False, 1, False, False), (128, 4, False, 1, True, False),
+                 (128, 4, False, None, True, False), (128, 4, False, 1, True, True), (128, 4, False, None, True, True),
+                 (64, 4, False, 1, True, True)),
+         "int8": ((64, 4, False, None, False, False), (128, 8, False, None, False, False),
+                  (64, 8, False, 1, False, False), (128, 4, False, 1, False, False), (128, 4, False, 1, True, False),
+                  (64, 8, False, 1, True, False), (128, 4, False, 1, True, True), (128, 4, False, None, True, True),
+                  (64, 4, False, 1, True, True))}
 
 
 def _path_row(ms: float, nbytes: int, copy: float) -> dict:
@@ -42,12 +54,12 @@ def _paths(query, layer, meta, scale: float, partitions: int, sweep: tuple) -> d
         "single_pass": lambda: triton_decode_attention(query, layer, meta, scale, num_partitions=1),
         "split": lambda: triton_decode_attention(query, layer, meta, scale, num_partitions=max(2, partitions)),
     }
-    for tile, warps, prefetch, stages in sweep:
-        name = f"split_tile{tile}_w{warps}{f'_s{stages}' if stages else ''}{'_prefetch' if prefetch else ''}"
-        paths[name] = (
-            lambda tile=tile, warps=warps, prefetch=prefetch, stages=stages: triton_decode_attention(
-                query, layer, meta, scale, num_partitions=max(2, partitions), tile_n=tile, num_warps=warps,
-                prefetch=prefetch, num_stages=stages))
+    for tile, warps, prefetch, stages, words, keys_major in sweep:
+        name = (f"split_tile{tile}_w{warps}{f'_s{stages}' if stages else ''}{'_prefetch' if prefetch else ''}"
+                f"{'_words' if words else ''}{'_kmajor' if keys_major else ''}")
+        launch = dict(num_partitions=max(2, partitions), tile_n=tile, num_warps=warps, prefetch=prefetch,
+                      num_stages=stages, word_tiles=words, keys_major=keys_major)
+        paths[name] = lambda launch=launch: triton_decode_attention(query, layer, meta, scale, **launch)
     return paths
 
 

@@ -1,9 +1,8 @@
 """The Triton interpreter suites' kernel cases, run compiled on the GPU.
 
-tests/test_triton_attention.py, test_triton_decode_attention.py, test_triton_kv_write.py, test_quant_triton.py and
-test_w4a16.py choose CUDA when it is present; importing their kernel tests here collects them under this module's
-`gpu` mark, so `pytest -m gpu tests/gpu` runs
-them on the device. (Their engine tests need the default model's tokenizer package, which the GPU machine lacks;
+tests/test_triton_attention.py, test_triton_decode_attention.py, test_decode_word_tiles.py, test_triton_kv_write.py,
+test_quant_triton.py and test_w4a16.py choose CUDA when it is present; importing their kernel tests here collects
+them under this module's `gpu` mark, so `pytest -m gpu tests/gpu` runs them on the device. (Their engine tests need the default model's tokenizer package, which the GPU machine lacks;
 test_triton_gpu.py and e2e_check.py cover the engine there.)
 """
 
@@ -22,6 +21,15 @@ pytest.importorskip("triton")
 from test_quant_triton import (  # noqa: E402,F401
     test_triton_gemm_matches_reference,
     test_triton_gemm_on_tool_checkpoints,
+)
+from test_decode_word_tiles import (  # noqa: E402,F401
+    test_bf16_and_fp32_queries,
+    test_caches_word_tiles_do_not_take_are_refused,
+    test_every_byte_widens_to_its_fp16_value,
+    test_head_dims_padded_to_a_power_of_two_and_the_prefetch,
+    test_keys_major_over_bytes_and_16_bit_caches,
+    test_sliding_window_and_stale_slots_are_never_read,
+    test_word_tiles_match_torch_and_the_byte_path,
 )
 from test_triton_attention import (  # noqa: E402,F401
     test_both_paths_agree_with_float64_math,

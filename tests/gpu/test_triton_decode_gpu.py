@@ -80,3 +80,19 @@ def test_sliding_window_over_freed_blocks(kv_dtype: KVDtype, window: int) -> Non
         got = triton_decode_attention(query, layer, freed, 128**-0.5, window, num_partitions=parts)
         assert torch.isfinite(got).all()
         assert_close(got, want)
+
+
+@pytest.mark.parametrize("kv_dtype", [KVDtype.FP8_E4M3, KVDtype.FP8_E5M2, KVDtype.INT8])
+@pytest.mark.parametrize(("word_tiles", "keys_major"), [(True, False), (True, True), (False, True)])
+def test_word_tiles_and_keys_major_at_long_contexts(kv_dtype: KVDtype, word_tiles: bool, keys_major: bool) -> None:
+    """The launch options the bench sweeps (docs/gpu.md), at the sweep's launches: 32k contexts, a single pass, the
+    most partitions, 128 tokens and 4 warps in one and three stages, 64 tokens and 8 warps."""
+    if kv_dtype.is_fp8 and (word_tiles or kv_dtype not in fp8_dtypes()) and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("e4m3 caches and FP8 word tiles need compute capability 8.9+")
+    query, layer, meta = build(LONG, (1,) * len(LONG), 16, 8, 4, 128, kv_dtype, torch.float16)
+    want = reference(query, layer, meta)
+    for parts, tile, warps, stages in ((1, 128, 4, 1), (MAX_PARTITIONS, 128, 4, None), (None, 64, 8, 1)):
+        got = triton_decode_attention(query, layer, meta, 128**-0.5, num_partitions=parts, tile_n=tile,
+                                      num_warps=warps, num_stages=stages, word_tiles=word_tiles,
+                                      keys_major=keys_major)
+        assert_close(got, want)
