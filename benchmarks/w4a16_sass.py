@@ -37,7 +37,7 @@ TYPES = ("*fp16", "*i64", "*i32", "*fp16", "*fp16", "*fp16", "*fp32", "*i32") + 
 def compile_launch(cfg: splitk.SplitKConfig, rows: int, permuted: bool):
     block_m = 1 if rows == 1 else splitk.MAX_ROWS
     constants = dict(BITS=4, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_STEPS=cfg.k_steps,
-                     PERMUTED=permuted, DOT_16BIT=True, UNPACK=cfg.unpack, IN_PLACE=cfg.in_place,
+                     PERMUTED=permuted, DOT_16BIT=True, UNPACK=cfg.unpack, IN_PLACE=cfg.in_place, HALF2=cfg.half2,
                      LAST=cfg.reduce == "last")
     signature = {**dict(zip(ARGS, TYPES)), **{name: "constexpr" for name in constants}}
     # The runtime specializes pointers and 16-divisible ints (every stride and width here) as divisible by 16.
@@ -71,7 +71,9 @@ def main() -> int:
         print("this triton wheel carries no cuobjdump", file=sys.stderr)
         return 3
     in_place = dataclasses.replace(splitk.ONE_ROW, in_place=True)
-    launches = [("one_row", splitk.ONE_ROW, 1, True), ("one_row", splitk.ONE_ROW, 1, False),
+    half2 = dataclasses.replace(splitk.ONE_ROW, half2=True)
+    launches = [("one_row_half2", half2, 1, True), ("one_row_half2", half2, 1, False),
+                ("one_row", splitk.ONE_ROW, 1, True), ("one_row", splitk.ONE_ROW, 1, False),
                 ("one_row_in_place", in_place, 1, True), ("one_row_in_place", in_place, 1, False),
                 ("rows", splitk.ROWS, 16, True)]
     print(json.dumps([launch_row(*launch) for launch in launches], indent=1))
