@@ -5,10 +5,11 @@
 A decode GEMV that reads weights at copy speed must also issue its instructions in that time: an H200 issues about
 30 T lane-instructions a second (132 SMs x 4 schedulers x 32 lanes x ~1.75 GHz) while copy bandwidth (4.2 TB/s)
 brings 8.4 T 4-bit codes, so about 3.5 instructions a code, and less where anything else stalls. This compiles
-quant/w4a16_splitk.py's launches (as the rule runs them, fp16 and 4-bit, with and without the act-order gather, and
-the `in_place` variant) for sm_90, disassembles them with cuobjdump and prints JSON: per launch, the SASS
-instructions, the 4-bit codes one thread handles, their ratio and the most frequent opcodes. Static counts of the
-straight-line kernel (a program runs its K span unrolled, no loop), so they are what each program executes.
+quant/w4a16_splitk.py's launches (as the rule runs them, fp16 and 4-bit, with and without the act-order gather, the
+`in_place` variant, and the `half2` one at ONE_ROW's tile and at 1024 columns, 16 a thread) for sm_90, disassembles
+them with cuobjdump and prints JSON: per launch, the SASS instructions, the 4-bit codes one thread handles, their
+ratio and the most frequent opcodes. Static counts of the straight-line kernel (a program runs its K span unrolled,
+no loop), so they are what each program executes. Counts are not speeds: a device run decides.
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ def main() -> int:
         return 3
     in_place = dataclasses.replace(splitk.ONE_ROW, in_place=True)
     half2 = dataclasses.replace(splitk.ONE_ROW, half2=True)
+    half2_wide = dataclasses.replace(half2, block_n=1024)
     launches = [("one_row_half2", half2, 1, True), ("one_row_half2", half2, 1, False),
+                ("one_row_half2", half2_wide, 1, True), ("one_row_half2", half2_wide, 1, False),
                 ("one_row", splitk.ONE_ROW, 1, True), ("one_row", splitk.ONE_ROW, 1, False),
                 ("one_row_in_place", in_place, 1, True), ("one_row_in_place", in_place, 1, False),
                 ("rows", splitk.ROWS, 16, True)]

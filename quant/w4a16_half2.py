@@ -111,32 +111,36 @@ def _word_emulated(w, x0, x1, x2, x3, bl, bh, magic, acc_lo, acc_hi):
 
 
 @triton.jit
-def _x_pair(x_ptr, perm_ptr, k, ok):
-    """(x[perm[k]], x[perm[k + 4]]) as one int32 per row, [rows, 1] (act-order: gathered one by one)."""
-    lo = tl.load(x_ptr + tl.load(perm_ptr + k, mask=ok, other=0), mask=ok, other=0.0)
-    hi = tl.load(x_ptr + tl.load(perm_ptr + k + 4, mask=ok, other=0), mask=ok, other=0.0)
-    return _pack(lo, hi)[:, None]
+def _x_pair(x_ptr, perm_ptr, k):
+    """(x[perm[k]], x[perm[k + 4]]) as one int32 per row, [rows, 1] (act-order: gathered one by one). The int64
+    permutation is read by its low words (indices < K < 2^31, little-endian): a 32-bit index makes each activation's
+    address one wide multiply-add instead of a 64-bit shift-add pair."""
+    perm32 = perm_ptr.to(tl.pointer_type(tl.int32))
+    return _pack(tl.load(x_ptr + tl.load(perm32 + 2 * k)), tl.load(x_ptr + tl.load(perm32 + 2 * k + 8)))[:, None]
 
 
 @triton.jit
 def _load_step(x_ptr, perm_ptr, qw_ptr, offs_n, n_ok, first_row, K, stride_qk, KW: tl.constexpr,
                PERMUTED: tl.constexpr):
-    """One step's words [KW, BLOCK_N] and its rows' four activation pairs (int32 [KW, 1] each)."""
+    """One step's words [KW, BLOCK_N] and its rows' four activation pairs (int32 [KW, 1] each). Rows past K read
+    zero words and, from the last row, activations that are then zeroed a pair at a time: unmasked loads (a masked
+    one costs a zeroing instruction per element, 8 a row where a select costs 4)."""
     rows = first_row + tl.arange(0, KW)
     w_ok = rows < K // 8
     words = tl.load(qw_ptr + rows.to(tl.int64)[:, None] * stride_qk + offs_n[None, :],
                     mask=w_ok[:, None] & n_ok[None, :], other=0, eviction_policy="evict_first")
-    k = rows * 8
+    k = tl.minimum(rows, K // 8 - 1) * 8
+    ok = w_ok[:, None]
     if PERMUTED:
-        return (words, _x_pair(x_ptr, perm_ptr, k, w_ok), _x_pair(x_ptr, perm_ptr, k + 1, w_ok),
-                _x_pair(x_ptr, perm_ptr, k + 2, w_ok), _x_pair(x_ptr, perm_ptr, k + 3, w_ok))
+        return (words, tl.where(ok, _x_pair(x_ptr, perm_ptr, k), 0), tl.where(ok, _x_pair(x_ptr, perm_ptr, k + 1), 0),
+                tl.where(ok, _x_pair(x_ptr, perm_ptr, k + 2), 0), tl.where(ok, _x_pair(x_ptr, perm_ptr, k + 3), 0))
     # In K order a row's 8 activations are 4 aligned int32s (K % 8 == 0): (x0, x1), (x2, x3), (x4, x5), (x6, x7),
     # regrouped into the pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7) by byte permutes.
     x32 = x_ptr.to(tl.pointer_type(tl.int32)) + rows * 4
-    a = tl.load(x32, mask=w_ok, other=0)
-    b = tl.load(x32 + 1, mask=w_ok, other=0)
-    c = tl.load(x32 + 2, mask=w_ok, other=0)
-    d = tl.load(x32 + 3, mask=w_ok, other=0)
+    a = tl.load(x32)
+    b = tl.load(x32 + 1)
+    c = tl.load(x32 + 2)
+    d = tl.load(x32 + 3)
     if _INTERPRETED:
         p0, p1 = (a & 0xFFFF) | (c << 16), ((a >> 16) & 0xFFFF) | (c & -65536)
         p2, p3 = (b & 0xFFFF) | (d << 16), ((b >> 16) & 0xFFFF) | (d & -65536)
@@ -145,7 +149,8 @@ def _load_step(x_ptr, perm_ptr, qw_ptr, offs_n, n_ok, first_row, K, stride_qk, K
             "prmt.b32 $0, $4, $6, 0x5410;\nprmt.b32 $1, $4, $6, 0x7632;\n"
             "prmt.b32 $2, $5, $7, 0x5410;\nprmt.b32 $3, $5, $7, 0x7632;", "=r,=r,=r,=r,r,r,r,r", [a, b, c, d],
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    return words, p0[:, None], p1[:, None], p2[:, None], p3[:, None]
+    return (words, tl.where(ok, p0[:, None], 0), tl.where(ok, p1[:, None], 0), tl.where(ok, p2[:, None], 0),
+            tl.where(ok, p3[:, None], 0))
 
 
 @triton.jit
@@ -158,8 +163,8 @@ def _one_row_half2(x_ptr, perm_ptr, qw_ptr, z, offs_n, n_ok, k_first, K, stride_
     bh = _pack((-(4.0 + z * 0.0625)).to(tl.float16), (-(4.0 + z * 0.0625)).to(tl.float16))[None, :]
     part = tl.zeros((KW, BLOCK_N), dtype=tl.float32)
     for pair in tl.static_range((K_STEPS + 1) // 2):
-        wa, xa0, xa1, xa2, xa3 = _load_step(x_ptr, perm_ptr, qw_ptr, offs_n, n_ok, k_first // 8 + 2 * pair * KW,
-                                            K, stride_qk, KW, PERMUTED)
+        wa, xa0, xa1, xa2, xa3 = _load_step(x_ptr, perm_ptr, qw_ptr, offs_n, n_ok,
+                                            k_first // 8 + 2 * pair * KW, K, stride_qk, KW, PERMUTED)
         if 2 * pair + 1 < K_STEPS:
             wb, xb0, xb1, xb2, xb3 = _load_step(x_ptr, perm_ptr, qw_ptr, offs_n, n_ok,
                                                 k_first // 8 + (2 * pair + 1) * KW, K, stride_qk, KW, PERMUTED)

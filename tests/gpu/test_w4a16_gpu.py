@@ -108,7 +108,7 @@ SPLITK_SHAPES = ((4, 4096, 14336, 128, True), (4, 4160, 96, 128, True), (8, 1056
                  (4, 14336, 4096, 128, False))
 
 
-@pytest.mark.parametrize("index", range(15))
+@pytest.mark.parametrize("index", range(17))
 @pytest.mark.parametrize("m", [1, 16])
 def test_every_benched_splitk_launch_matches_reference(index, m):
     """Each split-K launch the bench times, compiled, at model sizes and odd ones (partial last group, act-order,
@@ -116,9 +116,9 @@ def test_every_benched_splitk_launch_matches_reference(index, m):
     import bench_w4a16
     from pagedserve.quant import w4a16_splitk
 
-    assert len(bench_w4a16.SPLITK_SWEEP) == 15, "keep this test's range equal to the sweep's length"
+    assert len(bench_w4a16.SPLITK_SWEEP) == 17, "keep this test's range equal to the sweep's length"
     cfg = w4a16_splitk.SplitKConfig(*bench_w4a16.SPLITK_SWEEP[index])
-    if m > 1 and (cfg.unpack or cfg.in_place):
+    if m > 1 and (cfg.unpack or cfg.in_place or cfg.half2):
         pytest.skip("the same launch as another setting's above one row")
     for shape in SPLITK_SHAPES:
         w, dense = weight(*shape)
