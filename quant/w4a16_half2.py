@@ -1,5 +1,6 @@
-"""One decode row of the split-K GEMV (w4a16_splitk.py), 4-bit codes and fp16 activations, two codes an instruction:
-the fp16-pair dequantization of Marlin, on the CUDA cores.
+"""One decode row of the split-K GEMV (w4a16_splitk.py), 4-bit codes and 16-bit activations, two codes an
+instruction: the fp16-pair dequantization of Marlin, on the CUDA cores. bf16 activations are converted to fp16 once
+per row (exact from 2^-14 to 65504 in magnitude; smaller ones keep fp16's subnormal steps of 2^-24).
 
 A word holds the 8 codes of K rows 8r..8r+7. Masking it with 0x000F000F and OR-ing two fp16 1024.0s (0x64006400, one
 3-input logic instruction) gives the fp16 pair (1024 + q0, 1024 + q4); the mask 0x00F000F0 gives (1024 + 16 q1,
@@ -16,11 +17,11 @@ running sum, i.e. an error <= 8 * 2^-11 * sum |x (q - z)| per half, then the two
 summed in fp32 like the other paths. The 1/16 keeps the fp16 sums finite while the activation stays below
 65504 / 8 ~ 8190 in magnitude (|q - z| / 16 < 1; 8 products a half); it costs precision only where a product falls
 below fp16's normal range (|x (q - z)| < 2^-10): at most 2^-21 absolute per product. The sum is scaled back by 16
-(exact) with the group's scale.
+(exact) with the group's scale. A 16-row span (a 48-row group) has one word per fp16 sum.
 
 Under TRITON_INTERPRET the PTX cannot run: the same arithmetic is emulated in fp32 and rounded to fp16 after every
 multiply-add (exact products, so this differs from the HFMA2's single rounding only where the fp32 sum itself rounds,
-which needs operands 2^13 apart).
+which needs operands more than 2^8 apart, and then only at a rounding tie).
 """
 
 from __future__ import annotations
@@ -116,31 +117,38 @@ def _x_pair(x_ptr, perm_ptr, k):
     permutation is read by its low words (indices < K < 2^31, little-endian): a 32-bit index makes each activation's
     address one wide multiply-add instead of a 64-bit shift-add pair."""
     perm32 = perm_ptr.to(tl.pointer_type(tl.int32))
-    return _pack(tl.load(x_ptr + tl.load(perm32 + 2 * k)), tl.load(x_ptr + tl.load(perm32 + 2 * k + 8)))[:, None]
+    lo = tl.load(x_ptr + tl.load(perm32 + 2 * k)).to(tl.float16)  # bf16: converted (fp16 is a no-op)
+    return _pack(lo, tl.load(x_ptr + tl.load(perm32 + 2 * k + 8)).to(tl.float16))[:, None]
+
+
+@triton.jit
+def _bf16_pair_to_fp16(p):
+    """An int32 holding two bf16 bit patterns -> the same values as two fp16s (exact for 2^-14 <= |x| <= 65504)."""
+    lo = (p << 16).to(tl.float32, bitcast=True).to(tl.float16)
+    return _pack(lo, (p & -65536).to(tl.float32, bitcast=True).to(tl.float16))
 
 
 @triton.jit
 def _load_step(x_ptr, perm_ptr, qw_ptr, offs_n, n_ok, first_row, K, stride_qk, KW: tl.constexpr,
                PERMUTED: tl.constexpr):
-    """One step's words [KW, BLOCK_N] and its rows' four activation pairs (int32 [KW, 1] each). Rows past K read
-    zero words and, from the last row, activations that are then zeroed a pair at a time: unmasked loads (a masked
-    one costs a zeroing instruction per element, 8 a row where a select costs 4)."""
+    """One step's words [KW, BLOCK_N] and its rows' four activation pairs (int32 [KW, 1] each); rows past K read
+    zero words and zero activations."""
     rows = first_row + tl.arange(0, KW)
     w_ok = rows < K // 8
     words = tl.load(qw_ptr + rows.to(tl.int64)[:, None] * stride_qk + offs_n[None, :],
                     mask=w_ok[:, None] & n_ok[None, :], other=0, eviction_policy="evict_first")
-    k = tl.minimum(rows, K // 8 - 1) * 8
-    ok = w_ok[:, None]
-    if PERMUTED:
+    if PERMUTED:  # gathered from rows clamped inside K, zeroed a pair at a time past it: a masked 16-bit load costs
+        k = tl.minimum(rows, K // 8 - 1) * 8  # a zeroing instruction per element (8 a row, the select 4)
+        ok = w_ok[:, None]
         return (words, tl.where(ok, _x_pair(x_ptr, perm_ptr, k), 0), tl.where(ok, _x_pair(x_ptr, perm_ptr, k + 1), 0),
                 tl.where(ok, _x_pair(x_ptr, perm_ptr, k + 2), 0), tl.where(ok, _x_pair(x_ptr, perm_ptr, k + 3), 0))
     # In K order a row's 8 activations are 4 aligned int32s (K % 8 == 0): (x0, x1), (x2, x3), (x4, x5), (x6, x7),
     # regrouped into the pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7) by byte permutes.
     x32 = x_ptr.to(tl.pointer_type(tl.int32)) + rows * 4
-    a = tl.load(x32)
-    b = tl.load(x32 + 1)
-    c = tl.load(x32 + 2)
-    d = tl.load(x32 + 3)
+    a = tl.load(x32, mask=w_ok, other=0)
+    b = tl.load(x32 + 1, mask=w_ok, other=0)
+    c = tl.load(x32 + 2, mask=w_ok, other=0)
+    d = tl.load(x32 + 3, mask=w_ok, other=0)
     if _INTERPRETED:
         p0, p1 = (a & 0xFFFF) | (c << 16), ((a >> 16) & 0xFFFF) | (c & -65536)
         p2, p3 = (b & 0xFFFF) | (d << 16), ((b >> 16) & 0xFFFF) | (d & -65536)
@@ -149,8 +157,9 @@ def _load_step(x_ptr, perm_ptr, qw_ptr, offs_n, n_ok, first_row, K, stride_qk, K
             "prmt.b32 $0, $4, $6, 0x5410;\nprmt.b32 $1, $4, $6, 0x7632;\n"
             "prmt.b32 $2, $5, $7, 0x5410;\nprmt.b32 $3, $5, $7, 0x7632;", "=r,=r,=r,=r,r,r,r,r", [a, b, c, d],
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    return (words, tl.where(ok, p0[:, None], 0), tl.where(ok, p1[:, None], 0), tl.where(ok, p2[:, None], 0),
-            tl.where(ok, p3[:, None], 0))
+    if x_ptr.dtype.element_ty == tl.bfloat16:
+        p0, p1, p2, p3 = _bf16_pair_to_fp16(p0), _bf16_pair_to_fp16(p1), _bf16_pair_to_fp16(p2), _bf16_pair_to_fp16(p3)
+    return words, p0[:, None], p1[:, None], p2[:, None], p3[:, None]
 
 
 @triton.jit

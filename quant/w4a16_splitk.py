@@ -50,7 +50,7 @@ class SplitKConfig:
     reduce: str = "last"
     unpack: bool = False  # one row: each word loaded once, its codes taken field by field (not repeated loads)
     in_place: bool = False  # one row: fields masked in place, the activation scaled instead (_one_row_in_place)
-    half2: bool = False  # one row, fp16 activations, 4 bits: two codes an fp16x2 instruction (w4a16_half2.py)
+    half2: bool = False  # one row, 16-bit activations, 4 bits: two codes an fp16x2 instruction (w4a16_half2.py)
 
     def __post_init__(self) -> None:
         pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_n, self.block_k, self.k_steps, self.num_warps))
@@ -305,7 +305,7 @@ def splitk_gemv(x: torch.Tensor, layout: DecodeLayout, workspace: SplitKWorkspac
     out = (torch.empty if last else torch.zeros)(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(k, block_k * k_steps))
     dot_16bit = x.dtype == torch.float16 or (x.dtype == torch.bfloat16 and not INTERPRETED)
-    half2 = cfg.half2 and x.dtype == torch.float16 and layout.bits == 4
+    half2 = cfg.half2 and x.dtype in (torch.float16, torch.bfloat16) and layout.bits == 4
     _splitk_kernel[grid](
         x, perm if perm is not None else x, layout.qweight, layout.scales, layout.zeros, out,
         workspace.sums if last else out, workspace.counts if last else out, m, n, k, group, x.stride(0),

@@ -105,10 +105,10 @@ def test_splitk_fields_masked_in_place_match_reference(bits, k, n, group, act_or
     (4, 1024, 24, 128, False)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_splitk_half2_matches_reference(bits, k, n, group, act_order, dtype):
-    """The one-row variant that takes fp16 activations and 4-bit codes two at a time in fp16 (w4a16_half2.py; the
-    interpreter emulates its PTX): act-order, partial and odd groups (48: 16-row spans, one word per fp16 sum), one
-    group, many spans; 8 bits, bf16 and fp32 take the fp32 path. fp16 products and sums of 16 codes cost precision:
-    within the fp16 tolerance all the same (about half of it on the first shape)."""
+    """The one-row variant that takes 16-bit activations and 4-bit codes two at a time in fp16 (w4a16_half2.py; the
+    interpreter emulates its PTX; bf16 activations converted to fp16): act-order, partial and odd groups (48: 16-row
+    spans, one word per fp16 sum), one group, many spans; 8 bits and fp32 take the fp32 path. fp16 products and sums
+    of 16 codes cost precision: within the fp16 tolerance all the same (about half of it on the first shape)."""
     from pagedserve.quant import w4a16_splitk
 
     w = random_weight(k, n, bits, group, act_order, seed=k + n + bits)

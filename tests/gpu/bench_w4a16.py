@@ -42,7 +42,7 @@ CANDIDATES = ("gemv", "w4a16_decode", "w4a16_decode_serial", "w4a16_dense", "w4a
 # one row through tl.dot and the act-order permutation applied before the launch were slower); the _inplace ones mask
 # each field where it lies (4.5-5.5 instructions a code against 5.9-6.3 for ONE_ROW in sm_90 code,
 # benchmarks/w4a16_sass.py); the _half2 ones dequantize and multiply two codes an fp16x2 instruction (3.05-3.67 at
-# ONE_ROW's tile, 2.73-3.04 at 1024 columns; fp16 activations and 4 bits, others take the fp32 path).
+# ONE_ROW's tile, 2.73-3.04 at 1024 columns; 16-bit activations and 4 bits, others take the fp32 path).
 SPLITK_SWEEP = ((512, 32, 2, 2, 1, "last", True, False),
                 (256, 64, 2, 4, 1, "last", True, False),
                 (256, 32, 2, 2, 1, "last", True, False),
