@@ -79,6 +79,14 @@ def _pack(lo, hi):
 
 
 @triton.jit
+def _twice(v):
+    """An fp32 value (exact in fp16) as the int32 holding it twice in fp16: one pack-convert instruction."""
+    if _INTERPRETED:
+        return _pack(v.to(tl.float16), v.to(tl.float16))
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $1;", "=r,f", [v], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _fma16(a, b, c):
     """fp16 a * b + c rounded to fp16 once the exact product is summed in fp32 (the interpreter's HFMA2)."""
     return (a.to(tl.float32) * b.to(tl.float32) + c.to(tl.float32)).to(tl.float16)
@@ -168,8 +176,8 @@ def _one_row_half2(x_ptr, perm_ptr, qw_ptr, z, offs_n, n_ok, k_first, K, stride_
     """sum over the span of x (q - z) for each column (fp32 [BLOCK_N]); `z` the zero points (fp32, integers),
     `magic` FP16_PAIR_MAGIC in a register. Two steps' words at a time share one fp16 sum (16 codes a column)."""
     KW: tl.constexpr = BLOCK_K // 8
-    bl = _pack((-(64.0 + z * 0.0625)).to(tl.float16), (-(64.0 + z * 0.0625)).to(tl.float16))[None, :]
-    bh = _pack((-(4.0 + z * 0.0625)).to(tl.float16), (-(4.0 + z * 0.0625)).to(tl.float16))[None, :]
+    bl = _twice(-(64.0 + z * 0.0625))[None, :]
+    bh = _twice(-(4.0 + z * 0.0625))[None, :]
     part = tl.zeros((KW, BLOCK_N), dtype=tl.float32)
     for pair in tl.static_range((K_STEPS + 1) // 2):
         wa, xa0, xa1, xa2, xa3 = _load_step(x_ptr, perm_ptr, qw_ptr, offs_n, n_ok,
