@@ -41,8 +41,8 @@ SPLITK_CASES = (  # activation dtype, rows, bits, act-order gather, SplitKConfig
     ("bf16", 1, 4, True, {"half2": True, "unpack": True, "block_n": 1024}),  # bf16 pairs converted to fp16 per row
 )
 # The half2 variant's issue budget where a thread holds 16 columns (its per-row activation work shared by more
-# codes): sm_90 instructions per 4-bit code, 2.73 without the act-order gather and 3.04 with it when written, bf16
-# 2.95 and 3.23 (an H200 issues about 3.5 a code in the time copy bandwidth reads it; benchmarks/w4a16_sass.py). And
+# codes): sm_90 instructions per 4-bit code, 2.70 without the act-order gather and 3.02 with it when written, bf16
+# 2.87 and 3.14 (an H200 issues about 3.5 a code in the time copy bandwidth reads it; benchmarks/w4a16_sass.py). And
 # its fp16x2 multiply-adds at every tile: one a code (a dequantizing one and a multiply-add a pair), where unpaired
 # fp16 code takes two.
 HALF2_MAX_PER_CODE = {"fp16": 3.2, "bf16": 3.4}

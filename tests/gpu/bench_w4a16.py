@@ -41,8 +41,8 @@ CANDIDATES = ("gemv", "w4a16_decode", "w4a16_decode_serial", "w4a16_dense", "w4a
 # quant/w4a16_splitk.py's ONE_ROW and ROWS are the first and the tenth (chosen from the first device run's 15, where
 # one row through tl.dot and the act-order permutation applied before the launch were slower); the _inplace ones mask
 # each field where it lies (4.5-5.5 instructions a code against 5.9-6.3 for ONE_ROW in sm_90 code,
-# benchmarks/w4a16_sass.py); the _half2 ones dequantize and multiply two codes an fp16x2 instruction (3.05-3.67 at
-# ONE_ROW's tile, 2.73-3.04 at 1024 columns; 16-bit activations and 4 bits, others take the fp32 path).
+# benchmarks/w4a16_sass.py); the _half2 ones dequantize and multiply two codes an fp16x2 instruction (2.97-3.47 at
+# ONE_ROW's tile, 2.70-3.02 at 1024 columns; 16-bit activations and 4 bits, others take the fp32 path).
 SPLITK_SWEEP = ((512, 32, 2, 2, 1, "last", True, False),
                 (256, 64, 2, 4, 1, "last", True, False),
                 (256, 32, 2, 2, 1, "last", True, False),
