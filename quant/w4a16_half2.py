@@ -26,6 +26,7 @@ which needs operands more than 2^8 apart, and then only at a rounding tie).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -33,6 +34,12 @@ from pagedserve.quant.w4a16_triton import INTERPRETED
 
 # Two fp16 1024.0s: a 4-bit field OR-ed into either half's low mantissa bits reads 1024 + q (1024 + 16 q at bits 4-7).
 FP16_PAIR_MAGIC = 0x64006400
+
+
+def half2_takes(x: torch.Tensor, bits: int) -> bool:
+    """Whether a one-row launch asked for half2 runs it: 16-bit activations, 4-bit codes, and the activation 4-byte
+    aligned (its pairs are read as int32s; a row viewed 2 bytes into its storage would fault), else the fp32 path."""
+    return x.dtype in (torch.float16, torch.bfloat16) and bits == 4 and x.data_ptr() % 4 == 0
 
 
 def _word_ptx(words: int) -> str:

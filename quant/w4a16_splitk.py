@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.quant.w4a16_half2 import FP16_PAIR_MAGIC, _one_row_half2
+from pagedserve.quant.w4a16_half2 import FP16_PAIR_MAGIC, _one_row_half2, half2_takes
 from pagedserve.quant.w4a16_layout import DecodeLayout
 from pagedserve.quant.w4a16_rule import SPLITK_MAX_ROWS as MAX_ROWS  # the tl.dot tile's rows
 from pagedserve.quant.w4a16_triton import INTERPRETED
@@ -305,7 +305,7 @@ def splitk_gemv(x: torch.Tensor, layout: DecodeLayout, workspace: SplitKWorkspac
     out = (torch.empty if last else torch.zeros)(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(k, block_k * k_steps))
     dot_16bit = x.dtype == torch.float16 or (x.dtype == torch.bfloat16 and not INTERPRETED)
-    half2 = cfg.half2 and x.dtype in (torch.float16, torch.bfloat16) and layout.bits == 4
+    half2 = cfg.half2 and half2_takes(x, layout.bits)
     _splitk_kernel[grid](
         x, perm if perm is not None else x, layout.qweight, layout.scales, layout.zeros, out,
         workspace.sums if last else out, workspace.counts if last else out, m, n, k, group, x.stride(0),

@@ -51,3 +51,22 @@ def test_splitk_half2_fp16_sums_stay_finite_for_large_activations():
     assert (y - ref).abs().max().item() <= TOLERANCE[torch.float16] * ref.abs().max().item()
     with pytest.raises(ValueError, match="choose one"):
         w4a16_splitk.SplitKConfig(half2=True, in_place=True)
+
+
+def test_splitk_half2_takes_the_fp32_path_for_an_activation_two_bytes_off_alignment():
+    """The variant reads sorted activations as int32 pairs; a row viewed 2 bytes into its storage would fault on a
+    GPU (the interpreter reads it unaligned), so it takes the fp32 path, and still matches the reference; as do fp32
+    activations and 8-bit codes."""
+    from pagedserve.quant import w4a16_half2, w4a16_splitk
+
+    w = random_weight(256, 48, 4, 128, False, seed=11)
+    kernel = w4a16_kernel.W4A16Kernel(_on(w, DEVICE))
+    base = torch.randn(257, generator=torch.Generator().manual_seed(4)).half().to(DEVICE)
+    x = base[1:].view(1, 256)
+    assert x.data_ptr() % 4 == 2 and x.is_contiguous()
+    assert not w4a16_half2.half2_takes(x, 4) and w4a16_half2.half2_takes(base[:256].view(1, 256), 4)
+    assert w4a16_half2.half2_takes(x.bfloat16(), 4) and not w4a16_half2.half2_takes(x.float(), 4)
+    assert not w4a16_half2.half2_takes(base[:256].view(1, 256), 8)
+    ref = x.float().cpu() @ w.dequantize(torch.float32).t()
+    y = kernel.splitk(x, w4a16_splitk.SplitKConfig(block_n=32, unpack=True, half2=True)).float().cpu()
+    assert (y - ref).abs().max().item() <= TOLERANCE[torch.float16] * ref.abs().max().item()
