@@ -8,7 +8,9 @@ A word holds the 8 codes of K rows 8r..8r+7. Masking it with 0x000F000F and OR-i
 turns them into (q - z) / 16: (1024 + q) / 16 - (64 + z / 16) and (1024 + 16 q) / 256 - (4 + z / 16), every step
 exact in fp16 (the operands are multiples of the ulp of their binade, the result is representable). One more
 multiplies the pair by the activation pair (x[8r+i], x[8r+4+i]) and adds it to an fp16x2 sum. So 8 codes cost 4 logic
-ops, a shift and 8 fp16x2 multiply-adds (13 instructions, 1.6 a code) before the sum is widened.
+ops, a shift and 8 fp16x2 multiply-adds (13 instructions, 1.6 a code); widening a two-word sum to fp32 and adding
+it costs 4 more per 16 codes. The rest (loads, addresses, activation pairs, the span's reduction and its atomics)
+brings the count to 2.7-3.5 a code (benchmarks/w4a16_sass.py).
 
 Rounding, against the fp32 path's exact products and fp32 sums: each product x (q - z) / 16 is rounded to fp16 (the
 HFMA2 rounds product and sum once; the activation is fp16, so the exact product has 15 significant bits), and the
@@ -129,8 +131,7 @@ def _word_emulated(w, x0, x1, x2, x3, bl, bh, magic, acc_lo, acc_hi):
 @triton.jit
 def _x_pair(x_ptr, perm_ptr, k):
     """(x[perm[k]], x[perm[k + 4]]) as one int32 per row, [rows, 1] (act-order: gathered one by one). The int64
-    permutation is read by its low words (indices < K < 2^31, little-endian): a 32-bit index makes each activation's
-    address one wide multiply-add instead of a 64-bit shift-add pair."""
+    permutation is read by its low words (indices < K < 2^31, little-endian): one register an index, not two."""
     perm32 = perm_ptr.to(tl.pointer_type(tl.int32))
     lo = tl.load(x_ptr + tl.load(perm32 + 2 * k)).to(tl.float16)  # bf16: converted (fp16 is a no-op)
     return _pack(lo, tl.load(x_ptr + tl.load(perm32 + 2 * k + 8)).to(tl.float16))[:, None]
