@@ -5,10 +5,12 @@
 A decode GEMV that reads weights at copy speed must also issue its instructions in that time: an H200 issues about
 30 T lane-instructions a second (132 SMs x 4 schedulers x 32 lanes x ~1.75 GHz) while copy bandwidth (4.2 TB/s)
 brings 8.4 T 4-bit codes, so about 3.5 instructions a code, and less where anything else stalls. This compiles
-quant/w4a16_splitk.py's launches (as the rule runs them, fp16 and 4-bit, with and without the act-order gather, and
-the `in_place` variant) for sm_90, disassembles them with cuobjdump and prints JSON: per launch, the SASS
-instructions, the 4-bit codes one thread handles, their ratio and the most frequent opcodes. Static counts of the
-straight-line kernel (a program runs its K span unrolled, no loop), so they are what each program executes.
+quant/w4a16_splitk.py's launches (as the rule runs them, fp16 and 4-bit, with and without the act-order gather, the
+`in_place` variant, and the `half2` one at ONE_ROW's tile and at 1024 columns, 16 a thread, the latter with bf16
+activations too) for sm_90, disassembles them with cuobjdump and prints JSON: per launch, the SASS instructions, the
+4-bit codes one thread handles, their ratio and the most frequent opcodes. Static counts of the straight-line kernel
+(a program runs its K span unrolled, no loop), so they are what each program executes. Counts are not speeds: a
+device run decides.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ ARGS = ("x_ptr", "perm_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "ws_ptr", "c
 TYPES = ("*fp16", "*i64", "*i32", "*fp16", "*fp16", "*fp16", "*fp32", "*i32") + ("i32",) * 8
 
 
-def compile_launch(cfg: splitk.SplitKConfig, rows: int, permuted: bool):
+def compile_launch(cfg: splitk.SplitKConfig, rows: int, permuted: bool, act: str = "fp16"):
     block_m = 1 if rows == 1 else splitk.MAX_ROWS
     constants = dict(BITS=4, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_STEPS=cfg.k_steps,
-                     PERMUTED=permuted, DOT_16BIT=True, UNPACK=cfg.unpack, IN_PLACE=cfg.in_place,
+                     PERMUTED=permuted, DOT_16BIT=True, UNPACK=cfg.unpack, IN_PLACE=cfg.in_place, HALF2=cfg.half2,
                      LAST=cfg.reduce == "last")
-    signature = {**dict(zip(ARGS, TYPES)), **{name: "constexpr" for name in constants}}
+    types = [t.replace("fp16", act) if name in ("x_ptr", "out_ptr") else t for name, t in zip(ARGS, TYPES)]
+    signature = {**dict(zip(ARGS, types)), **{name: "constexpr" for name in constants}}
     # The runtime specializes pointers and 16-divisible ints (every stride and width here) as divisible by 16.
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(ARGS) if name != "M"}
     return triton.compile(ASTSource(splitk._splitk_kernel, signature, constants, attrs),
@@ -57,11 +60,11 @@ def opcodes(cubin: bytes) -> collections.Counter:
     return collections.Counter(match.group(1) for match in found)
 
 
-def launch_row(name: str, cfg: splitk.SplitKConfig, rows: int, permuted: bool) -> dict:
-    counts = opcodes(compile_launch(cfg, rows, permuted).asm["cubin"])
+def launch_row(name: str, cfg: splitk.SplitKConfig, rows: int, permuted: bool, act: str = "fp16") -> dict:
+    counts = opcodes(compile_launch(cfg, rows, permuted, act).asm["cubin"])
     codes = cfg.block_k * cfg.k_steps * cfg.block_n // (32 * cfg.num_warps)  # one K span x column tile, per thread
     total = sum(counts.values())
-    return {"launch": name, "config": cfg.name, "rows": rows, "act_order_gather": permuted,
+    return {"launch": name, "config": cfg.name, "activations": act, "rows": rows, "act_order_gather": permuted,
             "instructions_per_thread": total, "codes_per_thread": codes,
             "instructions_per_code": round(total / codes, 2), "top": dict(counts.most_common(12))}
 
@@ -71,7 +74,12 @@ def main() -> int:
         print("this triton wheel carries no cuobjdump", file=sys.stderr)
         return 3
     in_place = dataclasses.replace(splitk.ONE_ROW, in_place=True)
-    launches = [("one_row", splitk.ONE_ROW, 1, True), ("one_row", splitk.ONE_ROW, 1, False),
+    half2 = dataclasses.replace(splitk.ONE_ROW, half2=True)
+    half2_wide = dataclasses.replace(half2, block_n=1024)
+    launches = [("one_row_half2", half2, 1, True), ("one_row_half2", half2, 1, False),
+                ("one_row_half2", half2_wide, 1, True), ("one_row_half2", half2_wide, 1, False),
+                ("one_row_half2", half2_wide, 1, True, "bf16"), ("one_row_half2", half2_wide, 1, False, "bf16"),
+                ("one_row", splitk.ONE_ROW, 1, True), ("one_row", splitk.ONE_ROW, 1, False),
                 ("one_row_in_place", in_place, 1, True), ("one_row_in_place", in_place, 1, False),
                 ("rows", splitk.ROWS, 16, True)]
     print(json.dumps([launch_row(*launch) for launch in launches], indent=1))

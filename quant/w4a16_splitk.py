@@ -11,8 +11,8 @@ exits, so the SMs keep many independent loads in flight (gemlite's reversed spli
 - a code becomes a float without a conversion instruction: OR-ing it into the mantissa of 2^23 gives 2^23 + q
   exactly, and subtracting 2^23 + z (one per column) leaves q - z: the zero point costs nothing per weight;
 - one K span lies inside one group, so the scale multiplies the span's sum once;
-- one row multiplies and sums on the CUDA cores in fp32; more rows pad to 16
-  and go through tl.dot with the integer weights exact in the activation's 16-bit type;
+- one row multiplies and sums on the CUDA cores in fp32 (`half2`: fp16x2, two codes an instruction, w4a16_half2.py);
+  more rows pad to 16 and go through tl.dot with the integer weights exact in the activation's 16-bit type;
 - act-order's permutation is a gather of the activation inside the kernel.
 Partial sums meet in one of two ways (`reduce`): "atomic" adds them into the zeroed output in its own type, fp16
 or fp32 (as exllama's GPTQ kernels do; the summation order varies between runs; bf16 takes "last"), "last" adds
@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.quant.w4a16_half2 import FP16_PAIR_MAGIC, _one_row_half2, half2_takes
 from pagedserve.quant.w4a16_layout import DecodeLayout
 from pagedserve.quant.w4a16_rule import SPLITK_MAX_ROWS as MAX_ROWS  # the tl.dot tile's rows
 from pagedserve.quant.w4a16_triton import INTERPRETED
@@ -49,6 +50,7 @@ class SplitKConfig:
     reduce: str = "last"
     unpack: bool = False  # one row: each word loaded once, its codes taken field by field (not repeated loads)
     in_place: bool = False  # one row: fields masked in place, the activation scaled instead (_one_row_in_place)
+    half2: bool = False  # one row, 16-bit activations, 4 bits: two codes an fp16x2 instruction (w4a16_half2.py)
 
     def __post_init__(self) -> None:
         pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_n, self.block_k, self.k_steps, self.num_warps))
@@ -57,10 +59,13 @@ class SplitKConfig:
                              "block_n and block_k >= 16")
         if self.reduce not in REDUCES:
             raise ValueError(f"reduce {self.reduce!r} is not one of {REDUCES}")
+        if self.half2 and self.in_place:
+            raise ValueError("half2 and in_place are two one-row variants: choose one")
 
     @property
     def name(self) -> str:
-        tail = ("_unpack" if self.unpack else "") + ("_inplace" if self.in_place else "")
+        tail = "".join(t for t, on in (("_unpack", self.unpack), ("_inplace", self.in_place), ("_half2", self.half2))
+                       if on)
         sizes = f"{self.block_n}_{self.block_k}_{self.k_steps}_{self.num_warps}_{self.num_stages}"
         return f"splitk_{sizes}_{self.reduce}{tail}"
 
@@ -195,7 +200,8 @@ def _rows_dot(x_ptr, perm_ptr, qw_ptr, bias, offs_n, n_ok, k_first, M, K, stride
 def _splitk_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, GROUP,
                    stride_xm, stride_qk, stride_sg, magic, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, PERMUTED: tl.constexpr,
-                   DOT_16BIT: tl.constexpr, UNPACK: tl.constexpr, IN_PLACE: tl.constexpr, LAST: tl.constexpr):
+                   DOT_16BIT: tl.constexpr, UNPACK: tl.constexpr, IN_PLACE: tl.constexpr, HALF2: tl.constexpr,
+                   LAST: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -208,6 +214,9 @@ def _splitk_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, count
     if BLOCK_M > 1:
         acc = _rows_dot(x_ptr, perm_ptr, qw_ptr, bias, offs_n, n_ok, k_first, M, K, stride_xm, stride_qk, BITS,
                         BLOCK_M, BLOCK_N, BLOCK_K, K_STEPS, PERMUTED, DOT_16BIT)
+    elif HALF2:
+        acc = _one_row_half2(x_ptr, perm_ptr, qw_ptr, bias - 8388608.0, offs_n, n_ok, k_first, K, stride_qk, magic,
+                             BLOCK_N, BLOCK_K, K_STEPS, PERMUTED)[None, :]
     elif IN_PLACE:
         sum_xq, sum_x = _one_row_in_place(x_ptr, perm_ptr, qw_ptr, offs_n, n_ok, k_first, K, stride_qk, magic, BITS,
                                           BLOCK_N, BLOCK_K, K_STEPS, PERMUTED)
@@ -296,10 +305,12 @@ def splitk_gemv(x: torch.Tensor, layout: DecodeLayout, workspace: SplitKWorkspac
     out = (torch.empty if last else torch.zeros)(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(k, block_k * k_steps))
     dot_16bit = x.dtype == torch.float16 or (x.dtype == torch.bfloat16 and not INTERPRETED)
+    half2 = cfg.half2 and half2_takes(x, layout.bits)
     _splitk_kernel[grid](
         x, perm if perm is not None else x, layout.qweight, layout.scales, layout.zeros, out,
         workspace.sums if last else out, workspace.counts if last else out, m, n, k, group, x.stride(0),
-        layout.qweight.stride(0), layout.scales.stride(0), MANTISSA_MAGIC, BITS=layout.bits, BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=block_k, K_STEPS=k_steps, PERMUTED=perm is not None, DOT_16BIT=dot_16bit,
-        UNPACK=cfg.unpack, IN_PLACE=cfg.in_place, LAST=last, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        layout.qweight.stride(0), layout.scales.stride(0), FP16_PAIR_MAGIC if half2 else MANTISSA_MAGIC,
+        BITS=layout.bits, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, K_STEPS=k_steps,
+        PERMUTED=perm is not None, DOT_16BIT=dot_16bit, UNPACK=cfg.unpack, IN_PLACE=cfg.in_place, HALF2=half2,
+        LAST=last, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

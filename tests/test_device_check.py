@@ -104,7 +104,7 @@ def test_dry_run_stage_details(dry_report):
     one_row = [r for r in dry_report["benchmarks"]["w4a16_gemm"] if r["m"] == 1]
     for row in one_row:  # every split-K launch of the sweep ran (under the interpreter), none raised
         splitk = {name: c for name, c in row["candidates"].items() if name.startswith("splitk")}
-        assert len(splitk) == 15 and all("ms" in c for c in splitk.values()), row
+        assert len(splitk) == 17 and all("ms" in c for c in splitk.values()), row
 
 
 def test_wheel_list_is_pinned_and_agrees_with_pyproject():

@@ -34,7 +34,19 @@ SPLITK_CASES = (  # activation dtype, rows, bits, act-order gather, SplitKConfig
     ("fp16", 1, 4, False, {"unpack": True, "block_k": 64, "num_warps": 4}),
     ("fp16", 1, 4, True, {"in_place": True, "block_n": 512}),
     ("bf16", 1, 8, False, {"in_place": True}),
+    ("fp16", 1, 4, True, {"half2": True, "unpack": True, "block_n": 512}),  # ONE_ROW's tile, two codes an fp16x2 op
+    ("fp16", 1, 4, True, {"half2": True, "unpack": True, "block_n": 1024}),  # 16 columns a thread
+    ("fp16", 1, 4, False, {"half2": True, "unpack": True, "block_n": 1024}),
+    ("fp16", 1, 4, False, {"half2": True, "unpack": True, "block_k": 16, "k_steps": 1}),  # one word per fp16 sum
+    ("bf16", 1, 4, True, {"half2": True, "unpack": True, "block_n": 1024}),  # bf16 pairs converted to fp16 per row
 )
+# The half2 variant's issue budget where a thread holds 16 columns (its per-row activation work shared by more
+# codes): sm_90 instructions per 4-bit code, 2.70 without the act-order gather and 3.02 with it when written, bf16
+# 2.87 and 3.14 (an H200 issues about 3.5 a code in the time copy bandwidth reads it; benchmarks/w4a16_sass.py). And
+# its fp16x2 multiply-adds at every tile: one a code (a dequantizing one and a multiply-add a pair), where unpaired
+# fp16 code takes two.
+HALF2_MAX_PER_CODE = {"fp16": 3.2, "bf16": 3.4}
+HALF2_FP16X2_PER_CODE = (1.0, 1.1)
 GEMV_CASES = (  # activation dtype, rows, bits, act-order gather, serial reduction
     ("fp16", 1, 4, True, True),
     ("bf16", 4, 8, False, False),
@@ -51,9 +63,10 @@ def compile_all() -> dict:
 
     target = GPUTarget("cuda", 90, 32)
 
-    def build(kernel, signature, constants, num_warps=4):
+    def build(kernel, signature, constants, num_warps=4, attrs=None):
         sig = {**signature, **{c: "constexpr" for c in constants}}
-        return triton.compile(ASTSource(kernel, sig, constants), target=target, options={"num_warps": num_warps})
+        return triton.compile(ASTSource(kernel, sig, constants, attrs), target=target,
+                              options={"num_warps": num_warps})
 
     out = {}
     for x, rows, bits, dot16, serial in CASES:
@@ -90,6 +103,25 @@ def compile_all() -> dict:
     return out
 
 
+def sass_counts(cubin: bytes) -> dict | None:
+    """Opcode counts of the kernel's sm_90 machine code (cuobjdump from Triton's wheel), None without one."""
+    import collections
+    import re
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    found = re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass)
+    return dict(collections.Counter(match.group(1) for match in found))
+
+
 def compile_splitk(build) -> dict:
     import torch
 
@@ -97,6 +129,9 @@ def compile_splitk(build) -> dict:
 
     args = ("x_ptr", "perm_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "ws_ptr", "count_ptr", "M", "N", "K", "GROUP",
             "stride_xm", "stride_qk", "stride_sg", "magic")
+    # As the runtime specializes them: pointers and 16-divisible ints (every stride and width but M) divisible by 16,
+    # so that the counted code has the 16-byte loads a launch gets.
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args) if name != "M"}
     out = {}
     for x, rows, bits, permuted, fields in SPLITK_CASES:
         cfg = sk.config_for(rows) if fields is None else sk.SplitKConfig(**fields)
@@ -105,13 +140,23 @@ def compile_splitk(build) -> dict:
         block_m = 1 if rows == 1 else sk.MAX_ROWS
         k = build(sk._splitk_kernel, dict(zip(args, types)),
                   dict(BITS=bits, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_STEPS=cfg.k_steps,
-                       PERMUTED=permuted, DOT_16BIT=True, UNPACK=cfg.unpack, IN_PLACE=cfg.in_place, LAST=last),
-                  cfg.num_warps)
+                       PERMUTED=permuted, DOT_16BIT=True, UNPACK=cfg.unpack, IN_PLACE=cfg.in_place,
+                       HALF2=cfg.half2, LAST=last),
+                  cfg.num_warps, aligned if cfg.half2 else None)
         ptx = k.asm["ptx"]
-        out[f"splitk-{cfg.name}-{x}-{rows}-{bits}"] = {
+        key = f"splitk-{cfg.name}-{x}-{rows}-{bits}-{'gather' if permuted else 'sorted'}"
+        out[key] = {
             "shared": k.metadata.shared, "serial": False, "mma": "mma.sync" in ptx,
             "one_thread_atomic": "@%p" in ptx.split("atom.global.gpu.acq_rel.add")[0][-40:] if last else None,
-            "int_to_float": "cvt.rn.f32.s32" in ptx or "cvt.rn.f32.u32" in ptx, "block_m": block_m}
+            "int_to_float": "cvt.rn.f32.s32" in ptx or "cvt.rn.f32.u32" in ptx, "block_m": block_m,
+            "half2": cfg.half2, "f16x2": "fma.rn.f16x2" in ptx, "act": x}
+        if cfg.half2:
+            counts = sass_counts(k.asm["cubin"])
+            codes = cfg.block_k * cfg.k_steps * cfg.block_n // (32 * cfg.num_warps)  # per thread
+            out[key].update(
+                sass_per_code=None if counts is None else sum(counts.values()) / codes,
+                fp16x2_per_code=None if counts is None else (counts.get("HFMA2", 0) + counts.get("HMUL2", 0)) / codes,
+                wide=cfg.block_n // (32 * cfg.num_warps) >= 16 and cfg.k_steps >= 2)
     return out
 
 
@@ -130,6 +175,12 @@ def test_kernels_compile_for_sm90():
         if name.startswith("splitk"):  # 16 rows (and one, padded, where asked) on the tensor cores
             assert r["mma"] == (r["block_m"] > 1), name
             assert r["one_thread_atomic"] in (None, True), name
+        if r.get("half2"):  # two codes an fp16x2 instruction, within the issue budget where the tile is wide
+            assert r["f16x2"], name
+            lo, hi = HALF2_FP16X2_PER_CODE
+            assert r["sass_per_code"] is None or lo <= r["fp16x2_per_code"] <= hi, (name, r)
+            bound = HALF2_MAX_PER_CODE[r["act"]]
+            assert r["sass_per_code"] is None or not r["wide"] or r["sass_per_code"] < bound, (name, r)
         assert r["shared"] <= 227 * 1024, name  # an H100's shared memory per block
         if r["serial"]:  # one thread takes the ticket and reads the partials through L2
             assert r["one_thread_atomic"] and r["cg_loads"], name
