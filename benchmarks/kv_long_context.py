@@ -13,11 +13,7 @@ reverses every other round (A B C C B A ...). Every run is also compared with th
 time between its nearest runs on either side (`vs_first_bracketed`): a VM whose rate drifts steadily by tens of
 percent over minutes (seen on the SPR guest) moves every other figure here, not that one. Before every run (and
 after the last) the read bandwidth of a 1 GiB buffer is recorded (`read_gbs_before`, `read_gbs_after`), so that a
-slow stretch of the VM shows in the raw file beside the runs it slowed. `--interleave` goes further: each round
-builds every dtype's engine in one process and steps them in turn, each timed on its own clock (the time inside its
-own calls), so a ratio within a round sees one host rate (the cost: each engine's data is evicted between its steps
-by the others', which a run alone does not suffer, and the 8-bit caches' smaller rows are the ones a run alone may
-find still cached: expect their lead to read lower than in runs alone, not higher).
+slow stretch of the VM shows in the raw file beside the runs it slowed.
 
     python benchmarks/kv_long_context.py --kv-cache-memory 256MiB --json long.json   # bf16 vs int8 vs fp8
     python benchmarks/kv_long_context.py --kv-cache-memory 128MiB --requests 4 --shortest 2048 --longest 4096 \
@@ -55,78 +51,33 @@ def workload(requests: int, shortest: int, longest: int, seed: int) -> list[list
     return [[rng.randrange(200, 20000) for _ in range(n)] for n in lengths]
 
 
-class TimedEngine:
-    """One cache dtype's engine with the workload submitted, and its own clock: the time spent inside its calls
-    (submitting and stepping), so that engines stepped in turn (`--interleave`) each count only their own work."""
-
-    def __init__(self, kv: str, memory: int, prompts: list[list[int]], output_tokens: int, max_num_seqs: int,
-                 block_size: int = 16):
-        self.engine = LLMEngine(EngineConfig(kv_cache_dtype=kv, kv_cache_memory=memory, max_num_seqs=max_num_seqs,
-                                             block_size=block_size))
-        self.prompts, self.output_tokens, self.memory = prompts, output_tokens, memory
-        self.first_token: dict[str, float] = {}
-        self.own = 0.0
-        self.peak = self.steps = 0
-        # One short request first, untimed: the process's first steps pay one-time costs (kernel loads, allocator
-        # growth) that would otherwise land on whichever engine steps first.
-        self.engine.add_request("warm-up", list(range(300, 364)), SamplingParams(max_tokens=4, ignore_eos=True))
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
-        params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
-        t0 = time.perf_counter()
-        for n, prompt in enumerate(prompts):
-            self.engine.add_request(f"r{n}", prompt, params)
-        self.own += time.perf_counter() - t0
-
-    @property
-    def done(self) -> bool:
-        return not self.engine.has_unfinished_requests()
-
-    def step(self) -> None:
-        t0 = time.perf_counter()
-        outputs = self.engine.step()
-        self.own += time.perf_counter() - t0
-        for out in outputs:
-            if out.outputs and out.outputs[0].token_ids and out.request_id not in self.first_token:
-                self.first_token[out.request_id] = self.own
-        self.steps += 1
-        self.peak = max(self.peak, self.engine.stats().num_running)
-
-    def result(self) -> dict:
-        stats = self.engine.stats()
-        ttft = sorted(self.first_token.values())
-        prompt_tokens, output_tokens = sum(len(p) for p in self.prompts), len(self.prompts) * self.output_tokens
-        return {"kv_cache_dtype": stats.kv_cache_dtype, "kv_cache_memory": self.memory,
-                "blocks": stats.num_kv_blocks, "tokens_in_budget": stats.num_kv_blocks * stats.block_size,
-                "requests": len(self.prompts), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
-                "seconds": self.own, "steps": self.steps, "peak_running": self.peak,
-                "preemptions": stats.num_preemptions,
-                "total_tokens_per_s": (prompt_tokens + output_tokens) / self.own,
-                "output_tokens_per_s": output_tokens / self.own,
-                "ttft_mean_s": statistics.fmean(ttft), "ttft_median_s": statistics.median(ttft), "ttft_max_s": ttft[-1]}
-
-
 def run(kv: str, memory: int, prompts: list[list[int]], output_tokens: int, max_num_seqs: int,
         block_size: int = 16) -> dict:
-    timed = TimedEngine(kv, memory, prompts, output_tokens, max_num_seqs, block_size)
-    while not timed.done:
-        timed.step()
-    return timed.result()
-
-
-def run_interleaved(kvs: list[str], memory: int, prompts: list[list[int]], output_tokens: int, max_num_seqs: int,
-                    block_size: int = 16) -> dict[str, dict]:
-    """Every dtype's engine in this process, stepped in turn (one step each, round and round, until all are done),
-    each timed on its own clock: a change in the host's rate lands on all of them within milliseconds, where
-    separate runs minutes apart each get their own. Between two of its steps an engine's data leaves the caches
-    that the other engines' steps fill, which a run alone would keep: the smaller cache, whose rows a run alone
-    may find still cached, loses most by it."""
-    engines = [TimedEngine(kv, memory, prompts, output_tokens, max_num_seqs, block_size) for kv in kvs]
-    while not all(t.done for t in engines):
-        for t in engines:
-            if not t.done:
-                t.step()
-    return {kv: t.result() for kv, t in zip(kvs, engines)}
+    engine = LLMEngine(EngineConfig(kv_cache_dtype=kv, kv_cache_memory=memory, max_num_seqs=max_num_seqs,
+                                    block_size=block_size))
+    params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    for n, prompt in enumerate(prompts):
+        engine.add_request(f"r{n}", prompt, params)
+    first_token: dict[str, float] = {}
+    peak = steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.outputs and out.outputs[0].token_ids and out.request_id not in first_token:
+                first_token[out.request_id] = time.perf_counter() - t0
+        steps += 1
+        peak = max(peak, engine.stats().num_running)
+    seconds = time.perf_counter() - t0
+    stats = engine.stats()
+    ttft = sorted(first_token.values())
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"kv_cache_dtype": stats.kv_cache_dtype, "kv_cache_memory": memory, "blocks": stats.num_kv_blocks,
+            "tokens_in_budget": stats.num_kv_blocks * stats.block_size, "requests": len(prompts),
+            "prompt_tokens": prompt_tokens, "output_tokens": len(prompts) * output_tokens, "seconds": seconds,
+            "steps": steps, "peak_running": peak, "preemptions": stats.num_preemptions,
+            "total_tokens_per_s": (prompt_tokens + len(prompts) * output_tokens) / seconds,
+            "output_tokens_per_s": len(prompts) * output_tokens / seconds,
+            "ttft_mean_s": statistics.fmean(ttft), "ttft_median_s": statistics.median(ttft), "ttft_max_s": ttft[-1]}
 
 
 def main() -> None:
@@ -144,9 +95,6 @@ def main() -> None:
     parser.add_argument("--alternate", action="store_true",
                         help="every other round runs the dtypes in reverse order (A B C, C B A, ...): each later "
                              "dtype then has a first-dtype run on both sides, and the bracketed ratios use both")
-    parser.add_argument("--interleave", action="store_true",
-                        help="each round builds every dtype's engine in this process and steps them in turn, each "
-                             "on its own clock (run_interleaved): ratios within a round then share the host's rate")
     parser.add_argument("--label", default="", help="e.g. 'noisy' when other jobs share the machine")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -154,15 +102,6 @@ def main() -> None:
     runs: dict[str, list[dict]] = {kv: [] for kv in args.kv}
     sequence: list[tuple[str, dict, float]] = []  # every run in the order it ran, with its midpoint in time
     for r in range(args.rounds):
-        if args.interleave:
-            probe, start = read_gbs(), time.monotonic()
-            rows = run_interleaved(args.kv, args.kv_cache_memory, prompts, args.output_tokens, args.max_num_seqs,
-                                   args.block_size)
-            for kv in args.kv:  # one moment for all: the bracketing then pairs each with this round's first
-                runs[kv].append({**rows[kv], "read_gbs_before": probe, "wall_seconds": time.monotonic() - start})
-                sequence.append((kv, runs[kv][-1], start))
-                print(json.dumps({"round": r, **runs[kv][-1]}), flush=True)
-            continue
         for kv in (args.kv[::-1] if args.alternate and r % 2 else args.kv):
             probe = read_gbs()
             start = time.monotonic()
