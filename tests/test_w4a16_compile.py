@@ -104,22 +104,12 @@ def compile_all() -> dict:
 
 
 def sass_counts(cubin: bytes) -> dict | None:
-    """Opcode counts of the kernel's sm_90 machine code (cuobjdump from Triton's wheel), None without one."""
-    import collections
-    import re
-    import tempfile
+    """Opcode counts of the kernel's sm_90 machine code (benchmarks/w4a16_sass.py's count, with the cuobjdump of
+    Triton's wheel), None without one."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # scripts, not a package
+    from w4a16_sass import BIN, opcodes
 
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not tool.exists():
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "kernel.cubin"
-        path.write_bytes(cubin)
-        sass = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
-    found = re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass)
-    return dict(collections.Counter(match.group(1) for match in found))
+    return dict(opcodes(cubin)) if (BIN / "cuobjdump").exists() else None
 
 
 def compile_splitk(build) -> dict:
