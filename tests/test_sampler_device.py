@@ -99,7 +99,8 @@ def test_device_picks_draw_what_the_sampler_draws_and_survive_a_nan_row():
     poisoned = logits.clone()
     poisoned[3, 2] = float("nan")
     rows = sampler.device_picks(poisoned, seqs())
-    assert rows.finite.tolist() == [True, True, True, False] and rows.tokens[:3].tolist() == [t for t, _ in expected[:3]]
+    assert rows.finite.tolist() == [True, True, True, False]
+    assert rows.tokens[:3].tolist() == [t for t, _ in expected[:3]]
     assert not sampler.picks_on_device(Sequence("h", 0, [5, 6, 7], 3, SamplingParams(temperature=0.5,
                                                                                      bad_words_ids=[[4]]),
                                                 SequenceMetrics(0.0)))

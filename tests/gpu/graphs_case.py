@@ -64,8 +64,8 @@ def graphs_case(model: Callable, dtype: str, engine: Callable) -> Callable:
         # A dry run's few tokens leave no steady decode to look ahead in (tests/test_async_scheduling.py covers it).
         graphs_ok = scale.device != "cuda" or (len(padded_sizes) >= 2 and record["lookahead_steps"] > 0)
         complete = [len(t) for t in tokens["graphs"]] == max_tokens
-        ok = (not mismatched and not mismatched_async and graphs_ok and complete
-              and record["blocks_free_after"] and record["blocks_free_after_eager"] and record["blocks_free_after_async"])
+        blocks_back = all(record[k] for k in ("blocks_free_after", "blocks_free_after_eager", "blocks_free_after_async"))
+        ok = not mismatched and not mismatched_async and graphs_ok and complete and blocks_back
         return {"status": "passed" if ok else "failed", **record, "mismatched_prompts": mismatched,
                 "mismatched_prompts_async": mismatched_async, "padded_sizes_replayed": sorted(padded_sizes, key=int),
                 **(tokens if mismatched or mismatched_async else {})}

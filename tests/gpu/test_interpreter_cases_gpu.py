@@ -1,9 +1,10 @@
 """The Triton interpreter suites' kernel cases, run compiled on the GPU.
 
 tests/test_triton_attention.py, test_triton_decode_attention.py, test_decode_word_tiles.py, test_triton_kv_write.py,
-test_quant_triton.py and test_w4a16.py choose CUDA when it is present; importing their kernel tests here collects
-them under this module's `gpu` mark, so `pytest -m gpu tests/gpu` runs them on the device. (Their engine tests need the default model's tokenizer package, which the GPU machine lacks;
-test_triton_gpu.py and e2e_check.py cover the engine there.)
+test_quant_triton.py, test_w4a16.py and test_w4a16_half2.py choose CUDA when it is present; importing their kernel
+tests here collects them under this module's `gpu` mark, so `pytest -m gpu tests/gpu` runs them on the device.
+(Their engine tests need the default model's tokenizer package, which the GPU machine lacks; test_triton_gpu.py and
+e2e_check.py cover the engine there.)
 """
 
 from __future__ import annotations
@@ -64,8 +65,14 @@ from test_w4a16 import (  # noqa: E402,F401
     test_awq_tool_checkpoint_through_decode_layout,
     test_decode_kernel_16bit_activations,
     test_decode_kernel_matches_reference,
+    test_dense_path_by_column_chunks,
     test_split_k_partial_sums_and_dense_path,
     test_splitk_gemv_16bit_activations,
     test_splitk_gemv_matches_reference,
     test_splitk_last_reduction_leaves_workspace_zero_and_rule,
+)
+from test_w4a16_half2 import (  # noqa: E402,F401
+    test_splitk_half2_fp16_sums_stay_finite_for_large_activations,
+    test_splitk_half2_matches_reference,
+    test_splitk_half2_takes_the_fp32_path_for_an_activation_two_bytes_off_alignment,
 )
