@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.kernels import huge_pages
+from pagedserve.kernels.cpu import isa
 from pagedserve.kernels.cpu import native as cpu_native
 from pagedserve.kernels.cpu.build import COMMON_FLAGS
 from pagedserve.kernels.cpu.structs import DecodeArgs
@@ -53,7 +54,7 @@ def _build(sources: dict[str, str], folder: Path, name: str, defines: tuple[str,
         (folder / file).write_text(text)
     target = folder / f"{name}.so"
     c_files = [str(folder / f) for f in sources if f.endswith(".c")]
-    flags = (*COMMON_FLAGS, "-march=native")
+    flags = (*COMMON_FLAGS, *isa.compile_flags(isa.requested_tier()))
     subprocess.run(["gcc", *flags, *defines, *c_files, "-o", str(target), "-lm"], check=True)
     lib = ctypes.CDLL(str(target))
     lib.pagedserve_decode_attention.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_int64,
@@ -64,7 +65,7 @@ def _build(sources: dict[str, str], folder: Path, name: str, defines: tuple[str,
 def _sources(rev: str | None) -> dict[str, str]:
     """The decode attention's C files and the headers they include, at `rev` (None: this tree), under the names they
     include each other by (kernels/cpu/NAME; revisions before that folder: kernels/cpu_NAME)."""
-    names = ("isa.h", "native.h", "kv_dot.h", "kv_values.h", "decode_attention.h", "decode_attention.c",
+    names = ("isa.h", "native.h", "lanes.h", "kv_dot.h", "kv_values.h", "decode_attention.h", "decode_attention.c",
              "decode_scores.h", "decode_chunks.h", "decode_tasks.c")
     out = {}
     for name in names:
@@ -215,7 +216,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             results = compare_dtypes(_build(_sources(None), Path(tmp), "this"), args)
         print(json.dumps(dict(dtypes=args.dtypes, block_sizes=args.block_sizes, pages=args.pages, threads=args.threads,
-                              layout=args.layout, cpu=_cpu(), cores=os.cpu_count(), load_before=load_before,
+                              layout=args.layout, cpu=_cpu(), tier=_tier(), cores=os.cpu_count(),
+                              load_before=load_before,
                               load_after=os.getloadavg(), cases=results)))
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -232,8 +234,14 @@ def main() -> None:
                     b.append(case.time_us(this, args.threads, args.steps))
                 results.append(_summary(rows, span, context, a, b))
                 print(json.dumps(results[-1]), flush=True)
-    print(json.dumps(dict(base=args.base, kv=args.kv, threads=args.threads, layout=args.layout, cpu=_cpu(), cores=os.cpu_count(),
-                          load_before=load_before, load_after=os.getloadavg(), cases=results)))
+    print(json.dumps(dict(base=args.base, kv=args.kv, threads=args.threads, layout=args.layout, cpu=_cpu(),
+                          tier=_tier(), cores=os.cpu_count(), load_before=load_before, load_after=os.getloadavg(), cases=results)))
+
+
+def _tier() -> str:
+    """The ISA tier both objects were built for: PAGEDSERVE_CPU_ISA's, or the host's under -march=native."""
+    forced = isa.requested_tier()
+    return forced.name if forced else f"native ({isa.host_tier()})"
 
 
 def _cpu() -> str:

@@ -1,8 +1,8 @@
 """The native prefill attention kernel of this tree against another commit's and against the SDPA path, one thread,
-CPU time, interleaved in one process (never in CI).
+CPU time (`--threads N`: N threads for the kernel and torch, wall time), interleaved in one process (never in CI).
 
 SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, blocks of 16), bf16 queries, per cache dtype: steps of
-short prompts (16 x 32, 9 x 96, 9 x 160, 9 x 192 tokens), 4 chunks of 16, 32 or 64 tokens over 1,024, the default
+short prompts (16 x 16-64, 9 x 96, 9 x 160, 9 x 192 tokens), 4 chunks of 4-64 tokens over 1,024, the default
 saturation workload's prefill step (9 prompts of 224 tokens), a 512- and a 1,024-token prompt, the two chunks of a
 3,000-token prompt (2,048 new tokens, then 952 at 3,000) and the second chunk of a 4,096-token one. `--against COMMIT`
 compiles that commit's kernels/cpu/prefill_attention.c (with its headers) with this tree's flags (the tier
@@ -48,11 +48,13 @@ from pagedserve.kernels.kv_cache import KVDtype  # noqa: E402
 from pagedserve.kernels.prefill_attention import prefill_attention, prefill_chunks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-CASES = {"16x32": ((32,) * 16, (32,) * 16), "9x96": ((96,) * 9, (96,) * 9), "9x160": ((160,) * 9, (160,) * 9),
-         "9x192": ((192,) * 9, (192,) * 9), "9x224": ((224,) * 9, (224,) * 9), "4x16@1024": ((1024,) * 4, (16,) * 4),
-         "4x32@1024": ((1024,) * 4, (32,) * 4),
-         "4x64@1024": ((1024,) * 4, (64,) * 4), "512": ((512,), (512,)), "1024": ((1024,), (1024,)),
-         "2048@2048": ((2048,), (2048,)), "952@3000": ((3000,), (952,)), "2048@4096": ((4096,), (2048,))}
+CASES = {"16x16": ((16,) * 16, (16,) * 16), "16x32": ((32,) * 16, (32,) * 16), "16x48": ((48,) * 16, (48,) * 16),
+         "16x64": ((64,) * 16, (64,) * 16), "9x96": ((96,) * 9, (96,) * 9), "9x160": ((160,) * 9, (160,) * 9),
+         "9x192": ((192,) * 9, (192,) * 9), "9x224": ((224,) * 9, (224,) * 9), "4x4@1024": ((1024,) * 4, (4,) * 4),
+         "4x8@1024": ((1024,) * 4, (8,) * 4), "4x16@1024": ((1024,) * 4, (16,) * 4),
+         "4x32@1024": ((1024,) * 4, (32,) * 4), "4x64@1024": ((1024,) * 4, (64,) * 4), "512": ((512,), (512,)),
+         "1024": ((1024,), (1024,)), "2048@2048": ((2048,), (2048,)), "952@3000": ((3000,), (952,)),
+         "2048@4096": ((4096,), (2048,))}
 SCALE = 0.125
 
 
@@ -74,19 +76,19 @@ def build_other(commit: str, tmp: Path) -> ctypes.CDLL:
     return lib
 
 
-def kernel_call(lib, query, layer, batch, count: int):
+def kernel_call(lib, query, layer, batch, count: int, threads: int = 1):
     out = torch.empty(query.shape, dtype=query.dtype)
     args = PrefillArgs(**cpu_native.attention_fields(query, out, layer, batch, SCALE),
                        query_lens=batch.query_lens.data_ptr())
-    return out, lambda: lib.pagedserve_prefill_attention(ctypes.addressof(args), count, 1)
+    return out, lambda: lib.pagedserve_prefill_attention(ctypes.addressof(args), count, threads)
 
 
-def one_case(libs: dict, kv: KVDtype, seq_lens, query_lens, repeats: int) -> dict:
+def one_case(libs: dict, kv: KVDtype, seq_lens, query_lens, repeats: int, threads: int = 1) -> dict:
     query, layer, meta = attention_cases.make_case(seq_lens, query_lens, 16, 3, kv, seed=1)
     query = query.to(torch.bfloat16)
     picked = tuple(range(len(seq_lens)))
     batch = PrefillBatch.of(meta, meta.query_starts(), None, picked)
-    runs = {name: kernel_call(lib, query, layer, batch, len(seq_lens)) for name, lib in libs.items()}
+    runs = {name: kernel_call(lib, query, layer, batch, len(seq_lens), threads) for name, lib in libs.items()}
     if kv is not KVDtype.BF16:
         parts, gathered_out = LongPrefill.of(layer, batch), torch.empty_like(query)
         runs["gathered"] = gathered_out, lambda: [long_prefill_native(query, gathered_out, layer, part, SCALE)
@@ -96,11 +98,12 @@ def one_case(libs: dict, kv: KVDtype, seq_lens, query_lens, repeats: int) -> dic
     runs["sdpa"] = sdpa_out, lambda: [prefill_attention(query, sdpa_out, layer, SCALE, c, *(gather,) * bool(gather))
                                       for c in chunks]
     times: dict[str, list[float]] = {name: [] for name in runs}
+    clock = time.process_time if threads == 1 else time.perf_counter  # CPU time alone; wall time on several threads
     for _ in range(repeats + 1):  # the first round warms up
         for name, (_, call) in runs.items():
-            t0 = time.process_time()
+            t0 = clock()
             call()
-            times[name].append((time.process_time() - t0) * 1e3)
+            times[name].append((clock() - t0) * 1e3)
     ms = {name: round(statistics.median(t[1:]), 2) for name, t in times.items()}
     diff = {name: (out.float() - sdpa_out.float()).abs().max().item() for name, (out, _) in runs.items()}
     return {"ms": ms, "ratios_vs_this": {n: round(v / ms["this"], 2) for n, v in ms.items()}, "max_diff_vs_sdpa": diff}
@@ -111,16 +114,18 @@ def main() -> None:
     p.add_argument("--against", default=None, help="a commit whose prefill_attention.c to time beside this tree's")
     p.add_argument("--kv", nargs="+", default=["bf16"], choices=["bf16", "int8", "fp8_e4m3"])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="kernel and torch threads (above 1: wall time per call)")
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--conditions", default="unstated", help="e.g. quiet, or noisy (other work on the cores)")
     args = p.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     attention_cases.NUM_KV_HEADS = 3
     with tempfile.TemporaryDirectory() as tmp:
         libs = {"this": cpu_native.load_library()}
         if args.against:
             libs[args.against] = build_other(args.against, Path(tmp))
-        results = {kv: {name: one_case(libs, KVDtype.parse(kv, torch.bfloat16), *case, args.repeats)
+        results = {kv: {name: one_case(libs, KVDtype.parse(kv, torch.bfloat16), *case, args.repeats,
+                                                   args.threads)
                         for name, case in CASES.items() if name in args.cases} for kv in args.kv}
     forced = isa.requested_tier()
     # SDPA's bf16 products go through oneDNN, which takes AMX where the host has it whatever tier the kernels are

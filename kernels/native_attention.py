@@ -59,7 +59,7 @@ def _decode_batch(meta: AttentionMetadata, starts: list[int], window: int | None
     )
 
 
-def _sdpa_wins(meta: AttentionMetadata, i: int) -> bool:
+def _sdpa_wins(meta: AttentionMetadata, i: int, min_work: int) -> bool:
     """Long chunks go to SDPA: torch's flash kernel tiles large products better than the C kernel's 16 x 16 tiles,
     and from about 256 x 256 it wins for every cache dtype, even after gathering and upcasting the blocks (bf16,
     2 threads: 1,024 tokens 26 ms vs 71 ms; a 2,911-token chunked prefill's second chunk 137 ms vs 274 ms; FP8, whose
@@ -67,10 +67,27 @@ def _sdpa_wins(meta: AttentionMetadata, i: int) -> bool:
     per-chunk dispatch dominates, stay native (16 sequences of 32 tokens: 3.3 ms vs 7.8 ms). Measured before the bf16
     kernel had AMX tiles; where it has them it takes every long chunk of bf16 queries (prefill_amx.c: 1.5x SDPA from
     position 0 at 2,048 tokens, 2x after 2,048 cached ones, every cache dtype; benchmarks/prefill_attention_ab.py)."""
-    return meta.query_lens_host[i] * meta.seq_lens_host[i] >= _SDPA_MIN_WORK
+    return meta.query_lens_host[i] * meta.seq_lens_host[i] >= min_work
 
 
 _SDPA_MIN_WORK = 1 << 17  # queries x keys of one chunk: e.g. 362 x 362, 128 new tokens over 1,024
+
+
+def _sdpa_min_work(cache: LayerKVCache) -> int:
+    """The chunk size from which SDPA takes a prefill chunk. _SDPA_MIN_WORK was measured on AVX-512 builds; without
+    AVX-512 (an AVX2 Zen 3, the portable build) the C kernel's 16-lane tiles run at half width or less, and torch's
+    SDPA wins from far smaller chunks: from 64 x 64 queries x keys over a 16-bit cache and from 8 new tokens over 1,024
+    over an 8-bit one, which SDPA gathers and upcasts first (forced AVX2 tier, oneDNN held to AVX2, 2 threads: bf16
+    steps of 16 prompts of 64 tokens 4.7 vs 3.4 ms, of 9 x 224 tokens 27.3 vs 8.3 ms, 4 chunks of 64 tokens over
+    1,024 25.9 vs 6.2 ms; int8 4 chunks of 8 over 1,024 3.5 vs 2.9 ms, of 4 2.0 vs 2.8 ms;
+    benchmarks/prefill_attention_ab.py --threads 2)."""
+    if load_library().pagedserve_isa_tier().startswith(b"avx512"):
+        return _SDPA_MIN_WORK
+    return _SDPA_MIN_WORK_NARROW_8BIT if cache.dtype.is_8bit else _SDPA_MIN_WORK_NARROW
+
+
+_SDPA_MIN_WORK_NARROW = 1 << 12  # builds without AVX-512, a 16-bit or fp32 cache: e.g. 64 x 64
+_SDPA_MIN_WORK_NARROW_8BIT = 1 << 13  # and an 8-bit cache: e.g. 8 new tokens over 1,024
 
 
 def _bf16_sdpa_wins(meta: AttentionMetadata, i: int) -> bool:
@@ -100,7 +117,8 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         starts = meta.query_starts()
         decode = _decode_batch(meta, starts, window)
         chunks = [i for i, q_len in enumerate(meta.query_lens_host) if q_len > 1]
-        sdpa = tuple(i for i in chunks if cache.k.shape[3] % 16 or _sdpa_wins(meta, i))
+        min_work = _sdpa_min_work(cache) if chunks else 0
+        sdpa = tuple(i for i in chunks if cache.k.shape[3] % 16 or _sdpa_wins(meta, i, min_work))
         native = tuple(i for i in chunks if i not in sdpa)
         kernel, sdpa = (sdpa, ()) if sdpa and amx_prefill(cache) else ((), sdpa)
         # The query dtype is the layer's to know: those long chunks both ways, and the attention call picks one.

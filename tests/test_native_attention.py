@@ -70,6 +70,39 @@ def test_agrees_with_float64_math(kv_dtype: KVDtype) -> None:
     assert (result.double() - exact).abs().max().item() <= tolerance
 
 
+@pytest.mark.parametrize("tier", cpu_tiers.params(cpu_tiers.CORE))
+@pytest.mark.parametrize("kv_dtype", [KVDtype.FP32, KVDtype.BF16, KVDtype.FP16, KVDtype.FP8_E4M3, KVDtype.INT8])
+@pytest.mark.parametrize(("queries_per_kv", "head_dim"), [(3, 64), (8, 128), (1, 80)])
+def test_decode_at_each_tier_agrees_with_float64_math(tier, kv_dtype, queries_per_kv, head_dim, monkeypatch) -> None:
+    """Decode at each ISA tier: AVX2 has its own values loops (16 dims a pass), key sums and lane comparisons
+    (kernels/cpu/lanes.h); 8 queries per KV head take two passes over V, contexts past one 512-key chunk."""
+    tier_library = cpu_native.load_library(tier)
+    monkeypatch.setattr(cpu_native, "load_library", lambda *_: tier_library)
+    query, layer, meta = make_case((1, 600, 77, 129), (1,) * 4, 16, queries_per_kv, kv_dtype, head_dim=head_dim,
+                                   seed=head_dim + queries_per_kv)
+    exact = float64_reference(query, layer, meta)
+    tolerance = 1e-5 if kv_dtype is KVDtype.FP32 else TOLERANCE[query.dtype]
+    result = paged_attention(NativeCpuAttention(), query, layer, meta, SCALE)
+    assert (result.double() - exact).abs().max().item() <= tolerance
+
+
+@pytest.mark.parametrize("tier", cpu_tiers.params(cpu_tiers.CORE))
+@pytest.mark.parametrize("kv_dtype", [KVDtype.BF16, KVDtype.INT8])
+def test_sdpa_takes_prefill_chunks_from_the_tiers_crossover(tier, kv_dtype, monkeypatch) -> None:
+    """Where the C prefill kernel has AVX-512 it keeps chunks up to 2^17 queries x keys; without it (AVX2, portable)
+    SDPA takes them from 2^12 (16-bit cache) or 2^13 (8-bit): a 96-token prompt goes to SDPA there, a 16-token one
+    stays native everywhere, and the outputs are the torch path's either way."""
+    from pagedserve.kernels import native_attention
+
+    tier_library = cpu_native.load_library(tier)
+    monkeypatch.setattr(native_attention, "load_library", lambda *_: tier_library)
+    query, layer, meta = make_case((16, 96), (16, 96), 16, 3, kv_dtype, seed=2)
+    plan = NativeCpuAttention().plan(meta, layer)
+    wide = cpu_native.load_library(tier).pagedserve_isa_tier().startswith(b"avx512")
+    assert plan.prefill.query_lens.tolist() == ([16, 96] if wide else [16])
+    assert_matches_torch(NativeCpuAttention(), query, layer, meta)
+
+
 @pytest.mark.parametrize("kv_dtype", [KVDtype.FP32, KVDtype.BF16, KVDtype.FP8_E5M2])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefill_agrees_with_float64_math(kv_dtype: KVDtype, head_dim: int) -> None:

@@ -249,14 +249,8 @@ PQ_INLINE __m256i pq_shift32(__m256i v, int s) {
     return s > 0 ? _mm256_srli_epi32(v, s) : s < 0 ? _mm256_slli_epi32(v, -s) : v;
 }
 
-/* acc + the pairwise int16 products of u and pair, summed per int32 lane: exact, whichever instruction. */
-PQ_INLINE __m256i pq_dpwssd(__m256i acc, __m256i u, __m256i pair) {
-#if defined(PS_AVX2_VNNI)
-    return _mm256_dpwssd_avx_epi32(acc, u, pair);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(u, pair));
-#endif
-}
+/* acc + the pairwise int16 products of u and pair, summed per int32 lane (isa.h's ps_dpwssd8). */
+PQ_INLINE __m256i pq_dpwssd(__m256i acc, __m256i u, __m256i pair) { return ps_dpwssd8(acc, u, pair); }
 
 /* pq_block_total of one half: the same instructions per lane as the 16-lane form, so the same result. */
 PQ_INLINE __m256 pq_block_total8(__m256 tot, __m256i dot, __m256 d, __m256 m, float da, float sx, int with_offset) {

@@ -35,7 +35,7 @@ static float softmax_numerators(float *scores, int64_t len, float *peak_out) {
         for (t = 16; t + 16 <= len; t += 16) {
             f32x16 v;
             memcpy(&v, scores + t, sizeof v);
-            peaks = select16(v > peaks, v, peaks);
+            peaks = max16(v, peaks);
         }
         peak = hmax16(peaks);
     }
@@ -67,43 +67,6 @@ void span_keys(const DecodeArgs *a, const Span *sp, int64_t *lo, int64_t *hi) {
         *hi = len > *hi ? len : *hi;
     }
 }
-
-
-/* probs x V for `nq` consecutive queries (qq0..) of a span over the chunk's keys: each V row is loaded once for all
- * of them (int8 rows as stored: their scales are in the probabilities, scale_probs). Every query's sums run over all
- * the chunk's keys in order, with zero probabilities outside its own range, so its partial is bit-identical to the
- * query's computed alone (x + 0 * v == x). nq and CH (16-lane chunks of a row) are constants after inlining, and the
- * arrays have constant sizes: as variable-length arrays gcc kept the accumulators in memory, a load, FMA and store
- * per 16 lanes per key. */
-#define CHUNK_VALUES(CH)                                                                                             \
-    do {                                                                                                             \
-        f32x16 acc[4][CH];                                                                                           \
-        for (int b = 0; b < nq; b++)                                                                                 \
-            for (int64_t c = 0; c < CH; c++) acc[b][c] = (f32x16){0};                                                \
-        for (int64_t t0 = k->k0 - k->k0 % bs; t0 < k->k1; t0 += bs) {                                                \
-            const char *tile = (const char *)a->v_cache + (h * a->num_blocks + k->table[t0 / bs]) * bs * kv_row;     \
-            const int64_t n = k->k1 - t0 < bs ? k->k1 - t0 : bs, tlo = t0 < k->k0 ? k->k0 - t0 : 0;                  \
-            for (int64_t i = tlo; i < n; i++) {                                                                      \
-                f32x16 v[CH];                                                                                        \
-                kv_widen_row(tile + i * kv_row, CH, kv_dt, v);                                                       \
-                for (int b = 0; b < nq; b++) {                                                                       \
-                    const float pb = scores[(qq0 + b) * KEY_CHUNK + t0 + i - k->k0];                                 \
-                    for (int64_t c = 0; c < CH; c++) acc[b][c] += pb * v[c];                                         \
-                }                                                                                                    \
-            }                                                                                                        \
-        }                                                                                                            \
-        for (int b = 0; b < nq; b++) memcpy(part + (qq0 + b) * stride, acc[b], sizeof(float) * (size_t)dim);         \
-    } while (0)
-
-INLINE void chunk_values(const DecodeArgs *a, const Keys *k, int64_t h, const float *scores, float *part,
-                         int64_t qq0, const int nq, const int64_t chunks, const int kv_dt) {
-    const int64_t bs = a->block_size, dim = 16 * chunks, stride = partial_stride(dim);
-    const size_t kv_row = (size_t)dim * elem_size(kv_dt);
-    if (chunks == 4) CHUNK_VALUES(4);          /* head_dim 64 */
-    else if (chunks == 8) CHUNK_VALUES(8);     /* head_dim 128 */
-    else CHUNK_VALUES(chunks);                 /* other multiples of 16: the runtime count */
-}
-#undef CHUNK_VALUES
 
 /* Each query's softmax numerators over its own keys within the chunk, the chunk's other keys zeroed; its max and
  * sum go to its partial (sum 0: it sees none of the chunk's keys). */
@@ -180,8 +143,9 @@ INLINE void chunk_task(const DecodeArgs *a, const Span *sp, int64_t h, int64_t c
         scale_probs(a, &k, h, w->scores, nq);
         for (int64_t qq = 0; qq < nq; qq++) ps[qq] = values_quantize(w->scores + qq * KEY_CHUNK, k.k1 - k.k0, k.k0 % 2);
     }
-    /* Up to 4 queries per pass over V (2 at head_dim 128: 16 accumulators and the V row stay in registers). */
-    const int most = chunks <= 4 ? 4 : 2;
+    /* Up to 4 queries per pass over V (2 at head_dim 128: 16 accumulators and the V row stay in registers; 4 at
+     * every head_dim on AVX2, whose passes take 16 dims at a time). */
+    const int most = chunks <= 4 || VALUES_BY_CHUNK ? 4 : 2;
     for (int64_t qq0 = 0; qq0 < nq;) {
         const int64_t left = nq - qq0, take = left < most ? left : most;
         if (kv_dt == DT_I8) {

@@ -62,6 +62,15 @@ static inline float ps_hsum8(__m256 v) {
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
+
+/* acc + the pairwise int16 products of a and b, summed per int32 lane: exact, whichever instruction. */
+static inline __m256i ps_dpwssd8(__m256i acc, __m256i a, __m256i b) {
+#if defined(PS_AVX2_VNNI)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
 #endif
 
 #include <stddef.h>

@@ -28,11 +28,11 @@ typedef int8_t i8x32 __attribute__((vector_size(32)));
  * q16 = rint(q * (32767 / max|q|)), ties to even. */
 INLINE float kv_dot_quantize(const f32x16 *q, int64_t chunks, i16x32 *q16) {
     f32x16 peak = {0};
-    i32x16 finite = peak == peak;  /* all lanes set */
+    i32x16 finite = (i32x16){0} - 1;  /* all lanes set */
     for (int64_t c = 0; c < chunks; c++) {
-        const f32x16 mag = select16(q[c] < 0.0f, -q[c], q[c]);
-        finite &= mag <= 3.4028234663852886e38f;  /* false for inf and NaN */
-        peak = select16(mag > peak, mag, peak);
+        const f32x16 mag = select16(lt16(q[c], (f32x16){0}), -q[c], q[c]);
+        finite &= le16(mag, splat16(3.4028234663852886e38f));  /* false for inf and NaN */
+        peak = max16(mag, peak);
     }
     int ok = 1;
     for (int i = 0; i < 16; i++) ok &= finite[i] != 0;
@@ -41,8 +41,9 @@ INLINE float kv_dot_quantize(const f32x16 *q, int64_t chunks, i16x32 *q16) {
     for (int64_t c = 0; c < chunks; c++) {
         const f32x16 r = (q[c] * inv + magic) - magic;
         const i16x16 a = __builtin_convertvector(__builtin_convertvector(r, i32x16), i16x16);
-        q16[c] = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5,
-                                         6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        /* two stores, not a 32-lane shuffle: without AVX-512 gcc moved that lane by lane through the stack */
+        memcpy(&q16[c], &a, sizeof a);
+        memcpy((char *)&q16[c] + sizeof a, &a, sizeof a);
     }
     return ok ? amax / 32767.0f : NAN;
 }
@@ -104,12 +105,7 @@ INLINE i32x16 kv_dot_pairs(i32x16 acc, i16x32 k, i16x32 q) {
 #elif defined(PS_AVX2)
     __m256i a[2], kk[2], qq[2];
     memcpy(a, &acc, 64), memcpy(kk, &k, 64), memcpy(qq, &q, 64);
-    for (int h = 0; h < 2; h++)
-#if defined(PS_AVX2_VNNI)
-        a[h] = _mm256_dpwssd_avx_epi32(a[h], kk[h], qq[h]);
-#else
-        a[h] = _mm256_add_epi32(a[h], _mm256_madd_epi16(kk[h], qq[h]));
-#endif
+    for (int h = 0; h < 2; h++) a[h] = ps_dpwssd8(a[h], kk[h], qq[h]);
     memcpy(&acc, a, 64);
     return acc;
 #else
@@ -126,6 +122,22 @@ INLINE i32x16 kv_dot_pairs(i32x16 acc, i16x32 k, i16x32 q) {
  * kv_dot_widen_pair's key pairs): decode_scores.h's hsum16x16 from its second level on (exact, so any tree gives the
  * same sums). */
 INLINE i32x16 kv_dot_hsum_key_pairs(const i32x16 *c) {
+#if defined(PS_AVX2) && !defined(PS_AVX512)
+    /* Without AVX-512 gcc built the 16-lane shuffles below from single lanes (a vmovd and a vpinsrd each, ~1,000
+     * instructions a call): one 8 x 8 transpose-add per 8 keys instead, each key's 8 partials in one ymm. */
+    __m256i k[16], out[2];
+    memcpy(k, c, sizeof k);
+    for (int h = 0; h < 2; h++) {
+        const __m256i *r = k + 8 * h;
+        const __m256i t0 = _mm256_hadd_epi32(r[0], r[1]), t1 = _mm256_hadd_epi32(r[2], r[3]);
+        const __m256i t2 = _mm256_hadd_epi32(r[4], r[5]), t3 = _mm256_hadd_epi32(r[6], r[7]);
+        const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);  /* halves: dims 0-3, 4-7 */
+        out[h] = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+    }
+    i32x16 sums;
+    memcpy(&sums, out, sizeof sums);
+    return sums;
+#else
     i32x16 d[4], e[2];
     for (int j = 0; j < 4; j++)
         d[j] = __builtin_shufflevector(c[2 * j], c[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
@@ -135,6 +147,7 @@ INLINE i32x16 kv_dot_hsum_key_pairs(const i32x16 *c) {
                __builtin_shufflevector(d[2 * j], d[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
     return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
            __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#endif
 }
 
 /* 16 lanes of a decode K or V row as fp32 (load16 but for FP8). FP8 goes through fp16 bits: the byte sign-extended

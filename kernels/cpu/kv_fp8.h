@@ -19,8 +19,8 @@
 INLINE void fp8_store16(f32x16 x, int e4m3, uint8_t *dst) {
     const int mant = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15, drop = 23 - mant;
     const float limit = e4m3 ? 448.0f : 57344.0f;
-    x = select16(x > limit, (f32x16){0} + limit, x);
-    x = select16(x < -limit, (f32x16){0} - limit, x);
+    x = select16(gt16(x, splat16(limit)), splat16(limit), x);
+    x = select16(lt16(x, splat16(-limit)), splat16(-limit), x);
     u32x16 u;
     memcpy(&u, &x, sizeof u);
     const u32x16 sign = (u >> 24) & 0x80;
@@ -33,7 +33,9 @@ INLINE void fp8_store16(f32x16 x, int e4m3, uint8_t *dst) {
     u32x16 sub;
     memcpy(&sub, &units, sizeof sub);
     sub -= 0x4b000000u;  /* 2^23's bits */
-    const u32x16 tiny = (u32x16)(u < ((uint32_t)(128 - bias) << 23)), nan = (u32x16)(u > 0x7f800000u);
+    /* u < 2^31 (the sign is off): signed lane comparisons, which lanes.h keeps vector-wide on AVX2 */
+    const u32x16 tiny = (u32x16)lt16i((i32x16)u, (i32x16){0} + ((128 - bias) << 23));
+    const u32x16 nan = (u32x16)gt16i((i32x16)u, (i32x16){0} + 0x7f800000);
     u32x16 out = (tiny & sub) | (~tiny & normal);
     out = (nan & 0x7fu) | (~nan & out);
     const u8x16 bytes = __builtin_convertvector(out | sign, u8x16);

@@ -22,7 +22,7 @@ INLINE void quantize_row_int8_x16(const char *src, int src_dt, int64_t chunks, i
         bits &= 0x7fffffff;
         f32x16 mag;
         memcpy(&mag, &bits, sizeof mag);
-        peak = select16(mag > peak, mag, peak);  /* NaN lanes compare false: skipped, as by the scalar max */
+        peak = max16(mag, peak);  /* NaN lanes compare false: skipped, as by the scalar max */
     }
     const float amax = hmax16(peak), s = amax / 127.0f;
     const _Float16 half = (_Float16)(s > 65504.0f ? 65504.0f : s);
@@ -30,8 +30,8 @@ INLINE void quantize_row_int8_x16(const char *src, int src_dt, int64_t chunks, i
     for (int64_t c = 0; c < chunks; c++) {
         f32x16 y = divisor > 0.0f ? x[c] / divisor : (f32x16){0};
         y = (y + 0x1.8p23f) - 0x1.8p23f;
-        y = select16(y > 127.0f, (f32x16){0} + 127.0f, y);
-        y = select16(y < -127.0f, (f32x16){0} - 127.0f, y);
+        y = select16(gt16(y, splat16(127.0f)), splat16(127.0f), y);
+        y = select16(lt16(y, splat16(-127.0f)), splat16(-127.0f), y);
         const i32x16 n = __builtin_convertvector(y, i32x16);
         for (int i = 0; i < 16; i++) q[16 * c + i] = (int8_t)n[i];
     }

@@ -83,6 +83,8 @@ typedef int8_t i8x16 __attribute__((vector_size(16)));
 typedef int16_t i16x16 __attribute__((vector_size(32)));
 typedef _Float16 f16x16 __attribute__((vector_size(32)));
 
+#include "lanes.h"
+
 INLINE float hsum16(f32x16 x) {  /* a tree, not a 16-long dependency chain */
     f32x8 h = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
               __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -179,7 +181,7 @@ INLINE u16x16 bf16x16_portable(f32x16 x) {
     u32x16 u;
     memcpy(&u, &x, sizeof u);
     const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet_nan = (u >> 16) | 0x40u;
-    const u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
+    const u32x16 nan = (u32x16)gt16i((i32x16)(u & 0x7fffffffu), (i32x16){0} + 0x7f800000);
     return __builtin_convertvector((nan & quiet_nan) | (~nan & rounded), u16x16);
 }
 
@@ -249,27 +251,11 @@ INLINE float exp_nonpositive(float x) {
     return x <= -87.0f ? 0.0f : p * scale;
 }
 
-/* Lanes of `yes` where `mask` (a vector comparison's result) is set, else lanes of `no`. */
-INLINE f32x16 select16(i32x16 mask, f32x16 yes, f32x16 no) {
-    return (f32x16)((mask & (i32x16)yes) | (~mask & (i32x16)no));
-}
-
-INLINE float hmax16(f32x16 x) {  /* the two halves lane by lane, then the 8 maxima */
-    const f32x8 lo = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7),
-                hi = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    float m = lo[0] > hi[0] ? lo[0] : hi[0];
-    for (int i = 1; i < 8; i++) {
-        const float pair = lo[i] > hi[i] ? lo[i] : hi[i];
-        m = pair > m ? pair : m;
-    }
-    return m;
-}
-
 /* exp_nonpositive on 16 lanes at once: the same polynomial; n rounds to nearest (ties to even instead of up, which
  * keeps |r| <= ln2 / 2 all the same). */
 INLINE f32x16 exp16_nonpositive(f32x16 x) {
     const f32x16 floor_x = (f32x16){0} - 87.0f, magic = (f32x16){0} + 12582912.0f;  /* 1.5 * 2^23 */
-    const i32x16 underflow = x <= floor_x;
+    const i32x16 underflow = le16(x, floor_x);
     x = select16(underflow, floor_x, x);
     const f32x16 n = (x * 1.44269504088896341f + magic) - magic;
     const f32x16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
@@ -291,7 +277,7 @@ INLINE float silu(float g) {
 
 INLINE f32x16 silu16(f32x16 g) {
     const f32x16 e = exp16_nonpositive((f32x16)((i32x16)g | (i32x16){0} + INT32_MIN)), one = (f32x16){0} + 1.0f;
-    return g * select16(g >= 0.0f, one, e) / (one + e);
+    return g * select16(ge16(g, (f32x16){0}), one, e) / (one + e);
 }
 
 /* silu(g) rounded to bf16 for every bf16 g, indexed by g's bits (layer_ops.c fills it at load from silu16, so a

@@ -62,7 +62,7 @@ INLINE float softmax_tile(float *p, float *m, float *l, int64_t k0, int64_t n, i
     }
     f32x16 scores;
     memcpy(&scores, p, sizeof scores);
-    const i32x16 visible = (lane >= first) & (lane <= last);
+    const i32x16 visible = ge16(lane, splat16(first)) & le16(lane, splat16(last));
     scores = select16(visible, scores, neg_inf);
     const float peak = hmax16(scores), new_max = peak > *m ? peak : *m;
     const float correction = exp_nonpositive(*m - new_max);

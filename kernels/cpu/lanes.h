@@ -1,0 +1,66 @@
+/* Lane-wise comparisons and selections on the 16-lane vectors of native.h (included by it, after the types).
+ *
+ * Why not the operators: gcc 12 lowers a 16-lane comparison (a > b on f32x16 or i32x16) to 16 scalar compares through
+ * the stack when the target lacks AVX-512, so on the AVX2 tier every softmax, SiLU, bf16 and FP8 rounding, row
+ * quantization and lane mask that compared vectors ran lane by lane (8% of the AVX2 decode attention over an int8
+ * cache, in its peak scans alone). There each comparison is two 8-lane vcmpps / vpcmpgtd instead; elsewhere it is
+ * the operator. The masks are the operators' (all bits set where true; false for NaN), so results are the same bits
+ * on every tier. */
+#ifndef PAGEDSERVE_CPU_LANES_H
+#define PAGEDSERVE_CPU_LANES_H
+
+#if defined(PS_AVX2) && !defined(PS_AVX512)
+INLINE i32x16 cmp16_halves(f32x16 a, f32x16 b, const int predicate) {
+    __m256 x[2], y[2], r[2];
+    memcpy(x, &a, sizeof x), memcpy(y, &b, sizeof y);
+    for (int h = 0; h < 2; h++) r[h] = _mm256_cmp_ps(x[h], y[h], predicate);
+    i32x16 mask;
+    memcpy(&mask, r, sizeof mask);
+    return mask;
+}
+INLINE i32x16 gt16(f32x16 a, f32x16 b) { return cmp16_halves(a, b, _CMP_GT_OQ); }
+INLINE i32x16 ge16(f32x16 a, f32x16 b) { return cmp16_halves(a, b, _CMP_GE_OQ); }
+INLINE i32x16 lt16(f32x16 a, f32x16 b) { return cmp16_halves(a, b, _CMP_LT_OQ); }
+INLINE i32x16 le16(f32x16 a, f32x16 b) { return cmp16_halves(a, b, _CMP_LE_OQ); }
+INLINE i32x16 gt16i(i32x16 a, i32x16 b) {
+    __m256i x[2], y[2], r[2];
+    memcpy(x, &a, sizeof x), memcpy(y, &b, sizeof y);
+    for (int h = 0; h < 2; h++) r[h] = _mm256_cmpgt_epi32(x[h], y[h]);
+    i32x16 mask;
+    memcpy(&mask, r, sizeof mask);
+    return mask;
+}
+#else
+INLINE i32x16 gt16(f32x16 a, f32x16 b) { return a > b; }
+INLINE i32x16 ge16(f32x16 a, f32x16 b) { return a >= b; }
+INLINE i32x16 lt16(f32x16 a, f32x16 b) { return a < b; }
+INLINE i32x16 le16(f32x16 a, f32x16 b) { return a <= b; }
+INLINE i32x16 gt16i(i32x16 a, i32x16 b) { return a > b; }
+#endif
+
+/* int32 lanes compared as signed: bit patterns below 2^31 (|x|'s, sign cleared) compare as they would unsigned. */
+INLINE i32x16 lt16i(i32x16 a, i32x16 b) { return gt16i(b, a); }
+
+/* A scalar as 16 lanes, for the comparisons above. */
+INLINE f32x16 splat16(float x) { return (f32x16){0} + x; }
+
+/* Lanes of `yes` where `mask` (a comparison's result) is set, else lanes of `no`. */
+INLINE f32x16 select16(i32x16 mask, f32x16 yes, f32x16 no) {
+    return (f32x16)((mask & (i32x16)yes) | (~mask & (i32x16)no));
+}
+
+/* The larger of each lane pair (b where a is NaN or not larger): select16(gt16(a, b), a, b). */
+INLINE f32x16 max16(f32x16 a, f32x16 b) { return select16(gt16(a, b), a, b); }
+
+INLINE float hmax16(f32x16 x) {  /* the two halves lane by lane, then the 8 maxima */
+    const f32x8 lo = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7),
+                hi = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    float m = lo[0] > hi[0] ? lo[0] : hi[0];
+    for (int i = 1; i < 8; i++) {
+        const float pair = lo[i] > hi[i] ? lo[i] : hi[i];
+        m = pair > m ? pair : m;
+    }
+    return m;
+}
+
+#endif
