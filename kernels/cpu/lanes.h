@@ -1,4 +1,5 @@
-/* Lane-wise comparisons and selections on the 16-lane vectors of native.h (included by it, after the types).
+/* Lane-wise comparisons, selections and fp16 conversions on the 16-lane vectors of native.h (included by it, after
+ * the types).
  *
  * Why not the operators: gcc 12 lowers a 16-lane comparison (a > b on f32x16 or i32x16) to 16 scalar compares through
  * the stack when the target lacks AVX-512, so on the AVX2 tier every softmax, SiLU, bf16 and FP8 rounding, row
@@ -61,6 +62,47 @@ INLINE float hmax16(f32x16 x) {  /* the two halves lane by lane, then the 8 maxi
         m = pair > m ? pair : m;
     }
     return m;
+}
+
+/* 16 fp16 lanes as fp32 and back (round to nearest even, as the C conversions): one vcvtph2ps / vcvtps2ph (two on
+ * AVX2). gcc 12 converts an f16x16 vector lane by lane, a scalar vcvtsh2ss per lane with AVX512-FP16 and a vpinsrw
+ * plus a scalar vcvtph2ps with AVX2: the int8 row scales of every 16 keys in decode attention, every fp16 cache
+ * read and fp16 store. */
+INLINE f32x16 f16x16_to_f32(f16x16 h) {
+    f32x16 out;
+#if defined(PS_AVX512)
+    __m256i bits;
+    memcpy(&bits, &h, sizeof bits);
+    const __m512 wide = _mm512_cvtph_ps(bits);
+    memcpy(&out, &wide, sizeof out);
+#elif defined(PS_AVX2)
+    __m128i bits[2];
+    memcpy(bits, &h, sizeof bits);
+    const __m256 wide[2] = {_mm256_cvtph_ps(bits[0]), _mm256_cvtph_ps(bits[1])};
+    memcpy(&out, wide, sizeof out);
+#else
+    out = __builtin_convertvector(h, f32x16);
+#endif
+    return out;
+}
+
+INLINE f16x16 f32x16_to_f16(f32x16 x) {
+    f16x16 out;
+#if defined(PS_AVX512)
+    __m512 v;
+    memcpy(&v, &x, sizeof v);
+    const __m256i bits = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    memcpy(&out, &bits, sizeof out);
+#elif defined(PS_AVX2)
+    __m256 v[2];
+    memcpy(v, &x, sizeof v);
+    const __m128i bits[2] = {_mm256_cvtps_ph(v[0], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                             _mm256_cvtps_ph(v[1], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+    memcpy(&out, bits, sizeof out);
+#else
+    out = __builtin_convertvector(x, f16x16);
+#endif
+    return out;
 }
 
 #endif

@@ -115,7 +115,7 @@ INLINE f32x16 load16(const void *row, int64_t c, int dt) {
     } else if (dt == DT_F16) {
         f16x16 half;
         memcpy(&half, (const _Float16 *)row + 16 * c, sizeof half);
-        out = __builtin_convertvector(half, f32x16);
+        out = f16x16_to_f32(half);
     } else if (dt == DT_I8) {  /* the integers; the caller multiplies by the row's scale */
         i8x16 byte;
         memcpy(&byte, (const int8_t *)row + 16 * c, sizeof byte);
@@ -153,7 +153,7 @@ INLINE f32x16 row_scales16(const _Float16 *rs, int64_t n) {
     if (n == 16) {
         f16x16 half;
         memcpy(&half, rs, sizeof half);
-        return __builtin_convertvector(half, f32x16);
+        return f16x16_to_f32(half);
     }
     for (int64_t i = 0; i < n; i++) out[i] = (float)rs[i];
     return out;
@@ -214,7 +214,7 @@ INLINE f32x16 round16(f32x16 x, int dt) {
 #endif
         memcpy(&x, &wide, sizeof x);
     } else if (dt == DT_F16) {
-        x = __builtin_convertvector(__builtin_convertvector(x, f16x16), f32x16);
+        x = f16x16_to_f32(f32x16_to_f16(x));
     }
     return x;
 }
@@ -225,7 +225,7 @@ INLINE void store16(void *row, int64_t c, int dt, f32x16 x) {
         const u16x16 bits = bf16x16_bits(x);
         memcpy((uint16_t *)row + 16 * c, &bits, sizeof bits);
     } else if (dt == DT_F16) {
-        const f16x16 half = __builtin_convertvector(x, f16x16);
+        const f16x16 half = f32x16_to_f16(x);
         memcpy((_Float16 *)row + 16 * c, &half, sizeof half);
     } else {
         memcpy((float *)row + 16 * c, &x, sizeof x);
