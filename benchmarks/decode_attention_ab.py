@@ -235,7 +235,8 @@ def main() -> None:
                 results.append(_summary(rows, span, context, a, b))
                 print(json.dumps(results[-1]), flush=True)
     print(json.dumps(dict(base=args.base, kv=args.kv, threads=args.threads, layout=args.layout, cpu=_cpu(),
-                          tier=_tier(), cores=os.cpu_count(), load_before=load_before, load_after=os.getloadavg(), cases=results)))
+                          tier=_tier(), cores=os.cpu_count(), load_before=load_before, load_after=os.getloadavg(),
+                          cases=results)))
 
 
 def _tier() -> str:

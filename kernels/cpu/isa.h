@@ -31,6 +31,12 @@
 #if defined(PS_AVX512_VNNI) && defined(__AVX512BF16__)
 #define PS_AVX512_BF16 1
 #endif
+/* 256-bit vectors only (AVX2 without AVX-512): a 16-lane vector is two ymm halves, and gcc 12 lowers 16-lane
+ * comparisons, fp16 conversions, 32-lane shuffles and wide accumulator arrays badly there (lanes.h, kv_values.h,
+ * kv_dot.h spell those out per half). */
+#if defined(PS_AVX2) && !defined(PS_AVX512)
+#define PS_AVX2_ONLY 1
+#endif
 
 /* AMX tiles (tdpbf16ps) are no tier of their own: only a -march=native build on a CPU listing AMX-TILE and AMX-BF16
  * compiles them (no forced tier's flags name them, so PAGEDSERVE_CPU_ISA turns AMX off), and even then the kernel

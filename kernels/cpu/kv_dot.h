@@ -122,7 +122,7 @@ INLINE i32x16 kv_dot_pairs(i32x16 acc, i16x32 k, i16x32 q) {
  * kv_dot_widen_pair's key pairs): decode_scores.h's hsum16x16 from its second level on (exact, so any tree gives the
  * same sums). */
 INLINE i32x16 kv_dot_hsum_key_pairs(const i32x16 *c) {
-#if defined(PS_AVX2) && !defined(PS_AVX512)
+#if defined(PS_AVX2_ONLY)
     /* Without AVX-512 gcc built the 16-lane shuffles below from single lanes (a vmovd and a vpinsrd each, ~1,000
      * instructions a call): one 8 x 8 transpose-add per 8 keys instead, each key's 8 partials in one ymm. */
     __m256i k[16], out[2];

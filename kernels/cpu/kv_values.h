@@ -46,7 +46,7 @@ _Static_assert(KEY_CHUNK <= 516, "int8 values: 32767 * 127 * KEY_CHUNK must stay
         for (int b = 0; b < nq; b++) memcpy(part + (qq0 + b) * stride, acc[b], sizeof(float) * (size_t)dim);         \
     } while (0)
 
-#if defined(PS_AVX2) && !defined(PS_AVX512)
+#if defined(PS_AVX2_ONLY)
 #define VALUES_BY_CHUNK 1
 /* CHUNK_VALUES for AVX2 without AVX-512, the same FMAs in the same order per lane: one 16-dim chunk of the rows per
  * pass over the chunk's keys, so that 4 queries' accumulators and the widened row fit AVX2's 16 ymm registers (a
@@ -86,7 +86,7 @@ INLINE void chunk_values_avx2(const DecodeArgs *a, const Keys *k, int64_t h, con
 
 INLINE void chunk_values(const DecodeArgs *a, const Keys *k, int64_t h, const float *scores, float *part,
                          int64_t qq0, const int nq, const int64_t chunks, const int kv_dt) {
-#if defined(PS_AVX2) && !defined(PS_AVX512)
+#if defined(PS_AVX2_ONLY)
     chunk_values_avx2(a, k, h, scores, part, qq0, nq, chunks, kv_dt);
 #else
     const int64_t bs = a->block_size, dim = 16 * chunks, stride = partial_stride(dim);
@@ -186,7 +186,7 @@ INLINE void values_store(float *dst, i32x16 lo, i32x16 hi, float scale, int64_t 
                              dim - 32 * p);                                                                          \
     } while (0)
 
-#if defined(PS_AVX2) && !defined(PS_AVX512)
+#if defined(PS_AVX2_ONLY)
 /* VALUES_I8 for AVX2 without AVX-512, the same sums: one 16-dim chunk of the rows per pass over the chunk's keys,
  * in ymm registers. 16 registers hold 4 queries' accumulators of one chunk beside the two widened rows; the 32-lane
  * code kept the accumulators of a whole row, which gcc spilled (and split its 32-lane interleave into a 16-bit move
@@ -230,7 +230,7 @@ INLINE void values_i8_avx2(const DecodeArgs *a, const Keys *k, int64_t h, const 
 
 INLINE void values_i8(const DecodeArgs *a, const Keys *k, int64_t h, const float *scores, const float *ps,
                       float *part, int64_t qq0, const int nq, const int64_t chunks) {
-#if defined(PS_AVX2) && !defined(PS_AVX512)
+#if defined(PS_AVX2_ONLY)
     values_i8_avx2(a, k, h, scores, ps, part, qq0, nq, chunks);
 #else
     const int64_t bs = a->block_size, dim = 16 * chunks, stride = partial_stride(dim), base = k->k0 - k->k0 % 2;

@@ -10,7 +10,7 @@
 #ifndef PAGEDSERVE_CPU_LANES_H
 #define PAGEDSERVE_CPU_LANES_H
 
-#if defined(PS_AVX2) && !defined(PS_AVX512)
+#if defined(PS_AVX2_ONLY)
 INLINE i32x16 cmp16_halves(f32x16 a, f32x16 b, const int predicate) {
     __m256 x[2], y[2], r[2];
     memcpy(x, &a, sizeof x), memcpy(y, &b, sizeof y);
