@@ -3,12 +3,11 @@
 Every decode row of a step goes through kernels/cpu/decode_attention.c and short prefill chunks through
 kernels/cpu/prefill_attention.c; both read K/V blocks in place instead of gathering and upcasting them. Long chunks
 (and every chunk when the head dim is not a multiple of 16) go to the shared SDPA path (prefill_attention.py), except
-that for bf16 queries where the prefill kernel has AMX tiles (kernels/cpu/prefill_amx.c) every long chunk takes the
-kernel: over a bf16 cache it reads the blocks in place, over an 8-bit one the chunks' blocks dequantized once into
-bf16 (cpu/prefill.py). SDPA stays for other query dtypes, on hosts without AMX or its tile state, and for head dims
-that are not a multiple of 64; where bf16 queries run the kernel's vdpbf16ps loop instead of AMX tiles (a Zen 4),
-SDPA also takes their medium chunks (`_bf16_sdpa_wins`). `auto` picks this on CPU whenever the C files build here,
-and falls back to pure torch (logging why) when they cannot.
+that for bf16 queries where the prefill kernel runs bf16 products (AMX tiles, kernels/cpu/prefill_amx.c, or
+vdpbf16ps, prefill_dpbf16.c) every long chunk takes the kernel: over a bf16 cache it reads the blocks in place, over
+an 8-bit one the chunks' blocks dequantized once into bf16 (cpu/prefill.py). SDPA stays for other query dtypes, on
+builds without AVX512-BF16, and for head dims that are not a multiple of 16 (64 for AMX tiles). `auto` picks this
+on CPU whenever the C files build here, and falls back to pure torch (logging why) when they cannot.
 """
 
 from __future__ import annotations
@@ -20,8 +19,8 @@ import torch
 from pagedserve.kernels.attention import AttentionImpl, AttentionMetadata, AttentionPlan
 from pagedserve.kernels.cpu.native import (COMPUTE_DTYPES, DecodeBatch, decode_attention, gather_kv_8bit, load_library,
                                           write_kv, write_kv_fp8, write_kv_int8)
-from pagedserve.kernels.cpu.prefill import (LongPrefill, PrefillBatch, amx_prefill, dpbf16_prefill,
-                                            long_prefill_native, prefill_attention_native)
+from pagedserve.kernels.cpu.prefill import (LongPrefill, PrefillBatch, bf16_long_prefill, long_prefill_native,
+                                            prefill_attention_native)
 from pagedserve.kernels.kv_cache import LayerKVCache
 from pagedserve.kernels.kv_quant import gather_kv, store_kv
 from pagedserve.kernels.prefill_attention import PrefillChunk, prefill_attention, prefill_chunks
@@ -33,12 +32,9 @@ class NativePlan(AttentionPlan):
     decode: DecodeBatch | None  # None when no sequence decodes this step
     prefill: PrefillBatch | None  # None when no sequence prefills, or head_dim is not a multiple of 16
     prefill_sdpa: tuple[PrefillChunk, ...]  # the chunks of such head dims, and long ones SDPA takes for every query
-    # Long chunks where the kernel has AMX tiles: for bf16 queries, and again for SDPA (other query dtypes).
+    # Long chunks where the kernel runs bf16 products: for bf16 queries, and again for SDPA (other query dtypes).
     prefill_long: tuple[LongPrefill, ...] = ()
     prefill_long_sdpa: tuple[PrefillChunk, ...] = ()
-    # Where bf16 queries run vdpbf16ps (no AMX): the native chunks they keep, and the medium ones they give SDPA.
-    prefill_bf16: PrefillBatch | None = None
-    prefill_bf16_sdpa: tuple[PrefillChunk, ...] = ()
 
 
 def _decode_batch(meta: AttentionMetadata, starts: list[int], window: int | None) -> DecodeBatch | None:
@@ -66,7 +62,8 @@ def _sdpa_wins(meta: AttentionMetadata, i: int, min_work: int) -> bool:
     K tiles the C kernel widens lane by lane, 21 ms vs 114 ms and 121 ms vs 480 ms). Short chunks, where SDPA's
     per-chunk dispatch dominates, stay native (16 sequences of 32 tokens: 3.3 ms vs 7.8 ms). Measured before the bf16
     kernel had AMX tiles; where it has them it takes every long chunk of bf16 queries (prefill_amx.c: 1.5x SDPA from
-    position 0 at 2,048 tokens, 2x after 2,048 cached ones, every cache dtype; benchmarks/prefill_attention_ab.py)."""
+    position 0 at 2,048 tokens, 2x after 2,048 cached ones, every cache dtype; benchmarks/prefill_attention_ab.py),
+    and so does its vdpbf16ps loop (cpu/prefill.py's bf16_long_prefill)."""
     return meta.query_lens_host[i] * meta.seq_lens_host[i] >= min_work
 
 
@@ -90,19 +87,6 @@ _SDPA_MIN_WORK_NARROW = 1 << 12  # builds without AVX-512, a 16-bit or fp32 cach
 _SDPA_MIN_WORK_NARROW_8BIT = 1 << 13  # and an 8-bit cache: e.g. 8 new tokens over 1,024
 
 
-def _bf16_sdpa_wins(meta: AttentionMetadata, i: int) -> bool:
-    """Without AMX tiles, bf16 queries over a bf16 or 8-bit cache (cpu/prefill.py's dpbf16_prefill) give SDPA
-    chunks from about 181 x 181 queries x keys on. The vdpbf16ps kernel against SDPA with oneDNN held to
-    AVX512-BF16 (a Zen 4's GEMMs), one layer, one thread, ms, noisy; bf16 cache: steps of 9 prompts of 160 tokens
-    3.9 vs 4.3, of 192 tokens 5.2 vs 4.3, of 224 tokens 7.0 vs 5.9; 4 chunks of 32 tokens over 1,024 3.4 vs 2.5; a
-    512-token prompt 3.7 vs 2.9; an int8 cache alike (benchmarks/prefill_attention_ab.py; raw:
-    benchmarks/results/2026-11-29-spr-prefill-attention-zen4-tier-*)."""
-    return meta.query_lens_host[i] * meta.seq_lens_host[i] >= _BF16_SDPA_MIN_WORK
-
-
-_BF16_SDPA_MIN_WORK = 1 << 15  # e.g. 181 x 181, or 32 new tokens over 1,024
-
-
 def _heads_dense(*rows: torch.Tensor) -> bool:
     return all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in rows)
 
@@ -120,16 +104,12 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         min_work = _sdpa_min_work(cache) if chunks else 0
         sdpa = tuple(i for i in chunks if cache.k.shape[3] % 16 or _sdpa_wins(meta, i, min_work))
         native = tuple(i for i in chunks if i not in sdpa)
-        kernel, sdpa = (sdpa, ()) if sdpa and amx_prefill(cache) else ((), sdpa)
+        kernel, sdpa = (sdpa, ()) if sdpa and bf16_long_prefill(cache) else ((), sdpa)
         # The query dtype is the layer's to know: those long chunks both ways, and the attention call picks one.
         long = LongPrefill.of(cache, PrefillBatch.of(meta, starts, window, kernel)) if kernel else ()
-        medium = tuple(i for i in native if _bf16_sdpa_wins(meta, i)) if native and dpbf16_prefill(cache) else ()
-        kept = tuple(i for i in native if i not in medium)
         return NativePlan(window, decode, PrefillBatch.of(meta, starts, window, native),
                           prefill_chunks(meta, cache, starts, window, sdpa) if sdpa else (), long,
-                          prefill_chunks(meta, cache, starts, window, kernel) if kernel else (),
-                          PrefillBatch.of(meta, starts, window, kept) if medium else None,
-                          prefill_chunks(meta, cache, starts, window, medium) if medium else ())
+                          prefill_chunks(meta, cache, starts, window, kernel) if kernel else ())
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
         k_storage = LayerKVCache.by_head(cache.k)
@@ -152,11 +132,9 @@ class NativeCpuAttention(AttentionImpl[NativePlan]):
         out = torch.empty(query.shape, dtype=query.dtype)
         if plan.decode is not None:
             decode_attention(query, out, cache, plan.decode, scale)
-        native, sdpa = plan.prefill, plan.prefill_sdpa
-        if plan.prefill_bf16_sdpa and query.dtype == torch.bfloat16:
-            native, sdpa = plan.prefill_bf16, sdpa + plan.prefill_bf16_sdpa
-        if native is not None:
-            prefill_attention_native(query, out, cache, native, scale)
+        sdpa = plan.prefill_sdpa
+        if plan.prefill is not None:
+            prefill_attention_native(query, out, cache, plan.prefill, scale)
         if plan.prefill_long and query.dtype == torch.bfloat16:
             for part in plan.prefill_long:
                 long_prefill_native(query, out, cache, part, scale)

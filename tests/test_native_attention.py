@@ -389,21 +389,29 @@ def test_bf16_prefill_skips_freed_blocks_over_many_key_steps(tier, kv_dtype, blo
     assert (result.double() - exact).abs().max().item() <= TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.parametrize("tier", cpu_tiers.params(("native", "avx512_bf16")))
 @pytest.mark.parametrize("kv_dtype", [KVDtype.BF16, KVDtype.INT8, KVDtype.FP8_E4M3])
 @pytest.mark.parametrize("window", [None, 250])
-def test_long_bf16_chunks_stay_native_where_the_kernel_has_amx(kv_dtype, window) -> None:
+def test_long_bf16_chunks_stay_native_where_the_kernel_runs_bf16_products(tier, kv_dtype, window, monkeypatch) -> None:
     """Chunks long enough for SDPA (kernels/native_attention.py) that follow cached context, or that a window cuts,
-    run the AMX kernel instead for bf16 queries: over a bf16 cache reading blocks in place, over an 8-bit one reading
-    them dequantized once into contiguous bf16 (with a window, the blocks before it neither gathered nor read), and
-    so do chunks from position 0 of any length; other query dtypes take SDPA for all of them."""
+    run the bf16 kernel instead for bf16 queries where it has AMX tiles or vdpbf16ps (the host's build, or the forced
+    avx512_bf16 tier): over a bf16 cache reading blocks in place, over an 8-bit one reading them dequantized once into
+    contiguous bf16 (with a window, the blocks before it neither gathered nor read), and so do chunks from position 0
+    of any length; other query dtypes, and builds with neither, take SDPA for all of them. The tier's own library
+    plans and computes (the prefill kernel's loader is the one the plan asks)."""
+    from pagedserve.kernels.cpu import prefill as cpu_prefill
+
+    lib = cpu_native.load_library(None if tier == "native" else tier)
+    monkeypatch.setattr(cpu_prefill, "load_library", lambda: lib)
     seq_lens, query_lens = (700, 45, 1500, 600), (400, 30, 1500, 600)
     query, layer, meta = make_case(seq_lens, query_lens, 16, 3, kv_dtype, seed=12)
     impl = NativeCpuAttention()
     plan = impl.plan(meta, layer, window)
-    amx = bool(cpu_native.load_library().pagedserve_prefill_amx(64))
-    assert amx_prefill(layer) == amx
+    amx = bool(lib.pagedserve_prefill_amx(64))
+    bf16_products = amx or lib.pagedserve_isa_tier() == b"avx512_bf16"
+    assert amx_prefill(layer) == amx and cpu_prefill.bf16_long_prefill(layer) == bf16_products
     kernel = (0, 2, 3)
-    if amx:
+    if bf16_products:
         starts = {0: 0, 2: 430, 3: 1930}
         (long,) = plan.prefill_long  # one gathered buffer: 2,800 keys at most
         assert long.batch.rows.tolist() == [starts[i] for i in kernel]
@@ -411,39 +419,10 @@ def test_long_bf16_chunks_stay_native_where_the_kernel_has_amx(kv_dtype, window)
         assert len(plan.prefill_sdpa) == 3 - len(kernel) and len(plan.prefill_long_sdpa) == len(kernel)
     else:
         assert plan.prefill_long == () and len(plan.prefill_sdpa) == 3
-    for dtype in (torch.bfloat16, torch.float16):  # fp16 queries take SDPA for every chunk
+    assert plan.prefill.rows.tolist() == [400]  # the short chunk stays native for every query dtype
+    for dtype in (torch.bfloat16, torch.float16):  # fp16 queries take SDPA for every long chunk
         result = impl.attention(query.to(dtype), layer, meta, plan, SCALE)
         exact = float64_reference(query.to(dtype), layer, meta, window)
-        assert (result.double() - exact).abs().max().item() <= TOLERANCE[dtype]
-
-
-@pytest.mark.parametrize("tier", cpu_tiers.params(("native", "avx512_bf16")))
-@pytest.mark.parametrize("kv_dtype", [KVDtype.BF16, KVDtype.INT8])
-def test_medium_bf16_chunks_take_sdpa_where_the_kernel_runs_vdpbf16ps(tier, kv_dtype, monkeypatch) -> None:
-    """Where bf16 queries run the vdpbf16ps kernel (no AMX tiles: a Zen 4, or the forced avx512_bf16 tier here),
-    chunks from 2^15 queries x keys take SDPA for bf16 queries and stay native for fp32 ones; short chunks stay
-    native, and long ones take SDPA as everywhere without AMX. The tier's own library plans and computes (the
-    prefill kernel's loader is the one the plan asks)."""
-    from pagedserve.kernels.cpu import prefill as cpu_prefill
-
-    lib = cpu_native.load_library(tier)
-    monkeypatch.setattr(cpu_prefill, "load_library", lambda: lib)
-    seq_lens, query_lens = (40, 200, 1100, 700, 90), (40, 200, 50, 400, 1)  # work 1.6k, 40k, 55k, 280k; a decode
-    query, layer, meta = make_case(seq_lens, query_lens, 16, 3, kv_dtype, seed=15)
-    impl = NativeCpuAttention()
-    plan = impl.plan(meta, layer)
-    vdpbf16ps = lib.pagedserve_isa_tier() == b"avx512_bf16" and not amx_prefill(layer)
-    assert cpu_prefill.dpbf16_prefill(layer) == vdpbf16ps
-    starts = meta.query_starts()
-    assert plan.prefill.rows.tolist() == [starts[i] for i in (0, 1, 2)]
-    if vdpbf16ps:
-        assert plan.prefill_bf16.rows.tolist() == [starts[0]]
-        assert [c.start for c in plan.prefill_bf16_sdpa] == [starts[1], starts[2]]
-    else:
-        assert plan.prefill_bf16 is None and plan.prefill_bf16_sdpa == ()
-    for dtype in (torch.bfloat16, torch.float32)[: 2 if kv_dtype is KVDtype.BF16 else 1]:
-        result = impl.attention(query.to(dtype), layer, meta, plan, SCALE)
-        exact = float64_reference(query.to(dtype), layer, meta, None)
         assert (result.double() - exact).abs().max().item() <= TOLERANCE[dtype]
 
 

@@ -4,8 +4,9 @@ new token, in one call per layer, reading K/V blocks in place.
 The torch path (prefill_attention.py) gathers and upcasts each chunk's blocks and runs SDPA once per sequence and
 layer; the native kernel replaces both with one parallel region over (sequence, KV head, 16 query positions).
 Head dims that are not a multiple of 16 keep the SDPA path (NativeCpuAttention.plan decides), and so do long chunks
-unless the kernel has AMX tiles here (`amx_prefill`); then long chunks over an 8-bit cache read their blocks
-dequantized once per layer into contiguous bf16 (`LongPrefill`), not tile by tile in each task.
+unless the kernel runs bf16 products here (`bf16_long_prefill`: AMX tiles, or vdpbf16ps); then long chunks over an
+8-bit cache read their blocks dequantized once per layer into contiguous bf16 (`LongPrefill`), not tile by tile in
+each task.
 """
 
 from __future__ import annotations
@@ -68,9 +69,17 @@ def amx_prefill(cache: LayerKVCache) -> bool:
 def dpbf16_prefill(cache: LayerKVCache) -> bool:
     """Whether bf16 queries over this cache take the kernel's vdpbf16ps loop (prefill_dpbf16.c) rather than AMX
     tiles: an AVX512-BF16 build (a Zen 4, an SPR VM that refuses the tile state, or the forced avx512_bf16 tier) over
-    a bf16 or 8-bit cache. There the torch SDPA path's bf16 GEMMs (oneDNN's AVX512-BF16 kernels) beat it from medium
-    chunks on (NativeCpuAttention.plan)."""
-    return _bf16_keys(cache) and load_library().pagedserve_isa_tier() == b"avx512_bf16" and not amx_prefill(cache)
+    a bf16 or 8-bit cache, a head dim that is a multiple of 16."""
+    return (_bf16_keys(cache) and cache.k.shape[3] % 16 == 0
+            and load_library().pagedserve_isa_tier() == b"avx512_bf16" and not amx_prefill(cache))
+
+
+def bf16_long_prefill(cache: LayerKVCache) -> bool:
+    """Whether long chunks of bf16 queries take the kernel rather than SDPA (then all of them do:
+    native_attention.NativeCpuAttention.plan): on AMX tiles, and on vdpbf16ps too, where torch's SDPA has no AMX
+    either and runs 2.0-4.5x the kernel's time at every chunk size measured, 1,024 to 2,048 new tokens over 4,096
+    included (a Zen 4, 1 and 2 threads, every cache dtype; benchmarks/prefill_attention_ab.py)."""
+    return amx_prefill(cache) or dpbf16_prefill(cache)
 
 
 def _bf16_keys(cache: LayerKVCache) -> bool:
@@ -125,7 +134,7 @@ GATHER_TOKENS = 16384  # keys per gathered buffer: 12 MiB of K and V at 3 KV hea
 def long_prefill_native(
     query: torch.Tensor, out: torch.Tensor, cache: LayerKVCache, long: LongPrefill, scale: float
 ) -> None:
-    """out[long chunks' rows] through the bf16 kernel; query bf16 (`amx_prefill` held when `long` was planned)."""
+    """out[long chunks' rows] through the bf16 kernel; query bf16 (`bf16_long_prefill` held when `long` was planned)."""
     if long.tiles is None:
         return prefill_attention_native(query, out, cache, long.batch, scale)
     num_kv_heads, block_size, head_dim = cache.k.shape[2], cache.k.shape[1], cache.k.shape[3]
