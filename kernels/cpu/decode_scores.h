@@ -27,7 +27,11 @@ INLINE f32x16 hsum16x16(const f32x16 *v) {
 
 /* Scores of 16 keys (m of them real, from key row i0 of `tile`) for all the span's queries: the keys widened to
  * fp32 once for all queries; each query's 16 dot vectors then stay in registers up to their lane sums (a
- * [query][key] buffer of them cost a store and a load each). The prefetches run ahead to `next_k` and this tile's V. */
+ * [query][key] buffer of them cost a store and a load each). The prefetches run ahead to `next_k` and this tile's V,
+ * V only into L2 (locality 2: prefetcht1): the values pass reads it a chunk later (KEY_CHUNK keys, 32-64 KiB of V at
+ * head dim 64), and pulled into L1 it evicted the K rows prefetched for the next tiles before their turn (a Zen 4's
+ * 32 KiB L1: int8 decode attention 1.02-1.17x faster, bf16 1.03-1.11x, FP8 1.05-1.08x; the AVX2 build's int8
+ * 1.11-1.20x, FP8 even; benchmarks/decode_attention_ab.py). */
 INLINE void score16(const char *tile, const char *next_k, const char *v_tile, int64_t i0, int64_t m, const f32x16 *q,
                     int64_t nq, float *dst, const int64_t chunks, const int kv_dt) {
     const size_t kv_row = (size_t)16 * chunks * elem_size(kv_dt);
@@ -41,7 +45,7 @@ INLINE void score16(const char *tile, const char *next_k, const char *v_tile, in
          * stall on them. */
         for (size_t line = 0; line < kv_row; line += 64) {
             __builtin_prefetch(next_k + (i0 + i) * kv_row + line);
-            __builtin_prefetch(v_tile + (i0 + i) * kv_row + line);
+            __builtin_prefetch(v_tile + (i0 + i) * kv_row + line, 0, 2);
         }
         kv_widen_row(tile + (i0 + i) * kv_row, chunks, kv_dt, kf[i]);
     }
@@ -69,7 +73,7 @@ INLINE void score16_i8(const char *tile, const char *next_k, const char *v_tile,
     for (int64_t i = 0; i < m; i++)
         for (size_t line = 0; line < kv_row; line += 64) {
             __builtin_prefetch(next_k + (i0 + i) * kv_row + line);
-            __builtin_prefetch(v_tile + (i0 + i) * kv_row + line);
+            __builtin_prefetch(v_tile + (i0 + i) * kv_row + line, 0, 2);  /* into L2, as score16's */
         }
     const int8_t *rows = (const int8_t *)tile + i0 * kv_row;
     const f32x16 row_scale = row_scales16(rs + i0, m);
