@@ -164,14 +164,9 @@ INLINE f32x16 kv_row16(const void *row, int64_t c, int dt) {
     const __m256i w = _mm256_cvtepi8_epi16(bytes);
     const __m256i half = dt == DT_E4M3 ? _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16((short)0xBF80))
                                        : _mm256_slli_epi16(w, 8);
-#if defined(PS_AVX512)
-    return (f32x16)_mm512_cvtph_ps(half);
-#else
-    const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(half)), hi = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
-    f32x16 out;
-    memcpy(&out, &lo, 32), memcpy((char *)&out + 32, &hi, 32);
-    return out;
-#endif
+    f16x16 h;
+    memcpy(&h, &half, sizeof h);
+    return f16x16_to_f32(h);
 #else
     return load16(row, c, dt) * (dt == DT_E4M3 ? 0x1p-8f : 1.0f);
 #endif
