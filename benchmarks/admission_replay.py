@@ -35,12 +35,15 @@ class FirstChunkScheduler(Scheduler):
         return True
 
 
-def replay_steps(sched: Scheduler, prompts: list[list[int]], output_tokens: int) -> Iterator[SchedulerOutput]:
+def replay_steps(sched: Scheduler, prompts: list[list[int]], output_tokens: int,
+                 stops: list[int] | None = None) -> Iterator[SchedulerOutput]:
     """Runs the prompts through `sched` to the end with every scheduled token counted as computed (no model): yields
     each step's output once committed, before its rows that reached their end take the next token (a decode row's
-    `seq.num_tokens` is then its context, the new token included)."""
+    `seq.num_tokens` is then its context, the new token included). Every request asks for `output_tokens`
+    (max_tokens); `stops`, if given, is where each one actually ends (an end-of-sequence token before its limit)."""
     seqs = [Sequence(f"r{i}", 0, list(p), len(p), SamplingParams(max_tokens=output_tokens), SequenceMetrics(0.0))
             for i, p in enumerate(prompts)]
+    ends = {seq: stop for seq, stop in zip(seqs, stops or [output_tokens] * len(seqs), strict=True)}
     for seq in seqs:
         sched.add(seq)
     while any(seq.status is not SeqStatus.FINISHED for seq in seqs):
@@ -54,7 +57,7 @@ def replay_steps(sched: Scheduler, prompts: list[list[int]], output_tokens: int)
             seq = item.seq
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.token_ids.append(200)
-                if seq.num_tokens - seq.num_prompt_tokens >= output_tokens:
+                if seq.num_tokens - seq.num_prompt_tokens >= ends[seq]:
                     sched.finish(seq)
 
 

@@ -12,12 +12,19 @@ docs/kv-cache-formats.md ("Where the 128 MiB run's time goes"); pass the ones of
 
     python benchmarks/long_context_model.py --blocks 364 706 --requests 4 --shortest 2048 --longest 4096 \
         --output-tokens 1024 --seeds 0 1 2 3 4 5 6 7 8 9
+
+`--admission reserve` prices the same workloads under an admission rule the engine does not have (SGLang's): a
+prompt starts only if the free blocks also hold a share of every running request's remaining `max_tokens` and of
+its own, the share starting at 0.7 and decaying to 0.1 over 600 steps, and set after a preemption to the fraction of
+their `max_tokens` the running requests have produced. `--early-stop F` makes each request end (an end-of-sequence
+token) after `max_tokens * u^2` outputs, u uniform in [F, 1] per request and seed, where such a reserve is too much.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -29,13 +36,43 @@ from pagedserve.engine.core.block_manager import BlockManager  # noqa: E402
 from pagedserve.engine.core.scheduler import Scheduler  # noqa: E402
 
 
+class ReserveScheduler(Scheduler):
+    """SGLang's admission (its `new_token_ratio`): room kept for a share of the running requests' remaining outputs."""
+
+    FIRST, LAST, DECAY_STEPS, RETRACT_STEPS = 0.7, 0.1, 600, 20
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.share = self.FIRST
+
+    def schedule(self):
+        preemptions = self.num_preemptions
+        out = super().schedule()
+        if self.num_preemptions > preemptions:
+            produced = sum(s.num_output_tokens + self.RETRACT_STEPS for s in self.running)
+            self.share = min(1.0, produced / max(1, sum(s.params.max_tokens for s in self.running)))
+        else:
+            self.share = max(self.LAST, self.share - (self.FIRST - self.LAST) / self.DECAY_STEPS)
+        return out
+
+    def _prefill_can_finish(self, seq, num_new, uncomputed, hit) -> bool:
+        remaining = sum(s.params.max_tokens - s.num_output_tokens for s in (*self.running, seq))
+        spare = self.block_manager.blocks_needed(int(remaining * self.share))
+        return super()._prefill_can_finish(seq, num_new, uncomputed, hit) and \
+            self.block_manager.can_allocate(seq, uncomputed, hit, spare_blocks=spare)
+
+
+ADMISSION = {"engine": Scheduler, "reserve": ReserveScheduler}
+
+
 def predicted_seconds(blocks: int, prompts: list[list[int]], output_tokens: int, step_ms: float, row_ms: float,
-                      prefill_ms_per_token: float, attention_us_per_key: float) -> float:
+                      prefill_ms_per_token: float, attention_us_per_key: float,
+                      admission: type[Scheduler] = Scheduler, stops: list[int] | None = None) -> float:
     """The workload's time on `blocks` blocks: every step's fixed cost, its prefill tokens, its decode rows and
     their keys (context length including the new token), priced as given."""
-    sched = Scheduler(BlockManager(blocks, BLOCK_SIZE), 256, MAX_NUM_BATCHED_TOKENS)
+    sched = admission(BlockManager(blocks, BLOCK_SIZE), 256, MAX_NUM_BATCHED_TOKENS)
     ms = 0.0
-    for out in replay_steps(sched, prompts, output_tokens):
+    for out in replay_steps(sched, prompts, output_tokens, stops):
         ms += step_ms
         for item in out.scheduled:
             if item.num_new_tokens > 1:
@@ -61,13 +98,21 @@ def main() -> None:
     parser.add_argument("--longest", type=int, default=4096)
     parser.add_argument("--output-tokens", type=int, default=1024)
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
+    parser.add_argument("--admission", choices=sorted(ADMISSION), default="engine",
+                        help="engine: the engine's Scheduler; reserve: SGLang's admission reserve (see above)")
+    parser.add_argument("--early-stop", type=float, help="requests end after max_tokens * u^2, u in [F, 1]")
     args = parser.parse_args()
     costs = list(zip(args.blocks, args.prefill_ms_per_token, args.attention_us_per_key, strict=True))
     ratios = {blocks: [] for blocks in args.blocks[1:]}
     for seed in args.seeds:
         prompts = workload(args.requests, args.shortest, args.longest, seed)
-        tokens = sum(map(len, prompts)) + len(prompts) * args.output_tokens
-        rates = [tokens / predicted_seconds(b, prompts, args.output_tokens, args.step_ms, args.row_ms, p, a)
+        stops = None
+        if args.early_stop is not None:
+            rng = random.Random(seed + 100)
+            stops = [max(1, int(args.output_tokens * rng.uniform(args.early_stop, 1.0) ** 2)) for _ in prompts]
+        tokens = sum(map(len, prompts)) + sum(stops or [args.output_tokens] * len(prompts))
+        rates = [tokens / predicted_seconds(b, prompts, args.output_tokens, args.step_ms, args.row_ms, p, a,
+                                            ADMISSION[args.admission], stops)
                  for b, p, a in costs]
         for blocks, rate in zip(args.blocks[1:], rates[1:]):
             ratios[blocks].append(rate / rates[0])
