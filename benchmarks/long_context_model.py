@@ -18,6 +18,7 @@ prompt starts only if the free blocks also hold a share of every running request
 its own, the share starting at 0.7 and decaying to 0.1 over 600 steps, and set after a preemption to the fraction of
 their `max_tokens` the running requests have produced. `--early-stop F` makes each request end (an end-of-sequence
 token) after `max_tokens * u^2` outputs, u uniform in [F, 1] per request and seed, where such a reserve is too much.
+`--admission headroom` keeps only one block per running sequence (and one for the new one) free past the prompt.
 """
 
 from __future__ import annotations
@@ -62,7 +63,18 @@ class ReserveScheduler(Scheduler):
             self.block_manager.can_allocate(seq, uncomputed, hit, spare_blocks=spare)
 
 
-ADMISSION = {"engine": Scheduler, "reserve": ReserveScheduler}
+class HeadroomScheduler(Scheduler):
+    """A prompt starts only if, with all of it in, every running sequence and it can still take one more block: one
+    admitted into the last free blocks makes a running sequence's next block preempt someone."""
+
+    def _prefill_can_finish(self, seq, num_new, uncomputed, hit) -> bool:
+        if not self.running or self.block_manager.window is not None:
+            return True
+        return super()._prefill_can_finish(seq, num_new, uncomputed, hit) and \
+            self.block_manager.can_allocate(seq, uncomputed, hit, spare_blocks=len(self.running) + 1)
+
+
+ADMISSION = {"engine": Scheduler, "reserve": ReserveScheduler, "headroom": HeadroomScheduler}
 
 
 def predicted_seconds(blocks: int, prompts: list[list[int]], output_tokens: int, step_ms: float, row_ms: float,
@@ -99,7 +111,7 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=1024)
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
     parser.add_argument("--admission", choices=sorted(ADMISSION), default="engine",
-                        help="engine: the engine's Scheduler; reserve: SGLang's admission reserve (see above)")
+                        help="engine: the engine's Scheduler; reserve, headroom: the rules above")
     parser.add_argument("--early-stop", type=float, help="requests end after max_tokens * u^2, u in [F, 1]")
     args = parser.parse_args()
     costs = list(zip(args.blocks, args.prefill_ms_per_token, args.attention_us_per_key, strict=True))
