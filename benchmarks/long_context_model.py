@@ -118,11 +118,11 @@ def main() -> None:
     ratios = {blocks: [] for blocks in args.blocks[1:]}
     for seed in args.seeds:
         prompts = workload(args.requests, args.shortest, args.longest, seed)
-        stops = None
+        stops = [args.output_tokens] * len(prompts)
         if args.early_stop is not None:
             rng = random.Random(seed + 100)
             stops = [max(1, int(args.output_tokens * rng.uniform(args.early_stop, 1.0) ** 2)) for _ in prompts]
-        tokens = sum(map(len, prompts)) + sum(stops or [args.output_tokens] * len(prompts))
+        tokens = sum(map(len, prompts)) + sum(stops)
         rates = [tokens / predicted_seconds(b, prompts, args.output_tokens, args.step_ms, args.row_ms, p, a,
                                             ADMISSION[args.admission], stops)
                  for b, p, a in costs]
