@@ -1,9 +1,10 @@
 """Preemptions and recomputed prompt tokens of the long-context workloads, from the scheduler alone (no model): the
 engine's Scheduler and BlockManager run the same requests step by step with every scheduled token counted as
 computed, so the figures are exact and take seconds. Each row compares the admission rule the scheduler has (a
-prompt longer than one step's chunk starts only when all of it, and the running sequences' growth meanwhile, fits)
-with vLLM v1's check of the first chunk alone, per block count (the counts the 16-bit, int8 and FP8 caches get from
-the budget) and per workload seed.
+prompt starts only when all of it fits with one block to spare for every running sequence and for it, and a prompt
+longer than one step's chunk also with the running sequences' growth meanwhile) with the rule it had before
+(`whole_prompt`: the same without the one block each) and with vLLM v1's check of the first chunk alone, per block
+count (the counts the 16-bit, int8 and FP8 caches get from the budget) and per workload seed.
 
     python benchmarks/admission_replay.py --blocks 364 706 728 --requests 4 --shortest 2048 --longest 4096 \
         --output-tokens 1024 --seeds 0 1 2 3 4 5 6 7 8 9
@@ -33,6 +34,18 @@ class FirstChunkScheduler(Scheduler):
 
     def _prefill_can_finish(self, *args) -> bool:
         return True
+
+
+class WholePromptScheduler(Scheduler):
+    """The engine's admission before it kept a block per running sequence: a prompt longer than one step's chunk
+    starts when all of it and the running sequences' growth during its chunks fit; a shorter one whenever it fits."""
+
+    def _prefill_can_finish(self, seq: Sequence, num_new: int, uncomputed: int, hit) -> bool:
+        if uncomputed <= num_new or not self.running or self.block_manager.window is not None:
+            return True
+        steps = -(-uncomputed // max(1, self.max_num_batched_tokens - len(self.running)))
+        growth = len(self.running) * self.block_manager.blocks_needed(steps)
+        return self.block_manager.can_allocate(seq, uncomputed, hit, spare_blocks=growth)
 
 
 def replay_steps(sched: Scheduler, prompts: list[list[int]], output_tokens: int,
@@ -87,7 +100,8 @@ def main() -> None:
             if max(map(len, prompts)) + args.output_tokens > blocks * BLOCK_SIZE:
                 continue  # the engine refuses such a request (CapacityError)
             row = {"seed": seed, "blocks": blocks, "prompts": [len(p) for p in prompts]}
-            for name, kind in (("whole_prompt", Scheduler), ("first_chunk", FirstChunkScheduler)):
+            for name, kind in (("engine", Scheduler), ("whole_prompt", WholePromptScheduler),
+                               ("first_chunk", FirstChunkScheduler)):
                 row[name] = replay(kind, blocks, prompts, args.output_tokens)
             print(json.dumps(row))
 

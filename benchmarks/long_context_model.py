@@ -13,12 +13,13 @@ docs/kv-cache-formats.md ("Where the 128 MiB run's time goes"); pass the ones of
     python benchmarks/long_context_model.py --blocks 364 706 --requests 4 --shortest 2048 --longest 4096 \
         --output-tokens 1024 --seeds 0 1 2 3 4 5 6 7 8 9
 
-`--admission reserve` prices the same workloads under an admission rule the engine does not have (SGLang's): a
-prompt starts only if the free blocks also hold a share of every running request's remaining `max_tokens` and of
-its own, the share starting at 0.7 and decaying to 0.1 over 600 steps, and set after a preemption to the fraction of
+`--admission reserve` prices the same workloads under an admission rule the engine does not have (SGLang's, on top
+of the engine's rule before it kept one block per running sequence): a prompt starts only if the free blocks also
+hold a share of every running request's remaining `max_tokens` and of its own, the share starting at 0.7 and decaying to 0.1 over 600 steps, and set after a preemption to the fraction of
 their `max_tokens` the running requests have produced. `--early-stop F` makes each request end (an end-of-sequence
 token) after `max_tokens * u^2` outputs, u uniform in [F, 1] per request and seed, where such a reserve is too much.
-`--admission headroom` keeps only one block per running sequence (and one for the new one) free past the prompt.
+`--admission whole-prompt` is the engine's rule before it kept one block per running sequence (and one for the new
+one) free past the prompt.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, even under python -P
-from admission_replay import BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS, replay_steps  # noqa: E402
+from admission_replay import BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS, WholePromptScheduler, replay_steps  # noqa: E402
 from kv_long_context import workload  # noqa: E402
 from pagedserve.engine.core.block_manager import BlockManager  # noqa: E402
 from pagedserve.engine.core.scheduler import Scheduler  # noqa: E402
 
 
-class ReserveScheduler(Scheduler):
+class ReserveScheduler(WholePromptScheduler):
     """SGLang's admission (its `new_token_ratio`): room kept for a share of the running requests' remaining outputs."""
 
     FIRST, LAST, DECAY_STEPS, RETRACT_STEPS = 0.7, 0.1, 600, 20
@@ -63,18 +64,7 @@ class ReserveScheduler(Scheduler):
             self.block_manager.can_allocate(seq, uncomputed, hit, spare_blocks=spare)
 
 
-class HeadroomScheduler(Scheduler):
-    """A prompt starts only if, with all of it in, every running sequence and it can still take one more block: one
-    admitted into the last free blocks makes a running sequence's next block preempt someone."""
-
-    def _prefill_can_finish(self, seq, num_new, uncomputed, hit) -> bool:
-        if not self.running or self.block_manager.window is not None:
-            return True
-        return super()._prefill_can_finish(seq, num_new, uncomputed, hit) and \
-            self.block_manager.can_allocate(seq, uncomputed, hit, spare_blocks=len(self.running) + 1)
-
-
-ADMISSION = {"engine": Scheduler, "reserve": ReserveScheduler, "headroom": HeadroomScheduler}
+ADMISSION = {"engine": Scheduler, "whole-prompt": WholePromptScheduler, "reserve": ReserveScheduler}
 
 
 def predicted_seconds(blocks: int, prompts: list[list[int]], output_tokens: int, step_ms: float, row_ms: float,
@@ -111,7 +101,7 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=1024)
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
     parser.add_argument("--admission", choices=sorted(ADMISSION), default="engine",
-                        help="engine: the engine's Scheduler; reserve, headroom: the rules above")
+                        help="engine: the engine's Scheduler; whole-prompt, reserve: the rules above")
     parser.add_argument("--early-stop", type=float, help="requests end after max_tokens * u^2, u in [F, 1]")
     args = parser.parse_args()
     costs = list(zip(args.blocks, args.prefill_ms_per_token, args.attention_us_per_key, strict=True))

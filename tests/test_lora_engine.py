@@ -11,7 +11,7 @@ import torch
 from conftest import hf_from_gguf, make_tiny_model
 from gguf_fixtures import write_tiny_llama
 from lora_fixtures import (  # noqa: F401  (tiny: the shared module fixture)
-    BLOCK, FOUR, MAX_NEW, AdapterSpec, assert_greedy_within, generate, hf_base, make_adapter, peft_greedy,
+    BLOCK, FOUR, MAX_NEW, AdapterSpec, assert_greedy_within, generate, greedy, hf_base, make_adapter, peft_greedy,
     references, start_modules, tiny, tiny_engine, with_adapter,
 )
 from pagedserve.engine.config import EngineConfig
@@ -66,13 +66,14 @@ def test_the_adapter_cap_holds_per_step_and_everyone_finishes(tiny, monkeypatch)
 
 
 def test_chunked_prefill_and_preemption_with_adapters(tiny):
-    # 21-token steps split the 30-token prompt and the prompts that share a step with others; a cache of 4 blocks
-    # cannot hold the growth of all the requests it admits, so one is preempted as they decode. (Smaller steps
-    # preempt nobody: a prompt longer than a step starts only when all of it fits beside the running ones.)
+    # 21-token steps split the 30-token prompt and the prompts that share a step with others; 32 new tokens each in
+    # a cache of 5 blocks: requests admitted with one block to spare each outgrow it, so some are preempted as they
+    # decode (8 new tokens grow no request by more than the block it keeps: nobody would be).
     block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, float32
-    engine = _engine(tiny, max_loras=3, max_num_batched_tokens=21, kv_cache_memory=4 * block_bytes)
-    outputs = generate(engine, tiny["requests"])
-    assert [outputs[f"r{i}"][0] for i in range(len(tiny["requests"]))] == tiny["expected"]
+    engine = _engine(tiny, max_loras=3, max_num_batched_tokens=21, kv_cache_memory=5 * block_bytes)
+    outputs = generate(engine, tiny["requests"], greedy(32))
+    expected = references(tiny["models"], tiny["requests"], 32)
+    assert [outputs[f"r{i}"][0] for i in range(len(tiny["requests"]))] == expected
     assert engine.stats().num_preemptions > 0
 
 

@@ -42,22 +42,23 @@ def family(tmp_path_factory):
     return get
 
 
-def _kv_bytes(model, blocks: int) -> int:
+def _kv_bytes(model, blocks: int, block_size: int = BLOCK) -> int:
     cfg = getattr(model.config, "text_config", model.config)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return blocks * 2 * cfg.num_hidden_layers * BLOCK * cfg.num_key_value_heads * head_dim * 4
+    return blocks * 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * 4
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_family_matches_transformers_through_the_paged_engine(family, case, monkeypatch):
-    """256-token steps (the long prompt prefills in chunks) and a cache of 146 blocks, too small for all eight:
-    greedy tokens and the logits of every computed position equal transformers'. The long prompt goes first: after
-    the short ones a prompt longer than a step would wait until all of it fits, and nobody would be preempted; first,
-    the short ones start beside it and the decodes outgrow the cache. Phi-3-mini's window (every layer sliding) frees
-    the long prompt's early blocks as it advances, so there it goes last, where the rule does not apply."""
+    """256-token steps (the long prompt prefills in chunks) and a cache of 288 blocks of 8 tokens, too small for all
+    eight: greedy tokens and the logits of every computed position equal transformers'. The long prompt goes first:
+    after the short ones a prompt longer than a step would wait until all of it fits, and nobody would be preempted;
+    first, the short ones start beside it (each with a block to spare) and the decodes outgrow the cache (8-token
+    blocks, so 16 new tokens grow a sequence by more than its spare one). Phi-3-mini's window (every layer sliding)
+    frees the long prompt's early blocks as it advances, so there it goes last, where the rule does not apply."""
     path, model, expected = family(case)
-    llm = LLM(str(path), dtype="float32", block_size=BLOCK, max_num_batched_tokens=256,
-              kv_cache_memory=_kv_bytes(model, 146))
+    llm = LLM(str(path), dtype="float32", block_size=8, max_num_batched_tokens=256,
+              kv_cache_memory=_kv_bytes(model, 288, block_size=8))
     engine = llm.engine
     run = engine_probe.ProbeRun()
     engine_probe.attach(engine, run, monkeypatch)

@@ -17,7 +17,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from quant_fixtures import FIXTURE_NAMES, dequantized_reference, fixture_dir, grouped_logits_atol
 
 MAX_NEW = 24
-BLOCK = 16
+BLOCK = 8  # small blocks, so a decode outgrows the one block to spare each sequence is admitted with
 # The default (fp32) cache: the same weights and math as transformers, summed in another order (with int16
 # activations in the VNNI build's grouped linears: quant_fixtures.grouped_logits_atol).
 # An FP8 E4M3 cache keeps 3 mantissa bits of every K and V (relative error up to 2^-4) under per-head scales
@@ -25,6 +25,8 @@ BLOCK = 16
 # 0.087-0.18 (logits span about +-2.5). Since the default cache matches transformers to grouped_logits_atol(), this is also
 # the agreement with the float32-cache run.
 FP8_ATOL = 0.3
+# The cache's bytes in float32 blocks of BLOCK tokens, per KV dtype: an FP8 block takes a quarter of the bytes.
+KV_BLOCKS = {"auto": 8, "fp8_e4m3": 4}
 
 
 def _engine(path, hf, kv_cache_dtype: str, kv_blocks: int) -> LLMEngine:
@@ -83,10 +85,10 @@ def test_tool_checkpoint_through_the_paged_engine(name, kv_cache_dtype, referenc
         references[name] = dequantized_reference(name)
     hf = references[name]
     prompts = _prompts(hf.config.vocab_size)
-    # The 3 prompts need 10 blocks at once; 4 hold any one of them (2 float32 blocks' bytes are 8 FP8 blocks). A prompt
-    # longer than a step starts only when all of it fits, so the preemption is a decoding sequence outgrowing the
-    # cache: at 5 blocks the three run one after another and nobody is preempted.
-    run_and_compare(path, hf, prompts, kv_cache_dtype, 4 if kv_cache_dtype == "auto" else 2, monkeypatch)
+    # The 3 prompts need 19 blocks at once; 8 hold any one of them (4 float32 blocks' bytes are 16 FP8 blocks). A
+    # prompt starts only when all of it fits with a block to spare per running sequence, so the preemption is a
+    # decoding sequence outgrowing the cache (admission_replay.py's replay of these lengths: one in either cache).
+    run_and_compare(path, hf, prompts, kv_cache_dtype, KV_BLOCKS[kv_cache_dtype], monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -101,4 +103,4 @@ def test_gguf_checkpoint_through_the_paged_engine(tiny_gguf, kv_cache_dtype, mon
     for the reference."""
     path, hf = tiny_gguf
     prompts = _prompts(hf.config.vocab_size)
-    run_and_compare(path, hf, prompts, kv_cache_dtype, 4 if kv_cache_dtype == "auto" else 2, monkeypatch)
+    run_and_compare(path, hf, prompts, kv_cache_dtype, KV_BLOCKS[kv_cache_dtype], monkeypatch)

@@ -44,33 +44,56 @@ def test_max_num_seqs_limits_the_running_batch():
 
 
 def test_kv_pressure_preempts_the_newest_and_it_resumes():
-    bm = BlockManager(4, 4, enable_prefix_caching=False)
+    bm = BlockManager(6, 4, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
-    old, new = seq(7, "old"), seq(7, "new")
+    old, new = seq(7, "old"), seq(3, "new")  # 2 blocks and 1: both start, with a block each to spare
     sched.add(old)
     sched.add(new)
-    run_step(sched)  # 2 blocks each: the pool is full
-    assert bm.num_free_blocks == 0
-    run_step(sched)  # both write token 8 into their second block
-    steps = run_step(sched)  # token 9 needs a new block: the newest gives way
+    assert run_step(sched) == {"old": 7, "new": 3}
+    for _ in range(5):
+        assert run_step(sched) == {"old": 1, "new": 1}  # both grow into the free blocks
+    assert bm.num_free_blocks == 1 and (old.num_tokens, new.num_tokens) == (13, 9)
+    steps = run_step(sched)  # old takes the last block; new's next one is missing: the newest gives way
     assert steps == {"old": 1}
     assert new.status is SeqStatus.WAITING and new.num_computed_tokens == 0 and new.block_table == []
-    assert new.metrics.num_preemptions == 1 and new.num_output_tokens == 2  # its outputs are kept
+    assert new.metrics.num_preemptions == 1 and new.num_output_tokens == 6  # its outputs are kept
     sched.finish(old)
     assert run_step(sched) == {"new": 9}  # recompute prompt + outputs in one go
-    assert new.num_output_tokens == 3
+    assert new.num_output_tokens == 7
 
 
 def test_preempted_sequence_goes_back_to_the_front_of_the_queue():
-    bm = BlockManager(3, 4, enable_prefix_caching=False)
+    bm = BlockManager(6, 4, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
-    a, b, c = seq(4, "a"), seq(4, "b"), seq(4, "c")
+    a, b, c = seq(3, "a"), seq(3, "b"), seq(3, "c")
     for s in (a, b, c):
         sched.add(s)
-    run_step(sched)
-    assert bm.num_free_blocks == 0
-    run_step(sched)  # each needs a second block: c, then b are preempted
+    steps = [run_step(sched) for _ in range(11)]  # all three grow until the pool runs out: c goes, later b
+    assert steps[5] == {"a": 1, "b": 1, "c": 1} and steps[6] == {"a": 1, "b": 1} and steps[10] == {"a": 1}
     assert [s.request_id for s in sched.waiting] == ["b", "c"]
+    assert sched.num_preemptions == 2
+
+
+def test_a_prompt_waits_rather_than_take_the_blocks_a_running_sequence_grows_into():
+    """Admitted into the last free blocks, it would be the newest sequence when the running one's next block is
+    missing: preempted a step or two later and computed again. It waits for a block to spare per sequence."""
+    bm = BlockManager(5, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    running, short = seq(7, "running"), seq(8, "short")  # 2 blocks + 2 fit the pool, not a block each beside
+    sched.add(running)
+    assert run_step(sched) == {"running": 7}
+    sched.add(short)
+    assert run_step(sched) == {"running": 1}
+    assert short.status is SeqStatus.WAITING
+    sched.finish(running)
+    assert run_step(sched) == {"short": 8}
+    roomy = Scheduler(BlockManager(6, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=100)
+    running, short = seq(7, "running"), seq(8, "short")
+    roomy.add(running)
+    run_step(roomy)
+    roomy.add(short)
+    assert run_step(roomy) == {"running": 1, "short": 8}  # 2 + 2 blocks, one to spare for each: it starts
+    assert roomy.num_preemptions == 0
 
 
 def test_a_long_prompt_waits_until_all_of_it_fits_instead_of_starting_and_being_preempted():
@@ -106,11 +129,14 @@ def test_a_long_prompt_starts_beside_running_requests_when_it_fits_with_their_gr
 def test_a_preempted_request_resumes_only_when_all_it_recomputes_fits():
     bm = BlockManager(6, 4, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=4)
-    old, new = seq(8, "old"), seq(8, "new")
+    old, new = seq(8, "old"), seq(3, "new")
     sched.add(old)
     sched.add(new)
-    while new.metrics.num_preemptions == 0:
+    for _ in range(40):
         run_step(sched)
+        if new.metrics.num_preemptions:
+            break
+    assert new.metrics.num_preemptions == 1 and new.num_tokens > 4  # more than one 4-token chunk to recompute
     computed = []
     while old.status is SeqStatus.RUNNING and len(computed) < 40:
         run_step(sched)

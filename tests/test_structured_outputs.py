@@ -277,11 +277,12 @@ def _tiny_requests() -> tuple[list[str], list[SamplingParams]]:
 def test_preemption_and_chunked_prefill_replay_without_re_advancing(tiny, tiny_model):
     prompts, params = _tiny_requests()
     reference = [o.outputs[0].token_ids for o in tiny.generate(prompts, params)]
-    block_bytes = 2 * 2 * 2 * 16 * 16 * 4  # layers x (K, V) x kv heads x head dim x block x fp32
-    # 8 blocks (128 tokens) for six requests of up to 6 blocks each: decoding requests outgrow the cache and are
-    # preempted; 24-token steps: the two longest prompts, and those sharing a step, prefill in chunks. (At 16-token
-    # steps most prompts are longer than a step and start only when all of them fit: nobody is preempted.)
-    small = LLM(str(tiny_model), dtype="float32", kv_cache_memory=8 * block_bytes, max_num_batched_tokens=24)
+    block_bytes = 2 * 2 * 2 * 16 * 8 * 4  # layers x (K, V) x kv heads x head dim x block x fp32
+    # 16 blocks of 8 tokens for six requests of up to 9 blocks each: requests admitted with one block to spare each
+    # outgrow it as they decode and one is preempted; 16-token steps: every prompt longer than 16 tokens, and
+    # those sharing a step, prefill in chunks.
+    small = LLM(str(tiny_model), dtype="float32", kv_cache_memory=16 * block_bytes, max_num_batched_tokens=16,
+                block_size=8)
     outs = small.generate(prompts, params)
     assert small.engine.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == reference

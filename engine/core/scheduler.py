@@ -167,15 +167,18 @@ class Scheduler:
         return budget
 
     def _prefill_can_finish(self, seq: Sequence, num_new: int, uncomputed: int, hit: PrefixHit | None) -> bool:
-        """A prompt longer than one step's chunk starts only when the free blocks hold all of it and what the running
-        sequences add meanwhile. Started on its first chunk's room alone (as vLLM v1 does), it is the newest
-        sequence when its next chunk finds no room, so it is preempted and every token it computed is computed again
-        later (a 4k prompt beside three long decodes threw away 2k tokens of prefill that way)."""
-        if uncomputed <= num_new or not self.running or self.block_manager.window is not None:
-            return True  # one chunk; or nobody to wait for; or windowed, where a prompt never holds all its blocks
-        steps = -(-uncomputed // max(1, self.max_num_batched_tokens - len(self.running)))
-        growth = len(self.running) * self.block_manager.blocks_needed(steps)
-        return self.block_manager.can_allocate(seq, uncomputed, hit, spare_blocks=growth)
+        """A prompt starts only when the free blocks hold all of it and still leave every running sequence and it
+        one more block; a prompt longer than one step's chunk, also the blocks the running sequences add during its
+        chunks. Admitted into the last free blocks (vLLM v1 checks only the first chunk's), it is the newest
+        sequence when the next block anyone needs is missing, so it is preempted and everything it computed is
+        computed again (a 4k prompt beside three long decodes threw away 2k tokens of prefill that way)."""
+        if not self.running or self.block_manager.window is not None:
+            return True  # nobody to wait for; or windowed, where a prompt never holds all its blocks
+        spare = len(self.running) + 1
+        if uncomputed > num_new:
+            steps = -(-uncomputed // max(1, self.max_num_batched_tokens - len(self.running)))
+            spare = max(spare, len(self.running) * self.block_manager.blocks_needed(steps))
+        return self.block_manager.can_allocate(seq, uncomputed, hit, spare_blocks=spare)
 
     def _over_adapter_cap(self, seq: Sequence, running: set[int]) -> bool:
         """By id, not name: a name unloaded and loaded again from another folder is another adapter."""
