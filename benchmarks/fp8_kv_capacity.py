@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, even under python -P
 from fp8_kv_accuracy import host_info  # noqa: E402

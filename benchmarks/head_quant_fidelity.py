@@ -23,7 +23,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent

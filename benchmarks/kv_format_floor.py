@@ -26,7 +26,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, even under python -P
 import fp8_kv_accuracy as acc  # noqa: E402
-import fp8_texts  # noqa: E402
 from pagedserve.kernels.attention import AttentionImpl, WriteObservingAttention  # noqa: E402
 from pagedserve.kernels.kv_cache import LayerKVCache  # noqa: E402
 from pagedserve.kernels.kv_scales import hadamard  # noqa: E402

@@ -27,7 +27,6 @@ import concurrent.futures
 import json
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys

@@ -145,14 +145,19 @@ def plot(result: dict, png: Path) -> None:
         return
     t = [s["t_s"] / 60 for s in result["samples"]]
     fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
-    axes[0].plot(t, [s["rss_mib"] for s in result["samples"]]); axes[0].set_ylabel("server RSS (MiB)")
-    axes[1].plot(t, [s["used_blocks"] for s in result["samples"]]); axes[1].set_ylabel("used KV blocks")
+    axes[0].plot(t, [s["rss_mib"] for s in result["samples"]])
+    axes[0].set_ylabel("server RSS (MiB)")
+    axes[1].plot(t, [s["used_blocks"] for s in result["samples"]])
+    axes[1].set_ylabel("used KV blocks")
     axes[2].plot(t, [s["latency_p50_s"] for s in result["samples"]], label="p50")
     axes[2].plot(t, [s["latency_p99_s"] for s in result["samples"]], label="p99")
-    axes[2].set_ylabel("stream latency (s)"); axes[2].set_xlabel("minutes"); axes[2].legend()
+    axes[2].set_ylabel("stream latency (s)")
+    axes[2].set_xlabel("minutes")
+    axes[2].legend()
     fig.suptitle(f"soak: {result['minutes']} min, {result['final']['requests']} requests, "
                  f"{result['final']['unexpected']} unexpected errors")
-    fig.tight_layout(); fig.savefig(png, dpi=100)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
 
 
 def main() -> None:

@@ -60,7 +60,6 @@ def extra_fields(argv: list[str]) -> dict:
 
 
 def build_config(argv: list[str]):
-    from gptqmodel import QuantizeConfig
     from gptqmodel.quantization.config import AWQConfig, GPTQConfig  # noqa: F401
 
     method = argv[0]
