@@ -15,8 +15,9 @@ docs/kv-cache-formats.md ("Where the 128 MiB run's time goes"); pass the ones of
 
 `--admission reserve` prices the same workloads under an admission rule the engine does not have (SGLang's, on top
 of the engine's rule before it kept one block per running sequence): a prompt starts only if the free blocks also
-hold a share of every running request's remaining `max_tokens` and of its own, the share starting at 0.7 and decaying to 0.1 over 600 steps, and set after a preemption to the fraction of
-their `max_tokens` the running requests have produced. `--early-stop F` makes each request end (an end-of-sequence
+hold a share of every running request's remaining `max_tokens` and of its own, the share starting at 0.7 and
+decaying to 0.1 over 600 steps, and set after a preemption to the fraction of their `max_tokens` the running
+requests have produced. `--early-stop F` makes each request end (an end-of-sequence
 token) after `max_tokens * u^2` outputs, u uniform in [F, 1] per request and seed, where such a reserve is too much.
 `--admission whole-prompt` is the engine's rule before it kept one block per running sequence (and one for the new
 one) free past the prompt.
