@@ -2,7 +2,7 @@
 that stop early in a small KV budget, where a prompt admitted into the last free blocks is preempted a few steps
 later by a running sequence's next block and computed again. The engine keeps one free block per running sequence
 (and one for the new prompt) past every prompt it admits; `whole_prompt` (admission_replay.py's
-WholePromptScheduler, swapped into the engine's scheduler for its run) is the rule before that.
+WholePromptScheduler: no headroom, set on the engine's scheduler for its run) is the rule before that.
 
 Each request ends after its drawn length (`--early-stop F`: `output_tokens * u^2`, u uniform in [F, 1], drawn as
 long_context_model.py draws them, so its replay prices the same workload): `max_tokens` is that length with
@@ -20,31 +20,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, even under python -P
 from admission_replay import WholePromptScheduler, replay_steps  # noqa: E402
 from fp8_kv_accuracy import host_info  # noqa: E402
 from kv_long_context import read_gbs, workload  # noqa: E402
+from long_context_model import draw_stops  # noqa: E402
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from pagedserve.engine.core.block_manager import BlockManager  # noqa: E402
 from pagedserve.engine.core.scheduler import Scheduler  # noqa: E402
 from pagedserve.service.cli import parse_bytes  # noqa: E402
 
 RULES = {"engine": Scheduler, "whole_prompt": WholePromptScheduler}
-
-
-def draw_stops(prompts: list[list[int]], output_tokens: int, early_stop: float | None, seed: int) -> list[int]:
-    """long_context_model.py's draw, so that its replay prices this very workload."""
-    if early_stop is None:
-        return [output_tokens] * len(prompts)
-    rng = random.Random(seed + 100)
-    return [max(1, int(output_tokens * rng.uniform(early_stop, 1.0) ** 2)) for _ in prompts]
 
 
 def replayed_preemptions(rule: str, blocks: int, block_size: int, max_num_batched_tokens: int,
@@ -57,8 +48,7 @@ def replayed_preemptions(rule: str, blocks: int, block_size: int, max_num_batche
 
 def run(rule: str, kv: str, memory: int, prompts: list[list[int]], stops: list[int]) -> dict:
     engine = LLMEngine(EngineConfig(kv_cache_dtype=kv, kv_cache_memory=memory))
-    if rule != "engine":  # the rule before, on this engine's own scheduler and block manager
-        engine.scheduler._prefill_can_finish = types.MethodType(RULES[rule]._prefill_can_finish, engine.scheduler)
+    engine.scheduler.HEADROOM_BLOCKS = RULES[rule].HEADROOM_BLOCKS  # the rule, on the engine's own scheduler
     t0 = time.perf_counter()
     for n, (prompt, stop) in enumerate(zip(prompts, stops, strict=True)):
         engine.add_request(f"r{n}", prompt, SamplingParams(temperature=0.0, max_tokens=stop, ignore_eos=True))
@@ -91,7 +81,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     prompts = workload(args.requests, args.shortest, args.longest, args.seed)
-    stops = draw_stops(prompts, args.output_tokens, args.early_stop, args.seed)
+    stops = draw_stops(len(prompts), args.output_tokens, args.early_stop, args.seed)
     result = {"host": host_info(), "label": args.label, "argv": sys.argv[1:], "load_before": os.getloadavg(),
               "runs": [], "ratios": {}}
     for round_index in range(args.rounds):

@@ -38,14 +38,10 @@ class FirstChunkScheduler(Scheduler):
 
 class WholePromptScheduler(Scheduler):
     """The engine's admission before it kept a block per running sequence: a prompt longer than one step's chunk
-    starts when all of it and the running sequences' growth during its chunks fit; a shorter one whenever it fits."""
+    starts when all of it and the running sequences' growth during its chunks fit; a shorter one whenever it fits
+    (the engine's own check with no headroom: a one-chunk prompt's blocks were already found free)."""
 
-    def _prefill_can_finish(self, seq: Sequence, num_new: int, uncomputed: int, hit) -> bool:
-        if uncomputed <= num_new or not self.running or self.block_manager.window is not None:
-            return True
-        steps = -(-uncomputed // max(1, self.max_num_batched_tokens - len(self.running)))
-        growth = len(self.running) * self.block_manager.blocks_needed(steps)
-        return self.block_manager.can_allocate(seq, uncomputed, hit, spare_blocks=growth)
+    HEADROOM_BLOCKS = 0
 
 
 def replay_steps(sched: Scheduler, prompts: list[list[int]], output_tokens: int,

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, even under python -P
 from admission_replay import WholePromptScheduler  # noqa: E402
 from kv_long_context import workload  # noqa: E402
-from long_context_model import predicted_seconds  # noqa: E402
+from long_context_model import draw_stops, predicted_seconds  # noqa: E402
 from pagedserve.engine.core.scheduler import Scheduler  # noqa: E402
 
 # --step-ms, --row-ms, --prefill-ms-per-token, --attention-us-per-key of each tier's profile (docs/kv-cache-formats.md)
@@ -41,10 +41,7 @@ def draw_case(rng: random.Random) -> dict:
 
 def price(case: dict) -> dict:
     prompts = workload(case["requests"], case["shortest"], case["longest"], case["seed"])
-    stops = [case["output"]] * len(prompts)
-    if case["early"] is not None:  # long_context_model.py's --early-stop draw
-        rng = random.Random(case["seed"] + 100)
-        stops = [max(1, int(case["output"] * rng.uniform(case["early"], 1.0) ** 2)) for _ in prompts]
+    stops = draw_stops(len(prompts), case["output"], case["early"], case["seed"])
     row = dict(case)
     for tier, costs in TIERS.items():
         engine = predicted_seconds(case["blocks"], prompts, case["output"], *costs, Scheduler, stops)

@@ -68,6 +68,15 @@ class ReserveScheduler(WholePromptScheduler):
 ADMISSION = {"engine": Scheduler, "whole-prompt": WholePromptScheduler, "reserve": ReserveScheduler}
 
 
+def draw_stops(requests: int, output_tokens: int, early_stop: float | None, seed: int) -> list[int]:
+    """Where each request ends: `output_tokens` each, or with `early_stop` F after `output_tokens * u^2` outputs, u
+    uniform in [F, 1] (drawn from seed + 100, apart from the prompts' own draw)."""
+    if early_stop is None:
+        return [output_tokens] * requests
+    rng = random.Random(seed + 100)
+    return [max(1, int(output_tokens * rng.uniform(early_stop, 1.0) ** 2)) for _ in range(requests)]
+
+
 def predicted_seconds(blocks: int, prompts: list[list[int]], output_tokens: int, step_ms: float, row_ms: float,
                       prefill_ms_per_token: float, attention_us_per_key: float,
                       admission: type[Scheduler] = Scheduler, stops: list[int] | None = None) -> float:
@@ -109,10 +118,7 @@ def main() -> None:
     ratios = {blocks: [] for blocks in args.blocks[1:]}
     for seed in args.seeds:
         prompts = workload(args.requests, args.shortest, args.longest, seed)
-        stops = [args.output_tokens] * len(prompts)
-        if args.early_stop is not None:
-            rng = random.Random(seed + 100)
-            stops = [max(1, int(args.output_tokens * rng.uniform(args.early_stop, 1.0) ** 2)) for _ in prompts]
+        stops = draw_stops(len(prompts), args.output_tokens, args.early_stop, seed)
         tokens = sum(map(len, prompts)) + sum(stops)
         rates = [tokens / predicted_seconds(b, prompts, args.output_tokens, args.step_ms, args.row_ms, p, a,
                                             ADMISSION[args.admission], stops)

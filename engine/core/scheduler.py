@@ -69,6 +69,9 @@ LORA_PASS_STEPS = 16
 
 
 class Scheduler:
+    # Free blocks an admitted prompt leaves each running sequence and itself to grow into (see _prefill_can_finish).
+    HEADROOM_BLOCKS = 1
+
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_loras: int | None = None, lora_pass_steps: int = LORA_PASS_STEPS, drafter: Drafter | None = None,
                  stop: StopRules | None = None):
@@ -174,7 +177,7 @@ class Scheduler:
         computed again (a 4k prompt beside three long decodes threw away 2k tokens of prefill that way)."""
         if not self.running or self.block_manager.window is not None:
             return True  # nobody to wait for; or windowed, where a prompt never holds all its blocks
-        spare = len(self.running) + 1
+        spare = self.HEADROOM_BLOCKS * (len(self.running) + 1)
         if uncomputed > num_new:
             steps = -(-uncomputed // max(1, self.max_num_batched_tokens - len(self.running)))
             spare = max(spare, len(self.running) * self.block_manager.blocks_needed(steps))
