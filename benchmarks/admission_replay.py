@@ -21,7 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, even under python -P
 from kv_long_context import workload  # noqa: E402
 from pagedserve.engine.core.block_manager import BlockManager  # noqa: E402
-from pagedserve.engine.core.scheduler import Scheduler, SchedulerOutput  # noqa: E402
+from pagedserve.engine.core.scheduler import Scheduler  # noqa: E402
+from pagedserve.engine.core.scheduler_output import SchedulerOutput  # noqa: E402
 from pagedserve.engine.core.sequence import Sequence, SequenceMetrics, SeqStatus  # noqa: E402
 from pagedserve.engine.sampling_params import SamplingParams  # noqa: E402
 

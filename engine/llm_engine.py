@@ -11,7 +11,7 @@ from pagedserve.engine.build import EngineParts, build_engine
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.lookahead import schedule_ahead
 from pagedserve.engine.core.request_outputs import RequestState, engine_stats, request_output
-from pagedserve.engine.core.scheduler import StepUpdate
+from pagedserve.engine.core.scheduler_output import StepUpdate
 from pagedserve.engine.core.sequence import FinishReason, now
 from pagedserve.engine.errors import AdapterLoadError, AdapterNotFoundError, InvalidRequestError
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pagedserve.engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from pagedserve.engine.core.scheduler import Scheduler
+from pagedserve.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from pagedserve.engine.core.sequence import Sequence, SeqStatus
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine.core.scheduler import SchedulerOutput
+from pagedserve.engine.core.scheduler_output import SchedulerOutput
 from pagedserve.engine.core.sequence import Sequence
 from pagedserve.engine.core.step_output import StepOutput
 from pagedserve.engine.runner.device_rows import DeviceRows, HostRows

@@ -10,7 +10,7 @@ import logging
 import torch
 
 from pagedserve.engine.config import MAX_CUDA_GRAPH_SIZE, EngineConfig
-from pagedserve.engine.core.scheduler import ScheduledSeq, SchedulerOutput
+from pagedserve.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from pagedserve.engine.core.sequence import Sequence
 from pagedserve.engine.core.step_output import StepOutput
 from pagedserve.engine.loading.model_loader import LoadedModel

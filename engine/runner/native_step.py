@@ -19,7 +19,7 @@ import logging
 import torch
 
 from pagedserve.engine.models.decoder_stack import DecoderStack, UnsupportedStack
-from pagedserve.engine.core.scheduler import SchedulerOutput
+from pagedserve.engine.core.scheduler_output import SchedulerOutput
 from pagedserve.engine.runner.native_capacity import NativeCapacity
 from pagedserve.engine.runner.step_input import StepInput
 from pagedserve.kernels.attention import AttentionImpl

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from pagedserve.engine.core.scheduler import ScheduledSeq
+from pagedserve.engine.core.scheduler_output import ScheduledSeq
 from pagedserve.engine.core.sequence import Sequence
 from pagedserve.engine.lora.weights import LoraWeights
 
