@@ -1,9 +1,26 @@
-/* int8 KV rows with one fp16 scale per row, quantized 16 lanes at a time: the native KV write (kv_write.c) and the
- * C decode step's row store (decode_step.c). */
+/* int8 KV rows with one fp16 scale per row, quantized at write time (one row, or 16 lanes at a time): the native
+ * KV write (kv_write.c) and the C decode step's row store (decode_step.c). */
 #ifndef PAGEDSERVE_CPU_KV_INT8_H
 #define PAGEDSERVE_CPU_KV_INT8_H
 
 #include "native.h"
+
+/* One row of fp32 values -> int8 and its fp16 scale, bit for bit as kernels/kv_quant.py's quantize_rows_int8:
+ * scale = fp16(min(amax / 127, 65504)), stored = clamp(rint(x / scale), -127, 127) (IEEE division, ties to even);
+ * a zero scale stores zeros. */
+static inline void quantize_row_int8(const float *x, int64_t dim, int8_t *q, _Float16 *scale) {
+    float amax = 0.0f;
+    for (int64_t d = 0; d < dim; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+    const float s = amax / 127.0f;
+    const _Float16 half = (_Float16)(s > 65504.0f ? 65504.0f : s);
+    const float divisor = (float)half;
+    for (int64_t d = 0; d < dim; d++) {
+        float y = divisor > 0.0f ? rintf(x[d] / divisor) : 0.0f;
+        y = y > 127.0f ? 127.0f : y < -127.0f ? -127.0f : y;
+        q[d] = (int8_t)y;
+    }
+    *scale = half;
+}
 
 /* Whether a row of `dim` values takes quantize_row_int8_x16: whole 16-lane chunks, at most its 16 registers' worth. */
 INLINE int int8_row_fits_x16(int64_t dim) { return dim % 16 == 0 && dim <= 256; }

@@ -159,23 +159,6 @@ INLINE f32x16 row_scales16(const _Float16 *rs, int64_t n) {
     return out;
 }
 
-/* One row of fp32 values -> int8 and its fp16 scale, bit for bit as kernels/kv_quant.py's quantize_rows_int8:
- * scale = fp16(min(amax / 127, 65504)), stored = clamp(rint(x / scale), -127, 127) (IEEE division, ties to even);
- * a zero scale stores zeros. */
-static inline void quantize_row_int8(const float *x, int64_t dim, int8_t *q, _Float16 *scale) {
-    float amax = 0.0f;
-    for (int64_t d = 0; d < dim; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
-    const float s = amax / 127.0f;
-    const _Float16 half = (_Float16)(s > 65504.0f ? 65504.0f : s);
-    const float divisor = (float)half;
-    for (int64_t d = 0; d < dim; d++) {
-        float y = divisor > 0.0f ? rintf(x[d] / divisor) : 0.0f;
-        y = y > 127.0f ? 127.0f : y < -127.0f ? -127.0f : y;
-        q[d] = (int8_t)y;
-    }
-    *scale = half;
-}
-
 /* 16 fp32 lanes rounded to bf16 bits as f32_to_bf16 rounds each (nearest even, NaN stays NaN). */
 INLINE u16x16 bf16x16_portable(f32x16 x) {
     u32x16 u;
