@@ -30,14 +30,8 @@ static float softmax_numerators(float *scores, int64_t len, float *peak_out) {
     float peak = -INFINITY, sum = 0.0f;
     int64_t t = 0;
     if (len >= 16) {  /* lane-wise maxima, then the tail: a scalar scan was ~40% of this function */
-        f32x16 peaks;
-        memcpy(&peaks, scores, sizeof peaks);
-        for (t = 16; t + 16 <= len; t += 16) {
-            f32x16 v;
-            memcpy(&v, scores + t, sizeof v);
-            peaks = max16(v, peaks);
-        }
-        peak = hmax16(peaks);
+        peak = hmax16(max16_scan(scores, len / 16));
+        t = len - len % 16;
     }
     for (; t < len; t++) peak = scores[t] > peak ? scores[t] : peak;
     f32x16 sums = {0};

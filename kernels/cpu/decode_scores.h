@@ -25,13 +25,23 @@ INLINE f32x16 hsum16x16(const f32x16 *v) {
            __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+/* Key row r's lines in a later K tile and in this tile's V, both into L2 (locality 2: prefetcht1), spread over the
+ * key loops: a burst of 2 * tile_bytes / 64 prefetches would fill the miss buffers and stall on them. Into L1, the K
+ * prefetches held L1 miss buffers the loads of the rows being scored waited for, and evicted rows not yet read; into
+ * L2, from ~4 KiB ahead (chunk_scores), the loads find them there (benchmarks/decode_attention_ab.py, this host's
+ * figures in docs/kv-cache-formats.md). V goes to L2 for the same reason: the values pass reads it a chunk later
+ * (KEY_CHUNK keys, 32-64 KiB of V at head dim 64). */
+INLINE void prefetch_row(const char *next_k, const char *v_tile, int64_t r, size_t kv_row) {
+    for (size_t line = 0; line < kv_row; line += 64) {
+        __builtin_prefetch(next_k + r * kv_row + line, 0, 2);
+        __builtin_prefetch(v_tile + r * kv_row + line, 0, 2);
+    }
+}
+
 /* Scores of 16 keys (m of them real, from key row i0 of `tile`) for all the span's queries: the keys widened to
  * fp32 once for all queries; each query's 16 dot vectors then stay in registers up to their lane sums (a
- * [query][key] buffer of them cost a store and a load each). The prefetches run ahead to `next_k` and this tile's V,
- * V only into L2 (locality 2: prefetcht1): the values pass reads it a chunk later (KEY_CHUNK keys, 32-64 KiB of V at
- * head dim 64), and pulled into L1 it evicted the K rows prefetched for the next tiles before their turn (a Zen 4's
- * 32 KiB L1: int8 decode attention 1.02-1.17x faster, bf16 1.03-1.11x, FP8 1.05-1.08x; the AVX2 build's int8
- * 1.11-1.20x, FP8 even; benchmarks/decode_attention_ab.py). */
+ * [query][key] buffer of them cost a store and a load each). The prefetches (prefetch_row) run ahead to `next_k`
+ * and this tile's V. */
 INLINE void score16(const char *tile, const char *next_k, const char *v_tile, int64_t i0, int64_t m, const f32x16 *q,
                     int64_t nq, float *dst, const int64_t chunks, const int kv_dt) {
     const size_t kv_row = (size_t)16 * chunks * elem_size(kv_dt);
@@ -41,19 +51,21 @@ INLINE void score16(const char *tile, const char *next_k, const char *v_tile, in
             for (int64_t c = 0; c < chunks; c++) kf[i][c] = (f32x16){0};
             continue;
         }
-        /* Spread over the key loop: a burst of 2 * tile_bytes / 64 prefetches would fill the miss buffers and
-         * stall on them. */
-        for (size_t line = 0; line < kv_row; line += 64) {
-            __builtin_prefetch(next_k + (i0 + i) * kv_row + line);
-            __builtin_prefetch(v_tile + (i0 + i) * kv_row + line, 0, 2);
-        }
+        prefetch_row(next_k, v_tile, i0 + i, kv_row);
         kv_widen_row(tile + (i0 + i) * kv_row, chunks, kv_dt, kf[i]);
     }
     for (int64_t qq = 0; qq < nq; qq++) {
         f32x16 dots[16];
         for (int64_t i = 0; i < 16; i++) {
             f32x16 dot = q[qq * chunks] * kf[i][0];
+#if defined(PS_AVX512)
+            /* each chunk's products added by an FMA into the sum so far, as score16_avx2 does: left to contraction,
+             * gcc fused the first two chunks' products either way round (the other way for fp32 and FP8 rows) */
+            for (int64_t c = 1; c < chunks; c++)
+                dot = (f32x16)_mm512_fmadd_ps((__m512)q[qq * chunks + c], (__m512)kf[i][c], (__m512)dot);
+#else
             for (int64_t c = 1; c < chunks; c++) dot += q[qq * chunks + c] * kf[i][c];
+#endif
             dots[i] = dot;
         }
         const f32x16 sums = hsum16x16(dots);
@@ -71,10 +83,7 @@ INLINE void score16_i8(const char *tile, const char *next_k, const char *v_tile,
                        const int64_t chunks) {
     const size_t kv_row = (size_t)16 * chunks;
     for (int64_t i = 0; i < m; i++)
-        for (size_t line = 0; line < kv_row; line += 64) {
-            __builtin_prefetch(next_k + (i0 + i) * kv_row + line);
-            __builtin_prefetch(v_tile + (i0 + i) * kv_row + line, 0, 2);  /* into L2, as score16's */
-        }
+        prefetch_row(next_k, v_tile, i0 + i, kv_row);
     const int8_t *rows = (const int8_t *)tile + i0 * kv_row;
     const f32x16 row_scale = row_scales16(rs + i0, m);
     /* The 16 keys widened once into L1 for all the queries, which then read them as memory operands of the pair
@@ -104,15 +113,112 @@ INLINE void score16_i8(const char *tile, const char *next_k, const char *v_tile,
     }
 }
 
+#if defined(PS_AVX2_ONLY)
+/* hsum16x16's sums of 8 keys' dot vectors in ymm halves (lo[i], hi[i]: lanes 0-7 and 8-15 of key i's), the same
+ * additions in the same order, so the same bits: lane i + lane i + 8, then + the lane 4 on, then 2 on, then 1 on. */
+INLINE __m256 score_hsum8(const __m256 *lo, const __m256 *hi) {
+    __m256 y[8], d[4], e[2];
+    for (int i = 0; i < 8; i++) y[i] = _mm256_add_ps(lo[i], hi[i]);
+    for (int i = 0; i < 4; i++)  /* [key 2i: 4 sums | key 2i + 1: 4 sums] */
+        d[i] = _mm256_add_ps(_mm256_permute2f128_ps(y[2 * i], y[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(y[2 * i], y[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++)  /* [keys 4i, 4i + 2: 2 sums each | keys 4i + 1, 4i + 3] */
+        e[i] = _mm256_add_ps(_mm256_shuffle_ps(d[2 * i], d[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(d[2 * i], d[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 keys = _mm256_add_ps(_mm256_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm256_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* `keys` holds keys 0, 2, 4, 6 | 1, 3, 5, 7 */
+    return _mm256_permutevar8x32_ps(keys, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* score16 for AVX2 without AVX-512, the same products, sums and order in ymm halves: the 16-lane code kept 16 keys'
+ * widened rows and dot vectors as 64-byte values that gcc moved through the stack, and built hsum16x16's shuffles
+ * lane by lane (the score half was 59% of the AVX2 build's bf16 decode attention with the data in cache). */
+INLINE void score16_avx2(const char *tile, const char *next_k, const char *v_tile, int64_t i0, int64_t m,
+                         const f32x16 *q, int64_t nq, float *dst, const int64_t chunks, const int kv_dt) {
+    const size_t kv_row = (size_t)16 * chunks * elem_size(kv_dt);
+    __m256 kf[16][chunks][2];
+    for (int64_t i = 0; i < 16; i++) {
+        if (i >= m) {
+            for (int64_t c = 0; c < chunks; c++) kf[i][c][0] = kf[i][c][1] = _mm256_setzero_ps();
+            continue;
+        }
+        prefetch_row(next_k, v_tile, i0 + i, kv_row);
+        for (int64_t c = 0; c < chunks; c++) kv_row16_halves(tile + (i0 + i) * kv_row, c, kv_dt, kf[i][c]);
+    }
+    for (int64_t qq = 0; qq < nq; qq++) {
+        const __m256 *qv = (const __m256 *)(q + qq * chunks);  /* chunk c: qv[2c], qv[2c + 1] */
+        float sums[16];
+        for (int64_t half = 0; half < 2; half++) {
+            __m256 lo[8], hi[8];
+            for (int64_t j = 0; j < 8; j++) {
+                const __m256 (*k)[2] = kf[8 * half + j];
+                __m256 l = _mm256_mul_ps(_mm256_loadu_ps((const float *)&qv[0]), k[0][0]);
+                __m256 h = _mm256_mul_ps(_mm256_loadu_ps((const float *)&qv[1]), k[0][1]);
+                for (int64_t c = 1; c < chunks; c++) {
+                    l = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)&qv[2 * c]), k[c][0], l);
+                    h = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)&qv[2 * c + 1]), k[c][1], h);
+                }
+                lo[j] = l, hi[j] = h;
+            }
+            _mm256_storeu_ps(sums + 8 * half, score_hsum8(lo, hi));
+        }
+        if (m == 16) memcpy(dst + qq * KEY_CHUNK, sums, sizeof sums);
+        else memcpy(dst + qq * KEY_CHUNK, sums, sizeof(float) * (size_t)m);
+    }
+}
+
+/* score16_i8 for AVX2 without AVX-512, the same integer sums and epilogue, in ymm registers: each key's 16-dim
+ * chunks widened once into L1, then per query and 8 keys one int32 accumulator per key over its chunks and an 8 x 8
+ * transpose-add. The 16- and 32-lane code went through the stack on this target (the 64-byte accumulators, the
+ * scores moved lane pairs at a time through general registers): the score half was 62% of the AVX2 build's int8
+ * decode attention with the data in cache, against 15% for its values half. */
+INLINE void score16_i8_avx2(const char *tile, const char *next_k, const char *v_tile, int64_t i0, int64_t m,
+                            const i16x32 *q16, const float *qs, int64_t nq, float *dst, const _Float16 *rs,
+                            const int64_t chunks) {
+    const size_t kv_row = (size_t)16 * chunks;
+    for (int64_t i = 0; i < m; i++)
+        prefetch_row(next_k, v_tile, i0 + i, kv_row);
+    const int8_t *rows = (const int8_t *)tile + i0 * kv_row;
+    const f32x16 row_scale = row_scales16(rs + i0, m);
+    __m256 row_scales[2];
+    memcpy(row_scales, &row_scale, sizeof row_scales);
+    __m256i kw[16][chunks];
+    for (int64_t i = 0; i < 16; i++)
+        for (int64_t c = 0; c < chunks; c++)
+            kw[i][c] = i < m ? _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rows + i * kv_row + 16 * c)))
+                             : _mm256_setzero_si256();
+    for (int64_t qq = 0; qq < nq; qq++) {
+        __m256i q[chunks];  /* kv_dot_quantize's chunk c: its first 16 lanes (the second 16 are a copy) */
+        for (int64_t c = 0; c < chunks; c++) memcpy(&q[c], &q16[qq * chunks + c], sizeof q[c]);
+        const __m256 q_scale = _mm256_set1_ps(qs[qq]);
+        float sums[16];
+        for (int64_t half = 0; half < 2; half++) {
+            __m256i dots[8];
+            for (int64_t j = 0; j < 8; j++) {
+                __m256i dot = _mm256_setzero_si256();
+                for (int64_t c = 0; c < chunks; c++) dot = ps_dpwssd8(dot, kw[8 * half + j][c], q[c]);
+                dots[j] = dot;
+            }
+            const __m256 s = _mm256_cvtepi32_ps(kv_dot_hsum8x8(dots));
+            _mm256_storeu_ps(sums + 8 * half, _mm256_mul_ps(_mm256_mul_ps(s, q_scale), row_scales[half]));
+        }
+        /* a constant size is two stores; a variable one a `rep movs` */
+        if (m == 16) memcpy(dst + qq * KEY_CHUNK, sums, sizeof sums);
+        else memcpy(dst + qq * KEY_CHUNK, sums, sizeof(float) * (size_t)m);
+    }
+}
+#endif
+
 /* Scores of all the span's queries over the chunk's keys: scores[qq * KEY_CHUNK + t - k0]. int8 K: q16 and qs are
  * the queries rounded to int16 and their scales (kv_dot_quantize), q is not read. */
 INLINE void chunk_scores(const DecodeArgs *a, const Keys *k, int64_t h, const f32x16 *q, const i16x32 *q16,
                          const float *qs, int64_t nq, float *scores, const int64_t chunks, const int kv_dt) {
     const int64_t bs = a->block_size;
     const size_t tile_bytes = (size_t)bs * 16 * chunks * elem_size(kv_dt);
-    /* The K tile prefetched is about 2 KiB of keys ahead: an 8-bit tile is scored in half a 16-bit one's time, so one
-     * tile ahead left its loads waiting on memory (the top stall of int8 decode at 4k keys). */
-    const int64_t ahead = tile_bytes >= 2048 ? 1 : tile_bytes >= 512 ? (int64_t)(2048 / tile_bytes) : 4;
+    /* The K tile prefetched is about 4 KiB of keys ahead (into L2: prefetch_row): 2 KiB into L1 left the loads of
+     * an 8-bit or an AVX2 build's tile waiting on memory; 4 KiB into L2 was the best of 2-8 KiB on a Zen 4. */
+    const int64_t ahead = tile_bytes >= 4096 ? 1 : (int64_t)(4096 / tile_bytes);
     for (int64_t t0 = k->k0 - k->k0 % bs; t0 < k->k1; t0 += bs) {
         const size_t offset = (size_t)(h * a->num_blocks + k->table[t0 / bs]) * tile_bytes;
         const char *tile = (const char *)a->k_cache + offset;
@@ -133,11 +239,21 @@ INLINE void chunk_scores(const DecodeArgs *a, const Keys *k, int64_t h, const f3
         for (int64_t i0 = tlo; i0 < n; i0 += 16) {
             const int64_t m = n - i0 < 16 ? n - i0 : 16;
             if (kv_dt == DT_I8)
+#if defined(PS_AVX2_ONLY)
+                score16_i8_avx2(tile, next_k, (const char *)a->v_cache + offset, i0, m, q16, qs, nq,
+                                scores + t0 + i0 - k->k0, rs, chunks);
+#else
                 score16_i8(tile, next_k, (const char *)a->v_cache + offset, i0, m, q16, qs, nq,
                            scores + t0 + i0 - k->k0, rs, chunks);
+#endif
             else
+#if defined(PS_AVX2_ONLY)
+                score16_avx2(tile, next_k, (const char *)a->v_cache + offset, i0, m, q, nq, scores + t0 + i0 - k->k0,
+                             chunks, kv_dt);
+#else
                 score16(tile, next_k, (const char *)a->v_cache + offset, i0, m, q, nq, scores + t0 + i0 - k->k0,
                         chunks, kv_dt);
+#endif
         }
     }
 }

@@ -118,6 +118,16 @@ INLINE i32x16 kv_dot_pairs(i32x16 acc, i16x32 k, i16x32 q) {
 #endif
 }
 
+#if defined(PS_AVX2_ONLY)
+/* Lane j = the sum of r[j]'s 8 lanes (int32, exact): an 8 x 8 transpose-add. */
+INLINE __m256i kv_dot_hsum8x8(const __m256i *r) {
+    const __m256i t0 = _mm256_hadd_epi32(r[0], r[1]), t1 = _mm256_hadd_epi32(r[2], r[3]);
+    const __m256i t2 = _mm256_hadd_epi32(r[4], r[5]), t3 = _mm256_hadd_epi32(r[6], r[7]);
+    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);  /* halves: lanes 0-3, 4-7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+#endif
+
 /* out[2j] = the sum of c[j]'s lanes 0-7 and out[2j + 1] of its lanes 8-15, for 8 vectors (16 keys' int32 dots from
  * kv_dot_widen_pair's key pairs): decode_scores.h's hsum16x16 from its second level on (exact, so any tree gives the
  * same sums). */
@@ -127,13 +137,7 @@ INLINE i32x16 kv_dot_hsum_key_pairs(const i32x16 *c) {
      * instructions a call): one 8 x 8 transpose-add per 8 keys instead, each key's 8 partials in one ymm. */
     __m256i k[16], out[2];
     memcpy(k, c, sizeof k);
-    for (int h = 0; h < 2; h++) {
-        const __m256i *r = k + 8 * h;
-        const __m256i t0 = _mm256_hadd_epi32(r[0], r[1]), t1 = _mm256_hadd_epi32(r[2], r[3]);
-        const __m256i t2 = _mm256_hadd_epi32(r[4], r[5]), t3 = _mm256_hadd_epi32(r[6], r[7]);
-        const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);  /* halves: dims 0-3, 4-7 */
-        out[h] = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
-    }
+    for (int h = 0; h < 2; h++) out[h] = kv_dot_hsum8x8(k + 8 * h);
     i32x16 sums;
     memcpy(&sums, out, sizeof sums);
     return sums;
@@ -171,6 +175,33 @@ INLINE f32x16 kv_row16(const void *row, int64_t c, int dt) {
     return load16(row, c, dt) * (dt == DT_E4M3 ? 0x1p-8f : 1.0f);
 #endif
 }
+
+#if defined(PS_AVX2_ONLY)
+/* kv_row16's 16 lanes as two ymm halves (out[0]: lanes 0-7), computed in them: returned as a 16-lane value, the
+ * halves went through the stack, each 64-byte load waiting on two 32-byte stores (store forwarding fails), which made
+ * the AVX2 build's decode attention over a bf16 cache spend a third of its time widening keys. The same values. */
+INLINE void kv_row16_halves(const void *row, int64_t c, int dt, __m256 *out) {
+    if (dt == DT_BF16) {
+        for (int h = 0; h < 2; h++) {
+            const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)row + 2 * c + h));
+            out[h] = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+        }
+    } else if (dt == DT_F16) {
+        for (int h = 0; h < 2; h++) out[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)row + 2 * c + h));
+    } else if (dt == DT_F32) {
+        for (int h = 0; h < 2; h++) out[h] = _mm256_loadu_ps((const float *)row + 16 * c + 8 * h);
+    } else if (dt == DT_E4M3 || dt == DT_E5M2) {  /* kv_row16's bit moves */
+        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)((const int8_t *)row + 16 * c)));
+        const __m256i half = dt == DT_E4M3 ? _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16((short)0xBF80))
+                                           : _mm256_slli_epi16(w, 8);
+        out[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
+        out[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
+    } else {
+        const f32x16 x = kv_row16(row, c, dt);
+        memcpy(out, &x, sizeof x);
+    }
+}
+#endif
 
 /* Lanes [32p, 32p + 32) of an FP8 row as two kv_row16 results: with AVX-512 one 32-lane sign extension, shift and
  * mask for both halves (then two conversions), where two kv_row16 calls take two of each. */

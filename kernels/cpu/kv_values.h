@@ -63,9 +63,8 @@ INLINE void chunk_values_avx2(const DecodeArgs *a, const Keys *k, int64_t h, con
             const char *tile = (const char *)a->v_cache + (h * a->num_blocks + k->table[t0 / bs]) * bs * kv_row;
             const int64_t n = k->k1 - t0 < bs ? k->k1 - t0 : bs, tlo = t0 < k->k0 ? k->k0 - t0 : 0;
             for (int64_t i = tlo; i < n; i++) {
-                const f32x16 row = kv_row16(tile + i * kv_row, c, kv_dt);
                 __m256 v[2];
-                memcpy(v, &row, sizeof v);
+                kv_row16_halves(tile + i * kv_row, c, kv_dt, v);
                 for (int b = 0; b < nq; b++) {
                     const __m256 pb = _mm256_set1_ps(scores[(qq0 + b) * KEY_CHUNK + t0 + i - k->k0]);
                     acc[b][0] = _mm256_fmadd_ps(pb, v[0], acc[b][0]);
@@ -103,14 +102,9 @@ INLINE void chunk_values(const DecodeArgs *a, const Keys *k, int64_t h, const fl
  * key to an even count. Returns the scale (w ~ scale * p16); 0 when every weight is 0. w and p16 share memory: each
  * group of floats is read before its int16s are written, which land at or below them. */
 INLINE float values_quantize(float *w, int64_t n, int64_t off) {
-    f32x16 peak = {0};
-    int64_t t = 0;
-    for (; t + 16 <= n; t += 16) {
-        f32x16 v;
-        memcpy(&v, w + t, sizeof v);
-        peak = max16(v, peak);  /* weights are >= 0 */
-    }
-    float amax = hmax16(peak);
+    /* weights are >= 0 (NaN lanes count as 0) */
+    float amax = n >= 16 ? hmax16(max16(max16_scan(w, n / 16), (f32x16){0})) : 0.0f;
+    int64_t t = n - n % 16;
     for (; t < n; t++) amax = w[t] > amax ? w[t] : amax;
     const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
     const f32x16 magic = (f32x16){0} + 12582912.0f;  /* 1.5 * 2^23: adding and subtracting it rounds to even */

@@ -53,6 +53,29 @@ INLINE f32x16 select16(i32x16 mask, f32x16 yes, f32x16 no) {
 /* The larger of each lane pair (b where a is NaN or not larger): select16(gt16(a, b), a, b). */
 INLINE f32x16 max16(f32x16 a, f32x16 b) { return select16(gt16(a, b), a, b); }
 
+/* max16 over the 16-lane vectors x[0, n) (n >= 1), four running maxima at a time: one chain waited a comparison and a
+ * blend per vector (~5 cycles), which made the decode softmax's and the int8 values' peak scans a few percent of
+ * int8 decode attention. Lanes that are NaN in x[0] stay NaN, later NaNs are skipped, as with one chain; the maxima
+ * are exact, so the order does not change them (but for which of +0 and -0 is kept, which no caller tells apart). */
+INLINE f32x16 max16_scan(const float *x, int64_t n) {
+    f32x16 m[4];
+    memcpy(&m[0], x, sizeof m[0]);
+    m[1] = m[2] = m[3] = m[0];
+    int64_t i = 1;
+    for (; i + 4 <= n; i += 4)
+        for (int j = 0; j < 4; j++) {
+            f32x16 v;
+            memcpy(&v, x + 16 * (i + j), sizeof v);
+            m[j] = max16(v, m[j]);
+        }
+    for (; i < n; i++) {
+        f32x16 v;
+        memcpy(&v, x + 16 * i, sizeof v);
+        m[0] = max16(v, m[0]);
+    }
+    return max16(max16(m[1], m[0]), max16(m[3], m[2]));
+}
+
 INLINE float hmax16(f32x16 x) {  /* the two halves lane by lane, then the 8 maxima */
     const f32x8 lo = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7),
                 hi = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
