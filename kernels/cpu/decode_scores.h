@@ -78,12 +78,9 @@ INLINE void score16(const char *tile, const char *next_k, const char *v_tile, in
 /* score16 for int8 K (kv_dot.h): each key's int32 dot with the int16 queries q16 ([nq][chunks], each chunk twice),
  * times the query's scale qs[qq] and the key row's scale. Keys go in pairs, one pair per vector (kv_dot_widen_pair):
  * the lane sums then take 14 shuffles per query and 16 keys instead of 30. */
-INLINE void score16_i8(const char *tile, const char *next_k, const char *v_tile, int64_t i0, int64_t m,
-                       const i16x32 *q16, const float *qs, int64_t nq, float *dst, const _Float16 *rs,
-                       const int64_t chunks) {
+INLINE void score16_i8(const char *tile, int64_t i0, int64_t m, const i16x32 *q16, const float *qs, int64_t nq,
+                       float *dst, const _Float16 *rs, const int64_t chunks) {
     const size_t kv_row = (size_t)16 * chunks;
-    for (int64_t i = 0; i < m; i++)
-        prefetch_row(next_k, v_tile, i0 + i, kv_row);
     const int8_t *rows = (const int8_t *)tile + i0 * kv_row;
     const f32x16 row_scale = row_scales16(rs + i0, m);
     /* The 16 keys widened once into L1 for all the queries, which then read them as memory operands of the pair
@@ -173,12 +170,9 @@ INLINE void score16_avx2(const char *tile, const char *next_k, const char *v_til
  * transpose-add. The 16- and 32-lane code went through the stack on this target (the 64-byte accumulators, the
  * scores moved lane pairs at a time through general registers): the score half was 62% of the AVX2 build's int8
  * decode attention with the data in cache, against 15% for its values half. */
-INLINE void score16_i8_avx2(const char *tile, const char *next_k, const char *v_tile, int64_t i0, int64_t m,
-                            const i16x32 *q16, const float *qs, int64_t nq, float *dst, const _Float16 *rs,
-                            const int64_t chunks) {
+INLINE void score16_i8_avx2(const char *tile, int64_t i0, int64_t m, const i16x32 *q16, const float *qs,
+                            int64_t nq, float *dst, const _Float16 *rs, const int64_t chunks) {
     const size_t kv_row = (size_t)16 * chunks;
-    for (int64_t i = 0; i < m; i++)
-        prefetch_row(next_k, v_tile, i0 + i, kv_row);
     const int8_t *rows = (const int8_t *)tile + i0 * kv_row;
     const f32x16 row_scale = row_scales16(rs + i0, m);
     __m256 row_scales[2];
@@ -238,15 +232,15 @@ INLINE void chunk_scores(const DecodeArgs *a, const Keys *k, int64_t h, const f3
         const _Float16 *rs = kv_dt == DT_I8 ? a->k_row_scale + (h * a->num_blocks + k->table[t0 / bs]) * bs : NULL;
         for (int64_t i0 = tlo; i0 < n; i0 += 16) {
             const int64_t m = n - i0 < 16 ? n - i0 : 16;
-            if (kv_dt == DT_I8)
+            if (kv_dt == DT_I8) {
+                for (int64_t i = 0; i < m; i++)  /* before the widening, which runs ahead of the dots */
+                    prefetch_row(next_k, (const char *)a->v_cache + offset, i0 + i, (size_t)16 * chunks);
 #if defined(PS_AVX2_ONLY)
-                score16_i8_avx2(tile, next_k, (const char *)a->v_cache + offset, i0, m, q16, qs, nq,
-                                scores + t0 + i0 - k->k0, rs, chunks);
+                score16_i8_avx2(tile, i0, m, q16, qs, nq, scores + t0 + i0 - k->k0, rs, chunks);
 #else
-                score16_i8(tile, next_k, (const char *)a->v_cache + offset, i0, m, q16, qs, nq,
-                           scores + t0 + i0 - k->k0, rs, chunks);
+                score16_i8(tile, i0, m, q16, qs, nq, scores + t0 + i0 - k->k0, rs, chunks);
 #endif
-            else
+            } else
 #if defined(PS_AVX2_ONLY)
                 score16_avx2(tile, next_k, (const char *)a->v_cache + offset, i0, m, q, nq, scores + t0 + i0 - k->k0,
                              chunks, kv_dt);
