@@ -38,6 +38,13 @@ INLINE void prefetch_row(const char *next_k, const char *v_tile, int64_t r, size
     }
 }
 
+/* One query's scores of a 16-key group (m of them real) into its row of the chunk's scores: a constant size is one
+ * or two stores; a variable one became `rep movsq` (~10% of the kernel). */
+INLINE void store_scores(float *dst, const void *sums, int64_t m) {
+    if (m == 16) memcpy(dst, sums, 16 * sizeof(float));
+    else memcpy(dst, sums, sizeof(float) * (size_t)m);
+}
+
 /* Scores of 16 keys (m of them real, from key row i0 of `tile`) for all the span's queries: the keys widened to
  * fp32 once for all queries; each query's 16 dot vectors then stay in registers up to their lane sums (a
  * [query][key] buffer of them cost a store and a load each). The prefetches (prefetch_row) run ahead to `next_k`
@@ -69,9 +76,7 @@ INLINE void score16(const char *tile, const char *next_k, const char *v_tile, in
             dots[i] = dot;
         }
         const f32x16 sums = hsum16x16(dots);
-        /* a constant size is one store; a variable one became `rep movsq` (~10% of the kernel) */
-        if (m == 16) memcpy(dst + qq * KEY_CHUNK, &sums, sizeof sums);
-        else memcpy(dst + qq * KEY_CHUNK, &sums, sizeof(float) * (size_t)m);
+        store_scores(dst + qq * KEY_CHUNK, &sums, m);
     }
 }
 
@@ -105,8 +110,7 @@ INLINE void score16_i8(const char *tile, int64_t i0, int64_t m, const i16x32 *q1
             dots[j] = dot;
         }
         const f32x16 sums = __builtin_convertvector(kv_dot_hsum_key_pairs(dots), f32x16) * qs[qq] * row_scale;
-        if (m == 16) memcpy(dst + qq * KEY_CHUNK, &sums, sizeof sums);
-        else memcpy(dst + qq * KEY_CHUNK, &sums, sizeof(float) * (size_t)m);
+        store_scores(dst + qq * KEY_CHUNK, &sums, m);
     }
 }
 
@@ -160,8 +164,7 @@ INLINE void score16_avx2(const char *tile, const char *next_k, const char *v_til
             }
             _mm256_storeu_ps(sums + 8 * half, score_hsum8(lo, hi));
         }
-        if (m == 16) memcpy(dst + qq * KEY_CHUNK, sums, sizeof sums);
-        else memcpy(dst + qq * KEY_CHUNK, sums, sizeof(float) * (size_t)m);
+        store_scores(dst + qq * KEY_CHUNK, sums, m);
     }
 }
 
@@ -197,9 +200,7 @@ INLINE void score16_i8_avx2(const char *tile, int64_t i0, int64_t m, const i16x3
             const __m256 s = _mm256_cvtepi32_ps(kv_dot_hsum8x8(dots));
             _mm256_storeu_ps(sums + 8 * half, _mm256_mul_ps(_mm256_mul_ps(s, q_scale), row_scales[half]));
         }
-        /* a constant size is two stores; a variable one a `rep movs` */
-        if (m == 16) memcpy(dst + qq * KEY_CHUNK, sums, sizeof sums);
-        else memcpy(dst + qq * KEY_CHUNK, sums, sizeof(float) * (size_t)m);
+        store_scores(dst + qq * KEY_CHUNK, sums, m);
     }
 }
 #endif

@@ -154,6 +154,15 @@ INLINE i32x16 kv_dot_hsum_key_pairs(const i32x16 *c) {
 #endif
 }
 
+#if defined(PS_AVX2)  /* F16C */
+/* Bytes [16c, 16c + 16) of an FP8 row as the fp16 bits kv_row16 converts. */
+INLINE __m256i kv_fp8_half_bits(const void *row, int64_t c, int dt) {
+    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)((const int8_t *)row + 16 * c)));
+    return dt == DT_E4M3 ? _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16((short)0xBF80))
+                         : _mm256_slli_epi16(w, 8);
+}
+#endif
+
 /* 16 lanes of a decode K or V row as fp32 (load16 but for FP8). FP8 goes through fp16 bits: the byte sign-extended
  * to 16 bits and shifted puts e5m2 in fp16's top byte (its value) and e4m3's exponent and mantissa in fp16's low
  * exponent bits (2^-8 times its value; the callers fold 2^8 into the query factor and the V factor), and one
@@ -162,12 +171,8 @@ INLINE i32x16 kv_dot_hsum_key_pairs(const i32x16 *c) {
  * bf16's with the data in cache. Results are the bits load16's gave: the powers of two cancel exactly. */
 INLINE f32x16 kv_row16(const void *row, int64_t c, int dt) {
     if (dt != DT_E4M3 && dt != DT_E5M2) return load16(row, c, dt);
-#if defined(PS_AVX2)  /* F16C */
-    __m128i bytes;
-    memcpy(&bytes, (const int8_t *)row + 16 * c, sizeof bytes);
-    const __m256i w = _mm256_cvtepi8_epi16(bytes);
-    const __m256i half = dt == DT_E4M3 ? _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16((short)0xBF80))
-                                       : _mm256_slli_epi16(w, 8);
+#if defined(PS_AVX2)
+    const __m256i half = kv_fp8_half_bits(row, c, dt);
     f16x16 h;
     memcpy(&h, &half, sizeof h);
     return f16x16_to_f32(h);
@@ -190,10 +195,8 @@ INLINE void kv_row16_halves(const void *row, int64_t c, int dt, __m256 *out) {
         for (int h = 0; h < 2; h++) out[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)row + 2 * c + h));
     } else if (dt == DT_F32) {
         for (int h = 0; h < 2; h++) out[h] = _mm256_loadu_ps((const float *)row + 16 * c + 8 * h);
-    } else if (dt == DT_E4M3 || dt == DT_E5M2) {  /* kv_row16's bit moves */
-        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)((const int8_t *)row + 16 * c)));
-        const __m256i half = dt == DT_E4M3 ? _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16((short)0xBF80))
-                                           : _mm256_slli_epi16(w, 8);
+    } else if (dt == DT_E4M3 || dt == DT_E5M2) {
+        const __m256i half = kv_fp8_half_bits(row, c, dt);
         out[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
         out[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
     } else {
