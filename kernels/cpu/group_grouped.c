@@ -29,7 +29,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
-#include "act_q16.h"
+#include "act_q16_dots.h"
 #include "group_state.h"
 
 #define GQ_PREFETCH_TILES 8  /* software prefetch distance, in tiles (packed_grouped.c's former choice; its 4 not measured here) */

@@ -24,7 +24,7 @@
 #include "isa.h"
 #include <omp.h>
 
-#include "act_q16.h"
+#include "act_q16_dots.h"
 #include "packed_blocks.h"
 
 #define PK_EXPORT __attribute__((visibility("default")))

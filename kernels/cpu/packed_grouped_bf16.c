@@ -13,7 +13,7 @@
 #include "isa.h"
 #include <omp.h>
 
-#include "act_q16.h"
+#include "act_q16_dots.h"
 #include "packed_wide_layout.h"
 
 #define PK_EXPORT __attribute__((visibility("default")))

@@ -19,7 +19,7 @@
 #include "isa.h"
 #include <omp.h>
 
-#include "act_q16.h"
+#include "act_q16_dots.h"
 #include "packed_wide_layout.h"
 
 #if defined(PQ_LANES8) || defined(PS_AVX512_VNNI)

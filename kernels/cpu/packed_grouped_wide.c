@@ -31,7 +31,7 @@
 #include "isa.h"
 #include <omp.h>
 
-#include "act_q16.h"
+#include "act_q16_dots.h"
 #include "packed_wide_layout.h"
 
 #define PKW_TILE 4          /* activation rows per pass over a group's weights */

@@ -4,7 +4,7 @@
 #ifndef PAGEDSERVE_CPU_PACKED_WIDE_LAYOUT_H
 #define PAGEDSERVE_CPU_PACKED_WIDE_LAYOUT_H
 
-#include "act_q16.h"
+#include "act_q16_dots.h"
 #include "packed_blocks.h"
 
 #define PKW_INLINE static inline __attribute__((always_inline))
