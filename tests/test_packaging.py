@@ -74,7 +74,7 @@ def test_every_module_the_tests_import_is_declared():
 
 def test_the_scan_sees_what_it_looks_for():
     found = imports_reached_from_tests()
-    assert "tests/test_spec_decode.py" in found["scipy"]  # a direct import
+    assert "tests/test_spec_verifier.py" in found["scipy"]  # a direct import
     assert "torch" in found and "os" not in found and "conftest" not in found  # stdlib and local modules are not
 
 

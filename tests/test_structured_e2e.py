@@ -199,7 +199,7 @@ def test_router_every_constraint_field(shared_server, default_model):  # noqa: F
 def test_dead_end_finish_reason_on_every_surface(server_factory, tmp_path):  # noqa: F811
     """A model whose logits cover only token ids < 100 cannot write "zzz": the constrained request ends with the
     dead-end finish reason on each surface (not an error status), and the server goes on serving; that batch mates
-    keep their tokens through a dead end is tests/test_structured_outputs.py's."""
+    keep their tokens through a dead end is tests/test_structured_scheduling.py's."""
     from conftest import make_tiny_model
 
     server = server_factory("--model", str(make_tiny_model(tmp_path / "tiny", vocab_size=100, seed=4)),

@@ -1,42 +1,24 @@
-"""Structured outputs in the engine: every constrained sample parses (jsonschema, re.fullmatch, the choices, a
-parser), unconstrained batch mates are untouched, and dead ends, forks, preemption, chunked prefill, stops and
-limits behave as docs/structured-outputs.md says. One shared SmolLM2 engine (`llm_fp32`) for the real-model cases,
-one tiny random model (module-scoped) for the scheduling cases."""
+"""Structured outputs in the engine on the real model: every constrained sample parses (jsonschema, re.fullmatch,
+the choices, a parser), unconstrained batch mates are untouched, and forks, stops, limits, logprobs, refusals and
+the compile cache behave as docs/structured-outputs.md says; the bitmask's logit bias is checked bit by bit. One
+shared SmolLM2 engine (`llm_fp32`) for the real-model cases."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
-import threading
-from pathlib import Path
 
 import jsonschema
 import pytest
 
-from conftest import make_tiny_model
-from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine import SamplingParams
 from pagedserve.engine.constraint import ConstraintKind, OutputConstraint, json_object, json_schema
 from pagedserve.engine.errors import InvalidRequestError
-from pagedserve.engine.core.sequence import FinishReason
+from structured_fixtures import SCHEMAS, assert_no_blocks_held, choice, regex
 
-SCHEMAS: dict[str, dict] = json.loads((Path(__file__).parent / "fixtures" / "service_schemas.json").read_text())
 PROMPT = "Reply with a JSON object describing a user:"
 TEMPERATURES = (0.0, 0.7, 1.0)
-
-
-def assert_no_blocks_held(engine) -> None:
-    stats = engine.stats()
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks
-    assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
-
-
-def regex(pattern: str) -> OutputConstraint:
-    return OutputConstraint(ConstraintKind.REGEX, pattern)
-
-
-def choice(*options: str) -> OutputConstraint:
-    return OutputConstraint(ConstraintKind.CHOICE, choices=options)
 
 
 def test_every_schema_validates_greedy_and_sampled(llm_fp32):
@@ -217,17 +199,6 @@ def test_metrics_export_the_constraint_counters(llm_fp32):
     assert 'pagedserve:structured_output_compile_cache_hits_total{model_name="m"}' in text
 
 
-def test_constrained_admission_runs_off_the_event_loop():
-    from pagedserve.service.core.admit import admit_off_loop
-
-    async def run() -> tuple[int, int]:
-        loop_thread = threading.get_ident()
-        return loop_thread, await admit_off_loop(threading.get_ident, text_chars=10, constrained=True)
-
-    loop_thread, admit_thread = asyncio.run(run())
-    assert admit_thread != loop_thread
-
-
 def test_async_engine_streams_a_constrained_request_beside_a_plain_one(llm_fp32):
     from pagedserve.engine.async_engine import AsyncEngine
 
@@ -255,67 +226,6 @@ def test_async_engine_streams_a_constrained_request_beside_a_plain_one(llm_fp32)
     jsonschema.validate(json.loads(shaped.text), SCHEMAS["address"])
     assert bystander.token_ids == alone
     assert_no_blocks_held(engine)
-
-
-# -- scheduling cases on a tiny random model ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-so"), seed=3)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model) -> LLM:
-    return LLM(str(tiny_model), dtype="float32")
-
-
-def _tiny_requests() -> tuple[list[str], list[SamplingParams]]:
-    names = ("person", "nested_order", "array_of_objects", "defs_ref", "sentiment", "address")
-    prompts = [f"Record {i}: " + "context words " * (2 + 2 * i) for i in range(len(names))]  # 9 to 29 tokens
-    return prompts, [SamplingParams(temperature=0, max_tokens=90, constraint=json_schema(SCHEMAS[n])) for n in names]
-
-
-def test_preemption_and_chunked_prefill_replay_without_re_advancing(tiny, tiny_model):
-    prompts, params = _tiny_requests()
-    reference = [o.outputs[0].token_ids for o in tiny.generate(prompts, params)]
-    block_bytes = 2 * 2 * 2 * 16 * 8 * 4  # layers x (K, V) x kv heads x head dim x block x fp32
-    # 16 blocks of 8 tokens for six requests of up to 9 blocks each: requests admitted with one block to spare each
-    # outgrow it as they decode and one is preempted; 16-token steps: every prompt longer than 16 tokens, and
-    # those sharing a step, prefill in chunks.
-    small = LLM(str(tiny_model), dtype="float32", kv_cache_memory=16 * block_bytes, max_num_batched_tokens=16,
-                block_size=8)
-    outs = small.generate(prompts, params)
-    assert small.engine.stats().num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in outs] == reference
-    for out, p in zip(outs, params):
-        jsonschema.validate(json.loads(out.outputs[0].text), json.loads(p.constraint.spec))
-    assert_no_blocks_held(small.engine)
-
-
-def test_dead_end_ends_only_its_own_sequence(tmp_path):
-    # A model whose logits cover only the first 100 token ids: "zzz" needs a token it cannot produce.
-    model = make_tiny_model(tmp_path, vocab_size=100, seed=4)
-    llm = LLM(str(model), dtype="float32")
-    mate = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    solo = llm.generate([[5, 6, 7]], mate)[0].outputs[0].token_ids
-    dead, bystander, forked = llm.generate([[5, 6, 7], [5, 6, 7], [8, 9]], [
-        SamplingParams(temperature=0, max_tokens=12, constraint=choice("zzz")), mate,
-        SamplingParams(temperature=1.0, n=3, seed=2, max_tokens=12, constraint=choice("zzz")),
-    ])
-    assert dead.outputs[0].finish_reason == FinishReason.CONSTRAINT_DEAD_END.value and not dead.outputs[0].token_ids
-    assert dead.error is None
-    assert [c.finish_reason for c in forked.outputs] == ["constraint_dead_end"] * 3
-    assert bystander.outputs[0].token_ids == solo
-    assert_no_blocks_held(llm.engine)
-
-
-def test_compile_time_limit_refuses_by_name(tiny_model):
-    # 7000 alternatives (56 KB, under the size limit) take llguidance about 100 ms to compile: 100x the limit.
-    pattern = "(" + "|".join(f"w{i:05d}x" for i in range(7000)) + ")"
-    llm = LLM(str(tiny_model), dtype="float32", constraint_compile_timeout_s=0.001)
-    with pytest.raises(InvalidRequestError) as info:
-        llm.generate(["hi"], SamplingParams(constraint=regex(pattern)))
-    assert info.value.field == "constraint.regex" and "did not compile within 0.001 s" in info.value.message
-    assert not llm.engine.has_unfinished_requests()
 
 
 def test_bitmask_bias_matches_the_bits():
