@@ -5,7 +5,7 @@
  * 2,048-token prefill chunk 3.5x an int8 cache's (whose rows were already quantized 16 lanes at a time): ~1.4 ms a
  * layer, ~40 ms a chunk over 30 layers, most of an FP8 prefill's time above int8's. The same integer steps on lanes
  * give the same bytes (every finite value's neighbourhood, every tie, subnormals, clamped values and NaN are tested
- * against torch's store in tests/test_native_attention.py). */
+ * against torch's store in tests/test_native_kv_write.py). */
 #ifndef PAGEDSERVE_CPU_KV_FP8_H
 #define PAGEDSERVE_CPU_KV_FP8_H
 
