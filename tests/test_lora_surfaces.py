@@ -13,20 +13,17 @@ import concurrent.futures
 import json
 import os
 import re
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from lora_surface_fixtures import LoraSet, copy_adapter, make_adapter, make_lora_set, peft_greedy
+from lora_surface_fixtures import LoraSet, copy_adapter, make_adapter, make_lora_set, peft_greedy, post
 from service_fixtures import ServerProcess, start_server, wait_until
 from test_clients_go_java import LANGS, Driver, _missing, built_clients, request_json  # noqa: F401 - a fixture
 
 from pagedserve.client import AsyncClient, Client, ClientError
-from pagedserve.engine.errors import ConfigError
-from pagedserve.service.cli import build_parser, engine_config
 
 NAMES = ("sql", "chat", "code", "math", "late")  # "late" is loaded at runtime
 STARTUP = NAMES[:4]
@@ -68,17 +65,6 @@ def client(server) -> Iterator[Client]:
         yield c
 
 
-def post(server: ServerProcess, path: str, body: dict) -> tuple[int, object]:
-    request = urllib.request.Request(server.http_url + path, json.dumps(body).encode(),
-                                     {"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            status, raw, kind = reply.status, reply.read().decode(), reply.headers.get("content-type", "")
-    except urllib.error.HTTPError as exc:
-        status, raw, kind = exc.code, exc.read().decode(), exc.headers.get("content-type", "")
-    return status, json.loads(raw) if kind.startswith("application/json") else raw
-
-
 def get(server: ServerProcess, path: str) -> object:
     with urllib.request.urlopen(server.http_url + path, timeout=30) as reply:
         return json.loads(reply.read())
@@ -96,32 +82,6 @@ def http_tokens(server: ServerProcess, model: str | None, max_tokens: int = TOKE
 def grpc_tokens(client: Client, adapter: str | None, max_tokens: int = TOKENS) -> list[int]:
     return client.complete(PROMPT, adapter=adapter, temperature=0.0, max_new_tokens=max_tokens,
                            ignore_eos=True).token_ids
-
-
-def test_lora_flags_build_the_lora_config():
-    args = build_parser().parse_args(["serve", "--enable-lora", "--lora-modules", "a=/x/a",
-                                      '{"name": "b", "path": "/x/b"}', "--max-loras", "3", "--max-lora-rank", "32",
-                                      "--enable-runtime-lora-updates", "--allowed-lora-dirs", "/x"])
-    lora = engine_config(args).lora
-    assert [(m.name, m.path) for m in lora.modules] == [("a", "/x/a"), ("b", "/x/b")]
-    assert (lora.max_loras, lora.max_lora_rank, lora.runtime_updates, lora.allowed_dirs) == (3, 32, True, ("/x",))
-    assert engine_config(build_parser().parse_args(["serve"])).lora is None
-
-
-@pytest.mark.parametrize("flags, field", [
-    (["--lora-modules", "a=/x"], "enable_lora"),
-    (["--enable-lora", "--lora-modules", "a"], "lora_modules"),
-    (["--enable-lora", "--lora-modules", '{"name": "a", "path": "/x", "rank": 4}'], "lora_modules"),
-    (["--enable-lora", "--served-model-name", "m", "--lora-modules", '{"name": "a", "path": "/x", '
-      '"base_model_name": "other"}'], "lora_modules.base_model_name"),
-    (["--enable-lora", "--enable-runtime-lora-updates", "--allowed-lora-dirs", "relative"], "allowed_lora_dirs"),
-    (["--enable-lora", "--enable-runtime-lora-updates"], "allowed_lora_dirs"),
-    (["--enable-lora", "--lora-modules", "a b=/x"], "lora_modules.name"),
-])
-def test_bad_lora_flags_name_the_field(flags, field):
-    with pytest.raises(ConfigError) as error:
-        engine_config(build_parser().parse_args(["serve", *flags]))
-    assert error.value.field == field
 
 
 def test_mixed_batch_of_adapters_and_base_on_both_front_ends(server, client, expected):
@@ -255,23 +215,6 @@ def test_lora_metrics_as_the_gateway_reads_them(server, client):
     counts = dict(re.findall(r'^pagedserve:lora_requests_total\{[^}]*adapter="([^"]+)"[^}]*\} (\S+)$',
                              _scrape(server), re.M))
     assert float(counts["sql"]) >= 1
-
-
-def test_runtime_updates_off_refuse_load_and_unload(shared_server):
-    """The default server (LoRA off): load/unload are 404 as in vLLM (no such routes) / FAILED_PRECONDITION; listing
-    works and names no adapter; a request naming an adapter is 404 naming `model`."""
-    status, reply = post(shared_server, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp"})
-    assert status == 404 and "--enable-runtime-lora-updates" in reply["error"]["message"]
-    assert post(shared_server, "/v1/unload_lora_adapter", {"lora_name": "a"})[0] == 404
-    with Client(shared_server.target, timeout=60) as c:
-        listed = c.list_adapters()
-        assert listed.adapters == () and not listed.lora_enabled and not listed.runtime_updates
-        with pytest.raises(ClientError) as error:
-            c.load_adapter("a", "/tmp")
-        assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
-        with pytest.raises(ClientError) as error:
-            c.complete("hi", adapter="a", max_new_tokens=2)
-        assert error.value.code == grpc.StatusCode.NOT_FOUND and error.value.field == "adapter"
 
 
 def test_readme_python_lora_snippet_and_the_cli(server, client, tmp_path):

@@ -9,7 +9,6 @@ one request's own counts and timings.
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import urllib.request
@@ -20,28 +19,19 @@ import grpc
 import pytest
 from google.protobuf import json_format
 from mesh_fixtures import SMG_MODEL, http_json, start_envoy, start_smg
-from otlp_receiver import SPAN_KIND_SERVER, ReceivedSpan, TraceReceiver, start_http_receiver, start_receiver
-from service_fixtures import ServerProcess, spawn_server, start_server, stub, wait_until
+from observability_fixtures import (SECRET_PROMPT, check_span, json_lines, new_traceparent, request_lines, span_for,
+                                    v1_generate, v1_request)
+from otlp_receiver import TraceReceiver, start_receiver
+from service_fixtures import ServerProcess, start_server, wait_until
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vgrpc
 from test_clients_go_java import Driver, built_clients  # noqa: F401 - built_clients is a fixture used by name
 from test_clients_go_java import _missing as go_java_missing
 
 from pagedserve.client import Client, GenerateOptions, build_request
-from pagedserve.v1 import generate_pb2 as pb
 
 pytestmark = pytest.mark.timeout(900)
 ROOT = Path(__file__).resolve().parent.parent
-SECRET_PROMPT = "The lighthouse keeper's password is zebra-kumquat"
-LATENCIES = ("gen_ai.latency.time_in_queue", "gen_ai.latency.time_to_first_token", "gen_ai.latency.e2e",
-             "gen_ai.latency.time_in_model_prefill", "gen_ai.latency.time_in_model_decode",
-             "gen_ai.latency.time_in_model_inference")
-
-
-def new_traceparent() -> tuple[str, str, str]:
-    """(traceparent, trace id, parent span id), random like a real caller's."""
-    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
-    return f"00-{trace_id}-{span_id}-01", trace_id, span_id
 
 
 @pytest.fixture(scope="module")
@@ -57,50 +47,6 @@ def replica(receiver, tmp_path_factory) -> Iterator[ServerProcess]:
                           "--enable-log-requests", "--stats-interval", "1", "--http-port", "0")
     yield server
     server.stop()
-
-
-def json_lines(server: ServerProcess) -> list[dict]:
-    out = []
-    for line in server.log().splitlines():
-        if line.startswith("{"):
-            out.append(json.loads(line))  # every line that looks like JSON must be JSON
-    return out
-
-
-def request_lines(server: ServerProcess, request_id: str) -> dict[str, dict]:
-    return {r["event"]: r for r in json_lines(server) if r.get("request_id") == request_id}
-
-
-def span_for(receiver: TraceReceiver, request_id: str) -> ReceivedSpan:
-    return receiver.wait_for(lambda s: s.service == "pagedserve" and s.attributes.get("gen_ai.request.id") == request_id)
-
-
-def check_span(span: ReceivedSpan, front_end: str, prompt_tokens: int, completion_tokens: int) -> None:
-    a = span.attributes
-    assert (span.name, span.kind) == ("llm_request", SPAN_KIND_SERVER)
-    assert a["pagedserve.front_end"] == front_end and a["gen_ai.response.model"] == SMG_MODEL
-    assert (a["gen_ai.usage.prompt_tokens"], a["gen_ai.usage.completion_tokens"]) == (prompt_tokens, completion_tokens)
-    assert a["gen_ai.request.max_tokens"] == completion_tokens and a["gen_ai.request.n"] == 1
-    assert all(a[k] >= 0 for k in LATENCIES)
-    # vLLM's phases add up: queue + prefill = time to first token; prefill + decode = inference <= e2e.
-    assert a["gen_ai.latency.time_in_queue"] + a["gen_ai.latency.time_in_model_prefill"] == pytest.approx(
-        a["gen_ai.latency.time_to_first_token"], abs=1e-6)
-    assert a["gen_ai.latency.time_in_model_prefill"] + a["gen_ai.latency.time_in_model_decode"] == pytest.approx(
-        a["gen_ai.latency.time_in_model_inference"], abs=1e-6)
-    assert a["gen_ai.latency.time_in_model_inference"] <= a["gen_ai.latency.e2e"] + 1e-6
-    assert span.start_ns <= span.events["first_scheduled"] <= span.events["first_token"] <= span.end_ns
-
-
-def v1_request(request_id: str, prompt: str = "The capital of France is", tokens: int = 6) -> pb.GenerateRequest:
-    return pb.GenerateRequest(text=prompt, request_id=request_id, sampling=pb.SamplingOptions(temperature=0),
-                              stopping=pb.StoppingOptions(max_new_tokens=tokens, ignore_eos=True))
-
-
-def v1_generate(target: str, request: pb.GenerateRequest, metadata: tuple = ()) -> list[pb.GenerateResponse]:
-    with grpc.insecure_channel(target) as channel:
-        frames = list(stub(channel).Generate(request, metadata=metadata, timeout=300))
-    assert frames[-1].final.finish_reason == pb.FINISH_REASON_MAX_TOKENS
-    return frames
 
 
 # --- each front end ----------------------------------------------------------------------------------------------
@@ -224,34 +170,6 @@ def test_stats_line_reports_throughput_and_load(replica):
     assert 0 <= line["kv_cache_usage"] <= 1 and line["running"] >= 0 and line["waiting"] >= 0
 
 
-def test_otlp_over_http_protobuf(tmp_path):
-    receiver = TraceReceiver()
-    http = start_http_receiver(receiver)
-    server = start_server(tmp_path / "http-otlp", "--otlp-traces-protocol", "http/protobuf",
-                          "--otlp-traces-endpoint", f"127.0.0.1:{http.server_address[1]}", "--stats-interval", "0")
-    try:
-        traceparent, trace_id, parent = new_traceparent()
-        v1_generate(server.target, v1_request("over-http", tokens=2), (("traceparent", traceparent),))
-        span = span_for(receiver, "over-http")
-    finally:
-        server.stop()
-        http.shutdown()
-    assert (span.trace_id, span.parent_span_id) == (trace_id, parent)
-
-
-def test_log_prompts_only_when_asked(tmp_path):
-    server = start_server(tmp_path / "prompts", "--enable-log-requests", "--log-prompts", "--max-log-len", "4",
-                          "--stats-interval", "0")
-    try:
-        v1_generate(server.target, v1_request("with-prompt", SECRET_PROMPT, 2))
-        wait_until(lambda: "request_admitted" in request_lines(server, "with-prompt"), 30, "the admission line")
-        admitted = request_lines(server, "with-prompt")["request_admitted"]
-    finally:
-        server.stop()
-    assert len(admitted["prompt_token_ids"]) == 4 and SECRET_PROMPT.startswith(admitted["prompt"])
-    assert admitted["trace_id"] is None and admitted["span_id"] is None  # no traceparent, no tracing
-
-
 # --- metrics -----------------------------------------------------------------------------------------------------
 
 
@@ -317,36 +235,6 @@ def test_every_documented_family_on_both_ports_matches_one_request(replica):
     assert 0 <= total(after, "vllm:kv_cache_usage_perc") <= 1
 
 
-# --- without OpenTelemetry ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def no_otel(tmp_path) -> dict[str, str]:
-    """PYTHONPATH with an `opentelemetry` package that cannot be imported: as if the otel extra were absent."""
-    shadow = tmp_path / "shadow" / "opentelemetry"
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError('opentelemetry is not installed (test shadow)')\n")
-    return {"PYTHONPATH": str(shadow.parent)}
-
-
-def test_without_the_otel_extra_tracing_is_refused_by_name(tmp_path, no_otel):
-    proc, _, log_path = spawn_server(tmp_path / "refused", "--otlp-traces-endpoint", "127.0.0.1:4317", env=no_otel)
-    assert proc.wait(120) == 2
-    log = log_path.read_text()
-    assert "otlp_traces_endpoint" in log and "pagedserve[otel]" in log, log[-2000:]
-
-
-def test_without_the_otel_extra_the_server_serves_with_tracing_off(tmp_path, no_otel):
-    server = start_server(tmp_path / "plain", "--enable-log-requests", env=no_otel)
-    try:
-        traceparent, trace_id, _ = new_traceparent()
-        v1_generate(server.target, v1_request("no-otel", tokens=2), (("traceparent", traceparent),))
-        wait_until(lambda: "request_finished" in request_lines(server, "no-otel"), 30, "the finish line")
-        assert request_lines(server, "no-otel")["request_finished"]["trace_id"] == trace_id
-    finally:
-        server.stop()
-
-
 # --- client libraries --------------------------------------------------------------------------------------------
 
 
@@ -372,7 +260,7 @@ def test_python_client_propagates_the_current_opentelemetry_span(replica, receiv
 
 @pytest.mark.skipif(bool(go_java_missing), reason=f"Go/Java toolchains absent ({', '.join(go_java_missing)})")
 @pytest.mark.parametrize("lang", ["go", "java"])
-def test_go_and_java_clients_send_the_trace_context(lang, replica, receiver, built_clients, tmp_path):
+def test_go_and_java_clients_send_the_trace_context(lang, replica, receiver, built_clients, tmp_path):  # noqa: F811
     driver = Driver(lang, replica.target, tmp_path)
     try:
         traceparent, trace_id, parent = new_traceparent()

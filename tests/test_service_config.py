@@ -16,7 +16,7 @@ def parse(*flags: str):
 
 
 def test_every_engine_config_field_has_a_flag():
-    # Sub-configs with their own flag groups: LoRA (tests/test_lora_surfaces.py) and --speculative-config
+    # Sub-configs with their own flag groups: LoRA (tests/test_lora_flags.py) and --speculative-config
     # (tests/test_spec_drafter.py).
     grouped = {"lora", "speculative"}
     assert {f.name for f in dataclasses.fields(EngineConfig)} - grouped <= set(vars(parse()))

@@ -21,55 +21,19 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vgrpc
 
 from mesh_fixtures import SMG_MODEL as MODEL
-from mesh_fixtures import http_json, start_smg
 from service_fixtures import metric_value, off_main_thread, start_server, wait_until
+from smg_fixtures import (PERSON, WEATHER_TOOL, _abort_calls, _constrained, _generate, _idle,  # noqa: F401
+                          _offline, _post, _sse, engine_stub, replicas, smg)
 
 from pagedserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.fixture(scope="module")
-def replicas(tmp_path_factory):
-    servers = [start_server(tmp_path_factory.mktemp(f"replica{i}")) for i in range(2)]
-    yield servers
-    for server in servers:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def smg(replicas, default_model, tmp_path_factory):
-    router = start_smg(tmp_path_factory.mktemp("smg"), replicas, default_model.tokenizer_dir)
-    yield router
-    router.stop()
-
-
-def _post(url: str, body: dict) -> dict:
-    return http_json(url, body)
-
-
-def _offline(llm, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return list(off_main_thread(llm.generate, prompt_ids, params)[0].outputs[0].token_ids)
-
-
-def _sse(base: str, body: dict) -> list[dict]:
-    host, port = base.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=300)
-    conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
-                 {"content-type": "application/json"})
-    events = []
-    for line in conn.getresponse().read().decode().splitlines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            events.append(json.loads(line.removeprefix("data: ")))
-    conn.close()
-    return events
-
-
 # --- through SMG -----------------------------------------------------------------------------------------------
 
 
-def test_chat_and_completions_through_smg_match_the_offline_engine(smg, llm_fp32):
+def test_chat_and_completions_through_smg_match_the_offline_engine(smg, llm_fp32):  # noqa: F811
     tok = llm_fp32.tokenizer
     messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
     chat_ids = tok.apply_chat_template(messages)
@@ -94,7 +58,7 @@ def test_chat_and_completions_through_smg_match_the_offline_engine(smg, llm_fp32
     assert completion["choices"][0]["text"] == tok.decode(_offline(llm_fp32, ids, 10))
 
 
-def test_stop_strings_and_sampled_requests_through_smg(smg, llm_fp32):
+def test_stop_strings_and_sampled_requests_through_smg(smg, llm_fp32):  # noqa: F811
     prompt = "List some fruits: apple, banana, cherry"
     expected = off_main_thread(llm_fp32.generate, llm_fp32.tokenizer.encode(prompt),
                                SamplingParams(temperature=0, max_tokens=24, stop=("e",)))[0].outputs[0]
@@ -110,7 +74,7 @@ def test_stop_strings_and_sampled_requests_through_smg(smg, llm_fp32):
     assert direct[0].text != direct[1].text and sampled["usage"]["completion_tokens"] == 16
 
 
-def test_cache_aware_routing_keeps_a_shared_prefix_on_one_replica(smg, replicas):
+def test_cache_aware_routing_keeps_a_shared_prefix_on_one_replica(smg, replicas):  # noqa: F811
     system = "You are a meticulous assistant for a bakery. " + " ".join(
         f"Rule {i}: answer politely and mention the daily bread number {i}." for i in range(18))
     before = [metric_value(s, "vllm:request_success_total") for s in replicas]
@@ -129,7 +93,7 @@ def test_cache_aware_routing_keeps_a_shared_prefix_on_one_replica(smg, replicas)
     assert smg.metric("smg_cache_aware_policy_branch_total", 'branch="event_hit"') - event_hits_before >= 5
 
 
-def test_client_disconnect_reaches_the_engine_as_smg_abort(smg, replicas):
+def test_client_disconnect_reaches_the_engine_as_smg_abort(smg, replicas):  # noqa: F811
     aborts_before = sum(_abort_calls(s) for s in replicas)
     host, port = smg.base.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=300)
@@ -152,33 +116,7 @@ def test_client_disconnect_reaches_the_engine_as_smg_abort(smg, replicas):
     wait_until(lambda: sum(_abort_calls(s) for s in replicas) > aborts_before, 30, "SMG's Abort RPC")
 
 
-def _idle(server) -> bool:
-    return (metric_value(server, "vllm:num_requests_running") == 0
-            and metric_value(server, "pagedserve:kv_cache_blocks_active") == 0)
-
-
-def _abort_calls(server) -> float:
-    import urllib.request as r
-
-    body = r.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
-               if line.startswith("grpc_server_handled_total{") and 'grpc_method="Abort"' in line
-               and "vllm.grpc.engine.VllmEngine" in line)
-
-
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                          "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"], "additionalProperties": False}
-WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
-    "additionalProperties": False}}}
-
-
-def _constrained(replicas) -> float:
-    return sum(metric_value(r, "pagedserve:structured_output_requests_total") for r in replicas)
-
-
-def test_openai_structured_outputs_at_smg_constrain_the_replicas(smg, replicas):
+def test_openai_structured_outputs_at_smg_constrain_the_replicas(smg, replicas):  # noqa: F811
     """SMG turns response_format into the json_schema constraint of vllm.grpc.engine and builds a forced tool call's
     schema itself; the replicas compile and apply both (their counters), and what comes back validates."""
     before = _constrained(replicas)
@@ -208,18 +146,6 @@ def test_openai_structured_outputs_at_smg_constrain_the_replicas(smg, replicas):
 # --- the VllmEngine service directly ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def engine_stub(replicas):
-    with grpc.insecure_channel(replicas[0].target) as channel:
-        yield vgrpc.VllmEngineStub(channel)
-
-
-def _generate(stub, ids: list[int], stream: bool = False, **sampling) -> list[vpb.GenerateResponse]:
-    request = vpb.GenerateRequest(request_id="t", tokenized=vpb.TokenizedInput(input_ids=ids), stream=stream,
-                                  sampling_params=vpb.SamplingParams(**sampling))
-    return list(stub.Generate(request, timeout=120))
-
-
 @pytest.mark.parametrize("sampling, field", [
     ({"regex": "("}, "sampling_params.regex"),
     ({"json_schema": "[1]"}, "sampling_params.json_schema"),
@@ -228,14 +154,14 @@ def _generate(stub, ids: list[int], stream: bool = False, **sampling) -> list[vp
     ({"top_p": 3.0}, "sampling_params.top_p"),
     ({"stop_token_ids": [10**6]}, "sampling_params.stop_token_ids"),
 ])
-def test_unsupported_or_bad_sampling_fields_name_the_field(engine_stub, sampling, field):
+def test_unsupported_or_bad_sampling_fields_name_the_field(engine_stub, sampling, field):  # noqa: F811
     with pytest.raises(grpc.RpcError) as err:
         _generate(engine_stub, [1, 2, 3], max_tokens=2, **sampling)
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith(field), err.value.details()
 
 
-def test_bad_prompts_and_unknown_fields_then_the_server_keeps_serving(engine_stub, replicas):
+def test_bad_prompts_and_unknown_fields_then_the_server_keeps_serving(engine_stub, replicas):  # noqa: F811
     cases = [
         (vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=[1, 49152])), "tokenized.input_ids[1]"),
         (vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=[5] * 600)), "tokenized.input_ids"),
@@ -264,7 +190,7 @@ def test_bad_prompts_and_unknown_fields_then_the_server_keeps_serving(engine_stu
     assert _generate(engine_stub, [1, 2, 3], max_tokens=2, temperature=0)[-1].complete.completion_tokens == 2
 
 
-def test_stream_and_unary_replies_carry_tokens_and_logprobs(engine_stub, llm_fp32):
+def test_stream_and_unary_replies_carry_tokens_and_logprobs(engine_stub, llm_fp32):  # noqa: F811
     ids = llm_fp32.tokenizer.encode("Once upon a time")
     expected = _offline(llm_fp32, ids, 6)
     streamed = _generate(engine_stub, ids, stream=True, max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
@@ -276,7 +202,7 @@ def test_stream_and_unary_replies_carry_tokens_and_logprobs(engine_stub, llm_fp3
     assert list(unary[0].complete.output_logprobs.token_ids) == expected
 
 
-def test_info_loads_and_unimplemented(engine_stub, replicas):
+def test_info_loads_and_unimplemented(engine_stub, replicas):  # noqa: F811
     info = engine_stub.GetModelInfo(vpb.GetModelInfoRequest(), timeout=10)
     assert info.vocab_size == 49152 and info.max_context_length == 512 and info.is_generation
     assert Path(info.tokenizer_path, "tokenizer.json").is_file()
@@ -292,7 +218,7 @@ def test_info_loads_and_unimplemented(engine_stub, replicas):
     assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED and "generation models only" in err.value.details()
 
 
-def test_get_tokenizer_streams_the_model_folders_tokenizer_files(engine_stub, default_model):
+def test_get_tokenizer_streams_the_model_folders_tokenizer_files(engine_stub, default_model):  # noqa: F811
     import hashlib
     import io
     import zipfile
@@ -306,7 +232,7 @@ def test_get_tokenizer_streams_the_model_folders_tokenizer_files(engine_stub, de
     assert not any(name.endswith(".safetensors") for name in archive.namelist())
 
 
-def test_kv_events_stream_stored_blocks_with_their_chain(engine_stub):
+def test_kv_events_stream_stored_blocks_with_their_chain(engine_stub):  # noqa: F811
     events = engine_stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=120)
     first = next(events)
     assert first.snapshot.count == 1 and first.events[0].WhichOneof("data") == "cleared"
@@ -332,7 +258,7 @@ def test_kv_events_stream_stored_blocks_with_their_chain(engine_stub):
     fresh.cancel()
 
 
-def test_reflection_lists_the_service_and_the_flag_turns_it_off(replicas, tmp_path):
+def test_reflection_lists_the_service_and_the_flag_turns_it_off(replicas, tmp_path):  # noqa: F811
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     from conftest import make_tiny_model
@@ -359,7 +285,7 @@ def test_reflection_lists_the_service_and_the_flag_turns_it_off(replicas, tmp_pa
         server.stop()
 
 
-def test_abort_from_another_connection_ends_the_stream(replicas):
+def test_abort_from_another_connection_ends_the_stream(replicas):  # noqa: F811
     request = vpb.GenerateRequest(request_id="abort-me", tokenized=vpb.TokenizedInput(input_ids=[1, 2, 3]),
                                   stream=True, sampling_params=vpb.SamplingParams(max_tokens=300, ignore_eos=True))
     with grpc.insecure_channel(replicas[1].target) as streaming, grpc.insecure_channel(replicas[1].target) as other:

@@ -1,0 +1,131 @@
+"""GgufLinearMethod (quant/gguf.py) over the packed kernels: which kernel serves a layer at each row count and
+dtype (the packed one, a dense copy, a per-call bf16 expansion), whether the layer holds an expanded copy for it,
+and the ps_linear_fn pointer the native layer loop calls; each path's product checked against gguf's own
+dequantization within tests/packed_fixtures.py's bounds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+import cpu_tiers
+from packed_fixtures import blocks_for, grouped_bound
+from pagedserve.kernels.cpu import isa
+from pagedserve.kernels.cpu import packed as cpu_packed
+from pagedserve.quant import gguf as gguf_method
+from pagedserve.quant.gguf import GgufLinearMethod
+
+
+def gguf_layer(method: GgufLinearMethod, stored: np.ndarray, out: int, inn: int, dtype: torch.dtype,
+               bias: torch.Tensor | None = None) -> torch.nn.Module:
+    """A layer `method` loaded with the file's blocks `stored` ([out, row bytes]), as the model loader does."""
+    layer = torch.nn.Module()
+    layer.in_features, layer.out_features = inn, out
+    method.create_weights(layer, inn, out, bias is not None, dtype)
+    layer.weight.data.copy_(torch.from_numpy(stored))
+    if bias is not None:
+        layer.bias.data.copy_(bias)
+    method.process_weights_after_loading(layer)
+    return layer
+
+
+@pytest.mark.parametrize("tier", cpu_tiers.params(("native", "avx2", "avx2_vnni", "avx512_vnni", "portable")))
+def test_auto_keeps_a_dense_copy_only_where_the_packed_kernel_loses(tier, monkeypatch):
+    """`--gguf-weights auto` (dense_batches): where the packed build has a many-row form (MANY_ROW_GROUPED_ISAS: the
+    AVX2 and AVX-512 int16 builds) the layer serves prefill-sized calls from its blocks and holds no expanded copy;
+    elsewhere the copy serves them."""
+    lib = cpu_packed.build(None if tier == "native" else tier)
+    monkeypatch.setattr(cpu_packed, "build", lambda tier=None: lib)  # what a host of this tier would load
+    rng = np.random.default_rng(8)
+    stored = blocks_for("Q4_K", 48, 256, rng)
+    method = GgufLinearMethod("Q4_K", dense_batches=True)
+    layer = gguf_layer(method, stored, 48, 256, torch.float32)
+    many = cpu_packed.grouped_isa(lib, "Q4_K") in cpu_packed.MANY_ROW_GROUPED_ISAS
+    int16 = ("avx2", "avx2_vnni", "avx512_vnni", "avx512_bf16")
+    assert many == (tier in int16 or (tier == "native" and isa.host_tier() in int16))
+    assert (layer.__dict__["dense_copy"] is None) == many
+    x = torch.randn(40, 256)
+    if many:
+        assert torch.equal(method.apply(layer, x), layer.packed.matmul(x))
+    else:
+        expected = x @ torch.from_numpy(dequantize(stored, T["Q4_K"])).T
+        torch.testing.assert_close(method.apply(layer, x), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("out", [45, 48])
+def test_the_ps_linear_fn_pointer_computes_the_same_product(out, qtype):
+    """What the native layer loop calls: kernels/cpu/linear.h's ps_linear_fn through the NativeLinear address. 48
+    rows are whole groups, so the loader interleaves them where the build has a fast kernel for the format's
+    layout (45: the file's layout, whatever the build), and the native step's batch limit follows that kernel."""
+    rng = np.random.default_rng(3)
+    inn = 256
+    stored = blocks_for(qtype, out, inn, rng)
+    method = GgufLinearMethod(qtype)
+    layer = gguf_layer(method, stored, out, inn, torch.float32, bias=torch.randn(out))
+    isa_of = cpu_packed.grouped_isa(layer.packed.lib, qtype)
+    fast = isa_of in cpu_packed.FAST_GROUPED_ISAS
+    assert layer.packed.row_group == (cpu_packed.GROUP_ROWS if out % 16 == 0 and fast else 0)
+    native = method.native_linear(layer)
+    wide = qtype in cpu_packed.WIDE_GROUPED_FORMATS
+    assert native.native_max_batch == (2 if not layer.packed.row_group else 8 if wide or isa_of != "avx512_vnni"
+                                       else 16)
+    fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)(native.fn)
+    x = torch.randn(5, inn)
+    y = torch.empty(5, out)
+    assert fn(native.state, x.data_ptr(), 5, y.data_ptr()) == 0
+    assert torch.equal(y, layer.packed.matmul(x))
+    torch.testing.assert_close(method.apply(layer, x), y)  # decode rows: the packed kernel
+    weights = dequantize(stored, T[qtype]).astype(np.float64)
+    bound = grouped_bound(layer.packed, stored, weights, x.numpy()) if layer.packed.row_group else \
+        1e-5 * (np.abs(x.numpy()).astype(np.float64) @ np.abs(weights).T) + 1e-5
+    np.testing.assert_array_less(np.abs(y.numpy() - layer.bias.numpy() - x.numpy() @ weights.T), bound)
+    # more rows: the packed kernel still where its build has a many-row form (and no dense copy is made for it),
+    # else the dequantized tile and torch's matmul, the same function
+    big = torch.randn(gguf_method.PACKED_MAX_ROWS + 1, inn)
+    many = cpu_packed.grouped_isa(layer.packed.lib, qtype) in cpu_packed.MANY_ROW_GROUPED_ISAS
+    assert gguf_method.serves_every_row_count(layer.packed) == (many and layer.packed.row_group != 0)
+    if gguf_method.serves_every_row_count(layer.packed):
+        assert torch.equal(method.apply(layer, big), layer.packed.matmul(big))
+        dense = GgufLinearMethod(qtype, dense_batches=True)
+        dense.create_weights(layer, inn, out, True, torch.float32)
+        layer.weight.data.copy_(torch.from_numpy(stored))
+        dense.process_weights_after_loading(layer)
+        assert layer.__dict__["dense_copy"] is None
+        return
+    expected = big @ torch.from_numpy(dequantize(stored, T[qtype])).T + layer.bias
+    torch.testing.assert_close(method.apply(layer, big), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_long_chunks_are_dequantized_per_call_where_amx_is_granted(monkeypatch):
+    """quant/gguf_prefill.py: from MIN_ROWS bf16 rows, where the packed build has the bf16 scratch and AMX tiles are
+    granted, a layer multiplies a per-call bf16 expansion of its blocks (whole or in slabs) with torch's GEMM: the
+    dequantized layer's product, and nothing held; fewer rows or fp32 compute stay on the packed kernel."""
+    from pagedserve.quant import gguf_prefill
+
+    lib = cpu_packed.build()
+    if not gguf_prefill.takes(cpu_packed.PackedMatrix("Q4_K", torch.zeros(16, 144, dtype=torch.uint8), 256,
+                                                      lib=lib, row_group=cpu_packed.GROUP_ROWS), 64, torch.bfloat16):
+        pytest.skip(f"no AMX tiles or no AVX512-BF16 build here ({isa.host_tier()})")
+    rng = np.random.default_rng(12)
+    stored = blocks_for("Q6_K", 96, 512, rng)
+    method = GgufLinearMethod("Q6_K", dense_batches=True)
+    layer = gguf_layer(method, stored, 96, 512, torch.bfloat16, bias=torch.randn(96))
+    assert layer.__dict__["dense_copy"] is None
+    w = torch.from_numpy(dequantize(stored, T["Q6_K"])).to(torch.bfloat16)
+    x = torch.randn(gguf_prefill.MIN_ROWS + 5, 512).to(torch.bfloat16)
+    expected = torch.nn.functional.linear(x, w, layer.bias.detach())
+    assert torch.equal(method.apply(layer, x), expected)
+    monkeypatch.setattr(gguf_prefill, "SLAB_BYTES", 32 * 512 * 2)  # three slabs of 32 rows
+    bias = layer.bias.detach()
+    slabs = [torch.nn.functional.linear(x, w[i:i + 32], bias[i:i + 32]) for i in range(0, 96, 32)]
+    assert torch.equal(method.apply(layer, x), torch.cat(slabs, dim=1))
+    few = x[:gguf_prefill.MIN_ROWS - 1]
+    assert torch.equal(method.apply(layer, few), layer.packed.matmul(few.float()).to(torch.bfloat16))
+    assert torch.equal(method.apply(layer, x.float()), layer.packed.matmul(x.float()))  # fp32 compute: packed
