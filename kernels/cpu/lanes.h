@@ -52,12 +52,45 @@ INLINE f32x16 select16(i32x16 mask, f32x16 yes, f32x16 no) {
 
 /* The larger of each lane pair (b where a is NaN or not larger): select16(gt16(a, b), a, b). */
 INLINE f32x16 max16(f32x16 a, f32x16 b) { return select16(gt16(a, b), a, b); }
+#if defined(PS_AVX2_ONLY)
+/* le16, select16 and max16 on 8 lanes (one ymm: the operators compile to one vcmpps), for the loops that take 16
+ * lanes as two halves without AVX-512 */
+INLINE i32x8 le8(f32x8 a, f32x8 b) { return a <= b; }
+INLINE f32x8 select8(i32x8 mask, f32x8 yes, f32x8 no) { return (f32x8)((mask & (i32x8)yes) | (~mask & (i32x8)no)); }
+INLINE f32x8 max8(f32x8 a, f32x8 b) { return select8(a > b, a, b); }
+#endif
 
 /* max16 over the 16-lane vectors x[0, n) (n >= 1), four running maxima at a time: one chain waited a comparison and a
  * blend per vector (~5 cycles), which made the decode softmax's and the int8 values' peak scans a few percent of
  * int8 decode attention. Lanes that are NaN in x[0] stay NaN, later NaNs are skipped, as with one chain; the maxima
  * are exact, so the order does not change them (but for which of +0 and -0 is kept, which no caller tells apart). */
 INLINE f32x16 max16_scan(const float *x, int64_t n) {
+#if defined(PS_AVX2_ONLY)
+    /* the same comparisons in 8-lane halves: as 16-lane values the four maxima went through the stack and general
+     * registers on every step of the scan */
+    f32x8 m[4][2];
+    memcpy(&m[0], x, sizeof m[0]);
+    for (int j = 1; j < 4; j++) memcpy(&m[j], &m[0], sizeof m[j]);
+    int64_t i = 1;
+    for (; i + 4 <= n; i += 4)
+        for (int j = 0; j < 4; j++)
+            for (int h = 0; h < 2; h++) {
+                f32x8 v;
+                memcpy(&v, x + 16 * (i + j) + 8 * h, sizeof v);
+                m[j][h] = max8(v, m[j][h]);
+            }
+    for (; i < n; i++)
+        for (int h = 0; h < 2; h++) {
+            f32x8 v;
+            memcpy(&v, x + 16 * i + 8 * h, sizeof v);
+            m[0][h] = max8(v, m[0][h]);
+        }
+    f32x8 out[2];
+    for (int h = 0; h < 2; h++) out[h] = max8(max8(m[1][h], m[0][h]), max8(m[3][h], m[2][h]));
+    f32x16 peak;
+    memcpy(&peak, out, sizeof peak);
+    return peak;
+#else
     f32x16 m[4];
     memcpy(&m[0], x, sizeof m[0]);
     m[1] = m[2] = m[3] = m[0];
@@ -74,6 +107,7 @@ INLINE f32x16 max16_scan(const float *x, int64_t n) {
         m[0] = max16(v, m[0]);
     }
     return max16(max16(m[1], m[0]), max16(m[3], m[2]));
+#endif
 }
 
 INLINE float hmax16(f32x16 x) {  /* the two halves lane by lane, then the 8 maxima */

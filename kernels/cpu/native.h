@@ -77,6 +77,7 @@ typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
@@ -234,23 +235,32 @@ INLINE float exp_nonpositive(float x) {
     return x <= -87.0f ? 0.0f : p * scale;
 }
 
-/* exp_nonpositive on 16 lanes at once: the same polynomial; n rounds to nearest (ties to even instead of up, which
- * keeps |r| <= ln2 / 2 all the same). */
-INLINE f32x16 exp16_nonpositive(f32x16 x) {
-    const f32x16 floor_x = (f32x16){0} - 87.0f, magic = (f32x16){0} + 12582912.0f;  /* 1.5 * 2^23 */
-    const i32x16 underflow = le16(x, floor_x);
-    x = select16(underflow, floor_x, x);
-    const f32x16 n = (x * 1.44269504088896341f + magic) - magic;
-    const f32x16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    f32x16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-    return select16(underflow, (f32x16){0}, p * (f32x16)bits);
-}
+/* exp_nonpositive on 16 lanes at once (and on 8, below): the same polynomial; n rounds to nearest (ties to even
+ * instead of up, which keeps |r| <= ln2 / 2 all the same). One body for both widths, so each lane takes the same
+ * operations (and the same contractions into FMAs) at either width: the same bits. */
+#define EXP_NONPOSITIVE(NAME, F, I, LE, SELECT)                                                                      \
+    INLINE F NAME(F x) {                                                                                             \
+        const F floor_x = (F){0} - 87.0f, magic = (F){0} + 12582912.0f; /* 1.5 * 2^23 */                            \
+        const I underflow = LE(x, floor_x);                                                                          \
+        x = SELECT(underflow, floor_x, x);                                                                           \
+        const F n = (x * 1.44269504088896341f + magic) - magic;                                                      \
+        const F r = (x - n * 0.693359375f) + n * 2.12194440e-4f;                                                     \
+        F p = r * 1.9875691500e-4f + 1.3981999507e-3f;                                                               \
+        p = p * r + 8.3334519073e-3f;                                                                                \
+        p = p * r + 4.1665795894e-2f;                                                                                \
+        p = p * r + 1.6666665459e-1f;                                                                                \
+        p = p * r + 5.0000001201e-1f;                                                                                \
+        p = p * r * r + r + 1.0f;                                                                                    \
+        const I bits = (__builtin_convertvector(n, I) + 127) << 23;                                                  \
+        return SELECT(underflow, (F){0}, p * (F)bits);                                                               \
+    }
+EXP_NONPOSITIVE(exp16_nonpositive, f32x16, i32x16, le16, select16)
+#if defined(PS_AVX2_ONLY)
+/* Without AVX-512 a 16-lane result that leaves registers (stored, or added to a sum) went through the stack and
+ * general registers; loops there take 8 lanes at a time (decode attention's softmax). */
+EXP_NONPOSITIVE(exp8_nonpositive, f32x8, i32x8, le8, select8)
+#endif
+#undef EXP_NONPOSITIVE
 
 /* silu(g) = g / (1 + e^-g) from e^-|g|, which never overflows (SiLU-and-mul: layer_ops.c). */
 INLINE float silu(float g) {
