@@ -96,6 +96,26 @@ enum { ROT_LANES_MAX = 16 };  /* head_dim <= 256 in 16-lane vectors: the rotatio
  * below adds it (contracted to one multiply-add where the build has FMA: -ffp-contract=fast), so the bits are the
  * scalar loop's; but the sums stay in registers across e, where the scalar loop stored and reloaded every output
  * for every e: ~0.15 ms per row of an int8 or FP8 decode step (their caches rotate K; SmolLM2, 2 threads, noisy). */
+#if defined(PS_AVX2_ONLY)
+/* rotate_head's sums for output columns [c0, c0 + 8 n8), n8 <= 8 a constant after inlining: without AVX-512 the
+ * 16-lane accumulators of a runtime count lived on the stack (a load, FMA and store per 16 lanes and e: 2.7% of
+ * an AVX2 int8 decode step at 4k keys, on the one thread that runs the row loop); 8 ymm sums stay in registers. The
+ * same terms in the same order, so the same bits. */
+INLINE void rotate_cols8(const float *tmp, const float *rot, int64_t dim, float *out, int64_t c0, const int n8) {
+    f32x8 acc[8];
+    for (int c = 0; c < n8; c++) acc[c] = (f32x8){0};
+    for (int64_t e = 0; e < dim; e++) {
+        const f32x8 t = tmp[e] - (f32x8){0};  /* a broadcast that keeps -0 */
+        for (int c = 0; c < n8; c++) {
+            f32x8 r;
+            memcpy(&r, rot + e * dim + c0 + 8 * c, sizeof r);
+            acc[c] += t * r;
+        }
+    }
+    for (int c = 0; c < n8; c++) _mm256_storeu_ps(out + c0 + 8 * c, (__m256)acc[c]);  /* no address of acc taken */
+}
+#endif
+
 static void rotate_head(const float *tmp, const float *rot, int64_t dim, float *out) {
     if (dim % 16 || dim > 16 * ROT_LANES_MAX) {
         for (int64_t d = 0; d < dim; d++) out[d] = 0.0f;
@@ -103,6 +123,13 @@ static void rotate_head(const float *tmp, const float *rot, int64_t dim, float *
             for (int64_t d = 0; d < dim; d++) out[d] += tmp[e] * rot[e * dim + d];
         return;
     }
+#if defined(PS_AVX2_ONLY)
+    int64_t c0 = 0;
+    for (; c0 + 64 <= dim; c0 += 64) rotate_cols8(tmp, rot, dim, out, c0, 8);
+    if (dim - c0 == 16) rotate_cols8(tmp, rot, dim, out, c0, 2);
+    else if (dim - c0 == 32) rotate_cols8(tmp, rot, dim, out, c0, 4);
+    else if (dim - c0 == 48) rotate_cols8(tmp, rot, dim, out, c0, 6);
+#else
     const int64_t lanes = dim / 16;
     f32x16 acc[ROT_LANES_MAX];
     for (int64_t c = 0; c < lanes; c++) acc[c] = (f32x16){0};
@@ -115,6 +142,7 @@ static void rotate_head(const float *tmp, const float *rot, int64_t dim, float *
         }
     }
     memcpy(out, acc, sizeof(float) * dim);
+#endif
 }
 
 /* Rotate-half RoPE of `heads` heads of one row in place, then (K rotation) x <- x R. */
