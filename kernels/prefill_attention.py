@@ -24,6 +24,7 @@ class PrefillChunk:
     keys: int  # keys gathered: from the first block holding a visible key to the end of the context
     tiles: torch.Tensor  # [Hkv * nb] int64: storage tiles of those blocks
     mask: torch.Tensor | None  # [q_len, keys] bool (True: visible), None when plain causal over the whole prompt
+    seen_by_all: int = 0  # with mask None: the leading keys every query sees (the cached past; see _past_then_causal)
 
 
 def _visible(past: int, ctx: int, first_key: int, window: int | None, device: torch.device) -> torch.Tensor:
@@ -52,12 +53,45 @@ def prefill_chunks(
             # Blocks wholly before the first query's window hold no visible key (and may be freed): not read.
             first_block = first_visible_key(past, window) // block_size
             first_key = first_block * block_size
-            mask = None
-            if past or (window is not None and window < ctx):
+            mask, seen_by_all = None, 0
+            if past and (window is None or window >= ctx) and _split_past(device, q_len):
+                seen_by_all = past  # first_key is 0: no window bites
+            elif past or (window is not None and window < ctx):
                 mask = _visible(past, ctx, first_key, window, device)
             tiles = head_tiles(meta.block_tables[i, first_block : -(-ctx // block_size)].long(), num_kv_heads, num_blocks)
-            chunks.append(PrefillChunk(starts[i], q_len, ctx - first_key, tiles, mask))
+            chunks.append(PrefillChunk(starts[i], q_len, ctx - first_key, tiles, mask, seen_by_all))
     return tuple(chunks)
+
+
+def _split_past(device: torch.device, new: int) -> bool:
+    """Whether a chunk of `new` tokens over a cached past takes _past_then_causal: on CPU, where torch's flash kernel
+    returns the log-sum-exp the two halves are merged by (its CUDA kernels keep the mask), and for chunks long enough
+    that the causal half skips key blocks. Shorter chunks do the same products either way, and the second call's fixed
+    cost decides: 512 new tokens over 100 cached took 1.32x the masked call's time split, 64 over 64 1.3x."""
+    return device.type == "cpu" and _FLASH_CPU is not None and new >= _SPLIT_MIN_NEW
+
+
+# Chosen on 49 (new, cached) shapes at the AVX2 and AVX-512 tiers, one layer of SmolLM2's attention, 2 threads
+# (benchmarks/sdpa_prefill_ab.py --grid): below 768 new tokens the split ranged 0.83-1.32x the masked call's time,
+# from 768 on 0.56-0.81x; confirmed on shapes it was not chosen on (docs/cpu-prefill.md).
+_SPLIT_MIN_NEW = 768
+
+
+def _past_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, past: int) -> torch.Tensor:
+    """fp32 attention of a chunk whose queries all see the first `past` keys and then the chunk's own keys causally:
+    two calls of torch's CPU flash kernel, one unmasked over the past and one plain causal over the chunk, merged by
+    their log-sum-exps. Why: with a boolean mask SDPA materializes it as floats, adds it to every score, and computes
+    the key blocks it masks out; split, the chunks _split_past sends here took 0.52-0.86x the masked call's time (a
+    2,048-token chunk over 2,048 cached keys 0.64x; AVX2 and AVX-512, 2 threads; the same values to ~1e-7). fp32
+    only: 16-bit halves would each be rounded before the merge."""
+    head, head_lse = _FLASH_CPU(q, k[:, :, :past], v[:, :, :past], 0.0, False, scale=scale)
+    tail, tail_lse = _FLASH_CPU(q, k[:, :, past:], v[:, :, past:], 0.0, True, scale=scale)
+    lse = torch.logaddexp(head_lse, tail_lse)
+    return head * torch.exp(head_lse - lse).unsqueeze(-1) + tail * torch.exp(tail_lse - lse).unsqueeze(-1)
+
+
+# torch's CPU flash attention with its log-sum-exp (what F.scaled_dot_product_attention calls on CPU); GQA is native.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 Gather = Callable[[LayerKVCache, torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
@@ -72,7 +106,12 @@ def prefill_attention(
     k, v = gather(cache, chunk.tiles, query.dtype)
     k, v = k[:, : chunk.keys].unsqueeze(0), v[:, : chunk.keys].unsqueeze(0)  # [1, Hkv, keys, D]
     q = query[chunk.start : chunk.start + chunk.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-    if chunk.mask is None:
+    if chunk.seen_by_all and q.dtype == torch.float32:
+        o = _past_then_causal(q, k, v, scale, chunk.seen_by_all)
+    elif chunk.seen_by_all:  # 16-bit queries: one rounding of the whole sum, as SDPA gives it
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=_visible(chunk.seen_by_all, chunk.keys, 0, None, q.device),
+                                           scale=scale, enable_gqa=True)
+    elif chunk.mask is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
