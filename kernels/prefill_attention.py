@@ -72,8 +72,9 @@ def _split_past(device: torch.device, new: int) -> bool:
 
 
 # Chosen on 49 (new, cached) shapes at the AVX2 and AVX-512 tiers, one layer of SmolLM2's attention, 2 threads
-# (benchmarks/sdpa_prefill_ab.py --grid): below 768 new tokens the split ranged 0.83-1.32x the masked call's time,
-# from 768 on 0.56-0.81x; confirmed on shapes it was not chosen on (docs/cpu-prefill.md).
+# (benchmarks/sdpa_prefill_ab.py --grid): below 768 new tokens the split ranged 0.84-1.32x the masked call's time,
+# from 768 on 0.55-0.81x; confirmed on 9 shapes it was not chosen on, 0.52-0.82x (docs/benchmarks.md, "Prefill
+# chunks over a cached past").
 _SPLIT_MIN_NEW = 768
 
 
