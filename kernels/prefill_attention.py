@@ -54,7 +54,7 @@ def prefill_chunks(
             first_block = first_visible_key(past, window) // block_size
             first_key = first_block * block_size
             mask, seen_by_all = None, 0
-            if past and (window is None or window >= ctx) and _split_past(device, q_len):
+            if past and (window is None or window >= ctx) and _split_past(device, q_len, ctx):
                 seen_by_all = past  # first_key is 0: no window bites
             elif past or (window is not None and window < ctx):
                 mask = _visible(past, ctx, first_key, window, device)
@@ -63,28 +63,32 @@ def prefill_chunks(
     return tuple(chunks)
 
 
-def _split_past(device: torch.device, new: int) -> bool:
-    """Whether a chunk of `new` tokens over a cached past takes _past_then_causal: on CPU, where torch's flash kernel
-    returns the log-sum-exp the two halves are merged by (its CUDA kernels keep the mask), and for chunks long enough
-    that the causal half skips key blocks. Shorter chunks do the same products either way, and the second call's fixed
-    cost decides: 512 new tokens over 100 cached took 1.32x the masked call's time split, 64 over 64 1.3x."""
-    return device.type == "cpu" and _FLASH_CPU is not None and new >= _SPLIT_MIN_NEW
+def _split_past(device: torch.device, new: int, keys: int) -> bool:
+    """Whether a chunk of `new` tokens over a cached past (`keys` in all) takes _past_then_causal: on CPU, where torch's
+    flash kernel returns the log-sum-exp the two halves are merged by (its CUDA kernels keep the mask), for chunks
+    long enough that the causal half skips key blocks, or whose mask is large. Below both, the two ways do the same
+    products and the second call's fixed cost decides: 512 new tokens over 100 cached took 1.32x the masked call's
+    time split, 64 over 64 1.3x."""
+    if device.type != "cpu" or _FLASH_CPU is None:
+        return False
+    return new >= _SPLIT_MIN_NEW or new * keys >= _SPLIT_MIN_MASK
 
 
-# Chosen on 49 (new, cached) shapes at the AVX2 and AVX-512 tiers, one layer of SmolLM2's attention, 2 threads
-# (benchmarks/sdpa_prefill_ab.py --grid): below 768 new tokens the split ranged 0.84-1.32x the masked call's time,
-# from 768 on 0.55-0.81x; confirmed on 9 shapes it was not chosen on, 0.52-0.82x (docs/benchmarks.md, "Prefill
-# chunks over a cached past").
+# Chosen on 58 (new, cached) shapes at the AVX2 and AVX-512 tiers, one layer of SmolLM2's attention, 2 threads
+# (benchmarks/sdpa_prefill_ab.py --grid): from 768 new tokens the split took 0.52-0.82x the masked call's time, with
+# masks of 2^20 entries or more 0.85-0.97x, and below both 0.79-1.42x; confirmed on 10 shapes it was not chosen on
+# (docs/benchmarks.md, "Prefill chunks over a cached past").
 _SPLIT_MIN_NEW = 768
+_SPLIT_MIN_MASK = 1 << 20
 
 
 def _past_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, past: int) -> torch.Tensor:
     """fp32 attention of a chunk whose queries all see the first `past` keys and then the chunk's own keys causally:
     two calls of torch's CPU flash kernel, one unmasked over the past and one plain causal over the chunk, merged by
     their log-sum-exps. Why: with a boolean mask SDPA materializes it as floats, adds it to every score, and computes
-    the key blocks it masks out; split, the chunks _split_past sends here took 0.52-0.86x the masked call's time (a
-    2,048-token chunk over 2,048 cached keys 0.64x; AVX2 and AVX-512, 2 threads; the same values to ~1e-7). fp32
-    only: 16-bit halves would each be rounded before the merge."""
+    the key blocks it masks out; split, the chunks _split_past sends here took 0.52-0.97x the masked call's time (a
+    2,048-token chunk over 2,048 cached keys 0.61-0.67x; AVX2 and AVX-512, 2 threads; the same values to ~1e-7).
+    fp32 only: 16-bit halves would each be rounded before the merge."""
     head, head_lse = _FLASH_CPU(q, k[:, :, :past], v[:, :, :past], 0.0, False, scale=scale)
     tail, tail_lse = _FLASH_CPU(q, k[:, :, past:], v[:, :, past:], 0.0, True, scale=scale)
     lse = torch.logaddexp(head_lse, tail_lse)

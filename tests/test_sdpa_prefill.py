@@ -25,7 +25,7 @@ SEQ_LENS, QUERY_LENS = (300, 77, 129, 96, 40), (300, 50, 2, 32, 37)
 @pytest.mark.parametrize("queries_per_kv", [1, 3])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_chunks_over_a_cached_past_agree_with_float64_math(queries_per_kv: int, head_dim: int, monkeypatch) -> None:
-    monkeypatch.setattr(prefill_attention, "_SPLIT_MIN_NEW", 0)  # these small chunks split too
+    monkeypatch.setattr(prefill_attention, "_SPLIT_MIN_MASK", 0)  # these small chunks split too
     query, layer, meta = make_case(SEQ_LENS, QUERY_LENS, 16, queries_per_kv, KVDtype.FP32, head_dim=head_dim, seed=3)
     torch_impl = select_attention_impl("torch", CPU)
     chunks = torch_impl.plan(meta, layer).prefill
@@ -48,20 +48,22 @@ def test_the_split_equals_the_masked_call() -> None:
     assert split.shape == masked.shape and (split - masked).abs().max().item() <= 1e-6
 
 
-def test_short_chunks_keep_the_mask() -> None:
-    """Below _SPLIT_MIN_NEW new tokens the causal half skips no key block, and a second flash call costs more than
-    the mask saves; from it on a chunk splits, and agrees with float64 math."""
-    query, layer, meta = make_case((1100, 900), (800, 200), 16, 3, KVDtype.FP32, seed=2)
+def test_short_chunks_over_a_short_past_keep_the_mask() -> None:
+    """Below _SPLIT_MIN_NEW new tokens and _SPLIT_MIN_MASK queries x keys the two ways do the same products and a
+    second flash call costs more than the mask saves; past either a chunk splits, and agrees with float64 math."""
+    query, layer, meta = make_case((1100, 900, 4500), (800, 200, 300), 16, 3, KVDtype.FP32, seed=2)
     impl = select_attention_impl("torch", CPU)
-    assert 800 >= prefill_attention._SPLIT_MIN_NEW > 200
-    assert [(c.seen_by_all, c.mask is None) for c in impl.plan(meta, layer).prefill] == [(300, True), (0, False)]
+    assert 800 >= prefill_attention._SPLIT_MIN_NEW > 300
+    assert 300 * 4500 >= prefill_attention._SPLIT_MIN_MASK > 200 * 900
+    assert [(c.seen_by_all, c.mask is None) for c in impl.plan(meta, layer).prefill] == [
+        (300, True), (0, False), (4200, True)]
     result = paged_attention(impl, query, layer, meta, SCALE)
     assert (result.double() - float64_reference(query, layer, meta)).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("window, split", [(1000, True), (40, False)])
 def test_a_window_keeps_the_mask_unless_every_key_is_in_it(window: int, split: bool, monkeypatch) -> None:
-    monkeypatch.setattr(prefill_attention, "_SPLIT_MIN_NEW", 0)
+    monkeypatch.setattr(prefill_attention, "_SPLIT_MIN_MASK", 0)
     query, layer, meta = make_case(SEQ_LENS, QUERY_LENS, 16, 3, KVDtype.FP32, seed=6)
     torch_impl = select_attention_impl("torch", CPU)
     chunk = torch_impl.plan(meta, layer, window).prefill[1]  # 50 new tokens over 27 cached
@@ -75,7 +77,7 @@ def test_16_bit_queries_over_a_past_take_one_masked_call(monkeypatch) -> None:
     """bf16 halves would each be rounded before the merge: 16-bit queries keep one SDPA call (the split is never
     reached), and agree with float64 math within one output rounding."""
     monkeypatch.setattr(prefill_attention, "_past_then_causal", None)
-    monkeypatch.setattr(prefill_attention, "_SPLIT_MIN_NEW", 0)
+    monkeypatch.setattr(prefill_attention, "_SPLIT_MIN_MASK", 0)
     query, layer, meta = make_case(SEQ_LENS, QUERY_LENS, 16, 3, KVDtype.BF16, seed=7)
     exact = float64_reference(query, layer, meta)
     result = paged_attention(select_attention_impl("torch", CPU), query, layer, meta, SCALE)
