@@ -23,8 +23,8 @@ class PrefillChunk:
     q_len: int
     keys: int  # keys gathered: from the first block holding a visible key to the end of the context
     tiles: torch.Tensor  # [Hkv * nb] int64: storage tiles of those blocks
-    mask: torch.Tensor | None  # [q_len, keys] bool (True: visible), None when plain causal over the whole prompt
-    seen_by_all: int = 0  # with mask None: the leading keys every query sees (the cached past; see _past_then_causal)
+    mask: torch.Tensor | None  # [q_len, keys] bool (True: visible); None: plain causal over the prompt, or split
+    seen_by_all: int = 0  # > 0: the leading keys every query sees (the cached past), split there (_past_then_causal)
 
 
 def _visible(past: int, ctx: int, first_key: int, window: int | None, device: torch.device) -> torch.Tensor:
