@@ -23,8 +23,9 @@ class PrefillChunk:
     q_len: int
     keys: int  # keys gathered: from the first block holding a visible key to the end of the context
     tiles: torch.Tensor  # [Hkv * nb] int64: storage tiles of those blocks
-    mask: torch.Tensor | None  # [q_len, keys] bool (True: visible); None: plain causal over the prompt, or split
-    seen_by_all: int = 0  # > 0: the leading keys every query sees (the cached past), split there (_past_then_causal)
+    mask: torch.Tensor | None  # [q_len, keys] bool (True: visible), None when plain causal over the whole prompt
+    seen_by_all: int = 0  # > 0: every query sees the first this many keys (the cached past): fp32 queries split there
+    # (_past_then_causal) instead of applying the mask, which 16-bit queries keep
 
 
 def _visible(past: int, ctx: int, first_key: int, window: int | None, device: torch.device) -> torch.Tensor:
@@ -53,11 +54,11 @@ def prefill_chunks(
             # Blocks wholly before the first query's window hold no visible key (and may be freed): not read.
             first_block = first_visible_key(past, window) // block_size
             first_key = first_block * block_size
-            mask, seen_by_all = None, 0
-            if past and (window is None or window >= ctx) and _split_past(device, q_len, ctx):
-                seen_by_all = past  # first_key is 0: no window bites
-            elif past or (window is not None and window < ctx):
+            mask = None
+            if past or (window is not None and window < ctx):
                 mask = _visible(past, ctx, first_key, window, device)
+            # first_key is 0 when no window bites
+            seen_by_all = past if (window is None or window >= ctx) and _split_past(device, q_len, ctx) else 0
             tiles = head_tiles(meta.block_tables[i, first_block : -(-ctx // block_size)].long(), num_kv_heads, num_blocks)
             chunks.append(PrefillChunk(starts[i], q_len, ctx - first_key, tiles, mask, seen_by_all))
     return tuple(chunks)
@@ -113,9 +114,6 @@ def prefill_attention(
     q = query[chunk.start : chunk.start + chunk.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
     if chunk.seen_by_all and q.dtype == torch.float32:
         o = _past_then_causal(q, k, v, scale, chunk.seen_by_all)
-    elif chunk.seen_by_all:  # 16-bit queries: one rounding of the whole sum, as SDPA gives it
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=_visible(chunk.seen_by_all, chunk.keys, 0, None, q.device),
-                                           scale=scale, enable_gqa=True)
     elif chunk.mask is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:

@@ -29,8 +29,8 @@ def test_chunks_over_a_cached_past_agree_with_float64_math(queries_per_kv: int, 
     query, layer, meta = make_case(SEQ_LENS, QUERY_LENS, 16, queries_per_kv, KVDtype.FP32, head_dim=head_dim, seed=3)
     torch_impl = select_attention_impl("torch", CPU)
     chunks = torch_impl.plan(meta, layer).prefill
-    assert [(c.mask is None, c.seen_by_all) for c in chunks] == [(True, 0), (True, 27), (True, 127), (True, 64),
-                                                                 (True, 3)]
+    assert [(c.mask is None, c.seen_by_all) for c in chunks] == [(True, 0), (False, 27), (False, 127), (False, 64),
+                                                                 (False, 3)]
     exact = float64_reference(query, layer, meta)
     result = paged_attention(torch_impl, query, layer, meta, SCALE)
     assert (result.double() - exact).abs().max().item() <= 1e-5
@@ -56,7 +56,7 @@ def test_short_chunks_over_a_short_past_keep_the_mask() -> None:
     assert 800 >= prefill_attention._SPLIT_MIN_NEW > 300
     assert 300 * 4500 >= prefill_attention._SPLIT_MIN_MASK > 200 * 900
     assert [(c.seen_by_all, c.mask is None) for c in impl.plan(meta, layer).prefill] == [
-        (300, True), (0, False), (4200, True)]
+        (300, False), (0, False), (4200, False)]
     result = paged_attention(impl, query, layer, meta, SCALE)
     assert (result.double() - float64_reference(query, layer, meta)).abs().max().item() <= 1e-5
 
@@ -67,7 +67,7 @@ def test_a_window_keeps_the_mask_unless_every_key_is_in_it(window: int, split: b
     query, layer, meta = make_case(SEQ_LENS, QUERY_LENS, 16, 3, KVDtype.FP32, seed=6)
     torch_impl = select_attention_impl("torch", CPU)
     chunk = torch_impl.plan(meta, layer, window).prefill[1]  # 50 new tokens over 27 cached
-    assert (chunk.seen_by_all, chunk.mask is None) == ((27, True) if split else (0, False))
+    assert (chunk.seen_by_all, chunk.mask is None) == (27 if split else 0, False)
     exact = float64_reference(query, layer, meta, window)
     result = paged_attention(torch_impl, query, layer, meta, SCALE, window=window)
     assert (result.double() - exact).abs().max().item() <= 1e-5
