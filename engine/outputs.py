@@ -73,6 +73,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # set (with finished) when the request failed on its own, see FinishReason.ERROR
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then each one's logprob (vLLM's layout); set
+    # on every output from the one after the prefill scored the whole prompt
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

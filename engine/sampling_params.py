@@ -58,6 +58,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-n alternatives per generated token (the chosen token is always included)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (vLLM's prompt_logprobs)
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
     constraint: OutputConstraint | None = None  # structured output (engine/constraint.py); compiled at admission
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (vLLM's allowed_token_ids)
@@ -122,10 +123,12 @@ class SamplingParams:
             _integer("seed", self.seed, 0)
             if self.seed >= 2**63:
                 raise InvalidRequestError("seed", "must be < 2**63")
-        if self.logprobs is not None:
-            _integer("logprobs", self.logprobs, 0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise InvalidRequestError("logprobs", f"must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _integer(name, value, 0)
+                if value > MAX_LOGPROBS:
+                    raise InvalidRequestError(name, f"must be <= {MAX_LOGPROBS}, got {value}")
         if self.logit_bias is not None:
             for token, bias in self.logit_bias.items():
                 _integer("logit_bias", token, 0)

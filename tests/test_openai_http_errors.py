@@ -79,7 +79,11 @@ BAD_INPUTS = [  # (id, path, body, status, param)
     ("tool-choice-auto-without-the-flag", CHAT, {"messages": USER, "tools": [
         {"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, 400, "tool_choice"),
     ("priority-without-a-priority-scheduler", CHAT, {"messages": USER, "priority": 5}, 400, "priority"),
-    ("prompt-logprobs", COMPLETIONS, {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("prompt-logprobs-negative", COMPLETIONS, {"prompt": "x", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    ("prompt-logprobs-too-many", CHAT, {"messages": USER, "prompt_logprobs": 50}, 400, "prompt_logprobs"),
+    ("prompt-logprobs-string", COMPLETIONS, {"prompt": "x", "prompt_logprobs": "2"}, 400, "prompt_logprobs"),
+    ("prompt-logprobs-streamed", COMPLETIONS, {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400,
+     "prompt_logprobs"),
     ("best-of-above-n", COMPLETIONS, {"prompt": "x", "best_of": 3}, 400, "best_of"),
     ("truncate-prompt-tokens-zero", COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": 0}, 400,
      "truncate_prompt_tokens"),

@@ -149,7 +149,8 @@ def test_openai_structured_outputs_at_smg_constrain_the_replicas(smg, replicas):
 @pytest.mark.parametrize("sampling, field", [
     ({"regex": "("}, "sampling_params.regex"),
     ({"json_schema": "[1]"}, "sampling_params.json_schema"),
-    ({"prompt_logprobs": 1}, "sampling_params.prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "sampling_params.prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "sampling_params.prompt_logprobs"),
     ({"logprobs": -1}, "sampling_params.logprobs"),
     ({"top_p": 3.0}, "sampling_params.top_p"),
     ({"stop_token_ids": [10**6]}, "sampling_params.stop_token_ids"),
@@ -200,6 +201,22 @@ def test_stream_and_unary_replies_carry_tokens_and_logprobs(engine_stub, llm_fp3
     unary = _generate(engine_stub, ids, max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
     assert len(unary) == 1 and list(unary[0].complete.output_ids) == expected
     assert list(unary[0].complete.output_logprobs.token_ids) == expected
+
+
+def test_prompt_logprobs_come_as_input_logprobs_once(engine_stub, llm_fp32):  # noqa: F811
+    ids = llm_fp32.tokenizer.encode("The capital of France is Paris, and of Italy")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    expected = off_main_thread(llm_fp32.generate, [ids], params)[0].prompt_logprobs
+    streamed = _generate(engine_stub, ids, stream=True, max_tokens=4, temperature=0, ignore_eos=True,
+                         prompt_logprobs=2)
+    unary = _generate(engine_stub, ids, max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    with_input = [r.chunk.input_logprobs for r in streamed[:-1] if r.chunk.HasField("input_logprobs")]
+    assert len(with_input) == 1 and streamed[0].chunk.HasField("input_logprobs")  # the first chunk only
+    for scored in (with_input[0], unary[0].complete.input_logprobs):
+        assert list(scored.token_ids) == ids and not scored.token_logprobs[0].HasField("value")
+        for lp, top, want in zip(scored.token_logprobs[1:], scored.top_logprobs[1:], expected[1:]):
+            assert abs(lp.value - want.logprob) < 2e-3 and len(top.token_ids) == 2
+            assert list(top.token_ids) == [t for t, _ in want.top] or abs(top.values[0] - top.values[1]) < 2e-3
 
 
 def test_info_loads_and_unimplemented(engine_stub, replicas):  # noqa: F811

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.engine.core.scheduler import Scheduler
-from pagedserve.engine.core.sequence import Sequence
+from pagedserve.engine.core.sequence import Sequence, TokenLogprob
 from pagedserve.engine.outputs import CompletionOutput, EngineStats, OutputHistory, RequestMetrics, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.spec_decode.verifier import SpecCounters
@@ -19,6 +19,8 @@ class RequestState:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
+    # (None, then prompt token 1's logprob, ...): built once, when the prefill has scored the whole prompt
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -36,7 +38,18 @@ def request_output(state: RequestState) -> RequestOutput:
         num_preemptions=sum(s.metrics.num_preemptions for s in state.seqs),
         num_cached_tokens=first.num_cached_tokens,
     )
-    return RequestOutput(state.request_id, state.prompt_token_ids, completions, state.finished, metrics)
+    return RequestOutput(state.request_id, state.prompt_token_ids, completions, state.finished, metrics,
+                         prompt_logprobs=_prompt_logprobs(state))
+
+
+def _prompt_logprobs(state: RequestState) -> tuple[TokenLogprob | None, ...] | None:
+    """The request's prompt logprobs once all are computed (by its first sample: n > 1 samples fork after it)"""
+    if state.prompt_logprobs is None and state.params.prompt_logprobs is not None:
+        first = next((s for s in state.seqs if s.index == 0), None)
+        scored = first.prompt_logprobs if first is not None else ()
+        if len(scored) == len(state.prompt_token_ids) - 1:
+            state.prompt_logprobs = (None, *scored)
+    return state.prompt_logprobs
 
 
 def _completion(seq: Sequence) -> CompletionOutput:

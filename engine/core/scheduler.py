@@ -111,7 +111,7 @@ class Scheduler:
                 index += 1
                 continue
             fresh = not seq.block_table
-            hit = self.block_manager.lookup_prefix(seq) if fresh else None
+            hit = self.block_manager.lookup_prefix(seq) if fresh and not seq.needs_prompt_logprobs else None
             hit_tokens = len(hit.block_ids) * self.block_manager.block_size if hit else 0
             uncomputed = seq.num_tokens - seq.num_computed_tokens - hit_tokens
             num_new = min(uncomputed, budget)
@@ -207,6 +207,9 @@ class Scheduler:
         if not committed:
             self.commit(batch)
         update = StepUpdate()
+        for scored in output.prompt_logprobs:
+            if not scored.seq.is_finished:
+                scored.apply()
         for sample in output.samples:
             seq = sample.seq
             if seq.is_finished:

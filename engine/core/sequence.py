@@ -44,6 +44,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens scored higher (prompt logprobs report it, as vLLM's do)
 
 
 class OutputText:
@@ -104,6 +105,8 @@ class Sequence:
     emitted_text_len: int = 0
     emitted_token_len: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: entry i scores prompt token i + 1 (the first token has none)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
 
@@ -118,6 +121,12 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed: its prefill must run on every prompt position (no
+        prefix-cache hit), as vLLM does for such requests."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def adapter_name(self) -> str | None:

@@ -3,9 +3,13 @@ runner). The scheduler's `update` applies it; nothing else reads it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from pagedserve.engine.core.sequence import Sequence, TokenLogprob
+
+if TYPE_CHECKING:
+    from pagedserve.engine.runner.prompt_logprobs import ScoredPrompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +31,10 @@ class StepOutput:
     """Verified sequences first, then the plainly sampled ones (the order draws come from unseeded generators)."""
 
     samples: tuple[SeqSample, ...]
+    prompt_logprobs: tuple[ScoredPrompt, ...] = ()  # prompt tokens scored this step (any chunk, sampling or not)
+
+    def with_prompt_logprobs(self, scored: tuple[ScoredPrompt, ...]) -> StepOutput:
+        return replace(self, prompt_logprobs=scored) if scored else self
 
     @staticmethod
     def empty() -> StepOutput:

@@ -22,6 +22,7 @@ from pagedserve.engine.runner.graph_inputs import capture_sizes
 from pagedserve.engine.runner.launched_step import DevicePicks, LaunchedStep, PendingFill
 from pagedserve.engine.runner.native_capacity import NO_NATIVE_STEP, NativeCapacity
 from pagedserve.engine.runner.native_step import build_native_step
+from pagedserve.engine.runner.prompt_logprobs import ScoredPrompt, score_prompt_rows
 from pagedserve.engine.runner.sampler import Pending, Sampler
 from pagedserve.engine.runner.step_input import StepInput, prepare_step
 from pagedserve.engine.spec_decode.verifier import Verifier
@@ -71,6 +72,9 @@ class ModelRunner:
             self.lora_layout = model_layout(self.model)
             wrap_model(self.model, self.lora_layout, self.step_adapters)
         self.cuda_graphs = self._decode_graphs(config, device)
+        # The prompt tokens the latest step scored (prompt logprobs), beside forward's (logits, sequences): that
+        # pair is the seam tests and tools wrap, so the scores do not change its shape.
+        self.scored_prompts: tuple[ScoredPrompt, ...] = ()
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%s, %.1f MiB, attention=%s, layer ops=%s)",
             num_blocks, config.block_size, num_blocks * config.block_size, kv_dtype.value,
@@ -109,7 +113,8 @@ class ModelRunner:
     def execute(self, batch: SchedulerOutput) -> StepOutput:
         """Runs one step: the sampling sequences' tokens (verified drafts first, then the plainly sampled rows)."""
         self.copy_blocks(batch.block_copies)
-        return self._sample(batch, *self.forward(batch))
+        self.scored_prompts = ()
+        return self._sample(batch, *self.forward(batch)).with_prompt_logprobs(self.scored_prompts)
 
     @torch.inference_mode()
     def launch(self, batch: SchedulerOutput, inflight: LaunchedStep | None = None) -> LaunchedStep:
@@ -119,7 +124,7 @@ class ModelRunner:
         `inflight`: the step whose tokens are this one's pending inputs (`ScheduledSeq.input_pending`)."""
         self.copy_blocks(batch.block_copies)
         step = self.prepare(batch)
-        device_picks = not any(item.draft_tokens for item in batch.scheduled) and \
+        device_picks = not any(item.draft_tokens for item in batch.scheduled) and not step.prompt_rows and \
             all(self.sampler.picks_on_device(seq) for seq in step.sampling_seqs)
         fill, pending = None, None
         if step.pending and device_picks and not self._runs_natively(batch):
@@ -129,9 +134,11 @@ class ModelRunner:
             tokens = dict(zip(inflight.picks.seqs, inflight.picks.read().tokens))
             pending = {seq: torch.tensor([tokens[seq]], device=self.device) for _, seq in step.pending}
             step = step.resolved(tokens)
+        self.scored_prompts = ()
         logits, seqs = self._forward(batch, step, fill)
         if not device_picks or not seqs:
-            return LaunchedStep(batch, output=self._sample(batch, logits, seqs, pending))
+            output = self._sample(batch, logits, seqs, pending).with_prompt_logprobs(self.scored_prompts)
+            return LaunchedStep(batch, output=output)
         return LaunchedStep(batch, picks=DevicePicks.start(seqs, self.sampler.device_picks(logits, seqs, pending)))
 
     def collect(self, launched: LaunchedStep) -> StepOutput:
@@ -167,13 +174,15 @@ class ModelRunner:
 
     def _forward(self, batch: SchedulerOutput, step: StepInput,
                  fill: PendingFill | None = None) -> tuple[torch.Tensor, tuple[Sequence, ...]]:
-        if self._runs_natively(batch):
+        if not step.prompt_rows and self._runs_natively(batch):
             return self.native_step.run(step), step.sampling_seqs
         if step.adapter_spans or self.step_adapters.groups:
             self.step_adapters.set_spans(step.adapter_spans)
         hidden = self.cuda_graphs.run(step, fill) if self.cuda_graphs is not None else None
         if hidden is None:
             hidden = self._eager_forward(step, fill)
+        if step.prompt_rows:
+            self.scored_prompts = score_prompt_rows(hidden, step.prompt_rows, self.model.compute_logits)
         if not step.sampling_seqs:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), ()
         return self.model.compute_logits(self._logits_hidden(hidden, step.logits_rows)), step.sampling_seqs

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from pagedserve.engine.core.scheduler_output import ScheduledSeq
 from pagedserve.engine.core.sequence import Sequence
 from pagedserve.engine.lora.weights import LoraWeights
+from pagedserve.engine.runner.prompt_logprobs import PromptRows, prompt_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,7 @@ class StepInput:
     # Async scheduling: (index in token_ids, sequence) of each input token the step in flight is still sampling;
     # token_ids holds 0 there until the runner fills it from that step's device tokens.
     pending: tuple[tuple[int, Sequence], ...] = ()
+    prompt_rows: tuple[PromptRows, ...] = ()  # prefill rows whose next prompt token's logprob was asked for
 
     @property
     def row_block_tables(self) -> list[list[int]]:
@@ -52,9 +54,13 @@ def prepare_step(scheduled: tuple[ScheduledSeq, ...], block_size: int) -> StepIn
     sampling: list[Sequence] = []
     spans: list[tuple[LoraWeights, int, int]] = []
     pending: list[tuple[int, Sequence]] = []
+    prompt: list[PromptRows] = []
     for item in scheduled:
         seq, start = item.seq, item.seq.num_computed_tokens
         end = start + item.num_new_tokens
+        scored = prompt_rows(seq, start, end, len(ids)) if not item.draft_tokens else None
+        if scored is not None:
+            prompt.append(scored)
         if seq.adapter is not None:
             spans.append((seq.features[LoraWeights], len(ids), len(ids) + item.num_new_tokens))
         drafts = item.draft_tokens
@@ -79,4 +85,4 @@ def prepare_step(scheduled: tuple[ScheduledSeq, ...], block_size: int) -> StepIn
     width = max(len(item.seq.block_table) for item in scheduled)
     tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in scheduled]
     return StepInput(ids, positions, slots, query_lens, seq_lens, tables, rows, tuple(sampling), spans, rope_lengths,
-                     tuple(pending))
+                     tuple(pending), tuple(prompt))

@@ -122,7 +122,8 @@ def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings
     requested, plan = _constraint(body, chat, tools)
     shapes = [chat_shape(body, plan)] if chat else _completion_prompts(body)
     logprobs = _chat_logprobs(body) if chat else body.get("logprobs")  # its own errors already name OpenAI's fields
-    _check_logprobs(logprobs, chat, policy)
+    _check_logprobs(logprobs, "top_logprobs" if chat else "logprobs", policy)
+    _check_logprobs(body.get("prompt_logprobs"), "prompt_logprobs", policy)
     # No max_tokens: the room left in the context (chat) or 16 within it (completions); a set one must fit.
     default = "max_completion_tokens" not in body and "max_tokens" not in body
     body = _with_defaults(body, policy, default)
@@ -184,11 +185,12 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     if "best_of" in body and body["best_of"] != body.get("n", 1):
         raise InvalidRequestError("best_of", "must equal n: ranking extra samples is not supported (vLLM's V1 "
                                   "engine dropped best_of too); ask for n samples and rank them yourself")
-    if _bool(body, "echo", False) and not chat and "logprobs" in body:
-        raise InvalidRequestError("echo", "echo with logprobs needs prompt logprobs, which are not supported")
-    if body.get("prompt_logprobs") is not None:
-        raise InvalidRequestError("prompt_logprobs", "is not supported: the engine computes logits for the last "
-                                  "prompt position only")
+    if _bool(body, "stream", False):  # the prompt's logprobs come whole, with the response (vLLM refuses too)
+        if body.get("prompt_logprobs") is not None:
+            raise InvalidRequestError("prompt_logprobs", "is not available with stream: true")
+        if _bool(body, "echo", False) and not chat and "logprobs" in body:
+            raise InvalidRequestError("echo", "echo with logprobs is not available with stream: true (the prompt's "
+                                      "logprobs come with the whole response)")
     if body.get("priority", 0) != 0:
         raise InvalidRequestError("priority", f"got {body['priority']!r}, but this server schedules first come, "
                                   "first served (vLLM without --scheduling-policy priority refuses it the same way)")
@@ -211,9 +213,8 @@ def _with_defaults(body: dict[str, Any], policy: RequestPolicy, no_max_tokens: b
     return {**defaults, **body}
 
 
-def _check_logprobs(logprobs: Any, chat: bool, policy: RequestPolicy) -> None:
+def _check_logprobs(logprobs: Any, name: str, policy: RequestPolicy) -> None:
     if isinstance(logprobs, int) and not isinstance(logprobs, bool) and logprobs > policy.max_logprobs:
-        name = "top_logprobs" if chat else "logprobs"
         raise InvalidRequestError(name, f"must be <= {policy.max_logprobs} (the server's --max-logprobs), "
                                   f"got {logprobs}")
 
@@ -251,6 +252,9 @@ def _sampling_params(body: dict[str, Any], chat: bool, logprobs: int | None,
         kwargs["max_tokens"] = None  # until the context is full
     if "logit_bias" in body:
         kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
+    # completions' echo with logprobs scores the prompt too, with as many alternatives (vLLM's rule)
+    echo_scored = not chat and logprobs is not None and _bool(body, "echo", False)
+    kwargs["prompt_logprobs"] = body.get("prompt_logprobs", logprobs if echo_scored else None)
     return SamplingParams(**kwargs, logprobs=logprobs)
 
 

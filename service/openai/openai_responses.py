@@ -12,6 +12,7 @@ from pagedserve.engine.admission import AdmittedRequest
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.core.sequence import TokenLogprob
 from pagedserve.service.openai.openai_params import OpenAIRequest
+from pagedserve.service.openai.openai_prompt_logprobs import EchoLogprobs, vllm_prompt_logprobs
 from pagedserve.service.openai.tool_parsers.stream import ToolCallStream
 
 # The engine's finish reasons -> OpenAI's. A constraint's dead end passes as the engine's own value (the text is only
@@ -60,6 +61,9 @@ class ResponseBuilder:
                         for _ in range(self.n * len(request.prompts))]
         self.prompt_tokens = sum(len(a.prompt_token_ids) for a in admitted)
         self.cached_tokens = 0
+        # per prompt, once the engine scored it (SamplingParams.prompt_logprobs): (its token ids, its logprobs)
+        self.prompt_scores: list[tuple[tuple[int, ...], tuple[TokenLogprob | None, ...]] | None] = \
+            [None] * len(request.prompts)
 
     @property
     def all_finished(self) -> bool:
@@ -69,6 +73,8 @@ class ResponseBuilder:
     def add(self, prompt: int, output: RequestOutput) -> None:
         """prompt: which prompt of the request this engine output answers (choice index = prompt * n + i)."""
         self.cached_tokens = output.metrics.num_cached_tokens
+        if output.prompt_logprobs is not None:
+            self.prompt_scores[prompt] = (output.prompt_token_ids, output.prompt_logprobs)
         for completion in output.outputs:
             choice = self.choices[prompt * self.n + completion.index]
             if choice.finish_reason is None:
@@ -76,14 +82,29 @@ class ResponseBuilder:
 
     def response(self) -> dict[str, Any]:
         choices = [self._whole_choice(i, c) for i, c in enumerate(self.choices)]
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
+        if self.request.chat and self.request.params.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(0)
+        return body
+
+    def _prompt_logprobs(self, prompt: int) -> list[dict[str, Any] | None] | None:
+        scored = self.prompt_scores[prompt]
+        return None if scored is None else vllm_prompt_logprobs(scored[1], self.decode)
 
     def _whole_choice(self, index: int, choice: _Choice) -> dict[str, Any]:
-        text = choice.text
+        text, prompt = choice.text, index // self.n
+        echo = self.prompt_scores[prompt] if self.request.echo and not self.request.chat else None
+        if echo is not None:
+            echoed = EchoLogprobs.of(*echo, self.decode)
+            choice.text_offset = echoed.end
         logprobs = self._logprobs(choice, choice.logprobs) if self.request.params.logprobs is not None else None
+        if logprobs is not None and echo is not None:
+            logprobs = echoed.ahead_of(logprobs)
         out: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": choice.finish_reason,
                                "stop_reason": choice.stop_reason}
+        if not self.request.chat and self.request.params.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self._prompt_logprobs(prompt)
         if self.request.chat:
             out["message"] = {"role": "assistant", "content": self._echo(index // self.n) + text}
             if choice.tool is not None:

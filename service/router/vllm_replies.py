@@ -14,10 +14,12 @@ from pagedserve.service.router.kv_events import EventBatch
 
 
 def chunk(out: RequestOutput, completion: CompletionOutput) -> vpb.GenerateStreamChunk:
+    first = completion.num_tokens == len(completion.new_token_ids)  # the sample's first tokens: its first chunk
     return vpb.GenerateStreamChunk(
         token_ids=completion.new_token_ids, prompt_tokens=len(out.prompt_token_ids),
         completion_tokens=completion.num_tokens, cached_tokens=out.metrics.num_cached_tokens,
-        output_logprobs=_logprobs(completion.new_logprobs), index=completion.index)
+        output_logprobs=_logprobs(completion.new_logprobs), index=completion.index,
+        input_logprobs=_input_logprobs(out) if first else None)
 
 
 def complete(out: RequestOutput, completion: CompletionOutput, with_tokens: bool) -> vpb.GenerateComplete:
@@ -27,7 +29,8 @@ def complete(out: RequestOutput, completion: CompletionOutput, with_tokens: bool
         output_ids=completion.token_ids if with_tokens else (), finish_reason=completion.finish_reason,
         prompt_tokens=len(out.prompt_token_ids), completion_tokens=completion.num_tokens,
         cached_tokens=out.metrics.num_cached_tokens,
-        output_logprobs=_logprobs(completion.logprobs if with_tokens else ()), index=completion.index)
+        output_logprobs=_logprobs(completion.logprobs if with_tokens else ()), index=completion.index,
+        input_logprobs=_input_logprobs(out) if with_tokens else None)
     stop = completion.stop_reason
     if isinstance(stop, str):
         reply.matched_stop_str = stop
@@ -43,6 +46,20 @@ def _logprobs(entries: tuple[TokenLogprob, ...]) -> vpb.OutputLogProbs | None:
         token_logprobs=[e.logprob for e in entries], token_ids=[e.token_id for e in entries],
         top_logprobs=[vpb.TopLogProbs(values=[lp for _, lp in e.top], token_ids=[t for t, _ in e.top])
                       for e in entries])
+
+
+def _input_logprobs(out: RequestOutput) -> vpb.InputLogProbs | None:
+    """The prompt's logprobs (SamplingParams.prompt_logprobs): the first token's without a value."""
+    if out.prompt_logprobs is None:
+        return None
+    scored = out.prompt_logprobs
+    return vpb.InputLogProbs(
+        token_logprobs=[vpb.InputTokenLogProb() if e is None else vpb.InputTokenLogProb(value=e.logprob)
+                        for e in scored],
+        token_ids=out.prompt_token_ids,
+        top_logprobs=[vpb.TopLogProbs() if e is None else
+                      vpb.TopLogProbs(values=[lp for _, lp in e.top], token_ids=[t for t, _ in e.top])
+                      for e in scored])
 
 
 def kv_batch(batch: EventBatch) -> common_pb2.KvEventBatch:

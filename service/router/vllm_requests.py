@@ -25,15 +25,12 @@ SP = "sampling_params"
 _PROTO_FIELDS = field_map({
     **{name: f"{SP}.{name}" for name in (
         "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-        "seed", "logit_bias", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs",
+        "seed", "logit_bias", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs", "prompt_logprobs",
         "truncate_prompt_tokens")},
     "prompt": "text", "prompt_token_ids": "tokenized.input_ids"})
 # proto3 scalars without presence: 0 means "not set" (what vLLM's own servicer assumes too).
 _ZERO_IS_UNSET = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "n",
                   "min_tokens")
-# Set on a request, these need machinery the engine does not have: INVALID_ARGUMENT naming them.
-# (grammar_from_first_token is honoured as it is: the engine always starts a constraint at the first token.)
-_UNSUPPORTED_SAMPLING = ("prompt_logprobs",)
 # Where the engine starts a request's constraint (GetServerInfo's constrained_decoding_start): no reasoning parser
 # holds it back, so always at the first generated token.
 CONSTRAINED_DECODING_START = "first_token"
@@ -87,10 +84,6 @@ def _refuse_unsupported(request: vpb.GenerateRequest) -> None:
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
         raise InvalidRequestError("data_parallel_rank",
                                   f"this server has one rank (0), got {request.data_parallel_rank}")
-    s = request.sampling_params
-    for name in _UNSUPPORTED_SAMPLING:
-        if _is_set(s, name):
-            raise InvalidRequestError(f"{SP}.{name}", "not supported by pagedserve")
 
 
 def _is_set(message: Message, name: str) -> bool:
@@ -104,11 +97,12 @@ def _is_set(message: Message, name: str) -> bool:
 
 def _sampling_params(s: vpb.SamplingParams) -> SamplingParams:
     kwargs: dict[str, object] = {name: getattr(s, name) for name in _ZERO_IS_UNSET if getattr(s, name)}
-    for name in ("temperature", "max_tokens", "seed", "logprobs"):
+    for name in ("temperature", "max_tokens", "seed", "logprobs", "prompt_logprobs"):
         if s.HasField(name):
             kwargs[name] = getattr(s, name)
-    if s.HasField("logprobs") and s.logprobs == -1:
-        raise InvalidRequestError(f"{SP}.logprobs", "-1 (all tokens) is not supported; ask for at most 20")
+    for name in ("logprobs", "prompt_logprobs"):
+        if s.HasField(name) and getattr(s, name) == -1:
+            raise InvalidRequestError(f"{SP}.{name}", "-1 (all tokens) is not supported; ask for at most 20")
     kwargs.update(ignore_eos=s.ignore_eos, include_stop_str_in_output=s.include_stop_str_in_output)
     if s.stop:
         kwargs["stop"] = tuple(s.stop)
