@@ -56,6 +56,29 @@ def test_invalid_argument_is_a_typed_error_with_the_field(client):
     assert info.value.field == "sampling.top_p"
 
 
+def test_prompt_logprobs_come_with_started(client, shared_server):  # noqa: F811
+    import requests
+
+    ids = list(client.tokenize(PROMPT).token_ids)
+    stream = client.generate(ids, temperature=0, max_new_tokens=2, prompt_logprobs=2, final_only=True)
+    list(stream)
+    scores = stream.started.prompt_logprobs
+    assert [lp.token_id for lp in scores] == ids[1:]  # the first prompt token has no score
+    assert all(lp.rank >= 1 and len(lp.top) == 2 and lp.logprob <= 0 for lp in scores)
+    # the same engine's scores through the OpenAI surface (float32 on the wire here: within its rounding)
+    reply = requests.post(f"{shared_server.http_url}/v1/completions", timeout=120, json={
+        "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}).json()
+    http = reply["choices"][0]["prompt_logprobs"][1:]
+    for lp, entry in zip(scores, http):
+        assert abs(entry[str(lp.token_id)]["logprob"] - lp.logprob) < 2e-3 and entry[str(lp.token_id)]["rank"] == lp.rank
+    plain = client.generate(ids, temperature=0, max_new_tokens=2)
+    list(plain)
+    assert plain.started.prompt_logprobs == ()
+    with pytest.raises(ClientError) as info:
+        client.complete(PROMPT, prompt_logprobs=21)
+    assert info.value.code is grpc.StatusCode.INVALID_ARGUMENT and info.value.field == "response.prompt_logprobs"
+
+
 def test_unknown_option_is_rejected_locally():
     with pytest.raises(TypeError, match="temprature"):
         GenerateOptions.from_kwargs(temprature=0.5)

@@ -51,7 +51,7 @@ class FrameBuilder:
         self.cached_tokens = output.metrics.num_cached_tokens
         if not self.started:
             self.started = True
-            frames.append(self._started())
+            frames.append(self._started(output.prompt_logprobs))
         for completion in output.outputs:
             state = self.completions[completion.index]
             if state.finished:
@@ -71,11 +71,13 @@ class FrameBuilder:
                 frames.append(self._final(index, reason, None, state, metrics))
         return frames
 
-    def _started(self) -> pb.GenerateResponse:
+    def _started(self, prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None) -> pb.GenerateResponse:
         started = pb.Started(request_id=self.request_id, prompt_tokens=self.prompt_tokens,
                              cached_tokens=self.cached_tokens, truncated=self.truncated)
         if self.params.seed is not None:
             started.seed = self.params.seed
+        if prompt_logprobs is not None:  # the engine's first entry (the first prompt token) has no score
+            started.prompt_logprobs.extend(_token_logprob(lp) for lp in prompt_logprobs[1:])
         return pb.GenerateResponse(index=0, started=started)
 
     def _completion_frames(self, completion: CompletionOutput, state: _Completion,
@@ -125,10 +127,7 @@ class FrameBuilder:
                state: _Completion) -> pb.GenerateResponse:
         delta = pb.Delta(text=text, token_ids=token_ids, usage=self._usage(state))
         if self.params.logprobs is not None:
-            delta.logprobs.extend(
-                pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                                top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-                for lp in logprobs)
+            delta.logprobs.extend(_token_logprob(lp) for lp in logprobs)
         return pb.GenerateResponse(index=index, delta=delta)
 
     def _final(self, index: int, reason: int, stop_reason: str | int | None, state: _Completion,
@@ -145,3 +144,11 @@ def timing(metrics: RequestMetrics) -> pb.Timing:
     d = durations(metrics)
     return pb.Timing(queue_seconds=d.queue_s, time_to_first_token_seconds=d.time_to_first_token_s,
                      decode_seconds=d.decode_s, total_seconds=d.total_s, num_preemptions=d.num_preemptions)
+
+
+def _token_logprob(lp: TokenLogprob) -> pb.TokenLogprob:
+    out = pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                          top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+    if lp.rank is not None:
+        out.rank = lp.rank
+    return out

@@ -35,6 +35,7 @@ PROTO_FIELDS = field_map({
     "stop": "stopping.stop_sequences",
     "stop_token_ids": "stopping.stop_token_ids",
     "logprobs": "response.logprobs",
+    "prompt_logprobs": "response.prompt_logprobs",
     "prompt": "text",
     "prompt_token_ids": "token_ids.ids",
     "messages": "chat.messages",
@@ -95,8 +96,9 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
                                     ("include_stop_sequence", "include_stop_str_in_output")):
         if t.HasField(proto_name):
             kwargs[engine_name] = getattr(t, proto_name)
-    if r.HasField("logprobs"):
-        kwargs["logprobs"] = r.logprobs
+    for name in ("logprobs", "prompt_logprobs"):
+        if r.HasField(name):
+            kwargs[name] = getattr(r, name)
     if t.stop_sequences:
         kwargs["stop"] = tuple(t.stop_sequences)
     if t.stop_token_ids:

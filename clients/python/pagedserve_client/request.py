@@ -42,6 +42,7 @@ class GenerateOptions:
     time_limit_ms: int | None = None
     n: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # score the prompt: Started.prompt_logprobs, with this many alternatives
     final_only: bool = False
     heartbeat_ms: int | None = None
     add_special_tokens: bool | None = None
@@ -87,6 +88,7 @@ def build_request(prompt: Prompt, options: GenerateOptions) -> pb.GenerateReques
     request.stopping.stop_sequences.extend(options.stop)
     request.stopping.stop_token_ids.extend(options.stop_token_ids)
     _set(request.response, "logprobs", options.logprobs)
+    _set(request.response, "prompt_logprobs", options.prompt_logprobs)
     _set(request.response, "heartbeat_ms", options.heartbeat_ms)
     if options.final_only:
         request.response.stream_mode = pb.STREAM_MODE_FINAL_ONLY

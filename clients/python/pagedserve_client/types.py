@@ -55,10 +55,12 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens scored higher (prompt logprobs carry it)
 
     @classmethod
     def from_proto(cls, lp: pb.TokenLogprob) -> TokenLogprob:
-        return cls(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+        return cls(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top),
+                   lp.rank if lp.HasField("rank") else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +70,14 @@ class Started:
     cached_tokens: int
     truncated: bool
     seed: int | None
+    # prompt_logprobs=k asked for: entry i scores prompt token i + 1 (the first prompt token has no score)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     @classmethod
     def from_proto(cls, s: pb.Started) -> Started:
         return cls(s.request_id, s.prompt_tokens, s.cached_tokens, s.truncated,
-                   s.seed if s.HasField("seed") else None)
+                   s.seed if s.HasField("seed") else None,
+                   tuple(TokenLogprob.from_proto(lp) for lp in s.prompt_logprobs))
 
 
 @dataclass(frozen=True, slots=True)

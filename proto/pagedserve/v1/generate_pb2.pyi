@@ -163,14 +163,16 @@ class StoppingOptions(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_sequence: _Optional[bool] = ..., time_limit_ms: _Optional[int] = ...) -> None: ...
 
 class ResponseOptions(_message.Message):
-    __slots__ = ("logprobs", "stream_mode", "heartbeat_ms")
+    __slots__ = ("logprobs", "stream_mode", "heartbeat_ms", "prompt_logprobs")
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STREAM_MODE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     logprobs: int
     stream_mode: StreamMode
     heartbeat_ms: int
-    def __init__(self, logprobs: _Optional[int] = ..., stream_mode: _Optional[_Union[StreamMode, str]] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, logprobs: _Optional[int] = ..., stream_mode: _Optional[_Union[StreamMode, str]] = ..., heartbeat_ms: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("index", "started", "delta", "final", "heartbeat")
@@ -187,18 +189,20 @@ class GenerateResponse(_message.Message):
     def __init__(self, index: _Optional[int] = ..., started: _Optional[_Union[Started, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class Started(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "cached_tokens", "truncated", "seed")
+    __slots__ = ("request_id", "prompt_tokens", "cached_tokens", "truncated", "seed", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     cached_tokens: int
     truncated: bool
     seed: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., truncated: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., truncated: _Optional[bool] = ..., seed: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Delta(_message.Message):
     __slots__ = ("text", "token_ids", "logprobs", "usage")
@@ -213,14 +217,16 @@ class Delta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
-    __slots__ = ("token_id", "logprob", "top")
+    __slots__ = ("token_id", "logprob", "top", "rank")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+    rank: int
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
