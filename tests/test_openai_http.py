@@ -161,6 +161,8 @@ def test_echo_and_token_id_prompts(oai, offline):
     by_ids = oai.completions.create(model=MODEL, prompt=ids, **GREEDY)
     echoed = oai.completions.create(model=MODEL, prompt=PROMPTS[0], echo=True, **GREEDY)
     assert echoed.choices[0].text == PROMPTS[0] + by_ids.choices[0].text
+    ids_echoed = oai.completions.create(model=MODEL, prompt=ids, echo=True, **GREEDY)  # the ids decoded, as vLLM
+    assert ids_echoed.choices[0].text == offline[1].decode(ids) + by_ids.choices[0].text
     assert by_ids.usage.prompt_tokens == len(ids)
 
 

@@ -85,6 +85,9 @@ class OpenAIApi:
     def decode_token(self, token_id: int) -> str:
         return self.serving.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def decode_ids(self, token_ids: tuple[int, ...]) -> str:
+        return self.serving.engine.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
     def _card(self) -> dict[str, Any]:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve",
                 "root": self.model_name, "parent": None}
@@ -178,7 +181,7 @@ class _Generate:
         serving = self.api.serving
         response_id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         builder = ResponseBuilder(request, admitted, response_id, request.adapter or self.api.model_name,
-                                  self.api.decode_token)
+                                  self.api.decode_token, self.api.decode_ids)
         many = len(admitted) > 1
         origin = serving.telemetry.origin("openai", exchange.request_id or response_id, exchange.scope["headers"])
         outputs = MergedStreams([

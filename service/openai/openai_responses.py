@@ -8,10 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.engine.admission import AdmittedRequest
+from pagedserve.engine.admission import AdmittedRequest, TokensPrompt
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.core.sequence import TokenLogprob
-from pagedserve.service.openai.openai_params import OpenAIRequest
+from pagedserve.service.openai.openai_params import OpenAIRequest, PromptInput
 from pagedserve.service.openai.openai_prompt_logprobs import EchoLogprobs, vllm_prompt_logprobs
 from pagedserve.service.openai.tool_parsers.stream import ToolCallStream
 
@@ -20,6 +20,15 @@ from pagedserve.service.openai.tool_parsers.stream import ToolCallStream
 _FINISH = {"stop": "stop", "length": "length", "constraint_dead_end": "constraint_dead_end"}
 
 Decode = Callable[[int], str]  # one token id -> its text
+DecodeIds = Callable[[tuple[int, ...]], str]  # token ids -> their text, special tokens kept
+
+
+def _echo_text(prompt: PromptInput, decode_ids: DecodeIds | None) -> str:
+    """What `echo` puts before the output: the prompt's text, or the client's token ids decoded (as vLLM echoes
+    them)."""
+    if isinstance(prompt.request.prompt, TokensPrompt) and decode_ids is not None:
+        return decode_ids(prompt.request.prompt.token_ids)
+    return prompt.text
 
 
 @dataclass(slots=True)
@@ -52,8 +61,9 @@ class ResponseBuilder:
     """Per request: accumulates what the engine produced for each choice and renders it the OpenAI way."""
 
     def __init__(self, request: OpenAIRequest, admitted: tuple[AdmittedRequest, ...], response_id: str, model: str,
-                 decode: Decode):
+                 decode: Decode, decode_ids: DecodeIds | None = None):
         self.request, self.id, self.model, self.decode = request, response_id, model, decode
+        self.echoed = [_echo_text(p, decode_ids) if request.echo else "" for p in request.prompts]
         self.created = int(time.time())
         self.object = "chat.completion" if request.chat else "text_completion"
         self.n = request.params.n
@@ -164,7 +174,7 @@ class ResponseBuilder:
         return "tool_calls" if choice.finish_reason == "stop" and called else choice.finish_reason
 
     def _echo(self, prompt: int) -> str:
-        return self.request.prompts[prompt].text if self.request.echo else ""
+        return self.echoed[prompt]
 
     def usage_chunk(self) -> dict[str, Any]:
         return {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.model,
