@@ -11,6 +11,8 @@ dearest check) for the model's tokenizer: the engine's step loop never compiles.
 
 from __future__ import annotations
 
+import hashlib
+
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -65,6 +67,9 @@ class GenerationRequest:
     max_tokens_is_default: bool = False
     truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens (TRUNCATE_TO_CONTEXT: fit)
     adapter: str | None = None  # a LoRA adapter's name (engine/lora/); None: the base model
+    # vLLM's cache_salt: only requests with the same salt share prefix-cache blocks (tenants cannot probe each
+    # other's prompts by timing); None shares with every other request without one
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +81,14 @@ class AdmittedRequest:
     truncated: bool  # truncate_prompt_tokens cut the prompt
     constraint: CompiledConstraint | None = None  # params.constraint, compiled for the engine's tokenizer
     adapter: LoraWeights | None = None  # the LoRA adapter's weights, held until the request ends; None: the base
+    cache_salt: int | None = None  # GenerationRequest.cache_salt as a 64-bit key (salt_key)
 
     def start(self, request_id: str, arrival_time: float) -> Sequence:
         """The request's first sequence, holding each feature's starting state (its forks copy them from it)."""
         ids, params = self.prompt_token_ids, self.params
         seq = Sequence(request_id, 0, list(ids), len(ids), params, SequenceMetrics(arrival_time),
-                       pending_forks=params.n - 1, adapter=None if self.adapter is None else self.adapter.info)
+                       pending_forks=params.n - 1, adapter=None if self.adapter is None else self.adapter.info,
+                       cache_salt=self.cache_salt)
         seq.features.attach(start_detok(len(ids)))
         if params.seed is not None:
             seq.features.attach(SeededSampling.start(params.seed))
@@ -140,7 +147,8 @@ class Admission:
         if params.bad_words:
             params = params.with_bad_words_ids(self._bad_words_ids(params.bad_words))
         params.check_vocab(self.limits.vocab_size)
-        return AdmittedRequest(tuple(ids), params, truncated, self._compile(params.constraint), adapter)
+        return AdmittedRequest(tuple(ids), params, truncated, self._compile(params.constraint), adapter,
+                               salt_key(request.cache_salt))
 
     def _adapter(self, name: str | None) -> LoraWeights | None:
         if name is None:
@@ -244,3 +252,17 @@ def field_map(names: dict[str, str]) -> Callable[[str], str]:
 def _split(field: str) -> tuple[str, str]:
     cut = min((i for i in (field.find("["), field.find(".")) if i >= 0), default=len(field))
     return field[:cut], field[cut:]
+
+
+_MAX_SALT_CHARS = 1024
+
+
+def salt_key(salt: object) -> int | None:
+    """A cache salt as the 64-bit key the prefix cache chains from: a digest, not hash(), whose value for a str
+    changes with every process (KV events carry these keys to routers)."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt or len(salt) > _MAX_SALT_CHARS:
+        raise InvalidRequestError("cache_salt", f"must be a non-empty string of at most {_MAX_SALT_CHARS} "
+                                  f"characters, got {salt!r:.40}")
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")

@@ -53,20 +53,22 @@ class LLMEngine:
 
     # -- admission ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, adapter: str | None = None) -> None:
+                    arrival_time: float | None = None, adapter: str | None = None,
+                    cache_salt: str | None = None) -> None:
         """The offline front end's request: admitted here, then queued. Its id must not be running (the served
         front ends' ids are checked once, by AsyncEngine, which submits each under a key of its own)."""
-        admitted = self.admit_prompt(prompt, params, adapter)
+        admitted = self.admit_prompt(prompt, params, adapter, cache_salt)
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         self.submit(request_id, admitted, arrival_time)
 
-    def admit_prompt(self, prompt: str | list[int], params: SamplingParams, adapter: str | None = None) -> AdmittedRequest:
+    def admit_prompt(self, prompt: str | list[int], params: SamplingParams, adapter: str | None = None,
+                     cache_salt: str | None = None) -> AdmittedRequest:
         """A text or token-id prompt with SamplingParams (and a LoRA adapter's name), checked once; errors name
         SamplingParams' fields."""
         as_prompt = TextPrompt(prompt) if isinstance(prompt, str) else TokensPrompt(tuple(prompt))
         with renamed(_offline_field):
-            return self.admission.admit(GenerationRequest(as_prompt, params, adapter=adapter))
+            return self.admission.admit(GenerationRequest(as_prompt, params, adapter=adapter, cache_salt=cache_salt))
 
     def submit(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
         """Queues an admitted request as it is (no check is repeated: its id is new, see add_request)."""

@@ -50,6 +50,8 @@ def chain_root(seq: Sequence, long_rope_after: int | None = None) -> int | None:
     computed under one adapter is never found for another or for the base. With LongRoPE (`long_rope_after`: the
     length past which a sequence's keys use the long factors) a long sequence's blocks chain apart from short ones'."""
     root = None if seq.adapter_id == 0 else hash(("lora", seq.adapter_id))
+    if seq.cache_salt is not None:  # a salted request's blocks chain apart from everyone else's
+        root = hash(("salt", seq.cache_salt, root))
     if long_rope_after is not None and seq.num_tokens > long_rope_after:
         root = hash(("long-rope", root))
     return root

@@ -98,6 +98,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # hash chain of this sequence's committed full blocks
     pending_forks: int = 0  # extra samples (n - 1) still to be forked off after the first sampled token
     adapter: AdapterInfo | None = None  # the request's LoRA adapter (None: the base); part of the prefix-cache key
+    cache_salt: int | None = None  # the request's cache salt key (engine/admission.py salt_key); part of it too
     # Every feature's own state (seeded sampling, grammar matcher, adapter weights, speculation back-off, the
     # detokenizer): `engine/core/seq_features.py`.
     features: SeqFeatures = field(default_factory=SeqFeatures)
@@ -159,6 +160,7 @@ class Sequence:
             num_computed_tokens=self.num_computed_tokens,
             block_hashes=list(self.block_hashes),
             adapter=self.adapter,
+            cache_salt=self.cache_salt,
             features=self.features.fork(index),
         )
         return child

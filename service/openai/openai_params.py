@@ -42,7 +42,6 @@ _REFUSED = {
     "logits_processors": "is not supported: the server runs no code sent with a request",
     "prompt_embeds": "is not supported: prompts are text or token ids",
     "return_tokens_as_token_ids": "is not supported; return_token_ids gives each choice's token ids",
-    "cache_salt": "is not supported: the prefix cache is shared by all requests of this server",
     "kv_transfer_params": "is not supported: this server does no disaggregated prefill",
 }
 CHAT_PARAMS = _COMMON | {
@@ -133,7 +132,8 @@ def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings
         params = _sampling_params(body, chat, logprobs, requested)
     truncate = _truncate(body)
     prompts = tuple(PromptInput(GenerationRequest(prompt, params, max_tokens_is_default=default, adapter=adapter,
-                                                  truncate_prompt_tokens=truncate), text, field)
+                                                  truncate_prompt_tokens=truncate, cache_salt=body.get("cache_salt")),
+                                text, field)
                     for prompt, text, field in shapes)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options", {})

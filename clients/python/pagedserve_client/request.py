@@ -51,6 +51,7 @@ class GenerateOptions:
     add_generation_prompt: bool | None = None  # chat prompts only (server default true)
     constraint: Constraint | None = None  # structured output: JsonSchema, JsonObject, Regex, Grammar, Choice, ...
     adapter: str | None = None  # a LoRA adapter's name (list_adapters()); None: the base model
+    cache_salt: str | None = None  # share prefix-cache blocks only with requests of the same salt
     request_id: str = ""
 
     @classmethod
@@ -77,7 +78,7 @@ def build_request(prompt: Prompt, options: GenerateOptions) -> pb.GenerateReques
         _set(request.chat, "add_generation_prompt", options.add_generation_prompt)
     else:
         request.token_ids.ids.extend(prompt)
-    for name in ("n", "add_special_tokens", "truncate_input_tokens"):
+    for name in ("n", "add_special_tokens", "truncate_input_tokens", "cache_salt"):
         _set(request, name, getattr(options, name))
     for name in _SAMPLING:
         _set(request.sampling, name, getattr(options, name))
