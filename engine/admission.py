@@ -263,6 +263,7 @@ def salt_key(salt: object) -> int | None:
     if salt is None:
         return None
     if not isinstance(salt, str) or not salt or len(salt) > _MAX_SALT_CHARS:
+        got = f"{len(salt)} characters" if isinstance(salt, str) else type(salt).__name__  # never the salt itself
         raise InvalidRequestError("cache_salt", f"must be a non-empty string of at most {_MAX_SALT_CHARS} "
-                                  f"characters, got {salt!r:.40}")
+                                  f"characters, got {got}")
     return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
