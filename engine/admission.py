@@ -12,7 +12,6 @@ dearest check) for the model's tokenizer: the engine's step loop never compiles.
 from __future__ import annotations
 
 import hashlib
-
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass

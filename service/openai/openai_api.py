@@ -83,7 +83,7 @@ class OpenAIApi:
                         param="model", code="model_not_found")
 
     def decode_token(self, token_id: int) -> str:
-        return self.serving.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.decode_ids((token_id,))
 
     def decode_ids(self, token_ids: tuple[int, ...]) -> str:
         return self.serving.engine.tokenizer.decode(list(token_ids), skip_special_tokens=False)

@@ -91,38 +91,43 @@ class ResponseBuilder:
                 self._record(choice, completion)
 
     def response(self) -> dict[str, Any]:
-        choices = [self._whole_choice(i, c) for i, c in enumerate(self.choices)]
+        # each prompt's scores rendered once, however many of its n choices carry them
+        scores = [self._rendered_scores(p) for p in range(len(self.request.prompts))]
+        choices = [self._whole_choice(i, c, *scores[i // self.n]) for i, c in enumerate(self.choices)]
         body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
         if self.request.chat and self.request.params.prompt_logprobs is not None:
-            body["prompt_logprobs"] = self._prompt_logprobs(0)
+            body["prompt_logprobs"] = scores[0][0]
         return body
 
-    def _prompt_logprobs(self, prompt: int) -> list[dict[str, Any] | None] | None:
+    def _rendered_scores(self, prompt: int) -> tuple[list[dict[str, Any] | None] | None, EchoLogprobs | None]:
+        """A prompt's logprobs as vLLM's `prompt_logprobs` field, and as completions' echo lists (None: not asked)."""
         scored = self.prompt_scores[prompt]
-        return None if scored is None else vllm_prompt_logprobs(scored[1], self.decode)
+        if scored is None:
+            return None, None
+        echo = EchoLogprobs.of(*scored, self.decode) if self.request.echo and not self.request.chat else None
+        return vllm_prompt_logprobs(scored[1], self.decode), echo
 
-    def _whole_choice(self, index: int, choice: _Choice) -> dict[str, Any]:
+    def _whole_choice(self, index: int, choice: _Choice, prompt_logprobs: list[dict[str, Any] | None] | None,
+                      echo: EchoLogprobs | None) -> dict[str, Any]:
         text, prompt = choice.text, index // self.n
-        echo = self.prompt_scores[prompt] if self.request.echo and not self.request.chat else None
         if echo is not None:
-            echoed = EchoLogprobs.of(*echo, self.decode)
-            choice.text_offset = echoed.end
+            choice.text_offset = echo.end
         logprobs = self._logprobs(choice, choice.logprobs) if self.request.params.logprobs is not None else None
         if logprobs is not None and echo is not None:
-            logprobs = echoed.ahead_of(logprobs)
+            logprobs = echo.ahead_of(logprobs)
         out: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": choice.finish_reason,
                                "stop_reason": choice.stop_reason}
         if not self.request.chat and self.request.params.prompt_logprobs is not None:
-            out["prompt_logprobs"] = self._prompt_logprobs(prompt)
+            out["prompt_logprobs"] = prompt_logprobs
         if self.request.chat:
-            out["message"] = {"role": "assistant", "content": self._echo(index // self.n) + text}
+            out["message"] = {"role": "assistant", "content": self._echo(prompt) + text}
             if choice.tool is not None:
                 content, calls = choice.tool.message(text)
                 out["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
                 out["finish_reason"] = self._finish_reason(choice)
         else:
-            out["text"] = (self._echo(index // self.n)) + text
+            out["text"] = self._echo(prompt) + text
         if self.request.return_token_ids:
             out["token_ids"] = list(choice.token_ids)
         return out

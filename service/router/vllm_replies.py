@@ -44,8 +44,11 @@ def _logprobs(entries: tuple[TokenLogprob, ...]) -> vpb.OutputLogProbs | None:
         return None
     return vpb.OutputLogProbs(
         token_logprobs=[e.logprob for e in entries], token_ids=[e.token_id for e in entries],
-        top_logprobs=[vpb.TopLogProbs(values=[lp for _, lp in e.top], token_ids=[t for t, _ in e.top])
-                      for e in entries])
+        top_logprobs=[_top(e) for e in entries])
+
+
+def _top(entry: TokenLogprob) -> vpb.TopLogProbs:
+    return vpb.TopLogProbs(values=[lp for _, lp in entry.top], token_ids=[t for t, _ in entry.top])
 
 
 def _input_logprobs(out: RequestOutput) -> vpb.InputLogProbs | None:
@@ -57,9 +60,7 @@ def _input_logprobs(out: RequestOutput) -> vpb.InputLogProbs | None:
         token_logprobs=[vpb.InputTokenLogProb() if e is None else vpb.InputTokenLogProb(value=e.logprob)
                         for e in scored],
         token_ids=out.prompt_token_ids,
-        top_logprobs=[vpb.TopLogProbs() if e is None else
-                      vpb.TopLogProbs(values=[lp for _, lp in e.top], token_ids=[t for t, _ in e.top])
-                      for e in scored])
+        top_logprobs=[vpb.TopLogProbs() if e is None else _top(e) for e in scored])
 
 
 def kv_batch(batch: EventBatch) -> common_pb2.KvEventBatch:
