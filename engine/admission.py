@@ -22,6 +22,7 @@ from pagedserve.engine.core.sequence import Sequence, SequenceMetrics
 from pagedserve.engine.errors import AdapterNotFoundError, CapacityError, InvalidRequestError
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions, check_messages
 from pagedserve.engine.loading.tokenizer import start_detok
+from pagedserve.engine.reasoning import ReasoningFormat, ThoughtEnd
 from pagedserve.engine.runner.seeded_sampling import SeededSampling
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.structured_output.backend import CompiledConstraint, GrammarState
@@ -81,6 +82,9 @@ class AdmittedRequest:
     constraint: CompiledConstraint | None = None  # params.constraint, compiled for the engine's tokenizer
     adapter: LoraWeights | None = None  # the LoRA adapter's weights, held until the request ends; None: the base
     cache_salt: int | None = None  # GenerationRequest.cache_salt as a 64-bit key (salt_key)
+    # With a reasoning parser (None without): the prompt closed the thought, so the output starts as content
+    thought_closed: bool | None = None
+    grammar_waits_for: ThoughtEnd | None = None  # the constraint applies once the output closes the thought
 
     def start(self, request_id: str, arrival_time: float) -> Sequence:
         """The request's first sequence, holding each feature's starting state (its forks copy them from it)."""
@@ -92,7 +96,7 @@ class AdmittedRequest:
         if params.seed is not None:
             seq.features.attach(SeededSampling.start(params.seed))
         if self.constraint is not None:
-            seq.features.attach(GrammarState(self.constraint.new_matcher()))
+            seq.features.attach(GrammarState(self.constraint.new_matcher(), self.grammar_waits_for))
         if self.adapter is not None:
             seq.features.attach(self.adapter)
         return seq
@@ -112,6 +116,8 @@ class PromptEncoder(Protocol):
 
     def render_chat(self, messages: tuple[ChatMessage, ...], options: ChatOptions) -> str: ...
 
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
 
 class ConstraintCompiler(Protocol):
     """What admission needs to compile a constraint; `structured_output.compiler.ConstraintCompiler` is one."""
@@ -128,15 +134,21 @@ class AdapterResolver(Protocol):
 class Admission:
     """Thread-safe: it reads the tokenizer and fixed limits only (the constraint compiler locks its own cache, the
     adapter manager its registry), so front ends admit on their own threads. Without a compiler, constrained requests
-    are refused by name; without adapters, a request naming one is refused (`AdapterNotFoundError`)."""
+    are refused by name; without adapters, a request naming one is refused (`AdapterNotFoundError`). With a
+    reasoning format, each request is told whether its prompt closed the thought, and a constraint waits for the
+    output to close it otherwise (engine/reasoning.py)."""
 
     def __init__(self, limits: ModelLimits, encoder: PromptEncoder, compiler: ConstraintCompiler | None = None,
-                 adapters: AdapterResolver | None = None):
+                 adapters: AdapterResolver | None = None, reasoning: ReasoningFormat | None = None):
         self.limits, self.encoder, self.compiler, self.adapters = limits, encoder, compiler, adapters
+        self.reasoning = reasoning
+        if reasoning is not None:
+            ids = encoder.encode(reasoning.end, False)
+            self.thought_end = ThoughtEnd(reasoning.end, ids[0] if len(ids) == 1 else None)
 
     def admit(self, request: GenerationRequest) -> AdmittedRequest:
         adapter = self._adapter(request.adapter)
-        ids, field = self._prompt_ids(request.prompt)
+        ids, field, text = self._prompt_ids(request.prompt)
         ids, truncated = self._truncate(ids, request.truncate_prompt_tokens)
         context = self.limits.max_model_len
         if len(ids) >= context:
@@ -146,8 +158,11 @@ class Admission:
         if params.bad_words:
             params = params.with_bad_words_ids(self._bad_words_ids(params.bad_words))
         params.check_vocab(self.limits.vocab_size)
-        return AdmittedRequest(tuple(ids), params, truncated, self._compile(params.constraint), adapter,
-                               salt_key(request.cache_salt))
+        constraint = self._compile(params.constraint)
+        closed = None if self.reasoning is None else self._thought_closed(request.prompt, text, ids)
+        waits_for = self.thought_end if constraint is not None and closed is False else None
+        return AdmittedRequest(tuple(ids), params, truncated, constraint, adapter, salt_key(request.cache_salt),
+                               thought_closed=closed, grammar_waits_for=waits_for)
 
     def _adapter(self, name: str | None) -> LoraWeights | None:
         if name is None:
@@ -165,12 +180,14 @@ class Admission:
             raise InvalidRequestError(constraint.field, "structured outputs are not available on this engine")
         return self.compiler.compile(constraint)
 
-    def _prompt_ids(self, prompt: Prompt) -> tuple[list[int], str]:
+    def _prompt_ids(self, prompt: Prompt) -> tuple[list[int], str, str | None]:
+        """(token ids, the field errors name, the prompt's text: None for token ids)."""
+        text = None
         if isinstance(prompt, TextPrompt):
             if not isinstance(prompt.text, str):
                 raise InvalidRequestError(TEXT_FIELD, f"must be a string, got {type(prompt.text).__name__}")
-            ids = self.encoder.encode(prompt.text, prompt.add_special_tokens) if prompt.text else []
-            field = TEXT_FIELD
+            ids, field, text = self.encoder.encode(prompt.text, prompt.add_special_tokens) if prompt.text else [], \
+                TEXT_FIELD, prompt.text
         elif isinstance(prompt, ChatPrompt):
             messages = check_messages(prompt.messages, "messages")
             text = self.encoder.render_chat(messages, prompt.options)
@@ -180,7 +197,16 @@ class Admission:
             self._check_ids(ids)
         if not ids:
             raise InvalidRequestError(field, "the prompt is empty")
-        return ids, field
+        return ids, field, text
+
+    def _thought_closed(self, prompt: Prompt, text: str | None, ids: list[int]) -> bool:
+        """Whether the prompt closed the thought: read in the turn being answered only, so a thought closed in an
+        earlier turn or a few-shot example does not count (vLLM reads the whole prompt and is fooled by them)."""
+        if text is None:
+            text = self.encoder.decode(ids, skip_special_tokens=False)
+        if isinstance(prompt, ChatPrompt):
+            text = _current_turn(text, prompt.messages[-1], prompt.options.continue_final_message)
+        return self.reasoning.closed_in(text)
 
     def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each word as the model writes it alone and after a space (vLLM's two spellings), each once."""
@@ -224,6 +250,16 @@ class Admission:
             raise CapacityError("max_tokens", f"prompt + max_tokens = {total} tokens needs more than the whole KV "
                                 f"cache ({self.limits.kv_cache_tokens} tokens)")
         return params
+
+
+def _current_turn(rendered: str, last: ChatMessage, continued: bool) -> str:
+    """The rendered prompt from the turn being answered on: what follows the last message (the generation prompt),
+    or the last message itself when the answer continues it (continue_final_message)."""
+    content = last.content or ""
+    at = rendered.rfind(content) if content else -1
+    if at == -1:
+        return rendered
+    return rendered[at:] if continued else rendered[at + len(content):]
 
 
 @contextmanager

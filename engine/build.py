@@ -23,6 +23,7 @@ from pagedserve.engine.loading.tokenizer import Tokenizer
 from pagedserve.engine.lora.layers import lora_dtype
 from pagedserve.engine.lora.manager import AdapterManager
 from pagedserve.engine.outputs import ModelDescription
+from pagedserve.engine.reasoning import REASONING_FORMATS
 from pagedserve.engine.runner.model_runner import ModelRunner
 from pagedserve.engine.runner.sampler import Sampler, native_max_argmax, torch_max_argmax
 from pagedserve.engine.spec_decode.drafter import Drafter
@@ -60,6 +61,7 @@ def backend_choices() -> dict[str, tuple[str, ...]]:
         "quantization": tuple(QUANT_METHODS.names()),
         "lm_head_quantization": HEAD_QUANTIZATIONS,
         "structured_output_backend": tuple(CONSTRAINT_BACKENDS.names()),
+        "reasoning_parser": tuple(REASONING_FORMATS.names()),
     }
 
 
@@ -102,7 +104,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
                                 runner.vocab_size, tokenizer.eos_token_ids)
     constraints = ConstraintCompiler(grammar, config.constraint_compile_timeout_s)
     limits = ModelLimits(runner.vocab_size, max_len, _kv_tokens(blocks, config, max_len))
-    admission = Admission(limits, tokenizer, constraints, adapters)
+    reasoning = REASONING_FORMATS.get(config.reasoning_parser) if config.reasoning_parser else None
+    admission = Admission(limits, tokenizer, constraints, adapters, reasoning)
     description = _describe(config, source, loaded, runner, tokenizer, blocks)
     return EngineParts(config, source, loaded, tokenizer, runner, blocks, scheduler, constraints, admission, adapters,
                        description)
@@ -134,4 +137,5 @@ def _describe(config: EngineConfig, source: ModelSource, loaded: LoadedModel, ru
         model_path=str(source.weights),
         tokenizer_path=str(source.tokenizer_dir),
         model_type=str(loaded.hf_config.get("model_type", "")),
+        reasoning_parser=config.reasoning_parser or "",
     )

@@ -79,6 +79,9 @@ class EngineConfig:
     chat_template: str | None = None  # a jinja file replacing the model's chat template
     structured_output_backend: str = "llguidance"  # the grammar library (docs/structured-outputs.md)
     constraint_compile_timeout_s: float = 10.0  # a constraint still compiling after this is refused
+    # vLLM's --reasoning-parser: the model's thought markers (engine/reasoning.py). Constraints wait for the thought to
+    # close; the OpenAI front end answers the thought as `reasoning`. None: output is all content
+    reasoning_parser: str | None = None
     lora: LoraConfig | None = None  # None: LoRA adapters off (docs/lora.md)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding (docs/speculative-decoding.md)
     # CUDA: decode-only steps replay CUDA graphs captured at start, one per size of cuda_graph_sizes

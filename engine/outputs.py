@@ -126,3 +126,4 @@ class ModelDescription:
     model_path: str  # the HF folder or .gguf file
     tokenizer_path: str  # the folder of HF tokenizer files the engine reads (GetTokenizer serves it)
     model_type: str  # the HF config's model_type
+    reasoning_parser: str = ""  # the thought markers' format (engine/reasoning.py); "": none

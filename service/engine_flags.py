@@ -53,6 +53,9 @@ _ENGINE_HELP = {
                             "trimmed to fit; 0: off",
     "max_queued_requests": "admitted requests waiting for a batch slot; beyond it: RESOURCE_EXHAUSTED",
     "chat_template": "jinja chat template file used instead of the model's own (for chat messages)",
+    "reasoning_parser": "the model's thought markers (<think> ... </think>): the OpenAI API answers the thought as "
+                        "`reasoning` apart from `content`, and a structured output's grammar applies once the thought "
+                        "has closed (as vLLM's)",
     "enforce_eager": "CUDA: run every step eagerly, without the decode steps' CUDA graphs (no effect on CPU)",
     "async_scheduling": "CUDA: launch each decode step before the previous one's tokens are read, so the host's "
                         "work per step overlaps the device's (rows greedy or sampled, penalties and logprobs too, "

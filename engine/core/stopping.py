@@ -18,11 +18,15 @@ class StopRules:
     def append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> bool:
         """Appends `token`; True when the sequence just finished (its finish reason set)."""
         grammar = seq.features.get(GrammarState)
-        if grammar is not None and not grammar.matcher.accept(token):
+        if grammar is not None and grammar.applies and not grammar.matcher.accept(token):
             # The library refused a token its own mask allowed: the sequence ends here, without it.
             seq.finish_reason, seq.metrics.finished_time = FinishReason.CONSTRAINT_DEAD_END, now()
             return True
-        return apply_token(seq, token, logprob, self.tokenizer, self.max_model_len)
+        before = seq.text.length
+        done = apply_token(seq, token, logprob, self.tokenizer, self.max_model_len)
+        if grammar is not None and not grammar.applies:
+            grammar.watch(token, seq.text.tail(max(0, before - len(grammar.waits_for.text) + 1)))
+        return done
 
 
 def apply_token(seq: Sequence, token: int, logprob: TokenLogprob | None, tokenizer: Tokenizer, max_model_len: int) -> bool:
@@ -57,7 +61,7 @@ def _stop_reason(
         if p.stop and _match_stop_string(seq, previous_len):
             return FinishReason.STOP
     grammar = seq.features.get(GrammarState)
-    if grammar is not None and grammar.matcher.is_terminated():
+    if grammar is not None and grammar.applies and grammar.matcher.is_terminated():
         # The grammar is complete (as in vLLM, the output ends here, min_tokens or not); a complete output is a stop
         # even when its last token also reached max_tokens.
         return FinishReason.STOP

@@ -29,6 +29,9 @@ class ChatMessage:
     tool_calls: tuple[dict[str, Any], ...] = field(default=(), hash=False)
     tool_call_id: str | None = None  # a tool result: the call it answers
     name: str | None = None  # a tool result: the function's name (some templates print it)
+    # An assistant turn's thought as the client got it back (a reasoning model's templates render it in the turn
+    # being answered, between tool calls); templates read it as `reasoning_content`, newer ones as `reasoning`
+    reasoning: str | None = None
 
     def as_template_data(self) -> dict[str, Any]:
         data: dict[str, Any] = {"role": self.role, "content": self.content}
@@ -38,6 +41,8 @@ class ChatMessage:
             data["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             data["name"] = self.name
+        if self.reasoning is not None:
+            data["reasoning"] = data["reasoning_content"] = self.reasoning
         return data
 
 
@@ -84,6 +89,8 @@ def check_messages(messages: Any, field: str = "messages") -> tuple[ChatMessage,
             raise InvalidRequestError(f"{field}[{i}].content", "may be null only in an assistant turn with tool_calls")
         if message.content is not None and not isinstance(message.content, str):
             raise InvalidRequestError(f"{field}[{i}].content", "must be a string")
+        if message.reasoning is not None and (message.role != "assistant" or not isinstance(message.reasoning, str)):
+            raise InvalidRequestError(f"{field}[{i}].reasoning", "is an assistant turn's thought, a string")
     return tuple(messages)
 
 

@@ -14,6 +14,7 @@ import torch
 
 from pagedserve.engine.constraint import OutputConstraint
 from pagedserve.engine.core.seq_features import SeqFeature
+from pagedserve.engine.reasoning import ThoughtEnd
 
 
 class ConstraintRejected(ValueError):
@@ -59,12 +60,24 @@ class GrammarBackend(ABC):
 @dataclass(slots=True)
 class GrammarState(SeqFeature):
     """A constrained sequence's matcher, advanced only by appended tokens (recompute after preemption and chunked
-    prefill never replay it)."""
+    prefill never replay it). Behind a reasoning model's thought (`waits_for`), the grammar neither masks nor
+    advances until the output closes the thought; the sequence still counts as constrained meanwhile (no speculation,
+    no step launched ahead), so the token that closes it is never followed by an unmasked one."""
 
     matcher: ConstraintMatcher
+    waits_for: ThoughtEnd | None = None  # None: the grammar applies to the next token
+
+    @property
+    def applies(self) -> bool:
+        return self.waits_for is None
+
+    def watch(self, token: int, text_tail: str) -> None:
+        """After an appended token, while waiting: the grammar applies from the next token once the thought closed."""
+        if self.waits_for is not None and self.waits_for.seen(token, text_tail):
+            self.waits_for = None
 
     def fork(self, index: int) -> GrammarState:
-        return GrammarState(self.matcher.fork())
+        return GrammarState(self.matcher.fork(), self.waits_for)
 
 
 @dataclass(frozen=True, slots=True)

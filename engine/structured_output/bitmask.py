@@ -22,9 +22,9 @@ _BYTE_BIAS = torch.zeros(256, 8).masked_fill_(_BYTE_BITS == 0, float("-inf"))
 
 
 def mask_constrained_rows(logits: torch.Tensor, seqs: Seq[Sequence]) -> set[int]:
-    """Masks logits [S, vocab] in place on the rows whose sequence has a matcher; returns the rows that allow no
+    """Masks logits [S, vocab] in place on the rows whose grammar applies; returns the rows that allow no
     token at all (the constraint's dead ends)."""
-    rows = [i for i, seq in enumerate(seqs) if GrammarState in seq.features]
+    rows = [i for i, seq in enumerate(seqs) if GrammarState in seq.features and seq.features[GrammarState].applies]
     if not rows:
         return set()
     vocab = logits.shape[1]

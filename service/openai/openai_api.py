@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from pagedserve.engine.admission import AdmittedRequest
 from pagedserve.engine.lora.config import AdapterInfo
+from pagedserve.engine.reasoning import REASONING_FORMATS, ReasoningFormat
 from pagedserve.service.core.adapters import AdapterAdmin
 from pagedserve.service.core.admit import admit_off_loop
 from pagedserve.service.core.context import ServingContext
@@ -81,6 +82,12 @@ class OpenAIApi:
         adapters = f" and {count} LoRA adapter(s) (GET /v1/models lists them)" if count else ""
         raise HttpError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`{adapters}",
                         param="model", code="model_not_found")
+
+    @property
+    def reasoning(self) -> ReasoningFormat | None:
+        """The engine's thought markers (--reasoning-parser), read from the loaded engine."""
+        name = self.serving.engine.describe().reasoning_parser
+        return REASONING_FORMATS.get(name) if name else None
 
     def decode_token(self, token_id: int) -> str:
         return self.decode_ids((token_id,))
@@ -153,7 +160,7 @@ class _Generate:
             body = await exchange.json_body(self.api.max_body_bytes)
             adapter = self.api.check_model(body)
             self.api.serving.state.check_admitting()
-            request = parse(body, self.chat, adapter, self.api.tools, self.api.policy)
+            request = parse(body, self.chat, adapter, self.api.tools, self.api.policy, self.api.reasoning)
             admitted = await self._admit(body, request)
             self.api.serving.metrics.adapter_requests(request.adapter, len(admitted))
             with self.api.serving.state.track():

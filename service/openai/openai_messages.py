@@ -62,8 +62,18 @@ def _messages(raw: Any) -> list[ChatMessage]:
         content = message.get("content")
         content = None if content is None and calls else _content(content, f"messages[{i}].content")
         out.append(ChatMessage(role, content, calls, _optional_str(message, "tool_call_id", f"messages[{i}]"),
-                               _optional_str(message, "name", f"messages[{i}]")))
+                               _optional_str(message, "name", f"messages[{i}]"),
+                               _reasoning(message, i) if role == "assistant" else None))
     return out
+
+
+def _reasoning(message: dict[str, Any], index: int) -> str | None:
+    """An assistant turn's thought sent back: vLLM's `reasoning`, or `reasoning_content` (its older name, and
+    DeepSeek's API's); the template decides whether to render it."""
+    for name in ("reasoning", "reasoning_content"):
+        if message.get(name) is not None:
+            return _optional_str(message, name, f"messages[{index}]")
+    return None
 
 
 def _tool_calls(raw: Any, field: str) -> tuple[dict[str, Any], ...]:

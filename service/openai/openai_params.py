@@ -18,11 +18,13 @@ from pagedserve.engine.admission import (
     TextPrompt, TokensPrompt, field_map, renamed,
 )
 from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.reasoning import ReasoningFormat
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.service.core.request_policy import RequestPolicy
 from pagedserve.service.openai.openai_constraints import STRUCTURED_PARAMS, RequestedConstraint, requested_constraint
 from pagedserve.service.openai.openai_constraints import rename as rename_constraint
 from pagedserve.service.openai.openai_messages import chat_shape, flag
+from pagedserve.service.openai.openai_reasoning import ReasoningPlan, reasoning_plan
 from pagedserve.service.openai.openai_tools import ToolPlan, ToolSettings, tool_plan
 
 # OpenAI's own parameters, plus vLLM's extensions that the same clients send.
@@ -49,7 +51,7 @@ CHAT_PARAMS = _COMMON | {
     "tools", "tool_choice", "response_format", "chat_template", "add_generation_prompt", "reasoning_effort",
     "prompt_cache_key", "safety_identifier", "modalities", "audio", "prediction", "functions", "function_call",
     "web_search_options", "verbosity", "chat_template_kwargs", "continue_final_message", "documents",
-    "echo",
+    "echo", "include_reasoning",
 }
 
 # OpenAI parameter -> SamplingParams field, where the value passes unchanged.
@@ -85,6 +87,7 @@ class OpenAIRequest:
     constraint_param: str | None = None  # where the constraint came from: its errors name this path
     tools: ToolPlan = ToolPlan(None)  # tools rendered, forced, or read back from the text (openai_tools.py)
     adapter: str | None = None  # the LoRA adapter `model` named (None: the base)
+    reasoning: ReasoningPlan | None = None  # chat with --reasoning-parser: the thought answered apart from content
 
     @property
     def params(self) -> SamplingParams:
@@ -109,9 +112,10 @@ class OpenAIRequest:
 
 
 def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings = ToolSettings(),
-          policy: RequestPolicy = RequestPolicy()) -> OpenAIRequest:
+          policy: RequestPolicy = RequestPolicy(), reasoning: ReasoningFormat | None = None) -> OpenAIRequest:
     """adapter: the LoRA adapter `model` names (OpenAIApi.check_model), set on every prompt's request; tools: the
-    server's tool-call flags; policy: its sampling defaults (--generation-config) and limits."""
+    server's tool-call flags; policy: its sampling defaults (--generation-config) and limits; reasoning: the
+    engine's thought markers (--reasoning-parser)."""
     if not isinstance(body, dict):
         raise InvalidRequestError("body", f"must be a JSON object, got {type(body).__name__}")
     body = {k: v for k, v in body.items() if v is not None}  # the SDKs send null for "not given"
@@ -119,6 +123,7 @@ def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings
     _refuse_unsupported(body, chat)
     names = _names(body, chat)
     requested, plan = _constraint(body, chat, tools)
+    thoughts = reasoning_plan(body, chat, reasoning)
     shapes = [chat_shape(body, plan)] if chat else _completion_prompts(body)
     logprobs = _chat_logprobs(body) if chat else body.get("logprobs")  # its own errors already name OpenAI's fields
     _check_logprobs(logprobs, "top_logprobs" if chat else "logprobs", policy)
@@ -144,7 +149,7 @@ def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings
         include_usage=_bool(options, "include_usage", False),
         continuous_usage=_bool(options, "continuous_usage_stats", False),
         return_token_ids=_bool(body, "return_token_ids", False), echo=_bool(body, "echo", False), names=names,
-        constraint_param=requested.param if requested else None, tools=plan, adapter=adapter)
+        constraint_param=requested.param if requested else None, tools=plan, adapter=adapter, reasoning=thoughts)
 
 
 def _constraint(body: dict[str, Any], chat: bool,

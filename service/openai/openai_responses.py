@@ -13,6 +13,7 @@ from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.core.sequence import TokenLogprob
 from pagedserve.service.openai.openai_params import OpenAIRequest, PromptInput
 from pagedserve.service.openai.openai_prompt_logprobs import EchoLogprobs, vllm_prompt_logprobs
+from pagedserve.service.openai.openai_reasoning import ThoughtReader
 from pagedserve.service.openai.tool_parsers.stream import ToolCallStream
 
 # The engine's finish reasons -> OpenAI's. A constraint's dead end passes as the engine's own value (the text is only
@@ -39,6 +40,7 @@ class _Choice:
     text_offset: int = 0  # completions' logprobs.text_offset: characters before the next token
     started: bool = False  # chat streams: the role chunk was sent
     tool: ToolCallStream | None = None  # tools: the text is read back as content and tool_calls
+    thought: ThoughtReader | None = None  # --reasoning-parser: the text is a thought, then content
 
     @property
     def text(self) -> str:
@@ -67,8 +69,10 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.object = "chat.completion" if request.chat else "text_completion"
         self.n = request.params.n
-        self.choices = [_Choice(tool=request.tools.stream())
-                        for _ in range(self.n * len(request.prompts))]
+        reasoning = request.reasoning
+        self.choices = [_Choice(tool=request.tools.stream(),
+                                thought=reasoning.reader(admitted[i // self.n].thought_closed) if reasoning else None)
+                        for i in range(self.n * len(request.prompts))]
         self.prompt_tokens = sum(len(a.prompt_token_ids) for a in admitted)
         self.cached_tokens = 0
         # per prompt, once the engine scored it (SamplingParams.prompt_logprobs): (its token ids, its logprobs)
@@ -121,16 +125,24 @@ class ResponseBuilder:
         if not self.request.chat and self.request.params.prompt_logprobs is not None:
             out["prompt_logprobs"] = prompt_logprobs
         if self.request.chat:
-            out["message"] = {"role": "assistant", "content": self._echo(prompt) + text}
-            if choice.tool is not None:
-                content, calls = choice.tool.message(text)
-                out["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-                out["finish_reason"] = self._finish_reason(choice)
+            out["message"] = self._message(choice, self._echo(prompt) + text)
+            out["finish_reason"] = self._finish_reason(choice)
         else:
             out["text"] = self._echo(prompt) + text
         if self.request.return_token_ids:
             out["token_ids"] = list(choice.token_ids)
         return out
+
+    def _message(self, choice: _Choice, text: str) -> dict[str, Any]:
+        """A whole chat message: the thought (with a reasoning parser), content and tool calls read from `text`."""
+        message: dict[str, Any] = {"role": "assistant"}
+        if choice.thought is not None:
+            reasoning, text = choice.thought.whole(text)
+            message["reasoning"] = reasoning
+        message["content"] = text if choice.thought is None else (text or None)
+        if choice.tool is not None:
+            message["content"], message["tool_calls"] = choice.tool.message(text)
+        return message
 
     def usage(self) -> dict[str, Any]:
         completion = sum(c.num_tokens for c in self.choices)
@@ -168,9 +180,18 @@ class ResponseBuilder:
     def _delta_body(self, choice: _Choice, text: str) -> Any:
         if not self.request.chat:
             return text
-        if choice.tool is None:
+        if choice.tool is None and choice.thought is None:
             return {"content": text}
-        return choice.tool.delta(choice.text, final=choice.finish_reason is not None)
+        final, content, body = choice.finish_reason is not None, choice.text, {}
+        if choice.thought is not None:
+            reasoning, content = choice.thought.advance(content, final)
+            if reasoning:
+                body["reasoning"] = reasoning
+        if choice.tool is not None:
+            body.update(choice.tool.delta(content, final))
+        elif piece := choice.thought.new_content(content):
+            body["content"] = piece
+        return body
 
     def _finish_reason(self, choice: _Choice) -> str | None:
         """"tool_calls" when the model stopped after calling tools (a named function keeps "stop", as OpenAI and

@@ -31,11 +31,14 @@ _PROTO_FIELDS = field_map({
 # proto3 scalars without presence: 0 means "not set" (what vLLM's own servicer assumes too).
 _ZERO_IS_UNSET = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "n",
                   "min_tokens")
-# Where the engine starts a request's constraint (GetServerInfo's constrained_decoding_start): no reasoning parser
-# holds it back, so always at the first generated token.
-CONSTRAINED_DECODING_START = "first_token"
 _UNSUPPORTED_REQUEST = ("kv_transfer_params", "mm_inputs", "extra_mm_inputs", "kv_transfer_params_json",
                         "media_refs")
+
+
+def constrained_decoding_start(reasoning_parser: str) -> str:
+    """Where the engine starts a request's constraint (GetServerInfo's constrained_decoding_start): behind a reasoning
+    parser, once the thought has closed (engine/reasoning.py); else at the first generated token."""
+    return "after_reasoning" if reasoning_parser else "first_token"
 
 
 def admit(request: vpb.GenerateRequest, engine_admit: Callable[[GenerationRequest], AdmittedRequest]

@@ -29,7 +29,7 @@ from pagedserve.service.core.wire import parse_request
 from pagedserve.service.router.kv_events import KvEventHub
 from pagedserve.service.router.tokenizer_bundle import TokenizerBundle, bundle
 from pagedserve.service.router.vllm_replies import chunk, complete, kv_batch
-from pagedserve.service.router.vllm_requests import CONSTRAINED_DECODING_START, admit, input_chars
+from pagedserve.service.router.vllm_requests import admit, constrained_decoding_start, input_chars
 
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
 _VERSION = f"pagedserve {importlib.metadata.version('pagedserve')}"
@@ -182,7 +182,8 @@ class VllmEngineServicer:
             last_receive_timestamp=self._last_receive, uptime_seconds=time.time() - self._started,
             server_type="vllm-grpc", data_parallel_size=1, kv_cache_dtype=model.kv_cache_dtype,
             block_size=model.block_size, attention_backend=config.attention_backend, model_dtype=model.dtype,
-            max_num_seqs=config.max_num_seqs, constrained_decoding_start=CONSTRAINED_DECODING_START)
+            max_num_seqs=config.max_num_seqs, engine_reasoning_parser=model.reasoning_parser,
+            constrained_decoding_start=constrained_decoding_start(model.reasoning_parser))
 
     async def get_loads(self, raw: bytes, context: grpc.aio.ServicerContext) -> vpb.GetLoadsResponse:
         """The numbers behind the Prometheus gauges (vllm:num_requests_*, vllm:kv_cache_usage_perc)."""

@@ -1,0 +1,74 @@
+"""A reasoning model's chat answer -> OpenAI chat's `reasoning` and `content` (vLLM's `--reasoning-parser`), whole or
+as stream deltas.
+
+The thought is what the model writes before its end marker (engine/reasoning.py reads the text); the rest is
+content, which a tool-call format then reads as usual. A prompt that closed the thought already (Qwen3's template with
+`enable_thinking: false`), or a request that turned thinking off under a format that honours it, answers everything
+as content, as vLLM does. `include_reasoning: false` leaves the thought out (vLLM's request flag).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.reasoning import ReasoningFormat
+
+
+@dataclass(slots=True)
+class ThoughtReader:
+    """One choice's text, read as it grows; what was sent already is remembered for the deltas."""
+
+    format: ReasoningFormat
+    include: bool = True
+    content_only: bool = False  # the prompt closed the thought, or the request turned thinking off
+    sent_reasoning: int = 0
+    sent_content: int = 0
+
+    def whole(self, text: str) -> tuple[str | None, str]:
+        """(the thought, None when there is none or it is left out; the content)."""
+        if self.content_only:
+            return None, text
+        split = self.format.split(text, final=True)
+        return (split.reasoning or None) if self.include else None, split.content
+
+    def advance(self, text: str, final: bool) -> tuple[str, str]:
+        """(the thought's new text since the last call, the content so far)."""
+        if self.content_only:
+            return "", text
+        split = self.format.split(text, final)
+        new = split.reasoning[self.sent_reasoning:]
+        self.sent_reasoning = len(split.reasoning)
+        return (new if self.include else ""), split.content
+
+    def new_content(self, content: str) -> str:
+        """The content's new text since the last call (content without a tool-call format)."""
+        piece = content[self.sent_content:]
+        self.sent_content = len(content)
+        return piece
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningPlan:
+    """One chat request's reading of thoughts: the server's format and the request's flags."""
+
+    format: ReasoningFormat
+    include: bool = True
+    thinking_off: bool = False
+
+    def reader(self, thought_closed: bool | None) -> ThoughtReader:
+        """thought_closed: the engine's reading of the prompt (AdmittedRequest.thought_closed)."""
+        return ThoughtReader(self.format, self.include, content_only=bool(thought_closed) or self.thinking_off)
+
+
+def reasoning_plan(body: dict[str, Any], chat: bool, format: ReasoningFormat | None) -> ReasoningPlan | None:
+    """None: the answer is all content (no --reasoning-parser, or a completions request, which vLLM does not split)."""
+    include = body.get("include_reasoning", True)
+    if not isinstance(include, bool):
+        raise InvalidRequestError("include_reasoning", f"must be a boolean, got {include!r}")
+    if format is None or not chat:
+        return None
+    kwargs = body.get("chat_template_kwargs")
+    off = format.honours_enable_thinking and isinstance(kwargs, dict) and kwargs.get("enable_thinking") is False
+    return ReasoningPlan(format, include, off)

@@ -1,0 +1,185 @@
+"""Reasoning models' thoughts (`--reasoning-parser`, engine/reasoning.py) in the engine: a constrained request's
+grammar waits until the output closes the thought, unless the prompt closed it; and the text split into thought and
+content, whole or streamed.
+
+The model is the real default one (SmolLM2-135M-Instruct): given a few answers that think in `<think>...</think>`
+first, it writes its own thought and closes it, greedy, so the grammar's start is seen where the model put it."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+from structured_fixtures import assert_no_blocks_held, regex
+
+from pagedserve.engine import LLMEngine, SamplingParams
+from pagedserve.engine.admission import ChatPrompt, GenerationRequest, TextPrompt, TokensPrompt
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.core.sequence import FinishReason
+from pagedserve.engine.errors import ConfigError, InvalidRequestError
+from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions
+from pagedserve.engine.reasoning import REASONING_FORMATS, ReasoningFormat
+from pagedserve.service.openai.openai_reasoning import ThoughtReader, reasoning_plan
+
+R1 = REASONING_FORMATS.get("deepseek_r1")
+SHOTS = (("What is 2+2?", "<think>2 plus 2 makes 4.</think>The answer is 4."),
+         ("What color is the sky?", "<think>The sky looks blue in daylight.</think>The sky is blue."),
+         ("What is the capital of Italy?", "<think>Italy's capital city is Rome.</think>The capital of Italy is Rome."))
+QUESTIONS = ("What is the capital of France?", "What is 3+5?", "Name a fruit that is yellow.")
+YES_NO = "(yes|no)"
+
+
+def few_shot(question: str) -> tuple[ChatMessage, ...]:
+    messages = [ChatMessage("system", "Think inside <think></think> first, then answer.")]
+    for user, answer in SHOTS:
+        messages += [ChatMessage("user", user), ChatMessage("assistant", answer)]
+    return (*messages, ChatMessage("user", question))
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(max_model_len=1024, kv_cache_memory=64 << 20, reasoning_parser="deepseek_r1"))
+
+
+def run(engine: LLMEngine, prompt, params: SamplingParams, request_id: str = "r"):
+    admitted = engine.admission.admit(GenerationRequest(prompt, params))
+    engine.submit(request_id, admitted)
+    finished = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished = out
+    return admitted, finished
+
+
+def greedy(max_tokens: int = 64, constraint=None) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, constraint=constraint)
+
+
+@pytest.mark.parametrize("question", QUESTIONS)
+def test_the_grammar_applies_from_the_token_after_the_thought_closes(engine, question):
+    prompt = ChatPrompt(few_shot(question))
+    admitted, free = run(engine, prompt, greedy())
+    assert admitted.thought_closed is False  # the examples' closed thoughts are earlier turns, not this one
+    free_ids = free.outputs[0].token_ids
+    closes = next(k for k in range(1, len(free_ids) + 1) if "</think>" in engine.tokenizer.decode(list(free_ids[:k])))
+    _, held = run(engine, prompt, greedy(constraint=regex(YES_NO)))
+    out = held.outputs[0]
+    # Unmasked (the model's own tokens) up to the one that closes the thought, then only what the grammar allows.
+    assert out.token_ids[:closes] == free_ids[:closes]
+    thought, _, answer = out.text.partition("</think>")
+    assert re.fullmatch(YES_NO, answer), out.text
+    assert out.finish_reason == FinishReason.STOP and thought.startswith("<think>")
+    assert_no_blocks_held(engine)
+
+
+def test_a_prompt_that_closed_the_thought_is_constrained_from_the_first_token(engine):
+    text = engine.tokenizer.render_chat(few_shot(QUESTIONS[0]), ChatOptions()) + "<think>\n\n</think>\n\n"
+    admitted, out = run(engine, TextPrompt(text, add_special_tokens=False), greedy(constraint=regex(YES_NO)))
+    assert admitted.thought_closed is True and admitted.grammar_waits_for is None
+    assert re.fullmatch(YES_NO, out.outputs[0].text)
+
+
+def test_a_thought_that_never_closes_leaves_the_output_unconstrained(engine):
+    """As vLLM: the grammar waits for the end marker; an output cut by max_tokens inside the thought is the model's."""
+    prompt = TextPrompt("<think>Let me count slowly: one, two, three,", add_special_tokens=True)
+    _, free = run(engine, prompt, greedy(12))
+    admitted, held = run(engine, prompt, greedy(12, regex(YES_NO)))
+    assert "</think>" not in free.outputs[0].text and admitted.grammar_waits_for is not None
+    assert held.outputs[0].token_ids == free.outputs[0].token_ids
+    assert held.outputs[0].finish_reason == FinishReason.LENGTH
+
+
+def test_samples_forked_while_the_grammar_waits_each_wait_on_their_own(engine):
+    params = SamplingParams(temperature=0.7, seed=3, n=3, max_tokens=64, constraint=regex(YES_NO))
+    _, out = run(engine, ChatPrompt(few_shot(QUESTIONS[1])), params)
+    closed = 0
+    for sample in out.outputs:
+        thought, marker, answer = sample.text.partition("</think>")
+        if marker:
+            closed += 1
+            assert re.fullmatch(YES_NO, answer), sample.text
+        else:
+            assert sample.finish_reason == FinishReason.LENGTH
+    assert closed >= 1
+    assert_no_blocks_held(engine)
+
+
+def test_the_prompt_is_read_in_the_turn_being_answered(engine):
+    admit = engine.admission.admit
+    messages = few_shot(QUESTIONS[0])
+    rendered = engine.tokenizer.render_chat(messages, ChatOptions())
+    # The same text as a plain prompt has no turns: its last marker closes a thought (vLLM's whole-prompt reading).
+    assert admit(GenerationRequest(TextPrompt(rendered, False), greedy())).thought_closed is True
+    ids = tuple(engine.tokenizer.encode(rendered, False))
+    assert admit(GenerationRequest(TokensPrompt(ids), greedy())).thought_closed is True
+    continued = (*messages, ChatMessage("assistant", "<think>Paris, surely.</think>The"))
+    options = ChatOptions(add_generation_prompt=False, continue_final_message=True)
+    assert admit(GenerationRequest(ChatPrompt(continued, options), greedy())).thought_closed is True
+    opened = (*messages, ChatMessage("assistant", "<think>Paris"))
+    assert admit(GenerationRequest(ChatPrompt(opened, options), greedy())).thought_closed is False
+
+
+def test_an_engine_without_a_parser_reads_no_thought(llm_fp32):
+    admitted = llm_fp32.engine.admission.admit(GenerationRequest(TextPrompt("<think>a</think>"), greedy()))
+    assert admitted.thought_closed is None and admitted.grammar_waits_for is None
+
+
+def test_unknown_parser_is_refused_listing_the_known():
+    with pytest.raises(ConfigError, match="reasoning_parser.*supported: deepseek_r1, qwen3"):
+        from pagedserve.engine.build import check_backends
+        check_backends(EngineConfig(reasoning_parser="granite"))
+
+
+def test_reasoning_on_a_user_turn_is_refused_naming_it(engine):
+    bad = (ChatMessage("user", "hi", reasoning="no"),)
+    with pytest.raises(InvalidRequestError, match=r"chat\[0\]\.reasoning|messages\[0\]\.reasoning"):
+        engine.admission.admit(GenerationRequest(ChatPrompt(bad), greedy()))
+
+
+# --- the text read as thought and content ---------------------------------------------------------------------
+
+TEXTS = [
+    ("<think>abc</think>xyz", "abc", "xyz"),
+    ("abc</think>xyz", "abc", "xyz"),  # the prompt opened the thought
+    ("  <think>\nabc</think>", "\nabc", None),
+    ("<think>cut short", "cut short", None),  # deepseek_r1: an unclosed text is a thought cut by max_tokens
+    ("</think>only content", None, "only content"),
+    ("a </ b </think> c </think> d", "a </ b ", " c </think> d"),
+]
+
+
+@pytest.mark.parametrize(("text", "reasoning", "content"), TEXTS)
+def test_whole_text(text, reasoning, content):
+    assert ThoughtReader(R1).whole(text) == (reasoning, content or "")
+
+
+@pytest.mark.parametrize(("text", "reasoning", "content"), TEXTS)
+def test_any_split_streams_the_same_and_no_marker_piece_leaks(text, reasoning, content):
+    rng = random.Random(text)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(6, len(text) - 1))))
+        reader, thought, answer = ThoughtReader(R1), "", ""
+        for end in [*cuts, len(text)]:
+            new, so_far = reader.advance(text[:end], final=end == len(text))
+            thought, answer = thought + new, answer + reader.new_content(so_far)
+            assert "<th" not in thought + answer.replace("</think> d", "")
+        assert (thought or None, answer) == (reasoning, content or "")
+
+
+def test_unclosed_text_is_content_when_the_request_turned_thinking_off():
+    qwen3 = REASONING_FORMATS.get("qwen3")
+    off = reasoning_plan({"chat_template_kwargs": {"enable_thinking": False}}, True, qwen3)
+    assert off.reader(False).whole("plain answer") == (None, "plain answer")
+    assert reasoning_plan({}, True, qwen3).reader(False).whole("cut short") == ("cut short", "")
+    assert reasoning_plan({}, True, qwen3).reader(True).whole("a</think>b") == (None, "a</think>b")
+    assert reasoning_plan({"include_reasoning": False}, True, R1).reader(False).whole("a</think>b") == (None, "b")
+    assert reasoning_plan({}, False, R1) is None and reasoning_plan({}, True, None) is None
+    with pytest.raises(InvalidRequestError, match="include_reasoning"):
+        reasoning_plan({"include_reasoning": "yes"}, True, R1)
+
+
+def test_formats_need_two_markers():
+    with pytest.raises(ConfigError, match="reasoning_parser"):
+        ReasoningFormat("broken", "<t>", "<t>")
