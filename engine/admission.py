@@ -26,6 +26,7 @@ from pagedserve.engine.reasoning import ReasoningFormat, ThoughtEnd
 from pagedserve.engine.runner.seeded_sampling import SeededSampling
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.structured_output.backend import CompiledConstraint, GrammarState
+from pagedserve.engine.thought_budget import ThoughtBudget
 
 if TYPE_CHECKING:
     from pagedserve.engine.lora.weights import LoraWeights
@@ -70,6 +71,9 @@ class GenerationRequest:
     # vLLM's cache_salt: only requests with the same salt share prefix-cache blocks (tenants cannot probe each
     # other's prompts by timing); None shares with every other request without one
     cache_salt: str | None = None
+    # The constraint applies from the first token even behind a reasoning parser: the client's grammar already
+    # leads with the thought (the router protocol's grammar_from_first_token)
+    grammar_from_first_token: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +89,7 @@ class AdmittedRequest:
     # With a reasoning parser (None without): the prompt closed the thought, so the output starts as content
     thought_closed: bool | None = None
     grammar_waits_for: ThoughtEnd | None = None  # the constraint applies once the output closes the thought
+    budget: ThoughtBudget | None = None  # params.thinking_token_budget's starting state (None: no budget)
 
     def start(self, request_id: str, arrival_time: float) -> Sequence:
         """The request's first sequence, holding each feature's starting state (its forks copy them from it)."""
@@ -99,6 +104,8 @@ class AdmittedRequest:
             seq.features.attach(GrammarState(self.constraint.new_matcher(), self.grammar_waits_for))
         if self.adapter is not None:
             seq.features.attach(self.adapter)
+        if self.budget is not None:
+            seq.features.attach(self.budget.fork(0))
         return seq
 
 
@@ -143,8 +150,9 @@ class Admission:
         self.limits, self.encoder, self.compiler, self.adapters = limits, encoder, compiler, adapters
         self.reasoning = reasoning
         if reasoning is not None:
-            ids = encoder.encode(reasoning.end, False)
-            self.thought_end = ThoughtEnd(reasoning.end, ids[0] if len(ids) == 1 else None)
+            self.thought_end_ids = tuple(encoder.encode(reasoning.end, False))
+            self.thought_end = ThoughtEnd(reasoning.end, self.thought_end_ids[0] if len(self.thought_end_ids) == 1
+                                          else None)
 
     def admit(self, request: GenerationRequest) -> AdmittedRequest:
         adapter = self._adapter(request.adapter)
@@ -159,10 +167,13 @@ class Admission:
             params = params.with_bad_words_ids(self._bad_words_ids(params.bad_words))
         params.check_vocab(self.limits.vocab_size)
         constraint = self._compile(params.constraint)
-        closed = None if self.reasoning is None else self._thought_closed(request.prompt, text, ids)
-        waits_for = self.thought_end if constraint is not None and closed is False else None
+        turn = None if self.reasoning is None else self._current_turn(request.prompt, text, ids)
+        closed = None if turn is None else self.reasoning.closed_in(turn)
+        waits_for = self.thought_end if constraint is not None and closed is False \
+            and not request.grammar_from_first_token else None
         return AdmittedRequest(tuple(ids), params, truncated, constraint, adapter, salt_key(request.cache_salt),
-                               thought_closed=closed, grammar_waits_for=waits_for)
+                               thought_closed=closed, grammar_waits_for=waits_for,
+                               budget=self._budget(params.thinking_token_budget, turn, closed))
 
     def _adapter(self, name: str | None) -> LoraWeights | None:
         if name is None:
@@ -199,14 +210,24 @@ class Admission:
             raise InvalidRequestError(field, "the prompt is empty")
         return ids, field, text
 
-    def _thought_closed(self, prompt: Prompt, text: str | None, ids: list[int]) -> bool:
-        """Whether the prompt closed the thought: read in the turn being answered only, so a thought closed in an
-        earlier turn or a few-shot example does not count (vLLM reads the whole prompt and is fooled by them)."""
+    def _current_turn(self, prompt: Prompt, text: str | None, ids: list[int]) -> str:
+        """The prompt text whose thought markers count: the turn being answered only, so a thought closed in an
+        earlier turn or a few-shot example does not (vLLM reads the whole prompt and is fooled by them)."""
         if text is None:
             text = self.encoder.decode(ids, skip_special_tokens=False)
         if isinstance(prompt, ChatPrompt):
             text = _current_turn(text, prompt.messages[-1], prompt.options.continue_final_message)
-        return self.reasoning.closed_in(text)
+        return text
+
+    def _budget(self, budget: int | None, turn: str | None, closed: bool | None) -> ThoughtBudget | None:
+        if budget is None:
+            return None
+        if self.reasoning is None:
+            raise InvalidRequestError("thinking_token_budget", "needs a server started with --reasoning-parser (the "
+                                      "model's thought markers)")
+        if closed:
+            return None  # the prompt closed the thought: nothing to count
+        return ThoughtBudget(budget, self.thought_end_ids, self.reasoning, self.reasoning.opened_in(turn))
 
     def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each word as the model writes it alone and after a space (vLLM's two spellings), each once."""

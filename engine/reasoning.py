@@ -46,6 +46,11 @@ class ReasoningFormat:
         end = text.rfind(self.end)
         return end != -1 and end > text.rfind(self.start)
 
+    def opened_in(self, text: str) -> bool:
+        """Whether `text` ends inside a thought: its last start marker comes after its last end marker."""
+        start = text.rfind(self.start)
+        return start != -1 and start > text.rfind(self.end)
+
     def split(self, text: str, final: bool) -> ThoughtSplit:
         """An output read as thought, then content. A leading start marker is dropped (the model may open the thought
         itself, or the prompt did). While the text grows (`final` False), a tail that could still become a marker is

@@ -70,6 +70,9 @@ class SamplingParams:
     # False: this request never gets speculative drafts, even on an engine that speculates (its tokens are the
     # same either way for greedy, and equally distributed for sampling; only the step cost differs)
     speculative: bool = True
+    # vLLM's thinking_token_budget: a reasoning model's open thought takes at most this many tokens, then its end
+    # marker is forced (engine/thought_budget.py); needs an engine with a reasoning parser. None: no limit
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         self._normalise_sequences()
@@ -136,6 +139,8 @@ class SamplingParams:
                 _within("logit_bias", bias, LOGIT_BIAS_RANGE)
         if self.constraint is not None and not isinstance(self.constraint, OutputConstraint):
             raise InvalidRequestError("constraint", f"must be an OutputConstraint, got {type(self.constraint).__name__}")
+        if self.thinking_token_budget is not None:
+            _integer("thinking_token_budget", self.thinking_token_budget, 0)
         if not isinstance(self.speculative, bool):
             raise InvalidRequestError("speculative", f"must be true or false, got {self.speculative!r}")
         if self.n > 1 and self.temperature == 0:

@@ -132,6 +132,15 @@ def test_a_forced_tool_call_follows_the_thought(client):
     jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
 
 
+def test_a_thinking_budget_cuts_the_thought_short_and_the_model_answers(client):
+    free = chat(client, QUESTIONS[1]).message
+    capped = chat(client, QUESTIONS[1], extra_body={"thinking_token_budget": 3}).message
+    assert free.reasoning.startswith(capped.reasoning) and 0 < len(capped.reasoning) < len(free.reasoning)
+    assert capped.content and "</think>" not in capped.reasoning
+    thought, content, _ = streamed(client, QUESTIONS[1], extra_body={"thinking_token_budget": 3})
+    assert (thought, content) == (capped.reasoning, capped.content)
+
+
 def test_a_prompt_that_closed_the_thought_answers_all_content(server, client):
     off = {"chat_template": TEMPLATE, "chat_template_kwargs": {"enable_thinking": False}}
     body = {"messages": messages(QUESTIONS[0]), **off}
@@ -167,6 +176,27 @@ def test_the_router_learns_the_parser_and_that_constraints_wait_for_the_thought(
     with grpc.insecure_channel(server.target) as channel:
         info = vgrpc.VllmEngineStub(channel).GetServerInfo(vpb.GetServerInfoRequest(), timeout=30)
     assert (info.engine_reasoning_parser, info.constrained_decoding_start) == ("deepseek_r1", "after_reasoning")
+
+
+def _router_text(server, text: str, **fields) -> str:
+    request = vpb.GenerateRequest(request_id="reasoning", text=text, sampling_params=vpb.SamplingParams(
+        temperature=0, max_tokens=64, json_schema=json.dumps(ANSWER), **fields))
+    with grpc.insecure_channel(server.target) as channel:
+        replies = list(vgrpc.VllmEngineStub(channel).Generate(request, timeout=300))
+    (complete,) = [r.complete for r in replies if r.WhichOneof("response") == "complete"]
+    return requests.post(f"{server.http_url}/detokenize", json={"model": MODEL, "tokens": list(complete.output_ids)},
+                         timeout=60).json()["prompt"]
+
+
+def test_router_constraints_wait_for_the_thought_unless_the_gateway_says_it_leads_with_it(server):
+    ids = requests.post(f"{server.http_url}/tokenize", json={"model": MODEL, "messages": messages(QUESTIONS[0])},
+                        timeout=60).json()["tokens"]
+    text = requests.post(f"{server.http_url}/detokenize", json={"model": MODEL, "tokens": ids}, timeout=60).json()
+    opened = text["prompt"] + "<think>\n"  # a prompt that leaves the thought open, as DeepSeek-R1's template does
+    thought, marker, answer = _router_text(server, opened).partition("</think>")
+    assert marker and thought.strip()  # the model thought freely, then the grammar applied
+    jsonschema.validate(json.loads(answer), ANSWER)
+    jsonschema.validate(json.loads(_router_text(server, opened, grammar_from_first_token=True)), ANSWER)
 
 
 def test_bad_include_reasoning_is_a_400_naming_it(server):

@@ -183,3 +183,59 @@ def test_unclosed_text_is_content_when_the_request_turned_thinking_off():
 def test_formats_need_two_markers():
     with pytest.raises(ConfigError, match="reasoning_parser"):
         ReasoningFormat("broken", "<t>", "<t>")
+
+
+# --- thinking_token_budget ------------------------------------------------------------------------------------
+
+
+def _opens(engine, ids) -> int:
+    """How many of `ids` it takes for the text to hold the start marker."""
+    return next(k for k in range(1, len(ids) + 1) if "<think>" in engine.tokenizer.decode(list(ids[:k])))
+
+
+@pytest.mark.parametrize("budget", [0, 3])
+def test_a_spent_budget_forces_the_end_marker_after_the_model_opened_the_thought(engine, budget):
+    prompt = ChatPrompt(few_shot(QUESTIONS[2]))
+    _, free = run(engine, prompt, greedy())
+    free_ids = free.outputs[0].token_ids
+    opened = _opens(engine, free_ids)
+    _, capped = run(engine, prompt, SamplingParams(temperature=0, max_tokens=64, thinking_token_budget=budget))
+    ids, end_ids = capped.outputs[0].token_ids, tuple(engine.tokenizer.encode("</think>", False))
+    assert len(free.outputs[0].text.partition("</think>")[0]) > 0 and "</think>" not in engine.tokenizer.decode(
+        list(free_ids[:opened + budget]))  # the model's own thought is longer than the budget
+    assert ids[:opened + budget] == free_ids[:opened + budget]
+    assert ids[opened + budget:opened + budget + len(end_ids)] == end_ids
+    assert capped.outputs[0].text.count("</think>") >= 1
+    assert_no_blocks_held(engine)
+
+
+def test_a_budget_the_thought_stays_within_changes_nothing(engine):
+    prompt = ChatPrompt(few_shot(QUESTIONS[0]))
+    _, free = run(engine, prompt, greedy())
+    _, roomy = run(engine, prompt, SamplingParams(temperature=0, max_tokens=64, thinking_token_budget=40))
+    assert roomy.outputs[0].token_ids == free.outputs[0].token_ids
+
+
+def test_budget_zero_on_a_prompt_that_opened_the_thought_answers_at_once_and_the_grammar_follows(engine):
+    text = engine.tokenizer.render_chat(few_shot(QUESTIONS[0]), ChatOptions()) + "<think>\n"
+    prompt = TextPrompt(text, add_special_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=32, thinking_token_budget=0, constraint=regex(YES_NO))
+    admitted, out = run(engine, prompt, params)
+    end_ids = tuple(engine.tokenizer.encode("</think>", False))
+    assert admitted.budget.opened and out.outputs[0].token_ids[:len(end_ids)] == end_ids
+    assert re.fullmatch(YES_NO, out.outputs[0].text.removeprefix("</think>"))
+
+
+def test_a_prompt_that_closed_the_thought_starts_no_budget(engine):
+    text = engine.tokenizer.render_chat(few_shot(QUESTIONS[0]), ChatOptions()) + "<think>\n\n</think>\n\n"
+    prompt = TextPrompt(text, add_special_tokens=False)
+    _, free = run(engine, prompt, greedy(16))
+    admitted, capped = run(engine, prompt, SamplingParams(temperature=0, max_tokens=16, thinking_token_budget=0))
+    assert admitted.budget is None and capped.outputs[0].token_ids == free.outputs[0].token_ids
+
+
+def test_budget_errors_name_the_field(llm_fp32):
+    with pytest.raises(InvalidRequestError, match="thinking_token_budget: must be >= 0"):
+        SamplingParams(thinking_token_budget=-1)
+    with pytest.raises(InvalidRequestError, match="thinking_token_budget: needs a server started with --reasoning"):
+        llm_fp32.engine.admission.admit(GenerationRequest(TextPrompt("Hi"), SamplingParams(thinking_token_budget=4)))

@@ -16,7 +16,9 @@ from pagedserve.engine.lora.weights import LoraWeights
 from pagedserve.engine.runner.seeded_sampling import SeededSampling, generator_for
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.spec_decode.drafter import SpecBackoff
+from pagedserve.engine.reasoning import REASONING_FORMATS, ThoughtEnd
 from pagedserve.engine.structured_output.backend import ConstraintMatcher, GrammarState
+from pagedserve.engine.thought_budget import ThoughtBudget
 
 
 class _Matcher(ConstraintMatcher):
@@ -43,14 +45,15 @@ def _sequence() -> Sequence:
     seq = Sequence("r", 0, [1, 2, 3], 3, SamplingParams(n=3, seed=5), SequenceMetrics(0.0), pending_forks=2)
     info = AdapterInfo("a", 7, "/x", 1, ())
     seq.adapter = info
-    for state in (DetokState(1, 3), SeededSampling.start(5), GrammarState(_Matcher(4)), LoraWeights(info, ()),
-                  SpecBackoff(3, 2)):
+    budget = ThoughtBudget(2, (8, 9), REASONING_FORMATS.get("qwen3"), opened=True, forced=1)
+    for state in (DetokState(1, 3), SeededSampling.start(5), GrammarState(_Matcher(4), ThoughtEnd("</think>")),
+                  LoraWeights(info, ()), SpecBackoff(3, 2), budget):
         seq.features.attach(state)
     return seq
 
 
 def test_every_feature_kind_is_a_slotted_dataclass_with_its_own_fork():
-    kinds = {DetokState, SeededSampling, GrammarState, LoraWeights, SpecBackoff}
+    kinds = {DetokState, SeededSampling, GrammarState, LoraWeights, SpecBackoff, ThoughtBudget}
     assert kinds <= set(FEATURE_KINDS.values())
     for kind in FEATURE_KINDS.values():
         assert kind.fork is not SeqFeature.fork, kind
@@ -69,9 +72,14 @@ def test_fork_forks_every_state_by_its_own_rule():
     assert torch.equal(torch.rand(4, generator=sampling.generator), torch.rand(4, generator=generator_for(5, 2)))
     grammar = child.features.of(GrammarState)
     assert grammar.matcher.position == 4 and grammar.matcher is not seq.features.of(GrammarState).matcher
+    assert grammar.waits_for == ThoughtEnd("</think>")  # a sample forked inside the thought waits on its own
+    grammar.watch(0, "</think>")
+    assert grammar.applies and not seq.features.of(GrammarState).applies
+    budget = child.features.of(ThoughtBudget)
+    assert (budget.left, budget.forced, budget.opened) == (2, 1, True) and budget is not seq.features.of(ThoughtBudget)
     assert child.features.of(LoraWeights) is seq.features.of(LoraWeights)  # samples share their adapter
     assert child.features.of(SpecBackoff) is None  # a forked sample speculates afresh
-    assert set(child.features) == {DetokState, SeededSampling, GrammarState, LoraWeights}
+    assert set(child.features) == {DetokState, SeededSampling, GrammarState, LoraWeights, ThoughtBudget}
 
 
 def test_a_sequence_holds_no_untyped_per_feature_field():

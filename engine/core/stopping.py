@@ -6,6 +6,7 @@ from __future__ import annotations
 from pagedserve.engine.core.sequence import FinishReason, Sequence, TokenLogprob, now
 from pagedserve.engine.loading.tokenizer import DetokState, Tokenizer, detokenize_step
 from pagedserve.engine.structured_output.backend import GrammarState
+from pagedserve.engine.thought_budget import ThoughtBudget
 
 
 class StopRules:
@@ -26,6 +27,9 @@ class StopRules:
         done = apply_token(seq, token, logprob, self.tokenizer, self.max_model_len)
         if grammar is not None and not grammar.applies:
             grammar.watch(token, seq.text.tail(max(0, before - len(grammar.waits_for.text) + 1)))
+        budget = seq.features.get(ThoughtBudget)
+        if budget is not None and budget.active:
+            budget.note(token, seq.text.tail(max(0, before - budget.watch_chars)))
         return done
 
 

@@ -31,6 +31,7 @@ from pagedserve.engine.runner.native_capacity import NO_NATIVE_STEP, NativeCapac
 from pagedserve.engine.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
 from pagedserve.engine.spec_decode.ngram import draft_count, find_ngram
 from pagedserve.engine.structured_output.backend import GrammarState
+from pagedserve.engine.thought_budget import budget_active
 
 MAX_BACKOFF_STEPS = 16
 
@@ -103,4 +104,4 @@ class Drafter:
         # bad words depend on the tokens before each position, which the verifier's rows do not carry for drafts
         return (p.speculative and GrammarState not in seq.features and not p.needs_penalties and not p.bad_words_ids
                 and seq.pending_forks == 0 and seq.num_output_tokens >= p.min_tokens
-                and seq.num_computed_tokens + 1 == seq.num_tokens)
+                and seq.num_computed_tokens + 1 == seq.num_tokens and not budget_active(seq))

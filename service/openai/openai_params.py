@@ -35,7 +35,7 @@ _COMMON = frozenset({
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens",
     "return_token_ids", "truncate_prompt_tokens", "priority", "bad_words", "allowed_token_ids", "prompt_logprobs",
     "request_id", "use_beam_search", "length_penalty", "logits_processors", "return_tokens_as_token_ids",
-    "cache_salt", "kv_transfer_params", "vllm_xargs", *STRUCTURED_PARAMS,
+    "cache_salt", "kv_transfer_params", "vllm_xargs", "thinking_token_budget", *STRUCTURED_PARAMS,
 })
 COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix", "prompt_embeds"}
 # vLLM extras that would change the answer in ways this server does not do: refused naming why, never ignored.
@@ -57,7 +57,7 @@ CHAT_PARAMS = _COMMON | {
 # OpenAI parameter -> SamplingParams field, where the value passes unchanged.
 _DIRECT = ("n", "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
            "stop", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output", "allowed_token_ids",
-           "bad_words", "skip_special_tokens")
+           "bad_words", "skip_special_tokens", "thinking_token_budget")
 
 
 MAX_BATCH = 64  # prompts in one /v1/completions request

@@ -48,7 +48,8 @@ def admit(request: vpb.GenerateRequest, engine_admit: Callable[[GenerationReques
     with renamed(_proto_field):
         truncate = s.truncate_prompt_tokens if s.HasField("truncate_prompt_tokens") else None
         # An unset max_tokens means "until the context is full", as in vLLM.
-        return engine_admit(GenerationRequest(_prompt(request), _sampling_params(s), truncate_prompt_tokens=truncate))
+        return engine_admit(GenerationRequest(_prompt(request), _sampling_params(s), truncate_prompt_tokens=truncate,
+                                              grammar_from_first_token=s.grammar_from_first_token))
 
 
 def _proto_field(field: str) -> str:
