@@ -239,3 +239,27 @@ def test_budget_errors_name_the_field(llm_fp32):
         SamplingParams(thinking_token_budget=-1)
     with pytest.raises(InvalidRequestError, match="thinking_token_budget: needs a server started with --reasoning"):
         llm_fp32.engine.admission.admit(GenerationRequest(TextPrompt("Hi"), SamplingParams(thinking_token_budget=4)))
+
+
+def test_markers_held_as_special_tokens_open_the_grammar_by_id(tmp_path):
+    """Real reasoning tokenizers hold the markers as single tokens. Added as special tokens here, the end marker
+    never reaches the text (skip_special_tokens), so only its id can open the grammar."""
+    from conftest import make_tiny_model
+    from transformers import AutoTokenizer
+
+    path = make_tiny_model(tmp_path, vocab_size=49160)
+    hf = AutoTokenizer.from_pretrained(path)
+    hf.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    hf.save_pretrained(path)
+    start_id, end_id = hf.convert_tokens_to_ids(["<think>", "</think>"])
+    tiny = LLMEngine(EngineConfig(model=str(path), dtype="float32", reasoning_parser="qwen3"))
+    assert tiny.admission.thought_end.token_id == end_id
+    opened = TokensPrompt((5, 6, start_id))
+    # The bias makes the end marker the first token; from the next one the grammar masks it out.
+    params = SamplingParams(temperature=0, max_tokens=16, logit_bias={end_id: 100.0}, constraint=regex("[ab]{1,4}"))
+    admitted, out = run(tiny, opened, params)
+    assert admitted.grammar_waits_for.token_id == end_id and out.outputs[0].token_ids[0] == end_id
+    assert re.fullmatch("[ab]{1,4}", out.outputs[0].text), out.outputs[0].text
+    budget = SamplingParams(temperature=0, max_tokens=6, thinking_token_budget=2, logit_bias={end_id: -100.0})
+    _, capped = run(tiny, opened, budget)
+    assert capped.outputs[0].token_ids[2] == end_id and end_id not in capped.outputs[0].token_ids[:2]
