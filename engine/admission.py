@@ -74,6 +74,7 @@ class GenerationRequest:
     # The constraint applies from the first token even behind a reasoning parser: the client's grammar already
     # leads with the thought (the router protocol's grammar_from_first_token)
     grammar_from_first_token: bool = False
+    priority: int = 0  # lower goes first under --scheduling-policy priority; refused otherwise unless 0 (as vLLM)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,13 +91,14 @@ class AdmittedRequest:
     thought_closed: bool | None = None
     grammar_waits_for: ThoughtEnd | None = None  # the constraint applies once the output closes the thought
     budget: ThoughtBudget | None = None  # params.thinking_token_budget's starting state (None: no budget)
+    priority: int = 0
 
     def start(self, request_id: str, arrival_time: float) -> Sequence:
         """The request's first sequence, holding each feature's starting state (its forks copy them from it)."""
         ids, params = self.prompt_token_ids, self.params
         seq = Sequence(request_id, 0, list(ids), len(ids), params, SequenceMetrics(arrival_time),
                        pending_forks=params.n - 1, adapter=None if self.adapter is None else self.adapter.info,
-                       cache_salt=self.cache_salt)
+                       cache_salt=self.cache_salt, priority=self.priority)
         seq.features.attach(start_detok(len(ids)))
         if params.seed is not None:
             seq.features.attach(SeededSampling.start(params.seed))
@@ -146,15 +148,17 @@ class Admission:
     output to close it otherwise (engine/reasoning.py)."""
 
     def __init__(self, limits: ModelLimits, encoder: PromptEncoder, compiler: ConstraintCompiler | None = None,
-                 adapters: AdapterResolver | None = None, reasoning: ReasoningFormat | None = None):
+                 adapters: AdapterResolver | None = None, reasoning: ReasoningFormat | None = None,
+                 priority_scheduling: bool = False):
         self.limits, self.encoder, self.compiler, self.adapters = limits, encoder, compiler, adapters
-        self.reasoning = reasoning
+        self.reasoning, self.priority_scheduling = reasoning, priority_scheduling
         if reasoning is not None:
             self.thought_end_ids = tuple(encoder.encode(reasoning.end, False))
             self.thought_end = ThoughtEnd(reasoning.end, self.thought_end_ids[0] if len(self.thought_end_ids) == 1
                                           else None)
 
     def admit(self, request: GenerationRequest) -> AdmittedRequest:
+        self._check_priority(request.priority)
         adapter = self._adapter(request.adapter)
         ids, field, text = self._prompt_ids(request.prompt)
         ids, truncated = self._truncate(ids, request.truncate_prompt_tokens)
@@ -173,7 +177,15 @@ class Admission:
             and not request.grammar_from_first_token else None
         return AdmittedRequest(tuple(ids), params, truncated, constraint, adapter, salt_key(request.cache_salt),
                                thought_closed=closed, grammar_waits_for=waits_for,
-                               budget=self._budget(params.thinking_token_budget, turn, closed))
+                               budget=self._budget(params.thinking_token_budget, turn, closed),
+                               priority=request.priority)
+
+    def _check_priority(self, priority: object) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -2**63 <= priority < 2**63:
+            raise InvalidRequestError("priority", f"must be a 64-bit integer, got {priority!r}")
+        if priority and not self.priority_scheduling:
+            raise InvalidRequestError("priority", f"got {priority}, but this server schedules first come, first "
+                                      "served (--scheduling-policy priority takes priorities, as in vLLM)")
 
     def _adapter(self, name: str | None) -> LoraWeights | None:
         if name is None:

@@ -14,6 +14,7 @@ from pagedserve.engine.admission import Admission, ModelLimits
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.block_manager import BlockManager
 from pagedserve.engine.core.scheduler import Scheduler
+from pagedserve.engine.core.scheduling_policy import SchedulingPolicy
 from pagedserve.engine.core.stopping import StopRules
 from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.loading.chat_template import read_template_file
@@ -98,14 +99,16 @@ def build_engine(config: EngineConfig) -> EngineParts:
         AdapterManager(lora, runner.lora_layout, lora_dtype(loaded.dtype, device), device)
     drafter = None if config.speculative is None else Drafter(config.speculative, max_len, runner.native_capacity)
     scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                          None if lora is None else lora.max_loras, drafter=drafter, stop=StopRules(tokenizer, max_len))
+                          None if lora is None else lora.max_loras, drafter=drafter, stop=StopRules(tokenizer, max_len),
+                          policy=SchedulingPolicy(config.scheduling_policy))
     scheduler.long_rope_after = blocks.long_rope_after = runner.long_rope_after  # LongRoPE's switch (None: no switch)
     grammar = functools.partial(CONSTRAINT_BACKENDS.get(config.structured_output_backend), tokenizer.hf,
                                 runner.vocab_size, tokenizer.eos_token_ids)
     constraints = ConstraintCompiler(grammar, config.constraint_compile_timeout_s)
     limits = ModelLimits(runner.vocab_size, max_len, _kv_tokens(blocks, config, max_len))
     reasoning = REASONING_FORMATS.get(config.reasoning_parser) if config.reasoning_parser else None
-    admission = Admission(limits, tokenizer, constraints, adapters, reasoning)
+    admission = Admission(limits, tokenizer, constraints, adapters, reasoning,
+                          priority_scheduling=config.scheduling_policy == SchedulingPolicy.PRIORITY)
     description = _describe(config, source, loaded, runner, tokenizer, blocks)
     return EngineParts(config, source, loaded, tokenizer, runner, blocks, scheduler, constraints, admission, adapters,
                        description)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.engine.core.scheduling_policy import SCHEDULING_POLICIES
 from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.lora.config import LoraConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
@@ -24,7 +25,8 @@ GGUF_WEIGHTS = ("auto", "packed", "dequantized")  # engine/loading/model_loader.
 
 def field_choices() -> dict[str, tuple[str, ...]]:
     """The names each named field that is not a backend accepts (backends: `engine/build.py: backend_choices`)."""
-    return {"kv_cache_dtype": ("auto", *KV_DTYPE_ALIASES, *(kv.value for kv in KVDtype)), "gguf_weights": GGUF_WEIGHTS}
+    return {"kv_cache_dtype": ("auto", *KV_DTYPE_ALIASES, *(kv.value for kv in KVDtype)), "gguf_weights": GGUF_WEIGHTS,
+            "scheduling_policy": SCHEDULING_POLICIES}
 
 
 def parse_dtype(name: str) -> torch.dtype | None:
@@ -94,6 +96,9 @@ class EngineConfig:
     # vLLM's --async-scheduling: a decode step is launched before the step in flight's tokens are read, so the host's
     # per-step work overlaps the device's (engine/core/lookahead.py). Steps that sample on the host stay synchronous.
     async_scheduling: bool = False
+    # vLLM's --scheduling-policy (engine/core/scheduling_policy.py): "fcfs", or "priority" (requests carry a priority,
+    # lower first; without it a non-zero priority is refused)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

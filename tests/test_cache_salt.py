@@ -70,3 +70,6 @@ def test_v1_cache_salt(shared_server):  # noqa: F811
         with pytest.raises(ClientError) as info:
             client.complete("x", cache_salt="")
         assert info.value.field == "cache_salt"
+        with pytest.raises(ClientError) as info:  # a first-come-first-served server takes no priorities
+            client.complete("x", priority=3)
+        assert info.value.field == "priority"

@@ -2,7 +2,8 @@
 
 There are no prefill or decode phases: each running sequence computes the gap between its computed and its
 total tokens, limited by a per-step token budget, so chunked prefill and mixed prefill+decode batches fall out.
-Under KV pressure the newest running sequence is preempted and later recomputed (its outputs are kept).
+Under KV pressure the running sequence that ranks last (`scheduling_policy.py`: the newest, or the lowest priority)
+is preempted and later recomputed (its outputs are kept).
 
 LoRA: at most `max_loras` distinct adapters among the running sequences (so in any step; the base is not counted).
 A waiting request whose adapter would exceed it is passed only by requests of the base or of an adapter already
@@ -24,6 +25,7 @@ from collections import deque
 
 from pagedserve.engine.core.block_manager import BlockManager, PrefixHit
 from pagedserve.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepUpdate
+from pagedserve.engine.core.scheduling_policy import SchedulingPolicy
 from pagedserve.engine.core.sequence import FinishReason, Sequence, SeqStatus, TokenLogprob, now
 from pagedserve.engine.core.step_output import SeqSample, StepOutput
 from pagedserve.engine.core.stopping import StopRules
@@ -40,7 +42,7 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_loras: int | None = None, lora_pass_steps: int = LORA_PASS_STEPS, drafter: Drafter | None = None,
-                 stop: StopRules | None = None):
+                 stop: StopRules | None = None, policy: SchedulingPolicy = SchedulingPolicy.FCFS):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -56,9 +58,10 @@ class Scheduler:
         self._passed_steps: dict[Sequence, int] = {}  # a request blocked by the adapter cap -> steps it was passed
         self.drafter = drafter  # None: no speculative decoding
         self.stop = stop  # the stop rules `update` appends through
+        self.policy = policy
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.policy.enqueue(self.waiting, seq)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -68,6 +71,7 @@ class Scheduler:
         index = 0
         speculate = self.drafter is not None and self.drafter.active(len(self.running))
         per_seq = self.drafter.drafts_per_sequence(len(self.running)) if speculate else 0
+        self.policy.order_running(self.running)
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             if self._crossed_long_rope(seq):
@@ -79,7 +83,7 @@ class Scheduler:
             drafts = self._drafts(seq, min(per_seq, budget - num_new)) if per_seq else ()
             num_new += len(drafts)
             while not self.block_manager.can_allocate(seq, num_new):
-                victim = self.running.pop()  # the newest running sequence gives way
+                victim = self.running.pop()  # the one that ranks last gives way
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -178,7 +182,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.policy.enqueue(self.waiting, seq, preempted=True)
 
     def commit(self, output: SchedulerOutput) -> None:
         """The forward for `output` ran: its tokens are now computed, full blocks become shareable, and blocks that

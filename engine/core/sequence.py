@@ -99,6 +99,7 @@ class Sequence:
     pending_forks: int = 0  # extra samples (n - 1) still to be forked off after the first sampled token
     adapter: AdapterInfo | None = None  # the request's LoRA adapter (None: the base); part of the prefix-cache key
     cache_salt: int | None = None  # the request's cache salt key (engine/admission.py salt_key); part of it too
+    priority: int = 0  # lower is scheduled earlier under the priority policy (engine/core/scheduling_policy.py)
     # Every feature's own state (seeded sampling, grammar matcher, adapter weights, speculation back-off, the
     # detokenizer): `engine/core/seq_features.py`.
     features: SeqFeatures = field(default_factory=SeqFeatures)
@@ -161,6 +162,7 @@ class Sequence:
             block_hashes=list(self.block_hashes),
             adapter=self.adapter,
             cache_salt=self.cache_salt,
+            priority=self.priority,
             features=self.features.fork(index),
         )
         return child

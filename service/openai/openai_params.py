@@ -137,7 +137,8 @@ def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings
         params = _sampling_params(body, chat, logprobs, requested)
     truncate = _truncate(body)
     prompts = tuple(PromptInput(GenerationRequest(prompt, params, max_tokens_is_default=default, adapter=adapter,
-                                                  truncate_prompt_tokens=truncate, cache_salt=body.get("cache_salt")),
+                                                  truncate_prompt_tokens=truncate, cache_salt=body.get("cache_salt"),
+                                                  priority=body.get("priority", 0)),
                                 text, field)
                     for prompt, text, field in shapes)
     stream = _bool(body, "stream", False)
@@ -196,9 +197,6 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
         if _bool(body, "echo", False) and not chat and "logprobs" in body:
             raise InvalidRequestError("echo", "echo with logprobs is not available with stream: true (the prompt's "
                                       "logprobs come with the whole response)")
-    if body.get("priority", 0) != 0:
-        raise InvalidRequestError("priority", f"got {body['priority']!r}, but this server schedules first come, "
-                                  "first served (vLLM without --scheduling-policy priority refuses it the same way)")
 
 
 def _names(body: dict[str, Any], chat: bool) -> dict[str, str]:

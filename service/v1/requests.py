@@ -75,7 +75,8 @@ def generation_request(request: pb.GenerateRequest) -> GenerationRequest:
     return GenerationRequest(_prompt(request), sampling_params(request),
                              max_tokens_is_default=not stopping.HasField("max_new_tokens"),
                              truncate_prompt_tokens=truncate, adapter=request.adapter or None,
-                             cache_salt=request.cache_salt if request.HasField("cache_salt") else None)
+                             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+                             priority=request.priority)
 
 
 def _time_limit_s(stopping: pb.StoppingOptions) -> float | None:

@@ -52,6 +52,7 @@ class GenerateOptions:
     constraint: Constraint | None = None  # structured output: JsonSchema, JsonObject, Regex, Grammar, Choice, ...
     adapter: str | None = None  # a LoRA adapter's name (list_adapters()); None: the base model
     cache_salt: str | None = None  # share prefix-cache blocks only with requests of the same salt
+    priority: int = 0  # lower goes first on a server started with --scheduling-policy priority
     request_id: str = ""
 
     @classmethod
@@ -69,7 +70,8 @@ _STOPPING = ("max_new_tokens", "min_new_tokens", "ignore_eos", "include_stop_seq
 
 
 def build_request(prompt: Prompt, options: GenerateOptions) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(request_id=options.request_id, adapter=options.adapter or "")
+    request = pb.GenerateRequest(request_id=options.request_id, adapter=options.adapter or "",
+                                 priority=options.priority)
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt and isinstance(prompt[0], Message):
