@@ -207,3 +207,18 @@ def test_bad_include_reasoning_is_a_400_naming_it(server):
 
 def test_the_known_formats():
     assert REASONING_FORMATS.names() == ["deepseek_r1", "qwen3"]
+
+
+def test_responses_carry_the_thought_as_a_reasoning_item(client):
+    whole = chat(client, QUESTIONS[0]).message
+    kwargs = dict(model=MODEL, input=messages(QUESTIONS[0]), max_output_tokens=64, temperature=0)
+    response = client.responses.create(**kwargs)
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output[0].content[0].text == whole.reasoning and response.output_text == whole.content
+    assert 0 < response.usage.output_tokens_details.reasoning_tokens < response.usage.output_tokens
+    events = list(client.responses.create(**kwargs, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == whole.reasoning
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.content
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "message"] and final.output_text == whole.content
+    assert final.usage.output_tokens_details.reasoning_tokens == response.usage.output_tokens_details.reasoning_tokens

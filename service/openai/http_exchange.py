@@ -111,12 +111,17 @@ class Exchange:
     async def start_sse(self) -> None:
         await self._start(200, SSE_HEADERS)
 
-    async def sse(self, payload: Any) -> None:
+    async def sse(self, payload: Any, event: str | None = None) -> None:
+        """One event: `data:` JSON, after an `event:` line when named (the Responses API names each event)."""
         data = b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+        if event is not None:
+            data = b"event: " + event.encode() + b"\n" + data
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
-    async def end_sse(self) -> None:
-        await self._send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+    async def end_sse(self, done_marker: bool = True) -> None:
+        """The stream's end: `data: [DONE]` (chat and completions), or nothing more (the Responses API)."""
+        await self._send({"type": "http.response.body", "body": b"data: [DONE]\n\n" if done_marker else b"",
+                          "more_body": False})
 
     async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started, self.status = True, status

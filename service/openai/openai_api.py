@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API (Starlette app): /v1/completions, /v1/chat/completions, /v1/models, /health,
+"""The OpenAI-compatible HTTP API (Starlette app): /v1/completions, /v1/chat/completions, /v1/responses (their
+routes: generate_routes.py), /v1/models, /health,
 Prometheus /metrics (as vLLM serves it on its API port), and vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter,
 /tokenize, /detokenize and /version.
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,19 +22,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from pagedserve.engine.admission import AdmittedRequest
 from pagedserve.engine.lora.config import AdapterInfo
 from pagedserve.engine.reasoning import REASONING_FORMATS, ReasoningFormat
 from pagedserve.service.core.adapters import AdapterAdmin
-from pagedserve.service.core.admit import admit_off_loop
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.request_policy import RequestPolicy
-from pagedserve.service.core.stream import Ended, RequestStream
-from pagedserve.service.openai.http_exchange import ClientGone, Exchange, read_json_body
-from pagedserve.service.openai.merged_streams import MergedStreams
+from pagedserve.service.openai.generate_routes import Generate, GenerateResponses
+from pagedserve.service.openai.http_exchange import read_json_body
 from pagedserve.service.openai.openai_errors import HttpError, error_reply
-from pagedserve.service.openai.openai_params import OpenAIRequest, parse
-from pagedserve.service.openai.openai_responses import ResponseBuilder
 from pagedserve.service.openai.openai_tokenize import TokenizeApi
 from pagedserve.service.openai.openai_tools import ToolSettings
 
@@ -53,8 +48,9 @@ class OpenAIApi:
     def app(self) -> Starlette:
         tokens = TokenizeApi(self.serving, self.max_body_bytes)
         routes = [
-            Route("/v1/completions", _Generate(self, chat=False), methods=["POST"]),
-            Route("/v1/chat/completions", _Generate(self, chat=True), methods=["POST"]),
+            Route("/v1/completions", Generate(self, chat=False), methods=["POST"]),
+            Route("/v1/chat/completions", Generate(self, chat=True), methods=["POST"]),
+            Route("/v1/responses", GenerateResponses(self, chat=True), methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -145,99 +141,6 @@ class OpenAIApi:
     async def health(self, request: Request) -> Response:
         """200 while serving; 503 while the model loads or the server drains (load balancers stop sending)."""
         return Response(status_code=200 if self.serving.serving else 503)
-
-
-class _Generate:
-    """POST /v1/completions and /v1/chat/completions, as an ASGI app (see http_exchange.py for why)."""
-
-    def __init__(self, api: OpenAIApi, chat: bool):
-        self.api, self.chat = api, chat
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        exchange, request = Exchange(scope, receive, send), None
-        try:
-            exchange.check_request_id_header()
-            body = await exchange.json_body(self.api.max_body_bytes)
-            adapter = self.api.check_model(body)
-            self.api.serving.state.check_admitting()
-            request = parse(body, self.chat, adapter, self.api.tools, self.api.policy, self.api.reasoning)
-            admitted = await self._admit(body, request)
-            self.api.serving.metrics.adapter_requests(request.adapter, len(admitted))
-            with self.api.serving.state.track():
-                await self._generate(exchange, request, admitted)
-        except ClientGone:
-            pass  # the engine stream was cancelled, which aborted the request and freed its blocks
-        except Exception as exc:  # every failure becomes OpenAI's error JSON, never a dropped connection
-            if not isinstance(exc, HttpError) and error_reply(exc).status == 500:
-                log.exception("HTTP request failed")
-            try:
-                await exchange.send_error(error_reply(exc, request.param if request else None))
-            except OSError:
-                pass
-        finally:
-            exchange.close()
-            self.api.serving.metrics.http_done(scope["path"], exchange.status)
-
-    async def _admit(self, body: Any, request: OpenAIRequest) -> tuple[AdmittedRequest, ...]:
-        admit = self.api.serving.engine.admit
-        return await admit_off_loop(lambda: request.admit(admit), _size(body),
-                                    constrained=request.params.constraint is not None)
-
-    async def _generate(self, exchange: Exchange, request: OpenAIRequest,
-                        admitted: tuple[AdmittedRequest, ...]) -> None:
-        serving = self.api.serving
-        response_id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        builder = ResponseBuilder(request, admitted, response_id, request.adapter or self.api.model_name,
-                                  self.api.decode_token, self.api.decode_ids)
-        many = len(admitted) > 1
-        origin = serving.telemetry.origin("openai", exchange.request_id or response_id, exchange.scope["headers"])
-        outputs = MergedStreams([
-            RequestStream(serving.engine, f"{response_id}-{i}" if many else response_id, a, serving.telemetry,
-                          origin=origin).events()
-            for i, a in enumerate(admitted)])
-        try:
-            while not builder.all_finished:
-                event = await exchange.until_disconnect(outputs.next())
-                if event is None:
-                    break  # the engine ended the streams early (shutdown)
-                prompt, last = event
-                if isinstance(last, Ended):
-                    continue
-                if not request.stream:
-                    builder.add(prompt, last)
-                    continue
-                if not exchange.started:  # after the first output, so admission errors still get their status
-                    await exchange.start_sse()
-                for chunk in builder.chunks(prompt, last):
-                    await exchange.sse(chunk)
-            await self._finish(exchange, request, builder)
-        finally:
-            await outputs.close()
-
-    async def _finish(self, exchange: Exchange, request: OpenAIRequest, builder: ResponseBuilder) -> None:
-        if not request.stream:
-            await exchange.send_json(200, builder.response())
-            return
-        if not exchange.started:
-            await exchange.start_sse()
-        if request.include_usage:
-            await exchange.sse(builder.usage_chunk())
-        await exchange.end_sse()
-
-
-def _size(body: Any) -> int:
-    """A cheap upper bound of the text a body carries (prompt, messages): where to admit it (tokenize, render)."""
-    if not isinstance(body, dict):
-        return 0
-    prompt = body.get("prompt")
-    size = len(prompt) if isinstance(prompt, str) else 0
-    if isinstance(prompt, list):
-        size += sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt)
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        size += sum(len(m.get("content") or "") if isinstance(m, dict) and isinstance(m.get("content"), str)
-                    else 64 for m in messages)
-    return size
 
 
 async def _admin_body(request: Request, limit: int) -> dict[str, Any]:
