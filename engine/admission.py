@@ -171,7 +171,10 @@ class Admission:
             params = params.with_bad_words_ids(self._bad_words_ids(params.bad_words))
         params.check_vocab(self.limits.vocab_size)
         constraint = self._compile(params.constraint)
-        turn = None if self.reasoning is None else self._current_turn(request.prompt, text, ids)
+        # Token ids are decoded to be read only when something here depends on the thought (a chat front end, which
+        # splits the answer, always has the text)
+        wanted = text is not None or constraint is not None or params.thinking_token_budget is not None
+        turn = self._current_turn(request.prompt, text, ids) if self.reasoning is not None and wanted else None
         closed = None if turn is None else self.reasoning.closed_in(turn)
         waits_for = self.thought_end if constraint is not None and closed is False \
             and not request.grammar_from_first_token else None
@@ -209,8 +212,8 @@ class Admission:
         if isinstance(prompt, TextPrompt):
             if not isinstance(prompt.text, str):
                 raise InvalidRequestError(TEXT_FIELD, f"must be a string, got {type(prompt.text).__name__}")
-            ids, field, text = self.encoder.encode(prompt.text, prompt.add_special_tokens) if prompt.text else [], \
-                TEXT_FIELD, prompt.text
+            ids = self.encoder.encode(prompt.text, prompt.add_special_tokens) if prompt.text else []
+            field, text = TEXT_FIELD, prompt.text
         elif isinstance(prompt, ChatPrompt):
             messages = check_messages(prompt.messages, "messages")
             text = self.encoder.render_chat(messages, prompt.options)

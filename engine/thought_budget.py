@@ -11,9 +11,13 @@ launched ahead, no draft is speculated for it), as for a grammar.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagedserve.engine.core.seq_features import SeqFeature
 from pagedserve.engine.reasoning import ReasoningFormat
+
+if TYPE_CHECKING:  # the core's stop rules import this module
+    from pagedserve.engine.core.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -58,6 +62,6 @@ class ThoughtBudget(SeqFeature):
         return ThoughtBudget(self.left, self.end_ids, self.format, self.opened, self.forced, self.done)
 
 
-def budget_active(seq) -> bool:  # noqa: ANN001 - a Sequence (the core imports this module)
+def budget_active(seq: Sequence) -> bool:
     budget = seq.features.get(ThoughtBudget)
     return budget is not None and budget.active

@@ -113,7 +113,10 @@ def test_the_prompt_is_read_in_the_turn_being_answered(engine):
     # The same text as a plain prompt has no turns: its last marker closes a thought (vLLM's whole-prompt reading).
     assert admit(GenerationRequest(TextPrompt(rendered, False), greedy())).thought_closed is True
     ids = tuple(engine.tokenizer.encode(rendered, False))
-    assert admit(GenerationRequest(TokensPrompt(ids), greedy())).thought_closed is True
+    constrained = admit(GenerationRequest(TokensPrompt(ids), greedy(constraint=regex(YES_NO))))
+    assert constrained.thought_closed is True and constrained.grammar_waits_for is None
+    # Token ids are decoded and read only when something depends on it (a constraint, a budget)
+    assert admit(GenerationRequest(TokensPrompt(ids), greedy())).thought_closed is None
     continued = (*messages, ChatMessage("assistant", "<think>Paris, surely.</think>The"))
     options = ChatOptions(add_generation_prompt=False, continue_final_message=True)
     assert admit(GenerationRequest(ChatPrompt(continued, options), greedy())).thought_closed is True
