@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the OpenAI HTTP front end over a real socket: completions and chat bodies whose
+"""Property-based fuzzing of the OpenAI HTTP front end over a real socket: completions, chat and responses bodies whose
 parameters are legal, out of range or of the wrong JSON type, sent beside a well-formed gRPC bystander in the same
 batch; and raw garbage bodies on every POST route.
 
@@ -26,7 +26,7 @@ from service_fixtures import engine_idle, health, model_info, shared_server, stu
 
 from pagedserve.v1 import generate_pb2 as pb
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 MODEL = "SmolLM2-135M-Instruct"
 ANY_JSON = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=20)),
@@ -119,19 +119,53 @@ CONSTRAINT_PARAMS = {
 }
 COMPLETION_PARAMS.update(CONSTRAINT_PARAMS)
 CHAT_PARAMS.update(CONSTRAINT_PARAMS)
+ITEM = st.one_of(
+    MESSAGE, st.fixed_dictionaries({"type": st.just("message"), "role": _plausible("user", "developer", "assistant"),
+                                    "content": _plausible([{"type": "input_text", "text": "Hi"}],
+                                                          [{"type": "output_text", "text": "Yo"}],
+                                                          [{"type": "input_image", "image_url": "x"}])}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": _plausible("c1"), "name": _plausible("f0"),
+                           "arguments": _plausible("{}", "{oops", 5)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": _plausible("c1"),
+                           "output": _plausible("ok", [{"type": "input_text", "text": "ok"}], 3)}),
+    st.fixed_dictionaries({"type": _plausible("reasoning", "item_reference", "web_search_call"),
+                           "content": _plausible([{"type": "reasoning_text", "text": "hm"}], "x")}))
+RESPONSES_PARAMS = {
+    **{name: SHARED_PARAMS[name] for name in ("temperature", "top_p", "top_k", "seed", "stop", "stream", "model",
+                                              "unknown_field_x", "priority", "user")},
+    "input": st.one_of(_plausible("Hi", ""), st.lists(ITEM, max_size=4), ANY_JSON),
+    "instructions": _plausible(None, "Be brief.", 3),
+    "max_output_tokens": _plausible(None, 0, 1, 3, 10**9),
+    "tools": st.one_of(_plausible(None, [], [{"type": "web_search"}], [{"type": "function", "name": "f0"}]),
+                       TOOLS.map(lambda tools: [{"type": "function", **t["function"]} for t in tools])),
+    "tool_choice": _plausible("none", "auto", "required", {"type": "function", "name": "f0"}, {"type": "mcp"}),
+    "text": st.one_of(_plausible(None, {"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+                                 {"format": {"type": "json_schema"}}, {"format": "x"}),
+                      SCHEMAS.map(lambda schema: {"format": {"type": "json_schema", "name": "o", "schema": schema}})),
+    "reasoning": _plausible(None, {"effort": "low"}, "high"),
+    "truncation": _plausible("auto", "disabled", "middle"),
+    "previous_response_id": _plausible(None, "resp_1"),
+    "store": _plausible(True, False),
+    "parallel_tool_calls": _plausible(True, False),
+    "metadata": _plausible(None, {"k": "v"}),
+    "top_logprobs": _plausible(None, 0, 2),
+}
 
 
 @st.composite
 def bodies(draw) -> tuple[str, dict]:
-    path = draw(st.sampled_from([COMPLETIONS, CHAT]))
-    params = COMPLETION_PARAMS if path == COMPLETIONS else CHAT_PARAMS
-    body = {"model": MODEL, "max_tokens": 3}  # cheap unless a draw overrides it
+    path = draw(st.sampled_from([COMPLETIONS, CHAT, RESPONSES]))
+    params = {COMPLETIONS: COMPLETION_PARAMS, CHAT: CHAT_PARAMS, RESPONSES: RESPONSES_PARAMS}[path]
+    # cheap unless a draw overrides it
+    body = {"model": MODEL, "max_output_tokens" if path == RESPONSES else "max_tokens": 3}
     for name in draw(st.lists(st.sampled_from(sorted(params)), max_size=6, unique=True)):
         body[name] = draw(params[name])
     if path == COMPLETIONS:
         body.setdefault("prompt", "Hello")
-    else:
+    elif path == CHAT:
         body.setdefault("messages", [{"role": "user", "content": "Hi"}])
+    else:
+        body.setdefault("input", "Hi")
     return path, body
 
 
@@ -150,7 +184,7 @@ def post(port: int, path: str, data: bytes) -> tuple[int, bytes]:
         conn.close()
 
 
-def check_reply(body: dict, status: int, payload: bytes) -> None:
+def check_reply(body: dict, status: int, payload: bytes, responses: bool = False) -> None:
     assert status in ALLOWED, f"HTTP {status} for {body!r}: {payload[:300]!r}"
     if status != 200:
         error = json.loads(payload)["error"]
@@ -159,6 +193,9 @@ def check_reply(body: dict, status: int, payload: bytes) -> None:
             param = error["param"]
             assert isinstance(param, str) and param, f"400 without a parameter for {body!r}: {payload[:300]!r}"
             assert re.split(r"[.\[]", param, maxsplit=1)[0] in body, f"400 names {param!r}, not in the body"
+        return
+    if responses:
+        _check_response(body, payload)
         return
     if body.get("stream") is True:
         text = payload.decode()
@@ -169,6 +206,19 @@ def check_reply(body: dict, status: int, payload: bytes) -> None:
     else:
         reply = json.loads(payload)
         assert len(reply["choices"]) == _expected_choices(body), (reply, body)
+
+
+def _check_response(body: dict, payload: bytes) -> None:
+    """A Responses API answer: the object, or typed events numbered in order ending with the whole object."""
+    if body.get("stream") is True:
+        text = payload.decode()
+        events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+        assert [e["sequence_number"] for e in events] == list(range(len(events))) and "[DONE]" not in text
+        assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
+        reply = events[-1]["response"]
+    else:
+        reply = json.loads(payload)
+    assert reply["object"] == "response" and reply["status"] in ("completed", "incomplete"), reply
 
 
 def _expected_choices(body: dict) -> int:
@@ -198,8 +248,8 @@ def test_fuzzed_openai_bodies_never_harm_a_bystander(shared_server, channel):  #
     def run(requests: list[tuple[str, dict]]) -> None:
         bystander = pool.submit(_tokens, channel)
         replies = list(pool.map(lambda r: post(shared_server.http_port, r[0], json.dumps(r[1]).encode()), requests))
-        for (_, body), (status, payload) in zip(requests, replies):
-            check_reply(body, status, payload)
+        for (path, body), (status, payload) in zip(requests, replies):
+            check_reply(body, status, payload, responses=path == RESPONSES)
         assert bystander.result() == alone
         wait_until(lambda: engine_idle(channel), 60, "every fuzzed request to leave the engine")
 
@@ -212,7 +262,7 @@ def test_fuzzed_openai_bodies_never_harm_a_bystander(shared_server, channel):  #
     assert health(channel) == health_pb2.HealthCheckResponse.SERVING
 
 
-@pytest.mark.parametrize("path", [COMPLETIONS, CHAT, "/v1/models", "/health", "/v1/nothing"])
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT, RESPONSES, "/v1/models", "/health", "/v1/nothing"])
 def test_raw_garbage_bodies(shared_server, channel, path):  # noqa: F811
     @fuzz_settings()
     @given(st.binary(max_size=512))
