@@ -73,3 +73,6 @@ def test_v1_cache_salt(shared_server):  # noqa: F811
         with pytest.raises(ClientError) as info:  # a first-come-first-served server takes no priorities
             client.complete("x", priority=3)
         assert info.value.field == "priority"
+        with pytest.raises(ClientError) as info:  # a server without a reasoning parser counts no thought
+            client.complete("x", thinking_token_budget=4)
+        assert info.value.field == "sampling.thinking_token_budget"

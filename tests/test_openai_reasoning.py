@@ -19,6 +19,7 @@ from service_fixtures import engine_idle, start_server, wait_until
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vgrpc
 
+from pagedserve.client import Client, ClientError, Message
 from pagedserve.engine.reasoning import REASONING_FORMATS
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -222,3 +223,24 @@ def test_responses_carry_the_thought_as_a_reasoning_item(client):
     final = events[-1].response
     assert [item.type for item in final.output] == ["reasoning", "message"] and final.output_text == whole.content
     assert final.usage.output_tokens_details.reasoning_tokens == response.usage.output_tokens_details.reasoning_tokens
+
+
+def test_pagedserve_v1_chat_answers_carry_the_thought_apart(server, client):
+    """The same split over pagedserve.v1 (Delta.reasoning, the Python client's Completion.reasoning): streamed and
+    final-only, with a budget; text prompts are not split; a thought goes back on an assistant turn only."""
+    whole = chat(client, QUESTIONS[0]).message
+    turns = [Message(m["role"], m["content"]) for m in messages(QUESTIONS[0])]
+    with Client(server.target, timeout=300) as v1:
+        got = v1.complete(turns, temperature=0, max_new_tokens=64)
+        assert (got.reasoning, got.text) == (whole.reasoning, whole.content)
+        once = v1.complete(turns, temperature=0, max_new_tokens=64, final_only=True)
+        assert (once.reasoning, once.text) == (got.reasoning, got.text)
+        capped = v1.complete(turns, temperature=0, max_new_tokens=64, thinking_token_budget=3)
+        assert whole.reasoning.startswith(capped.reasoning) and 0 < len(capped.reasoning) < len(whole.reasoning)
+        plain = v1.complete("<think>Hi</think>", temperature=0, max_new_tokens=4)
+        assert plain.reasoning == ""
+        back = [*turns, Message("assistant", whole.content, reasoning=whole.reasoning), Message("user", "Thanks!")]
+        assert v1.complete(back, temperature=0, max_new_tokens=4).final is not None
+        with pytest.raises(ClientError) as info:
+            v1.complete([Message("user", "Hi", reasoning="no")], max_new_tokens=2)
+        assert info.value.field == "chat.messages[0].reasoning"

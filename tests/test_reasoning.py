@@ -20,7 +20,8 @@ from pagedserve.engine.core.sequence import FinishReason
 from pagedserve.engine.errors import ConfigError, InvalidRequestError
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions
 from pagedserve.engine.reasoning import REASONING_FORMATS, ReasoningFormat
-from pagedserve.service.openai.openai_reasoning import ThoughtReader, reasoning_plan
+from pagedserve.service.core.thought_reader import ThoughtReader
+from pagedserve.service.openai.openai_reasoning import reasoning_plan
 
 R1 = REASONING_FORMATS.get("deepseek_r1")
 SHOTS = (("What is 2+2?", "<think>2 plus 2 makes 4.</think>The answer is 4."),

@@ -11,9 +11,9 @@ from typing import Any
 from pagedserve.engine.admission import AdmittedRequest, TokensPrompt
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.core.sequence import TokenLogprob
+from pagedserve.service.core.thought_reader import ThoughtReader
 from pagedserve.service.openai.openai_params import OpenAIRequest, PromptInput
 from pagedserve.service.openai.openai_prompt_logprobs import EchoLogprobs, vllm_prompt_logprobs
-from pagedserve.service.openai.openai_reasoning import ThoughtReader
 from pagedserve.service.openai.tool_parsers.stream import ToolCallStream
 
 # The engine's finish reasons -> OpenAI's. A constraint's dead end passes as the engine's own value (the text is only

@@ -10,6 +10,7 @@ from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.core.sequence import FinishReason, TokenLogprob
 from pagedserve.service.core.metrics import durations
 from pagedserve.service.core.stream import Ended, Heartbeat, StreamEvent
+from pagedserve.service.core.thought_reader import ThoughtReader
 from pagedserve.v1 import generate_pb2 as pb
 
 
@@ -18,13 +19,15 @@ class _Completion:
     finished: bool = False
     num_tokens: int = 0
     last: CompletionOutput | None = None  # FINAL_ONLY mode sends its history (text, token ids, logprobs) at the end
+    thought: ThoughtReader | None = None  # --reasoning-parser, chat input: the thought goes to Delta.reasoning
 
 
 class FrameBuilder:
     """Stateful per stream: remembers what was sent for each completion index."""
 
     def __init__(self, request_id: str, prompt_tokens: int, truncated: bool, params: SamplingParams,
-                 stream_mode: int):
+                 stream_mode: int, thought: ThoughtReader | None = None):
+        """thought: a reader for each completion's thought (a fresh copy per index); None: text is all content."""
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.truncated = truncated
@@ -32,7 +35,8 @@ class FrameBuilder:
         self.final_only = stream_mode == pb.STREAM_MODE_FINAL_ONLY
         self.started = False
         self.cached_tokens = 0
-        self.completions = [_Completion() for _ in range(params.n)]
+        self.completions = [_Completion(thought=None if thought is None else ThoughtReader(
+            thought.format, thought.include, thought.content_only)) for _ in range(params.n)]
 
     @property
     def all_finished(self) -> bool:
@@ -88,8 +92,10 @@ class FrameBuilder:
         logprobs = list(completion.new_logprobs)
         if self.final_only:
             state.last = completion
-        elif new_ids or completion.new_text:
-            frames.append(self._delta(completion.index, completion.new_text, new_ids, logprobs, state))
+        elif new_ids or completion.new_text or completion.finish_reason is not None:
+            text, reasoning = self._split(state, completion.text, completion.new_text, completion.finish_reason)
+            if new_ids or text or reasoning:
+                frames.append(self._delta(completion.index, text, new_ids, logprobs, state, reasoning))
         if completion.finish_reason is not None:
             if self.final_only:
                 frames.append(self._history_delta(completion.index, state))
@@ -121,11 +127,20 @@ class FrameBuilder:
         last = state.last
         if last is None:
             return self._delta(index, "", [], [], state)
-        return self._delta(index, last.text, list(last.token_ids), list(last.logprobs), state)
+        text, reasoning = self._split(state, last.text, last.text, "final")
+        return self._delta(index, text, list(last.token_ids), list(last.logprobs), state, reasoning)
+
+    @staticmethod
+    def _split(state: _Completion, whole: str, new: str, finish: str | None) -> tuple[str, str]:
+        """(the content's new text, the thought's new text) of a completion whose text is now `whole`."""
+        if state.thought is None:
+            return new, ""
+        reasoning, content = state.thought.advance(whole, final=finish is not None)
+        return state.thought.new_content(content), reasoning
 
     def _delta(self, index: int, text: str, token_ids: list[int], logprobs: list[TokenLogprob],
-               state: _Completion) -> pb.GenerateResponse:
-        delta = pb.Delta(text=text, token_ids=token_ids, usage=self._usage(state))
+               state: _Completion, reasoning: str = "") -> pb.GenerateResponse:
+        delta = pb.Delta(text=text, token_ids=token_ids, usage=self._usage(state), reasoning=reasoning)
         if self.params.logprobs is not None:
             delta.logprobs.extend(_token_logprob(lp) for lp in logprobs)
         return pb.GenerateResponse(index=index, delta=delta)

@@ -30,6 +30,7 @@ PROTO_FIELDS = field_map({
     "frequency_penalty": "sampling.frequency_penalty",
     "seed": "sampling.seed",
     "logit_bias": "sampling.logit_bias",
+    "thinking_token_budget": "sampling.thinking_token_budget",
     "max_tokens": "stopping.max_new_tokens",
     "min_tokens": "stopping.min_new_tokens",
     "stop": "stopping.stop_sequences",
@@ -91,7 +92,7 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
     s, t, r = request.sampling, request.stopping, request.response
     kwargs: dict[str, object] = {}
     _copy_optional(kwargs, s, ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                                "presence_penalty", "frequency_penalty", "seed"))
+                                "presence_penalty", "frequency_penalty", "seed", "thinking_token_budget"))
     _copy_optional(kwargs, request, ("n",))
     _copy_optional(kwargs, t, ("ignore_eos",))
     for proto_name, engine_name in (("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens"),
@@ -140,7 +141,8 @@ def _prompt(request: pb.GenerateRequest) -> Prompt:
     options = ChatOptions(
         template=chat.chat_template if chat.HasField("chat_template") else None,
         add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True)
-    messages = tuple(ChatMessage(m.role, m.content) for m in chat.messages)
+    messages = tuple(ChatMessage(m.role, m.content, reasoning=m.reasoning if m.HasField("reasoning") else None)
+                     for m in chat.messages)
     return ChatPrompt(messages, options, False if special is None else special)
 
 

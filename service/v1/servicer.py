@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from pagedserve.engine.admission import AdmittedRequest
+from pagedserve.engine.reasoning import REASONING_FORMATS
 from pagedserve.engine.request_id import check_request_id
 from pagedserve.service.core import rpc_status
 from pagedserve.service.core.adapters import AdapterAdmin
@@ -16,6 +18,7 @@ from pagedserve.service.core.admit import admit_off_loop
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.engine_handle import EngineHandle
 from pagedserve.service.core.stream import RequestStream
+from pagedserve.service.core.thought_reader import ThoughtReader
 from pagedserve.service.core.wire import parse_request
 from pagedserve.service.v1.adapter_servicer import adapter_message
 from pagedserve.service.v1.frames import FrameBuilder
@@ -70,7 +73,7 @@ class GenerationServicer:
         prompt = v1.admitted
         self.metrics.adapter_requests(request.adapter or None)
         builder = FrameBuilder(request_id, len(prompt.prompt_token_ids), prompt.truncated, prompt.params,
-                               v1.stream_mode)
+                               v1.stream_mode, self._thought_reader(request, prompt))
         # Retries may reuse x-request-id while the first attempt still runs: each submission gets its own engine key,
         # so the engine's one uniqueness check (AsyncEngine) never refuses a v1 request.
         engine_key = f"{request_id}#{next(self._submissions)}"
@@ -80,6 +83,13 @@ class GenerationServicer:
             async for event in stream.events():
                 for frame in builder.frames(event):
                     yield frame
+
+    def _thought_reader(self, request: pb.GenerateRequest, prompt: AdmittedRequest) -> ThoughtReader | None:
+        """--reasoning-parser splits chat answers only (as vLLM's chat endpoint): the thought into Delta.reasoning."""
+        name = self.engine.describe().reasoning_parser
+        if not name or request.WhichOneof("input") != "chat":
+            return None
+        return ThoughtReader(REASONING_FORMATS.get(name), content_only=bool(prompt.thought_closed))
 
     async def tokenize(self, raw: bytes, context: grpc.aio.ServicerContext) -> tokenize_pb2.TokenizeResponse:
         request = parse_request(raw, tokenize_pb2.TokenizeRequest, self.max_message_bytes)

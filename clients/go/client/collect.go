@@ -9,9 +9,11 @@ import (
 
 // Completion is one generated sequence (index i of n).
 type Completion struct {
-	Text     string
-	TokenIDs []uint32
-	Final    *pb.Final
+	Text string
+	// Reasoning is a reasoning model's thought, apart from Text (a server started with --reasoning-parser, chat input).
+	Reasoning string
+	TokenIDs  []uint32
+	Final     *pb.Final
 }
 
 // Result is a whole Generate call, collected.
@@ -22,7 +24,7 @@ type Result struct {
 
 // Collect reads a stream to its end.
 func Collect(s *Stream) (*Result, error) {
-	texts := map[uint32]*strings.Builder{}
+	texts, thoughts := map[uint32]*strings.Builder{}, map[uint32]*strings.Builder{}
 	res := &Result{}
 	for {
 		frame, err := s.Recv()
@@ -36,9 +38,11 @@ func Collect(s *Stream) (*Result, error) {
 		for len(res.Completions) <= i {
 			res.Completions = append(res.Completions, Completion{})
 			texts[uint32(len(res.Completions)-1)] = &strings.Builder{}
+			thoughts[uint32(len(res.Completions)-1)] = &strings.Builder{}
 		}
 		if d := frame.GetDelta(); d != nil {
 			texts[uint32(i)].WriteString(d.GetText())
+			thoughts[uint32(i)].WriteString(d.GetReasoning())
 			res.Completions[i].TokenIDs = append(res.Completions[i].TokenIDs, d.GetTokenIds()...)
 		}
 		if f := frame.GetFinal(); f != nil {
@@ -48,6 +52,7 @@ func Collect(s *Stream) (*Result, error) {
 	res.Started = s.Started()
 	for i := range res.Completions {
 		res.Completions[i].Text = texts[uint32(i)].String()
+		res.Completions[i].Reasoning = thoughts[uint32(i)].String()
 	}
 	return res, nil
 }

@@ -39,6 +39,9 @@ func (f *fakeService) Generate(req *pb.GenerateRequest, out pb.GenerationService
 	}
 	for i := 0; i < n; i++ {
 		delta := &pb.Delta{Text: "x", TokenIds: []uint32{uint32(i)}}
+		if i == 0 {
+			delta.Reasoning = "thought " // as a server with --reasoning-parser sends a chat answer's thought
+		}
 		if err := send(&pb.GenerateResponse{Frame: &pb.GenerateResponse_Delta{Delta: delta}}); err != nil {
 			return err
 		}
@@ -182,4 +185,16 @@ func TestCloseBeforeReadingAndCallerCancel(t *testing.T) {
 	}
 	wantCode(t, s2.Err(), codes.Canceled)
 	s2.Close()
+}
+
+func TestCollectKeepsTheThoughtApartFromTheText(t *testing.T) {
+	c, _ := fakeClient(t, 3)
+	res, err := Collect(generate(t, c))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := res.Completions[0]
+	if got.Text != "xxx" || got.Reasoning != "thought " || len(got.TokenIDs) != 3 || got.Final == nil {
+		t.Fatalf("collected %+v", got)
+	}
 }

@@ -15,6 +15,7 @@ class Message:
 
     role: str  # system, developer, user, assistant or tool
     content: str
+    reasoning: str | None = None  # an assistant turn's thought, sent back as the server gave it (Completion.reasoning)
 
 
 Prompt = str | Sequence[int] | Sequence[Message]
@@ -34,6 +35,7 @@ class GenerateOptions:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
+    thinking_token_budget: int | None = None  # a reasoning model's thought takes at most this many tokens
     logit_bias: Mapping[int, float] | None = None
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
@@ -65,7 +67,7 @@ class GenerateOptions:
 
 
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-             "seed")
+             "seed", "thinking_token_budget")
 _STOPPING = ("max_new_tokens", "min_new_tokens", "ignore_eos", "include_stop_sequence", "time_limit_ms")
 
 
@@ -75,7 +77,8 @@ def build_request(prompt: Prompt, options: GenerateOptions) -> pb.GenerateReques
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt and isinstance(prompt[0], Message):
-        request.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in prompt)
+        request.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.content, reasoning=m.reasoning)
+                                     for m in prompt)
         _set(request.chat, "chat_template", options.chat_template)
         _set(request.chat, "add_generation_prompt", options.add_generation_prompt)
     else:

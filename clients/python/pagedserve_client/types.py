@@ -88,10 +88,12 @@ class Delta:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...]
+    reasoning: str = ""  # a reasoning model's thought, as it grows (a server with --reasoning-parser, chat input)
 
     @classmethod
     def from_proto(cls, index: int, d: pb.Delta) -> Delta:
-        return cls(index, d.text, tuple(d.token_ids), tuple(TokenLogprob.from_proto(lp) for lp in d.logprobs))
+        return cls(index, d.text, tuple(d.token_ids), tuple(TokenLogprob.from_proto(lp) for lp in d.logprobs),
+                   d.reasoning)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +123,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     final: Final | None = None
+    reasoning: str = ""  # the model's thought, apart from `text` (a server with --reasoning-parser, chat input)
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -128,6 +131,7 @@ class Completion:
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
+        self.reasoning += delta.reasoning
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
 
