@@ -244,3 +244,17 @@ def test_pagedserve_v1_chat_answers_carry_the_thought_apart(server, client):
         with pytest.raises(ClientError) as info:
             v1.complete([Message("user", "Hi", reasoning="no")], max_new_tokens=2)
         assert info.value.field == "chat.messages[0].reasoning"
+
+
+def test_responses_a_thought_then_a_forced_call_are_two_items(client):
+    tools = [{"type": "function", **{k: v for k, v in TOOLS[0]["function"].items()}}]
+    kwargs = dict(model=MODEL, input=messages(QUESTIONS[0]), tools=tools, tool_choice="required",
+                  parallel_tool_calls=False, temperature=0, max_output_tokens=64)
+    whole = client.responses.create(**kwargs)
+    assert [item.type for item in whole.output] == ["reasoning", "function_call"]
+    jsonschema.validate(json.loads(whole.output[1].arguments), TOOLS[0]["function"]["parameters"])
+    events = list(client.responses.create(**kwargs, stream=True))
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "function_call"]
+    assert final.output[1].arguments == whole.output[1].arguments
+    assert final.output[0].content[0].text == whole.output[0].content[0].text
