@@ -80,6 +80,18 @@ def test_chat_template_kwargs_reach_the_template(shared_server):  # noqa: F811
                                      "chat_template_kwargs": {"shout": True}}) == "LOUD " + USER[0]["content"]
 
 
+def test_reasoning_effort_is_a_template_variable(shared_server):  # noqa: F811
+    template = "{{ reasoning_effort | default('unset') }}:{% for m in messages %}{{ m.content }}{% endfor %}"
+    base = {"messages": USER, "chat_template": template}
+    assert _rendered(shared_server, base) == "unset:" + USER[0]["content"]
+    assert _rendered(shared_server, {**base, "reasoning_effort": "low"}) == "low:" + USER[0]["content"]
+    both = {**base, "reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}
+    assert _rendered(shared_server, both) == "high:" + USER[0]["content"]  # the request's own kwargs win, as vLLM
+    reply = requests.post(f"{shared_server.http_url}{CHAT}", json={"model": MODEL, **base, "reasoning_effort": "huge",
+                                                                   "max_tokens": 2}, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "reasoning_effort"
+
+
 def test_continue_final_message_and_echo(shared_server):  # noqa: F811
     messages = [{"role": "user", "content": "What is the capital of France?"},
                 {"role": "assistant", "content": "The capital of France is"}]

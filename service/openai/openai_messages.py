@@ -13,6 +13,7 @@ from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions
 from pagedserve.service.openai.openai_tools import ToolPlan
 
 _TEXT_PART = "text"
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # OpenAI's, and vLLM's "max"
 
 
 def flag(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -37,6 +38,12 @@ def chat_prompt(body: dict[str, Any], plan: ToolPlan) -> ChatPrompt:
     kwargs = body.get("chat_template_kwargs", {})
     if not isinstance(kwargs, dict):
         raise InvalidRequestError("chat_template_kwargs", "must be an object of template variables")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise InvalidRequestError("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}, "
+                                      f"got {effort!r}")
+        kwargs = {"reasoning_effort": effort, **kwargs}  # a template variable, as vLLM passes it
     documents = body.get("documents")
     if documents is not None and (not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents)):
         raise InvalidRequestError("documents", "must be a list of objects (e.g. {\"title\": ..., \"text\": ...})")
