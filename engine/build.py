@@ -83,6 +83,8 @@ def check_backends(config: EngineConfig) -> None:
 
 def build_engine(config: EngineConfig) -> EngineParts:
     check_backends(config)
+    if config.seed is not None:
+        torch.manual_seed(config.seed)  # the default generators (CPU and every CUDA device) unseeded requests use
     device = torch.device(config.device)
     source = resolve_model(config.model, config.tokenizer)
     override = read_template_file(config.chat_template) if config.chat_template else None  # fail before loading

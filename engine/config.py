@@ -99,6 +99,9 @@ class EngineConfig:
     # vLLM's --scheduling-policy (engine/core/scheduling_policy.py): "fcfs", or "priority" (requests carry a priority,
     # lower first; without it a non-zero priority is refused)
     scheduling_policy: str = "fcfs"
+    # vLLM's --seed: seeds the generators that requests without a seed of their own sample from, once at start, so
+    # the same requests in the same order sample the same tokens after a restart. None: seeded from the OS
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -129,6 +132,9 @@ class EngineConfig:
         self._check_async_scheduling()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**63):
+            raise ConfigError("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

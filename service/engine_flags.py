@@ -53,6 +53,8 @@ _ENGINE_HELP = {
                             "trimmed to fit; 0: off",
     "max_queued_requests": "admitted requests waiting for a batch slot; beyond it: RESOURCE_EXHAUSTED",
     "chat_template": "jinja chat template file used instead of the model's own (for chat messages)",
+    "seed": "seeds the generators requests without their own seed sample from, once at start (the same requests in "
+            "the same order sample the same tokens after a restart); default: from the OS",
     "scheduling_policy": "fcfs: arrival order; priority: requests' `priority` first (lower earlier), then arrival, and "
                          "under KV-cache pressure the lowest-priority, newest request gives way (as vLLM's)",
     "reasoning_parser": "the model's thought markers (<think> ... </think>): the OpenAI API answers the thought as "

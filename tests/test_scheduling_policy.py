@@ -1,6 +1,7 @@
 """`--scheduling-policy`: first come first served, or by priority (lower first, then arrival), as vLLM: the queue
 admits by rank, and under KV-cache pressure the running sequence that ranks last gives way. Real engines over a tiny
-random Llama; through a real server, priorities reach the engine from OpenAI HTTP and pagedserve.v1."""
+random Llama; through a real server, priorities reach the engine from OpenAI HTTP and pagedserve.v1. Also the
+engine's `--seed`, which orders the generators unseeded requests draw from."""
 
 from __future__ import annotations
 
@@ -149,3 +150,21 @@ def _wait_waiting(port: int, count: int) -> None:
             return
         time.sleep(0.02)
     raise AssertionError(f"never {count} waiting")
+
+
+def test_the_engine_seed_makes_unseeded_sampling_repeat_after_a_restart(tiny_path):
+    """vLLM's --seed: the same requests in the same order sample the same tokens on a fresh engine; another seed
+    samples others (a request's own seed still wins)."""
+    def sampled(seed: int, own_seed: int | None = None) -> list[tuple[int, ...]]:
+        llm = engine(tiny_path, "fcfs", seed=seed)
+        params = SamplingParams(temperature=1.0, max_tokens=8, seed=own_seed)
+        for name in ("a", "b"):
+            llm.submit(name, llm.admission.admit(GenerationRequest(TokensPrompt((5, 6, 7)), params)))
+        finals = run_all(llm)[1]
+        return [finals[name].outputs[0].token_ids for name in ("a", "b")]
+
+    first = sampled(7)
+    assert sampled(7) == first and sampled(8) != first
+    assert sampled(7, own_seed=3) == sampled(8, own_seed=3)
+    with pytest.raises(ConfigError, match="seed: must be an integer"):
+        EngineConfig(seed=-1)
