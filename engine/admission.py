@@ -149,9 +149,10 @@ class Admission:
 
     def __init__(self, limits: ModelLimits, encoder: PromptEncoder, compiler: ConstraintCompiler | None = None,
                  adapters: AdapterResolver | None = None, reasoning: ReasoningFormat | None = None,
-                 priority_scheduling: bool = False):
+                 priority_scheduling: bool = False, constraints_in_reasoning: bool = False):
         self.limits, self.encoder, self.compiler, self.adapters = limits, encoder, compiler, adapters
         self.reasoning, self.priority_scheduling = reasoning, priority_scheduling
+        self.constraints_in_reasoning = constraints_in_reasoning
         if reasoning is not None:
             self.thought_end_ids = tuple(encoder.encode(reasoning.end, False))
             self.thought_end = ThoughtEnd(reasoning.end, self.thought_end_ids[0] if len(self.thought_end_ids) == 1
@@ -177,7 +178,7 @@ class Admission:
         turn = self._current_turn(request.prompt, text, ids) if self.reasoning is not None and wanted else None
         closed = None if turn is None else self.reasoning.closed_in(turn)
         waits_for = self.thought_end if constraint is not None and closed is False \
-            and not request.grammar_from_first_token else None
+            and not (request.grammar_from_first_token or self.constraints_in_reasoning) else None
         return AdmittedRequest(tuple(ids), params, truncated, constraint, adapter, salt_key(request.cache_salt),
                                thought_closed=closed, grammar_waits_for=waits_for,
                                budget=self._budget(params.thinking_token_budget, turn, closed),

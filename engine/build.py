@@ -110,7 +110,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     limits = ModelLimits(runner.vocab_size, max_len, _kv_tokens(blocks, config, max_len))
     reasoning = REASONING_FORMATS.get(config.reasoning_parser) if config.reasoning_parser else None
     admission = Admission(limits, tokenizer, constraints, adapters, reasoning,
-                          priority_scheduling=config.scheduling_policy == SchedulingPolicy.PRIORITY)
+                          priority_scheduling=config.scheduling_policy == SchedulingPolicy.PRIORITY,
+                          constraints_in_reasoning=config.constraints_in_reasoning)
     description = _describe(config, source, loaded, runner, tokenizer, blocks)
     return EngineParts(config, source, loaded, tokenizer, runner, blocks, scheduler, constraints, admission, adapters,
                        description)

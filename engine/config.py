@@ -84,6 +84,9 @@ class EngineConfig:
     # vLLM's --reasoning-parser: the model's thought markers (engine/reasoning.py). Constraints wait for the thought to
     # close; the OpenAI front end answers the thought as `reasoning`. None: output is all content
     reasoning_parser: str | None = None
+    # vLLM's structured_outputs_config.enable_in_reasoning: with a reasoning parser, a constraint applies inside the
+    # thought too (from the first token) instead of once the thought closes
+    constraints_in_reasoning: bool = False
     lora: LoraConfig | None = None  # None: LoRA adapters off (docs/lora.md)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding (docs/speculative-decoding.md)
     # CUDA: decode-only steps replay CUDA graphs captured at start, one per size of cuda_graph_sizes

@@ -27,6 +27,7 @@ from pagedserve.service.openai.openai_tools import ToolSettings
 from pagedserve.service.openai.tool_parsers.registry import TOOL_PARSERS
 from pagedserve.service.observability_flags import add_observability_flags, observability_config
 from pagedserve.service.spec_flags import speculative_config
+from pagedserve.service.structured_flags import add_structured_outputs_flag, structured_outputs_fields
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
     d = ServerConfig()
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_tag", nargs="?", metavar="MODEL",
                        help="the model to serve, as `vllm serve MODEL` takes it (the same as --model)")
     add_engine_flags(serve)
+    add_structured_outputs_flag(serve)
     add_server_flags(serve)
     serve.add_argument("--cpu-isa", default=None, metavar="TIER",
                        help=f"build the native CPU kernels for this ISA tier ({', '.join(isa.TIER_NAMES)}; default: "
@@ -104,6 +106,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         if args.model is not None and args.model != tag:
             raise ConfigError("model", f"given twice: {tag!r} (positional) and --model {args.model!r}")
         given["model"] = tag
+    given.update(structured_outputs_fields(args, given))
     given["lora"] = lora_config(args, args.served_model_name)
     given["speculative"] = speculative_config(args)
     config = EngineConfig(**{k: v for k, v in given.items() if v is not None})

@@ -57,6 +57,8 @@ _ENGINE_HELP = {
             "the same order sample the same tokens after a restart); default: from the OS",
     "scheduling_policy": "fcfs: arrival order; priority: requests' `priority` first (lower earlier), then arrival, and "
                          "under KV-cache pressure the lowest-priority, newest request gives way (as vLLM's)",
+    "constraints_in_reasoning": "with --reasoning-parser: a structured output's grammar applies inside the thought too, "
+                                "from the first token (vLLM's enable_in_reasoning); default: once the thought closes",
     "reasoning_parser": "the model's thought markers (<think> ... </think>): the OpenAI API answers the thought as "
                         "`reasoning` apart from `content`, and a structured output's grammar applies once the thought "
                         "has closed (as vLLM's)",

@@ -267,3 +267,42 @@ def test_markers_held_as_special_tokens_open_the_grammar_by_id(tmp_path):
     budget = SamplingParams(temperature=0, max_tokens=6, thinking_token_budget=2, logit_bias={end_id: -100.0})
     _, capped = run(tiny, opened, budget)
     assert capped.outputs[0].token_ids[2] == end_id and end_id not in capped.outputs[0].token_ids[:2]
+
+
+def test_constraints_in_reasoning_apply_from_the_first_token_inside_the_thought():
+    """vLLM's enable_in_reasoning (`--structured-outputs-config '{"enable_in_reasoning": true}'`)."""
+    from pagedserve.service.cli import build_parser, engine_config
+
+    args = build_parser().parse_args(["serve", "--max-model-len", "1024", "--kv-cache-memory", "64MiB",
+                                      "--structured-outputs-config",
+                                      '{"backend": "guidance", "reasoning_parser": "deepseek_r1", '
+                                      '"enable_in_reasoning": true}'])
+    eager = LLMEngine(engine_config(args))
+    admitted, out = run(eager, ChatPrompt(few_shot(QUESTIONS[0])), greedy(constraint=regex(YES_NO)))
+    assert admitted.thought_closed is False and admitted.grammar_waits_for is None
+    assert re.fullmatch(YES_NO, out.outputs[0].text)
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ('{"backend": "xgrammar"}', r"structured_outputs_config\.backend: 'xgrammar' is not available"),
+    ('{"disable_any_whitespace": true}', r"structured_outputs_config\.disable_any_whitespace: unknown"),
+    ('{"enable_in_reasoning": "yes"}', r"structured_outputs_config\.enable_in_reasoning: must be true or false"),
+    ("[1]", "structured_outputs_config: must be a JSON object"),
+    ("{oops", "structured_outputs_config: is not valid JSON"),
+])
+def test_structured_outputs_config_refuses_what_it_cannot_honour_by_key(config, message):
+    from pagedserve.service.cli import build_parser, engine_config
+
+    with pytest.raises(ConfigError, match=message):
+        engine_config(build_parser().parse_args(["serve", "--structured-outputs-config", config]))
+    with pytest.raises(ConfigError, match=r"reasoning_parser: 'qwen3' disagrees with --reasoning-parser"):
+        engine_config(build_parser().parse_args(["serve", "--reasoning-parser", "deepseek_r1",
+                                                 "--structured-outputs-config", '{"reasoning_parser": "qwen3"}']))
+
+
+def test_the_router_is_told_where_constraints_start():
+    from pagedserve.service.router.vllm_requests import constrained_decoding_start
+
+    assert constrained_decoding_start("", False) == "first_token"
+    assert constrained_decoding_start("qwen3", False) == "after_reasoning"
+    assert constrained_decoding_start("qwen3", True) == "first_token"

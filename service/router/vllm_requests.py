@@ -35,10 +35,11 @@ _UNSUPPORTED_REQUEST = ("kv_transfer_params", "mm_inputs", "extra_mm_inputs", "k
                         "media_refs")
 
 
-def constrained_decoding_start(reasoning_parser: str) -> str:
+def constrained_decoding_start(reasoning_parser: str, in_reasoning: bool) -> str:
     """Where the engine starts a request's constraint (GetServerInfo's constrained_decoding_start): behind a reasoning
-    parser, once the thought has closed (engine/reasoning.py); else at the first generated token."""
-    return "after_reasoning" if reasoning_parser else "first_token"
+    parser, once the thought has closed (engine/reasoning.py), unless constraints apply in the thought; else at the
+    first generated token."""
+    return "after_reasoning" if reasoning_parser and not in_reasoning else "first_token"
 
 
 def admit(request: vpb.GenerateRequest, engine_admit: Callable[[GenerationRequest], AdmittedRequest]

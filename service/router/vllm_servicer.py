@@ -183,7 +183,8 @@ class VllmEngineServicer:
             server_type="vllm-grpc", data_parallel_size=1, kv_cache_dtype=model.kv_cache_dtype,
             block_size=model.block_size, attention_backend=config.attention_backend, model_dtype=model.dtype,
             max_num_seqs=config.max_num_seqs, engine_reasoning_parser=model.reasoning_parser,
-            constrained_decoding_start=constrained_decoding_start(model.reasoning_parser))
+            constrained_decoding_start=constrained_decoding_start(model.reasoning_parser,
+                                                                  config.constraints_in_reasoning))
 
     async def get_loads(self, raw: bytes, context: grpc.aio.ServicerContext) -> vpb.GetLoadsResponse:
         """The numbers behind the Prometheus gauges (vllm:num_requests_*, vllm:kv_cache_usage_perc)."""
