@@ -11,6 +11,7 @@ dearest check) for the model's tokenizer: the engine's step loop never compiles.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from pagedserve.engine.constraint import OutputConstraint
 from pagedserve.engine.core.sequence import Sequence, SequenceMetrics
-from pagedserve.engine.errors import AdapterNotFoundError, CapacityError, InvalidRequestError
+from pagedserve.engine.errors import AdapterNotFoundError, CapacityError, InvalidRequestError, PagedServeError
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions, check_messages
 from pagedserve.engine.loading.tokenizer import start_detok
 from pagedserve.engine.reasoning import ReasoningFormat, ThoughtEnd
@@ -228,12 +229,28 @@ class Admission:
 
     def _current_turn(self, prompt: Prompt, text: str | None, ids: list[int]) -> str:
         """The prompt text whose thought markers count: the turn being answered only, so a thought closed in an
-        earlier turn or a few-shot example does not (vLLM reads the whole prompt and is fooled by them)."""
+        earlier turn or a few-shot example does not (vLLM reads the whole prompt and is fooled by them). A chat's
+        turn is what its rendering adds to the rendering of the conversation before it; a plain prompt is read whole."""
         if text is None:
-            text = self.encoder.decode(ids, skip_special_tokens=False)
-        if isinstance(prompt, ChatPrompt):
-            text = _current_turn(text, prompt.messages[-1], prompt.options.continue_final_message)
-        return text
+            return self.encoder.decode(ids, skip_special_tokens=False)
+        before = self._before_turn(prompt) if isinstance(prompt, ChatPrompt) else None
+        return text[len(before):] if before is not None and text.startswith(before) else text
+
+    def _before_turn(self, prompt: ChatPrompt) -> str | None:
+        """The conversation rendered up to the turn being answered: without the generation prompt, or without the
+        message the answer continues (None: no such rendering, e.g. a template that refuses the shorter list)."""
+        options = prompt.options
+        if options.continue_final_message:
+            messages = prompt.messages[:-1]
+            options = dataclasses.replace(options, continue_final_message=False, add_generation_prompt=True)
+        elif options.add_generation_prompt:
+            messages, options = prompt.messages, dataclasses.replace(options, add_generation_prompt=False)
+        else:
+            return None
+        try:
+            return self.encoder.render_chat(messages, options) if messages else ""
+        except PagedServeError:
+            return None
 
     def _budget(self, budget: int | None, turn: str | None, closed: bool | None) -> ThoughtBudget | None:
         if budget is None:
@@ -287,16 +304,6 @@ class Admission:
             raise CapacityError("max_tokens", f"prompt + max_tokens = {total} tokens needs more than the whole KV "
                                 f"cache ({self.limits.kv_cache_tokens} tokens)")
         return params
-
-
-def _current_turn(rendered: str, last: ChatMessage, continued: bool) -> str:
-    """The rendered prompt from the turn being answered on: what follows the last message (the generation prompt),
-    or the last message itself when the answer continues it (continue_final_message)."""
-    content = last.content or ""
-    at = rendered.rfind(content) if content else -1
-    if at == -1:
-        return rendered
-    return rendered[at:] if continued else rendered[at + len(content):]
 
 
 @contextmanager

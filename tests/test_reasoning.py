@@ -306,3 +306,15 @@ def test_the_router_is_told_where_constraints_start():
     assert constrained_decoding_start("", False) == "first_token"
     assert constrained_decoding_start("qwen3", False) == "after_reasoning"
     assert constrained_decoding_start("qwen3", True) == "first_token"
+
+
+def test_a_short_last_message_cannot_hide_the_turns_markers(engine):
+    """The turn is what the rendering adds after the conversation, not what follows the last message's text: a user
+    who writes "think" (a piece of `</think>`) still has the closed thought of a thinking-off template read."""
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\\n{{ m.content }}<|im_end|>\\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\\n"
+                "{% if not enable_thinking %}<think>\\n\\n</think>\\n\\n{% endif %}{% endif %}")
+    for thinking, closed in ((False, True), (True, False)):
+        options = ChatOptions(template=template, kwargs=(("enable_thinking", thinking),))
+        prompt = ChatPrompt((ChatMessage("user", "think"),), options)
+        assert engine.admission.admit(GenerationRequest(prompt, greedy())).thought_closed is closed
