@@ -48,6 +48,13 @@ CASES = [
     ("pythonic", '<|python_start|>[get_weather(city=\'Paris\', days=3)]<|python_end|>', "", CALLS[:1]),
     ("pythonic", "[1, 2, 3] are numbers.", "[1, 2, 3] are numbers.", []),
     ("pythonic", "Paris is in France.", "Paris is in France.", []),
+    ("qwen3_coder", "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=now>\n"
+                    "</function>\n</tool_call>", "Let me check.\n\n", CALLS),
+    ("qwen3_coder", "<tool_call>\n<function=now>\n</function>", "", CALLS[1:]),  # stopped unclosed
+    ("qwen3_coder", "Use <function=x> tags like <tool_ here.", "Use <function=x> tags like <tool_ here.", []),
+    ("qwen3_xml", "<tool_call><function=get_weather><parameter=city>Paris</parameter><parameter=days>3</parameter>"
+                  "</function></tool_call>", "", CALLS[:1]),
 ]
 
 
@@ -111,7 +118,8 @@ def test_truncated_or_broken_calls_finish_clearly(parser, text, content, calls):
 def test_fuzzed_bytes_never_raise(seed):
     rng = random.Random(seed)
     alphabet = ['<tool_call>', '</tool_call>', '[TOOL_CALLS]', '[ARGS]', '<|python_tag|>', '{', '}', '[', ']', '(',
-                ')', '"', ':', ',', ';', '=', 'name', 'arguments', 'x', ' ', '\n', '\\', '1e999', 'None', '**']
+                ')', '"', ':', ',', ';', '=', 'name', 'arguments', 'x', ' ', '\n', '\\', '1e999', 'None', '**',
+                '<function=f>', '</function>', '<parameter=p>', '</parameter>']
     text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
     for name in TOOL_PARSERS.names():
         stream = ToolCallStream(TOOL_PARSERS.get(name)())
@@ -140,6 +148,9 @@ FORCED_SAMPLES = {
     "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city":"Paris","days":3}}, '
                '{"name": "now", "arguments": {}}]',
     "pythonic": '[get_weather(city="Paris", days=3), now()]',
+    "qwen3_coder": ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n"
+                    "3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=now>\n</function>\n"
+                    "</tool_call>"),
 }
 
 
@@ -190,3 +201,19 @@ def test_unknown_parser_and_auto_without_parser_are_refused_listing_names():
     with pytest.raises(ConfigError, match="needs --tool-call-parser"):
         ToolSettings(True, None)
     assert ToolSettings(True, "qwen").make_parser().name == "hermes"
+
+
+def test_qwen3_coder_values_are_typed_by_the_request_schema():
+    """The raw text of a parameter reads as the schema's type: a zip code stays a string, a count an integer."""
+    text = ("<tool_call>\n<function=ship>\n<parameter=zip>\n75001\n</parameter>\n<parameter=count>\n2\n</parameter>"
+            "\n<parameter=express>\nTrue\n</parameter>\n<parameter=tags>\n[\"a\"]\n</parameter>\n<parameter=note>\n"
+            "line one\nline two\n</parameter>\n</function>\n</tool_call>")
+    schema = {"type": "object", "properties": {"zip": {"type": "string"}, "count": {"type": "integer"},
+                                               "express": {"type": "boolean"}, "tags": {"type": "array"},
+                                               "note": {"type": "string"}}}
+    bound = ToolSettings(True, "qwen3_coder").make_parser({"ship": schema})
+    (call,) = ToolCallStream(bound).message(text)[1]
+    assert json.loads(call["function"]["arguments"]) == {"zip": "75001", "count": 2, "express": True, "tags": ["a"],
+                                                         "note": "line one\nline two"}
+    (unbound,) = ToolCallStream(TOOL_PARSERS.get("qwen3_coder")()).message(text)[1]
+    assert json.loads(unbound["function"]["arguments"])["zip"] == 75001  # no schema: JSON when it reads as JSON

@@ -1,5 +1,5 @@
 """Chat templates that render tools, assistant tool calls and tool results the way each model family's published
-template does (Qwen 2.5 / Hermes, Llama 3.1 JSON, Mistral v3, Llama 3.2 pythonic), around SmolLM2's own turn
+template does (Qwen 2.5 / Hermes, Llama 3.1 JSON, Mistral v3, Llama 3.2 pythonic, Qwen3-Coder XML), around SmolLM2's own turn
 markers where the family has none of its own in SmolLM2's vocabulary. Each one is paired with its parser name."""
 
 from __future__ import annotations
@@ -114,4 +114,50 @@ PYTHONIC = """{{- '<|im_start|>system\\nYou are an expert in composing functions
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
 """
 
-TEMPLATES = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "pythonic": PYTHONIC}
+QWEN3_CODER = """{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}{%- set messages = messages[1:] %}
+{%- else %}{%- set system = 'You are a helpful assistant.' %}{%- endif %}
+{{- '<|im_start|>system\\n' + system }}
+{%- if tools %}
+    {{- '\\n\\n# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\\n<function>\\n<name>' + tool.function.name + '</name>' }}
+        {%- if tool.function.description %}{{- '\\n<description>' + tool.function.description + '</description>' }}{%- endif %}
+        {{- '\\n<parameters>' }}
+        {%- for name, spec in (tool.function.parameters.properties or {}).items() %}
+            {{- '\\n<parameter>\\n<name>' + name + '</name>\\n<type>' + (spec.type or 'string') + '</type>' }}
+            {%- if spec.enum %}{{- '\\n<enum>' + spec.enum | tojson + '</enum>' }}{%- endif %}
+            {{- '\\n</parameter>' }}
+        {%- endfor %}
+        {{- '\\n</parameters>\\n</function>' }}
+    {%- endfor %}
+    {{- '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the following format with NO suffix:\\n\\n'
+        '<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n'
+        '</function>\\n</tool_call>' }}
+{%- endif %}
+{{- '<|im_end|>\\n' }}
+{%- for message in messages %}
+    {%- if message.role == 'assistant' %}
+        {{- '<|im_start|>assistant\\n' + (message.content or '') }}
+        {%- for call in message.tool_calls or [] %}
+            {{- '\\n<tool_call>\\n<function=' + call.function.name + '>\\n' }}
+            {%- for name, value in call.function.arguments.items() %}
+                {{- '<parameter=' + name + '>\\n' }}
+                {%- if value is string %}{{- value }}{%- else %}{{- value | tojson }}{%- endif %}
+                {{- '\\n</parameter>\\n' }}
+            {%- endfor %}
+            {{- '</function>\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+TEMPLATES = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "pythonic": PYTHONIC,
+             "qwen3_coder": QWEN3_CODER}

@@ -50,8 +50,12 @@ class ToolSettings:
             except UnknownImplementationError as exc:
                 raise ConfigError("tool_call_parser", str(exc)) from None
 
-    def make_parser(self) -> ToolParser | None:
-        return TOOL_PARSERS.get(self.parser)() if self.parser is not None else None
+    def make_parser(self, schemas: dict[str, Any] | None = None) -> ToolParser | None:
+        """The parser, bound to one request's functions when given ({name: parameters schema})."""
+        if self.parser is None:
+            return None
+        parser = TOOL_PARSERS.get(self.parser)()
+        return parser.bind(schemas) if schemas is not None else parser
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +85,7 @@ def tool_plan(body: dict[str, Any], settings: ToolSettings) -> ToolPlan:
     rendered = tuple(tools)
     if choice is None:
         if settings.auto:
-            return ToolPlan(rendered, format=settings.make_parser())
+            return ToolPlan(rendered, format=settings.make_parser(schemas))
         _warn_unset_once()
         return ToolPlan(rendered)
     if choice == "none":
@@ -91,10 +95,10 @@ def tool_plan(body: dict[str, Any], settings: ToolSettings) -> ToolPlan:
             raise InvalidRequestError("tool_choice", '"auto" needs the server started with --enable-auto-tool-choice '
                                       'and --tool-call-parser NAME; set tool_choice to "required", "none" or name a '
                                       'function')
-        return ToolPlan(rendered, format=settings.make_parser())
+        return ToolPlan(rendered, format=settings.make_parser(schemas))
     if choice == "required":
         forced = ForcedCalls(tuple(schemas.items()), 1, None if parallel else 1)
-        return ToolPlan(rendered, *_required(forced, settings))
+        return ToolPlan(rendered, *_required(forced, settings, schemas))
     name = _named(choice)
     if name not in schemas:
         raise InvalidRequestError("tool_choice.function.name", f"{name!r} is not one of the tools: "
@@ -113,8 +117,9 @@ def rendered_tools(body: dict[str, Any]) -> ToolPlan:
     return ToolPlan(tuple(tools))
 
 
-def _required(forced: ForcedCalls, settings: ToolSettings) -> tuple[RequestedConstraint, ToolParser]:
-    parser = settings.make_parser()
+def _required(forced: ForcedCalls, settings: ToolSettings,
+              schemas: dict[str, Any]) -> tuple[RequestedConstraint, ToolParser]:
+    parser = settings.make_parser(schemas)
     if parser is None:
         return build(ConstraintKind.JSON_SCHEMA, json_list_schema(forced), "tools"), JsonListFormat()
     return build(ConstraintKind.GRAMMAR, parser.forced_grammar(forced), "tools"), parser

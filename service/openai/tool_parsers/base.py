@@ -56,6 +56,11 @@ class ToolParser(ABC):
     def forced_grammar(self, forced: ForcedCalls) -> str:
         """A Lark grammar whose every sentence parses into forced.min_calls.. calls of forced.functions."""
 
+    def bind(self, schemas: dict[str, Any]) -> ToolParser:
+        """This parser for one request's functions ({name: parameters schema}); a format whose values are typed by the
+        schema (qwen3_coder's raw text) reads them with it. Most formats write JSON and need nothing."""
+        return self
+
     def call_id(self, index: int, random_hex: str) -> str:
         """The `id` of the index-th call; most models take any string."""
         return f"chatcmpl-tool-{random_hex}"
