@@ -100,6 +100,11 @@ class QuantConfig(ABC):
     def linear_method(self, prefix: str) -> LinearMethod:
         """The method for the linear layer called `prefix` (e.g. `model.layers.0.self_attn.q_proj`)."""
 
+    def router_method(self, prefix: str) -> LinearMethod:
+        """A mixture-of-experts router's linear (`prefix`: its name). GPTQ/AWQ tools leave routers unquantized, as
+        vLLM reads them; methods whose files say per tensor (plain, GGUF) answer as for any linear."""
+        return self.linear_method(prefix)
+
     def embedding(self, prefix: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> nn.Module:
         """The token embedding called `prefix` (its forward maps ids to rows in `dtype`): a plain one unless the
         method keeps the checkpoint's own blocks (quant/gguf.py); a plain one reads its table in either dense layout,

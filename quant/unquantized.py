@@ -181,3 +181,6 @@ class PlainLayersIn16Bit:
     def plain_linear_method(self) -> LinearMethod:
         """The method of a linear the checkpoint leaves unquantized."""
         return UnquantizedLinearMethod(self.plain_weights)
+
+    def router_method(self, prefix: str) -> LinearMethod:
+        return self.plain_linear_method()  # never quantized by GPTQ/AWQ tools

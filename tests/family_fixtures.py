@@ -1,5 +1,6 @@
-"""Tiny random checkpoints of the Qwen3, Phi-3 / Phi-4-mini and Gemma 3 multimodal layouts, built by transformers
-from each family's config class, and the same weights written as llama.cpp GGUF files and GPTQ/AWQ checkpoints.
+"""Tiny random checkpoints of the Qwen3 (dense and mixture-of-experts), Phi-3 / Phi-4-mini and Gemma 3 multimodal
+layouts, built by transformers from each family's config class, and the same weights written as llama.cpp GGUF files
+and GPTQ/AWQ checkpoints.
 
 Shapes keep each family's real head layout at toy width: Qwen3's head_dim above hidden / heads, GQA and a tied
 head; Phi-3-mini's MHA, untied head and 2047-token sliding window; Phi-4-mini's 3:1 GQA, tied head and 3/4
@@ -45,6 +46,12 @@ CASES = {
         hidden_size=96, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True, sliding_window=None,
         partial_rotary_factor=0.75, original_max_position_embeddings=ORIGINAL, rope_scaling=_longrope(12))),
     "gemma3-4b": ("Gemma3ForConditionalGeneration", "Gemma3Config", {}),
+    # Qwen3-30B-A3B's layout at toy width: 128 experts, 8 per token, renormalised weights; here 8 experts, 2 per
+    # token, a dense first layer (mlp_only_layers) beside a sparse one, and experts narrower than the dense MLP.
+    "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+        rope_theta=1e6, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+        mlp_only_layers=[0], decoder_sparse_step=1)),
 }
 _GEMMA_TEXT = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=512,
                    layer_types=["sliding_attention", "sliding_attention", "full_attention"], num_hidden_layers=3,
@@ -101,9 +108,29 @@ def hf_model(path: Path, case: str, state: dict[str, torch.Tensor] | None = None
         renamed = {k if k in own else k.replace("language_model.model.", "model.language_model.")
                    .replace("vision_tower.", "model.vision_tower.")
                    .replace("multi_modal_projector.", "model.multi_modal_projector."): v for k, v in state.items()}
+        renamed = _fused_experts(renamed, own)
         assert set(renamed) <= set(own), sorted(set(renamed) - set(own))[:3]
         model.load_state_dict(renamed, strict=False)
     return model
+
+
+def _fused_experts(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The Hub's per-expert tensors (mlp.experts.N.gate_proj.weight, ...) as transformers 5's modules hold them:
+    mlp.experts.gate_up_proj [experts, 2 x moe_intermediate, hidden] (gate rows first) and down_proj [experts, ...]."""
+    out, experts = {}, {}
+    for name, tensor in state.items():
+        head, sep, rest = name.partition(".mlp.experts.")
+        if sep and f"{head}.mlp.experts.gate_up_proj" in own:
+            index, part = rest.split(".", 1)
+            experts.setdefault(head, {})[(int(index), part)] = tensor
+        else:
+            out[name] = tensor
+    for head, parts in experts.items():
+        count = 1 + max(index for index, _ in parts)
+        out[f"{head}.mlp.experts.gate_up_proj"] = torch.stack([
+            torch.cat([parts[(e, "gate_proj.weight")], parts[(e, "up_proj.weight")]]) for e in range(count)])
+        out[f"{head}.mlp.experts.down_proj"] = torch.stack([parts[(e, "down_proj.weight")] for e in range(count)])
+    return out
 
 
 # -- GGUF, laid out as llama.cpp's convert_hf_to_gguf.py writes these architectures ------------------------------

@@ -1,6 +1,6 @@
-"""Qwen3, Phi-3 / Phi-4-mini and Gemma 3 (multimodal checkpoints) against transformers' fp32 greedy generate on
-tiny random models of each layout (tests/family_fixtures.py): through the paged engine with chunked prefill and
-preemption, from a GGUF written from the same weights, and from GPTQ/AWQ checkpoints of them."""
+"""Qwen3 (dense and MoE), Phi-3 / Phi-4-mini and Gemma 3 (multimodal checkpoints) against transformers' fp32 greedy
+generate on tiny random models of each layout (tests/family_fixtures.py): through the paged engine with chunked
+prefill and preemption, from a GGUF written from the same weights, and from GPTQ/AWQ checkpoints of them."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ PROMPTS = {f"p{i}": torch.randint(100, 49000, (n,), generator=_gen).tolist()
            for i, n in enumerate((1, 3, 7, 16, 33, 64, 120, ORIGINAL + 52))}
 LONG = f"p{len(PROMPTS) - 1}"
 # Which families' decode steps fit the native C step (the others log why and stay on torch).
-NATIVE_STEP = {"qwen3": True, "phi3-mini": True, "phi4-mini": False, "gemma3-4b": False}
+NATIVE_STEP = {"qwen3": True, "phi3-mini": True, "phi4-mini": False, "gemma3-4b": False, "qwen3-moe": False}
 
 
 @pytest.fixture(scope="session")
@@ -131,7 +131,7 @@ def test_family_gguf_matches_transformers(family, case, tmp_path):
     assert [list(o.outputs[0].token_ids) for o in outs] == [expected["p2"], expected[LONG]]
 
 
-QUANT_CASES = {"qwen3": "gptq", "phi3-mini": "awq", "phi4-mini": "gptq", "gemma3-4b": "gptq"}
+QUANT_CASES = {"qwen3": "gptq", "phi3-mini": "awq", "phi4-mini": "gptq", "gemma3-4b": "gptq", "qwen3-moe": "gptq"}
 
 
 @pytest.mark.parametrize("case", sorted(QUANT_CASES))

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagedserve.engine.core.seq_features import SeqFeature
+from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.lora.config import AdapterInfo
 from pagedserve.kernels.cpu.lora import lora_ref
 
@@ -85,6 +86,9 @@ def model_layout(model: nn.Module) -> LoraLayout:
                     slots.append(LoraSlot(f"{prefix}.{fused}", index, owner_name,
                                           tuple((p, shapes[p][1]) for p in parts), shapes[parts[0]][0]))
                 else:
+                    if any(getattr(owner, p, None) is None for p in parts):
+                        raise ConfigError("lora", f"layer {index}'s {owner_name} has no {', '.join(parts)}: LoRA "
+                                          "adapters apply to dense layers (a mixture of experts has none)")
                     slots += [LoraSlot(f"{prefix}.{p}", index, owner_name, ((p, shapes[p][1]),), shapes[p][0])
                               for p in parts]
     return LoraLayout(tuple(slots), len(model.model.layers))

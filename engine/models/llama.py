@@ -9,6 +9,7 @@ Tokens of all sequences in a step are packed along dim 0: hidden states are [T, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,11 +156,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, index: int, quant: QuantConfig, dtype: torch.dtype):
+    def __init__(self, args: LlamaArgs, index: int, quant: QuantConfig, dtype: torch.dtype, mlp: nn.Module):
         super().__init__()
         prefix = f"model.layers.{index}"
         self.self_attn = Attention(args, index, quant, f"{prefix}.self_attn", dtype)
-        self.mlp = MLP(args, quant, f"{prefix}.mlp", dtype)
+        self.mlp = mlp  # the family's: SiLU-gated (MLP), or a mixture of experts (qwen3_moe.py)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
@@ -179,10 +180,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, args: LlamaArgs, quant: QuantConfig, dtype: torch.dtype):
+    def __init__(self, args: LlamaArgs, quant: QuantConfig, dtype: torch.dtype,
+                 build_mlp: Callable[[int, str], nn.Module]):
         super().__init__()
         self.embed_tokens = quant.embedding("model.embed_tokens", args.vocab_size, args.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, quant, dtype) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i, quant, dtype, build_mlp(i, f"model.layers.{i}.mlp"))
+                                    for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
 
@@ -202,13 +205,19 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = args = LlamaArgs.from_hf(hf_config, *self.biases(hf_config), self.sliding, self.qk_norm,
                                              self.rope_aliases)
-        self.model = LlamaBody(args, quant, dtype)
+        self.model = LlamaBody(args, quant, dtype,
+                               lambda index, prefix: self.build_mlp(hf_config, index, prefix, quant, dtype))
         self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope.theta, args.rope.scaling,
                                       args.rope.partial_rotary_factor)
         if args.tie_word_embeddings and not quant.stores_tied_head():
             self.lm_head = None  # until fuse_projections: the loader must not expect an lm_head.weight
         else:
             self.lm_head = QuantLinear(args.hidden_size, args.vocab_size, False, quant.linear_method("lm_head"), dtype)
+
+    def build_mlp(self, hf_config: dict[str, Any], index: int, prefix: str, quant: QuantConfig,
+                  dtype: torch.dtype) -> nn.Module:
+        """Layer `index`'s MLP (a family with another MLP overrides this; called while the body is built)."""
+        return MLP(self.args, quant, prefix, dtype)
 
     def fuse_projections(self) -> None:
         """After loading, before linear layers are repacked for their kernels."""
