@@ -52,6 +52,10 @@ CASES = {
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
         rope_theta=1e6, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
         mlp_only_layers=[0], decoder_sparse_step=1)),
+    # every layer sparse, as llama.cpp's qwen3moe files are (the GGUF case)
+    "qwen3-moe-sparse": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+        rope_theta=1e6, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=64, norm_topk_prob=True)),
 }
 _GEMMA_TEXT = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=512,
                    layer_types=["sliding_attention", "sliding_attention", "full_attention"], num_hidden_layers=3,
@@ -139,13 +143,17 @@ _GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
                "self_attn.qkv_proj": "attn_qkv", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+               "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}
+# per-expert HF projections -> the stacked tensor llama.cpp writes for each ([experts, rows, cols])
+_GGUF_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 
 def _gguf_name(hf_name: str) -> str:
     stem, suffix = hf_name.rsplit(".", 1)
     if stem.startswith("model.layers."):
         _, _, index, rest = stem.split(".", 3)
+        if rest.startswith("mlp.experts."):
+            return f"blk.{index}.{_GGUF_EXPERTS[rest.split('.')[-1]]}.{suffix}"
         return f"blk.{index}.{_GGUF_LAYER[rest]}.{suffix}"
     return {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}[stem] + f".{suffix}"
 
@@ -157,7 +165,8 @@ def write_gguf(hf_dir: Path, out: Path, types: dict[str, T] | None = None) -> tu
     from gguf.quants import dequantize
 
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = {"Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}[cfg["architectures"][0]]
+    arch = {"Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3",
+            "Qwen3MoeForCausalLM": "qwen3moe"}[cfg["architectures"][0]]
     writer = GGUFWriter(str(out), arch)
     _gguf_metadata(writer, arch, cfg)  # no vocabulary: the tests pass the folder's tokenizer (parsing 49k
     # strings with gguf's reader costs ~15 s per file here; the tokenizer path is test_gguf_models.py's)
@@ -167,17 +176,43 @@ def write_gguf(hf_dir: Path, out: Path, types: dict[str, T] | None = None) -> tu
         writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     rng = np.random.default_rng(0)
     stored: dict[str, torch.Tensor] = {}
-    for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
+    for name, tensor in _stacked_experts(load_file(str(hf_dir / "model.safetensors"))).items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
         gguf_name = _gguf_name(name)
         qtype = (types or {}).get(gguf_name.split(".")[-2], T.F32)
-        values = quantized(tensor.numpy(), qtype, rng) if tensor.dim() == 2 else tensor.numpy().astype(np.float32)
-        add_tensor(writer, gguf_name, values, qtype if tensor.dim() == 2 else T.F32)
+        values = quantized(tensor.numpy(), qtype, rng) if tensor.dim() >= 2 else tensor.numpy().astype(np.float32)
+        add_tensor(writer, gguf_name, values, qtype if tensor.dim() >= 2 else T.F32)
         stored[name] = torch.from_numpy(dequantize(values, qtype).astype(np.float32).reshape(tensor.shape)) \
-            if tensor.dim() == 2 and qtype != T.F32 else tensor
+            if tensor.dim() >= 2 and qtype != T.F32 else tensor
     finish(writer)
-    return out, stored
+    return out, _split_experts(stored)
+
+
+def _stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert projections stacked as llama.cpp writes them: ...mlp.experts.<proj> [experts, rows, cols]."""
+    out, experts = {}, {}
+    for name, tensor in state.items():
+        head, sep, rest = name.partition(".mlp.experts.")
+        if sep:
+            index, proj = rest.split(".")[:2]
+            experts.setdefault(f"{head}.mlp.experts.{proj}", {})[int(index)] = tensor
+        else:
+            out[name] = tensor
+    for name, parts in experts.items():
+        out[f"{name}.weight"] = torch.stack([parts[e] for e in range(len(parts))])
+    return out
+
+
+def _split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in state.items():
+        head, sep, rest = name.partition(".mlp.experts.")
+        if sep:
+            out |= {f"{head}.mlp.experts.{e}.{rest}": tensor[e] for e in range(tensor.shape[0])}
+        else:
+            out[name] = tensor
+    return out
 
 
 def _gguf_metadata(writer: GGUFWriter, arch: str, cfg: dict) -> None:
@@ -192,12 +227,18 @@ def _gguf_metadata(writer: GGUFWriter, arch: str, cfg: dict) -> None:
     writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch == "qwen3moe":
+        writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if rope.get("rope_type") == "yarn":
         writer.add_rope_scaling_type(__import__("gguf").RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if arch != "phi3":
         return
     original = rope["original_max_position_embeddings"]
     scale = cfg["max_position_embeddings"] / original

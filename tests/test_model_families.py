@@ -23,7 +23,8 @@ PROMPTS = {f"p{i}": torch.randint(100, 49000, (n,), generator=_gen).tolist()
            for i, n in enumerate((1, 3, 7, 16, 33, 64, 120, ORIGINAL + 52))}
 LONG = f"p{len(PROMPTS) - 1}"
 # Which families' decode steps fit the native C step (the others log why and stay on torch).
-NATIVE_STEP = {"qwen3": True, "phi3-mini": True, "phi4-mini": False, "gemma3-4b": False, "qwen3-moe": False}
+NATIVE_STEP = {"qwen3": True, "phi3-mini": True, "phi4-mini": False, "gemma3-4b": False, "qwen3-moe": False,
+               "qwen3-moe-sparse": False}
 
 
 @pytest.fixture(scope="session")
@@ -107,7 +108,8 @@ def test_longrope_switching_mid_decode_matches_transformers_generate(family, cas
         assert list(out.outputs[0].token_ids) == engine_probe.hf_greedy_tokens(model, prompt, NEW_TOKENS)
 
 
-GGUF_CASES = {"qwen3": {}, "phi4-mini": {}, "phi3-mini": {"attn_qkv": T.Q8_0, "ffn_up": T.Q8_0}}
+GGUF_CASES = {"qwen3": {}, "phi4-mini": {}, "phi3-mini": {"attn_qkv": T.Q8_0, "ffn_up": T.Q8_0},
+              "qwen3-moe-sparse": {"ffn_gate_exps": T.Q8_0, "ffn_up_exps": T.Q8_0, "ffn_down_exps": T.Q8_0}}
 
 
 @pytest.mark.parametrize("case", sorted(GGUF_CASES))

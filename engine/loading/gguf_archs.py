@@ -4,8 +4,9 @@ What each entry undoes was checked against transformers' own GGUF loader (modeli
 integrations/ggml.py), which tests/test_gguf_models.py uses as the oracle: llama.cpp permutes Llama's Q/K rows
 for its rotary layout, and stores Gemma's norm weights as 1 + w. Qwen3 and Phi-3 files (llama.cpp's convert_hf_to_gguf
 layout: Phi-3's fused attn_qkv and ffn_up = [gate | up], its LongRoPE factors as the rope_factors_short/long tensors,
-partial rotary as rope.dimension_count) are checked against transformers on the HF weights they were written from
-(tests/test_model_families.py): transformers' GGUF loader reads neither those factors nor the partial rotary.
+partial rotary as rope.dimension_count) and Qwen3 MoE files (each layer's experts stacked per projection) are
+checked against transformers on the HF weights they were written from (tests/test_model_families.py):
+transformers' GGUF loader reads neither those factors nor the partial rotary.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ _PROJECTIONS = {
 }
 _LLAMA_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 _QWEN3_NORMS = _LLAMA_NORMS | {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Qwen3 MoE: the attention and norms of Qwen3; the router and each layer's experts as one 3-D tensor per projection
+# ([experts, rows, cols]), handed to the model as one matrix per expert (GgufArch.expert_parts).
+_QWEN3MOE_TENSORS = {k: v for k, v in _PROJECTIONS.items() if k.startswith("attn")} | _QWEN3_NORMS | {
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj"}
 _PHI3_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj", "ffn_up": "mlp.gate_up_proj",
                  "ffn_down": "mlp.down_proj"} | _LLAMA_NORMS
 _GEMMA3_NORMS = {
@@ -65,6 +71,14 @@ class GgufArch:
     config_tensors: tuple[str, ...] = ()  # global tensors read into the config, not loaded as weights
     # (metadata, tensor reader) -> config fields the generic keys cannot express
     config_hook: Callable[[Mapping[str, Any], Callable[[str], torch.Tensor]], dict[str, Any]] | None = None
+
+    def expert_parts(self, hf_name: str, num_experts: int) -> tuple[str, ...]:
+        """HF names of each expert's matrix in a stacked expert tensor (`...mlp.experts.gate_proj.weight` ->
+        `...mlp.experts.N.gate_proj.weight`); empty for any other tensor."""
+        head, sep, rest = hf_name.partition(".mlp.experts.")
+        if not sep or rest.split(".", 1)[0].isdigit():
+            return ()
+        return tuple(f"{head}.mlp.experts.{e}.{rest}" for e in range(num_experts))
 
     def fused_parts(self, hf_name: str) -> tuple[str, ...]:
         """HF names of the parts of a fused tensor (empty for any other)."""
@@ -110,6 +124,13 @@ def _phi3_config(metadata: Mapping[str, Any], read: Callable[[str], torch.Tensor
 GGUF_ARCHS.register("qwen3")(GgufArch(
     "Qwen3ForCausalLM", "qwen3", MappingProxyType(_PROJECTIONS | _QWEN3_NORMS),
     MappingProxyType(_CONFIG_KEYS | {"attention.key_length": "head_dim"})))
+GGUF_ARCHS.register("qwen3moe")(GgufArch(
+    "Qwen3MoeForCausalLM", "qwen3_moe", MappingProxyType(_QWEN3MOE_TENSORS),
+    MappingProxyType(_CONFIG_KEYS | {"attention.key_length": "head_dim", "expert_count": "num_experts",
+                                     "expert_used_count": "num_experts_per_tok",
+                                     "expert_feed_forward_length": "moe_intermediate_size"}),
+    # llama.cpp renormalises the chosen experts' weights for this architecture (norm_w in its MoE graph)
+    config_hook=lambda metadata, read: {"norm_topk_prob": True}))
 GGUF_ARCHS.register("phi3")(GgufArch(
     "Phi3ForCausalLM", "phi3", MappingProxyType(_PHI3_TENSORS),
     fused=MappingProxyType({"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),

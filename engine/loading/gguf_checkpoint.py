@@ -50,7 +50,7 @@ class GgufCheckpoint:
             hf_name = hf_tensor_name(self.arch, name)
             if qtype in packed_types and hf_name.endswith(_PACKABLE_SUFFIXES):
                 self.packed[name] = hf_name
-                for part in self.arch.fused_parts(hf_name) or (hf_name,):  # the linears a fused matrix feeds
+                for part in self.arch.fused_parts(hf_name) or self._experts(hf_name) or (hf_name,):  # its linears
                     types[part] = qtype
         if types:
             self.hf_config["quantization_config"] = {"quant_method": "gguf", "tensor_types": types,
@@ -69,7 +69,17 @@ class GgufCheckpoint:
             if name in self.arch.config_tensors:
                 continue
             hf_name, values = hf_tensor(self.arch, name, values, self.hf_config)
-            yield hf_name, values if name in self.packed else values.to(matrix_dtype if values.dim() == 2 else dtype)
+            packed = name in self.packed
+            parts = self._experts(hf_name)
+            if parts:  # a stacked expert tensor: one matrix (or block rows) per expert
+                for part, rows in zip(parts, values, strict=True):
+                    yield part, rows if packed else rows.to(matrix_dtype)
+                continue
+            yield hf_name, values if packed else values.to(matrix_dtype if values.dim() == 2 else dtype)
+
+    def _experts(self, hf_name: str) -> tuple[str, ...]:
+        config = self.hf_config  # transformers 5's config calls it num_local_experts
+        return self.arch.expert_parts(hf_name, int(config.get("num_experts") or config.get("num_local_experts") or 0))
 
 
 def tokenizer_dir(gguf_path: Path) -> Path:
