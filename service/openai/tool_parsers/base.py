@@ -18,6 +18,7 @@ import json
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 
@@ -105,6 +106,33 @@ def skip_space(text: str, start: int) -> int:
     while start < len(text) and text[start].isspace():
         start += 1
     return start
+
+
+def tagged_calls(text: str, final: bool, opening: str, closing: str,
+                 read: Callable[[str], ParsedCall | None]) -> Parsed:
+    """Calls written one per `opening` ... `closing` block, text around them content (Hermes' and Qwen3-Coder's
+    `<tool_call>` blocks): `read` turns a block's body into a call (None: not one, and the block stays content). An
+    open block waits for its end, or at the end is read as it is (Qwen may stop unclosed)."""
+    content, calls, pos = [], [], 0
+    while (start := text.find(opening, pos)) >= 0:
+        content.append(text[pos:start])
+        end = text.find(closing, start)
+        if end < 0:
+            if not final:
+                return Parsed("".join(content), tuple(calls))
+            call = read(text[start + len(opening):])
+            calls += [call] if call else []
+            content += [] if call else [text[start:]]
+            return Parsed("".join(content), tuple(calls))
+        call = read(text[start + len(opening):end])
+        calls += [call] if call else []
+        content += [] if call else [text[start:end + len(closing)]]
+        pos = end + len(closing)
+    tail = text[pos:]
+    if not final:
+        tail = tail[:len(tail) - held_back(tail, (opening,))]
+    content.append(tail)
+    return Parsed("".join(content), tuple(calls))
 
 
 def held_back(text: str, markers: tuple[str, ...]) -> int:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 from pagedserve.service.openai.tool_parsers.base import (
-    ForcedCalls, Parsed, ParsedCall, ToolParser, call_from_object, held_back, json_call_rules, lark_literal, repeated,
+    ForcedCalls, Parsed, ParsedCall, ToolParser, call_from_object, json_call_rules, lark_literal, repeated,
+    tagged_calls,
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -16,26 +17,7 @@ class HermesParser(ToolParser):
     name = "hermes"
 
     def parse(self, text: str, final: bool) -> Parsed:
-        content, calls, pos = [], [], 0
-        while (start := text.find(OPEN, pos)) >= 0:
-            content.append(text[pos:start])
-            end = text.find(CLOSE, start)
-            if end < 0:  # an open block: wait for it, or at the end read what is there (Qwen may stop unclosed)
-                if not final:
-                    return Parsed("".join(content), tuple(calls))
-                call = _call(text[start + len(OPEN):])
-                calls += [call] if call else []
-                content += [] if call else [text[start:]]
-                return Parsed("".join(content), tuple(calls))
-            call = _call(text[start + len(OPEN):end])
-            calls += [call] if call else []
-            content += [] if call else [text[start:end + len(CLOSE)]]
-            pos = end + len(CLOSE)
-        tail = text[pos:]
-        if not final:
-            tail = tail[:len(tail) - held_back(tail, (OPEN,))]
-        content.append(tail)
-        return Parsed("".join(content), tuple(calls))
+        return tagged_calls(text, final, OPEN, CLOSE, _call)
 
     def forced_grammar(self, forced: ForcedCalls) -> str:
         rules = [f"start: {repeated('block', chr(10), forced)}",

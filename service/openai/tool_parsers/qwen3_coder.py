@@ -21,7 +21,7 @@ from typing import Any
 
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.service.openai.tool_parsers.base import (
-    ForcedCalls, Parsed, ParsedCall, ToolParser, held_back, lark_json, lark_literal, repeated,
+    ForcedCalls, Parsed, ParsedCall, ToolParser, lark_json, lark_literal, repeated, tagged_calls,
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -40,27 +40,7 @@ class Qwen3CoderParser(ToolParser):
         return Qwen3CoderParser(schemas)
 
     def parse(self, text: str, final: bool) -> Parsed:
-        content, calls, pos = [], [], 0
-        while (start := text.find(OPEN, pos)) >= 0:
-            content.append(text[pos:start])
-            end = text.find(CLOSE, start)
-            if end < 0:  # an open block: wait for it, or at the end read what is there
-                body = text[start + len(OPEN):]
-                call = self._call(body) if final else None
-                if not final:
-                    return Parsed("".join(content), tuple(calls))
-                calls += [call] if call else []
-                content += [] if call else [text[start:]]
-                return Parsed("".join(content), tuple(calls))
-            call = self._call(text[start + len(OPEN):end])
-            calls += [call] if call else []
-            content += [] if call else [text[start:end + len(CLOSE)]]
-            pos = end + len(CLOSE)
-        tail = text[pos:]
-        if not final:
-            tail = tail[:len(tail) - held_back(tail, (OPEN,))]
-        content.append(tail)
-        return Parsed("".join(content), tuple(calls))
+        return tagged_calls(text, final, OPEN, CLOSE, self._call)
 
     def _call(self, body: str) -> ParsedCall | None:
         match = _FUNCTION.match(body)
