@@ -58,6 +58,9 @@ class SparseMoeMLP(nn.Module):
 
 
 class Qwen3Moe(Qwen3):
+    # Which experts run depends on the routing, read on the host each step: no CUDA graph can capture that
+    host_reads_in_forward = True
+
     def build_mlp(self, hf_config: dict[str, Any], index: int, prefix: str, quant: QuantConfig,
                   dtype: torch.dtype) -> nn.Module:
         num_experts = hf_config.get("num_experts", hf_config.get("num_local_experts", 0))
