@@ -141,6 +141,7 @@ ERRORS = [
     ({"truncation": "middle"}, "truncation"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"reasoning": "high"}, "reasoning"),
+    ({"n": 2, "temperature": 0.5}, "n"),  # chat fields pass on: a response has one answer
 ]
 
 
@@ -169,3 +170,10 @@ def test_items_of_one_turn_become_one_assistant_message_and_a_thought_joins_its_
     assert names("messages[2].tool_calls[1]") == "input[2].tool_calls[1]" and names("messages[0]") == "instructions"
     assert names("response_format.json_schema.schema") == "text.format.schema"
     assert names("tools[3].function.parameters") == "tools[3].parameters" and names("max_tokens") == "max_output_tokens"
+
+
+def test_fields_this_server_does_not_use_are_ignored(shared_server):  # noqa: F811
+    body = {"model": MODEL, "input": QUESTION, "max_output_tokens": 2, "include": ["reasoning.encrypted_content"],
+            "max_tool_calls": 3, "stream_options": {"include_obfuscation": False}, "store": True}
+    reply = requests.post(f"{shared_server.http_url}/v1/responses", json=body, timeout=120)
+    assert reply.status_code == 200 and reply.json()["store"] is False, reply.text  # nothing is stored

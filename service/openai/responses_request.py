@@ -32,6 +32,10 @@ _REFUSED = {
     "prompt": "reusable prompt templates are not supported; send instructions and input",
     "top_logprobs": "is not supported on /v1/responses; chat completions' top_logprobs gives them",
 }
+# Responses fields this module turns into chat ones, or that mean something else in chat (never passed on under
+# their own names): the Responses API's stream_options only toggles obfuscation padding, which is not sent here.
+_HANDLED = frozenset({"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning",
+                      "truncation", "messages", "stream_options", *_REFUSED})
 # Chat parameter -> Responses field, for errors.
 _NAMES = {"max_tokens": "max_output_tokens", "reasoning_effort": "reasoning.effort", "messages": "input",
           "truncate_prompt_tokens": "truncation"}
@@ -83,6 +87,8 @@ def chat_body(body: Any) -> tuple[dict[str, Any], ResponsesNames]:
         chat["reasoning_effort"] = reasoning["effort"]
     elif reasoning is not None and not isinstance(reasoning, dict):
         raise InvalidRequestError("reasoning", "must be an object such as {\"effort\": \"low\"}")
+    # Anything else goes on as it is: the chat path ignores the fields it does not know, with one warning per name.
+    chat |= {name: value for name, value in body.items() if name not in _HANDLED and name not in chat}
     truncation = body.get("truncation", "disabled")
     if truncation not in ("auto", "disabled"):
         raise InvalidRequestError("truncation", f"must be \"auto\" or \"disabled\", got {truncation!r}")
