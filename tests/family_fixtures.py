@@ -52,6 +52,10 @@ CASES = {
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
         rope_theta=1e6, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
         mlp_only_layers=[0], decoder_sparse_step=1)),
+    # Mixtral's layout: 4 experts, 2 per token, the checkpoint's block_sparse_moe / w1 w2 w3 names
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
     # every layer sparse, as llama.cpp's qwen3moe files are (the GGUF case)
     "qwen3-moe-sparse": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,

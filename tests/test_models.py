@@ -60,7 +60,7 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (path / "config.json").write_text(json.dumps(cfg))
     supported = ("Gemma3ForCausalLM, Gemma3ForConditionalGeneration, LlamaForCausalLM, MistralForCausalLM, "
-                 "Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")
+                 "MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM ")
     named = r"architectures: \['GPT2LMHeadModel'\] unsupported; supported: "
     with pytest.raises(ModelLoadError, match=named + supported):
         LLM(str(path))

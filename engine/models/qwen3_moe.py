@@ -1,16 +1,14 @@
 """Qwen3 mixture-of-experts models (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B-A3B): the Qwen3 block whose MLP,
 on its sparse layers, is a router over `num_experts` SiLU-gated experts, each token taking `num_experts_per_tok`.
 
-Routing is transformers': a softmax over the router's logits in fp32, the top k kept (renormalised to sum 1 when
-`norm_topk_prob`), each chosen expert's output scaled by its weight and added. Layers listed in `mlp_only_layers`, or
-off the `decoder_sparse_step` stride, keep a dense MLP of `intermediate_size`. Experts load by the checkpoint's names
+The experts are `engine/models/moe.py`'s (renormalised when `norm_topk_prob`). Layers listed in `mlp_only_layers`,
+or off the `decoder_sparse_step` stride, keep a dense MLP of `intermediate_size`. Experts load by the checkpoint's names
 (`mlp.experts.N.gate_proj`, ...), so GPTQ/AWQ checkpoints that quantize each expert load as they are. The native decode
 step runs dense MLPs only: these models keep the torch path (`decoder_stack` says why).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -18,43 +16,10 @@ from torch import nn
 
 from pagedserve.engine.errors import ModelLoadError
 from pagedserve.engine.models.decoder_stack import DecoderStack, UnsupportedStack
-from pagedserve.engine.models.llama import MLP, LlamaArgs
+from pagedserve.engine.models.llama import MLP
+from pagedserve.engine.models.moe import SparseMoeMLP
 from pagedserve.engine.models.qwen3 import Qwen3
-from pagedserve.kernels.layer_ops import LayerOps
 from pagedserve.quant.base import QuantConfig
-from pagedserve.quant.linear import QuantLinear
-
-
-class SparseMoeMLP(nn.Module):
-    def __init__(self, args: LlamaArgs, num_experts: int, top_k: int, expert_size: int, norm_topk: bool,
-                 quant: QuantConfig, prefix: str, dtype: torch.dtype):
-        super().__init__()
-        self.top_k, self.norm_topk = top_k, norm_topk
-        self.gate = QuantLinear(args.hidden_size, num_experts, False, quant.router_method(f"{prefix}.gate"), dtype)
-        expert_args = dataclasses.replace(args, intermediate_size=expert_size)
-        self.experts = nn.ModuleList(MLP(expert_args, quant, f"{prefix}.experts.{e}", dtype)
-                                     for e in range(num_experts))
-
-    def fuse_projections(self) -> None:
-        for expert in self.experts:
-            expert.fuse_projections()
-
-    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        """x [T, hidden] -> the weighted sum of each token's chosen experts' outputs."""
-        weights, chosen = self.gate(x).float().softmax(dim=-1).topk(self.top_k, dim=-1)  # [T, k]
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype).flatten()
-        order = chosen.flatten().argsort(stable=True)  # the (token, slot) pairs grouped by expert, experts ascending
-        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
-        out, start = torch.zeros_like(x), 0
-        for expert, count in enumerate(counts):
-            if count:
-                pairs = order[start:start + count]
-                rows = pairs // self.top_k
-                out.index_add_(0, rows, self.experts[expert](x[rows], ops) * weights[pairs].unsqueeze(1))
-                start += count
-        return out
 
 
 class Qwen3Moe(Qwen3):
