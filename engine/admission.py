@@ -23,7 +23,7 @@ from pagedserve.engine.core.sequence import Sequence, SequenceMetrics
 from pagedserve.engine.errors import AdapterNotFoundError, CapacityError, InvalidRequestError, PagedServeError
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions, check_messages
 from pagedserve.engine.loading.tokenizer import start_detok
-from pagedserve.engine.reasoning import ReasoningFormat, ThoughtEnd
+from pagedserve.engine.reasoning import ReasoningFormat, ThoughtMarker
 from pagedserve.engine.runner.seeded_sampling import SeededSampling
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.structured_output.backend import CompiledConstraint, GrammarState
@@ -90,7 +90,7 @@ class AdmittedRequest:
     cache_salt: int | None = None  # GenerationRequest.cache_salt as a 64-bit key (salt_key)
     # With a reasoning parser (None without): the prompt closed the thought, so the output starts as content
     thought_closed: bool | None = None
-    grammar_waits_for: ThoughtEnd | None = None  # the constraint applies once the output closes the thought
+    grammar_waits_for: ThoughtMarker | None = None  # the constraint applies once the output closes the thought
     budget: ThoughtBudget | None = None  # params.thinking_token_budget's starting state (None: no budget)
     priority: int = 0
 
@@ -156,8 +156,7 @@ class Admission:
         self.constraints_in_reasoning = constraints_in_reasoning
         if reasoning is not None:
             self.thought_end_ids = tuple(encoder.encode(reasoning.end, False))
-            self.thought_end = ThoughtEnd(reasoning.end, self.thought_end_ids[0] if len(self.thought_end_ids) == 1
-                                          else None)
+            self.thought_start, self.thought_end = self._marker(reasoning.start), self._marker(reasoning.end)
 
     def admit(self, request: GenerationRequest) -> AdmittedRequest:
         self._check_priority(request.priority)
@@ -260,7 +259,13 @@ class Admission:
                                       "model's thought markers)")
         if closed:
             return None  # the prompt closed the thought: nothing to count
-        return ThoughtBudget(budget, self.thought_end_ids, self.reasoning, self.reasoning.opened_in(turn))
+        return ThoughtBudget(budget, self.thought_end_ids, self.thought_start, self.thought_end,
+                             self.reasoning.opened_in(turn))
+
+    def _marker(self, text: str) -> ThoughtMarker:
+        """A marker, with its token id when the tokenizer holds it as one token."""
+        ids = self.encoder.encode(text, False)
+        return ThoughtMarker(text, ids[0] if len(ids) == 1 else None)
 
     def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each word as the model writes it alone and after a space (vLLM's two spellings), each once."""

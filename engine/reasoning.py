@@ -77,15 +77,21 @@ def _partial_marker(text: str, marker: str) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class ThoughtEnd:
-    """Where a held-back grammar starts: after `text` appears in the output (or `token_id`, the marker as one token of
-    the vocabulary, is appended: a tokenizer may hide it from the text as a special token)."""
+class ThoughtMarker:
+    """A thought marker as the engine watches the output for it (where a held-back grammar starts, where a budget
+    starts counting or stops): `text` appearing in the output, or `token_id`, the marker as one token of the
+    vocabulary, appended (a tokenizer may hide it from the text as a special token)."""
 
     text: str
     token_id: int | None = None
 
+    @property
+    def reach(self) -> int:
+        """How many characters before a new token's text the marker may start and still end in it."""
+        return len(self.text) - 1
+
     def seen(self, token: int, tail: str) -> bool:
-        """tail: the output's text from where the marker could start to end, up to its end."""
+        """tail: the output's text from `reach` characters before the new token's text to its end."""
         return token == self.token_id or self.text in tail
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedserve.engine.core.seq_features import SeqFeature
-from pagedserve.engine.reasoning import ReasoningFormat
+from pagedserve.engine.reasoning import ThoughtMarker
 
 if TYPE_CHECKING:  # the core's stop rules import this module
     from pagedserve.engine.core.sequence import Sequence
@@ -24,7 +24,8 @@ if TYPE_CHECKING:  # the core's stop rules import this module
 class ThoughtBudget(SeqFeature):
     left: int  # tokens the open thought may still take
     end_ids: tuple[int, ...]  # the end marker's tokens, forced in order once `left` is spent
-    format: ReasoningFormat
+    start: ThoughtMarker  # what opens the thought (watched while it is not open yet)
+    end: ThoughtMarker  # what closes it: the model closing it itself stops the count
     opened: bool  # the thought is open (else: waiting for the model to open it)
     forced: int = 0  # end_ids forced so far
     done: bool = False  # the thought closed: the budget has nothing more to do
@@ -32,7 +33,7 @@ class ThoughtBudget(SeqFeature):
     @property
     def watch_chars(self) -> int:
         """How far back a new token's text may complete a marker."""
-        return max(len(self.format.start), len(self.format.end)) - 1
+        return max(self.start.reach, self.end.reach)
 
     @property
     def active(self) -> bool:
@@ -48,20 +49,26 @@ class ThoughtBudget(SeqFeature):
         if self.done:
             return
         if not self.opened:
-            self.opened = self.format.start in tail
+            self.opened = self.start.seen(token, tail)
             return
         if self.forcing is not None:
             self.forced += 1
             self.done = self.forced == len(self.end_ids)
-        elif self.format.end in tail:
+        elif self.end.seen(token, tail):
             self.done = True
         else:
             self.left -= 1
 
     def fork(self, index: int) -> ThoughtBudget:
-        return ThoughtBudget(self.left, self.end_ids, self.format, self.opened, self.forced, self.done)
+        return ThoughtBudget(self.left, self.end_ids, self.start, self.end, self.opened, self.forced, self.done)
 
 
 def budget_active(seq: Sequence) -> bool:
     budget = seq.features.get(ThoughtBudget)
     return budget is not None and budget.active
+
+
+def forced_token(seq: Sequence) -> int | None:
+    """The token `seq`'s spent budget forces next (None: none)."""
+    budget = seq.features.get(ThoughtBudget)
+    return budget.forcing if budget is not None else None

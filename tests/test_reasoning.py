@@ -267,6 +267,14 @@ def test_markers_held_as_special_tokens_open_the_grammar_by_id(tmp_path):
     budget = SamplingParams(temperature=0, max_tokens=6, thinking_token_budget=2, logit_bias={end_id: -100.0})
     _, capped = run(tiny, opened, budget)
     assert capped.outputs[0].token_ids[2] == end_id and end_id not in capped.outputs[0].token_ids[:2]
+    # A budget sees the model open and close the thought by id too (the text holds neither marker)
+    admitted = tiny.admission.admit(GenerationRequest(TokensPrompt((5, 6)), budget))
+    state = admitted.budget.fork(0)
+    assert not state.opened
+    state.note(start_id, "")
+    assert state.opened and not state.done
+    state.note(end_id, "")
+    assert state.done and state.forcing is None
 
 
 def test_constraints_in_reasoning_apply_from_the_first_token_inside_the_thought():

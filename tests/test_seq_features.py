@@ -16,7 +16,7 @@ from pagedserve.engine.lora.weights import LoraWeights
 from pagedserve.engine.runner.seeded_sampling import SeededSampling, generator_for
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.spec_decode.drafter import SpecBackoff
-from pagedserve.engine.reasoning import REASONING_FORMATS, ThoughtEnd
+from pagedserve.engine.reasoning import ThoughtMarker
 from pagedserve.engine.structured_output.backend import ConstraintMatcher, GrammarState
 from pagedserve.engine.thought_budget import ThoughtBudget
 
@@ -45,8 +45,8 @@ def _sequence() -> Sequence:
     seq = Sequence("r", 0, [1, 2, 3], 3, SamplingParams(n=3, seed=5), SequenceMetrics(0.0), pending_forks=2)
     info = AdapterInfo("a", 7, "/x", 1, ())
     seq.adapter = info
-    budget = ThoughtBudget(2, (8, 9), REASONING_FORMATS.get("qwen3"), opened=True, forced=1)
-    for state in (DetokState(1, 3), SeededSampling.start(5), GrammarState(_Matcher(4), ThoughtEnd("</think>")),
+    budget = ThoughtBudget(2, (8, 9), ThoughtMarker("<think>"), ThoughtMarker("</think>"), opened=True, forced=1)
+    for state in (DetokState(1, 3), SeededSampling.start(5), GrammarState(_Matcher(4), ThoughtMarker("</think>")),
                   LoraWeights(info, ()), SpecBackoff(3, 2), budget):
         seq.features.attach(state)
     return seq
@@ -72,7 +72,7 @@ def test_fork_forks_every_state_by_its_own_rule():
     assert torch.equal(torch.rand(4, generator=sampling.generator), torch.rand(4, generator=generator_for(5, 2)))
     grammar = child.features.of(GrammarState)
     assert grammar.matcher.position == 4 and grammar.matcher is not seq.features.of(GrammarState).matcher
-    assert grammar.waits_for == ThoughtEnd("</think>")  # a sample forked inside the thought waits on its own
+    assert grammar.waits_for == ThoughtMarker("</think>")  # a sample forked inside the thought waits on its own
     grammar.watch(0, "</think>")
     assert grammar.applies and not seq.features.of(GrammarState).applies
     budget = child.features.of(ThoughtBudget)

@@ -26,7 +26,7 @@ class StopRules:
         before = seq.text.length
         done = apply_token(seq, token, logprob, self.tokenizer, self.max_model_len)
         if grammar is not None and not grammar.applies:
-            grammar.watch(token, seq.text.tail(max(0, before - len(grammar.waits_for.text) + 1)))
+            grammar.watch(token, seq.text.tail(max(0, before - grammar.waits_for.reach)))
         budget = seq.features.get(ThoughtBudget)
         if budget is not None and budget.active:
             budget.note(token, seq.text.tail(max(0, before - budget.watch_chars)))

@@ -19,7 +19,7 @@ from pagedserve.engine.runner.device_rows import DeviceRows, HostRows
 from pagedserve.engine.runner.seeded_sampling import generator_of
 from pagedserve.engine.structured_output.backend import GrammarState
 from pagedserve.engine.structured_output.bitmask import mask_constrained_rows
-from pagedserve.engine.thought_budget import ThoughtBudget, budget_active
+from pagedserve.engine.thought_budget import budget_active, forced_token
 from pagedserve.kernels.cpu.layer_ops import row_max_argmax
 
 
@@ -154,7 +154,7 @@ class Sampler:
         needs = [
             i for i, s in enumerate(seqs)
             if s.params.logit_bias or s.params.needs_penalties or s.params.restricts_tokens
-            or s.num_output_tokens + (s in pending) < s.params.min_tokens or _forced(s) is not None
+            or s.num_output_tokens + (s in pending) < s.params.min_tokens or forced_token(s) is not None
         ]
         if not needs:
             return logits
@@ -183,7 +183,7 @@ class Sampler:
                 _ban(row, torch.tensor(sorted(banned), **ids), keep_one=GrammarState in seq.features)
         if p.restricts_tokens:
             _restrict(row, seq)
-        forced = _forced(seq)
+        forced = forced_token(seq)
         if forced is not None:  # the thought's budget is spent: its end marker comes next, whatever else applies
             value = row[forced].clone()
             row.fill_(float("-inf"))
@@ -260,11 +260,6 @@ def _ban(row: torch.Tensor, ids: torch.Tensor, keep_one: bool) -> None:
     row[ids] = float("-inf")
     if keep_one and not bool(torch.isfinite(row).any()):
         row[ids] = saved
-
-
-def _forced(seq: Sequence) -> int | None:
-    budget = seq.features.get(ThoughtBudget)
-    return budget.forcing if budget is not None else None
 
 
 def _restrict(row: torch.Tensor, seq: Sequence) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from pagedserve.engine.constraint import OutputConstraint
 from pagedserve.engine.core.seq_features import SeqFeature
-from pagedserve.engine.reasoning import ThoughtEnd
+from pagedserve.engine.reasoning import ThoughtMarker
 
 
 class ConstraintRejected(ValueError):
@@ -65,7 +65,7 @@ class GrammarState(SeqFeature):
     no step launched ahead), so the token that closes it is never followed by an unmasked one."""
 
     matcher: ConstraintMatcher
-    waits_for: ThoughtEnd | None = None  # None: the grammar applies to the next token
+    waits_for: ThoughtMarker | None = None  # None: the grammar applies to the next token
 
     @property
     def applies(self) -> bool:
