@@ -3,7 +3,7 @@ Started, then Deltas, then one Final per index."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
@@ -35,8 +35,8 @@ class FrameBuilder:
         self.final_only = stream_mode == pb.STREAM_MODE_FINAL_ONLY
         self.started = False
         self.cached_tokens = 0
-        self.completions = [_Completion(thought=None if thought is None else ThoughtReader(
-            thought.format, thought.include, thought.content_only)) for _ in range(params.n)]
+        self.completions = [_Completion(thought=None if thought is None else replace(thought))
+                            for _ in range(params.n)]
 
     @property
     def all_finished(self) -> bool:
@@ -93,7 +93,8 @@ class FrameBuilder:
         if self.final_only:
             state.last = completion
         elif new_ids or completion.new_text or completion.finish_reason is not None:
-            text, reasoning = self._split(state, completion.text, completion.new_text, completion.finish_reason)
+            text, reasoning = self._split(state, completion.text, completion.new_text,
+                                          final=completion.finish_reason is not None)
             if new_ids or text or reasoning:
                 frames.append(self._delta(completion.index, text, new_ids, logprobs, state, reasoning))
         if completion.finish_reason is not None:
@@ -127,15 +128,15 @@ class FrameBuilder:
         last = state.last
         if last is None:
             return self._delta(index, "", [], [], state)
-        text, reasoning = self._split(state, last.text, last.text, "final")
+        text, reasoning = self._split(state, last.text, last.text, final=True)
         return self._delta(index, text, list(last.token_ids), list(last.logprobs), state, reasoning)
 
     @staticmethod
-    def _split(state: _Completion, whole: str, new: str, finish: str | None) -> tuple[str, str]:
+    def _split(state: _Completion, whole: str, new: str, final: bool) -> tuple[str, str]:
         """(the content's new text, the thought's new text) of a completion whose text is now `whole`."""
         if state.thought is None:
             return new, ""
-        reasoning, content = state.thought.advance(whole, final=finish is not None)
+        reasoning, content = state.thought.advance(whole, final)
         return state.thought.new_content(content), reasoning
 
     def _delta(self, index: int, text: str, token_ids: list[int], logprobs: list[TokenLogprob],
