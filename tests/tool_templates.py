@@ -4,10 +4,26 @@ markers where the family has none of its own in SmolLM2's vocabulary. Each one i
 
 from __future__ import annotations
 
-HERMES = """{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}{%- set messages = messages[1:] %}
+# Qwen's ChatML frame, shared by the Hermes (Qwen 2.5 / 3) and Qwen3-Coder templates: the system turn's opening,
+# and, after each family's assistant turn (its calls in its own format), tool results as <tool_response> blocks in
+# one user turn, other roles as they are, and the generation prompt.
+_QWEN_SYSTEM = """{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}{%- set messages = messages[1:] %}
 {%- else %}{%- set system = 'You are a helpful assistant.' %}{%- endif %}
 {{- '<|im_start|>system\\n' + system }}
-{%- if tools %}
+"""
+_QWEN_TURNS = """        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+HERMES = _QWEN_SYSTEM + """{%- if tools %}
     {{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with '
         'function signatures within <tools></tools> XML tags:\\n<tools>' }}
     {%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}
@@ -23,17 +39,7 @@ HERMES = """{%- if messages[0].role == 'system' %}{%- set system = messages[0].c
             {{- '\\n<tool_call>\\n{"name": "' + call.function.name + '", "arguments": ' }}
             {{- call.function.arguments | tojson + '}\\n</tool_call>' }}
         {%- endfor %}
-        {{- '<|im_end|>\\n' }}
-    {%- elif message.role == 'tool' %}
-        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-        {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
-        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
-    {%- else %}
-        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
-"""
+""" + _QWEN_TURNS
 
 LLAMA3_JSON = """{{- '<|im_start|>system\\nEnvironment: ipython\\nYou are a helpful assistant.<|im_end|>\\n' }}
 {%- set ns = namespace(tools_written=false) %}
@@ -114,10 +120,7 @@ PYTHONIC = """{{- '<|im_start|>system\\nYou are an expert in composing functions
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
 """
 
-QWEN3_CODER = """{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}{%- set messages = messages[1:] %}
-{%- else %}{%- set system = 'You are a helpful assistant.' %}{%- endif %}
-{{- '<|im_start|>system\\n' + system }}
-{%- if tools %}
+QWEN3_CODER = _QWEN_SYSTEM + """{%- if tools %}
     {{- '\\n\\n# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' }}
     {%- for tool in tools %}
         {{- '\\n<function>\\n<name>' + tool.function.name + '</name>' }}
@@ -147,17 +150,7 @@ QWEN3_CODER = """{%- if messages[0].role == 'system' %}{%- set system = messages
             {%- endfor %}
             {{- '</function>\\n</tool_call>' }}
         {%- endfor %}
-        {{- '<|im_end|>\\n' }}
-    {%- elif message.role == 'tool' %}
-        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-        {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
-        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
-    {%- else %}
-        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
-"""
+""" + _QWEN_TURNS
 
 TEMPLATES = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "pythonic": PYTHONIC,
              "qwen3_coder": QWEN3_CODER}
