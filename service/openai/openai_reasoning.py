@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.reasoning import ReasoningFormat
 from pagedserve.service.core.thought_reader import ThoughtReader
+from pagedserve.service.openai.openai_messages import flag
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +32,7 @@ class ReasoningPlan:
 
 def reasoning_plan(body: dict[str, Any], chat: bool, format: ReasoningFormat | None) -> ReasoningPlan | None:
     """None: the answer is all content (no --reasoning-parser, or a completions request, which vLLM does not split)."""
-    include = body.get("include_reasoning", True)
-    if not isinstance(include, bool):
-        raise InvalidRequestError("include_reasoning", f"must be a boolean, got {include!r}")
+    include = flag(body, "include_reasoning", True)
     if format is None or not chat:
         return None
     kwargs = body.get("chat_template_kwargs")

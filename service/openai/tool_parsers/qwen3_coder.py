@@ -47,11 +47,11 @@ class Qwen3CoderParser(ToolParser):
         if match is None:
             return None
         name, inner = match.group(1).strip(), match.group(2)
+        if _PARAMETER.sub("", inner).strip():
+            return None  # text between the parameters: not this format
         properties = _properties(self.schemas.get(name))
         arguments = {key.strip(): _typed(_strip_newlines(value), properties.get(key.strip()))
                      for key, value in _PARAMETER.findall(inner)}
-        if _PARAMETER.sub("", inner).strip():
-            return None  # text between the parameters: not this format
         return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
 
     def forced_grammar(self, forced: ForcedCalls) -> str:
