@@ -155,7 +155,6 @@ class Admission:
         self.reasoning, self.priority_scheduling = reasoning, priority_scheduling
         self.constraints_in_reasoning = constraints_in_reasoning
         if reasoning is not None:
-            self.thought_end_ids = tuple(encoder.encode(reasoning.end, False))
             self.thought_start, self.thought_end = self._marker(reasoning.start), self._marker(reasoning.end)
 
     def admit(self, request: GenerationRequest) -> AdmittedRequest:
@@ -259,13 +258,11 @@ class Admission:
                                       "model's thought markers)")
         if closed:
             return None  # the prompt closed the thought: nothing to count
-        return ThoughtBudget(budget, self.thought_end_ids, self.thought_start, self.thought_end,
-                             self.reasoning.opened_in(turn))
+        return ThoughtBudget(budget, self.thought_start, self.thought_end, self.reasoning.opened_in(turn))
 
     def _marker(self, text: str) -> ThoughtMarker:
-        """A marker, with its token id when the tokenizer holds it as one token."""
-        ids = self.encoder.encode(text, False)
-        return ThoughtMarker(text, ids[0] if len(ids) == 1 else None)
+        """A marker with its tokens (one, where the tokenizer holds it as a token of its own)."""
+        return ThoughtMarker(text, tuple(self.encoder.encode(text, False)))
 
     def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each word as the model writes it alone and after a space (vLLM's two spellings), each once."""

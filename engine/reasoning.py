@@ -80,10 +80,15 @@ def _partial_marker(text: str, marker: str) -> int:
 class ThoughtMarker:
     """A thought marker as the engine watches the output for it (where a held-back grammar starts, where a budget
     starts counting or stops): `text` appearing in the output, or `token_id`, the marker as one token of the
-    vocabulary, appended (a tokenizer may hide it from the text as a special token)."""
+    vocabulary, appended (a tokenizer may hide it from the text as a special token). `token_ids`: the marker as the
+    tokenizer writes it alone (what a spent budget forces)."""
 
     text: str
-    token_id: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+    @property
+    def token_id(self) -> int | None:
+        return self.token_ids[0] if len(self.token_ids) == 1 else None
 
     @property
     def reach(self) -> int:

@@ -23,11 +23,10 @@ if TYPE_CHECKING:  # the core's stop rules import this module
 @dataclass(slots=True)
 class ThoughtBudget(SeqFeature):
     left: int  # tokens the open thought may still take
-    end_ids: tuple[int, ...]  # the end marker's tokens, forced in order once `left` is spent
     start: ThoughtMarker  # what opens the thought (watched while it is not open yet)
-    end: ThoughtMarker  # what closes it: the model closing it itself stops the count
+    end: ThoughtMarker  # what closes it: stops the count when the model writes it; forced once `left` is spent
     opened: bool  # the thought is open (else: waiting for the model to open it)
-    forced: int = 0  # end_ids forced so far
+    forced: int = 0  # end.token_ids forced so far
     done: bool = False  # the thought closed: the budget has nothing more to do
 
     @property
@@ -42,7 +41,7 @@ class ThoughtBudget(SeqFeature):
     @property
     def forcing(self) -> int | None:
         """The token the next step must take (None: the model picks)."""
-        return self.end_ids[self.forced] if not self.done and self.opened and self.left <= 0 else None
+        return self.end.token_ids[self.forced] if not self.done and self.opened and self.left <= 0 else None
 
     def note(self, token: int, tail: str) -> None:
         """After each appended token: `tail`, the output's text from where a marker could have started."""
@@ -53,14 +52,14 @@ class ThoughtBudget(SeqFeature):
             return
         if self.forcing is not None:
             self.forced += 1
-            self.done = self.forced == len(self.end_ids)
+            self.done = self.forced == len(self.end.token_ids)
         elif self.end.seen(token, tail):
             self.done = True
         else:
             self.left -= 1
 
     def fork(self, index: int) -> ThoughtBudget:
-        return ThoughtBudget(self.left, self.end_ids, self.start, self.end, self.opened, self.forced, self.done)
+        return ThoughtBudget(self.left, self.start, self.end, self.opened, self.forced, self.done)
 
 
 def budget_active(seq: Sequence) -> bool:

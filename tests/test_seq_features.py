@@ -45,7 +45,7 @@ def _sequence() -> Sequence:
     seq = Sequence("r", 0, [1, 2, 3], 3, SamplingParams(n=3, seed=5), SequenceMetrics(0.0), pending_forks=2)
     info = AdapterInfo("a", 7, "/x", 1, ())
     seq.adapter = info
-    budget = ThoughtBudget(2, (8, 9), ThoughtMarker("<think>"), ThoughtMarker("</think>"), opened=True, forced=1)
+    budget = ThoughtBudget(2, ThoughtMarker("<think>"), ThoughtMarker("</think>", (8, 9)), opened=True, forced=1)
     for state in (DetokState(1, 3), SeededSampling.start(5), GrammarState(_Matcher(4), ThoughtMarker("</think>")),
                   LoraWeights(info, ()), SpecBackoff(3, 2), budget):
         seq.features.attach(state)
