@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from pagedserve.engine.admission import AdmittedRequest
+from pagedserve.engine.admission import AdmittedRequest, renamed
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.reasoning import ReasoningFormat
 from pagedserve.service.core.admit import admit_off_loop
@@ -173,10 +173,8 @@ class GenerateResponses(Generate):
 
     def parse(self, body: Any, adapter: str | None) -> tuple[OpenAIRequest, Callable[[str], str]]:
         chat, names = chat_body(body)
-        try:
+        with renamed(names):
             request = parse(chat, True, adapter, self.api.tools, self.api.policy, self.api.reasoning)
-        except InvalidRequestError as exc:
-            raise type(exc)(names(exc.field), exc.message) from None
         if request.params.n != 1:
             raise InvalidRequestError("n", "a response has one answer")
         return request, lambda field: names(request.param(field))
