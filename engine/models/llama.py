@@ -249,8 +249,11 @@ class LlamaForCausalLM(nn.Module):
             raise UnsupportedStack(f"partial rotary ({self.rotary.rotary_dim} of {self.args.head_dim} dimensions): "
                                    "the C step rotates whole heads")
         layers = []
-        for layer in self.model.layers:
+        for index, layer in enumerate(self.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
+            if not isinstance(mlp, MLP):
+                raise UnsupportedStack(f"layer {index}'s MLP is a {type(mlp).__name__}: the C step runs dense "
+                                       "SiLU-gated MLPs")
             layers.append(StackLayer(
                 qkv=(attn.qkv_proj,) if attn.qkv_proj is not None else (attn.q_proj, attn.k_proj, attn.v_proj),
                 o=attn.o_proj,

@@ -14,9 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.engine.errors import ModelLoadError
 from pagedserve.engine.models.checkpoint_layout import CheckpointLayout
-from pagedserve.engine.models.decoder_stack import DecoderStack, UnsupportedStack
 from pagedserve.engine.models.llama import Mistral
 from pagedserve.engine.models.moe import SparseMoeMLP
 from pagedserve.quant.base import QuantConfig
@@ -25,17 +23,11 @@ from pagedserve.quant.base import QuantConfig
 class Mixtral(Mistral):
     checkpoint_layout = CheckpointLayout(infixes=((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
                                                   (".w3.", ".up_proj."), (".w2.", ".down_proj.")))
-    host_reads_in_forward = True  # which experts run is read on the host each step (moe.py)
 
     def build_mlp(self, hf_config: dict[str, Any], index: int, prefix: str, quant: QuantConfig,
                   dtype: torch.dtype) -> nn.Module:
-        num_experts, top_k = hf_config.get("num_local_experts", 0), hf_config.get("num_experts_per_tok", 0)
-        if not 0 < top_k <= num_experts:
-            raise ModelLoadError(f"num_experts_per_tok {top_k} must be in [1, num_local_experts = {num_experts}]")
-        return SparseMoeMLP(self.args, num_experts, top_k, self.args.intermediate_size, True, quant, prefix, dtype)
-
-    def decoder_stack(self) -> DecoderStack:
-        raise UnsupportedStack("mixture-of-experts MLPs: the C step runs dense MLPs")
+        return SparseMoeMLP(self.args, hf_config.get("num_local_experts", 0), hf_config.get("num_experts_per_tok", 0),
+                            self.args.intermediate_size, True, quant, prefix, dtype)
 
 
 # Read by engine/models/registry.py, which registers every module of this package that defines ARCHITECTURES.

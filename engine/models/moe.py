@@ -4,8 +4,9 @@ taking the top k.
 Routing is transformers': a softmax over the router's logits in fp32, the top k kept (renormalised to sum 1 where the
 family does), each chosen expert's output scaled by its weight and added. Each expert runs once per step on the rows
 that chose it. The router's linear comes from `QuantConfig.router_method` (GPTQ/AWQ tools leave routers unquantized).
-Which experts run is read on the host each step: models with these layers set `host_reads_in_forward` (no CUDA
-graph) and keep the torch path (the native decode step runs dense MLPs).
+Which experts run is read on the host each step (`host_reads_in_forward`: no CUDA graph captures a model with these
+layers), and the native decode step runs dense MLPs only (`LlamaForCausalLM.decoder_stack` keeps such a model on the
+torch path).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from pagedserve.engine.errors import ModelLoadError
 from pagedserve.engine.models.llama import MLP, LlamaArgs
 from pagedserve.kernels.layer_ops import LayerOps
 from pagedserve.quant.base import QuantConfig
@@ -22,9 +24,13 @@ from pagedserve.quant.linear import QuantLinear
 
 
 class SparseMoeMLP(nn.Module):
+    host_reads_in_forward = True  # the routing counts are read on the host, each step (forward's loop)
+
     def __init__(self, args: LlamaArgs, num_experts: int, top_k: int, expert_size: int, norm_topk: bool,
                  quant: QuantConfig, prefix: str, dtype: torch.dtype):
         super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ModelLoadError(f"{prefix}: num_experts_per_tok {top_k} must be in [1, {num_experts}] (the experts)")
         self.top_k, self.norm_topk = top_k, norm_topk
         self.gate = QuantLinear(args.hidden_size, num_experts, False, quant.router_method(f"{prefix}.gate"), dtype)
         expert_args = dataclasses.replace(args, intermediate_size=expert_size)

@@ -4,7 +4,7 @@ on its sparse layers, is a router over `num_experts` SiLU-gated experts, each to
 The experts are `engine/models/moe.py`'s (renormalised when `norm_topk_prob`). Layers listed in `mlp_only_layers`,
 or off the `decoder_sparse_step` stride, keep a dense MLP of `intermediate_size`. Experts load by the checkpoint's names
 (`mlp.experts.N.gate_proj`, ...), so GPTQ/AWQ checkpoints that quantize each expert load as they are. The native decode
-step runs dense MLPs only: these models keep the torch path (`decoder_stack` says why).
+step runs dense MLPs only: these models keep the torch path (`LlamaForCausalLM.decoder_stack` says why).
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.engine.errors import ModelLoadError
-from pagedserve.engine.models.decoder_stack import DecoderStack, UnsupportedStack
 from pagedserve.engine.models.llama import MLP
 from pagedserve.engine.models.moe import SparseMoeMLP
 from pagedserve.engine.models.qwen3 import Qwen3
@@ -23,25 +21,15 @@ from pagedserve.quant.base import QuantConfig
 
 
 class Qwen3Moe(Qwen3):
-    # Which experts run depends on the routing, read on the host each step: no CUDA graph can capture that
-    host_reads_in_forward = True
-
     def build_mlp(self, hf_config: dict[str, Any], index: int, prefix: str, quant: QuantConfig,
                   dtype: torch.dtype) -> nn.Module:
         num_experts = hf_config.get("num_experts", hf_config.get("num_local_experts", 0))
         step = hf_config.get("decoder_sparse_step", 1)
         if index in hf_config.get("mlp_only_layers", ()) or not num_experts or (index + 1) % step:
             return MLP(self.args, quant, prefix, dtype)
-        top_k = hf_config.get("num_experts_per_tok", 0)
-        if not 0 < top_k <= num_experts:
-            raise ModelLoadError(f"num_experts_per_tok {top_k} must be in [1, num_experts = {num_experts}]")
-        return SparseMoeMLP(self.args, num_experts, top_k, hf_config["moe_intermediate_size"],
-                            bool(hf_config.get("norm_topk_prob", False)), quant, prefix, dtype)
-
-    def decoder_stack(self) -> DecoderStack:
-        if any(isinstance(layer.mlp, SparseMoeMLP) for layer in self.model.layers):
-            raise UnsupportedStack("mixture-of-experts MLPs: the C step runs dense MLPs")
-        return super().decoder_stack()
+        return SparseMoeMLP(self.args, num_experts, hf_config.get("num_experts_per_tok", 0),
+                            hf_config["moe_intermediate_size"], bool(hf_config.get("norm_topk_prob", False)), quant,
+                            prefix, dtype)
 
 
 # Read by engine/models/registry.py, which registers every module of this package that defines ARCHITECTURES.

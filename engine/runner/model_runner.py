@@ -211,9 +211,9 @@ class ModelRunner:
         """CUDA graphs of the decode step (engine/runner/cuda_graphs.py), captured now if the attention allows it
         yet; None on CPU, with enforce_eager, for models that pick RoPE tables by sequence length (LongRoPE: the
         lengths are host data of each step) and for models whose forward reads device values on the host (a
-        mixture of experts runs the experts its tokens chose: `host_reads_in_forward`)."""
+        mixture of experts runs the experts its tokens chose: a module's `host_reads_in_forward`)."""
         long_rope = any(getattr(m, "long_after", None) is not None for m in self.model.modules())
-        host_reads = getattr(self.model, "host_reads_in_forward", False)
+        host_reads = any(getattr(m, "host_reads_in_forward", False) for m in self.model.modules())
         if device.type != "cuda" or config.enforce_eager or long_rope or host_reads:
             return None
         sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs, MAX_CUDA_GRAPH_SIZE)
