@@ -11,7 +11,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 _HOMES = {
-    "AdmittedRequest": "admission", "ChatPrompt": "admission", "GenerationRequest": "admission",
+    "AdmittedRequest": "admission", "ChatPrompt": "admission", "EmbeddingRequest": "admission",
+    "GenerationRequest": "admission", "PoolingParams": "pooling",
     "TextPrompt": "admission", "TokensPrompt": "admission", "AsyncEngine": "async_engine",
     "EngineConfig": "config", "LLM": "llm", "LLMEngine": "llm_engine", "CompletionOutput": "outputs",
     "EngineStats": "outputs", "RequestMetrics": "outputs", "RequestOutput": "outputs",
@@ -20,12 +21,15 @@ _HOMES = {
 __all__ = list(_HOMES)
 
 if TYPE_CHECKING:
-    from pagedserve.engine.admission import AdmittedRequest, ChatPrompt, GenerationRequest, TextPrompt, TokensPrompt
+    from pagedserve.engine.admission import (
+        AdmittedRequest, ChatPrompt, EmbeddingRequest, GenerationRequest, TextPrompt, TokensPrompt,
+    )
     from pagedserve.engine.async_engine import AsyncEngine
     from pagedserve.engine.config import EngineConfig
     from pagedserve.engine.llm import LLM
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+    from pagedserve.engine.pooling import PoolingParams
     from pagedserve.engine.sampling_params import SamplingParams
 
 

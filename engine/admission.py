@@ -20,9 +20,12 @@ from typing import TYPE_CHECKING, Protocol
 
 from pagedserve.engine.constraint import OutputConstraint
 from pagedserve.engine.core.sequence import Sequence, SequenceMetrics
-from pagedserve.engine.errors import AdapterNotFoundError, CapacityError, InvalidRequestError, PagedServeError
+from pagedserve.engine.errors import (
+    AdapterNotFoundError, CapacityError, InvalidRequestError, PagedServeError, UnsupportedTaskError,
+)
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions, check_messages
 from pagedserve.engine.loading.tokenizer import start_detok
+from pagedserve.engine.pooling import PoolerConfig, PoolingParams, PoolingState
 from pagedserve.engine.reasoning import ReasoningFormat, ThoughtMarker
 from pagedserve.engine.runner.seeded_sampling import SeededSampling
 from pagedserve.engine.sampling_params import SamplingParams
@@ -79,6 +82,30 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class EmbeddingRequest:
+    """An embedding of one prompt, for a server whose model runs the pooling runner (`engine/pooling.py`)."""
+
+    prompt: Prompt
+    pooling: PoolingParams = PoolingParams()
+    truncate_prompt_tokens: int | None = None  # as GenerationRequest's (TRUNCATE_TO_CONTEXT: the whole context)
+    adapter: str | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingPlan:
+    """An admitted embedding's pooling, resolved against the server's PoolerConfig."""
+
+    config: PoolerConfig
+    normalize: bool
+    dimensions: int | None
+
+    def start(self) -> PoolingState:
+        return PoolingState(self.config.pooling_type, self.normalize, self.dimensions)
+
+
+@dataclass(frozen=True, slots=True)
 class AdmittedRequest:
     """A request that passed every check; only `Admission.admit` makes one. `params.max_tokens` is set and fits."""
 
@@ -93,6 +120,7 @@ class AdmittedRequest:
     grammar_waits_for: ThoughtMarker | None = None  # the constraint applies once the output closes the thought
     budget: ThoughtBudget | None = None  # params.thinking_token_budget's starting state (None: no budget)
     priority: int = 0
+    pooling: PoolingPlan | None = None  # an embedding request: pooled, never sampled (params are unused)
 
     def start(self, request_id: str, arrival_time: float) -> Sequence:
         """The request's first sequence, holding each feature's starting state (its forks copy them from it)."""
@@ -109,6 +137,8 @@ class AdmittedRequest:
             seq.features.attach(self.adapter)
         if self.budget is not None:
             seq.features.attach(self.budget.fork(0))
+        if self.pooling is not None:
+            seq.features.attach(self.pooling.start())
         return seq
 
 
@@ -117,6 +147,7 @@ class ModelLimits:
     vocab_size: int
     max_model_len: int
     kv_cache_tokens: int  # the whole KV cache: one request's prompt + output must fit in it
+    hidden_size: int = 0  # the width of an embedding before any Matryoshka cut
 
 
 class PromptEncoder(Protocol):
@@ -150,14 +181,21 @@ class Admission:
 
     def __init__(self, limits: ModelLimits, encoder: PromptEncoder, compiler: ConstraintCompiler | None = None,
                  adapters: AdapterResolver | None = None, reasoning: ReasoningFormat | None = None,
-                 priority_scheduling: bool = False, constraints_in_reasoning: bool = False):
+                 priority_scheduling: bool = False, constraints_in_reasoning: bool = False,
+                 pooler: PoolerConfig | None = None):
         self.limits, self.encoder, self.compiler, self.adapters = limits, encoder, compiler, adapters
+        self.pooler = pooler  # the pooling runner's rule: the engine embeds and does not generate; None: generates
         self.reasoning, self.priority_scheduling = reasoning, priority_scheduling
         self.constraints_in_reasoning = constraints_in_reasoning
         if reasoning is not None:
             self.thought_start, self.thought_end = self._marker(reasoning.start), self._marker(reasoning.end)
 
-    def admit(self, request: GenerationRequest) -> AdmittedRequest:
+    def admit(self, request: GenerationRequest | EmbeddingRequest) -> AdmittedRequest:
+        if isinstance(request, EmbeddingRequest):
+            return self._admit_embedding(request)
+        if self.pooler is not None:
+            raise UnsupportedTaskError("this server runs an embedding model (--runner pooling): it answers embeddings, "
+                                       "not generations")
         self._check_priority(request.priority)
         adapter = self._adapter(request.adapter)
         ids, field, text = self._prompt_ids(request.prompt)
@@ -182,6 +220,27 @@ class Admission:
                                thought_closed=closed, grammar_waits_for=waits_for,
                                budget=self._budget(params.thinking_token_budget, turn, closed),
                                priority=request.priority)
+
+    def _admit_embedding(self, request: EmbeddingRequest) -> AdmittedRequest:
+        """The prompt's checks as for a generation, except that it needs no room to generate in."""
+        if self.pooler is None:
+            raise UnsupportedTaskError("this server runs a generation model: start it with --runner pooling to serve "
+                                       "embeddings")
+        normalize, dimensions = self.pooler.resolve(request.pooling, self.limits.hidden_size)
+        self._check_priority(request.priority)
+        adapter = self._adapter(request.adapter)
+        ids, field, _ = self._prompt_ids(request.prompt)
+        ids, truncated = self._truncate(ids, request.truncate_prompt_tokens, room=0)
+        context = self.limits.max_model_len
+        if len(ids) > context:
+            raise InvalidRequestError(field, f"the prompt is {len(ids)} tokens; the model's context is {context} "
+                                      "tokens")
+        if len(ids) > self.limits.kv_cache_tokens:
+            raise CapacityError(field, f"the prompt is {len(ids)} tokens, more than the whole KV cache "
+                                f"({self.limits.kv_cache_tokens} tokens)")
+        return AdmittedRequest(tuple(ids), SamplingParams(max_tokens=1), truncated, adapter=adapter,
+                               cache_salt=salt_key(request.cache_salt), priority=request.priority,
+                               pooling=PoolingPlan(self.pooler, normalize, dimensions))
 
     def _check_priority(self, priority: object) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool) or not -2**63 <= priority < 2**63:
@@ -281,11 +340,12 @@ class Admission:
                 raise InvalidRequestError(f"{TOKENS_FIELD}[{i}]",
                                           f"token id {token} is outside the vocabulary (size {vocab})")
 
-    def _truncate(self, ids: list[int], keep: int | None) -> tuple[list[int], bool]:
+    def _truncate(self, ids: list[int], keep: int | None, room: int = 1) -> tuple[list[int], bool]:
+        """room: the positions TRUNCATE_TO_CONTEXT leaves free (one to generate; none for an embedding)."""
         if keep is None:
             return ids, False
         if keep == TRUNCATE_TO_CONTEXT:
-            keep = self.limits.max_model_len - 1
+            keep = self.limits.max_model_len - room
         if keep < 1:
             raise InvalidRequestError("truncate_prompt_tokens",
                                       f"must be >= 1 (or {TRUNCATE_TO_CONTEXT}: as many as fit), got {keep}")

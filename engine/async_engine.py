@@ -15,7 +15,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from pagedserve.engine.admission import AdmittedRequest, GenerationRequest
+from pagedserve.engine.admission import AdmittedRequest, EmbeddingRequest, GenerationRequest
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import EngineDeadError, PagedServeError
 from pagedserve.engine.kv_events import KvEvent
@@ -110,7 +110,7 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
-    def admit(self, request: GenerationRequest) -> AdmittedRequest:
+    def admit(self, request: GenerationRequest | EmbeddingRequest) -> AdmittedRequest:
         """Checks a request once, in the caller's thread (front ends send long prompts and constrained requests, whose
         grammar compiles here, to a worker thread: `service/core/admit.py`)."""
         return self.engine.admission.admit(request)

@@ -24,6 +24,7 @@ from pagedserve.engine.loading.tokenizer import Tokenizer
 from pagedserve.engine.lora.layers import lora_dtype
 from pagedserve.engine.lora.manager import AdapterManager
 from pagedserve.engine.outputs import ModelDescription
+from pagedserve.engine.pooling import PoolerConfig
 from pagedserve.engine.reasoning import REASONING_FORMATS
 from pagedserve.engine.runner.model_runner import ModelRunner
 from pagedserve.engine.runner.sampler import Sampler, native_max_argmax, torch_max_argmax
@@ -88,8 +89,11 @@ def build_engine(config: EngineConfig) -> EngineParts:
     device = torch.device(config.device)
     source = resolve_model(config.model, config.tokenizer)
     override = read_template_file(config.chat_template) if config.chat_template else None  # fail before loading
+    pooling = runs_pooling(config, source)
     loaded = load_model(source.weights, config.torch_dtype, config.quantization, device, config.gguf_weights,
-                        config.lm_head_quantization)
+                        config.lm_head_quantization, pooling=pooling)
+    pooler = PoolerConfig.for_model(source.weights if source.weights.is_dir() else None, loaded.hf_config,
+                                    config.pooler_overrides) if pooling else None
     tokenizer = Tokenizer(source.tokenizer_dir, loaded.model.args.vocab_size, override, source.name)
     native_picks = device.type == "cpu" and cpu_native.available()
     sampler = Sampler(tokenizer.eos_token_ids, native_max_argmax if native_picks else torch_max_argmax)
@@ -107,14 +111,22 @@ def build_engine(config: EngineConfig) -> EngineParts:
     grammar = functools.partial(CONSTRAINT_BACKENDS.get(config.structured_output_backend), tokenizer.hf,
                                 runner.vocab_size, tokenizer.eos_token_ids)
     constraints = ConstraintCompiler(grammar, config.constraint_compile_timeout_s)
-    limits = ModelLimits(runner.vocab_size, max_len, _kv_tokens(blocks, config, max_len))
+    limits = ModelLimits(runner.vocab_size, max_len, _kv_tokens(blocks, config, max_len), loaded.model.args.hidden_size)
     reasoning = REASONING_FORMATS.get(config.reasoning_parser) if config.reasoning_parser else None
     admission = Admission(limits, tokenizer, constraints, adapters, reasoning,
                           priority_scheduling=config.scheduling_policy == SchedulingPolicy.PRIORITY,
-                          constraints_in_reasoning=config.constraints_in_reasoning)
-    description = _describe(config, source, loaded, runner, tokenizer, blocks)
+                          constraints_in_reasoning=config.constraints_in_reasoning, pooler=pooler)
+    description = _describe(config, source, loaded, runner, tokenizer, blocks, pooler)
     return EngineParts(config, source, loaded, tokenizer, runner, blocks, scheduler, constraints, admission, adapters,
                        description)
+
+
+def runs_pooling(config: EngineConfig, source: ModelSource) -> bool:
+    """The runner `config.runner` names; auto: pooling for a sentence-transformers folder, whose modules.json says
+    how its embeddings are pooled."""
+    if config.runner != "auto":
+        return config.runner == "pooling"
+    return source.weights.is_dir() and (source.weights / "modules.json").is_file()
 
 
 def _kv_tokens(blocks: BlockManager, config: EngineConfig, max_model_len: int) -> int:
@@ -127,7 +139,7 @@ def _kv_tokens(blocks: BlockManager, config: EngineConfig, max_model_len: int) -
 
 
 def _describe(config: EngineConfig, source: ModelSource, loaded: LoadedModel, runner: ModelRunner,
-              tokenizer: Tokenizer, blocks: BlockManager) -> ModelDescription:
+              tokenizer: Tokenizer, blocks: BlockManager, pooler: PoolerConfig | None) -> ModelDescription:
     architectures = loaded.hf_config.get("architectures") or [type(loaded.model).__name__]
     return ModelDescription(
         architecture=architectures[0],
@@ -144,4 +156,7 @@ def _describe(config: EngineConfig, source: ModelSource, loaded: LoadedModel, ru
         tokenizer_path=str(source.tokenizer_dir),
         model_type=str(loaded.hf_config.get("model_type", "")),
         reasoning_parser=config.reasoning_parser or "",
+        runner="generate" if pooler is None else "pooling",
+        pooling_type="" if pooler is None else pooler.pooling_type.value,
+        embedding_size=0 if pooler is None else loaded.model.args.hidden_size,
     )

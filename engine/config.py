@@ -12,6 +12,7 @@ import torch
 from pagedserve.engine.core.scheduling_policy import SCHEDULING_POLICIES
 from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.lora.config import LoraConfig
+from pagedserve.engine.pooling import RUNNERS, PoolerConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.kernels.kv_cache import ALIASES as KV_DTYPE_ALIASES, KVDtype
 
@@ -26,7 +27,7 @@ GGUF_WEIGHTS = ("auto", "packed", "dequantized")  # engine/loading/model_loader.
 def field_choices() -> dict[str, tuple[str, ...]]:
     """The names each named field that is not a backend accepts (backends: `engine/build.py: backend_choices`)."""
     return {"kv_cache_dtype": ("auto", *KV_DTYPE_ALIASES, *(kv.value for kv in KVDtype)), "gguf_weights": GGUF_WEIGHTS,
-            "scheduling_policy": SCHEDULING_POLICIES}
+            "scheduling_policy": SCHEDULING_POLICIES, "runner": RUNNERS}
 
 
 def parse_dtype(name: str) -> torch.dtype | None:
@@ -105,6 +106,12 @@ class EngineConfig:
     # vLLM's --seed: seeds the generators that requests without a seed of their own sample from, once at start, so
     # the same requests in the same order sample the same tokens after a restart. None: seeded from the OS
     seed: int | None = None
+    # vLLM's --runner: "generate" samples tokens; "pooling" answers embeddings (engine/pooling.py) and no
+    # generations; "auto": pooling for a sentence-transformers folder (modules.json), generate otherwise
+    runner: str = "auto"
+    # vLLM's --pooler-config, a JSON object: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}, over the
+    # model folder's own rule (engine/pooling.py: PoolerConfig.for_model). Only with the pooling runner
+    pooler_config: str | None = None
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -133,6 +140,12 @@ class EngineConfig:
                               f"must be a SpeculativeConfig or None, got {type(self.speculative).__name__}")
         self._check_cuda_graphs()
         self._check_async_scheduling()
+        if self.pooler_config is not None:
+            PoolerConfig.parse_json(self.pooler_config)
+            if self.runner == "generate":
+                raise ConfigError("pooler_config", "applies to the pooling runner (--runner pooling), not generate")
+        if self.runner == "pooling" and self.speculative is not None:
+            raise ConfigError("speculative", "an embedding model (--runner pooling) generates nothing to speculate on")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
@@ -181,6 +194,10 @@ class EngineConfig:
         if self.layer_ops == "auto" and self.attention_backend == "torch":
             return "torch"
         return self.layer_ops
+
+    @property
+    def pooler_overrides(self) -> dict[str, object]:
+        return {} if self.pooler_config is None else PoolerConfig.parse_json(self.pooler_config)
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

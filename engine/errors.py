@@ -32,6 +32,11 @@ class UnsupportedError(PagedServeError):
     """A registry lookup failed; the message lists what is supported."""
 
 
+class UnsupportedTaskError(PagedServeError):
+    """The request asks for what the server's model does not run: an embedding from a server that generates, or a
+    generation from one that embeds (`--runner`), as vLLM refuses the other task's API (gRPC UNIMPLEMENTED)."""
+
+
 class CapacityError(InvalidRequestError):
     """The request can never fit (for example larger than the whole KV cache); `field` names what to shrink."""
 

@@ -12,6 +12,7 @@ from pagedserve.engine.host.tuning import tune_host
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule
 from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.pooling import PoolingParams
 from pagedserve.engine.sampling_params import SamplingParams
 
 
@@ -58,6 +59,21 @@ class LLM:
             request_id = f"llm-{next(self._ids)}"
             self.engine.add_request(request_id, prompt, p, adapter=name)
             order.append(request_id)
+        return self._run(order)
+
+    def embed(self, prompts: str | list[int] | SequenceABC[str | list[int]],
+              pooling_params: PoolingParams | None = None) -> list[RequestOutput]:
+        """Embeddings (an engine built with runner="pooling", or a sentence-transformers folder): each output's
+        `embedding`, in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        order = []
+        for prompt in prompts:
+            order.append(request_id := f"llm-{next(self._ids)}")
+            self.engine.add_embedding_request(request_id, prompt, pooling_params or PoolingParams())
+        return self._run(order)
+
+    def _run(self, order: list[str]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():

@@ -6,7 +6,9 @@ import dataclasses
 import logging
 from typing import Protocol
 
-from pagedserve.engine.admission import TOKENS_FIELD, AdmittedRequest, GenerationRequest, TextPrompt, TokensPrompt, renamed
+from pagedserve.engine.admission import (
+    TOKENS_FIELD, AdmittedRequest, EmbeddingRequest, GenerationRequest, TextPrompt, TokensPrompt, renamed,
+)
 from pagedserve.engine.build import EngineParts, build_engine
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.lookahead import schedule_ahead
@@ -19,6 +21,7 @@ from pagedserve.engine.lora.manager import require
 from pagedserve.engine.lora.weights import LoraWeights
 from pagedserve.engine.runner.launched_step import LaunchedStep
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
+from pagedserve.engine.pooling import PoolingParams
 from pagedserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -58,6 +61,16 @@ class LLMEngine:
         """The offline front end's request: admitted here, then queued. Its id must not be running (the served
         front ends' ids are checked once, by AsyncEngine, which submits each under a key of its own)."""
         admitted = self.admit_prompt(prompt, params, adapter, cache_salt)
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        self.submit(request_id, admitted, arrival_time)
+
+    def add_embedding_request(self, request_id: str, prompt: str | list[int],
+                              pooling: PoolingParams = PoolingParams(), arrival_time: float | None = None) -> None:
+        """The offline front end's embedding request (a pooling engine's: `EngineConfig.runner`)."""
+        as_prompt = TextPrompt(prompt) if isinstance(prompt, str) else TokensPrompt(tuple(prompt))
+        with renamed(_offline_field):
+            admitted = self.admission.admit(EmbeddingRequest(as_prompt, pooling))
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         self.submit(request_id, admitted, arrival_time)

@@ -76,6 +76,8 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then each one's logprob (vLLM's layout); set
     # on every output from the one after the prefill scored the whole prompt
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # An embedding request's vector (`engine/pooling.py`), on its one, finished output; None for generations
+    embedding: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,3 +129,6 @@ class ModelDescription:
     tokenizer_path: str  # the folder of HF tokenizer files the engine reads (GetTokenizer serves it)
     model_type: str  # the HF config's model_type
     reasoning_parser: str = ""  # the thought markers' format (engine/reasoning.py); "": none
+    runner: str = "generate"  # "pooling": the engine answers embeddings only (engine/pooling.py)
+    pooling_type: str = ""  # the pooling runner's: LAST, MEAN or CLS
+    embedding_size: int = 0  # the pooling runner's embedding width (before a request's Matryoshka cut)

@@ -55,6 +55,11 @@ _ENGINE_HELP = {
     "chat_template": "jinja chat template file used instead of the model's own (for chat messages)",
     "seed": "seeds the generators requests without their own seed sample from, once at start (the same requests in "
             "the same order sample the same tokens after a restart); default: from the OS",
+    "runner": "generate: sample tokens (completions, chat, Generate); pooling: an embedding model (/v1/embeddings, "
+              "Embed; no generations); auto: pooling for a sentence-transformers folder (modules.json), else generate",
+    "pooler_config": "the pooling runner's rule as JSON, over the model folder's: "
+                     "'{\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true | false}' (vLLM's; "
+                     "default: sentence-transformers' modules, else LAST and normalized)",
     "scheduling_policy": "fcfs: arrival order; priority: requests' `priority` first (lower earlier), then arrival, and "
                          "under KV-cache pressure the lowest-priority, newest request gives way (as vLLM's)",
     "constraints_in_reasoning": "with --reasoning-parser: a structured output's grammar applies inside the thought too, "

@@ -116,9 +116,15 @@ def smg_binary() -> str:
     return found
 
 
+WARM_COMPLETION = ("/v1/completions", {"model": SMG_MODEL, "prompt": "warm", "max_tokens": 1, "temperature": 0},
+                   "choices")
+WARM_EMBEDDING = ("/v1/embeddings", {"model": SMG_MODEL, "input": "warm"}, "data")  # embedding models' replicas
+
+
 def start_smg(workdir: Path, replicas: list[ServerProcess], tokenizer_dir: Path, *args: str,
-              policy: str = "cache_aware") -> Smg:
-    """`smg launch` over the replicas' VllmEngine gRPC ports; returns once it routes a completion to each."""
+              policy: str = "cache_aware", warm: tuple[str, dict, str] = WARM_COMPLETION) -> Smg:
+    """`smg launch` over the replicas' VllmEngine gRPC ports; returns once it answers `warm` (path, body, a key the
+    reply holds) with every replica registered."""
     workdir.mkdir(parents=True, exist_ok=True)
     port, metrics_port, log_path = free_port(), free_port(), workdir / "smg.log"
     cmd = [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
@@ -129,21 +135,21 @@ def start_smg(workdir: Path, replicas: list[ServerProcess], tokenizer_dir: Path,
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     smg = Smg(proc, f"http://127.0.0.1:{port}", metrics_port, log_path)
     try:
-        _wait_for_workers(smg, len(replicas))
+        _wait_for_workers(smg, len(replicas), warm)
     except BaseException:
         smg.stop()
         raise
     return smg
 
 
-def _wait_for_workers(smg: Smg, count: int) -> None:
+def _wait_for_workers(smg: Smg, count: int, warm: tuple[str, dict, str]) -> None:
     deadline = time.monotonic() + SMG_START_S
     while time.monotonic() < deadline:
         assert smg.proc.poll() is None, f"smg exited with {smg.proc.returncode}:\n{smg.log_path.read_text()[-4000:]}"
         try:
             workers = http_json(f"{smg.base}/workers")["workers"]
-            if len(workers) == count and http_json(f"{smg.base}/v1/completions", {
-                    "model": SMG_MODEL, "prompt": "warm", "max_tokens": 1, "temperature": 0}).get("choices"):
+            path, body, key = warm
+            if len(workers) == count and http_json(f"{smg.base}{path}", body).get(key):
                 return
         except (OSError, urllib.error.URLError, KeyError, ValueError):
             pass

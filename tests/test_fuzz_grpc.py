@@ -166,6 +166,7 @@ RPCS = [
     ("/pagedserve.v1.GenerationService/Generate", "unary_stream"),
     ("/pagedserve.v1.GenerationService/Tokenize", "unary_unary"),
     ("/pagedserve.v1.GenerationService/ModelInfo", "unary_unary"),
+    ("/pagedserve.v1.GenerationService/Embed", "unary_unary"),
     ("/grpc.health.v1.Health/Check", "unary_unary"),
     ("/grpc.health.v1.Health/Watch", "unary_stream"),
     ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "stream_stream"),
@@ -183,7 +184,9 @@ LONG_RUNNING = {"/pagedserve.v1.GenerationService/Generate", "/grpc.health.v1.He
                 "/vllm.grpc.engine.VllmEngine/Generate", "/vllm.grpc.engine.VllmEngine/SubscribeKvEvents"}
 LONG_RUNNING_DEADLINE_S, UNARY_CEILING_S = 3, 60
 # The router protocol RPCs pagedserve does not serve (service/router/vllm_servicer.py) say UNIMPLEMENTED to anything.
-UNIMPLEMENTED = {f"/vllm.grpc.engine.VllmEngine/{m}" for m in ("Embed", "StartProfile", "StopProfile")}
+UNIMPLEMENTED = {f"/vllm.grpc.engine.VllmEngine/{m}" for m in ("StartProfile", "StopProfile")}
+# Embeddings on this (generation) server: a request that parses is UNIMPLEMENTED (docs/embeddings.md).
+EMBED = {"/vllm.grpc.engine.VllmEngine/Embed", "/pagedserve.v1.GenerationService/Embed"}
 
 
 def expected_codes(method: str) -> set[grpc.StatusCode]:
@@ -191,6 +194,8 @@ def expected_codes(method: str) -> set[grpc.StatusCode]:
     if method in UNIMPLEMENTED:
         return {grpc.StatusCode.UNIMPLEMENTED}
     codes = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
+    if method in EMBED:
+        return {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED}
     if method == "/grpc.health.v1.Health/Check":
         codes.add(grpc.StatusCode.NOT_FOUND)  # a service name that parses but is not served
     if method in LONG_RUNNING:

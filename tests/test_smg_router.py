@@ -231,8 +231,8 @@ def test_info_loads_and_unimplemented(engine_stub, replicas):  # noqa: F811
     assert load.token_usage == pytest.approx(metric_value(replicas[0], "vllm:kv_cache_usage_perc"))
     assert metric_value(replicas[0], "vllm:cache_config_info") == 1
     with pytest.raises(grpc.RpcError) as err:
-        engine_stub.Embed(vpb.EmbedRequest(), timeout=10)
-    assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED and "generation models only" in err.value.details()
+        engine_stub.Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=[1, 2])), timeout=10)
+    assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED and "--runner pooling" in err.value.details()
 
 
 def test_get_tokenizer_streams_the_model_folders_tokenizer_files(engine_stub, default_model):  # noqa: F811

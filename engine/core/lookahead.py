@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pagedserve.engine.core.scheduler import Scheduler
 from pagedserve.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from pagedserve.engine.core.sequence import Sequence, SeqStatus
+from pagedserve.engine.pooling import PoolingState
 
 
 def schedule_ahead(scheduler: Scheduler, inflight: SchedulerOutput,
@@ -48,10 +49,10 @@ def schedule_ahead(scheduler: Scheduler, inflight: SchedulerOutput,
 
 
 def _decodes_one(item: ScheduledSeq, picks_on_device: Callable[[Sequence], bool]) -> bool:
-    """One position, the sequence's last, whose token is picked on the device."""
+    """One position, the sequence's last, whose token is picked on the device (an embedding sequence picks none)."""
     seq = item.seq
     return item.num_new_tokens == 1 and not item.draft_tokens and seq.status is SeqStatus.RUNNING and \
-        seq.num_computed_tokens + 1 == seq.num_tokens and picks_on_device(seq)
+        seq.num_computed_tokens + 1 == seq.num_tokens and PoolingState not in seq.features and picks_on_device(seq)
 
 
 def _ends_after_this_token(seq: Sequence, max_model_len: int) -> bool:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.engine.core.scheduler import Scheduler
 from pagedserve.engine.core.sequence import Sequence, TokenLogprob
+from pagedserve.engine.pooling import PoolingState
 from pagedserve.engine.outputs import CompletionOutput, EngineStats, OutputHistory, RequestMetrics, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.spec_decode.verifier import SpecCounters
@@ -38,8 +39,9 @@ def request_output(state: RequestState) -> RequestOutput:
         num_preemptions=sum(s.metrics.num_preemptions for s in state.seqs),
         num_cached_tokens=first.num_cached_tokens,
     )
+    pooled = state.seqs[0].features.of(PoolingState)
     return RequestOutput(state.request_id, state.prompt_token_ids, completions, state.finished, metrics,
-                         prompt_logprobs=_prompt_logprobs(state))
+                         prompt_logprobs=_prompt_logprobs(state), embedding=None if pooled is None else pooled.vector)
 
 
 def _prompt_logprobs(state: RequestState) -> tuple[TokenLogprob | None, ...] | None:

@@ -115,7 +115,7 @@ class Scheduler:
                 index += 1
                 continue
             fresh = not seq.block_table
-            hit = self.block_manager.lookup_prefix(seq) if fresh and not seq.needs_prompt_logprobs else None
+            hit = self.block_manager.lookup_prefix(seq) if fresh and not seq.needs_every_position else None
             hit_tokens = len(hit.block_ids) * self.block_manager.block_size if hit else 0
             uncomputed = seq.num_tokens - seq.num_computed_tokens - hit_tokens
             num_new = min(uncomputed, budget)
@@ -214,6 +214,12 @@ class Scheduler:
         for scored in output.prompt_logprobs:
             if not scored.seq.is_finished:
                 scored.apply()
+        for pooled in output.pooled:
+            if not pooled.seq.is_finished:
+                pooled.apply()
+                update.touched[pooled.seq.request_id] = None
+                if pooled.done:  # an embedding request ends with its prompt
+                    self.finish(pooled.seq, FinishReason.STOP)
         for sample in output.samples:
             seq = sample.seq
             if seq.is_finished:

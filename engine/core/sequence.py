@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from pagedserve.engine.core.seq_features import SeqFeatures
 from pagedserve.engine.lora.config import AdapterInfo
+from pagedserve.engine.pooling import PoolingState
 from pagedserve.engine.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -129,6 +130,17 @@ class Sequence:
         """Prompt logprobs asked for and not all computed: its prefill must run on every prompt position (no
         prefix-cache hit), as vLLM does for such requests."""
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Its prefill reads the hidden state of every prompt position (prompt logprobs, mean or first-token
+        pooling), so it takes no prefix-cache hit."""
+        return self.needs_prompt_logprobs or self.pooling_reads_all
+
+    @property
+    def pooling_reads_all(self) -> bool:
+        state = self.features.of(PoolingState)
+        return state is not None and state.needs_every_position
 
     @property
     def adapter_name(self) -> str | None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from pagedserve.engine.core.sequence import Sequence, TokenLogprob
 
 if TYPE_CHECKING:
+    from pagedserve.engine.runner.pooled_rows import PooledChunk
     from pagedserve.engine.runner.prompt_logprobs import ScoredPrompt
 
 
@@ -32,9 +33,13 @@ class StepOutput:
 
     samples: tuple[SeqSample, ...]
     prompt_logprobs: tuple[ScoredPrompt, ...] = ()  # prompt tokens scored this step (any chunk, sampling or not)
+    pooled: tuple[PooledChunk, ...] = ()  # the embedding sequences' chunks of this step, pooled
 
     def with_prompt_logprobs(self, scored: tuple[ScoredPrompt, ...]) -> StepOutput:
         return replace(self, prompt_logprobs=scored) if scored else self
+
+    def with_pooled(self, pooled: tuple[PooledChunk, ...]) -> StepOutput:
+        return replace(self, pooled=pooled) if pooled else self
 
     @staticmethod
     def empty() -> StepOutput:

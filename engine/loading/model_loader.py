@@ -84,10 +84,12 @@ def packed_gguf_types(gguf_weights: str, quantization: str | None, device: torch
 
 
 def load_model(path: Path, dtype: torch.dtype | None, quantization: str | None, device: torch.device,
-               gguf_weights: str = "dequantized", lm_head_quantization: str = "none") -> LoadedModel:
+               gguf_weights: str = "dequantized", lm_head_quantization: str = "none",
+               pooling: bool = False) -> LoadedModel:
     """`path`: an HF folder (config.json + *.safetensors) or a .gguf file: matrices of the types the packed kernels
     read kept in their blocks as `packed_gguf_types` decides (EngineConfig's default is auto; this function's is
-    every tensor dequantized once at load)."""
+    every tensor dequantized once at load). `pooling`: the model embeds, so a checkpoint without an LM head (an
+    embedding model saved from the bare decoder) loads; its head is never computed."""
     gguf = GgufCheckpoint(path) if is_gguf(path) else None
     hf_config = gguf.hf_config if gguf else read_hf_config(path)
     plan = resolve_dtype(hf_config, dtype, device, _cpu_bf16() if device.type == "cpu" and dtype is None else ())
@@ -105,7 +107,8 @@ def load_model(path: Path, dtype: torch.dtype | None, quantization: str | None, 
     quant = quant.holding_weights_in(plan.weights, compute_dtype)
     with torch.device(device):
         model = factory(hf_config, quant, compute_dtype)
-    kv_scales = _load_weights(model, gguf.tensors(compute_dtype, plan.weights) if gguf else _safetensors(path))
+    kv_scales = _load_weights(model, gguf.tensors(compute_dtype, plan.weights) if gguf else _safetensors(path),
+                              head_optional=pooling)
     model.fuse_projections()
     head_format = resolve_head_quantization(lm_head_quantization, quant, getattr(model, "lm_head", None), device,
                                             _packed_kernels_build)
@@ -147,7 +150,8 @@ def _safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"{path}: unreadable safetensors file ({exc})") from None
 
 
-def _load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def _load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
+                  head_optional: bool = False) -> dict[str, torch.Tensor]:
     modules = dict(model.named_modules())
     tied = getattr(model, "lm_head", 1) is None
     layout: CheckpointLayout = getattr(model, "checkpoint_layout", PLAIN)
@@ -155,7 +159,7 @@ def _load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]])
     loaded: set[str] = set()
     kv_scales: dict[str, torch.Tensor] = {}
     for stored_key, tensor in tensors:
-        key = layout.module_key(stored_key)
+        key = _bare_model_key(layout.module_key(stored_key), modules, layout)
         if key is None or key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
             continue
         if key.rsplit(".", 1)[-1] in _KV_SCALE_SUFFIXES or key.endswith(_KV_OUTPUT_SCALES):
@@ -167,8 +171,21 @@ def _load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]])
             _load_fused(modules, parts, key, attr, tensor, loaded)
         else:
             _load_one(modules, key, tensor, loaded)
-    _check_complete(model, expected, loaded)
+    _check_complete(model, expected, loaded, ("lm_head",) if head_optional else ())
     return kv_scales
+
+
+def _bare_model_key(key: str | None, modules: dict[str, nn.Module], layout: CheckpointLayout) -> str | None:
+    """A checkpoint saved from the bare decoder (`Qwen3Model`: embedding models such as Qwen3-Embedding) names its
+    tensors without the `model.` the causal-LM class puts before them (vLLM maps them the same way)."""
+    if key is None or _names_module(key, modules, layout) or not _names_module("model." + key, modules, layout):
+        return key
+    return "model." + key
+
+
+def _names_module(key: str, modules: dict[str, nn.Module], layout: CheckpointLayout) -> bool:
+    module_name = key.rpartition(".")[0]
+    return module_name in modules or bool(layout.fused_parts(module_name))
 
 
 def _load_fused(modules: dict[str, nn.Module], parts: tuple[str, ...], key: str, attr: str, tensor: torch.Tensor,
@@ -235,9 +252,11 @@ def _load_one(modules: dict[str, nn.Module], key: str, tensor: torch.Tensor, loa
     loaded.add(key)
 
 
-def _check_complete(model: nn.Module, expected: set[str], loaded: set[str]) -> None:
+def _check_complete(model: nn.Module, expected: set[str], loaded: set[str], optional: tuple[str, ...] = ()) -> None:
+    """optional: modules that may be missing (left as allocated: never computed)."""
+    expected -= {p for p in expected if p.rpartition(".")[0] in optional}
     for name, module in model.named_modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, QuantLinear) and name not in optional:
             missing = module.method.required_tensors(module) - module.loaded_tensors
             if missing:
                 raise ModelLoadError(f"tensor {name}.{sorted(missing)[0]}: missing from the checkpoint")

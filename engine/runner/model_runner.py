@@ -22,6 +22,7 @@ from pagedserve.engine.runner.graph_inputs import capture_sizes
 from pagedserve.engine.runner.launched_step import DevicePicks, LaunchedStep, PendingFill
 from pagedserve.engine.runner.native_capacity import NO_NATIVE_STEP, NativeCapacity
 from pagedserve.engine.runner.native_step import build_native_step
+from pagedserve.engine.runner.pooled_rows import PooledChunk, pool_hidden
 from pagedserve.engine.runner.prompt_logprobs import ScoredPrompt, score_prompt_rows
 from pagedserve.engine.runner.sampler import Pending, Sampler
 from pagedserve.engine.runner.step_input import StepInput, prepare_step
@@ -75,6 +76,7 @@ class ModelRunner:
         # The prompt tokens the latest step scored (prompt logprobs), beside forward's (logits, sequences): that
         # pair is the seam tests and tools wrap, so the scores do not change its shape.
         self.scored_prompts: tuple[ScoredPrompt, ...] = ()
+        self.pooled: tuple[PooledChunk, ...] = ()  # the embedding sequences' chunks the latest step pooled
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%s, %.1f MiB, attention=%s, layer ops=%s)",
             num_blocks, config.block_size, num_blocks * config.block_size, kv_dtype.value,
@@ -113,8 +115,11 @@ class ModelRunner:
     def execute(self, batch: SchedulerOutput) -> StepOutput:
         """Runs one step: the sampling sequences' tokens (verified drafts first, then the plainly sampled rows)."""
         self.copy_blocks(batch.block_copies)
-        self.scored_prompts = ()
-        return self._sample(batch, *self.forward(batch)).with_prompt_logprobs(self.scored_prompts)
+        return self._with_rows(self._sample(batch, *self.forward(batch)))
+
+    def _with_rows(self, output: StepOutput) -> StepOutput:
+        """The step's output with what its forward read off rows that do not sample (prompt logprobs, pooling)."""
+        return output.with_prompt_logprobs(self.scored_prompts).with_pooled(self.pooled)
 
     @torch.inference_mode()
     def launch(self, batch: SchedulerOutput, inflight: LaunchedStep | None = None) -> LaunchedStep:
@@ -124,7 +129,7 @@ class ModelRunner:
         `inflight`: the step whose tokens are this one's pending inputs (`ScheduledSeq.input_pending`)."""
         self.copy_blocks(batch.block_copies)
         step = self.prepare(batch)
-        device_picks = not any(item.draft_tokens for item in batch.scheduled) and not step.prompt_rows and \
+        device_picks = not any(item.draft_tokens for item in batch.scheduled) and not step.needs_hidden and \
             all(self.sampler.picks_on_device(seq) for seq in step.sampling_seqs)
         fill, pending = None, None
         if step.pending and device_picks and not self._runs_natively(batch):
@@ -134,11 +139,9 @@ class ModelRunner:
             tokens = dict(zip(inflight.picks.seqs, inflight.picks.read().tokens))
             pending = {seq: torch.tensor([tokens[seq]], device=self.device) for _, seq in step.pending}
             step = step.resolved(tokens)
-        self.scored_prompts = ()
         logits, seqs = self._forward(batch, step, fill)
         if not device_picks or not seqs:
-            output = self._sample(batch, logits, seqs, pending).with_prompt_logprobs(self.scored_prompts)
-            return LaunchedStep(batch, output=output)
+            return LaunchedStep(batch, output=self._with_rows(self._sample(batch, logits, seqs, pending)))
         return LaunchedStep(batch, picks=DevicePicks.start(seqs, self.sampler.device_picks(logits, seqs, pending)))
 
     def collect(self, launched: LaunchedStep) -> StepOutput:
@@ -174,7 +177,8 @@ class ModelRunner:
 
     def _forward(self, batch: SchedulerOutput, step: StepInput,
                  fill: PendingFill | None = None) -> tuple[torch.Tensor, tuple[Sequence, ...]]:
-        if not step.prompt_rows and self._runs_natively(batch):
+        self.scored_prompts, self.pooled = (), ()
+        if not step.needs_hidden and self._runs_natively(batch):
             return self.native_step.run(step), step.sampling_seqs
         if step.adapter_spans or self.step_adapters.groups:
             self.step_adapters.set_spans(step.adapter_spans)
@@ -183,6 +187,8 @@ class ModelRunner:
             hidden = self._eager_forward(step, fill)
         if step.prompt_rows:
             self.scored_prompts = score_prompt_rows(hidden, step.prompt_rows, self.model.compute_logits)
+        if step.pool_rows:
+            self.pooled = pool_hidden(hidden, step.pool_rows)
         if not step.sampling_seqs:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32), ()
         return self.model.compute_logits(self._logits_hidden(hidden, step.logits_rows)), step.sampling_seqs

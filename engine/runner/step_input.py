@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from pagedserve.engine.core.scheduler_output import ScheduledSeq
 from pagedserve.engine.core.sequence import Sequence
 from pagedserve.engine.lora.weights import LoraWeights
+from pagedserve.engine.runner.pooled_rows import PoolRows, pool_rows
 from pagedserve.engine.runner.prompt_logprobs import PromptRows, prompt_rows
 
 
@@ -29,6 +30,12 @@ class StepInput:
     # token_ids holds 0 there until the runner fills it from that step's device tokens.
     pending: tuple[tuple[int, Sequence], ...] = ()
     prompt_rows: tuple[PromptRows, ...] = ()  # prefill rows whose next prompt token's logprob was asked for
+    pool_rows: tuple[PoolRows, ...] = ()  # each embedding sequence's chunk: the rows its pooling reads
+
+    @property
+    def needs_hidden(self) -> bool:
+        """Rows other than the sampling ones are read from the hidden states (the native step returns logits only)."""
+        return bool(self.prompt_rows or self.pool_rows)
 
     @property
     def row_block_tables(self) -> list[list[int]]:
@@ -55,9 +62,13 @@ def prepare_step(scheduled: tuple[ScheduledSeq, ...], block_size: int) -> StepIn
     spans: list[tuple[LoraWeights, int, int]] = []
     pending: list[tuple[int, Sequence]] = []
     prompt: list[PromptRows] = []
+    pooled: list[PoolRows] = []
     for item in scheduled:
         seq, start = item.seq, item.seq.num_computed_tokens
         end = start + item.num_new_tokens
+        pooling = pool_rows(seq, start, end, len(ids))
+        if pooling is not None:
+            pooled.append(pooling)
         scored = prompt_rows(seq, start, end, len(ids)) if not item.draft_tokens else None
         if scored is not None:
             prompt.append(scored)
@@ -78,11 +89,11 @@ def prepare_step(scheduled: tuple[ScheduledSeq, ...], block_size: int) -> StepIn
         query_lens.append(item.num_new_tokens)
         seq_lens.append(end)
         rope_lengths.append(max(known, end))
-        if end - len(drafts) == known:
+        if end - len(drafts) == known and pooling is None:  # an embedding sequence never samples
             # A speculating sequence samples at its last token and after each draft: 1 + len(drafts) rows.
             rows += range(len(ids) - 1 - len(drafts), len(ids))
             sampling.append(seq)
     width = max(len(item.seq.block_table) for item in scheduled)
     tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in scheduled]
     return StepInput(ids, positions, slots, query_lens, seq_lens, tables, rows, tuple(sampling), spans, rope_lengths,
-                     tuple(pending), tuple(prompt))
+                     tuple(pending), tuple(prompt), tuple(pooled))

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from pagedserve.engine import AsyncEngine, EngineConfig, LLMEngine
-from pagedserve.engine.admission import AdmittedRequest, GenerationRequest
+from pagedserve.engine.admission import AdmittedRequest, EmbeddingRequest, GenerationRequest
 from pagedserve.engine.async_engine import LoopHost
 from pagedserve.engine.kv_events import KvEvent
 from pagedserve.engine.loading.tokenizer import Tokenizer
@@ -32,7 +32,7 @@ class EngineHandle(Protocol):
 
     def describe(self) -> ModelDescription: ...
 
-    def admit(self, request: GenerationRequest) -> AdmittedRequest: ...
+    def admit(self, request: GenerationRequest | EmbeddingRequest) -> AdmittedRequest: ...
 
     def stream(self, request_id: str, request: AdmittedRequest) -> AsyncIterator[RequestOutput]: ...
 

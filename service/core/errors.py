@@ -19,6 +19,7 @@ from pagedserve.engine.errors import (
     QueueFullError,
     RequestFailedError,
     UnsupportedError,
+    UnsupportedTaskError,
 )
 
 
@@ -44,6 +45,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (CapacityError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnsupportedError, grpc.StatusCode.INVALID_ARGUMENT),
+    (UnsupportedTaskError, grpc.StatusCode.UNIMPLEMENTED),
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DrainingError, grpc.StatusCode.UNAVAILABLE),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),

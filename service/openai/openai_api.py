@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (Starlette app): /v1/completions, /v1/chat/completions, /v1/responses (their
-routes: generate_routes.py), /v1/models, /health,
+routes: generate_routes.py), /v1/embeddings (embedding_routes.py, an embedding model's server), /v1/models, /health,
 Prometheus /metrics (as vLLM serves it on its API port), and vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter,
 /tokenize, /detokenize and /version.
 
@@ -27,6 +27,7 @@ from pagedserve.engine.reasoning import REASONING_FORMATS, ReasoningFormat
 from pagedserve.service.core.adapters import AdapterAdmin
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.request_policy import RequestPolicy
+from pagedserve.service.openai.embedding_routes import Embeddings
 from pagedserve.service.openai.generate_routes import Generate, GenerateResponses
 from pagedserve.service.openai.http_exchange import read_json_body
 from pagedserve.service.openai.openai_errors import HttpError, error_reply
@@ -51,6 +52,7 @@ class OpenAIApi:
             Route("/v1/completions", Generate(self, chat=False), methods=["POST"]),
             Route("/v1/chat/completions", Generate(self, chat=True), methods=["POST"]),
             Route("/v1/responses", GenerateResponses(self, chat=True), methods=["POST"]),
+            Route("/v1/embeddings", Embeddings(self), methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),

@@ -17,6 +17,7 @@ _STATUS = {
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.UNIMPLEMENTED: (400, "invalid_request_error"),  # the other task's API (vLLM answers 400 too)
 }
 # Where HTTP (as vLLM answers) is finer than the gRPC code: an adapter in use is a conflict, and runtime adapter
 # updates that are off are routes that do not exist.

@@ -18,11 +18,13 @@ from typing import Any
 import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as vpb
 
+from pagedserve.engine.admission import EmbeddingRequest, TokensPrompt
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.request_id import check_request_id
 from pagedserve.service.core import rpc_status
 from pagedserve.service.core.admit import admit_off_loop
 from pagedserve.service.core.context import ServingContext
+from pagedserve.service.core.embeddings import embed
 from pagedserve.service.core.engine_handle import EngineHandle
 from pagedserve.service.core.stream import Ended, RequestStream
 from pagedserve.service.core.wire import parse_request
@@ -34,7 +36,6 @@ from pagedserve.service.router.vllm_requests import admit, constrained_decoding_
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
 _VERSION = f"pagedserve {importlib.metadata.version('pagedserve')}"
 _UNIMPLEMENTED = {
-    "Embed": "pagedserve serves generation models only",
     "StartProfile": "profiling is not supported",
     "StopProfile": "profiling is not supported",
 }
@@ -74,6 +75,7 @@ class VllmEngineServicer:
         handlers = {
             "Generate": stream("Generate", self.generate, vpb.GenerateResponse),
             "SubscribeKvEvents": stream("SubscribeKvEvents", self.subscribe_kv_events, common_pb2.KvEventBatch),
+            "Embed": unary("Embed", self.embed, vpb.EmbedResponse),
             "Abort": unary("Abort", self.abort, vpb.AbortResponse),
             "HealthCheck": unary("HealthCheck", self.health_check, vpb.HealthCheckResponse),
             "GetModelInfo": unary("GetModelInfo", self.get_model_info, vpb.GetModelInfoResponse),
@@ -108,6 +110,18 @@ class VllmEngineServicer:
                 if not isinstance(event, Ended):
                     for reply in _replies(event, request.stream, completed):
                         yield reply
+
+    async def embed(self, raw: bytes, context: grpc.aio.ServicerContext) -> vpb.EmbedResponse:
+        """One pre-tokenized input's vector (an embedding model's server: GetModelInfo.is_generation false)."""
+        request = parse_request(raw, vpb.EmbedRequest, self.max_message_bytes)
+        self.state.check_admitting()
+        self._last_receive = time.time()
+        request_id = check_request_id(request.request_id, "request_id") if request.request_id else uuid.uuid4().hex
+        prompt = TokensPrompt(tuple(request.tokenized.input_ids))
+        origin = self.serving.telemetry.origin("vllm", request_id, context.invocation_metadata() or ())
+        (embedded,) = await embed(self.serving, [EmbeddingRequest(prompt)], request_id, origin, _embed_field, 0)
+        return vpb.EmbedResponse(embedding=embedded.vector, prompt_tokens=embedded.prompt_tokens,
+                                 embedding_dim=len(embedded.vector))
 
     async def abort(self, raw: bytes, context: grpc.aio.ServicerContext) -> vpb.AbortResponse:
         """Aborts by router request id whichever connection started it; the stream ends with finish 'abort'."""
@@ -163,13 +177,13 @@ class VllmEngineServicer:
         parse_request(raw, vpb.GetModelInfoRequest, self.max_message_bytes)
         self.state.check_ready()
         model = self.engine.describe()
-        hf = self.engine.tokenizer.hf
+        hf, generates = self.engine.tokenizer.hf, model.runner == "generate"
         return vpb.GetModelInfoResponse(
-            model_path=model.model_path, is_generation=True, max_context_length=model.max_model_len,
+            model_path=model.model_path, is_generation=generates, max_context_length=model.max_model_len,
             vocab_size=model.vocab_size, supports_vision=False, served_model_name=self.model_name,
             tokenizer_path=model.tokenizer_path, model_type=model.model_type, architectures=[model.architecture],
             eos_token_ids=sorted(model.eos_token_ids), pad_token_id=_token_id(hf.pad_token_id),
-            bos_token_id=_token_id(hf.bos_token_id), max_req_input_len=model.max_model_len - 1,
+            bos_token_id=_token_id(hf.bos_token_id), max_req_input_len=model.max_model_len - generates,
             default_sampling_params_json="{}")
 
     async def get_server_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> vpb.GetServerInfoResponse:
@@ -221,6 +235,11 @@ def _unimplemented(method: str, why: str) -> grpc.RpcMethodHandler:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{SERVICE_NAME}/{method}: {why}")
 
     return grpc.unary_unary_rpc_method_handler(handler)
+
+
+def _embed_field(index: int, field: str) -> str:
+    return "tokenized.input_ids" + field.removeprefix("prompt_token_ids") if field.startswith("prompt_token_ids") \
+        else field
 
 
 def _token_id(value: int | None) -> int:

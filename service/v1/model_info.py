@@ -22,6 +22,9 @@ def model_info(engine: EngineHandle, model_name: str, max_message_bytes: int) ->
         vocab_size=model.vocab_size,
         eos_token_ids=list(model.eos_token_ids),
         has_chat_template=engine.tokenizer.chat.available,
+        runner=model.runner,
+        embedding_size=model.embedding_size,
+        pooling_type=model.pooling_type,
         limits=model_info_pb2.Limits(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_queued_requests=config.max_queued_requests, max_message_bytes=max_message_bytes,

@@ -1,5 +1,5 @@
 """pagedserve.v1 GenerationService: Generate (admitted by requests.py, streamed by service/core/stream.py, framed by
-frames.py), Tokenize and ModelInfo."""
+frames.py), Tokenize, ModelInfo and Embed (embed.py over service/core/embeddings.py)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,18 @@ from pagedserve.service.core import rpc_status
 from pagedserve.service.core.adapters import AdapterAdmin
 from pagedserve.service.core.admit import admit_off_loop
 from pagedserve.service.core.context import ServingContext
+from pagedserve.service.core.embeddings import embed
 from pagedserve.service.core.engine_handle import EngineHandle
 from pagedserve.service.core.stream import RequestStream
 from pagedserve.service.core.thought_reader import ThoughtReader
 from pagedserve.service.core.wire import parse_request
 from pagedserve.service.v1.adapter_servicer import adapter_message
+from pagedserve.service.v1.embed import embed_response, embedding_requests, rename, text_chars
 from pagedserve.service.v1.frames import FrameBuilder
 from pagedserve.service.v1.model_info import model_info
 from pagedserve.service.v1.requests import admit, input_chars
 from pagedserve.v1 import generate_pb2 as pb
-from pagedserve.v1 import generation_service_pb2, model_info_pb2, tokenize_pb2
+from pagedserve.v1 import embed_pb2, generation_service_pb2, model_info_pb2, tokenize_pb2
 
 # Importing the generated module also registers the service in the descriptor pool that reflection reads.
 SERVICE_NAME = generation_service_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
@@ -59,6 +61,9 @@ class GenerationServicer:
             "ModelInfo": grpc.unary_unary_rpc_method_handler(
                 rpc_status.unary(m, name, "ModelInfo", self.model_info),
                 response_serializer=model_info_pb2.ModelInfoResponse.SerializeToString),
+            "Embed": grpc.unary_unary_rpc_method_handler(
+                rpc_status.unary(m, name, "Embed", self.embed),
+                response_serializer=embed_pb2.EmbedResponse.SerializeToString),
         })
 
     # --- RPCs -------------------------------------------------------------------------------------------------
@@ -83,6 +88,18 @@ class GenerationServicer:
             async for event in stream.events():
                 for frame in builder.frames(event):
                     yield frame
+
+    async def embed(self, raw: bytes, context: grpc.aio.ServicerContext) -> embed_pb2.EmbedResponse:
+        request = parse_request(raw, embed_pb2.EmbedRequest, self.max_message_bytes)
+        self.state.check_admitting()
+        request_id = _request_id(request, context)
+        await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
+        origin = self.serving.telemetry.origin("v1", request_id, context.invocation_metadata() or ())
+        engine_key = f"{request_id}#{next(self._submissions)}"
+        embedded = await embed(self.serving, embedding_requests(request), engine_key, origin, rename,
+                               text_chars(request))
+        self.metrics.adapter_requests(request.adapter or None, len(embedded))
+        return embed_response(embedded)
 
     def _thought_reader(self, request: pb.GenerateRequest, prompt: AdmittedRequest) -> ThoughtReader | None:
         """--reasoning-parser splits chat answers only (as vLLM's chat endpoint): the thought into Delta.reasoning."""
@@ -121,7 +138,7 @@ class GenerationServicer:
 
 
 
-def _request_id(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
+def _request_id(request: pb.GenerateRequest | embed_pb2.EmbedRequest, context: grpc.aio.ServicerContext) -> str:
     """The client's id (field first, then metadata), checked before it is echoed; else a fresh one."""
     if request.request_id:
         return check_request_id(request.request_id, "request_id")

@@ -105,6 +105,15 @@ func (c *Client) Tokenize(ctx context.Context, req *pb.TokenizeRequest, opts ...
 	return resp, wrapError(err)
 }
 
+// Embed returns one vector per input, in order, from an embedding model's server (ModelInfo's Runner is
+// "pooling"); a server that generates answers codes.Unimplemented.
+func (c *Client) Embed(ctx context.Context, req *pb.EmbedRequest, opts ...grpc.CallOption) (*pb.EmbedResponse, error) {
+	ctx, cancel := c.callContext(ctx)
+	defer cancel()
+	resp, err := c.api.Embed(ctx, req, opts...)
+	return resp, wrapError(err)
+}
+
 // ModelInfo returns the served model, its limits and live KV-cache / scheduler counts.
 func (c *Client) ModelInfo(ctx context.Context, opts ...grpc.CallOption) (*pb.ModelInfoResponse, error) {
 	ctx, cancel := c.callContext(ctx)

@@ -23,6 +23,9 @@ type GenerationServiceClient interface {
 	Generate(ctx context.Context, in *GenerateRequest, opts ...grpc.CallOption) (GenerationService_GenerateClient, error)
 	Tokenize(ctx context.Context, in *TokenizeRequest, opts ...grpc.CallOption) (*TokenizeResponse, error)
 	ModelInfo(ctx context.Context, in *ModelInfoRequest, opts ...grpc.CallOption) (*ModelInfoResponse, error)
+	// Embeddings of texts or token ids (an embedding model's server: ModelInfo.runner is "pooling"). Unary: every
+	// input's vector at once. UNIMPLEMENTED on a server that generates.
+	Embed(ctx context.Context, in *EmbedRequest, opts ...grpc.CallOption) (*EmbedResponse, error)
 }
 
 type generationServiceClient struct {
@@ -83,6 +86,15 @@ func (c *generationServiceClient) ModelInfo(ctx context.Context, in *ModelInfoRe
 	return out, nil
 }
 
+func (c *generationServiceClient) Embed(ctx context.Context, in *EmbedRequest, opts ...grpc.CallOption) (*EmbedResponse, error) {
+	out := new(EmbedResponse)
+	err := c.cc.Invoke(ctx, "/pagedserve.v1.GenerationService/Embed", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // GenerationServiceServer is the server API for GenerationService service.
 // All implementations must embed UnimplementedGenerationServiceServer
 // for forward compatibility
@@ -93,6 +105,9 @@ type GenerationServiceServer interface {
 	Generate(*GenerateRequest, GenerationService_GenerateServer) error
 	Tokenize(context.Context, *TokenizeRequest) (*TokenizeResponse, error)
 	ModelInfo(context.Context, *ModelInfoRequest) (*ModelInfoResponse, error)
+	// Embeddings of texts or token ids (an embedding model's server: ModelInfo.runner is "pooling"). Unary: every
+	// input's vector at once. UNIMPLEMENTED on a server that generates.
+	Embed(context.Context, *EmbedRequest) (*EmbedResponse, error)
 	mustEmbedUnimplementedGenerationServiceServer()
 }
 
@@ -108,6 +123,9 @@ func (UnimplementedGenerationServiceServer) Tokenize(context.Context, *TokenizeR
 }
 func (UnimplementedGenerationServiceServer) ModelInfo(context.Context, *ModelInfoRequest) (*ModelInfoResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method ModelInfo not implemented")
+}
+func (UnimplementedGenerationServiceServer) Embed(context.Context, *EmbedRequest) (*EmbedResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Embed not implemented")
 }
 func (UnimplementedGenerationServiceServer) mustEmbedUnimplementedGenerationServiceServer() {}
 
@@ -179,6 +197,24 @@ func _GenerationService_ModelInfo_Handler(srv interface{}, ctx context.Context, 
 	return interceptor(ctx, in, info, handler)
 }
 
+func _GenerationService_Embed_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(EmbedRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(GenerationServiceServer).Embed(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/pagedserve.v1.GenerationService/Embed",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(GenerationServiceServer).Embed(ctx, req.(*EmbedRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 var _GenerationService_serviceDesc = grpc.ServiceDesc{
 	ServiceName: "pagedserve.v1.GenerationService",
 	HandlerType: (*GenerationServiceServer)(nil),
@@ -190,6 +226,10 @@ var _GenerationService_serviceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ModelInfo",
 			Handler:    _GenerationService_ModelInfo_Handler,
+		},
+		{
+			MethodName: "Embed",
+			Handler:    _GenerationService_Embed_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

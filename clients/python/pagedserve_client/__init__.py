@@ -4,6 +4,7 @@ from pagedserve.client.adapters import Adapter, AdapterList
 from pagedserve.client.async_client import AsyncClient, AsyncGenerationStream
 from pagedserve.client.channels import TlsOptions
 from pagedserve.client.constraints import Choice, Constraint, Grammar, JsonObject, JsonSchema, Regex, StructuralTag
+from pagedserve.client.embeddings import Embedding
 from pagedserve.client.errors import ClientError
 from pagedserve.client.request import GenerateOptions, Message, build_request
 from pagedserve.client.sync_client import Client, GenerationStream
@@ -22,7 +23,7 @@ from pagedserve.client.types import (
 __all__ = [
     "Adapter", "AdapterList",
     "AsyncClient", "AsyncGenerationStream", "Choice", "Client", "ClientError", "Completion", "Constraint", "Delta",
-    "Final", "FinishReason", "GenerateOptions", "GenerationStream", "Grammar", "JsonObject", "JsonSchema", "Message",
-    "Regex", "Started", "StructuralTag", "Timing", "TokenLogprob", "Tokenization", "TlsOptions", "Usage",
+    "Embedding", "Final", "FinishReason", "GenerateOptions", "GenerationStream", "Grammar", "JsonObject", "JsonSchema",
+    "Message", "Regex", "Started", "StructuralTag", "Timing", "TokenLogprob", "Tokenization", "TlsOptions", "Usage",
     "build_request",
 ]

@@ -8,6 +8,7 @@ import grpc
 
 from pagedserve.client.adapters import Adapter, AdapterList, load_request, unload_request
 from pagedserve.client.channels import TlsOptions, channel_options, resolve_target, sync_channel
+from pagedserve.client.embeddings import EmbedInput, Embedding, embed_request, embeddings
 from pagedserve.client.errors import ClientError
 from pagedserve.client.frames import FrameReader
 from pagedserve.client.request import GenerateOptions, Prompt, build_request
@@ -107,6 +108,16 @@ class Client:
             request.add_special_tokens = add_special_tokens
         response = self._unary(self._stub.Tokenize, request, timeout)
         return Tokenization(tuple(response.token_ids), tuple((o.start, o.end) for o in response.offsets))
+
+    def embed(self, inputs: EmbedInput | Sequence[EmbedInput], *, normalize: bool | None = None,
+              dimensions: int | None = None, truncate_input_tokens: int | None = None,
+              add_special_tokens: bool | None = None, adapter: str | None = None, request_id: str | None = None,
+              priority: int = 0, timeout: float | None = None) -> list[Embedding]:
+        """One vector per input (a text or token ids), from an embedding model's server."""
+        request = embed_request(inputs, normalize=normalize, dimensions=dimensions,
+                                truncate_input_tokens=truncate_input_tokens, add_special_tokens=add_special_tokens,
+                                adapter=adapter, request_id=request_id, priority=priority)
+        return embeddings(self._unary(self._stub.Embed, request, timeout))
 
     def model_info(self, *, timeout: float | None = None) -> model_info_pb2.ModelInfoResponse:
         return self._unary(self._stub.ModelInfo, model_info_pb2.ModelInfoRequest(), timeout)

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from pagedserve.v1 import embed_pb2 as pagedserve_dot_v1_dot_embed__pb2
 from pagedserve.v1 import generate_pb2 as pagedserve_dot_v1_dot_generate__pb2
 from pagedserve.v1 import model_info_pb2 as pagedserve_dot_v1_dot_model__info__pb2
 from pagedserve.v1 import tokenize_pb2 as pagedserve_dot_v1_dot_tokenize__pb2
@@ -51,6 +52,11 @@ class GenerationServiceStub:
                 request_serializer=pagedserve_dot_v1_dot_model__info__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_model__info__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pagedserve.v1.GenerationService/Embed',
+                request_serializer=pagedserve_dot_v1_dot_embed__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_embed__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -77,6 +83,14 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings of texts or token ids (an embedding model's server: ModelInfo.runner is "pooling"). Unary: every
+        input's vector at once. UNIMPLEMENTED on a server that generates.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +108,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.ModelInfo,
                     request_deserializer=pagedserve_dot_v1_dot_model__info__pb2.ModelInfoRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_model__info__pb2.ModelInfoResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pagedserve_dot_v1_dot_embed__pb2.EmbedRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_embed__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +196,33 @@ class GenerationService:
             '/pagedserve.v1.GenerationService/ModelInfo',
             pagedserve_dot_v1_dot_model__info__pb2.ModelInfoRequest.SerializeToString,
             pagedserve_dot_v1_dot_model__info__pb2.ModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.GenerationService/Embed',
+            pagedserve_dot_v1_dot_embed__pb2.EmbedRequest.SerializeToString,
+            pagedserve_dot_v1_dot_embed__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagedserve.v1 import adapters_pb2 as pagedserve_dot_v1_dot_adapters__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/model_info.proto\x12\rpagedserve.v1\x1a\x1cpagedserve/v1/adapters.proto\"\x12\n\x10ModelInfoRequest\"\x9d\x03\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x14\n\x0cquantization\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x1a\n\x12max_context_length\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12%\n\x06limits\x18\n \x01(\x0b\x32\x15.pagedserve.v1.Limits\x12-\n\x08kv_cache\x18\x0b \x01(\x0b\x32\x1b.pagedserve.v1.KvCacheStats\x12\x30\n\tscheduler\x18\x0c \x01(\x0b\x32\x1d.pagedserve.v1.SchedulerStats\x12\x19\n\x11has_chat_template\x18\r \x01(\x08\x12(\n\x08\x61\x64\x61pters\x18\x0e \x03(\x0b\x32\x16.pagedserve.v1.Adapter\"\x9b\x01\n\x06Limits\x12\x14\n\x0cmax_num_seqs\x18\x01 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x02 \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x03 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x04\x12\r\n\x05max_n\x18\x05 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x06 \x01(\r\"\x96\x01\n\x0cKvCacheStats\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x13\n\x0bused_blocks\x18\x03 \x01(\r\x12\r\n\x05usage\x18\x04 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x05 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x06 \x01(\x04\"o\n\x0eSchedulerStats\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x03 \x01(\x04\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x42l\n\x11\x64\x65v.pagedserve.v1B\x0eModelInfoProtoP\x01ZEgithub.com/pagedserve/pagedserve/clients/go/pagedservev1;pagedservev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/model_info.proto\x12\rpagedserve.v1\x1a\x1cpagedserve/v1/adapters.proto\"\x12\n\x10ModelInfoRequest\"\xdb\x03\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x14\n\x0cquantization\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x1a\n\x12max_context_length\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12%\n\x06limits\x18\n \x01(\x0b\x32\x15.pagedserve.v1.Limits\x12-\n\x08kv_cache\x18\x0b \x01(\x0b\x32\x1b.pagedserve.v1.KvCacheStats\x12\x30\n\tscheduler\x18\x0c \x01(\x0b\x32\x1d.pagedserve.v1.SchedulerStats\x12\x19\n\x11has_chat_template\x18\r \x01(\x08\x12(\n\x08\x61\x64\x61pters\x18\x0e \x03(\x0b\x32\x16.pagedserve.v1.Adapter\x12\x0e\n\x06runner\x18\x0f \x01(\t\x12\x16\n\x0e\x65mbedding_size\x18\x10 \x01(\r\x12\x14\n\x0cpooling_type\x18\x11 \x01(\t\"\x9b\x01\n\x06Limits\x12\x14\n\x0cmax_num_seqs\x18\x01 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x02 \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x03 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x04\x12\r\n\x05max_n\x18\x05 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x06 \x01(\r\"\x96\x01\n\x0cKvCacheStats\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x13\n\x0bused_blocks\x18\x03 \x01(\r\x12\r\n\x05usage\x18\x04 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x05 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x06 \x01(\x04\"o\n\x0eSchedulerStats\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x03 \x01(\x04\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x42l\n\x11\x64\x65v.pagedserve.v1B\x0eModelInfoProtoP\x01ZEgithub.com/pagedserve/pagedserve/clients/go/pagedservev1;pagedservev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,11 +36,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELINFOREQUEST']._serialized_start=79
   _globals['_MODELINFOREQUEST']._serialized_end=97
   _globals['_MODELINFORESPONSE']._serialized_start=100
-  _globals['_MODELINFORESPONSE']._serialized_end=513
-  _globals['_LIMITS']._serialized_start=516
-  _globals['_LIMITS']._serialized_end=671
-  _globals['_KVCACHESTATS']._serialized_start=674
-  _globals['_KVCACHESTATS']._serialized_end=824
-  _globals['_SCHEDULERSTATS']._serialized_start=826
-  _globals['_SCHEDULERSTATS']._serialized_end=937
+  _globals['_MODELINFORESPONSE']._serialized_end=575
+  _globals['_LIMITS']._serialized_start=578
+  _globals['_LIMITS']._serialized_end=733
+  _globals['_KVCACHESTATS']._serialized_start=736
+  _globals['_KVCACHESTATS']._serialized_end=886
+  _globals['_SCHEDULERSTATS']._serialized_start=888
+  _globals['_SCHEDULERSTATS']._serialized_end=999
 # @@protoc_insertion_point(module_scope)

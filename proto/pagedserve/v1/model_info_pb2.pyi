@@ -12,7 +12,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "quantization", "dtype", "kv_cache_dtype", "block_size", "max_context_length", "vocab_size", "eos_token_ids", "limits", "kv_cache", "scheduler", "has_chat_template", "adapters")
+    __slots__ = ("model", "architecture", "quantization", "dtype", "kv_cache_dtype", "block_size", "max_context_length", "vocab_size", "eos_token_ids", "limits", "kv_cache", "scheduler", "has_chat_template", "adapters", "runner", "embedding_size", "pooling_type")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,9 @@ class ModelInfoResponse(_message.Message):
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_SIZE_FIELD_NUMBER: _ClassVar[int]
+    POOLING_TYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     quantization: str
@@ -41,7 +44,10 @@ class ModelInfoResponse(_message.Message):
     scheduler: SchedulerStats
     has_chat_template: bool
     adapters: _containers.RepeatedCompositeFieldContainer[_adapters_pb2.Adapter]
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheStats, _Mapping]] = ..., scheduler: _Optional[_Union[SchedulerStats, _Mapping]] = ..., has_chat_template: _Optional[bool] = ..., adapters: _Optional[_Iterable[_Union[_adapters_pb2.Adapter, _Mapping]]] = ...) -> None: ...
+    runner: str
+    embedding_size: int
+    pooling_type: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheStats, _Mapping]] = ..., scheduler: _Optional[_Union[SchedulerStats, _Mapping]] = ..., has_chat_template: _Optional[bool] = ..., adapters: _Optional[_Iterable[_Union[_adapters_pb2.Adapter, _Mapping]]] = ..., runner: _Optional[str] = ..., embedding_size: _Optional[int] = ..., pooling_type: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_num_seqs", "max_num_batched_tokens", "max_queued_requests", "max_message_bytes", "max_n", "max_logprobs")

@@ -2,6 +2,8 @@ package dev.pagedserve.client;
 
 import dev.pagedserve.v1.Adapter;
 import dev.pagedserve.v1.AdapterServiceGrpc;
+import dev.pagedserve.v1.EmbedRequest;
+import dev.pagedserve.v1.EmbedResponse;
 import dev.pagedserve.v1.GenerateRequest;
 import dev.pagedserve.v1.GenerateResponse;
 import dev.pagedserve.v1.GenerationServiceGrpc;
@@ -112,6 +114,14 @@ public final class PagedServeClient implements AutoCloseable {
 
   public TokenizeResponse tokenize(TokenizeRequest request) {
     return unary(() -> deadline(GenerationServiceGrpc::newBlockingStub).tokenize(request));
+  }
+
+  /**
+   * One vector per input, in order, from an embedding model's server ({@code modelInfo().getRunner()} is
+   * "pooling"); a server that generates answers UNIMPLEMENTED.
+   */
+  public EmbedResponse embed(EmbedRequest request) {
+    return unary(() -> deadline(GenerationServiceGrpc::newBlockingStub).embed(request));
   }
 
   /** The served model, its limits and live KV-cache / scheduler counts. */

@@ -1,0 +1,54 @@
+"""pagedserve.v1 Embed: EmbedRequest -> one engine EmbeddingRequest per input (field mapping only; the checks are
+the admission's, renamed to `inputs[i].<field>`), run by the serving core (service/core/embeddings.py)."""
+
+from __future__ import annotations
+
+from pagedserve.engine.admission import EmbeddingRequest, TextPrompt, TokensPrompt, field_map
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.pooling import PoolingParams
+from pagedserve.service.core.embeddings import MAX_INPUTS, Embedded
+from pagedserve.v1 import embed_pb2 as pb
+
+_INPUT_FIELDS = field_map({"prompt": "text", "prompt_token_ids": "token_ids.ids"})
+_REQUEST_FIELDS = ("dimensions", "normalize", "priority", "adapter", "cache_salt")
+_RENAMED = {"truncate_prompt_tokens": "truncate_input_tokens"}
+
+
+def embedding_requests(request: pb.EmbedRequest) -> list[EmbeddingRequest]:
+    if not request.inputs:
+        raise InvalidRequestError("inputs", "no inputs: send at least one text or token-id list")
+    if len(request.inputs) > MAX_INPUTS:
+        raise InvalidRequestError("inputs", f"{len(request.inputs)} inputs; at most {MAX_INPUTS} per call")
+    pooling = PoolingParams(normalize=request.normalize if request.HasField("normalize") else None,
+                            dimensions=request.dimensions if request.HasField("dimensions") else None)
+    truncate = request.truncate_input_tokens if request.HasField("truncate_input_tokens") else None
+    return [EmbeddingRequest(_prompt(item, index), pooling, truncate, adapter=request.adapter or None,
+                             priority=request.priority) for index, item in enumerate(request.inputs)]
+
+
+def _prompt(item: pb.EmbedInput, index: int) -> TextPrompt | TokensPrompt:
+    kind = item.WhichOneof("input")
+    if kind == "text":
+        add_special = item.add_special_tokens if item.HasField("add_special_tokens") else True
+        return TextPrompt(item.text, add_special)
+    if kind == "token_ids":
+        return TokensPrompt(tuple(item.token_ids.ids))
+    raise InvalidRequestError(f"inputs[{index}]", "set text or token_ids")
+
+
+def rename(index: int, field: str) -> str:
+    """An admission field -> the EmbedRequest path (the call's own options keep their names)."""
+    if field.split(".")[0].split("[")[0] in _REQUEST_FIELDS or field in _RENAMED:
+        return _RENAMED.get(field, field)
+    return f"inputs[{index}].{_INPUT_FIELDS(field)}"
+
+
+def embed_response(embedded: list[Embedded]) -> pb.EmbedResponse:
+    return pb.EmbedResponse(
+        embeddings=[pb.Embedding(values=e.vector, prompt_tokens=e.prompt_tokens, truncated=e.truncated)
+                    for e in embedded],
+        prompt_tokens=sum(e.prompt_tokens for e in embedded))
+
+
+def text_chars(request: pb.EmbedRequest) -> int:
+    return sum(len(item.text) for item in request.inputs)

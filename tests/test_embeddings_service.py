@@ -1,0 +1,149 @@
+"""Embeddings served: a real `--runner pooling` server on the default model, asked by the official `openai` client
+(/v1/embeddings, base64 and float), by pagedserve.v1 Embed through the Python client, by the router protocol's
+Embed (smg-grpc-proto), and through the real SMG binary routing /v1/embeddings to it over that protocol. Every answer is transformers' last hidden state of the same fp32 model, normalized; the
+other task's APIs, and bad inputs, are refused naming what to fix."""
+
+from __future__ import annotations
+
+import base64
+import struct
+
+import grpc
+import openai
+import pytest
+import torch
+from service_fixtures import server_factory, shared_server, start_server  # noqa: F401 - fixtures by name
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vgrpc
+from mesh_fixtures import WARM_EMBEDDING, http_json, start_smg
+from test_openai_http_errors import post
+
+from pagedserve.client import Client, ClientError
+from pagedserve.v1 import embed_pb2, generation_service_pb2_grpc
+
+MODEL = "SmolLM2-135M-Instruct"
+TEXTS = ["The capital of France is Paris.", "def add(a, b):\n    return a + b", "Hi"]
+TOLERANCE = 1e-4  # fp32 both sides, normalized vectors (see tests/test_embeddings.py)
+
+
+@pytest.fixture(scope="module")
+def embed_server(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("embed-server"), "--runner", "pooling", "--http-port", "0",
+                          "--max-num-batched-tokens", "64")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def references(hf_reference):
+    model, tok = hf_reference
+    ids = [tok.encode(t) for t in TEXTS]
+    with torch.no_grad():
+        hidden = [model.model(torch.tensor([p])).last_hidden_state[0, -1] for p in ids]
+    return ids, [torch.nn.functional.normalize(h, dim=0) for h in hidden]
+
+
+def close(values, reference: torch.Tensor) -> bool:
+    got = torch.tensor(list(values), dtype=torch.float32)
+    return got.shape == reference.shape and (got - reference).abs().max().item() < TOLERANCE
+
+
+def test_openai_client_embeddings_base64_and_float(embed_server, references):
+    ids, refs = references
+    oai = openai.OpenAI(base_url=f"{embed_server.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    reply = oai.embeddings.create(model=MODEL, input=TEXTS)  # the SDK asks for base64 and decodes it
+    assert [d.index for d in reply.data] == [0, 1, 2]
+    assert all(close(d.embedding, ref) for d, ref in zip(reply.data, refs))
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens == sum(len(p) for p in ids)
+    status, body = post(embed_server.http_port, "/v1/embeddings",
+                        {"model": MODEL, "input": ids[1], "encoding_format": "float"})
+    assert status == 200 and body["object"] == "list" and body["model"] == MODEL
+    assert close(body["data"][0]["embedding"], refs[1])
+    status, body = post(embed_server.http_port, "/v1/embeddings", {"input": [ids[2]], "encoding_format": "base64"})
+    raw = base64.b64decode(body["data"][0]["embedding"])
+    assert close(struct.unpack(f"<{len(raw) // 4}f", raw), refs[2])
+    status, body = post(embed_server.http_port, "/v1/embeddings", {"input": TEXTS[0], "normalize": False})
+    assert status == 200 and abs(sum(v * v for v in body["data"][0]["embedding"]) - 1.0) > 1e-3
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": []}, "input"),
+    ({"input": ["ok", {"text": "no"}]}, "input[1]"),
+    ({"input": [[1, 2], [10**7]]}, "input[1][0]"),
+    ({"input": "x", "dimensions": 8}, "dimensions"),
+    ({"input": "x", "dimensions": 0}, "dimensions"),
+    ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "x", "normalize": "yes"}, "normalize"),
+    ({"input": "x " * 600}, "input[0]"),
+])
+def test_bad_embedding_requests_name_the_parameter(embed_server, body, param):
+    status, reply = post(embed_server.http_port, "/v1/embeddings", {"model": MODEL, **body})
+    assert status == 400, reply
+    assert reply["error"]["param"] == param, reply
+
+
+def test_truncation_fits_a_long_input(embed_server):
+    status, body = post(embed_server.http_port, "/v1/embeddings",
+                        {"input": "x " * 600, "truncate_prompt_tokens": -1, "encoding_format": "float"})
+    assert status == 200 and body["usage"]["prompt_tokens"] == 512
+
+
+def test_v1_embed_and_model_info(embed_server, references):
+    ids, refs = references
+    with Client(embed_server.target) as client:
+        info = client.model_info()
+        assert (info.runner, info.pooling_type, info.embedding_size) == ("pooling", "LAST", 576)
+        got = client.embed([TEXTS[0], ids[1]])
+        assert [e.prompt_tokens for e in got] == [len(ids[0]), len(ids[1])]
+        assert close(got[0].values, refs[0]) and close(got[1].values, refs[1])
+        with pytest.raises(ClientError) as info:
+            client.embed([TEXTS[0], [10**7]])
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "inputs[1].token_ids.ids[0]" in str(info.value)
+        with pytest.raises(ClientError) as info:
+            list(client.generate("Hi", max_new_tokens=2))
+        assert info.value.code == grpc.StatusCode.UNIMPLEMENTED and "embedding model" in str(info.value)
+    status, body = post(embed_server.http_port, "/v1/chat/completions",
+                        {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 400 and "embedding model" in body["error"]["message"]
+
+
+def test_router_protocol_embed(embed_server, references):
+    ids, refs = references
+    with grpc.insecure_channel(embed_server.target) as channel:
+        stub = vgrpc.VllmEngineStub(channel)
+        assert not stub.GetModelInfo(vpb.GetModelInfoRequest(), timeout=30).is_generation
+        reply = stub.Embed(vpb.EmbedRequest(request_id="e1", tokenized=vpb.TokenizedInput(input_ids=ids[0])),
+                           timeout=60)
+        assert reply.prompt_tokens == len(ids[0]) and reply.embedding_dim == 576 and close(reply.embedding, refs[0])
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=[10**7])), timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tokenized.input_ids" in info.value.details()
+
+
+def test_smg_routes_embeddings_to_the_embedding_server(embed_server, references, default_model, tmp_path):
+    ids, refs = references
+    router = start_smg(tmp_path / "smg", [embed_server], default_model.tokenizer_dir, warm=WARM_EMBEDDING)
+    try:
+        (worker,) = http_json(f"{router.base}/workers")["workers"]
+        assert worker["models"][0]["model_type"] == ["embeddings"]  # from GetModelInfo.is_generation = false
+        # One input per call: SMG 1.13.0 sends a list's inputs as one tokenized prompt (one vector for all of them)
+        for text, ids_, ref in zip(TEXTS[:2], ids, refs):
+            reply = http_json(f"{router.base}/v1/embeddings", {"model": MODEL, "input": text})
+            assert reply["usage"]["prompt_tokens"] == len(ids_) and close(reply["data"][0]["embedding"], ref)
+    finally:
+        router.stop()
+
+
+def test_a_generation_server_refuses_embeddings(shared_server):  # noqa: F811
+    status, body = post(shared_server.http_port, "/v1/embeddings", {"model": MODEL, "input": "Hi"})
+    assert status == 400 and "--runner pooling" in body["error"]["message"]
+    with grpc.insecure_channel(shared_server.target) as channel:
+        stub = generation_service_pb2_grpc.GenerationServiceStub(channel)
+        request = embed_pb2.EmbedRequest(inputs=[embed_pb2.EmbedInput(text="Hi")])
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Embed(request, timeout=60)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        with pytest.raises(grpc.RpcError) as info:
+            vgrpc.VllmEngineStub(channel).Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=[1])),
+                                                timeout=60)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
