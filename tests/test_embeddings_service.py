@@ -86,6 +86,8 @@ def test_truncation_fits_a_long_input(embed_server):
     status, body = post(embed_server.http_port, "/v1/embeddings",
                         {"input": "x " * 600, "truncate_prompt_tokens": -1, "encoding_format": "float"})
     assert status == 200 and body["usage"]["prompt_tokens"] == 512
+    status, body = post(embed_server.http_port, "/v1/embeddings", {"input": "x", "encoding_format": None})
+    assert status == 200 and isinstance(body["data"][0]["embedding"], list)  # null is the default: float
 
 
 def test_v1_embed_and_model_info(embed_server, references):

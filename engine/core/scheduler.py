@@ -217,8 +217,8 @@ class Scheduler:
         for pooled in output.pooled:
             if not pooled.seq.is_finished:
                 pooled.apply()
-                update.touched[pooled.seq.request_id] = None
-                if pooled.done:  # an embedding request ends with its prompt
+                if pooled.done:  # an embedding request ends with its prompt: its one output
+                    update.touched[pooled.seq.request_id] = None
                     self.finish(pooled.seq, FinishReason.STOP)
         for sample in output.samples:
             seq = sample.seq

@@ -51,7 +51,7 @@ class Embeddings:
                 embed(self.api.serving, requests, reply_id, origin, _rename, chars))
             self.api.serving.metrics.adapter_requests(adapter, len(embedded))
             await exchange.send_json(200, _reply(reply_id, adapter or self.api.model_name, embedded,
-                                                 body.get("encoding_format", "float")))
+                                                 _encoding(body)))
         except ClientGone:
             pass  # the engine requests were cancelled, which aborted them and freed their blocks
         except Exception as exc:  # every failure becomes OpenAI's error JSON
@@ -69,7 +69,7 @@ class Embeddings:
 def embedding_requests(body: dict[str, Any], adapter: str | None) -> tuple[list[EmbeddingRequest], list[Any]]:
     """The body -> one engine request per input (and the inputs)."""
     inputs = _inputs(body.get("input"))
-    if body.get("encoding_format", "float") not in ("float", "base64"):
+    if _encoding(body) not in ("float", "base64"):
         raise InvalidRequestError("encoding_format", f"must be float or base64, got {body['encoding_format']!r}")
     dims, normalize = body.get("dimensions"), body.get("normalize")
     pooling = PoolingParams(normalize=normalize, dimensions=dims)
@@ -85,6 +85,12 @@ def embedding_requests(body: dict[str, Any], adapter: str | None) -> tuple[list[
                for item in inputs]
     return [EmbeddingRequest(p, pooling, TRUNCATE_TO_CONTEXT if truncate == TRUNCATE_TO_CONTEXT else truncate,
                              adapter=adapter, priority=priority) for p in prompts], inputs
+
+
+def _encoding(body: dict[str, Any]) -> Any:
+    """null is the default, as in OpenAI's API."""
+    value = body.get("encoding_format")
+    return "float" if value is None else value
 
 
 def _inputs(value: Any) -> list[str | list[int]]:
