@@ -1,6 +1,7 @@
 """Embeddings served: a real `--runner pooling` server on the default model, asked by the official `openai` client
 (/v1/embeddings, base64 and float), by pagedserve.v1 Embed through the Python client, by the router protocol's
-Embed (smg-grpc-proto), and through the real SMG binary routing /v1/embeddings to it over that protocol. Every answer is transformers' last hidden state of the same fp32 model, normalized; the
+Embed (smg-grpc-proto), through the real SMG binary routing /v1/embeddings to it over that protocol, and by the Go
+and Java clients' Embed (their conformance drivers). Every answer is transformers' last hidden state of the same fp32 model, normalized; the
 other task's APIs, and bad inputs, are refused naming what to fix."""
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import torch
 from service_fixtures import server_factory, shared_server, start_server  # noqa: F401 - fixtures by name
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vgrpc
+from google.protobuf import json_format
 from mesh_fixtures import WARM_EMBEDDING, http_json, start_smg
+from test_clients_go_java import Driver, _missing, built_clients  # noqa: F401 - built_clients: a fixture
 from test_openai_http_errors import post
 
 from pagedserve.client import Client, ClientError
+from pagedserve.client.embeddings import embed_request
 from pagedserve.v1 import embed_pb2, generation_service_pb2_grpc
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -107,6 +111,21 @@ def test_v1_embed_and_model_info(embed_server, references):
     status, body = post(embed_server.http_port, "/v1/chat/completions",
                         {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
     assert status == 400 and "embedding model" in body["error"]["message"]
+
+
+@pytest.mark.skipif(bool(_missing), reason=f"Go/Java toolchains absent ({', '.join(_missing)})")
+@pytest.mark.parametrize("lang", ["go", "java"])
+def test_go_and_java_clients_embed(lang, built_clients, embed_server, references, tmp_path):  # noqa: F811
+    ids, refs = references
+    driver = Driver(lang, embed_server.target, tmp_path)
+    try:
+        reply = driver.call("embed", request=json_format.MessageToDict(embed_request([TEXTS[0], ids[1]])))
+        assert reply["error"] is None and reply["prompt_tokens"] == [len(ids[0]), len(ids[1])]
+        assert close(reply["embeddings"][0], refs[0]) and close(reply["embeddings"][1], refs[1])
+        bad = driver.call("embed", request=json_format.MessageToDict(embed_request([[10**7]])))
+        assert bad["error"]["code"] == "INVALID_ARGUMENT" and "inputs[0].token_ids.ids[0]" in bad["error"]["message"]
+    finally:
+        driver.close()
 
 
 def test_router_protocol_embed(embed_server, references):

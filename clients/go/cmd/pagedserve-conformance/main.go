@@ -8,6 +8,7 @@
 //	{"op":"generate_many","request":{...},"count":16}
 //	{"op":"health","service":""}
 //	{"op":"list_adapters"} / {"op":"load_adapter","name":"a","path":"/dir/a"} / {"op":"unload_adapter","name":"a"}
+//	{"op":"embed","request":{...}} (an EmbedRequest: each input's vector and prompt tokens)
 package main
 
 import (
@@ -72,6 +73,8 @@ func handle(ctx context.Context, c *client.Client, cmd command) interface{} {
 		return map[string]interface{}{"name": a.GetName(), "rank": a.GetRank(), "error": errorOf(err)}
 	case "unload_adapter":
 		return map[string]interface{}{"error": errorOf(c.UnloadAdapter(ctx, cmd.Name))}
+	case "embed":
+		return embed(ctx, c, cmd)
 	default:
 		return map[string]interface{}{"error": &errorJSON{Code: "CLIENT", Message: "unknown op " + cmd.Op}}
 	}

@@ -10,6 +10,9 @@ import dev.pagedserve.client.ClientOptions;
 import dev.pagedserve.client.PagedServeClient;
 import dev.pagedserve.client.PagedServeException;
 import dev.pagedserve.v1.Adapter;
+import dev.pagedserve.v1.EmbedRequest;
+import dev.pagedserve.v1.EmbedResponse;
+import dev.pagedserve.v1.Embedding;
 import dev.pagedserve.v1.GenerateRequest;
 import dev.pagedserve.v1.ListAdaptersResponse;
 import java.io.BufferedReader;
@@ -69,6 +72,7 @@ public final class ConformanceDriver {
             intField(cmd, "timeout_ms"));
         case "health" -> health(client, cmd.has("service") ? cmd.get("service").getAsString() : "");
         case "list_adapters", "load_adapter", "unload_adapter" -> adapters(client, op, cmd);
+        case "embed" -> embed(client, cmd);
         default -> Map.of("error", error("CLIENT", "unknown op " + op, null));
       };
     } catch (InvalidProtocolBufferException e) {
@@ -104,6 +108,23 @@ public final class ConformanceDriver {
         }
         default -> client.unloadAdapter(cmd.get("name").getAsString());
       }
+      out.put("error", null);
+    } catch (PagedServeException e) {
+      out.put("error", error(e));
+    }
+    return out;
+  }
+
+  /** Embed: each input's vector and prompt tokens, in order. */
+  private static Map<String, Object> embed(PagedServeClient client, JsonObject cmd)
+      throws InvalidProtocolBufferException {
+    EmbedRequest.Builder builder = EmbedRequest.newBuilder();
+    JsonFormat.parser().merge(cmd.get("request").toString(), builder);
+    Map<String, Object> out = new LinkedHashMap<>();
+    try {
+      EmbedResponse reply = client.embed(builder.build());
+      out.put("embeddings", reply.getEmbeddingsList().stream().map(Embedding::getValuesList).toList());
+      out.put("prompt_tokens", reply.getEmbeddingsList().stream().map(Embedding::getPromptTokens).toList());
       out.put("error", null);
     } catch (PagedServeException e) {
       out.put("error", error(e));
