@@ -21,7 +21,7 @@ from pagedserve.engine.core.seq_features import SeqFeature
 from pagedserve.engine.errors import ConfigError, InvalidRequestError, ModelLoadError
 
 RUNNERS = ("auto", "generate", "pooling")
-_CONFIG_KEYS = ("pooling_type", "normalize", "dimensions")
+_CONFIG_KEYS = ("pooling_type", "normalize")  # vLLM's `dimensions` default: here a request asks for a width
 
 
 class PoolingType(str, enum.Enum):
@@ -66,8 +66,6 @@ class PoolerConfig:
         unknown = sorted(set(fields) - set(_CONFIG_KEYS))
         if unknown:
             raise ConfigError("pooler_config", f"unsupported keys {unknown}; supported: {', '.join(_CONFIG_KEYS)}")
-        if "dimensions" in fields:  # vLLM's default output width: here a request asks for it (`dimensions`)
-            raise ConfigError("pooler_config", "dimensions: ask for a width per request (`dimensions`)")
         cls(**fields)  # the values' checks
         return fields
 
