@@ -25,7 +25,7 @@ from pagedserve.engine.errors import (
 )
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions, check_messages
 from pagedserve.engine.loading.tokenizer import start_detok
-from pagedserve.engine.pooling import PoolerConfig, PoolingParams, PoolingState
+from pagedserve.engine.pooling import PoolerConfig, PoolingParams, PoolingPlan
 from pagedserve.engine.reasoning import ReasoningFormat, ThoughtMarker
 from pagedserve.engine.runner.seeded_sampling import SeededSampling
 from pagedserve.engine.sampling_params import SamplingParams
@@ -91,18 +91,6 @@ class EmbeddingRequest:
     adapter: str | None = None
     cache_salt: str | None = None
     priority: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class PoolingPlan:
-    """An admitted embedding's pooling, resolved against the server's PoolerConfig."""
-
-    config: PoolerConfig
-    normalize: bool
-    dimensions: int | None
-
-    def start(self) -> PoolingState:
-        return PoolingState(self.config.pooling_type, self.normalize, self.dimensions)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +214,7 @@ class Admission:
         if self.pooler is None:
             raise UnsupportedTaskError("this server runs a generation model: start it with --runner pooling to serve "
                                        "embeddings")
-        normalize, dimensions = self.pooler.resolve(request.pooling, self.limits.hidden_size)
+        pooling = self.pooler.resolve(request.pooling, self.limits.hidden_size)
         self._check_priority(request.priority)
         adapter = self._adapter(request.adapter)
         ids, field, _ = self._prompt_ids(request.prompt)
@@ -240,7 +228,7 @@ class Admission:
                                 f"({self.limits.kv_cache_tokens} tokens)")
         return AdmittedRequest(tuple(ids), SamplingParams(max_tokens=1), truncated, adapter=adapter,
                                cache_salt=salt_key(request.cache_salt), priority=request.priority,
-                               pooling=PoolingPlan(self.pooler, normalize, dimensions))
+                               pooling=pooling)
 
     def _check_priority(self, priority: object) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool) or not -2**63 <= priority < 2**63:

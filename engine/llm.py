@@ -45,8 +45,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Runs every prompt to completion in one continuously batched engine; outputs in prompt order. `adapter`:
         one LoRA adapter's name for every prompt, or one name (None: the base) per prompt."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, SequenceABC) else [params] * len(prompts)
         if len(params_list) != len(prompts):
@@ -65,10 +64,8 @@ class LLM:
               pooling_params: PoolingParams | None = None) -> list[RequestOutput]:
         """Embeddings (an engine built with runner="pooling", or a sentence-transformers folder): each output's
         `embedding`, in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
         order = []
-        for prompt in prompts:
+        for prompt in _prompt_list(prompts):
             order.append(request_id := f"llm-{next(self._ids)}")
             self.engine.add_embedding_request(request_id, prompt, pooling_params or PoolingParams())
         return self._run(order)
@@ -80,3 +77,8 @@ class LLM:
                 if out.finished:
                     finished[out.request_id] = out
         return [finished[r] for r in order]
+
+
+def _prompt_list(prompts: str | list[int] | SequenceABC[str | list[int]]) -> SequenceABC[str | list[int]]:
+    """One prompt (a text or a token-id list), or a list of them, as a list."""
+    return [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else prompts

@@ -60,17 +60,16 @@ class LLMEngine:
                     cache_salt: str | None = None) -> None:
         """The offline front end's request: admitted here, then queued. Its id must not be running (the served
         front ends' ids are checked once, by AsyncEngine, which submits each under a key of its own)."""
-        admitted = self.admit_prompt(prompt, params, adapter, cache_salt)
-        if request_id in self.requests:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
-        self.submit(request_id, admitted, arrival_time)
+        self._submit_new(request_id, self.admit_prompt(prompt, params, adapter, cache_salt), arrival_time)
 
     def add_embedding_request(self, request_id: str, prompt: str | list[int],
                               pooling: PoolingParams = PoolingParams(), arrival_time: float | None = None) -> None:
         """The offline front end's embedding request (a pooling engine's: `EngineConfig.runner`)."""
-        as_prompt = TextPrompt(prompt) if isinstance(prompt, str) else TokensPrompt(tuple(prompt))
         with renamed(_offline_field):
-            admitted = self.admission.admit(EmbeddingRequest(as_prompt, pooling))
+            admitted = self.admission.admit(EmbeddingRequest(_offline_prompt(prompt), pooling))
+        self._submit_new(request_id, admitted, arrival_time)
+
+    def _submit_new(self, request_id: str, admitted: AdmittedRequest, arrival_time: float | None) -> None:
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         self.submit(request_id, admitted, arrival_time)
@@ -79,9 +78,9 @@ class LLMEngine:
                      cache_salt: str | None = None) -> AdmittedRequest:
         """A text or token-id prompt with SamplingParams (and a LoRA adapter's name), checked once; errors name
         SamplingParams' fields."""
-        as_prompt = TextPrompt(prompt) if isinstance(prompt, str) else TokensPrompt(tuple(prompt))
         with renamed(_offline_field):
-            return self.admission.admit(GenerationRequest(as_prompt, params, adapter=adapter, cache_salt=cache_salt))
+            return self.admission.admit(GenerationRequest(_offline_prompt(prompt), params, adapter=adapter,
+                                                          cache_salt=cache_salt))
 
     def submit(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
         """Queues an admitted request as it is (no check is repeated: its id is new, see add_request)."""
@@ -186,6 +185,10 @@ class LLMEngine:
         return engine_stats(self.scheduler, self.runner.verifier.counters, self.constraints.stats(),
                             self.max_model_len, self.runner.kv_spec.dtype.value, 0 if lora is None else lora.max_loras,
                             self.num_aborted_requests, self.num_lookahead_steps)
+
+
+def _offline_prompt(prompt: str | list[int]) -> TextPrompt | TokensPrompt:
+    return TextPrompt(prompt) if isinstance(prompt, str) else TokensPrompt(tuple(prompt))
 
 
 def _offline_field(field: str) -> str:

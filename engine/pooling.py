@@ -78,12 +78,12 @@ class PoolerConfig:
                      matryoshka_dimensions=tuple(dims))
         return replace(config, **overrides)
 
-    def resolve(self, params: PoolingParams, hidden_size: int) -> tuple[bool, int | None]:
-        """(normalize, the width to cut to or None) for one request; bad values name the request's field."""
+    def resolve(self, params: PoolingParams, hidden_size: int) -> PoolingPlan:
+        """One request's pooling under this rule; bad values name the request's field."""
         normalize = self.normalize if params.normalize is None else params.normalize
         dims = params.dimensions
         if dims is None or dims == hidden_size:
-            return normalize, None
+            return PoolingPlan(self.pooling_type, normalize, None)
         if not self.matryoshka:
             raise InvalidRequestError("dimensions", f"this model's embeddings are {hidden_size} wide and it is not a "
                                       "Matryoshka model (its config sets no is_matryoshka)")
@@ -91,7 +91,19 @@ class PoolerConfig:
         if (allowed and dims not in allowed) or dims > hidden_size:
             raise InvalidRequestError("dimensions", f"got {dims}; this model supports "
                                       f"{', '.join(map(str, allowed)) if allowed else f'1 to {hidden_size}'}")
-        return normalize, dims
+        return PoolingPlan(self.pooling_type, normalize, dims)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingPlan:
+    """An admitted embedding's pooling: what its sequence's PoolingState starts with."""
+
+    pooling_type: PoolingType
+    normalize: bool
+    dimensions: int | None  # the width to cut to (None: the whole vector)
+
+    def start(self) -> PoolingState:
+        return PoolingState(self.pooling_type, self.normalize, self.dimensions)
 
 
 @dataclass(frozen=True, slots=True)

@@ -135,12 +135,8 @@ class Sequence:
     def needs_every_position(self) -> bool:
         """Its prefill reads the hidden state of every prompt position (prompt logprobs, mean or first-token
         pooling), so it takes no prefix-cache hit."""
-        return self.needs_prompt_logprobs or self.pooling_reads_all
-
-    @property
-    def pooling_reads_all(self) -> bool:
-        state = self.features.of(PoolingState)
-        return state is not None and state.needs_every_position
+        pooling = self.features.of(PoolingState)
+        return self.needs_prompt_logprobs or (pooling is not None and pooling.needs_every_position)
 
     @property
     def adapter_name(self) -> str | None:

@@ -6,22 +6,21 @@ list of them; `encoding_format` float or base64 (little-endian float32, as OpenA
 from __future__ import annotations
 
 import base64
-import logging
 import struct
 import time
 import uuid
 from typing import Any
 
-from pagedserve.engine.admission import TRUNCATE_TO_CONTEXT, EmbeddingRequest, TextPrompt, TokensPrompt
+from pagedserve.engine.admission import EmbeddingRequest, TextPrompt, TokensPrompt
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.pooling import PoolingParams
 from pagedserve.service.core.embeddings import MAX_INPUTS, Embedded, embed
 from pagedserve.service.openai.generate_routes import GenerateApi
-from pagedserve.service.openai.http_exchange import ClientGone, Exchange
-from pagedserve.service.openai.openai_errors import HttpError, error_reply
+from pagedserve.service.openai.http_exchange import Exchange, answer
+from pagedserve.service.openai.openai_errors import HttpError
 from pagedserve.service.openai.openai_messages import flag
+from pagedserve.service.openai.openai_params import check_known
 
-log = logging.getLogger(__name__)
 _KNOWN = frozenset({"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
                     "add_special_tokens", "normalize", "priority", "request_id"})
 _OPTIONS = ("dimensions", "normalize", "priority", "truncate_prompt_tokens", "adapter")
@@ -34,36 +33,21 @@ class Embeddings:
         self.api = api
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        exchange = Exchange(scope, receive, send)
-        try:
-            exchange.check_request_id_header()
-            body = await exchange.json_body(self.api.max_body_bytes)
-            if not isinstance(body, dict):
-                raise HttpError(400, "the request body must be a JSON object", code="invalid_json")
-            adapter = self.api.check_model(body)
-            self.api.serving.state.check_admitting()
-            requests, inputs = embedding_requests(body, adapter)
-            reply_id = f"embd-{uuid.uuid4().hex}"
-            origin = self.api.serving.telemetry.origin("openai", exchange.request_id or reply_id,
-                                                       scope["headers"])
-            chars = sum(len(item) for item in inputs if isinstance(item, str))
-            embedded = await exchange.until_disconnect(
-                embed(self.api.serving, requests, reply_id, origin, _rename, chars))
-            self.api.serving.metrics.adapter_requests(adapter, len(embedded))
-            await exchange.send_json(200, _reply(reply_id, adapter or self.api.model_name, embedded,
-                                                 _encoding(body)))
-        except ClientGone:
-            pass  # the engine requests were cancelled, which aborted them and freed their blocks
-        except Exception as exc:  # every failure becomes OpenAI's error JSON
-            if not isinstance(exc, HttpError) and error_reply(exc).status == 500:
-                log.exception("embeddings request failed")
-            try:
-                await exchange.send_error(error_reply(exc))
-            except OSError:
-                pass
-        finally:
-            exchange.close()
-            self.api.serving.metrics.http_done(scope["path"], exchange.status)
+        await answer(scope, receive, send, self._answer, self.api.serving.metrics.http_done)
+
+    async def _answer(self, exchange: Exchange) -> None:
+        body = await exchange.json_body(self.api.max_body_bytes)
+        if not isinstance(body, dict):
+            raise HttpError(400, "the request body must be a JSON object", code="invalid_json")
+        adapter = self.api.check_model(body)
+        self.api.serving.state.check_admitting()
+        requests, inputs = embedding_requests(body, adapter)
+        reply_id = f"embd-{uuid.uuid4().hex}"
+        origin = self.api.serving.telemetry.origin("openai", exchange.request_id or reply_id, exchange.scope["headers"])
+        chars = sum(len(item) for item in inputs if isinstance(item, str))
+        embedded = await exchange.until_disconnect(embed(self.api.serving, requests, reply_id, origin, _rename, chars))
+        self.api.serving.metrics.adapter_requests(adapter, len(embedded))
+        await exchange.send_json(200, _reply(reply_id, adapter or self.api.model_name, embedded, _encoding(body)))
 
 
 def embedding_requests(body: dict[str, Any], adapter: str | None) -> tuple[list[EmbeddingRequest], list[Any]]:
@@ -78,13 +62,10 @@ def embedding_requests(body: dict[str, Any], adapter: str | None) -> tuple[list[
         raise InvalidRequestError("truncate_prompt_tokens", f"must be an integer, got {truncate!r}")
     add_special = flag(body, "add_special_tokens", True)
     priority = body.get("priority", 0)
-    unknown = set(body) - _KNOWN
-    if unknown:
-        log.debug("ignoring unknown embeddings fields %s", sorted(unknown)[:8])
+    check_known(body, _KNOWN)
     prompts = [TextPrompt(item, add_special) if isinstance(item, str) else TokensPrompt(tuple(item))
                for item in inputs]
-    return [EmbeddingRequest(p, pooling, TRUNCATE_TO_CONTEXT if truncate == TRUNCATE_TO_CONTEXT else truncate,
-                             adapter=adapter, priority=priority) for p in prompts], inputs
+    return [EmbeddingRequest(p, pooling, truncate, adapter=adapter, priority=priority) for p in prompts], inputs
 
 
 def _encoding(body: dict[str, Any]) -> Any:

@@ -5,7 +5,6 @@ renders as the Responses API (responses_request.py, responses_render.py)."""
 
 from __future__ import annotations
 
-import logging
 import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -17,16 +16,13 @@ from pagedserve.service.core.admit import admit_off_loop
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.request_policy import RequestPolicy
 from pagedserve.service.core.stream import Ended, RequestStream
-from pagedserve.service.openai.http_exchange import ClientGone, Exchange
+from pagedserve.service.openai.http_exchange import Exchange, answer
 from pagedserve.service.openai.merged_streams import MergedStreams
-from pagedserve.service.openai.openai_errors import HttpError, error_reply
 from pagedserve.service.openai.openai_params import OpenAIRequest, parse
 from pagedserve.service.openai.openai_responses import ResponseBuilder
 from pagedserve.service.openai.openai_tools import ToolSettings
 from pagedserve.service.openai.responses_render import ResponsesView
 from pagedserve.service.openai.responses_request import chat_body
-
-log = logging.getLogger(__name__)
 
 
 class GenerateApi(Protocol):
@@ -55,29 +51,18 @@ class Generate:
         self.api, self.chat = api, chat
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        exchange, request, rename = Exchange(scope, receive, send), None, None
-        try:
-            exchange.check_request_id_header()
-            body = await exchange.json_body(self.api.max_body_bytes)
-            adapter = self.api.check_model(body)
-            self.api.serving.state.check_admitting()
-            request, rename = self.parse(body, adapter)
+        await answer(scope, receive, send, self._answer, self.api.serving.metrics.http_done)
+
+    async def _answer(self, exchange: Exchange) -> None:
+        body = await exchange.json_body(self.api.max_body_bytes)
+        adapter = self.api.check_model(body)
+        self.api.serving.state.check_admitting()
+        request, rename = self.parse(body, adapter)
+        with renamed(rename):  # errors name the field as this client sent it (OpenAIRequest.param)
             admitted = await self._admit(body, request)
             self.api.serving.metrics.adapter_requests(request.adapter, len(admitted))
             with self.api.serving.state.track():
                 await self._generate(exchange, request, admitted, body)
-        except ClientGone:
-            pass  # the engine stream was cancelled, which aborted the request and freed its blocks
-        except Exception as exc:  # every failure becomes OpenAI's error JSON, never a dropped connection
-            if not isinstance(exc, HttpError) and error_reply(exc).status == 500:
-                log.exception("HTTP request failed")
-            try:
-                await exchange.send_error(error_reply(exc, rename))
-            except OSError:
-                pass
-        finally:
-            exchange.close()
-            self.api.serving.metrics.http_done(scope["path"], exchange.status)
 
     def parse(self, body: Any, adapter: str | None) -> tuple[OpenAIRequest, Callable[[str], str]]:
         """The request, and how an engine field is named back to the client (OpenAIRequest.param)."""

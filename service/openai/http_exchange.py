@@ -10,13 +10,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Awaitable
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from pagedserve.engine.request_id import check_request_id
-from pagedserve.service.openai.openai_errors import ErrorReply, HttpError
+from pagedserve.service.openai.openai_errors import ErrorReply, HttpError, error_reply
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 _DRAIN_FACTOR = 16  # an over-limit body is read and dropped up to this many limits, so the client sees the 413
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
@@ -24,6 +26,30 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
 
 class ClientGone(Exception):
     """The client disconnected; nothing more can be sent."""
+
+
+async def answer(scope: dict[str, Any], receive: Any, send: Any, handle: Callable[[Exchange], Awaitable[None]],
+                 done: Callable[[str, int], None]) -> None:
+    """One exchange of an ASGI route: `handle` answers it; any failure becomes OpenAI's error JSON (an error event
+    mid-stream), never a dropped connection; a client that left gets nothing (its engine requests were cancelled,
+    which aborted them and freed their blocks). `done(path, status)` counts it."""
+    exchange = Exchange(scope, receive, send)
+    try:
+        exchange.check_request_id_header()
+        await handle(exchange)
+    except ClientGone:
+        pass
+    except Exception as exc:  # noqa: BLE001 - every failure is classified in one place (error_reply)
+        reply = error_reply(exc)
+        if not isinstance(exc, HttpError) and reply.status == 500:
+            log.exception("HTTP request failed")
+        try:
+            await exchange.send_error(reply)
+        except OSError:
+            pass
+    finally:
+        exchange.close()
+        done(scope["path"], exchange.status)
 
 
 async def read_json_body(receive: Any, limit: int) -> Any:

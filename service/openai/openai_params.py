@@ -119,7 +119,7 @@ def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings
     if not isinstance(body, dict):
         raise InvalidRequestError("body", f"must be a JSON object, got {type(body).__name__}")
     body = {k: v for k, v in body.items() if v is not None}  # the SDKs send null for "not given"
-    _check_known(body, CHAT_PARAMS if chat else COMPLETION_PARAMS)
+    check_known(body, CHAT_PARAMS if chat else COMPLETION_PARAMS)
     _refuse_unsupported(body, chat)
     names = _names(body, chat)
     requested, plan = _constraint(body, chat, tools)
@@ -166,7 +166,7 @@ def _constraint(body: dict[str, Any], chat: bool,
     return plan.constraint, plan
 
 
-def _check_known(body: dict[str, Any], known: frozenset[str]) -> None:
+def check_known(body: dict[str, Any], known: frozenset[str]) -> None:
     """Unknown fields are ignored, as vLLM ignores them, with one warning per field name (a bounded set, so
     random names cannot grow it without end)."""
     for name in sorted(set(body) - known):
