@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pagedserve.engine.admission import AdmittedRequest, EmbeddingRequest, renamed
+from pagedserve.engine.admission import AdmittedRequest, EmbeddingRequest, TextPrompt, renamed
 from pagedserve.engine.errors import EngineDeadError
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.service.core.admit import admit_off_loop
@@ -37,8 +37,9 @@ def admit_embeddings(serving: ServingContext, requests: Sequence[EmbeddingReques
 
 
 async def embed(serving: ServingContext, requests: Sequence[EmbeddingRequest], base_id: str,
-                origin: RequestOrigin, rename: Callable[[int, str], str], text_chars: int) -> list[Embedded]:
-    """The embeddings of `requests`, in order; a long call is admitted off the event loop."""
+                origin: RequestOrigin, rename: Callable[[int, str], str]) -> list[Embedded]:
+    """The embeddings of `requests`, in order; a call carrying much text is admitted off the event loop."""
+    text_chars = sum(len(r.prompt.text) for r in requests if isinstance(r.prompt, TextPrompt))
     admitted = await admit_off_loop(lambda: admit_embeddings(serving, requests, rename), text_chars)
     many = len(admitted) > 1
     try:

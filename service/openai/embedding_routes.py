@@ -41,17 +41,16 @@ class Embeddings:
             raise HttpError(400, "the request body must be a JSON object", code="invalid_json")
         adapter = self.api.check_model(body)
         self.api.serving.state.check_admitting()
-        requests, inputs = embedding_requests(body, adapter)
+        requests = embedding_requests(body, adapter)
         reply_id = f"embd-{uuid.uuid4().hex}"
         origin = self.api.serving.telemetry.origin("openai", exchange.request_id or reply_id, exchange.scope["headers"])
-        chars = sum(len(item) for item in inputs if isinstance(item, str))
-        embedded = await exchange.until_disconnect(embed(self.api.serving, requests, reply_id, origin, _rename, chars))
+        embedded = await exchange.until_disconnect(embed(self.api.serving, requests, reply_id, origin, _rename))
         self.api.serving.metrics.adapter_requests(adapter, len(embedded))
         await exchange.send_json(200, _reply(reply_id, adapter or self.api.model_name, embedded, _encoding(body)))
 
 
-def embedding_requests(body: dict[str, Any], adapter: str | None) -> tuple[list[EmbeddingRequest], list[Any]]:
-    """The body -> one engine request per input (and the inputs)."""
+def embedding_requests(body: dict[str, Any], adapter: str | None) -> list[EmbeddingRequest]:
+    """The body -> one engine request per input."""
     inputs = _inputs(body.get("input"))
     if _encoding(body) not in ("float", "base64"):
         raise InvalidRequestError("encoding_format", f"must be float or base64, got {body['encoding_format']!r}")
@@ -65,7 +64,7 @@ def embedding_requests(body: dict[str, Any], adapter: str | None) -> tuple[list[
     check_known(body, _KNOWN)
     prompts = [TextPrompt(item, add_special) if isinstance(item, str) else TokensPrompt(tuple(item))
                for item in inputs]
-    return [EmbeddingRequest(p, pooling, truncate, adapter=adapter, priority=priority) for p in prompts], inputs
+    return [EmbeddingRequest(p, pooling, truncate, adapter=adapter, priority=priority) for p in prompts]
 
 
 def _encoding(body: dict[str, Any]) -> Any:

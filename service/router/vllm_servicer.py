@@ -119,7 +119,7 @@ class VllmEngineServicer:
         request_id = check_request_id(request.request_id, "request_id") if request.request_id else uuid.uuid4().hex
         prompt = TokensPrompt(tuple(request.tokenized.input_ids))
         origin = self.serving.telemetry.origin("vllm", request_id, context.invocation_metadata() or ())
-        (embedded,) = await embed(self.serving, [EmbeddingRequest(prompt)], request_id, origin, _embed_field, 0)
+        (embedded,) = await embed(self.serving, [EmbeddingRequest(prompt)], request_id, origin, _embed_field)
         return vpb.EmbedResponse(embedding=embedded.vector, prompt_tokens=embedded.prompt_tokens,
                                  embedding_dim=len(embedded.vector))
 

@@ -48,7 +48,3 @@ def embed_response(embedded: list[Embedded]) -> pb.EmbedResponse:
         embeddings=[pb.Embedding(values=e.vector, prompt_tokens=e.prompt_tokens, truncated=e.truncated)
                     for e in embedded],
         prompt_tokens=sum(e.prompt_tokens for e in embedded))
-
-
-def text_chars(request: pb.EmbedRequest) -> int:
-    return sum(len(item.text) for item in request.inputs)

@@ -22,7 +22,7 @@ from pagedserve.service.core.stream import RequestStream
 from pagedserve.service.core.thought_reader import ThoughtReader
 from pagedserve.service.core.wire import parse_request
 from pagedserve.service.v1.adapter_servicer import adapter_message
-from pagedserve.service.v1.embed import embed_response, embedding_requests, rename, text_chars
+from pagedserve.service.v1.embed import embed_response, embedding_requests, rename
 from pagedserve.service.v1.frames import FrameBuilder
 from pagedserve.service.v1.model_info import model_info
 from pagedserve.service.v1.requests import admit, input_chars
@@ -96,8 +96,7 @@ class GenerationServicer:
         await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
         origin = self.serving.telemetry.origin("v1", request_id, context.invocation_metadata() or ())
         engine_key = f"{request_id}#{next(self._submissions)}"
-        embedded = await embed(self.serving, embedding_requests(request), engine_key, origin, rename,
-                               text_chars(request))
+        embedded = await embed(self.serving, embedding_requests(request), engine_key, origin, rename)
         self.metrics.adapter_requests(request.adapter or None, len(embedded))
         return embed_response(embedded)
 
