@@ -14,6 +14,7 @@ from pagedserve.engine.lora.config import AdapterInfo, LoraModule
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.pooling import PoolingParams
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scoring import ScorePairs, check_token_limit
 
 
 class LLM:
@@ -69,6 +70,15 @@ class LLM:
             order.append(request_id := f"llm-{next(self._ids)}")
             self.engine.add_embedding_request(request_id, prompt, pooling_params or PoolingParams())
         return self._run(order)
+
+    def score(self, queries: str | SequenceABC[str], documents: str | SequenceABC[str], *,
+              max_tokens_per_query: int = 0, max_tokens_per_doc: int = 0) -> list[float]:
+        """vLLM's `LLM.score` on an embedding model: each document's cosine similarity to its query (1:1, 1:N or
+        N:N), each text first cut to its side's token limit (0: uncut)."""
+        pairs = ScorePairs.of(queries, documents).truncated(
+            self.tokenizer, check_token_limit(max_tokens_per_query, "max_tokens_per_query", None),
+            check_token_limit(max_tokens_per_doc, "max_tokens_per_doc", None))
+        return pairs.scores([out.embedding for out in self.embed(list(pairs.texts))])
 
     def _run(self, order: list[str]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -167,6 +167,7 @@ RPCS = [
     ("/pagedserve.v1.GenerationService/Tokenize", "unary_unary"),
     ("/pagedserve.v1.GenerationService/ModelInfo", "unary_unary"),
     ("/pagedserve.v1.GenerationService/Embed", "unary_unary"),
+    ("/pagedserve.v1.GenerationService/Rerank", "unary_unary"),
     ("/grpc.health.v1.Health/Check", "unary_unary"),
     ("/grpc.health.v1.Health/Watch", "unary_stream"),
     ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "stream_stream"),
@@ -185,8 +186,9 @@ LONG_RUNNING = {"/pagedserve.v1.GenerationService/Generate", "/grpc.health.v1.He
 LONG_RUNNING_DEADLINE_S, UNARY_CEILING_S = 3, 60
 # The router protocol RPCs pagedserve does not serve (service/router/vllm_servicer.py) say UNIMPLEMENTED to anything.
 UNIMPLEMENTED = {f"/vllm.grpc.engine.VllmEngine/{m}" for m in ("StartProfile", "StopProfile")}
-# Embeddings on this (generation) server: a request that parses is UNIMPLEMENTED (docs/embeddings.md).
-EMBED = {"/vllm.grpc.engine.VllmEngine/Embed", "/pagedserve.v1.GenerationService/Embed"}
+# Embeddings and reranking on this (generation) server: a request that parses is UNIMPLEMENTED (docs/embeddings.md).
+EMBED = {"/vllm.grpc.engine.VllmEngine/Embed", "/pagedserve.v1.GenerationService/Embed",
+         "/pagedserve.v1.GenerationService/Rerank"}
 
 
 def expected_codes(method: str) -> set[grpc.StatusCode]:

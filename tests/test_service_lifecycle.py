@@ -122,7 +122,7 @@ def test_reflection_lists_and_describes_the_service_v1alpha_and_v1(shared_server
         assert "pagedserve.v1.GenerationService" in services
         assert "grpc.health.v1.Health" in services
         file = db.FindFileContainingSymbol("pagedserve.v1.GenerationService")
-        assert {m.name for m in file.service[0].method} == {"Generate", "Tokenize", "ModelInfo", "Embed"}
+        assert {m.name for m in file.service[0].method} == {"Generate", "Tokenize", "ModelInfo", "Embed", "Rerank"}
         # v1 shares v1alpha's wire format (only the package was renamed), so v1alpha messages can speak to it.
         v1 = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
                                    request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (Starlette app): /v1/completions, /v1/chat/completions, /v1/responses (their
-routes: generate_routes.py), /v1/embeddings (embedding_routes.py, an embedding model's server), /v1/models, /health,
-Prometheus /metrics (as vLLM serves it on its API port), and vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter,
-/tokenize, /detokenize and /version.
+routes: generate_routes.py), /v1/embeddings (embedding_routes.py) and vLLM's /score and /rerank (score_routes.py) on
+an embedding model's server, /v1/models, /health, Prometheus /metrics (as vLLM serves it on its API port), and
+vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter, /tokenize, /detokenize and /version.
 
 `model` picks what serves a request: the base's served name (or none) the base, an adapter's name that adapter.
 
@@ -32,6 +32,7 @@ from pagedserve.service.openai.generate_routes import Generate, GenerateResponse
 from pagedserve.service.openai.http_exchange import read_json_body
 from pagedserve.service.openai.openai_errors import HttpError, error_reply
 from pagedserve.service.openai.openai_tokenize import TokenizeApi
+from pagedserve.service.openai.score_routes import Scoring
 from pagedserve.service.openai.openai_tools import ToolSettings
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,9 @@ class OpenAIApi:
             Route("/v1/chat/completions", Generate(self, chat=True), methods=["POST"]),
             Route("/v1/responses", GenerateResponses(self, chat=True), methods=["POST"]),
             Route("/v1/embeddings", Embeddings(self), methods=["POST"]),
+            *(Route(path, Scoring(self, rerank=False), methods=["POST"]) for path in ("/score", "/v1/score")),
+            *(Route(path, Scoring(self, rerank=True), methods=["POST"])
+              for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),

@@ -1,12 +1,15 @@
-"""pagedserve.v1 Embed: EmbedRequest -> one engine EmbeddingRequest per input (field mapping only; the checks are
-the admission's, renamed to `inputs[i].<field>`), run by the serving core (service/core/embeddings.py)."""
+"""pagedserve.v1 Embed and Rerank: EmbedRequest -> one engine EmbeddingRequest per input, RerankRequest -> a score
+call (field mapping only; the checks are the admission's and the scoring's, renamed to the request's paths), run by
+the serving core (service/core/embeddings.py, service/core/scores.py)."""
 
 from __future__ import annotations
 
-from pagedserve.engine.admission import EmbeddingRequest, TextPrompt, TokensPrompt, field_map
+from pagedserve.engine.admission import EmbeddingRequest, TextPrompt, TokensPrompt, field_map, renamed
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.pooling import PoolingParams
+from pagedserve.engine.scoring import ScorePairs, ranked
 from pagedserve.service.core.embeddings import MAX_INPUTS, Embedded
+from pagedserve.service.core.scores import ScoreCall, Scored
 from pagedserve.v1 import embed_pb2 as pb
 
 _INPUT_FIELDS = field_map({"prompt": "text", "prompt_token_ids": "token_ids.ids"})
@@ -48,3 +51,20 @@ def embed_response(embedded: list[Embedded]) -> pb.EmbedResponse:
         embeddings=[pb.Embedding(values=e.vector, prompt_tokens=e.prompt_tokens, truncated=e.truncated)
                     for e in embedded],
         prompt_tokens=sum(e.prompt_tokens for e in embedded))
+
+
+def rerank_call(request: pb.RerankRequest) -> ScoreCall:
+    with renamed(rerank_rename):
+        return ScoreCall(ScorePairs((request.query,), tuple(request.documents)), request.max_tokens_per_query,
+                         request.max_tokens_per_doc, adapter=request.adapter or None, priority=request.priority)
+
+
+def rerank_rename(field: str) -> str:
+    """The one query is `query`; `documents[i]` and the options keep their names."""
+    return "query" if field.startswith("queries") else field
+
+
+def rerank_response(scored: Scored, top_n: int) -> pb.RerankResponse:
+    return pb.RerankResponse(
+        results=[pb.RerankResult(index=i, relevance_score=scored.scores[i]) for i in ranked(scored.scores, top_n)],
+        prompt_tokens=scored.prompt_tokens)

@@ -1,5 +1,5 @@
 """pagedserve.v1 GenerationService: Generate (admitted by requests.py, streamed by service/core/stream.py, framed by
-frames.py), Tokenize, ModelInfo and Embed (embed.py over service/core/embeddings.py)."""
+frames.py), Tokenize, ModelInfo, Embed and Rerank (embed.py over service/core/embeddings.py and scores.py)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ from pagedserve.service.core.adapters import AdapterAdmin
 from pagedserve.service.core.admit import admit_off_loop
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.embeddings import embed
+from pagedserve.service.core.scores import score
 from pagedserve.service.core.engine_handle import EngineHandle
 from pagedserve.service.core.stream import RequestStream
 from pagedserve.service.core.thought_reader import ThoughtReader
 from pagedserve.service.core.wire import parse_request
 from pagedserve.service.v1.adapter_servicer import adapter_message
-from pagedserve.service.v1.embed import embed_response, embedding_requests, rename
+from pagedserve.service.v1.embed import (embed_response, embedding_requests, rename, rerank_call, rerank_rename,
+                                        rerank_response)
 from pagedserve.service.v1.frames import FrameBuilder
 from pagedserve.service.v1.model_info import model_info
 from pagedserve.service.v1.requests import admit, input_chars
@@ -64,6 +66,9 @@ class GenerationServicer:
             "Embed": grpc.unary_unary_rpc_method_handler(
                 rpc_status.unary(m, name, "Embed", self.embed),
                 response_serializer=embed_pb2.EmbedResponse.SerializeToString),
+            "Rerank": grpc.unary_unary_rpc_method_handler(
+                rpc_status.unary(m, name, "Rerank", self.rerank),
+                response_serializer=embed_pb2.RerankResponse.SerializeToString),
         })
 
     # --- RPCs -------------------------------------------------------------------------------------------------
@@ -99,6 +104,18 @@ class GenerationServicer:
         embedded = await embed(self.serving, embedding_requests(request), engine_key, origin, rename)
         self.metrics.adapter_requests(request.adapter or None, len(embedded))
         return embed_response(embedded)
+
+    async def rerank(self, raw: bytes, context: grpc.aio.ServicerContext) -> embed_pb2.RerankResponse:
+        request = parse_request(raw, embed_pb2.RerankRequest, self.max_message_bytes)
+        self.state.check_admitting()
+        call = rerank_call(request)
+        request_id = _request_id(request, context)
+        await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
+        origin = self.serving.telemetry.origin("v1", request_id, context.invocation_metadata() or ())
+        engine_key = f"{request_id}#{next(self._submissions)}"
+        scored = await score(self.serving, call, engine_key, origin, rerank_rename)
+        self.metrics.adapter_requests(request.adapter or None, len(call.pairs.texts))
+        return rerank_response(scored, request.top_n)
 
     def _thought_reader(self, request: pb.GenerateRequest, prompt: AdmittedRequest) -> ThoughtReader | None:
         """--reasoning-parser splits chat answers only (as vLLM's chat endpoint): the thought into Delta.reasoning."""
@@ -137,7 +154,8 @@ class GenerationServicer:
 
 
 
-def _request_id(request: pb.GenerateRequest | embed_pb2.EmbedRequest, context: grpc.aio.ServicerContext) -> str:
+def _request_id(request: pb.GenerateRequest | embed_pb2.EmbedRequest | embed_pb2.RerankRequest,
+                context: grpc.aio.ServicerContext) -> str:
     """The client's id (field first, then metadata), checked before it is echoed; else a fresh one."""
     if request.request_id:
         return check_request_id(request.request_id, "request_id")

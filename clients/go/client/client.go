@@ -114,6 +114,15 @@ func (c *Client) Embed(ctx context.Context, req *pb.EmbedRequest, opts ...grpc.C
 	return resp, wrapError(err)
 }
 
+// Rerank returns the documents' indices and scores, best first, by the cosine similarity of each document's
+// embedding and the query's (TopN of them; 0: all), from an embedding model's server.
+func (c *Client) Rerank(ctx context.Context, req *pb.RerankRequest, opts ...grpc.CallOption) (*pb.RerankResponse, error) {
+	ctx, cancel := c.callContext(ctx)
+	defer cancel()
+	resp, err := c.api.Rerank(ctx, req, opts...)
+	return resp, wrapError(err)
+}
+
 // ModelInfo returns the served model, its limits and live KV-cache / scheduler counts.
 func (c *Client) ModelInfo(ctx context.Context, opts ...grpc.CallOption) (*pb.ModelInfoResponse, error) {
 	ctx, cancel := c.callContext(ctx)

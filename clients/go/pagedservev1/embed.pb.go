@@ -338,6 +338,231 @@ func (x *Embedding) GetTruncated() bool {
 	return false
 }
 
+// Rerank: `documents` ordered by relevance to `query`, a document's score the cosine similarity of its embedding
+// and the query's (how vLLM's /rerank scores with an embedding model). An embedding model's server only.
+type RerankRequest struct {
+	state         protoimpl.MessageState
+	sizeCache     protoimpl.SizeCache
+	unknownFields protoimpl.UnknownFields
+
+	Query string `protobuf:"bytes,1,opt,name=query,proto3" json:"query,omitempty"`
+	// At most 2047 (the query and the documents are embedded as one call of at most 2048 texts). A refused document
+	// refuses the call, naming `documents[i]`.
+	Documents []string `protobuf:"bytes,2,rep,name=documents,proto3" json:"documents,omitempty"`
+	// The best N results (0: every document), best first.
+	TopN uint32 `protobuf:"varint,3,opt,name=top_n,json=topN,proto3" json:"top_n,omitempty"`
+	// Cut the query / each document to its first N tokens before embedding (0: uncut), as vLLM's
+	// max_tokens_per_query and max_tokens_per_doc; must be below the context length.
+	MaxTokensPerQuery uint32 `protobuf:"varint,4,opt,name=max_tokens_per_query,json=maxTokensPerQuery,proto3" json:"max_tokens_per_query,omitempty"`
+	MaxTokensPerDoc   uint32 `protobuf:"varint,5,opt,name=max_tokens_per_doc,json=maxTokensPerDoc,proto3" json:"max_tokens_per_doc,omitempty"`
+	// As EmbedRequest's.
+	Adapter   string `protobuf:"bytes,6,opt,name=adapter,proto3" json:"adapter,omitempty"`
+	RequestId string `protobuf:"bytes,7,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	Priority  int32  `protobuf:"varint,8,opt,name=priority,proto3" json:"priority,omitempty"`
+}
+
+func (x *RerankRequest) Reset() {
+	*x = RerankRequest{}
+	if protoimpl.UnsafeEnabled {
+		mi := &file_pagedserve_v1_embed_proto_msgTypes[4]
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		ms.StoreMessageInfo(mi)
+	}
+}
+
+func (x *RerankRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RerankRequest) ProtoMessage() {}
+
+func (x *RerankRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pagedserve_v1_embed_proto_msgTypes[4]
+	if protoimpl.UnsafeEnabled && x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RerankRequest.ProtoReflect.Descriptor instead.
+func (*RerankRequest) Descriptor() ([]byte, []int) {
+	return file_pagedserve_v1_embed_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *RerankRequest) GetQuery() string {
+	if x != nil {
+		return x.Query
+	}
+	return ""
+}
+
+func (x *RerankRequest) GetDocuments() []string {
+	if x != nil {
+		return x.Documents
+	}
+	return nil
+}
+
+func (x *RerankRequest) GetTopN() uint32 {
+	if x != nil {
+		return x.TopN
+	}
+	return 0
+}
+
+func (x *RerankRequest) GetMaxTokensPerQuery() uint32 {
+	if x != nil {
+		return x.MaxTokensPerQuery
+	}
+	return 0
+}
+
+func (x *RerankRequest) GetMaxTokensPerDoc() uint32 {
+	if x != nil {
+		return x.MaxTokensPerDoc
+	}
+	return 0
+}
+
+func (x *RerankRequest) GetAdapter() string {
+	if x != nil {
+		return x.Adapter
+	}
+	return ""
+}
+
+func (x *RerankRequest) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
+func (x *RerankRequest) GetPriority() int32 {
+	if x != nil {
+		return x.Priority
+	}
+	return 0
+}
+
+type RerankResponse struct {
+	state         protoimpl.MessageState
+	sizeCache     protoimpl.SizeCache
+	unknownFields protoimpl.UnknownFields
+
+	// Best first; ties keep the documents' order.
+	Results []*RerankResult `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	// Prompt tokens of the query and every document together.
+	PromptTokens uint32 `protobuf:"varint,2,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
+}
+
+func (x *RerankResponse) Reset() {
+	*x = RerankResponse{}
+	if protoimpl.UnsafeEnabled {
+		mi := &file_pagedserve_v1_embed_proto_msgTypes[5]
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		ms.StoreMessageInfo(mi)
+	}
+}
+
+func (x *RerankResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RerankResponse) ProtoMessage() {}
+
+func (x *RerankResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pagedserve_v1_embed_proto_msgTypes[5]
+	if protoimpl.UnsafeEnabled && x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RerankResponse.ProtoReflect.Descriptor instead.
+func (*RerankResponse) Descriptor() ([]byte, []int) {
+	return file_pagedserve_v1_embed_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *RerankResponse) GetResults() []*RerankResult {
+	if x != nil {
+		return x.Results
+	}
+	return nil
+}
+
+func (x *RerankResponse) GetPromptTokens() uint32 {
+	if x != nil {
+		return x.PromptTokens
+	}
+	return 0
+}
+
+type RerankResult struct {
+	state         protoimpl.MessageState
+	sizeCache     protoimpl.SizeCache
+	unknownFields protoimpl.UnknownFields
+
+	// The document's place in RerankRequest.documents.
+	Index uint32 `protobuf:"varint,1,opt,name=index,proto3" json:"index,omitempty"`
+	// Cosine similarity, -1 to 1.
+	RelevanceScore float32 `protobuf:"fixed32,2,opt,name=relevance_score,json=relevanceScore,proto3" json:"relevance_score,omitempty"`
+}
+
+func (x *RerankResult) Reset() {
+	*x = RerankResult{}
+	if protoimpl.UnsafeEnabled {
+		mi := &file_pagedserve_v1_embed_proto_msgTypes[6]
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		ms.StoreMessageInfo(mi)
+	}
+}
+
+func (x *RerankResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RerankResult) ProtoMessage() {}
+
+func (x *RerankResult) ProtoReflect() protoreflect.Message {
+	mi := &file_pagedserve_v1_embed_proto_msgTypes[6]
+	if protoimpl.UnsafeEnabled && x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RerankResult.ProtoReflect.Descriptor instead.
+func (*RerankResult) Descriptor() ([]byte, []int) {
+	return file_pagedserve_v1_embed_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *RerankResult) GetIndex() uint32 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
+func (x *RerankResult) GetRelevanceScore() float32 {
+	if x != nil {
+		return x.RelevanceScore
+	}
+	return 0
+}
+
 var File_pagedserve_v1_embed_proto protoreflect.FileDescriptor
 
 var file_pagedserve_v1_embed_proto_rawDesc = []byte{
@@ -391,14 +616,42 @@ var file_pagedserve_v1_embed_proto_rawDesc = []byte{
 	0x02, 0x20, 0x01, 0x28, 0x0d, 0x52, 0x0c, 0x70, 0x72, 0x6f, 0x6d, 0x70, 0x74, 0x54, 0x6f, 0x6b,
 	0x65, 0x6e, 0x73, 0x12, 0x1c, 0x0a, 0x09, 0x74, 0x72, 0x75, 0x6e, 0x63, 0x61, 0x74, 0x65, 0x64,
 	0x18, 0x03, 0x20, 0x01, 0x28, 0x08, 0x52, 0x09, 0x74, 0x72, 0x75, 0x6e, 0x63, 0x61, 0x74, 0x65,
-	0x64, 0x42, 0x68, 0x0a, 0x11, 0x64, 0x65, 0x76, 0x2e, 0x70, 0x61, 0x67, 0x65, 0x64, 0x73, 0x65,
-	0x72, 0x76, 0x65, 0x2e, 0x76, 0x31, 0x42, 0x0a, 0x45, 0x6d, 0x62, 0x65, 0x64, 0x50, 0x72, 0x6f,
-	0x74, 0x6f, 0x50, 0x01, 0x5a, 0x45, 0x67, 0x69, 0x74, 0x68, 0x75, 0x62, 0x2e, 0x63, 0x6f, 0x6d,
-	0x2f, 0x70, 0x61, 0x67, 0x65, 0x64, 0x73, 0x65, 0x72, 0x76, 0x65, 0x2f, 0x70, 0x61, 0x67, 0x65,
-	0x64, 0x73, 0x65, 0x72, 0x76, 0x65, 0x2f, 0x63, 0x6c, 0x69, 0x65, 0x6e, 0x74, 0x73, 0x2f, 0x67,
-	0x6f, 0x2f, 0x70, 0x61, 0x67, 0x65, 0x64, 0x73, 0x65, 0x72, 0x76, 0x65, 0x76, 0x31, 0x3b, 0x70,
-	0x61, 0x67, 0x65, 0x64, 0x73, 0x65, 0x72, 0x76, 0x65, 0x76, 0x31, 0x62, 0x06, 0x70, 0x72, 0x6f,
-	0x74, 0x6f, 0x33,
+	0x64, 0x22, 0x8b, 0x02, 0x0a, 0x0d, 0x52, 0x65, 0x72, 0x61, 0x6e, 0x6b, 0x52, 0x65, 0x71, 0x75,
+	0x65, 0x73, 0x74, 0x12, 0x14, 0x0a, 0x05, 0x71, 0x75, 0x65, 0x72, 0x79, 0x18, 0x01, 0x20, 0x01,
+	0x28, 0x09, 0x52, 0x05, 0x71, 0x75, 0x65, 0x72, 0x79, 0x12, 0x1c, 0x0a, 0x09, 0x64, 0x6f, 0x63,
+	0x75, 0x6d, 0x65, 0x6e, 0x74, 0x73, 0x18, 0x02, 0x20, 0x03, 0x28, 0x09, 0x52, 0x09, 0x64, 0x6f,
+	0x63, 0x75, 0x6d, 0x65, 0x6e, 0x74, 0x73, 0x12, 0x13, 0x0a, 0x05, 0x74, 0x6f, 0x70, 0x5f, 0x6e,
+	0x18, 0x03, 0x20, 0x01, 0x28, 0x0d, 0x52, 0x04, 0x74, 0x6f, 0x70, 0x4e, 0x12, 0x2f, 0x0a, 0x14,
+	0x6d, 0x61, 0x78, 0x5f, 0x74, 0x6f, 0x6b, 0x65, 0x6e, 0x73, 0x5f, 0x70, 0x65, 0x72, 0x5f, 0x71,
+	0x75, 0x65, 0x72, 0x79, 0x18, 0x04, 0x20, 0x01, 0x28, 0x0d, 0x52, 0x11, 0x6d, 0x61, 0x78, 0x54,
+	0x6f, 0x6b, 0x65, 0x6e, 0x73, 0x50, 0x65, 0x72, 0x51, 0x75, 0x65, 0x72, 0x79, 0x12, 0x2b, 0x0a,
+	0x12, 0x6d, 0x61, 0x78, 0x5f, 0x74, 0x6f, 0x6b, 0x65, 0x6e, 0x73, 0x5f, 0x70, 0x65, 0x72, 0x5f,
+	0x64, 0x6f, 0x63, 0x18, 0x05, 0x20, 0x01, 0x28, 0x0d, 0x52, 0x0f, 0x6d, 0x61, 0x78, 0x54, 0x6f,
+	0x6b, 0x65, 0x6e, 0x73, 0x50, 0x65, 0x72, 0x44, 0x6f, 0x63, 0x12, 0x18, 0x0a, 0x07, 0x61, 0x64,
+	0x61, 0x70, 0x74, 0x65, 0x72, 0x18, 0x06, 0x20, 0x01, 0x28, 0x09, 0x52, 0x07, 0x61, 0x64, 0x61,
+	0x70, 0x74, 0x65, 0x72, 0x12, 0x1d, 0x0a, 0x0a, 0x72, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x5f,
+	0x69, 0x64, 0x18, 0x07, 0x20, 0x01, 0x28, 0x09, 0x52, 0x09, 0x72, 0x65, 0x71, 0x75, 0x65, 0x73,
+	0x74, 0x49, 0x64, 0x12, 0x1a, 0x0a, 0x08, 0x70, 0x72, 0x69, 0x6f, 0x72, 0x69, 0x74, 0x79, 0x18,
+	0x08, 0x20, 0x01, 0x28, 0x05, 0x52, 0x08, 0x70, 0x72, 0x69, 0x6f, 0x72, 0x69, 0x74, 0x79, 0x22,
+	0x6c, 0x0a, 0x0e, 0x52, 0x65, 0x72, 0x61, 0x6e, 0x6b, 0x52, 0x65, 0x73, 0x70, 0x6f, 0x6e, 0x73,
+	0x65, 0x12, 0x35, 0x0a, 0x07, 0x72, 0x65, 0x73, 0x75, 0x6c, 0x74, 0x73, 0x18, 0x01, 0x20, 0x03,
+	0x28, 0x0b, 0x32, 0x1b, 0x2e, 0x70, 0x61, 0x67, 0x65, 0x64, 0x73, 0x65, 0x72, 0x76, 0x65, 0x2e,
+	0x76, 0x31, 0x2e, 0x52, 0x65, 0x72, 0x61, 0x6e, 0x6b, 0x52, 0x65, 0x73, 0x75, 0x6c, 0x74, 0x52,
+	0x07, 0x72, 0x65, 0x73, 0x75, 0x6c, 0x74, 0x73, 0x12, 0x23, 0x0a, 0x0d, 0x70, 0x72, 0x6f, 0x6d,
+	0x70, 0x74, 0x5f, 0x74, 0x6f, 0x6b, 0x65, 0x6e, 0x73, 0x18, 0x02, 0x20, 0x01, 0x28, 0x0d, 0x52,
+	0x0c, 0x70, 0x72, 0x6f, 0x6d, 0x70, 0x74, 0x54, 0x6f, 0x6b, 0x65, 0x6e, 0x73, 0x22, 0x4d, 0x0a,
+	0x0c, 0x52, 0x65, 0x72, 0x61, 0x6e, 0x6b, 0x52, 0x65, 0x73, 0x75, 0x6c, 0x74, 0x12, 0x14, 0x0a,
+	0x05, 0x69, 0x6e, 0x64, 0x65, 0x78, 0x18, 0x01, 0x20, 0x01, 0x28, 0x0d, 0x52, 0x05, 0x69, 0x6e,
+	0x64, 0x65, 0x78, 0x12, 0x27, 0x0a, 0x0f, 0x72, 0x65, 0x6c, 0x65, 0x76, 0x61, 0x6e, 0x63, 0x65,
+	0x5f, 0x73, 0x63, 0x6f, 0x72, 0x65, 0x18, 0x02, 0x20, 0x01, 0x28, 0x02, 0x52, 0x0e, 0x72, 0x65,
+	0x6c, 0x65, 0x76, 0x61, 0x6e, 0x63, 0x65, 0x53, 0x63, 0x6f, 0x72, 0x65, 0x42, 0x68, 0x0a, 0x11,
+	0x64, 0x65, 0x76, 0x2e, 0x70, 0x61, 0x67, 0x65, 0x64, 0x73, 0x65, 0x72, 0x76, 0x65, 0x2e, 0x76,
+	0x31, 0x42, 0x0a, 0x45, 0x6d, 0x62, 0x65, 0x64, 0x50, 0x72, 0x6f, 0x74, 0x6f, 0x50, 0x01, 0x5a,
+	0x45, 0x67, 0x69, 0x74, 0x68, 0x75, 0x62, 0x2e, 0x63, 0x6f, 0x6d, 0x2f, 0x70, 0x61, 0x67, 0x65,
+	0x64, 0x73, 0x65, 0x72, 0x76, 0x65, 0x2f, 0x70, 0x61, 0x67, 0x65, 0x64, 0x73, 0x65, 0x72, 0x76,
+	0x65, 0x2f, 0x63, 0x6c, 0x69, 0x65, 0x6e, 0x74, 0x73, 0x2f, 0x67, 0x6f, 0x2f, 0x70, 0x61, 0x67,
+	0x65, 0x64, 0x73, 0x65, 0x72, 0x76, 0x65, 0x76, 0x31, 0x3b, 0x70, 0x61, 0x67, 0x65, 0x64, 0x73,
+	0x65, 0x72, 0x76, 0x65, 0x76, 0x31, 0x62, 0x06, 0x70, 0x72, 0x6f, 0x74, 0x6f, 0x33,
 }
 
 var (
@@ -413,23 +666,27 @@ func file_pagedserve_v1_embed_proto_rawDescGZIP() []byte {
 	return file_pagedserve_v1_embed_proto_rawDescData
 }
 
-var file_pagedserve_v1_embed_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
+var file_pagedserve_v1_embed_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
 var file_pagedserve_v1_embed_proto_goTypes = []interface{}{
-	(*EmbedRequest)(nil),  // 0: pagedserve.v1.EmbedRequest
-	(*EmbedInput)(nil),    // 1: pagedserve.v1.EmbedInput
-	(*EmbedResponse)(nil), // 2: pagedserve.v1.EmbedResponse
-	(*Embedding)(nil),     // 3: pagedserve.v1.Embedding
-	(*TokenIds)(nil),      // 4: pagedserve.v1.TokenIds
+	(*EmbedRequest)(nil),   // 0: pagedserve.v1.EmbedRequest
+	(*EmbedInput)(nil),     // 1: pagedserve.v1.EmbedInput
+	(*EmbedResponse)(nil),  // 2: pagedserve.v1.EmbedResponse
+	(*Embedding)(nil),      // 3: pagedserve.v1.Embedding
+	(*RerankRequest)(nil),  // 4: pagedserve.v1.RerankRequest
+	(*RerankResponse)(nil), // 5: pagedserve.v1.RerankResponse
+	(*RerankResult)(nil),   // 6: pagedserve.v1.RerankResult
+	(*TokenIds)(nil),       // 7: pagedserve.v1.TokenIds
 }
 var file_pagedserve_v1_embed_proto_depIdxs = []int32{
 	1, // 0: pagedserve.v1.EmbedRequest.inputs:type_name -> pagedserve.v1.EmbedInput
-	4, // 1: pagedserve.v1.EmbedInput.token_ids:type_name -> pagedserve.v1.TokenIds
+	7, // 1: pagedserve.v1.EmbedInput.token_ids:type_name -> pagedserve.v1.TokenIds
 	3, // 2: pagedserve.v1.EmbedResponse.embeddings:type_name -> pagedserve.v1.Embedding
-	3, // [3:3] is the sub-list for method output_type
-	3, // [3:3] is the sub-list for method input_type
-	3, // [3:3] is the sub-list for extension type_name
-	3, // [3:3] is the sub-list for extension extendee
-	0, // [0:3] is the sub-list for field type_name
+	6, // 3: pagedserve.v1.RerankResponse.results:type_name -> pagedserve.v1.RerankResult
+	4, // [4:4] is the sub-list for method output_type
+	4, // [4:4] is the sub-list for method input_type
+	4, // [4:4] is the sub-list for extension type_name
+	4, // [4:4] is the sub-list for extension extendee
+	0, // [0:4] is the sub-list for field type_name
 }
 
 func init() { file_pagedserve_v1_embed_proto_init() }
@@ -487,6 +744,42 @@ func file_pagedserve_v1_embed_proto_init() {
 				return nil
 			}
 		}
+		file_pagedserve_v1_embed_proto_msgTypes[4].Exporter = func(v interface{}, i int) interface{} {
+			switch v := v.(*RerankRequest); i {
+			case 0:
+				return &v.state
+			case 1:
+				return &v.sizeCache
+			case 2:
+				return &v.unknownFields
+			default:
+				return nil
+			}
+		}
+		file_pagedserve_v1_embed_proto_msgTypes[5].Exporter = func(v interface{}, i int) interface{} {
+			switch v := v.(*RerankResponse); i {
+			case 0:
+				return &v.state
+			case 1:
+				return &v.sizeCache
+			case 2:
+				return &v.unknownFields
+			default:
+				return nil
+			}
+		}
+		file_pagedserve_v1_embed_proto_msgTypes[6].Exporter = func(v interface{}, i int) interface{} {
+			switch v := v.(*RerankResult); i {
+			case 0:
+				return &v.state
+			case 1:
+				return &v.sizeCache
+			case 2:
+				return &v.unknownFields
+			default:
+				return nil
+			}
+		}
 	}
 	file_pagedserve_v1_embed_proto_msgTypes[0].OneofWrappers = []interface{}{}
 	file_pagedserve_v1_embed_proto_msgTypes[1].OneofWrappers = []interface{}{
@@ -499,7 +792,7 @@ func file_pagedserve_v1_embed_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: file_pagedserve_v1_embed_proto_rawDesc,
 			NumEnums:      0,
-			NumMessages:   4,
+			NumMessages:   7,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

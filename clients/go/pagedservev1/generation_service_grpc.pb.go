@@ -26,6 +26,9 @@ type GenerationServiceClient interface {
 	// Embeddings of texts or token ids (an embedding model's server: ModelInfo.runner is "pooling"). Unary: every
 	// input's vector at once. UNIMPLEMENTED on a server that generates.
 	Embed(ctx context.Context, in *EmbedRequest, opts ...grpc.CallOption) (*EmbedResponse, error)
+	// Documents ranked against a query by their embeddings' cosine similarity (an embedding model's server, as
+	// Embed).
+	Rerank(ctx context.Context, in *RerankRequest, opts ...grpc.CallOption) (*RerankResponse, error)
 }
 
 type generationServiceClient struct {
@@ -95,6 +98,15 @@ func (c *generationServiceClient) Embed(ctx context.Context, in *EmbedRequest, o
 	return out, nil
 }
 
+func (c *generationServiceClient) Rerank(ctx context.Context, in *RerankRequest, opts ...grpc.CallOption) (*RerankResponse, error) {
+	out := new(RerankResponse)
+	err := c.cc.Invoke(ctx, "/pagedserve.v1.GenerationService/Rerank", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // GenerationServiceServer is the server API for GenerationService service.
 // All implementations must embed UnimplementedGenerationServiceServer
 // for forward compatibility
@@ -108,6 +120,9 @@ type GenerationServiceServer interface {
 	// Embeddings of texts or token ids (an embedding model's server: ModelInfo.runner is "pooling"). Unary: every
 	// input's vector at once. UNIMPLEMENTED on a server that generates.
 	Embed(context.Context, *EmbedRequest) (*EmbedResponse, error)
+	// Documents ranked against a query by their embeddings' cosine similarity (an embedding model's server, as
+	// Embed).
+	Rerank(context.Context, *RerankRequest) (*RerankResponse, error)
 	mustEmbedUnimplementedGenerationServiceServer()
 }
 
@@ -126,6 +141,9 @@ func (UnimplementedGenerationServiceServer) ModelInfo(context.Context, *ModelInf
 }
 func (UnimplementedGenerationServiceServer) Embed(context.Context, *EmbedRequest) (*EmbedResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Embed not implemented")
+}
+func (UnimplementedGenerationServiceServer) Rerank(context.Context, *RerankRequest) (*RerankResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Rerank not implemented")
 }
 func (UnimplementedGenerationServiceServer) mustEmbedUnimplementedGenerationServiceServer() {}
 
@@ -215,6 +233,24 @@ func _GenerationService_Embed_Handler(srv interface{}, ctx context.Context, dec 
 	return interceptor(ctx, in, info, handler)
 }
 
+func _GenerationService_Rerank_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RerankRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(GenerationServiceServer).Rerank(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/pagedserve.v1.GenerationService/Rerank",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(GenerationServiceServer).Rerank(ctx, req.(*RerankRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 var _GenerationService_serviceDesc = grpc.ServiceDesc{
 	ServiceName: "pagedserve.v1.GenerationService",
 	HandlerType: (*GenerationServiceServer)(nil),
@@ -230,6 +266,10 @@ var _GenerationService_serviceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Embed",
 			Handler:    _GenerationService_Embed_Handler,
+		},
+		{
+			MethodName: "Rerank",
+			Handler:    _GenerationService_Rerank_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -9,7 +9,8 @@ import grpc
 
 from pagedserve.client.adapters import Adapter, AdapterList, load_request, unload_request
 from pagedserve.client.channels import TlsOptions, aio_channel, channel_options, resolve_target
-from pagedserve.client.embeddings import EmbedInput, Embedding, embed_request, embeddings
+from pagedserve.client.embeddings import (EmbedInput, Embedding, Ranked, embed_request, embeddings, ranking,
+                                          rerank_request)
 from pagedserve.client.errors import ClientError
 from pagedserve.client.frames import FrameReader
 from pagedserve.client.request import GenerateOptions, Prompt, build_request
@@ -110,6 +111,16 @@ class AsyncClient:
                                 truncate_input_tokens=truncate_input_tokens, add_special_tokens=add_special_tokens,
                                 adapter=adapter, request_id=request_id, priority=priority)
         return embeddings(await self._unary(self._stub.Embed, request, timeout))
+
+    async def rerank(self, query: str, documents: Sequence[str], *, top_n: int = 0, max_tokens_per_query: int = 0,
+                     max_tokens_per_doc: int = 0, adapter: str | None = None, request_id: str | None = None,
+                     priority: int = 0, timeout: float | None = None) -> list[Ranked]:
+        """`documents` best first by relevance to `query` (`top_n` of them; 0: all), from an embedding model's
+        server."""
+        request = rerank_request(query, documents, top_n=top_n, max_tokens_per_query=max_tokens_per_query,
+                                 max_tokens_per_doc=max_tokens_per_doc, adapter=adapter, request_id=request_id,
+                                 priority=priority)
+        return ranking(await self._unary(self._stub.Rerank, request, timeout))
 
     async def model_info(self, *, timeout: float | None = None) -> model_info_pb2.ModelInfoResponse:
         return await self._unary(self._stub.ModelInfo, model_info_pb2.ModelInfoRequest(), timeout)

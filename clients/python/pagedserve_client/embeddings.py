@@ -1,5 +1,6 @@
-"""Embed (an embedding model's server: ModelInfo.runner "pooling"): inputs -> EmbedRequest, the reply -> one
-`Embedding` per input, in order."""
+"""Embed and Rerank (an embedding model's server: ModelInfo.runner "pooling"): inputs -> EmbedRequest, the reply ->
+one `Embedding` per input, in order; a query and documents -> RerankRequest, the reply -> `Ranked` documents, best
+first."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ class Embedding:
     values: tuple[float, ...]
     prompt_tokens: int
     truncated: bool  # truncate_input_tokens cut this input
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    index: int  # the document's place in the request
+    relevance_score: float  # the cosine similarity of its embedding and the query's
 
 
 def embed_request(inputs: EmbedInput | Sequence[EmbedInput], *, normalize: bool | None = None,
@@ -41,3 +48,15 @@ def embed_request(inputs: EmbedInput | Sequence[EmbedInput], *, normalize: bool 
 
 def embeddings(reply: embed_pb2.EmbedResponse) -> list[Embedding]:
     return [Embedding(tuple(e.values), e.prompt_tokens, e.truncated) for e in reply.embeddings]
+
+
+def rerank_request(query: str, documents: Sequence[str], *, top_n: int = 0, max_tokens_per_query: int = 0,
+                   max_tokens_per_doc: int = 0, adapter: str | None = None, request_id: str | None = None,
+                   priority: int = 0) -> embed_pb2.RerankRequest:
+    return embed_pb2.RerankRequest(query=query, documents=list(documents), top_n=top_n,
+                                   max_tokens_per_query=max_tokens_per_query, max_tokens_per_doc=max_tokens_per_doc,
+                                   adapter=adapter or "", request_id=request_id or "", priority=priority)
+
+
+def ranking(reply: embed_pb2.RerankResponse) -> list[Ranked]:
+    return [Ranked(r.index, r.relevance_score) for r in reply.results]

@@ -8,7 +8,8 @@ import grpc
 
 from pagedserve.client.adapters import Adapter, AdapterList, load_request, unload_request
 from pagedserve.client.channels import TlsOptions, channel_options, resolve_target, sync_channel
-from pagedserve.client.embeddings import EmbedInput, Embedding, embed_request, embeddings
+from pagedserve.client.embeddings import (EmbedInput, Embedding, Ranked, embed_request, embeddings, ranking,
+                                          rerank_request)
 from pagedserve.client.errors import ClientError
 from pagedserve.client.frames import FrameReader
 from pagedserve.client.request import GenerateOptions, Prompt, build_request
@@ -118,6 +119,16 @@ class Client:
                                 truncate_input_tokens=truncate_input_tokens, add_special_tokens=add_special_tokens,
                                 adapter=adapter, request_id=request_id, priority=priority)
         return embeddings(self._unary(self._stub.Embed, request, timeout))
+
+    def rerank(self, query: str, documents: Sequence[str], *, top_n: int = 0, max_tokens_per_query: int = 0,
+               max_tokens_per_doc: int = 0, adapter: str | None = None, request_id: str | None = None,
+               priority: int = 0, timeout: float | None = None) -> list[Ranked]:
+        """`documents` best first by relevance to `query` (`top_n` of them; 0: all), from an embedding model's
+        server."""
+        request = rerank_request(query, documents, top_n=top_n, max_tokens_per_query=max_tokens_per_query,
+                                 max_tokens_per_doc=max_tokens_per_doc, adapter=adapter, request_id=request_id,
+                                 priority=priority)
+        return ranking(self._unary(self._stub.Rerank, request, timeout))
 
     def model_info(self, *, timeout: float | None = None) -> model_info_pb2.ModelInfoResponse:
         return self._unary(self._stub.ModelInfo, model_info_pb2.ModelInfoRequest(), timeout)

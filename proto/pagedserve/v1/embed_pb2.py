@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagedserve.v1 import generate_pb2 as pagedserve_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pagedserve/v1/embed.proto\x12\rpagedserve.v1\x1a\x1cpagedserve/v1/generate.proto\"\xfc\x01\n\x0c\x45mbedRequest\x12)\n\x06inputs\x18\x01 \x03(\x0b\x32\x19.pagedserve.v1.EmbedInput\x12\x16\n\tnormalize\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\ndimensions\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\"\n\x15truncate_input_tokens\x18\x04 \x01(\rH\x02\x88\x01\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x0c\n\n_normalizeB\r\n\x0b_dimensionsB\x18\n\x16_truncate_input_tokens\"\x8b\x01\n\nEmbedInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"T\n\rEmbedResponse\x12,\n\nembeddings\x18\x01 \x03(\x0b\x32\x18.pagedserve.v1.Embedding\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"E\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x11\n\ttruncated\x18\x03 \x01(\x08\x42h\n\x11\x64\x65v.pagedserve.v1B\nEmbedProtoP\x01ZEgithub.com/pagedserve/pagedserve/clients/go/pagedservev1;pagedservev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pagedserve/v1/embed.proto\x12\rpagedserve.v1\x1a\x1cpagedserve/v1/generate.proto\"\xfc\x01\n\x0c\x45mbedRequest\x12)\n\x06inputs\x18\x01 \x03(\x0b\x32\x19.pagedserve.v1.EmbedInput\x12\x16\n\tnormalize\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\ndimensions\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\"\n\x15truncate_input_tokens\x18\x04 \x01(\rH\x02\x88\x01\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x0c\n\n_normalizeB\r\n\x0b_dimensionsB\x18\n\x16_truncate_input_tokens\"\x8b\x01\n\nEmbedInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"T\n\rEmbedResponse\x12,\n\nembeddings\x18\x01 \x03(\x0b\x32\x18.pagedserve.v1.Embedding\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"E\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x11\n\ttruncated\x18\x03 \x01(\x08\"\xb1\x01\n\rRerankRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\x11\n\tdocuments\x18\x02 \x03(\t\x12\r\n\x05top_n\x18\x03 \x01(\r\x12\x1c\n\x14max_tokens_per_query\x18\x04 \x01(\r\x12\x1a\n\x12max_tokens_per_doc\x18\x05 \x01(\r\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\"U\n\x0eRerankResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.pagedserve.v1.RerankResult\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"6\n\x0cRerankResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\x17\n\x0frelevance_score\x18\x02 \x01(\x02\x42h\n\x11\x64\x65v.pagedserve.v1B\nEmbedProtoP\x01ZEgithub.com/pagedserve/pagedserve/clients/go/pagedservev1;pagedservev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,4 +41,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EMBEDRESPONSE']._serialized_end=555
   _globals['_EMBEDDING']._serialized_start=557
   _globals['_EMBEDDING']._serialized_end=626
+  _globals['_RERANKREQUEST']._serialized_start=629
+  _globals['_RERANKREQUEST']._serialized_end=806
+  _globals['_RERANKRESPONSE']._serialized_start=808
+  _globals['_RERANKRESPONSE']._serialized_end=893
+  _globals['_RERANKRESULT']._serialized_start=895
+  _globals['_RERANKRESULT']._serialized_end=949
 # @@protoc_insertion_point(module_scope)

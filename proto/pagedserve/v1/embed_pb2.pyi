@@ -52,3 +52,39 @@ class Embedding(_message.Message):
     prompt_tokens: int
     truncated: bool
     def __init__(self, values: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
+class RerankRequest(_message.Message):
+    __slots__ = ("query", "documents", "top_n", "max_tokens_per_query", "max_tokens_per_doc", "adapter", "request_id", "priority")
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_N_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_QUERY_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_DOC_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    query: str
+    documents: _containers.RepeatedScalarFieldContainer[str]
+    top_n: int
+    max_tokens_per_query: int
+    max_tokens_per_doc: int
+    adapter: str
+    request_id: str
+    priority: int
+    def __init__(self, query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., max_tokens_per_query: _Optional[int] = ..., max_tokens_per_doc: _Optional[int] = ..., adapter: _Optional[str] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class RerankResponse(_message.Message):
+    __slots__ = ("results", "prompt_tokens")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RerankResult]
+    prompt_tokens: int
+    def __init__(self, results: _Optional[_Iterable[_Union[RerankResult, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class RerankResult(_message.Message):
+    __slots__ = ("index", "relevance_score")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RELEVANCE_SCORE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    relevance_score: float
+    def __init__(self, index: _Optional[int] = ..., relevance_score: _Optional[float] = ...) -> None: ...

@@ -28,7 +28,7 @@ from pagedserve.v1 import model_info_pb2 as pagedserve_dot_v1_dot_model__info__p
 from pagedserve.v1 import tokenize_pb2 as pagedserve_dot_v1_dot_tokenize__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&pagedserve/v1/generation_service.proto\x12\rpagedserve.v1\x1a\x19pagedserve/v1/embed.proto\x1a\x1cpagedserve/v1/generate.proto\x1a\x1epagedserve/v1/model_info.proto\x1a\x1cpagedserve/v1/tokenize.proto2\xc3\x02\n\x11GenerationService\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12N\n\tModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a .pagedserve.v1.ModelInfoResponse\x12\x42\n\x05\x45mbed\x12\x1b.pagedserve.v1.EmbedRequest\x1a\x1c.pagedserve.v1.EmbedResponseBt\n\x11\x64\x65v.pagedserve.v1B\x16GenerationServiceProtoP\x01ZEgithub.com/pagedserve/pagedserve/clients/go/pagedservev1;pagedservev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&pagedserve/v1/generation_service.proto\x12\rpagedserve.v1\x1a\x19pagedserve/v1/embed.proto\x1a\x1cpagedserve/v1/generate.proto\x1a\x1epagedserve/v1/model_info.proto\x1a\x1cpagedserve/v1/tokenize.proto2\x8a\x03\n\x11GenerationService\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12N\n\tModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a .pagedserve.v1.ModelInfoResponse\x12\x42\n\x05\x45mbed\x12\x1b.pagedserve.v1.EmbedRequest\x1a\x1c.pagedserve.v1.EmbedResponse\x12\x45\n\x06Rerank\x12\x1c.pagedserve.v1.RerankRequest\x1a\x1d.pagedserve.v1.RerankResponseBt\n\x11\x64\x65v.pagedserve.v1B\x16GenerationServiceProtoP\x01ZEgithub.com/pagedserve/pagedserve/clients/go/pagedservev1;pagedservev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,5 +37,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\021dev.pagedserve.v1B\026GenerationServiceProtoP\001ZEgithub.com/pagedserve/pagedserve/clients/go/pagedservev1;pagedservev1'
   _globals['_GENERATIONSERVICE']._serialized_start=177
-  _globals['_GENERATIONSERVICE']._serialized_end=500
+  _globals['_GENERATIONSERVICE']._serialized_end=571
 # @@protoc_insertion_point(module_scope)

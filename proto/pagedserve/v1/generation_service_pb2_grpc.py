@@ -57,6 +57,11 @@ class GenerationServiceStub:
                 request_serializer=pagedserve_dot_v1_dot_embed__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_embed__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.Rerank = channel.unary_unary(
+                '/pagedserve.v1.GenerationService/Rerank',
+                request_serializer=pagedserve_dot_v1_dot_embed__pb2.RerankRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_embed__pb2.RerankResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -91,6 +96,14 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rerank(self, request, context):
+        """Documents ranked against a query by their embeddings' cosine similarity (an embedding model's server, as
+        Embed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +126,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=pagedserve_dot_v1_dot_embed__pb2.EmbedRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_embed__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Rerank': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rerank,
+                    request_deserializer=pagedserve_dot_v1_dot_embed__pb2.RerankRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_embed__pb2.RerankResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +241,33 @@ class GenerationService:
             '/pagedserve.v1.GenerationService/Embed',
             pagedserve_dot_v1_dot_embed__pb2.EmbedRequest.SerializeToString,
             pagedserve_dot_v1_dot_embed__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rerank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.GenerationService/Rerank',
+            pagedserve_dot_v1_dot_embed__pb2.RerankRequest.SerializeToString,
+            pagedserve_dot_v1_dot_embed__pb2.RerankResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,6 +9,7 @@
 //	{"op":"health","service":""}
 //	{"op":"list_adapters"} / {"op":"load_adapter","name":"a","path":"/dir/a"} / {"op":"unload_adapter","name":"a"}
 //	{"op":"embed","request":{...}} (an EmbedRequest: each input's vector and prompt tokens)
+//	{"op":"rerank","request":{...}} (a RerankRequest: the results' indices and scores, best first)
 package main
 
 import (
@@ -75,6 +76,8 @@ func handle(ctx context.Context, c *client.Client, cmd command) interface{} {
 		return map[string]interface{}{"error": errorOf(c.UnloadAdapter(ctx, cmd.Name))}
 	case "embed":
 		return embed(ctx, c, cmd)
+	case "rerank":
+		return rerank(ctx, c, cmd)
 	default:
 		return map[string]interface{}{"error": &errorJSON{Code: "CLIENT", Message: "unknown op " + cmd.Op}}
 	}

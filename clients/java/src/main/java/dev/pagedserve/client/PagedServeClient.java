@@ -12,6 +12,8 @@ import dev.pagedserve.v1.ListAdaptersResponse;
 import dev.pagedserve.v1.LoadAdapterRequest;
 import dev.pagedserve.v1.ModelInfoRequest;
 import dev.pagedserve.v1.ModelInfoResponse;
+import dev.pagedserve.v1.RerankRequest;
+import dev.pagedserve.v1.RerankResponse;
 import dev.pagedserve.v1.TokenizeRequest;
 import dev.pagedserve.v1.TokenizeResponse;
 import dev.pagedserve.v1.UnloadAdapterRequest;
@@ -122,6 +124,14 @@ public final class PagedServeClient implements AutoCloseable {
    */
   public EmbedResponse embed(EmbedRequest request) {
     return unary(() -> deadline(GenerationServiceGrpc::newBlockingStub).embed(request));
+  }
+
+  /**
+   * The documents' indices and scores, best first, by the cosine similarity of each document's embedding and the
+   * query's ({@code top_n} of them; 0: all), from an embedding model's server.
+   */
+  public RerankResponse rerank(RerankRequest request) {
+    return unary(() -> deadline(GenerationServiceGrpc::newBlockingStub).rerank(request));
   }
 
   /** The served model, its limits and live KV-cache / scheduler counts. */

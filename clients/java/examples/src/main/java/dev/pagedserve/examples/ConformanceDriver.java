@@ -15,6 +15,9 @@ import dev.pagedserve.v1.EmbedResponse;
 import dev.pagedserve.v1.Embedding;
 import dev.pagedserve.v1.GenerateRequest;
 import dev.pagedserve.v1.ListAdaptersResponse;
+import dev.pagedserve.v1.RerankRequest;
+import dev.pagedserve.v1.RerankResponse;
+import dev.pagedserve.v1.RerankResult;
 import java.io.BufferedReader;
 import java.io.File;
 import java.io.InputStreamReader;
@@ -73,6 +76,7 @@ public final class ConformanceDriver {
         case "health" -> health(client, cmd.has("service") ? cmd.get("service").getAsString() : "");
         case "list_adapters", "load_adapter", "unload_adapter" -> adapters(client, op, cmd);
         case "embed" -> embed(client, cmd);
+        case "rerank" -> rerank(client, cmd);
         default -> Map.of("error", error("CLIENT", "unknown op " + op, null));
       };
     } catch (InvalidProtocolBufferException e) {
@@ -125,6 +129,24 @@ public final class ConformanceDriver {
       EmbedResponse reply = client.embed(builder.build());
       out.put("embeddings", reply.getEmbeddingsList().stream().map(Embedding::getValuesList).toList());
       out.put("prompt_tokens", reply.getEmbeddingsList().stream().map(Embedding::getPromptTokens).toList());
+      out.put("error", null);
+    } catch (PagedServeException e) {
+      out.put("error", error(e));
+    }
+    return out;
+  }
+
+  /** Rerank: the results' indices and scores, best first. */
+  private static Map<String, Object> rerank(PagedServeClient client, JsonObject cmd)
+      throws InvalidProtocolBufferException {
+    RerankRequest.Builder builder = RerankRequest.newBuilder();
+    JsonFormat.parser().merge(cmd.get("request").toString(), builder);
+    Map<String, Object> out = new LinkedHashMap<>();
+    try {
+      RerankResponse reply = client.rerank(builder.build());
+      out.put("indices", reply.getResultsList().stream().map(RerankResult::getIndex).toList());
+      out.put("scores", reply.getResultsList().stream().map(RerankResult::getRelevanceScore).toList());
+      out.put("prompt_tokens", reply.getPromptTokens());
       out.put("error", null);
     } catch (PagedServeException e) {
       out.put("error", error(e));
