@@ -119,6 +119,18 @@ def hf_reference(default_model):
 
 
 @pytest.fixture(scope="session")
+def hf_vector(hf_reference):
+    """transformers' last-token final hidden state of a text (the vector an embedding server normalizes)."""
+    model, tok = hf_reference
+
+    def of(text: str) -> torch.Tensor:
+        with torch.no_grad():
+            return model.model(torch.tensor([tok.encode(text)])).last_hidden_state[0, -1]
+
+    return of
+
+
+@pytest.fixture(scope="session")
 def hf_gemma3():
     """Gemma 3 270M's GGUF file and transformers' fp32 model from it, loaded once (a ~30 s dequantization in
     Python): the oracle of the Gemma 3 end-to-end and loader tests."""

@@ -121,18 +121,6 @@ DOCUMENTS = ["Paris is the capital and largest city of France.", "The mitochondr
              "Berlin is the capital of Germany.", "France's capital, Paris, lies on the Seine."]
 
 
-@pytest.fixture(scope="module")
-def hf_vector(hf_reference):
-    """transformers' last-token final hidden state of a text."""
-    model, tok = hf_reference
-
-    def of(text: str) -> torch.Tensor:
-        with torch.no_grad():
-            return model.model(torch.tensor([tok.encode(text)])).last_hidden_state[0, -1]
-
-    return of
-
-
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
 

@@ -26,29 +26,17 @@ def embedder(default_model):
     return LLM(str(default_model.weights), dtype="float32", runner="pooling", max_num_batched_tokens=64, max_num_seqs=8)
 
 
-@pytest.fixture(scope="module")
-def vector(hf_reference):
-    """transformers' last-token final hidden state of a text (the vector before normalization)."""
-    model, tok = hf_reference
-
-    def of(text: str) -> torch.Tensor:
-        with torch.no_grad():
-            return model.model(torch.tensor([tok.encode(text)])).last_hidden_state[0, -1]
-
-    return of
-
-
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
 
 
-def test_scores_are_cosines_of_transformers_vectors(embedder, vector):
-    expected = [cosine(vector(QUERY), vector(d)) for d in DOCUMENTS]
+def test_scores_are_cosines_of_transformers_vectors(embedder, hf_vector):
+    expected = [cosine(hf_vector(QUERY), hf_vector(d)) for d in DOCUMENTS]
     one_to_n = embedder.score(QUERY, DOCUMENTS)
     assert max(abs(g - e) for g, e in zip(one_to_n, expected)) < TOLERANCE
     n_to_n = embedder.score([QUERY, DOCUMENTS[1], DOCUMENTS[2], QUERY], DOCUMENTS)
-    pair_expected = [expected[0], cosine(vector(DOCUMENTS[1]), vector(DOCUMENTS[1])),
-                     cosine(vector(DOCUMENTS[2]), vector(DOCUMENTS[2])), expected[3]]
+    pair_expected = [expected[0], cosine(hf_vector(DOCUMENTS[1]), hf_vector(DOCUMENTS[1])),
+                     cosine(hf_vector(DOCUMENTS[2]), hf_vector(DOCUMENTS[2])), expected[3]]
     assert max(abs(g - e) for g, e in zip(n_to_n, pair_expected)) < TOLERANCE
     assert abs(embedder.score(DOCUMENTS[2], DOCUMENTS[2])[0] - 1.0) < TOLERANCE
     assert ranked(one_to_n) == sorted(range(len(DOCUMENTS)), key=lambda i: -expected[i])
@@ -57,7 +45,7 @@ def test_scores_are_cosines_of_transformers_vectors(embedder, vector):
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
-def test_token_limits_cut_where_the_tokenizer_ends_token_n(embedder, hf_reference, vector):
+def test_token_limits_cut_where_the_tokenizer_ends_token_n(embedder, hf_reference, hf_vector):
     _, tok = hf_reference
     for text in TEXTS + DOCUMENTS:
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -76,7 +64,7 @@ def test_token_limits_cut_where_the_tokenizer_ends_token_n(embedder, hf_referenc
     cut_docs = [truncated_text(embedder.tokenizer, d, 4) for d in DOCUMENTS]
     assert cut_docs[0] == "Paris is the capital"
     got = embedder.score(QUERY, DOCUMENTS, max_tokens_per_doc=4, max_tokens_per_query=3)
-    expected = [cosine(vector(truncated_text(embedder.tokenizer, QUERY, 3)), vector(d)) for d in cut_docs]
+    expected = [cosine(hf_vector(truncated_text(embedder.tokenizer, QUERY, 3)), hf_vector(d)) for d in cut_docs]
     assert max(abs(g - e) for g, e in zip(got, expected)) < TOLERANCE
     assert truncated_text(embedder.tokenizer, QUERY, 0) == ""
 

@@ -36,17 +36,23 @@ class Embeddings:
         await answer(scope, receive, send, self._answer, self.api.serving.metrics.http_done)
 
     async def _answer(self, exchange: Exchange) -> None:
-        body = await exchange.json_body(self.api.max_body_bytes)
-        if not isinstance(body, dict):
-            raise HttpError(400, "the request body must be a JSON object", code="invalid_json")
-        adapter = self.api.check_model(body)
-        self.api.serving.state.check_admitting()
+        body, adapter = await admitted_body(self.api, exchange)
         requests = embedding_requests(body, adapter)
         reply_id = f"embd-{uuid.uuid4().hex}"
         origin = self.api.serving.telemetry.origin("openai", exchange.request_id or reply_id, exchange.scope["headers"])
         embedded = await exchange.until_disconnect(embed(self.api.serving, requests, reply_id, origin, _rename))
         self.api.serving.metrics.adapter_requests(adapter, len(embedded))
         await exchange.send_json(200, _reply(reply_id, adapter or self.api.model_name, embedded, _encoding(body)))
+
+
+async def admitted_body(api: GenerateApi, exchange: Exchange) -> tuple[dict[str, Any], str | None]:
+    """A pooling route's JSON object and the adapter its `model` names, once the server admits work."""
+    body = await exchange.json_body(api.max_body_bytes)
+    if not isinstance(body, dict):
+        raise HttpError(400, "the request body must be a JSON object", code="invalid_json")
+    adapter = api.check_model(body)
+    api.serving.state.check_admitting()
+    return body, adapter
 
 
 def embedding_requests(body: dict[str, Any], adapter: str | None) -> list[EmbeddingRequest]:

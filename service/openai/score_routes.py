@@ -20,9 +20,9 @@ from pagedserve.engine.admission import renamed
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.scoring import ScorePairs, check_top_n, ranked
 from pagedserve.service.core.scores import ScoreCall, Scored, score
+from pagedserve.service.openai.embedding_routes import admitted_body
 from pagedserve.service.openai.generate_routes import GenerateApi
 from pagedserve.service.openai.http_exchange import Exchange, answer
-from pagedserve.service.openai.openai_errors import HttpError
 from pagedserve.service.openai.openai_messages import flag
 from pagedserve.service.openai.openai_params import check_known
 
@@ -43,11 +43,7 @@ class Scoring:
         await answer(scope, receive, send, self._answer, self.api.serving.metrics.http_done)
 
     async def _answer(self, exchange: Exchange) -> None:
-        body = await exchange.json_body(self.api.max_body_bytes)
-        if not isinstance(body, dict):
-            raise HttpError(400, "the request body must be a JSON object", code="invalid_json")
-        adapter = self.api.check_model(body)
-        self.api.serving.state.check_admitting()
+        body, adapter = await admitted_body(self.api, exchange)
         call, rename = (rerank_call if self.rerank else score_call)(body, adapter)
         shape = RerankShape.of(body) if self.rerank else None
         reply_id = f"{'rerank' if self.rerank else 'score'}-{uuid.uuid4().hex}"
