@@ -4,9 +4,11 @@ per mode and round; rounds interleave the modes so a noisy host's drift hits the
 
     python benchmarks/gguf_prefill_engine.py --model FILE.gguf --rounds 2 --output results.jsonl
 
-Modes: `auto` (what serves now: packed kernels, per-call bf16 expansion from 64 rows where AMX is granted) and
-`auto-dense-copy` (each layer also holding its weights expanded at load in the compute dtype for prefill: what
-`auto` did on the AVX-512 tiers before, quant/gguf.py's many-row rule and the expansion switched off).
+Modes: `auto` (what serves now: packed kernels, per-call bf16 expansion where quant/gguf_prefill.py's host rule
+says: from 64 rows with AMX, from 256 rows for the K formats where this host timed it faster), `auto-packed-only`
+(the expansion switched off: the packed kernels at every row count) and `auto-dense-copy` (each layer also holding
+its weights expanded at load in the compute dtype for prefill: what `auto` did on the AVX-512 tiers before,
+quant/gguf.py's many-row rule and the expansion switched off).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("auto", "auto-dense-copy")
+MODES = ("auto", "auto-packed-only", "auto-dense-copy")
 
 
 def _rss() -> int:
@@ -39,6 +41,8 @@ def child(model: str, mode: str, lengths: list[int]) -> dict:
     if mode == "auto-dense-copy":
         gguf_method.MANY_ROW_GROUPED_ISAS = ("avx2_vnni", "avx2")
         gguf_prefill.MIN_ROWS = 1 << 62
+    elif mode == "auto-packed-only":
+        gguf_prefill.host_rule = lambda lib: None
     from pagedserve.engine import SamplingParams
     from pagedserve.engine.llm import LLM
 
@@ -63,7 +67,7 @@ def child(model: str, mode: str, lengths: list[int]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=["auto", "auto-dense-copy"], choices=MODES)
     parser.add_argument("--lengths", nargs="+", type=int, default=[512, 2048])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--conditions", default="noisy: other processes share the cores")

@@ -9,7 +9,7 @@ Kernels, on layer 0's matrices as the engine merges them (gate/up as one; q, k, 
           quant/gguf.py serves up to its packed row limit),
   dense   the dense companion `--gguf-weights dequantized` keeps: the matrix expanded at load in the tier's compute
           dtype (fp32 where the host has no 16-bit arithmetic, bf16 with --dense-dtype bfloat16), oneDNN-packed,
-  percall_rm (--per-call) what quant/gguf_prefill.py serves long chunks with where AMX is granted, nothing held:
+  percall_rm (--per-call) what quant/gguf_prefill.py serves long chunks with where its host rule says, nothing held:
           the matrix dequantized per call into a row-major bf16 scratch (packed_grouped_bf16.c), then F.linear,
   percall (--per-call) the same scratch in the grouped layout kernels/cpu/dense_gemm.c reads, then that GEMM,
   linear  (--per-call) the lean path before: packed_dequantize.c's row-at-a-time bf16 rows, then F.linear.

@@ -11,9 +11,10 @@ kernel for the format, the matrix is first rewritten in place into groups of 16 
 reads 2-6x faster (kernels/cpu/packed_grouped.c: Q4_0/Q4_1/Q8_0; packed_grouped_wide.c: Q5_0 and the K formats).
 More rows (prefill, large decode batches): where the interleaved kernel's build has a many-row form
 (`MANY_ROW_GROUPED_ISAS`: the int16 builds, every tier with AVX2; kernels/cpu/packed_grouped_panel.c) the
-packed kernel serves every row count and the layer holds nothing else. On hosts that grant AMX tiles, bf16 calls of
-`gguf_prefill.MIN_ROWS` rows or more (long prefill chunks) instead expand the matrix per call into a bf16 scratch
-for torch's AMX GEMM (quant/gguf_prefill.py): faster there than the int16 dots, and not held. Elsewhere (the
+packed kernel serves every row count and the layer holds nothing else. Where torch's bf16 GEMM outruns it (AMX
+tiles: every format from `gguf_prefill.MIN_ROWS` rows; without AMX, the K formats from 256 rows where the process
+timed it faster, as on Zen 5), long bf16 prefill chunks instead expand the matrix per call into a bf16 scratch
+for that GEMM (quant/gguf_prefill.py): faster there than the int16 dots, and not held. Elsewhere (the
 portable build, a matrix left in the file's layout) with `dense_batches` (the default, `--gguf-weights
 auto`) each such layer also holds its weights expanded once at load in the compute dtype (oneDNN-packed); without it
 (`--gguf-weights packed`) the matrix is dequantized per call. `--gguf-weights dequantized` expands the whole model

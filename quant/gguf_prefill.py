@@ -1,26 +1,50 @@
-"""Long prefill chunks through a GGUF layer that holds nothing but its blocks, on hosts with AMX tiles: the matrix
-dequantized per call into a bf16 scratch (kernels/cpu/packed_grouped_bf16.c), then torch's bf16 GEMM (oneDNN, AMX).
+"""Long prefill chunks through a GGUF layer that holds nothing but its blocks, where torch's bf16 GEMM outruns the
+packed kernels: the matrix dequantized per call into a bf16 scratch (kernels/cpu/packed_grouped_bf16.c), then
+torch's bf16 GEMM (oneDNN: AMX tiles, or AVX512-BF16 on a core with full-width 512-bit units).
 
 Why: on the AVX-512 tiers the packed many-row kernel (kernels/cpu/packed_grouped_panel16.h) runs at the int16 pair
 dots' rate, ~150-220 GFLOP/s per core on a Sapphire Rapids core; AMX tiles multiply bf16 at 400-1100 from a few
 dozen rows on, and dequantizing a matrix from its interleaved tiles costs ~3-7 G weights/s per core, so from
 `MIN_ROWS` rows on the per-call expansion wins (benchmarks/packed_prefill.py --per-call: docs/quantization.md).
-Without AMX (Zen 4, VMs that refuse tile state) oneDNN's AVX512-BF16 GEMM ran below the packed kernel, which then
-serves every row count. The scratch is a temporary of at most `SLAB_BYTES` (a larger matrix, an LM head, goes in
+Without AMX the answer depends on the core, not on its flags: on Zen 4 (512-bit ops in two 256-bit halves) oneDNN's
+AVX512-BF16 GEMM ran below every packed kernel; on Zen 5 it ran 1.4-2.5x the K formats' 16-lane panel kernel from
+256 rows on (the slowest packed kernel), and about level with the 4/8-bit tiles' kernel. So without AMX a process
+times the two once, on a Q4_K matrix of a 1B model's width at 256 rows (`measured_rule`), and expands only the K
+formats, only from `NO_AMX_MIN_ROWS` rows, only where the expansion was `MARGIN` times faster (logged either way). The scratch is a temporary of at most `SLAB_BYTES` (a larger matrix, an LM head, goes in
 slabs): the heap reuses it from call to call (engine/host/allocator.py), and no layer keeps an expanded copy.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.cpu.packed import GROUP_ROWS, PackedMatrix, grouped_bf16_available
+from pagedserve.kernels.cpu.packed import FORMATS, GROUP_ROWS, PackedMatrix, grouped_bf16_available
 
-MIN_ROWS = 64  # rows from which the per-call expansion beat the packed kernel on the 1B and SmolLM2 shapes
+MIN_ROWS = 64  # with AMX: rows from which the per-call expansion beat the packed kernel on the 1B and SmolLM2 shapes
+NO_AMX_MIN_ROWS = 256  # without: at 128 rows the Q6_K matrices gained 1.1x at best, from 256 on 1.4x and more
+NO_AMX_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})  # the panel kernel's formats; the 4/8-bit tiles' kept up
+MARGIN = 1.25  # how much faster the expansion must time, so that timing noise does not flip a host's path
 SLAB_BYTES = 64 << 20  # most bf16 scratch per GEMM: a 1B model's gate_up whole, an LM head in slabs
+log = logging.getLogger("pagedserve.quant")
+
+
+@dataclass(frozen=True, slots=True)
+class ExpansionRule:
+    """Which calls expand per call: `min_rows` rows or more of a format in `qtypes` (None: every format)."""
+
+    min_rows: int
+    qtypes: frozenset[str] | None = None
+
+    def covers(self, qtype: str, rows: int) -> bool:
+        return rows >= self.min_rows and (self.qtypes is None or qtype in self.qtypes)
 
 
 @functools.cache
@@ -34,11 +58,51 @@ def _amx_granted() -> bool:
         return False
 
 
+@functools.cache
+def host_rule(lib: ctypes.CDLL) -> ExpansionRule | None:
+    """This process's rule for `lib` (an AVX512-BF16 build): every format from MIN_ROWS with AMX, else what
+    `measured_rule` finds."""
+    return ExpansionRule(MIN_ROWS) if _amx_granted() else measured_rule(lib)
+
+
 def takes(packed: PackedMatrix, rows: int, dtype: torch.dtype) -> bool:
     """Whether a call of `rows` rows in `dtype` goes through `dequantized_linear`: bf16 compute, a grouped matrix,
-    an AVX512-BF16 build of the packed library and AMX tiles granted to this process."""
-    return (rows >= MIN_ROWS and dtype == torch.bfloat16 and bool(packed.row_group)
-            and grouped_bf16_available(packed.lib) and _amx_granted())
+    an AVX512-BF16 build of the packed library, and this host's rule covering the call."""
+    if rows < MIN_ROWS or dtype != torch.bfloat16 or not packed.row_group or not grouped_bf16_available(packed.lib):
+        return False
+    rule = host_rule(packed.lib)
+    return rule is not None and rule.covers(packed.qtype, rows)
+
+
+def measured_rule(lib: ctypes.CDLL, rows: int = NO_AMX_MIN_ROWS, width: int = 2048) -> ExpansionRule | None:
+    """Times the packed kernel and the per-call expansion on a `width` x `width` Q4_K matrix at `rows` rows, taking
+    turns, best of 3 (~0.1 s once per process); the K formats expand from NO_AMX_MIN_ROWS rows where the expansion
+    was MARGIN times faster."""
+    matrix = _timing_matrix(lib, width)
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    packed_s = expanded_s = float("inf")
+    for _ in range(3):
+        packed_s = min(packed_s, _seconds(lambda: matrix.matmul(x.float())))
+        expanded_s = min(expanded_s, _seconds(lambda: dequantized_linear(matrix, x)))
+    pays = packed_s >= MARGIN * expanded_s
+    log.info("GGUF prefill: a %d x %d Q4_K matrix at %d rows took %.1f ms packed, %.1f ms expanded per call in bf16: "
+             "%s", width, width, rows, packed_s * 1e3, expanded_s * 1e3,
+             f"K formats expand from {NO_AMX_MIN_ROWS} rows" if pays else "every format stays packed")
+    return ExpansionRule(NO_AMX_MIN_ROWS, NO_AMX_TYPES) if pays else None
+
+
+def _timing_matrix(lib: ctypes.CDLL, width: int) -> PackedMatrix:
+    """Q4_K blocks whose every byte lies in 0x20-0x3f, so any two of them read as a normal positive fp16 scale."""
+    _, per, size = FORMATS["Q4_K"]
+    blocks = torch.randint(0x20, 0x40, (width, width // per * size), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(0))
+    return PackedMatrix("Q4_K", blocks, width, lib=lib).grouped()
+
+
+def _seconds(call: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
 def dequantized_linear(packed: PackedMatrix, x: torch.Tensor) -> torch.Tensor:

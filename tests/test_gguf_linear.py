@@ -103,16 +103,16 @@ def test_the_ps_linear_fn_pointer_computes_the_same_product(out, qtype):
     torch.testing.assert_close(method.apply(layer, big), expected, atol=1e-4, rtol=1e-4)
 
 
-def test_long_chunks_are_dequantized_per_call_where_amx_is_granted(monkeypatch):
-    """quant/gguf_prefill.py: from MIN_ROWS bf16 rows, where the packed build has the bf16 scratch and AMX tiles are
-    granted, a layer multiplies a per-call bf16 expansion of its blocks (whole or in slabs) with torch's GEMM: the
-    dequantized layer's product, and nothing held; fewer rows or fp32 compute stay on the packed kernel."""
+def test_long_chunks_are_dequantized_per_call_where_the_host_rule_says(monkeypatch):
+    """quant/gguf_prefill.py: from the host rule's rows (AMX's MIN_ROWS here, forced so that every AVX512-BF16 host
+    runs it), where the packed build has the bf16 scratch, a layer multiplies a per-call bf16 expansion of its
+    blocks (whole or in slabs) with torch's GEMM: the dequantized layer's product, and nothing held; fewer rows or
+    fp32 compute stay on the packed kernel."""
     from pagedserve.quant import gguf_prefill
 
-    lib = cpu_packed.build()
-    if not gguf_prefill.takes(cpu_packed.PackedMatrix("Q4_K", torch.zeros(16, 144, dtype=torch.uint8), 256,
-                                                      lib=lib, row_group=cpu_packed.GROUP_ROWS), 64, torch.bfloat16):
-        pytest.skip(f"no AMX tiles or no AVX512-BF16 build here ({isa.host_tier()})")
+    if not cpu_packed.grouped_bf16_available(cpu_packed.build()):
+        pytest.skip(f"no AVX512-BF16 build here ({isa.host_tier()})")
+    monkeypatch.setattr(gguf_prefill, "host_rule", lambda lib: gguf_prefill.ExpansionRule(gguf_prefill.MIN_ROWS))
     rng = np.random.default_rng(12)
     stored = blocks_for("Q6_K", 96, 512, rng)
     method = GgufLinearMethod("Q6_K", dense_batches=True)
@@ -129,3 +129,28 @@ def test_long_chunks_are_dequantized_per_call_where_amx_is_granted(monkeypatch):
     few = x[:gguf_prefill.MIN_ROWS - 1]
     assert torch.equal(method.apply(layer, few), layer.packed.matmul(few.float()).to(torch.bfloat16))
     assert torch.equal(method.apply(layer, x.float()), layer.packed.matmul(x.float()))  # fp32 compute: packed
+
+
+def test_without_amx_the_k_formats_expand_only_where_the_expansion_timed_faster(monkeypatch):
+    """quant/gguf_prefill.measured_rule: the K formats expand from NO_AMX_MIN_ROWS rows where the per-call expansion
+    timed MARGIN times faster than the packed kernel (best of 3 each), else nothing expands; the host's own timing
+    gives one of those two answers."""
+    from pagedserve.quant import gguf_prefill
+
+    lib = cpu_packed.build()
+    if not cpu_packed.grouped_bf16_available(lib):
+        pytest.skip(f"no AVX512-BF16 build here ({isa.host_tier()})")
+    expanded = gguf_prefill.ExpansionRule(gguf_prefill.NO_AMX_MIN_ROWS, gguf_prefill.NO_AMX_TYPES)
+    assert gguf_prefill.measured_rule(lib, width=512) in (expanded, None)
+    assert expanded.covers("Q6_K", 256) and not expanded.covers("Q6_K", 255) and not expanded.covers("Q4_0", 4096)
+    for packed_s, expanded_s, rule in ((1.0, 0.79, expanded), (1.0, 0.81, None)):
+        times = iter([packed_s, expanded_s] * 3)
+        monkeypatch.setattr(gguf_prefill, "_seconds", lambda call: (call(), next(times))[1])
+        assert gguf_prefill.measured_rule(lib, rows=16, width=256) == rule
+    monkeypatch.setattr(gguf_prefill, "host_rule", lambda lib: expanded)
+    matrix = cpu_packed.PackedMatrix("Q6_K", torch.zeros(16, 210, dtype=torch.uint8), 256, lib=lib,
+                                     row_group=cpu_packed.GROUP_ROWS)
+    assert gguf_prefill.takes(matrix, 256, torch.bfloat16) and not gguf_prefill.takes(matrix, 255, torch.bfloat16)
+    q4_0 = cpu_packed.PackedMatrix("Q4_0", torch.zeros(16, 18, dtype=torch.uint8), 32, lib=lib,
+                                   row_group=cpu_packed.GROUP_ROWS)
+    assert not gguf_prefill.takes(q4_0, 4096, torch.bfloat16)
