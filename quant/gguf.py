@@ -74,6 +74,7 @@ class GgufLinearMethod(LinearMethod):
         layer.packed = _grouped_where_faster(
             PackedMatrix(self.qtype, layer.weight.data, layer.in_features, bias, row_group=row_group(layer.weight)),
             layer.weight)
+        gguf_prefill.settle(layer.packed, layer.compute_dtype)  # its one timing at load, not in a first request
         # Kept out of the module tree (not a submodule): a second copy for many rows, never a checkpoint slot.
         layer.__dict__["dense_copy"] = _dense_companion(layer) if self.dense_batches and not serves_every_row_count(
             layer.packed) else None

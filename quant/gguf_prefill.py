@@ -6,8 +6,8 @@ Why: on the AVX-512 tiers the packed many-row kernel (kernels/cpu/packed_grouped
 dots' rate, ~150-220 GFLOP/s per core on a Sapphire Rapids core; AMX tiles multiply bf16 at 400-1100 from a few
 dozen rows on, and dequantizing a matrix from its interleaved tiles costs ~3-7 G weights/s per core, so from
 `MIN_ROWS` rows on the per-call expansion wins (benchmarks/packed_prefill.py --per-call: docs/quantization.md).
-Without AMX the answer depends on the core, not on its flags: on Zen 4 (512-bit ops in two 256-bit halves) oneDNN's
-AVX512-BF16 GEMM ran below every packed kernel; on Zen 5 it ran 1.4-2.5x the K formats' 16-lane panel kernel from
+Without AMX the answer depends on the core, not on its flags: on Sapphire Rapids with oneDNN capped at AVX512-BF16
+its bf16 GEMM ran below every packed kernel; on Zen 5 it ran 1.4-2.5x the K formats' 16-lane panel kernel from
 256 rows on (the slowest packed kernel), and about level with the 4/8-bit tiles' kernel. So without AMX a process
 times the two once, on a Q4_K matrix of a 1B model's width at 256 rows (`measured_rule`), and expands only the K
 formats, only from `NO_AMX_MIN_ROWS` rows, only where the expansion was `MARGIN` times faster (logged either way). The scratch is a temporary of at most `SLAB_BYTES` (a larger matrix, an LM head, goes in
@@ -63,6 +63,11 @@ def host_rule(lib: ctypes.CDLL) -> ExpansionRule | None:
     """This process's rule for `lib` (an AVX512-BF16 build): every format from MIN_ROWS with AMX, else what
     `measured_rule` finds."""
     return ExpansionRule(MIN_ROWS) if _amx_granted() else measured_rule(lib)
+
+
+def settle(packed: PackedMatrix, dtype: torch.dtype) -> None:
+    """Decides the host rule now, if a call of `packed` in `dtype` could ever ask for it (once per process)."""
+    takes(packed, NO_AMX_MIN_ROWS, dtype)
 
 
 def takes(packed: PackedMatrix, rows: int, dtype: torch.dtype) -> bool:

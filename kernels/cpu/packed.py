@@ -79,9 +79,9 @@ FAST_GROUPED_ISAS = ("avx512_vnni", "avx512", "avx2_vnni", "avx2")
 INT16_GROUPED_ISAS = FAST_GROUPED_ISAS
 # The builds whose interleaved-rows kernels have a many-row form (packed_grouped_panel.c, every format, from 8 rows
 # on; 16 lanes in packed_grouped_panel16.h): codes widened once per 32-input run for all rows, so prefill runs at the
-# pair dots' rate, at least that of an fp32 FMA GEMM on the AVX2 tiers and of oneDNN's AVX512-BF16 one on Zen 4
-# (docs/quantization.md). With AMX (and for the K formats on cores where oneDNN's AVX512-BF16 GEMM timed faster, as
-# on Zen 5), long bf16 chunks go to quant/gguf_prefill.py instead.
+# pair dots' rate, at least that of an fp32 FMA GEMM on the AVX2 tiers and of oneDNN's AVX512-BF16 one on Sapphire
+# Rapids without AMX (docs/quantization.md). With AMX (and for the K formats on cores where oneDNN's AVX512-BF16
+# GEMM timed faster, as on Zen 5), long bf16 chunks go to quant/gguf_prefill.py instead.
 MANY_ROW_GROUPED_ISAS = FAST_GROUPED_ISAS
 
 
