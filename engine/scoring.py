@@ -80,9 +80,7 @@ def ranked(scores: Sequence[float], top_n: int = 0) -> list[int]:
 
 
 def check_top_n(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidRequestError("top_n", f"must be a non-negative integer, got {value!r}")
-    return value
+    return _non_negative(value, "top_n")
 
 
 def truncated_text(tokenizer: OffsetTokenizer, text: str, max_tokens: int) -> str:
@@ -101,10 +99,15 @@ def truncated_text(tokenizer: OffsetTokenizer, text: str, max_tokens: int) -> st
 
 def check_token_limit(value: object, field: str, max_model_len: int | None) -> int:
     """max_tokens_per_query / max_tokens_per_doc: 0 (no cut) or a count below the context length."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidRequestError(field, f"must be a non-negative integer, got {value!r}")
+    value = _non_negative(value, field)
     if max_model_len is not None and value >= max_model_len:
         raise InvalidRequestError(field, f"{value} must be less than the context length ({max_model_len})")
+    return value
+
+
+def _non_negative(value: object, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequestError(field, f"must be a non-negative integer, got {value!r}")
     return value
 
 

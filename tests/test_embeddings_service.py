@@ -208,6 +208,9 @@ def test_v1_rerank(embed_server, scores):
             with pytest.raises(ClientError) as info:
                 client.rerank(**{"query": QUERY, "documents": DOCUMENTS, **kwargs})
             assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and field in str(info.value), kwargs
+        with pytest.raises(ClientError) as info:  # the request's own field, not HTTP's `model`
+            client.rerank(QUERY, DOCUMENTS, adapter="nope")
+        assert info.value.code == grpc.StatusCode.NOT_FOUND and info.value.field == "adapter"
 
 
 @pytest.mark.skipif(bool(_missing), reason=f"Go/Java toolchains absent ({', '.join(_missing)})")

@@ -16,7 +16,7 @@ from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.embeddings import MAX_INPUTS, embed
 from pagedserve.service.core.telemetry import RequestOrigin
 
-_CALL_FIELDS = ("truncate_prompt_tokens", "priority")
+_CALL_FIELDS = ("truncate_prompt_tokens", "priority", "adapter")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +57,7 @@ async def score(serving: ServingContext, call: ScoreCall, base_id: str, origin: 
     def text_field(index: int, field: str) -> str:
         if field.split("[")[0] in _CALL_FIELDS:
             return rename(field)
-        return rename("model" if field == "adapter" else pairs.field(index))
+        return rename(pairs.field(index))
 
     embedded = await embed(serving, requests, base_id, origin, text_field)
     return Scored(tuple(pairs.scores([e.vector for e in embedded])), pairs.documents,

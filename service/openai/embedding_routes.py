@@ -62,15 +62,21 @@ def embedding_requests(body: dict[str, Any], adapter: str | None) -> list[Embedd
         raise InvalidRequestError("encoding_format", f"must be float or base64, got {body['encoding_format']!r}")
     dims, normalize = body.get("dimensions"), body.get("normalize")
     pooling = PoolingParams(normalize=normalize, dimensions=dims)
-    truncate = body.get("truncate_prompt_tokens")
-    if truncate is not None and (not isinstance(truncate, int) or isinstance(truncate, bool)):
-        raise InvalidRequestError("truncate_prompt_tokens", f"must be an integer, got {truncate!r}")
+    truncate = truncate_prompt_tokens(body)
     add_special = flag(body, "add_special_tokens", True)
     priority = body.get("priority", 0)
     check_known(body, _KNOWN)
     prompts = [TextPrompt(item, add_special) if isinstance(item, str) else TokensPrompt(tuple(item))
                for item in inputs]
     return [EmbeddingRequest(p, pooling, truncate, adapter=adapter, priority=priority) for p in prompts]
+
+
+def truncate_prompt_tokens(body: dict[str, Any]) -> int | None:
+    """vLLM's `truncate_prompt_tokens`: an integer or absent (its range is the admission's check)."""
+    truncate = body.get("truncate_prompt_tokens")
+    if truncate is not None and (not isinstance(truncate, int) or isinstance(truncate, bool)):
+        raise InvalidRequestError("truncate_prompt_tokens", f"must be an integer, got {truncate!r}")
+    return truncate
 
 
 def _encoding(body: dict[str, Any]) -> Any:

@@ -20,7 +20,7 @@ from pagedserve.engine.admission import renamed
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.scoring import ScorePairs, check_top_n, ranked
 from pagedserve.service.core.scores import ScoreCall, Scored, score
-from pagedserve.service.openai.embedding_routes import admitted_body
+from pagedserve.service.openai.embedding_routes import admitted_body, truncate_prompt_tokens
 from pagedserve.service.openai.generate_routes import GenerateApi
 from pagedserve.service.openai.http_exchange import Exchange, answer
 from pagedserve.service.openai.openai_messages import flag
@@ -74,7 +74,7 @@ def score_call(body: dict[str, Any], adapter: str | None) -> tuple[ScoreCall, Ca
         raise InvalidRequestError("queries", "send `queries` and `documents` (or text_1 and text_2, data_1 and "
                                   "data_2, queries and items)")
     check_known(body, _SCORE_KNOWN)
-    rename = _renamer({"queries": names[0], "documents": names[1]})
+    rename = _renamer({"queries": names[0], "documents": names[1], "adapter": "model"})
     return _call(body, adapter, _texts(body[names[0]], names[0]), _texts(body[names[1]], names[1]), rename), rename
 
 
@@ -86,15 +86,13 @@ def rerank_call(body: dict[str, Any], adapter: str | None) -> tuple[ScoreCall, C
     if "documents" not in body:
         raise InvalidRequestError("documents", "send the documents to rank: a text or a list of texts")
     check_known(body, _RERANK_KNOWN)
-    rename = _renamer({"queries": "query", "documents": "documents"})
+    rename = _renamer({"queries": "query", "documents": "documents", "adapter": "model"})
     return _call(body, adapter, (query,), _texts(body["documents"], "documents"), rename), rename
 
 
 def _call(body: dict[str, Any], adapter: str | None, queries: tuple[str, ...], documents: tuple[str, ...],
           rename: Callable[[str], str]) -> ScoreCall:
-    truncate = body.get("truncate_prompt_tokens")
-    if truncate is not None and (not isinstance(truncate, int) or isinstance(truncate, bool)):
-        raise InvalidRequestError("truncate_prompt_tokens", f"must be an integer, got {truncate!r}")
+    truncate = truncate_prompt_tokens(body)
     with renamed(rename):
         return ScoreCall(ScorePairs(queries, documents), body.get("max_tokens_per_query", 0),
                          body.get("max_tokens_per_doc", 0), truncate, adapter, body.get("priority", 0))
@@ -114,7 +112,7 @@ def _texts(value: Any, field: str) -> tuple[str, ...]:
 
 
 def _renamer(names: dict[str, str]) -> Callable[[str], str]:
-    """`queries[2]` -> `text_1[2]`; the one query of a rerank is `query`, without an index."""
+    """`queries[2]` -> `text_1[2]`, `adapter` -> `model`; the one query of a rerank is `query`, without an index."""
 
     def rename(field: str) -> str:
         head, bracket, rest = field.partition("[")
