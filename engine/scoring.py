@@ -18,8 +18,8 @@ from pagedserve.engine.errors import InvalidRequestError
 
 
 class OffsetTokenizer(Protocol):  # what truncation reads of engine.loading.tokenizer.Tokenizer
-    def encode_with_offsets(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
-        ...
+    def encode_with_offsets(self, text: str,
+                            add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]: ...
 
 
 @dataclass(frozen=True, slots=True)

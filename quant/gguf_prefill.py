@@ -10,8 +10,9 @@ Without AMX the answer depends on the core, not on its flags: on Sapphire Rapids
 its bf16 GEMM ran below every packed kernel; on Zen 5 it ran 1.4-2.5x the K formats' 16-lane panel kernel from
 256 rows on (the slowest packed kernel), and about level with the 4/8-bit tiles' kernel. So without AMX a process
 times the two once, on a Q4_K matrix of a 1B model's width at 256 rows (`measured_rule`), and expands only the K
-formats, only from `NO_AMX_MIN_ROWS` rows, only where the expansion was `MARGIN` times faster (logged either way). The scratch is a temporary of at most `SLAB_BYTES` (a larger matrix, an LM head, goes in
-slabs): the heap reuses it from call to call (engine/host/allocator.py), and no layer keeps an expanded copy.
+formats, only from `NO_AMX_MIN_ROWS` rows, only where the expansion was `MARGIN` times faster (logged either way).
+The scratch is a temporary of at most `SLAB_BYTES` (a larger matrix, an LM head, goes in slabs): the heap reuses it
+from call to call (engine/host/allocator.py), and no layer keeps an expanded copy.
 """
 
 from __future__ import annotations

@@ -265,7 +265,8 @@ def test_smg_routes_embeddings_to_the_embedding_server(embed_server, references,
 def test_a_generation_server_refuses_embeddings(shared_server):  # noqa: F811
     status, body = post(shared_server.http_port, "/v1/embeddings", {"model": MODEL, "input": "Hi"})
     assert status == 400 and "--runner pooling" in body["error"]["message"]
-    for path, body in (("/score", {"queries": "q", "documents": ["d"]}), ("/rerank", {"query": "q", "documents": ["d"]})):
+    for path, body in (("/score", {"queries": "q", "documents": ["d"]}),
+                       ("/rerank", {"query": "q", "documents": ["d"]})):
         status, reply = post(shared_server.http_port, path, {"model": MODEL, **body})
         assert status == 400 and "--runner pooling" in reply["error"]["message"], (path, reply)
     with grpc.insecure_channel(shared_server.target) as channel:

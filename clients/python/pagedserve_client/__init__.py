@@ -24,6 +24,6 @@ __all__ = [
     "Adapter", "AdapterList",
     "AsyncClient", "AsyncGenerationStream", "Choice", "Client", "ClientError", "Completion", "Constraint", "Delta",
     "Embedding", "Final", "FinishReason", "GenerateOptions", "GenerationStream", "Grammar", "JsonObject", "JsonSchema",
-    "Message", "Ranked", "Regex", "Started", "StructuralTag", "Timing", "TokenLogprob", "Tokenization", "TlsOptions", "Usage",
-    "build_request",
+    "Message", "Ranked", "Regex", "Started", "StructuralTag", "Timing", "TokenLogprob", "Tokenization", "TlsOptions",
+    "Usage", "build_request",
 ]
