@@ -15,7 +15,8 @@ else v1 cpu.cfs_quota_us) allowed CPUS per 100 ms period, as a container CPU lim
 in the output. `--threads 0` then takes the engine's own count, which follows the quota (engine/host/cpu_threads.py).
 
 GOVERNED: OMP_WAIT_POLICY unset (libgomp spins a while, then sleeps) with the engine's thread governor, which needs
-the engine to choose its own thread count: pair it with `--threads 0`.
+the engine to choose its own thread count: pair it with `--threads 0`. SPIN<N>: the policy unset and
+GOMP_SPINCOUNT=N (poll N times, then sleep; what `pagedserve serve` sets under a quota), also governed.
 """
 
 from __future__ import annotations
@@ -127,6 +128,12 @@ def _pressure(args: argparse.Namespace, contended: bool):
             group.remove()
 
 
+def wait_setting(text: str) -> str:
+    if text in ("ACTIVE", "PASSIVE", "GOVERNED") or (text.startswith("SPIN") and text[4:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown wait {text!r}; supported: ACTIVE, PASSIVE, GOVERNED, SPIN<N>")
+
+
 def run_once(args: argparse.Namespace, threads: int, wait: str, contended: bool) -> dict:
     throttling = None
     with _pressure(args, contended) as (preexec, group):
@@ -135,8 +142,10 @@ def run_once(args: argparse.Namespace, threads: int, wait: str, contended: bool)
                    "--repeats", str(args.repeats), "--no-roofline", "--num-requests", str(args.num_requests),
                    "--prompt-len", *map(str, args.prompt_len), "--output-len", *map(str, args.output_len),
                    "--dtype", args.dtype, "--out", out.name]
-            env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-            if wait != "GOVERNED":
+            env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+            if wait.startswith("SPIN"):
+                env["GOMP_SPINCOUNT"] = wait[4:]
+            elif wait != "GOVERNED":
                 env["OMP_WAIT_POLICY"] = wait
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env, preexec_fn=preexec)
             median = json.loads(Path(out.name).read_text())["results"][args.dtype]["median"]["pagedserve"]
@@ -151,7 +160,8 @@ def run_once(args: argparse.Namespace, threads: int, wait: str, contended: bool)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, nargs="+", default=[2, 1])
-    parser.add_argument("--waits", nargs="+", default=["ACTIVE", "PASSIVE"], choices=["ACTIVE", "PASSIVE", "GOVERNED"])
+    parser.add_argument("--waits", nargs="+", default=["ACTIVE", "PASSIVE"], type=wait_setting,
+                        help="ACTIVE, PASSIVE, GOVERNED or SPIN<N> (GOMP_SPINCOUNT=N, the policy unset)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--num-requests", type=int, default=32)

@@ -73,9 +73,31 @@ def test_thread_count(requested, budget, current, expected):
     assert apply_thread_budget(requested, budget, current) == expected
 
 
-def _entry_probe(env_policy: str | None) -> str:
+def _quota_cgroup(cpus: float) -> Path | None:
+    """A fresh cgroup with a CFS quota of `cpus` (v2 cpu.max, else v1), or None where this process may not make one."""
+    from pagedserve.engine.host.cpu_threads import CGROUP_ROOT
+
+    controllers = CGROUP_ROOT / "cgroup.controllers"
+    v2 = controllers.exists() and "cpu" in controllers.read_text().split()
+    path = (CGROUP_ROOT if v2 else CGROUP_ROOT / "cpu") / f"pagedserve-test-quota-{os.getpid()}"
+    try:
+        path.mkdir()
+        quota = str(round(cpus * 100_000))
+        if v2:
+            (path / "cpu.max").write_text(f"{quota} 100000")
+        else:
+            (path / "cpu.cfs_period_us").write_text("100000")
+            (path / "cpu.cfs_quota_us").write_text(quota)
+    except OSError:
+        if path.exists():
+            path.rmdir()
+        return None
+    return path
+
+
+def _entry_probe(user_env: dict[str, str], cgroup: Path | None = None) -> str:
     """Runs the console script's entry in a fresh interpreter (with --help, so it exits after parsing) and reports
-    the wait policy the process ended with and whether torch was loaded before the entry module set it."""
+    the OpenMP wait variables the process ended with and whether torch was loaded before the entry set them."""
     import os
     import subprocess
     import sys
@@ -84,32 +106,63 @@ def _entry_probe(env_policy: str | None) -> str:
         "import atexit, os, sys\n"
         "import pagedserve.service.entry as entry\n"
         "torch_first = 'torch' in sys.modules\n"
-        "atexit.register(lambda: print('POLICY', os.environ.get('OMP_WAIT_POLICY'),\n"
-        "                              'torch-loaded-first' if torch_first else 'policy-first'))\n"
+        "atexit.register(lambda: print('WAIT', os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'),\n"
+        "                              'torch-loaded-first' if torch_first else 'wait-first'))\n"
         "sys.argv = ['pagedserve', '--help']\n"
         "entry.main()\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if env_policy is not None:
-        env["OMP_WAIT_POLICY"] = env_policy
-    out = subprocess.run([sys.executable, "-P", "-c", probe], env=env, capture_output=True, text=True, timeout=120)
-    return [line for line in out.stdout.splitlines() if line.startswith("POLICY")][0]
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(user_env)
+    enter = (lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid()))) if cgroup else None
+    out = subprocess.run([sys.executable, "-P", "-c", probe], env=env, capture_output=True, text=True, timeout=120,
+                         preexec_fn=enter)
+    return [line for line in out.stdout.splitlines() if line.startswith("WAIT")][0]
 
 
-def test_console_script_sets_the_default_policy_before_torch_loads():
-    """libgomp reads the policy when torch loads: the default must be in place before any torch import."""
+def test_console_script_sets_the_default_wait_before_torch_loads():
+    """libgomp reads the wait variables when torch loads: the default must be in place before any torch import."""
     from pagedserve.engine.host.cpu_threads import cpu_budget
-    from pagedserve.service.entry import default_wait_policy
+    from pagedserve.service.entry import default_openmp_env
 
-    assert _entry_probe(None) == f"POLICY {default_wait_policy(cpu_budget())} policy-first"
+    spins = default_openmp_env(cpu_budget(), {}).get("GOMP_SPINCOUNT")
+    assert _entry_probe({}) == f"WAIT None {spins} wait-first"
 
 
-def test_default_policy_is_passive_only_under_a_cpu_quota():
-    from pagedserve.service.entry import default_wait_policy
+def test_a_quota_bounds_the_spin_and_nothing_else_is_set():
+    """Under a quota the threads poll briefly and then sleep (a bounded spin count, the policy left unset): a native
+    decode step's regions are microseconds apart, and PASSIVE's wake-up per region cost 4x at one stream."""
+    from pagedserve.kernels.cpu.native import pool_sleeps, spin_count
+    from pagedserve.service.entry import QUOTA_SPIN_COUNT, default_openmp_env
 
-    assert default_wait_policy(CpuBudget(affinity=8, quota=2.0)) == "PASSIVE"
-    assert default_wait_policy(CpuBudget(affinity=8, quota=None)) is None
+    under_quota = default_openmp_env(CpuBudget(affinity=8, quota=2.0), {})
+    assert under_quota == {"GOMP_SPINCOUNT": str(QUOTA_SPIN_COUNT)}
+    assert spin_count(under_quota) == QUOTA_SPIN_COUNT and not pool_sleeps(under_quota)
+    assert spin_count(under_quota) < spin_count({})  # shorter than libgomp's own default
+    assert default_openmp_env(CpuBudget(affinity=8, quota=None), {}) == {}
+
+
+def test_console_script_under_a_real_cpu_quota_sets_the_bounded_spin():
+    """The entry reads the quota of the cgroup it really runs in (a container's CPU limit), not a fixture's."""
+    from pagedserve.service.entry import QUOTA_SPIN_COUNT
+
+    cgroup = _quota_cgroup(1.5)
+    if cgroup is None:
+        pytest.skip("no writable cgroup cpu controller (needs root) to run the entry under a quota")
+    try:
+        assert _entry_probe({}, cgroup) == f"WAIT None {QUOTA_SPIN_COUNT} wait-first"
+        assert _entry_probe({"OMP_WAIT_POLICY": "PASSIVE"}, cgroup) == "WAIT PASSIVE None wait-first"
+    finally:
+        cgroup.rmdir()
+
+
+def test_a_wait_setting_the_user_made_is_kept():
+    quota = CpuBudget(affinity=8, quota=1.5)
+    from pagedserve.service.entry import default_openmp_env
+
+    for user in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"}, {"OMP_WAIT_POLICY": "ACTIVE"}):
+        assert default_openmp_env(quota, user) == {}
 
 
 def test_console_script_keeps_a_policy_the_user_set():
-    assert _entry_probe("ACTIVE") == "POLICY ACTIVE policy-first"
+    assert _entry_probe({"OMP_WAIT_POLICY": "ACTIVE"}) == "WAIT ACTIVE None wait-first"
+    assert _entry_probe({"GOMP_SPINCOUNT": "10k"}) == "WAIT None 10k wait-first"

@@ -19,7 +19,7 @@ from pagedserve.engine.host.cpu_threads import cpu_budget
 from pagedserve.engine.host.thread_governor import (
     CpuSample, GovernorConfig, ThreadGovernor, others_cpus, read_sample, start_governor, threads_for,
 )
-from pagedserve.kernels.cpu.native import pool_sleeps
+from pagedserve.kernels.cpu.native import pool_sleeps, spin_count
 
 
 def test_others_cpus_is_busy_time_minus_our_own_per_second():
@@ -131,8 +131,23 @@ def test_no_governor_where_proc_stat_cannot_be_read(monkeypatch):
 
 
 def test_only_a_spinning_pool_is_governed():
-    assert not pool_sleeps(None) and not pool_sleeps("ACTIVE")
-    assert pool_sleeps("passive") and pool_sleeps("PASSIVE")
+    assert not pool_sleeps({}) and not pool_sleeps({"OMP_WAIT_POLICY": "ACTIVE"})
+    assert pool_sleeps({"OMP_WAIT_POLICY": "passive"}) and pool_sleeps({"OMP_WAIT_POLICY": "PASSIVE"})
+    # A bounded spin polls before it sleeps: spinning, governed. A zero count sleeps at once, whatever the policy.
+    assert not pool_sleeps({"GOMP_SPINCOUNT": "3000"}) and pool_sleeps({"GOMP_SPINCOUNT": "0"})
+    assert pool_sleeps({"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "0"})
+
+
+def test_spin_count_is_read_as_libgomp_reads_it():
+    """GOMP_SPINCOUNT wins over the policy where it parses (suffixes k/M/G/T, "infinite"); otherwise the policy's."""
+    assert spin_count({}) == 300_000
+    assert spin_count({"OMP_WAIT_POLICY": "PASSIVE"}) == 0
+    assert spin_count({"OMP_WAIT_POLICY": "active"}) == 30_000_000_000
+    assert spin_count({"GOMP_SPINCOUNT": "3000"}) == 3000
+    assert spin_count({"GOMP_SPINCOUNT": "3k", "OMP_WAIT_POLICY": "PASSIVE"}) == 3000
+    assert spin_count({"GOMP_SPINCOUNT": "2M"}) == 2_000_000
+    assert spin_count({"GOMP_SPINCOUNT": "infinite"}) == 30_000_000_000
+    assert spin_count({"GOMP_SPINCOUNT": "lots", "OMP_WAIT_POLICY": "PASSIVE"}) == 0  # unparsed: the policy's
 
 
 ENGINE_PROBE = """

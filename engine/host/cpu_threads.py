@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +100,12 @@ def apply_thread_budget(requested: int | None, budget: CpuBudget, current: int) 
     return min(current, budget.usable)
 
 
+def describe_openmp_wait(env: Mapping[str, str]) -> str:
+    """How the pool waits, for the log: the variables libgomp read, or that it runs on its default."""
+    settings = [f"{name}={env[name]}" for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if name in env]
+    return ", ".join(settings) or "OMP_WAIT_POLICY unset: libgomp spins before sleeping"
+
+
 def configure_cpu_threads(requested: int | None) -> int:
     import torch
 
@@ -107,6 +114,5 @@ def configure_cpu_threads(requested: int | None) -> int:
     if threads != torch.get_num_threads():
         torch.set_num_threads(threads)
     source = "--num-threads" if requested is not None else budget.describe()
-    logger.info("%d compute thread(s) (%s; OMP_WAIT_POLICY=%s)", threads, source,
-                os.environ.get("OMP_WAIT_POLICY", "unset: libgomp spins before sleeping"))
+    logger.info("%d compute thread(s) (%s; %s)", threads, source, describe_openmp_wait(os.environ))
     return threads

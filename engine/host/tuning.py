@@ -25,8 +25,6 @@ def tune_host(config: EngineConfig) -> ThreadGovernor | None:
     threads = configure_cpu_threads(config.num_threads)
     keep_freed_memory()
     # Only a spinning pool needs the governor: sleeping threads already leave a taken core to its process.
-    if config.adapt_threads and config.num_threads is None and threads > 1 and not pool_sleeps(
-        os.environ.get("OMP_WAIT_POLICY")
-    ):
+    if config.adapt_threads and config.num_threads is None and threads > 1 and not pool_sleeps(os.environ):
         return start_governor(GovernorConfig(max_threads=threads), torch.set_num_threads)
     return None

@@ -8,6 +8,7 @@ output.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,7 @@ class SplitThresholds:
     """Elements from which a call is split across torch's threads; below, it runs on the calling thread.
 
     A parallel region wakes the pool. Measured on a 2-vCPU Zen 4 VM: ~50 us per region when the threads sleep
-    between regions (OMP_WAIT_POLICY=PASSIVE, which the server sets under a CPU quota), a few us when they spin.
+    between regions (OMP_WAIT_POLICY=PASSIVE), a few us when they spin first (unset, or a GOMP_SPINCOUNT).
     So with sleeping threads only work above ~80 us on one thread is split (bf16 there: RMSNorm ~0.3 ns per
     element, SiLU-and-mul ~0.9 per output, RoPE ~0.5), which keeps decode batches on one thread; with spinning
     threads, from 16k."""
@@ -40,9 +41,9 @@ class SplitThresholds:
             raise ValueError(f"split thresholds must be >= 1 element: {self}")
 
     @staticmethod
-    def for_wait_policy(policy: str | None) -> "SplitThresholds":
-        """policy: OMP_WAIT_POLICY as libgomp read it (None: unset, threads spin a while before sleeping)."""
-        if pool_sleeps(policy):
+    def for_openmp_env(env: Mapping[str, str]) -> "SplitThresholds":
+        """env: the OpenMP variables as libgomp read them (OMP_WAIT_POLICY, GOMP_SPINCOUNT; none: spin, then sleep)."""
+        if pool_sleeps(env):
             return SplitThresholds(rms_norm=262144, silu_and_mul=131072, rope=163840)
         return SplitThresholds(rms_norm=16384, silu_and_mul=16384, rope=16384)
 
@@ -51,7 +52,7 @@ def _threads(elements: int, threshold: int) -> int:
     return torch.get_num_threads() if elements >= threshold else 1
 
 
-SPINNING = SplitThresholds.for_wait_policy(None)
+SPINNING = SplitThresholds.for_openmp_env({})
 
 
 def _check(x: torch.Tensor, *others: torch.Tensor) -> None:
@@ -118,8 +119,8 @@ class NativeLayerOps(LayerOps):
     def __init__(self, split: SplitThresholds | None = None) -> None:
         load_library()  # asked for by name, a missing compiler is an error, not a silent fallback
         self._torch = TorchLayerOps()
-        # Read when the engine is built, not at import: libgomp took the policy from the same environment.
-        self._split = split or SplitThresholds.for_wait_policy(os.environ.get("OMP_WAIT_POLICY"))
+        # Read when the engine is built, not at import: libgomp took its wait settings from the same environment.
+        self._split = split or SplitThresholds.for_openmp_env(os.environ)
 
     @staticmethod
     def _native(x: torch.Tensor) -> bool:

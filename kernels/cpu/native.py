@@ -7,6 +7,7 @@ import ctypes
 import functools
 import logging
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
@@ -25,11 +26,32 @@ _DTYPE_CODES = {
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def pool_sleeps(wait_policy: str | None) -> bool:
-    """Whether libgomp's threads sleep between parallel regions, given OMP_WAIT_POLICY as it read it when torch
-    loaded (PASSIVE); ACTIVE and unset (spin a while, then sleep) count as spinning. Sleeping threads pay a wake-up
-    per region (SplitThresholds) but leave a taken core to its other process (the engine's thread governor)."""
-    return (wait_policy or "").strip().upper() == "PASSIVE"
+# libgomp's spin counts when GOMP_SPINCOUNT is unset (its env.c): ACTIVE ~5 minutes of polling, unset ~3 ms at its
+# own estimate of 100000 polls a millisecond, PASSIVE none.
+_POLICY_SPINS = {"ACTIVE": 30_000_000_000, "PASSIVE": 0}
+_DEFAULT_SPINS = 300_000
+_SPIN_SUFFIXES = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def spin_count(env: Mapping[str, str]) -> int:
+    """How many times a waiting libgomp thread polls before it sleeps, as libgomp derives it from `env` when torch
+    loads it: GOMP_SPINCOUNT where it parses (a count with an optional k/M/G/T suffix, or "infinite"), which wins
+    over OMP_WAIT_POLICY; else the policy's (ACTIVE: ~forever, PASSIVE: 0, unset: 300000)."""
+    raw = env.get("GOMP_SPINCOUNT", "").strip()
+    if raw.lower() in ("infinite", "infinity"):
+        return _POLICY_SPINS["ACTIVE"]
+    scale = _SPIN_SUFFIXES.get(raw[-1:], 1)
+    digits = raw[:-1] if scale > 1 else raw
+    if digits.isdigit():
+        return int(digits) * scale
+    return _POLICY_SPINS.get(env.get("OMP_WAIT_POLICY", "").strip().upper(), _DEFAULT_SPINS)
+
+
+def pool_sleeps(env: Mapping[str, str]) -> bool:
+    """Whether libgomp's threads go to sleep as soon as a parallel region ends (PASSIVE, or GOMP_SPINCOUNT=0): then
+    each region pays a wake-up (SplitThresholds), and a taken core is left to its other process without the
+    engine's thread governor. A pool that polls first, however briefly, counts as spinning."""
+    return spin_count(env) == 0
 
 
 def dtype_code(dtype: torch.dtype) -> int:
