@@ -6,8 +6,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
