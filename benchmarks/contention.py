@@ -31,7 +31,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from pagedserve.engine.host.cpu_threads import CGROUP_ROOT
+from pagedserve.engine.host.cpu_threads import CGROUP_ROOT, OPENMP_WAIT_VARS
 
 HERE = Path(__file__).resolve().parent
 BUSY_LOOP = "while True: pass"
@@ -97,6 +97,8 @@ class QuotaCgroup:
                 (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
                 (self.path / "cpu.cfs_quota_us").write_text(quota)
         except OSError as exc:
+            if self.path.exists():  # made, but its quota refused: leave no stray cgroup behind
+                self.path.rmdir()
             raise SystemExit(f"--cpu-quota needs a writable cgroup cpu controller (root): {exc}") from exc
 
     def enter(self) -> None:
@@ -142,7 +144,7 @@ def run_once(args: argparse.Namespace, threads: int, wait: str, contended: bool)
                    "--repeats", str(args.repeats), "--no-roofline", "--num-requests", str(args.num_requests),
                    "--prompt-len", *map(str, args.prompt_len), "--output-len", *map(str, args.output_len),
                    "--dtype", args.dtype, "--out", out.name]
-            env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+            env = {k: v for k, v in os.environ.items() if k not in OPENMP_WAIT_VARS}
             if wait.startswith("SPIN"):
                 env["GOMP_SPINCOUNT"] = wait[4:]
             elif wait != "GOVERNED":

@@ -36,7 +36,10 @@ from http_client import Endpoint, run_http  # noqa: E402
 from metrics import summarize  # noqa: E402
 from workload import WorkloadConfig, build_workload  # noqa: E402
 
-OPENMP_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+from pagedserve.engine.host.cpu_threads import OPENMP_WAIT_VARS  # noqa: E402
+
+WARMUP = WorkloadConfig(num_requests=4, prompt_len_min=16, prompt_len_max=48, output_len_min=4, output_len_max=8,
+                        seed=99)
 WAITS_HELP = "PASSIVE, ACTIVE, DEFAULT, ENTRY or SPIN<N>"
 
 
@@ -60,7 +63,7 @@ def model_path(name: str) -> str:
 
 
 def server_env(wait: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in OPENMP_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in OPENMP_WAIT_VARS}
     env.update(wait_env(wait))
     if wait == "DEFAULT":
         # The entry would pick a setting under the quota; an explicit spin count of libgomp's own default stops it.
@@ -69,43 +72,54 @@ def server_env(wait: str) -> dict[str, str]:
 
 
 def measure(model: str, quota: float, wait: str, streams: list[int], output_len: int, repeats: int,
-            log_dir: Path) -> list[dict]:
+            log_dir: Path) -> None:
+    """Prints one JSON line per stream count."""
     group = QuotaCgroup(quota)
+    try:
+        server = start_in(group, model, wait, log_dir)
+        try:
+            serve_rows(server, group, model, quota, wait, streams, output_len, repeats)
+        finally:
+            server.stop(timeout=10)
+            time.sleep(0.5)  # the cgroup empties once the process is reaped
+    finally:
+        group.remove()
+
+
+def start_in(group: QuotaCgroup, model: str, wait: str, log_dir: Path) -> servers.Server:
+    """The server started inside the quota (its entry reads it); the client, this process, stays out of it."""
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(server_env(wait))  # start_pagedserve passes this process's environment on
-    group.enter()  # the server starts inside the quota (its entry reads it), the client stays out of it
+    group.enter()
     try:
-        server = servers.start_pagedserve(model, "auto", log_dir, http=True, extra_args=("--log-level", "INFO"))
+        return servers.start_pagedserve(model, "auto", log_dir, http=True, extra_args=("--log-level", "INFO"))
     finally:
         (group.path.parent / "cgroup.procs").write_text(str(os.getpid()))
         os.environ.clear()
         os.environ.update(saved)
-    rows = []
-    try:
-        endpoint = Endpoint(server.target + "/v1/completions", "model", (("return_token_ids", True),))
-        # The log file collects every start of the same name: this server's line is the last one.
-        threads_line = next((line for line in reversed(server.log_path.read_text().splitlines())
-                             if "compute thread(s)" in line), None)
-        run_http(endpoint, build_workload(WorkloadConfig(num_requests=4, prompt_len_min=16, prompt_len_max=48, output_len_min=4, output_len_max=8, seed=99)))
-        for n in streams:
-            before = group.throttling()
-            runs = [run_once(endpoint, n, output_len, seed) for seed in range(repeats)]
-            after = group.throttling()
-            best = max(runs, key=lambda r: r.output_tok_s)
-            rows.append({"benchmark": "quota_waits", "model": Path(model).name, "quota_cpus": quota, "wait": wait,
-                         "streams": n, "output_len": output_len, "output_tok_s": round(best.output_tok_s, 1),
-                         "runs_tok_s": [round(r.output_tok_s, 1) for r in runs],
-                         "itl_p50_ms": round(best.itl_p50_ms, 2), "ttft_p50_s": round(best.ttft_p50_s, 3),
-                         "throttled_s": round(after["throttled_s"] - before["throttled_s"], 2),
-                         "throttled_periods": after["throttled_periods"] - before["throttled_periods"],
-                         "server_threads_log": threads_line})
-            print(json.dumps(rows[-1]), flush=True)
-    finally:
-        server.stop(timeout=10)
-        time.sleep(0.5)  # the cgroup empties once the process is reaped
-        group.remove()
-    return rows
+
+
+def serve_rows(server: servers.Server, group: QuotaCgroup, model: str, quota: float, wait: str, streams: list[int],
+               output_len: int, repeats: int) -> None:
+    endpoint = Endpoint(server.target + "/v1/completions", "model", (("return_token_ids", True),))
+    # The log file collects every start of the same name: this server's line is the last one.
+    threads_line = next((line for line in reversed(server.log_path.read_text().splitlines())
+                         if "compute thread(s)" in line), None)
+    run_http(endpoint, build_workload(WARMUP))
+    for n in streams:
+        before = group.throttling()
+        runs = [run_once(endpoint, n, output_len, seed) for seed in range(repeats)]
+        after = group.throttling()
+        best = max(runs, key=lambda r: r.output_tok_s)
+        row = {"benchmark": "quota_waits", "model": Path(model).name, "quota_cpus": quota, "wait": wait,
+               "streams": n, "output_len": output_len, "output_tok_s": round(best.output_tok_s, 1),
+               "runs_tok_s": [round(r.output_tok_s, 1) for r in runs],
+               "itl_p50_ms": round(best.itl_p50_ms, 2), "ttft_p50_s": round(best.ttft_p50_s, 3),
+               "throttled_s": round(after["throttled_s"] - before["throttled_s"], 2),
+               "throttled_periods": after["throttled_periods"] - before["throttled_periods"],
+               "server_threads_log": threads_line}
+        print(json.dumps(row), flush=True)
 
 
 def run_once(endpoint: Endpoint, streams: int, output_len: int, seed: int):
@@ -118,7 +132,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=[""], help="embedded model names or paths ('' the default)")
     parser.add_argument("--quotas", type=float, nargs="+", default=[1.5, 2.0])
-    parser.add_argument("--waits", nargs="+", default=["PASSIVE", "SPIN3000", "ENTRY"], help=WAITS_HELP)
+    parser.add_argument("--waits", nargs="+", default=["PASSIVE", "DEFAULT", "ENTRY"], help=WAITS_HELP)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from pagedserve.engine.host.cpu_threads import CpuBudget, cpu_budget  # torch-free; the engine package loads lazily
+# torch-free; the engine package loads lazily
+from pagedserve.engine.host.cpu_threads import OPENMP_WAIT_VARS, CpuBudget, cpu_budget
 
-OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 # Polls before a waiting thread sleeps under a quota: ~26 us at the 26 ns a poll takes on Zen 5 (longer on Intel,
 # whose pause is slower). 1000 to 30000 were level on the default model and SmolLM2 bf16 under 1.5 and 2 CPUs (all
 # 1.0-4.3x PASSIVE's tokens/s); on Gemma 3, which decodes on torch with Python between its regions, the longer counts

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.engine.host.cpu_threads import CpuBudget, apply_thread_budget, cpu_budget, threads_for_quota
+from pagedserve.engine.host.cpu_threads import (
+    OPENMP_WAIT_VARS, CpuBudget, apply_thread_budget, cpu_budget, threads_for_quota,
+)
 
 
 def _tree(tmp_path: Path, files: dict[str, str], proc: str) -> tuple[Path, Path]:
@@ -73,28 +75,6 @@ def test_thread_count(requested, budget, current, expected):
     assert apply_thread_budget(requested, budget, current) == expected
 
 
-def _quota_cgroup(cpus: float) -> Path | None:
-    """A fresh cgroup with a CFS quota of `cpus` (v2 cpu.max, else v1), or None where this process may not make one."""
-    from pagedserve.engine.host.cpu_threads import CGROUP_ROOT
-
-    controllers = CGROUP_ROOT / "cgroup.controllers"
-    v2 = controllers.exists() and "cpu" in controllers.read_text().split()
-    path = (CGROUP_ROOT if v2 else CGROUP_ROOT / "cpu") / f"pagedserve-test-quota-{os.getpid()}"
-    try:
-        path.mkdir()
-        quota = str(round(cpus * 100_000))
-        if v2:
-            (path / "cpu.max").write_text(f"{quota} 100000")
-        else:
-            (path / "cpu.cfs_period_us").write_text("100000")
-            (path / "cpu.cfs_quota_us").write_text(quota)
-    except OSError:
-        if path.exists():
-            path.rmdir()
-        return None
-    return path
-
-
 def _entry_probe(user_env: dict[str, str], cgroup: Path | None = None) -> str:
     """Runs the console script's entry in a fresh interpreter (with --help, so it exits after parsing) and reports
     the OpenMP wait variables the process ended with and whether torch was loaded before the entry set them."""
@@ -111,7 +91,7 @@ def _entry_probe(user_env: dict[str, str], cgroup: Path | None = None) -> str:
         "sys.argv = ['pagedserve', '--help']\n"
         "entry.main()\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env = {k: v for k, v in os.environ.items() if k not in OPENMP_WAIT_VARS}
     env.update(user_env)
     enter = (lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid()))) if cgroup else None
     out = subprocess.run([sys.executable, "-P", "-c", probe], env=env, capture_output=True, text=True, timeout=120,
@@ -143,16 +123,20 @@ def test_a_quota_bounds_the_spin_and_nothing_else_is_set():
 
 def test_console_script_under_a_real_cpu_quota_sets_the_bounded_spin():
     """The entry reads the quota of the cgroup it really runs in (a container's CPU limit), not a fixture's."""
+    import bench_paths  # noqa: F401 - puts benchmarks/ on sys.path
+    from contention import QuotaCgroup
+
     from pagedserve.service.entry import QUOTA_SPIN_COUNT
 
-    cgroup = _quota_cgroup(1.5)
-    if cgroup is None:
-        pytest.skip("no writable cgroup cpu controller (needs root) to run the entry under a quota")
     try:
-        assert _entry_probe({}, cgroup) == f"WAIT None {QUOTA_SPIN_COUNT} wait-first"
-        assert _entry_probe({"OMP_WAIT_POLICY": "PASSIVE"}, cgroup) == "WAIT PASSIVE None wait-first"
+        group = QuotaCgroup(1.5)
+    except SystemExit as no_cgroup:  # the benchmark's CLI message: no writable cgroup cpu controller
+        pytest.skip(str(no_cgroup))
+    try:
+        assert _entry_probe({}, group.path) == f"WAIT None {QUOTA_SPIN_COUNT} wait-first"
+        assert _entry_probe({"OMP_WAIT_POLICY": "PASSIVE"}, group.path) == "WAIT PASSIVE None wait-first"
     finally:
-        cgroup.rmdir()
+        group.remove()
 
 
 def test_a_wait_setting_the_user_made_is_kept():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve.engine.errors import ConfigError
-from pagedserve.engine.host.cpu_threads import cpu_budget
+from pagedserve.engine.host.cpu_threads import OPENMP_WAIT_VARS, cpu_budget
 from pagedserve.engine.host.thread_governor import (
     CpuSample, GovernorConfig, ThreadGovernor, others_cpus, read_sample, start_governor, threads_for,
 )
@@ -175,7 +175,7 @@ print("THREADS", governor.config.max_threads, governor.threads)
 
 @pytest.mark.skipif(cpu_budget().usable < 2, reason="needs two usable CPUs to take one away")
 def test_an_engine_steps_down_beside_a_busy_core():
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env = {k: v for k, v in os.environ.items() if k not in OPENMP_WAIT_VARS}
     out = subprocess.run([sys.executable, "-P", "-c", ENGINE_PROBE], env=env, capture_output=True, text=True,
                          timeout=600)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("THREADS ")), None)

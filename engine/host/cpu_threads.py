@@ -100,9 +100,14 @@ def apply_thread_budget(requested: int | None, budget: CpuBudget, current: int) 
     return min(current, budget.usable)
 
 
+# The variables libgomp decides how its threads wait by, read once when torch loads it (kernels/cpu/native.py's
+# spin_count says how).
+OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
 def describe_openmp_wait(env: Mapping[str, str]) -> str:
     """How the pool waits, for the log: the variables libgomp read, or that it runs on its default."""
-    settings = [f"{name}={env[name]}" for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if name in env]
+    settings = [f"{name}={env[name]}" for name in OPENMP_WAIT_VARS if name in env]
     return ", ".join(settings) or "OMP_WAIT_POLICY unset: libgomp spins before sleeping"
 
 
