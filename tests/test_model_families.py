@@ -23,7 +23,7 @@ PROMPTS = {f"p{i}": torch.randint(100, 49000, (n,), generator=_gen).tolist()
            for i, n in enumerate((1, 3, 7, 16, 33, 64, 120, ORIGINAL + 52))}
 LONG = f"p{len(PROMPTS) - 1}"
 # Which families' decode steps fit the native C step (the others log why and stay on torch).
-NATIVE_STEP = {"qwen3": True, "phi3-mini": True, "phi4-mini": False, "gemma3-4b": False, "qwen3-moe": False,
+NATIVE_STEP = {"qwen3": True, "phi3-mini": True, "phi4-mini": False, "gemma3-4b": True, "qwen3-moe": False,
                "qwen3-moe-sparse": False, "mixtral": False}
 
 

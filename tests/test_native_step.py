@@ -1,20 +1,24 @@
 """The native small-batch decode step (engine/runner/native_step.py, kernels/cpu/decode_step.c).
 
 - Through the real engine on tiny random models (GQA ratios 4:2, 4:1, 4:4, head dims 16, 24 and 64, Qwen2's
-  q/k/v bias, sliding windows, preemption): the logits of every position, the native step's included, equal
+  q/k/v bias, sliding windows, preemption; Gemma 3 with random (1 + w) norms, sliding and global layers on their own
+  RoPE tables, linear RoPE scaling, softcapped logits): the logits of every position, the native step's included, equal
   transformers' full forward (fp32, atol 1e-4), and the greedy tokens equal transformers' generate.
-- On the default model, step by step on the same cache state: the native step's logits against the torch path's
-  (fp32, bf16 and FP8 KV caches), bounds stated per case.
-- When it must not run: prefill/chunk in the step, more rows than the limit, Gemma 3, the torch backend.
+- On the default model and on Gemma 3 270M, step by step on the same cache state: the native step's logits against
+  the torch path's (fp32, bf16, FP8 and int8 KV caches), bounds stated per case.
+- When it must not run: prefill/chunk in the step, more rows than the limit, the torch backend.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 
 import engine_probe
 from conftest import make_tiny_model
+from test_models import make_tiny_gemma
 from pagedserve.engine import LLM, EngineConfig
 from pagedserve.engine.errors import ConfigError
 
@@ -26,6 +30,8 @@ TINY = {
     "qwen2-bias-sliding": ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 12,
                                                 "max_window_layers": 1}),
     "mistral-sliding": ("MistralForCausalLM", {"sliding_window": 2 * BLOCK + 3}),
+    "gemma3-softcap": ("Gemma3ForCausalLM", "gemma3"),  # test_models.GEMMA_CASES
+    "gemma3-legacy-config": ("Gemma3ForCausalLM", "gemma3-legacy-config"),
 }
 
 
@@ -39,10 +45,14 @@ def test_native_step_matches_transformers(tmp_path, monkeypatch, case, preempt):
     import transformers
 
     arch, overrides = TINY[case]
-    path = make_tiny_model(tmp_path, arch, initializer_range=0.1, **overrides)
+    if isinstance(overrides, str):
+        path = make_tiny_gemma(tmp_path, overrides)
+    else:
+        path = make_tiny_model(tmp_path, arch, initializer_range=0.1, **overrides)
     hf = getattr(transformers, arch).from_pretrained(str(path), dtype=torch.float32).eval()
     cfg = hf.config
-    block_bytes = 2 * cfg.num_hidden_layers * BLOCK * cfg.num_key_value_heads * (cfg.hidden_size // 4) * 4
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    block_bytes = 2 * cfg.num_hidden_layers * BLOCK * cfg.num_key_value_heads * head_dim * 4
     blocks = 12 if preempt else 256
     engine = LLM(str(path), dtype="float32", block_size=BLOCK, kv_cache_memory=blocks * block_bytes,
                  native_step_max_batch=8).engine
@@ -100,6 +110,13 @@ def _lockstep(engine, prompts: dict[str, list[int]], steps: int) -> list[float]:
 BOUNDS = {("float32", "auto"): 1e-4, ("bfloat16", "auto"): 0.05, ("float32", "fp8_e4m3"): 1e-2,
           ("float32", "fp8_e5m2"): 1e-2, ("bfloat16", "fp8_e4m3"): 0.1, ("float32", "int8"): 1e-2,
           ("bfloat16", "int8"): 0.1}
+# Gemma 3 270M: one KV head of 256 over 18 layers, so one flipped int8 / FP8 element early in the stack moves the
+# K/V rows of every later layer by more than fp32 rounding and flips more of theirs (seen: the first 5 layers'
+# bytes identical, then 4, then 23-120 elements differing per layer). Measured on Zen 5 at the avx512_bf16, avx2
+# and portable tiers: fp32 1.7e-6, bf16 2.7e-2, fp32 int8 2.7e-2, fp32 FP8 E4M3 1.1e-2 at most; a wrong norm, RoPE
+# table or row store moves the logits by O(1).
+GEMMA_BOUNDS = {("float32", "auto"): 1e-4, ("bfloat16", "auto"): 0.05, ("float32", "int8"): 0.1,
+                ("float32", "fp8_e4m3"): 0.1}
 
 
 @pytest.mark.parametrize("dtype,kv", sorted(BOUNDS))
@@ -109,6 +126,15 @@ def test_native_logits_track_the_torch_path_on_the_default_model(default_model, 
     errors = _lockstep(engine, _prompts(3), 12)
     assert len(errors) >= 10
     assert max(errors) <= BOUNDS[dtype, kv], errors
+
+
+@pytest.mark.parametrize("dtype,kv", sorted(GEMMA_BOUNDS))
+def test_native_logits_track_the_torch_path_on_gemma3(dtype, kv):
+    engine = LLM("gemma-3-270m", dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=64 << 20,
+                 enable_prefix_caching=False, native_step_max_batch=8).engine
+    errors = _lockstep(engine, _prompts(3), 12)
+    assert len(errors) >= 10
+    assert max(errors) <= GEMMA_BOUNDS[dtype, kv], errors
 
 
 def test_decided_per_step_from_the_schedule(tmp_path, monkeypatch):
@@ -144,8 +170,32 @@ def test_stays_off_where_it_does_not_apply(tmp_path):
     llama = make_tiny_model(tmp_path / "llama")
     assert LLM(str(llama), dtype="float32", native_step_max_batch=0).engine.runner.native_step is None
     assert LLM(str(llama), dtype="float32", attention_backend="torch").engine.runner.native_step is None
-    gemma = make_tiny_model(tmp_path / "gemma", "Gemma3ForCausalLM", head_dim=16, tie_word_embeddings=True)
-    assert LLM(str(gemma), dtype="float32").engine.runner.native_step is None  # its layer math stays in torch
+
+
+def test_a_bad_stack_names_what_is_wrong(tmp_path):
+    import dataclasses
+
+    from pagedserve.engine.models.decoder_stack import DecoderStack, StackLayer
+
+    model = LLM(str(make_tiny_gemma(tmp_path, "gemma3")), dtype="float32").engine.runner.model
+    stack = model.decoder_stack()
+    assert isinstance(stack, DecoderStack) and stack.activation == "gelu_tanh" and stack.logit_softcap > 0
+    layer = stack.layers[0]
+    with pytest.raises(ValueError, match="attn_out_norm and mlp_out_norm"):
+        dataclasses.replace(layer, mlp_out_norm=None)
+    with pytest.raises(ValueError, match="cos and signed_sin"):
+        dataclasses.replace(layer, cos=stack.cos, signed_sin=None)
+    short_table = dataclasses.replace(layer, cos=stack.cos[:4], signed_sin=stack.signed_sin[:4])
+    cases = {
+        "activation 'relu'; supported: silu, gelu_tanh": {"activation": "relu"},
+        "logit_softcap 0.0 must be positive": {"logit_softcap": 0.0},
+        "final norm's dtype": {"final_norm": stack.final_norm.to(torch.bfloat16)},
+        "RoPE table must be fp32 in the stack's table shape": {"layers": (short_table, *stack.layers[1:])},
+    }
+    for message, change in cases.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            dataclasses.replace(stack, **change)
+    assert isinstance(layer, StackLayer)
 
 
 def test_bad_limit_names_the_field():

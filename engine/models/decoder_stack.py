@@ -3,8 +3,10 @@
 A model family whose decode step is the Llama layer (RMSNorm, q/k/v, optional per-head q/k RMSNorms, rotate-half
 RoPE over whole heads, paged attention, o projection, RMSNorm, SiLU-gated MLP, residual adds) defines
 `decoder_stack()` returning this (raising `UnsupportedStack` where one model of the family does not fit: partial
-rotary); families with other layer math (Gemma 3: (1 + w) norms, GeGLU, softcapping) define none and keep the torch
-path.
+rotary). Gemma 3's variations are fields: norms of each sublayer's output before its residual add, a RoPE table per
+layer (sliding and global layers rotate with different bases), a GELU-gated MLP, an attention scale of its own,
+scaled embeddings and softcapped logits; its (1 + w) norm weights are handed over as fp32 tables already holding
+1 + w, which is exactly what its RMSNorm multiplies by.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import torch
 from torch import nn
 
 from pagedserve.quant.linear import QuantLinear
+
+
+ACTIVATIONS = ("silu", "gelu_tanh")  # index = StepModel.activation in kernels/cpu/decode_step.c
 
 
 class UnsupportedStack(Exception):
@@ -33,10 +38,17 @@ class StackLayer:
     window: int | None  # sliding window; None: full attention
     q_norm: torch.Tensor | None = None  # [head_dim] RMSNorm weights of each q / k head before RoPE (Qwen3)
     k_norm: torch.Tensor | None = None
+    # [hidden] RMSNorms of the attention's and the MLP's outputs before their residual adds (Gemma 3's post-attention
+    # and post-feedforward norms); input_norm / post_norm are then the norms before each sublayer
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    cos: torch.Tensor | None = None  # this layer's own RoPE table (DecoderStack.cos's shape); None: the stack's
+    signed_sin: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if (self.q_norm is None) != (self.k_norm is None):
-            raise ValueError("StackLayer: q_norm and k_norm come together")
+        for first, second in (("q_norm", "k_norm"), ("attn_out_norm", "mlp_out_norm"), ("cos", "signed_sin")):
+            if (getattr(self, first) is None) != (getattr(self, second) is None):
+                raise ValueError(f"StackLayer: {first} and {second} come together")
         if len(self.qkv) not in (1, 3) or len(self.gate_up) not in (1, 2):
             raise ValueError(f"StackLayer: qkv has {len(self.qkv)} parts (1 or 3), "
                              f"gate_up {len(self.gate_up)} (1 or 2)")
@@ -60,6 +72,10 @@ class DecoderStack:
     # LongRoPE: a sequence longer than this reads the table's rows from long_rope_offset on (rope.py); None: one set
     long_rope_after: int | None = None
     long_rope_offset: int = 0
+    attn_scale: float | None = None  # softmax scale of the scores; None: head_dim^-0.5
+    embed_scale: torch.Tensor | None = None  # a 0-d tensor the embedding rows are multiplied by in their own dtype
+    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    logit_softcap: float | None = None  # logits become tanh(logits / cap) * cap
 
     def rope_row(self, position: int, seq_length: int) -> int:
         """The cos/sin table row of a token at `position` of a sequence of `seq_length` tokens."""
@@ -72,6 +88,25 @@ class DecoderStack:
             raise ValueError("DecoderStack: cos and signed_sin must be fp32 tables of one shape")
         if self.cos.shape[1] != self.head_dim or self.num_heads % self.num_kv_heads:
             raise ValueError(f"DecoderStack: head_dim {self.head_dim} / heads {self.num_heads}x{self.num_kv_heads}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"DecoderStack: activation {self.activation!r}; supported: {', '.join(ACTIVATIONS)}")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ValueError(f"DecoderStack: logit_softcap {self.logit_softcap} must be positive")
+        if any(t.dtype != self.final_norm.dtype for t in self.norms):
+            raise ValueError("DecoderStack: every RMSNorm weight must have the final norm's dtype")
+        for layer in self.layers:
+            if layer.cos is not None and (layer.cos.dtype != torch.float32 or layer.cos.shape != self.cos.shape
+                                          or layer.signed_sin.shape != self.cos.shape):
+                raise ValueError("DecoderStack: a layer's RoPE table must be fp32 in the stack's table shape")
+
+    @property
+    def norms(self) -> tuple[torch.Tensor, ...]:
+        """Every RMSNorm weight the C step reads (in one dtype: StepModel.norm_dtype)."""
+        every = [self.final_norm]
+        for layer in self.layers:
+            every += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,
+                                  layer.attn_out_norm, layer.mlp_out_norm) if t is not None]
+        return tuple(every)
 
     @property
     def linears(self) -> tuple[QuantLinear, ...]:

@@ -18,6 +18,7 @@ from torch import nn
 
 from pagedserve.engine.errors import ModelLoadError
 from pagedserve.engine.models.checkpoint_layout import CheckpointLayout
+from pagedserve.engine.models.decoder_stack import DecoderStack, StackLayer, UnsupportedStack
 from pagedserve.engine.models.layers import (
     FULL, SLIDING, ForwardContext, layer_types, layer_windows, merge_linears, tied_lm_head,
 )
@@ -231,6 +232,36 @@ class Gemma3ForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, ropes, ctx)
         return self.model.norm(x)
+
+    def decoder_stack(self) -> DecoderStack:
+        """The layer stack for the native decode step (after fuse_projections). Each (1 + w) norm is handed over as
+        the fp32 table 1 + w, the factor GemmaRMSNorm multiplies by in fp32 (the C step keeps its rows fp32)."""
+        if any(r.rotary_dim != self.args.head_dim or r.long_after is not None for r in self.rotary.values()):
+            raise UnsupportedStack("partial rotary or LongRoPE tables: the C step rotates whole heads from one table")
+        norm = lambda module: (1.0 + module.weight.float()).contiguous()  # noqa: E731
+        full = self.rotary[FULL] if FULL in self.rotary else next(iter(self.rotary.values()))
+        layers = []
+        for layer in self.model.layers:
+            attn, mlp, rope = layer.self_attn, layer.mlp, self.rotary[layer.layer_type]
+            layers.append(StackLayer(
+                qkv=(attn.qkv_proj,) if attn.qkv_proj is not None else (attn.q_proj, attn.k_proj, attn.v_proj),
+                o=attn.o_proj,
+                gate_up=(mlp.gate_up_proj,) if mlp.gate_up_proj is not None else (mlp.gate_proj, mlp.up_proj),
+                down=mlp.down_proj,
+                input_norm=norm(layer.input_layernorm), post_norm=norm(layer.pre_feedforward_layernorm),
+                window=attn.window, q_norm=norm(attn.q_norm), k_norm=norm(attn.k_norm),
+                attn_out_norm=norm(layer.post_attention_layernorm), mlp_out_norm=norm(layer.post_feedforward_layernorm),
+                cos=None if rope is full else rope.cos, signed_sin=None if rope is full else rope.signed_sin,
+            ))
+        args = self.args
+        return DecoderStack(
+            embedding=self.model.embed_tokens, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+            layers=tuple(layers), final_norm=norm(self.model.norm), lm_head=self.lm_head,
+            cos=full.cos, signed_sin=full.signed_sin, eps=args.rms_norm_eps, num_heads=args.num_heads,
+            num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, intermediate_size=args.intermediate_size,
+            attn_scale=args.query_pre_attn_scalar**-0.5, embed_scale=self.model.embed_scale, activation="gelu_tanh",
+            logit_softcap=args.final_logit_softcapping,
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> fp32 logits [S, vocab], tanh-softcapped when the config says so."""

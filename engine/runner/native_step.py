@@ -6,9 +6,9 @@ speculative drafts, if any, verified in the same call), the batch is at most `En
 sequences (a step with drafts: any number of sequences within `native_step_max_rows` rows), FP8 scales are
 calibrated and no row uses a LoRA adapter. Anything else (a prefill or chunk in the step, a larger batch, an adapter)
 runs the torch path, which shares the same KV cache. Built only when the model describes its stack
-(`decoder_stack()`: the Llama family), attention is the native CPU implementation, and every linear, the LM head
-included, has a native kernel (`LinearMethod.native_linear`); otherwise the engine logs why and keeps the torch path
-for every step.
+(`decoder_stack()`: the Llama family and Gemma 3), attention is the native CPU implementation, and every linear, the
+LM head included, has a native kernel (`LinearMethod.native_linear`); otherwise the engine logs why and keeps the
+torch path for every step.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from pagedserve.engine.models.decoder_stack import DecoderStack, UnsupportedStack
+from pagedserve.engine.models.decoder_stack import ACTIVATIONS, DecoderStack, UnsupportedStack
 from pagedserve.engine.core.scheduler_output import SchedulerOutput
 from pagedserve.engine.runner.native_capacity import NativeCapacity
 from pagedserve.engine.runner.step_input import StepInput
@@ -40,14 +40,15 @@ class StepLayer(ctypes.Structure):
     _fields_ = [("qkv", PsLinear * 3), ("n_qkv", _i64), ("o", PsLinear), ("gate_up", PsLinear * 2),
                 ("n_gate_up", _i64), ("down", PsLinear), ("input_norm", _p), ("post_norm", _p), ("k_cache", _p),
                 ("v_cache", _p), ("k_scale", _p), ("v_scale", _p), ("k_row_scale", _p), ("v_row_scale", _p),
-                ("k_rotation", _p), ("k_offset", _p), ("window", _i64), ("q_norm", _p), ("k_norm", _p)]
+                ("k_rotation", _p), ("k_offset", _p), ("window", _i64), ("q_norm", _p), ("k_norm", _p),
+                ("attn_out_norm", _p), ("mlp_out_norm", _p), ("cos", _p), ("signed_sin", _p)]
 
 
 class StepModel(ctypes.Structure):
     _fields_ = [(name, _i64) for name in ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads",
                                           "head_dim", "num_blocks", "block_size", "vocab", "max_positions")] + [
-        ("eps", _f32), ("attn_scale", _f32), ("norm_dtype", _int),
-        ("kv_dtype", _int), ("cos", _p), ("signed_sin", _p), ("final_norm", _p), ("layers", _p),
+        ("eps", _f32), ("attn_scale", _f32), ("logit_softcap", _f32), ("norm_dtype", _int),
+        ("kv_dtype", _int), ("activation", _int), ("cos", _p), ("signed_sin", _p), ("final_norm", _p), ("layers", _p),
         ("lm_head", PsLinear)]
 
 
@@ -92,9 +93,10 @@ class NativeDecodeStep:
         self._model = StepModel(
             len(stack.layers), stack.hidden_size, stack.intermediate_size, stack.num_heads, stack.num_kv_heads,
             stack.head_dim, cache.num_blocks, spec.block_size, self.vocab, stack.cos.shape[0],
-            stack.eps, stack.head_dim**-0.5,
-            dtype_code(stack.final_norm.dtype), dtype_code(spec.dtype.torch_dtype), stack.cos.data_ptr(), stack.signed_sin.data_ptr(), stack.final_norm.data_ptr(),
-            ctypes.addressof(self._layers), head.as_struct(),
+            stack.eps, stack.head_dim**-0.5 if stack.attn_scale is None else stack.attn_scale,
+            stack.logit_softcap or 0.0, dtype_code(stack.final_norm.dtype), dtype_code(spec.dtype.torch_dtype),
+            ACTIVATIONS.index(stack.activation), stack.cos.data_ptr(), stack.signed_sin.data_ptr(),
+            stack.final_norm.data_ptr(), ctypes.addressof(self._layers), head.as_struct(),
         )
         self._keep += [stack]
         self._stack = stack
@@ -117,17 +119,16 @@ class NativeDecodeStep:
         (o, down) = _linears((layer.o, layer.down))
         self._keep += [*qkv, *gate_up, o, down]
         k, v = LayerKVCache.by_head(entry.k), LayerKVCache.by_head(entry.v)
-        head_norms = (layer.q_norm, layer.k_norm) if layer.q_norm is not None else ()
-        norms = (layer.input_norm, layer.post_norm, *head_norms)
-        if any(not t.is_contiguous() for t in norms):
-            raise NativeStepUnavailable("RMSNorm weights are not contiguous")
+        optional = (layer.q_norm, layer.k_norm, layer.attn_out_norm, layer.mlp_out_norm, layer.cos, layer.signed_sin)
+        if any(not t.is_contiguous() for t in (layer.input_norm, layer.post_norm, *optional) if t is not None):
+            raise NativeStepUnavailable("RMSNorm weights or RoPE tables are not contiguous")
         return StepLayer(
             _struct_array(qkv, 3), len(qkv), o.as_struct(), _struct_array(gate_up, 2), len(gate_up), down.as_struct(),
             layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), k.data_ptr(), v.data_ptr(),
             entry.k_scale.data_ptr(), entry.v_scale.data_ptr(),
             row_scales_ptr(entry.k_row_scale), row_scales_ptr(entry.v_row_scale),
             None if self._rotation is None else self._rotation.data_ptr(), None, layer.window or 0,
-            *((t.data_ptr() for t in head_norms) if head_norms else (None, None)),
+            *(None if t is None else t.data_ptr() for t in optional),
         )
 
     def accepts(self, batch: SchedulerOutput) -> bool:
@@ -162,7 +163,10 @@ class NativeDecodeStep:
         logits = torch.empty(n, self.vocab, dtype=torch.float32)
         # One torch call: the embedding reads its own storage (a packed one dequantizes only these rows).
         with torch.no_grad():
-            embed_rows = self._embedding(longs[0]).to(torch.float32).contiguous()
+            embed_rows = self._embedding(longs[0])
+            if self._stack.embed_scale is not None:  # in the rows' dtype, as the torch path scales them
+                embed_rows = embed_rows * self._stack.embed_scale
+            embed_rows = embed_rows.to(torch.float32).contiguous()
         args = StepBatch(longs[0].data_ptr(), longs[1].data_ptr(), longs[2].data_ptr(), longs[3].data_ptr(),
                          seq_lens.data_ptr(), tables.data_ptr(), width, max(step.seq_lens), embed_rows.data_ptr(),
                          logits.data_ptr())

@@ -1,11 +1,12 @@
-/* A whole Llama-family decode step in one call: token ids in, fp32 logits out (built and called by
+/* A whole decode step of the Llama family or Gemma 3 in one call: token ids in, fp32 logits out (built and called by
  * kernels/cpu/native.py, driven by engine/native_step.py).
  *
  * Why: at 1-8 decode rows a step is bound by reading the weights once, yet the eager torch path spent about as
- * long again in per-op dispatch and Python (~15 ops per layer). Here a layer is: RMSNorm, q/k/v projection, (Qwen3:
- * an RMSNorm of each q and k head), RoPE,
- * KV write into the paged cache, the decode attention kernel (decode_attention.c), o projection, residual,
- * RMSNorm, gate/up projection, SiLU-and-mul, down projection; all linears through their ps_linear pointers
+ * long again in per-op dispatch and Python (~15 ops per layer). Here a layer is: RMSNorm, q/k/v projection, (Qwen3,
+ * Gemma 3: an RMSNorm of each q and k head), RoPE (Gemma 3: the layer's own table), KV write into the paged cache,
+ * the decode attention kernel (decode_attention.c), o projection, (Gemma 3: its RMSNorm), residual, RMSNorm,
+ * gate/up projection, SiLU- or tanh-GELU-and-mul, down projection, (Gemma 3: its RMSNorm); then the final norm,
+ * the LM head and (a config's) logit softcapping; all linears through their ps_linear pointers
  * (linear.h), whatever the weight format, so each parallelizes itself and this loop stays on one thread.
  *
  * Numerics: the hidden state, norms, RoPE, attention queries and outputs stay fp32 (the torch path rounds each to
@@ -32,13 +33,16 @@ typedef struct {
     const float *k_offset;                      /* [Hkv, D] fp32 or NULL: subtracted from K R before it is stored */
     int64_t window;                             /* 0: full attention */
     const void *q_norm, *k_norm;                /* [D], norm_dtype, or NULL: Qwen3's RMSNorm of each q / k head */
+    const void *attn_out_norm, *mlp_out_norm;   /* [hidden], norm_dtype, or NULL: Gemma 3's norms of each
+                                                 * sublayer's output before its residual add */
+    const float *cos, *signed_sin;              /* this layer's RoPE table, or NULL: the model's */
 } StepLayer;
 
 typedef struct {
     int64_t num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, num_blocks, block_size, vocab;
     int64_t max_positions;
-    float eps, attn_scale;
-    int norm_dtype, kv_dtype;
+    float eps, attn_scale, logit_softcap;       /* softcap 0: none */
+    int norm_dtype, kv_dtype, activation;       /* activation: ACT_SILU or ACT_GELU_TANH */
     const float *cos, *signed_sin;              /* [max_positions, D] fp32, sin's first half negated */
     const void *final_norm;
     const StepLayer *layers;
@@ -53,6 +57,8 @@ typedef struct {
                                * embedding's own storage (dense or packed blocks) */
     float *logits;                                        /* [n, vocab] */
 } StepBatch;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };  /* decoder_stack.py's ACTIVATIONS, in order */
 
 PS_SIZEOF(step_layer, StepLayer)
 PS_SIZEOF(step_model, StepModel)
@@ -181,7 +187,8 @@ static int attention_block(const StepModel *m, const StepLayer *L, const StepBat
     if (status) return status;
     for (int64_t r = 0; r < n; r++) {
         float *q = w->qkv + r * width, *k = q + H * D, *v = k + Hkv * D;
-        const float *cos = m->cos + b->positions[r] * D, *ssin = m->signed_sin + b->positions[r] * D;
+        const float *cos = (L->cos ? L->cos : m->cos) + b->positions[r] * D;
+        const float *ssin = (L->signed_sin ? L->signed_sin : m->signed_sin) + b->positions[r] * D;
         if (L->q_norm) {  /* in place: each head's sum of squares is taken before any of it is written */
             rms_norm_rows(q, NULL, q, L->q_norm, m->norm_dtype, H, D, m->eps);
             rms_norm_rows(k, NULL, k, L->k_norm, m->norm_dtype, Hkv, D, m->eps);
@@ -207,17 +214,36 @@ static int attention_block(const StepModel *m, const StepLayer *L, const StepBat
     };
     /* out [n, H, D] dense into the qkv buffer, free now (it is wider) */
     if (pagedserve_decode_attention(&a, n, b->max_seq_len, num_threads)) return -3;
-    return ps_linear_apply(&L->o, w->qkv, n, w->delta);
+    if ((status = ps_linear_apply(&L->o, w->qkv, n, w->delta))) return status;
+    if (L->attn_out_norm)  /* in place, as the q/k norms */
+        rms_norm_rows(w->delta, NULL, w->delta, L->attn_out_norm, m->norm_dtype, n, m->hidden, m->eps);
+    return 0;
+}
+
+/* gelu(g) with tanh's approximation: 0.5 g (1 + tanh(y)) = g sigmoid(2 y), y = sqrt(2 / pi) (g + 0.044715 g^3);
+ * the sigmoid from e^-|2y| as silu's, so it never overflows and the loop vectorizes. */
+INLINE float gelu_tanh(float g) {
+    const float y2 = 1.5957691216057308f * (g + 0.044715f * g * g * g);
+    const float e = exp_nonpositive(-fabsf(y2));
+    return g * (y2 >= 0.0f ? 1.0f : e) / (1.0f + e);
 }
 
 static int mlp_block(const StepModel *m, const StepLayer *L, int64_t n, Buffers *w) {
     const int64_t inter = m->intermediate;
     int status = concat_linears(L->gate_up, L->n_gate_up, w->h, n, w->gate_up, w->tmp);
     if (status) return status;
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t i = 0; i < inter; i++)
-            w->act[r * inter + i] = silu(w->gate_up[r * 2 * inter + i]) * w->gate_up[r * 2 * inter + inter + i];
-    return ps_linear_apply(&L->down, w->act, n, w->delta);
+    for (int64_t r = 0; r < n; r++) {
+        const float *gate = w->gate_up + r * 2 * inter, *up = gate + inter;
+        float *act = w->act + r * inter;
+        if (m->activation == ACT_GELU_TANH)
+            for (int64_t i = 0; i < inter; i++) act[i] = gelu_tanh(gate[i]) * up[i];
+        else
+            for (int64_t i = 0; i < inter; i++) act[i] = silu(gate[i]) * up[i];
+    }
+    if ((status = ps_linear_apply(&L->down, w->act, n, w->delta))) return status;
+    if (L->mlp_out_norm)
+        rms_norm_rows(w->delta, NULL, w->delta, L->mlp_out_norm, m->norm_dtype, n, m->hidden, m->eps);
+    return 0;
 }
 
 static int check_batch(const StepModel *m, const StepBatch *b, int64_t n) {
@@ -243,7 +269,16 @@ static int run_layers(const StepModel *m, const StepBatch *b, int64_t n, Buffers
         if ((status = mlp_block(m, L, n, w))) return status;
     }
     rms_norm_rows(w->residual, m->num_layers ? w->delta : NULL, w->h, m->final_norm, m->norm_dtype, n, hid, m->eps);
-    return ps_linear_apply(&m->lm_head, w->h, n, b->logits);
+    const int status = ps_linear_apply(&m->lm_head, w->h, n, b->logits);
+    if (status || m->logit_softcap == 0.0f) return status;
+    /* tanh(x) = sign(x) (1 - e) / (1 + e), e = e^-2|x|: branch-free, so this pass over n x vocab logits
+     * vectorizes where scalar tanhf took ~2 ms a row of a 262k vocabulary; within ~1e-7 of tanhf absolute */
+    const float cap = m->logit_softcap;
+    for (int64_t i = 0; i < n * m->vocab; i++) {
+        const float x = b->logits[i] / cap, e = exp_nonpositive(-2.0f * fabsf(x));
+        b->logits[i] = copysignf((1.0f - e) / (1.0f + e), x) * cap;
+    }
+    return 0;
 }
 
 int pagedserve_decode_step(const StepModel *m, const StepBatch *b, int64_t n, int num_threads) {
