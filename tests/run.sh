@@ -50,4 +50,6 @@ fi
 # PAGEDSERVE_TEST_WORKERS=N sets the count (0: no workers, the tests run in this process); later -n arguments win.
 workers="${PAGEDSERVE_TEST_WORKERS:-$("$py" -c 'import os; print(2 if len(os.sched_getaffinity(0)) >= 2 else 0)')}"
 # -P: the repo root must not be on sys.path, or its folders would shadow PyPI packages named kernels, engine, ...
-exec "$py" -P -m pytest -q -p no:cacheprovider --rootdir=. -n "$workers" --dist loadfile tests "$@"
+# --durations: every CI log names the slowest tests on the host it ran on (hosts differ: the same suite took 19 min
+# on a Zen 5 and 30 on a Zen 3), so the budget's spending is visible without a second run.
+exec "$py" -P -m pytest -q -p no:cacheprovider --rootdir=. -n "$workers" --dist loadfile --durations=30 tests "$@"
