@@ -20,7 +20,7 @@ from pagedserve.engine.errors import ModelLoadError
 from pagedserve.engine.models.checkpoint_layout import CheckpointLayout
 from pagedserve.engine.models.decoder_stack import DecoderStack, StackLayer, UnsupportedStack
 from pagedserve.engine.models.layers import (
-    FULL, SLIDING, ForwardContext, layer_types, layer_windows, merge_linears, tied_lm_head,
+    FULL, SLIDING, ForwardContext, layer_types, layer_windows, merge_linears, merged_or_parts, tied_lm_head,
 )
 from pagedserve.engine.models.rope import RopeAngles, RopeParams, RotaryEmbedding, hf_rope
 from pagedserve.quant.base import QuantConfig
@@ -244,9 +244,9 @@ class Gemma3ForCausalLM(nn.Module):
         for layer in self.model.layers:
             attn, mlp, rope = layer.self_attn, layer.mlp, self.rotary[layer.layer_type]
             layers.append(StackLayer(
-                qkv=(attn.qkv_proj,) if attn.qkv_proj is not None else (attn.q_proj, attn.k_proj, attn.v_proj),
+                qkv=merged_or_parts(attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
                 o=attn.o_proj,
-                gate_up=(mlp.gate_up_proj,) if mlp.gate_up_proj is not None else (mlp.gate_proj, mlp.up_proj),
+                gate_up=merged_or_parts(mlp, ("gate_proj", "up_proj"), "gate_up_proj"),
                 down=mlp.down_proj,
                 input_norm=norm(layer.input_layernorm), post_norm=norm(layer.pre_feedforward_layernorm),
                 window=attn.window, q_norm=norm(attn.q_norm), k_norm=norm(attn.k_norm),

@@ -115,6 +115,12 @@ def merge_linears(owner: nn.Module, parts: tuple[str, ...], merged: str) -> None
             delattr(owner, name)
 
 
+def merged_or_parts(owner: nn.Module, parts: tuple[str, ...], merged: str) -> tuple[nn.Module, ...]:
+    """What merge_linears left on `owner`: (the merged linear,) where it merged them, else the parts in order."""
+    fused = getattr(owner, merged)
+    return (fused,) if fused is not None else tuple(getattr(owner, name) for name in parts)
+
+
 def tied_lm_head(embedding: nn.Module) -> nn.Module:
     """The LM head of a model with tied embeddings: a linear layer over the embedding's weight [vocab, hidden], the
     same tensor (never a oneDNN packed copy beside it: `weight_shared`). An embedding kept in a checkpoint's own

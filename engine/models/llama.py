@@ -21,7 +21,7 @@ from pagedserve.engine.errors import ModelLoadError
 from pagedserve.engine.models.checkpoint_layout import PLAIN, CheckpointLayout
 from pagedserve.engine.models.decoder_stack import DecoderStack, StackLayer, UnsupportedStack
 from pagedserve.engine.models.layers import (
-    ForwardContext, RMSNorm, layer_types, layer_windows, merge_linears, tied_lm_head,
+    ForwardContext, RMSNorm, layer_types, layer_windows, merge_linears, merged_or_parts, tied_lm_head,
 )
 from pagedserve.engine.models.rope import RopeAngles, RopeParams, RotaryEmbedding, hf_rope
 from pagedserve.kernels.layer_ops import LayerOps
@@ -255,9 +255,9 @@ class LlamaForCausalLM(nn.Module):
                 raise UnsupportedStack(f"layer {index}'s MLP is a {type(mlp).__name__}: the C step runs dense "
                                        "SiLU-gated MLPs")
             layers.append(StackLayer(
-                qkv=(attn.qkv_proj,) if attn.qkv_proj is not None else (attn.q_proj, attn.k_proj, attn.v_proj),
+                qkv=merged_or_parts(attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
                 o=attn.o_proj,
-                gate_up=(mlp.gate_up_proj,) if mlp.gate_up_proj is not None else (mlp.gate_proj, mlp.up_proj),
+                gate_up=merged_or_parts(mlp, ("gate_proj", "up_proj"), "gate_up_proj"),
                 down=mlp.down_proj,
                 input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
                 window=attn.window, q_norm=None if attn.q_norm is None else attn.q_norm.weight,
