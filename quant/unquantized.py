@@ -17,7 +17,7 @@ from torch import nn
 from pagedserve.quant.base import LinearMethod, QuantConfig
 from pagedserve.quant.dense_layout import DenseEmbedding
 from pagedserve.quant.native_linear import NativeLinear
-from pagedserve.quant.onednn_dense import can_pack, pack_weight, packed_linear
+from pagedserve.quant.onednn_dense import can_pack, has_onednn_bf16, pack_weight, packed_linear
 
 
 # Up to this many rows the torch path multiplies weights the GEMV owns (16-bit under fp32 compute, or regrouped
@@ -33,7 +33,9 @@ _GEMV_ROWS_FREE = 8
 
 # Without AMX the GEMM's FMA and vdpbf16ps tiles lead `chunked_linear` (whose F.linear is oneDNN's GEMM, blocked
 # and tuned further) up to a few hundred rows but not at 2048 (1B shapes, SPR guest capped at AVX2 / AVX512-BF16,
-# noisy: docs/quantization.md): past this many rows a call takes the slices.
+# noisy: docs/quantization.md): past this many rows a call takes the slices. Where torch has no bf16 GEMM of its
+# own (`has_onednn_bf16` false: an AVX2-only host), bf16 compute takes the grouped GEMM at every row count: its
+# FMA tiles over x rounded to bf16 ran 79-133 GFLOP/s against F.linear's 15-20 at 64-2048 rows (Zen 3, 2 cores).
 _GEMM_ROWS = 256
 
 
@@ -50,7 +52,8 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.packed_weight = None
         layer.compute_dtype = dtype
         layer.small_batch_gemv = None  # the native GEMV over regrouped or widened weights, once native_linear made it
-        layer.gemm_rows = _GEMM_ROWS  # the most rows `apply` gives the grouped GEMM (no limit with AMX)
+        layer.gemm_rows = _GEMM_ROWS  # the most rows `apply` gives the grouped GEMM (None: no limit)
+        layer.gemm_on_amx = False  # the grouped GEMM runs on AMX tiles (its own summation order)
         layer.gemv_rows = _GEMV_ROWS  # the most rows `apply` gives the GEMV (fewer once free_row_bits allows it)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -114,12 +117,14 @@ class UnquantizedLinearMethod(LinearMethod):
         # sequences (docs/benchmarks.md, the 1B bf16 rows).
         layer.small_batch_gemv = dense_native_linear(plain, layer.bias, x_fp32=self.weight_dtype is not None,
                                                      native_max_batch=GROUPED_NATIVE_MAX_BATCH)
-        if grouped and gemm_isa(x_fp32=self.weight_dtype is not None) == "amx":
+        isa = gemm_isa(x_fp32=self.weight_dtype is not None) if grouped else None
+        layer.gemm_on_amx = isa == "amx"
+        if layer.gemm_on_amx or (grouped and self.weight_dtype is None and not has_onednn_bf16()):
             layer.gemm_rows = None
         return layer.small_batch_gemv
 
     def free_row_bits(self, layer: nn.Module) -> None:
-        if layer.small_batch_gemv is not None and layer.gemm_rows is None:  # AMX's GEMM over a grouped weight
+        if layer.small_batch_gemv is not None and layer.gemm_on_amx:  # AMX sums in its own order
             layer.gemv_rows = _GEMV_ROWS_FREE
 
     def merge(self, layers: list[nn.Module]) -> nn.Module | None:

@@ -74,6 +74,29 @@ def test_the_torch_path_reads_a_regrouped_weight_as_the_row_major_one(tmp_path):
             torch.testing.assert_close(got.float(), reference[:rows], rtol=1e-2, atol=1e-2, msg=name)
 
 
+@pytest.mark.parametrize("torch_bf16_gemm", [False, True], ids=["no-bf16-gemm-in-torch", "bf16-gemm-in-torch"])
+def test_large_bf16_calls_leave_torch_only_where_it_has_a_bf16_gemm(tmp_path, monkeypatch, torch_bf16_gemm):
+    """Past the GEMM's 256 rows a bf16 call takes F.linear's slices where torch multiplies bf16 through oneDNN, and
+    stays on the grouped GEMM where it cannot (an AVX2-only host: torch's reference bf16 kernel ran 5-8x slower
+    there); AMX's GEMM takes every row count either way."""
+    from pagedserve.quant import unquantized
+    from pagedserve.quant.dense_native import dense_gemm, gemm_isa
+
+    if grouped_isa() == "portable":
+        pytest.skip("no grouped layout in this build (a host without AVX2)")
+    monkeypatch.setattr(unquantized, "has_onednn_bf16", lambda: torch_bf16_gemm)
+    path = make_tiny_model(tmp_path, "LlamaForCausalLM", initializer_range=0.1)
+    engine = LLM(str(path), dtype="bfloat16", native_step_max_batch=8).engine
+    layers = [layer for layer in _dense_layers(engine.runner.model).values() if row_group(layer.weight)]
+    assert layers
+    on_gemm = not torch_bf16_gemm or gemm_isa() == "amx"
+    g = torch.Generator().manual_seed(3)
+    for layer in layers:
+        x = torch.randn(300, layer.in_features, generator=g).bfloat16()
+        want = (dense_gemm(layer.small_batch_gemv, x) if on_gemm else chunked_linear(x, layer.weight, layer.bias))
+        assert torch.equal(layer.method.apply(layer, x), want)
+
+
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
 def test_small_calls_keep_the_gemvs_bits_only_where_drafts_are_verified(tmp_path, speculative):
     """9-32 rows: with speculative decoding the GEMV (a verify step's rows then equal the one-row steps'), without
