@@ -74,6 +74,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dump-workload", type=Path, default=None, metavar="F",
                    help="write the workload in the --workload-file format to F and exit")
     p.add_argument("--vllm-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND for vLLM")
+    p.add_argument("--pagedserve-dtype", choices=["auto", "bfloat16", "float32"], default=None,
+                   help="pagedserve's --dtype in every section instead of the section's (e.g. auto: fp32 compute over "
+                        "a bf16 checkpoint's weights on a host without bf16 arithmetic, the products of the peers' "
+                        "float32); the peers keep the section's dtype")
     p.add_argument("--tier", choices=servers.TIERS, default="native",
                    help="avx2: pagedserve's AVX2 kernels (PAGEDSERVE_CPU_ISA), vLLM's AVX2 library with torch and "
                         "oneDNN capped at AVX2, llama.cpp's avx2 build: an AVX2-only host measured on any host "
@@ -216,12 +220,13 @@ def main() -> None:
                     "workload": workload.summary(), "repeats": plan.repeats, "threads": args.threads,
                     "vllm_bind": args.vllm_bind, "useful_tflop": flops / 1e12, "matmul_peak_gflops": peaks,
                     "systems": {n: drivers.SYSTEMS[n][0] for n in args.systems}, "quick": args.quick,
-                    "contention": args.contention},
+                    "contention": args.contention, "pagedserve_dtype": args.pagedserve_dtype},
            "results": {}}
     for dtype in [] if args.low_concurrency_only else args.dtypes:
         spec = drivers.DriverSpec(model_dir, dtype, args.threads, args.log_dir, args.vllm_bind,
                                   slot_tokens=servers.slot_context(workload.requests + warmup.requests),
-                                  parallel=max(64, len(workload.requests)), tier=args.tier)
+                                  parallel=max(64, len(workload.requests)), tier=args.tier,
+                                  pagedserve_dtype=args.pagedserve_dtype)
         out["results"][dtype] = run_dtype(args, spec, workload, plan, flops, peaks)
         args.out_json.write_text(json.dumps(out, indent=2))  # partial results survive a crash
     if not args.no_low_concurrency:
