@@ -34,7 +34,8 @@ def can_pack(weight: torch.Tensor) -> bool:
 def has_onednn_bf16() -> bool:
     """Whether torch multiplies bf16 through oneDNN here. Its bf16 GEMM needs AVX512-BW/VL/DQ or AVX-NE-CONVERT;
     on an AVX2-only host (AMD Zen 3, say) oneDNN refuses to pack, and F.linear in bf16 falls back to torch's
-    reference kernel: 15-20 GFLOP/s on two Zen 3 cores, against 90-186 for fp32 (benchmarks/dense_gemm.py)."""
+    reference kernel: 15-20 GFLOP/s on two Zen 3 cores at a small model's shapes, where fp32 ran 77-182
+    (benchmarks/dense_gemm.py)."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 

@@ -117,10 +117,10 @@ class UnquantizedLinearMethod(LinearMethod):
         # sequences (docs/benchmarks.md, the 1B bf16 rows).
         layer.small_batch_gemv = dense_native_linear(plain, layer.bias, x_fp32=self.weight_dtype is not None,
                                                      native_max_batch=GROUPED_NATIVE_MAX_BATCH)
-        isa = gemm_isa(x_fp32=self.weight_dtype is not None) if grouped else None
-        layer.gemm_on_amx = isa == "amx"
-        if layer.gemm_on_amx or (grouped and self.weight_dtype is None and not has_onednn_bf16()):
-            layer.gemm_rows = None
+        if grouped:
+            layer.gemm_on_amx = gemm_isa(x_fp32=self.weight_dtype is not None) == "amx"
+            if layer.gemm_on_amx or (self.weight_dtype is None and not has_onednn_bf16()):
+                layer.gemm_rows = None
         return layer.small_batch_gemv
 
     def free_row_bits(self, layer: nn.Module) -> None:
