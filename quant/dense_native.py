@@ -72,20 +72,13 @@ def dense_gemm(linear: NativeLinear, x: torch.Tensor, lib: ctypes.CDLL | None = 
     """x [rows, in] (fp32 or bf16, CPU) @ W^T + bias for a `dense_native_linear` over a grouped bf16 weight, at any
     number of rows (kernels/cpu/dense_gemm.c), in x's dtype. lib: the build `linear` was made with (default: the
     library's). allow_amx False: the AVX512-BF16 or fp32 code even where AMX is granted (tests)."""
-    if x.dim() != 2 or x.shape[1] != linear.in_features or x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"dense gemm: x must be [rows, {linear.in_features}] fp32 or bf16, got "
-                         f"{tuple(x.shape)} {x.dtype}")
-    x = x.contiguous()
-    y = torch.empty(x.shape[0], linear.out_features, dtype=x.dtype)
+    x, y = _operands(linear, x, (torch.float32, torch.bfloat16), "dense gemm", "fp32 or bf16")
     if x.shape[0] == 0:
         return y
     code = dtype_code(x.dtype)
     status = (lib or load_library()).pagedserve_dense_gemm(linear.state, x.data_ptr(), code, x.shape[0],
                                                            y.data_ptr(), code, int(allow_amx))
-    if status == -2:
-        raise MemoryError("dense gemm could not allocate its activation copy")
-    if status != 0:
-        raise RuntimeError(f"dense gemm failed with status {status} (not a grouped bf16 weight in this build?)")
+    _check_status(status, "dense gemm", "a grouped bf16 weight")
     return y
 
 
@@ -109,16 +102,27 @@ def dense_rows_gemm(linear: NativeLinear, x: torch.Tensor, lib: ctypes.CDLL | No
     """x [rows, in] fp32 (CPU) @ W^T + bias for a `dense_native_linear` over a row-major fp32 weight, at any number
     of rows (kernels/cpu/dense_rows.c): each output one FMA chain over the inputs in order, whatever `rows`.
     lib: the build `linear` was made with (default: the library's)."""
-    if x.dim() != 2 or x.shape[1] != linear.in_features or x.dtype != torch.float32:
-        raise ValueError(f"dense rows gemm: x must be [rows, {linear.in_features}] fp32, got "
-                         f"{tuple(x.shape)} {x.dtype}")
-    x = x.contiguous()
-    y = torch.empty(x.shape[0], linear.out_features, dtype=torch.float32)
+    x, y = _operands(linear, x, (torch.float32,), "dense rows gemm", "fp32")
     if x.shape[0] == 0:
         return y
     status = (lib or load_library()).pagedserve_dense_rows_gemm(linear.state, x.data_ptr(), x.shape[0], y.data_ptr())
-    if status == -2:
-        raise MemoryError("dense rows gemm could not allocate its activation copy")
-    if status != 0:
-        raise RuntimeError(f"dense rows gemm failed with status {status} (not a row-major fp32 weight in this build?)")
+    _check_status(status, "dense rows gemm", "a row-major fp32 weight")
     return y
+
+
+def _operands(linear: NativeLinear, x: torch.Tensor, dtypes: tuple[torch.dtype, ...], kernel: str,
+              named: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x checked for a GEMM over `linear` (contiguous) and its output [rows, out] in x's dtype."""
+    if x.dim() != 2 or x.shape[1] != linear.in_features or x.dtype not in dtypes:
+        raise ValueError(f"{kernel}: x must be [rows, {linear.in_features}] {named}, got {tuple(x.shape)} {x.dtype}")
+    x = x.contiguous()
+    return x, torch.empty(x.shape[0], linear.out_features, dtype=x.dtype)
+
+
+def _check_status(status: int, kernel: str, weight: str) -> None:
+    """A GEMM's C status as an exception: -2 its activation copy failed to allocate; else nonzero: the weight is not
+    what the kernel reads (or this build has no such kernel: 1)."""
+    if status == -2:
+        raise MemoryError(f"{kernel} could not allocate its activation copy")
+    if status != 0:
+        raise RuntimeError(f"{kernel} failed with status {status} (not {weight} in this build?)")
