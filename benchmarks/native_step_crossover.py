@@ -44,7 +44,7 @@ def step_ms(engine, batch: int, tokens: int, tag: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 16, 32])
     parser.add_argument("--tokens", type=int, default=32)

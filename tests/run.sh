@@ -52,4 +52,10 @@ workers="${PAGEDSERVE_TEST_WORKERS:-$("$py" -c 'import os; print(2 if len(os.sch
 # -P: the repo root must not be on sys.path, or its folders would shadow PyPI packages named kernels, engine, ...
 # --durations: every CI log names the slowest tests on the host it ran on (hosts differ: the same suite took 19 min
 # on a Zen 5 and 30 on a Zen 3), so the budget's spending is visible without a second run.
-exec "$py" -P -m pytest -q -p no:cacheprovider --rootdir=. -n "$workers" --dist loadfile --durations=30 tests "$@"
+# The whole suite unless the arguments name test files or folders (`bash tests/run.sh tests/test_x.py::test_y`):
+# pytest would run `tests` beside them, every test.
+paths=tests
+for arg in "$@"; do
+  case "$arg" in -*) ;; *) if [ -e "${arg%%::*}" ]; then paths=; fi ;; esac
+done
+exec "$py" -P -m pytest -q -p no:cacheprovider --rootdir=. -n "$workers" --dist loadfile --durations=30 $paths "$@"
