@@ -7,6 +7,10 @@ Two engines on the same model (native step on for every batch size, and off) dec
 each batch of 64-token prompts, interleaved, `--repeats` times; each entry is the median decode step (ms) of a
 run, and `torch_over_native` the ratio of the best runs. Where it drops below 1 is the crossover that
 `EngineConfig.native_step_max_batch` should sit under on that machine. Prints one JSON object.
+
+The torch engine builds no native step by default (`--torch-limit 0`), and then holds dense fp32 weights as oneDNN's
+packed copies; a serving engine builds one, whose kernels make every weight plain, and its torch path multiplies
+those. `--torch-limit 1` measures that path (batches of 2 and more; batch 1 is then native in both engines).
 """
 
 from __future__ import annotations
@@ -49,12 +53,14 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 16, 32])
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--torch-limit", type=int, default=0, choices=[0, 1],
+                        help="the torch engine's native_step_max_batch (1: weights held as a serving engine holds them)")
     args = parser.parse_args()
     from pagedserve.engine import EngineConfig, LLMEngine
 
     engines = {name: LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
                                             native_step_max_batch=limit, enable_prefix_caching=False))
-               for name, limit in (("native", max(args.batches)), ("torch", 0))}
+               for name, limit in (("native", max(args.batches)), ("torch", args.torch_limit))}
     load_start = os.getloadavg()[0]
     rows = {}
     for batch in args.batches:
@@ -64,7 +70,7 @@ def main() -> None:
                 runs[name].append(round(step_ms(engine, batch, args.tokens, f"{batch}-{rep}"), 2))
         rows[str(batch)] = {**{f"{k}_ms": v for k, v in runs.items()},
                             "torch_over_native": round(min(runs["torch"]) / min(runs["native"]), 3)}
-    print(json.dumps({"cpu": cpu_model(), "dtype": args.dtype, "threads": args.threads,
+    print(json.dumps({"cpu": cpu_model(), "dtype": args.dtype, "threads": args.threads, "torch_limit": args.torch_limit,
                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                       "load_avg_1m": [load_start, os.getloadavg()[0]],
                       "batches": rows}, indent=2))

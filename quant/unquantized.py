@@ -112,8 +112,9 @@ class UnquantizedLinearMethod(LinearMethod):
         embedding's own tensor."""
         from pagedserve.kernels.cpu.native import available
         from pagedserve.quant.dense_layout import can_group, group_rows_in_place
-        from pagedserve.quant.dense_native import dense_native_linear, gemm_isa, plain_weight
-        from pagedserve.quant.native_linear import GROUPED_NATIVE_MAX_BATCH
+        from pagedserve.quant.dense_native import dense_native_linear, gemm_isa, plain_weight, rows_gemm_routed
+        from pagedserve.quant.native_linear import (AVX2_DENSE_FP32_NATIVE_MAX_BATCH, DEFAULT_NATIVE_MAX_BATCH,
+                                                    GROUPED_NATIVE_MAX_BATCH)
 
         weight = layer.weight if layer.weight is not None else layer.packed_weight
         if weight is None or weight.device.type != "cpu" or not available():
@@ -127,7 +128,9 @@ class UnquantizedLinearMethod(LinearMethod):
         if grouped:
             group_rows_in_place(plain)
         if self.weight_dtype is None and not grouped:
-            native = dense_native_linear(plain, layer.bias)
+            fp32_rows = plain.dtype == torch.float32 and rows_gemm_routed()
+            native = dense_native_linear(plain, layer.bias, native_max_batch=AVX2_DENSE_FP32_NATIVE_MAX_BATCH
+                                         if fp32_rows else DEFAULT_NATIVE_MAX_BATCH)
             _route_rows_gemm(layer, plain, native)
             return native
         # Regrouped bf16 weights, or 16-bit weights under fp32 compute: the torch path would turn the whole matrix

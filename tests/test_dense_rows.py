@@ -132,12 +132,20 @@ def test_apply_routes_2_to_256_rows_to_the_kernel(shared: bool) -> None:
 
 @pytest.mark.parametrize("native_step", [0, None], ids=["torch-path", "native-step"])
 def test_fp32_models_greedy_tokens_equal_transformers(tmp_path, native_step):
-    """Four sequences at once: their decode steps' linears take the kernel (where routed), the tied head too."""
+    """Five sequences of 4-12 tokens: decode steps of 5 down to 1 sequences, on the torch path (the kernel where
+    routed, the tied head too) or, with the native step at its own limit (3 where routed), natively below it."""
+    from pagedserve.quant.native_linear import AVX2_DENSE_FP32_NATIVE_MAX_BATCH, DEFAULT_NATIVE_MAX_BATCH
+
     path = make_tiny_model(tmp_path, "LlamaForCausalLM", initializer_range=0.1, tie_word_embeddings=True)
     llm = LLM(str(path), dtype="float32", native_step_max_batch=native_step)
-    prompts = [list(range(100 + 7 * i, 117 + 7 * i)) for i in range(4)]
-    out = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    prompts = [list(range(100 + 7 * i, 117 + 7 * i)) for i in range(5)]
+    lengths = [4 + 2 * i for i in range(5)]
+    out = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths])
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     assert llm.engine.runner.model.lm_head.rows_gemm is not None or not rows_gemm_routed()
-    for prompt, result in zip(prompts, out, strict=True):
-        assert list(result.outputs[0].token_ids) == hf_greedy(hf, prompt, 8)
+    step = llm.engine.runner.native_step
+    if native_step is None and step is not None:
+        routed = rows_gemm_routed()
+        assert step.capacity.max_batch == (AVX2_DENSE_FP32_NATIVE_MAX_BATCH if routed else DEFAULT_NATIVE_MAX_BATCH)
+    for prompt, n, result in zip(prompts, lengths, out, strict=True):
+        assert list(result.outputs[0].token_ids) == hf_greedy(hf, prompt, n)
