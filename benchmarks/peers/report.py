@@ -152,7 +152,8 @@ def header_lines(meta: dict, json_name: str) -> list[str]:
             f"({w['prompt_tokens']} prompt + {w['output_tokens']} output tokens), {origin}, greedy, EOS "
             f"ignored, prefix caching off everywhere; medians of {meta['repeats']} interleaved repetitions; "
             f"{meta['useful_tflop']:.2f} TFLOP of useful work.",
-            f"Measured matmul peak (GFLOP/s, 2048^3, best of torch.mm and oneDNN packed, dtype@threads): {peaks}.",
+            f"Measured matmul peak (GFLOP/s, 2048^3 or smaller where torch.mm is its reference kernel, best of "
+            f"torch.mm and oneDNN packed, dtype@threads): {peaks}.",
             *([f"pagedserve ran `--dtype {meta['pagedserve_dtype']}` in every section; the peers, the section's "
                f"dtype."] if meta.get("pagedserve_dtype") else []),
             ""]
