@@ -62,7 +62,7 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.gemm_rows = _GEMM_ROWS  # the most rows `apply` gives the grouped GEMM (None: no limit)
         layer.gemm_on_amx = False  # the grouped GEMM runs on AMX tiles (its own summation order)
         layer.gemv_rows = _GEMV_ROWS  # the most rows `apply` gives the GEMV (fewer once free_row_bits allows it)
-        layer.rows_gemm = None  # the native GEMM over a plain fp32 weight (`_route_rows_gemm`)
+        layer.rows_gemm = None  # the native GEMM over a plain fp32 weight (`_rows_gemm_takes`)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         # A shared weight (a tied LM head's is the embedding's table, which lookups read) is not packed: the packed
@@ -72,8 +72,10 @@ class UnquantizedLinearMethod(LinearMethod):
         if can_pack(layer.weight) and not layer.weight_shared and self.weight_dtype is None:
             layer.packed_weight = pack_weight(layer.weight)
             layer.weight = None  # the packed copy replaces it: one copy of the weights in memory
-        else:
-            _route_rows_gemm(layer, layer.weight)
+        elif _rows_gemm_takes(layer.weight):
+            from pagedserve.quant.dense_native import dense_native_linear
+
+            layer.rows_gemm = dense_native_linear(layer.weight, layer.bias)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if (layer.rows_gemm is not None and x.dtype == torch.float32
@@ -112,7 +114,7 @@ class UnquantizedLinearMethod(LinearMethod):
         embedding's own tensor."""
         from pagedserve.kernels.cpu.native import available
         from pagedserve.quant.dense_layout import can_group, group_rows_in_place
-        from pagedserve.quant.dense_native import dense_native_linear, gemm_isa, plain_weight, rows_gemm_routed
+        from pagedserve.quant.dense_native import dense_native_linear, gemm_isa, plain_weight
         from pagedserve.quant.native_linear import (AVX2_DENSE_FP32_NATIVE_MAX_BATCH, DEFAULT_NATIVE_MAX_BATCH,
                                                     GROUPED_NATIVE_MAX_BATCH)
 
@@ -128,10 +130,10 @@ class UnquantizedLinearMethod(LinearMethod):
         if grouped:
             group_rows_in_place(plain)
         if self.weight_dtype is None and not grouped:
-            fp32_rows = plain.dtype == torch.float32 and rows_gemm_routed()
+            routed = _rows_gemm_takes(plain)
             native = dense_native_linear(plain, layer.bias, native_max_batch=AVX2_DENSE_FP32_NATIVE_MAX_BATCH
-                                         if fp32_rows else DEFAULT_NATIVE_MAX_BATCH)
-            _route_rows_gemm(layer, plain, native)
+                                         if routed else DEFAULT_NATIVE_MAX_BATCH)
+            layer.rows_gemm = native if routed else None  # the same kernel state: the GEMM reads it too
             return native
         # Regrouped bf16 weights, or 16-bit weights under fp32 compute: the torch path would turn the whole matrix
         # row-major (or fp32) per call, so the GEMV, which reads it once for up to 8 rows, stays ahead through 8
@@ -169,15 +171,12 @@ class UnquantizedLinearMethod(LinearMethod):
         return merged
 
 
-def _route_rows_gemm(layer: nn.Module, weight: torch.Tensor, native: NativeLinear | None = None) -> None:
-    """Gives fp32 calls over a plain fp32 CPU weight to the native GEMM where this build routes them
-    (`rows_gemm_routed`); `native`: the layer's dense_native_linear over that weight, if made already."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
-        return
-    from pagedserve.quant.dense_native import dense_native_linear, rows_gemm_routed
+def _rows_gemm_takes(weight: torch.Tensor) -> bool:
+    """Whether fp32 calls over this plain weight go to the native GEMM (kernels/cpu/dense_rows.c): an fp32 [out, in]
+    CPU weight in a build that routes them (`rows_gemm_routed`)."""
+    from pagedserve.quant.dense_native import rows_gemm_routed
 
-    if rows_gemm_routed():
-        layer.rows_gemm = native or dense_native_linear(weight.contiguous(), layer.bias)
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2 and rows_gemm_routed()
 
 
 class UnquantizedConfig(QuantConfig):

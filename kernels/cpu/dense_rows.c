@@ -78,13 +78,14 @@ static void panels(const DenseLinear *s, const float *xp, int64_t xr, int64_t m0
         const int64_t o0 = u * WR, nw = out - o0 < WR ? out - o0 : WR;
         const float *w[WR];
         for (int n = 0; n < WR; n++) w[n] = (const float *)s->weight + (o0 + (n < nw ? n : nw - 1)) * in;
-        for (int64_t k0 = 0; k0 < in; k0 += K_CHUNK)
+        for (int64_t k0 = 0; k0 < in; k0 += K_CHUNK) {
+            const int64_t kc = in - k0 < K_CHUNK ? in - k0 : K_CHUNK;
             for (int64_t t = 0; t < tiles; t++) {
-                const int64_t kc = in - k0 < K_CHUNK ? in - k0 : K_CHUNK;
                 const float *xt = xp + (m0 / xr + t) * in * xr;
                 if (xr == 16) tile(w, k0, kc, xt, c + t * WR * xr, 2);
                 else tile(w, k0, kc, xt, c + t * WR * xr, 1);
             }
+        }
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t r = m0 + t * xr;
             emit(s, c + t * WR * xr, xr, r, m0 + nr - r < xr ? m0 + nr - r : xr, o0, nw, y);
