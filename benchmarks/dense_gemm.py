@@ -34,7 +34,8 @@ from pagedserve.kernels.cpu import isa  # noqa: E402
 from pagedserve.kernels.cpu.build import library_tier  # noqa: E402
 from pagedserve.kernels.cpu.native import _declare_signatures, load_library  # noqa: E402
 from pagedserve.quant.dense_layout import chunked_linear, group_rows_in_place, grouped_isa  # noqa: E402
-from pagedserve.quant.dense_native import dense_gemm, dense_native_linear, dense_rows_gemm, gemm_isa  # noqa: E402
+from pagedserve.quant.dense_native import (call_native_linear, dense_gemm, dense_native_linear,  # noqa: E402
+                                           dense_rows_gemm, gemm_isa)
 from pagedserve.quant.onednn_dense import can_pack, pack_weight, packed_linear  # noqa: E402
 
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
@@ -42,6 +43,11 @@ SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "dow
           # the default model (SmolLM2-135M: hidden 576, 9 q / 3 kv heads of 64, MLP 1536, vocab 49152, tied head)
           "135m_qkv": (960, 576), "135m_o": (576, 576), "135m_gate_up": (3072, 576), "135m_down": (576, 1536),
           "135m_lm_head": (49152, 576)}
+
+
+# The grouped GEMV (kernels/cpu/dense_grouped.c, what `apply` gives calls of few rows) as a variant up to this many rows.
+GEMV = "GEMV, grouped bf16 weight"
+GEMV_MAX_ROWS = 32
 
 
 def _best(fn, x, repeats: int, clock) -> float:
@@ -74,11 +80,15 @@ def _variants(out: int, n_in: int, compute: torch.dtype, baseline: ctypes.CDLL |
     if compute == torch.float32 and grouped_isa() != "portable":  # what fp32 weights take (kernels/cpu/dense_rows.c)
         rows_native = dense_native_linear(reference, None)
         variants["rows gemm, plain fp32 weight"] = lambda x: dense_rows_gemm(rows_native, x)
+        variants["rows gemm, grouped bf16 weight"] = lambda x: dense_rows_gemm(native, x)
+        variants[GEMV] = lambda x: call_native_linear(native, x)
     if gemm_isa(compute == torch.float32) == "amx":
         variants["grouped gemm, AMX off"] = lambda x: dense_gemm(native, x, allow_amx=False)
     if baseline is not None:
         old = dense_native_linear(grouped, None, x_fp32=compute == torch.float32, lib=baseline)
         variants["grouped gemm, baseline build"] = lambda x: dense_gemm(old, x, lib=baseline)
+        if compute == torch.float32:
+            variants["rows gemm, grouped bf16 weight, baseline build"] = lambda x: dense_rows_gemm(old, x, lib=baseline)
     return variants
 
 
@@ -105,12 +115,13 @@ def main() -> None:
             if name.endswith("lm_head") and rows > args.head_max_rows:
                 continue
             x = torch.randn(rows, n_in).to(compute)
-            for fn in variants.values():
+            active = {v: fn for v, fn in variants.items() if v != GEMV or rows <= GEMV_MAX_ROWS}
+            for fn in active.values():
                 fn(x)  # warm-up: allocator, oneDNN primitive cache
-            best = {v: float("inf") for v in variants}
+            best = {v: float("inf") for v in active}
             for i in range(args.repeats):  # interleaved, the order flipped each round (caches favour no variant)
-                for v in list(variants) if i % 2 == 0 else list(variants)[::-1]:
-                    best[v] = min(best[v], _best(variants[v], x, 1, clock))
+                for v in list(active) if i % 2 == 0 else list(active)[::-1]:
+                    best[v] = min(best[v], _best(active[v], x, 1, clock))
             flops = 2.0 * rows * out * n_in
             results.append({"shape": name, "out": out, "in": n_in, "rows": rows,
                             "ms": {v: round(t * 1e3, 3) for v, t in best.items()},

@@ -89,9 +89,9 @@ def gemm_isa(x_fp32: bool = False, lib: ctypes.CDLL | None = None, allow_amx: bo
 
 
 def rows_gemm_routed() -> bool:
-    """Whether this build's `dense_rows_gemm` takes fp32 calls over plain fp32 weights (quant/unquantized.py): an
-    AVX2 build without AVX-512, where it was measured against torch's sgemm (docs/quantization.md). AVX-512 builds
-    compile and test it but keep torch's, unmeasured against MKL on such a host."""
+    """Whether this build's `dense_rows_gemm` takes fp32 calls over plain fp32 or grouped bf16 weights
+    (quant/unquantized.py): an AVX2 build without AVX-512, where it was measured against torch's sgemm and the
+    grouped GEMM (docs/quantization.md). AVX-512 builds compile and test it but keep those, unmeasured there."""
     from pagedserve.kernels.cpu.native import available
     from pagedserve.quant.dense_layout import grouped_isa
 
@@ -99,14 +99,15 @@ def rows_gemm_routed() -> bool:
 
 
 def dense_rows_gemm(linear: NativeLinear, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """x [rows, in] fp32 (CPU) @ W^T + bias for a `dense_native_linear` over a row-major fp32 weight, at any number
-    of rows (kernels/cpu/dense_rows.c): each output one FMA chain over the inputs in order, whatever `rows`.
+    """x [rows, in] fp32 (CPU) @ W^T + bias for a `dense_native_linear` over a row-major fp32 weight, or over a
+    grouped bf16 one made with x_fp32, at any number of rows (kernels/cpu/dense_rows.c): each output one FMA chain
+    over the inputs in order, whatever `rows` (a grouped bf16 weight: the bits of its fp32 widening's).
     lib: the build `linear` was made with (default: the library's)."""
     x, y = _operands(linear, x, (torch.float32,), "dense rows gemm", "fp32")
     if x.shape[0] == 0:
         return y
     status = (lib or load_library()).pagedserve_dense_rows_gemm(linear.state, x.data_ptr(), x.shape[0], y.data_ptr())
-    _check_status(status, "dense rows gemm", "a row-major fp32 weight")
+    _check_status(status, "dense rows gemm", "a row-major fp32 weight or an x_fp32 grouped bf16 one")
     return y
 
 

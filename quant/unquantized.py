@@ -42,8 +42,13 @@ _GEMM_ROWS = 256
 # the plain weight (kernels/cpu/dense_rows.c), others torch's sgemm. Chosen on the default model's shapes, confirmed
 # on the 1B's (Zen 3, 2 cores: docs/quantization.md): 1.2-4.9x MKL's sgemm at 2-64 rows, 0.95-1.39x at 256,
 # 0.87-1.22x at 512, 0.79-1.02x at 2048; at one row MKL led on the small layers.
-_ROWS_GEMM_MIN = 2
-_ROWS_GEMM_MAX = 256
+_ROWS_GEMM_SPAN = (2, 256)
+# fp32 compute over grouped bf16 weights (`--dtype auto` on a host without bf16 arithmetic) where `rows_gemm_routed`
+# and `free_row_bits`: the same GEMM over the group widened a chunk at a time, which sums in its own order (one
+# chain per output, where the GEMV and the grouped GEMM keep even and odd inputs apart). The GEMV keeps calls up to
+# the span's first row count less one; past its last, `chunked_linear`. Chosen on the default model's shapes,
+# confirmed on the 1B's (Zen 3, 2 cores: docs/quantization.md).
+_GROUPED_ROWS_GEMM_SPAN = (13, 512)
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -62,7 +67,8 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.gemm_rows = _GEMM_ROWS  # the most rows `apply` gives the grouped GEMM (None: no limit)
         layer.gemm_on_amx = False  # the grouped GEMM runs on AMX tiles (its own summation order)
         layer.gemv_rows = _GEMV_ROWS  # the most rows `apply` gives the GEMV (fewer once free_row_bits allows it)
-        layer.rows_gemm = None  # the native GEMM over a plain fp32 weight (`_rows_gemm_takes`)
+        layer.rows_gemm = None  # dense_rows.c's GEMM: over a plain fp32 weight (`_rows_gemm_takes`) or a grouped one
+        layer.rows_gemm_span = _ROWS_GEMM_SPAN  # the row counts `apply` gives it
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         # A shared weight (a tied LM head's is the embedding's table, which lookups read) is not packed: the packed
@@ -78,8 +84,8 @@ class UnquantizedLinearMethod(LinearMethod):
             layer.rows_gemm = dense_native_linear(layer.weight, layer.bias)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if (layer.rows_gemm is not None and x.dtype == torch.float32
-                and _ROWS_GEMM_MIN * x.shape[-1] <= x.numel() <= _ROWS_GEMM_MAX * x.shape[-1]):
+        low, high = layer.rows_gemm_span
+        if layer.rows_gemm is not None and x.dtype == torch.float32 and low * x.shape[-1] <= x.numel() <= high * x.shape[-1]:
             from pagedserve.quant.dense_native import dense_rows_gemm
 
             flat = dense_rows_gemm(layer.rows_gemm, x.reshape(-1, x.shape[-1]))
@@ -149,6 +155,9 @@ class UnquantizedLinearMethod(LinearMethod):
     def free_row_bits(self, layer: nn.Module) -> None:
         if layer.small_batch_gemv is not None and layer.gemm_on_amx:  # AMX sums in its own order
             layer.gemv_rows = _GEMV_ROWS_FREE
+        elif layer.small_batch_gemv is not None and _grouped_rows_gemm_takes(layer.weight, self.weight_dtype):
+            layer.rows_gemm, layer.rows_gemm_span = layer.small_batch_gemv, _GROUPED_ROWS_GEMM_SPAN
+            layer.gemv_rows = _GROUPED_ROWS_GEMM_SPAN[0] - 1
 
     def merge(self, layers: list[nn.Module]) -> nn.Module | None:
         from pagedserve.quant.linear import QuantLinear
@@ -169,6 +178,15 @@ class UnquantizedLinearMethod(LinearMethod):
                     for layer in layers
                 ]))
         return merged
+
+
+def _grouped_rows_gemm_takes(weight: torch.Tensor, weight_dtype: torch.dtype | None) -> bool:
+    """Whether fp32 calls over this grouped bf16 weight of an fp32-compute model may go to the native GEMM
+    (kernels/cpu/dense_rows.c) once no step needs the GEMV's bits: in a build that routes them."""
+    from pagedserve.quant.dense_layout import row_group
+    from pagedserve.quant.dense_native import rows_gemm_routed
+
+    return weight_dtype == torch.bfloat16 and bool(row_group(weight)) and rows_gemm_routed()
 
 
 def _rows_gemm_takes(weight: torch.Tensor) -> bool:
