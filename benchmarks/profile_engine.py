@@ -2,6 +2,7 @@
 
     python benchmarks/profile_engine.py                    # phase breakdown + top torch ops, fp32
     python benchmarks/profile_engine.py --dtype bfloat16 --num-requests 32
+    python benchmarks/profile_engine.py --dtype auto       # the default (fp32 over bf16 weights without bf16 math)
     py-spy record -o /tmp/ps.svg -- python benchmarks/profile_engine.py --no-torch-profiler
 
 Phases are timed by wrapping the engine's own components (scheduler.schedule,
@@ -116,7 +117,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(parser)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-torch-profiler", action="store_true")
     parser.add_argument("--top", type=int, default=25)
