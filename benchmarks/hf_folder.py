@@ -1,7 +1,10 @@
 """The models the benchmarks compare as HF safetensors folders, for the peers that read only those (transformers
 baselines, vLLM, llama.cpp's converter, the GPTQ/AWQ tools). pagedserve itself serves the embedded GGUF as it is;
 this folder holds transformers' own dequantization of the same file, so both sides compute on the same weights
-(tests/test_gguf_models.py checks that pagedserve's GGUF loader gives those very values)."""
+(tests/test_gguf_models.py checks that pagedserve's GGUF loader gives those very values).
+
+    python benchmarks/hf_folder.py [MODEL]              # the fp32 folder's path (made once)
+    python benchmarks/hf_folder.py [MODEL] --bfloat16   # the same weights rounded to bf16, a folder beside it"""
 
 from __future__ import annotations
 
@@ -66,7 +69,36 @@ def _convert(gguf_path: Path, tokenizer_dir: Path, out_dir: Path) -> None:
             shutil.copy2(item, out_dir / item.name)
 
 
+def bf16_folder(model: str | None = None) -> Path:
+    """`hf_folder(model)` with its weights rounded to bf16, cached beside it: a checkpoint as the model hubs ship
+    one (SmolLM2's is bf16), which `--dtype auto` computes in fp32 over the bf16 weights on a host without bf16
+    arithmetic, where the fp32 folder takes the fp32-weight path."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source = hf_folder(model)
+    target = source.with_name(source.name + "-bf16")
+    if (target / "model.safetensors").is_file():
+        return target
+    tmp = Path(tempfile.mkdtemp(prefix=".bf16-", dir=target.parent))
+    try:
+        for item in source.iterdir():
+            if item.is_file() and item.name != "model.safetensors":
+                shutil.copy2(item, tmp / item.name)
+        state = {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(str(source / "model.safetensors")).items()}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = (tmp / "config.json").read_text()
+        (tmp / "config.json").write_text(config.replace('"float32"', '"bfloat16"'))
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 if __name__ == "__main__":
     import sys
 
-    print(hf_folder(sys.argv[1] if len(sys.argv) > 1 else None))
+    args = [a for a in sys.argv[1:] if a != "--bfloat16"]
+    print((bf16_folder if "--bfloat16" in sys.argv else hf_folder)(args[0] if args else None))

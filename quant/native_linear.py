@@ -22,10 +22,11 @@ GROUPED_NATIVE_MAX_BATCH = 8
 VNNI_GROUPED_NATIVE_MAX_BATCH = 16
 DEFAULT_NATIVE_MAX_BATCH = 2
 # Dense fp32 weights in AVX2 builds without AVX-512, whose torch path multiplies them with kernels/cpu/dense_rows.c
-# from 2 rows: the native step (the row-major GEMV) ran ahead at 3 sequences on SmolLM2-135M (1.66x; 1.01x at 8) and
-# a 1B-shaped Llama (1.03x; 0.95x at 4), where the limit was chosen, and on Gemma 3 270M (1.54x at 3, 1.11x at 6,
-# 0.80x at 8), where it was confirmed (Zen 3, 2 cores, `benchmarks/native_step_crossover.py --dtype float32
-# --torch-limit 1`). The larger the model, the sooner the GEMM's FMA tiles beat the GEMV's reads.
+# from 2 rows: the native step (the row-major GEMV) ran ahead at 3 sequences on a 1B-shaped Llama (1.03x; 0.95x at
+# 4), where the limit was chosen, and on Gemma 3 270M (1.54x at 3, 1.11x at 6, 0.80x at 8), where it was confirmed
+# (Zen 3, 2 cores, `benchmarks/native_step_crossover.py --dtype float32 --torch-limit 1`; the run's SmolLM2 row was
+# the embedded GGUF's packed kernels, not fp32 weights). The larger the model, the sooner the GEMM's FMA tiles beat
+# the GEMV's reads.
 AVX2_DENSE_FP32_NATIVE_MAX_BATCH = 3
 
 
