@@ -6,7 +6,8 @@ round in one engine, so both sides share the process, the weights and the minute
     python benchmarks/grouped_rows_ab.py --batches 32 64 --rounds 6    # the default model's bf16 folder
 
 Each batch of 64-token prompts decodes `--tokens` greedy tokens per round, the two settings interleaved (the order
-flipped each round); an entry is a round's median decode step (ms), `off_over_on` the ratio of the best rounds.
+flipped each round); an entry is a round's median decode step (ms, native_step_crossover.step_ms), `off_over_on`
+the ratio of the best rounds.
 Prints one JSON object.
 """
 
@@ -14,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contention import cpu_model  # noqa: E402
 from hf_folder import bf16_folder  # noqa: E402
+from native_step_crossover import step_ms  # noqa: E402
 from pagedserve_runner import make_engine  # noqa: E402
 
 
@@ -37,21 +37,6 @@ def _toggle(engine):
         for layer, (gemm, gemv_rows) in zip(layers, saved, strict=True):
             layer.rows_gemm, layer.gemv_rows = (gemm, gemv_rows) if on else (None, 32)
     return layers, set_on
-
-
-def _step_ms(engine, batch: int, tokens: int, tag: str) -> float:
-    from pagedserve.engine import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"{tag}-{i}", list(range(1000 + i, 1064 + i)), params)
-    engine.step()  # the prefill
-    times = []
-    while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -73,7 +58,7 @@ def main() -> None:
         for r in range(args.rounds):
             for on in (True, False) if r % 2 == 0 else (False, True):
                 set_on(on)
-                runs["on" if on else "off"].append(round(_step_ms(engine, batch, args.tokens, f"{batch}-{r}-{on}"), 1))
+                runs["on" if on else "off"].append(round(step_ms(engine, batch, args.tokens, f"{batch}-{r}-{on}"), 1))
         results[batch] = {**runs, "off_over_on": round(min(runs["off"]) / min(runs["on"]), 3)}
         print(batch, results[batch], file=sys.stderr, flush=True)
     print(json.dumps({"benchmark": "grouped_rows_ab", "cpu": cpu_model(), "model": model, "layers": len(layers),

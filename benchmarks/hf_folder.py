@@ -37,10 +37,16 @@ def _converted(gguf_path: Path, tokenizer_dir: Path, name: str) -> Path:
     if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
         return target
     logger.warning("converting %s into an HF safetensors folder at %s (once)", gguf_path, target)
+    return _written(target, lambda tmp: _convert(gguf_path, tokenizer_dir, tmp))
+
+
+def _written(target: Path, write) -> Path:
+    """`target` made by `write(folder)` in a temporary folder beside it, renamed into place once complete (a run
+    that dies half-way leaves no folder that looks finished)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        _convert(gguf_path, tokenizer_dir, tmp)
+        write(tmp)
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)
@@ -80,8 +86,8 @@ def bf16_folder(model: str | None = None) -> Path:
     target = source.with_name(source.name + "-bf16")
     if (target / "model.safetensors").is_file():
         return target
-    tmp = Path(tempfile.mkdtemp(prefix=".bf16-", dir=target.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         for item in source.iterdir():
             if item.is_file() and item.name != "model.safetensors":
                 shutil.copy2(item, tmp / item.name)
@@ -89,12 +95,7 @@ def bf16_folder(model: str | None = None) -> Path:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config = (tmp / "config.json").read_text()
         (tmp / "config.json").write_text(config.replace('"float32"', '"bfloat16"'))
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return _written(target, write)
 
 
 if __name__ == "__main__":

@@ -85,7 +85,8 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         low, high = layer.rows_gemm_span
-        if layer.rows_gemm is not None and x.dtype == torch.float32 and low * x.shape[-1] <= x.numel() <= high * x.shape[-1]:
+        if (layer.rows_gemm is not None and x.dtype == torch.float32
+                and low * x.shape[-1] <= x.numel() <= high * x.shape[-1]):
             from pagedserve.quant.dense_native import dense_rows_gemm
 
             flat = dense_rows_gemm(layer.rows_gemm, x.reshape(-1, x.shape[-1]))

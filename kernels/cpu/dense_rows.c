@@ -19,7 +19,8 @@
  * time into an input-major fp32 scratch (24 KB, L1), exactly, and the WR-row tiles broadcast from it. Its bits are
  * the plain path's over the weight widened to fp32, not the GEMV's (which keeps even and odd inputs apart): the
  * caller gives it calls only where no step compares rows with one-row steps (quant/unquantized.py). Against the
- * grouped GEMM's weight-as-vector tile (dense_gemm.c): 1.0-1.6x at 64-256 rows on a Zen 3 (docs/quantization.md).
+ * grouped GEMM's weight-as-vector tile (dense_gemm.c) on a Zen 3: 0.93-1.88x per call at 64-256 rows, 1.24x a
+ * 64-sequence decode step (docs/quantization.md, docs/benchmarks.md).
  */
 #include "isa.h"
 #include "dense_linear.h"
