@@ -41,8 +41,8 @@ from pagedserve.kernels.cpu.packed import (FAST_GROUPED_ISAS, FORMATS, MANY_ROW_
                                            PackedMatrix, grouped_isa)
 from pagedserve.quant import gguf_prefill
 from pagedserve.quant.base import LinearMethod, QuantConfig, QuantConfigError
-from pagedserve.quant.native_linear import (DEFAULT_NATIVE_MAX_BATCH, GROUPED_NATIVE_MAX_BATCH, NativeLinear,
-                                           grouped_native_max_batch)
+from pagedserve.quant.native_linear import (AVX2_PACKED_NATIVE_MAX_BATCH, DEFAULT_NATIVE_MAX_BATCH,
+                                           GROUPED_NATIVE_MAX_BATCH, NativeLinear, grouped_native_max_batch)
 from pagedserve.quant.unquantized import UnquantizedLinearMethod
 
 PACKED_MAX_ROWS = 8  # rows the packed kernel serves where its build has no many-row form
@@ -153,7 +153,8 @@ def _grouped_native_limit(packed: PackedMatrix) -> int:
     tiles only, so they keep the 8-lane builds' limit."""
     if packed.qtype in WIDE_GROUPED_FORMATS:
         return GROUPED_NATIVE_MAX_BATCH
-    return grouped_native_max_batch(grouped_isa(packed.lib, packed.qtype))
+    isa = grouped_isa(packed.lib, packed.qtype)
+    return AVX2_PACKED_NATIVE_MAX_BATCH if isa == "avx2" else grouped_native_max_batch(isa)
 
 
 def _dense_companion(layer: nn.Module) -> nn.Module:

@@ -20,6 +20,12 @@ from pagedserve.kernels.cpu.structs import PsLinear
 # layouts: 2, the default.
 GROUPED_NATIVE_MAX_BATCH = 8
 VNNI_GROUPED_NATIVE_MAX_BATCH = 16
+# GGUF's 4/8-bit tiles (Q4_0, Q4_1, Q8_0: kernels/cpu/packed_grouped.c) in AVX2 builds: with `--dtype auto` the
+# native step led the torch path (its panel kernel from 8 rows) at 12 sequences on SmolLM2's Q4_1 (1.45x) and a
+# 1B-shaped Llama's Q4_1 and Q8_0 (1.19x, 1.14x), where the limit was chosen, mixed at 16 (1.38x, 0.97x, 1.11x);
+# confirmed on the 1B shape's Q4_0 (1.08x at 12). Zen 3, 2 cores, `benchmarks/native_step_crossover.py`
+# (docs/benchmarks.md). The GPTQ/AWQ kernel and the K formats keep GROUPED_NATIVE_MAX_BATCH there.
+AVX2_PACKED_NATIVE_MAX_BATCH = 12
 DEFAULT_NATIVE_MAX_BATCH = 2
 # Dense fp32 weights in AVX2 builds without AVX-512, whose torch path multiplies them with kernels/cpu/dense_rows.c
 # from 2 rows: the native step (the row-major GEMV) ran ahead at 3 sequences on a 1B-shaped Llama (1.03x; 0.95x at
