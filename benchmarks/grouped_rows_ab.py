@@ -28,6 +28,7 @@ from pagedserve_runner import make_engine  # noqa: E402
 def _toggle(engine):
     """A function setting the routing on or off in every layer that has it (none: the host takes another path)."""
     from pagedserve.quant.linear import QuantLinear
+    from pagedserve.quant.unquantized import _GEMV_ROWS  # the GEMV's rows with the GEMV's bits kept
 
     layers = [m for m in engine.runner.model.modules() if isinstance(m, QuantLinear)
               and getattr(m, "rows_gemm", None) is not None and getattr(m, "small_batch_gemv", None) is not None]
@@ -35,7 +36,7 @@ def _toggle(engine):
 
     def set_on(on: bool) -> None:
         for layer, (gemm, gemv_rows) in zip(layers, saved, strict=True):
-            layer.rows_gemm, layer.gemv_rows = (gemm, gemv_rows) if on else (None, 32)
+            layer.rows_gemm, layer.gemv_rows = (gemm, gemv_rows) if on else (None, _GEMV_ROWS)
     return layers, set_on
 
 

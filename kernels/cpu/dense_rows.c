@@ -139,17 +139,16 @@ static void groups(const DenseLinear *s, const float *xp, int64_t xr, int64_t m0
     for (int64_t u = u0; u < u1; u++) {
         const int ng = groups_all - u * GU < GU ? (int)(groups_all - u * GU) : GU;
         const int nw = 16 * ng, np = (nw + WR - 1) / WR;
+        const float *w[(GU * DENSE_GROUP_ROWS + WR - 1) / WR][WR];  /* panel j's rows in `wide` (the last repeated) */
+        for (int j = 0; j < np; j++)
+            for (int n = 0; n < WR; n++) w[j][n] = wide + (j * WR + n < nw ? j * WR + n : nw - 1);
         for (int64_t k0 = 0; k0 < in; k0 += GK_CHUNK) {
             const int64_t kc = in - k0 < GK_CHUNK ? in - k0 : GK_CHUNK;
             widen_groups((const uint32_t *)s->weight + u * GU * gwords, gwords, ng, k0, kc, wide);
             for (int64_t t = 0; t < tiles; t++) {
                 const float *xt = xp + ((m0 / xr + t) * in + k0) * xr;
-                for (int j = 0; j < np; j++) {
-                    const float *w[WR];
-                    for (int n = 0; n < WR; n++) w[n] = wide + (j * WR + n < nw ? j * WR + n : nw - 1);
-                    float *ct = c + (t * np + j) * WR * xr;
-                    row_tile(w, 16 * ng, kc, k0 == 0, xt, xr, nr - t * xr, ct);
-                }
+                for (int j = 0; j < np; j++)
+                    row_tile(w[j], 16 * ng, kc, k0 == 0, xt, xr, nr - t * xr, c + (t * np + j) * WR * xr);
             }
         }
         for (int64_t t = 0; t < tiles; t++) {
@@ -180,7 +179,7 @@ int pagedserve_dense_rows_gemm(const void *state, const float *x, int64_t rows, 
     {
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
-        float *c = aligned_alloc(64, (size_t)(block * (unit_rows + WR) * sizeof(float)));
+        float *c = aligned_alloc(64, (size_t)(block * unit_rows * sizeof(float)));  /* a grouped unit: <= 8 panels */
         float *wide = grouped ? aligned_alloc(64, GK_CHUNK * GU * DENSE_GROUP_ROWS * sizeof(float)) : NULL;
         if (!c || (grouped && !wide)) failed = 1;
         else
