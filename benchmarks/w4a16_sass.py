@@ -6,9 +6,10 @@ A decode GEMV that reads weights at copy speed must also issue its instructions 
 30 T lane-instructions a second (132 SMs x 4 schedulers x 32 lanes x ~1.75 GHz) while copy bandwidth (4.2 TB/s)
 brings 8.4 T 4-bit codes, so about 3.5 instructions a code, and less where anything else stalls. This compiles
 quant/w4a16_splitk.py's launches (as the rule runs them, fp16 and 4-bit, with and without the act-order gather, the
-`in_place` variant, and the `half2` one at ONE_ROW's tile and at 1024 columns, 16 a thread, the latter with bf16
-activations too) for sm_90, disassembles them with cuobjdump and prints JSON: per launch, the SASS instructions, the
-4-bit codes one thread handles, their ratio and the most frequent opcodes. Static counts of the straight-line kernel
+`in_place` variant, the `half2` one at ONE_ROW's tile and at 1024 columns, 16 a thread, the latter with bf16
+activations too, and ROWS with and without `pairs`, fp16 and bf16) for sm_90, disassembles them with cuobjdump and
+prints JSON: per launch, the SASS instructions, the 4-bit codes one thread handles, their ratio and the most frequent
+opcodes. Static counts of the straight-line kernel
 (a program runs its K span unrolled, no loop), so they are what each program executes. Counts are not speeds: a
 device run decides.
 """
@@ -40,7 +41,7 @@ def compile_launch(cfg: splitk.SplitKConfig, rows: int, permuted: bool, act: str
     block_m = 1 if rows == 1 else splitk.MAX_ROWS
     constants = dict(BITS=4, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_STEPS=cfg.k_steps,
                      PERMUTED=permuted, DOT_16BIT=True, UNPACK=cfg.unpack, IN_PLACE=cfg.in_place, HALF2=cfg.half2,
-                     LAST=cfg.reduce == "last")
+                     PAIRS=cfg.pairs and rows > 1, LAST=cfg.reduce == "last")
     types = [t.replace("fp16", act) if name in ("x_ptr", "out_ptr") else t for name, t in zip(ARGS, TYPES)]
     signature = {**dict(zip(ARGS, types)), **{name: "constexpr" for name in constants}}
     # The runtime specializes pointers and 16-divisible ints (every stride and width here) as divisible by 16.
@@ -76,12 +77,15 @@ def main() -> int:
     in_place = dataclasses.replace(splitk.ONE_ROW, in_place=True)
     half2 = dataclasses.replace(splitk.ONE_ROW, half2=True)
     half2_wide = dataclasses.replace(half2, block_n=1024)
+    pairs = dataclasses.replace(splitk.ROWS, pairs=True)
     launches = [("one_row_half2", half2, 1, True), ("one_row_half2", half2, 1, False),
                 ("one_row_half2", half2_wide, 1, True), ("one_row_half2", half2_wide, 1, False),
                 ("one_row_half2", half2_wide, 1, True, "bf16"), ("one_row_half2", half2_wide, 1, False, "bf16"),
                 ("one_row", splitk.ONE_ROW, 1, True), ("one_row", splitk.ONE_ROW, 1, False),
                 ("one_row_in_place", in_place, 1, True), ("one_row_in_place", in_place, 1, False),
-                ("rows", splitk.ROWS, 16, True)]
+                ("rows", splitk.ROWS, 16, True), ("rows", splitk.ROWS, 16, False),
+                ("rows_pairs", pairs, 16, True), ("rows_pairs", pairs, 16, False),
+                ("rows_pairs", pairs, 16, True, "bf16"), ("rows_pairs", pairs, 16, False, "bf16")]
     print(json.dumps([launch_row(*launch) for launch in launches], indent=1))
     return 0
 

@@ -12,7 +12,8 @@ exits, so the SMs keep many independent loads in flight (gemlite's reversed spli
   exactly, and subtracting 2^23 + z (one per column) leaves q - z: the zero point costs nothing per weight;
 - one K span lies inside one group, so the scale multiplies the span's sum once;
 - one row multiplies and sums on the CUDA cores in fp32 (`half2`: fp16x2, two codes an instruction, w4a16_half2.py);
-  more rows pad to 16 and go through tl.dot with the integer weights exact in the activation's 16-bit type;
+  more rows pad to 16 and go through tl.dot with the integer weights exact in the activation's 16-bit type (`pairs`:
+  made two at a time by Marlin's trick, w4a16_pairs.py);
 - act-order's permutation is a gather of the activation inside the kernel.
 Partial sums meet in one of two ways (`reduce`): "atomic" adds them into the zeroed output in its own type, fp16
 or fp32 (as exllama's GPTQ kernels do; the summation order varies between runs; bf16 takes "last"), "last" adds
@@ -32,6 +33,7 @@ import triton.language as tl
 from pagedserve.quant.w4a16_half2 import FP16_PAIR_MAGIC, _one_row_half2, half2_takes
 from pagedserve.quant.w4a16_layout import DecodeLayout
 from pagedserve.quant.w4a16_one_row import _codes_minus_zero, _one_row_in_place, _one_row_repeated, _one_row_unpacked
+from pagedserve.quant.w4a16_pairs import _rows_pairs, pairs_takes
 from pagedserve.quant.w4a16_rule import SPLITK_MAX_ROWS as MAX_ROWS  # the tl.dot tile's rows
 from pagedserve.quant.w4a16_triton import INTERPRETED
 
@@ -52,6 +54,7 @@ class SplitKConfig:
     unpack: bool = False  # one row: each word loaded once, its codes taken field by field (not repeated loads)
     in_place: bool = False  # one row: fields masked in place, the activation scaled instead (_one_row_in_place)
     half2: bool = False  # one row, 16-bit activations, 4 bits: two codes an fp16x2 instruction (w4a16_half2.py)
+    pairs: bool = False  # 2-16 rows, 16-bit activations, 4 bits: codes made weights two at a time (w4a16_pairs.py)
 
     def __post_init__(self) -> None:
         pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_n, self.block_k, self.k_steps, self.num_warps))
@@ -65,8 +68,8 @@ class SplitKConfig:
 
     @property
     def name(self) -> str:
-        tail = "".join(t for t, on in (("_unpack", self.unpack), ("_inplace", self.in_place), ("_half2", self.half2))
-                       if on)
+        tail = "".join(t for t, on in (("_unpack", self.unpack), ("_inplace", self.in_place), ("_half2", self.half2),
+                                       ("_pairs", self.pairs)) if on)
         sizes = f"{self.block_n}_{self.block_k}_{self.k_steps}_{self.num_warps}_{self.num_stages}"
         return f"splitk_{sizes}_{self.reduce}{tail}"
 
@@ -117,7 +120,7 @@ def _splitk_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, count
                    stride_xm, stride_qk, stride_sg, magic, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, PERMUTED: tl.constexpr,
                    DOT_16BIT: tl.constexpr, UNPACK: tl.constexpr, IN_PLACE: tl.constexpr, HALF2: tl.constexpr,
-                   LAST: tl.constexpr):
+                   PAIRS: tl.constexpr, LAST: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -127,7 +130,10 @@ def _splitk_kernel(x_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, count
     bias = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32) + 8388608.0
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
-    if BLOCK_M > 1:
+    if BLOCK_M > 1 and PAIRS:
+        acc = _rows_pairs(x_ptr, perm_ptr, qw_ptr, bias - 8388608.0, offs_n, n_ok, k_first, M, K, stride_xm, stride_qk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, K_STEPS, PERMUTED)
+    elif BLOCK_M > 1:
         acc = _rows_dot(x_ptr, perm_ptr, qw_ptr, bias, offs_n, n_ok, k_first, M, K, stride_xm, stride_qk, BITS,
                         BLOCK_M, BLOCK_N, BLOCK_K, K_STEPS, PERMUTED, DOT_16BIT)
     elif HALF2:
@@ -222,11 +228,12 @@ def splitk_gemv(x: torch.Tensor, layout: DecodeLayout, workspace: SplitKWorkspac
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(k, block_k * k_steps))
     dot_16bit = x.dtype == torch.float16 or (x.dtype == torch.bfloat16 and not INTERPRETED)
     half2 = cfg.half2 and half2_takes(x, layout.bits)
+    pairs = cfg.pairs and block_m > 1 and pairs_takes(x, layout.bits)
     _splitk_kernel[grid](
         x, perm if perm is not None else x, layout.qweight, layout.scales, layout.zeros, out,
         workspace.sums if last else out, workspace.counts if last else out, m, n, k, group, x.stride(0),
         layout.qweight.stride(0), layout.scales.stride(0), FP16_PAIR_MAGIC if half2 else MANTISSA_MAGIC,
         BITS=layout.bits, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, K_STEPS=k_steps,
         PERMUTED=perm is not None, DOT_16BIT=dot_16bit, UNPACK=cfg.unpack, IN_PLACE=cfg.in_place, HALF2=half2,
-        LAST=last, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PAIRS=pairs, LAST=last, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

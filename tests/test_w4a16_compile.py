@@ -39,6 +39,9 @@ SPLITK_CASES = (  # activation dtype, rows, bits, act-order gather, SplitKConfig
     ("fp16", 1, 4, False, {"half2": True, "unpack": True, "block_n": 1024}),
     ("fp16", 1, 4, False, {"half2": True, "unpack": True, "block_k": 16, "k_steps": 1}),  # one word per fp16 sum
     ("bf16", 1, 4, True, {"half2": True, "unpack": True, "block_n": 1024}),  # bf16 pairs converted to fp16 per row
+    ("fp16", 16, 4, True, {"pairs": True, "k_steps": 4, "num_warps": 4, "num_stages": 2}),  # ROWS, codes in pairs
+    ("bf16", 16, 4, False, {"pairs": True, "k_steps": 4, "num_warps": 4, "num_stages": 2}),
+    ("bf16", 16, 8, True, {"pairs": True, "k_steps": 4, "num_warps": 4, "num_stages": 2}),  # 8 bits: _rows_dot
 )
 # The half2 variant's issue budget where a thread holds 16 columns (its per-row activation work shared by more
 # codes): sm_90 instructions per 4-bit code, 2.70 without the act-order gather and 3.02 with it when written, bf16
@@ -47,6 +50,10 @@ SPLITK_CASES = (  # activation dtype, rows, bits, act-order gather, SplitKConfig
 # fp16 code takes two.
 HALF2_MAX_PER_CODE = {"fp16": 3.2, "bf16": 3.4}
 HALF2_FP16X2_PER_CODE = (1.0, 1.1)
+# The pairs variant at ROWS's tile: 5.38 sm_90 instructions a code with the act-order gather and 4.91 without when
+# written (ROWS without it: 10.0 and 9.5), 1.6 a code of them making the weights, half a 16-bit pair op each.
+PAIRS_MAX_PER_CODE = 5.8
+PAIRS_PAIR_OPS_PER_CODE = (0.5, 0.6)
 GEMV_CASES = (  # activation dtype, rows, bits, act-order gather, serial reduction
     ("fp16", 1, 4, True, True),
     ("bf16", 4, 8, False, False),
@@ -131,21 +138,23 @@ def compile_splitk(build) -> dict:
         k = build(sk._splitk_kernel, dict(zip(args, types)),
                   dict(BITS=bits, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_STEPS=cfg.k_steps,
                        PERMUTED=permuted, DOT_16BIT=True, UNPACK=cfg.unpack, IN_PLACE=cfg.in_place,
-                       HALF2=cfg.half2, LAST=last),
-                  cfg.num_warps, aligned if cfg.half2 else None)
+                       HALF2=cfg.half2, PAIRS=cfg.pairs and bits == 4 and rows > 1, LAST=last),
+                  cfg.num_warps, aligned if cfg.half2 or cfg.pairs else None)
         ptx = k.asm["ptx"]
         key = f"splitk-{cfg.name}-{x}-{rows}-{bits}-{'gather' if permuted else 'sorted'}"
         out[key] = {
             "shared": k.metadata.shared, "serial": False, "mma": "mma.sync" in ptx,
             "one_thread_atomic": "@%p" in ptx.split("atom.global.gpu.acq_rel.add")[0][-40:] if last else None,
             "int_to_float": "cvt.rn.f32.s32" in ptx or "cvt.rn.f32.u32" in ptx, "block_m": block_m,
-            "half2": cfg.half2, "f16x2": "fma.rn.f16x2" in ptx, "act": x}
-        if cfg.half2:
+            "half2": cfg.half2, "f16x2": "fma.rn.f16x2" in ptx, "act": x,
+            "pairs": cfg.pairs and bits == 4, "prmt": "prmt.b32" in ptx, "bf16x2": "fma.rn.bf16x2" in ptx}
+        if cfg.half2 or out[key]["pairs"]:
             counts = sass_counts(k.asm["cubin"])
             codes = cfg.block_k * cfg.k_steps * cfg.block_n // (32 * cfg.num_warps)  # per thread
             out[key].update(
                 sass_per_code=None if counts is None else sum(counts.values()) / codes,
                 fp16x2_per_code=None if counts is None else (counts.get("HFMA2", 0) + counts.get("HMUL2", 0)) / codes,
+                pair_ops_per_code=None if counts is None else (counts.get("HFMA2", 0) + counts.get("HADD2", 0)) / codes,
                 wide=cfg.block_n // (32 * cfg.num_warps) >= 16 and cfg.k_steps >= 2)
     return out
 
@@ -171,6 +180,11 @@ def test_kernels_compile_for_sm90():
             assert r["sass_per_code"] is None or lo <= r["fp16x2_per_code"] <= hi, (name, r)
             bound = HALF2_MAX_PER_CODE[r["act"]]
             assert r["sass_per_code"] is None or not r["wide"] or r["sass_per_code"] < bound, (name, r)
+        if r.get("pairs"):  # codes made 16-bit weights by permute, logic op and one pair op per two codes
+            assert r["prmt"] and r[{"fp16": "f16x2", "bf16": "bf16x2"}[r["act"]]], name
+            lo, hi = PAIRS_PAIR_OPS_PER_CODE
+            assert r["sass_per_code"] is None or lo <= r["pair_ops_per_code"] <= hi, (name, r)
+            assert r["sass_per_code"] is None or r["sass_per_code"] < PAIRS_MAX_PER_CODE, (name, r)
         assert r["shared"] <= 227 * 1024, name  # an H100's shared memory per block
         if r["serial"]:  # one thread takes the ticket and reads the partials through L2
             assert r["one_thread_atomic"] and r["cg_loads"], name

@@ -8,7 +8,8 @@ targets: >= 2.5 at M = 1 and 16, >= 0.8 at 512 and 2048), `packed_gb_s` (qweight
   the last program per tile);
 - splitk_<settings>: the wide split-K GEMV of quant/w4a16_splitk.py (up to 16 rows) with each launch setting of
   SPLITK_SWEEP (block_n, block_k, k_steps, num_warps, num_stages, reduce[, _unpack: words loaded once; _inplace:
-  fields masked where they lie; _half2: two codes an fp16x2 instruction]);
+  fields masked where they lie; _half2: two codes an fp16x2 instruction; _pairs: 2-16 rows' codes made weights two
+  at a time]);
 - w4a16_decode: the split-K Triton tile kernel forced at every M (partials summed by a second kernel);
   w4a16_decode_serial: the same with the serial reduction (the last program per tile sums; below 64 rows only,
   larger M falls back to the second kernel); w4a16_dense: dequantize once + cuBLAS; w4a16_dense_chunked: the same
@@ -36,13 +37,16 @@ from pagedserve.quant.packing import default_g_idx, pack_awq, pack_cols, pack_ro
 CANDIDATES = ("gemv", "w4a16_decode", "w4a16_decode_serial", "w4a16_dense", "w4a16_dense_chunked",
               "w4a16_dense_chunked_75", "w4a16_rule", "tinygemm_fp16", "tinygemm_bf16", "triton_gemm")
 # The split-K GEMV's launch settings, timed at M = 1 and 16: block_n, block_k, k_steps, num_warps, num_stages,
-# reduce, unpack, in_place[, half2]. The _unpack, _inplace and _half2 ones change only the one-row path, so they run
-# at M = 1 only.
+# reduce, unpack, in_place[, half2[, pairs]]. The _unpack, _inplace and _half2 ones change only the one-row path, so
+# they run at M = 1 only; the _pairs ones only the 2-16-row path, so they run at M = 16 only.
 # quant/w4a16_splitk.py's ONE_ROW and ROWS are the first and the tenth (chosen from the first device run's 15, where
 # one row through tl.dot and the act-order permutation applied before the launch were slower); the _inplace ones mask
 # each field where it lies (4.5-5.5 instructions a code against 5.9-6.3 for ONE_ROW in sm_90 code,
 # benchmarks/w4a16_sass.py); the _half2 ones dequantize and multiply two codes an fp16x2 instruction (2.97-3.47 at
-# ONE_ROW's tile, 2.70-3.02 at 1024 columns; 16-bit activations and 4 bits, others take the fp32 path).
+# ONE_ROW's tile, 2.70-3.02 at 1024 columns; 16-bit activations and 4 bits, others take the fp32 path); the _pairs
+# ones make 2-16 rows' weights two codes at a time by permute, logic op and a pair op (quant/w4a16_pairs.py: 5.38
+# and 4.91 instructions a code with and without the gather at ROWS's tile, against ROWS's 10.0 and 9.5; 4.2 and 3.8
+# with the 64-row steps, 512 codes a thread; 16-bit activations and 4 bits, others take ROWS's path).
 SPLITK_SWEEP = ((512, 32, 2, 2, 1, "last", True, False),
                 (256, 64, 2, 4, 1, "last", True, False),
                 (256, 32, 2, 2, 1, "last", True, False),
@@ -59,7 +63,10 @@ SPLITK_SWEEP = ((512, 32, 2, 2, 1, "last", True, False),
                 (512, 32, 2, 1, 1, "last", True, True),
                 (256, 32, 8, 4, 3, "last", False, False),
                 (512, 32, 2, 2, 1, "last", True, False, True),
-                (1024, 32, 2, 2, 1, "last", True, False, True))
+                (1024, 32, 2, 2, 1, "last", True, False, True),
+                (256, 32, 4, 4, 2, "last", False, False, False, True),
+                (256, 64, 4, 4, 2, "last", False, False, False, True),
+                (256, 32, 2, 4, 2, "last", False, False, False, True))
 
 
 def device_weight(k: int, n: int, group: int, fmt: str, device: str, seed: int) -> GroupQuantWeight:
@@ -130,8 +137,9 @@ def bench_row(fmt: str, w: GroupQuantWeight, prepared: list[tuple], m: int, copy
         if (name.startswith("gemv") and m > GEMV_MAX_ROWS) or (name.startswith("splitk") and m > SPLITK_MAX_ROWS):
             continue  # both GEMVs hold at most 16 rows
         one_row_only = "_unpack" in name or "_inplace" in name or "_half2" in name
+        rows_only = name.endswith("_pairs")
         prefill_only = name == "triton_gemm" or name.startswith("w4a16_dense_chunked")
-        if one_row_only and m > 1 or prefill_only and m <= SPLITK_MAX_ROWS:
+        if one_row_only and m > 1 or rows_only and m == 1 or prefill_only and m <= SPLITK_MAX_ROWS:
             continue  # the same launch as another above one row; triton_gemm's decode rows: 0.03-0.05x twice
         try:
             ms = timed(time_ms, [fns[name] for _, fns in prepared], x_bf16 if name == "tinygemm_bf16" else x)

@@ -1,8 +1,9 @@
 """The Triton interpreter suites' kernel cases, run compiled on the GPU.
 
 tests/test_triton_attention.py, test_triton_decode_attention.py, test_decode_word_tiles.py, test_triton_kv_write.py,
-test_quant_triton.py, test_w4a16.py and test_w4a16_half2.py choose CUDA when it is present; importing their kernel
-tests here collects them under this module's `gpu` mark, so `pytest -m gpu tests/gpu` runs them on the device.
+test_quant_triton.py, test_w4a16.py, test_w4a16_half2.py and test_w4a16_pairs.py choose CUDA when it is present;
+importing their kernel tests here collects them under this module's `gpu` mark, so `pytest -m gpu tests/gpu` runs them
+on the device.
 (Their engine tests need the default model's tokenizer package, which the GPU machine lacks; test_triton_gpu.py and
 e2e_check.py cover the engine there.)
 """
@@ -76,3 +77,4 @@ from test_w4a16_half2 import (  # noqa: E402,F401
     test_splitk_half2_matches_reference,
     test_splitk_half2_takes_the_fp32_path_for_an_activation_two_bytes_off_alignment,
 )
+from test_w4a16_pairs import test_splitk_pairs_matches_reference  # noqa: E402,F401

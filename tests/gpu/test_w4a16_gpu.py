@@ -108,23 +108,25 @@ SPLITK_SHAPES = ((4, 4096, 14336, 128, True), (4, 4160, 96, 128, True), (8, 1056
                  (4, 14336, 4096, 128, False))
 
 
-@pytest.mark.parametrize("index", range(17))
+@pytest.mark.parametrize("index", range(20))
 @pytest.mark.parametrize("m", [1, 16])
 def test_every_benched_splitk_launch_matches_reference(index, m):
     """Each split-K launch the bench times, compiled, at model sizes and odd ones (partial last group, act-order,
-    8-bit, one group, N under one tile), fp16 (and bf16 for the default and the half2 ones): the product of the
-    dense weight."""
+    8-bit, one group, N under one tile), fp16 (and bf16 for the default, the half2 and pairs ones): the product of
+    the dense weight."""
     import bench_w4a16
     from pagedserve.quant import w4a16_splitk
 
-    assert len(bench_w4a16.SPLITK_SWEEP) == 17, "keep this test's range equal to the sweep's length"
+    assert len(bench_w4a16.SPLITK_SWEEP) == 20, "keep this test's range equal to the sweep's length"
     cfg = w4a16_splitk.SplitKConfig(*bench_w4a16.SPLITK_SWEEP[index])
     if m > 1 and (cfg.unpack or cfg.in_place or cfg.half2):
         pytest.skip("the same launch as another setting's above one row")
+    if m == 1 and cfg.pairs:
+        pytest.skip("pairs changes only the 2-16-row path")
     for shape in SPLITK_SHAPES:
         w, dense = weight(*shape)
         kernel = w4a16_kernel.W4A16Kernel(w)
-        for dtype in (torch.float16, torch.bfloat16) if index == 0 or cfg.half2 else (torch.float16,):
+        for dtype in (torch.float16, torch.bfloat16) if index == 0 or cfg.half2 or cfg.pairs else (torch.float16,):
             x = torch.randn(m, w.in_features, generator=torch.Generator().manual_seed(m)).to(dtype).cuda()
             want = x.float() @ (dense.half().float() if dtype == torch.float16 else dense).t()
             # fp16 atomics round every span's partial sum into the fp16 output (up to 224 of them here): the H200

@@ -1,0 +1,114 @@
+"""The split-K GEMV's `pairs` rows variant (quant/w4a16_pairs.py: 4-bit codes made 16-bit weights two at a time for
+tl.dot) against the dequantized fp32 reference under Triton's interpreter, and its PTX run instruction by instruction
+by a small emulator of the five PTX instructions it uses (the interpreter cannot run PTX; tests/test_w4a16_compile.py
+checks the machine code it becomes, tests/gpu/test_w4a16_gpu.py runs it on a device through the bench sweep).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from quant_fixtures import random_weight
+
+from test_w4a16 import DEVICE, TOLERANCE, _on
+
+w4a16_kernel = pytest.importorskip("pagedserve.quant.w4a16_kernel", reason="triton is not installed")
+
+
+@pytest.mark.parametrize("bits,k,n,group,act_order", [
+    (4, 320, 72, 64, True), (4, 200, 40, -1, False), (4, 208, 96, 48, True), (8, 208, 96, 32, True),
+    (4, 1024, 24, 128, False)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_splitk_pairs_matches_reference(bits, k, n, group, act_order, dtype):
+    """2-16 rows with the codes made weights two at a time: act-order, partial and odd groups (48: 16-row spans, two
+    words a step), one group, N under one tile; 8 bits and fp32 take `_rows_dot`. The weights are exact integers, so
+    the only error is the activation's 16-bit rounding and the fp32 sums: within the tolerance of the other paths."""
+    from pagedserve.quant import w4a16_splitk
+
+    w = random_weight(k, n, bits, group, act_order, seed=k + n + bits)
+    kernel = w4a16_kernel.W4A16Kernel(_on(w, DEVICE))
+    dense = w.dequantize(torch.float32)
+    for m in (2, 7, 16):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+        ref = x.float() @ dense.t()
+        for block_n in (32, 64):
+            cfg = w4a16_splitk.SplitKConfig(block_n=block_n, k_steps=4, num_warps=4, pairs=True)
+            y = kernel.splitk(x.to(DEVICE), cfg).float().cpu()
+            err = (y - ref).abs().max().item()
+            assert err <= TOLERANCE[dtype] * ref.abs().max().item(), (m, block_n, err)
+    assert not kernel.workspace().sums.any() and not kernel.workspace().counts.any()
+
+
+def test_pairs_is_taken_for_16bit_activations_and_4bit_codes_only():
+    from pagedserve.quant.w4a16_pairs import pairs_takes
+    from pagedserve.quant.w4a16_splitk import SplitKConfig
+
+    x = torch.zeros(4, 64)
+    assert pairs_takes(x.half(), 4) and pairs_takes(x.bfloat16(), 4)
+    assert not pairs_takes(x, 4) and not pairs_takes(x.half(), 8)
+    assert SplitKConfig(pairs=True).name.endswith("_pairs")
+
+
+def _f16x2(bits: int, dtype: torch.dtype) -> torch.Tensor:
+    halves = torch.tensor([bits & 0xFFFF, bits >> 16], dtype=torch.int32).to(torch.int16)
+    return halves.view(dtype).double()
+
+
+def _pack(values: torch.Tensor, dtype: torch.dtype) -> int:
+    lo, hi = (int(h) & 0xFFFF for h in values.to(dtype).view(torch.int16))
+    return lo | hi << 16
+
+
+def _run_ptx(ptx: str, regs: dict[str, int], dtype: torch.dtype) -> dict[str, float]:
+    """Executes the PTX's shr, prmt, lop3, fma.rn.{f16x2,bf16x2} and mov.b32 (a value, or {lo, hi}) on 32-bit
+    integers."""
+    out: dict[str, float] = {}
+
+    def val(tok: str) -> int:
+        return int(tok, 0) if tok[0].isdigit() else regs[tok]
+
+    for line in ptx.splitlines():
+        op, _, rest = line.strip().rstrip(";").partition(" ")
+        args = [a.strip() for a in rest.split(",")] if rest else []
+        if op == "shr.u32":
+            regs[args[0]] = val(args[1]) >> val(args[2])
+        elif op == "prmt.b32":
+            pool = (val(args[1]) | val(args[2]) << 32).to_bytes(8, "little")
+            sel = val(args[3])
+            regs[args[0]] = int.from_bytes(bytes(pool[(sel >> 4 * j) & 7] for j in range(4)), "little")
+        elif op == "lop3.b32":
+            assert args[4] == "0xEA", "the emulator knows (a & b) | c only"
+            regs[args[0]] = (val(args[1]) & val(args[2])) | val(args[3])
+        elif op.startswith("fma.rn."):
+            a, b, c = (_f16x2(val(t), dtype) for t in args[1:4])
+            regs[args[0]] = _pack(a * b + c, dtype)  # exact operands: the one rounding is the cast
+        elif op == "mov.b32" and not rest.startswith("{"):
+            regs[args[0]] = val(args[1])
+        elif op == "mov.b32":
+            lo, hi = re.match(r"\{(\$\d+), (\$\d+)\}", rest).groups()
+            pair = _f16x2(regs[args[-1]], dtype)
+            out[lo], out[hi] = float(pair[0]), float(pair[1])
+        else:
+            assert op in ("{", "}", ".reg"), f"unknown PTX op {op!r}"
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pairs_ptx_yields_the_eight_codes_minus_zero_in_k_order(dtype):
+    """The PTX of w4a16_pairs, executed: $0..$7 are codes 0..7 of the word minus z, for random words, every zero
+    point, and the words with every nibble 0 or 15."""
+    from pagedserve.quant import w4a16_pairs
+
+    bf16 = dtype == torch.bfloat16
+    ptx = w4a16_pairs._pairs_ptx(bf16)
+    base = w4a16_pairs.BF16_MAGIC if bf16 else w4a16_pairs.FP16_MAGIC
+    words = torch.randint(0, 1 << 32, (64,), generator=torch.Generator().manual_seed(5), dtype=torch.int64).tolist()
+    for z in range(16):
+        for word in words + [0, 0xFFFFFFFF, 0x76543210, 0xF0F0F0F0]:
+            regs = {"$8": word, "$9": _pack(torch.tensor([base, base]), dtype),
+                    "$10": _pack(torch.tensor([-(base + z)] * 2), dtype)}
+            got = _run_ptx(ptx, regs, dtype)
+            assert [got[f"${j}"] for j in range(8)] == [((word >> 4 * j) & 15) - z for j in range(8)], (hex(word), z)
