@@ -18,6 +18,7 @@ from pagedserve.quant import tinygemm
 from pagedserve.quant.group_quant import GroupQuantWeight, QLinearKernel
 from pagedserve.quant.w4a16_layout import DecodeLayout, repack
 from pagedserve.quant.w4a16_layout import unsupported_reason as layout_reason
+from pagedserve.quant.w4a16_fused import fused_gemm, fused_takes
 from pagedserve.quant.w4a16_rule import RULE
 from pagedserve.quant.w4a16_gemv import gemv
 from pagedserve.quant.w4a16_splitk import SplitKConfig, SplitKWorkspace, config_for, shared_workspace, splitk_gemv
@@ -80,7 +81,8 @@ class W4A16Kernel(QLinearKernel):
 
     def forward(self, x: torch.Tensor, force: str | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N]; `force` (a w4a16_rule.PATHS name, or "gemv_serial" / "decode_serial" /
-        "splitk_last" / "splitk_atomic" / "dense_chunked[_<percent of L2>]") overrides the rule (tests, bench)."""
+        "splitk_last" / "splitk_atomic" / "dense_chunked[_<percent of L2>]" / "fused", which takes 16-bit rows of
+        4-bit layers and gives others `dense`) overrides the rule (tests, bench)."""
         path = force or RULE.path(x.shape[0], x.dtype, self.small is not None)
         if path == "tinygemm":
             return self.small(x)
@@ -93,7 +95,9 @@ class W4A16Kernel(QLinearKernel):
         if self.perm is not None:
             x = x.index_select(1, self.perm)
         x = x.contiguous()
-        if path == "dense":
+        if path == "fused" and fused_takes(x, self.bits):  # a bench candidate until a device run places it
+            return fused_gemm(x, self.layout())
+        if path in ("dense", "fused"):
             return torch.mm(x, dequantize_t(self.layout(), x.dtype))
         if path.startswith("dense_chunked"):  # "dense_chunked" or "dense_chunked_<percent of L2>" (bench)
             percent = path.removeprefix("dense_chunked").lstrip("_")

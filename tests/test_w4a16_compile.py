@@ -54,6 +54,11 @@ HALF2_FP16X2_PER_CODE = (1.0, 1.1)
 # written (ROWS without it: 10.0 and 9.5), 1.6 a code of them making the weights, half a 16-bit pair op each.
 PAIRS_MAX_PER_CODE = 5.8
 PAIRS_PAIR_OPS_PER_CODE = (0.5, 0.6)
+FUSED_CASES = (  # activation dtype, scales dtype, FusedConfig fields (the bench's two tiles)
+    ("fp16", "fp16", {}),
+    ("bf16", "bf16", {}),
+    ("bf16", "fp16", {"block_m": 64, "num_warps": 4}),  # scales multiplied in fp32
+)
 GEMV_CASES = (  # activation dtype, rows, bits, act-order gather, serial reduction
     ("fp16", 1, 4, True, True),
     ("bf16", 4, 8, False, False),
@@ -103,6 +108,7 @@ def compile_all() -> dict:
             "one_thread_atomic": "@%p" in ptx.split("atom.global.gpu.acq_rel.add")[0][-40:] if serial else None,
             "int_to_float": "cvt.rn.f32.s32" in ptx or "cvt.rn.f32.u32" in ptx}
     out.update(compile_splitk(build))
+    out.update(compile_fused(build))
     build(wt._dequant_kernel, {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "w_ptr": "*bf16", "N": "i32",
                                "K": "i32", "GROUP": "i32", "stride_qk": "i32", "stride_sg": "i32", "stride_wk": "i32"},
           dict(BITS=4, BLOCK_N=64, BLOCK_K=64))
@@ -159,6 +165,26 @@ def compile_splitk(build) -> dict:
     return out
 
 
+def compile_fused(build) -> dict:
+    from pagedserve.quant import w4a16_fused as wf
+
+    args = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "M", "N", "K", "GROUP", "stride_xm", "stride_qk",
+            "stride_sg", "stride_om")
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args) if name != "M"}
+    out = {}
+    for x, scales, fields in FUSED_CASES:
+        cfg = wf.FusedConfig(**fields)
+        types = [f"*{x}", "*i32", f"*{scales}", f"*{scales}", f"*{x}"] + ["i32"] * 8
+        k = build(wf._fused_kernel, dict(zip(args, types)), dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                                                 BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m),
+                  cfg.num_warps, aligned)
+        ptx = k.asm["ptx"]
+        out[f"fused-{cfg.name}-{x}-{scales}"] = {
+            "shared": k.metadata.shared, "serial": False, "fused": True, "prmt": "prmt.b32" in ptx,
+            "tensor_cores": "wgmma" in ptx or "mma.sync" in ptx, "int_to_float": "cvt.rn.f32.s32" in ptx}
+    return out
+
+
 def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-P", str(Path(__file__).resolve())], env=env, capture_output=True,
@@ -167,7 +193,7 @@ def test_kernels_compile_for_sm90():
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == len(CASES) + len(GEMV_CASES) + len(SPLITK_CASES)
+    assert len(results) == len(CASES) + len(GEMV_CASES) + len(SPLITK_CASES) + len(FUSED_CASES)
     for name, r in results.items():
         if name.startswith(("gemv", "splitk")):  # codes become floats through the 2^23 mantissa trick
             assert not r["int_to_float"], name
@@ -180,6 +206,8 @@ def test_kernels_compile_for_sm90():
             assert r["sass_per_code"] is None or lo <= r["fp16x2_per_code"] <= hi, (name, r)
             bound = HALF2_MAX_PER_CODE[r["act"]]
             assert r["sass_per_code"] is None or not r["wide"] or r["sass_per_code"] < bound, (name, r)
+        if r.get("fused"):  # weights made in pairs, multiplied on the tensor cores, no int-to-float conversion
+            assert r["prmt"] and r["tensor_cores"] and not r["int_to_float"], name
         if r.get("pairs"):  # codes made 16-bit weights by permute, logic op and one pair op per two codes
             assert r["prmt"] and r[{"fp16": "f16x2", "bf16": "bf16x2"}[r["act"]]], name
             lo, hi = PAIRS_PAIR_OPS_PER_CODE

@@ -112,3 +112,41 @@ def test_pairs_ptx_yields_the_eight_codes_minus_zero_in_k_order(dtype):
                     "$10": _pack(torch.tensor([-(base + z)] * 2), dtype)}
             got = _run_ptx(ptx, regs, dtype)
             assert [got[f"${j}"] for j in range(8)] == [((word >> 4 * j) & 15) - z for j in range(8)], (hex(word), z)
+
+
+@pytest.mark.parametrize("bits,k,n,group,act_order", [
+    (4, 320, 72, 64, True), (4, 208, 96, 48, True), (4, 200, 40, -1, False), (8, 208, 96, 32, True)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_fused_gemm_matches_reference_and_the_dense_path(bits, k, n, group, act_order, dtype):
+    """The fused prefill GEMM (quant/w4a16_fused.py: weights made in pairs and scaled inside the GEMM) over row tiles
+    and column tiles with ragged edges, act-order (permuted once by the caller), partial, odd (48) and single groups:
+    the dequantized reference within the tolerance, and, its weights being the values `dequantize_t` stores, the
+    dense path's result within the output's own rounding (fp32 sums in another order can round to the neighbouring
+    16-bit value). 8 bits and fp32 are given the dense path."""
+    from pagedserve.quant import w4a16_fused
+
+    w = random_weight(k, n, bits, group, act_order, seed=k + n)
+    kernel = w4a16_kernel.W4A16Kernel(_on(w, DEVICE))
+    dense = w.dequantize(torch.float32)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    ref = x.float() @ dense.t()
+    y = kernel(x.to(DEVICE), force="fused").float().cpu()
+    assert (y - ref).abs().max().item() <= TOLERANCE[dtype] * ref.abs().max().item()
+    if w4a16_fused.fused_takes(x, bits):
+        small = w4a16_fused.FusedConfig(block_m=16, block_n=32, block_k=64, num_warps=4, group_m=2)
+        xs = x.to(DEVICE) if kernel.perm is None else x.to(DEVICE).index_select(1, kernel.perm)
+        y_small = w4a16_fused.fused_gemm(xs, kernel.layout(), small).float().cpu()
+        y_dense = kernel(x.to(DEVICE), force="dense").float().cpu()
+        ulp = 2 * torch.finfo(dtype).eps * ref.abs().max().item()
+        assert (y_small - y_dense).abs().max().item() <= ulp
+        assert (y - y_dense).abs().max().item() <= ulp
+
+
+def test_fused_gemm_refuses_what_it_does_not_take():
+    from pagedserve.quant import w4a16_fused, w4a16_layout
+
+    layout = w4a16_layout.repack(random_weight(64, 16, 8, -1, False))
+    with pytest.raises(ValueError, match="4-bit"):
+        w4a16_fused.fused_gemm(torch.zeros(2, 64, dtype=torch.float16), layout)
+    with pytest.raises(ValueError, match="powers of two"):
+        w4a16_fused.FusedConfig(block_m=48)

@@ -14,7 +14,8 @@ targets: >= 2.5 at M = 1 and 16, >= 0.8 at 512 and 2048), `packed_gb_s` (qweight
   w4a16_decode_serial: the same with the serial reduction (the last program per tile sums; below 64 rows only,
   larger M falls back to the second kernel); w4a16_dense: dequantize once + cuBLAS; w4a16_dense_chunked: the same
   in column chunks of at most half the L2 through one buffer, each multiplied while still in L2 (above 16 rows);
-  w4a16_dense_chunked_75: chunks of three quarters of the L2 (fewer, wider GEMMs);
+  w4a16_dense_chunked_75: chunks of three quarters of the L2 (fewer, wider GEMMs); w4a16_fused / w4a16_fused_64:
+  the weights made in pairs and scaled inside the GEMM (quant/w4a16_fused.py, 128- and 64-row tiles; above 16 rows);
 - w4a16_rule: what the engine runs (RULE decides between the two);
 - tinygemm_fp16: torch's int4 op with the fp16 activations cast to bf16 and back (what an fp16 model pays);
   tinygemm_bf16: the same on bf16 activations (what a bf16 model pays, no casts);
@@ -35,7 +36,10 @@ from pagedserve.quant.w4a16_rule import GEMV_MAX_ROWS, SPLITK_MAX_ROWS
 from pagedserve.quant.packing import default_g_idx, pack_awq, pack_cols, pack_rows, unpack_awq
 
 CANDIDATES = ("gemv", "w4a16_decode", "w4a16_decode_serial", "w4a16_dense", "w4a16_dense_chunked",
-              "w4a16_dense_chunked_75", "w4a16_rule", "tinygemm_fp16", "tinygemm_bf16", "triton_gemm")
+              "w4a16_dense_chunked_75", "w4a16_fused", "w4a16_fused_64", "w4a16_rule", "tinygemm_fp16",
+              "tinygemm_bf16", "triton_gemm")
+# The fused GEMM's second tile: half the rows, so M = 512 makes 2x the programs (256 at 4096 x 4096, against 132 SMs).
+FUSED_64 = (64, 128, 64, 4, 3, 8)
 # The split-K GEMV's launch settings, timed at M = 1 and 16: block_n, block_k, k_steps, num_warps, num_stages,
 # reduce, unpack, in_place[, half2[, pairs]]. The _unpack, _inplace and _half2 ones change only the one-row path, so
 # they run at M = 1 only; the _pairs ones only the 2-16-row path, so they run at M = 16 only.
@@ -87,7 +91,7 @@ def device_weight(k: int, n: int, group: int, fmt: str, device: str, seed: int) 
 
 
 def candidates(w: GroupQuantWeight) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    from pagedserve.quant import tinygemm, triton_gemm, w4a16_kernel, w4a16_splitk
+    from pagedserve.quant import tinygemm, triton_gemm, w4a16_fused, w4a16_kernel, w4a16_splitk
 
     ours = w4a16_kernel.W4A16Kernel(w)
     configs = [w4a16_splitk.SplitKConfig(*c) for c in SPLITK_SWEEP]
@@ -99,6 +103,9 @@ def candidates(w: GroupQuantWeight) -> dict[str, Callable[[torch.Tensor], torch.
            "w4a16_dense": lambda x: ours(x, force="dense"), "w4a16_rule": ours,
            "w4a16_dense_chunked": lambda x: ours(x, force="dense_chunked"),
            "w4a16_dense_chunked_75": lambda x: ours(x, force="dense_chunked_75"),
+           "w4a16_fused": lambda x: ours(x, force="fused"),
+           "w4a16_fused_64": lambda x: w4a16_fused.fused_gemm(x if ours.perm is None else x.index_select(1, ours.perm),
+                                                              ours.layout(), w4a16_fused.FusedConfig(*FUSED_64)),
            "triton_gemm": lambda x: triton_gemm.dequant_gemm(x, w)}
     if tg is not None:
         fns["tinygemm_fp16"] = tg
@@ -138,7 +145,7 @@ def bench_row(fmt: str, w: GroupQuantWeight, prepared: list[tuple], m: int, copy
             continue  # both GEMVs hold at most 16 rows
         one_row_only = "_unpack" in name or "_inplace" in name or "_half2" in name
         rows_only = name.endswith("_pairs")
-        prefill_only = name == "triton_gemm" or name.startswith("w4a16_dense_chunked")
+        prefill_only = name == "triton_gemm" or name.startswith(("w4a16_dense_chunked", "w4a16_fused"))
         if one_row_only and m > 1 or rows_only and m == 1 or prefill_only and m <= SPLITK_MAX_ROWS:
             continue  # the same launch as another above one row; triton_gemm's decode rows: 0.03-0.05x twice
         try:

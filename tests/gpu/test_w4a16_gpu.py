@@ -66,6 +66,29 @@ def test_fused_kernel_at_prefill_sizes(m):
     check(w4a16_kernel.W4A16Kernel(w)(x, force="decode"), x.float() @ dense.t(), TOLERANCE[torch.float16])
 
 
+@pytest.mark.parametrize("bits,k,n,group,act_order", [
+    (4, 4096, 4096, 128, False), (4, 4096, 14336, 128, True), (4, 4160, 96, 128, True), (4, 1056, 72, -1, False)])
+@pytest.mark.parametrize("m", [17, 200, 512])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_pairs_gemm_at_prefill_sizes(bits, k, n, group, act_order, m, dtype):
+    """The fused GEMM of quant/w4a16_fused.py (weights made in pairs inside the GEMM; the bench's w4a16_fused and
+    w4a16_fused_64), both tiles: the dense reference within the tolerance (tests/test_w4a16_pairs.py also holds it to
+    the dense path's result within the output's rounding, under the interpreter)."""
+    import bench_w4a16
+    from pagedserve.quant import w4a16_fused
+
+    w, dense = weight(bits, k, n, group, act_order)
+    if dtype == torch.float16:
+        dense = dense.half().float()
+    kernel = w4a16_kernel.W4A16Kernel(w)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).cuda()
+    want = x.float() @ dense.t()
+    xs = x if kernel.perm is None else x.index_select(1, kernel.perm)
+    for got in (kernel(x, force="fused"),
+                w4a16_fused.fused_gemm(xs, kernel.layout(), w4a16_fused.FusedConfig(*bench_w4a16.FUSED_64))):
+        check(got, want, TOLERANCE[dtype])
+
+
 def test_w4a16_down_projection_shape():
     w, dense = weight(4, 14336, 4096, 128, True)
     x = torch.randn(1, 14336, generator=torch.Generator().manual_seed(1)).half().cuda()
