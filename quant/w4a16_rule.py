@@ -30,6 +30,8 @@ from pagedserve.quant.base import QuantConfigError
 GEMV_MAX_ROWS = 16  # the GEMV's register accumulator holds this many rows (w4a16_gemv.py)
 PATHS = ("splitk", "tinygemm", "gemv", "decode", "dense")
 SPLITK_MAX_ROWS = 16  # the split-K GEMV's tl.dot tile (w4a16_splitk.py)
+# its widest tile (SplitKConfig.block_m), which sizes the shared workspace: 17-64 rows are a bench candidate
+SPLITK_WIDEST_ROWS = 64
 
 
 @dataclass(frozen=True, slots=True)

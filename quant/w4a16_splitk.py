@@ -12,7 +12,8 @@ exits, so the SMs keep many independent loads in flight (gemlite's reversed spli
   exactly, and subtracting 2^23 + z (one per column) leaves q - z: the zero point costs nothing per weight;
 - one K span lies inside one group, so the scale multiplies the span's sum once;
 - one row multiplies and sums on the CUDA cores in fp32 (`half2`: fp16x2, two codes an instruction, w4a16_half2.py);
-  more rows pad to 16 and go through tl.dot with the integer weights exact in the activation's 16-bit type (`pairs`:
+  more rows pad to 16 (or to a 32- or 64-row tile, `block_m`: one launch reading the weights once for 17-64 rows, a
+  bench candidate) and go through tl.dot with the integer weights exact in the activation's 16-bit type (`pairs`:
   made two at a time by Marlin's trick, w4a16_pairs.py);
 - act-order's permutation is a gather of the activation inside the kernel.
 Partial sums meet in one of two ways (`reduce`): "atomic" adds them into the zeroed output in its own type, fp16
@@ -34,7 +35,8 @@ from pagedserve.quant.w4a16_half2 import FP16_PAIR_MAGIC, _one_row_half2, half2_
 from pagedserve.quant.w4a16_layout import DecodeLayout
 from pagedserve.quant.w4a16_one_row import _codes_minus_zero, _one_row_in_place, _one_row_repeated, _one_row_unpacked
 from pagedserve.quant.w4a16_pairs import _rows_pairs, pairs_takes
-from pagedserve.quant.w4a16_rule import SPLITK_MAX_ROWS as MAX_ROWS  # the tl.dot tile's rows
+from pagedserve.quant.w4a16_rule import SPLITK_MAX_ROWS as MAX_ROWS  # the default tl.dot tile's rows
+from pagedserve.quant.w4a16_rule import SPLITK_WIDEST_ROWS as WIDEST_ROWS
 from pagedserve.quant.w4a16_triton import INTERPRETED
 
 REDUCES = ("atomic", "last")
@@ -55,6 +57,7 @@ class SplitKConfig:
     in_place: bool = False  # one row: fields masked in place, the activation scaled instead (_one_row_in_place)
     half2: bool = False  # one row, 16-bit activations, 4 bits: two codes an fp16x2 instruction (w4a16_half2.py)
     pairs: bool = False  # 2-16 rows, 16-bit activations, 4 bits: codes made weights two at a time (w4a16_pairs.py)
+    block_m: int = MAX_ROWS  # rows of the tl.dot tile above one row (16, 32 or 64): the launch takes up to this many
 
     def __post_init__(self) -> None:
         pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_n, self.block_k, self.k_steps, self.num_warps))
@@ -63,6 +66,8 @@ class SplitKConfig:
                              "block_n and block_k >= 16")
         if self.reduce not in REDUCES:
             raise ValueError(f"reduce {self.reduce!r} is not one of {REDUCES}")
+        if self.block_m not in (16, 32, WIDEST_ROWS):
+            raise ValueError(f"{self}: block_m must be 16, 32 or {WIDEST_ROWS}")
         if self.half2 and self.in_place:
             raise ValueError("half2 and in_place are two one-row variants: choose one")
 
@@ -70,6 +75,7 @@ class SplitKConfig:
     def name(self) -> str:
         tail = "".join(t for t, on in (("_unpack", self.unpack), ("_inplace", self.in_place), ("_half2", self.half2),
                                        ("_pairs", self.pairs)) if on)
+        tail += f"_m{self.block_m}" if self.block_m != MAX_ROWS else ""
         sizes = f"{self.block_n}_{self.block_k}_{self.k_steps}_{self.num_warps}_{self.num_stages}"
         return f"splitk_{sizes}_{self.reduce}{tail}"
 
@@ -185,11 +191,11 @@ def sums_last(cfg: SplitKConfig, dtype: torch.dtype) -> bool:
 
 class SplitKWorkspace:
     """The "last" reduction's fp32 sums and per-tile counters, zero between calls (the kernel leaves them so); sized
-    for MAX_ROWS rows and the narrowest tile of `columns` outputs."""
+    for the widest tile's rows (WIDEST_ROWS) and the narrowest tile of `columns` outputs."""
 
     def __init__(self, columns: int, device: torch.device):
         self.columns = columns
-        self.sums = torch.zeros(MAX_ROWS * columns, dtype=torch.float32, device=device)
+        self.sums = torch.zeros(WIDEST_ROWS * columns, dtype=torch.float32, device=device)
         self.counts = torch.zeros(-(-columns // 16), dtype=torch.int32, device=device)
 
 
@@ -198,8 +204,8 @@ _SHARED: dict[tuple[str, int | None], SplitKWorkspace] = {}
 
 def shared_workspace(columns: int, device: torch.device) -> SplitKWorkspace:
     """The device's one workspace, grown to `columns` if narrower. Layers run one after another on one stream and
-    each call leaves the workspace zero, so all of a model's layers share it (64 bytes a column of the widest: 0.9 MB
-    for a 14336-wide layer, where one per layer would take 88 MB on a 4-bit Llama-3-8B). Layers call this at load
+    each call leaves the workspace zero, so all of a model's layers share it (256 bytes a column of the widest: 3.7 MB
+    for a 14336-wide layer, where one per layer would take 350 MB on a 4-bit Llama-3-8B). Layers call this at load
     with their width, so a forward (and a CUDA graph capture) never allocates."""
     key = (device.type, device.index)
     ws = _SHARED.get(key)
@@ -210,19 +216,20 @@ def shared_workspace(columns: int, device: torch.device) -> SplitKWorkspace:
 
 def splitk_gemv(x: torch.Tensor, layout: DecodeLayout, workspace: SplitKWorkspace | None,
                 cfg: SplitKConfig | None = None) -> torch.Tensor:
-    """x [M <= MAX_ROWS, K] (fp16, bf16 or fp32) in the checkpoint's K order -> [M, N] in x.dtype, with `cfg` or
-    the measured launch for M rows. The "last" reduction needs a `workspace` at least N wide (shared_workspace)."""
+    """x [M, K] (fp16, bf16 or fp32) in the checkpoint's K order -> [M, N] in x.dtype, with `cfg` or the measured
+    launch for M rows; M up to the launch's `block_m` (16 for the measured ones). The "last" reduction needs a
+    `workspace` at least N wide (shared_workspace)."""
     m, n, k = x.shape[0], layout.out_features, layout.in_features
-    if not 0 < m <= MAX_ROWS:
-        raise ValueError(f"splitk_gemv takes 1..{MAX_ROWS} rows, got {m}")
     cfg = cfg or config_for(m)
+    if not 0 < m <= cfg.block_m:
+        raise ValueError(f"splitk_gemv takes 1..{cfg.block_m} rows with {cfg.name}, got {m}")
     last = sums_last(cfg, x.dtype)
     if last and (workspace is None or workspace.columns < n):
         raise ValueError(f"the 'last' reduction needs a SplitKWorkspace of at least {n} columns")
     perm = layout.perm
     x = x.contiguous()
     block_k, k_steps = span_for(layout, cfg)
-    block_m = 1 if m == 1 else MAX_ROWS
+    block_m = 1 if m == 1 else cfg.block_m
     group = layout.group_size if layout.group_size < k else k
     out = (torch.empty if last else torch.zeros)(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(k, block_k * k_steps))

@@ -105,6 +105,9 @@ def test_dry_run_stage_details(dry_report):
     for row in one_row:  # every split-K launch of the sweep ran (under the interpreter), none raised
         splitk = {name: c for name, c in row["candidates"].items() if name.startswith("splitk")}
         assert len(splitk) == 17 and all("ms" in c for c in splitk.values()), row
+    for row in (r for r in dry_report["benchmarks"]["w4a16_gemm"] if r["m"] == 32):  # only the 32- and 64-row tiles
+        splitk = {name: c for name, c in row["candidates"].items() if name.startswith("splitk")}
+        assert len(splitk) == 4 and all("ms" in c and name.endswith(("_m32", "_m64")) for name, c in splitk.items())
 
 
 def test_wheel_list_is_pinned_and_agrees_with_pyproject():

@@ -118,17 +118,18 @@ def _sweep_configs():
     return [w4a16_splitk.SplitKConfig(*c) for c in bench_w4a16.SPLITK_SWEEP]
 
 
-@pytest.mark.parametrize("index", range(20))
+@pytest.mark.parametrize("index", range(24))
 def test_every_benched_splitk_launch_matches_reference(index):
     """Each launch setting the device bench times computes the layer's product (and leaves its workspace zero), so
     the fastest can become the default without a correctness question."""
     configs = _sweep_configs()
-    assert len(configs) == 20, "keep this test's range equal to the sweep's length"
+    assert len(configs) == 24, "keep this test's range equal to the sweep's length"
     cfg = configs[index]
     w = random_weight(512, 80, 4, 128, True, seed=21)
     kernel = w4a16_kernel.W4A16Kernel(_on(w, DEVICE))
     dense = w.dequantize(torch.float32)
-    for m, dtype in ((1, torch.float16), (1, torch.float32), (5, torch.float16)):
+    wide = ((cfg.block_m - 3, torch.float16),) if cfg.block_m > 16 else ()  # the rows it is timed at
+    for m, dtype in ((1, torch.float16), (1, torch.float32), (5, torch.float16), *wide):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(dtype)
         ref = x.float() @ dense.t()
         y = kernel.splitk(x.to(DEVICE), cfg).float().cpu()

@@ -42,6 +42,33 @@ def test_splitk_pairs_matches_reference(bits, k, n, group, act_order, dtype):
     assert not kernel.workspace().sums.any() and not kernel.workspace().counts.any()
 
 
+@pytest.mark.parametrize("bits,k,n,group,act_order", [(4, 320, 72, 64, True), (8, 208, 40, -1, False)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_splitk_wide_tiles_match_reference(bits, k, n, group, act_order, dtype):
+    """The 32- and 64-row tiles (the bench's 17-64-row band), with and without pairs, through the one workspace
+    sized for the widest: the reference within the other paths' tolerance, the workspace zero after; more rows than
+    the tile, or another tile height, refused by name."""
+    from pagedserve.quant import w4a16_splitk
+
+    w = random_weight(k, n, bits, group, act_order, seed=k + n + bits + 1)
+    kernel = w4a16_kernel.W4A16Kernel(_on(w, DEVICE))
+    dense = w.dequantize(torch.float32)
+    for m, block_m in ((17, 32), (32, 32), (40, 64), (64, 64)):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+        ref = x.float() @ dense.t()
+        for pairs in (True, False):
+            cfg = w4a16_splitk.SplitKConfig(block_n=32, k_steps=4, num_warps=4, pairs=pairs, block_m=block_m)
+            y = kernel.splitk(x.to(DEVICE), cfg).float().cpu()
+            err = (y - ref).abs().max().item()
+            assert err <= TOLERANCE[dtype] * ref.abs().max().item(), (m, block_m, pairs, err)
+    assert not kernel.workspace().sums.any() and not kernel.workspace().counts.any()
+    with pytest.raises(ValueError, match="1..32 rows"):
+        kernel.splitk(torch.zeros(33, k, dtype=dtype).to(DEVICE), w4a16_splitk.SplitKConfig(block_m=32))
+    with pytest.raises(ValueError, match="block_m"):
+        w4a16_splitk.SplitKConfig(block_m=48)
+    assert w4a16_splitk.SplitKConfig(pairs=True, block_m=64).name.endswith("_pairs_m64")
+
+
 def test_pairs_is_taken_for_16bit_activations_and_4bit_codes_only():
     from pagedserve.quant.w4a16_pairs import pairs_takes
     from pagedserve.quant.w4a16_splitk import SplitKConfig

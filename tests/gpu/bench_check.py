@@ -57,12 +57,12 @@ class Scale:
 
 
 GPU = Scale("cuda", 1 << 30, ((64, 4096), (16, 16384), (1, 32768)), (32, 8, 128), ((4096, 4096), (4096, 14336)),
-            (1, 16, 512, 2048), ((4096, 4096), (4096, 14336), (14336, 4096)), (4096, 14336), 128,
+            (1, 16, 32, 512, 2048), ((4096, 4096), (4096, 14336), (14336, 4096)), (4096, 14336), 128,
             (64, 32, 64), (256, 4), 50)
 # 96 x 64 with 32-row groups: act-order, and a K that splits; tinygemm runs on torch's CPU op.
 # One timed call per path: under Triton's interpreter the numbers are meaningless and nothing compiles, so a
 # warm-up or a median of several calls would only repeat the same interpreted kernel run.
-DRY = Scale("cpu", 1 << 23, ((2, 300), (1, 40)), (4, 2, 16), ((64, 64),), (1, 16), ((96, 64),), (64, 64), 32,
+DRY = Scale("cpu", 1 << 23, ((2, 300), (1, 40)), (4, 2, 16), ((64, 64),), (1, 16, 32), ((96, 64),), (64, 64), 32,
             (2, 8, 3), (64, 2), 1)
 
 

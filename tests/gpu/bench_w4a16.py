@@ -9,7 +9,7 @@ targets: >= 2.5 at M = 1 and 16, >= 0.8 at 512 and 2048), `packed_gb_s` (qweight
 - splitk_<settings>: the wide split-K GEMV of quant/w4a16_splitk.py (up to 16 rows) with each launch setting of
   SPLITK_SWEEP (block_n, block_k, k_steps, num_warps, num_stages, reduce[, _unpack: words loaded once; _inplace:
   fields masked where they lie; _half2: two codes an fp16x2 instruction; _pairs: 2-16 rows' codes made weights two
-  at a time]);
+  at a time; _m32 / _m64: a 32- or 64-row tile, timed at 17 rows to its width]);
 - w4a16_decode: the split-K Triton tile kernel forced at every M (partials summed by a second kernel);
   w4a16_decode_serial: the same with the serial reduction (the last program per tile sums; below 64 rows only,
   larger M falls back to the second kernel); w4a16_dense: dequantize once + cuBLAS; w4a16_dense_chunked: the same
@@ -27,6 +27,7 @@ read comes from HBM as in a decode step over many layers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -50,7 +51,10 @@ FUSED_64 = (64, 128, 64, 4, 3, 8)
 # ONE_ROW's tile, 2.70-3.02 at 1024 columns; 16-bit activations and 4 bits, others take the fp32 path); the _pairs
 # ones make 2-16 rows' weights two codes at a time by permute, logic op and a pair op (quant/w4a16_pairs.py: 5.38
 # and 4.91 instructions a code with and without the gather at ROWS's tile, against ROWS's 10.0 and 9.5; 4.2 and 3.8
-# with the 64-row steps, 512 codes a thread; 16-bit activations and 4 bits, others take ROWS's path).
+# with the 64-row steps, 512 codes a thread; 16-bit activations and 4 bits, others take ROWS's path). The last four
+# are wider tiles (block_m 64 and 32: the _m64 / _m32 names), timed only between 17 rows and their width, the band
+# the rule now gives tinygemm (bf16) or dequantize + cuBLAS (fp16): one split-K launch reads the weights once for up
+# to 64 rows where 17-32 rows cost two ROWS launches or a dense tile.
 SPLITK_SWEEP = ((512, 32, 2, 2, 1, "last", True, False),
                 (256, 64, 2, 4, 1, "last", True, False),
                 (256, 32, 2, 2, 1, "last", True, False),
@@ -70,7 +74,27 @@ SPLITK_SWEEP = ((512, 32, 2, 2, 1, "last", True, False),
                 (1024, 32, 2, 2, 1, "last", True, False, True),
                 (256, 32, 4, 4, 2, "last", False, False, False, True),
                 (256, 64, 4, 4, 2, "last", False, False, False, True),
-                (256, 32, 2, 4, 2, "last", False, False, False, True))
+                (256, 32, 2, 4, 2, "last", False, False, False, True),
+                (128, 32, 4, 4, 2, "last", False, False, False, True, 64),
+                (256, 32, 4, 8, 2, "last", False, False, False, True, 64),
+                (256, 32, 4, 4, 2, "last", False, False, False, True, 32),
+                (128, 32, 4, 4, 2, "last", False, False, False, False, 64))
+
+
+@functools.cache
+def sweep_rows() -> dict[str, tuple[int, int]]:
+    """(fewest, most) rows each SPLITK_SWEEP launch is timed at: the one-row variants at 1, the pairs at 2-16, the
+    rest of the 16-row tiles at every M up to 16, a wider tile from 17 rows to its width."""
+    from pagedserve.quant.w4a16_splitk import SplitKConfig
+
+    def rows(cfg: SplitKConfig) -> tuple[int, int]:
+        if cfg.unpack or cfg.in_place or cfg.half2:
+            return 1, 1
+        if cfg.block_m > SPLITK_MAX_ROWS:
+            return SPLITK_MAX_ROWS + 1, cfg.block_m
+        return (2 if cfg.pairs else 1), SPLITK_MAX_ROWS
+
+    return {cfg.name: rows(cfg) for cfg in (SplitKConfig(*c) for c in SPLITK_SWEEP)}
 
 
 def device_weight(k: int, n: int, group: int, fmt: str, device: str, seed: int) -> GroupQuantWeight:
@@ -141,13 +165,10 @@ def bench_row(fmt: str, w: GroupQuantWeight, prepared: list[tuple], m: int, copy
                  "fp16_ms": round(fp16_ms, 4), "weight_copies": len(prepared), "candidates": {}}
     nbytes = packed_bytes(w)
     for name in prepared[0][1]:
-        if (name.startswith("gemv") and m > GEMV_MAX_ROWS) or (name.startswith("splitk") and m > SPLITK_MAX_ROWS):
-            continue  # both GEMVs hold at most 16 rows
-        one_row_only = "_unpack" in name or "_inplace" in name or "_half2" in name
-        rows_only = name.endswith("_pairs")
+        fewest, most = sweep_rows().get(name, (1, GEMV_MAX_ROWS if name.startswith("gemv") else 1 << 30))
         prefill_only = name == "triton_gemm" or name.startswith(("w4a16_dense_chunked", "w4a16_fused"))
-        if one_row_only and m > 1 or rows_only and m == 1 or prefill_only and m <= SPLITK_MAX_ROWS:
-            continue  # the same launch as another above one row; triton_gemm's decode rows: 0.03-0.05x twice
+        if not fewest <= m <= most or prefill_only and m <= SPLITK_MAX_ROWS:
+            continue  # outside the launch's rows (sweep_rows; the GEMVs hold 16); triton_gemm's decode rows: 0.03-0.05x
         try:
             ms = timed(time_ms, [fns[name] for _, fns in prepared], x_bf16 if name == "tinygemm_bf16" else x)
         except Exception as exc:  # a candidate that cannot run here is reported, the others still run
