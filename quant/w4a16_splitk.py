@@ -56,7 +56,7 @@ class SplitKConfig:
     unpack: bool = False  # one row: each word loaded once, its codes taken field by field (not repeated loads)
     in_place: bool = False  # one row: fields masked in place, the activation scaled instead (_one_row_in_place)
     half2: bool = False  # one row, 16-bit activations, 4 bits: two codes an fp16x2 instruction (w4a16_half2.py)
-    pairs: bool = False  # 2-16 rows, 16-bit activations, 4 bits: codes made weights two at a time (w4a16_pairs.py)
+    pairs: bool = False  # 2+ rows, 16-bit activations, 4 bits: codes made weights two at a time (w4a16_pairs.py)
     block_m: int = MAX_ROWS  # rows of the tl.dot tile above one row (16, 32 or 64): the launch takes up to this many
 
     def __post_init__(self) -> None:
