@@ -144,9 +144,10 @@ def packed_bytes(w: GroupQuantWeight) -> int:
 
 def copies_past_l2(nbytes: int, device: str) -> int:
     """Weight copies a timed call cycles through so that none is still in L2 when it is read again (a decode step
-    reads every layer once, far more than L2 holds); two on CPU, to run the same path."""
+    reads every layer once, far more than L2 holds); one on CPU (the dry run: the same loop over one copy, each
+    interpreted call taking up to a second)."""
     if device != "cuda":
-        return 2
+        return 1
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
     return max(2, -(-2 * l2 // nbytes))
 

@@ -38,7 +38,7 @@ def graphs_case(model: Callable, dtype: str, engine: Callable) -> Callable:
         gen = torch.Generator().manual_seed(11)
         count = scale.graph_prompts
         batch = [torch.randint(3, tiny_models.VOCAB, (int(n),), generator=gen).tolist()
-                 for n in torch.randint(2, 40, (count,), generator=gen)]
+                 for n in torch.randint(2, scale.graph_prompt_len, (count,), generator=gen)]
         max_tokens = [max(1, scale.max_tokens - (5 * i) % scale.max_tokens) for i in range(count)]
         arrivals = [0] * 3 + [2] * (count - 3)
         tokens, record = {}, {"dtype": dtype, "prompts": len(batch), "max_tokens": max_tokens}
