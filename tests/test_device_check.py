@@ -36,7 +36,7 @@ E2E_CASES = {"llama_fp32", "gemma3_fp32", "llama_bf16", "fp8_kv", "constrained",
 SERVER_CHECKS = {"health", "protocols_agree", "concurrent_streams", "cancel_frees_blocks"}
 
 
-# The dry run is one subprocess of 6-7 minutes on a slow 2-core host beside the other worker (the first test using
+# The dry run is one subprocess of 4-7 minutes on a slow 2-core host beside the other worker (the first test using
 # the fixture pays for it): pytest-timeout's 600 s would leave it 1.5x, so the tests that read it get its own limit.
 DRY_RUN_TIMEOUT_S = 1200
 

@@ -58,8 +58,8 @@ class Scale:
 
 
 GPU = Scale("cuda", 1 << 30, ((64, 4096), (16, 16384), (1, 32768)), (0, 1), (32, 8, 128),
-            ((4096, 4096), (4096, 14336)), (1, 16, 32, 512, 2048), ((4096, 4096), (4096, 14336), (14336, 4096)), (4096, 14336), 128,
-            (64, 32, 64), (256, 4), 50)
+            ((4096, 4096), (4096, 14336)), (1, 16, 32, 512, 2048), ((4096, 4096), (4096, 14336), (14336, 4096)),
+            (4096, 14336), 128, (64, 32, 64), (256, 4), 50)
 # 96 x 64 with 32-row groups: act-order, and a K that splits; tinygemm runs on torch's CPU op.
 # One timed call per path: under Triton's interpreter the numbers are meaningless and nothing compiles, so a
 # warm-up or a median of several calls would only repeat the same interpreted kernel run. The attention tile sweep
