@@ -11,9 +11,9 @@ import importlib
 from typing import TYPE_CHECKING
 
 _HOMES = {
-    "AdmittedRequest": "admission", "ChatPrompt": "admission", "EmbeddingRequest": "admission",
-    "GenerationRequest": "admission", "PoolingParams": "pooling",
-    "TextPrompt": "admission", "TokensPrompt": "admission", "AsyncEngine": "async_engine",
+    "AdmittedRequest": "requests", "ChatPrompt": "requests", "EmbeddingRequest": "requests",
+    "GenerationRequest": "requests", "PoolingParams": "pooling",
+    "TextPrompt": "requests", "TokensPrompt": "requests", "AsyncEngine": "async_engine",
     "EngineConfig": "config", "LLM": "llm", "LLMEngine": "llm_engine", "CompletionOutput": "outputs",
     "EngineStats": "outputs", "RequestMetrics": "outputs", "RequestOutput": "outputs",
     "SamplingParams": "sampling_params",
@@ -21,15 +21,15 @@ _HOMES = {
 __all__ = list(_HOMES)
 
 if TYPE_CHECKING:
-    from pagedserve.engine.admission import (
-        AdmittedRequest, ChatPrompt, EmbeddingRequest, GenerationRequest, TextPrompt, TokensPrompt,
-    )
     from pagedserve.engine.async_engine import AsyncEngine
     from pagedserve.engine.config import EngineConfig
     from pagedserve.engine.llm import LLM
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
     from pagedserve.engine.pooling import PoolingParams
+    from pagedserve.engine.requests import (
+        AdmittedRequest, ChatPrompt, EmbeddingRequest, GenerationRequest, TextPrompt, TokensPrompt,
+    )
     from pagedserve.engine.sampling_params import SamplingParams
 
 

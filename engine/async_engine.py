@@ -15,19 +15,17 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from pagedserve.engine.admission import AdmittedRequest, EmbeddingRequest, GenerationRequest
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.core.sequence import now
 from pagedserve.engine.errors import EngineDeadError, PagedServeError
 from pagedserve.engine.kv_events import KvEvent
-from pagedserve.engine.loop_commands import (
-    Abort, AdapterCall, Add, ResetPrefixCache, Sink, put_all, resolve, settle,
-)
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.loop_commands import Abort, AdapterCall, Add, ResetPrefixCache, Sink, put_all, resolve, settle
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
+from pagedserve.engine.requests import AdmittedRequest, EmbeddingRequest, GenerationRequest
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.stream_table import StreamTable
-from pagedserve.engine.core.sequence import now
 
 logger = logging.getLogger(__name__)
 

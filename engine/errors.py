@@ -1,6 +1,10 @@
-"""Typed engine errors. The service maps each class to one gRPC status code."""
+"""Typed engine errors, and their fields renamed to the paths a front end's clients set (`renamed`). The service
+maps each class to one gRPC status code."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 
 class PagedServeError(Exception):
@@ -69,3 +73,30 @@ class AdapterLoadError(InvalidRequestError):
 class AdapterInUseError(PagedServeError):
     """An unload (or a reload under the same name) while requests using the adapter are in flight (gRPC
     FAILED_PRECONDITION, HTTP 409): refused, never breaking them."""
+
+
+@contextmanager
+def renamed(rename: Callable[[str], str]) -> Iterator[None]:
+    """Re-raises a request error under the name the front end's client knows (the class, and so the status, stays)."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        field = rename(exc.field)
+        if field == exc.field:
+            raise
+        raise type(exc)(field, exc.message) from None
+
+
+def field_map(names: dict[str, str]) -> Callable[[str], str]:
+    """A renamer from {admission or SamplingParams field: front-end path}; `name[3].x` follows `name`."""
+
+    def rename(field: str) -> str:
+        head, rest = _split(field)
+        return names[head] + rest if head in names else field
+
+    return rename
+
+
+def _split(field: str) -> tuple[str, str]:
+    cut = min((i for i in (field.find("["), field.find(".")) if i >= 0), default=len(field))
+    return field[:cut], field[cut:]

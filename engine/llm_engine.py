@@ -6,22 +6,21 @@ import dataclasses
 import logging
 from typing import Protocol
 
-from pagedserve.engine.admission import (
-    TOKENS_FIELD, AdmittedRequest, EmbeddingRequest, GenerationRequest, TextPrompt, TokensPrompt, renamed,
-)
+from pagedserve.engine.admission import TOKENS_FIELD
 from pagedserve.engine.build import EngineParts, build_engine
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.lookahead import schedule_ahead
 from pagedserve.engine.core.request_outputs import RequestState, engine_stats, request_output
 from pagedserve.engine.core.scheduler_output import StepUpdate
 from pagedserve.engine.core.sequence import FinishReason, now
-from pagedserve.engine.errors import AdapterLoadError, AdapterNotFoundError, InvalidRequestError
+from pagedserve.engine.errors import AdapterLoadError, AdapterNotFoundError, InvalidRequestError, renamed
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule
 from pagedserve.engine.lora.manager import require
 from pagedserve.engine.lora.weights import LoraWeights
-from pagedserve.engine.runner.launched_step import LaunchedStep
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
 from pagedserve.engine.pooling import PoolingParams
+from pagedserve.engine.requests import AdmittedRequest, EmbeddingRequest, GenerationRequest, TextPrompt, TokensPrompt
+from pagedserve.engine.runner.launched_step import LaunchedStep
 from pagedserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.engine.admission import AdmittedRequest
 from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.requests import AdmittedRequest
 
 
 @dataclass(frozen=True, slots=True)

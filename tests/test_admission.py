@@ -17,17 +17,12 @@ import pytest
 from chat_templates import QWEN2
 from conftest import make_tiny_model
 from grpc_health.v1._async import HealthServicer
-from service_fixtures import off_main_thread
-from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vgrpc
-
 from pagedserve.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
-from pagedserve.engine.admission import (
-    TRUNCATE_TO_CONTEXT, Admission, ChatPrompt, GenerationRequest, ModelLimits, TextPrompt, TokensPrompt,
-)
+from pagedserve.engine.admission import Admission, ModelLimits
 from pagedserve.engine.errors import CapacityError, InvalidRequestError
 from pagedserve.engine.loading.chat_template import ChatMessage
 from pagedserve.engine.loading.tokenizer import Tokenizer
+from pagedserve.engine.requests import TRUNCATE_TO_CONTEXT, ChatPrompt, GenerationRequest, TextPrompt, TokensPrompt
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.lifecycle import ServingState
 from pagedserve.service.core.metrics import ServiceMetrics
@@ -36,6 +31,9 @@ from pagedserve.service.router.vllm_servicer import VllmEngineServicer
 from pagedserve.service.v1.servicer import GenerationServicer
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generation_service_pb2_grpc
+from service_fixtures import off_main_thread
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vgrpc
 
 CONTEXT = 128
 NEW_TOKENS = 4

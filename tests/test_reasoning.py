@@ -11,17 +11,16 @@ import random
 import re
 
 import pytest
-from structured_fixtures import assert_no_blocks_held, regex
-
 from pagedserve.engine import LLMEngine, SamplingParams
-from pagedserve.engine.admission import ChatPrompt, GenerationRequest, TextPrompt, TokensPrompt
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.sequence import FinishReason
 from pagedserve.engine.errors import ConfigError, InvalidRequestError
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions
 from pagedserve.engine.reasoning import REASONING_FORMATS, ReasoningFormat
+from pagedserve.engine.requests import ChatPrompt, GenerationRequest, TextPrompt, TokensPrompt
 from pagedserve.service.core.thought_reader import ThoughtReader
 from pagedserve.service.openai.openai_reasoning import reasoning_plan
+from structured_fixtures import assert_no_blocks_held, regex
 
 R1 = REASONING_FORMATS.get("deepseek_r1")
 SHOTS = (("What is 2+2?", "<think>2 plus 2 makes 4.</think>The answer is 4."),

@@ -11,12 +11,11 @@ import time
 import pytest
 import requests
 from conftest import make_tiny_model
-from service_fixtures import start_server
-
 from pagedserve.client import Client
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pagedserve.engine.admission import GenerationRequest, TokensPrompt
 from pagedserve.engine.errors import ConfigError, InvalidRequestError
+from pagedserve.engine.requests import GenerationRequest, TokensPrompt
+from service_fixtures import start_server
 
 BLOCK = 16
 

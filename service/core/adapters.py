@@ -8,13 +8,11 @@ folder cannot point the server at any other file.
 
 from __future__ import annotations
 
-from pagedserve.engine.admission import field_map, renamed
-from pagedserve.engine.errors import AdapterLoadError, ConfigError
+from pagedserve.engine.errors import AdapterLoadError, ConfigError, field_map, renamed
 from pagedserve.engine.lora.config import AdapterInfo, LoraConfig, LoraModule, check_adapter_name
 from pagedserve.engine.lora.manager import allowed_path
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.errors import RuntimeUpdatesOffError
-
 
 # The engine's names for the adapter in its errors -> the request fields of both protocols (vLLM's names).
 _ADMIN_FIELDS = field_map({"adapter": "lora_name"})

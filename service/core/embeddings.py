@@ -8,9 +8,9 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pagedserve.engine.admission import AdmittedRequest, EmbeddingRequest, TextPrompt, renamed
-from pagedserve.engine.errors import EngineDeadError
+from pagedserve.engine.errors import EngineDeadError, renamed
 from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.requests import AdmittedRequest, EmbeddingRequest, TextPrompt
 from pagedserve.service.core.admit import admit_off_loop
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.stream import RequestStream

@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from pagedserve.engine import AsyncEngine, EngineConfig, LLMEngine
-from pagedserve.engine.admission import AdmittedRequest, EmbeddingRequest, GenerationRequest
 from pagedserve.engine.async_engine import LoopHost
 from pagedserve.engine.kv_events import KvEvent
 from pagedserve.engine.loading.tokenizer import Tokenizer
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
+from pagedserve.engine.requests import AdmittedRequest, EmbeddingRequest, GenerationRequest
 
 
 class EngineHandle(Protocol):

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedserve.engine.admission import EmbeddingRequest, TextPrompt
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.pooling import PoolingParams
+from pagedserve.engine.requests import EmbeddingRequest, TextPrompt
 from pagedserve.engine.scoring import ScorePairs, check_token_limit
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.embeddings import MAX_INPUTS, embed

@@ -16,8 +16,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pagedserve.engine.admission import AdmittedRequest
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
+from pagedserve.engine.requests import AdmittedRequest
 from pagedserve.service.core.engine_handle import EngineHandle
 from pagedserve.service.core.telemetry import RequestEnd, RequestOrigin, Telemetry, Watch
 

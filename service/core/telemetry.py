@@ -11,8 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.engine.admission import AdmittedRequest
 from pagedserve.engine.outputs import RequestMetrics
+from pagedserve.engine.requests import AdmittedRequest
 from pagedserve.service.core.metrics import ServiceMetrics, durations
 from pagedserve.service.core.request_log import RequestLog
 from pagedserve.service.core.trace_context import TraceContext, trace_context

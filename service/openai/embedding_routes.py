@@ -11,9 +11,9 @@ import time
 import uuid
 from typing import Any
 
-from pagedserve.engine.admission import EmbeddingRequest, TextPrompt, TokensPrompt
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.pooling import PoolingParams
+from pagedserve.engine.requests import EmbeddingRequest, TextPrompt, TokensPrompt
 from pagedserve.service.core.embeddings import MAX_INPUTS, Embedded, embed
 from pagedserve.service.openai.generate_routes import GenerateApi
 from pagedserve.service.openai.http_exchange import Exchange, answer

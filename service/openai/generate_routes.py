@@ -9,9 +9,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from pagedserve.engine.admission import AdmittedRequest, renamed
-from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.errors import InvalidRequestError, renamed
 from pagedserve.engine.reasoning import ReasoningFormat
+from pagedserve.engine.requests import AdmittedRequest
 from pagedserve.service.core.admit import admit_off_loop
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.request_policy import RequestPolicy

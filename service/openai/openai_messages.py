@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagedserve.engine.admission import ChatPrompt, Prompt
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions
+from pagedserve.engine.requests import ChatPrompt, Prompt
 from pagedserve.service.openai.openai_tools import ToolPlan
 
 _TEXT_PART = "text"

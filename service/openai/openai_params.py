@@ -13,12 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.engine.admission import (
-    CHAT_FIELD, TEXT_FIELD, TOKENS_FIELD, TRUNCATE_TO_CONTEXT, AdmittedRequest, GenerationRequest, Prompt,
-    TextPrompt, TokensPrompt, field_map, renamed,
-)
-from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.admission import CHAT_FIELD, TEXT_FIELD, TOKENS_FIELD
+from pagedserve.engine.errors import InvalidRequestError, field_map, renamed
 from pagedserve.engine.reasoning import ReasoningFormat
+from pagedserve.engine.requests import (
+    TRUNCATE_TO_CONTEXT, AdmittedRequest, GenerationRequest, Prompt, TextPrompt, TokensPrompt,
+)
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.service.core.request_policy import RequestPolicy
 from pagedserve.service.openai.openai_constraints import STRUCTURED_PARAMS, RequestedConstraint, requested_constraint

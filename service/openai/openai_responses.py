@@ -8,9 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.engine.admission import AdmittedRequest, TokensPrompt
-from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.core.sequence import TokenLogprob
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.engine.requests import AdmittedRequest, TokensPrompt
 from pagedserve.service.core.thought_reader import ThoughtReader
 from pagedserve.service.openai.openai_params import OpenAIRequest, PromptInput
 from pagedserve.service.openai.openai_prompt_logprobs import EchoLogprobs, vllm_prompt_logprobs

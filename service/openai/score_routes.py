@@ -16,8 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.engine.admission import renamed
-from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.errors import InvalidRequestError, renamed
 from pagedserve.engine.scoring import ScorePairs, check_top_n, ranked
 from pagedserve.service.core.scores import ScoreCall, Scored, score
 from pagedserve.service.openai.embedding_routes import admitted_body, truncate_prompt_tokens

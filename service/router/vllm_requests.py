@@ -11,14 +11,11 @@ from collections.abc import Callable
 
 from google.protobuf import unknown_fields
 from google.protobuf.message import Message
-from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
-
-from pagedserve.engine.admission import (
-    AdmittedRequest, GenerationRequest, Prompt, TextPrompt, TokensPrompt, field_map, renamed,
-)
 from pagedserve.engine.constraint import OutputConstraint, from_oneof
-from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.errors import InvalidRequestError, field_map, renamed
+from pagedserve.engine.requests import AdmittedRequest, GenerationRequest, Prompt, TextPrompt, TokensPrompt
 from pagedserve.engine.sampling_params import SamplingParams
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 SP = "sampling_params"
 # Admission and SamplingParams field -> the vLLM proto field path.

@@ -16,11 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as vpb
-
-from pagedserve.engine.admission import EmbeddingRequest, TokensPrompt
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.request_id import check_request_id
+from pagedserve.engine.requests import EmbeddingRequest, TokensPrompt
 from pagedserve.service.core import rpc_status
 from pagedserve.service.core.admit import admit_off_loop
 from pagedserve.service.core.context import ServingContext
@@ -32,6 +30,8 @@ from pagedserve.service.router.kv_events import KvEventHub
 from pagedserve.service.router.tokenizer_bundle import TokenizerBundle, bundle
 from pagedserve.service.router.vllm_replies import chunk, complete, kv_batch
 from pagedserve.service.router.vllm_requests import admit, constrained_decoding_start, input_chars
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
 _VERSION = f"pagedserve {importlib.metadata.version('pagedserve')}"

@@ -4,9 +4,9 @@ the serving core (service/core/embeddings.py, service/core/scores.py)."""
 
 from __future__ import annotations
 
-from pagedserve.engine.admission import EmbeddingRequest, TextPrompt, TokensPrompt, field_map, renamed
-from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.errors import InvalidRequestError, field_map, renamed
 from pagedserve.engine.pooling import PoolingParams
+from pagedserve.engine.requests import EmbeddingRequest, TextPrompt, TokensPrompt
 from pagedserve.engine.scoring import ScorePairs, ranked
 from pagedserve.service.core.embeddings import MAX_INPUTS, Embedded
 from pagedserve.service.core.scores import ScoreCall, Scored

@@ -9,12 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedserve.engine.admission import (
-    AdmittedRequest, ChatPrompt, GenerationRequest, Prompt, TextPrompt, TokensPrompt, field_map, renamed,
-)
 from pagedserve.engine.constraint import OutputConstraint, from_oneof
-from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.errors import InvalidRequestError, field_map, renamed
 from pagedserve.engine.loading.chat_template import ChatMessage, ChatOptions
+from pagedserve.engine.requests import AdmittedRequest, ChatPrompt, GenerationRequest, Prompt, TextPrompt, TokensPrompt
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.service.core.stream import StreamOptions
 from pagedserve.v1 import generate_pb2 as pb

@@ -8,28 +8,28 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-
-from pagedserve.engine.admission import AdmittedRequest
 from pagedserve.engine.reasoning import REASONING_FORMATS
 from pagedserve.engine.request_id import check_request_id
+from pagedserve.engine.requests import AdmittedRequest
 from pagedserve.service.core import rpc_status
 from pagedserve.service.core.adapters import AdapterAdmin
 from pagedserve.service.core.admit import admit_off_loop
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.embeddings import embed
-from pagedserve.service.core.scores import score
 from pagedserve.service.core.engine_handle import EngineHandle
+from pagedserve.service.core.scores import score
 from pagedserve.service.core.stream import RequestStream
 from pagedserve.service.core.thought_reader import ThoughtReader
 from pagedserve.service.core.wire import parse_request
 from pagedserve.service.v1.adapter_servicer import adapter_message
-from pagedserve.service.v1.embed import (embed_response, embedding_requests, rename, rerank_call, rerank_rename,
-                                        rerank_response)
+from pagedserve.service.v1.embed import (
+    embed_response, embedding_requests, rename, rerank_call, rerank_rename, rerank_response,
+)
 from pagedserve.service.v1.frames import FrameBuilder
 from pagedserve.service.v1.model_info import model_info
 from pagedserve.service.v1.requests import admit, input_chars
-from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import embed_pb2, generation_service_pb2, model_info_pb2, tokenize_pb2
+from pagedserve.v1 import generate_pb2 as pb
 
 # Importing the generated module also registers the service in the descriptor pool that reflection reads.
 SERVICE_NAME = generation_service_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
