@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton_interpreter_patch  # imports nothing of Triton until install()
 
 # Triton reads TRITON_INTERPRET when triton.language is first imported (transformers' model classes import it), so
 # the switch is made here, before any test module loads. Without CUDA the Triton kernels run under Triton's CPU
@@ -20,6 +21,10 @@ if not torch.cuda.is_available():
 
 from pagedserve.engine.loading.model_store import ModelSource, resolve_model
 from service_fixtures import server_factory, shared_server  # noqa: F401  (real server processes)
+
+# Triton's interpreter without its redundant nested re-patching (tests/triton_interpreter_patch.py): the same
+# kernels and results for less of the interpreter's own overhead.
+triton_interpreter_patch.install()
 
 
 # pytest-xdist (tests/run.sh) gives each worker whole test files, so a file's module fixtures (servers, engines)

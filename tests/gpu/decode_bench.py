@@ -33,6 +33,7 @@ import torch
 import kernel_timeline
 import step_split
 import tiny_models
+import triton_interpreter_patch  # from tests/, which tiny_models puts on sys.path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "quant_tools"))
 from rtn import quantization_config, quantized_tensors  # noqa: E402
@@ -224,6 +225,7 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--layers", type=int, help="decoder layers (default: 16 on the GPU, Llama-3.2-1B's)")
     args = parser.parse_args()
+    triton_interpreter_patch.install()  # the dry run's interpreter only: a GPU run compiles, and this does nothing
     scale = DRY if args.dry_run else GPU
     if args.layers:
         scale = Scale(**{**asdict(scale), "layers": args.layers})

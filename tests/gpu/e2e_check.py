@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 import tiny_models
+import triton_interpreter_patch  # from tests/, which tiny_models puts on sys.path
 from quant_fixtures import fixture_dir, quant_linears, tool_outputs
 from graphs_case import graphs_case
 from sampling_case import sampling_case
@@ -285,6 +286,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args()
+    triton_interpreter_patch.install()  # the dry run's interpreter only: a GPU run compiles, and this does nothing
     scale = DRY if args.dry_run else GPU
     if scale.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: use --dry-run")
