@@ -13,7 +13,7 @@ More rows (prefill, large decode batches): where the interleaved kernel's build 
 (`MANY_ROW_GROUPED_ISAS`: the int16 builds, every tier with AVX2; kernels/cpu/packed_grouped_panel.c) the
 packed kernel serves every row count and the layer holds nothing else. Where torch's bf16 GEMM outruns it (AMX
 tiles: every format from `gguf_prefill.MIN_ROWS` rows; without AMX, the K formats from 256 rows where the process
-timed it faster, as on Zen 5), long bf16 prefill chunks instead expand the matrix per call into a bf16 scratch
+timed it faster, as on Zen 5, and Q4_K/Q5_K from 128 where that timed faster too, as on Zen 4), long bf16 prefill chunks instead expand the matrix per call into a bf16 scratch
 for that GEMM (quant/gguf_prefill.py): faster there than the int16 dots, and not held. Elsewhere (the
 portable build, a matrix left in the file's layout) with `dense_batches` (the default, `--gguf-weights
 auto`) each such layer also holds its weights expanded once at load in the compute dtype (oneDNN-packed); without it

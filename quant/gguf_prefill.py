@@ -8,9 +8,12 @@ dozen rows on, and dequantizing a matrix from its interleaved tiles costs ~3-7 G
 `MIN_ROWS` rows on the per-call expansion wins (benchmarks/packed_prefill.py --per-call: docs/quantization.md).
 Without AMX the answer depends on the core, not on its flags: on Sapphire Rapids with oneDNN capped at AVX512-BF16
 its bf16 GEMM ran below every packed kernel; on Zen 5 it ran 1.4-2.5x the K formats' 16-lane panel kernel from
-256 rows on (the slowest packed kernel), and about level with the 4/8-bit tiles' kernel. So without AMX a process
-times the two once, on a Q4_K matrix of a 1B model's width at 256 rows (`measured_rule`), and expands only the K
-formats, only from `NO_AMX_MIN_ROWS` rows, only where the expansion was `MARGIN` times faster (logged either way).
+256 rows on (the slowest packed kernel), and about level with the 4/8-bit tiles' kernel; on Zen 4 the panel kernel
+ran Q4_K and Q5_K at ~210 GFLOP/s at every row count and the expansion passed it 1.5-1.6x already at 128 rows,
+where Q6_K's kept level (Zen 5: Q4_K 1.5x at 128 too, Q6_K 1.1x). So without AMX a process times the two once, on a
+Q4_K matrix of a 1B model's width (`measured_rule`): at 256 rows, and the K formats expand from `NO_AMX_MIN_ROWS`
+rows where the expansion was `MARGIN` times faster; then at 128, and Q4_K and Q5_K expand from `EARLY_ROWS` rows
+where it was `MARGIN` times faster there too (logged either way).
 The scratch is a temporary of at most `SLAB_BYTES` (a larger matrix, an LM head, goes in slabs): the heap reuses it
 from call to call (engine/host/allocator.py), and no layer keeps an expanded copy.
 """
@@ -32,6 +35,10 @@ from pagedserve.kernels.cpu.packed import FORMATS, GROUP_ROWS, PackedMatrix, gro
 MIN_ROWS = 64  # with AMX: rows from which the per-call expansion beat the packed kernel on the 1B and SmolLM2 shapes
 NO_AMX_MIN_ROWS = 256  # without: at 128 rows the Q6_K matrices gained 1.1x at best, from 256 on 1.4x and more
 NO_AMX_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})  # the panel kernel's formats; the 4/8-bit tiles' kept up
+# From here the row-major expansion passed the Q4_K/Q5_K panel kernel 1.48-1.63x on Zen 4 (1.15-1.24x at 64: too
+# close to MARGIN for a timing to settle); Q6_K's panel kernel kept level at 128 rows (0.98-1.17x)
+EARLY_ROWS = 128
+EARLY_TYPES = frozenset({"Q4_K", "Q5_K"})
 MARGIN = 1.25  # how much faster the expansion must time, so that timing noise does not flip a host's path
 SLAB_BYTES = 64 << 20  # most bf16 scratch per GEMM: a 1B model's gate_up whole, an LM head in slabs
 log = logging.getLogger("pagedserve.quant")
@@ -39,12 +46,22 @@ log = logging.getLogger("pagedserve.quant")
 
 @dataclass(frozen=True, slots=True)
 class ExpansionRule:
-    """Which calls expand per call: `min_rows` rows or more of a format in `qtypes` (None: every format)."""
+    """Which calls expand per call: `min_rows` rows or more of a format in `qtypes` (None: every format), and the
+    formats in `early_qtypes` from `early_rows` rows already."""
 
     min_rows: int
     qtypes: frozenset[str] | None = None
+    early_rows: int | None = None
+    early_qtypes: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.early_qtypes and (self.early_rows is None or not 0 < self.early_rows < self.min_rows):
+            raise ValueError(f"early_rows must lie in 1..{self.min_rows - 1} for {sorted(self.early_qtypes)}, "
+                             f"got {self.early_rows}")
 
     def covers(self, qtype: str, rows: int) -> bool:
+        if qtype in self.early_qtypes and rows >= self.early_rows:
+            return True
         return rows >= self.min_rows and (self.qtypes is None or qtype in self.qtypes)
 
 
@@ -74,27 +91,44 @@ def settle(packed: PackedMatrix, dtype: torch.dtype) -> None:
 def takes(packed: PackedMatrix, rows: int, dtype: torch.dtype) -> bool:
     """Whether a call of `rows` rows in `dtype` goes through `dequantized_linear`: bf16 compute, a grouped matrix,
     an AVX512-BF16 build of the packed library, and this host's rule covering the call."""
-    if rows < MIN_ROWS or dtype != torch.bfloat16 or not packed.row_group or not grouped_bf16_available(packed.lib):
+    if rows < min(MIN_ROWS, EARLY_ROWS) or dtype != torch.bfloat16 or not packed.row_group \
+            or not grouped_bf16_available(packed.lib):
         return False
     rule = host_rule(packed.lib)
     return rule is not None and rule.covers(packed.qtype, rows)
 
 
-def measured_rule(lib: ctypes.CDLL, rows: int = NO_AMX_MIN_ROWS, width: int = 2048) -> ExpansionRule | None:
-    """Times the packed kernel and the per-call expansion on a `width` x `width` Q4_K matrix at `rows` rows, taking
-    turns, best of 3 (~0.1 s once per process); the K formats expand from NO_AMX_MIN_ROWS rows where the expansion
-    was MARGIN times faster."""
+def measured_rule(lib: ctypes.CDLL, rows: int = NO_AMX_MIN_ROWS, width: int = 2048,
+                  early_rows: int = EARLY_ROWS) -> ExpansionRule | None:
+    """Times the packed kernel and the per-call expansion on a `width` x `width` Q4_K matrix at `rows` rows and, where
+    the expansion was MARGIN times faster there (the K formats then expand from NO_AMX_MIN_ROWS rows), again at
+    `early_rows` (Q4_K and Q5_K then expand from EARLY_ROWS rows); taking turns, best of 3 (~0.1 s once per
+    process)."""
     matrix = _timing_matrix(lib, width)
-    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    packed_s, expanded_s = _best_times(matrix, rows)
+    if packed_s < MARGIN * expanded_s:
+        log.info("GGUF prefill: a %d x %d Q4_K matrix at %d rows took %.1f ms packed, %.1f ms expanded per call in "
+                 "bf16: every format stays packed", width, width, rows, packed_s * 1e3, expanded_s * 1e3)
+        return None
+    early_packed_s, early_expanded_s = _best_times(matrix, early_rows)
+    early = early_packed_s >= MARGIN * early_expanded_s
+    log.info("GGUF prefill: a %d x %d Q4_K matrix took %.1f / %.1f ms packed / expanded per call in bf16 at %d rows, "
+             "%.1f / %.1f ms at %d: K formats expand from %d rows%s", width, width, packed_s * 1e3, expanded_s * 1e3,
+             rows, early_packed_s * 1e3, early_expanded_s * 1e3, early_rows, NO_AMX_MIN_ROWS,
+             f", {' and '.join(sorted(EARLY_TYPES))} from {EARLY_ROWS}" if early else "")
+    if not early:
+        return ExpansionRule(NO_AMX_MIN_ROWS, NO_AMX_TYPES)
+    return ExpansionRule(NO_AMX_MIN_ROWS, NO_AMX_TYPES, EARLY_ROWS, EARLY_TYPES)
+
+
+def _best_times(matrix: PackedMatrix, rows: int) -> tuple[float, float]:
+    """(packed, expanded) seconds of one call of `rows` rows, best of 3, the two taking turns."""
+    x = torch.randn(rows, matrix.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     packed_s = expanded_s = float("inf")
     for _ in range(3):
         packed_s = min(packed_s, _seconds(lambda: matrix.matmul(x.float())))
         expanded_s = min(expanded_s, _seconds(lambda: dequantized_linear(matrix, x)))
-    pays = packed_s >= MARGIN * expanded_s
-    log.info("GGUF prefill: a %d x %d Q4_K matrix at %d rows took %.1f ms packed, %.1f ms expanded per call in bf16: "
-             "%s", width, width, rows, packed_s * 1e3, expanded_s * 1e3,
-             f"K formats expand from {NO_AMX_MIN_ROWS} rows" if pays else "every format stays packed")
-    return ExpansionRule(NO_AMX_MIN_ROWS, NO_AMX_TYPES) if pays else None
+    return packed_s, expanded_s
 
 
 def _timing_matrix(lib: ctypes.CDLL, width: int) -> PackedMatrix:

@@ -133,20 +133,32 @@ def test_long_chunks_are_dequantized_per_call_where_the_host_rule_says(monkeypat
 
 def test_without_amx_the_k_formats_expand_only_where_the_expansion_timed_faster(monkeypatch):
     """quant/gguf_prefill.measured_rule: the K formats expand from NO_AMX_MIN_ROWS rows where the per-call expansion
-    timed MARGIN times faster than the packed kernel (best of 3 each), else nothing expands; the host's own timing
-    gives one of those two answers."""
+    timed MARGIN times faster than the packed kernel there (best of 3 each), else nothing expands; Q4_K and Q5_K also
+    from EARLY_ROWS rows where it timed MARGIN times faster at those rows too. The host's own timing gives one of
+    those three answers."""
     from pagedserve.quant import gguf_prefill
 
     lib = cpu_packed.build()
     if not cpu_packed.grouped_bf16_available(lib):
         pytest.skip(f"no AVX512-BF16 build here ({isa.host_tier()})")
     expanded = gguf_prefill.ExpansionRule(gguf_prefill.NO_AMX_MIN_ROWS, gguf_prefill.NO_AMX_TYPES)
-    assert gguf_prefill.measured_rule(lib, width=512) in (expanded, None)
+    early = gguf_prefill.ExpansionRule(gguf_prefill.NO_AMX_MIN_ROWS, gguf_prefill.NO_AMX_TYPES,
+                                       gguf_prefill.EARLY_ROWS, gguf_prefill.EARLY_TYPES)
+    assert gguf_prefill.measured_rule(lib, width=512) in (early, expanded, None)
     assert expanded.covers("Q6_K", 256) and not expanded.covers("Q6_K", 255) and not expanded.covers("Q4_0", 4096)
-    for packed_s, expanded_s, rule in ((1.0, 0.79, expanded), (1.0, 0.81, None)):
-        times = iter([packed_s, expanded_s] * 3)
+    rows = gguf_prefill.EARLY_ROWS
+    assert not expanded.covers("Q4_K", rows) and early.covers("Q4_K", rows) and early.covers("Q5_K", rows)
+    assert not early.covers("Q4_K", rows - 1) and not early.covers("Q6_K", rows) and early.covers("Q6_K", 256)
+    assert not early.covers("Q4_0", 4096) and not early.covers("Q5_0", rows)
+    with pytest.raises(ValueError, match="early_rows"):
+        gguf_prefill.ExpansionRule(64, gguf_prefill.NO_AMX_TYPES, 64, gguf_prefill.EARLY_TYPES)
+    # (packed, expanded) seconds at 256 rows, then at EARLY_ROWS where 256 paid
+    for timings, rule in ((((1.0, 0.79), (1.0, 0.79)), early), (((1.0, 0.79), (1.0, 0.81)), expanded),
+                          (((1.0, 0.81),), None)):
+        times = iter([t for pair in timings for t in pair * 3])
         monkeypatch.setattr(gguf_prefill, "_seconds", lambda call: (call(), next(times))[1])
-        assert gguf_prefill.measured_rule(lib, rows=16, width=256) == rule
+        assert gguf_prefill.measured_rule(lib, rows=16, width=256, early_rows=8) == rule
+        assert next(times, None) is None  # no timing taken beyond what the answer needed
     monkeypatch.setattr(gguf_prefill, "host_rule", lambda lib: expanded)
     matrix = cpu_packed.PackedMatrix("Q6_K", torch.zeros(16, 210, dtype=torch.uint8), 256, lib=lib,
                                      row_group=cpu_packed.GROUP_ROWS)
@@ -154,3 +166,9 @@ def test_without_amx_the_k_formats_expand_only_where_the_expansion_timed_faster(
     q4_0 = cpu_packed.PackedMatrix("Q4_0", torch.zeros(16, 18, dtype=torch.uint8), 32, lib=lib,
                                    row_group=cpu_packed.GROUP_ROWS)
     assert not gguf_prefill.takes(q4_0, 4096, torch.bfloat16)
+    monkeypatch.setattr(gguf_prefill, "host_rule", lambda lib: early)
+    q4_k = cpu_packed.PackedMatrix("Q4_K", torch.zeros(16, 144, dtype=torch.uint8), 256, lib=lib,
+                                   row_group=cpu_packed.GROUP_ROWS)
+    assert gguf_prefill.takes(q4_k, rows, torch.bfloat16) and not gguf_prefill.takes(q4_k, rows - 1, torch.bfloat16)
+    assert not gguf_prefill.takes(q4_k, rows, torch.float32)  # fp32 compute stays packed
+    assert gguf_prefill.takes(matrix, 256, torch.bfloat16) and not gguf_prefill.takes(matrix, rows, torch.bfloat16)
