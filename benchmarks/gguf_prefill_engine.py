@@ -5,9 +5,10 @@ per mode and round; rounds interleave the modes so a noisy host's drift hits the
     python benchmarks/gguf_prefill_engine.py --model FILE.gguf --rounds 2 --output results.jsonl
 
 Modes: `auto` (what serves now: packed kernels, per-call bf16 expansion where quant/gguf_prefill.py's host rule
-says: from 64 rows with AMX; without, from 256 rows for the K formats and from 128 for Q4_K/Q5_K where this host
-timed each faster), `auto-k-from-256` (without AMX, the K formats from 256 rows only: the rule before Q4_K/Q5_K's
-128-row step), `auto-packed-only` (the expansion switched off: the packed kernels at every row count) and
+says: from 64 rows with AMX; without, from 256 rows for the K formats and, for Q4_K/Q5_K, from 64 through the
+grouped GEMM or from 128 through the row-major scratch, where this host timed each faster), `auto-k-from-256`
+(without AMX, the K formats from 256 rows only), `auto-row-major-early` (Q4_K/Q5_K's earlier start through the
+row-major scratch only), `auto-packed-only` (the expansion switched off: the packed kernels at every row count) and
 `auto-dense-copy` (each layer also holding its weights expanded at load in the compute dtype for prefill: what
 `auto` did on the AVX-512 tiers before, quant/gguf.py's many-row rule and the expansion switched off).
 """
@@ -23,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("auto", "auto-packed-only", "auto-dense-copy", "auto-k-from-256")
+MODES = ("auto", "auto-packed-only", "auto-dense-copy", "auto-k-from-256", "auto-row-major-early")
 
 
 def _rss() -> int:
@@ -46,6 +47,8 @@ def child(model: str, mode: str, lengths: list[int]) -> dict:
         gguf_prefill.host_rule = lambda lib: None
     elif mode == "auto-k-from-256":
         gguf_prefill.EARLY_TYPES = frozenset()
+    elif mode == "auto-row-major-early":
+        gguf_prefill._grouped_gemm_in_bf16 = lambda: False
     from pagedserve.engine import SamplingParams
     from pagedserve.engine.llm import LLM
 

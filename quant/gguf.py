@@ -13,7 +13,7 @@ More rows (prefill, large decode batches): where the interleaved kernel's build 
 (`MANY_ROW_GROUPED_ISAS`: the int16 builds, every tier with AVX2; kernels/cpu/packed_grouped_panel.c) the
 packed kernel serves every row count and the layer holds nothing else. Where torch's bf16 GEMM outruns it (AMX
 tiles: every format from `gguf_prefill.MIN_ROWS` rows; without AMX, the K formats from 256 rows where the process
-timed it faster, as on Zen 5, and Q4_K/Q5_K from 128 where that timed faster too, as on Zen 4), long bf16 prefill chunks instead expand the matrix per call into a bf16 scratch
+timed it faster, as on Zen 5, and Q4_K/Q5_K from 64 or 128 where that timed faster too, as on Zen 4), long bf16 prefill chunks instead expand the matrix per call into a bf16 scratch
 for that GEMM (quant/gguf_prefill.py): faster there than the int16 dots, and not held. Elsewhere (the
 portable build, a matrix left in the file's layout) with `dense_batches` (the default, `--gguf-weights
 auto`) each such layer also holds its weights expanded once at load in the compute dtype (oneDNN-packed); without it
@@ -83,7 +83,8 @@ class GgufLinearMethod(LinearMethod):
         packed: PackedMatrix = layer.packed
         flat = x.reshape(-1, layer.in_features)
         if gguf_prefill.takes(packed, flat.shape[0], x.dtype):
-            y = gguf_prefill.dequantized_linear(packed, flat.contiguous())
+            rows = flat.shape[0]
+            y = gguf_prefill.dequantized_linear(packed, flat.contiguous(), gguf_prefill.grouped(packed, rows))
         elif flat.shape[0] <= PACKED_MAX_ROWS or serves_every_row_count(packed):
             y = packed.matmul(flat.float().contiguous())
         elif (dense := layer.__dict__.get("dense_copy")) is not None:

@@ -12,8 +12,10 @@ its bf16 GEMM ran below every packed kernel; on Zen 5 it ran 1.4-2.5x the K form
 ran Q4_K and Q5_K at ~210 GFLOP/s at every row count and the expansion passed it 1.5-1.6x already at 128 rows,
 where Q6_K's kept level (Zen 5: Q4_K 1.5x at 128 too, Q6_K 1.1x). So without AMX a process times the two once, on a
 Q4_K matrix of a 1B model's width (`measured_rule`): at 256 rows, and the K formats expand from `NO_AMX_MIN_ROWS`
-rows where the expansion was `MARGIN` times faster; then at 128, and Q4_K and Q5_K expand from `EARLY_ROWS` rows
-where it was `MARGIN` times faster there too (logged either way).
+rows where the expansion was `MARGIN` times faster; then Q4_K and Q5_K's earlier start: from `GROUPED_EARLY_ROWS`
+through this library's grouped GEMM (kernels/cpu/dense_gemm.c, AVX512-BF16 dot products over a scratch in its own
+layout) where that was `MARGIN` times faster at 64 rows, else from `ROW_MAJOR_EARLY_ROWS` where the row-major
+expansion was at 128 (logged either way).
 The scratch is a temporary of at most `SLAB_BYTES` (a larger matrix, an LM head, goes in slabs): the heap reuses it
 from call to call (engine/host/allocator.py), and no layer keeps an expanded copy.
 """
@@ -35,10 +37,12 @@ from pagedserve.kernels.cpu.packed import FORMATS, GROUP_ROWS, PackedMatrix, gro
 MIN_ROWS = 64  # with AMX: rows from which the per-call expansion beat the packed kernel on the 1B and SmolLM2 shapes
 NO_AMX_MIN_ROWS = 256  # without: at 128 rows the Q6_K matrices gained 1.1x at best, from 256 on 1.4x and more
 NO_AMX_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})  # the panel kernel's formats; the 4/8-bit tiles' kept up
-# From here the row-major expansion passed the Q4_K/Q5_K panel kernel 1.48-1.63x on Zen 4 (1.15-1.24x at 64: too
-# close to MARGIN for a timing to settle); Q6_K's panel kernel kept level at 128 rows (0.98-1.17x)
-EARLY_ROWS = 128
+# Q4_K and Q5_K's earlier start (Q6_K's panel kernel kept level at 64-128 rows, 0.76-1.17x). On Zen 4 the scratch in
+# the grouped layout through kernels/cpu/dense_gemm.c passed their panel kernel 1.29-1.59x at 64 rows; the row-major
+# one through torch 1.48-1.63x at 128 rows but only 1.15-1.24x at 64, too close to MARGIN for a timing to settle.
 EARLY_TYPES = frozenset({"Q4_K", "Q5_K"})
+GROUPED_EARLY_ROWS = 64
+ROW_MAJOR_EARLY_ROWS = 128
 MARGIN = 1.25  # how much faster the expansion must time, so that timing noise does not flip a host's path
 SLAB_BYTES = 64 << 20  # most bf16 scratch per GEMM: a 1B model's gate_up whole, an LM head in slabs
 log = logging.getLogger("pagedserve.quant")
@@ -53,6 +57,7 @@ class ExpansionRule:
     qtypes: frozenset[str] | None = None
     early_rows: int | None = None
     early_qtypes: frozenset[str] = frozenset()
+    early_grouped: bool = False  # calls below min_rows expand into the grouped layout for kernels/cpu/dense_gemm.c
 
     def __post_init__(self) -> None:
         if self.early_qtypes and (self.early_rows is None or not 0 < self.early_rows < self.min_rows):
@@ -63,6 +68,10 @@ class ExpansionRule:
         if qtype in self.early_qtypes and rows >= self.early_rows:
             return True
         return rows >= self.min_rows and (self.qtypes is None or qtype in self.qtypes)
+
+    def grouped(self, rows: int) -> bool:
+        """Whether a covered call of `rows` rows takes the grouped scratch (else the row-major one)."""
+        return self.early_grouped and rows < self.min_rows
 
 
 @functools.cache
@@ -91,43 +100,76 @@ def settle(packed: PackedMatrix, dtype: torch.dtype) -> None:
 def takes(packed: PackedMatrix, rows: int, dtype: torch.dtype) -> bool:
     """Whether a call of `rows` rows in `dtype` goes through `dequantized_linear`: bf16 compute, a grouped matrix,
     an AVX512-BF16 build of the packed library, and this host's rule covering the call."""
-    if rows < min(MIN_ROWS, EARLY_ROWS) or dtype != torch.bfloat16 or not packed.row_group \
+    if rows < min(MIN_ROWS, GROUPED_EARLY_ROWS) or dtype != torch.bfloat16 or not packed.row_group \
             or not grouped_bf16_available(packed.lib):
         return False
     rule = host_rule(packed.lib)
     return rule is not None and rule.covers(packed.qtype, rows)
 
 
+def grouped(packed: PackedMatrix, rows: int) -> bool:
+    """For a call `takes` gave here: whether its scratch is the grouped one (`dequantized_linear(..., grouped=)`)."""
+    rule = host_rule(packed.lib)
+    return rule is not None and rule.grouped(rows)
+
+
 def measured_rule(lib: ctypes.CDLL, rows: int = NO_AMX_MIN_ROWS, width: int = 2048,
-                  early_rows: int = EARLY_ROWS) -> ExpansionRule | None:
+                  grouped_rows: int = GROUPED_EARLY_ROWS, row_major_rows: int = ROW_MAJOR_EARLY_ROWS
+                  ) -> ExpansionRule | None:
     """Times the packed kernel and the per-call expansion on a `width` x `width` Q4_K matrix at `rows` rows and, where
-    the expansion was MARGIN times faster there (the K formats then expand from NO_AMX_MIN_ROWS rows), again at
-    `early_rows` (Q4_K and Q5_K then expand from EARLY_ROWS rows); taking turns, best of 3 (~0.1 s once per
-    process)."""
+    the expansion was MARGIN times faster there (the K formats then expand from NO_AMX_MIN_ROWS rows), Q4_K and
+    Q5_K's earlier start (`_early_step`); taking turns, best of 3 (~0.1 s once per process)."""
     matrix = _timing_matrix(lib, width)
     packed_s, expanded_s = _best_times(matrix, rows)
+    timed = f"{packed_s * 1e3:.1f} / {expanded_s * 1e3:.1f} ms packed / expanded at {rows} rows"
     if packed_s < MARGIN * expanded_s:
-        log.info("GGUF prefill: a %d x %d Q4_K matrix at %d rows took %.1f ms packed, %.1f ms expanded per call in "
-                 "bf16: every format stays packed", width, width, rows, packed_s * 1e3, expanded_s * 1e3)
+        log.info("GGUF prefill: a %d x %d Q4_K matrix in bf16 took %s: every format stays packed", width, width, timed)
         return None
-    early_packed_s, early_expanded_s = _best_times(matrix, early_rows)
-    early = early_packed_s >= MARGIN * early_expanded_s
-    log.info("GGUF prefill: a %d x %d Q4_K matrix took %.1f / %.1f ms packed / expanded per call in bf16 at %d rows, "
-             "%.1f / %.1f ms at %d: K formats expand from %d rows%s", width, width, packed_s * 1e3, expanded_s * 1e3,
-             rows, early_packed_s * 1e3, early_expanded_s * 1e3, early_rows, NO_AMX_MIN_ROWS,
-             f", {' and '.join(sorted(EARLY_TYPES))} from {EARLY_ROWS}" if early else "")
-    if not early:
+    early, early_timed = _early_step(matrix, grouped_rows, row_major_rows)
+    log.info("GGUF prefill: a %d x %d Q4_K matrix in bf16 took %s%s: K formats expand from %d rows%s", width, width,
+             timed, early_timed, NO_AMX_MIN_ROWS,
+             "" if early is None else f", {' and '.join(sorted(EARLY_TYPES))} from {early[0]}"
+             f"{' (grouped)' if early[1] else ''}")
+    if early is None:
         return ExpansionRule(NO_AMX_MIN_ROWS, NO_AMX_TYPES)
-    return ExpansionRule(NO_AMX_MIN_ROWS, NO_AMX_TYPES, EARLY_ROWS, EARLY_TYPES)
+    return ExpansionRule(NO_AMX_MIN_ROWS, NO_AMX_TYPES, early[0], EARLY_TYPES, early[1])
 
 
-def _best_times(matrix: PackedMatrix, rows: int) -> tuple[float, float]:
+def _early_step(matrix: PackedMatrix, grouped_rows: int, row_major_rows: int
+                ) -> tuple[tuple[int, bool] | None, str]:
+    """(Q4_K and Q5_K's start, whether grouped) and the timings behind it: from GROUPED_EARLY_ROWS through the grouped
+    GEMM where this build runs it in bf16 and it was MARGIN times faster at `grouped_rows`, else from
+    ROW_MAJOR_EARLY_ROWS where the row-major expansion was at `row_major_rows`; None where neither was."""
+    timed = ""
+    if _grouped_gemm_in_bf16():
+        packed_s, expanded_s = _best_times(matrix, grouped_rows, grouped=True)
+        timed = f", {packed_s * 1e3:.1f} / {expanded_s * 1e3:.1f} ms at {grouped_rows} (grouped)"
+        if packed_s >= MARGIN * expanded_s:
+            return (GROUPED_EARLY_ROWS, True), timed
+    packed_s, expanded_s = _best_times(matrix, row_major_rows)
+    timed += f", {packed_s * 1e3:.1f} / {expanded_s * 1e3:.1f} ms at {row_major_rows}"
+    return ((ROW_MAJOR_EARLY_ROWS, False) if packed_s >= MARGIN * expanded_s else None), timed
+
+
+def _grouped_gemm_in_bf16() -> bool:
+    """Whether kernels/cpu/dense_gemm.c multiplies bf16 with AVX512-BF16 dot products here (not AMX: a host with
+    tiles takes the AMX rule; not fp32 FMAs)."""
+    from pagedserve.kernels.cpu.native import NativeBuildError
+    from pagedserve.quant.dense_native import gemm_isa
+
+    try:
+        return gemm_isa() == "avx512_bf16"
+    except NativeBuildError:
+        return False
+
+
+def _best_times(matrix: PackedMatrix, rows: int, grouped: bool = False) -> tuple[float, float]:
     """(packed, expanded) seconds of one call of `rows` rows, best of 3, the two taking turns."""
     x = torch.randn(rows, matrix.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     packed_s = expanded_s = float("inf")
     for _ in range(3):
         packed_s = min(packed_s, _seconds(lambda: matrix.matmul(x.float())))
-        expanded_s = min(expanded_s, _seconds(lambda: dequantized_linear(matrix, x)))
+        expanded_s = min(expanded_s, _seconds(lambda: dequantized_linear(matrix, x, grouped)))
     return packed_s, expanded_s
 
 
@@ -145,18 +187,28 @@ def _seconds(call: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def dequantized_linear(packed: PackedMatrix, x: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] bf16 @ W^T + bias in bf16, W (a grouped matrix) dequantized per call, slab by slab."""
+def dequantized_linear(packed: PackedMatrix, x: torch.Tensor, grouped: bool = False) -> torch.Tensor:
+    """x [rows, in] bf16 @ W^T + bias in bf16, W (a grouped matrix) dequantized per call, slab by slab: row-major for
+    torch's GEMM, or (`grouped`) in the dense grouped layout for kernels/cpu/dense_gemm.c."""
     out, inn = packed.out_features, packed.in_features
     slab = min(out, max(GROUP_ROWS, SLAB_BYTES // (2 * inn) // GROUP_ROWS * GROUP_ROWS))
     scratch = torch.empty(slab, inn, dtype=torch.bfloat16)
     bias = None if packed.bias is None else packed.bias.to(x.dtype)
     if slab == out:
-        packed.dequantize_grouped_bf16(0, out, scratch, row_major=True)
-        return F.linear(x, scratch, bias)
+        return _slab_product(packed, x, scratch, 0, bias, grouped)
     y = torch.empty(x.shape[0], out, dtype=x.dtype)
     for o0 in range(0, out, slab):
         o1 = min(out, o0 + slab)
-        packed.dequantize_grouped_bf16(o0, o1, scratch[:o1 - o0], row_major=True)
-        y[:, o0:o1] = F.linear(x, scratch[:o1 - o0], None if bias is None else bias[o0:o1])
+        y[:, o0:o1] = _slab_product(packed, x, scratch[:o1 - o0], o0, None if bias is None else bias[o0:o1], grouped)
     return y
+
+
+def _slab_product(packed: PackedMatrix, x: torch.Tensor, w: torch.Tensor, first: int, bias: torch.Tensor | None,
+                  grouped: bool) -> torch.Tensor:
+    packed.dequantize_grouped_bf16(first, first + w.shape[0], w, row_major=not grouped)
+    if not grouped:
+        return F.linear(x, w, bias)
+    from pagedserve.quant.dense_native import dense_gemm, dense_native_linear
+
+    w.pagedserve_row_group = GROUP_ROWS
+    return dense_gemm(dense_native_linear(w, bias), x)

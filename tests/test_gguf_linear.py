@@ -131,33 +131,62 @@ def test_long_chunks_are_dequantized_per_call_where_the_host_rule_says(monkeypat
     assert torch.equal(method.apply(layer, x.float()), layer.packed.matmul(x.float()))  # fp32 compute: packed
 
 
+def test_the_grouped_scratch_multiplies_as_the_row_major_one(monkeypatch):
+    """quant/gguf_prefill.dequantized_linear(grouped=True): the matrix expanded into the dense grouped layout and
+    multiplied by kernels/cpu/dense_gemm.c (whole or in slabs, with the bias) gives the row-major expansion's product
+    within bf16's rounding of the output (the two GEMMs sum in different orders, both in fp32)."""
+    from pagedserve.quant import dense_native, gguf_prefill
+
+    lib = cpu_packed.build()
+    if not cpu_packed.grouped_bf16_available(lib) or dense_native.gemm_isa() not in ("avx512_bf16", "amx"):
+        pytest.skip(f"no AVX512-BF16 build here ({isa.host_tier()})")
+    rng = np.random.default_rng(13)
+    stored = blocks_for("Q4_K", 96, 512, rng)
+    method = GgufLinearMethod("Q4_K", dense_batches=True)
+    layer = gguf_layer(method, stored, 96, 512, torch.bfloat16, bias=torch.randn(96))
+    x = torch.randn(70, 512).to(torch.bfloat16)
+    row_major = gguf_prefill.dequantized_linear(layer.packed, x).float()
+    torch.testing.assert_close(gguf_prefill.dequantized_linear(layer.packed, x, grouped=True).float(), row_major,
+                               rtol=2 ** -7, atol=2 ** -7 * row_major.abs().max().item())
+    monkeypatch.setattr(gguf_prefill, "SLAB_BYTES", 32 * 512 * 2)  # three slabs of 32 rows
+    torch.testing.assert_close(gguf_prefill.dequantized_linear(layer.packed, x, grouped=True).float(), row_major,
+                               rtol=2 ** -7, atol=2 ** -7 * row_major.abs().max().item())
+
+
 def test_without_amx_the_k_formats_expand_only_where_the_expansion_timed_faster(monkeypatch):
     """quant/gguf_prefill.measured_rule: the K formats expand from NO_AMX_MIN_ROWS rows where the per-call expansion
-    timed MARGIN times faster than the packed kernel there (best of 3 each), else nothing expands; Q4_K and Q5_K also
-    from EARLY_ROWS rows where it timed MARGIN times faster at those rows too. The host's own timing gives one of
-    those three answers."""
+    timed MARGIN times faster than the packed kernel there (best of 3 each), else nothing expands; then Q4_K and Q5_K
+    start earlier: from GROUPED_EARLY_ROWS through the grouped GEMM where that timed MARGIN times faster (only where
+    the GEMM runs AVX512-BF16 dots), else from ROW_MAJOR_EARLY_ROWS where the row-major expansion did. The host's own
+    timing gives one of those answers."""
     from pagedserve.quant import gguf_prefill
 
     lib = cpu_packed.build()
     if not cpu_packed.grouped_bf16_available(lib):
         pytest.skip(f"no AVX512-BF16 build here ({isa.host_tier()})")
-    expanded = gguf_prefill.ExpansionRule(gguf_prefill.NO_AMX_MIN_ROWS, gguf_prefill.NO_AMX_TYPES)
-    early = gguf_prefill.ExpansionRule(gguf_prefill.NO_AMX_MIN_ROWS, gguf_prefill.NO_AMX_TYPES,
-                                       gguf_prefill.EARLY_ROWS, gguf_prefill.EARLY_TYPES)
-    assert gguf_prefill.measured_rule(lib, width=512) in (early, expanded, None)
+    k_formats, early_types = (gguf_prefill.NO_AMX_MIN_ROWS, gguf_prefill.NO_AMX_TYPES), gguf_prefill.EARLY_TYPES
+    expanded = gguf_prefill.ExpansionRule(*k_formats)
+    row_major = gguf_prefill.ExpansionRule(*k_formats, gguf_prefill.ROW_MAJOR_EARLY_ROWS, early_types)
+    grouped = gguf_prefill.ExpansionRule(*k_formats, gguf_prefill.GROUPED_EARLY_ROWS, early_types, True)
+    assert gguf_prefill.measured_rule(lib, width=512) in (grouped, row_major, expanded, None)
     assert expanded.covers("Q6_K", 256) and not expanded.covers("Q6_K", 255) and not expanded.covers("Q4_0", 4096)
-    rows = gguf_prefill.EARLY_ROWS
-    assert not expanded.covers("Q4_K", rows) and early.covers("Q4_K", rows) and early.covers("Q5_K", rows)
-    assert not early.covers("Q4_K", rows - 1) and not early.covers("Q6_K", rows) and early.covers("Q6_K", 256)
-    assert not early.covers("Q4_0", 4096) and not early.covers("Q5_0", rows)
+    for early in (row_major, grouped):
+        rows = early.early_rows
+        assert not expanded.covers("Q4_K", rows) and early.covers("Q4_K", rows) and early.covers("Q5_K", rows)
+        assert not early.covers("Q4_K", rows - 1) and not early.covers("Q6_K", rows) and early.covers("Q6_K", 256)
+        assert not early.covers("Q4_0", 4096) and not early.covers("Q5_0", rows)
+    assert grouped.grouped(64) and grouped.grouped(255) and not grouped.grouped(256) and not row_major.grouped(128)
     with pytest.raises(ValueError, match="early_rows"):
-        gguf_prefill.ExpansionRule(64, gguf_prefill.NO_AMX_TYPES, 64, gguf_prefill.EARLY_TYPES)
-    # (packed, expanded) seconds at 256 rows, then at EARLY_ROWS where 256 paid
-    for timings, rule in ((((1.0, 0.79), (1.0, 0.79)), early), (((1.0, 0.79), (1.0, 0.81)), expanded),
-                          (((1.0, 0.81),), None)):
+        gguf_prefill.ExpansionRule(64, gguf_prefill.NO_AMX_TYPES, 64, early_types)
+    # (packed, expanded) seconds: at 256 rows, then grouped at 64 (where the GEMM runs bf16 dots), then row-major
+    pays, short = (1.0, 0.79), (1.0, 0.81)
+    cases = (((pays, pays), True, grouped), ((pays, short, pays), True, row_major), ((pays, pays), False, row_major),
+             ((pays, short, short), True, expanded), ((short,), True, None))
+    for timings, dots, rule in cases:
         times = iter([t for pair in timings for t in pair * 3])
         monkeypatch.setattr(gguf_prefill, "_seconds", lambda call: (call(), next(times))[1])
-        assert gguf_prefill.measured_rule(lib, rows=16, width=256, early_rows=8) == rule
+        monkeypatch.setattr(gguf_prefill, "_grouped_gemm_in_bf16", lambda dots=dots: dots)
+        assert gguf_prefill.measured_rule(lib, rows=16, width=256, grouped_rows=16, row_major_rows=16) == rule
         assert next(times, None) is None  # no timing taken beyond what the answer needed
     monkeypatch.setattr(gguf_prefill, "host_rule", lambda lib: expanded)
     matrix = cpu_packed.PackedMatrix("Q6_K", torch.zeros(16, 210, dtype=torch.uint8), 256, lib=lib,
@@ -166,9 +195,10 @@ def test_without_amx_the_k_formats_expand_only_where_the_expansion_timed_faster(
     q4_0 = cpu_packed.PackedMatrix("Q4_0", torch.zeros(16, 18, dtype=torch.uint8), 32, lib=lib,
                                    row_group=cpu_packed.GROUP_ROWS)
     assert not gguf_prefill.takes(q4_0, 4096, torch.bfloat16)
-    monkeypatch.setattr(gguf_prefill, "host_rule", lambda lib: early)
+    monkeypatch.setattr(gguf_prefill, "host_rule", lambda lib: grouped)
     q4_k = cpu_packed.PackedMatrix("Q4_K", torch.zeros(16, 144, dtype=torch.uint8), 256, lib=lib,
                                    row_group=cpu_packed.GROUP_ROWS)
-    assert gguf_prefill.takes(q4_k, rows, torch.bfloat16) and not gguf_prefill.takes(q4_k, rows - 1, torch.bfloat16)
-    assert not gguf_prefill.takes(q4_k, rows, torch.float32)  # fp32 compute stays packed
-    assert gguf_prefill.takes(matrix, 256, torch.bfloat16) and not gguf_prefill.takes(matrix, rows, torch.bfloat16)
+    assert gguf_prefill.takes(q4_k, 64, torch.bfloat16) and not gguf_prefill.takes(q4_k, 63, torch.bfloat16)
+    assert gguf_prefill.grouped(q4_k, 64) and not gguf_prefill.grouped(q4_k, 256)
+    assert not gguf_prefill.takes(q4_k, 64, torch.float32)  # fp32 compute stays packed
+    assert gguf_prefill.takes(matrix, 256, torch.bfloat16) and not gguf_prefill.takes(matrix, 255, torch.bfloat16)
