@@ -202,3 +202,23 @@ def test_without_amx_the_k_formats_expand_only_where_the_expansion_timed_faster(
     assert gguf_prefill.grouped(q4_k, 64) and not gguf_prefill.grouped(q4_k, 256)
     assert not gguf_prefill.takes(q4_k, 64, torch.float32)  # fp32 compute stays packed
     assert gguf_prefill.takes(matrix, 256, torch.bfloat16) and not gguf_prefill.takes(matrix, 255, torch.bfloat16)
+
+
+def test_the_expansion_rule_benchmark_times_the_three_paths_and_names_the_rule():
+    """benchmarks/gguf_expansion_rule.py, the smallest run with AMX denied (so any AVX512-BF16 host takes the no-AMX
+    branch): a header naming the CPU, one line per (matrix, rows) with three positive times, and the rule."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not cpu_packed.grouped_bf16_available(cpu_packed.build()):
+        pytest.skip(f"no AVX512-BF16 build here ({isa.host_tier()})")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gguf_expansion_rule.py"
+    run = subprocess.run([sys.executable, "-P", str(script), "--no-amx", "--matrices", "k", "--rows", "64", "--repeats",
+                          "1", "--threads", "1"], capture_output=True, text=True, timeout=300, check=True)
+    head, timed, rule = [json.loads(line) for line in run.stdout.splitlines()]
+    assert head["no_amx"] and head["cpu"] and head["gemm_isa"] in ("avx512_bf16", "avx512", "avx2")
+    assert (timed["matrix"], timed["out"], timed["in"], timed["rows"]) == ("k", 512, 2048, 64)
+    assert min(timed["packed_ms"], timed["grouped_ms"], timed["row_major_ms"]) > 0
+    assert rule["rule"] == "None" or rule["rule"].startswith("ExpansionRule(min_rows=256")
