@@ -8,7 +8,8 @@ Modes: `auto` (what serves now: packed kernels, per-call bf16 expansion where qu
 says: from 64 rows with AMX; without, from 256 rows for the K formats and, for Q4_K/Q5_K, from 64 through the
 grouped GEMM or from 128 through the row-major scratch, where this host timed each faster), `auto-k-from-256`
 (without AMX, the K formats from 256 rows only), `auto-row-major-early` (Q4_K/Q5_K's earlier start through the
-row-major scratch only), `auto-packed-only` (the expansion switched off: the packed kernels at every row count) and
+row-major scratch only), `auto-amx-row-major` (with AMX, every
+expanded call through the row-major scratch and torch's GEMM), `auto-packed-only` (the expansion switched off: the packed kernels at every row count) and
 `auto-dense-copy` (each layer also holding its weights expanded at load in the compute dtype for prefill: what
 `auto` did on the AVX-512 tiers before, quant/gguf.py's many-row rule and the expansion switched off).
 """
@@ -24,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("auto", "auto-packed-only", "auto-dense-copy", "auto-k-from-256", "auto-row-major-early")
+MODES = ("auto", "auto-packed-only", "auto-dense-copy", "auto-k-from-256", "auto-row-major-early", "auto-amx-row-major")
 
 
 def _rss() -> int:
@@ -49,6 +50,8 @@ def child(model: str, mode: str, lengths: list[int]) -> dict:
         gguf_prefill.EARLY_TYPES = frozenset()
     elif mode == "auto-row-major-early":
         gguf_prefill._grouped_gemm_in_bf16 = lambda: False
+    elif mode == "auto-amx-row-major":
+        gguf_prefill.AMX_GROUPED_ROWS = 0
     from pagedserve.engine import SamplingParams
     from pagedserve.engine.llm import LLM
 

@@ -12,7 +12,7 @@ reads 2-6x faster (kernels/cpu/packed_grouped.c: Q4_0/Q4_1/Q8_0; packed_grouped_
 More rows (prefill, large decode batches): where the interleaved kernel's build has a many-row form
 (`MANY_ROW_GROUPED_ISAS`: the int16 builds, every tier with AVX2; kernels/cpu/packed_grouped_panel.c) the
 packed kernel serves every row count and the layer holds nothing else. Where torch's bf16 GEMM outruns it (AMX
-tiles: every format from `gguf_prefill.MIN_ROWS` rows; without AMX, the K formats from 256 rows where the process
+tiles: every format from `gguf_prefill.MIN_ROWS` rows, below `AMX_GROUPED_ROWS` on kernels/cpu/dense_gemm.c's tiles; without AMX, the K formats from 256 rows where the process
 timed it faster, as on Zen 5, and Q4_K/Q5_K from 64 or 128 where that timed faster too, as on Zen 4), long bf16 prefill chunks instead expand the matrix per call into a bf16 scratch
 for that GEMM (quant/gguf_prefill.py): faster there than the int16 dots, and not held. Elsewhere (the
 portable build, a matrix left in the file's layout) with `dense_batches` (the default, `--gguf-weights

@@ -1,6 +1,8 @@
 """Long prefill chunks through a GGUF layer that holds nothing but its blocks, where torch's bf16 GEMM outruns the
 packed kernels: the matrix dequantized per call into a bf16 scratch (kernels/cpu/packed_grouped_bf16.c), then
-torch's bf16 GEMM (oneDNN: AMX tiles, or AVX512-BF16 on a core with full-width 512-bit units).
+torch's bf16 GEMM (oneDNN: AMX tiles, or AVX512-BF16 on a core with full-width 512-bit units), or, for calls below
+`AMX_GROUPED_ROWS` rows under AMX and Q4_K/Q5_K's earlier start without it, a scratch in the grouped layout
+multiplied by this library's own GEMM (kernels/cpu/dense_gemm.c).
 
 Why: on the AVX-512 tiers the packed many-row kernel (kernels/cpu/packed_grouped_panel16.h) runs at the int16 pair
 dots' rate, ~150-220 GFLOP/s per core on a Sapphire Rapids core; AMX tiles multiply bf16 at 400-1100 from a few
@@ -35,6 +37,9 @@ import torch.nn.functional as F
 from pagedserve.kernels.cpu.packed import FORMATS, GROUP_ROWS, PackedMatrix, grouped_bf16_available
 
 MIN_ROWS = 64  # with AMX: rows from which the per-call expansion beat the packed kernel on the 1B and SmolLM2 shapes
+# With AMX, below this the grouped scratch through dense_gemm.c's tiles: at 64-255 rows 1.0-1.7x the row-major one
+# through oneDNN on random Q4_K matrices of the 1B shapes (a layer's sum 2-10% less), level from 512 on
+AMX_GROUPED_ROWS = 256
 NO_AMX_MIN_ROWS = 256  # without: at 128 rows the Q6_K matrices gained 1.1x at best, from 256 on 1.4x and more
 NO_AMX_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})  # the panel kernel's formats; the 4/8-bit tiles' kept up
 # Q4_K and Q5_K's earlier start (Q6_K's panel kernel kept level at 64-128 rows, 0.76-1.17x). On Zen 4 the scratch in
@@ -57,9 +62,11 @@ class ExpansionRule:
     qtypes: frozenset[str] | None = None
     early_rows: int | None = None
     early_qtypes: frozenset[str] = frozenset()
-    early_grouped: bool = False  # calls below min_rows expand into the grouped layout for kernels/cpu/dense_gemm.c
+    grouped_below: int = 0  # covered calls of fewer rows expand into the grouped layout for kernels/cpu/dense_gemm.c
 
     def __post_init__(self) -> None:
+        if self.grouped_below < 0:
+            raise ValueError(f"grouped_below must be >= 0, got {self.grouped_below}")
         if self.early_qtypes and (self.early_rows is None or not 0 < self.early_rows < self.min_rows):
             raise ValueError(f"early_rows must lie in 1..{self.min_rows - 1} for {sorted(self.early_qtypes)}, "
                              f"got {self.early_rows}")
@@ -71,7 +78,7 @@ class ExpansionRule:
 
     def grouped(self, rows: int) -> bool:
         """Whether a covered call of `rows` rows takes the grouped scratch (else the row-major one)."""
-        return self.early_grouped and rows < self.min_rows
+        return rows < self.grouped_below
 
 
 @functools.cache
@@ -89,7 +96,7 @@ def _amx_granted() -> bool:
 def host_rule(lib: ctypes.CDLL) -> ExpansionRule | None:
     """This process's rule for `lib` (an AVX512-BF16 build): every format from MIN_ROWS with AMX, else what
     `measured_rule` finds."""
-    return ExpansionRule(MIN_ROWS) if _amx_granted() else measured_rule(lib)
+    return ExpansionRule(MIN_ROWS, grouped_below=AMX_GROUPED_ROWS) if _amx_granted() else measured_rule(lib)
 
 
 def settle(packed: PackedMatrix, dtype: torch.dtype) -> None:
@@ -132,7 +139,7 @@ def measured_rule(lib: ctypes.CDLL, rows: int = NO_AMX_MIN_ROWS, width: int = 20
              f"{' (grouped)' if early[1] else ''}")
     if early is None:
         return ExpansionRule(NO_AMX_MIN_ROWS, NO_AMX_TYPES)
-    return ExpansionRule(NO_AMX_MIN_ROWS, NO_AMX_TYPES, early[0], EARLY_TYPES, early[1])
+    return ExpansionRule(NO_AMX_MIN_ROWS, NO_AMX_TYPES, early[0], EARLY_TYPES, NO_AMX_MIN_ROWS if early[1] else 0)
 
 
 def _early_step(matrix: PackedMatrix, grouped_rows: int, row_major_rows: int

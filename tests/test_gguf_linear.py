@@ -153,6 +153,36 @@ def test_the_grouped_scratch_multiplies_as_the_row_major_one(monkeypatch):
                                rtol=2 ** -7, atol=2 ** -7 * row_major.abs().max().item())
 
 
+def test_with_amx_calls_below_amx_grouped_rows_take_the_grouped_scratch(monkeypatch):
+    """quant/gguf_prefill.host_rule where the process holds AMX tiles (forced here, so every AVX512-BF16 host runs
+    it): every format from MIN_ROWS; below AMX_GROUPED_ROWS the layer's product is the grouped scratch's through
+    kernels/cpu/dense_gemm.c, from there the row-major one's through torch."""
+    from pagedserve.quant import gguf_prefill
+
+    lib = cpu_packed.build()
+    if not cpu_packed.grouped_bf16_available(lib):
+        pytest.skip(f"no AVX512-BF16 build here ({isa.host_tier()})")
+    monkeypatch.setattr(gguf_prefill, "_amx_granted", lambda: True)
+    gguf_prefill.host_rule.cache_clear()
+    try:
+        rule = gguf_prefill.host_rule(lib)
+    finally:
+        gguf_prefill.host_rule.cache_clear()
+    assert rule == gguf_prefill.ExpansionRule(gguf_prefill.MIN_ROWS, grouped_below=gguf_prefill.AMX_GROUPED_ROWS)
+    assert rule.covers("Q4_0", gguf_prefill.MIN_ROWS) and not rule.covers("Q6_K", gguf_prefill.MIN_ROWS - 1)
+    assert rule.grouped(gguf_prefill.MIN_ROWS) and rule.grouped(gguf_prefill.AMX_GROUPED_ROWS - 1)
+    assert not rule.grouped(gguf_prefill.AMX_GROUPED_ROWS)
+    smaller = gguf_prefill.ExpansionRule(gguf_prefill.MIN_ROWS, grouped_below=80)  # both sides of it in one layer
+    monkeypatch.setattr(gguf_prefill, "host_rule", lambda lib: smaller)
+    rng = np.random.default_rng(14)
+    stored = blocks_for("Q4_1", 96, 512, rng)
+    method = GgufLinearMethod("Q4_1", dense_batches=True)
+    layer = gguf_layer(method, stored, 96, 512, torch.bfloat16, bias=torch.randn(96))
+    x = torch.randn(90, 512).to(torch.bfloat16)
+    assert torch.equal(method.apply(layer, x[:70]), gguf_prefill.dequantized_linear(layer.packed, x[:70], True))
+    assert torch.equal(method.apply(layer, x), gguf_prefill.dequantized_linear(layer.packed, x, False))
+
+
 def test_without_amx_the_k_formats_expand_only_where_the_expansion_timed_faster(monkeypatch):
     """quant/gguf_prefill.measured_rule: the K formats expand from NO_AMX_MIN_ROWS rows where the per-call expansion
     timed MARGIN times faster than the packed kernel there (best of 3 each), else nothing expands; then Q4_K and Q5_K
@@ -167,7 +197,8 @@ def test_without_amx_the_k_formats_expand_only_where_the_expansion_timed_faster(
     k_formats, early_types = (gguf_prefill.NO_AMX_MIN_ROWS, gguf_prefill.NO_AMX_TYPES), gguf_prefill.EARLY_TYPES
     expanded = gguf_prefill.ExpansionRule(*k_formats)
     row_major = gguf_prefill.ExpansionRule(*k_formats, gguf_prefill.ROW_MAJOR_EARLY_ROWS, early_types)
-    grouped = gguf_prefill.ExpansionRule(*k_formats, gguf_prefill.GROUPED_EARLY_ROWS, early_types, True)
+    grouped = gguf_prefill.ExpansionRule(*k_formats, gguf_prefill.GROUPED_EARLY_ROWS, early_types,
+                                         gguf_prefill.NO_AMX_MIN_ROWS)
     assert gguf_prefill.measured_rule(lib, width=512) in (grouped, row_major, expanded, None)
     assert expanded.covers("Q6_K", 256) and not expanded.covers("Q6_K", 255) and not expanded.covers("Q4_0", 4096)
     for early in (row_major, grouped):
@@ -178,6 +209,8 @@ def test_without_amx_the_k_formats_expand_only_where_the_expansion_timed_faster(
     assert grouped.grouped(64) and grouped.grouped(255) and not grouped.grouped(256) and not row_major.grouped(128)
     with pytest.raises(ValueError, match="early_rows"):
         gguf_prefill.ExpansionRule(64, gguf_prefill.NO_AMX_TYPES, 64, early_types)
+    with pytest.raises(ValueError, match="grouped_below"):
+        gguf_prefill.ExpansionRule(64, grouped_below=-1)
     # (packed, expanded) seconds: at 256 rows, then grouped at 64 (where the GEMM runs bf16 dots), then row-major
     pays, short = (1.0, 0.79), (1.0, 0.81)
     cases = (((pays, pays), True, grouped), ((pays, short, pays), True, row_major), ((pays, pays), False, row_major),
