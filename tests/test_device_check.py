@@ -7,8 +7,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -156,3 +158,29 @@ def test_wheel_folder_must_hold_exactly_the_listed_wheels(tmp_path):
     (tmp_path / "uvicorn-0.54.0-py3-none-any.whl").touch()
     with pytest.raises(wheels.WheelListError, match="not in wheels.txt"):
         wheels.wheel_files(pins, tmp_path)
+
+
+def test_a_kernel_stage_stopped_by_its_budget_keeps_what_finished(tmp_path):
+    """device_check.sh stops a stage over budget with SIGINT: pytest then still writes its junit XML, and the report
+    counts the test it cut off as interrupted, not passed."""
+    started = tmp_path / "started"
+    (tmp_path / "test_cut.py").write_text(
+        "import pathlib, time\n\n\ndef test_finishes():\n    pass\n\n\n"
+        f"def test_is_cut_off():\n    pathlib.Path({str(started)!r}).touch()\n    time.sleep(600)\n")
+    xml = tmp_path / "kernels.xml"
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                             "--junitxml", str(xml), "test_cut.py"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(1200):  # at most 120 s for pytest to start and reach the second test
+            if started.exists() or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert started.exists(), "the blocking test never started"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) != 0
+    finally:
+        proc.kill()
+    details = report.junit_details(xml)
+    assert {k: details[k] for k in ("tests", "passed", "failed", "errors", "skipped", "interrupted")} == {
+        "tests": 1, "passed": 1, "failed": 0, "errors": 0, "skipped": 0, "interrupted": 1}

@@ -204,11 +204,11 @@ def main() -> int:
     args.out.write_text(json.dumps(result, indent=1))
     for row in result["dequant_gemm"]:
         print("dequant gemm", row, flush=True)
-    result["w4a16_gemm"] = bench_w4a16.w4a16_gemm(scale.w4a16_shapes, scale.gemm_m, scale.w4a16_awq,
-                                                  scale.w4a16_group, result["copy_gb_s"],
-                                                  lambda fn: graph_ms(fn, scale), scale.device)
-    args.out.write_text(json.dumps(result, indent=1))
-    for row in result["w4a16_gemm"]:
+    result["w4a16_gemm"] = []
+    for row in bench_w4a16.w4a16_gemm(scale.w4a16_shapes, scale.gemm_m, scale.w4a16_awq, scale.w4a16_group,
+                                      result["copy_gb_s"], lambda fn: graph_ms(fn, scale), scale.device):
+        result["w4a16_gemm"].append(row)
+        args.out.write_text(json.dumps(result, indent=1))
         print("w4a16 gemm", json.dumps(row), flush=True)
     result["e2e_tokens_per_s"] = e2e_tokens_per_s(scale)
     result["e2e_tokens_per_s_eager"] = e2e_tokens_per_s(scale, enforce_eager=True)

@@ -28,7 +28,7 @@ read comes from HBM as in a decode step over many layers.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -184,16 +184,17 @@ def bench_row(fmt: str, w: GroupQuantWeight, prepared: list[tuple], m: int, copy
 
 
 def w4a16_gemm(shapes: tuple[tuple[int, int], ...], ms: tuple[int, ...], awq_shape: tuple[int, int], group: int,
-               copy: float, time_ms: Callable, device: str) -> list[dict]:
-    rows = []
+               copy: float, time_ms: Callable, device: str) -> Iterator[dict]:
+    """One row at a time, so the caller can write each as it comes: the sweep is the bench stage's longest part, and a
+    stage that runs out of budget keeps the rows it measured."""
     for fmt, k, n in [("gptq", k, n) for k, n in shapes] + [("awq", *awq_shape)]:
         w = device_weight(k, n, group, fmt, device, seed=k + n)
         prepared = []
         for i in range(copies_past_l2(packed_bytes(w), device)):
             wi = w if i == 0 else device_weight(k, n, group, fmt, device, seed=k + n + i)
             prepared.append((wi.dequantize(torch.float16), candidates(wi)))
-        rows += [bench_row(fmt, w, prepared, m, copy, time_ms, device) for m in ms]
+        for m in ms:
+            yield bench_row(fmt, w, prepared, m, copy, time_ms, device)
         del w, prepared
         if device == "cuda":
             torch.cuda.empty_cache()
-    return rows

@@ -53,7 +53,9 @@ main() {
     fi
     start=$(date +%s.%N)
     echo "== $name (budget ${budget}s): $*"
-    timeout -k 10 "$budget" "$@" > "$out/$name.log" 2>&1
+    # INT, not timeout's default TERM: on KeyboardInterrupt pytest still writes its junit XML (the kernels that ran
+    # keep their results; a TERM left no XML at all) and the Python stages unwind (servers stopped, partial JSON kept).
+    timeout -s INT -k 10 "$budget" "$@" > "$out/$name.log" 2>&1
     code=$?
     end=$(date +%s.%N)
     "$py" -c "import json, sys; print(json.dumps({'exit_code': int(sys.argv[1]), 'budget_s': int(sys.argv[2]),

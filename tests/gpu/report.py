@@ -83,13 +83,18 @@ def device() -> dict:
 
 
 def junit_details(path: Path) -> dict:
-    """Counts and the failing test ids (with the first line of each failure) from pytest's junit XML."""
+    """Counts and the failing test ids (with the first line of each failure) from pytest's junit XML. A stage stopped
+    by its budget (SIGINT) leaves one nameless, childless testcase per test it interrupted: `interrupted`, not
+    passed."""
     if not path.exists():
         return {"error": f"{path.name} was not written"}
     root = ET.parse(path).getroot()
-    counts = dict.fromkeys(("tests", "passed", "failed", "errors", "skipped"), 0)
+    counts = dict.fromkeys(("tests", "passed", "failed", "errors", "skipped", "interrupted"), 0)
     failures = []
     for case in root.iter("testcase"):
+        if case.get("name") is None:
+            counts["interrupted"] += 1
+            continue
         counts["tests"] += 1
         outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
         if outcome is None:
@@ -151,7 +156,10 @@ def assemble(work: Path, out: Path, dry_run: bool) -> dict:
 def summary(report: dict) -> str:
     lines = [f"device: {report['device']['name']}  dry_run: {report['dry_run']}  total: {report['total_s']} s"]
     for name, stage in report["stages"].items():
-        lines.append(f"  {name:8} {stage['status']:8} {stage['duration_s']} s (budget {stage['budget_s']} s)")
+        counts = stage["details"] if name == "kernels" and "tests" in stage["details"] else None
+        tally = "" if counts is None else (f": {counts['passed']} passed, {counts['failed']} failed, "
+                                           f"{counts['errors']} errors, {counts['interrupted']} interrupted")
+        lines.append(f"  {name:8} {stage['status']:8} {stage['duration_s']} s (budget {stage['budget_s']} s){tally}")
     bench = report["benchmarks"]
     lines.append(f"  copy {bench['copy_gb_s']} GB/s; decode attention best "
                  f"{bench['decode_attention_best_fraction']} of "
