@@ -19,6 +19,13 @@ kept off AMX too, or the SDPA column is an AMX one:
 
     PAGEDSERVE_CPU_ISA=avx512_bf16 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 OMP_NUM_THREADS=1 \
         python benchmarks/prefill_attention_ab.py --kv bf16 --cases 9x224 512 1024 952@3000 --repeats 9
+
+`--mtune generic znver3 ...` also builds this tree (and `--against`'s commit) with each gcc -mtune in place of the
+tier's -mtune=native, columns "this@znver3" and so on; the JSON names what -mtune=native is on this host's gcc
+("generic" where gcc does not know the CPU). The AVX2 tier under three tunings against the commit before its ymm passes:
+
+    PAGEDSERVE_CPU_ISA=avx2 OMP_NUM_THREADS=1 python benchmarks/prefill_attention_ab.py --against fd255d9 \
+        --mtune generic sapphirerapids znver3 --kv bf16 int8 --cases 16x16 16x48 4x4@1024 9x96 --repeats 5
 """
 
 from __future__ import annotations
@@ -58,22 +65,35 @@ CASES = {"16x16": ((16,) * 16, (16,) * 16), "16x32": ((32,) * 16, (32,) * 16), "
 SCALE = 0.125
 
 
-def build_other(commit: str, tmp: Path) -> ctypes.CDLL:
-    """`commit`'s prefill kernels (every prefill_*.c, with the tile grant of dense_amx.c) as a shared object, for the
-    tier PAGEDSERVE_CPU_ISA forces (as this tree's library is built), -march=native when unset."""
-    listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", commit, "kernels/cpu/"],
-                            capture_output=True, text=True, check=True).stdout.split()
-    names = [Path(n).name for n in listed if n.endswith(".h") or Path(n).name.startswith(("prefill_", "isa.c"))
-             or Path(n).name == "dense_amx.c"]
+def build_other(commit: str | None, tmp: Path, tune: str | None = None) -> ctypes.CDLL:
+    """`commit`'s prefill kernels (None: this work tree's; every prefill_*.c, with the tile grant of dense_amx.c) as a
+    shared object, for the tier PAGEDSERVE_CPU_ISA forces (as this tree's library is built), -march=native when unset;
+    `tune`: -mtune=TUNE in place of the tier's -mtune=native (after -march=native when unset)."""
+    if commit is None:
+        names = [n.name for n in (ROOT / "kernels/cpu").iterdir()]
+    else:
+        listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", commit, "kernels/cpu/"],
+                                capture_output=True, text=True, check=True).stdout.split()
+        names = [Path(n).name for n in listed]
+    names = [n for n in names if n.endswith(".h") or n.startswith(("prefill_", "isa.c")) or n == "dense_amx.c"]
     for name in names:
-        shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:kernels/cpu/{name}"], capture_output=True)
-        (tmp / name).write_bytes(shown.stdout)
+        shown = (ROOT / "kernels/cpu" / name).read_bytes() if commit is None else subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{commit}:kernels/cpu/{name}"], capture_output=True).stdout
+        (tmp / name).write_bytes(shown)
     target = tmp / "prefill_other.so"
     sources = [str(tmp / n) for n in names if n.endswith(".c")]
-    subprocess.run(["gcc", *COMMON_FLAGS, *isa.compile_flags(isa.requested_tier()), *sources, "-o", str(target), "-lm"], check=True)
+    flags = [f for f in isa.compile_flags(isa.requested_tier()) if not (tune and f == "-mtune=native")]
+    subprocess.run(["gcc", *COMMON_FLAGS, *flags, *([f"-mtune={tune}"] if tune else []), *sources, "-o", str(target),
+                    "-lm"], check=True)
     lib = ctypes.CDLL(str(target))
     lib.pagedserve_prefill_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     return lib
+
+
+def native_tune() -> str:
+    """What gcc makes of -mtune=native here: "generic" on a CPU this gcc does not know."""
+    out = subprocess.run(["gcc", "-mtune=native", "-Q", "--help=target"], capture_output=True, text=True).stdout
+    return next((line.split()[-1] for line in out.splitlines() if line.strip().startswith("-mtune=")), "unknown")
 
 
 def kernel_call(lib, query, layer, batch, count: int, threads: int = 1):
@@ -117,6 +137,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="kernel and torch threads (above 1: wall time per call)")
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--conditions", default="unstated", help="e.g. quiet, or noisy (other work on the cores)")
+    p.add_argument("--mtune", nargs="+", default=[], help="also build this tree (and --against) with each -mtune")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     attention_cases.NUM_KV_HEADS = 3
@@ -124,6 +145,11 @@ def main() -> None:
         libs = {"this": cpu_native.load_library()}
         if args.against:
             libs[args.against] = build_other(args.against, Path(tmp))
+        for tune in args.mtune:
+            for commit in (None, args.against) if args.against else (None,):
+                folder = Path(tmp) / f"{commit or 'this'}-{tune}"
+                folder.mkdir()
+                libs[f"{commit or 'this'}@{tune}"] = build_other(commit, folder, tune)
         results = {kv: {name: one_case(libs, KVDtype.parse(kv, torch.bfloat16), *case, args.repeats,
                                                    args.threads)
                         for name, case in CASES.items() if name in args.cases} for kv in args.kv}
@@ -133,6 +159,7 @@ def main() -> None:
     print(json.dumps({"benchmark": "prefill_attention_ab", "host": host_info(), "conditions": args.conditions,
                       "kernel_tier": forced.name if forced else isa.NATIVE,
                       "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "unset"),
+                      "gcc_mtune_native": native_tune(),
                       "amx_prefill": bool(libs["this"].pagedserve_prefill_amx(64)), "results": results}, indent=1))
 
 

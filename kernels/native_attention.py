@@ -72,12 +72,13 @@ _SDPA_MIN_WORK = 1 << 17  # queries x keys of one chunk: e.g. 362 x 362, 128 new
 
 def _sdpa_min_work(cache: LayerKVCache) -> int:
     """The chunk size from which SDPA takes a prefill chunk. _SDPA_MIN_WORK was measured on AVX-512 builds; without
-    AVX-512 (an AVX2 Zen 3, the portable build) the C kernel's 16-lane tiles run at half width or less, and torch's
-    SDPA wins from far smaller chunks: from 64 x 64 queries x keys over a 16-bit cache and from 8 new tokens over 1,024
-    over an 8-bit one, which SDPA gathers and upcasts first (forced AVX2 tier, oneDNN held to AVX2, 2 threads: bf16
-    steps of 16 prompts of 64 tokens 4.7 vs 3.4 ms, of 9 x 224 tokens 27.3 vs 8.3 ms, 4 chunks of 64 tokens over
-    1,024 25.9 vs 6.2 ms; int8 4 chunks of 8 over 1,024 3.5 vs 2.9 ms, of 4 2.0 vs 2.8 ms;
-    benchmarks/prefill_attention_ab.py --threads 2)."""
+    AVX-512 (an AVX2 Zen 3, the portable build) the C kernel's tiles run at half width or less, and torch's SDPA wins
+    from far smaller chunks: from 64 x 64 queries x keys over a 16-bit cache and from 8 new tokens over 1,024 over an
+    8-bit one, which SDPA gathers and upcasts first. Rechecked with the AVX2 build's ymm passes (forced AVX2 tier,
+    torch and oneDNN held to AVX2, 2 threads, ms per layer call, kernel / SDPA): bf16 16 prompts of 64 tokens 2.88 /
+    2.95 and 4 chunks of 4 over 1,024 1.35 / 1.60 (4,096: level or the kernel ahead), 4 chunks of 8 over 1,024 2.40 /
+    1.88 (8,192), 9 x 224 tokens 17.8 / 9.2; int8 4 chunks of 4 over 1,024 1.97 / 2.79, of 8 3.24 / 3.20, 9 x 96
+    tokens 4.34 / 3.77 (benchmarks/prefill_attention_ab.py --threads 2; docs/kv-cache-formats.md)."""
     if load_library().pagedserve_isa_tier().startswith(b"avx512"):
         return _SDPA_MIN_WORK
     return _SDPA_MIN_WORK_NARROW_8BIT if cache.dtype.is_8bit else _SDPA_MIN_WORK_NARROW

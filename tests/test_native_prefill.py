@@ -21,7 +21,7 @@ from attention_cases import (
     make_case,
     poison_stale_slots,
 )
-from pagedserve.kernels.cpu import native as cpu_native
+from pagedserve.kernels.cpu import isa, native as cpu_native
 from pagedserve.kernels.cpu.prefill import PrefillBatch, amx_prefill
 from pagedserve.kernels.cpu.structs import PrefillArgs
 from pagedserve.kernels.kv_cache import KVDtype
@@ -136,6 +136,23 @@ def test_bf16_prefill_at_each_tier_agrees_with_float64_math(tier, kv_dtype, quer
     result = _prefill_with(lib, query, layer, meta, window)
     assert (result.double() - exact).abs().max().item() <= TOLERANCE[torch.bfloat16]
     assert torch.equal(_prefill_with(lib, query, layer, meta, window, threads=3), result)  # tasks are independent
+
+
+@pytest.mark.parametrize("kv_dtype", [KVDtype.FP32, KVDtype.BF16, KVDtype.INT8, KVDtype.FP8_E4M3])
+def test_the_avx2_build_gives_the_avx512_builds_bits(kv_dtype) -> None:
+    """The AVX2 build scores and sums values in ymm passes (4 query rows, 32 dimensions at a time, a 16-dimension
+    tail at head dim 80), the AVX-512 build in 16-lane ones over 8 rows and whole rows: the same products and sums in
+    the same order, so the same bits, for fp32 and bf16 queries, tasks of 48, 64 and 1-16 rows (partial passes)."""
+    have = isa.available_tiers()
+    if "avx2" not in have or "avx512" not in have:
+        pytest.skip("this CPU lacks the avx2 or the avx512 tier")
+    narrow, wide = cpu_native.load_library("avx2"), cpu_native.load_library("avx512")
+    for queries_per_kv, block_size, window, head_dim in PREFILL_SHAPES:
+        seq_lens, query_lens = (300, 77, 129, 41), (300, 50, 2, 37)
+        query, layer, meta = make_case(seq_lens, query_lens, block_size, queries_per_kv, kv_dtype,
+                                       head_dim=head_dim, seed=13)
+        for q in (query, query.to(torch.bfloat16)):
+            assert torch.equal(_prefill_with(narrow, q, layer, meta, window), _prefill_with(wide, q, layer, meta, window))
 
 
 @pytest.mark.parametrize("tier", cpu_tiers.params(("native", "avx512_bf16")))
