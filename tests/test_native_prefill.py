@@ -115,6 +115,8 @@ def _prefill_with(lib, query, layer, meta, window: int | None, threads: int = 1)
 # (KV heads' query heads, block size, window, head dim): 3 and 4 heads make 48 and 64 rows a task (3 and 4 blocks
 # of 16 lanes), block size 8 gives tiles of 8 keys, head dim 80 is not a multiple of 32 (AMX tiles take 32).
 PREFILL_SHAPES = [(3, 16, None, 64), (4, 8, 40, 128), (1, 32, None, 80)]
+# Chunks after cached context starting mid-block, one of 2 new tokens, one of 37 (a partial task).
+PREFILL_LENS = ((300, 77, 129, 41), (300, 50, 2, 37))
 
 
 @pytest.mark.parametrize("tier", cpu_tiers.params(("native", "avx512_bf16", "avx2")))
@@ -125,7 +127,7 @@ def test_bf16_prefill_at_each_tier_agrees_with_float64_math(tier, kv_dtype, quer
     """bf16 queries over 16- and 8-bit caches: AMX scores where granted (native), AVX512-BF16 dot products
     (forced avx512_bf16), fp32 FMAs (avx2); chunks after cached context starting mid-block, NaN in stale slots
     (poison_stale_slots writes no FP8)."""
-    seq_lens, query_lens = (300, 77, 129, 41), (300, 50, 2, 37)
+    seq_lens, query_lens = PREFILL_LENS
     query, layer, meta = make_case(seq_lens, query_lens, block_size, queries_per_kv, kv_dtype, head_dim=head_dim,
                                    seed=11)
     query = query.to(torch.bfloat16)
@@ -148,9 +150,7 @@ def test_the_avx2_build_gives_the_avx512_builds_bits(kv_dtype) -> None:
         pytest.skip("this CPU lacks the avx2 or the avx512 tier")
     narrow, wide = cpu_native.load_library("avx2"), cpu_native.load_library("avx512")
     for queries_per_kv, block_size, window, head_dim in PREFILL_SHAPES:
-        seq_lens, query_lens = (300, 77, 129, 41), (300, 50, 2, 37)
-        query, layer, meta = make_case(seq_lens, query_lens, block_size, queries_per_kv, kv_dtype,
-                                       head_dim=head_dim, seed=13)
+        query, layer, meta = make_case(*PREFILL_LENS, block_size, queries_per_kv, kv_dtype, head_dim=head_dim, seed=13)
         for q in (query, query.to(torch.bfloat16)):
             assert torch.equal(_prefill_with(narrow, q, layer, meta, window), _prefill_with(wide, q, layer, meta, window))
 
