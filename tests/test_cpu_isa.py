@@ -1,6 +1,7 @@
 """The CPU ISA layer (kernels/cpu/isa.py, isa.h, build.py): tier detection from the CPU's flags, PAGEDSERVE_CPU_ISA
 forcing a tier (refused, naming the host's tiers, when the CPU lacks it), each forced build compiled for exactly its
-tier, and the ctypes mirrors checked against the C structures' sizes at load."""
+tier, the ctypes mirrors checked against the C structures' sizes at load, and a library that several processes
+need at once compiled by one of them."""
 
 from __future__ import annotations
 
@@ -94,3 +95,21 @@ def test_the_environment_variable_forces_the_tier_of_every_library():
         env[isa.ENV_VAR] = missing
         out = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=600)
         assert out.returncode != 0 and "available here: portable" in out.stderr
+
+
+def test_processes_that_need_the_same_uncached_library_at_once_compile_it_once(tmp_path):
+    """Two fresh processes (two xdist workers, two replicas on one host) loading one library into an empty cache:
+    the second waits for the first's build and loads it. The compiler is gcc behind a wrapper that logs each source
+    it compiles and takes 2 s over it, so the two builds would overlap without the lock."""
+    log, wrapper = tmp_path / "compiles.log", tmp_path / "cc"
+    wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -c "*) echo "$*" >> "{log}"; sleep 2;; esac\nexec gcc "$@"\n')
+    wrapper.chmod(0o755)
+    code = ("from pagedserve.kernels.cpu.build import LibrarySpec, library_tier, load\n"
+            "print(library_tier(load(LibrarySpec('lock_probe', (), (), lambda lib: None), 'portable')))")
+    env = {**os.environ, "CC": str(wrapper), "PAGEDSERVE_CACHE": str(tmp_path / "cache")}
+    builders = [subprocess.Popen([sys.executable, "-P", "-c", code], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [b.communicate(timeout=120) for b in builders]
+    assert [b.returncode for b in builders] == [0, 0], [err for _, err in outputs]
+    assert [out.split() for out, _ in outputs] == [["portable"], ["portable"]]
+    assert len(log.read_text().splitlines()) == 1  # isa.c, the probe's one source, compiled by one of them

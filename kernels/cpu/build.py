@@ -10,7 +10,9 @@ C `sizeof` (`ps_sizeof_<name>`, isa.h's PS_SIZEOF), so a field added on one side
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -126,6 +128,16 @@ def _compile(compiler: str, flags: tuple[str, ...], sources: tuple[Path, ...], t
         os.replace(staging, target)  # atomic: concurrent builders never load a half-written object
 
 
+@contextlib.contextmanager
+def _build_lock(target: Path):
+    """Held while `target` is built: processes that need the same uncached library at once (pytest-xdist workers,
+    replicas starting on one host) wait for the first build instead of each compiling it again on shared cores."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies mid-build
+        yield
+
+
 def _resolve(tier: str | None) -> isa.Tier | None:
     """None: what PAGEDSERVE_CPU_ISA asks (-march=native when unset); "native"; or a tier name, checked."""
     if tier is None:
@@ -147,7 +159,9 @@ def load(spec: LibrarySpec, tier: str | None = None) -> ctypes.CDLL:
     label = forced.name if forced else isa.NATIVE
     target = cache_root() / "native" / f"cpu_{spec.name}-{label}-{key}.so"
     if not target.exists():
-        _compile(compiler, flags, sources, target)
+        with _build_lock(target):
+            if not target.exists():  # another process may have built it while this one waited
+                _compile(compiler, flags, sources, target)
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as exc:
