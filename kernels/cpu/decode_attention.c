@@ -212,25 +212,32 @@ void decode_rows_scalar(const DecodeArgs *a, const Span *sp, int64_t h, Scratch 
 }
 
 /* The specializations: every (KV dtype, query dtype) pair the engine makes, at head_dim 64 and 128; other
- * multiples of 16 take the vector code with a runtime chunk count. */
+ * multiples of 16 take the vector code with a runtime chunk count. The portable build (SSE2, no F16C) keeps only the
+ * default bf16 cache's two: all of them took its compile from 15 to 63 s, paid on every cold build (CI's included),
+ * for no measured gain there (benchmarks/decode_attention_ab.py, portable tier: bf16 and int8 caches 1.0-1.15x
+ * faster without the rest; benchmarks/results/2026-12-06-xeon-model207-decode-attention-portable-*). */
 #define SPECIALIZE(D, KV, Q) \
     if (a->head_dim == D && a->kv_dtype == KV && a->q_dtype == Q) return chunk_task(a, sp, h, c, w, part, D / 16, KV, Q)
 #define SPECIALIZE_DIMS(KV, Q) SPECIALIZE(64, KV, Q); SPECIALIZE(128, KV, Q)
 
 void decode_chunk(const DecodeArgs *a, const Span *sp, int64_t h, int64_t c, Scratch *w, float *part) {
     SPECIALIZE_DIMS(DT_BF16, DT_BF16);
+#if defined(PS_AVX2)
     SPECIALIZE_DIMS(DT_F32, DT_F32);
     SPECIALIZE_DIMS(DT_F16, DT_F16);
     SPECIALIZE_DIMS(DT_E4M3, DT_BF16);
     SPECIALIZE_DIMS(DT_E5M2, DT_BF16);
+#endif
     /* fp32 queries over 16-bit and FP8 caches: the native decode step (decode_step.c) keeps its state fp32 */
     SPECIALIZE_DIMS(DT_BF16, DT_F32);
+#if defined(PS_AVX2)
     SPECIALIZE_DIMS(DT_F16, DT_F32);
     SPECIALIZE_DIMS(DT_E4M3, DT_F32);
     SPECIALIZE_DIMS(DT_E5M2, DT_F32);
     SPECIALIZE_DIMS(DT_I8, DT_BF16);
     SPECIALIZE_DIMS(DT_I8, DT_F32);
     SPECIALIZE_DIMS(DT_I8, DT_F16);
+#endif
     chunk_task(a, sp, h, c, w, part, a->head_dim / 16, a->kv_dtype, a->q_dtype);
 }
 
