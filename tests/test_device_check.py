@@ -162,15 +162,18 @@ def test_wheel_folder_must_hold_exactly_the_listed_wheels(tmp_path):
 
 def test_a_kernel_stage_stopped_by_its_budget_keeps_what_finished(tmp_path):
     """device_check.sh stops a stage over budget with SIGINT: pytest then still writes its junit XML, and the report
-    counts the test it cut off as interrupted, not passed."""
+    counts the test it cut off as interrupted, not passed; also when the check itself was started with SIGINT ignored
+    (tests/gpu/default_sigint.py)."""
     started = tmp_path / "started"
     (tmp_path / "test_cut.py").write_text(
         "import pathlib, time\n\n\ndef test_finishes():\n    pass\n\n\n"
         f"def test_is_cut_off():\n    pathlib.Path({str(started)!r}).touch()\n    time.sleep(600)\n")
     xml = tmp_path / "kernels.xml"
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                             "--junitxml", str(xml), "test_cut.py"], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    # started as a shell without job control starts a background job (SIGINT ignored), through the stages' wrapper
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests/gpu/default_sigint.py"), sys.executable, "-m", "pytest",
+                             "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "--junitxml", str(xml), "test_cut.py"],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         for _ in range(1200):  # at most 120 s for pytest to start and reach the second test
             if started.exists() or proc.poll() is not None:

@@ -55,7 +55,8 @@ main() {
     echo "== $name (budget ${budget}s): $*"
     # INT, not timeout's default TERM: on KeyboardInterrupt pytest still writes its junit XML (the kernels that ran
     # keep their results; a TERM left no XML at all) and the Python stages unwind (servers stopped, partial JSON kept).
-    timeout -s INT -k 10 "$budget" "$@" > "$out/$name.log" 2>&1
+    # default_sigint.py: the INT must reach a command that did not inherit it ignored from a background launch.
+    timeout -s INT -k 10 "$budget" "$py" "$root/tests/gpu/default_sigint.py" "$@" > "$out/$name.log" 2>&1
     code=$?
     end=$(date +%s.%N)
     "$py" -c "import json, sys; print(json.dumps({'exit_code': int(sys.argv[1]), 'budget_s': int(sys.argv[2]),
