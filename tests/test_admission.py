@@ -264,6 +264,36 @@ def test_a_v1_request_id_may_be_reused_while_it_runs(tiny_engine):
     assert not tiny_engine.has_unfinished_requests() and tiny_engine.block_manager.num_used_blocks == 0
 
 
+def test_a_router_id_refused_as_in_flight_leaves_the_request_holding_it_alone(tiny_engine):
+    """A router sends a second request under an id still running (a retry that raced its original): the second is
+    refused naming request_id, and the first runs to its end. The refused call's clean-up used to abort by that id,
+    i.e. the other request (found by the fuzz campaign, tests/test_fuzz_vllm.py)."""
+    slow = vpb.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    async def call(port: int, _: int) -> tuple[list, grpc.StatusCode, str]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            engine = vgrpc.VllmEngineStub(channel)
+            first = engine.Generate(vpb.GenerateRequest(
+                request_id="dup-1", tokenized=vpb.TokenizedInput(input_ids=[5, 6, 7]), sampling_params=slow,
+                stream=True))
+            replies = [await first.read()]  # the first is running: its id is taken
+            try:
+                [r async for r in engine.Generate(vpb.GenerateRequest(
+                    request_id="dup-1", tokenized=vpb.TokenizedInput(input_ids=[8]), sampling_params=slow))]
+                code, details = grpc.StatusCode.OK, ""
+            except grpc.aio.AioRpcError as exc:
+                code, details = exc.code(), exc.details()
+            while (reply := await first.read()) is not grpc.aio.EOF:
+                replies.append(reply)
+        return replies, code, details
+
+    replies, code, details = asyncio.run(_serve(tiny_engine, call))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("request_id: "), (code, details)
+    complete = replies[-1].complete
+    assert (complete.finish_reason, complete.completion_tokens) == ("length", 24), replies[-1]
+    assert not tiny_engine.has_unfinished_requests() and tiny_engine.block_manager.num_used_blocks == 0
+
+
 def test_the_engine_refuses_an_id_in_flight_once_for_every_front_end(tiny_engine):
     """The one uniqueness check (AsyncEngine): the step loop is not started, so the first request stays in flight."""
     async def run() -> None:

@@ -88,7 +88,6 @@ class RequestStream:
                 self._record(event)
                 yield event
             if not self.finished:
-                await self._settle_pending()
                 await self._abort()
                 yield Ended(self.timed_out, self.last.metrics if self.last is not None else self._no_output())
         except Exception:
@@ -142,13 +141,7 @@ class RequestStream:
         self.metrics.observe_token_times(gaps)
 
     async def _release(self) -> None:
-        await self._settle_pending()
-        if not self.finished:
-            await self._abort()  # client cancel, deadline or error: free the KV blocks now
-        try:
-            await self._outputs.aclose()
-        except (RuntimeError, StopAsyncIteration):
-            pass  # already closed
+        await self._abort()  # client cancel, deadline or error: free the KV blocks now (no-op once finished)
 
     async def _settle_pending(self) -> None:
         """Cancel an in-progress anext() and wait for it, so the engine stream is idle before it is closed."""
@@ -162,8 +155,14 @@ class RequestStream:
             pass
 
     async def _abort(self) -> None:
+        """Closes this request's engine stream, which aborts its own registration and nothing else (the stream's
+        `finally`). Never an abort by id: when the engine refused the id as still in flight, the id belongs to
+        another request (a router's retry racing its original), and aborting it would end that one."""
+        await self._settle_pending()
         try:
-            await self.engine.abort(self.engine_id)
+            await self._outputs.aclose()
+        except (RuntimeError, StopAsyncIteration):
+            pass  # already closed
         except Exception:  # aborting must never mask the original outcome
             log.exception("abort of %s failed", self.engine_id)
 
