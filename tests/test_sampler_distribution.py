@@ -37,6 +37,8 @@ CASES = {
     "top_p_0.6": (LOGITS, SamplingParams(top_p=0.6), [5], []),
     "top_p_0.9_hot": (LOGITS, SamplingParams(top_p=0.9, temperature=2.0), [5], []),
     "top_p_1e-6_is_greedy": (LOGITS, SamplingParams(top_p=1e-6, temperature=3.0), [5], []),
+    # Below fp32's range (a valid top_p > 0 that rounds to 0 in fp32): greedy, where it once left nothing to sample.
+    "top_p_1e-300_is_greedy": (LOGITS, SamplingParams(top_p=1e-300, temperature=3.0), [5], []),
     "top_p_0.5_four_ties_kept_together": (TIED, SamplingParams(top_p=0.5), [5], []),
     "top_p_0.25_exact_edge": (EXACT, SamplingParams(top_p=0.25), [5], []),
     "min_p_0.3": (LOGITS, SamplingParams(min_p=0.3), [5], []),
@@ -91,6 +93,7 @@ def test_the_edge_cases_mean_what_their_names_say():
     """The hand-computed references of the edge cases, spelled out (so the reference itself is checked)."""
     ref = {name: expected_distribution(c[0], c[1], c[2], c[3], EOS) for name, c in CASES.items()}
     assert ref["temperature_1e-30_is_greedy"][0] == 1.0 and ref["top_p_1e-6_is_greedy"][0] == 1.0
+    assert ref["top_p_1e-300_is_greedy"][0] == 1.0
     assert ref["greedy_with_bias"][6] == 1.0
     assert np.flatnonzero(ref["top_k_2_keeps_the_tie_at_the_boundary"]).tolist() == [0, 1, 2]
     assert ref["top_k_1"][0] == 1.0

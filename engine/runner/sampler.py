@@ -230,7 +230,9 @@ class Sampler:
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         ps = [seqs[r].params.top_p for r in rows]
-        top_p = torch.tensor(ps, device=device).unsqueeze(1)
+        # A top_p below fp32's smallest normal (accepted: it is > 0) would round to 0 here and drop the best token
+        # too, leaving nothing to sample; clamped, the best token's mass of 0 stays below it.
+        top_p = torch.tensor(ps, device=device).clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1)
         min_p = torch.tensor([seqs[r].params.min_p for r in rows], device=device).unsqueeze(1)
         drop = probs < min_p * probs[:, :1]
         if any(p < 1 for p in ps):
