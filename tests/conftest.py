@@ -67,7 +67,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if shared & set(getattr(item, "fixturenames", ())) and path not in ONE_WORKER_FILES:
             raise pytest.UsageError(f"{path} uses {sorted(shared)}: add it to ONE_WORKER_FILES in tests/conftest.py")
     rank = {path: i for i, path in enumerate(LONG_FILES)}
+    _scale_fuzz_timeouts(config, items)
     items.sort(key=lambda item: rank.get(_file_of(item.nodeid), len(rank)))
+
+
+def _scale_fuzz_timeouts(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A long campaign (`PAGEDSERVE_FUZZ_EXAMPLES=2000 bash tests/run.sh -k fuzz`) gives the tests it selects a limit
+    scaled to its budget, so pytest-timeout ends none of them midway."""
+    from fuzz_support import campaign_timeout_s
+
+    limit = campaign_timeout_s(float(config.getini("timeout") or 600))
+    if limit is None:
+        return
+    for item in items:
+        if "fuzz" in item.nodeid and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(limit))
 
 
 @pytest.fixture(scope="session")

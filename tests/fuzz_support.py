@@ -24,8 +24,22 @@ DOCUMENTED_CODES = {
 _FIELD_PREFIX = re.compile(r"^(?P<field>[a-z_][a-z0-9_\-]*(\[\d+\])?(\.[a-z_][a-z0-9_]*(\[\d+\])?)*): ")
 
 
+DEFAULT_EXAMPLES = 25
+
+
+def fuzz_examples() -> int:
+    return int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", str(DEFAULT_EXAMPLES)))
+
+
+def campaign_timeout_s(default_s: float) -> float | None:
+    """pytest-timeout's limit for a fuzz test under a longer campaign: the suite's limit scaled by the examples over
+    the default budget (1000 examples ran one gRPC property past the plain 600 s), None at the default budget."""
+    examples = fuzz_examples()
+    return default_s * examples / DEFAULT_EXAMPLES if examples > DEFAULT_EXAMPLES else None
+
+
 def fuzz_settings() -> settings:
-    examples = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "25"))
+    examples = fuzz_examples()
     return settings(
         max_examples=examples, derandomize=True, database=None, deadline=None, print_blob=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
