@@ -1,5 +1,6 @@
 """Shared pieces of the fuzz suites (test_fuzz_grpc.py: pagedserve.v1 + raw bytes on every RPC; test_fuzz_http.py:
-OpenAI HTTP; test_fuzz_vllm.py: the router protocol): hypothesis settings with a CI budget, and the verdict on one response.
+OpenAI HTTP generation; test_fuzz_pooling.py: embeddings, scoring and tokenizing over HTTP; test_fuzz_vllm.py: the
+router protocol): hypothesis settings with a CI budget, JSON strategies, and the verdict on one response.
 
 Budget: PAGEDSERVE_FUZZ_EXAMPLES (default 25 per property) is read when a suite asks for its settings, never at
 import. `PAGEDSERVE_FUZZ_EXAMPLES=2000 bash tests/run.sh -k fuzz` runs a long campaign; the default keeps the
@@ -9,11 +10,13 @@ the same budget replays the same inputs in CI and on a laptop.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
 import grpc
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 # Codes a request may end with; anything else (UNKNOWN, INTERNAL, ...) is a bug the fuzzer reports.
 DOCUMENTED_CODES = {
@@ -25,6 +28,16 @@ _FIELD_PREFIX = re.compile(r"^(?P<field>[a-z_][a-z0-9_\-]*(\[\d+\])?(\.[a-z_][a-
 
 
 DEFAULT_EXAMPLES = 25
+ANY_JSON = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=20)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+    max_leaves=6)
+HTTP_STATUSES = {200, 400, 404, 413, 429}  # what OpenAI's and vLLM's routes answer; never 5xx
+
+
+def plausible(*values) -> st.SearchStrategy:
+    """One of the values a client would send, or any JSON at all (a wrong type, an absurd number)."""
+    return st.one_of(st.sampled_from(values), ANY_JSON)
 
 
 def fuzz_examples() -> int:
@@ -59,3 +72,17 @@ def check_outcome(code: grpc.StatusCode, details: str, known_top_level: set[str]
         assert field is not None, f"INVALID_ARGUMENT without a field: {details!r}"
         top = re.split(r"[.\[]", field, maxsplit=1)[0]
         assert top in known_top_level, f"INVALID_ARGUMENT names {field!r}, not a request field: {details!r}"
+
+
+def check_http_status(body: dict, status: int, payload: bytes) -> None:
+    """A documented status; an error carries a message, and a 400 names a parameter the body has (`error.param`,
+    whose top level is a key of the body)."""
+    assert status in HTTP_STATUSES, f"HTTP {status} for {body!r}: {payload[:300]!r}"
+    if status == 200:
+        return
+    error = json.loads(payload)["error"]
+    assert error["message"], payload
+    if status == 400:
+        param = error["param"]
+        assert isinstance(param, str) and param, f"400 without a parameter for {body!r}: {payload[:300]!r}"
+        assert re.split(r"[.\[]", param, maxsplit=1)[0] in body, f"400 names {param!r}, not in the body"
