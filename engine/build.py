@@ -27,7 +27,8 @@ from pagedserve.engine.outputs import ModelDescription
 from pagedserve.engine.pooling import PoolerConfig
 from pagedserve.engine.reasoning import REASONING_FORMATS
 from pagedserve.engine.runner.model_runner import ModelRunner
-from pagedserve.engine.runner.sampler import Sampler, native_max_argmax, torch_max_argmax
+from pagedserve.engine.runner.row_argmax import native_max_argmax, torch_max_argmax
+from pagedserve.engine.runner.sampler import Sampler
 from pagedserve.engine.spec_decode.drafter import Drafter
 from pagedserve.engine.structured_output.compiler import ConstraintCompiler
 from pagedserve.engine.structured_output.registry import CONSTRAINT_BACKENDS

@@ -255,3 +255,29 @@ def test_a_server_with_async_scheduling_answers_as_the_default_one(server_factor
     assert answers(server) == expected
     assert metric_value(server, "pagedserve:async_lookahead_steps_total") > 20  # its decode steps looked ahead
     assert metric_value(shared_server, "pagedserve:async_lookahead_steps_total") == 0
+
+
+def test_an_exception_in_a_row_decided_on_the_device_fails_only_its_request(llm_fp32, llm_async, monkeypatch):
+    """Decode ahead: a row whose own rules raise while its step is launched (its token still in flight) fails its
+    request when that step is read; its batch mates keep the tokens of the synchronous engine."""
+    from pagedserve.engine.runner.sampler import Sampler
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = outcome(llm_fp32.generate([PROMPTS[0], PROMPTS[1]], params))
+    process_row, in_flight_calls = Sampler._process_row, []
+
+    def failing(self, row, seq, in_flight):
+        if seq.params is victim and in_flight is not None:
+            in_flight_calls.append(1)
+            if len(in_flight_calls) == 3:
+                raise IndexError("injected")
+        return process_row(self, row, seq, in_flight)
+
+    monkeypatch.setattr(Sampler, "_process_row", failing)
+    victim = SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=12, ignore_eos=True)
+    outs = llm_async.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [params, params, victim])
+    assert len(in_flight_calls) >= 3  # it raised in a step launched ahead (one more may be in flight behind it)
+    assert outcome(outs[:2]) == alone and outs[0].error is None and outs[1].error is None
+    assert outs[2].error is not None and "logits processing" in outs[2].error
+    assert {c.finish_reason for c in outs[2].outputs} == {"error"}
+    assert llm_async.engine.block_manager.num_used_blocks == 0 and not llm_async.engine.has_unfinished_requests()

@@ -8,7 +8,7 @@ import torch
 
 import cpu_tiers
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.runner.sampler import native_max_argmax, torch_max_argmax
+from pagedserve.engine.runner.row_argmax import native_max_argmax, torch_max_argmax
 from pagedserve.kernels.cpu.layer_ops import row_max_argmax
 from pagedserve.kernels.cpu.native import load_library
 

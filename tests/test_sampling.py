@@ -183,6 +183,77 @@ def test_a_row_with_non_finite_logits_fails_only_its_own_request(llm_fp32, monke
     assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
 
 
+def _batch_with_a_victim(llm, victim: SamplingParams) -> tuple[list, list]:
+    """Two bystanders (greedy, seeded sampling) alone, then beside `victim`: (their solo tokens, the three outputs)."""
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate([PROMPT, "The sea is"], [greedy, sampled])]
+    return alone, llm.generate([PROMPT, "The sea is", "Hello"], [greedy, sampled, victim])
+
+
+def _only_the_victim_failed(llm, alone, outs, stage: str) -> None:
+    assert [o.outputs[0].token_ids for o in outs[:2]] == alone
+    assert outs[0].error is None and outs[1].error is None
+    assert outs[2].error is not None and stage in outs[2].error and "internal error" in outs[2].error
+    assert {c.finish_reason for c in outs[2].outputs} == {"error"}
+    assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
+
+
+def test_an_exception_in_one_rows_logits_processing_fails_only_its_request(llm_fp32, monkeypatch):
+    """A bug in one request's own rules (here: raised from its penalty pass on its third token) ends that request
+    with "error"; without the per-row guard it failed the step, i.e. every request in the batch."""
+    from pagedserve.engine.runner.sampler import Sampler
+
+    process_row, calls = Sampler._process_row, []
+
+    def failing(self, row, seq, in_flight):
+        if seq.params.repetition_penalty == 1.3:
+            calls.append(1)
+            if len(calls) == 3:
+                raise IndexError("injected")
+        return process_row(self, row, seq, in_flight)
+
+    monkeypatch.setattr(Sampler, "_process_row", failing)
+    victim = SamplingParams(n=2, temperature=1.0, seed=9, repetition_penalty=1.3, max_tokens=12)
+    alone, outs = _batch_with_a_victim(llm_fp32, victim)
+    _only_the_victim_failed(llm_fp32, alone, outs, "logits processing")
+
+
+def test_a_draw_from_a_distribution_with_no_mass_fails_only_its_request(llm_fp32, monkeypatch):
+    """The class of bug top_p below fp32's range was (a filter that drops every token): torch.multinomial raises on
+    the victim's row, and only the victim ends."""
+    from pagedserve.engine.runner.sampler import Sampler
+
+    filtered = Sampler.filtered_probs
+
+    def emptied(logits, row_max, seqs, rows):
+        probs, order = filtered(logits, row_max, seqs, rows)
+        victims = [i for i, row in enumerate(rows) if seqs[row].params.top_k == 7]
+        return probs.index_fill(0, torch.tensor(victims, dtype=torch.long), 0.0), order
+
+    monkeypatch.setattr(Sampler, "filtered_probs", staticmethod(emptied))
+    alone, outs = _batch_with_a_victim(llm_fp32, SamplingParams(temperature=1.0, top_k=7, seed=3, max_tokens=12))
+    _only_the_victim_failed(llm_fp32, alone, outs, "its draw")
+
+
+def test_an_exception_applying_one_requests_token_fails_only_that_request(llm_fp32, monkeypatch):
+    """Past the sampler: the scheduler applies each sequence's token through the stop rules (and grammars, forks);
+    one that raises ends its own request, whose blocks (its forked sibling's too) come back."""
+    stop = llm_fp32.engine.scheduler.stop
+    append, seen = stop.append, []
+
+    def failing(seq, token, logprob):
+        if seq.params.max_tokens == 11:
+            seen.append(1)
+            if len(seen) == 5:
+                raise KeyError("injected")
+        return append(seq, token, logprob)
+
+    monkeypatch.setattr(stop, "append", failing)
+    alone, outs = _batch_with_a_victim(llm_fp32, SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=11))
+    _only_the_victim_failed(llm_fp32, alone, outs, "KeyError")
+
+
 @pytest.mark.parametrize("temperature", [1e-45, 1e-40, 1e-20])
 def test_vanishing_temperatures_sample_the_greedy_token(llm_fp32, temperature):
     greedy = llm_fp32.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids
@@ -247,7 +318,7 @@ def test_async_engine_fails_only_the_poisoned_stream(llm_fp32, monkeypatch):
 
 @pytest.mark.parametrize("vocab", [7, 1024, 1500, 49152, 50257])
 def test_first_argmax_equals_torch_argmax_with_ties_and_masked_rows(vocab):
-    from pagedserve.engine.runner.sampler import first_argmax
+    from pagedserve.engine.runner.row_argmax import first_argmax
 
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randn(9, vocab, generator=g)

@@ -142,6 +142,36 @@ def test_four_speculating_streams_share_the_native_step_within_its_row_budget(ti
     assert 0 < s.spec_decode_num_accepted_tokens < s.spec_decode_num_draft_tokens
 
 
+def test_an_exception_verifying_one_sequence_fails_only_its_request(tiny, tiny_base, monkeypatch):
+    """Three speculating streams; verifying one of them raises mid-generation: that request ends with "error", the
+    other two keep the tokens of decoding without drafts, and every block comes back."""
+    from pagedserve.engine.spec_decode.verifier import Verifier
+
+    verify, calls = Verifier._verify, []
+
+    def failing(self, logits, seq, drafts):
+        if seq.request_id == "r1" and drafts:
+            calls.append(1)
+            if len(calls) == 2:
+                raise ValueError("injected")
+        return verify(self, logits, seq, drafts)
+
+    monkeypatch.setattr(Verifier, "_verify", failing)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    engine = LLM(tiny, **SMALL, speculative=spec(4)).engine
+    for i, prompt in enumerate(REPEATS):
+        engine.add_request(f"r{i}", prompt, params)
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update((out.request_id, out) for out in engine.step() if out.finished)
+        check_blocks(engine)
+    want = ids(tiny_base.generate(REPEATS, params))
+    assert [final[r].outputs[0].token_ids for r in ("r0", "r2")] == [want[0], want[2]]
+    assert final["r1"].error is not None and "draft verification" in final["r1"].error
+    assert final["r0"].error is None and final["r2"].error is None and len(calls) == 2
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_preemption_and_many_rejections_keep_blocks_consistent(tiny, tiny_base):
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     block_bytes = LLM(tiny, dtype="float32", kv_cache_memory=1 << 20).engine.runner.kv_spec.bytes_per_block

@@ -4,7 +4,8 @@ top ones. The copy to the host is started at once and waited for only when the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +17,7 @@ class HostRows:
     chosen: list[float] | None = None  # each row's logprob of its token (None: no row asked for logprobs)
     top_values: list[list[float]] | None = None  # [R][K]: the K best logprobs, best first (K: the most any row asked)
     top_ids: list[list[int]] | None = None
+    failed: Mapping[int, str] = field(default_factory=dict)  # rows whose own rules or draw raised: their errors
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,19 +27,20 @@ class DeviceRows:
     chosen: torch.Tensor | None = None  # [R] fp32
     top_values: torch.Tensor | None = None  # [R, K] fp32
     top_ids: torch.Tensor | None = None  # [R, K] int64
+    failed: Mapping[int, str] = field(default_factory=dict)  # known on the host when the step was launched
 
     def to_host(self) -> DeviceRows:
         """Pinned host copies, started without waiting (on CPU: these tensors themselves)."""
         if self.tokens.device.type != "cuda":
             return self
         return DeviceRows(*(None if t is None else _pinned_copy(t) for t in
-                            (self.tokens, self.finite, self.chosen, self.top_values, self.top_ids)))
+                            (self.tokens, self.finite, self.chosen, self.top_values, self.top_ids)), failed=self.failed)
 
     def read(self) -> HostRows:
         """As lists (after the copies are done: the caller waits for them first)."""
         lists = [None if t is None else t.tolist() for t in
                  (self.tokens, self.finite, self.chosen, self.top_values, self.top_ids)]
-        return HostRows(*lists)
+        return HostRows(*lists, failed=self.failed)
 
 
 def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:

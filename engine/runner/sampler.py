@@ -4,71 +4,32 @@ A constrained row is masked to the tokens its grammar allows first (`engine/stru
 penalties, bias, min_tokens and temperature. Logprobs are reported from the model's distribution before penalties
 and temperature, as vLLM does: for a constrained row, the masked (constrained) distribution.
 Every row is sampled on its own: temperatures divide logits after the row maximum is subtracted (so no
-temperature overflows a row to inf/NaN), and a row that is still not finite fails only its own request.
+temperature overflows a row to inf/NaN), and a row that is still not finite fails only its own request, as does
+an exception raised by one row's own rules or draw (a bug must not end its batch mates).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import logging
+from collections.abc import Mapping
 
 import torch
 
 from pagedserve.engine.core.sequence import Sequence, TokenLogprob
 from pagedserve.engine.core.step_output import SeqSample
 from pagedserve.engine.runner.device_rows import DeviceRows, HostRows
+from pagedserve.engine.runner.row_argmax import MaxArgmax, picks_and_finite, torch_max_argmax
 from pagedserve.engine.runner.seeded_sampling import generator_of
 from pagedserve.engine.structured_output.backend import GrammarState
 from pagedserve.engine.structured_output.bitmask import mask_constrained_rows
 from pagedserve.engine.thought_budget import budget_active, forced_token
-from pagedserve.kernels.cpu.layer_ops import row_max_argmax
 
 
-_ARGMAX_CHUNK = 512
-
-
-def first_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Per row, the first index of the row's maximum: the same ids as logits.argmax(dim=-1), several times faster
-    on CPU (torch's argmax over a [32, 49152] row block measured 5-6 ms, a scalar loop; this ~1 ms): the maximum of
-    each 512-wide chunk comes from the vectorised amax, then argmax runs only over the first chunk holding it."""
-    rows, vocab = logits.shape
-    chunks = vocab // _ARGMAX_CHUNK
-    if chunks < 2:
-        return logits.argmax(dim=-1)
-    chunk_max = logits[:, :chunks * _ARGMAX_CHUNK].reshape(rows, chunks, _ARGMAX_CHUNK).amax(dim=-1)
-    if chunks * _ARGMAX_CHUNK < vocab:
-        chunk_max = torch.cat([chunk_max, logits[:, chunks * _ARGMAX_CHUNK:].amax(dim=-1, keepdim=True)], dim=1)
-    start = chunk_max.argmax(dim=-1) * _ARGMAX_CHUNK
-    # The tail chunk is narrower: its index runs past the row and is clamped to the last id, which repeats only
-    # after that id's own position, so the first maximum is unchanged.
-    cols = (start.unsqueeze(1) + torch.arange(_ARGMAX_CHUNK, device=logits.device)).clamp_(max=vocab - 1)
-    return logits.gather(1, cols).argmax(dim=-1) + start
-
-
-def torch_max_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's maximum (NaN when the row holds a NaN) and the first index holding it. first_argmax is a CPU
-    remedy (~12 small ops); on a GPU, where each op is a kernel launch, argmax is one and picks the same index."""
-    if logits.device.type != "cpu":
-        return logits.amax(dim=-1), logits.argmax(dim=-1)
-    return logits.amax(dim=-1), first_argmax(logits)
-
-
-def native_max_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch_max_argmax in one C pass per row (kernels/cpu/layer_ops.c) for dense fp32 CPU rows, the usual case."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1 and logits.shape[-1]:
-        return row_max_argmax(logits)
-    return torch_max_argmax(logits)
-
-
-def picks_and_finite(row_max: torch.Tensor, argmax: torch.Tensor) -> tuple[list[int], list[bool]]:
-    """Each row's argmax and whether its maximum is finite, as host lists: two plain reads (a nonzero of the
-    non-finite rows read the device twice more on a GPU, each read a wait; on CPU this is also 2x cheaper)."""
-    return argmax.tolist(), torch.isfinite(row_max).tolist()
-
-
-MaxArgmax = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 Pending = Mapping[Sequence, torch.Tensor]  # a sequence's token in flight, one int64 where the logits are
 
 NON_FINITE = "the model's logits for this request are not finite (NaN or inf); no token can be sampled"
+
+logger = logging.getLogger(__name__)
 
 
 class Sampler:
@@ -82,19 +43,20 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(seqs) and logits.dtype == torch.float32
         dead = mask_constrained_rows(logits, seqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
-        processed = self.process(logits, seqs, pending)
+        failed: dict[int, str] = {}
+        processed = self.process(logits, seqs, pending, failed)
         # A NaN or +inf anywhere, or no finite logit at all, makes the row's maximum non-finite (NaN for a NaN).
         row_max, argmax = self.max_argmax(processed)
         picks, finite = picks_and_finite(row_max, argmax)
-        bad = {i for i, ok in enumerate(finite) if not ok}
-        greedy = [i for i, s in enumerate(seqs) if s.params.greedy and i not in bad]
+        failed.update((i, NON_FINITE) for i, ok in enumerate(finite) if not ok)
+        greedy = [i for i, s in enumerate(seqs) if s.params.greedy and i not in failed]
         choices: dict[int, list[int]] = {row: [picks[row]] for row in greedy}
-        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in bad]
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in failed]
         if random_rows:
-            choices.update(self._sample_random(processed, row_max, seqs, random_rows))
+            choices.update(self._sample_random(processed, row_max, seqs, random_rows, failed))
         return [
             SeqSample(seq, (), dead_end=True) if row in dead else
-            SeqSample(seq, (), error=NON_FINITE) if row in bad else
+            SeqSample(seq, (), error=failed[row]) if row in failed else
             SeqSample(seq, tuple((tok, self.logprob(raw_logprobs, row, tok, seq)) for tok in choices[row]))
             for row, seq in enumerate(seqs)
         ]
@@ -113,9 +75,12 @@ class Sampler:
         """Each row's token, whether its maximum is finite and its logprobs, left where the logits are (nothing
         waits for the host): the argmax for greedy rows, one draw from the filtered distribution for the others."""
         raw = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
-        processed = self.process(logits, seqs, pending)
+        failed: dict[int, str] = {}
+        processed = self.process(logits, seqs, pending, failed)
         row_max, tokens = self.max_argmax(processed)
         finite = torch.isfinite(row_max)
+        if failed:  # its processed row is whatever the failure left: drawn from as a non-finite one, then discarded
+            finite[torch.tensor(sorted(failed), device=logits.device)] = False
         rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if rows:
             probs, order = self.filtered_probs(processed, row_max, seqs, rows)
@@ -125,20 +90,21 @@ class Sampler:
             probs = probs.masked_fill(bad.unsqueeze(1), 0.0)
             probs[:, 0] += bad.to(probs.dtype)
             tokens = tokens.clone()
-            for row, drawn in zip(rows, self._draws(probs, order, seqs, rows, [1] * len(rows))):
+            for row, drawn in self._draws(probs, order, seqs, rows, [1] * len(rows), failed).items():
                 tokens[row : row + 1] = drawn
         if raw is None:
-            return DeviceRows(tokens, finite)
+            return DeviceRows(tokens, finite, failed=failed)
         top = torch.topk(raw, max(s.params.logprobs or 0 for s in seqs), dim=-1)
-        return DeviceRows(tokens, finite, raw.gather(1, tokens.unsqueeze(1)).squeeze(1), top.values, top.indices)
+        return DeviceRows(tokens, finite, raw.gather(1, tokens.unsqueeze(1)).squeeze(1), top.values, top.indices,
+                          failed=failed)
 
     @staticmethod
     def device_samples(seqs: tuple[Sequence, ...], rows: HostRows) -> list[SeqSample]:
         """`device_picks`' rows, read on the host, as `__call__` reports them."""
         samples = []
         for row, seq in enumerate(seqs):
-            if not rows.finite[row]:
-                samples.append(SeqSample(seq, (), error=NON_FINITE))
+            if row in rows.failed or not rows.finite[row]:
+                samples.append(SeqSample(seq, (), error=rows.failed.get(row, NON_FINITE)))
                 continue
             logprob, k = None, seq.params.logprobs
             if k is not None:
@@ -147,9 +113,11 @@ class Sampler:
             samples.append(SeqSample(seq, ((rows.tokens[row], logprob),)))
         return samples
 
-    def process(self, logits: torch.Tensor, seqs: tuple[Sequence, ...], pending: Pending | None = None) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, seqs: tuple[Sequence, ...], pending: Pending | None = None,
+                failed: dict[int, str] | None = None) -> torch.Tensor:
         """Bias, penalties and min_tokens applied to each row (a copy when any row needs one). `pending`: a sequence's
-        token still in flight (async scheduling: on the device, not yet in its token ids), counted as its last."""
+        token still in flight (async scheduling: on the device, not yet in its token ids), counted as its last.
+        `failed`: where a row whose rules raised is recorded (its request fails); without it, the error propagates."""
         pending = pending or {}
         needs = [
             i for i, s in enumerate(seqs)
@@ -160,7 +128,12 @@ class Sampler:
             return logits
         out = logits.clone()
         for row in needs:
-            self._process_row(out[row], seqs[row], pending.get(seqs[row]))
+            try:
+                self._process_row(out[row], seqs[row], pending.get(seqs[row]))
+            except Exception as exc:
+                if failed is None:
+                    raise
+                failed[row] = row_failure(seqs[row], "its logits processing", exc)
         return out
 
     def _process_row(self, row: torch.Tensor, seq: Sequence, in_flight: torch.Tensor | None) -> None:
@@ -189,22 +162,26 @@ class Sampler:
             row.fill_(float("-inf"))
             row[forced] = value if torch.isfinite(value) else 0.0
 
-    def _sample_random(
-        self, logits: torch.Tensor, row_max: torch.Tensor, seqs: tuple[Sequence, ...], rows: list[int]
-    ) -> dict[int, list[int]]:
+    def _sample_random(self, logits: torch.Tensor, row_max: torch.Tensor, seqs: tuple[Sequence, ...],
+                       rows: list[int], failed: dict[int, str]) -> dict[int, list[int]]:
         probs, order = self.filtered_probs(logits, row_max, seqs, rows)
         counts = [1 + seqs[row].pending_forks if seqs[row].num_output_tokens == 0 else 1 for row in rows]
-        return {row: drawn.tolist() for row, drawn in zip(rows, self._draws(probs, order, seqs, rows, counts))}
+        return {row: drawn.tolist() for row, drawn in self._draws(probs, order, seqs, rows, counts, failed).items()}
 
     @staticmethod
     def _draws(probs: torch.Tensor, order: torch.Tensor, seqs: tuple[Sequence, ...], rows: list[int],
-               counts: list[int]) -> list[torch.Tensor]:
+               counts: list[int], failed: dict[int, str]) -> dict[int, torch.Tensor]:
         """Each of `rows`' `counts` draws from its own generator (`filtered_probs`' rows), as token ids on the
         probabilities' device: the one draw both the host sampler and `device_picks` make, so a seed gives both the
-        same tokens."""
-        return [order[i, torch.multinomial(probs[i], count, replacement=True,
-                                           generator=generator_of(seqs[row], probs.device))]
-                for i, (row, count) in enumerate(zip(rows, counts))]
+        same tokens. A row whose draw raises (on CPU: a distribution with no mass) goes to `failed` instead."""
+        drawn = {}
+        for i, (row, count) in enumerate(zip(rows, counts)):
+            try:
+                drawn[row] = order[i, torch.multinomial(probs[i], count, replacement=True,
+                                                        generator=generator_of(seqs[row], probs.device))]
+            except RuntimeError as exc:
+                failed[row] = row_failure(seqs[row], "its draw", exc)
+        return drawn
 
     @staticmethod
     def filtered_probs(
@@ -249,6 +226,11 @@ class Sampler:
             best = torch.topk(values, seq.params.logprobs)
             top = tuple(zip(best.indices.tolist(), best.values.tolist()))
         return TokenLogprob(token, float(values[token]), top)
+
+
+def row_failure(seq: Sequence, stage: str, exc: Exception) -> str:
+    logger.exception("request %s: %s failed; only this request ends", seq.request_id, stage)
+    return f"internal error in this request's sampling, {stage} ({type(exc).__name__}: {exc})"
 
 
 def _with(ids: torch.Tensor, in_flight: torch.Tensor | None) -> torch.Tensor:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.engine.core.sequence import Sequence
-from pagedserve.engine.runner.sampler import NON_FINITE, Sampler
+from pagedserve.engine.runner.sampler import NON_FINITE, Sampler, row_failure
 from pagedserve.engine.runner.seeded_sampling import generator_of
 from pagedserve.engine.core.step_output import SeqSample
 
@@ -46,7 +46,14 @@ class Verifier:
         self.counters = SpecCounters()
 
     def __call__(self, logits: torch.Tensor, seq: Sequence, drafts: tuple[int, ...]) -> SeqSample:
-        """`logits` [1 + len(drafts), vocab] fp32: the rows at the sequence's last token and at each draft."""
+        """`logits` [1 + len(drafts), vocab] fp32: the rows at the sequence's last token and at each draft. An
+        exception raised while verifying one sequence fails that sequence's request only, as in the sampler."""
+        try:
+            return self._verify(logits, seq, drafts)
+        except Exception as exc:
+            return SeqSample(seq, (), len(drafts), 0, error=row_failure(seq, "its draft verification", exc))
+
+    def _verify(self, logits: torch.Tensor, seq: Sequence, drafts: tuple[int, ...]) -> SeqSample:
         rows = (seq,) * len(logits)
         processed = self.sampler.process(logits, rows)
         row_max, argmax = self.sampler.max_argmax(processed)
