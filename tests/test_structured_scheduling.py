@@ -89,3 +89,36 @@ def test_constrained_admission_runs_off_the_event_loop():
 
     loop_thread, admit_thread = asyncio.run(run())
     assert admit_thread != loop_thread
+
+
+def test_a_matcher_that_raises_fails_only_its_own_request(tiny, monkeypatch):
+    """A grammar backend's bug while filling one row's mask (here: raised on the victim's matcher once it decodes)
+    ends the victim with "error"; a constrained batch mate and a plain one keep their solo tokens."""
+    from pagedserve.engine.structured_output.backend import GrammarState
+    from pagedserve.engine.structured_output.llguidance_backend import LLGuidanceMatcher
+
+    prompts = ["Record 1: context words", "Record 2: more context words", "Record 3: plain"]
+    params = [SamplingParams(temperature=0, max_tokens=24, constraint=regex("[a-z ]{4,40}")),
+              SamplingParams(temperature=0, max_tokens=24, constraint=json_schema(SCHEMAS["person"])),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
+    solo = [o.outputs[0].token_ids for o in tiny.generate(prompts[1:], params[1:])]
+    fill, victims = LLGuidanceMatcher.fill_bitmask, set()
+
+    def failing(self, bitmask, row):
+        if id(self) in victims:
+            raise RuntimeError("injected")
+        fill(self, bitmask, row)
+
+    monkeypatch.setattr(LLGuidanceMatcher, "fill_bitmask", failing)
+    engine = tiny.engine
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"g{i}", prompt, p)
+    final = {out.request_id: out for out in engine.step() if out.finished}
+    victims.add(id(engine.requests["g0"].seqs[0].features[GrammarState].matcher))
+    while engine.has_unfinished_requests():
+        final.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert final["g0"].error is not None and "grammar's mask" in final["g0"].error
+    assert final["g0"].outputs[0].finish_reason == "error"
+    assert [final[r].outputs[0].token_ids for r in ("g1", "g2")] == solo
+    assert final["g1"].error is None and final["g2"].error is None
+    assert_no_blocks_held(engine)

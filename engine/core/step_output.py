@@ -3,6 +3,7 @@ runner). The scheduler's `update` applies it; nothing else reads it."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,8 @@ from pagedserve.engine.core.sequence import Sequence, TokenLogprob
 if TYPE_CHECKING:
     from pagedserve.engine.runner.pooled_rows import PooledChunk
     from pagedserve.engine.runner.prompt_logprobs import ScoredPrompt
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +26,7 @@ class SeqSample:
     tokens: tuple[tuple[int, TokenLogprob | None], ...]
     num_drafts: int = 0  # drafts verified this step (0: no speculation)
     num_accepted: int = 0
-    error: str | None = None  # the row could not be sampled (its logits are not finite); `tokens` is empty
+    error: str | None = None  # the row could not be sampled (logits not finite, `row_failure`); `tokens` is empty
     dead_end: bool = False  # the row's constraint allows no token; `tokens` is empty
 
 
@@ -47,3 +50,10 @@ class StepOutput:
 
 
 _EMPTY = StepOutput(())
+
+
+def row_failure(seq: Sequence, stage: str, exc: Exception) -> str:
+    """A `SeqSample.error` for one row whose own processing raised (logged with its traceback): only its request
+    ends, where an exception out of the step would end every request in flight."""
+    logger.exception("request %s: %s failed; only this request ends", seq.request_id, stage)
+    return f"internal error in this request's sampling, {stage} ({type(exc).__name__}: {exc})"

@@ -10,13 +10,12 @@ an exception raised by one row's own rules or draw (a bug must not end its batch
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 
 import torch
 
 from pagedserve.engine.core.sequence import Sequence, TokenLogprob
-from pagedserve.engine.core.step_output import SeqSample
+from pagedserve.engine.core.step_output import SeqSample, row_failure
 from pagedserve.engine.runner.device_rows import DeviceRows, HostRows
 from pagedserve.engine.runner.row_argmax import MaxArgmax, picks_and_finite, torch_max_argmax
 from pagedserve.engine.runner.seeded_sampling import generator_of
@@ -29,8 +28,6 @@ Pending = Mapping[Sequence, torch.Tensor]  # a sequence's token in flight, one i
 
 NON_FINITE = "the model's logits for this request are not finite (NaN or inf); no token can be sampled"
 
-logger = logging.getLogger(__name__)
-
 
 class Sampler:
     def __init__(self, eos_token_ids: frozenset[int], max_argmax: MaxArgmax = torch_max_argmax):
@@ -41,22 +38,22 @@ class Sampler:
                  ) -> list[SeqSample]:
         """logits [S, vocab] fp32, one row per sequence in `seqs`."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs) and logits.dtype == torch.float32
-        dead = mask_constrained_rows(logits, seqs)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         failed: dict[int, str] = {}
+        dead = mask_constrained_rows(logits, seqs, failed)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         processed = self.process(logits, seqs, pending, failed)
         # A NaN or +inf anywhere, or no finite logit at all, makes the row's maximum non-finite (NaN for a NaN).
         row_max, argmax = self.max_argmax(processed)
         picks, finite = picks_and_finite(row_max, argmax)
-        failed.update((i, NON_FINITE) for i, ok in enumerate(finite) if not ok)
+        failed.update((i, NON_FINITE) for i, ok in enumerate(finite) if not ok and i not in failed)
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy and i not in failed]
         choices: dict[int, list[int]] = {row: [picks[row]] for row in greedy}
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in failed]
         if random_rows:
             choices.update(self._sample_random(processed, row_max, seqs, random_rows, failed))
         return [
-            SeqSample(seq, (), dead_end=True) if row in dead else
             SeqSample(seq, (), error=failed[row]) if row in failed else
+            SeqSample(seq, (), dead_end=True) if row in dead else
             SeqSample(seq, tuple((tok, self.logprob(raw_logprobs, row, tok, seq)) for tok in choices[row]))
             for row, seq in enumerate(seqs)
         ]
@@ -226,11 +223,6 @@ class Sampler:
             best = torch.topk(values, seq.params.logprobs)
             top = tuple(zip(best.indices.tolist(), best.values.tolist()))
         return TokenLogprob(token, float(values[token]), top)
-
-
-def row_failure(seq: Sequence, stage: str, exc: Exception) -> str:
-    logger.exception("request %s: %s failed; only this request ends", seq.request_id, stage)
-    return f"internal error in this request's sampling, {stage} ({type(exc).__name__}: {exc})"
 
 
 def _with(ids: torch.Tensor, in_flight: torch.Tensor | None) -> torch.Tensor:

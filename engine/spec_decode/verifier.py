@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.engine.core.sequence import Sequence
-from pagedserve.engine.runner.sampler import NON_FINITE, Sampler, row_failure
+from pagedserve.engine.runner.sampler import NON_FINITE, Sampler
 from pagedserve.engine.runner.seeded_sampling import generator_of
-from pagedserve.engine.core.step_output import SeqSample
+from pagedserve.engine.core.step_output import SeqSample, row_failure
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from pagedserve.engine.core.sequence import Sequence
+from pagedserve.engine.core.step_output import row_failure
 from pagedserve.engine.structured_output.backend import GrammarState
 
 # Byte value b -> 8 biases, bit i of b (token 8k + i) set: 0.0, else -inf. Little-endian int32 words read as bytes
@@ -21,9 +22,9 @@ _BYTE_BITS = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
 _BYTE_BIAS = torch.zeros(256, 8).masked_fill_(_BYTE_BITS == 0, float("-inf"))
 
 
-def mask_constrained_rows(logits: torch.Tensor, seqs: Seq[Sequence]) -> set[int]:
+def mask_constrained_rows(logits: torch.Tensor, seqs: Seq[Sequence], failed: dict[int, str]) -> set[int]:
     """Masks logits [S, vocab] in place on the rows whose grammar applies; returns the rows that allow no
-    token at all (the constraint's dead ends)."""
+    token at all (the constraint's dead ends). A row whose matcher raises goes to `failed` (its request fails)."""
     rows = [i for i, seq in enumerate(seqs) if GrammarState in seq.features and seq.features[GrammarState].applies]
     if not rows:
         return set()
@@ -31,7 +32,10 @@ def mask_constrained_rows(logits: torch.Tensor, seqs: Seq[Sequence]) -> set[int]
     matchers = [seqs[r].features[GrammarState].matcher for r in rows]
     bitmask = torch.zeros((len(rows), max(m.vocab_words for m in matchers)), dtype=torch.int32)
     for k, matcher in enumerate(matchers):
-        matcher.fill_bitmask(bitmask, k)
+        try:
+            matcher.fill_bitmask(bitmask, k)
+        except Exception as exc:
+            failed[rows[k]] = row_failure(seqs[rows[k]], "its grammar's mask", exc)
     _clear_past(bitmask, vocab)
     bias = to_bias(bitmask, vocab).to(logits.device, non_blocking=True)  # filled on CPU, applied where the logits are
     with torch.inference_mode():  # the runner's logits are inference tensors; masked in place, not copied whole
