@@ -20,7 +20,9 @@ from pagedserve.engine.core.sequence import now
 from pagedserve.engine.errors import EngineDeadError, PagedServeError
 from pagedserve.engine.kv_events import KvEvent
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.loop_commands import Abort, AdapterCall, Add, ResetPrefixCache, Sink, put_all, resolve, settle
+from pagedserve.engine.loop_commands import (
+    Abort, AdapterCall, Add, ResetPrefixCache, Sink, deliver, put_all, resolve, settle,
+)
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
 from pagedserve.engine.requests import AdmittedRequest, EmbeddingRequest, GenerationRequest
@@ -279,7 +281,16 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for loop, items in self._streams.route(outputs).items():
-            loop.call_soon_threadsafe(put_all, items)
+            if not deliver(loop, put_all, items):
+                self._abandon(loop)
+
+    def _abandon(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A caller's event loop closed with streams in flight: their requests are aborted (blocks freed), since no
+        one can read them; the other callers' streams go on."""
+        sinks = self._streams.take_loop(loop)
+        logger.warning("an event loop closed with %d streams in flight; aborting them", len(sinks))
+        for sink in sinks:
+            self.engine.abort_request(sink.engine_id)
 
     def _fail_all(self, exc: BaseException) -> None:
         for sink in self._streams.take_all():

@@ -53,8 +53,21 @@ class Sink:
     request_id: str
     engine_id: str
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """False when the caller's event loop is closed: nobody can read the item (dropped)."""
+        return deliver(self.loop, put_all, [(self.queue, item)])
+
+
+def deliver(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> bool:
+    """Schedules `callback(*args)` on `loop` from the loop thread; False, not an error, when that loop is closed
+    (a caller that ran its own loop and closed it with a stream in flight): the loop thread must never die of it."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
+        return False
+    return True
 
 
 def put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
@@ -66,7 +79,7 @@ def settle(call: AdapterCall) -> None:
     try:
         result = call.apply()
     except Exception as exc:  # the caller gets the error; the loop goes on
-        call.done.get_loop().call_soon_threadsafe(_set_exception, call.done, exc)
+        deliver(call.done.get_loop(), _set_exception, call.done, exc)
         return
     resolve(call.done, result)
 
@@ -74,7 +87,7 @@ def settle(call: AdapterCall) -> None:
 def resolve(future: asyncio.Future, result: Any) -> None:
     """From the engine thread: sets future's result on its own loop, unless its caller has given up on it (a
     cancelled future cannot take a result, and setting one would be an error on the caller's loop)."""
-    future.get_loop().call_soon_threadsafe(_set_result, future, result)
+    deliver(future.get_loop(), _set_result, future, result)
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:

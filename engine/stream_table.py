@@ -82,6 +82,14 @@ class StreamTable:
                 routed.setdefault(sink.loop, []).append((sink.queue, item))
         return routed
 
+    def take_loop(self, loop: asyncio.AbstractEventLoop) -> list[Sink]:
+        """Every stream whose caller waits on `loop`, forgotten at once (that loop is closed)."""
+        with self._lock:
+            sinks = [sink for sink in self._by_engine.values() if sink.loop is loop]
+            for sink in sinks:
+                self._forget_locked(sink)
+        return sinks
+
     def take_all(self) -> list[Sink]:
         """Every stream the engine holds, forgotten at once (the engine failed or is shutting down)."""
         with self._lock:

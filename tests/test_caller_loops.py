@@ -1,0 +1,83 @@
+"""AsyncEngine with callers on several event loops (an application that runs `asyncio.run` per call in worker
+threads, or embeds the engine beside its own loop): outputs are routed per loop, and a loop that closes with a
+stream still in flight costs only that stream. Before, the loop thread died of 'Event loop is closed' on its next
+delivery and every later request hung."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from conftest import make_tiny_model
+from pagedserve.engine import AsyncEngine, EngineConfig, SamplingParams
+from pagedserve.engine.loop_commands import deliver, resolve
+
+LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+SHORT = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory):
+    config = EngineConfig(model=str(make_tiny_model(tmp_path_factory.mktemp("loops"))), dtype="float32")
+    loop = asyncio.new_event_loop()
+    engine = AsyncEngine(config)
+    loop.run_until_complete(engine.start())
+    yield engine, loop
+    loop.run_until_complete(engine.shutdown())
+    loop.close()
+
+
+async def _tokens(engine: AsyncEngine, request_id: str, prompt: str) -> tuple[int, ...]:
+    last = None
+    async for out in engine.generate(request_id, prompt, SHORT):
+        last = out
+    return last.outputs[0].token_ids
+
+
+def _start_then_close_loop(engine: AsyncEngine, held: list) -> None:
+    """On a thread of its own: a stream started on a fresh loop, two outputs read, then the loop closed with the
+    stream suspended (its generator is kept alive in `held`, so no abort is ever sent for it)."""
+    loop = asyncio.new_event_loop()
+
+    async def start():
+        stream = engine.generate("doomed", "a long answer", LONG)
+        await stream.__anext__()
+        await stream.__anext__()
+        return stream
+
+    held.append(loop.run_until_complete(start()))
+    loop.close()
+
+
+def test_a_closed_callers_loop_aborts_its_streams_and_the_engine_goes_on(front):
+    engine, loop = front
+    alone = loop.run_until_complete(_tokens(engine, "alone", "the sea is"))
+    aborted_before = engine.engine.num_aborted_requests
+    held: list = []
+    doomed = threading.Thread(target=_start_then_close_loop, args=(engine, held))
+    doomed.start()
+    doomed.join()
+    got = loop.run_until_complete(asyncio.wait_for(_tokens(engine, "bystander", "the sea is"), 60))
+    assert got == alone
+    deadline = time.monotonic() + 30
+    while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.engine.has_unfinished_requests()  # the doomed request did not run its 400 tokens
+    assert engine.engine.num_aborted_requests == aborted_before + 1
+    assert engine.engine.block_manager.num_used_blocks == 0 and engine.num_unfinished == 0
+    assert engine._thread.is_alive()
+    # The same client id is free again, and the engine still serves the loop that is alive.
+    assert loop.run_until_complete(asyncio.wait_for(_tokens(engine, "doomed", "the sea is"), 60)) == alone
+    held.clear()
+
+
+def test_deliveries_to_a_closed_loop_are_dropped_not_raised():
+    closed = asyncio.new_event_loop()
+    future = closed.create_future()
+    closed.close()
+    assert deliver(closed, print, "never") is False
+    resolve(future, 1)  # the engine thread answering a caller that is gone: no error
+    assert not future.done()
