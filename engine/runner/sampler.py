@@ -45,10 +45,11 @@ class Sampler:
         # A NaN or +inf anywhere, or no finite logit at all, makes the row's maximum non-finite (NaN for a NaN).
         row_max, argmax = self.max_argmax(processed)
         picks, finite = picks_and_finite(row_max, argmax)
-        failed.update((i, NON_FINITE) for i, ok in enumerate(finite) if not ok and i not in failed)
-        greedy = [i for i, s in enumerate(seqs) if s.params.greedy and i not in failed]
-        choices: dict[int, list[int]] = {row: [picks[row]] for row in greedy}
-        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in failed]
+        # A dead end's row is all -inf (so not finite) by design; a failed row keeps its own error.
+        failed.update((i, NON_FINITE) for i, ok in enumerate(finite) if not ok and i not in failed and i not in dead)
+        live = [i for i in range(len(seqs)) if i not in failed and i not in dead]
+        choices: dict[int, list[int]] = {row: [picks[row]] for row in live if seqs[row].params.greedy}
+        random_rows = [i for i in live if not seqs[i].params.greedy]
         if random_rows:
             choices.update(self._sample_random(processed, row_max, seqs, random_rows, failed))
         return [
