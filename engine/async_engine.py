@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.sequence import now
-from pagedserve.engine.errors import EngineDeadError, PagedServeError
+from pagedserve.engine.errors import EngineDeadError, PagedServeError, RequestFailedError
 from pagedserve.engine.kv_events import KvEvent
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.loop_commands import (
@@ -204,24 +204,28 @@ class AsyncEngine:
     # -- the loop thread ------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopping and not (self._host is not None and self._host.closed):
-            self._apply_commands()
-            self._flush_kv_events()  # a cache reset changes the cache without a step
-            if not self.engine.has_unfinished_requests():
-                self._wakeup.wait(IDLE_WAKE_S)
-                self._wakeup.clear()
-                continue
             try:
-                outputs = self.engine.step()
-            except Exception as exc:  # a bug must not kill the server: fail the batch, keep serving
-                logger.exception("engine step failed; aborting the requests in flight")
+                self._iterate()
+            except Exception as exc:  # a dead loop thread would leave every stream waiting forever
+                logger.exception("engine loop failed; aborting the requests in flight")
                 self._fail_all(exc)
-                continue
-            self._stats = self.engine.stats()
-            self._flush_kv_events()
-            if self._step_sink is not None:
-                self._observe_step(outputs)
-            self._deliver(outputs)
         self._fail_all(EngineDeadError("the engine is shutting down"))
+
+    def _iterate(self) -> None:
+        """Commands, then one step and its delivery. Whatever raises here (a bug in the step, which no single
+        request's guard caught, or in the loop's own bookkeeping) fails the requests in flight, and serving goes on."""
+        self._apply_commands()
+        self._flush_kv_events()  # a cache reset changes the cache without a step
+        if not self.engine.has_unfinished_requests():
+            self._wakeup.wait(IDLE_WAKE_S)
+            self._wakeup.clear()
+            return
+        outputs = self.engine.step()
+        self._stats = self.engine.stats()
+        self._flush_kv_events()
+        if self._step_sink is not None:
+            self._observe_step(outputs)
+        self._deliver(outputs)
 
     def _apply_commands(self) -> None:
         applied_adds = 0
@@ -278,6 +282,11 @@ class AsyncEngine:
         except PagedServeError as exc:
             self._streams.forget(sink)
             sink.put(exc)
+        except Exception as exc:  # a bug submitting one request fails that request, not the commands behind it
+            logger.exception("request %s could not be submitted", sink.request_id)
+            self.engine.abort_request(sink.engine_id)
+            self._streams.forget(sink)
+            sink.put(RequestFailedError(f"internal error while submitting the request ({type(exc).__name__}: {exc})"))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for loop, items in self._streams.route(outputs).items():

@@ -1,7 +1,8 @@
-"""AsyncEngine with callers on several event loops (an application that runs `asyncio.run` per call in worker
-threads, or embeds the engine beside its own loop): outputs are routed per loop, and a loop that closes with a
-stream still in flight costs only that stream. Before, the loop thread died of 'Event loop is closed' on its next
-delivery and every later request hung."""
+"""AsyncEngine's loop thread outlives what goes wrong around it. Callers on several event loops (an application that
+runs `asyncio.run` per call in worker threads, or embeds the engine beside its own loop) get outputs routed per loop,
+and a loop that closes with a stream in flight costs only that stream (before, the thread died of 'Event loop is
+closed' on its next delivery and every later request hung). A bug submitting one request fails that request; a bug
+in the loop's own bookkeeping fails the requests in flight, and the next ones are served."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from conftest import make_tiny_model
 from pagedserve.engine import AsyncEngine, EngineConfig, SamplingParams
+from pagedserve.engine.errors import PagedServeError, RequestFailedError
 from pagedserve.engine.loop_commands import deliver, resolve
 
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -81,3 +83,53 @@ def test_deliveries_to_a_closed_loop_are_dropped_not_raised():
     assert deliver(closed, print, "never") is False
     resolve(future, 1)  # the engine thread answering a caller that is gone: no error
     assert not future.done()
+
+
+async def _outcome(engine: AsyncEngine, request_id: str, prompt: str, params: SamplingParams = SHORT):
+    try:
+        last = None
+        async for out in engine.generate(request_id, prompt, params):
+            last = out
+        return last.outputs[0].token_ids
+    except PagedServeError as exc:
+        return exc
+
+
+def test_a_bug_submitting_one_request_fails_only_that_request(front, monkeypatch):
+    engine, loop = front
+    alone = loop.run_until_complete(_tokens(engine, "alone", "the sea is"))
+    submit = engine.engine.submit
+
+    def failing(engine_id, request, arrival_time=None):
+        if request.params.max_tokens == 7:
+            raise KeyError("injected")
+        return submit(engine_id, request, arrival_time)
+
+    monkeypatch.setattr(engine.engine, "submit", failing)
+    victim = SamplingParams(temperature=0, max_tokens=7)
+
+    async def both():
+        return await asyncio.gather(_outcome(engine, "victim", "hello", victim), _outcome(engine, "mate", "the sea is"))
+
+    failed, mate = loop.run_until_complete(asyncio.wait_for(both(), 60))
+    assert isinstance(failed, RequestFailedError) and "submitting" in str(failed) and "KeyError" in str(failed)
+    assert mate == alone
+    assert engine.engine.block_manager.num_used_blocks == 0 and engine._thread.is_alive()
+
+
+def test_a_bug_in_the_loops_bookkeeping_fails_the_requests_in_flight_and_serving_goes_on(front, monkeypatch):
+    engine, loop = front
+    alone = loop.run_until_complete(_tokens(engine, "alone", "the sea is"))
+    route, calls = engine._streams.route, []
+
+    def failing(outputs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return route(outputs)
+
+    monkeypatch.setattr(engine._streams, "route", failing)
+    failed = loop.run_until_complete(asyncio.wait_for(_outcome(engine, "in-flight", "a long answer", LONG), 60))
+    assert isinstance(failed, PagedServeError) and "injected" in str(failed)
+    assert loop.run_until_complete(asyncio.wait_for(_tokens(engine, "next", "the sea is"), 60)) == alone
+    assert engine.engine.block_manager.num_used_blocks == 0 and engine._thread.is_alive()
