@@ -3,8 +3,9 @@ LLM(model, lora=LoraConfig(modules=(LoraModule(name, path), ...), max_loras=...)
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Callable, Sequence as SequenceABC
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.host.allocator import release_freed_memory
@@ -54,22 +55,16 @@ class LLM:
         adapters = [adapter] * len(prompts) if adapter is None or isinstance(adapter, str) else list(adapter)
         if len(adapters) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters")
-        order = []
-        for prompt, p, name in zip(prompts, params_list, adapters):
-            request_id = f"llm-{next(self._ids)}"
-            self.engine.add_request(request_id, prompt, p, adapter=name)
-            order.append(request_id)
-        return self._run(order)
+        return self._run([functools.partial(self.engine.add_request, prompt=prompt, params=p, adapter=name)
+                          for prompt, p, name in zip(prompts, params_list, adapters)])
 
     def embed(self, prompts: str | list[int] | SequenceABC[str | list[int]],
               pooling_params: PoolingParams | None = None) -> list[RequestOutput]:
         """Embeddings (an engine built with runner="pooling", or a sentence-transformers folder): each output's
         `embedding`, in prompt order."""
-        order = []
-        for prompt in _prompt_list(prompts):
-            order.append(request_id := f"llm-{next(self._ids)}")
-            self.engine.add_embedding_request(request_id, prompt, pooling_params or PoolingParams())
-        return self._run(order)
+        return self._run([functools.partial(self.engine.add_embedding_request, prompt=prompt,
+                                            pooling=pooling_params or PoolingParams())
+                          for prompt in _prompt_list(prompts)])
 
     def score(self, queries: str | SequenceABC[str], documents: str | SequenceABC[str], *,
               max_tokens_per_query: int = 0, max_tokens_per_doc: int = 0) -> list[float]:
@@ -80,12 +75,25 @@ class LLM:
             check_token_limit(max_tokens_per_doc, "max_tokens_per_doc", None))
         return pairs.scores([out.embedding for out in self.embed(list(pairs.texts))])
 
-    def _run(self, order: list[str]) -> list[RequestOutput]:
+    def _run(self, adds: list[Callable[[str], None]]) -> list[RequestOutput]:
+        """Adds each request under a fresh id and steps until all are done. Whatever stops the call (a request
+        refused partway through the list, an exception out of a step, Ctrl-C) aborts the requests it added, as vLLM's
+        LLM does, so none is left holding KV blocks or running into the next call."""
+        order: list[str] = []
         finished: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
+        try:
+            for add in adds:
+                request_id = f"llm-{next(self._ids)}"
+                add(request_id)
+                order.append(request_id)
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+        except BaseException:
+            for request_id in order:
+                self.engine.abort_request(request_id)
+            raise
         return [finished[r] for r in order]
 
 

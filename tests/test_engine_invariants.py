@@ -67,6 +67,38 @@ def test_invalid_requests_name_the_field(llm_fp32, prompt, params, field):
     assert not llm_fp32.engine.has_unfinished_requests()
 
 
+def test_a_refused_prompt_in_a_generate_list_leaves_no_request_behind(llm_fp32):
+    """vLLM's LLM.generate aborts what it added when a later prompt is refused; so does ours: the valid prompts
+    before the bad one neither hold blocks nor run into the next call."""
+    ok = SamplingParams(temperature=0, max_tokens=6)
+    with pytest.raises(InvalidRequestError) as info:
+        llm_fp32.generate(["first", "second", [1, -3]], ok)
+    assert info.value.field == "prompt_token_ids"
+    assert not llm_fp32.engine.has_unfinished_requests()
+    assert_no_blocks_held(llm_fp32.engine)
+    out = llm_fp32.generate(["third"], ok)
+    assert len(out) == 1 and out[0].outputs[0].finish_reason in ("length", "stop")
+
+
+def test_an_interrupted_generate_aborts_its_requests(llm_fp32, monkeypatch):
+    """Ctrl-C (or any exception) mid-generate: the call's requests are aborted, not left to run in the next call."""
+    step, steps = llm_fp32.engine.step, []
+
+    def interrupted():
+        steps.append(1)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm_fp32.engine, "step", interrupted)
+    aborted = llm_fp32.engine.num_aborted_requests
+    with pytest.raises(KeyboardInterrupt):
+        llm_fp32.generate(["one", "two"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    assert llm_fp32.engine.num_aborted_requests == aborted + 2
+    assert not llm_fp32.engine.has_unfinished_requests()
+    assert_no_blocks_held(llm_fp32.engine)
+
+
 def test_over_long_prompt_is_rejected(default_model):
     llm = LLM(str(default_model.weights), dtype="float32", max_model_len=32)
     with pytest.raises(InvalidRequestError) as info:
