@@ -17,14 +17,14 @@ from typing import Any, Protocol
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.sequence import now
-from pagedserve.engine.errors import EngineDeadError, PagedServeError, RequestFailedError
+from pagedserve.engine.errors import EngineDeadError, PagedServeError, RequestFailedError, StepFailedError
 from pagedserve.engine.kv_events import KvEvent
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.loop_commands import (
     Abort, AdapterCall, Add, ResetPrefixCache, Sink, deliver, put_all, resolve, settle,
 )
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule
-from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
+from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput, step_token_counts
 from pagedserve.engine.requests import AdmittedRequest, EmbeddingRequest, GenerationRequest
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.stream_table import StreamTable
@@ -208,7 +208,7 @@ class AsyncEngine:
                 self._iterate()
             except Exception as exc:  # a dead loop thread would leave every stream waiting forever
                 logger.exception("engine loop failed; aborting the requests in flight")
-                self._fail_all(exc)
+                self._fail_all(StepFailedError(f"the engine step computing this request failed: {exc}"))
         self._fail_all(EngineDeadError("the engine is shutting down"))
 
     def _iterate(self) -> None:
@@ -261,15 +261,8 @@ class AsyncEngine:
                 logger.exception("KV event listener failed")
 
     def _observe_step(self, outputs: list[RequestOutput]) -> None:
-        prompt = generated = 0
-        for out in outputs:
-            new = [len(c.new_token_ids) for c in out.outputs]
-            generated += sum(new)
-            # A sample whose every token is new got its first token in this step (samples fork in the same step).
-            if any(k and k == c.num_tokens for k, c in zip(new, out.outputs)):
-                prompt += len(out.prompt_token_ids)
         try:
-            self._step_sink(prompt, generated)
+            self._step_sink(*step_token_counts(outputs))
         except Exception:  # a broken listener must not stop the engine
             logger.exception("step listener failed")
 
@@ -301,8 +294,8 @@ class AsyncEngine:
         for sink in sinks:
             self.engine.abort_request(sink.engine_id)
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def _fail_all(self, error: PagedServeError) -> None:
         for sink in self._streams.take_all():
             self.engine.abort_request(sink.engine_id)
-            sink.put(EngineDeadError(f"request failed inside the engine: {exc}"))
+            sink.put(error)
         self._stats = self.engine.stats()

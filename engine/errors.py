@@ -54,7 +54,13 @@ class QueueFullError(PagedServeError):
 
 
 class RequestFailedError(PagedServeError):
-    """One request failed inside the engine (its logits went non-finite); the engine and its batch mates go on."""
+    """One request failed inside the engine (its logits went non-finite, or its own sampling, grammar mask,
+    verification, stop rules or submission raised); the engine and its batch mates go on."""
+
+
+class StepFailedError(PagedServeError):
+    """The engine step computing this request failed as a whole (an exception out of the forward), so every request
+    in it failed; the engine goes on serving, and a retry may succeed (gRPC UNAVAILABLE, HTTP 503)."""
 
 
 class EngineDeadError(PagedServeError):

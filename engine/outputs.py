@@ -132,3 +132,16 @@ class ModelDescription:
     runner: str = "generate"  # "pooling": the engine answers embeddings only (engine/pooling.py)
     pooling_type: str = ""  # the pooling runner's: LAST, MEAN or CLS
     embedding_size: int = 0  # the pooling runner's embedding width (before a request's Matryoshka cut)
+
+
+def step_token_counts(outputs: list[RequestOutput]) -> tuple[int, int]:
+    """One step's (prompt tokens, generated tokens) as vLLM's iteration stats count them: the whole prompt of a
+    request in the step that gave its first token, plus every token the step generated."""
+    prompt = generated = 0
+    for out in outputs:
+        new = [len(c.new_token_ids) for c in out.outputs]
+        generated += sum(new)
+        # A sample whose every token is new got its first token in this step (samples fork in the same step).
+        if any(k and k == c.num_tokens for k, c in zip(new, out.outputs)):
+            prompt += len(out.prompt_token_ids)
+    return prompt, generated

@@ -10,12 +10,14 @@ import asyncio
 import threading
 import time
 
+import grpc
 import pytest
 
 from conftest import make_tiny_model
 from pagedserve.engine import AsyncEngine, EngineConfig, SamplingParams
-from pagedserve.engine.errors import PagedServeError, RequestFailedError
+from pagedserve.engine.errors import PagedServeError, RequestFailedError, StepFailedError
 from pagedserve.engine.loop_commands import deliver, resolve
+from pagedserve.service.core.errors import to_rpc_error
 
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 SHORT = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -130,6 +132,32 @@ def test_a_bug_in_the_loops_bookkeeping_fails_the_requests_in_flight_and_serving
 
     monkeypatch.setattr(engine._streams, "route", failing)
     failed = loop.run_until_complete(asyncio.wait_for(_outcome(engine, "in-flight", "a long answer", LONG), 60))
-    assert isinstance(failed, PagedServeError) and "injected" in str(failed)
+    assert isinstance(failed, StepFailedError) and "injected" in str(failed)
     assert loop.run_until_complete(asyncio.wait_for(_tokens(engine, "next", "the sea is"), 60)) == alone
     assert engine.engine.block_manager.num_used_blocks == 0 and engine._thread.is_alive()
+
+
+def test_a_failed_step_fails_its_requests_as_retryable_and_the_next_step_serves(front, monkeypatch):
+    """An exception out of the step (the forward, shared by the batch) fails the requests in it with StepFailedError,
+    which the front ends send as UNAVAILABLE / HTTP 503 (a retry may succeed), not as a dead engine."""
+    engine, loop = front
+    alone = loop.run_until_complete(_tokens(engine, "alone", "the sea is"))
+    step, steps = engine.engine.step, []
+
+    def failing():
+        steps.append(1)
+        if len(steps) == 4:
+            raise RuntimeError("injected forward failure")
+        return step()
+
+    monkeypatch.setattr(engine.engine, "step", failing)
+
+    async def pair():
+        return await asyncio.gather(_outcome(engine, "one", "a long answer", LONG), _outcome(engine, "two", "hi", LONG))
+
+    outcomes = loop.run_until_complete(asyncio.wait_for(pair(), 60))
+    assert all(isinstance(o, StepFailedError) and "injected forward failure" in str(o) for o in outcomes)
+    assert {to_rpc_error(o).code for o in outcomes} == {grpc.StatusCode.UNAVAILABLE}
+    assert engine.dead_reason is None
+    assert loop.run_until_complete(asyncio.wait_for(_tokens(engine, "after", "the sea is"), 60)) == alone
+    assert engine.engine.block_manager.num_used_blocks == 0 and not engine.engine.has_unfinished_requests()

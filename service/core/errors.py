@@ -18,6 +18,7 @@ from pagedserve.engine.errors import (
     PagedServeError,
     QueueFullError,
     RequestFailedError,
+    StepFailedError,
     UnsupportedError,
     UnsupportedTaskError,
 )
@@ -49,12 +50,13 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DrainingError, grpc.StatusCode.UNAVAILABLE),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
+    (StepFailedError, grpc.StatusCode.UNAVAILABLE),
     (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
     (RuntimeUpdatesOffError, grpc.StatusCode.FAILED_PRECONDITION),
     (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
     (MissingChatTemplateError, grpc.StatusCode.FAILED_PRECONDITION),
-    # Only non-finite model logits get here (parameters are bounded at the edge): a server-side failure of this
-    # one request, which its batch mates do not share.
+    # A server-side failure of this one request (non-finite logits, or an exception in its own sampling, mask,
+    # verification or stop rules; parameters are bounded at the edge), which its batch mates do not share.
     (RequestFailedError, grpc.StatusCode.INTERNAL),
 )
 
