@@ -14,9 +14,15 @@ import json
 import os
 import re
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
+from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+
+from service_fixtures import health, model_info
 
 # Codes a request may end with; anything else (UNKNOWN, INTERNAL, ...) is a bug the fuzzer reports.
 DOCUMENTED_CODES = {
@@ -86,3 +92,15 @@ def check_http_status(body: dict, status: int, payload: bytes) -> None:
         param = error["param"]
         assert isinstance(param, str) and param, f"400 without a parameter for {body!r}: {payload[:300]!r}"
         assert re.split(r"[.\[]", param, maxsplit=1)[0] in body, f"400 names {param!r}, not in the body"
+
+
+def run_beside_a_bystander(run: Callable[[], None], pool: ThreadPoolExecutor, channel: grpc.Channel) -> None:
+    """Runs a property (its examples share `pool`), then checks what every fuzz suite requires of the server
+    afterwards: no KV block held by any request, health still SERVING."""
+    try:
+        run()
+    finally:
+        pool.shutdown()
+    info = model_info(channel)
+    assert info.kv_cache.used_blocks == 0 and info.kv_cache.free_blocks == info.kv_cache.total_blocks
+    assert health(channel) == health_pb2.HealthCheckResponse.SERVING

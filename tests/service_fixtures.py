@@ -130,6 +130,16 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
     _SHARED["default"].stop()
 
 
+@pytest.fixture(scope="session")
+def pooling_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One embedding server (`--runner pooling`, gRPC and HTTP) for the suites that only call it: the embedding
+    service's tests and the pooling fuzz suite. 64-token steps, so longer inputs prefill in chunks."""
+    server = start_server(tmp_path_factory.mktemp("pooling-server"), "--runner", "pooling", "--http-port", "0",
+                          "--max-num-batched-tokens", "64")
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def server_factory(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     """Starts servers with extra flags for one test; all are stopped afterwards."""

@@ -16,7 +16,7 @@ import grpc
 import openai
 import pytest
 import torch
-from service_fixtures import server_factory, shared_server, start_server  # noqa: F401 - fixtures by name
+from service_fixtures import pooling_server, server_factory, shared_server  # noqa: F401 - fixtures by name
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vgrpc
 from google.protobuf import json_format
@@ -34,11 +34,8 @@ TOLERANCE = 1e-4  # fp32 both sides, normalized vectors (see tests/test_embeddin
 
 
 @pytest.fixture(scope="module")
-def embed_server(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("embed-server"), "--runner", "pooling", "--http-port", "0",
-                          "--max-num-batched-tokens", "64")
-    yield server
-    server.stop()
+def embed_server(pooling_server):  # noqa: F811 - the session's one embedding server (service_fixtures.py)
+    return pooling_server
 
 
 @pytest.fixture(scope="module")

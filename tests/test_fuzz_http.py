@@ -17,11 +17,10 @@ import json
 import grpc
 import pytest
 from constraint_strategies import CHOICES, GRAMMARS, REGEXES, SCHEMAS, STRUCTURAL_TAGS
-from fuzz_support import ANY_JSON, check_http_status, fuzz_settings, plausible
-from grpc_health.v1 import health_pb2
+from fuzz_support import ANY_JSON, check_http_status, fuzz_settings, plausible, run_beside_a_bystander
 from hypothesis import given
 from hypothesis import strategies as st
-from service_fixtures import engine_idle, health, model_info, shared_server, stub, wait_until  # noqa: F401
+from service_fixtures import engine_idle, shared_server, stub, wait_until  # noqa: F401
 
 from pagedserve.v1 import generate_pb2 as pb
 
@@ -235,13 +234,7 @@ def test_fuzzed_openai_bodies_never_harm_a_bystander(shared_server, channel):  #
         assert bystander.result() == alone
         wait_until(lambda: engine_idle(channel), 60, "every fuzzed request to leave the engine")
 
-    try:
-        run()
-    finally:
-        pool.shutdown()
-    info = model_info(channel)
-    assert info.kv_cache.used_blocks == 0 and info.kv_cache.free_blocks == info.kv_cache.total_blocks
-    assert health(channel) == health_pb2.HealthCheckResponse.SERVING
+    run_beside_a_bystander(run, pool, channel)
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT, RESPONSES, "/v1/models", "/health", "/v1/nothing"])

@@ -17,11 +17,12 @@ import json
 
 import grpc
 import pytest
-from fuzz_support import ANY_JSON, check_http_status, check_outcome, fuzz_settings, plausible
-from grpc_health.v1 import health_pb2
+from fuzz_support import (
+    ANY_JSON, check_http_status, check_outcome, fuzz_settings, plausible, run_beside_a_bystander,
+)
 from hypothesis import event, given
 from hypothesis import strategies as st
-from service_fixtures import engine_idle, health, model_info, start_server, stub, wait_until
+from service_fixtures import engine_idle, model_info, pooling_server, stub, wait_until  # noqa: F401 - fixture
 from test_fuzz_grpc import REQUEST_ID, UINT32
 from test_fuzz_http import MESSAGE, TOOLS, post
 
@@ -115,11 +116,8 @@ def bodies(draw) -> tuple[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def embed_server(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("fuzz-embed-server"), "--runner", "pooling", "--http-port", "0",
-                          "--max-num-batched-tokens", "64")
-    yield server
-    server.stop()
+def embed_server(pooling_server):  # noqa: F811 - the session's one embedding server (service_fixtures.py)
+    return pooling_server
 
 
 @pytest.fixture(scope="module")
@@ -182,13 +180,7 @@ def test_fuzzed_pooling_bodies_never_harm_a_bystander(embed_server, channel):
         assert max(abs(a - b) for a, b in zip(bystander.result(), alone)) < 1e-5
         wait_until(lambda: engine_idle(channel), 60, "every fuzzed request to leave the engine")
 
-    try:
-        run()
-    finally:
-        pool.shutdown()
-    info = model_info(channel)
-    assert info.kv_cache.used_blocks == 0 and info.kv_cache.free_blocks == info.kv_cache.total_blocks
-    assert health(channel) == health_pb2.HealthCheckResponse.SERVING
+    run_beside_a_bystander(run, pool, channel)
 
 
 def _rpc_outcome(channel: grpc.Channel, request) -> tuple[grpc.StatusCode, str, object]:
@@ -232,11 +224,7 @@ def test_fuzzed_embed_rerank_tokenize_rpcs_never_harm_a_bystander(embed_server, 
         assert max(abs(a - b) for a, b in zip(bystander.result(), alone)) < 1e-5
         wait_until(lambda: engine_idle(channel), 60, "every fuzzed request to leave the engine")
 
-    try:
-        run()
-    finally:
-        pool.shutdown()
-    assert health(channel) == health_pb2.HealthCheckResponse.SERVING
+    run_beside_a_bystander(run, pool, channel)
 
 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/score", "/rerank", "/tokenize", "/detokenize",

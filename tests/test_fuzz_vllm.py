@@ -16,11 +16,10 @@ import json
 import grpc
 import pytest
 from constraint_strategies import CHOICES, GRAMMARS, REGEXES, SCHEMA_TEXT, STRUCTURAL_TAGS
-from fuzz_support import check_outcome, fuzz_settings
-from grpc_health.v1 import health_pb2
+from fuzz_support import check_outcome, fuzz_settings, run_beside_a_bystander
 from hypothesis import given
 from hypothesis import strategies as st
-from service_fixtures import engine_idle, health, model_info, shared_server, stub, wait_until  # noqa: F401
+from service_fixtures import engine_idle, shared_server, stub, wait_until  # noqa: F401
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vgrpc
 
@@ -175,11 +174,5 @@ def test_fuzzed_router_requests_never_harm_a_bystander(channel):
         assert bystander.result() == alone
         wait_until(lambda: engine_idle(channel), 60, "every fuzzed request to leave the engine")
 
-    try:
-        run()
-    finally:
-        pool.shutdown()
-    info = model_info(channel)
-    assert info.kv_cache.used_blocks == 0 and info.kv_cache.free_blocks == info.kv_cache.total_blocks
-    assert health(channel) == health_pb2.HealthCheckResponse.SERVING
+    run_beside_a_bystander(run, pool, channel)
     assert engine.HealthCheck(vpb.HealthCheckRequest(), timeout=10).healthy
