@@ -170,8 +170,10 @@ class LLMEngine:
         return dataclasses.replace(self._end(self.requests[request_id], FinishReason.ERROR), error=error)
 
     def _end(self, state: RequestState, reason: FinishReason) -> RequestOutput:
-        for seq in state.seqs:
-            seq.pending_forks = 0
+        """Ends every sequence of the request (samples not forked yet included: its output lists all n)."""
+        taken = {seq.index for seq in state.seqs}  # a step that failed while forking may have forked some already
+        for seq in list(state.seqs):
+            state.seqs.extend(child for child in seq.unforked_samples(reason) if child.index not in taken)
             if not seq.is_finished:
                 self.scheduler.finish(seq, reason)
         return request_output(state)

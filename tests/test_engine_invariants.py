@@ -99,6 +99,19 @@ def test_an_interrupted_generate_aborts_its_requests(llm_fp32, monkeypatch):
     assert_no_blocks_held(llm_fp32.engine)
 
 
+def test_a_request_ended_before_its_first_token_reports_all_n_samples(llm_fp32):
+    """n > 1 samples fork off the first token; a request aborted (or failed) before it still ends with n outputs,
+    each with the finish reason, so a front end sees every index of an n-sample request however it ends (it saw one).
+    Found by tests/test_fuzz_engine_api.py."""
+    engine = llm_fp32.engine
+    engine.add_request("before-first", "Two friends", SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8))
+    out = engine.abort_request("before-first")
+    assert out.finished and [c.index for c in out.outputs] == [0, 1, 2]
+    assert {c.finish_reason for c in out.outputs} == {"abort"} and all(not c.token_ids for c in out.outputs)
+    assert not engine.has_unfinished_requests()
+    assert_no_blocks_held(engine)
+
+
 def test_over_long_prompt_is_rejected(default_model):
     llm = LLM(str(default_model.weights), dtype="float32", max_model_len=32)
     with pytest.raises(InvalidRequestError) as info:

@@ -295,12 +295,7 @@ class Scheduler:
     def _dead_end(self, seq: Sequence, update: StepUpdate) -> None:
         """The constraint allows no token: only this sequence ends (with its text so far) and frees its blocks; the
         samples it has not forked yet would start from the same dead end, so they end with it."""
-        for index in range(1, seq.pending_forks + 1):
-            child = seq.fork(index)
-            child.status, child.metrics.finished_time = SeqStatus.FINISHED, now()
-            child.finish_reason = FinishReason.CONSTRAINT_DEAD_END
-            update.forked.append(child)
-        seq.pending_forks = 0
+        update.forked.extend(seq.unforked_samples(FinishReason.CONSTRAINT_DEAD_END))
         self.finish(seq, FinishReason.CONSTRAINT_DEAD_END)
 
     def finish(self, seq: Sequence, reason: FinishReason | None = None) -> None:

@@ -175,6 +175,17 @@ class Sequence:
         )
         return child
 
+    def unforked_samples(self, reason: FinishReason) -> list["Sequence"]:
+        """The n > 1 samples still to fork off this one's first token, ended with it (`reason`) before they ever
+        ran: a request ending before its first token still reports n outputs. Takes no blocks."""
+        ended = []
+        for index in range(1, self.pending_forks + 1):
+            child = self.fork(index)
+            child.status, child.finish_reason, child.metrics.finished_time = SeqStatus.FINISHED, reason, now()
+            ended.append(child)
+        self.pending_forks = 0
+        return ended
+
 
 def now() -> float:
     return time.monotonic()
