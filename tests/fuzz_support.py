@@ -1,6 +1,7 @@
 """Shared pieces of the fuzz suites (test_fuzz_grpc.py: pagedserve.v1 + raw bytes on every RPC; test_fuzz_http.py:
 OpenAI HTTP generation; test_fuzz_pooling.py: embeddings, scoring and tokenizing over HTTP; test_fuzz_vllm.py: the
-router protocol): hypothesis settings with a CI budget, JSON strategies, and the verdict on one response.
+router protocol; test_fuzz_engine_api.py: AsyncEngine's API in process): hypothesis settings with a CI budget, JSON
+strategies, and the verdict on one response.
 
 Budget: PAGEDSERVE_FUZZ_EXAMPLES (default 25 per property) is read when a suite asks for its settings, never at
 import. `PAGEDSERVE_FUZZ_EXAMPLES=2000 bash tests/run.sh -k fuzz` runs a long campaign; the default keeps the
@@ -13,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
