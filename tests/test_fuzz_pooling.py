@@ -4,9 +4,10 @@ sent beside a pagedserve.v1 Embed bystander in the same batch; pagedserve.v1's E
 field fuzzed; and raw garbage bodies on every POST route the generation suite (test_fuzz_http.py) does not cover.
 
 Each example checks: the status is one the routes document (HTTP 200, 400, 404, 413, 429, never 5xx; gRPC codes as
-in fuzz_support.DOCUMENTED_CODES); a 400 or INVALID_ARGUMENT names a field of the request; a 200 has the shape the body asked for (a vector per input of the asked size, a score per
-document, top_n results best first, as many token ids as `count`); the bystander's vector equals its solo run;
-afterwards no request runs, no KV block is held and the server still serves. Budget and replay: fuzz_support.py.
+in fuzz_support.DOCUMENTED_CODES); a 400 or INVALID_ARGUMENT names a field of the request; a 200 has the shape the
+body asked for (a vector per input of the asked size, a score per document, top_n results best first, as many token
+ids as `count`); the bystander's vector equals its solo run; afterwards no request runs, no KV block is held and the
+server still serves. Budget and replay: fuzz_support.py.
 """
 
 from __future__ import annotations
