@@ -13,6 +13,7 @@ import time
 import grpc
 import pytest
 
+from async_engine_fixtures import running_async_engine
 from conftest import make_tiny_model
 from pagedserve.engine import AsyncEngine, EngineConfig, SamplingParams
 from pagedserve.engine.errors import PagedServeError, RequestFailedError, StepFailedError
@@ -26,12 +27,8 @@ SHORT = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module")
 def front(tmp_path_factory):
     config = EngineConfig(model=str(make_tiny_model(tmp_path_factory.mktemp("loops"))), dtype="float32")
-    loop = asyncio.new_event_loop()
-    engine = AsyncEngine(config)
-    loop.run_until_complete(engine.start())
-    yield engine, loop
-    loop.run_until_complete(engine.shutdown())
-    loop.close()
+    with running_async_engine(config) as front_and_loop:
+        yield front_and_loop
 
 
 async def _tokens(engine: AsyncEngine, request_id: str, prompt: str) -> tuple[int, ...]:

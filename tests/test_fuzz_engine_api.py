@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from async_engine_fixtures import running_async_engine
 from conftest import make_tiny_model
 from fuzz_support import campaign_timeout_s, fuzz_settings
 from pagedserve.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
@@ -38,12 +39,8 @@ def front(tmp_path_factory):
     # 14 blocks of 16 tokens: a few long streams beside the bystander outgrow them and are preempted.
     config = EngineConfig(model=model, dtype="float32", kv_cache_memory=14 * block_bytes, block_size=16,
                           max_num_batched_tokens=48)
-    loop = asyncio.new_event_loop()
-    engine = AsyncEngine(config)
-    loop.run_until_complete(engine.start())
-    yield engine, loop
-    loop.run_until_complete(engine.shutdown())
-    loop.close()
+    with running_async_engine(config) as front_and_loop:
+        yield front_and_loop
 
 
 def _consistent(kwargs: dict) -> dict:

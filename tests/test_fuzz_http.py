@@ -11,13 +11,14 @@ no KV block is held and both protocols still serve. Budget and replay: see fuzz_
 from __future__ import annotations
 
 import concurrent.futures
-import http.client
 import json
 
 import grpc
 import pytest
 from constraint_strategies import CHOICES, GRAMMARS, REGEXES, SCHEMAS, STRUCTURAL_TAGS
-from fuzz_support import ANY_JSON, check_http_status, fuzz_settings, plausible, run_beside_a_bystander
+from fuzz_support import (
+    ANY_JSON, check_http_status, fuzz_settings, garbage_never_breaks_the_route, plausible, post, run_beside_a_bystander,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from service_fixtures import engine_idle, shared_server, stub, wait_until  # noqa: F401
@@ -161,16 +162,6 @@ BYSTANDER = pb.GenerateRequest(text="Name three colours:", sampling=pb.SamplingO
                                stopping=pb.StoppingOptions(max_new_tokens=10, ignore_eos=True))
 
 
-def post(port: int, path: str, data: bytes) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    try:
-        conn.request("POST", path, data, {"content-type": "application/json"})
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
-
-
 def check_reply(body: dict, status: int, payload: bytes, responses: bool = False) -> None:
     check_http_status(body, status, payload)
     if status != 200:
@@ -239,12 +230,5 @@ def test_fuzzed_openai_bodies_never_harm_a_bystander(shared_server, channel):  #
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT, RESPONSES, "/v1/models", "/health", "/v1/nothing"])
 def test_raw_garbage_bodies(shared_server, channel, path):  # noqa: F811
-    @fuzz_settings()
-    @given(st.binary(max_size=512))
-    def run(payload: bytes) -> None:
-        status, reply = post(shared_server.http_port, path, payload)
-        assert status < 500, f"HTTP {status} for {payload!r}: {reply[:300]!r}"
-
-    run()
-    wait_until(lambda: engine_idle(channel), 60, "garbage requests to leave the engine")
-    assert post(shared_server.http_port, COMPLETIONS, json.dumps({"prompt": "Hi", "max_tokens": 2}).encode())[0] == 200
+    probe = (COMPLETIONS, {"prompt": "Hi", "max_tokens": 2})
+    garbage_never_breaks_the_route(shared_server.http_port, path, channel, probe)

@@ -19,13 +19,14 @@ import json
 import grpc
 import pytest
 from fuzz_support import (
-    ANY_JSON, check_http_status, check_outcome, fuzz_settings, plausible, run_beside_a_bystander,
+    ANY_JSON, check_http_status, check_outcome, fuzz_settings, garbage_never_breaks_the_route, plausible, post,
+    run_beside_a_bystander,
 )
 from hypothesis import event, given
 from hypothesis import strategies as st
 from service_fixtures import engine_idle, model_info, pooling_server, stub, wait_until  # noqa: F401 - fixture
 from test_fuzz_grpc import REQUEST_ID, UINT32
-from test_fuzz_http import MESSAGE, TOOLS, post
+from test_fuzz_http import MESSAGE, TOOLS
 
 from pagedserve.client import Client
 from pagedserve.v1 import embed_pb2, generate_pb2, tokenize_pb2
@@ -231,12 +232,4 @@ def test_fuzzed_embed_rerank_tokenize_rpcs_never_harm_a_bystander(embed_server, 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/score", "/rerank", "/tokenize", "/detokenize",
                                   "/v1/load_lora_adapter", "/v1/unload_lora_adapter"])
 def test_raw_garbage_on_pooling_and_admin_routes(embed_server, channel, path):
-    @fuzz_settings()
-    @given(st.binary(max_size=512))
-    def run(payload: bytes) -> None:
-        status, reply = post(embed_server.http_port, path, payload)
-        assert status < 500, f"HTTP {status} for {payload!r}: {reply[:300]!r}"
-
-    run()
-    wait_until(lambda: engine_idle(channel), 60, "garbage requests to leave the engine")
-    assert post(embed_server.http_port, "/v1/embeddings", json.dumps({"input": "Hi"}).encode())[0] == 200
+    garbage_never_breaks_the_route(embed_server.http_port, path, channel, ("/v1/embeddings", {"input": "Hi"}))
