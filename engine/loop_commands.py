@@ -53,9 +53,9 @@ class Sink:
     request_id: str
     engine_id: str
 
-    def put(self, item: RequestOutput | BaseException) -> bool:
-        """False when the caller's event loop is closed: nobody can read the item (dropped)."""
-        return deliver(self.loop, put_all, [(self.queue, item)])
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Dropped when the caller's event loop is closed: nobody can read it."""
+        deliver(self.loop, put_all, [(self.queue, item)])
 
 
 def deliver(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> bool:

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from pagedserve.engine.core.block_manager import BlockManager, PrefixHit
 from pagedserve.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepUpdate
@@ -33,9 +31,6 @@ from pagedserve.engine.core.sequence import FinishReason, Sequence, SeqStatus, T
 from pagedserve.engine.core.step_output import SeqSample, StepOutput
 from pagedserve.engine.core.stopping import StopRules
 from pagedserve.engine.spec_decode.drafter import Drafter
-
-if TYPE_CHECKING:
-    from pagedserve.engine.runner.pooled_rows import PooledChunk
 
 
 logger = logging.getLogger(__name__)
@@ -221,10 +216,19 @@ class Scheduler:
         update = StepUpdate()
         for scored in output.prompt_logprobs:
             if not scored.seq.is_finished:
-                self._guarded(scored.seq, update, scored.apply)
+                try:
+                    scored.apply()
+                except Exception as exc:
+                    self._failed_applying(scored.seq, update, exc)
         for pooled in output.pooled:
             if not pooled.seq.is_finished:
-                self._guarded(pooled.seq, update, lambda p=pooled: self._apply_pooled(p, update))
+                try:
+                    pooled.apply()
+                    if pooled.done:  # an embedding request ends with its prompt: its one output
+                        update.touched[pooled.seq.request_id] = None
+                        self.finish(pooled.seq, FinishReason.STOP)
+                except Exception as exc:
+                    self._failed_applying(pooled.seq, update, exc)
         for sample in output.samples:
             seq = sample.seq
             if seq.is_finished:
@@ -234,31 +238,24 @@ class Scheduler:
                 update.failed[seq.request_id] = sample.error
             elif sample.dead_end:
                 self._dead_end(seq, update)
-            elif seq.request_id in update.failed:
-                continue
-            elif sample.num_drafts:
-                self._guarded(seq, update, lambda s=sample: self._append_verified(s))
-            else:
-                self._guarded(seq, update, lambda s=sample: self._append_sampled(s, update))
+            elif seq.request_id not in update.failed:
+                try:
+                    if sample.num_drafts:
+                        self._append_verified(sample)
+                    else:
+                        self._append_sampled(sample, update)
+                except Exception as exc:
+                    self._failed_applying(seq, update, exc)
         return update
 
     @staticmethod
-    def _guarded(seq: Sequence, update: StepUpdate, apply: Callable[[], None]) -> None:
+    def _failed_applying(seq: Sequence, update: StepUpdate, exc: Exception) -> None:
         """A bug in one request's bookkeeping (its stop rules, grammar, pooler) fails that request, which the
         engine then ends whole, freeing its blocks; its batch mates' outputs are applied as if it were not there."""
-        try:
-            apply()
-        except Exception as exc:
-            logger.exception("request %s: the step's output could not be applied", seq.request_id)
-            update.touched[seq.request_id] = None
-            update.failed[seq.request_id] = \
-                f"internal error while applying this request's step ({type(exc).__name__}: {exc})"
-
-    def _apply_pooled(self, pooled: PooledChunk, update: StepUpdate) -> None:
-        pooled.apply()
-        if pooled.done:  # an embedding request ends with its prompt: its one output
-            update.touched[pooled.seq.request_id] = None
-            self.finish(pooled.seq, FinishReason.STOP)
+        logger.exception("request %s: the step's output could not be applied", seq.request_id)
+        update.touched[seq.request_id] = None
+        update.failed[seq.request_id] = \
+            f"internal error while applying this request's step ({type(exc).__name__}: {exc})"
 
     def _append_sampled(self, sample: SeqSample, update: StepUpdate) -> None:
         """A first token with n > 1 forks the other samples off it: each child shares the blocks computed so far."""
