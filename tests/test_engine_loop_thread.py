@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from async_engine_fixtures import running_async_engine
+from async_engine_fixtures import final_tokens, running_async_engine, start_then_close_loop
 from conftest import make_tiny_model
 from pagedserve.engine import AsyncEngine, EngineConfig, SamplingParams
 from pagedserve.engine.errors import PagedServeError, RequestFailedError, StepFailedError
@@ -32,25 +32,7 @@ def front(tmp_path_factory):
 
 
 async def _tokens(engine: AsyncEngine, request_id: str, prompt: str) -> tuple[int, ...]:
-    last = None
-    async for out in engine.generate(request_id, prompt, SHORT):
-        last = out
-    return last.outputs[0].token_ids
-
-
-def _start_then_close_loop(engine: AsyncEngine, held: list) -> None:
-    """On a thread of its own: a stream started on a fresh loop, two outputs read, then the loop closed with the
-    stream suspended (its generator is kept alive in `held`, so no abort is ever sent for it)."""
-    loop = asyncio.new_event_loop()
-
-    async def start():
-        stream = engine.generate("doomed", "a long answer", LONG)
-        await stream.__anext__()
-        await stream.__anext__()
-        return stream
-
-    held.append(loop.run_until_complete(start()))
-    loop.close()
+    return await final_tokens(engine, request_id, prompt, SHORT)
 
 
 def test_a_closed_callers_loop_aborts_its_streams_and_the_engine_goes_on(front):
@@ -58,7 +40,7 @@ def test_a_closed_callers_loop_aborts_its_streams_and_the_engine_goes_on(front):
     alone = loop.run_until_complete(_tokens(engine, "alone", "the sea is"))
     aborted_before = engine.engine.num_aborted_requests
     held: list = []
-    doomed = threading.Thread(target=_start_then_close_loop, args=(engine, held))
+    doomed = threading.Thread(target=start_then_close_loop, args=(engine, "doomed", "a long answer", LONG, 2, held))
     doomed.start()
     doomed.join()
     got = loop.run_until_complete(asyncio.wait_for(_tokens(engine, "bystander", "the sea is"), 60))

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from async_engine_fixtures import running_async_engine
+from async_engine_fixtures import final_tokens, running_async_engine, start_then_close_loop
 from conftest import make_tiny_model
 from fuzz_support import campaign_timeout_s, fuzz_settings
 from pagedserve.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
@@ -27,6 +27,7 @@ from pagedserve.engine.errors import InvalidRequestError
 pytestmark = pytest.mark.timeout(campaign_timeout_s(600))
 
 BYSTANDER = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+CLOSED_LOOP_PARAMS = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
 PROMPTS = ["the sea is", "once upon a time, in a small village by the river, there lived", "1, 2, 3,", "hi"]
 CLIENT_IDS = ("a", "b", "c", "d")
 _examples = itertools.count()
@@ -91,10 +92,7 @@ ACTIONS = st.tuples(st.lists(STREAM, min_size=1, max_size=5), st.lists(st.one_of
 
 
 async def _tokens(engine: AsyncEngine, request_id: str, prompt: str) -> tuple[int, ...]:
-    last = None
-    async for out in engine.generate(request_id, prompt, BYSTANDER):
-        last = out
-    return last.outputs[0].token_ids
+    return await final_tokens(engine, request_id, prompt, BYSTANDER)
 
 
 async def _stream(engine: AsyncEngine, rid: str, prompt: str, sampling: tuple[dict, str | None],
@@ -103,33 +101,14 @@ async def _stream(engine: AsyncEngine, rid: str, prompt: str, sampling: tuple[di
     params = SamplingParams(**kwargs)
     assert bad is None or bad == "max_tokens", f"{bad} was accepted"  # max_tokens is refused at admission
     async with contextlib.aclosing(engine.generate(rid, prompt, params)) as outputs:
-        async for count, out in aiter_enumerate(outputs):
+        count = 0
+        async for out in outputs:
+            count += 1
             if out.finished:
                 assert len(out.outputs) == params.n
                 assert all(len(c.token_ids) <= params.max_tokens for c in out.outputs)
             if leave_after is not None and count >= leave_after:
                 return
-
-
-async def aiter_enumerate(outputs):
-    count = 0
-    async for out in outputs:
-        count += 1
-        yield count, out
-
-
-def _start_then_close_loop(engine: AsyncEngine, rid: str, prompt: str, held: list) -> None:
-    loop = asyncio.new_event_loop()
-
-    async def start():
-        stream = engine.generate(rid, prompt, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
-        await stream.__anext__()
-        return stream
-
-    try:
-        held.append(loop.run_until_complete(start()))  # kept alive: no abort is ever sent for it
-    finally:
-        loop.close()
 
 
 async def _act(engine: AsyncEngine, example: int, action: tuple, held: list) -> None:
@@ -142,7 +121,8 @@ async def _act(engine: AsyncEngine, example: int, action: tuple, held: list) -> 
     elif kind == "reset":
         assert await engine.reset_prefix_cache() >= 0
     else:
-        await asyncio.to_thread(_start_then_close_loop, engine, f"closed-{example}-{id(action)}", action[1], held)
+        rid = f"closed-{example}-{id(action)}"
+        await asyncio.to_thread(start_then_close_loop, engine, rid, action[1], CLOSED_LOOP_PARAMS, 1, held)
 
 
 def _check_outcome(action: tuple, outcome: BaseException | None) -> None:
