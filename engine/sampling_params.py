@@ -45,7 +45,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 disables
+    top_k: int = 0  # 0 (or -1, as vLLM) disables
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -116,7 +116,9 @@ class SamplingParams:
             raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
-        _integer("top_k", self.top_k, 0)
+        _integer("top_k", self.top_k, -1)
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)  # vLLM's older spelling of "off", which it still accepts
         if not 0 <= self.min_p <= 1:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
         _within("repetition_penalty", self.repetition_penalty, REPETITION_PENALTY_RANGE)

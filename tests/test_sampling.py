@@ -134,7 +134,7 @@ def test_logprobs_match_transformers_log_softmax(llm_fp32, hf_reference):
         ({"temperature": float("nan")}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_k": -1}, "top_k"),
+        ({"top_k": -2}, "top_k"),
         ({"min_p": 2.0}, "min_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
@@ -153,6 +153,13 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**kwargs)
     assert info.value.field == field and field in str(info.value)
+
+
+def test_top_k_minus_one_is_off_as_in_vllm():
+    """vLLM users write top_k=-1 for "off" (its default until 0 became the preferred spelling); it is 0 here."""
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0) and SamplingParams(top_k=-1).top_k == 0
+    with pytest.raises(InvalidRequestError, match=">= -1, got -2"):
+        SamplingParams(top_k=-2)
 
 
 def test_a_row_with_non_finite_logits_fails_only_its_own_request(llm_fp32, monkeypatch):

@@ -59,7 +59,7 @@ BAD_GENERATE = [
     ("NaN temperature", sampling(temperature=math.nan), "sampling.temperature", "finite"),
     ("top_p zero", sampling(top_p=0.0), "sampling.top_p", "(0, 1]"),
     ("top_p above one", sampling(top_p=1.5), "sampling.top_p", "(0, 1]"),
-    ("negative top_k", sampling(top_k=-1), "sampling.top_k", ">= 0"),
+    ("top_k below -1 (off)", sampling(top_k=-2), "sampling.top_k", ">= -1"),
     ("min_p above one", sampling(min_p=2.0), "sampling.min_p", "[0, 1]"),
     ("seed too large", sampling(seed=2**64 - 1), "sampling.seed", "2**63"),
     ("logit_bias outside vocab", sampling(logit_bias={VOCAB + 5: 1.0}), "sampling.logit_bias", "vocabulary"),

@@ -108,6 +108,16 @@ def test_seeded_sampling_is_reproducible_over_the_wire(channel):
     assert runs[0] == runs[1] and len(runs[0]) == 10
 
 
+def test_top_k_minus_one_over_the_wire_is_off(channel):
+    """A Go or Java caller used to vLLM sends top_k = -1 for "off": the same seeded tokens as leaving it unset."""
+    def tokens(**sampling: object) -> list[int]:
+        request = pb.GenerateRequest(text=PROMPTS[2], sampling=pb.SamplingOptions(temperature=0.9, seed=77, **sampling),
+                                     stopping=pb.StoppingOptions(max_new_tokens=10, ignore_eos=True))
+        return [t for f in frames_of(channel, request) if f.WhichOneof("frame") == "delta" for t in f.delta.token_ids]
+
+    assert tokens(top_k=-1) == tokens() and len(tokens()) == 10
+
+
 def test_final_only_mode_sends_one_delta_with_the_whole_output(channel):
     streamed = frames_of(channel, greedy_request(PROMPTS[0], 10, ignore_eos=True))
     request = greedy_request(PROMPTS[0], 10, ignore_eos=True)

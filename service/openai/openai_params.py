@@ -55,9 +55,9 @@ CHAT_PARAMS = _COMMON | {
 }
 
 # OpenAI parameter -> SamplingParams field, where the value passes unchanged.
-_DIRECT = ("n", "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
-           "stop", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output", "allowed_token_ids",
-           "bad_words", "skip_special_tokens", "thinking_token_budget")
+_DIRECT = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+           "seed", "stop", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
+           "allowed_token_ids", "bad_words", "skip_special_tokens", "thinking_token_budget")
 
 
 MAX_BATCH = 64  # prompts in one /v1/completions request
@@ -246,8 +246,6 @@ def _sampling_params(body: dict[str, Any], chat: bool, logprobs: int | None,
     kwargs: dict[str, Any] = {name: body[name] for name in _DIRECT if name in body}
     if requested is not None:
         kwargs["constraint"] = requested.constraint
-    if "top_k" in body:
-        kwargs["top_k"] = 0 if body["top_k"] == -1 else body["top_k"]  # vLLM's -1 means "off", like our 0
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens")
     if max_tokens is not None:
         kwargs["max_tokens"] = max_tokens

@@ -767,7 +767,8 @@ type SamplingOptions struct {
 	Temperature *float32 `protobuf:"fixed32,1,opt,name=temperature,proto3,oneof" json:"temperature,omitempty"`
 	// (0, 1], default 1.
 	TopP *float32 `protobuf:"fixed32,2,opt,name=top_p,json=topP,proto3,oneof" json:"top_p,omitempty"`
-	// >= 0, default 0 (disabled). Signed so that a negative value is rejected instead of wrapping around.
+	// >= 0, default 0 (disabled); -1 also disables (vLLM's spelling). Signed so that a value below -1 is rejected
+	// instead of wrapping around.
 	TopK *int32 `protobuf:"varint,3,opt,name=top_k,json=topK,proto3,oneof" json:"top_k,omitempty"`
 	// [0, 1], default 0.
 	MinP *float32 `protobuf:"fixed32,4,opt,name=min_p,json=minP,proto3,oneof" json:"min_p,omitempty"`
