@@ -64,13 +64,14 @@ def _counting(fn: Callable, counts: dict[str, int], key: str) -> Callable:
     return counted
 
 
-async def _serve(engine: LLMEngine, call: Callable[[int, int], Awaitable[int]]) -> int:
+async def _serve(engine: LLMEngine, call: Callable[[int, int], Awaitable[int]],
+                 metrics: ServiceMetrics | None = None) -> int:
     """Both gRPC services and the OpenAI app on one AsyncEngine, as `pagedserve serve` wires them; returns what
     `call(grpc_port, http_port)` returns (the number of tokens it got back)."""
     front = AsyncEngine(engine.config, engine=engine)
     await front.start()
     state = ServingState(HealthServicer())
-    metrics = ServiceMetrics("tiny", front.stats)
+    metrics = metrics or ServiceMetrics("tiny", front.stats)
     serving = ServingContext(state, metrics, "tiny")
     serving.attach(front)
     servicer = GenerationServicer(serving, MAX_BYTES)
@@ -317,3 +318,41 @@ def test_the_engine_refuses_an_id_in_flight_once_for_every_front_end(tiny_engine
         assert front.num_unfinished == 0
 
     asyncio.run(run())
+
+
+def test_a_request_the_engine_fails_before_its_first_token_counts_as_finished_with_error(tiny_engine, monkeypatch):
+    """vLLM counts a request its engine failed under vllm:request_success{finished_reason="error"}; one that failed
+    before its first output (here: its own penalty pass raised) was missing from the count, which held only the
+    requests the engine had answered. The caller gets INTERNAL; a request after it is served and counted."""
+    from pagedserve.engine.runner.sampler import Sampler
+
+    process_row = Sampler._process_row
+
+    def failing(self, row, seq, in_flight):
+        if seq.params.repetition_penalty > 1.2:  # the proto's float32 1.3
+            raise IndexError("injected")
+        return process_row(self, row, seq, in_flight)
+
+    monkeypatch.setattr(Sampler, "_process_row", failing)
+    metrics = ServiceMetrics("tiny", lambda: None)
+    victim = pb.GenerateRequest(text="Hello there", sampling=pb.SamplingOptions(temperature=0, repetition_penalty=1.3),
+                                stopping=STOPPING)
+    plain = pb.GenerateRequest(text="Hello there", sampling=GREEDY, stopping=STOPPING)
+
+    async def call(port: int, _: int) -> tuple[grpc.StatusCode, int]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = generation_service_pb2_grpc.GenerationServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                [f async for f in stub.Generate(victim)]
+            frames = [f async for f in stub.Generate(plain)]
+        return failed.value.code(), frames[-1].final.usage.completion_tokens
+
+    code, tokens = asyncio.run(_serve(tiny_engine, call, metrics))
+    assert code == grpc.StatusCode.INTERNAL and tokens == NEW_TOKENS
+
+    def finished(reason: str) -> float | None:
+        return metrics.registry.get_sample_value("vllm:request_success_total",
+                                                 {"model_name": "tiny", "finished_reason": reason})
+
+    assert finished("error") == 1 and finished("length") == 1
+    assert tiny_engine.block_manager.num_used_blocks == 0 and not tiny_engine.has_unfinished_requests()

@@ -226,6 +226,10 @@ class ServiceMetrics:
         generated.inc(generated_tokens)
         self.success.labels(self.model_name, reason).inc()
 
+    def observe_unanswered_failure(self) -> None:
+        """A request the engine failed before its first output: counted as finished with "error", nothing timed."""
+        self.success.labels(self.model_name, "error").inc()
+
     def observe_step(self, prompt_tokens: int, generation_tokens: int) -> None:
         """One engine step's tokens (vLLM's iteration stats); called on the engine thread."""
         self.step_prompt_tokens += prompt_tokens

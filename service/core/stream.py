@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pagedserve.engine.errors import RequestFailedError, StepFailedError
 from pagedserve.engine.outputs import RequestMetrics, RequestOutput
 from pagedserve.engine.requests import AdmittedRequest
 from pagedserve.service.core.engine_handle import EngineHandle
@@ -60,6 +61,7 @@ class RequestStream:
         self.telemetry, self.metrics, self.origin = telemetry, telemetry.metrics, origin
         self.options = options
         self.failed = False
+        self.engine_failed = False  # the engine ended this request with an error (its own or its step's)
         self.loop = asyncio.get_running_loop()
         self.time_limit_at = None if options.time_limit_s is None else self.loop.time() + options.time_limit_s
         self.timed_out = False
@@ -90,8 +92,9 @@ class RequestStream:
             if not self.finished:
                 await self._abort()
                 yield Ended(self.timed_out, self.last.metrics if self.last is not None else self._no_output())
-        except Exception:
+        except Exception as error:
             self.failed = True
+            self.engine_failed = isinstance(error, (RequestFailedError, StepFailedError))
             raise
         finally:
             await self._release()
@@ -167,14 +170,14 @@ class RequestStream:
             log.exception("abort of %s failed", self.engine_id)
 
     def _observe(self, watch: Watch | None) -> None:
-        if self.last is None and watch is None:
-            return  # nothing to report: metrics count only requests the engine answered
+        if self.last is None and watch is None and not self.engine_failed:
+            return  # nothing to report: metrics count only requests the engine answered or failed
         reasons = [c.finish_reason for c in self.last.outputs if c.finish_reason] if self.last is not None else []
         reason = ("time_limit" if self.timed_out else reasons[0] if self.finished and reasons
                   else "error" if self.failed else "abort")
         end = RequestEnd(self.last.metrics if self.last is not None else self._no_output(),
                          len(self.request.prompt_token_ids), sum(self._num_tokens.values()), reason)
-        self.telemetry.finished(watch, end, engine_answered=self.last is not None)
+        self.telemetry.finished(watch, end, engine_answered=self.last is not None, engine_failed=self.engine_failed)
 
     def _no_output(self) -> RequestMetrics:
         """Metrics of a request that produced no output (time limit, refused or cancelled before its first)."""

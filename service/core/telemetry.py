@@ -87,11 +87,14 @@ class Telemetry:
                 "max_tokens": p.max_tokens, "n": p.n, **self.request_log.prompt_fields(request.prompt_token_ids)})
         return watch
 
-    def finished(self, watch: Watch | None, end: RequestEnd, engine_answered: bool) -> None:
-        """Metrics for requests the engine answered at least once (as before); the span and the log line for every
-        admitted one."""
+    def finished(self, watch: Watch | None, end: RequestEnd, engine_answered: bool, engine_failed: bool = False) -> None:
+        """Metrics for requests the engine answered at least once, and a finish count for those it failed before
+        their first output (as vLLM counts finished_reason="error"; no latencies, which they never had); the span
+        and the log line for every admitted one."""
         if engine_answered:
             self.metrics.observe_request(end.metrics, end.prompt_tokens, end.generated_tokens, end.finish_reason)
+        elif engine_failed:
+            self.metrics.observe_unanswered_failure()
         if watch is None:
             return
         try:
