@@ -41,6 +41,10 @@ def kinds(frames: list[pb.GenerateResponse]) -> list[str]:
     return [f.WhichOneof("frame") for f in frames]
 
 
+def delta_tokens(frames: list[pb.GenerateResponse]) -> list[int]:
+    return [t for f in frames if f.WhichOneof("frame") == "delta" for t in f.delta.token_ids]
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_streamed_deltas_concatenate_to_offline_greedy_output(channel, offline, prompt):
     frames = frames_of(channel, greedy_request(prompt, 24, ignore_eos=True))
@@ -63,8 +67,7 @@ def test_token_id_input_matches_text_input(channel):
     request = greedy_request("", 8)
     request.token_ids.ids.extend(ids)
     id_frames = frames_of(channel, request)
-    tokens = [[t for f in fr if f.WhichOneof("frame") == "delta" for t in f.delta.token_ids]
-              for fr in (text_frames, id_frames)]
+    tokens = [delta_tokens(frames) for frames in (text_frames, id_frames)]
     assert tokens[0] == tokens[1] and len(tokens[0]) > 0
 
 
@@ -103,8 +106,7 @@ def test_n_completions_each_get_deltas_and_a_final(channel):
 def test_seeded_sampling_is_reproducible_over_the_wire(channel):
     request = pb.GenerateRequest(text=PROMPTS[2], sampling=pb.SamplingOptions(temperature=0.9, top_k=50, seed=1234),
                                  stopping=pb.StoppingOptions(max_new_tokens=10, ignore_eos=True))
-    runs = [[t for f in frames_of(channel, request) if f.WhichOneof("frame") == "delta" for t in f.delta.token_ids]
-            for _ in range(2)]
+    runs = [delta_tokens(frames_of(channel, request)) for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 10
 
 
@@ -113,9 +115,10 @@ def test_top_k_minus_one_over_the_wire_is_off(channel):
     def tokens(**sampling: object) -> list[int]:
         request = pb.GenerateRequest(text=PROMPTS[2], sampling=pb.SamplingOptions(temperature=0.9, seed=77, **sampling),
                                      stopping=pb.StoppingOptions(max_new_tokens=10, ignore_eos=True))
-        return [t for f in frames_of(channel, request) if f.WhichOneof("frame") == "delta" for t in f.delta.token_ids]
+        return delta_tokens(frames_of(channel, request))
 
-    assert tokens(top_k=-1) == tokens() and len(tokens()) == 10
+    unset = tokens()
+    assert tokens(top_k=-1) == unset and len(unset) == 10
 
 
 def test_final_only_mode_sends_one_delta_with_the_whole_output(channel):
