@@ -1,6 +1,7 @@
 """vLLM's request extras on the shared server, each doing what vLLM does with it (not merely accepted): unknown
-fields ignored with one warning per name, truncate_prompt_tokens, allowed_token_ids, bad_words,
-skip_special_tokens, chat_template_kwargs, continue_final_message, echo in chat, /tokenize, /detokenize, /version."""
+fields ignored with one warning per name, integral floats in integer fields, truncate_prompt_tokens, allowed_token_ids,
+bad_words, skip_special_tokens, chat_template_kwargs, continue_final_message, echo in chat, /tokenize, /detokenize,
+/version."""
 
 from __future__ import annotations
 
@@ -29,6 +30,26 @@ def test_unknown_fields_are_ignored_with_one_warning_per_name(shared_server):  #
     log = shared_server.log()
     assert log.count("ignoring the unknown request field 'temprature'") == 1
     assert log.count("ignoring the unknown request field 'x_unknown_flag_17'") == 1
+
+
+def test_integral_floats_in_integer_fields_are_those_integers(shared_server):  # noqa: F811
+    """As vLLM's pydantic models read them (a client computing max_tokens in floating point sends 16.0); a fraction is
+    still refused naming the field."""
+    sampled = {"prompt": "The sky is", "temperature": 0.8, "ignore_eos": True, "return_token_ids": True}
+    ints = _ok(shared_server, COMPLETIONS, {**sampled, "max_tokens": 6, "n": 2, "seed": 11, "top_k": 20,
+                                            "logprobs": 2, "min_tokens": 3})
+    floats = _ok(shared_server, COMPLETIONS, {**sampled, "max_tokens": 6.0, "n": 2.0, "seed": 11.0, "top_k": 20.0,
+                                              "logprobs": 2.0, "min_tokens": 3.0})
+    assert [c["token_ids"] for c in floats["choices"]] == [c["token_ids"] for c in ints["choices"]]
+    assert len(floats["choices"]) == 2 and len(floats["choices"][0]["token_ids"]) == 6
+    assert len(floats["choices"][0]["logprobs"]["top_logprobs"][0]) == 2
+    chat = {"messages": USER, "temperature": 0, "logprobs": True}
+    as_floats = _ok(shared_server, CHAT, {**chat, "max_completion_tokens": 4.0, "top_logprobs": 1.0})
+    assert as_floats["choices"] == _ok(shared_server, CHAT, {**chat, "max_completion_tokens": 4, "top_logprobs": 1})[
+        "choices"] and as_floats["usage"]["completion_tokens"] == 4
+    for name in ("max_tokens", "seed", "top_k"):
+        status, reply = post(shared_server.http_port, COMPLETIONS, {**sampled, name: 6.5})
+        assert (status, reply["error"]["param"]) == (400, name), reply
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(shared_server):  # noqa: F811

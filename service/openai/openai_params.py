@@ -58,7 +58,13 @@ CHAT_PARAMS = _COMMON | {
 _DIRECT = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
            "seed", "stop", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
            "allowed_token_ids", "bad_words", "skip_special_tokens", "thinking_token_budget")
-
+# Integer parameters: a JSON number with no fraction (16.0, as Java's Double or Python's arithmetic writes it) is
+# that integer, as vLLM's pydantic models read it; 16.5 still reaches SamplingParams and is refused naming the field.
+# Chat's `logprobs` is a boolean and stays out.
+_INTEGER_PARAMS = frozenset({
+    "n", "best_of", "max_tokens", "max_completion_tokens", "seed", "top_k", "min_tokens", "top_logprobs",
+    "prompt_logprobs", "truncate_prompt_tokens", "priority", "thinking_token_budget",
+})
 
 MAX_BATCH = 64  # prompts in one /v1/completions request
 _WARNED: set[str] = set()  # unknown field names already logged
@@ -118,7 +124,7 @@ def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings
     engine's thought markers (--reasoning-parser)."""
     if not isinstance(body, dict):
         raise InvalidRequestError("body", f"must be a JSON object, got {type(body).__name__}")
-    body = {k: v for k, v in body.items() if v is not None}  # the SDKs send null for "not given"
+    body = _integral_floats({k: v for k, v in body.items() if v is not None}, chat)  # SDKs send null: not given
     check_known(body, CHAT_PARAMS if chat else COMPLETION_PARAMS)
     _refuse_unsupported(body, chat)
     names = _names(body, chat)
@@ -164,6 +170,11 @@ def _constraint(body: dict[str, Any], chat: bool,
         raise InvalidRequestError("tool_choice", f"a forced tool call constrains the output already; "
                                                  f"{requested.param.split('.')[0]} cannot be set with it")
     return plan.constraint, plan
+
+
+def _integral_floats(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    integer = _INTEGER_PARAMS if chat else _INTEGER_PARAMS | {"logprobs"}
+    return {k: int(v) if k in integer and isinstance(v, float) and v.is_integer() else v for k, v in body.items()}
 
 
 def check_known(body: dict[str, Any], known: frozenset[str]) -> None:
