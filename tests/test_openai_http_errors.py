@@ -162,6 +162,21 @@ def test_sse_disconnect_aborts_the_request_and_frees_its_blocks(shared_server): 
         f"aborted by the disconnect (freed after {elapsed:.2f}s), not run to its 400 tokens"
 
 
+def test_disconnect_from_a_two_prompt_batch_aborts_both_requests(shared_server):  # noqa: F811
+    """A batch's streams are merged by tasks of their own (one stream is read directly): the disconnect cancels
+    those too."""
+    aborted = metric_value(shared_server, "pagedserve:requests_aborted_total")
+    with grpc.insecure_channel(shared_server.target) as channel:
+        wait_until(lambda: engine_idle(channel), 30, "an idle engine before the test")
+        conn = _open_stream(shared_server.http_port, {"prompt": ["Once upon a time", "In a small village"], **LONG})
+        _read_events(conn.getresponse(), 4)
+        assert model_info(channel).scheduler.running_requests == 2
+        conn.sock.shutdown(2)
+        conn.close()
+        wait_until(lambda: engine_idle(channel), 30, "both of the batch's requests and their KV blocks to be freed")
+    assert metric_value(shared_server, "pagedserve:requests_aborted_total") == aborted + 2
+
+
 def test_non_streaming_client_timeout_aborts_the_request(shared_server):  # noqa: F811
     aborted = metric_value(shared_server, "pagedserve:requests_aborted_total")
     with openai.OpenAI(base_url=f"{shared_server.http_url}/v1", api_key="unused", max_retries=0, timeout=1.0) as oai:

@@ -1,14 +1,15 @@
 """One HTTP exchange at the ASGI level: a size-limited JSON body, JSON or SSE replies, and client disconnects.
 
 Generation endpoints are plain ASGI callables (not Starlette request handlers) because they must notice a client
-that goes away while they wait on the engine, with or without a stream open: the wait is raced against the
-`http.disconnect` message, and losing the race cancels the engine stream, which aborts the request.
+that goes away while they wait on the engine, with or without a stream open: one task per exchange watches for the
+`http.disconnect` message and cancels the wait it interrupts, which cancels the engine stream and so aborts the
+request. (Racing each wait against that message with `asyncio.wait` cost a task and a wait per streamed token: a
+third of the event loop's work per token.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -83,7 +84,10 @@ class Exchange:
         self.scope, self._receive, self._send = scope, receive, send
         self.started = False
         self.status = 499  # until a reply starts: nginx's "client closed request"
-        self._disconnected: asyncio.Future | None = None
+        self._watch: asyncio.Task | None = None  # reads the request's messages until the client disconnects
+        self._gone = False  # the client disconnected
+        self._waiter: asyncio.Task | None = None  # the task inside until_disconnect, which the watch cancels
+        self._cancelled_waiter = False
         self._echo: list[tuple[bytes, bytes]] = []  # x-request-id, once checked (check_request_id_header)
         self.request_id: str | None = None  # the client's x-request-id, once checked
 
@@ -100,25 +104,36 @@ class Exchange:
         return await read_json_body(self._receive, limit)
 
     async def until_disconnect(self, awaitable: Awaitable[T]) -> T:
-        """The awaitable's result, unless the client disconnects first: then it is cancelled and ClientGone raised."""
-        task = asyncio.ensure_future(awaitable)
-        if self._disconnected is None:
-            self._disconnected = asyncio.ensure_future(self._wait_disconnect())
-        await asyncio.wait({task, self._disconnected}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        raise ClientGone()
+        """The awaitable's result, unless the client disconnects first: then it is cancelled and ClientGone raised.
+        Awaited in the calling task: a disconnect cancels that task's wait, not a task of its own."""
+        if self._gone:
+            if asyncio.iscoroutine(awaitable):
+                awaitable.close()  # never started: nothing to clean up, and no "never awaited" warning
+            raise ClientGone()
+        if self._watch is None:
+            self._watch = asyncio.ensure_future(self._watch_disconnect())
+        self._waiter, self._cancelled_waiter = asyncio.current_task(), False
+        try:
+            return await awaitable
+        except asyncio.CancelledError:
+            if not self._cancelled_waiter:
+                raise  # cancelled from outside (a shutdown): stays a cancellation
+            self._waiter.uncancel()
+            raise ClientGone() from None
+        finally:
+            self._waiter = None
 
-    async def _wait_disconnect(self) -> None:
+    async def _watch_disconnect(self) -> None:
         while (await self._receive())["type"] != "http.disconnect":
             pass
+        self._gone = True
+        if self._waiter is not None:  # suspended in until_disconnect's await: the cancellation lands there
+            self._cancelled_waiter = True
+            self._waiter.cancel()
 
     def close(self) -> None:
-        if self._disconnected is not None:
-            self._disconnected.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
 
     async def send_json(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
