@@ -3,6 +3,7 @@ benchmark run reaches: the step refactors moved modules, and a benchmark that fa
 instead of on the quiet host it was meant to measure."""
 
 import ast
+import functools
 import importlib
 from pathlib import Path
 
@@ -11,13 +12,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def pagedserve_imports() -> list[tuple[str, str, str]]:
+@functools.cache  # once per session: each parametrized test reads it (parsing every benchmark took ~0.6 s a test)
+def pagedserve_imports() -> tuple[tuple[str, str, str], ...]:
     found = []
     for path in sorted((ROOT / "benchmarks").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "pagedserve":
                 found += [(str(path.relative_to(ROOT)), node.module, alias.name) for alias in node.names]
-    return found
+    return tuple(found)
 
 
 def test_benchmarks_import_pagedserve():

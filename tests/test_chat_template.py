@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -26,6 +27,15 @@ def folders(tmp_path_factory, default_model):
     }
 
 
+@pytest.fixture(scope="module")
+def tokenizers(folders):
+    """(transformers', ours) per folder, loaded once for the module (~1 s a pair); rendering leaves them unchanged."""
+    @functools.cache
+    def load(name: str) -> tuple:
+        return AutoTokenizer.from_pretrained(str(folders[name])), Tokenizer(folders[name], VOCAB)
+    return load
+
+
 def _messages(chat: list[dict[str, str]]) -> tuple[ChatMessage, ...]:
     return tuple(ChatMessage(m["role"], m["content"]) for m in chat)
 
@@ -33,9 +43,8 @@ def _messages(chat: list[dict[str, str]]) -> tuple[ChatMessage, ...]:
 @pytest.mark.parametrize("name", ["smollm2", "llama3", "qwen2"])
 @pytest.mark.parametrize("turns", [1, 2, 5])
 @pytest.mark.parametrize("system", [False, True], ids=["no-system", "system"])
-def test_rendered_prompt_equals_transformers(folders, name, turns, system):
-    hf = AutoTokenizer.from_pretrained(str(folders[name]))
-    ours = Tokenizer(folders[name], VOCAB)
+def test_rendered_prompt_equals_transformers(tokenizers, name, turns, system):
+    hf, ours = tokenizers(name)
     chat = conversation(turns, system)
     for add_generation_prompt in (True, False):
         expected = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
@@ -45,17 +54,16 @@ def test_rendered_prompt_equals_transformers(folders, name, turns, system):
     assert ours.apply_chat_template(_messages(chat)) == list(expected_ids)
 
 
-def test_templates_differ_so_the_comparison_means_something(folders):
+def test_templates_differ_so_the_comparison_means_something(tokenizers):
     chat = _messages(conversation(2, False))  # with a system message, SmolLM2's and Qwen2's formats coincide
-    rendered = {name: Tokenizer(folders[name], VOCAB).chat.render(chat) for name in ("smollm2", "llama3", "qwen2")}
+    rendered = {name: tokenizers(name)[1].chat.render(chat) for name in ("smollm2", "llama3", "qwen2")}
     assert len(set(rendered.values())) == 3
     assert rendered["llama3"].startswith("<|begin_of_text|><|start_header_id|>system")
     assert "Today Date: " in rendered["llama3"]
 
 
-def test_request_template_overrides_the_models(folders):
-    ours = Tokenizer(folders["smollm2"], VOCAB)
-    hf = AutoTokenizer.from_pretrained(str(folders["smollm2"]))
+def test_request_template_overrides_the_models(tokenizers):
+    hf, ours = tokenizers("smollm2")
     chat = conversation(2, False)
     expected = hf.apply_chat_template(chat, chat_template=QWEN2, tokenize=False, add_generation_prompt=True)
     assert ours.chat.render(_messages(chat), ChatOptions(template=QWEN2)) == expected
@@ -78,8 +86,8 @@ def test_a_broken_template_file_is_a_config_error(tmp_path):
         read_template_file(tmp_path / "missing.jinja")
 
 
-def test_model_without_template_names_the_model(folders):
-    ours = Tokenizer(folders["none"], VOCAB)
+def test_model_without_template_names_the_model(tokenizers):
+    ours = tokenizers("none")[1]
     assert not ours.chat.available
     with pytest.raises(MissingChatTemplateError, match="'none' has no chat template"):
         ours.apply_chat_template(_messages(conversation(1, False)))
@@ -87,16 +95,16 @@ def test_model_without_template_names_the_model(folders):
     assert ours.chat.render(_messages(conversation(1, False)), ChatOptions(template=QWEN2))
 
 
-def test_template_refusal_is_an_invalid_request(folders):
-    ours = Tokenizer(folders["smollm2"], VOCAB)
+def test_template_refusal_is_an_invalid_request(tokenizers):
+    ours = tokenizers("smollm2")[1]
     bad = _messages([{"role": "assistant", "content": "hi"}])
     with pytest.raises(InvalidRequestError, match="roles must alternate") as info:
         ours.chat.render(bad, ChatOptions(template=ALTERNATING))
     assert info.value.field == "messages"
 
 
-def test_request_template_syntax_error_names_the_field(folders):
-    ours = Tokenizer(folders["smollm2"], VOCAB)
+def test_request_template_syntax_error_names_the_field(tokenizers):
+    ours = tokenizers("smollm2")[1]
     with pytest.raises(InvalidRequestError) as info:
         ours.chat.render(_messages(conversation(1, False)), ChatOptions(template="{% if %}"))
     assert info.value.field == "chat_template"
