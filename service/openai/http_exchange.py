@@ -85,9 +85,8 @@ class Exchange:
         self.started = False
         self.status = 499  # until a reply starts: nginx's "client closed request"
         self._watch: asyncio.Task | None = None  # reads the request's messages until the client disconnects
-        self._gone = False  # the client disconnected
+        self._gone = False  # the client disconnected (and the watch cancelled the wait it found, if any)
         self._waiter: asyncio.Task | None = None  # the task inside until_disconnect, which the watch cancels
-        self._cancelled_waiter = False
         self._echo: list[tuple[bytes, bytes]] = []  # x-request-id, once checked (check_request_id_header)
         self.request_id: str | None = None  # the client's x-request-id, once checked
 
@@ -112,11 +111,11 @@ class Exchange:
             raise ClientGone()
         if self._watch is None:
             self._watch = asyncio.ensure_future(self._watch_disconnect())
-        self._waiter, self._cancelled_waiter = asyncio.current_task(), False
+        self._waiter = asyncio.current_task()
         try:
             return await awaitable
         except asyncio.CancelledError:
-            if not self._cancelled_waiter:
+            if not self._gone:  # set only by the watch, together with its cancel of this wait
                 raise  # cancelled from outside (a shutdown): stays a cancellation
             self._waiter.uncancel()
             raise ClientGone() from None
@@ -128,7 +127,6 @@ class Exchange:
             pass
         self._gone = True
         if self._waiter is not None:  # suspended in until_disconnect's await: the cancellation lands there
-            self._cancelled_waiter = True
             self._waiter.cancel()
 
     def close(self) -> None:
