@@ -61,10 +61,11 @@ _DIRECT = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", 
 # Integer parameters: a JSON number with no fraction (16.0, as Java's Double or Python's arithmetic writes it) is
 # that integer, as vLLM's pydantic models read it; 16.5 still reaches SamplingParams and is refused naming the field.
 # Chat's `logprobs` is a boolean and stays out.
-_INTEGER_PARAMS = frozenset({
+_CHAT_INTEGERS = frozenset({
     "n", "best_of", "max_tokens", "max_completion_tokens", "seed", "top_k", "min_tokens", "top_logprobs",
     "prompt_logprobs", "truncate_prompt_tokens", "priority", "thinking_token_budget",
 })
+_COMPLETION_INTEGERS = _CHAT_INTEGERS | {"logprobs"}
 
 MAX_BATCH = 64  # prompts in one /v1/completions request
 _WARNED: set[str] = set()  # unknown field names already logged
@@ -173,7 +174,7 @@ def _constraint(body: dict[str, Any], chat: bool,
 
 
 def _integral_floats(body: dict[str, Any], chat: bool) -> dict[str, Any]:
-    integer = _INTEGER_PARAMS if chat else _INTEGER_PARAMS | {"logprobs"}
+    integer = _CHAT_INTEGERS if chat else _COMPLETION_INTEGERS
     return {k: int(v) if k in integer and isinstance(v, float) and v.is_integer() else v for k, v in body.items()}
 
 
