@@ -46,7 +46,13 @@ class EngineConfig:
     tokenizer: str | None = None  # a folder of HF tokenizer files, for checkpoints saved without one
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
-    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY  # bytes for K and V blocks of all layers
+    # Bytes for K and V blocks of all layers (vLLM's kv_cache_memory_bytes). None: gpu_memory_utilization sizes the
+    # cache on CUDA when given, else DEFAULT_KV_CACHE_MEMORY (engine/runner/kv_budget.py)
+    kv_cache_memory: int | None = None
+    # vLLM's --gpu-memory-utilization, CUDA only: the share of the device's memory this engine may hold (weights,
+    # one full-size step's activations, KV cache); the cache gets what a profiled step leaves of it
+    # (engine/runner/kv_budget.py). Ignored when kv_cache_memory is given, as vLLM ignores it then; no effect on CPU
+    gpu_memory_utilization: float | None = None
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -129,8 +135,14 @@ class EngineConfig:
             raise ConfigError("native_step_max_rows", f"must be an integer >= 0, got {self.native_step_max_rows!r}")
         for name in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_queued_requests"):
             value = getattr(self, name)
+            if value is None and name == "kv_cache_memory":
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(name, f"must be a positive integer, got {value!r}")
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and (isinstance(utilization, bool) or not isinstance(utilization, (int, float))
+                                        or not 0 < utilization <= 1):
+            raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {utilization!r}")
         if not isinstance(self.constraint_compile_timeout_s, (int, float)) or not self.constraint_compile_timeout_s > 0:
             raise ConfigError("constraint_compile_timeout_s", f"must be > 0, got {self.constraint_compile_timeout_s!r}")
         if self.lora is not None and not isinstance(self.lora, LoraConfig):

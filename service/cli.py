@@ -28,6 +28,7 @@ from pagedserve.service.openai.tool_parsers.registry import TOOL_PARSERS
 from pagedserve.service.observability_flags import add_observability_flags, observability_config
 from pagedserve.service.spec_flags import speculative_config
 from pagedserve.service.structured_flags import add_structured_outputs_flag, structured_outputs_fields
+from pagedserve.service.vllm_flags import add_vllm_flags, check_vllm_flags
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
     d = ServerConfig()
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"build the native CPU kernels for this ISA tier ({', '.join(isa.TIER_NAMES)}; default: "
                             f"native, what the CPU has); sets {isa.ENV_VAR}, which the kernels read when they build")
     add_observability_flags(serve)
+    add_vllm_flags(serve)
     kv_calibration.add_arguments(sub.add_parser(
         "calibrate-kv", help="measure K/V ranges on text files and write FP8 k/v scales into a copy of a checkpoint"))
     return parser
@@ -214,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         force_cpu_isa(args.cpu_isa)
         engine_cfg, server_cfg = engine_config(args), server_config(args)
         check_start(engine_cfg, server_cfg, args.trust_remote_code)
+        check_vllm_flags(args, engine_cfg.model)
         return _serve_on_two_threads(engine_cfg, server_cfg)
     except (ConfigError, ModelLoadError, UnsupportedError, isa.IsaError) as exc:
         print(f"pagedserve: {exc}", file=sys.stderr)

@@ -15,6 +15,9 @@ from pagedserve.service.spec_flags import add_speculative_flags
 # EngineConfig fields with their own flag group instead of one flag each.
 GROUPED_FIELDS = {"lora": add_lora_flags, "speculative": add_speculative_flags}
 
+# vLLM's spellings of fields whose own flag says more (the first name sets the field).
+_ALIASES = {"kv_cache_memory": ("--kv-cache-memory-bytes",)}
+
 # Help for EngineConfig fields; every field becomes a flag (a new field shows up without touching this file).
 _ENGINE_HELP = {
     "model": "HF folder (safetensors), .gguf file (or a folder holding one), or an embedded model "
@@ -24,7 +27,12 @@ _ENGINE_HELP = {
     "dtype": "compute dtype: auto (CPU: bfloat16 where the kernel tier has native bf16, else float32 over a 16-bit "
              "checkpoint's own 16-bit weights; GPU: the checkpoint's), float32, bfloat16, float16",
     "kv_cache_dtype": "KV-cache dtype (auto: the model's)",
-    "kv_cache_memory": "KV-cache memory budget, bytes or with a unit (512MiB, 2GiB)",
+    "kv_cache_memory": "KV-cache memory budget, bytes or with a unit (512MiB, 2GiB); also vLLM's spelling "
+                       "--kv-cache-memory-bytes (default: --gpu-memory-utilization's share on CUDA when given, else "
+                       "1GiB)",
+    "gpu_memory_utilization": "CUDA: the share of the device's memory (0-1] this server may hold: weights, one "
+                              "full-size step, and a KV cache sized to what they leave of it, as vLLM's (not used "
+                              "with --kv-cache-memory; no effect on CPU)",
     "block_size": "tokens per KV block",
     "max_num_seqs": "sequences decoded together in one step",
     "max_num_batched_tokens": "tokens processed per engine step (prefill chunks included)",
@@ -114,4 +122,4 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         if kind is None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            group.add_argument(flag, type=kind, default=None, help=help_text)
+            group.add_argument(flag, *_ALIASES.get(field.name, ()), type=kind, default=None, help=help_text)

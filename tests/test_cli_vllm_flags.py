@@ -1,11 +1,17 @@
 """vLLM's command-line flags: `--generation-config FOLDER` gives requests the model's sampling defaults where they
 leave them out, `--max-logprobs` bounds what a request may ask, and the start refuses clearly (exit 2, naming the
 flag) an unknown tool-call parser, auto tool choice without a parser, a model named twice, a checkpoint that needs
-its own code (even with --trust-remote-code), a missing generation config and a max-logprobs past the engine's."""
+its own code (even with --trust-remote-code), a missing generation config and a max-logprobs past the engine's.
+A `vllm serve` launch line's flags that mean what this server does anyway (one device, chunked prefill, unused swap
+space, the model's own load format, vLLM's --kv-cache-memory-bytes) start it unchanged; the values that ask for
+what it does not do stop the start naming the flag."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import re
 import subprocess
 import sys
 
@@ -13,7 +19,14 @@ import pytest
 from service_fixtures import start_server
 from test_openai_http_errors import CHAT, COMPLETIONS, post
 
+from pagedserve.service.cli import main
+
 MODEL = "SmolLM2-135M-Instruct"
+# As Helm charts and launch scripts for vLLM pass them; --gpu-memory-utilization does nothing on CPU, and
+# --kv-cache-memory-bytes (which would win over it on CUDA too) sizes the cache.
+VLLM_LAUNCH_LINE = ("--tensor-parallel-size", "1", "-pp", "1", "--data-parallel-size", "1", "--enable-chunked-prefill",
+                    "--swap-space", "16", "--load-format", "gguf", "--gpu-memory-utilization", "0.9",
+                    "--kv-cache-memory-bytes", "48MiB", "--enable-prompt-tokens-details")
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +35,7 @@ def defaults_server(tmp_path_factory):
     (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 5,
                                                                 "bos_token_id": 1}))
     server = start_server(folder / "server", "--http-port", "0", "--generation-config", str(folder),
-                          "--max-logprobs", "2")
+                          "--max-logprobs", "2", *VLLM_LAUNCH_LINE)
     yield server
     server.stop()
 
@@ -49,6 +62,17 @@ def test_max_logprobs_bounds_requests(defaults_server):
     assert status == 200 and len(reply["choices"][0]["logprobs"]["top_logprobs"][0]) >= 2
 
 
+def test_a_vllm_launch_line_starts_the_server(defaults_server):
+    log = defaults_server.log()
+    assert "--swap-space 16.0 accepted and unused" in log
+    assert "--kv-cache-memory 50331648 given: --gpu-memory-utilization 0.9 is not used" in log
+    cache = re.search(r"KV cache: \d+ blocks .*, ([\d.]+) MiB", log)
+    assert cache and 46 < float(cache.group(1)) <= 48, log[-3000:]  # whole blocks within --kv-cache-memory-bytes
+    status, reply = post(defaults_server.http_port, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2})
+    assert status == 200 and reply["usage"]["completion_tokens"] == 2
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+
+
 REFUSED_STARTS = [  # (id, flags, message); REMOTE stands for a checkpoint folder whose config.json has auto_map
     ("unknown-parser", ("--tool-call-parser", "no_such"), "unknown tool-call parser 'no_such'; supported: hermes"),
     ("auto-without-parser", ("--enable-auto-tool-choice",), "needs --tool-call-parser"),
@@ -70,3 +94,26 @@ def test_bad_flags_stop_the_start_naming_them(tmp_path, args, message):
     proc = subprocess.run([sys.executable, "-m", "pagedserve.service", "serve", "--port", "0", *args],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
+VLLM_REFUSALS = [  # (id, flags, message): refused before anything loads, so run in this process
+    ("tensor-parallel", ("--tensor-parallel-size", "2"), "argument --tensor-parallel-size/-tp: 2: one device per"),
+    ("pipeline-parallel", ("-pp", "4"), "argument --pipeline-parallel-size/-pp: 4: one device per server"),
+    ("data-parallel", ("-dp", "2"), "argument --data-parallel-size/-dp: 2: one device per server"),
+    ("no-chunked-prefill", ("--no-enable-chunked-prefill",), "--no-enable-chunked-prefill: prefills are always"),
+    ("load-format", ("--load-format", "safetensors"), "--load-format safetensors, but"),
+    ("load-format-choice", ("--load-format", "pt"), "argument --load-format: invalid choice: 'pt'"),
+    ("swap-space", ("--swap-space", "-1"), "argument --swap-space: must be >= 0 GiB"),
+    ("gpu-memory-utilization", ("--gpu-memory-utilization", "0"), "gpu_memory_utilization: must be in (0, 1]"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), [c[1:] for c in VLLM_REFUSALS], ids=[c[0] for c in VLLM_REFUSALS])
+def test_vllm_flags_that_ask_for_more_stop_the_start(args, message):
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            code = main(["serve", "--port", "0", *args])
+        except SystemExit as exited:  # argparse's refusals
+            code = exited.code
+    assert code == 2 and message in stderr.getvalue(), stderr.getvalue()

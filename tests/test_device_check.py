@@ -34,7 +34,7 @@ report = _gpu_module("report")
 wheels = _gpu_module("wheels")
 
 E2E_CASES = {"llama_fp32", "gemma3_fp32", "llama_bf16", "fp8_kv", "constrained", "lora", "gptq", "awq",
-             "cuda_graphs_fp16", "cuda_graphs_bf16", "cuda_graphs_gptq", "sampling", "smollm2"}
+             "cuda_graphs_fp16", "cuda_graphs_bf16", "cuda_graphs_gptq", "sampling", "memory_utilization", "smollm2"}
 SERVER_CHECKS = {"health", "protocols_agree", "concurrent_streams", "cancel_frees_blocks"}
 
 

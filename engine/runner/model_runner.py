@@ -19,10 +19,12 @@ from pagedserve.engine.lora.weights import LoraLayout, model_layout
 from pagedserve.engine.models.layers import ForwardContext
 from pagedserve.engine.runner.cuda_graphs import DecodeGraphs, GraphModel
 from pagedserve.engine.runner.graph_inputs import capture_sizes
+from pagedserve.engine.runner.kv_budget import kv_cache_bytes, profile_cuda_step
 from pagedserve.engine.runner.launched_step import DevicePicks, LaunchedStep, PendingFill
 from pagedserve.engine.runner.native_capacity import NO_NATIVE_STEP, NativeCapacity
 from pagedserve.engine.runner.native_step import build_native_step
 from pagedserve.engine.runner.pooled_rows import PooledChunk, pool_hidden
+from pagedserve.engine.runner.profile_step import ProfileShape, ProfileTarget
 from pagedserve.engine.runner.prompt_logprobs import ScoredPrompt, score_prompt_rows
 from pagedserve.engine.runner.sampler import Pending, Sampler
 from pagedserve.engine.runner.step_input import StepInput, prepare_step
@@ -52,13 +54,16 @@ class ModelRunner:
         self.long_rope_after: int | None = getattr(rotary, "long_after", None)
         kv_dtype = KVDtype.parse(config.kv_cache_dtype, loaded.dtype)
         self.kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size, kv_dtype)
-        num_blocks = self.kv_spec.num_blocks_for(config.kv_cache_memory)
+        attn_impl = select_attention_impl(config.attention_backend, device)
+        self.layer_ops = select_layer_ops(config.layer_ops_choice, device, loaded.dtype)
+        shape = ProfileShape.largest(config.max_num_batched_tokens, self.max_model_len, config.max_num_seqs)
+        target = ProfileTarget(self.model, attn_impl, self.layer_ops, self.windows)
+        kv_bytes = kv_cache_bytes(config, device,
+                                  lambda: profile_cuda_step(self.kv_spec, target, shape, self.vocab_size, device))
+        num_blocks = self.kv_spec.num_blocks_for(kv_bytes)
         self.kv_cache = KVCache(self.kv_spec, num_blocks, device)
         # FP8 caches get checkpoint k/v scales, or a wrapper that calibrates them on the first prefill.
-        self.attn_impl = setup_kv_scales(
-            self.kv_cache, loaded.kv_scale_tensors, select_attention_impl(config.attention_backend, device)
-        )
-        self.layer_ops = select_layer_ops(config.layer_ops_choice, device, loaded.dtype)
+        self.attn_impl = setup_kv_scales(self.kv_cache, loaded.kv_scale_tensors, attn_impl)
         self.native_step = build_native_step(
             self.model, self.kv_cache, self.attn_impl, config.native_step_max_batch, device, config.native_step_max_rows
         )

