@@ -28,6 +28,7 @@ from pagedserve.service.openai.tool_parsers.registry import TOOL_PARSERS
 from pagedserve.service.observability_flags import add_observability_flags, observability_config
 from pagedserve.service.spec_flags import speculative_config
 from pagedserve.service.structured_flags import add_structured_outputs_flag, structured_outputs_fields
+from pagedserve.service.vllm_argv import vllm_argv
 from pagedserve.service.vllm_flags import add_vllm_flags, check_vllm_flags
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -208,7 +209,12 @@ def force_cpu_isa(tier: str | None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(vllm_argv(parser, list(sys.argv[1:] if argv is None else argv)))
+    except ConfigError as exc:  # a --config file that cannot be read, or a key that is no flag
+        print(f"pagedserve: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "calibrate-kv":

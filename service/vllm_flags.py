@@ -63,6 +63,8 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                    default=True, help="always on (chunks of --max-num-batched-tokens); the --no- form is refused")
     g.add_argument("--swap-space", type=_swap_space, default=None, metavar="GIB",
                    help="accepted, unused: preemption recomputes, nothing is swapped (as vLLM's V1 engine)")
+    g.add_argument("--config", metavar="YAML", help="flags from a YAML file of long flag names and values (vLLM's "
+                   "--config); the command line wins over the file (service/vllm_argv.py)")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="always on: OpenAI usage carries prompt_tokens_details.cached_tokens (prefix-cache hits)")
     g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",

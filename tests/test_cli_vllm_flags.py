@@ -22,20 +22,28 @@ from test_openai_http_errors import CHAT, COMPLETIONS, post
 from pagedserve.service.cli import main
 
 MODEL = "SmolLM2-135M-Instruct"
-# As Helm charts and launch scripts for vLLM pass them; --gpu-memory-utilization does nothing on CPU, and
-# --kv-cache-memory-bytes (which would win over it on CUDA too) sizes the cache.
-VLLM_LAUNCH_LINE = ("--tensor-parallel-size", "1", "-pp", "1", "--data-parallel-size", "1", "--enable-chunked-prefill",
-                    "--swap-space", "16", "--load-format", "gguf", "--gpu-memory-utilization", "0.9",
-                    "--kv-cache-memory-bytes", "48MiB", "--enable-prompt-tokens-details")
+# As Helm charts and launch scripts for vLLM pass them, half in a --config file (a ConfigMap's way), half on the
+# command line (underscores too); --gpu-memory-utilization does nothing on CPU, and the command line's
+# --kv-cache-memory 32MiB (service_fixtures.BASE_ARGS) wins over the file's --kv-cache-memory-bytes 48MiB.
+VLLM_CONFIG_FILE = """\
+tensor-parallel-size: 1
+enable-chunked-prefill: true
+swap_space: 16
+load-format: gguf
+gpu-memory-utilization: 0.9
+kv-cache-memory-bytes: 48MiB
+"""
+VLLM_LAUNCH_LINE = ("-pp", "1", "--data_parallel_size", "1", "--enable-prompt-tokens-details")
 
 
 @pytest.fixture(scope="module")
 def defaults_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("generation-config")
+    (folder / "vllm.yaml").write_text(VLLM_CONFIG_FILE)
     (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 5,
                                                                 "bos_token_id": 1}))
     server = start_server(folder / "server", "--http-port", "0", "--generation-config", str(folder),
-                          "--max-logprobs", "2", *VLLM_LAUNCH_LINE)
+                          "--max-logprobs", "2", "--config", str(folder / "vllm.yaml"), *VLLM_LAUNCH_LINE)
     yield server
     server.stop()
 
@@ -65,9 +73,9 @@ def test_max_logprobs_bounds_requests(defaults_server):
 def test_a_vllm_launch_line_starts_the_server(defaults_server):
     log = defaults_server.log()
     assert "--swap-space 16.0 accepted and unused" in log
-    assert "--kv-cache-memory 50331648 given: --gpu-memory-utilization 0.9 is not used" in log
+    assert "--kv-cache-memory 33554432 given: --gpu-memory-utilization 0.9 is not used" in log
     cache = re.search(r"KV cache: \d+ blocks .*, ([\d.]+) MiB", log)
-    assert cache and 46 < float(cache.group(1)) <= 48, log[-3000:]  # whole blocks within --kv-cache-memory-bytes
+    assert cache and 30 < float(cache.group(1)) <= 32, log[-3000:]  # whole blocks within the command line's 32MiB
     status, reply = post(defaults_server.http_port, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2})
     assert status == 200 and reply["usage"]["completion_tokens"] == 2
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
