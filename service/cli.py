@@ -36,8 +36,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default=d.host, help=f"bind address (default {d.host}; 0.0.0.0 for all)")
     g.add_argument("--port", type=int, default=d.port, help=f"gRPC port, 0 = any free one (default {d.port})")
-    g.add_argument("--tls-cert", type=Path, help="server certificate (PEM); enables TLS")
-    g.add_argument("--tls-key", type=Path, help="server private key (PEM)")
+    g.add_argument("--tls-cert", "--ssl-certfile", type=Path,
+                   help="server certificate (PEM); enables TLS on gRPC and HTTP (--ssl-certfile: vLLM's spelling)")
+    g.add_argument("--tls-key", "--ssl-keyfile", type=Path, help="server private key (PEM; also --ssl-keyfile)")
     g.add_argument("--tls-client-ca", type=Path, help="CA for client certificates; enables mutual TLS")
     g.add_argument("--max-message-bytes", type=parse_bytes, default=d.max_message_bytes,
                    help="largest request accepted (larger: INVALID_ARGUMENT)")

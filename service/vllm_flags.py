@@ -7,7 +7,9 @@ start unchanged where the value means what this server does anyway, and stop nam
   is refused;
 - --swap-space: accepted and unused, as vLLM's V1 engine leaves it (preemption recomputes; nothing is swapped);
 - --load-format: auto, safetensors or gguf, and it must match the model's files;
-- --enable-prompt-tokens-details: OpenAI usage always carries prompt_tokens_details.cached_tokens here.
+- --enable-prompt-tokens-details: OpenAI usage always carries prompt_tokens_details.cached_tokens here;
+- --uvicorn-log-level: the HTTP server's loggers' level, apart from --log-level; --disable-uvicorn-access-log: it
+  never writes access lines here (--enable-log-requests logs each request).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pagedserve.engine.loading.model_store import resolve_model
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf")
+UVICORN_LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
+                      "info": logging.INFO, "debug": logging.DEBUG, "trace": 5}  # uvicorn's own TRACE level
 _PARALLEL_SIZES = (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp"),
                    ("--data-parallel-size", "-dp"))
 
@@ -67,12 +71,19 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                    "--config); the command line wins over the file (service/vllm_argv.py)")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="always on: OpenAI usage carries prompt_tokens_details.cached_tokens (prefix-cache hits)")
+    g.add_argument("--uvicorn-log-level", choices=tuple(UVICORN_LOG_LEVELS),
+                   help="the OpenAI HTTP server's (uvicorn's) log level, apart from --log-level")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="always: the HTTP server writes no access lines (--enable-log-requests logs each request)")
     g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="the model's weight files: safetensors (an HF folder) or gguf; auto: whichever it holds")
 
 
 def check_vllm_flags(args: argparse.Namespace, model: str | None) -> None:
-    """What needs the model's path: --load-format against its files. Logs what is accepted and unused."""
+    """What needs the model's path: --load-format against its files. Logs what is accepted and unused, and sets
+    --uvicorn-log-level (uvicorn's loggers propagate to the handlers --log-level set up)."""
+    if args.uvicorn_log_level is not None:
+        logging.getLogger("uvicorn").setLevel(UVICORN_LOG_LEVELS[args.uvicorn_log_level])
     if args.swap_space:
         logger.info("--swap-space %s accepted and unused: preemption recomputes (as vLLM's V1 engine)",
                     args.swap_space)

@@ -42,8 +42,9 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tls_server(certs, tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("tls-server"), "--tls-cert", str(certs / "server.pem"),
-                          "--tls-key", str(certs / "server.key"))
+    # vLLM's spellings of --tls-cert / --tls-key (the mTLS server below uses ours)
+    server = start_server(tmp_path_factory.mktemp("tls-server"), "--ssl-certfile", str(certs / "server.pem"),
+                          "--ssl-keyfile", str(certs / "server.key"))
     yield server
     server.stop()
 

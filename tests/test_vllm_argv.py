@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,19 @@ def test_a_missing_config_file_is_named(tmp_path: Path):
     with contextlib.redirect_stderr(stderr):
         code = main(["serve", "--config", str(tmp_path / "absent.yaml")])
     assert code == 2 and "absent.yaml: cannot read it as YAML" in stderr.getvalue()
+
+
+def test_uvicorn_log_level_sets_the_http_servers_loggers(tmp_path: Path):
+    from pagedserve.service.vllm_flags import check_vllm_flags
+
+    uvicorn = logging.getLogger("uvicorn")
+    previous = uvicorn.level
+    try:
+        args, engine, _ = _parse(["serve", "--uvicorn_log_level", "warning", "--disable-uvicorn-access-log"])
+        check_vllm_flags(args, engine.model)
+        assert logging.getLogger("uvicorn.error").getEffectiveLevel() == logging.WARNING
+        args, engine, _ = _parse(["serve", "--uvicorn-log-level", "trace"])
+        check_vllm_flags(args, engine.model)
+        assert logging.getLogger("uvicorn.access").getEffectiveLevel() == 5  # uvicorn's TRACE
+    finally:
+        uvicorn.setLevel(previous)
