@@ -74,6 +74,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                         "generation_config.json, vLLM's default), vllm (none) or a folder holding one")
     g.add_argument("--max-logprobs", type=int, default=20, help="most logprobs / top_logprobs a request may ask "
                    "for (default 20, the engine's maximum)")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every OpenAI stream ends with its usage, as if it set stream_options.include_usage (vLLM's)")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM's command lines; this server never runs a checkpoint's own code, and "
                         "refuses models that need it (config.json auto_map)")
@@ -134,6 +136,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         vllm_engine_service=args.vllm_engine_service, ready_file=args.ready_file, http_port=args.http_port,
         enable_auto_tool_choice=_tools(args).auto, tool_call_parser=args.tool_call_parser, api_key=args.api_key,
         generation_config=args.generation_config, max_logprobs=args.max_logprobs,
+        force_include_usage=args.enable_force_include_usage,
         observability=observability_config(args))
 
 

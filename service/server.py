@@ -173,7 +173,8 @@ def _http_server(serving: ServingContext, config: ServerConfig, model: str | Non
     try:
         tools = ToolSettings(config.enable_auto_tool_choice, config.tool_call_parser)
         key = ApiKey(config.api_key) if config.api_key else None
-        policy = RequestPolicy(generation_defaults(config.generation_config, model), config.max_logprobs)
+        policy = RequestPolicy(generation_defaults(config.generation_config, model), config.max_logprobs,
+                               config.force_include_usage)
         return HttpServer(serving, config.host, config.http_port, config.max_message_bytes, config.tls, tools, key,
                           policy)
     except OSError as exc:

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 
+import openai
 import pytest
 from service_fixtures import start_server
 from test_openai_http_errors import CHAT, COMPLETIONS, post
@@ -33,7 +34,8 @@ load-format: gguf
 gpu-memory-utilization: 0.9
 kv-cache-memory-bytes: 48MiB
 """
-VLLM_LAUNCH_LINE = ("-pp", "1", "--data_parallel_size", "1", "--enable-prompt-tokens-details")
+VLLM_LAUNCH_LINE = ("-pp", "1", "--data_parallel_size", "1", "--enable-prompt-tokens-details",
+                    "--enable-force-include-usage")
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +81,19 @@ def test_a_vllm_launch_line_starts_the_server(defaults_server):
     status, reply = post(defaults_server.http_port, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2})
     assert status == 200 and reply["usage"]["completion_tokens"] == 2
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+
+
+def test_force_include_usage_ends_every_stream_with_its_usage(defaults_server):
+    with openai.OpenAI(base_url=f"{defaults_server.http_url}/v1", api_key="unused", max_retries=0,
+                       timeout=120) as client:
+        for options in (None, {"include_usage": False}):  # vLLM's rule: the flag wins over the request's false
+            chunks = list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, stream=True,
+                                                    stream_options=options, extra_body={"ignore_eos": True}))
+            assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3, chunks[-1]
+            assert all(c.usage is None for c in chunks[:-1])
+        whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=2)
+        assert whole.usage.completion_tokens == 2  # a whole response carries it anyway
 
 
 REFUSED_STARTS = [  # (id, flags, message); REMOTE stands for a checkpoint folder whose config.json has auto_map

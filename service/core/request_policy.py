@@ -1,5 +1,6 @@
 """Server-wide request defaults and limits that vLLM sets by flag: `--generation-config` (the model's sampling
-defaults, from its generation_config.json, for parameters a request leaves out) and `--max-logprobs`.
+defaults, from its generation_config.json, for parameters a request leaves out), `--max-logprobs` and
+`--enable-force-include-usage` (every OpenAI stream ends with its usage, as if it asked for it).
 
 `auto` (vLLM's default) reads generation_config.json beside the model's weights, `vllm` ignores it, a folder reads
 that folder's. Only the sampling fields vLLM takes from it are used: temperature, top_p, top_k, min_p,
@@ -27,6 +28,7 @@ FILE_NAME = "generation_config.json"
 class RequestPolicy:
     sampling_defaults: dict[str, Any] = field(default_factory=dict, hash=False)  # OpenAI parameter -> value
     max_logprobs: int = MAX_LOGPROBS
+    force_include_usage: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:

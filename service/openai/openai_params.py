@@ -154,7 +154,7 @@ def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings
         raise InvalidRequestError("stream_options", "is only allowed with stream: true, as an object")
     return OpenAIRequest(
         chat=chat, model=_model(body), prompts=prompts, stream=stream,
-        include_usage=_bool(options, "include_usage", False),
+        include_usage=_bool(options, "include_usage", False) or (stream and policy.force_include_usage),
         continuous_usage=_bool(options, "continuous_usage_stats", False),
         return_token_ids=_bool(body, "return_token_ids", False), echo=_bool(body, "echo", False), names=names,
         constraint_param=requested.param if requested else None, tools=plan, adapter=adapter, reasoning=thoughts)
