@@ -8,6 +8,7 @@ import itertools
 from collections.abc import Callable, Sequence as SequenceABC
 
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.host.allocator import release_freed_memory
 from pagedserve.engine.host.tuning import tune_host
 from pagedserve.engine.llm_engine import LLMEngine
@@ -18,9 +19,22 @@ from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scoring import ScorePairs, check_token_limit
 
 
+# vLLM's LLM(...) arguments that set no EngineConfig field: the values that mean what this engine does anyway.
+_ONE_DEVICE = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+_UNUSED = ("trust_remote_code", "swap_space")  # no checkpoint code ever runs; preemption recomputes (as V1)
+
+
+def _engine_fields(fields: dict) -> dict:
+    """`fields` less vLLM's arguments that need nothing here: parallel sizes of 1, trust_remote_code, swap_space."""
+    for name in _ONE_DEVICE:
+        if fields.get(name, 1) != 1:
+            raise ConfigError(name, f"{fields[name]!r}: one device per engine here; run more replicas instead")
+    return {k: v for k, v in fields.items() if k not in _ONE_DEVICE + _UNUSED}
+
+
 class LLM:
     def __init__(self, model: str | None = None, **config_fields):
-        config = EngineConfig(model=model, **config_fields)
+        config = EngineConfig(model=model, **_engine_fields(config_fields))
         # The offline entry: it tunes the host itself, before the engine is built (the engine core never does).
         self.engine = LLMEngine(config, governor=tune_host(config))
         release_freed_memory()  # what loading freed, kept by the allocator's thresholds otherwise
