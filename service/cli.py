@@ -62,7 +62,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                    help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on --host (0 = any free "
                         "port; default: off)")
     g.add_argument("--metrics-host", help="bind address for metrics (default: --host)")
-    g.add_argument("--served-model-name", help="name reported by ModelInfo and in metrics (default: the folder name)")
+    g.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="name reported by ModelInfo, in metrics and in OpenAI answers (default: the folder name); "
+                        "further names are aliases OpenAI requests may use, as vLLM's")
     g.add_argument("--vllm-engine-service", action=argparse.BooleanOptionalAction, default=d.vllm_engine_service,
                    help="also serve vllm.grpc.engine.VllmEngine, the worker protocol of SMG, vllm-router and llm-d")
     g.add_argument("--ready-file", type=Path, help="write {port, metrics_port, pid} as JSON here once serving")
@@ -113,7 +115,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             raise ConfigError("model", f"given twice: {tag!r} (positional) and --model {args.model!r}")
         given["model"] = tag
     given.update(structured_outputs_fields(args, given))
-    given["lora"] = lora_config(args, args.served_model_name)
+    given["lora"] = lora_config(args, _served_names(args)[0])
     given["speculative"] = speculative_config(args)
     config = EngineConfig(**{k: v for k, v in given.items() if v is not None})
     check_backends(config)  # refused here, naming the flag's field, before anything loads
@@ -132,7 +134,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         keepalive_timeout_s=args.keepalive_timeout, max_connection_age_s=args.max_connection_age,
         max_connection_age_grace_s=args.max_connection_age_grace, drain_delay_s=args.drain_delay,
         shutdown_grace_s=args.shutdown_grace,
-        metrics_port=args.metrics_port, metrics_host=args.metrics_host, served_model_name=args.served_model_name,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, served_model_name=_served_names(args)[0],
+        served_model_aliases=_served_names(args)[1:],
         vllm_engine_service=args.vllm_engine_service, ready_file=args.ready_file, http_port=args.http_port,
         enable_auto_tool_choice=_tools(args).auto, tool_call_parser=args.tool_call_parser, api_key=args.api_key,
         generation_config=args.generation_config, max_logprobs=args.max_logprobs,
@@ -160,6 +163,11 @@ def _auto_map(config: Path) -> dict | None:
     except (OSError, ValueError):
         return None  # the loader reports an unreadable config with its own error
     return data.get("auto_map") if isinstance(data, dict) and isinstance(data.get("auto_map"), dict) else None
+
+
+def _served_names(args: argparse.Namespace) -> tuple[str | None, ...]:
+    """--served-model-name's names (vLLM takes several: the first is reported); (None,) when not given."""
+    return tuple(args.served_model_name) if args.served_model_name else (None,)
 
 
 def _tools(args: argparse.Namespace) -> ToolSettings:

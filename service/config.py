@@ -73,6 +73,9 @@ class ServerConfig:
     metrics_port: int | None = None  # None: no Prometheus endpoint; 0: a free port
     metrics_host: str | None = None  # None: same as host
     served_model_name: str | None = None  # ModelInfo.model and the metrics' model_name label
+    # vLLM's --served-model-name's further names: OpenAI requests may name the model by any of them (answers carry
+    # the first), and /v1/models lists each
+    served_model_aliases: tuple[str, ...] = ()
     # Also serve vllm.grpc.engine.VllmEngine (SMG, vllm-router, llm-d) on the same port and engine.
     vllm_engine_service: bool = True
     ready_file: Path | None = None  # written (JSON: ports, pid) once the model is loaded and the server serves

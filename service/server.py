@@ -60,7 +60,8 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     name = config.served_model_name or (Path(engine_config.model).name.removesuffix(".gguf") if engine_config.model else DEFAULT_MODEL_NAME)
     metrics = ServiceMetrics(name, lambda: serving.stats())
     observability = config.observability or ObservabilityConfig()
-    serving = ServingContext(state, metrics, name, _telemetry(metrics, name, observability, lambda: serving))
+    serving = ServingContext(state, metrics, name, _telemetry(metrics, name, observability, lambda: serving),
+                             config.served_model_aliases)
     stats_log = _stats_log(observability, serving)
     servicer = GenerationServicer(serving, config.max_message_bytes)
     interceptors = [GrpcApiKeyInterceptor(ApiKey(config.api_key))] if config.api_key else []

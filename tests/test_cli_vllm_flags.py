@@ -17,6 +17,7 @@ import sys
 
 import openai
 import pytest
+import requests
 from service_fixtures import start_server
 from test_openai_http_errors import CHAT, COMPLETIONS, post
 
@@ -33,6 +34,7 @@ swap_space: 16
 load-format: gguf
 gpu-memory-utilization: 0.9
 kv-cache-memory-bytes: 48MiB
+served-model-name: [SmolLM2-135M-Instruct, gpt-4o-mini]  # the reported name, then an alias requests may use
 """
 VLLM_LAUNCH_LINE = ("-pp", "1", "--data_parallel_size", "1", "--enable-prompt-tokens-details",
                     "--enable-force-include-usage")
@@ -94,6 +96,20 @@ def test_force_include_usage_ends_every_stream_with_its_usage(defaults_server):
         whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                                max_tokens=2)
         assert whole.usage.completion_tokens == 2  # a whole response carries it anyway
+
+
+def test_every_served_model_name_is_the_model(defaults_server):
+    status, reply = post(defaults_server.http_port, CHAT, {"model": "gpt-4o-mini", "max_tokens": 2,
+                                                           "messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 200 and reply["model"] == MODEL  # answers carry the first name, as vLLM's
+    status, reply = post(defaults_server.http_port, COMPLETIONS, {"model": "gpt-4o", "prompt": "Hi"})
+    assert status == 404 and reply["error"]["param"] == "model"
+    listed = requests.get(f"{defaults_server.http_url}/v1/models", timeout=60).json()["data"]
+    assert [card["id"] for card in listed] == [MODEL, "gpt-4o-mini"] and {c["root"] for c in listed} == {MODEL}
+    card = requests.get(f"{defaults_server.http_url}/v1/models/gpt-4o-mini", timeout=60).json()
+    assert card["id"] == "gpt-4o-mini"
+    status, reply = post(defaults_server.http_port, "/tokenize", {"model": "gpt-4o-mini", "prompt": "Hi"})
+    assert status == 200 and reply["count"] >= 1
 
 
 REFUSED_STARTS = [  # (id, flags, message); REMOTE stands for a checkpoint folder whose config.json has auto_map

@@ -76,7 +76,7 @@ class OpenAIApi:
     def check_model(self, body: Any) -> str | None:
         """The adapter `model` names (None: the base); a name that is neither -> 404 naming `model`."""
         model = body.get("model") if isinstance(body, dict) else None
-        if not isinstance(model, str) or model == self.model_name:
+        if not isinstance(model, str) or model in self.serving.model_names:
             return None  # a non-string model is refused by parse(), naming the field
         if self.adapters.find(model) is not None:
             return model
@@ -97,8 +97,9 @@ class OpenAIApi:
     def decode_ids(self, token_ids: tuple[int, ...]) -> str:
         return self.serving.engine.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
-    def _card(self) -> dict[str, Any]:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve",
+    def _card(self, name: str | None = None) -> dict[str, Any]:
+        """The served model's card under `name` (one of its names; default: the reported one), as vLLM lists each."""
+        card = {"id": name or self.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve",
                 "root": self.model_name, "parent": None}
         if self.serving.max_model_len is not None:
             card["max_model_len"] = self.serving.max_model_len
@@ -110,7 +111,8 @@ class OpenAIApi:
                 "root": adapter.path, "parent": self.model_name}
 
     async def models(self, request: Request) -> Response:
-        cards = [self._card(), *(self._adapter_card(a) for a in self.adapters.adapters())]
+        cards = [*(self._card(name) for name in self.serving.model_names),
+                 *(self._adapter_card(a) for a in self.adapters.adapters())]
         return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
@@ -119,7 +121,8 @@ class OpenAIApi:
         except HttpError as exc:
             return _error(exc)
         info = self.adapters.find(adapter) if adapter is not None else None
-        return JSONResponse(self._adapter_card(info) if info is not None else self._card())
+        name = request.path_params["model"]
+        return JSONResponse(self._adapter_card(info) if info is not None else self._card(name))
 
     async def load_adapter(self, request: Request) -> Response:
         """vLLM's body {"lora_name", "lora_path"} and its answers: 200 with a text line, or OpenAI's error JSON."""

@@ -56,7 +56,7 @@ class TokenizeApi:
             raise HttpError(400, "the request body must be a JSON object", code="invalid_json")
         self.serving.state.check_admitting()
         model = body.get("model")
-        if model is not None and model != self.serving.model_name:
+        if model is not None and model not in self.serving.model_names:
             raise HttpError(404, f"The model `{model}` does not exist; this server serves "
                             f"`{self.serving.model_name}`", param="model", code="model_not_found")
         return {k: v for k, v in body.items() if v is not None}
