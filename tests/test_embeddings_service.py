@@ -171,6 +171,21 @@ def test_rerank_top_n_documents_and_token_limits(embed_server, scores, hf_vector
     assert [r["index"] for r in body["results"]] == sorted(range(4), key=lambda i: -cut_scores[i])
 
 
+def test_integral_floats_in_integer_fields_are_those_integers(embed_server):
+    """16.0 as Java's Double or JavaScript's arithmetic writes it: read as vLLM's pydantic models read it."""
+    whole = {"query": QUERY, "documents": DOCUMENTS, "top_n": 2, "max_tokens_per_doc": 4, "priority": 0}
+    as_floats = {**whole, "top_n": 2.0, "max_tokens_per_doc": 4.0, "priority": 0.0, "truncate_prompt_tokens": 64.0}
+    _, ints = post(embed_server.http_port, "/rerank", whole)
+    status, floats = post(embed_server.http_port, "/rerank", as_floats)
+    assert status == 200 and [r["index"] for r in floats["results"]] == [r["index"] for r in ints["results"]]
+    assert [r["relevance_score"] for r in floats["results"]] == [r["relevance_score"] for r in ints["results"]]
+    status, body = post(embed_server.http_port, "/v1/embeddings", {"input": "x " * 600, "truncate_prompt_tokens": 8.0})
+    assert status == 200 and body["usage"]["prompt_tokens"] == 8
+    for field in ("top_n", "truncate_prompt_tokens"):
+        status, reply = post(embed_server.http_port, "/rerank", {**whole, field: 2.5})
+        assert status == 400 and reply["error"]["param"] == field, reply
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/score", {"queries": "q"}, "queries"),
     ("/score", {"text_1": ["a", "b"], "text_2": ["x", "y", "z"]}, "text_1"),

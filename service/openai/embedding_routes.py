@@ -19,7 +19,7 @@ from pagedserve.service.openai.generate_routes import GenerateApi
 from pagedserve.service.openai.http_exchange import Exchange, answer
 from pagedserve.service.openai.openai_errors import HttpError
 from pagedserve.service.openai.openai_messages import flag
-from pagedserve.service.openai.openai_params import check_known
+from pagedserve.service.openai.openai_params import POOLING_INTEGERS, check_known, integral_floats
 
 _KNOWN = frozenset({"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
                     "add_special_tokens", "normalize", "priority", "request_id"})
@@ -52,7 +52,7 @@ async def admitted_body(api: GenerateApi, exchange: Exchange) -> tuple[dict[str,
         raise HttpError(400, "the request body must be a JSON object", code="invalid_json")
     adapter = api.check_model(body)
     api.serving.state.check_admitting()
-    return body, adapter
+    return integral_floats(body, POOLING_INTEGERS), adapter
 
 
 def embedding_requests(body: dict[str, Any], adapter: str | None) -> list[EmbeddingRequest]:

@@ -66,6 +66,8 @@ _CHAT_INTEGERS = frozenset({
     "prompt_logprobs", "truncate_prompt_tokens", "priority", "thinking_token_budget",
 })
 _COMPLETION_INTEGERS = _CHAT_INTEGERS | {"logprobs"}
+POOLING_INTEGERS = frozenset({"dimensions", "truncate_prompt_tokens", "priority", "top_n", "max_tokens_per_query",
+                              "max_tokens_per_doc"})  # /v1/embeddings, /score, /rerank
 
 MAX_BATCH = 64  # prompts in one /v1/completions request
 _WARNED: set[str] = set()  # unknown field names already logged
@@ -125,7 +127,8 @@ def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings
     engine's thought markers (--reasoning-parser)."""
     if not isinstance(body, dict):
         raise InvalidRequestError("body", f"must be a JSON object, got {type(body).__name__}")
-    body = _integral_floats({k: v for k, v in body.items() if v is not None}, chat)  # SDKs send null: not given
+    body = integral_floats({k: v for k, v in body.items() if v is not None},  # SDKs send null: not given
+                           _CHAT_INTEGERS if chat else _COMPLETION_INTEGERS)
     check_known(body, CHAT_PARAMS if chat else COMPLETION_PARAMS)
     _refuse_unsupported(body, chat)
     names = _names(body, chat)
@@ -173,8 +176,8 @@ def _constraint(body: dict[str, Any], chat: bool,
     return plan.constraint, plan
 
 
-def _integral_floats(body: dict[str, Any], chat: bool) -> dict[str, Any]:
-    integer = _CHAT_INTEGERS if chat else _COMPLETION_INTEGERS
+def integral_floats(body: dict[str, Any], integer: frozenset[str]) -> dict[str, Any]:
+    """`body` with the integer parameters' integral floats (16.0) as integers; fractions stay for the checks."""
     return {k: int(v) if k in integer and isinstance(v, float) and v.is_integer() else v for k, v in body.items()}
 
 
