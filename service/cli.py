@@ -19,6 +19,7 @@ from pagedserve.engine.build import check_backends
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import ConfigError, ModelLoadError, UnsupportedError
 from pagedserve.kernels.cpu import isa
+from pagedserve.service.compilation_flags import add_compilation_flags, compilation_fields
 from pagedserve.service.config import ServerConfig, TlsConfig
 from pagedserve.service.engine_flags import GROUPED_FIELDS, add_engine_flags, parse_bytes
 from pagedserve.service.core.request_policy import RequestPolicy, generation_defaults
@@ -102,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                             f"native, what the CPU has); sets {isa.ENV_VAR}, which the kernels read when they build")
     add_observability_flags(serve)
     add_vllm_flags(serve)
+    add_compilation_flags(serve)
     kv_calibration.add_arguments(sub.add_parser(
         "calibrate-kv", help="measure K/V ranges on text files and write FP8 k/v scales into a copy of a checkpoint"))
     return parser
@@ -115,6 +117,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             raise ConfigError("model", f"given twice: {tag!r} (positional) and --model {args.model!r}")
         given["model"] = tag
     given.update(structured_outputs_fields(args, given))
+    given.update(compilation_fields(args, given))
     given["lora"] = lora_config(args, _served_names(args)[0])
     given["speculative"] = speculative_config(args)
     config = EngineConfig(**{k: v for k, v in given.items() if v is not None})
