@@ -1,8 +1,7 @@
 """The serving context every front end serves through: the engine (attached once the model is loaded), the serving
 state (lifecycle.py), the metrics with the rest of the telemetry (telemetry.py: spans, request logs) and the served
 model name (and its aliases: vLLM's further --served-model-name names). The server builds one and hands it to each
-front end,
-so the front ends share one engine, one drain and one set of counts without knowing each other."""
+front end, so the front ends share one engine, one drain and one set of counts without knowing each other."""
 
 from __future__ import annotations
 
