@@ -14,10 +14,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from pagedserve.engine.errors import ConfigError
+from pagedserve.service.engine_flags import json_flag_entries
 
 FLAG_FIELD = "compilation_config"
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
@@ -42,19 +42,9 @@ def compilation_fields(args: argparse.Namespace, given: dict[str, Any]) -> dict[
                                 (args.max_cudagraph_capture_size,), given))
     if args.compilation_config is None:
         return fields
-    try:
-        config = json.loads(args.compilation_config)
-    except ValueError as exc:
-        raise ConfigError(FLAG_FIELD, f"is not valid JSON: {exc}") from None
-    if isinstance(config, int) and not isinstance(config, bool):
+    if args.compilation_config.strip().isdigit():
         return fields  # -O3: vLLM's optimization level, torch.compile's: nothing here is compiled by torch
-    if not isinstance(config, dict):
-        raise ConfigError(FLAG_FIELD, "must be a JSON object (or an optimization level: -O3)")
-    for key, value in config.items():
-        if key not in _KEYS:
-            raise ConfigError(f"{FLAG_FIELD}.{key}", f"unknown or unsupported key; supported: {', '.join(_KEYS)}")
-        if key in _NO_OPS:
-            continue
+    for key, value in json_flag_entries(args.compilation_config, FLAG_FIELD, _KEYS, _NO_OPS):
         field, value = _field(key, value)
         fields.update(_agreeing(f"{FLAG_FIELD}.{key}", field, value, {**given, **fields}))
     return fields

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
+from typing import Any
 
 from pagedserve.engine.build import backend_choices
 from pagedserve.engine.config import EngineConfig, field_choices
+from pagedserve.engine.errors import ConfigError
 from pagedserve.service.lora_flags import add_lora_flags
 from pagedserve.service.spec_flags import add_speculative_flags
 
@@ -86,6 +89,23 @@ _ENGINE_HELP = {
 }
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def json_flag_entries(text: str, flag_field: str, keys: tuple[str, ...],
+                      no_ops: tuple[str, ...] = ()) -> list[tuple[str, Any]]:
+    """A JSON-object flag of vLLM's (`--structured-outputs-config`, `--compilation-config`): its (key, value) pairs
+    that set something, once the text parses to an object and every key is one of `keys` (`no_ops` among them are
+    accepted and dropped). Errors name the flag, or `flag_field.key`."""
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(flag_field, f"is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(flag_field, "must be a JSON object")
+    for key in config:
+        if key not in keys:
+            raise ConfigError(f"{flag_field}.{key}", f"unknown or unsupported key; supported: {', '.join(keys)}")
+    return [(key, value) for key, value in config.items() if key not in no_ops]
 
 
 def parse_bytes(text: str) -> int:

@@ -6,16 +6,16 @@ refused naming them (`structured_outputs_config.<key>`), and a key that disagree
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from pagedserve.engine.errors import ConfigError
+from pagedserve.service.engine_flags import json_flag_entries
 
 FLAG_FIELD = "structured_outputs_config"
 # vLLM's backend names -> this server's (llguidance is vLLM's "guidance"; "auto" picks it, the only one here).
 _BACKENDS = {"auto": "llguidance", "guidance": "llguidance", "llguidance": "llguidance"}
 # vLLM's keys that only choose among backends this server does not have: accepted as they change nothing.
-_NO_OPS = {"disable_fallback"}
+_NO_OPS = ("disable_fallback",)
 _KEYS = ("backend", "reasoning_parser", "enable_in_reasoning", *_NO_OPS)
 
 
@@ -31,18 +31,8 @@ def structured_outputs_fields(args: argparse.Namespace, given: dict[str, Any]) -
     text = getattr(args, FLAG_FIELD, None)
     if text is None:
         return {}
-    try:
-        config = json.loads(text)
-    except ValueError as exc:
-        raise ConfigError(FLAG_FIELD, f"is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise ConfigError(FLAG_FIELD, "must be a JSON object")
     fields = {}
-    for key, value in config.items():
-        if key not in _KEYS:
-            raise ConfigError(f"{FLAG_FIELD}.{key}", f"unknown or unsupported key; supported: {', '.join(_KEYS)}")
-        if key in _NO_OPS:
-            continue
+    for key, value in json_flag_entries(text, FLAG_FIELD, _KEYS, _NO_OPS):
         field, value = _field(key, value)
         if given.get(field) is not None and given[field] != value:
             raise ConfigError(f"{FLAG_FIELD}.{key}", f"{value!r} disagrees with --{field.replace('_', '-')} "
