@@ -126,6 +126,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
+    served_name, *aliases = _served_names(args)
     tls = None
     if args.tls_cert or args.tls_key or args.tls_client_ca:
         if not (args.tls_cert and args.tls_key):
@@ -137,8 +138,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         keepalive_timeout_s=args.keepalive_timeout, max_connection_age_s=args.max_connection_age,
         max_connection_age_grace_s=args.max_connection_age_grace, drain_delay_s=args.drain_delay,
         shutdown_grace_s=args.shutdown_grace,
-        metrics_port=args.metrics_port, metrics_host=args.metrics_host, served_model_name=_served_names(args)[0],
-        served_model_aliases=_served_names(args)[1:],
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, served_model_name=served_name,
+        served_model_aliases=tuple(aliases),
         vllm_engine_service=args.vllm_engine_service, ready_file=args.ready_file, http_port=args.http_port,
         enable_auto_tool_choice=_tools(args).auto, tool_call_parser=args.tool_call_parser, api_key=args.api_key,
         generation_config=args.generation_config, max_logprobs=args.max_logprobs,

@@ -17,7 +17,7 @@ import argparse
 from typing import Any
 
 from pagedserve.engine.errors import ConfigError
-from pagedserve.service.engine_flags import json_flag_entries
+from pagedserve.service.engine_flags import check_agrees, json_flag_entries
 
 FLAG_FIELD = "compilation_config"
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
@@ -38,24 +38,17 @@ def compilation_fields(args: argparse.Namespace, given: dict[str, Any]) -> dict[
     """The engine fields these flags set; `given`: the fields the other flags set (None: not given)."""
     fields: dict[str, Any] = {}
     if args.max_cudagraph_capture_size is not None:
-        fields.update(_agreeing("max_cudagraph_capture_size", "cuda_graph_sizes",
-                                (args.max_cudagraph_capture_size,), given))
+        fields["cuda_graph_sizes"] = (args.max_cudagraph_capture_size,)
+        check_agrees("max_cudagraph_capture_size", "cuda_graph_sizes", fields["cuda_graph_sizes"], given)
     if args.compilation_config is None:
         return fields
     if args.compilation_config.strip().isdigit():
         return fields  # -O3: vLLM's optimization level, torch.compile's: nothing here is compiled by torch
     for key, value in json_flag_entries(args.compilation_config, FLAG_FIELD, _KEYS, _NO_OPS):
         field, value = _field(key, value)
-        fields.update(_agreeing(f"{FLAG_FIELD}.{key}", field, value, {**given, **fields}))
+        check_agrees(f"{FLAG_FIELD}.{key}", field, value, {**given, **fields})
+        fields[field] = value
     return fields
-
-
-def _agreeing(source: str, field: str, value: Any, given: dict[str, Any]) -> dict[str, Any]:
-    other = given.get(field)
-    other = tuple(other) if isinstance(other, list) else other  # argparse's nargs lists; the fields hold tuples
-    if other is not None and other != value:
-        raise ConfigError(source, f"{value!r} disagrees with --{field.replace('_', '-')} {other!r}")
-    return {field: value}
 
 
 def _positive(value: Any) -> bool:

@@ -108,6 +108,14 @@ def json_flag_entries(text: str, flag_field: str, keys: tuple[str, ...],
     return [(key, value) for key, value in config.items() if key not in no_ops]
 
 
+def check_agrees(source: str, field: str, value: Any, given: dict[str, Any]) -> None:
+    """A JSON flag's key (`source`) sets `field` to `value`: refused when the field's own flag set it otherwise."""
+    other = given.get(field)
+    other = tuple(other) if isinstance(other, list) else other  # argparse's nargs lists; the fields hold tuples
+    if other is not None and other != value:
+        raise ConfigError(source, f"{value!r} disagrees with --{field.replace('_', '-')} {other!r}")
+
+
 def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:

@@ -9,7 +9,7 @@ import argparse
 from typing import Any
 
 from pagedserve.engine.errors import ConfigError
-from pagedserve.service.engine_flags import json_flag_entries
+from pagedserve.service.engine_flags import check_agrees, json_flag_entries
 
 FLAG_FIELD = "structured_outputs_config"
 # vLLM's backend names -> this server's (llguidance is vLLM's "guidance"; "auto" picks it, the only one here).
@@ -34,9 +34,7 @@ def structured_outputs_fields(args: argparse.Namespace, given: dict[str, Any]) -
     fields = {}
     for key, value in json_flag_entries(text, FLAG_FIELD, _KEYS, _NO_OPS):
         field, value = _field(key, value)
-        if given.get(field) is not None and given[field] != value:
-            raise ConfigError(f"{FLAG_FIELD}.{key}", f"{value!r} disagrees with --{field.replace('_', '-')} "
-                              f"{given[field]!r}")
+        check_agrees(f"{FLAG_FIELD}.{key}", field, value, given)
         fields[field] = value
     return fields
 

@@ -19,7 +19,7 @@ from pagedserve.engine.lora.weights import LoraLayout, model_layout
 from pagedserve.engine.models.layers import ForwardContext
 from pagedserve.engine.runner.cuda_graphs import DecodeGraphs, GraphModel
 from pagedserve.engine.runner.graph_inputs import capture_sizes
-from pagedserve.engine.runner.kv_budget import kv_cache_bytes, profile_cuda_step
+from pagedserve.engine.runner.kv_budget import StepMemory, kv_cache_bytes, profile_cuda_step
 from pagedserve.engine.runner.launched_step import DevicePicks, LaunchedStep, PendingFill
 from pagedserve.engine.runner.native_capacity import NO_NATIVE_STEP, NativeCapacity
 from pagedserve.engine.runner.native_step import build_native_step
@@ -56,11 +56,12 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size, kv_dtype)
         attn_impl = select_attention_impl(config.attention_backend, device)
         self.layer_ops = select_layer_ops(config.layer_ops_choice, device, loaded.dtype)
-        shape = ProfileShape.largest(config.max_num_batched_tokens, self.max_model_len, config.max_num_seqs)
-        target = ProfileTarget(self.model, attn_impl, self.layer_ops, self.windows)
-        kv_bytes = kv_cache_bytes(config, device,
-                                  lambda: profile_cuda_step(self.kv_spec, target, shape, self.vocab_size, device))
-        num_blocks = self.kv_spec.num_blocks_for(kv_bytes)
+        def profile() -> StepMemory:  # only where --gpu-memory-utilization decides the cache's size
+            shape = ProfileShape.largest(config.max_num_batched_tokens, self.max_model_len, config.max_num_seqs)
+            target = ProfileTarget(self.model, attn_impl, self.layer_ops, self.windows)
+            return profile_cuda_step(self.kv_spec, target, shape, self.vocab_size, device)
+
+        num_blocks = self.kv_spec.num_blocks_for(kv_cache_bytes(config, device, profile))
         self.kv_cache = KVCache(self.kv_spec, num_blocks, device)
         # FP8 caches get checkpoint k/v scales, or a wrapper that calibrates them on the first prefill.
         self.attn_impl = setup_kv_scales(self.kv_cache, loaded.kv_scale_tensors, attn_impl)
