@@ -88,7 +88,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if config.seed is not None:
         torch.manual_seed(config.seed)  # the default generators (CPU and every CUDA device) unseeded requests use
     device = torch.device(config.device)
-    source = resolve_model(config.model, config.tokenizer)
+    source = resolve_model(config.model, config.tokenizer, config.hub, config.tokenizer_revision)
     override = read_template_file(config.chat_template) if config.chat_template else None  # fail before loading
     pooling = runs_pooling(config, source)
     loaded = load_model(source.weights, config.torch_dtype, config.quantization, device, config.gguf_weights,

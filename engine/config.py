@@ -11,6 +11,7 @@ import torch
 
 from pagedserve.engine.core.scheduling_policy import SCHEDULING_POLICIES
 from pagedserve.engine.errors import ConfigError
+from pagedserve.engine.loading.hub_cache import HubCache, is_hub_id
 from pagedserve.engine.lora.config import LoraConfig
 from pagedserve.engine.pooling import RUNNERS, PoolerConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
@@ -22,12 +23,15 @@ _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "hal
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 MAX_CUDA_GRAPH_SIZE = 512  # vLLM's largest default capture size
 GGUF_WEIGHTS = ("auto", "packed", "dequantized")  # engine/loading/model_loader.py's packed_gguf_types reads them
+# vLLM's tokenizer modes that mean HF's fast tokenizer, the only one this engine loads (slow, mistral and custom
+# tokenizers are other libraries)
+TOKENIZER_MODES = ("auto", "hf")
 
 
 def field_choices() -> dict[str, tuple[str, ...]]:
     """The names each named field that is not a backend accepts (backends: `engine/build.py: backend_choices`)."""
     return {"kv_cache_dtype": ("auto", *KV_DTYPE_ALIASES, *(kv.value for kv in KVDtype)), "gguf_weights": GGUF_WEIGHTS,
-            "scheduling_policy": SCHEDULING_POLICIES, "runner": RUNNERS}
+            "scheduling_policy": SCHEDULING_POLICIES, "runner": RUNNERS, "tokenizer_mode": TOKENIZER_MODES}
 
 
 def parse_dtype(name: str) -> torch.dtype | None:
@@ -42,8 +46,15 @@ def parse_dtype(name: str) -> torch.dtype | None:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str | None = None  # None: the embedded default model
-    tokenizer: str | None = None  # a folder of HF tokenizer files, for checkpoints saved without one
+    model: str | None = None  # None: the embedded default model; a hub id is served from the HF cache on disk
+    # a folder of HF tokenizer files (or a cached hub id), for checkpoints saved without one
+    tokenizer: str | None = None
+    # vLLM's --revision / --tokenizer-revision / --download-dir: which cached snapshot of a hub id, and which cache
+    # (engine/loading/hub_cache.py). No effect on local paths, as in vLLM
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    tokenizer_mode: str = "auto"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     # Bytes for K and V blocks of all layers (vLLM's kv_cache_memory_bytes). None: gpu_memory_utilization sizes the
@@ -167,8 +178,13 @@ class EngineConfig:
             raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError("device", f"must be cpu, cuda or cuda:N, got {self.device!r}")
-        if self.tokenizer is not None and not Path(self.tokenizer).expanduser().is_dir():
-            raise ConfigError("tokenizer", f"not a folder: {self.tokenizer}")
+        if self.tokenizer is not None and not Path(self.tokenizer).expanduser().is_dir() \
+                and not is_hub_id(self.tokenizer):
+            raise ConfigError("tokenizer", f"neither a folder nor a hub id: {self.tokenizer}")
+        for name in ("revision", "tokenizer_revision", "download_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ConfigError(name, f"must be a non-empty string, got {value!r}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ConfigError("chat_template", f"file not found: {self.chat_template}")
         if self.lm_head_quantization not in ("auto", "none") and self.device != "cpu":
@@ -176,6 +192,11 @@ class EngineConfig:
                                                       f"device is {self.device!r}")
         if self.gguf_weights == "packed" and self.device != "cpu":
             raise ConfigError("gguf_weights", f"packed GGUF weights are computed on CPU only; device is {self.device!r}")
+
+    @property
+    def hub(self) -> HubCache:
+        """Where a hub-id model is looked up, and at which revision."""
+        return HubCache(self.download_dir, self.revision)
 
     def _check_cuda_graphs(self) -> None:
         if not isinstance(self.enforce_eager, bool):

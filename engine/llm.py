@@ -21,11 +21,12 @@ from pagedserve.engine.scoring import ScorePairs, check_token_limit
 
 # vLLM's LLM(...) arguments that set no EngineConfig field: the values that mean what this engine does anyway.
 _ONE_DEVICE = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
-_UNUSED = ("trust_remote_code", "swap_space")  # no checkpoint code ever runs; preemption recomputes (as V1)
+# no checkpoint code ever runs; preemption recomputes (as V1); hub ids are read from the cache, never downloaded
+_UNUSED = ("trust_remote_code", "swap_space", "code_revision", "hf_token")
 
 
 def _engine_fields(fields: dict) -> dict:
-    """`fields` less vLLM's arguments that need nothing here: parallel sizes of 1, trust_remote_code, swap_space."""
+    """`fields` less vLLM's arguments that need nothing here: parallel sizes of 1, and _UNUSED's."""
     for name in _ONE_DEVICE:
         if fields.get(name, 1) != 1:
             raise ConfigError(name, f"{fields[name]!r}: one device per engine here; run more replicas instead")

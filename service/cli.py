@@ -18,6 +18,7 @@ from pagedserve.engine import kv_calibration
 from pagedserve.engine.build import check_backends
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import ConfigError, ModelLoadError, UnsupportedError
+from pagedserve.engine.loading.model_store import model_folder
 from pagedserve.kernels.cpu import isa
 from pagedserve.service.compilation_flags import add_compilation_flags, compilation_fields
 from pagedserve.service.config import ServerConfig, TlsConfig
@@ -150,9 +151,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 def check_start(engine_cfg: EngineConfig, server_cfg: ServerConfig, trust_remote_code: bool) -> None:
     """What can be refused before anything loads: a --generation-config folder without the file, a bad
     --max-logprobs, a model that needs its own code."""
-    RequestPolicy(generation_defaults(server_cfg.generation_config, engine_cfg.model), server_cfg.max_logprobs)
-    config = Path(engine_cfg.model) / "config.json" if engine_cfg.model else None
-    auto_map = _auto_map(config) if config is not None and config.is_file() else None
+    folder = model_folder(engine_cfg.model, engine_cfg.hub)  # a hub id not in the cache stops the start here
+    RequestPolicy(generation_defaults(server_cfg.generation_config, folder), server_cfg.max_logprobs)
+    auto_map = _auto_map(folder / "config.json") if folder is not None and (folder / "config.json").is_file() \
+        else None
     if auto_map:
         raise ConfigError("model", f"{engine_cfg.model} needs the checkpoint's own code (config.json auto_map: "
                           f"{', '.join(sorted(auto_map))}), which this server never runs"
@@ -238,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         force_cpu_isa(args.cpu_isa)
         engine_cfg, server_cfg = engine_config(args), server_config(args)
         check_start(engine_cfg, server_cfg, args.trust_remote_code)
-        check_vllm_flags(args, engine_cfg.model)
+        check_vllm_flags(args, engine_cfg)
         return _serve_on_two_threads(engine_cfg, server_cfg)
     except (ConfigError, ModelLoadError, UnsupportedError, isa.IsaError) as exc:
         print(f"pagedserve: {exc}", file=sys.stderr)

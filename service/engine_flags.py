@@ -23,10 +23,17 @@ _ALIASES = {"kv_cache_memory": ("--kv-cache-memory-bytes",)}
 
 # Help for EngineConfig fields; every field becomes a flag (a new field shows up without touching this file).
 _ENGINE_HELP = {
-    "model": "HF folder (safetensors), .gguf file (or a folder holding one), or an embedded model "
+    "model": "HF folder (safetensors), .gguf file (or a folder holding one), a hub id already in the HF cache "
+             "(org/name, or org/name:Q4_K_M for a GGUF repository; never downloaded), or an embedded model "
              "(SmolLM2-135M-Instruct, gemma-3-270m); default: the bundled SmolLM2-135M-Instruct GGUF",
-    "tokenizer": "folder with the HF tokenizer files to use instead of the model's (for checkpoints saved "
-                 "without one, as AutoGPTQ/AutoAWQ write them)",
+    "tokenizer": "folder with the HF tokenizer files (or a cached hub id) to use instead of the model's (for "
+                 "checkpoints saved without one, as AutoGPTQ/AutoAWQ write them, and GGUF files)",
+    "revision": "a hub-id model's branch, tag or full commit hash in the cache (default: main; no effect on local "
+                "paths)",
+    "tokenizer_revision": "the same for a hub-id --tokenizer (default: main)",
+    "download_dir": "the HF cache a hub id is read from, as vLLM downloads into it (default: HF_HUB_CACHE, "
+                    "HF_HOME/hub or ~/.cache/huggingface/hub)",
+    "tokenizer_mode": "auto and hf both load HF's fast tokenizer, the only kind this server runs",
     "dtype": "compute dtype: auto (CPU: bfloat16 where the kernel tier has native bf16, else float32 over a 16-bit "
              "checkpoint's own 16-bit weights; GPU: the checkpoint's), float32, bfloat16, float16",
     "kv_cache_dtype": "KV-cache dtype (auto: the model's)",

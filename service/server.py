@@ -21,7 +21,7 @@ from pagedserve.engine.host.allocator import release_freed_memory
 from pagedserve.engine.host.main_thread import MainThreadHost
 from pagedserve.engine.host.tuning import tune_host
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.loading.model_store import DEFAULT_MODEL_NAME
+from pagedserve.engine.loading.model_store import default_served_name, model_folder
 from pagedserve.service.config import ObservabilityConfig, ServerConfig, TlsConfig
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.engine_handle import load_engine
@@ -57,7 +57,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     stop = _StopSignals(host)
     health = HealthServicer()
     state = ServingState(health, services=(SERVICE_NAME, ADAPTER_SERVICE_NAME))
-    name = config.served_model_name or (Path(engine_config.model).name.removesuffix(".gguf") if engine_config.model else DEFAULT_MODEL_NAME)
+    name = config.served_model_name or default_served_name(engine_config.model)
     metrics = ServiceMetrics(name, lambda: serving.stats())
     observability = config.observability or ObservabilityConfig()
     serving = ServingContext(state, metrics, name, _telemetry(metrics, name, observability, lambda: serving),
@@ -74,7 +74,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     server.add_generic_rpc_handlers((health_rpc_handler(health, config.max_message_bytes),))
     server.add_generic_rpc_handlers(reflection_rpc_handlers(SERVICE_NAMES + ((VLLM_SERVICE_NAME,) if vllm else ())))
     await state.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
-    http = _http_server(serving, config, engine_config.model)  # binds first: a taken port stops the start before anything runs
+    http = _http_server(serving, config, model_folder(engine_config.model, engine_config.hub))  # binds first: a taken port stops the start before anything runs
     port = _bind(server, config)
     await server.start()
     metrics_port = _serve_metrics(metrics, state, config)
@@ -167,14 +167,14 @@ def _serve_metrics(metrics: ServiceMetrics, state: ServingState, config: ServerC
     return serve_http(metrics.registry, ready, config.metrics_host or config.host, config.metrics_port)
 
 
-def _http_server(serving: ServingContext, config: ServerConfig, model: str | None) -> HttpServer | None:
+def _http_server(serving: ServingContext, config: ServerConfig, folder: Path | None) -> HttpServer | None:
     """The OpenAI API on this event loop (--http-port), sharing the serving context's engine, state and metrics."""
     if config.http_port is None:
         return None
     try:
         tools = ToolSettings(config.enable_auto_tool_choice, config.tool_call_parser)
         key = ApiKey(config.api_key) if config.api_key else None
-        policy = RequestPolicy(generation_defaults(config.generation_config, model), config.max_logprobs,
+        policy = RequestPolicy(generation_defaults(config.generation_config, folder), config.max_logprobs,
                                config.force_include_usage)
         return HttpServer(serving, config.host, config.http_port, config.max_message_bytes, config.tls, tools, key,
                           policy)

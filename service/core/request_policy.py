@@ -36,12 +36,13 @@ class RequestPolicy:
                               f"{MAX_LOGPROBS} alternatives per token), got {self.max_logprobs!r}")
 
 
-def generation_defaults(mode: str, model: str | None) -> dict[str, Any]:
-    """--generation-config: auto, vllm or a folder -> the sampling defaults requests start from."""
+def generation_defaults(mode: str, model_folder: Path | None) -> dict[str, Any]:
+    """--generation-config: auto (the model's folder, None for a GGUF file or an embedded model), vllm or a
+    folder -> the sampling defaults requests start from."""
     if mode == "vllm":
         return {}
     if mode == "auto":
-        folder = Path(model) if model else None
+        folder = model_folder
         if folder is None or not (folder / FILE_NAME).is_file():
             return {}  # GGUF files and embedded models carry no sampling defaults
     else:

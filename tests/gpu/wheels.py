@@ -21,7 +21,7 @@ WHEELS_TXT = Path(__file__).with_name("wheels.txt")
 # The project's dependencies the GPU machine's image already holds (KINDS.md's package list), at versions the
 # project accepts (transformers 5.17 there): never carried, and never replaced (torch above all).
 PREINSTALLED = frozenset({"torch", "transformers", "tokenizers", "safetensors", "accelerate", "numpy", "tqdm", "jinja2",
-                          "pyyaml"})
+                          "pyyaml", "huggingface-hub"})
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][0-9A-Za-z.+-]*)$")
 
 
