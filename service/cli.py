@@ -79,7 +79,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-logprobs", type=int, default=20, help="most logprobs / top_logprobs a request may ask "
                    "for (default 20, the engine's maximum)")
     g.add_argument("--enable-force-include-usage", action="store_true",
-                   help="every OpenAI stream ends with its usage, as if it set stream_options.include_usage (vLLM's)")
+                   help="every OpenAI stream carries its usage on each chunk and ends with it, as if it set "
+                        "stream_options.include_usage and continuous_usage_stats (vLLM's)")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM's command lines; this server never runs a checkpoint's own code, and "
                         "refuses models that need it (config.json auto_map)")

@@ -87,7 +87,7 @@ class ServerConfig:
     api_key: str | None = field(default=None, repr=False)
     generation_config: str = "auto"  # vLLM's --generation-config: auto, vllm or a folder (core/request_policy.py)
     max_logprobs: int = 20  # vLLM's --max-logprobs: most logprobs / top_logprobs a request may ask for
-    force_include_usage: bool = False  # vLLM's --enable-force-include-usage: every OpenAI stream ends with its usage
+    force_include_usage: bool = False  # vLLM's --enable-force-include-usage: streams carry usage on every chunk and end with it
     observability: ObservabilityConfig | None = None  # tracing, request and stats logs (None: the defaults)
 
     def __post_init__(self) -> None:

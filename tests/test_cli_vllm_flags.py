@@ -85,14 +85,15 @@ def test_a_vllm_launch_line_starts_the_server(defaults_server):
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
 
 
-def test_force_include_usage_ends_every_stream_with_its_usage(defaults_server):
+def test_force_include_usage_puts_usage_on_every_stream_chunk(defaults_server):
     with openai.OpenAI(base_url=f"{defaults_server.http_url}/v1", api_key="unused", max_retries=0,
                        timeout=120) as client:
         for options in (None, {"include_usage": False}):  # vLLM's rule: the flag wins over the request's false
             chunks = list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, stream=True,
                                                     stream_options=options, extra_body={"ignore_eos": True}))
-            assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3, chunks[-1]
-            assert all(c.usage is None for c in chunks[:-1])
+            assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3, chunks[-1]
+            # and, as vLLM's flag does, the running usage on every chunk before it
+            assert [c.usage.completion_tokens for c in chunks[:-1]][-1] == 3 and all(c.usage for c in chunks)
         whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                                max_tokens=2)
         assert whole.usage.completion_tokens == 2  # a whole response carries it anyway

@@ -72,6 +72,20 @@ def test_streamed_completion_concatenates_to_the_whole_one(oai, offline):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
 
 
+def test_continuous_usage_stats_count_each_chunk_only_beside_include_usage(oai):
+    """vLLM's rule: with include_usage, continuous_usage_stats puts the running usage on every chunk; alone it
+    adds nothing."""
+    request = dict(model=MODEL, prompt=PROMPTS[0], stream=True, **GREEDY, extra_body={"ignore_eos": True})
+    chunks = list(oai.completions.create(**request, stream_options={"include_usage": True,
+                                                                    "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 24 and len(set(counts)) > 1, counts
+    assert all(c.usage.prompt_tokens == chunks[0].usage.prompt_tokens > 0 for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    alone = list(oai.completions.create(**request, stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in alone) and all(c.choices for c in alone)
+
+
 @pytest.mark.parametrize("question", QUESTIONS)
 @pytest.mark.parametrize("system", [False, True], ids=["user", "system+user"])
 def test_chat_equals_grpc_and_offline_on_the_same_template(oai, grpc_client, offline, question, system):

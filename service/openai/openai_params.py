@@ -155,10 +155,14 @@ def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings
     options = body.get("stream_options", {})
     if "stream_options" in body and (not stream or not isinstance(options, dict)):
         raise InvalidRequestError("stream_options", "is only allowed with stream: true, as an object")
+    # vLLM's rule: --enable-force-include-usage gives a stream both its usage chunk and usage on every chunk;
+    # otherwise continuous_usage_stats counts only beside include_usage
+    forced = stream and policy.force_include_usage
+    include_usage = forced or _bool(options, "include_usage", False)
+    continuous = _bool(options, "continuous_usage_stats", False)  # read (and type-checked) either way
     return OpenAIRequest(
-        chat=chat, model=_model(body), prompts=prompts, stream=stream,
-        include_usage=_bool(options, "include_usage", False) or (stream and policy.force_include_usage),
-        continuous_usage=_bool(options, "continuous_usage_stats", False),
+        chat=chat, model=_model(body), prompts=prompts, stream=stream, include_usage=include_usage,
+        continuous_usage=forced or (include_usage and continuous),
         return_token_ids=_bool(body, "return_token_ids", False), echo=_bool(body, "echo", False), names=names,
         constraint_param=requested.param if requested else None, tools=plan, adapter=adapter, reasoning=thoughts)
 
