@@ -21,7 +21,7 @@ from pagedserve.engine.errors import ConfigError, ModelLoadError, UnsupportedErr
 from pagedserve.engine.loading.model_store import model_folder
 from pagedserve.kernels.cpu import isa
 from pagedserve.service.compilation_flags import add_compilation_flags, compilation_fields
-from pagedserve.service.config import ServerConfig, TlsConfig
+from pagedserve.service.config import ServerConfig
 from pagedserve.service.engine_flags import GROUPED_FIELDS, add_engine_flags, parse_bytes
 from pagedserve.service.core.request_policy import RequestPolicy, generation_defaults
 from pagedserve.service.lora_flags import lora_config
@@ -30,6 +30,7 @@ from pagedserve.service.openai.tool_parsers.registry import TOOL_PARSERS
 from pagedserve.service.observability_flags import add_observability_flags, observability_config
 from pagedserve.service.spec_flags import speculative_config
 from pagedserve.service.structured_flags import add_structured_outputs_flag, structured_outputs_fields
+from pagedserve.service.tls_flags import add_tls_flags, tls_config
 from pagedserve.service.vllm_argv import vllm_argv
 from pagedserve.service.vllm_flags import add_vllm_flags, check_vllm_flags
 
@@ -38,10 +39,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default=d.host, help=f"bind address (default {d.host}; 0.0.0.0 for all)")
     g.add_argument("--port", type=int, default=d.port, help=f"gRPC port, 0 = any free one (default {d.port})")
-    g.add_argument("--tls-cert", "--ssl-certfile", type=Path,
-                   help="server certificate (PEM); enables TLS on gRPC and HTTP (--ssl-certfile: vLLM's spelling)")
-    g.add_argument("--tls-key", "--ssl-keyfile", type=Path, help="server private key (PEM; also --ssl-keyfile)")
-    g.add_argument("--tls-client-ca", type=Path, help="CA for client certificates; enables mutual TLS")
+    add_tls_flags(g)
     g.add_argument("--max-message-bytes", type=parse_bytes, default=d.max_message_bytes,
                    help="largest request accepted (larger: INVALID_ARGUMENT)")
     g.add_argument("--max-send-message-bytes", type=parse_bytes, default=d.max_send_message_bytes)
@@ -129,13 +127,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     served_name, *aliases = _served_names(args)
-    tls = None
-    if args.tls_cert or args.tls_key or args.tls_client_ca:
-        if not (args.tls_cert and args.tls_key):
-            raise ConfigError("tls", "--tls-cert and --tls-key are both required for TLS")
-        tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca)
     return ServerConfig(
-        host=args.host, port=args.port, tls=tls, max_message_bytes=args.max_message_bytes,
+        host=args.host, port=args.port, tls=tls_config(args), max_message_bytes=args.max_message_bytes,
         max_send_message_bytes=args.max_send_message_bytes, keepalive_time_s=args.keepalive_time,
         keepalive_timeout_s=args.keepalive_timeout, max_connection_age_s=args.max_connection_age,
         max_connection_age_grace_s=args.max_connection_age_grace, drain_delay_s=args.drain_delay,

@@ -55,6 +55,32 @@ def test_tls_needs_both_cert_and_key(tmp_path):
         server_config(parse("--tls-cert", str(cert), "--tls-key", str(tmp_path / "missing.key")))
 
 
+def test_vllms_client_certificate_flags(tmp_path):
+    """--ssl-ca-certs with --ssl-cert-reqs 2 is --tls-client-ca; 0 (vLLM's default) asks clients for nothing;
+    1 cannot be served on gRPC and is refused, as is 2 without a CA or with two different ones."""
+    for name in ("c.pem", "k.pem", "ca.pem", "other.pem"):
+        (tmp_path / name).write_text("x")
+    pair = ("--ssl-certfile", str(tmp_path / "c.pem"), "--ssl-keyfile", str(tmp_path / "k.pem"))
+    ours = server_config(parse(*pair, "--tls-client-ca", str(tmp_path / "ca.pem"))).tls
+    vllms = server_config(parse(*pair, "--ssl-ca-certs", str(tmp_path / "ca.pem"), "--ssl-cert-reqs", "2")).tls
+    assert ours == vllms and vllms.mutual
+    assert not server_config(parse(*pair, "--ssl-ca-certs", str(tmp_path / "ca.pem"))).tls.mutual
+    assert not server_config(parse(*pair, "--ssl-cert-reqs", "0")).tls.mutual
+    refused = {
+        ("--ssl-cert-reqs", "1"): "ssl_cert_reqs.*cannot be served on gRPC",
+        ("--ssl-cert-reqs", "2"): "ssl_cert_reqs.*needs the CA",
+        ("--ssl-cert-reqs", "0", "--tls-client-ca", str(tmp_path / "ca.pem")): "ssl_cert_reqs.*requires one",
+        ("--ssl-cert-reqs", "2", "--tls-client-ca", str(tmp_path / "ca.pem"), "--ssl-ca-certs",
+         str(tmp_path / "other.pem")): "ssl_ca_certs.*disagrees",
+        ("--ssl-ca-certs", str(tmp_path / "absent.pem")): "ssl_ca_certs.*not found",
+    }
+    for flags, message in refused.items():
+        with pytest.raises(ConfigError, match=message):
+            server_config(parse(*pair, *flags))
+    with pytest.raises(SystemExit):
+        parse("--ssl-cert-reqs", "3")
+
+
 def test_mesh_options_become_grpc_channel_args():
     config = server_config(parse("--max-connection-age", "300", "--keepalive-time", "30",
                                  "--max-message-bytes", "8MiB"))

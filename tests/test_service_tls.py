@@ -51,9 +51,10 @@ def tls_server(certs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mtls_server(certs, tmp_path_factory):
+    # ours for the server's pair, vLLM's for the client rule (test_service_config: the same as --tls-client-ca)
     server = start_server(tmp_path_factory.mktemp("mtls-server"), "--tls-cert", str(certs / "server.pem"),
-                          "--tls-key", str(certs / "server.key"), "--tls-client-ca", str(certs / "ca.pem"),
-                          "--http-port", "0")
+                          "--tls-key", str(certs / "server.key"), "--ssl-ca-certs", str(certs / "ca.pem"),
+                          "--ssl-cert-reqs", "2", "--http-port", "0")
     yield server
     server.stop()
 
