@@ -23,6 +23,7 @@ from pagedserve.kernels.cpu import isa
 from pagedserve.service.compilation_flags import add_compilation_flags, compilation_fields
 from pagedserve.service.config import ServerConfig
 from pagedserve.service.engine_flags import GROUPED_FIELDS, add_engine_flags, parse_bytes
+from pagedserve.service.cors_flags import add_cors_flags, cors_config
 from pagedserve.service.core.request_policy import RequestPolicy, generation_defaults
 from pagedserve.service.lora_flags import lora_config
 from pagedserve.service.openai.openai_tools import ToolSettings
@@ -40,6 +41,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=d.host, help=f"bind address (default {d.host}; 0.0.0.0 for all)")
     g.add_argument("--port", type=int, default=d.port, help=f"gRPC port, 0 = any free one (default {d.port})")
     add_tls_flags(g)
+    add_cors_flags(g)
     g.add_argument("--max-message-bytes", type=parse_bytes, default=d.max_message_bytes,
                    help="largest request accepted (larger: INVALID_ARGUMENT)")
     g.add_argument("--max-send-message-bytes", type=parse_bytes, default=d.max_send_message_bytes)
@@ -138,7 +140,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         vllm_engine_service=args.vllm_engine_service, ready_file=args.ready_file, http_port=args.http_port,
         enable_auto_tool_choice=_tools(args).auto, tool_call_parser=args.tool_call_parser, api_key=args.api_key,
         generation_config=args.generation_config, max_logprobs=args.max_logprobs,
-        force_include_usage=args.enable_force_include_usage,
+        force_include_usage=args.enable_force_include_usage, cors=cors_config(args),
         observability=observability_config(args))
 
 

@@ -29,6 +29,26 @@ class TlsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class CorsConfig:
+    """The OpenAI HTTP API's CORS rule (vLLM's --allowed-origins, --allowed-methods, --allowed-headers,
+    --allow-credentials), so a browser page on another origin may call it; vLLM's defaults: any origin, method and
+    header, no credentials."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            values = getattr(self, name)
+            if isinstance(values, list):
+                object.__setattr__(self, name, values := tuple(values))
+            if not isinstance(values, tuple) or not all(isinstance(v, str) and v.strip() for v in values):
+                raise ConfigError(name, f"must be a list of non-empty strings, got {values!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class ObservabilityConfig:
     """Tracing (OTLP), per-request JSON log lines and the periodic stats line (docs/observability.md)."""
 
@@ -88,6 +108,7 @@ class ServerConfig:
     generation_config: str = "auto"  # vLLM's --generation-config: auto, vllm or a folder (core/request_policy.py)
     max_logprobs: int = 20  # vLLM's --max-logprobs: most logprobs / top_logprobs a request may ask for
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage: streams carry usage on every chunk and end with it
+    cors: CorsConfig = CorsConfig()  # the OpenAI HTTP API's CORS rule (vLLM's defaults: any origin, no credentials)
     observability: ObservabilityConfig | None = None  # tracing, request and stats logs (None: the defaults)
 
     def __post_init__(self) -> None:

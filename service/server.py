@@ -177,7 +177,7 @@ def _http_server(serving: ServingContext, config: ServerConfig, folder: Path | N
         policy = RequestPolicy(generation_defaults(config.generation_config, folder), config.max_logprobs,
                                config.force_include_usage)
         return HttpServer(serving, config.host, config.http_port, config.max_message_bytes, config.tls, tools, key,
-                          policy)
+                          policy, config.cors)
     except OSError as exc:
         raise ConfigError("http_port", f"cannot listen on {config.host}:{config.http_port}: {exc}") from None
 

@@ -1,6 +1,8 @@
 """`pagedserve serve MODEL --api-key KEY` (vLLM's positional model and key): the OpenAI HTTP API and every gRPC
 service need `Bearer KEY` (HTTP 401 / gRPC UNAUTHENTICATED otherwise, the request never reaching the engine);
-health checks and metrics stay open; the right key serves as usual, through the official clients."""
+health checks and metrics stay open; the right key serves as usual, through the official clients. The same server
+keeps a CORS rule (vLLM's --allowed-origins, --allowed-headers, --allow-credentials): a browser's preflight needs no
+key, another origin is refused, and a 401 still carries the CORS headers so the page can read it."""
 
 from __future__ import annotations
 
@@ -17,11 +19,14 @@ from pagedserve.v1 import model_info_pb2
 
 KEY = "s3cret-key-for-tests"
 MODEL = "SmolLM2-135M-Instruct"
+APP = "https://app.example"
 
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("api-key"), MODEL, "--api-key", KEY, "--http-port", "0")
+    server = start_server(tmp_path_factory.mktemp("api-key"), MODEL, "--api-key", KEY, "--http-port", "0",
+                          "--allowed-origins", f'["{APP}"]', "--allowed-headers", "authorization", "content-type",
+                          "--allow-credentials")
     yield server
     server.stop()
 
@@ -73,3 +78,27 @@ def test_grpc_serves_with_the_key_and_health_and_metrics_are_open(keyed):
     with urllib.request.urlopen(f"http://127.0.0.1:{keyed.metrics_port}/metrics", timeout=30) as reply:
         assert reply.status == 200 and b"vllm:" in reply.read()
     assert "serving SmolLM2-135M-Instruct" in keyed.log() and KEY not in keyed.log()
+
+
+def _preflight(server, origin: str) -> requests.Response:
+    return requests.options(f"{server.http_url}/v1/chat/completions", timeout=30, headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+
+
+def test_cors_preflight_and_replies_follow_the_rule(keyed):
+    allowed = _preflight(keyed, APP)
+    assert allowed.status_code == 200, allowed.text  # answered before the key is asked for
+    assert allowed.headers["access-control-allow-origin"] == APP
+    assert allowed.headers["access-control-allow-credentials"] == "true"
+    assert set(allowed.headers["access-control-allow-headers"].lower().replace(" ", "").split(",")) \
+        >= {"authorization", "content-type"}
+    assert _preflight(keyed, "https://elsewhere.example").status_code == 400  # not an allowed origin
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    served = requests.post(f"{keyed.http_url}/v1/chat/completions", json=body, timeout=120,
+                           headers={"Origin": APP, "Authorization": f"Bearer {KEY}"})
+    assert served.status_code == 200 and served.headers["access-control-allow-origin"] == APP
+    refused = requests.post(f"{keyed.http_url}/v1/chat/completions", json=body, timeout=60, headers={"Origin": APP})
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == APP
+    other = requests.get(f"{keyed.http_url}/health", timeout=30, headers={"Origin": "https://elsewhere.example"})
+    assert other.status_code == 200 and "access-control-allow-origin" not in other.headers

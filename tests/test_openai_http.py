@@ -72,6 +72,18 @@ def test_streamed_completion_concatenates_to_the_whole_one(oai, offline):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
 
 
+def test_cors_allows_any_origin_by_default(shared_server):  # noqa: F811 - vLLM's default rule
+    import requests
+
+    reply = requests.get(f"{shared_server.http_url}/v1/models", headers={"Origin": "https://page.example"}, timeout=30)
+    assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == "*"
+    preflight = requests.options(f"{shared_server.http_url}/v1/completions", timeout=30, headers={
+        "Origin": "https://page.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+    assert "access-control-allow-credentials" not in preflight.headers
+
+
 def test_continuous_usage_stats_count_each_chunk_only_beside_include_usage(oai):
     """vLLM's rule: with include_usage, continuous_usage_stats puts the running usage on every chunk; alone it
     adds nothing."""

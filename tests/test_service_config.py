@@ -9,6 +9,7 @@ import pytest
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.errors import ConfigError
 from pagedserve.service.cli import build_parser, engine_config, parse_bytes, server_config
+from pagedserve.service.config import CorsConfig
 
 
 def parse(*flags: str):
@@ -79,6 +80,19 @@ def test_vllms_client_certificate_flags(tmp_path):
             server_config(parse(*pair, *flags))
     with pytest.raises(SystemExit):
         parse("--ssl-cert-reqs", "3")
+
+
+def test_vllms_cors_flags_take_json_lists_or_plain_values():
+    assert server_config(parse()).cors == CorsConfig()  # vLLM's defaults: any origin, method, header; no credentials
+    config = server_config(parse("--allowed-origins", '["https://a.example", "https://b.example"]',
+                                 "--allowed-methods", "GET", "POST", "--allow-credentials")).cors
+    assert config == CorsConfig(("https://a.example", "https://b.example"), ("GET", "POST"), ("*",), True)
+    for bad in ('["unclosed"', '{"a": 1}', "[1, 2]"):
+        with pytest.raises(SystemExit):
+            parse("--allowed-origins", bad)
+    with pytest.raises(ConfigError) as info:
+        server_config(parse("--allowed-headers", "[]", "x", " "))
+    assert info.value.field == "allowed_headers"
 
 
 def test_mesh_options_become_grpc_channel_args():

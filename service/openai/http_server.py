@@ -9,8 +9,9 @@ import ssl
 from typing import Any
 
 import uvicorn
+from starlette.middleware.cors import CORSMiddleware
 
-from pagedserve.service.config import TlsConfig
+from pagedserve.service.config import CorsConfig, TlsConfig
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.auth import ApiKey
 from pagedserve.service.core.request_policy import RequestPolicy
@@ -24,15 +25,19 @@ _SHUTDOWN_S = 2  # after the drain: idle keep-alive connections get this long be
 
 class HttpServer:
     """tls: the gRPC port's certificates serve HTTPS too (a client CA makes it mutual TLS, as for gRPC); api_key:
-    every route but /health needs it."""
+    every route but /health needs it; cors: which other origins' pages may call it (vLLM's default: any)."""
 
     def __init__(self, serving: ServingContext, host: str, port: int, max_body_bytes: int,
                  tls: TlsConfig | None = None, tools: ToolSettings = ToolSettings(), api_key: ApiKey | None = None,
-                 policy: RequestPolicy = RequestPolicy()):
+                 policy: RequestPolicy = RequestPolicy(), cors: CorsConfig = CorsConfig()):
         self.socket = _bind(host, port)
         self.port = self.socket.getsockname()[1]
         app = OpenAIApi(serving, max_body_bytes, tools, policy).app()
-        config = uvicorn.Config(ApiKeyMiddleware(app, api_key) if api_key else app, lifespan="off", log_config=None,
+        app = ApiKeyMiddleware(app, api_key) if api_key else app
+        # outermost, so a browser's preflight (OPTIONS, no key) is answered and a 401 still carries the CORS headers
+        app = CORSMiddleware(app, allow_origins=list(cors.allowed_origins), allow_methods=list(cors.allowed_methods),
+                             allow_headers=list(cors.allowed_headers), allow_credentials=cors.allow_credentials)
+        config = uvicorn.Config(app, lifespan="off", log_config=None,
                                 access_log=False, timeout_graceful_shutdown=_SHUTDOWN_S, server_header=False,
                                 **_tls_options(tls))
         self._server = uvicorn.Server(config)
