@@ -57,7 +57,8 @@ class ObservabilityConfig:
     service_name: str = "pagedserve"  # the spans' service.name
     log_requests: bool = False  # a JSON line per request at admission and at finish
     log_prompts: bool = False  # only then does a request line carry the prompt (its token ids and text)
-    max_log_len: int | None = None  # prompt tokens / characters logged at most (None: all)
+    log_outputs: bool = False  # vLLM's --enable-log-outputs: the finish line carries each sample's text and ids
+    max_log_len: int | None = None  # prompt / output tokens (and characters) logged at most (None: all)
     stats_interval_s: float = 10.0  # the stats line's period (vLLM's); 0: off
 
     def __post_init__(self) -> None:
@@ -68,8 +69,9 @@ class ObservabilityConfig:
             raise ConfigError("stats_interval_s", f"must be >= 0 (0: off), got {self.stats_interval_s}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ConfigError("max_log_len", f"must be >= 0, got {self.max_log_len}")
-        if self.log_prompts and not self.log_requests:
-            raise ConfigError("log_prompts", "logs prompts in request lines: needs --enable-log-requests")
+        for name, flag in (("log_prompts", "--log-prompts"), ("log_outputs", "--enable-log-outputs")):
+            if getattr(self, name) and not self.log_requests:
+                raise ConfigError(name, f"{flag} adds to the request lines: needs --enable-log-requests")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
 """The observability flags of `pagedserve serve`, with vLLM's names where vLLM has the feature: tracing
-(`--otlp-traces-endpoint`), request logs (`--enable-log-requests`, and `--disable-log-requests` with its meaning),
+(`--otlp-traces-endpoint`), request logs (`--enable-log-requests`, and `--disable-log-requests` with its meaning,
+`--enable-log-outputs`),
 the stats line (`--disable-log-stats`, `--stats-interval`) and `--max-log-len`."""
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ def add_observability_flags(parser: argparse.ArgumentParser) -> None:
                    help="no per-request lines (the default; vLLM's flag, accepted with its meaning)")
     g.add_argument("--log-prompts", action="store_true", default=d.log_prompts,
                    help="request lines also carry the prompt's token ids and text (off: never logged)")
-    g.add_argument("--max-log-len", type=int, help="prompt tokens (and characters) a request line carries at most")
+    g.add_argument("--enable-log-outputs", dest="log_outputs", action="store_true", default=d.log_outputs,
+                   help="the finish line also carries each sample's generated text and token ids (vLLM's; off: "
+                        "never logged)")
+    g.add_argument("--max-log-len", type=int, help="prompt and output tokens (and characters) a request line "
+                   "carries at most")
     g.add_argument("--stats-interval", type=float, default=d.stats_interval_s,
                    help="seconds between stats lines: throughput, running/waiting, KV usage (0: off; "
                         f"default {d.stats_interval_s:g})")
@@ -40,5 +45,5 @@ def observability_config(args: argparse.Namespace) -> ObservabilityConfig:
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         otlp_traces_protocol=args.otlp_traces_protocol or os.environ.get(_PROTOCOL_ENV, "grpc"),
         service_name=os.environ.get(_SERVICE_ENV, "pagedserve"), log_requests=args.log_requests,
-        log_prompts=args.log_prompts, max_log_len=args.max_log_len,
+        log_prompts=args.log_prompts, log_outputs=args.log_outputs, max_log_len=args.max_log_len,
         stats_interval_s=0.0 if args.disable_log_stats else args.stats_interval)

@@ -194,7 +194,7 @@ def _telemetry(metrics: ServiceMetrics, name: str, config: ObservabilityConfig, 
     request_log = None
     if config.log_requests:
         decode = lambda ids: serving().engine.tokenizer.decode(ids)  # noqa: E731 - only with --log-prompts
-        request_log = RequestLog(RequestLogConfig(config.log_prompts, config.max_log_len),
+        request_log = RequestLog(RequestLogConfig(config.log_prompts, config.max_log_len, config.log_outputs),
                                  decode if config.log_prompts else None)
     return Telemetry(metrics, name, tracer, request_log)
 

@@ -154,7 +154,7 @@ def test_request_lines_carry_the_ids_and_never_the_prompt(replica, receiver):
     assert finished["span_id"] == span.span_id
     assert finished["ttft_s"] == pytest.approx(span.attributes["gen_ai.latency.time_to_first_token"], abs=1e-6)
     assert "zebra" not in replica.log()  # neither in a JSON line nor anywhere else
-    assert not any("prompt" in r or "prompt_token_ids" in r for r in json_lines(replica))
+    assert not any("prompt" in r or "prompt_token_ids" in r or "outputs" in r for r in json_lines(replica))
 
 
 def test_stats_line_reports_throughput_and_load(replica):

@@ -1,6 +1,6 @@
 """Servers started with other observability settings than tests/test_observability.py's traced replica, each its
-own: traces exported over OTLP/HTTP instead of gRPC, prompts in the request log only when asked (and cut to
---max-log-len), and a server without the otel extra, which refuses tracing by name yet serves.
+own: traces exported over OTLP/HTTP instead of gRPC, prompts and outputs in the request log only when asked (and
+cut to --max-log-len), and a server without the otel extra, which refuses tracing by name yet serves.
 """
 
 from __future__ import annotations
@@ -28,17 +28,25 @@ def test_otlp_over_http_protobuf(tmp_path):
     assert (span.trace_id, span.parent_span_id) == (trace_id, parent)
 
 
-def test_log_prompts_only_when_asked(tmp_path):
-    server = start_server(tmp_path / "prompts", "--enable-log-requests", "--log-prompts", "--max-log-len", "4",
-                          "--stats-interval", "0")
+def test_log_prompts_and_outputs_only_when_asked(tmp_path):
+    """--log-prompts and vLLM's --enable-log-outputs, each cut to --max-log-len tokens (and characters)."""
+    server = start_server(tmp_path / "prompts", "--enable-log-requests", "--log-prompts", "--enable-log-outputs",
+                          "--max-log-len", "4", "--stats-interval", "0")
     try:
-        v1_generate(server.target, v1_request("with-prompt", SECRET_PROMPT, 2))
-        wait_until(lambda: "request_admitted" in request_lines(server, "with-prompt"), 30, "the admission line")
-        admitted = request_lines(server, "with-prompt")["request_admitted"]
+        frames = {n: v1_generate(server.target, v1_request(f"with-prompt-{n}", SECRET_PROMPT, n)) for n in (2, 6)}
+        wait_until(lambda: all("request_finished" in request_lines(server, f"with-prompt-{n}") for n in (2, 6)), 30,
+                   "the finish lines")
+        lines = {n: request_lines(server, f"with-prompt-{n}") for n in (2, 6)}
     finally:
         server.stop()
+    admitted = lines[2]["request_admitted"]
     assert len(admitted["prompt_token_ids"]) == 4 and SECRET_PROMPT.startswith(admitted["prompt"])
     assert admitted["trace_id"] is None and admitted["span_id"] is None  # no traceparent, no tracing
+    for n, cut in ((2, 2), (6, 4)):
+        ids = [t for f in frames[n] if f.HasField("delta") for t in f.delta.token_ids]
+        text = "".join(f.delta.text for f in frames[n] if f.HasField("delta"))
+        [output] = lines[n]["request_finished"]["outputs"]
+        assert output["index"] == 0 and output["token_ids"] == ids[:cut] and output["text"] == text[:4], output
 
 
 # --- without OpenTelemetry ---------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ it finishes (`--enable-log-requests`), and a periodic stats line (`--stats-inter
 Lines go to stderr, each one JSON object (no level or time prefix: a log shipper parses it as is; `ts` is Unix
 seconds): request lines straight to the stream (one write each, two per request on the event loop, without the
 logging module's per-record work), stats lines through this module's STATS_LOGGER. A request's prompt is never
-logged unless the server was started with `--log-prompts`, and then at most `--max-log-len` tokens of it.
+logged unless the server was started with `--log-prompts`, nor its output without `--enable-log-outputs`, and then
+at most `--max-log-len` tokens (and characters of text) of each.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from pagedserve.engine.outputs import EngineStats
+from pagedserve.engine.outputs import CompletionOutput, EngineStats
 
 STATS_LOGGER = f"{__name__}.stats"
 _DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
@@ -40,7 +41,8 @@ def json_logger(name: str) -> logging.Logger:
 @dataclass(frozen=True, slots=True)
 class RequestLogConfig:
     log_prompts: bool = False  # off: a prompt's text and token ids never reach the log
-    max_log_len: int | None = None  # prompt tokens (and characters of its text) logged at most; None: all
+    max_log_len: int | None = None  # prompt / output tokens (and characters of text) logged at most; None: all
+    log_outputs: bool = False  # off: generated text and token ids never reach the log
 
 
 class RequestLog:
@@ -64,6 +66,16 @@ class RequestLog:
             text = self.decode(ids)
             fields["prompt"] = text if limit is None else text[:limit]
         return fields
+
+
+    def output_fields(self, completions: Sequence[CompletionOutput]) -> dict[str, Any]:
+        """Each sample's text and token ids as the client got them (vLLM's --enable-log-outputs), in index order."""
+        if not self.config.log_outputs:
+            return {}
+        limit = self.config.max_log_len
+        return {"outputs": [{"index": c.index, "text": c.text if limit is None else c.text[:limit],
+                             "token_ids": list(c.token_ids if limit is None else c.token_ids[:limit])}
+                            for c in sorted(completions, key=lambda c: c.index)]}
 
 
 class StatsLog:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pagedserve.engine.errors import RequestFailedError, StepFailedError
-from pagedserve.engine.outputs import RequestMetrics, RequestOutput
+from pagedserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.engine.requests import AdmittedRequest
 from pagedserve.service.core.engine_handle import EngineHandle
 from pagedserve.service.core.telemetry import RequestEnd, RequestOrigin, Telemetry, Watch
@@ -66,7 +66,7 @@ class RequestStream:
         self.time_limit_at = None if options.time_limit_s is None else self.loop.time() + options.time_limit_s
         self.timed_out = False
         self.last: RequestOutput | None = None
-        self._num_tokens: dict[int, int] = {}  # per sample index
+        self._completions: dict[int, CompletionOutput] = {}  # each sample's latest output, by index
         self._token_times: dict[int, float] = {}
         self._pending: asyncio.Future | None = None  # an anext() on the engine stream, kept across heartbeats
         self._outputs: AsyncIterator[RequestOutput] | None = None
@@ -133,7 +133,7 @@ class RequestStream:
         self.last = output
         now, gaps = time.monotonic(), []
         for completion in output.outputs:
-            self._num_tokens[completion.index] = completion.num_tokens
+            self._completions[completion.index] = completion
             k = len(completion.new_token_ids)
             if not k:
                 continue
@@ -176,7 +176,8 @@ class RequestStream:
         reason = ("time_limit" if self.timed_out else reasons[0] if self.finished and reasons
                   else "error" if self.failed else "abort")
         end = RequestEnd(self.last.metrics if self.last is not None else self._no_output(),
-                         len(self.request.prompt_token_ids), sum(self._num_tokens.values()), reason)
+                         len(self.request.prompt_token_ids), sum(c.num_tokens for c in self._completions.values()),
+                         reason, tuple(self._completions.values()))
         self.telemetry.finished(watch, end, engine_answered=self.last is not None, engine_failed=self.engine_failed)
 
     def _no_output(self) -> RequestMetrics:

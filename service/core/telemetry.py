@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.engine.outputs import RequestMetrics
+from pagedserve.engine.outputs import CompletionOutput, RequestMetrics
 from pagedserve.engine.requests import AdmittedRequest
 from pagedserve.service.core.metrics import ServiceMetrics, durations
 from pagedserve.service.core.request_log import RequestLog
@@ -37,6 +37,7 @@ class RequestEnd:
     prompt_tokens: int
     generated_tokens: int
     finish_reason: str  # the engine's, or "abort" / "time_limit" / "error"
+    completions: tuple[CompletionOutput, ...] = ()  # each sample's latest output (its whole text when read)
 
 
 @dataclass(slots=True)
@@ -118,7 +119,8 @@ class Telemetry:
                 "output_tokens": end.generated_tokens, "finish_reason": end.finish_reason,
                 "queue_s": round(d.queue_s, 6), "ttft_s": round(d.time_to_first_token_s, 6),
                 "prefill_s": round(d.prefill_s, 6), "decode_s": round(d.decode_s, 6), "e2e_s": round(d.total_s, 6),
-                "num_preemptions": end.metrics.num_preemptions, "cached_tokens": end.metrics.num_cached_tokens})
+                "num_preemptions": end.metrics.num_preemptions, "cached_tokens": end.metrics.num_cached_tokens,
+                **self.request_log.output_fields(end.completions)})
 
     def shutdown(self) -> None:
         if self.tracer is not None:
