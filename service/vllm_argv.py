@@ -1,6 +1,10 @@
 """`vllm serve`'s ways of writing a command line, read before argparse parses it:
 
 - option names with underscores: `--max_model_len 512` is `--max-model-len 512` (vLLM's FlexibleArgumentParser);
+- a JSON flag's keys one by one: `--compilation-config.cudagraph_mode=NONE`, `-O.cudagraph_capture_sizes [1,2]`,
+  `--speculative-config.num_speculative_tokens 3` (a dotted path nests; `key+ a,b` is a list of strings; values are
+  JSON where they parse, text otherwise). They gather into one JSON object per flag, over that flag's own JSON when
+  the command line gives both; `-O3` is `-O.mode=3`, vLLM's optimization level;
 - `--config FILE`: a YAML mapping of long option names (dashes or underscores) to values, e.g. a Kubernetes
   ConfigMap. Its entries go before the command line's own, so the command line wins, as vLLM orders them (command
   line > config file > defaults); a model given on the command line replaces the file's `model`. A flag that takes
@@ -13,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -20,19 +26,27 @@ import yaml
 from pagedserve.engine.errors import ConfigError
 
 CONFIG_FLAG = "--config"
+# `--flag.key.sub[+][=value]` or `-O.key...`: the flag, its key path, and the value when joined by `=`
+_DOTTED = re.compile(r"(--[A-Za-z][A-Za-z0-9-]*|-O)\.([A-Za-z0-9_.]+?)(\+?)(?:=(.*))?", re.DOTALL)
+_OPTIMIZATION_LEVEL = re.compile(r"-O=?([0-3])")
+_LEVELS = ("0", "1", "2", "3")
 
 
 def dashed(token: str) -> str:
-    """`--max_model_len=5` -> `--max-model-len=5`; values and short options as they are."""
+    """`--max_model_len=5` -> `--max-model-len=5`; a JSON flag's keys after a dot, values and short options stay."""
     if not token.startswith("--") or len(token) == 2:
         return token
     name, sep, value = token.partition("=")
-    return name.replace("_", "-") + sep + value
+    flag, dot, keys = name.partition(".")
+    return flag.replace("_", "-") + dot + keys + sep + value
 
 
 def vllm_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """`argv` with dashed option names and, for `serve --config FILE`, the file's flags in front of its own."""
+    """`argv` with dashed option names, dotted JSON keys gathered into their flags' JSON and, for `serve --config
+    FILE`, the file's flags in front of its own."""
     argv = [dashed(token) for token in argv]
+    if argv and argv[0] == "serve":
+        argv = gather_dotted(argv, _canonical(_subparser(parser, "serve")))
     if not argv or argv[0] != "serve":
         return argv
     path = _config_path(argv)
@@ -44,6 +58,85 @@ def vllm_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     return ["serve", *config_tokens(serve, _load(path), skip_model=model_given, source=path), *argv[1:]]
 
 
+def gather_dotted(argv: list[str], canonical: Callable[[str], str] = str) -> list[str]:
+    """Each `--flag.key value` / `--flag.key=value` folded into one `--flag JSON` where the flag is first named
+    (its own JSON object, when the command line gives one too, underneath the dotted keys). `canonical` names a
+    flag's aliases alike (`-O` is `--compilation-config`)."""
+    items: list[str | tuple[str]] = []  # tokens, and (flag,) where a dotted key of `flag` stood
+    gathered: dict[str, dict] = {}
+    i = 0
+    while i < len(argv):
+        token, i = argv[i], i + 1
+        if token == "-O" and i < len(argv) and argv[i] in _LEVELS:  # vLLM's `-O 3`
+            token, i = f"-O.mode={argv[i]}", i + 1
+        level = _OPTIMIZATION_LEVEL.fullmatch(token)
+        match = _DOTTED.fullmatch(f"-O.mode={level.group(1)}" if level else token)
+        if match is None:
+            items.append(token)
+            continue
+        flag, path, append, text = match.groups()
+        if text is None:
+            if i == len(argv):
+                raise ConfigError("argv", f"{token}: expects a value")
+            text, i = argv[i], i + 1
+        flag = canonical(flag)
+        _set_path(gathered.setdefault(flag, {}), path.split("."), text.split(",") if append else _json_or_text(text),
+                  token)
+        items.append((flag,))
+    return _fold(items, gathered, canonical) if gathered else argv
+
+
+def _fold(items: list[str | tuple[str]], gathered: dict[str, dict], canonical: Callable[[str], str]) -> list[str]:
+    out: list[str] = []
+    own: dict[str, dict] = {}
+    slots: dict[str, int] = {}  # where each flag's merged JSON goes in `out`
+    items_left = iter(items)
+    for item in items_left:
+        flag = item[0] if isinstance(item, tuple) else canonical(item.partition("=")[0])
+        if flag not in gathered:
+            out.append(item)
+            continue
+        if not isinstance(item, tuple):  # the flag's own JSON: `--flag JSON` or `--flag=JSON`
+            text = item.partition("=")[2] if "=" in item else next(items_left, None)
+            own[flag] = _json_object(flag, text)
+        if flag not in slots:
+            slots[flag] = len(out) + 1
+            out += [flag, ""]
+    for flag, slot in slots.items():
+        out[slot] = json.dumps(_merged(own.get(flag, {}), gathered[flag]))
+    return out
+
+
+def _json_object(flag: str, text: object) -> dict:
+    value = _json_or_text(text) if isinstance(text, str) else text
+    if not isinstance(value, dict):
+        raise ConfigError("argv", f"{flag}: its JSON must be an object to take dotted keys too, got {text!r}")
+    return value
+
+
+def _json_or_text(text: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _set_path(target: dict, keys: list[str], value: object, token: str) -> None:
+    for key in keys[:-1]:
+        target = target.setdefault(key, {})
+        if not isinstance(target, dict):
+            raise ConfigError("argv", f"{token}: {key} already holds a value, not keys")
+    target[keys[-1]] = value
+
+
+def _merged(base: dict, update: dict) -> dict:
+    merged = dict(base)
+    for key, value in update.items():
+        both_dicts = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = _merged(merged[key], value) if both_dicts else value
+    return merged
+
+
 def _config_path(argv: list[str]) -> Path | None:
     for i, token in enumerate(argv):
         if token == CONFIG_FLAG and i + 1 < len(argv):
@@ -51,6 +144,13 @@ def _config_path(argv: list[str]) -> Path | None:
         if token.startswith(CONFIG_FLAG + "="):
             return Path(token.partition("=")[2])
     return None
+
+
+def _canonical(parser: argparse.ArgumentParser) -> Callable[[str], str]:
+    """An option's first name for each of its names (`-O` -> `--compilation-config`); unknown names as they are."""
+    names = {name: action.option_strings[0] for action in parser._actions  # noqa: SLF001
+             for name in action.option_strings}
+    return lambda option: names.get(option, option)
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:

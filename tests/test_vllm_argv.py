@@ -1,4 +1,5 @@
-"""`vllm serve` command lines as vLLM reads them (service/vllm_argv.py): underscores in option names, and
+"""`vllm serve` command lines as vLLM reads them (service/vllm_argv.py): underscores in option names, a JSON
+flag's keys given one by one (`--speculative-config.method ngram`, `-O.cudagraph_mode=NONE`, `-O3`), and
 `--config FILE` (YAML) whose flags the command line overrides. Parsed in this process into the same EngineConfig and
 ServerConfig a start builds; a real server started from a config file is tests/test_cli_vllm_flags.py's."""
 
@@ -49,6 +50,41 @@ def test_an_underscored_command_line_parses_as_the_dashed_one():
                                 "--no_enable_prefix_caching", "--max_num_seqs", "3", "--http_port", "0"])
     assert (engine.max_model_len, engine.kv_cache_memory, engine.enable_prefix_caching) == (256, 32 << 20, False)
     assert engine.max_num_seqs == 3 and server.http_port == 0
+
+
+def test_dotted_keys_build_their_flags_json():
+    _, engine, _ = _parse(["serve", "--speculative-config.method", "ngram",
+                           "--speculative_config.num_speculative_tokens=3", "--max_model_len", "256",
+                           "--speculative-config.prompt_lookup_max", "4", "-O.cudagraph_mode=NONE",
+                           "-O.cudagraph_capture_sizes", "[1, 2, 8]"])
+    spec = engine.speculative
+    assert (spec.num_speculative_tokens, spec.prompt_lookup_max, engine.max_model_len) == (3, 4, 256)
+    assert engine.enforce_eager is True and engine.cuda_graph_sizes == (1, 2, 8)
+
+
+def test_dotted_keys_go_over_the_flags_own_json_and_o3_is_a_level():
+    _, engine, _ = _parse(["serve", "--compilation-config", '{"cudagraph_capture_sizes": [4], "mode": 3}',
+                           "-O.cudagraph_capture_sizes", "[1, 2]"])  # -O is --compilation-config: one object
+    assert engine.cuda_graph_sizes == (1, 2) and engine.enforce_eager is False
+    parser = build_parser()
+    assert vllm_argv(parser, ["serve", "-O3", "--compilation-config.cudagraph_mode", "NONE"]) == \
+        ["serve", "--compilation-config", '{"mode": 3, "cudagraph_mode": "NONE"}']
+    assert vllm_argv(parser, ["serve", "-O", "2"]) == ["serve", "--compilation-config", '{"mode": 2}']
+    assert vllm_argv(parser, ["serve", "--gpu-memory-utilization", "0.9", "-O", '{"mode": 3}']) == \
+        ["serve", "--gpu-memory-utilization", "0.9", "-O", '{"mode": 3}']  # nothing dotted: as it was
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["serve", "--speculative-config.method"], "expects a value"),
+    (["serve", "-O", "3", "-O.cudagraph_mode=NONE", "-O.mode.x=1"], "mode already holds a value"),
+    (["serve", "--compilation-config", "[1]", "-O.mode=3"], "must be an object"),
+    (["serve", "-O.pass_config.x=1"], "compilation_config.pass_config"),  # unknown keys still refused by name
+])
+def test_dotted_mistakes_are_named(argv, message):
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        code = main(argv)
+    assert code == 2 and message in stderr.getvalue(), stderr.getvalue()
 
 
 def test_a_config_file_sets_the_flags_it_names(tmp_path: Path):
