@@ -107,7 +107,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     drafter = None if config.speculative is None else Drafter(config.speculative, max_len, runner.native_capacity)
     scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens,
                           None if lora is None else lora.max_loras, drafter=drafter, stop=StopRules(tokenizer, max_len),
-                          policy=SchedulingPolicy(config.scheduling_policy))
+                          policy=SchedulingPolicy(config.scheduling_policy),
+                          long_prefill_token_threshold=config.long_prefill_token_threshold)
     scheduler.long_rope_after = blocks.long_rope_after = runner.long_rope_after  # LongRoPE's switch (None: no switch)
     grammar = functools.partial(CONSTRAINT_BACKENDS.get(config.structured_output_backend), tokenizer.hf,
                                 runner.vocab_size, tokenizer.eos_token_ids)

@@ -67,6 +67,9 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # vLLM's --long-prefill-token-threshold: a sequence computes at most this many tokens in one step, so a long
+    # prompt's chunks share steps with the prompts behind it (engine/core/scheduler.py). 0: no cap but the budget
+    long_prefill_token_threshold: int = 0
     max_model_len: int | None = None  # None: the model's own limit
     enable_prefix_caching: bool = True
     quantization: str | None = None  # None: whatever the checkpoint says
@@ -142,6 +145,10 @@ class EngineConfig:
                 not isinstance(self.native_step_max_batch, int) or self.native_step_max_batch < 0):
             raise ConfigError("native_step_max_batch", f"must be None or an integer >= 0, got "
                                                        f"{self.native_step_max_batch!r}")
+        if not isinstance(self.long_prefill_token_threshold, int) or isinstance(self.long_prefill_token_threshold, bool) \
+                or self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold", f"must be an integer >= 0 (0: off), got "
+                                                              f"{self.long_prefill_token_threshold!r}")
         if not isinstance(self.native_step_max_rows, int) or self.native_step_max_rows < 0:
             raise ConfigError("native_step_max_rows", f"must be an integer >= 0, got {self.native_step_max_rows!r}")
         for name in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_queued_requests"):

@@ -47,6 +47,9 @@ _ENGINE_HELP = {
     "max_num_seqs": "sequences decoded together in one step",
     "max_num_batched_tokens": "tokens processed per engine step (prefill chunks included)",
     "max_model_len": "context length limit (default: the model's)",
+    "long_prefill_token_threshold": "tokens one sequence computes per step at most, so a long prompt's chunks share "
+                                    "steps with the prompts queued behind it (vLLM's; 0: only the step budget caps "
+                                    "it)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "quantization": "force a quantization method (default: what the checkpoint says)",
     "gguf_weights": "GGUF files: packed keeps the file's quantized blocks and computes from them (CPU), dequantized "

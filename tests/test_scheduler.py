@@ -34,6 +34,25 @@ def test_long_prompt_is_chunked_and_decodes_join_the_same_step():
     assert run_step(sched) == {"short": 1, "long": 1}
 
 
+def test_long_prefill_token_threshold_caps_each_sequences_share_of_a_step():
+    """vLLM's rule: a prompt computes at most the threshold per step, so the prompts behind it start in the same
+    steps; shorter prompts and decodes are untouched."""
+    sched = Scheduler(BlockManager(64, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=40,
+                      long_prefill_token_threshold=16)
+    long, second, short = seq(50, "long"), seq(20, "second"), seq(5, "short")
+    for s in (long, second, short):
+        sched.add(s)
+    assert run_step(sched) == {"long": 16, "second": 16, "short": 5}
+    assert run_step(sched) == {"long": 16, "second": 4, "short": 1}
+    assert run_step(sched) == {"long": 16, "second": 1, "short": 1}
+    assert run_step(sched) == {"long": 2, "second": 1, "short": 1}
+    assert long.num_computed_tokens == 50 and long.num_output_tokens == 1
+    unlimited = Scheduler(BlockManager(64, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=40)
+    for s in (seq(50, "long"), seq(20, "second")):
+        unlimited.add(s)
+    assert run_step(unlimited) == {"long": 40}  # without it the first prompt takes the whole step
+
+
 def test_max_num_seqs_limits_the_running_batch():
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
     for i in range(3):

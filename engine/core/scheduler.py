@@ -2,6 +2,8 @@
 
 There are no prefill or decode phases: each running sequence computes the gap between its computed and its
 total tokens, limited by a per-step token budget, so chunked prefill and mixed prefill+decode batches fall out.
+vLLM's `long_prefill_token_threshold` caps one sequence's share of a step, so a long prompt's chunks leave budget
+to the prompts queued behind it instead of taking whole steps.
 Under KV pressure the running sequence that ranks last (`scheduling_policy.py`: the newest, or the lowest priority)
 is preempted and later recomputed (its outputs are kept).
 
@@ -45,7 +47,8 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_loras: int | None = None, lora_pass_steps: int = LORA_PASS_STEPS, drafter: Drafter | None = None,
-                 stop: StopRules | None = None, policy: SchedulingPolicy = SchedulingPolicy.FCFS):
+                 stop: StopRules | None = None, policy: SchedulingPolicy = SchedulingPolicy.FCFS,
+                 long_prefill_token_threshold: int = 0):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -62,6 +65,7 @@ class Scheduler:
         self.drafter = drafter  # None: no speculative decoding
         self.stop = stop  # the stop rules `update` appends through
         self.policy = policy
+        self.long_prefill_token_threshold = long_prefill_token_threshold  # tokens per sequence per step; 0: none
 
     def add(self, seq: Sequence) -> None:
         self.policy.enqueue(self.waiting, seq)
@@ -82,7 +86,7 @@ class Scheduler:
                 self._preempt(seq)
                 preempted.append(seq)
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
             drafts = self._drafts(seq, min(per_seq, budget - num_new)) if per_seq else ()
             num_new += len(drafts)
             while not self.block_manager.can_allocate(seq, num_new):
@@ -100,6 +104,11 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, scheduled, copies)
         return SchedulerOutput(tuple(scheduled), tuple(copies))
+
+    def _chunk(self, uncomputed: int, budget: int) -> int:
+        """The tokens one sequence computes this step: what it lacks, within the budget and the per-sequence cap."""
+        cap = self.long_prefill_token_threshold
+        return min(uncomputed, budget, cap) if cap > 0 else min(uncomputed, budget)
 
     def _drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
         """Drafts only where their blocks are free now: speculation never preempts anyone."""
@@ -121,7 +130,7 @@ class Scheduler:
             hit = self.block_manager.lookup_prefix(seq) if fresh and not seq.needs_every_position else None
             hit_tokens = len(hit.block_ids) * self.block_manager.block_size if hit else 0
             uncomputed = seq.num_tokens - seq.num_computed_tokens - hit_tokens
-            num_new = min(uncomputed, budget)
+            num_new = self._chunk(uncomputed, budget)
             if not self.block_manager.can_allocate(seq, num_new, hit) or \
                     not self._prefill_can_finish(seq, num_new, uncomputed, hit):
                 break
@@ -152,7 +161,8 @@ class Scheduler:
             return True  # nobody to wait for; or windowed, where a prompt never holds all its blocks
         spare = self.HEADROOM_BLOCKS * (len(self.running) + 1)
         if uncomputed > num_new:
-            steps = -(-uncomputed // max(1, self.max_num_batched_tokens - len(self.running)))
+            per_step = self._chunk(uncomputed, max(1, self.max_num_batched_tokens - len(self.running)))
+            steps = -(-uncomputed // per_step)
             spare = max(spare, len(self.running) * self.block_manager.blocks_needed(steps))
         return self.block_manager.can_allocate(seq, uncomputed, hit, spare_blocks=spare)
 
