@@ -8,9 +8,9 @@ import itertools
 from collections.abc import Callable, Sequence as SequenceABC
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.host.allocator import release_freed_memory
 from pagedserve.engine.host.tuning import tune_host
+from pagedserve.engine.llm_args import engine_fields
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule
 from pagedserve.engine.outputs import RequestOutput
@@ -19,23 +19,9 @@ from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scoring import ScorePairs, check_token_limit
 
 
-# vLLM's LLM(...) arguments that set no EngineConfig field: the values that mean what this engine does anyway.
-_ONE_DEVICE = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
-# no checkpoint code ever runs; preemption recomputes (as V1); hub ids are read from the cache, never downloaded
-_UNUSED = ("trust_remote_code", "swap_space", "code_revision", "hf_token")
-
-
-def _engine_fields(fields: dict) -> dict:
-    """`fields` less vLLM's arguments that need nothing here: parallel sizes of 1, and _UNUSED's."""
-    for name in _ONE_DEVICE:
-        if fields.get(name, 1) != 1:
-            raise ConfigError(name, f"{fields[name]!r}: one device per engine here; run more replicas instead")
-    return {k: v for k, v in fields.items() if k not in _ONE_DEVICE + _UNUSED}
-
-
 class LLM:
     def __init__(self, model: str | None = None, **config_fields):
-        config = EngineConfig(model=model, **_engine_fields(config_fields))
+        config = EngineConfig(model=model, **engine_fields(config_fields))  # vLLM's arguments too (llm_args.py)
         # The offline entry: it tunes the host itself, before the engine is built (the engine core never does).
         self.engine = LLMEngine(config, governor=tune_host(config))
         release_freed_memory()  # what loading freed, kept by the allocator's thresholds otherwise

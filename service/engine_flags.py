@@ -101,29 +101,13 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
 
-def json_flag_entries(text: str, flag_field: str, keys: tuple[str, ...],
-                      no_ops: tuple[str, ...] = ()) -> list[tuple[str, Any]]:
-    """A JSON-object flag of vLLM's (`--structured-outputs-config`, `--compilation-config`): its (key, value) pairs
-    that set something, once the text parses to an object and every key is one of `keys` (`no_ops` among them are
-    accepted and dropped). Errors name the flag, or `flag_field.key`."""
+def json_flag(text: str, flag_field: str) -> Any:
+    """A JSON flag's value (`--structured-outputs-config`, `--compilation-config`); not JSON: refused naming it.
+    Its keys are read by engine/json_configs.py, which LLM(...)'s keyword arguments share."""
     try:
-        config = json.loads(text)
+        return json.loads(text)
     except ValueError as exc:
         raise ConfigError(flag_field, f"is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise ConfigError(flag_field, "must be a JSON object")
-    for key in config:
-        if key not in keys:
-            raise ConfigError(f"{flag_field}.{key}", f"unknown or unsupported key; supported: {', '.join(keys)}")
-    return [(key, value) for key, value in config.items() if key not in no_ops]
-
-
-def check_agrees(source: str, field: str, value: Any, given: dict[str, Any]) -> None:
-    """A JSON flag's key (`source`) sets `field` to `value`: refused when the field's own flag set it otherwise."""
-    other = given.get(field)
-    other = tuple(other) if isinstance(other, list) else other  # argparse's nargs lists; the fields hold tuples
-    if other is not None and other != value:
-        raise ConfigError(source, f"{value!r} disagrees with --{field.replace('_', '-')} {other!r}")
 
 
 def parse_bytes(text: str) -> int:
