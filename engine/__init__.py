@@ -16,7 +16,7 @@ _HOMES = {
     "TextPrompt": "requests", "TokensPrompt": "requests", "AsyncEngine": "async_engine",
     "EngineConfig": "config", "LLM": "llm", "LLMEngine": "llm_engine", "CompletionOutput": "outputs",
     "EngineStats": "outputs", "RequestMetrics": "outputs", "RequestOutput": "outputs",
-    "SamplingParams": "sampling_params",
+    "SamplingParams": "sampling_params", "LoRARequest": "lora.request",
 }
 __all__ = list(_HOMES)
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from pagedserve.engine.config import EngineConfig
     from pagedserve.engine.llm import LLM
     from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.lora.request import LoRARequest
     from pagedserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
     from pagedserve.engine.pooling import PoolingParams
     from pagedserve.engine.requests import (

@@ -1,4 +1,5 @@
 """The offline API vLLM users know: LLM(model).generate(prompts, SamplingParams(...)); with LoRA adapters,
+LLM(model, enable_lora=True).generate(..., lora_request=LoRARequest(name, 1, path)) as in vLLM, or
 LLM(model, lora=LoraConfig(modules=(LoraModule(name, path), ...), max_loras=...)).generate(..., adapter=name)."""
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from pagedserve.engine.host.allocator import release_freed_memory
 from pagedserve.engine.host.tuning import tune_host
 from pagedserve.engine.llm_args import engine_fields
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule
+from pagedserve.engine.lora.request import LoRARequest, LoraRequests
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.pooling import PoolingParams
 from pagedserve.engine.sampling_params import SamplingParams
@@ -26,6 +29,7 @@ class LLM:
         self.engine = LLMEngine(config, governor=tune_host(config))
         release_freed_memory()  # what loading freed, kept by the allocator's thresholds otherwise
         self._ids = itertools.count()
+        self._lora_requests = LoraRequests()
 
     @property
     def tokenizer(self):
@@ -45,19 +49,34 @@ class LLM:
         prompts: str | list[int] | SequenceABC[str | list[int]],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         adapter: str | SequenceABC[str | None] | None = None,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion in one continuously batched engine; outputs in prompt order. `adapter`:
-        one LoRA adapter's name for every prompt, or one name (None: the base) per prompt."""
+        one loaded LoRA adapter's name for every prompt, or one name (None: the base) per prompt; or vLLM's
+        `lora_request`, one or one per prompt, whose adapter loads on first use."""
         prompts = _prompt_list(prompts)
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, SequenceABC) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        if lora_request is not None:
+            if adapter is not None:
+                raise ConfigError("lora_request", "give adapter names or LoRA requests, not both")
+            adapter = self._lora_adapters(lora_request, len(prompts))
         adapters = [adapter] * len(prompts) if adapter is None or isinstance(adapter, str) else list(adapter)
         if len(adapters) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters")
         return self._run([functools.partial(self.engine.add_request, prompt=prompt, params=p, adapter=name)
                           for prompt, p, name in zip(prompts, params_list, adapters)])
+
+    def _lora_adapters(self, lora_request: LoRARequest | SequenceABC[LoRARequest | None],
+                       count: int) -> list[str | None]:
+        """vLLM's lora_request: each adapter loaded (the same name and folder again: a no-op), its name per prompt."""
+        requests = [lora_request] * count if isinstance(lora_request, LoRARequest) else list(lora_request)
+        names = self._lora_requests.names(requests)
+        for request in dict.fromkeys(r for r in requests if r is not None):
+            self.engine.load_adapter(request.module)
+        return names
 
     def embed(self, prompts: str | list[int] | SequenceABC[str | list[int]],
               pooling_params: PoolingParams | None = None) -> list[RequestOutput]:

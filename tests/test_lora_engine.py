@@ -14,7 +14,9 @@ from lora_fixtures import (  # noqa: F401  (tiny: the shared module fixture)
     BLOCK, FOUR, MAX_NEW, AdapterSpec, assert_greedy_within, generate, greedy, hf_base, make_adapter, peft_greedy,
     references, start_modules, tiny, tiny_engine, with_adapter,
 )
+from pagedserve.engine import LLM, LoRARequest
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.kv_events import BlockStored
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.lora.config import LoraConfig, LoraModule
@@ -54,6 +56,26 @@ def test_four_adapters_and_the_base_in_the_same_steps_match_peft(tiny, monkeypat
     assert not unchanged, f"these adapters did not change the greedy output: {unchanged}"
     stats = engine.stats()
     assert stats.max_loras == 4 and stats.running_adapters == () and stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_vllms_offline_lora_request_loads_on_first_use_and_matches_peft(tiny):
+    """vLLM's script: LLM(model, enable_lora=True).generate(prompts, params, lora_request=LoRARequest(...)), one
+    request for all prompts or one per prompt (None: the base); an id reused for another adapter is refused."""
+    llm = LLM(str(tiny["path"]), dtype="float32", block_size=BLOCK, enable_lora=True, max_loras=4, max_lora_rank=16)
+    handles = {name: LoRARequest(name, i + 1, str(d)) for i, (name, d) in enumerate(tiny["dirs"].items())}
+    names, prompts = zip(*tiny["requests"])
+    outs = llm.generate(list(prompts), greedy(), lora_request=[None if n is None else handles[n] for n in names])
+    assert [list(o.outputs[0].token_ids) for o in outs] == tiny["expected"]
+    first = next(iter(handles))
+    [again] = llm.generate([prompts[names.index(first)]], greedy(), lora_request=handles[first])
+    assert list(again.outputs[0].token_ids) == tiny["expected"][names.index(first)]
+    assert {a.name for a in llm.adapters()} == set(handles)
+    with pytest.raises(ConfigError, match="lora_int_id: 1 already names"):
+        llm.generate([prompts[0]], greedy(), lora_request=LoRARequest("other", 1, str(tiny["dirs"][first])))
+    with pytest.raises(ConfigError, match="not both"):
+        llm.generate([prompts[0]], greedy(), adapter=first, lora_request=handles[first])
+    with pytest.raises(ConfigError, match="lora_int_id"):
+        LoRARequest("x", 0, "/p")
 
 
 def test_the_adapter_cap_holds_per_step_and_everyone_finishes(tiny, monkeypatch):
