@@ -24,7 +24,6 @@ from pagedserve.service.compilation_flags import add_compilation_flags, compilat
 from pagedserve.service.config import ServerConfig
 from pagedserve.service.engine_flags import GROUPED_FIELDS, add_engine_flags, parse_bytes
 from pagedserve.service.cors_flags import add_cors_flags, cors_config
-from pagedserve.service.core.request_policy import RequestPolicy, generation_defaults
 from pagedserve.service.lora_flags import lora_config
 from pagedserve.service.openai.openai_tools import ToolSettings
 from pagedserve.service.openai.tool_parsers.registry import TOOL_PARSERS
@@ -78,6 +77,14 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                         "generation_config.json, vLLM's default), vllm (none) or a folder holding one")
     g.add_argument("--max-logprobs", type=int, default=20, help="most logprobs / top_logprobs a request may ask "
                    "for (default 20, the engine's maximum)")
+    g.add_argument("--override-generation-config", type=_json_object, metavar="JSON",
+                   help='sampling defaults over the model\'s generation config, e.g. \'{"temperature": 0.5, '
+                        '"max_new_tokens": 256}\' (vLLM\'s; with --generation-config vllm: these alone)')
+    g.add_argument("--default-chat-template-kwargs", type=_json_object, metavar="JSON",
+                   help='chat template variables every chat request starts from, e.g. \'{"enable_thinking": false}\' '
+                        "(vLLM's; a request's chat_template_kwargs go over them)")
+    g.add_argument("--response-role", default="assistant",
+                   help="the role of a chat answer that adds a turn (vLLM's; default assistant)")
     g.add_argument("--enable-force-include-usage", action="store_true",
                    help="every OpenAI stream carries its usage on each chunk and ends with it, as if it set "
                         "stream_options.include_usage and continuous_usage_stats (vLLM's)")
@@ -141,6 +148,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         enable_auto_tool_choice=_tools(args).auto, tool_call_parser=args.tool_call_parser, api_key=args.api_key,
         generation_config=args.generation_config, max_logprobs=args.max_logprobs,
         force_include_usage=args.enable_force_include_usage, cors=cors_config(args),
+        override_generation_config=args.override_generation_config or {},
+        default_chat_template_kwargs=args.default_chat_template_kwargs or {}, response_role=args.response_role,
         observability=observability_config(args))
 
 
@@ -148,7 +157,7 @@ def check_start(engine_cfg: EngineConfig, server_cfg: ServerConfig, trust_remote
     """What can be refused before anything loads: a --generation-config folder without the file, a bad
     --max-logprobs, a model that needs its own code."""
     folder = model_folder(engine_cfg.model, engine_cfg.hub)  # a hub id not in the cache stops the start here
-    RequestPolicy(generation_defaults(server_cfg.generation_config, folder), server_cfg.max_logprobs)
+    server_cfg.request_policy(folder)
     auto_map = _auto_map(folder / "config.json") if folder is not None and (folder / "config.json").is_file() \
         else None
     if auto_map:
@@ -157,6 +166,16 @@ def check_start(engine_cfg: EngineConfig, server_cfg: ServerConfig, trust_remote
                           + (" (--trust-remote-code cannot change that)" if trust_remote_code else ""))
     if trust_remote_code:
         logging.getLogger(__name__).info("--trust-remote-code accepted: this model needs no code of its own")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def _auto_map(config: Path) -> dict | None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pagedserve.engine.errors import ConfigError
 from pagedserve.service.core.auth import ApiKey
+from pagedserve.service.core.request_policy import RequestPolicy, generation_defaults
 
 MIB = 1 << 20
 
@@ -111,6 +113,11 @@ class ServerConfig:
     max_logprobs: int = 20  # vLLM's --max-logprobs: most logprobs / top_logprobs a request may ask for
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage: streams carry usage on every chunk and end with it
     cors: CorsConfig = CorsConfig()  # the OpenAI HTTP API's CORS rule (vLLM's defaults: any origin, no credentials)
+    # vLLM's --override-generation-config (sampling defaults over the model's), --default-chat-template-kwargs and
+    # --response-role (service/core/request_policy.py)
+    override_generation_config: dict[str, Any] = field(default_factory=dict, hash=False)
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
+    response_role: str = "assistant"
     observability: ObservabilityConfig | None = None  # tracing, request and stats logs (None: the defaults)
 
     def __post_init__(self) -> None:
@@ -133,6 +140,12 @@ class ServerConfig:
         for name in ("drain_delay_s", "shutdown_grace_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
+
+    def request_policy(self, model_folder: Path | None) -> RequestPolicy:
+        """The OpenAI requests' defaults and limits; model_folder: where --generation-config auto looks."""
+        return RequestPolicy(generation_defaults(self.generation_config, model_folder, self.override_generation_config),
+                             self.max_logprobs, self.force_include_usage, self.default_chat_template_kwargs,
+                             self.response_role)
 
     @property
     def transport_receive_limit(self) -> int:

@@ -33,7 +33,6 @@ from pagedserve.service.core.standard_services import (
     HEALTH_SERVICE, REFLECTION_SERVICES, health_rpc_handler, reflection_rpc_handlers,
 )
 from pagedserve.service.core.auth import ApiKey, GrpcApiKeyInterceptor
-from pagedserve.service.core.request_policy import RequestPolicy, generation_defaults
 from pagedserve.service.core.telemetry import Telemetry
 from pagedserve.service.core.tracing import RequestTracer, TracingConfig
 from pagedserve.service.openai.http_server import HttpServer
@@ -174,8 +173,7 @@ def _http_server(serving: ServingContext, config: ServerConfig, folder: Path | N
     try:
         tools = ToolSettings(config.enable_auto_tool_choice, config.tool_call_parser)
         key = ApiKey(config.api_key) if config.api_key else None
-        policy = RequestPolicy(generation_defaults(config.generation_config, folder), config.max_logprobs,
-                               config.force_include_usage)
+        policy = config.request_policy(folder)
         return HttpServer(serving, config.host, config.http_port, config.max_message_bytes, config.tls, tools, key,
                           policy, config.cors)
     except OSError as exc:

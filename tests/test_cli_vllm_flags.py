@@ -36,15 +36,17 @@ gpu-memory-utilization: 0.9
 kv-cache-memory-bytes: 48MiB
 served-model-name: [SmolLM2-135M-Instruct, gpt-4o-mini]  # the reported name, then an alias requests may use
 """
+# The model's generation config says temperature 1.0; vLLM's override makes the defaults greedy.
 VLLM_LAUNCH_LINE = ("-pp", "1", "--data_parallel_size", "1", "--enable-prompt-tokens-details",
-                    "--enable-force-include-usage")
+                    "--enable-force-include-usage", "--override-generation-config", '{"temperature": 0.0}',
+                    "--response-role", "narrator", "--default-chat-template-kwargs", '{"enable_thinking": false}')
 
 
 @pytest.fixture(scope="module")
 def defaults_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("generation-config")
     (folder / "vllm.yaml").write_text(VLLM_CONFIG_FILE)
-    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 5,
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 1.0, "max_new_tokens": 5,
                                                                 "bos_token_id": 1}))
     server = start_server(folder / "server", "--http-port", "0", "--generation-config", str(folder),
                           "--max-logprobs", "2", "--config", str(folder / "vllm.yaml"), *VLLM_LAUNCH_LINE)
@@ -56,12 +58,18 @@ def test_generation_config_defaults_apply_where_the_request_is_silent(defaults_s
     messages = [{"role": "user", "content": "Tell me a long story about the sea."}]
     silent = [post(defaults_server.http_port, CHAT, {"messages": messages})[1] for _ in range(2)]
     assert all(r["usage"]["completion_tokens"] == 5 for r in silent), silent  # max_new_tokens
-    assert silent[0]["choices"][0]["message"] == silent[1]["choices"][0]["message"]  # temperature 0: greedy
+    assert silent[0]["choices"][0]["message"] == silent[1]["choices"][0]["message"]  # the override's greedy
+    assert silent[0]["choices"][0]["message"]["role"] == "narrator"  # --response-role: a new turn
     explicit = post(defaults_server.http_port, CHAT, {"messages": messages, "temperature": 0, "max_tokens": 5})[1]
     assert explicit["choices"][0]["message"] == silent[0]["choices"][0]["message"]
     longer = post(defaults_server.http_port, CHAT, {"messages": messages, "max_tokens": 9, "ignore_eos": True})[1]
     assert longer["usage"]["completion_tokens"] == 9  # the request's own value wins
-    assert "sampling defaults from" in defaults_server.log()
+    assert "sampling defaults with --override-generation-config: {'temperature': 0.0, 'max_tokens': 5}" \
+        in defaults_server.log()
+    continued = post(defaults_server.http_port, CHAT, {"messages": [*messages, {"role": "assistant", "content": "Once"}],
+                                                       "add_generation_prompt": False, "continue_final_message": True,
+                                                       "max_tokens": 2})[1]
+    assert continued["choices"][0]["message"]["role"] == "assistant"  # a continued turn keeps its own role
 
 
 def test_max_logprobs_bounds_requests(defaults_server):

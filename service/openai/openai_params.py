@@ -17,7 +17,7 @@ from pagedserve.engine.admission import CHAT_FIELD, TEXT_FIELD, TOKENS_FIELD
 from pagedserve.engine.errors import InvalidRequestError, field_map, renamed
 from pagedserve.engine.reasoning import ReasoningFormat
 from pagedserve.engine.requests import (
-    TRUNCATE_TO_CONTEXT, AdmittedRequest, GenerationRequest, Prompt, TextPrompt, TokensPrompt,
+    TRUNCATE_TO_CONTEXT, AdmittedRequest, ChatPrompt, GenerationRequest, Prompt, TextPrompt, TokensPrompt,
 )
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.service.core.request_policy import RequestPolicy
@@ -97,6 +97,7 @@ class OpenAIRequest:
     tools: ToolPlan = ToolPlan(None)  # tools rendered, forced, or read back from the text (openai_tools.py)
     adapter: str | None = None  # the LoRA adapter `model` named (None: the base)
     reasoning: ReasoningPlan | None = None  # chat with --reasoning-parser: the thought answered apart from content
+    role: str = "assistant"  # a chat answer's role: --response-role, or the last message's when it continues it
 
     @property
     def params(self) -> SamplingParams:
@@ -131,6 +132,8 @@ def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings
                            _CHAT_INTEGERS if chat else _COMPLETION_INTEGERS)
     check_known(body, CHAT_PARAMS if chat else COMPLETION_PARAMS)
     _refuse_unsupported(body, chat)
+    if chat:
+        body = policy.with_template_defaults(body)  # --default-chat-template-kwargs under the request's own
     names = _names(body, chat)
     requested, plan = _constraint(body, chat, tools)
     thoughts = reasoning_plan(body, chat, reasoning)
@@ -164,7 +167,13 @@ def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings
         chat=chat, model=_model(body), prompts=prompts, stream=stream, include_usage=include_usage,
         continuous_usage=forced or (include_usage and continuous),
         return_token_ids=_bool(body, "return_token_ids", False), echo=_bool(body, "echo", False), names=names,
-        constraint_param=requested.param if requested else None, tools=plan, adapter=adapter, reasoning=thoughts)
+        constraint_param=requested.param if requested else None, tools=plan, adapter=adapter, reasoning=thoughts,
+        role=_role(shapes[0][0], policy) if chat else "assistant")
+
+
+def _role(prompt: ChatPrompt, policy: RequestPolicy) -> str:
+    """vLLM's rule: a new turn is the server's --response-role; a continued one keeps the last message's role."""
+    return policy.response_role if prompt.options.add_generation_prompt else prompt.messages[-1].role
 
 
 def _constraint(body: dict[str, Any], chat: bool,

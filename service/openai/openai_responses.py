@@ -135,7 +135,7 @@ class ResponseBuilder:
 
     def _message(self, choice: _Choice, text: str) -> dict[str, Any]:
         """A whole chat message: the thought (with a reasoning parser), content and tool calls read from `text`."""
-        message: dict[str, Any] = {"role": "assistant"}
+        message: dict[str, Any] = {"role": self.request.role}
         if choice.thought is not None:
             reasoning, text = choice.thought.whole(text)
             message["reasoning"] = reasoning
@@ -161,7 +161,7 @@ class ResponseBuilder:
             if choice.finish_reason is not None:
                 continue
             if self.request.chat and not choice.started:
-                chunks.append(self._chunk(index, {"role": "assistant", "content": ""}, None, None))
+                chunks.append(self._chunk(index, {"role": self.request.role, "content": ""}, None, None))
             first = not choice.started
             choice.started = True
             new_logprobs = self._record(choice, completion)

@@ -13,6 +13,7 @@ from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.service.core.context import ServingContext
 from pagedserve.service.openai.http_exchange import read_json_body
 from pagedserve.service.openai.openai_errors import HttpError, error_reply
+from pagedserve.service.core.request_policy import RequestPolicy
 from pagedserve.service.openai.openai_messages import chat_prompt, flag
 from pagedserve.service.openai.openai_tools import rendered_tools
 
@@ -20,8 +21,9 @@ MAX_DETOKENIZE = 1 << 20  # token ids in one /detokenize body
 
 
 class TokenizeApi:
-    def __init__(self, serving: ServingContext, max_body_bytes: int):
-        self.serving, self.max_body_bytes = serving, max_body_bytes
+    def __init__(self, serving: ServingContext, max_body_bytes: int, policy: RequestPolicy = RequestPolicy()):
+        """policy: its default chat template variables render messages as chat requests render them."""
+        self.serving, self.max_body_bytes, self.policy = serving, max_body_bytes, policy
 
     async def tokenize(self, request: Request) -> Response:
         try:
@@ -64,7 +66,7 @@ class TokenizeApi:
     def _ids(self, body: dict[str, Any]) -> list[int]:
         tokenizer = self.serving.engine.tokenizer
         if "messages" in body:
-            prompt = chat_prompt(body, rendered_tools(body))
+            prompt = chat_prompt(self.policy.with_template_defaults(body), rendered_tools(body))
             return tokenizer.encode(tokenizer.render_chat(prompt.messages, prompt.options), prompt.add_special_tokens)
         text = body.get("prompt")
         if not isinstance(text, str):
