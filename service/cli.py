@@ -83,6 +83,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--default-chat-template-kwargs", type=_json_object, metavar="JSON",
                    help='chat template variables every chat request starts from, e.g. \'{"enable_thinking": false}\' '
                         "(vLLM's; a request's chat_template_kwargs go over them)")
+    g.add_argument("--root-path", help="the OpenAI API's path prefix behind a path-routing proxy (/llm): routes answer "
+                   "with and without it (vLLM's)")
     g.add_argument("--response-role", default="assistant",
                    help="the role of a chat answer that adds a turn (vLLM's; default assistant)")
     g.add_argument("--enable-force-include-usage", action="store_true",
@@ -150,6 +152,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         force_include_usage=args.enable_force_include_usage, cors=cors_config(args),
         override_generation_config=args.override_generation_config or {},
         default_chat_template_kwargs=args.default_chat_template_kwargs or {}, response_role=args.response_role,
+        root_path=args.root_path,
         observability=observability_config(args))
 
 

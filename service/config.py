@@ -118,11 +118,14 @@ class ServerConfig:
     override_generation_config: dict[str, Any] = field(default_factory=dict, hash=False)
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
     response_role: str = "assistant"
+    root_path: str | None = None  # vLLM's --root-path: the OpenAI API's prefix behind a path-routing proxy
     observability: ObservabilityConfig | None = None  # tracing, request and stats logs (None: the defaults)
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
             ApiKey(self.api_key)  # refuses an empty or padded key at start
+        if self.root_path is not None and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ConfigError("root_path", f"must start with / and not end with one (/llm), got {self.root_path!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError("port", f"must be in [0, 65535], got {self.port}")
         for name in ("metrics_port", "http_port"):

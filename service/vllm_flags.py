@@ -8,6 +8,8 @@ start unchanged where the value means what this server does anyway, and stop nam
 - --swap-space: accepted and unused, as vLLM's V1 engine leaves it (preemption recomputes; nothing is swapped);
 - --load-format: auto, safetensors or gguf, and it must match the model's files;
 - --code-revision, --hf-token: accepted and unused (no checkpoint code runs; nothing is downloaded);
+- --disable-fastapi-docs: there are no /docs pages here; --disable-frontend-multiprocessing: the HTTP front end
+  always runs in the server's process;
 - --enable-prompt-tokens-details: OpenAI usage always carries prompt_tokens_details.cached_tokens here;
 - --uvicorn-log-level: the HTTP server's loggers' level, apart from --log-level; --disable-uvicorn-access-log: it
   never writes access lines here (--enable-log-requests logs each request).
@@ -80,6 +82,10 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--code-revision", metavar="REV", help="accepted, unused: no checkpoint code ever runs here")
     g.add_argument("--hf-token", nargs="?", const=True, metavar="TOKEN",
                    help="accepted, unused: hub ids are read from the cache on disk, never downloaded")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="always: no /docs, /redoc or /openapi.json pages are served here")
+    g.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                   help="always: the OpenAI HTTP API runs in the server's own process")
     g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="the model's weight files: safetensors (an HF folder) or gguf; auto: whichever it holds")
 

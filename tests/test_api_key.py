@@ -2,7 +2,8 @@
 service need `Bearer KEY` (HTTP 401 / gRPC UNAUTHENTICATED otherwise, the request never reaching the engine);
 health checks and metrics stay open; the right key serves as usual, through the official clients. The same server
 keeps a CORS rule (vLLM's --allowed-origins, --allowed-headers, --allow-credentials): a browser's preflight needs no
-key, another origin is refused, and a 401 still carries the CORS headers so the page can read it."""
+key, another origin is refused, and a 401 still carries the CORS headers so the page can read it; and vLLM's
+--root-path: routes answer under the prefix and without it, health open under both."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ APP = "https://app.example"
 def keyed(tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("api-key"), MODEL, "--api-key", KEY, "--http-port", "0",
                           "--allowed-origins", f'["{APP}"]', "--allowed-headers", "authorization", "content-type",
-                          "--allow-credentials")
+                          "--allow-credentials", "--root-path", "/llm")
     yield server
     server.stop()
 
@@ -102,3 +103,13 @@ def test_cors_preflight_and_replies_follow_the_rule(keyed):
     assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == APP
     other = requests.get(f"{keyed.http_url}/health", timeout=30, headers={"Origin": "https://elsewhere.example"})
     assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
+
+
+def test_root_path_serves_with_and_without_the_prefix(keyed):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for prefix in ("/llm", ""):
+        models = requests.get(f"{keyed.http_url}{prefix}/v1/models", headers=auth, timeout=30)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL, prefix
+        assert requests.get(f"{keyed.http_url}{prefix}/health", timeout=30).status_code == 200, prefix
+        assert requests.get(f"{keyed.http_url}{prefix}/v1/models", timeout=30).status_code == 401, prefix
+    assert requests.get(f"{keyed.http_url}/llmx/v1/models", headers=auth, timeout=30).status_code == 404

@@ -95,6 +95,13 @@ def test_vllms_cors_flags_take_json_lists_or_plain_values():
     assert info.value.field == "allowed_headers"
 
 
+@pytest.mark.parametrize("root", ["llm", "/llm/", ""])
+def test_a_root_path_is_one_absolute_prefix(root):
+    with pytest.raises(ConfigError) as info:
+        server_config(parse("--root-path", root))
+    assert info.value.field == "root_path"
+
+
 def test_mesh_options_become_grpc_channel_args():
     config = server_config(parse("--max-connection-age", "300", "--keepalive-time", "30",
                                  "--max-message-bytes", "8MiB"))

@@ -17,7 +17,7 @@ class ApiKeyMiddleware:
         self.app, self.key = app, key
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in EXEMPT_PATHS or self._allowed(scope):
+        if scope["type"] != "http" or route_path(scope) in EXEMPT_PATHS or self._allowed(scope):
             await self.app(scope, receive, send)
             return
         body = json.dumps({"error": {"message": REFUSAL, "type": "invalid_request_error", "param": None,
@@ -30,3 +30,9 @@ class ApiKeyMiddleware:
     def _allowed(self, scope: dict[str, Any]) -> bool:
         headers = [value for name, value in scope["headers"] if name == b"authorization"]
         return len(headers) == 1 and self.key.allows(headers[0])
+
+
+def route_path(scope: dict[str, Any]) -> str:
+    """The path the routes match, as starlette's router reads it: --root-path's prefix taken off when present."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path
