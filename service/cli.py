@@ -85,6 +85,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                         "(vLLM's; a request's chat_template_kwargs go over them)")
     g.add_argument("--root-path", help="the OpenAI API's path prefix behind a path-routing proxy (/llm): routes answer "
                    "with and without it (vLLM's)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name each token \"token_id:42\" instead of its text, for tokens that are no whole "
+                        "UTF-8 text (vLLM's; a request's return_tokens_as_token_ids says otherwise)")
     g.add_argument("--response-role", default="assistant",
                    help="the role of a chat answer that adds a turn (vLLM's; default assistant)")
     g.add_argument("--enable-force-include-usage", action="store_true",
@@ -152,7 +155,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         force_include_usage=args.enable_force_include_usage, cors=cors_config(args),
         override_generation_config=args.override_generation_config or {},
         default_chat_template_kwargs=args.default_chat_template_kwargs or {}, response_role=args.response_role,
-        root_path=args.root_path,
+        root_path=args.root_path, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         observability=observability_config(args))
 
 

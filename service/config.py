@@ -118,6 +118,7 @@ class ServerConfig:
     override_generation_config: dict[str, Any] = field(default_factory=dict, hash=False)
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
     response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False  # vLLM's flag: logprobs' tokens as "token_id:42" by default
     root_path: str | None = None  # vLLM's --root-path: the OpenAI API's prefix behind a path-routing proxy
     observability: ObservabilityConfig | None = None  # tracing, request and stats logs (None: the defaults)
 
@@ -148,7 +149,7 @@ class ServerConfig:
         """The OpenAI requests' defaults and limits; model_folder: where --generation-config auto looks."""
         return RequestPolicy(generation_defaults(self.generation_config, model_folder, self.override_generation_config),
                              self.max_logprobs, self.force_include_usage, self.default_chat_template_kwargs,
-                             self.response_role)
+                             self.response_role, self.return_tokens_as_token_ids)
 
     @property
     def transport_receive_limit(self) -> int:

@@ -72,6 +72,23 @@ def test_streamed_completion_concatenates_to_the_whole_one(oai, offline):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
 
 
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(oai):
+    """vLLM's return_tokens_as_token_ids: every logprob token, chosen or top, is "token_id:N"; the text is as ever."""
+    answer = oai.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[0]), temperature=0, max_tokens=6,
+                                         logprobs=True, top_logprobs=2,
+                                         extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    ids = answer.choices[0].model_extra["token_ids"]
+    content = answer.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in ids] and answer.choices[0].message.content
+    assert all(top.token.startswith("token_id:") for c in content for top in c.top_logprobs)
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    completion = oai.completions.create(model=MODEL, prompt=PROMPTS[0], temperature=0, max_tokens=4, logprobs=1,
+                                        echo=True, extra_body={"return_tokens_as_token_ids": True})
+    tokens = completion.choices[0].logprobs.tokens
+    assert tokens and all(t.startswith("token_id:") for t in tokens)  # the echoed prompt's tokens too
+    assert completion.choices[0].text.startswith(PROMPTS[0])
+
+
 def test_cors_allows_any_origin_by_default(shared_server):  # noqa: F811 - vLLM's default rule
     import requests
 

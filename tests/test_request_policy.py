@@ -66,3 +66,12 @@ def test_the_flags_reach_the_policy():
             build_parser().parse_args(["serve", "--default-chat-template-kwargs", bad])
     with pytest.raises(ConfigError, match="response_role"):
         server_config(build_parser().parse_args(["serve", "--response-role", " "])).request_policy(None)
+
+
+def test_return_tokens_as_token_ids_defaults_to_the_servers_flag():
+    policy = RequestPolicy(return_tokens_as_token_ids=True)
+    assert parse({"prompt": "Hi"}, chat=False, policy=policy).tokens_as_ids
+    assert not parse({"prompt": "Hi", "return_tokens_as_token_ids": False}, chat=False, policy=policy).tokens_as_ids
+    assert not parse({"prompt": "Hi"}, chat=False).tokens_as_ids
+    args = build_parser().parse_args(["serve", "--return-tokens-as-token-ids"])
+    assert server_config(args).request_policy(None).return_tokens_as_token_ids

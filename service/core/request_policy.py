@@ -34,6 +34,8 @@ class RequestPolicy:
     # vLLM's --default-chat-template-kwargs: template variables a chat request's chat_template_kwargs go over
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
     response_role: str = "assistant"  # vLLM's --response-role: a chat answer's role, when it adds a new turn
+    # vLLM's --return-tokens-as-token-ids: logprobs name tokens "token_id:42" unless a request says otherwise
+    return_tokens_as_token_ids: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.chat_template_kwargs, dict):

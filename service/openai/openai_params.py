@@ -43,7 +43,6 @@ _REFUSED = {
     "use_beam_search": "beam search is not supported; sample n answers instead",
     "logits_processors": "is not supported: the server runs no code sent with a request",
     "prompt_embeds": "is not supported: prompts are text or token ids",
-    "return_tokens_as_token_ids": "is not supported; return_token_ids gives each choice's token ids",
     "kv_transfer_params": "is not supported: this server does no disaggregated prefill",
 }
 CHAT_PARAMS = _COMMON | {
@@ -98,6 +97,7 @@ class OpenAIRequest:
     adapter: str | None = None  # the LoRA adapter `model` named (None: the base)
     reasoning: ReasoningPlan | None = None  # chat with --reasoning-parser: the thought answered apart from content
     role: str = "assistant"  # a chat answer's role: --response-role, or the last message's when it continues it
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:42"
 
     @property
     def params(self) -> SamplingParams:
@@ -168,7 +168,8 @@ def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings
         continuous_usage=forced or (include_usage and continuous),
         return_token_ids=_bool(body, "return_token_ids", False), echo=_bool(body, "echo", False), names=names,
         constraint_param=requested.param if requested else None, tools=plan, adapter=adapter, reasoning=thoughts,
-        role=_role(shapes[0][0], policy) if chat else "assistant")
+        role=_role(shapes[0][0], policy) if chat else "assistant",
+        tokens_as_ids=_bool(body, "return_tokens_as_token_ids", policy.return_tokens_as_token_ids))
 
 
 def _role(prompt: ChatPrompt, policy: RequestPolicy) -> str:

@@ -59,12 +59,18 @@ class _Choice:
         return self.last.num_tokens if self.last is not None else 0
 
 
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
 class ResponseBuilder:
     """Per request: accumulates what the engine produced for each choice and renders it the OpenAI way."""
 
     def __init__(self, request: OpenAIRequest, admitted: tuple[AdmittedRequest, ...], response_id: str, model: str,
                  decode: Decode, decode_ids: DecodeIds | None = None):
         self.request, self.id, self.model, self.decode = request, response_id, model, decode
+        # a logprob's token: its text, or vLLM's return_tokens_as_token_ids form, "token_id:42"
+        self.token_text = _token_id_text if request.tokens_as_ids else decode
         self.echoed = [_echo_text(p, decode_ids) if request.echo else "" for p in request.prompts]
         self.created = int(time.time())
         self.object = "chat.completion" if request.chat else "text_completion"
@@ -109,7 +115,7 @@ class ResponseBuilder:
         scored = self.prompt_scores[prompt]
         if scored is None:
             return None, None
-        echo = EchoLogprobs.of(*scored, self.decode) if self.request.echo and not self.request.chat else None
+        echo = EchoLogprobs.of(*scored, self.token_text) if self.request.echo and not self.request.chat else None
         return vllm_prompt_logprobs(scored[1], self.decode), echo
 
     def _whole_choice(self, index: int, choice: _Choice, prompt_logprobs: list[dict[str, Any] | None] | None,
@@ -247,19 +253,19 @@ class ResponseBuilder:
     def _logprobs(self, choice: _Choice, entries: list[Any]) -> dict[str, Any]:
         if self.request.chat:
             return {"content": [self._chat_logprob(lp) for lp in entries]}
-        tokens = [self.decode(lp.token_id) for lp in entries]
+        tokens = [self.token_text(lp.token_id) for lp in entries]
         offsets = []
         for token in tokens:
             offsets.append(choice.text_offset)
             choice.text_offset += len(token)
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in entries],
-                "top_logprobs": [{self.decode(t): v for t, v in lp.top} for lp in entries], "text_offset": offsets}
+                "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in entries], "text_offset": offsets}
 
     def _chat_logprob(self, lp: Any) -> dict[str, Any]:
-        token = self.decode(lp.token_id)
+        token = self.token_text(lp.token_id)
         top = [self._token_logprob(t, v) for t, v in lp.top]
         return {**self._token_logprob(lp.token_id, lp.logprob, token), "top_logprobs": top}
 
     def _token_logprob(self, token_id: int, logprob: float, token: str | None = None) -> dict[str, Any]:
-        token = self.decode(token_id) if token is None else token
+        token = self.token_text(token_id) if token is None else token
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
