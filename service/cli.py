@@ -88,6 +88,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs name each token \"token_id:42\" instead of its text, for tokens that are no whole "
                         "UTF-8 text (vLLM's; a request's return_tokens_as_token_ids says otherwise)")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every OpenAI HTTP reply carries an x-request-id: the client's, or one made for it, which "
+                        "the request is then logged and traced under (vLLM's; without it only a client's is echoed)")
     g.add_argument("--response-role", default="assistant",
                    help="the role of a chat answer that adds a turn (vLLM's; default assistant)")
     g.add_argument("--enable-force-include-usage", action="store_true",
@@ -156,6 +159,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         override_generation_config=args.override_generation_config or {},
         default_chat_template_kwargs=args.default_chat_template_kwargs or {}, response_role=args.response_role,
         root_path=args.root_path, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        request_id_headers=args.enable_request_id_headers,
         observability=observability_config(args))
 
 

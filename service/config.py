@@ -120,6 +120,7 @@ class ServerConfig:
     response_role: str = "assistant"
     return_tokens_as_token_ids: bool = False  # vLLM's flag: logprobs' tokens as "token_id:42" by default
     root_path: str | None = None  # vLLM's --root-path: the OpenAI API's prefix behind a path-routing proxy
+    request_id_headers: bool = False  # vLLM's --enable-request-id-headers: every HTTP reply carries x-request-id
     observability: ObservabilityConfig | None = None  # tracing, request and stats logs (None: the defaults)
 
     def __post_init__(self) -> None:

@@ -175,7 +175,7 @@ def _http_server(serving: ServingContext, config: ServerConfig, folder: Path | N
         key = ApiKey(config.api_key) if config.api_key else None
         policy = config.request_policy(folder)
         return HttpServer(serving, config.host, config.http_port, config.max_message_bytes, config.tls, tools, key,
-                          policy, config.cors, config.root_path)
+                          policy, config.cors, config.root_path, config.request_id_headers)
     except OSError as exc:
         raise ConfigError("http_port", f"cannot listen on {config.host}:{config.http_port}: {exc}") from None
 

@@ -39,7 +39,8 @@ served-model-name: [SmolLM2-135M-Instruct, gpt-4o-mini]  # the reported name, th
 # The model's generation config says temperature 1.0; vLLM's override makes the defaults greedy.
 VLLM_LAUNCH_LINE = ("-pp", "1", "--data_parallel_size", "1", "--enable-prompt-tokens-details",
                     "--enable-force-include-usage", "--override-generation-config", '{"temperature": 0.0}',
-                    "--response-role", "narrator", "--default-chat-template-kwargs", '{"enable_thinking": false}')
+                    "--response-role", "narrator", "--default-chat-template-kwargs", '{"enable_thinking": false}',
+                    "--enable-request-id-headers")
 
 
 @pytest.fixture(scope="module")
@@ -165,3 +166,18 @@ def test_vllm_flags_that_ask_for_more_stop_the_start(args, message):
         except SystemExit as exited:  # argparse's refusals
             code = exited.code
     assert code == 2 and message in stderr.getvalue(), stderr.getvalue()
+
+
+def test_request_id_headers_on_every_reply(defaults_server):
+    """--enable-request-id-headers: a client's x-request-id is echoed, and a reply to a client without one still
+    carries one (made per request), on generation routes and the others alike."""
+    url = defaults_server.http_url
+    made = [requests.get(f"{url}/v1/models", timeout=30).headers["x-request-id"] for _ in range(2)]
+    assert all(re.fullmatch(r"[0-9a-f]{32}", m) for m in made) and made[0] != made[1]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    generated = requests.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert generated.status_code == 200 and re.fullmatch(r"[0-9a-f]{32}", generated.headers["x-request-id"])
+    echoed = requests.post(f"{url}/v1/chat/completions", json=body, headers={"x-request-id": "mine-1"}, timeout=120)
+    assert echoed.headers["x-request-id"] == "mine-1"
+    refused = requests.post(f"{url}/v1/chat/completions", json={"messages": []}, timeout=60)
+    assert refused.status_code == 400 and refused.headers["x-request-id"]

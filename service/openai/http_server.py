@@ -16,6 +16,7 @@ from pagedserve.service.core.context import ServingContext
 from pagedserve.service.core.auth import ApiKey
 from pagedserve.service.core.request_policy import RequestPolicy
 from pagedserve.service.openai.http_auth import ApiKeyMiddleware
+from pagedserve.service.openai.http_middleware import RequestIdHeaders, RootPath
 from pagedserve.service.openai.openai_api import OpenAIApi
 from pagedserve.service.openai.openai_tools import ToolSettings
 
@@ -26,16 +27,19 @@ _SHUTDOWN_S = 2  # after the drain: idle keep-alive connections get this long be
 class HttpServer:
     """tls: the gRPC port's certificates serve HTTPS too (a client CA makes it mutual TLS, as for gRPC); api_key:
     every route but /health needs it; cors: which other origins' pages may call it (vLLM's default: any);
-    root_path: vLLM's --root-path, the prefix a path-routing proxy serves this API under."""
+    root_path: vLLM's --root-path, the prefix a path-routing proxy serves this API under; request_id_headers:
+    vLLM's --enable-request-id-headers, every reply carries an x-request-id."""
 
     def __init__(self, serving: ServingContext, host: str, port: int, max_body_bytes: int,
                  tls: TlsConfig | None = None, tools: ToolSettings = ToolSettings(), api_key: ApiKey | None = None,
-                 policy: RequestPolicy = RequestPolicy(), cors: CorsConfig = CorsConfig(), root_path: str | None = None):
+                 policy: RequestPolicy = RequestPolicy(), cors: CorsConfig = CorsConfig(), root_path: str | None = None,
+                 request_id_headers: bool = False):
         self.socket = _bind(host, port)
         self.port = self.socket.getsockname()[1]
         app = OpenAIApi(serving, max_body_bytes, tools, policy).app()
         app = ApiKeyMiddleware(app, api_key) if api_key else app
         app = RootPath(app, root_path) if root_path else app
+        app = RequestIdHeaders(app) if request_id_headers else app
         # outermost, so a browser's preflight (OPTIONS, no key) is answered and a 401 still carries the CORS headers
         app = CORSMiddleware(app, allow_origins=list(cors.allowed_origins), allow_methods=list(cors.allowed_methods),
                              allow_headers=list(cors.allowed_headers), allow_credentials=cors.allow_credentials)
@@ -64,19 +68,6 @@ class HttpServer:
             log.exception("HTTP server did not stop cleanly")
         finally:
             self.socket.close()
-
-
-class RootPath:
-    """vLLM's --root-path (FastAPI's root_path): routes answer under the prefix (/llm/v1/models, from a proxy that
-    keeps it) and without it (from one that strips it)."""
-
-    def __init__(self, app: Any, root_path: str):
-        self.app, self.root_path = app, root_path
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            scope = {**scope, "root_path": self.root_path}
-        await self.app(scope, receive, send)
 
 
 def _tls_options(tls: TlsConfig | None) -> dict[str, Any]:
