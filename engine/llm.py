@@ -7,17 +7,21 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence as SequenceABC
+from typing import Any
 
+from pagedserve.engine.chat_messages import parse_messages
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.host.allocator import release_freed_memory
 from pagedserve.engine.host.tuning import tune_host
 from pagedserve.engine.llm_args import engine_fields
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.errors import ConfigError
+from pagedserve.engine.loading.chat_template import ChatOptions
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule
 from pagedserve.engine.lora.request import LoRARequest, LoraRequests
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.pooling import PoolingParams
+from pagedserve.engine.requests import ChatPrompt
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scoring import ScorePairs, check_token_limit
 
@@ -46,7 +50,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[int] | SequenceABC[str | list[int]],
+        prompts: str | list[int] | SequenceABC[str | list[int] | ChatPrompt],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         adapter: str | SequenceABC[str | None] | None = None,
         lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
@@ -68,6 +72,32 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters")
         return self._run([functools.partial(self.engine.add_request, prompt=prompt, params=p, adapter=name)
                           for prompt, p, name in zip(prompts, params_list, adapters)])
+
+    def chat(
+        self,
+        messages: SequenceABC[dict[str, Any]] | SequenceABC[SequenceABC[dict[str, Any]]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: SequenceABC[dict[str, Any]] | None = None,
+        documents: SequenceABC[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        adapter: str | SequenceABC[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (OpenAI-format messages) or a list of them, each rendered by the model's
+        chat template (or `chat_template`, jinja text) and generated as `generate` does; outputs in order."""
+        one = not messages or isinstance(messages[0], dict)  # empty: refused as an empty conversation
+        conversations = [messages] if one else list(messages)
+        options = ChatOptions(template=chat_template, add_generation_prompt=add_generation_prompt,
+                              continue_final_message=continue_final_message,
+                              tools=None if tools is None else tuple(tools),
+                              documents=None if documents is None else tuple(documents),
+                              kwargs=tuple((chat_template_kwargs or {}).items()))
+        prompts = [ChatPrompt(parse_messages(list(conversation)), options) for conversation in conversations]
+        return self.generate(prompts, sampling_params, adapter, lora_request)
 
     def _lora_adapters(self, lora_request: LoRARequest | SequenceABC[LoRARequest | None],
                        count: int) -> list[str | None]:

@@ -19,7 +19,9 @@ from pagedserve.engine.lora.manager import require
 from pagedserve.engine.lora.weights import LoraWeights
 from pagedserve.engine.outputs import EngineStats, ModelDescription, RequestOutput
 from pagedserve.engine.pooling import PoolingParams
-from pagedserve.engine.requests import AdmittedRequest, EmbeddingRequest, GenerationRequest, TextPrompt, TokensPrompt
+from pagedserve.engine.requests import (
+    AdmittedRequest, ChatPrompt, EmbeddingRequest, GenerationRequest, TextPrompt, TokensPrompt,
+)
 from pagedserve.engine.runner.launched_step import LaunchedStep
 from pagedserve.engine.sampling_params import SamplingParams
 
@@ -54,7 +56,7 @@ class LLMEngine:
                            "decode token reaches its stream one step later; it is meant for CUDA")
 
     # -- admission ------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt: str | list[int] | ChatPrompt, params: SamplingParams,
                     arrival_time: float | None = None, adapter: str | None = None,
                     cache_salt: str | None = None) -> None:
         """The offline front end's request: admitted here, then queued. Its id must not be running (the served
@@ -73,7 +75,7 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         self.submit(request_id, admitted, arrival_time)
 
-    def admit_prompt(self, prompt: str | list[int], params: SamplingParams, adapter: str | None = None,
+    def admit_prompt(self, prompt: str | list[int] | ChatPrompt, params: SamplingParams, adapter: str | None = None,
                      cache_salt: str | None = None) -> AdmittedRequest:
         """A text or token-id prompt with SamplingParams (and a LoRA adapter's name), checked once; errors name
         SamplingParams' fields."""
@@ -188,7 +190,9 @@ class LLMEngine:
                             self.num_aborted_requests, self.num_lookahead_steps)
 
 
-def _offline_prompt(prompt: str | list[int]) -> TextPrompt | TokensPrompt:
+def _offline_prompt(prompt: str | list[int] | ChatPrompt) -> TextPrompt | TokensPrompt | ChatPrompt:
+    if isinstance(prompt, ChatPrompt):
+        return prompt  # LLM.chat's: rendered by the chat template at admission
     return TextPrompt(prompt) if isinstance(prompt, str) else TokensPrompt(tuple(prompt))
 
 
