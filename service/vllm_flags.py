@@ -9,7 +9,9 @@ start unchanged where the value means what this server does anyway, and stop nam
 - --load-format: auto, safetensors or gguf, and it must match the model's files;
 - --code-revision, --hf-token: accepted and unused (no checkpoint code runs; nothing is downloaded);
 - --disable-fastapi-docs: there are no /docs pages here; --disable-frontend-multiprocessing: the HTTP front end
-  always runs in the server's process;
+  always runs in the server's process; --enable-server-load-tracking: /load always counts the requests in flight;
+- --api-server-count: 1 (one HTTP front end in the server's process); --chat-template-content-format: auto or
+  string (messages reach the template with text content; text parts joined), `openai` (parts as a list) is refused;
 - --enable-prompt-tokens-details: OpenAI usage always carries prompt_tokens_details.cached_tokens here;
 - --uvicorn-log-level: the HTTP server's loggers' level, apart from --log-level; --disable-uvicorn-access-log: it
   never writes access lines here (--enable-log-requests logs each request).
@@ -42,6 +44,13 @@ def _one_device(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"{size}: one device per server here; serve more replicas behind the router instead (docs/scale-out.md)")
     return size
+
+
+def _one_front_end(text: str) -> int:
+    if text.strip() != "1":
+        raise argparse.ArgumentTypeError(f"{text}: one HTTP front end per server; serve more replicas behind the "
+                                         "router instead (docs/scale-out.md)")
+    return 1
 
 
 def _swap_space(text: str) -> float:
@@ -86,6 +95,12 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                    help="always: no /docs, /redoc or /openapi.json pages are served here")
     g.add_argument("--disable-frontend-multiprocessing", action="store_true",
                    help="always: the OpenAI HTTP API runs in the server's own process")
+    g.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="always: GET /load answers {\"server_load\": requests in flight} (vLLM's)")
+    g.add_argument("--api-server-count", type=_one_front_end, default=1, help="1 only: one HTTP front end")
+    g.add_argument("--chat-template-content-format", choices=("auto", "string"), default="auto",
+                   help="messages reach the chat template with text content (parts joined), vLLM's `string`; "
+                        "`openai` (parts as a list) is not offered")
     g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="the model's weight files: safetensors (an HF folder) or gguf; auto: whichever it holds")
 

@@ -111,5 +111,6 @@ def test_root_path_serves_with_and_without_the_prefix(keyed):
         models = requests.get(f"{keyed.http_url}{prefix}/v1/models", headers=auth, timeout=30)
         assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL, prefix
         assert requests.get(f"{keyed.http_url}{prefix}/health", timeout=30).status_code == 200, prefix
+        assert requests.get(f"{keyed.http_url}{prefix}/load", timeout=30).json() == {"server_load": 0}, prefix
         assert requests.get(f"{keyed.http_url}{prefix}/v1/models", timeout=30).status_code == 401, prefix
     assert requests.get(f"{keyed.http_url}/llmx/v1/models", headers=auth, timeout=30).status_code == 404

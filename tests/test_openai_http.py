@@ -9,7 +9,7 @@ import urllib.request
 
 import openai
 import pytest
-from service_fixtures import metric_value, off_main_thread, settled_metric_value, shared_server  # noqa: F401 - fixtures by name
+from service_fixtures import metric_value, off_main_thread, settled_metric_value, shared_server, wait_until  # noqa: F401 - fixtures by name
 
 from pagedserve.client import Client, Message
 from pagedserve.engine import LLM, SamplingParams
@@ -87,6 +87,22 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(oai):
     tokens = completion.choices[0].logprobs.tokens
     assert tokens and all(t.startswith("token_id:") for t in tokens)  # the echoed prompt's tokens too
     assert completion.choices[0].text.startswith(PROMPTS[0])
+
+
+def test_load_counts_the_requests_in_flight(oai, shared_server):  # noqa: F811
+    """vLLM's /load: a stream open now counts; once it ends the count goes back to what it was."""
+    import requests
+
+    def load() -> int:
+        return requests.get(f"{shared_server.http_url}/load", timeout=30).json()["server_load"]
+
+    before = load()
+    stream = oai.completions.create(model=MODEL, prompt=PROMPTS[0], stream=True, temperature=0, max_tokens=64,
+                                    extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert load() == before + 1
+    list(stream)
+    wait_until(lambda: load() == before, 30, "the finished stream to leave /load")
 
 
 def test_cors_allows_any_origin_by_default(shared_server):  # noqa: F811 - vLLM's default rule

@@ -1,6 +1,6 @@
 """`--api-key` on the OpenAI HTTP API: an ASGI wrapper refusing requests without `Authorization: Bearer KEY` with
-OpenAI's 401 error JSON, before any route runs; /health and /metrics stay open for load balancers and scrapers
-(as on the separate metrics port)."""
+OpenAI's 401 error JSON, before any route runs; /health, /load and /metrics stay open for load balancers and
+scrapers (as on the separate metrics port)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from pagedserve.service.core.auth import REFUSAL, ApiKey
 
-EXEMPT_PATHS = frozenset({"/health", "/metrics"})
+EXEMPT_PATHS = frozenset({"/health", "/metrics", "/load"})
 
 
 class ApiKeyMiddleware:

@@ -60,6 +60,7 @@ class OpenAIApi:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/load", self.load, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/v1/load_lora_adapter", self.load_adapter, methods=["POST"]),
             Route("/v1/unload_lora_adapter", self.unload_adapter, methods=["POST"]),
@@ -146,6 +147,10 @@ class OpenAIApi:
     async def metrics(self, request: Request) -> Response:
         """The same registry as --metrics-port serves (one set of counts, whichever port a scraper reads)."""
         return Response(generate_latest(self.serving.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def load(self, request: Request) -> Response:
+        """vLLM's /load: the requests in flight now, over every front end (gRPC too), for load-aware routing."""
+        return JSONResponse({"server_load": self.serving.state.in_flight})
 
     async def health(self, request: Request) -> Response:
         """200 while serving; 503 while the model loads or the server drains (load balancers stop sending)."""
