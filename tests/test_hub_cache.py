@@ -115,6 +115,8 @@ def test_a_hub_id_tokenizer_at_its_own_revision(hub):
     source = resolve_model(str(main_model), tokenizer=REPO, hub=HubCache(str(cache)), tokenizer_revision="v2")
     assert source.tokenizer == cache / "models--acme--tiny-llama" / "snapshots" / V2
     assert source.weights == main_model
+    with pytest.raises(ModelLoadError, match=rf"tokenizer: {REPO} at revision 'v9' is neither"):
+        resolve_model(str(main_model), tokenizer=REPO, hub=HubCache(str(cache)), tokenizer_revision="v9")
 
 
 def test_names_and_config_checks(tmp_path):

@@ -49,7 +49,8 @@ def cached_model(name: str, hub: HubCache) -> Path:
     return _quant_file(cached_snapshot(gguf.group(1), hub), gguf.group(2), name)
 
 
-def cached_snapshot(repo_id: str, hub: HubCache) -> Path:
+def cached_snapshot(repo_id: str, hub: HubCache, field: str = "model") -> Path:
+    """The snapshot folder of `repo_id` at `hub.revision`; errors name `field` (model or tokenizer)."""
     from huggingface_hub import snapshot_download  # transformers' own dependency; imported only for hub ids
     from huggingface_hub import errors as hub_errors
 
@@ -61,7 +62,7 @@ def cached_snapshot(repo_id: str, hub: HubCache) -> Path:
         revision = f" at revision {hub.revision!r}" if hub.revision else ""
         # a snapshot whose cached file listing names missing files (an interrupted download); newer hubs only
         detail = f" ({exc})" if isinstance(exc, getattr(hub_errors, "IncompleteSnapshotError", ())) else ""
-        raise ModelLoadError(f"model: {repo_id}{revision} is neither a local path nor cached in {where}{detail}; "
+        raise ModelLoadError(f"{field}: {repo_id}{revision} is neither a local path nor cached in {where}{detail}; "
                              "hub ids are served from a cache downloaded beforehand (`hf download "
                              f"{repo_id}`), never fetched") from None
 

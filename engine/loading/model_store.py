@@ -82,7 +82,7 @@ def resolve_model(model: str | None, tokenizer: str | None = None, hub: HubCache
     HF folder (config.json + *.safetensors), or a hub id cached under `hub` (at its revision). `tokenizer` (a
     folder, or a cached hub id at `tokenizer_revision`) replaces the model's own tokenizer."""
     if tokenizer is not None and is_hub_id(tokenizer):
-        tokenizer = str(cached_snapshot(tokenizer, HubCache(hub.cache_dir, tokenizer_revision)))
+        tokenizer = str(cached_snapshot(tokenizer, HubCache(hub.cache_dir, tokenizer_revision), "tokenizer"))
     if model is None or model in EMBEDDED_MODELS:
         name = model or DEFAULT_MODEL_NAME
         return _source(EMBEDDED_MODELS[name](), name, tokenizer)
