@@ -27,6 +27,7 @@ from pagedserve.service.cors_flags import add_cors_flags, cors_config
 from pagedserve.service.lora_flags import lora_config
 from pagedserve.service.openai.openai_tools import ToolSettings
 from pagedserve.service.openai.tool_parsers.registry import TOOL_PARSERS
+from pagedserve.service.openai_flags import add_openai_flags, openai_fields
 from pagedserve.service.observability_flags import add_observability_flags, observability_config
 from pagedserve.service.spec_flags import speculative_config
 from pagedserve.service.structured_flags import add_structured_outputs_flag, structured_outputs_fields
@@ -41,6 +42,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=d.port, help=f"gRPC port, 0 = any free one (default {d.port})")
     add_tls_flags(g)
     add_cors_flags(g)
+    add_openai_flags(g)
     g.add_argument("--max-message-bytes", type=parse_bytes, default=d.max_message_bytes,
                    help="largest request accepted (larger: INVALID_ARGUMENT)")
     g.add_argument("--max-send-message-bytes", type=parse_bytes, default=d.max_send_message_bytes)
@@ -72,30 +74,6 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     g.add_argument("--api-key", help="clients must send `Authorization: Bearer KEY` (HTTP) or `authorization: "
                    "Bearer KEY` metadata (gRPC); health checks are exempt (default: no key)")
-    g.add_argument("--generation-config", default="auto",
-                   help="sampling defaults for OpenAI requests that leave them out: auto (the model folder's "
-                        "generation_config.json, vLLM's default), vllm (none) or a folder holding one")
-    g.add_argument("--max-logprobs", type=int, default=20, help="most logprobs / top_logprobs a request may ask "
-                   "for (default 20, the engine's maximum)")
-    g.add_argument("--override-generation-config", type=_json_object, metavar="JSON",
-                   help='sampling defaults over the model\'s generation config, e.g. \'{"temperature": 0.5, '
-                        '"max_new_tokens": 256}\' (vLLM\'s; with --generation-config vllm: these alone)')
-    g.add_argument("--default-chat-template-kwargs", type=_json_object, metavar="JSON",
-                   help='chat template variables every chat request starts from, e.g. \'{"enable_thinking": false}\' '
-                        "(vLLM's; a request's chat_template_kwargs go over them)")
-    g.add_argument("--root-path", help="the OpenAI API's path prefix behind a path-routing proxy (/llm): routes answer "
-                   "with and without it (vLLM's)")
-    g.add_argument("--return-tokens-as-token-ids", action="store_true",
-                   help="logprobs name each token \"token_id:42\" instead of its text, for tokens that are no whole "
-                        "UTF-8 text (vLLM's; a request's return_tokens_as_token_ids says otherwise)")
-    g.add_argument("--enable-request-id-headers", action="store_true",
-                   help="every OpenAI HTTP reply carries an x-request-id: the client's, or one made for it, which "
-                        "the request is then logged and traced under (vLLM's; without it only a client's is echoed)")
-    g.add_argument("--response-role", default="assistant",
-                   help="the role of a chat answer that adds a turn (vLLM's; default assistant)")
-    g.add_argument("--enable-force-include-usage", action="store_true",
-                   help="every OpenAI stream carries its usage on each chunk and ends with it, as if it set "
-                        "stream_options.include_usage and continuous_usage_stats (vLLM's)")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM's command lines; this server never runs a checkpoint's own code, and "
                         "refuses models that need it (config.json auto_map)")
@@ -154,13 +132,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         served_model_aliases=tuple(aliases),
         vllm_engine_service=args.vllm_engine_service, ready_file=args.ready_file, http_port=args.http_port,
         enable_auto_tool_choice=_tools(args).auto, tool_call_parser=args.tool_call_parser, api_key=args.api_key,
-        generation_config=args.generation_config, max_logprobs=args.max_logprobs,
-        force_include_usage=args.enable_force_include_usage, cors=cors_config(args),
-        override_generation_config=args.override_generation_config or {},
-        default_chat_template_kwargs=args.default_chat_template_kwargs or {}, response_role=args.response_role,
-        root_path=args.root_path, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-        request_id_headers=args.enable_request_id_headers,
-        observability=observability_config(args))
+        cors=cors_config(args), observability=observability_config(args), **openai_fields(args))
 
 
 def check_start(engine_cfg: EngineConfig, server_cfg: ServerConfig, trust_remote_code: bool) -> None:
@@ -176,16 +148,6 @@ def check_start(engine_cfg: EngineConfig, server_cfg: ServerConfig, trust_remote
                           + (" (--trust-remote-code cannot change that)" if trust_remote_code else ""))
     if trust_remote_code:
         logging.getLogger(__name__).info("--trust-remote-code accepted: this model needs no code of its own")
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({exc})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
 
 
 def _auto_map(config: Path) -> dict | None:
