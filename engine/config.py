@@ -21,6 +21,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
+FIT_KV_CACHE = -1  # max_model_len: vLLM's -1 / "auto", the model's limit or what the KV cache holds if that is less
 MAX_CUDA_GRAPH_SIZE = 512  # vLLM's largest default capture size
 GGUF_WEIGHTS = ("auto", "packed", "dequantized")  # engine/loading/model_loader.py's packed_gguf_types reads them
 # vLLM's tokenizer modes that mean HF's fast tokenizer, the only one this engine loads (slow, mistral and custom
@@ -70,7 +71,7 @@ class EngineConfig:
     # vLLM's --long-prefill-token-threshold: a sequence computes at most this many tokens in one step, so a long
     # prompt's chunks share steps with the prompts behind it (engine/core/scheduler.py). 0: no cap but the budget
     long_prefill_token_threshold: int = 0
-    max_model_len: int | None = None  # None: the model's own limit
+    max_model_len: int | None = None  # None: the model's own limit; FIT_KV_CACHE: no more than the KV cache holds
     enable_prefix_caching: bool = True
     quantization: str | None = None  # None: whatever the checkpoint says
     # GGUF files: "packed" keeps the file's 4/5/6/8-bit blocks and multiplies from them (CPU); "dequantized" expands
@@ -176,8 +177,9 @@ class EngineConfig:
                 raise ConfigError("pooler_config", "applies to the pooling runner (--runner pooling), not generate")
         if self.runner == "pooling" and self.speculative is not None:
             raise ConfigError("speculative", "an embedding model (--runner pooling) generates nothing to speculate on")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
+        if self.max_model_len is not None and self.max_model_len != FIT_KV_CACHE and self.max_model_len < 2:
+            raise ConfigError("max_model_len", f"must be >= 2 (or -1: what the KV cache holds), got "
+                                               f"{self.max_model_len}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed < 2**63):
             raise ConfigError("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")

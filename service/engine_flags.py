@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from pagedserve.engine.build import backend_choices
-from pagedserve.engine.config import EngineConfig, field_choices
+from pagedserve.engine.config import FIT_KV_CACHE, EngineConfig, field_choices
 from pagedserve.engine.errors import ConfigError
 from pagedserve.service.lora_flags import add_lora_flags
 from pagedserve.service.spec_flags import add_speculative_flags
@@ -46,7 +46,8 @@ _ENGINE_HELP = {
     "block_size": "tokens per KV block",
     "max_num_seqs": "sequences decoded together in one step",
     "max_num_batched_tokens": "tokens processed per engine step (prefill chunks included)",
-    "max_model_len": "context length limit (default: the model's)",
+    "max_model_len": "context length limit: 4096, 32k, 128Ki; auto or -1: the model's limit, or what the KV cache "
+                     "holds when that is less (default: the model's)",
     "long_prefill_token_threshold": "tokens one sequence computes per step at most, so a long prompt's chunks share "
                                     "steps with the prompts queued behind it (vLLM's; 0: only the step budget caps "
                                     "it)",
@@ -97,6 +98,8 @@ _ENGINE_HELP = {
                         "larger ones run eagerly); one value N: 1 2 4 and the multiples of 8 up to N; several: those "
                         "sizes (default: max-num-seqs rounded up to a multiple of 8, at most 512; no effect on CPU)",
 }
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
@@ -117,10 +120,36 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def human_int(text: str) -> int:
+    """vLLM's token counts: 4096, 32k / 25.6k (decimal, as k M G T and m g t), 32Ki (binary, Ki Mi Gi Ti; also a
+    bare K, vLLM's older spelling)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?)?\s*", text)
+    if not match or (match.group(2) or "").endswith("i") and match.group(2)[0] in "kmgt":
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (examples: 4096, 32k, 128Ki)")
+    number, suffix = match.group(1), match.group(2) or ""
+    if suffix.endswith("i") or suffix == "K":
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"{text!r}: a binary suffix takes a whole number")
+        return int(number) * _BINARY[suffix[0].upper()]
+    if "." in number and not suffix:
+        raise argparse.ArgumentTypeError(f"not a whole number of tokens: {text!r}")
+    return int(float(number) * _DECIMAL[suffix.lower()]) if suffix else int(number)
+
+
+def context_length(text: str) -> int:
+    """--max-model-len: a token count, or vLLM's -1 / auto (the model's limit, or what the KV cache holds)."""
+    return FIT_KV_CACHE if text.strip() in ("-1", "auto") else human_int(text)
+
+
+_TOKEN_COUNTS = {"max_model_len": context_length, "max_num_batched_tokens": human_int}
+
+
 def _flag_type(field: dataclasses.Field) -> type | None:
     annotation = str(field.type)
     if field.name.endswith("_memory"):
         return parse_bytes
+    if field.name in _TOKEN_COUNTS:
+        return _TOKEN_COUNTS[field.name]
     for name, kind in (("bool", None), ("int", int), ("float", float), ("str", str)):
         if annotation.startswith(name):
             return kind

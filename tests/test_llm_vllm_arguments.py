@@ -11,7 +11,7 @@ import transformers
 from conftest import hf_greedy, make_tiny_model
 
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.errors import ConfigError
+from pagedserve.engine.errors import ConfigError, InvalidRequestError
 from pagedserve.engine.llm_args import engine_fields
 from pagedserve.engine.lora.config import LoraConfig
 
@@ -69,3 +69,16 @@ def test_more_than_one_device_is_refused_naming_the_argument(name):
 def test_an_unknown_argument_is_refused_before_anything_loads():
     with pytest.raises(ConfigError, match="no_such_argument: is not an argument of LLM"):
         LLM(None, no_such_argument=1)
+
+
+def test_max_model_len_auto_is_what_the_kv_cache_holds(tmp_path):
+    """vLLM's -1 ("auto"): the model's limit (512 here) or, when less, the tokens the KV cache holds; a prompt past
+    it is refused naming the limit, as with an explicit max_model_len."""
+    path = make_tiny_model(tmp_path)
+    block_bytes = 2 * 2 * 2 * 16 * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 16, 16 tokens, fp32
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=6 * block_bytes, max_model_len=-1)
+    assert llm.engine.max_model_len == 6 * 16
+    roomy = LLM(str(path), dtype="float32", kv_cache_memory=64 * block_bytes, max_model_len=-1)
+    assert roomy.engine.max_model_len == 512  # the model's own limit
+    with pytest.raises(InvalidRequestError, match="96"):
+        llm.generate([[5] * 100], SamplingParams(max_tokens=1))

@@ -102,6 +102,20 @@ def test_a_root_path_is_one_absolute_prefix(root):
     assert info.value.field == "root_path"
 
 
+@pytest.mark.parametrize(("text", "tokens"), [("4096", 4096), ("32k", 32000), ("25.6k", 25600), ("1K", 1024),
+                                             ("128Ki", 131072), ("1M", 10**6), ("1Mi", 2**20), ("auto", -1), ("-1", -1)])
+def test_token_counts_read_as_vllms(text, tokens):
+    assert engine_config(parse("--max-model-len", text)).max_model_len == tokens
+    if tokens > 0:
+        assert engine_config(parse("--max-num-batched-tokens", text)).max_num_batched_tokens == tokens
+
+
+@pytest.mark.parametrize("text", ["1.5K", "1.5", "lots", "1ki", "-2"])
+def test_a_token_count_that_is_none_stops_the_parse(text):
+    with pytest.raises(SystemExit):
+        parse("--max-model-len", text)
+
+
 def test_mesh_options_become_grpc_channel_args():
     config = server_config(parse("--max-connection-age", "300", "--keepalive-time", "30",
                                  "--max-message-bytes", "8MiB"))

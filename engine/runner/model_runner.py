@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from pagedserve.engine.config import MAX_CUDA_GRAPH_SIZE, EngineConfig
+from pagedserve.engine.config import FIT_KV_CACHE, MAX_CUDA_GRAPH_SIZE, EngineConfig
 from pagedserve.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from pagedserve.engine.core.sequence import Sequence
 from pagedserve.engine.core.step_output import StepOutput
@@ -47,7 +47,8 @@ class ModelRunner:
         self.device = device
         args = self.model.args
         self.vocab_size = args.vocab_size
-        self.max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        given = None if config.max_model_len == FIT_KV_CACHE else config.max_model_len
+        self.max_model_len = min(given or args.max_position_embeddings, args.max_position_embeddings)
         # One attention plan per step for each distinct sliding window (None: full attention).
         self.windows = tuple(dict.fromkeys(args.layer_windows))
         rotary = getattr(self.model, "rotary", None)  # LongRoPE's switch length (None: one table), for the engine
@@ -63,6 +64,10 @@ class ModelRunner:
 
         num_blocks = self.kv_spec.num_blocks_for(kv_cache_bytes(config, device, profile))
         self.kv_cache = KVCache(self.kv_spec, num_blocks, device)
+        if config.max_model_len == FIT_KV_CACHE and None in self.windows:  # a windowed model outgrows its cache
+            self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
+            logger.info("max_model_len auto: %d tokens (the model's limit, or what the KV cache holds)",
+                        self.max_model_len)
         # FP8 caches get checkpoint k/v scales, or a wrapper that calibrates them on the first prefill.
         self.attn_impl = setup_kv_scales(self.kv_cache, loaded.kv_scale_tensors, attn_impl)
         self.native_step = build_native_step(
