@@ -16,13 +16,14 @@ _HOMES = {
     "TextPrompt": "requests", "TokensPrompt": "requests", "AsyncEngine": "async_engine",
     "EngineConfig": "config", "LLM": "llm", "LLMEngine": "llm_engine", "CompletionOutput": "outputs",
     "EngineStats": "outputs", "RequestMetrics": "outputs", "RequestOutput": "outputs",
-    "SamplingParams": "sampling_params", "LoRARequest": "lora.request",
+    "SamplingParams": "sampling_params", "LoRARequest": "lora.request", "StructuredOutputsParams": "constraint",
 }
 __all__ = list(_HOMES)
 
 if TYPE_CHECKING:
     from pagedserve.engine.async_engine import AsyncEngine
     from pagedserve.engine.config import EngineConfig
+    from pagedserve.engine.constraint import StructuredOutputsParams
     from pagedserve.engine.llm import LLM
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.engine.lora.request import LoRARequest

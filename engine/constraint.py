@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.engine.errors import InvalidRequestError
 
@@ -105,3 +106,51 @@ def from_oneof(message: object, kind_name: str) -> OutputConstraint:
     if kind is ConstraintKind.JSON_OBJECT:
         return OutputConstraint(kind)
     return OutputConstraint(kind, getattr(message, kind_name))
+
+
+# vLLM's StructuredOutputsParams keys -> the engine's kind (its offline class below; the OpenAI `structured_outputs`)
+STRUCTURED_KINDS = {"json": ConstraintKind.JSON_SCHEMA, "regex": ConstraintKind.REGEX, "choice": ConstraintKind.CHOICE,
+                    "grammar": ConstraintKind.GRAMMAR, "json_object": ConstraintKind.JSON_OBJECT,
+                    "structural_tag": ConstraintKind.STRUCTURAL_TAG}
+
+
+def constraint_of(kind: ConstraintKind, value: Any) -> OutputConstraint:
+    """kind's constraint from a JSON value: a schema or structural tag as an object or JSON text, choices as a list,
+    json_object from any value; errors name `constraint.<kind>`."""
+    field = f"{FIELD}.{kind.value}"
+    if kind is ConstraintKind.CHOICE:
+        if not isinstance(value, (list, tuple)):
+            raise InvalidRequestError(field, f"must be a list of strings, got {type(value).__name__}")
+        return OutputConstraint(kind, choices=tuple(value))
+    if kind is ConstraintKind.JSON_OBJECT:
+        return OutputConstraint(kind)
+    if kind in (ConstraintKind.JSON_SCHEMA, ConstraintKind.STRUCTURAL_TAG) and not isinstance(value, str):
+        value = json.dumps(value)
+    if not isinstance(value, str):
+        raise InvalidRequestError(field, f"must be a string, got {type(value).__name__}")
+    return OutputConstraint(kind, value)
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """vLLM's offline spelling, `SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))`: exactly
+    one of its members set; `SamplingParams` turns it into its `constraint`."""
+
+    json: Any = None  # a JSON Schema, as a dict or JSON text
+    regex: str | None = None
+    choice: Any = None  # a list of strings
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+    def constraint(self) -> OutputConstraint:
+        set_ = [key for key in STRUCTURED_KINDS if getattr(self, key) not in (None, False)]
+        if len(set_) != 1:
+            raise InvalidRequestError("structured_outputs", f"set exactly one of {', '.join(STRUCTURED_KINDS)}, got "
+                                                            f"{', '.join(set_) or 'none'}")
+        key = set_[0]
+        try:
+            return constraint_of(STRUCTURED_KINDS[key], getattr(self, key))
+        except InvalidRequestError as exc:
+            index = exc.field[exc.field.find("["):] if "[" in exc.field else ""
+            raise InvalidRequestError(f"structured_outputs.{key}{index}", exc.message) from None

@@ -6,7 +6,7 @@ import copy
 import math
 from dataclasses import dataclass, field
 
-from pagedserve.engine.constraint import OutputConstraint
+from pagedserve.engine.constraint import OutputConstraint, StructuredOutputsParams
 from pagedserve.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
@@ -61,6 +61,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (vLLM's prompt_logprobs)
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
     constraint: OutputConstraint | None = None  # structured output (engine/constraint.py); compiled at admission
+    # vLLM's offline spelling of the same: becomes `constraint` (compare=False: the constraint says it all)
+    structured_outputs: StructuredOutputsParams | None = field(default=None, compare=False, hash=False)
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (vLLM's allowed_token_ids)
     # vLLM's bad_words: strings never generated; the admission tokenizes them into bad_words_ids (with and without a
     # leading space, as vLLM does): a word's last token is banned while the output ends with the tokens before it.
@@ -106,6 +108,15 @@ class SamplingParams:
         if not isinstance(self.skip_special_tokens, bool):
             raise InvalidRequestError("skip_special_tokens", f"must be true or false, got {self.skip_special_tokens!r}")
 
+    def _take_structured_outputs(self) -> None:
+        if not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequestError("structured_outputs", f"must be a StructuredOutputsParams, got "
+                                                            f"{type(self.structured_outputs).__name__}")
+        constraint = self.structured_outputs.constraint()
+        if self.constraint is not None and self.constraint != constraint:
+            raise InvalidRequestError("structured_outputs", "set either it or constraint, not both")
+        object.__setattr__(self, "constraint", constraint)
+
     def _validate_sampling(self) -> None:
         _integer("n", self.n, 1)
         if self.n > MAX_N:
@@ -139,6 +150,8 @@ class SamplingParams:
                 _integer("logit_bias", token, 0)
                 _finite("logit_bias", bias)
                 _within("logit_bias", bias, LOGIT_BIAS_RANGE)
+        if self.structured_outputs is not None:
+            self._take_structured_outputs()
         if self.constraint is not None and not isinstance(self.constraint, OutputConstraint):
             raise InvalidRequestError("constraint", f"must be an OutputConstraint, got {type(self.constraint).__name__}")
         if self.thinking_token_budget is not None:

@@ -12,7 +12,7 @@ import re
 import jsonschema
 import pytest
 
-from pagedserve.engine import SamplingParams
+from pagedserve.engine import SamplingParams, StructuredOutputsParams
 from pagedserve.engine.constraint import ConstraintKind, OutputConstraint, json_object, json_schema
 from pagedserve.engine.errors import InvalidRequestError
 from structured_fixtures import SCHEMAS, assert_no_blocks_held, choice, regex
@@ -57,6 +57,29 @@ def test_choice_outputs_are_one_of_the_choices(llm_fp32):
     texts = [c.text for out in outs for c in out.outputs]
     assert len(texts) == 5 and all(t in options for t in texts), texts
     assert all(c.finish_reason == "stop" for out in outs for c in out.outputs)
+
+
+def test_vllms_offline_structured_outputs_params_constrain_alike(llm_fp32):
+    """vLLM's SamplingParams(structured_outputs=StructuredOutputsParams(...)): the same outputs as the engine's own
+    constraint; exactly one member set, and errors name structured_outputs.<member>."""
+    schema = SCHEMAS[next(iter(SCHEMAS))]
+    vllms = [StructuredOutputsParams(json=schema), StructuredOutputsParams(json=json.dumps(schema)),
+             StructuredOutputsParams(choice=["yes", "no"]), StructuredOutputsParams(regex=r"\d{3}")]
+    ours = [json_schema(schema), json_schema(schema), choice("yes", "no"), regex(r"\d{3}")]
+    params = [SamplingParams(temperature=0, max_tokens=200, structured_outputs=v) for v in vllms]
+    assert [p.constraint for p in params] == ours
+    expected = llm_fp32.generate([PROMPT] * 4, [SamplingParams(temperature=0, max_tokens=200, constraint=c) for c in ours])
+    got = llm_fp32.generate([PROMPT] * 4, params)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in expected]
+    for bad, field in ((StructuredOutputsParams(), "structured_outputs"),
+                       (StructuredOutputsParams(regex="a", json_object=True), "structured_outputs"),
+                       (StructuredOutputsParams(choice=["a", ""]), "structured_outputs.choice[1]"),
+                       (StructuredOutputsParams(json="{not json"), "structured_outputs.json")):
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(structured_outputs=bad)
+        assert info.value.field == field
+    with pytest.raises(InvalidRequestError, match="either"):
+        SamplingParams(structured_outputs=vllms[2], constraint=ours[0])
 
 
 def test_json_object_parses_to_a_dict(llm_fp32):

@@ -9,21 +9,17 @@ library rejects, a regex it cannot compile) is checked by OutputConstraint and t
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine.constraint import FIELD as CONSTRAINT_FIELD
-from pagedserve.engine.constraint import ConstraintKind, OutputConstraint
+from pagedserve.engine.constraint import STRUCTURED_KINDS, ConstraintKind, OutputConstraint, constraint_of
 from pagedserve.engine.errors import InvalidRequestError
 
 GUIDED_PARAMS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 STRUCTURED_PARAMS = ("response_format", "structured_outputs", *GUIDED_PARAMS)
 
-# vLLM's StructuredOutputsParams keys -> the engine's kind.
-_STRUCTURED_KINDS = {"json": ConstraintKind.JSON_SCHEMA, "regex": ConstraintKind.REGEX,
-                     "choice": ConstraintKind.CHOICE, "grammar": ConstraintKind.GRAMMAR,
-                     "json_object": ConstraintKind.JSON_OBJECT, "structural_tag": ConstraintKind.STRUCTURAL_TAG}
+_STRUCTURED_KINDS = STRUCTURED_KINDS  # vLLM's StructuredOutputsParams keys -> the engine's kind
 _GUIDED_KINDS = {"guided_json": ConstraintKind.JSON_SCHEMA, "guided_regex": ConstraintKind.REGEX,
                  "guided_choice": ConstraintKind.CHOICE, "guided_grammar": ConstraintKind.GRAMMAR}
 
@@ -54,18 +50,7 @@ def requested_constraint(body: dict[str, Any]) -> RequestedConstraint | None:
 def build(kind: ConstraintKind, value: Any, param: str) -> RequestedConstraint:
     """kind's constraint from a JSON value (schemas may come as objects or as JSON text); errors name param."""
     try:
-        if kind is ConstraintKind.CHOICE:
-            if not isinstance(value, list):
-                raise InvalidRequestError(param, f"must be a list of strings, got {type(value).__name__}")
-            constraint = OutputConstraint(kind, choices=tuple(value))
-        elif kind is ConstraintKind.JSON_OBJECT:
-            constraint = OutputConstraint(kind)
-        else:
-            if kind in (ConstraintKind.JSON_SCHEMA, ConstraintKind.STRUCTURAL_TAG) and not isinstance(value, str):
-                value = json.dumps(value)
-            if not isinstance(value, str):
-                raise InvalidRequestError(param, f"must be a string, got {type(value).__name__}")
-            constraint = OutputConstraint(kind, value)
+        constraint = constraint_of(kind, value)
     except InvalidRequestError as exc:
         raise InvalidRequestError(rename(exc.field, param), exc.message) from None
     return RequestedConstraint(constraint, param)
