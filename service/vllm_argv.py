@@ -3,10 +3,11 @@
 - option names with underscores: `--max_model_len 512` is `--max-model-len 512` (vLLM's FlexibleArgumentParser);
 - a JSON flag's keys one by one: `--compilation-config.cudagraph_mode=NONE`, `-O.cudagraph_capture_sizes [1,2]`,
   `--speculative-config.num_speculative_tokens 3` (a dotted path nests; `key+ a,b` is a list of strings; values are
-  JSON where they parse, text otherwise). They gather into one JSON object per flag, over that flag's own JSON when
-  the command line gives both; `-O3` is `-O.mode=3`, vLLM's optimization level;
+  JSON where they parse, text otherwise). They gather into one JSON object per flag with that flag's own JSON, a
+  later key or object over an earlier one; `-O3` is `-O.mode=3`, vLLM's optimization level;
 - `--config FILE`: a YAML mapping of long option names (dashes or underscores) to values, e.g. a Kubernetes
-  ConfigMap. Its entries go before the command line's own, so the command line wins, as vLLM orders them (command
+  ConfigMap (a JSON flag's key may be one entry too: `compilation-config.cudagraph_mode: NONE`). Its entries go
+  before the command line's own, so the command line wins, as vLLM orders them (command
   line > config file > defaults); a model given on the command line replaces the file's `model`. A flag that takes
   no value is `true` (or `false`: left out, or `--no-...` where the flag has that form); a list is a flag's several
   values; a mapping is its JSON (`speculative-config: {method: ngram, ...}`). A key this server has no flag for,
@@ -45,25 +46,25 @@ def vllm_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """`argv` with dashed option names, dotted JSON keys gathered into their flags' JSON and, for `serve --config
     FILE`, the file's flags in front of its own."""
     argv = [dashed(token) for token in argv]
-    if argv and argv[0] == "serve":
-        argv = gather_dotted(argv, _canonical(_subparser(parser, "serve")))
     if not argv or argv[0] != "serve":
         return argv
+    serve = _subparser(parser, "serve")
+    canonical = _canonical(serve)
     path = _config_path(argv)
     if path is None:
-        return argv
-    given = parser.parse_args(argv)  # the command line alone: its own mistakes are reported as without a file
+        return gather_dotted(argv, canonical)
+    # the command line alone first: its own mistakes are reported as without a file
+    given = parser.parse_args(gather_dotted(argv, canonical))
     model_given = given.model_tag is not None or given.model is not None
-    serve = _subparser(parser, "serve")
-    return ["serve", *config_tokens(serve, _load(path), skip_model=model_given, source=path), *argv[1:]]
+    file_tokens = config_tokens(serve, _load(path), skip_model=model_given, source=path)
+    return gather_dotted(["serve", *file_tokens, *argv[1:]], canonical)  # the file's dotted keys, then the line's
 
 
 def gather_dotted(argv: list[str], canonical: Callable[[str], str] = str) -> list[str]:
-    """Each `--flag.key value` / `--flag.key=value` folded into one `--flag JSON` where the flag is first named
-    (its own JSON object, when the command line gives one too, underneath the dotted keys). `canonical` names a
-    flag's aliases alike (`-O` is `--compilation-config`)."""
-    items: list[str | tuple[str]] = []  # tokens, and (flag,) where a dotted key of `flag` stood
-    gathered: dict[str, dict] = {}
+    """Each `--flag.key value` / `--flag.key=value` folded into one `--flag JSON` where the flag is first named,
+    with the flag's own JSON objects, in order: a later key or object goes over an earlier one (so a command line's
+    over its --config file's). `canonical` names a flag's aliases alike (`-O` is `--compilation-config`)."""
+    items: list[str | tuple[str, list[str], object, str]] = []  # tokens, and (flag, key path, value, token)
     i = 0
     while i < len(argv):
         token, i = argv[i], i + 1
@@ -79,31 +80,32 @@ def gather_dotted(argv: list[str], canonical: Callable[[str], str] = str) -> lis
             if i == len(argv):
                 raise ConfigError("argv", f"{token}: expects a value")
             text, i = argv[i], i + 1
-        flag = canonical(flag)
-        _set_path(gathered.setdefault(flag, {}), path.split("."), text.split(",") if append else _json_or_text(text),
-                  token)
-        items.append((flag,))
-    return _fold(items, gathered, canonical) if gathered else argv
+        items.append((canonical(flag), path.split("."), text.split(",") if append else _json_or_text(text), token))
+    dotted = {item[0] for item in items if isinstance(item, tuple)}
+    return _fold(items, dotted, canonical) if dotted else argv
 
 
-def _fold(items: list[str | tuple[str]], gathered: dict[str, dict], canonical: Callable[[str], str]) -> list[str]:
+def _fold(items: list, dotted: set[str], canonical: Callable[[str], str]) -> list[str]:
     out: list[str] = []
-    own: dict[str, dict] = {}
-    slots: dict[str, int] = {}  # where each flag's merged JSON goes in `out`
+    objects: dict[str, dict] = {}
+    slots: dict[str, int] = {}  # where each flag's JSON goes in `out`
     items_left = iter(items)
     for item in items_left:
         flag = item[0] if isinstance(item, tuple) else canonical(item.partition("=")[0])
-        if flag not in gathered:
+        if flag not in dotted:
             out.append(item)
             continue
-        if not isinstance(item, tuple):  # the flag's own JSON: `--flag JSON` or `--flag=JSON`
+        merged = objects.setdefault(flag, {})
+        if isinstance(item, tuple):
+            _set_path(merged, item[1], item[2], item[3])
+        else:  # the flag's own JSON: `--flag JSON` or `--flag=JSON`
             text = item.partition("=")[2] if "=" in item else next(items_left, None)
-            own[flag] = _json_object(flag, text)
+            objects[flag] = _merged(merged, _json_object(flag, text))
         if flag not in slots:
             slots[flag] = len(out) + 1
             out += [flag, ""]
     for flag, slot in slots.items():
-        out[slot] = json.dumps(_merged(own.get(flag, {}), gathered[flag]))
+        out[slot] = json.dumps(objects[flag])
     return out
 
 
@@ -174,12 +176,13 @@ def config_tokens(serve: argparse.ArgumentParser, entries: dict, skip_model: boo
     tokens: list[str] = []
     for key, value in entries.items():
         flag = dashed(f"--{key}") if isinstance(key, str) else None
-        action = options.get(flag) if flag not in (CONFIG_FLAG, "--help") else None
-        if action is None:
+        base, dot, path = flag.partition(".") if flag else (None, "", "")
+        action = options.get(base) if base not in (CONFIG_FLAG, "--help") else None
+        if action is None or dot and not path:
             raise ConfigError("config", f"{source}: {key!r} is not a flag of `pagedserve serve`")
         if flag == "--model" and skip_model:
             continue
-        tokens += _flag_tokens(flag, action, value, source)
+        tokens += [flag, _text(value)] if dot else _flag_tokens(flag, action, value, source)  # a JSON flag's key
     return tokens
 
 

@@ -74,6 +74,20 @@ def test_dotted_keys_go_over_the_flags_own_json_and_o3_is_a_level():
         ["serve", "--gpu-memory-utilization", "0.9", "-O", '{"mode": 3}']  # nothing dotted: as it was
 
 
+def test_a_config_files_dotted_keys_and_the_command_lines_go_together(tmp_path: Path):
+    """A file entry may be one key of a JSON flag; the command line's keys and objects go over the file's."""
+    (tmp_path / "config.yaml").write_text("compilation-config.cudagraph_capture_sizes: [1, 2, 4]\n"
+                                          "compilation_config.cudagraph_mode: NONE\n"
+                                          "speculative-config: {method: ngram, num_speculative_tokens: 2}\n")
+    _, engine, _ = _parse(["serve", "--config", str(tmp_path / "config.yaml"), "-O.cudagraph_mode=FULL_DECODE_ONLY",
+                           "--speculative-config.num_speculative_tokens", "4"])
+    assert engine.cuda_graph_sizes == (1, 2, 4) and engine.enforce_eager is False  # the line's mode over the file's
+    assert engine.speculative.num_speculative_tokens == 4 and engine.speculative.method == "ngram"
+    (tmp_path / "bad.yaml").write_text("max-model-len.x: 1\n")
+    with pytest.raises(SystemExit):  # not a JSON flag: argparse names it
+        _parse(["serve", "--config", str(tmp_path / "bad.yaml")])
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["serve", "--speculative-config.method"], "expects a value"),
     (["serve", "-O", "3", "-O.cudagraph_mode=NONE", "-O.mode.x=1"], "mode already holds a value"),
