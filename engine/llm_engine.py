@@ -81,7 +81,8 @@ class LLMEngine:
         SamplingParams' fields."""
         with renamed(_offline_field):
             return self.admission.admit(GenerationRequest(_offline_prompt(prompt), params, adapter=adapter,
-                                                          cache_salt=cache_salt))
+                                                          cache_salt=cache_salt,
+                                                          truncate_prompt_tokens=params.truncate_prompt_tokens))
 
     def submit(self, request_id: str, request: AdmittedRequest, arrival_time: float | None = None) -> None:
         """Queues an admitted request as it is (no check is repeated: its id is new, see add_request)."""

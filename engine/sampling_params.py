@@ -75,6 +75,9 @@ class SamplingParams:
     # vLLM's thinking_token_budget: a reasoning model's open thought takes at most this many tokens, then its end
     # marker is forced (engine/thought_budget.py); needs an engine with a reasoning parser. None: no limit
     thinking_token_budget: int | None = None
+    # vLLM's offline SamplingParams(truncate_prompt_tokens=N): keep the prompt's last N tokens (-1: as many as fit);
+    # the served front ends carry theirs on the GenerationRequest, and the admission checks either
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._normalise_sequences()

@@ -1,4 +1,4 @@
-"""vLLM's offline LLM.chat: OpenAI-format conversations rendered by the model's chat template give the same tokens as
+"""vLLM's offline LLM.chat (and SamplingParams.truncate_prompt_tokens): OpenAI-format conversations rendered by the model's chat template give the same tokens as
 generate on transformers' apply_chat_template of them; a list of conversations answers in order; a continued final
 message, a template given as text and template variables reach the template; bad messages name the field."""
 
@@ -53,3 +53,15 @@ def test_bad_messages_name_the_field(llm_fp32, messages, field):
         llm_fp32.chat(messages, GREEDY)
     assert info.value.field == field
     assert not llm_fp32.engine.has_unfinished_requests()
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm_fp32, hf_reference):
+    """vLLM's offline SamplingParams(truncate_prompt_tokens=N): the prompt's last N tokens, as if sent alone."""
+    _, tokenizer = hf_reference
+    ids = tokenizer("The quick brown fox jumps over the lazy dog and runs far away").input_ids
+    cut = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=6, truncate_prompt_tokens=5))
+    alone = llm_fp32.generate([ids[-5:]], SamplingParams(temperature=0, max_tokens=6))
+    assert _tokens(cut) == _tokens(alone) and len(cut[0].prompt_token_ids) == 5
+    with pytest.raises(InvalidRequestError) as info:
+        llm_fp32.generate([ids], SamplingParams(truncate_prompt_tokens=0))
+    assert info.value.field == "truncate_prompt_tokens"
