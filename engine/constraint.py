@@ -114,6 +114,23 @@ STRUCTURED_KINDS = {"json": ConstraintKind.JSON_SCHEMA, "regex": ConstraintKind.
                     "structural_tag": ConstraintKind.STRUCTURAL_TAG}
 
 
+def field_under(field: str, param: str) -> str:
+    """An error's field as the client named the constraint: `constraint.<kind>[i]` -> param[i]; others unchanged."""
+    if field != FIELD and not field.startswith(FIELD + "."):
+        return field
+    rest = field[len(FIELD):].lstrip(".")
+    cut = rest.find("[")
+    return param + (rest[cut:] if cut >= 0 else "")
+
+
+def constraint_named(kind: ConstraintKind, value: Any, param: str) -> OutputConstraint:
+    """constraint_of, its errors naming `param` (the path the client set it under)."""
+    try:
+        return constraint_of(kind, value)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(field_under(exc.field, param), exc.message) from None
+
+
 def constraint_of(kind: ConstraintKind, value: Any) -> OutputConstraint:
     """kind's constraint from a JSON value: a schema or structural tag as an object or JSON text, choices as a list,
     json_object from any value; errors name `constraint.<kind>`."""
@@ -143,14 +160,15 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     structural_tag: str | None = None
 
-    def constraint(self) -> OutputConstraint:
-        set_ = [key for key in STRUCTURED_KINDS if getattr(self, key) not in (None, False)]
+    @property
+    def member(self) -> str:
+        """The one member set (None and False are unset); errors name structured_outputs."""
+        set_ = [key for key in STRUCTURED_KINDS if getattr(self, key) is not None and getattr(self, key) is not False]
         if len(set_) != 1:
             raise InvalidRequestError("structured_outputs", f"set exactly one of {', '.join(STRUCTURED_KINDS)}, got "
                                                             f"{', '.join(set_) or 'none'}")
-        key = set_[0]
-        try:
-            return constraint_of(STRUCTURED_KINDS[key], getattr(self, key))
-        except InvalidRequestError as exc:
-            index = exc.field[exc.field.find("["):] if "[" in exc.field else ""
-            raise InvalidRequestError(f"structured_outputs.{key}{index}", exc.message) from None
+        return set_[0]
+
+    def constraint(self) -> OutputConstraint:
+        key = self.member
+        return constraint_named(STRUCTURED_KINDS[key], getattr(self, key), f"structured_outputs.{key}")

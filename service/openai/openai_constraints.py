@@ -12,14 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.engine.constraint import FIELD as CONSTRAINT_FIELD
-from pagedserve.engine.constraint import STRUCTURED_KINDS, ConstraintKind, OutputConstraint, constraint_of
+from pagedserve.engine.constraint import (
+    STRUCTURED_KINDS, ConstraintKind, OutputConstraint, StructuredOutputsParams, constraint_named,
+)
 from pagedserve.engine.errors import InvalidRequestError
 
 GUIDED_PARAMS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 STRUCTURED_PARAMS = ("response_format", "structured_outputs", *GUIDED_PARAMS)
 
-_STRUCTURED_KINDS = STRUCTURED_KINDS  # vLLM's StructuredOutputsParams keys -> the engine's kind
 _GUIDED_KINDS = {"guided_json": ConstraintKind.JSON_SCHEMA, "guided_regex": ConstraintKind.REGEX,
                  "guided_choice": ConstraintKind.CHOICE, "guided_grammar": ConstraintKind.GRAMMAR}
 
@@ -49,20 +49,7 @@ def requested_constraint(body: dict[str, Any]) -> RequestedConstraint | None:
 
 def build(kind: ConstraintKind, value: Any, param: str) -> RequestedConstraint:
     """kind's constraint from a JSON value (schemas may come as objects or as JSON text); errors name param."""
-    try:
-        constraint = constraint_of(kind, value)
-    except InvalidRequestError as exc:
-        raise InvalidRequestError(rename(exc.field, param), exc.message) from None
-    return RequestedConstraint(constraint, param)
-
-
-def rename(field: str, param: str) -> str:
-    """`constraint.<kind>[i]` -> param[i]; other fields unchanged."""
-    if field != CONSTRAINT_FIELD and not field.startswith(CONSTRAINT_FIELD + "."):
-        return field
-    rest = field[len(CONSTRAINT_FIELD):].lstrip(".")
-    cut = rest.find("[")
-    return param + (rest[cut:] if cut >= 0 else "")
+    return RequestedConstraint(constraint_named(kind, value, param), param)
 
 
 def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -98,16 +85,13 @@ def _from_response_format(body: dict[str, Any], name: str) -> RequestedConstrain
 def _from_structured_outputs(body: dict[str, Any], name: str) -> RequestedConstraint:
     spec = body[name]
     if not isinstance(spec, dict):
-        raise InvalidRequestError(name, "must be an object with one of " + ", ".join(_STRUCTURED_KINDS))
-    unknown = sorted(set(spec) - set(_STRUCTURED_KINDS))
+        raise InvalidRequestError(name, "must be an object with one of " + ", ".join(STRUCTURED_KINDS))
+    unknown = sorted(set(spec) - set(STRUCTURED_KINDS))
     if unknown:
         raise InvalidRequestError(f"{name}.{unknown[0]}", "is not supported; set one of "
-                                  + ", ".join(_STRUCTURED_KINDS))
-    kinds = [k for k, v in spec.items() if v is not None and v is not False]
-    if len(kinds) != 1:
-        raise InvalidRequestError(name, f"set exactly one of {', '.join(_STRUCTURED_KINDS)}, got {kinds or 'none'}")
-    key = kinds[0]
-    return build(_STRUCTURED_KINDS[key], spec[key], f"{name}.{key}")
+                                  + ", ".join(STRUCTURED_KINDS))
+    params = StructuredOutputsParams(**spec)  # vLLM's offline class: the one member set, its errors named alike
+    return RequestedConstraint(params.constraint(), f"{name}.{params.member}")
 
 
 def _from_guided(body: dict[str, Any], name: str) -> RequestedConstraint:

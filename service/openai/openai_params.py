@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine.admission import CHAT_FIELD, TEXT_FIELD, TOKENS_FIELD
+from pagedserve.engine.constraint import field_under
 from pagedserve.engine.errors import InvalidRequestError, field_map, renamed
 from pagedserve.engine.reasoning import ReasoningFormat
 from pagedserve.engine.requests import (
@@ -22,7 +23,6 @@ from pagedserve.engine.requests import (
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.service.core.request_policy import RequestPolicy
 from pagedserve.service.openai.openai_constraints import STRUCTURED_PARAMS, RequestedConstraint, requested_constraint
-from pagedserve.service.openai.openai_constraints import rename as rename_constraint
 from pagedserve.service.openai.openai_messages import chat_shape, flag
 from pagedserve.service.openai.openai_reasoning import ReasoningPlan, reasoning_plan
 from pagedserve.service.openai.openai_tools import ToolPlan, ToolSettings, tool_plan
@@ -106,7 +106,7 @@ class OpenAIRequest:
 
     def param(self, engine_field: str) -> str:
         if self.constraint_param is not None:
-            renamed_field = rename_constraint(engine_field, self.constraint_param)
+            renamed_field = field_under(engine_field, self.constraint_param)
             if renamed_field != engine_field:
                 return renamed_field
         return self.names.get(engine_field, engine_field)
