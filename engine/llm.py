@@ -11,11 +11,11 @@ from typing import Any
 
 from pagedserve.engine.chat_messages import parse_messages
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.host.allocator import release_freed_memory
 from pagedserve.engine.host.tuning import tune_host
 from pagedserve.engine.llm_args import engine_fields
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.errors import ConfigError
 from pagedserve.engine.loading.chat_template import ChatOptions
 from pagedserve.engine.lora.config import AdapterInfo, LoraModule
 from pagedserve.engine.lora.request import LoRARequest, LoraRequests

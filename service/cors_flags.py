@@ -38,7 +38,7 @@ def add_cors_flags(group: argparse._ArgumentGroup) -> None:
 def cors_config(args: argparse.Namespace) -> CorsConfig:
     lists = {}
     for flag, _ in _LISTS:
-        given = getattr(args, flag[2:].replace("-", "_"))
-        if given is not None:
-            lists[flag[2:].replace("-", "_")] = tuple(value for word in given for value in word)
+        field = flag[2:].replace("-", "_")  # the argparse dest is also CorsConfig's field
+        if getattr(args, field) is not None:
+            lists[field] = tuple(value for word in getattr(args, field) for value in word)
     return CorsConfig(**lists, allow_credentials=args.allow_credentials)

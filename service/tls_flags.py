@@ -16,7 +16,7 @@ from pagedserve.service.config import TlsConfig
 
 logger = logging.getLogger(__name__)
 
-_CERT_REQS = {int(ssl.CERT_NONE): "none", int(ssl.CERT_OPTIONAL): "optional", int(ssl.CERT_REQUIRED): "required"}
+_CERT_REQS = (int(ssl.CERT_NONE), int(ssl.CERT_OPTIONAL), int(ssl.CERT_REQUIRED))
 
 
 def _cert_reqs(text: str) -> int:

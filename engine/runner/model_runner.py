@@ -64,7 +64,8 @@ class ModelRunner:
 
         num_blocks = self.kv_spec.num_blocks_for(kv_cache_bytes(config, device, profile))
         self.kv_cache = KVCache(self.kv_spec, num_blocks, device)
-        if config.max_model_len == FIT_KV_CACHE and None in self.windows:  # a windowed model outgrows its cache
+        # A model whose every layer slides keeps only its window's blocks, so the cache does not bound its length
+        if config.max_model_len == FIT_KV_CACHE and self.kv_window is None:
             self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
             logger.info("max_model_len auto: %d tokens (the model's limit, or what the KV cache holds)",
                         self.max_model_len)
