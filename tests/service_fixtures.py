@@ -133,11 +133,14 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
 @pytest.fixture(scope="session")
 def pooling_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """One embedding server (`--runner pooling`, gRPC and HTTP) for the suites that only call it: the embedding
-    service's tests and the pooling fuzz suite. 64-token steps, so longer inputs prefill in chunks."""
-    server = start_server(tmp_path_factory.mktemp("pooling-server"), "--runner", "pooling", "--http-port", "0",
-                          "--max-num-batched-tokens", "64")
-    yield server
-    server.stop()
+    service's tests and the pooling fuzz suite. 64-token steps, so longer inputs prefill in chunks. A process-wide
+    singleton as `shared_server` is: each module importing the fixture holds its own session-scoped copy of it, and
+    those copies must not each start a server (both suites on one worker started two)."""
+    if "pooling" not in _SHARED:
+        _SHARED["pooling"] = start_server(tmp_path_factory.mktemp("pooling-server"), "--runner", "pooling",
+                                          "--http-port", "0", "--max-num-batched-tokens", "64")
+    yield _SHARED["pooling"]
+    _SHARED["pooling"].stop()
 
 
 @pytest.fixture

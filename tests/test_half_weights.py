@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -37,35 +38,66 @@ _ENGINE = """
 import json, sys, torch
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.quant.linear import QuantLinear
-llm = LLM(sys.argv[1], kv_cache_memory=1 << 24, lm_head_quantization="none")
-e = llm.engine
-mats = {str(m.weight.dtype) for m in e.runner.model.modules()
-        if isinstance(m, QuantLinear) and getattr(m, "weight", None) is not None}
 params = SamplingParams(max_tokens=int(sys.argv[3]), temperature=0.0, ignore_eos=True)
 prompts = json.loads(sys.argv[2])
-outs = llm.generate(prompts[:2], params) + llm.generate(prompts[2:], params)
-print(json.dumps({"compute": str(e.loaded.dtype), "weights": str(e.loaded.weight_dtype), "matrices": sorted(mats),
-                  "table": str(e.runner.model.model.embed_tokens.weight.dtype),
-                  "native": e.runner.native_step is not None, "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+for path in json.loads(sys.argv[1]):
+    llm = LLM(path, kv_cache_memory=1 << 24, lm_head_quantization="none")
+    e = llm.engine
+    mats = {str(m.weight.dtype) for m in e.runner.model.modules()
+            if isinstance(m, QuantLinear) and getattr(m, "weight", None) is not None}
+    outs = llm.generate(prompts[:2], params) + llm.generate(prompts[2:], params)
+    print(json.dumps({"path": path, "compute": str(e.loaded.dtype), "weights": str(e.loaded.weight_dtype),
+                      "matrices": sorted(mats), "table": str(e.runner.model.model.embed_tokens.weight.dtype),
+                      "native": e.runner.native_step is not None,
+                      "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+    del llm, e
 """
 
 
-def _half_checkpoint(tmp_path: Path, dtype: torch.dtype, tied: bool) -> Path:
-    path = make_tiny_model(tmp_path, initializer_range=0.1, tie_word_embeddings=tied)
+def _half_checkpoint(folder: Path, dtype: torch.dtype, tied: bool) -> Path:
+    path = make_tiny_model(folder, initializer_range=0.1, tie_word_embeddings=tied)
     transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).save_pretrained(path)
     return path
 
 
-def _engine_run(path: Path, tier: str) -> dict:
+def _engine_runs(paths: list[Path], tier: str) -> dict[Path, dict]:
+    """One process per tier (the kernels are built once per process) loads and runs every checkpoint in turn."""
     env = {**os.environ, isa.ENV_VAR: tier}
-    out = subprocess.run([sys.executable, "-P", "-c", _ENGINE, str(path), json.dumps(PROMPTS), str(MAX_TOKENS)],
-                         env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run([sys.executable, "-P", "-c", _ENGINE, json.dumps([str(p) for p in paths]),
+                          json.dumps(PROMPTS), str(MAX_TOKENS)], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    runs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"path"')]
+    return {Path(run.pop("path")): run for run in runs}
 
 
-def _check(path: Path, tier: str, dtype: torch.dtype, hf=None) -> None:
-    got = _engine_run(path, tier)
+@dataclass(frozen=True)
+class Checkpoints:
+    """The avx2 tier's checkpoints, written once and run in one engine process (`runs`, by path); `quant_reference`
+    holds the dequantized state transformers runs for each GPTQ/AWQ folder, on `plain`'s weights."""
+
+    plain: Path
+    half: dict[str, Path]
+    quant_reference: dict[str, dict[str, torch.Tensor]]
+    runs: dict[Path, dict]
+
+
+@pytest.fixture(scope="module")
+def avx2_checkpoints(tmp_path_factory) -> Checkpoints:
+    if "avx2" not in isa.available_tiers():
+        pytest.skip("this CPU has no avx2 tier")
+    root = tmp_path_factory.mktemp("half-avx2")
+    half = {"bf16": _half_checkpoint(root / "bf16", torch.bfloat16, tied=False),
+            "fp16": _half_checkpoint(root / "fp16", torch.float16, tied=False),
+            "bf16-tied": _half_checkpoint(root / "bf16-tied", torch.bfloat16, tied=True)}
+    kinds = ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+             "blk.1.ffn_down")
+    half["bf16-gguf"] = write_tiny_llama(root / "tiny-bf16.gguf", types={k: GGMLQuantizationType.BF16 for k in kinds})
+    quant = {method: write_group_quant(half["bf16"], root / method, method) for method in ("gptq", "awq")}
+    runs = _engine_runs([*half.values(), *(root / method for method in quant)], "avx2")
+    return Checkpoints(half["bf16"], half, quant, runs)
+
+
+def _check(got: dict, path: Path, tier: str, dtype: torch.dtype, hf=None) -> None:
     forced = None if tier == isa.NATIVE else isa.tier(tier)
     if tier_bf16_flags(forced):  # this tier multiplies bf16 natively: bf16 throughout (test_cpu_features.py)
         assert (got["compute"], got["weights"]) == ("torch.bfloat16", "None")
@@ -78,42 +110,40 @@ def _check(path: Path, tier: str, dtype: torch.dtype, hf=None) -> None:
 
 
 @pytest.mark.parametrize("tier", cpu_tiers.params(cpu_tiers.ALL))
-def test_bf16_checkpoint_computes_fp32_over_bf16_weights_on_every_tier(tmp_path, tier):
-    _check(_half_checkpoint(tmp_path, torch.bfloat16, tied=False), tier, torch.bfloat16)
+def test_bf16_checkpoint_computes_fp32_over_bf16_weights_on_every_tier(tmp_path, tier, request):
+    if tier == "avx2":  # run with the tier's other checkpoints
+        checkpoints = request.getfixturevalue("avx2_checkpoints")
+        path, got = checkpoints.plain, checkpoints.runs[checkpoints.plain]
+    else:
+        path = _half_checkpoint(tmp_path, torch.bfloat16, tied=False)
+        got = _engine_runs([path], tier)[path]
+    _check(got, path, tier, torch.bfloat16)
 
 
-@pytest.mark.parametrize("dtype,tied", [(torch.float16, False), (torch.bfloat16, True)], ids=["fp16", "bf16-tied"])
-def test_fp16_and_tied_checkpoints_on_the_avx2_tier(tmp_path, dtype, tied):
-    if "avx2" not in isa.available_tiers():
-        pytest.skip("this CPU has no avx2 tier")
-    _check(_half_checkpoint(tmp_path, dtype, tied), "avx2", dtype)
+@pytest.mark.parametrize("kind,dtype", [("fp16", torch.float16), ("bf16-tied", torch.bfloat16)])
+def test_fp16_and_tied_checkpoints_on_the_avx2_tier(avx2_checkpoints, kind, dtype):
+    path = avx2_checkpoints.half[kind]
+    _check(avx2_checkpoints.runs[path], path, "avx2", dtype)
 
 
-def test_an_all_bf16_gguf_is_a_bf16_checkpoint(tmp_path):
+def test_an_all_bf16_gguf_is_a_bf16_checkpoint(avx2_checkpoints):
     """llama.cpp's bf16 files (matrices BF16, norms F32): the same plan, against transformers' own GGUF loader."""
-    if "avx2" not in isa.available_tiers():
-        pytest.skip("this CPU has no avx2 tier")
-    kinds = ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
-             "blk.1.ffn_down")
-    path = write_tiny_llama(tmp_path / "tiny-bf16.gguf", types={k: GGMLQuantizationType.BF16 for k in kinds})
-    _check(path, "avx2", torch.bfloat16, hf=hf_from_gguf(path))
+    path = avx2_checkpoints.half["bf16-gguf"]
+    _check(avx2_checkpoints.runs[path], path, "avx2", torch.bfloat16, hf=hf_from_gguf(path))
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_gptq_and_awq_keep_their_unquantized_layers_16_bit_on_the_avx2_tier(tmp_path, method):
+def test_gptq_and_awq_keep_their_unquantized_layers_16_bit_on_the_avx2_tier(avx2_checkpoints, method):
     """The layers a GPTQ/AWQ checkpoint leaves unquantized (embedding, LM head) are held in its 16-bit dtype like a
     plain checkpoint's (in fp32 a SmolLM2 head alone read 113 MB a token instead of 57), and the greedy tokens are
     transformers' fp32 ones over the dequantized weights."""
-    if "avx2" not in isa.available_tiers():
-        pytest.skip("this CPU has no avx2 tier")
-    plain = _half_checkpoint(tmp_path, torch.bfloat16, tied=False)
-    reference = write_group_quant(plain, tmp_path / method, method)
-    got = _engine_run(tmp_path / method, "avx2")
+    plain = avx2_checkpoints.plain
+    got = avx2_checkpoints.runs[plain.parent / method]
     assert (got["compute"], got["weights"], got["matrices"], got["table"]) == \
         ("torch.float32", "torch.bfloat16", ["torch.bfloat16"], "torch.bfloat16")
     assert got["native"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(plain), dtype=torch.float32).eval()
-    hf.load_state_dict({k: v.float() for k, v in reference.items()}, strict=False)
+    hf.load_state_dict({k: v.float() for k, v in avx2_checkpoints.quant_reference[method].items()}, strict=False)
     assert got["tokens"] == [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
 
 

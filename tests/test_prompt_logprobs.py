@@ -79,11 +79,12 @@ def test_a_cached_prefix_is_scored_again_and_its_blocks_still_serve_others(chunk
 def test_preempted_sequences_keep_each_prompt_token_scored_once(default_model, prompts):
     ids, refs = prompts
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4
-    # 40 blocks: three 150-token prompts fit, their 200 outputs each do not, so the newest get preempted and
-    # computed again (their prompt logprobs are not computed twice)
-    llm = LLM(str(default_model.weights), dtype="float32", kv_cache_memory=40 * block_bytes, max_num_batched_tokens=64)
+    # 34 blocks: the three 150-token prompts are admitted (10 blocks each), their 50 outputs (3 blocks more each) do
+    # not fit beside them, so the newest get preempted and computed again (their prompt logprobs are not computed
+    # twice)
+    llm = LLM(str(default_model.weights), dtype="float32", kv_cache_memory=34 * block_bytes, max_num_batched_tokens=64)
     batch = [ids[3][:150], ids[3][150:], ids[3][::-1][:150]]
-    outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, prompt_logprobs=2))
+    outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, prompt_logprobs=2))
     assert llm.engine.stats().num_preemptions > 0
     assert_matches(batch[0], outs[0].prompt_logprobs, refs[3], 2)  # causal: the longer prompt's first 150 rows
     for prompt, out in zip(batch, outs):
