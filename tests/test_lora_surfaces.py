@@ -127,6 +127,21 @@ def test_unknown_adapter_is_not_found_naming_the_field(server, client):
     assert error.value.code == grpc.StatusCode.NOT_FOUND and error.value.field == "adapter"
 
 
+def test_tokenize_takes_an_adapter_name_as_vllm_does(server):
+    """/tokenize and /detokenize accept a LoRA adapter's name as `model` (the adapter shares the base's tokenizer) and
+    refuse what the completions endpoints refuse, with the same status and field."""
+    text = "Tokens of an adapter request"
+    base = post(server, "/tokenize", {"model": SERVED, "prompt": text})
+    adapter = post(server, "/tokenize", {"model": KEPT[0], "prompt": text})
+    assert base[0] == adapter[0] == 200 and adapter[1]["tokens"] == base[1]["tokens"]
+    assert post(server, "/detokenize", {"model": KEPT[1], "tokens": base[1]["tokens"]}) == (200, {"prompt": text})
+    for path in ("/tokenize", "/detokenize"):
+        status, reply = post(server, path, {"model": "nope", "prompt": text, "tokens": [1]})
+        assert status == 404 and reply["error"]["param"] == "model" and "nope" in reply["error"]["message"]
+        status, reply = post(server, path, {"model": 7, "prompt": text, "tokens": [1]})
+        assert status == 400 and reply["error"]["param"] == "model"
+
+
 def test_runtime_load_serves_as_a_startup_adapter(server, client, lora_set, expected):
     status, reply = post(server, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path":
                                                            str(lora_set.adapters["late"])})

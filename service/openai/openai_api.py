@@ -48,7 +48,7 @@ class OpenAIApi:
         self.adapters = AdapterAdmin(serving)
 
     def app(self) -> Starlette:
-        tokens = TokenizeApi(self.serving, self.max_body_bytes, self.policy)
+        tokens = TokenizeApi(self.serving, self.max_body_bytes, self.check_model, self.policy)
         routes = [
             Route("/v1/completions", Generate(self, chat=False), methods=["POST"]),
             Route("/v1/chat/completions", Generate(self, chat=True), methods=["POST"]),

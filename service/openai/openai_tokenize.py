@@ -4,6 +4,7 @@ chat template with their tools) as token ids, ids back to text, and the server's
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -21,9 +22,13 @@ MAX_DETOKENIZE = 1 << 20  # token ids in one /detokenize body
 
 
 class TokenizeApi:
-    def __init__(self, serving: ServingContext, max_body_bytes: int, policy: RequestPolicy = RequestPolicy()):
-        """policy: its default chat template variables render messages as chat requests render them."""
+    def __init__(self, serving: ServingContext, max_body_bytes: int, check_model: Callable[[Any], str | None],
+                 policy: RequestPolicy = RequestPolicy()):
+        """check_model: the OpenAI API's own check of `model` (a served name or a LoRA adapter's, as vLLM's
+        /tokenize takes; adapters share the base model's tokenizer); policy: its default chat template variables
+        render messages as chat requests render them."""
         self.serving, self.max_body_bytes, self.policy = serving, max_body_bytes, policy
+        self.check_model = check_model
 
     async def tokenize(self, request: Request) -> Response:
         try:
@@ -57,10 +62,9 @@ class TokenizeApi:
         if not isinstance(body, dict):
             raise HttpError(400, "the request body must be a JSON object", code="invalid_json")
         self.serving.state.check_admitting()
-        model = body.get("model")
-        if model is not None and model not in self.serving.model_names:
-            raise HttpError(404, f"The model `{model}` does not exist; this server serves "
-                            f"`{self.serving.model_name}`", param="model", code="model_not_found")
+        if body.get("model") is not None and not isinstance(body["model"], str):
+            raise InvalidRequestError("model", "must be a string")
+        self.check_model(body)
         return {k: v for k, v in body.items() if v is not None}
 
     def _ids(self, body: dict[str, Any]) -> list[int]:
