@@ -113,7 +113,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         given["model"] = tag
     given.update(structured_outputs_fields(args, given))
     given.update(compilation_fields(args, given))
-    given["lora"] = lora_config(args, _served_names(args)[0])
+    given["lora"] = lora_config(args, tuple(args.served_model_name or ()))
     given["speculative"] = speculative_config(args)
     config = EngineConfig(**{k: v for k, v in given.items() if v is not None})
     check_backends(config)  # refused here, naming the flag's field, before anything loads

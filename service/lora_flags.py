@@ -37,8 +37,9 @@ def add_lora_flags(parser: argparse.ArgumentParser) -> None:
                         "before the check)")
 
 
-def lora_config(args: argparse.Namespace, served_model_name: str | None) -> LoraConfig | None:
-    """None unless --enable-lora; `served_model_name` (when given) is what a JSON module's base_model_name must be."""
+def lora_config(args: argparse.Namespace, served_names: tuple[str, ...] = ()) -> LoraConfig | None:
+    """None unless --enable-lora; `served_names` (--served-model-name's, when given) are what a JSON module's
+    base_model_name may be."""
     given = [flag for flag, value in (("--lora-modules", args.lora_modules), ("--max-loras", args.max_loras),
                                       ("--max-lora-rank", args.max_lora_rank), ("--max-cpu-loras", args.max_cpu_loras),
                                       ("--enable-runtime-lora-updates", args.enable_runtime_lora_updates or None),
@@ -49,13 +50,14 @@ def lora_config(args: argparse.Namespace, served_model_name: str | None) -> Lora
         return None
     limits = {name: value for name, value in (("max_loras", args.max_loras), ("max_lora_rank", args.max_lora_rank),
                                               ("max_cpu_loras", args.max_cpu_loras)) if value is not None}
-    modules = tuple(parse_lora_module(text, served_model_name) for text in args.lora_modules or ())
+    modules = tuple(parse_lora_module(text, served_names) for text in args.lora_modules or ())
     return LoraConfig(modules=modules, runtime_updates=args.enable_runtime_lora_updates,
                       allowed_dirs=tuple(args.allowed_lora_dirs or ()), **limits)
 
 
-def parse_lora_module(text: str, served_model_name: str | None = None) -> LoraModule:
-    """`name=path`, or vLLM's JSON object. This server has one base: a JSON `base_model_name` must name it."""
+def parse_lora_module(text: str, served_names: tuple[str, ...] = ()) -> LoraModule:
+    """`name=path`, or vLLM's JSON object. This server has one base: a JSON `base_model_name` must be one of the
+    names it is served under (any of --served-model-name's aliases, as vLLM takes them)."""
     if not text.lstrip().startswith("{"):
         return LoraModule.parse(text)
     try:
@@ -70,7 +72,7 @@ def parse_lora_module(text: str, served_model_name: str | None = None) -> LoraMo
     if "name" not in spec or "path" not in spec:
         raise ConfigError("lora_modules", f"{text!r}: needs both \"name\" and \"path\"")
     base = spec.get("base_model_name")
-    if base is not None and served_model_name is not None and base != served_model_name:
-        raise ConfigError("lora_modules.base_model_name",
-                          f"{base!r}: this server's only base model is {served_model_name!r}")
+    if base is not None and served_names and base not in served_names:
+        raise ConfigError("lora_modules.base_model_name", f"{base!r}: this server's only base model is served as "
+                          f"{', '.join(map(repr, served_names))}")
     return LoraModule(spec["name"], spec["path"])

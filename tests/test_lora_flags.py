@@ -23,6 +23,13 @@ def test_lora_flags_build_the_lora_config():
     assert engine_config(build_parser().parse_args(["serve"])).lora is None
 
 
+def test_base_model_name_may_be_any_served_alias():
+    """vLLM's --served-model-name takes aliases of the one base; a JSON module may name any of them."""
+    args = build_parser().parse_args(["serve", "--served-model-name", "m", "m-alias", "--enable-lora",
+                                      "--lora-modules", '{"name": "a", "path": "/x", "base_model_name": "m-alias"}'])
+    assert [(m.name, m.path) for m in engine_config(args).lora.modules] == [("a", "/x")]
+
+
 @pytest.mark.parametrize("flags, field", [
     (["--lora-modules", "a=/x"], "enable_lora"),
     (["--enable-lora", "--lora-modules", "a"], "lora_modules"),
