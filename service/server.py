@@ -79,9 +79,10 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, host: MainThr
     metrics_port = _serve_metrics(metrics, state, config)
     if http is not None:
         await http.start()  # up before the model loads, so /health answers 503 meanwhile
-    log.info("listening on %s:%d (%s), metrics port %s, HTTP port %s; loading model", config.host, port,
+    # Says which port speaks what: a vLLM launch line's --port is its HTTP port, here it is gRPC's.
+    log.info("gRPC on %s:%d (%s), metrics port %s, %s; loading model", config.host, port,
              "mTLS" if config.tls and config.tls.mutual else "TLS" if config.tls else "plaintext", metrics_port,
-             http.port if http else None)
+             f"OpenAI HTTP on port {http.port}" if http else "OpenAI HTTP off (--http-port PORT serves it)")
     try:
         # The host tuning runs where the engine is built and will compute (the main thread, through the host).
         build = lambda: _built(LLMEngine(engine_config, governor=tune_host(engine_config)))  # noqa: E731

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import urllib.request
 
@@ -37,6 +38,9 @@ def request(tokens: int, prompt: str = "Tell me about the sea.", **response: obj
 
 def test_full_admission_queue_is_resource_exhausted(server_factory):  # noqa: F811
     server = server_factory("--max-num-seqs", "1", "--max-queued-requests", "1")
+    # The start names what each port speaks (a vLLM user's --port is HTTP there, gRPC here).
+    assert re.search(rf"gRPC on \S+:{server.port} \(plaintext\), metrics port \d+, OpenAI HTTP off \(--http-port PORT "
+                     r"serves it\)", server.log())
     with grpc.insecure_channel(server.target) as channel:
         running = stub(channel).Generate(request(400), timeout=300)
         next(f for f in running if f.WhichOneof("frame") == "delta")  # holds the only batch slot
@@ -116,6 +120,8 @@ def test_health_serving_only_once_loaded_then_sigterm_drains_in_flight_streams(t
 
 
 def test_reflection_lists_and_describes_the_service_v1alpha_and_v1(shared_server):  # noqa: F811
+    assert re.search(rf"gRPC on \S+:{shared_server.port} \(plaintext\), metrics port \d+, OpenAI HTTP on port "
+                     rf"{shared_server.http_port};", shared_server.log())
     with grpc.insecure_channel(shared_server.target) as channel:
         db = ProtoReflectionDescriptorDatabase(channel)
         services = db.get_services()
