@@ -164,7 +164,7 @@ def parse(body: Any, chat: bool, adapter: str | None = None, tools: ToolSettings
     include_usage = forced or _bool(options, "include_usage", False)
     continuous = _bool(options, "continuous_usage_stats", False)  # read (and type-checked) either way
     return OpenAIRequest(
-        chat=chat, model=_model(body), prompts=prompts, stream=stream, include_usage=include_usage,
+        chat=chat, model=model_field(body), prompts=prompts, stream=stream, include_usage=include_usage,
         continuous_usage=forced or (include_usage and continuous),
         return_token_ids=_bool(body, "return_token_ids", False), echo=_bool(body, "echo", False), names=names,
         constraint_param=requested.param if requested else None, tools=plan, adapter=adapter, reasoning=thoughts,
@@ -263,7 +263,8 @@ def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
     return flag(body, name, default)
 
 
-def _model(body: dict[str, Any]) -> str | None:
+def model_field(body: dict[str, Any]) -> str | None:
+    """The body's `model`, None when absent; anything but a string is refused naming the field."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequestError("model", f"must be a string, got {model!r}")
