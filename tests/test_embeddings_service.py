@@ -79,6 +79,7 @@ def test_openai_client_embeddings_base64_and_float(embed_server, references):
     ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
     ({"input": "x", "normalize": "yes"}, "normalize"),
     ({"input": "x " * 600}, "input[0]"),
+    ({"input": "x", "model": 7}, "model"),  # not served as the base model: refused as the generate routes refuse it
 ])
 def test_bad_embedding_requests_name_the_parameter(embed_server, body, param):
     status, reply = post(embed_server.http_port, "/v1/embeddings", {"model": MODEL, **body})
@@ -201,6 +202,8 @@ def test_integral_floats_in_integer_fields_are_those_integers(embed_server):
     ("/rerank", {"query": "q", "documents": ["x"], "top_n": -1}, "top_n"),
     ("/rerank", {"query": "q", "documents": ["x"], "return_documents": "no"}, "return_documents"),
     ("/v2/rerank", {"query": "q", "documents": ["x"], "priority": "high"}, "priority"),
+    ("/score", {"model": ["m"], "queries": "q", "documents": ["x"]}, "model"),
+    ("/v1/rerank", {"model": 1, "query": "q", "documents": ["x"]}, "model"),
 ])
 def test_bad_score_requests_name_the_parameter(embed_server, path, body, param):
     status, reply = post(embed_server.http_port, path, {"model": MODEL, **body})

@@ -31,6 +31,7 @@ from pagedserve.service.openai.embedding_routes import Embeddings
 from pagedserve.service.openai.generate_routes import Generate, GenerateResponses
 from pagedserve.service.openai.http_exchange import read_json_body
 from pagedserve.service.openai.openai_errors import HttpError, error_reply
+from pagedserve.service.openai.openai_params import model_field
 from pagedserve.service.openai.openai_tokenize import TokenizeApi
 from pagedserve.service.openai.score_routes import Scoring
 from pagedserve.service.openai.openai_tools import ToolSettings
@@ -75,10 +76,11 @@ class OpenAIApi:
         return self.serving.model_name
 
     def check_model(self, body: Any) -> str | None:
-        """The adapter `model` names (None: the base); a name that is neither -> 404 naming `model`."""
-        model = body.get("model") if isinstance(body, dict) else None
-        if not isinstance(model, str) or model in self.serving.model_names:
-            return None  # a non-string model is refused by parse(), naming the field
+        """The adapter `model` names (None: absent or the base); a name that is neither -> 404 naming `model`, a
+        non-string `model` -> 400 naming it (every route that takes `model` answers alike, as vLLM's schema does)."""
+        model = model_field(body) if isinstance(body, dict) else None
+        if model is None or model in self.serving.model_names:
+            return None
         if self.adapters.find(model) is not None:
             return model
         count = len(self.adapters.adapters())

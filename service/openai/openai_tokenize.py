@@ -16,7 +16,6 @@ from pagedserve.service.openai.http_exchange import read_json_body
 from pagedserve.service.openai.openai_errors import HttpError, error_reply
 from pagedserve.service.core.request_policy import RequestPolicy
 from pagedserve.service.openai.openai_messages import chat_prompt, flag
-from pagedserve.service.openai.openai_params import model_field
 from pagedserve.service.openai.openai_tools import rendered_tools
 
 MAX_DETOKENIZE = 1 << 20  # token ids in one /detokenize body
@@ -63,7 +62,6 @@ class TokenizeApi:
         if not isinstance(body, dict):
             raise HttpError(400, "the request body must be a JSON object", code="invalid_json")
         self.serving.state.check_admitting()
-        model_field(body)  # a non-string model is refused as the generate routes refuse it
         self.check_model(body)
         return {k: v for k, v in body.items() if v is not None}
 
