@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pagedserve.engine.core.seq_features import SeqFeature
 from pagedserve.engine.errors import ModelLoadError
@@ -18,10 +21,8 @@ class Tokenizer:
     def __init__(self, folder: Path, vocab_size: int, chat_template: str | None = None, name: str | None = None):
         """folder: HF tokenizer files (a model folder, --tokenizer, or a GGUF's exported vocabulary);
         chat_template: replaces the model's own template (the text of `--chat-template FILE`)."""
-        from transformers import AutoTokenizer
-
         try:
-            self.hf = AutoTokenizer.from_pretrained(str(folder))
+            self.hf = _hf_tokenizer(folder)
         except Exception as exc:  # transformers raises many types for a broken folder
             raise ModelLoadError(f"tokenizer in {folder}: {exc}") from None
         self.backend = self.hf.backend_tokenizer
@@ -56,6 +57,49 @@ class Tokenizer:
         as transformers' apply_chat_template(tokenize=True) does."""
         chat = tuple(m if isinstance(m, ChatMessage) else ChatMessage(m["role"], m["content"]) for m in messages)
         return self.encode(self.chat.render(chat, options), add_special_tokens=False)
+
+
+# Files no tokenizer is read from; whatever else sits beside the tokenizer (configs, vocabularies, templates) is in
+# its fingerprint, so two folders with the same such files get the same tokenizer.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx")
+_HASHED_BYTES = 64 << 20  # a larger file counts by name, size and modification time instead of its bytes
+
+
+def _fingerprint(folder: Path) -> str | None:
+    """A digest of the folder's files a tokenizer may be built from; None when the folder cannot be read."""
+    digest = hashlib.sha256()
+    try:
+        for file in sorted(f for f in folder.iterdir() if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES)):
+            stat = file.stat()
+            digest.update(f"{file.name}\0{stat.st_size}\0".encode())
+            digest.update(file.read_bytes() if stat.st_size <= _HASHED_BYTES else str(stat.st_mtime_ns).encode())
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+# transformers parses tokenizer.json several times per load and converts it for the model's tokenizer class: 0.5 s
+# for the default model, 7 s for Gemma 3's 262k vocabulary. Another engine over the same files in one process (LLM
+# objects made one after another, a sweep, the test suite) reuses the parsed tokenizer, as vLLM's cached_get_tokenizer
+# does. Sharing is safe because nothing here changes it (no truncation, padding or added tokens are set on it).
+# Failures are not kept. Bounded, so a process cycling through many models keeps only the latest few.
+_PARSED: OrderedDict[str, Any] = OrderedDict()  # fingerprint -> transformers' tokenizer, least recently used first
+_KEEP_PARSED = 4
+
+
+def _hf_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    fingerprint = _fingerprint(folder)
+    parsed = _PARSED.pop(fingerprint, None) if fingerprint is not None else None
+    if parsed is None:
+        parsed = AutoTokenizer.from_pretrained(str(folder))  # an unreadable folder: transformers' error names it
+    if fingerprint is not None:
+        _PARSED[fingerprint] = parsed
+        while len(_PARSED) > _KEEP_PARSED:
+            _PARSED.popitem(last=False)
+    return parsed
 
 
 @dataclass(slots=True)
