@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +85,7 @@ def _fingerprint(folder: Path) -> str | None:
 # does. Sharing is safe because nothing here changes it (no truncation, padding or added tokens are set on it).
 # Failures are not kept. Bounded, so a process cycling through many models keeps only the latest few.
 _PARSED: OrderedDict[str, Any] = OrderedDict()  # fingerprint -> transformers' tokenizer, least recently used first
+_PARSED_LOCK = threading.Lock()  # engines may be built on several threads; the parse itself runs outside it
 _KEEP_PARSED = 4
 
 
@@ -92,13 +94,15 @@ def _hf_tokenizer(folder: Path) -> Any:
 
     folder = Path(folder)
     fingerprint = _fingerprint(folder)
-    parsed = _PARSED.pop(fingerprint, None) if fingerprint is not None else None
+    with _PARSED_LOCK:
+        parsed = _PARSED.pop(fingerprint, None) if fingerprint is not None else None
     if parsed is None:
         parsed = AutoTokenizer.from_pretrained(str(folder))  # an unreadable folder: transformers' error names it
     if fingerprint is not None:
-        _PARSED[fingerprint] = parsed
-        while len(_PARSED) > _KEEP_PARSED:
-            _PARSED.popitem(last=False)
+        with _PARSED_LOCK:
+            _PARSED[fingerprint] = parsed
+            while len(_PARSED) > _KEEP_PARSED:
+                _PARSED.popitem(last=False)
     return parsed
 
 
