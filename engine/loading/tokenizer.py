@@ -92,7 +92,6 @@ _KEEP_PARSED = 4
 def _hf_tokenizer(folder: Path) -> Any:
     from transformers import AutoTokenizer
 
-    folder = Path(folder)
     fingerprint = _fingerprint(folder)
     with _PARSED_LOCK:
         parsed = _PARSED.pop(fingerprint, None) if fingerprint is not None else None
