@@ -19,12 +19,24 @@ import triton_interpreter_patch  # imports nothing of Triton until install()
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from pagedserve.engine import config as engine_config
 from pagedserve.engine.loading.model_store import ModelSource, resolve_model
+from pagedserve.engine.runner import kv_budget
 from service_fixtures import server_factory, shared_server  # noqa: F401  (real server processes)
 
 # Triton's interpreter without its redundant nested re-patching (tests/triton_interpreter_patch.py): the same
 # kernels and results for less of the interpreter's own overhead.
 triton_interpreter_patch.install()
+
+# In-process engines built without a KV budget get TEST_KV_CACHE_MEMORY instead of the product's 1 GiB default:
+# the arena is zeroed at build (kernels/huge_pages.py), and in a VM guest whose freed memory goes back to the host
+# every build faults its pages in again, ~0.3 s a GiB; ~300 builds spent 95 s of the workers' time on it (profiled
+# under py-spy). 128 MiB still holds ~2,900 tokens of the default model in fp32. Server processes the tests start
+# keep the product's default; tests of the default's rule read config.DEFAULT_KV_CACHE_MEMORY, patched alike here
+# before any test module imports it.
+TEST_KV_CACHE_MEMORY = 128 << 20
+for _module in (engine_config, kv_budget):
+    _module.DEFAULT_KV_CACHE_MEMORY = TEST_KV_CACHE_MEMORY
 
 
 # pytest-xdist (tests/run.sh) gives each worker whole test files, so a file's module fixtures (servers, engines)
