@@ -33,7 +33,8 @@ triton_interpreter_patch.install()
 # every build faults its pages in again, ~0.3 s a GiB; ~300 builds spent 95 s of the workers' time on it (profiled
 # under py-spy). 128 MiB still holds ~2,900 tokens of the default model in fp32. Server processes the tests start
 # keep the product's default; tests of the default's rule read config.DEFAULT_KV_CACHE_MEMORY, patched alike here
-# before any test module imports it.
+# before any test module imports it, and PRODUCT_KV_CACHE_MEMORY is what the product ships.
+PRODUCT_KV_CACHE_MEMORY = engine_config.DEFAULT_KV_CACHE_MEMORY
 TEST_KV_CACHE_MEMORY = 128 << 20
 for _module in (engine_config, kv_budget):
     _module.DEFAULT_KV_CACHE_MEMORY = TEST_KV_CACHE_MEMORY

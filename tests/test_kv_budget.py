@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 import transformers
-from conftest import make_tiny_model
+from conftest import PRODUCT_KV_CACHE_MEMORY, TEST_KV_CACHE_MEMORY, make_tiny_model
 
 from pagedserve.engine import LLM
 from pagedserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
@@ -97,6 +97,11 @@ def test_which_rule_sizes_the_cache(caplog):
             DEFAULT_KV_CACHE_MEMORY
     assert "--gpu-memory-utilization 0.9 is not used" in caplog.text
     assert "--gpu-memory-utilization has no effect on cpu" in caplog.text
+
+
+def test_the_product_default_is_the_documented_gib():
+    # tests/conftest.py gives in-process test engines a smaller default; the product's stays what docs/gpu.md says
+    assert PRODUCT_KV_CACHE_MEMORY == 1 << 30 and DEFAULT_KV_CACHE_MEMORY == TEST_KV_CACHE_MEMORY
 
 
 @pytest.mark.parametrize("value", [0, -0.1, 1.01, True, "0.9"])
