@@ -9,7 +9,8 @@ lands on whichever test used it first.
     python benchmarks/suite_profile.py report OUT.txt [--top 40]          # JSON on stdout
 
 `record` runs pytest as tests/run.sh does (in the current venv) under `py-spy record --subprocesses`, at 20 samples
-a second (a few percent of overhead). Idle threads are not sampled, so a second of samples is a second of CPU.
+a second (a few percent of overhead). It cannot wrap tests/run.sh itself: py-spy samples nothing under a shell that
+later execs into pytest (tried: an empty profile). Idle threads are not sampled, so a second of samples is a second of CPU.
 `report` needs nothing but the file.
 """
 
