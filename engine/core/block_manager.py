@@ -159,6 +159,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if full <= len(seq.block_hashes):
+            return  # no block filled since the last call: most decode steps
         prev = seq.block_hashes[-1] if seq.block_hashes else chain_root(seq, self.long_rope_after)
         for i in range(len(seq.block_hashes), full):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
@@ -195,7 +197,10 @@ class BlockManager:
         return self._blocks_to_take(seq, num_new_tokens, None)
 
     def _blocks_to_take(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None) -> int:
-        hit_ids = hit.block_ids if hit else ()
+        if hit is None:  # every running sequence's check, twice a step: nothing of a hit to count
+            fresh = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+            return max(0, fresh) + (1 if self._needs_copy_on_write(seq) else 0)
+        hit_ids = hit.block_ids
         held = len(seq.block_table) + len(hit_ids)
         computed = seq.num_computed_tokens + len(hit_ids) * self.block_size
         fresh = max(0, self.blocks_needed(computed + num_new_tokens) - held)
@@ -214,12 +219,12 @@ class BlockManager:
             seq.block_table.extend(FREED if i < dead else self._take(b) for i, b in enumerate(hit.block_ids))
             seq.block_hashes.extend(hit.hashes)
         copies = self._copy_on_write(seq)
-        fresh = [self._take(self._pop_free())
-                 for _ in range(self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))]
-        # The same blocks (the least recently freed), in address order: the free list hands a finished sequence's
-        # blocks back tail first, and decode attention reads an 8-bit cache's tiles 9-18% slower in descending
-        # order than in ascending (the hardware prefetcher runs ahead, not back; bf16 0-3%).
-        seq.block_table.extend(sorted(fresh))
+        missing = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if missing > 0:  # most decode steps take none
+            # The same blocks (the least recently freed), in address order: the free list hands a finished
+            # sequence's blocks back tail first, and decode attention reads an 8-bit cache's tiles 9-18% slower in
+            # descending order than in ascending (the hardware prefetcher runs ahead, not back; bf16 0-3%).
+            seq.block_table.extend(sorted(self._take(self._pop_free()) for _ in range(missing)))
         return copies
 
     def _needs_copy_on_write(self, seq: Sequence) -> bool:
