@@ -6,7 +6,9 @@ strategies, and the verdict on one response.
 Budget: PAGEDSERVE_FUZZ_EXAMPLES (default 25 per property) is read when a suite asks for its settings, never at
 import. `PAGEDSERVE_FUZZ_EXAMPLES=2000 bash tests/run.sh -k fuzz` runs a long campaign; the default keeps the
 whole fuzz suite near a minute on two cores. Runs are derandomized (hypothesis seeds from the test's name), so
-the same budget replays the same inputs in CI and on a laptop.
+the same budget replays the same inputs in CI and on a laptop. PAGEDSERVE_FUZZ_FRESH=1 draws from a random seed
+instead, so a campaign explores past what every earlier one replayed; a failure prints the blob that replays it
+(`@reproduce_failure`), and `--hypothesis-seed=N` picks the seed.
 """
 
 from __future__ import annotations
@@ -58,10 +60,14 @@ def campaign_timeout_s(default_s: float) -> float | None:
     return default_s * examples / DEFAULT_EXAMPLES if examples > DEFAULT_EXAMPLES else None
 
 
+def fresh_inputs() -> bool:
+    return os.environ.get("PAGEDSERVE_FUZZ_FRESH", "") not in ("", "0")
+
+
 def fuzz_settings() -> settings:
     examples = fuzz_examples()
     return settings(
-        max_examples=examples, derandomize=True, database=None, deadline=None, print_blob=True,
+        max_examples=examples, derandomize=not fresh_inputs(), database=None, deadline=None, print_blob=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
     )
 
