@@ -11,6 +11,7 @@ from service_fixtures import off_main_thread
 
 from pagedserve.engine import LLMEngine, SamplingParams
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.core.request_outputs import _samples_metrics, request_output
 from pagedserve.engine.core.sequence import OutputText
 
 
@@ -38,6 +39,21 @@ def test_each_step_carries_only_the_new_tokens_and_shares_the_history(tiny_engin
         assert completion.text == "".join(c.new_text for o in outputs for c in o.outputs if c.index == seq.index)
     early = outputs[3].outputs[0]
     assert len(early.token_ids) == early.num_tokens < 24  # an earlier output still reads its own length
+
+
+def test_one_sample_outputs_carry_the_metrics_the_samples_rule_gives(tiny_engine):
+    """A one-sample request's output is built without the walk over samples (request_output's shortcut): its
+    metrics must be what the n > 1 rule gives for the same sequence, while it runs and once it ends."""
+    tiny_engine.add_request("one", list(range(100, 110)), SamplingParams(max_tokens=5, ignore_eos=True))
+    state = tiny_engine.requests["one"]
+    checked = 0
+    while tiny_engine.has_unfinished_requests():
+        tiny_engine.step()
+        built = request_output(state)
+        assert built.metrics == _samples_metrics(state.seqs, state.finished)
+        assert built.finished == state.finished and built.outputs[0].index == 0
+        checked += 1
+    assert built.finished and built.metrics.finished_time and built.metrics.first_token_time and checked == 5
 
 
 def test_output_text_reads_the_tail_without_the_whole_text():

@@ -40,7 +40,7 @@ def request_output(state: RequestState) -> RequestOutput:
     if len(seqs) == 1:
         m = first.metrics
         completions = (_completion(first),)
-        metrics = RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time,
+        metrics = RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time or None,
                                  (m.finished_time or 0.0) if finished else None, m.num_preemptions,
                                  m.num_cached_tokens)
     else:
