@@ -1,44 +1,16 @@
-"""pagedserve.v1's frames from engine outputs (service/v1/frames.py): each Delta carries what is new, and a plain
-stream never reads a completion's whole text (joined from its history on every read: quadratic over a long stream)."""
+"""pagedserve.v1's frames from engine outputs (service/v1/frames.py): each Delta carries what is new, and no stream
+reads a completion's whole text per Delta (joined from its history on every read: quadratic over a long stream)."""
 
 from __future__ import annotations
 
-from pagedserve.engine.outputs import CompletionOutput, OutputHistory, RequestMetrics, RequestOutput
+from stream_outputs import PROMPT, engine_outputs
+
+from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.reasoning import REASONING_FORMATS
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.service.core.thought_reader import ThoughtReader
 from pagedserve.service.v1.frames import FrameBuilder
 from pagedserve.v1 import generate_pb2 as pb
-
-PROMPT = (1, 2, 3)
-METRICS = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.0, first_token_time=1.5, finished_time=None,
-                         num_preemptions=0, num_cached_tokens=0)
-
-
-class CountedPieces(list):
-    """A sequence's text pieces, counting how often the whole list is walked (a join of the whole text)."""
-
-    walks = 0
-
-    def __iter__(self):
-        self.walks += 1
-        return super().__iter__()
-
-
-def engine_outputs(pieces: list[str]) -> tuple[list[RequestOutput], CountedPieces]:
-    """One output per piece, as the engine makes them: the new piece, the history by reference."""
-    tokens, history, outputs, length = list(PROMPT), CountedPieces(), [], 0
-    for i, piece in enumerate(pieces):
-        tokens.append(100 + i)
-        history.append(piece)
-        length += len(piece)
-        done = i == len(pieces) - 1
-        completion = CompletionOutput(
-            index=0, new_text=piece, new_token_ids=(100 + i,), new_logprobs=(), num_tokens=i + 1,
-            finish_reason="length" if done else None, stop_reason=None,
-            history=OutputHistory(tokens, len(PROMPT), [], 0, history, length))
-        outputs.append(RequestOutput("r", PROMPT, (completion,), done, METRICS))
-    return outputs, history
 
 
 def stream(builder: FrameBuilder, outputs: list[RequestOutput]) -> list[pb.GenerateResponse]:
@@ -65,7 +37,7 @@ def test_a_thought_reader_still_splits_the_whole_text():
     deltas = [f.delta for f in stream(builder, outputs) if f.WhichOneof("frame") == "delta"]
     assert "".join(d.reasoning for d in deltas) == "plan it"
     assert "".join(d.text for d in deltas) == "the answer"
-    assert history.walks > 0
+    assert history.walks == 0  # the reader reads the text the builder grew from the pieces
 
 
 def test_final_only_sends_the_whole_output_once():

@@ -41,6 +41,9 @@ class _Choice:
     started: bool = False  # chat streams: the role chunk was sent
     tool: ToolCallStream | None = None  # tools: the text is read back as content and tool_calls
     thought: ThoughtReader | None = None  # --reasoning-parser: the text is a thought, then content
+    # A stream's text so far, grown by each output's new text: what the tool and thought readers read on every
+    # chunk (`text` joins the whole history on every read: quadratic over a long stream)
+    streamed: str = ""
 
     @property
     def text(self) -> str:
@@ -171,6 +174,8 @@ class ResponseBuilder:
             first = not choice.started
             choice.started = True
             new_logprobs = self._record(choice, completion)
+            if choice.tool is not None or choice.thought is not None:
+                choice.streamed += completion.new_text
             text = completion.new_text
             if first:
                 text = self._echo(prompt) + text
@@ -188,7 +193,7 @@ class ResponseBuilder:
             return text
         if choice.tool is None and choice.thought is None:
             return {"content": text}
-        final, content, body = choice.finish_reason is not None, choice.text, {}
+        final, content, body = choice.finish_reason is not None, choice.streamed, {}
         if choice.thought is not None:
             reasoning, content = choice.thought.advance(content, final)
             if reasoning:

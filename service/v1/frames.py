@@ -20,6 +20,9 @@ class _Completion:
     num_tokens: int = 0
     last: CompletionOutput | None = None  # FINAL_ONLY mode sends its history (text, token ids, logprobs) at the end
     thought: ThoughtReader | None = None  # --reasoning-parser, chat input: the thought goes to Delta.reasoning
+    # What the thought reader reads on every Delta: the text so far, grown by each output's new text (a
+    # CompletionOutput's `text` joins its whole history on every read: quadratic over a long stream)
+    text: str = ""
 
 
 class FrameBuilder:
@@ -93,7 +96,9 @@ class FrameBuilder:
         if self.final_only:
             state.last = completion
         elif new_ids or completion.new_text or completion.finish_reason is not None:
-            text, reasoning = self._split(state, completion, completion.new_text,
+            if state.thought is not None:
+                state.text += completion.new_text
+            text, reasoning = self._split(state, state.text, completion.new_text,
                                           final=completion.finish_reason is not None)
             if new_ids or text or reasoning:
                 frames.append(self._delta(completion.index, text, new_ids, logprobs, state, reasoning))
@@ -128,17 +133,16 @@ class FrameBuilder:
         last = state.last
         if last is None:
             return self._delta(index, "", [], [], state)
-        text, reasoning = self._split(state, last, last.text, final=True)
+        whole = last.text  # once, at the end
+        text, reasoning = self._split(state, whole, whole, final=True)
         return self._delta(index, text, list(last.token_ids), list(last.logprobs), state, reasoning)
 
     @staticmethod
-    def _split(state: _Completion, completion: CompletionOutput, new: str, final: bool) -> tuple[str, str]:
-        """(the content's new text, the thought's new text) of `completion`. Its whole text is joined from the
-        history on every read, so only a thought reader reads it: a plain stream's delta then costs its new text, not
-        the output so far (a 16k-token stream joined ~1 s of text it threw away)."""
+    def _split(state: _Completion, whole: str, new: str, final: bool) -> tuple[str, str]:
+        """(the content's new text, the thought's new text) of a completion whose text is now `whole`."""
         if state.thought is None:
             return new, ""
-        reasoning, content = state.thought.advance(completion.text, final)
+        reasoning, content = state.thought.advance(whole, final)
         return state.thought.new_content(content), reasoning
 
     def _delta(self, index: int, text: str, token_ids: list[int], logprobs: list[TokenLogprob],
