@@ -197,16 +197,14 @@ class BlockManager:
         return self._blocks_to_take(seq, num_new_tokens, None)
 
     def _blocks_to_take(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None) -> int:
-        if hit is None:  # every running sequence's check, twice a step: nothing of a hit to count
-            fresh = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-            return max(0, fresh) + (1 if self._needs_copy_on_write(seq) else 0)
-        hit_ids = hit.block_ids
+        hit_ids = hit.block_ids if hit else ()
         held = len(seq.block_table) + len(hit_ids)
         computed = seq.num_computed_tokens + len(hit_ids) * self.block_size
         fresh = max(0, self.blocks_needed(computed + num_new_tokens) - held)
-        dead = self._dead_blocks(computed)  # hit blocks already out of the window are not taken at all
-        revived = sum(1 for b in hit_ids[dead:] if self.blocks[b].ref_count == 0)
-        return fresh + revived + (1 if self._needs_copy_on_write(seq) else 0)
+        if hit_ids:  # only an admission's prefix hit: the running sequences' checks (twice a step each) skip this
+            dead = self._dead_blocks(computed)  # hit blocks already out of the window are not taken at all
+            fresh += sum(1 for b in hit_ids[dead:] if self.blocks[b].ref_count == 0)
+        return fresh + (1 if self._needs_copy_on_write(seq) else 0)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> list[tuple[int, int]]:
         """Give `seq` blocks for its next `num_new_tokens` tokens; returns (src, dst) block copies to perform."""
