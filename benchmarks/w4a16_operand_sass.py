@@ -21,8 +21,6 @@ from pathlib import Path
 
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -93,10 +91,7 @@ def arrangement_row(arrangement: str, permuted: bool, block_m: int = 16, block_n
     types = ("*fp16", "*i64", "*i32", "*fp16", "*fp32") + ("i32",) * 5
     constants = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_STEPS=k_steps, PERMUTED=permuted,
                      ARRANGEMENT=arrangement)
-    signature = {**dict(zip(args, types)), **{name: "constexpr" for name in constants}}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args) if name != "M"}
-    kernel = triton.compile(ASTSource(_span_kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, "num_stages": num_stages})
+    kernel = sass.compile_sm90(_span_kernel, args, types, constants, num_warps, num_stages)
     counts = sass.opcodes(kernel.asm["cubin"])
     codes = block_k * k_steps * block_n // (32 * num_warps)
     mma = next((line.strip().split()[0] for line in kernel.asm["ptx"].splitlines()

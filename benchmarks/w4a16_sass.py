@@ -37,18 +37,23 @@ ARGS = ("x_ptr", "perm_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "ws_ptr", "c
 TYPES = ("*fp16", "*i64", "*i32", "*fp16", "*fp16", "*fp16", "*fp32", "*i32") + ("i32",) * 8
 
 
+def compile_sm90(fn, args: tuple[str, ...], types: tuple[str, ...] | list[str], constants: dict, num_warps: int,
+                 num_stages: int):
+    """`fn` compiled for sm_90 as a launch would be: the runtime specializes pointers and 16-divisible ints (every
+    stride and width here but M, the rows) as divisible by 16."""
+    signature = {**dict(zip(args, types)), **{name: "constexpr" for name in constants}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(args) if name != "M"}
+    return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
 def compile_launch(cfg: splitk.SplitKConfig, rows: int, permuted: bool, act: str = "fp16"):
     block_m = 1 if rows == 1 else cfg.block_m
     constants = dict(BITS=4, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_STEPS=cfg.k_steps,
                      PERMUTED=permuted, DOT_16BIT=True, UNPACK=cfg.unpack, IN_PLACE=cfg.in_place, HALF2=cfg.half2,
                      PAIRS=cfg.pairs and rows > 1, LAST=cfg.reduce == "last")
     types = [t.replace("fp16", act) if name in ("x_ptr", "out_ptr") else t for name, t in zip(ARGS, TYPES)]
-    signature = {**dict(zip(ARGS, types)), **{name: "constexpr" for name in constants}}
-    # The runtime specializes pointers and 16-divisible ints (every stride and width here) as divisible by 16.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(ARGS) if name != "M"}
-    return triton.compile(ASTSource(splitk._splitk_kernel, signature, constants, attrs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps,
-                                                                      "num_stages": cfg.num_stages})
+    return compile_sm90(splitk._splitk_kernel, ARGS, types, constants, cfg.num_warps, cfg.num_stages)
 
 
 def opcodes(cubin: bytes) -> collections.Counter:
